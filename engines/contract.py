@@ -1,0 +1,386 @@
+"""The one engine-model contract (DESIGN §3), shared by every implementation.
+
+Both the Triton Python-backend model around TensorRT-LLM 1.2 and the CPU reference
+engine import this module for tensor names, dtypes and request validation, so the
+gateway cannot tell them apart. Names follow the stock tensorrtllm backend where one
+exists (triton-inference-server/tensorrtllm_backend
+``all_models/inflight_batcher_llm/tensorrt_llm/config.pbtxt``: ``input_ids``,
+``request_output_len``, ``end_id``, ``streaming``, ``temperature``, ``runtime_top_p``,
+``runtime_top_k``, ``random_seed``, ``stop``, ``output_ids``, ``sequence_length``,
+``kv_cache_reused_blocks``, ``kv_cache_alloc_new_blocks``,
+``kv_cache_alloc_total_blocks``); the ``retention_*`` names mirror
+``KvCacheRetentionConfig``; ``cache_salt``, ``tenant_id``,
+``kv_cache_onboarded_blocks`` and the stats call are kvgate additions.
+
+Shapes: the model is configured with ``max_batch_size: 0``, so tensors carry exactly
+the shapes below; a leading batch dimension of 1 (as sent by clients written for the
+stock backend) is accepted and squeezed.
+
+Stats side channel: a request whose ``kv_stats`` input is true (and that carries no
+``input_ids``) gets one response with ``kv_cache_stats``: BYTES[1], the JSON of
+:class:`PoolStatsReport`.
+
+Invariant: :func:`parse_request` either returns a fully valid :class:`EngineRequest`
+or raises :class:`ContractError` naming the tensor at fault; it never lets a bad
+request reach a scheduler.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field
+
+import numpy as np
+
+from retention.types import (
+    DEFAULT_PRIORITY,
+    RetentionPlan,
+    RetentionPlanError,
+    TokenRange,
+)
+
+MODEL_NAME = "kvgate_llm"
+
+
+@dataclass(frozen=True, slots=True)
+class TensorSpec:
+    name: str
+    datatype: str  # KServe v2 / Triton datatype name
+    shape: tuple[int, ...]
+    optional: bool = True
+
+
+# Inputs ---------------------------------------------------------------------------------
+INPUT_IDS = TensorSpec("input_ids", "INT32", (-1,), optional=False)
+REQUEST_OUTPUT_LEN = TensorSpec("request_output_len", "INT32", (1,), optional=False)
+END_ID = TensorSpec("end_id", "INT32", (1,))
+STREAMING = TensorSpec("streaming", "BOOL", (1,))
+TEMPERATURE = TensorSpec("temperature", "FP32", (1,))
+TOP_P = TensorSpec("runtime_top_p", "FP32", (1,))
+TOP_K = TensorSpec("runtime_top_k", "INT32", (1,))
+RANDOM_SEED = TensorSpec("random_seed", "UINT64", (1,))
+STOP = TensorSpec("stop", "BOOL", (1,))
+RANGE_STARTS = TensorSpec("retention_token_range_starts", "INT32", (-1,))
+RANGE_ENDS = TensorSpec("retention_token_range_ends", "INT32", (-1,))
+RANGE_PRIORITIES = TensorSpec("retention_token_range_priorities", "INT32", (-1,))
+RANGE_DURATIONS = TensorSpec("retention_token_range_durations_ms", "INT32", (-1,))
+DECODE_PRIORITY = TensorSpec("retention_decode_priority", "INT32", (1,))
+DECODE_DURATION = TensorSpec("retention_decode_duration_ms", "INT32", (1,))
+CACHE_SALT = TensorSpec("cache_salt", "BYTES", (1,))
+TENANT_ID = TensorSpec("tenant_id", "BYTES", (1,))
+KV_STATS = TensorSpec("kv_stats", "BOOL", (1,))
+
+INPUTS: tuple[TensorSpec, ...] = (
+    INPUT_IDS, REQUEST_OUTPUT_LEN, END_ID, STREAMING, TEMPERATURE, TOP_P, TOP_K, RANDOM_SEED,
+    STOP, RANGE_STARTS, RANGE_ENDS, RANGE_PRIORITIES, RANGE_DURATIONS, DECODE_PRIORITY,
+    DECODE_DURATION, CACHE_SALT, TENANT_ID, KV_STATS,
+)
+# input_ids / request_output_len are required for generation but not for the stats call,
+# so the Triton config marks every input optional and parse_request enforces the rest.
+
+# Outputs --------------------------------------------------------------------------------
+OUTPUT_IDS = TensorSpec("output_ids", "INT32", (-1,))
+SEQUENCE_LENGTH = TensorSpec("sequence_length", "INT32", (1,))
+KV_REUSED = TensorSpec("kv_cache_reused_blocks", "INT32", (1,))
+KV_NEW = TensorSpec("kv_cache_alloc_new_blocks", "INT32", (1,))
+KV_TOTAL = TensorSpec("kv_cache_alloc_total_blocks", "INT32", (1,))
+KV_ONBOARDED = TensorSpec("kv_cache_onboarded_blocks", "INT32", (1,))
+KV_CACHE_STATS = TensorSpec("kv_cache_stats", "BYTES", (1,))
+
+OUTPUTS: tuple[TensorSpec, ...] = (
+    OUTPUT_IDS, SEQUENCE_LENGTH, KV_REUSED, KV_NEW, KV_TOTAL, KV_ONBOARDED, KV_CACHE_STATS,
+)
+
+NUMPY_DTYPES: dict[str, type] = {
+    "INT32": np.int32, "UINT64": np.uint64, "FP32": np.float32, "BOOL": np.bool_, "BYTES": np.object_,
+}
+
+MAX_SALT_BYTES = 256
+MAX_TENANT_ID_BYTES = 128
+
+
+class ContractError(ValueError):
+    """A request violates the model contract; ``tensor`` names the input at fault."""
+
+    def __init__(self, message: str, *, tensor: str | None = None) -> None:
+        super().__init__(message)
+        self.tensor = tensor
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    temperature: float = 0.0  # 0 = greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = no top-k cut
+    seed: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class EngineRequest:
+    """A validated generation request, independent of the transport."""
+
+    input_ids: tuple[int, ...]
+    max_new_tokens: int
+    end_id: int | None
+    streaming: bool
+    sampling: SamplingParams
+    retention: RetentionPlan
+    cache_salt: str | None
+    tenant_id: str | None
+    stop: bool = False
+
+
+@dataclass(slots=True)
+class TierStats:
+    max_blocks: int
+    free_blocks: int
+    used_blocks: int
+
+
+@dataclass(slots=True)
+class PoolStatsReport:
+    """What the stats call returns (KvCacheStats-like plus per-tenant counts).
+
+    ``tenants`` maps a tenant id to ``[primary_blocks, secondary_blocks]`` it holds
+    (in use or cached). Counters are cumulative since engine start.
+    """
+
+    tokens_per_block: int
+    primary: TierStats
+    secondary: TierStats
+    reused_blocks: int = 0
+    missed_blocks: int = 0
+    alloc_total_blocks: int = 0
+    alloc_new_blocks: int = 0
+    offloaded_blocks: int = 0
+    onboarded_blocks: int = 0
+    evicted_blocks: int = 0
+    cache_hit_rate: float = 0.0
+    secondary_offload_min_priority: int = 30
+    tenants: dict[str, list[int]] = field(default_factory=dict)
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), separators=(",", ":"))
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> PoolStatsReport:
+        data = json.loads(text)
+        data["primary"] = TierStats(**data["primary"])
+        data["secondary"] = TierStats(**data["secondary"])
+        return cls(**data)
+
+
+# Parsing --------------------------------------------------------------------------------
+def _as_1d(name: str, value: np.ndarray) -> np.ndarray:
+    array = np.asarray(value)
+    if array.ndim == 2 and array.shape[0] == 1:
+        array = array[0]
+    if array.ndim == 0:
+        array = array.reshape(1)
+    if array.ndim != 1:
+        raise ContractError(f"{name} must be 1-D, got shape {list(np.shape(value))}", tensor=name)
+    return array
+
+
+def _scalar(tensors: Mapping[str, np.ndarray], spec: TensorSpec, default):
+    if spec.name not in tensors:
+        return default
+    array = _as_1d(spec.name, tensors[spec.name])
+    if array.shape[0] != 1:
+        raise ContractError(f"{spec.name} must hold exactly one value, got {array.shape[0]}", tensor=spec.name)
+    return array[0]
+
+
+def _int_array(tensors: Mapping[str, np.ndarray], name: str) -> np.ndarray | None:
+    if name not in tensors:
+        return None
+    array = _as_1d(name, tensors[name])
+    if array.size and not np.issubdtype(array.dtype, np.integer):
+        raise ContractError(f"{name} must be an integer tensor, got {array.dtype}", tensor=name)
+    return array.astype(np.int64)
+
+
+def _text(tensors: Mapping[str, np.ndarray], spec: TensorSpec, limit: int) -> str | None:
+    raw = _scalar(tensors, spec, None)
+    if raw is None:
+        return None
+    if isinstance(raw, (bytes, bytearray, np.bytes_)):
+        try:
+            raw = bytes(raw).decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise ContractError(f"{spec.name} is not valid UTF-8", tensor=spec.name) from exc
+    text = str(raw)
+    if len(text.encode("utf-8")) > limit:
+        raise ContractError(f"{spec.name} is longer than {limit} bytes", tensor=spec.name)
+    return text or None
+
+
+def is_stats_request(tensors: Mapping[str, np.ndarray]) -> bool:
+    return bool(_scalar(tensors, KV_STATS, False))
+
+
+def parse_retention(tensors: Mapping[str, np.ndarray], num_prompt_tokens: int) -> RetentionPlan:
+    """Build the request's :class:`RetentionPlan` from the ``retention_*`` tensors.
+
+    The four range arrays must have equal lengths (durations may be absent: no
+    expiry); ``-1`` in ends means open-ended, ``-1`` in durations means no expiry.
+    Ranges must lie within the prompt (TensorRT-LLM applies them to prompt tokens only).
+    """
+    starts = _int_array(tensors, RANGE_STARTS.name)
+    ends = _int_array(tensors, RANGE_ENDS.name)
+    priorities = _int_array(tensors, RANGE_PRIORITIES.name)
+    durations = _int_array(tensors, RANGE_DURATIONS.name)
+    present = [a for a in (starts, ends, priorities) if a is not None]
+    ranges: list[TokenRange] = []
+    if present:
+        if len(present) != 3:
+            raise ContractError(
+                "retention_token_range_starts, _ends and _priorities must be sent together",
+                tensor=RANGE_STARTS.name,
+            )
+        count = starts.shape[0]  # type: ignore[union-attr]
+        lengths = {RANGE_STARTS.name: count, RANGE_ENDS.name: ends.shape[0], RANGE_PRIORITIES.name: priorities.shape[0]}  # type: ignore[union-attr]
+        if durations is not None:
+            lengths[RANGE_DURATIONS.name] = durations.shape[0]
+        if len(set(lengths.values())) != 1:
+            detail = ", ".join(f"{k}={v}" for k, v in lengths.items())
+            raise ContractError(f"retention range arrays have unequal lengths ({detail})", tensor=RANGE_ENDS.name)
+        for i in range(count):
+            start, end, priority = int(starts[i]), int(ends[i]), int(priorities[i])  # type: ignore[index]
+            duration = None if durations is None or int(durations[i]) == -1 else int(durations[i])
+            if start >= num_prompt_tokens:
+                raise ContractError(
+                    f"retention range {i} starts at {start}, beyond the {num_prompt_tokens}-token prompt",
+                    tensor=RANGE_STARTS.name,
+                )
+            try:
+                ranges.append(TokenRange(start, None if end == -1 else end, priority, duration))
+            except RetentionPlanError as exc:
+                raise ContractError(f"retention range {i}: {exc}", tensor=_range_tensor(exc.field)) from exc
+    decode_priority = int(_scalar(tensors, DECODE_PRIORITY, DEFAULT_PRIORITY))
+    raw_decode_duration = _scalar(tensors, DECODE_DURATION, -1)
+    decode_duration = None if int(raw_decode_duration) == -1 else int(raw_decode_duration)
+    try:
+        return RetentionPlan(tuple(ranges), decode_priority, decode_duration)
+    except RetentionPlanError as exc:
+        name = {"decode_priority": DECODE_PRIORITY.name, "decode_duration_ms": DECODE_DURATION.name}.get(
+            exc.field or "", RANGE_STARTS.name
+        )
+        raise ContractError(str(exc), tensor=name) from exc
+
+
+def _range_tensor(field_name: str | None) -> str:
+    return {
+        "start": RANGE_STARTS.name, "end": RANGE_ENDS.name, "priority": RANGE_PRIORITIES.name,
+        "duration_ms": RANGE_DURATIONS.name,
+    }.get(field_name or "", RANGE_STARTS.name)
+
+
+def parse_request(
+    tensors: Mapping[str, np.ndarray], *, max_output_len: int, max_input_len: int, vocab_size: int
+) -> EngineRequest:
+    """Validate raw input tensors (name -> numpy array) into an :class:`EngineRequest`."""
+    if INPUT_IDS.name not in tensors:
+        raise ContractError("input_ids is required", tensor=INPUT_IDS.name)
+    ids = _int_array(tensors, INPUT_IDS.name)
+    assert ids is not None
+    if ids.size == 0:
+        raise ContractError("input_ids must not be empty", tensor=INPUT_IDS.name)
+    if ids.size > max_input_len:
+        raise ContractError(
+            f"input_ids has {ids.size} tokens; this model accepts at most {max_input_len}", tensor=INPUT_IDS.name
+        )
+    if int(ids.min()) < 0 or int(ids.max()) >= vocab_size:
+        raise ContractError(f"input_ids must be token ids in [0, {vocab_size})", tensor=INPUT_IDS.name)
+    if REQUEST_OUTPUT_LEN.name not in tensors:
+        raise ContractError("request_output_len is required", tensor=REQUEST_OUTPUT_LEN.name)
+    max_new = int(_scalar(tensors, REQUEST_OUTPUT_LEN, 0))
+    if not 1 <= max_new <= max_output_len:
+        raise ContractError(
+            f"request_output_len must be within [1, {max_output_len}], got {max_new}",
+            tensor=REQUEST_OUTPUT_LEN.name,
+        )
+    end_raw = _scalar(tensors, END_ID, None)
+    end_id = None if end_raw is None or int(end_raw) < 0 else int(end_raw)
+    temperature = float(_scalar(tensors, TEMPERATURE, 0.0))
+    top_p = float(_scalar(tensors, TOP_P, 1.0))
+    top_k = int(_scalar(tensors, TOP_K, 0))
+    if not (np.isfinite(temperature) and temperature >= 0.0):
+        raise ContractError(f"temperature must be finite and >= 0, got {temperature}", tensor=TEMPERATURE.name)
+    if not (0.0 < top_p <= 1.0):
+        raise ContractError(f"runtime_top_p must be within (0, 1], got {top_p}", tensor=TOP_P.name)
+    if top_k < 0:
+        raise ContractError(f"runtime_top_k must be >= 0, got {top_k}", tensor=TOP_K.name)
+    seed_raw = _scalar(tensors, RANDOM_SEED, None)
+    return EngineRequest(
+        input_ids=tuple(int(t) for t in ids),
+        max_new_tokens=max_new,
+        end_id=end_id,
+        streaming=bool(_scalar(tensors, STREAMING, False)),
+        sampling=SamplingParams(temperature, top_p, top_k, None if seed_raw is None else int(seed_raw)),
+        retention=parse_retention(tensors, int(ids.size)),
+        cache_salt=_text(tensors, CACHE_SALT, MAX_SALT_BYTES),
+        tenant_id=_text(tensors, TENANT_ID, MAX_TENANT_ID_BYTES),
+        stop=bool(_scalar(tensors, STOP, False)),
+    )
+
+
+# Encoding (what a client sends) ----------------------------------------------------------
+def encode_retention(plan: RetentionPlan) -> dict[str, np.ndarray]:
+    """The ``retention_*`` tensors for ``plan`` (inverse of :func:`parse_retention`)."""
+    tensors = {
+        DECODE_PRIORITY.name: np.array([plan.decode_priority], np.int32),
+        DECODE_DURATION.name: np.array([-1 if plan.decode_duration_ms is None else plan.decode_duration_ms], np.int32),
+    }
+    if plan.ranges:
+        tensors[RANGE_STARTS.name] = np.array([r.start for r in plan.ranges], np.int32)
+        tensors[RANGE_ENDS.name] = np.array([-1 if r.end is None else r.end for r in plan.ranges], np.int32)
+        tensors[RANGE_PRIORITIES.name] = np.array([r.priority for r in plan.ranges], np.int32)
+        tensors[RANGE_DURATIONS.name] = np.array(
+            [-1 if r.duration_ms is None else r.duration_ms for r in plan.ranges], np.int32
+        )
+    return tensors
+
+
+def encode_request(request: EngineRequest) -> dict[str, np.ndarray]:
+    """All input tensors for ``request`` (inverse of :func:`parse_request`)."""
+    tensors: dict[str, np.ndarray] = {
+        INPUT_IDS.name: np.array(request.input_ids, np.int32),
+        REQUEST_OUTPUT_LEN.name: np.array([request.max_new_tokens], np.int32),
+        END_ID.name: np.array([-1 if request.end_id is None else request.end_id], np.int32),
+        STREAMING.name: np.array([request.streaming], np.bool_),
+        TEMPERATURE.name: np.array([request.sampling.temperature], np.float32),
+        TOP_P.name: np.array([request.sampling.top_p], np.float32),
+        TOP_K.name: np.array([request.sampling.top_k], np.int32),
+        STOP.name: np.array([request.stop], np.bool_),
+    }
+    if request.sampling.seed is not None:
+        tensors[RANDOM_SEED.name] = np.array([request.sampling.seed], np.uint64)
+    if request.cache_salt is not None:
+        tensors[CACHE_SALT.name] = np.array([request.cache_salt.encode()], np.object_)
+    if request.tenant_id is not None:
+        tensors[TENANT_ID.name] = np.array([request.tenant_id.encode()], np.object_)
+    tensors.update(encode_retention(request.retention))
+    return tensors
+
+
+@dataclass(frozen=True, slots=True)
+class KvMetrics:
+    """Per-request KV metrics reported with every response."""
+
+    reused_blocks: int = 0
+    new_blocks: int = 0
+    total_blocks: int = 0
+    onboarded_blocks: int = 0
+
+
+def encode_response(output_ids: list[int] | tuple[int, ...], sequence_length: int, kv: KvMetrics) -> dict[str, np.ndarray]:
+    return {
+        OUTPUT_IDS.name: np.array(output_ids, np.int32),
+        SEQUENCE_LENGTH.name: np.array([sequence_length], np.int32),
+        KV_REUSED.name: np.array([kv.reused_blocks], np.int32),
+        KV_NEW.name: np.array([kv.new_blocks], np.int32),
+        KV_TOTAL.name: np.array([kv.total_blocks], np.int32),
+        KV_ONBOARDED.name: np.array([kv.onboarded_blocks], np.int32),
+    }
