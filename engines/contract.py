@@ -20,6 +20,20 @@ Stats side channel: a request whose ``kv_stats`` input is true (and that carries
 ``input_ids``) gets one response with ``kv_cache_stats``: BYTES[1], the JSON of
 :class:`PoolStatsReport`.
 
+Responses (both implementations, streaming or not):
+
+* ``streaming`` true: every response carries only the tokens generated since the
+  previous response in ``output_ids`` (a delta, as the stock backend streams), plus the
+  request's KV metrics; the last response has the parameter ``triton_final_response``
+  true and may carry zero tokens. ``streaming`` false: one response with every generated
+  token.
+* ``sequence_length`` is the number of tokens generated so far (cumulative).
+* The end token (``end_id``) is never included in ``output_ids``; a request that ends
+  with fewer than ``request_output_len`` tokens stopped on ``end_id`` (or ``stop``),
+  otherwise it hit its length limit.
+* A client that half-closes its stream after sending the request still receives every
+  response; a client that cancels the call cancels the request and frees its blocks.
+
 Invariant: :func:`parse_request` either returns a fully valid :class:`EngineRequest`
 or raises :class:`ContractError` naming the tensor at fault; it never lets a bad
 request reach a scheduler.
