@@ -1,0 +1,281 @@
+"""Per-tenant admission: requests/min, tokens/min, concurrency, prompt and output caps.
+
+Two interchangeable backends behind one :class:`Admission` interface:
+
+* :class:`LocalAdmission` keeps token buckets in process (one gateway replica);
+* :class:`RedisAdmission` keeps them in Redis with one Lua script per decision, so
+  several replicas share exact limits. The script reads Redis' own clock (``TIME``)
+  so replica clocks never disagree about refills.
+
+Model: requests/min and tokens/min are token buckets of capacity ``limit`` refilled
+at ``limit / 60`` per second. A request takes 1 request token and its prompt tokens
+at admission; its completion tokens are charged when it finishes (the bucket may go
+negative, down to ``-capacity``, which delays the next admissions instead of letting a
+long generation slip through). Concurrency is a set of leases (Redis: a sorted set
+scored by expiry, so a crashed replica's leases lapse).
+
+Invariants: a refused request changes no bucket; every granted :class:`Lease` is
+released exactly once (``release`` is idempotent).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import secrets
+import time
+from dataclasses import dataclass, field
+from typing import Protocol
+
+LEASE_TTL_SECONDS = 900  # upper bound on one request's life; a lost lease lapses after this
+
+
+@dataclass(frozen=True, slots=True)
+class Limits:
+    requests_per_minute: int | None = None
+    tokens_per_minute: int | None = None
+    max_concurrent: int | None = None
+    max_prompt_tokens: int | None = None
+    max_output_tokens: int | None = None
+
+
+class AdmissionError(Exception):
+    """Refused admission. ``status`` 429 (retry later) or 400 (never admissible)."""
+
+    def __init__(self, message: str, *, limit: str, status: int, retry_after: float | None = None) -> None:
+        super().__init__(message)
+        self.limit = limit
+        self.status = status
+        self.retry_after = retry_after
+
+
+def check_sizes(limits: Limits, *, prompt_tokens: int, max_output_tokens: int) -> None:
+    """Refuse (400) requests that can never be admitted under ``limits``."""
+    if limits.max_prompt_tokens is not None and prompt_tokens > limits.max_prompt_tokens:
+        raise AdmissionError(
+            f"prompt has {prompt_tokens} tokens; this tenant's max_prompt_tokens is {limits.max_prompt_tokens}",
+            limit="max_prompt_tokens", status=400,
+        )
+    if limits.max_output_tokens is not None and max_output_tokens > limits.max_output_tokens:
+        raise AdmissionError(
+            f"max_tokens is {max_output_tokens}; this tenant's max_output_tokens is {limits.max_output_tokens}",
+            limit="max_output_tokens", status=400,
+        )
+    if limits.tokens_per_minute is not None and prompt_tokens > limits.tokens_per_minute:
+        raise AdmissionError(
+            f"prompt has {prompt_tokens} tokens, more than this tenant's tokens_per_minute "
+            f"({limits.tokens_per_minute}); it can never be admitted",
+            limit="tokens_per_minute", status=400,
+        )
+
+
+@dataclass(slots=True)
+class Lease:
+    tenant: str
+    lease_id: str
+    tokens_per_minute: int | None
+    released: bool = False
+
+
+class Admission(Protocol):
+    async def acquire(self, tenant: str, limits: Limits, *, prompt_tokens: int, max_output_tokens: int) -> Lease: ...
+    async def release(self, lease: Lease, *, completion_tokens: int) -> None: ...
+    async def close(self) -> None: ...
+
+
+# In-process ----------------------------------------------------------------------------------
+@dataclass(slots=True)
+class _Bucket:
+    level: float
+    updated: float
+
+    def refill(self, capacity: int, now: float) -> None:
+        rate = capacity / 60.0
+        self.level = min(float(capacity), self.level + (now - self.updated) * rate)
+        self.updated = now
+
+    def deficit_seconds(self, capacity: int, amount: float) -> float:
+        return max(0.0, (amount - self.level) / (capacity / 60.0))
+
+
+@dataclass(slots=True)
+class _TenantState:
+    requests: _Bucket | None = None
+    tokens: _Bucket | None = None
+    leases: set[str] = field(default_factory=set)
+
+
+class LocalAdmission:
+    """Token buckets in this process. Decisions are atomic under one asyncio lock."""
+
+    def __init__(self, clock=time.monotonic) -> None:
+        self._clock = clock
+        self._tenants: dict[str, _TenantState] = {}
+        self._lock = asyncio.Lock()
+
+    async def acquire(self, tenant: str, limits: Limits, *, prompt_tokens: int, max_output_tokens: int) -> Lease:
+        check_sizes(limits, prompt_tokens=prompt_tokens, max_output_tokens=max_output_tokens)
+        async with self._lock:
+            now = self._clock()
+            state = self._tenants.setdefault(tenant, _TenantState())
+            rpm, tpm = limits.requests_per_minute, limits.tokens_per_minute
+            if rpm is not None:
+                state.requests = state.requests or _Bucket(float(rpm), now)
+                state.requests.refill(rpm, now)
+            if tpm is not None:
+                state.tokens = state.tokens or _Bucket(float(tpm), now)
+                state.tokens.refill(tpm, now)
+            if limits.max_concurrent is not None and len(state.leases) >= limits.max_concurrent:
+                raise AdmissionError(
+                    f"tenant has {len(state.leases)} requests in flight; max_concurrent is {limits.max_concurrent}",
+                    limit="max_concurrent", status=429, retry_after=1.0,
+                )
+            if rpm is not None and state.requests is not None and state.requests.level < 1.0:
+                raise AdmissionError(
+                    f"requests_per_minute limit of {rpm} reached", limit="requests_per_minute", status=429,
+                    retry_after=state.requests.deficit_seconds(rpm, 1.0),
+                )
+            if tpm is not None and state.tokens is not None and state.tokens.level < prompt_tokens:
+                raise AdmissionError(
+                    f"tokens_per_minute limit of {tpm} reached", limit="tokens_per_minute", status=429,
+                    retry_after=state.tokens.deficit_seconds(tpm, prompt_tokens),
+                )
+            if state.requests is not None:
+                state.requests.level -= 1.0
+            if state.tokens is not None:
+                state.tokens.level -= prompt_tokens
+            lease = Lease(tenant, secrets.token_hex(8), tpm)
+            state.leases.add(lease.lease_id)
+            return lease
+
+    async def release(self, lease: Lease, *, completion_tokens: int) -> None:
+        if lease.released:
+            return
+        lease.released = True
+        async with self._lock:
+            state = self._tenants.get(lease.tenant)
+            if state is None:
+                return
+            state.leases.discard(lease.lease_id)
+            if state.tokens is not None and lease.tokens_per_minute is not None:
+                state.tokens.refill(lease.tokens_per_minute, self._clock())
+                state.tokens.level = max(-float(lease.tokens_per_minute), state.tokens.level - completion_tokens)
+
+    async def in_flight(self, tenant: str) -> int:
+        state = self._tenants.get(tenant)
+        return 0 if state is None else len(state.leases)
+
+    async def close(self) -> None:
+        return None
+
+
+# Redis ---------------------------------------------------------------------------------------
+# KEYS: 1 request bucket, 2 token bucket, 3 lease zset
+# ARGV: 1 rpm (0 = none), 2 tpm (0 = none), 3 max_concurrent (0 = none), 4 prompt tokens, 5 lease id, 6 lease ttl
+# Returns {0, lease count} granted, or {code, retry_after_ms}: 1 concurrency, 2 rpm, 3 tpm.
+_ACQUIRE = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) + tonumber(t[2]) / 1e6
+local rpm, tpm, conc = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3])
+local prompt = tonumber(ARGV[4])
+local function level(key, cap)
+  local v = redis.call('HMGET', key, 'level', 'ts')
+  local lvl, ts = tonumber(v[1]), tonumber(v[2])
+  if lvl == nil then return cap end
+  return math.min(cap, lvl + (now - ts) * cap / 60.0)
+end
+if conc > 0 then
+  redis.call('ZREMRANGEBYSCORE', KEYS[3], '-inf', now)
+  if redis.call('ZCARD', KEYS[3]) >= conc then return {1, 1000} end
+end
+local r, k
+if rpm > 0 then
+  r = level(KEYS[1], rpm)
+  if r < 1 then return {2, math.ceil((1 - r) / (rpm / 60.0) * 1000)} end
+end
+if tpm > 0 then
+  k = level(KEYS[2], tpm)
+  if k < prompt then return {3, math.ceil((prompt - k) / (tpm / 60.0) * 1000)} end
+end
+if rpm > 0 then
+  redis.call('HSET', KEYS[1], 'level', r - 1, 'ts', now)
+  redis.call('EXPIRE', KEYS[1], 120)
+end
+if tpm > 0 then
+  redis.call('HSET', KEYS[2], 'level', k - prompt, 'ts', now)
+  redis.call('EXPIRE', KEYS[2], 120)
+end
+if conc > 0 then
+  redis.call('ZADD', KEYS[3], now + tonumber(ARGV[6]), ARGV[5])
+  redis.call('EXPIRE', KEYS[3], tonumber(ARGV[6]))
+end
+return {0, 0}
+"""
+
+# KEYS: 1 token bucket, 2 lease zset; ARGV: 1 tpm (0 = none), 2 completion tokens, 3 lease id
+_RELEASE = """
+redis.call('ZREM', KEYS[2], ARGV[3])
+local tpm = tonumber(ARGV[1])
+if tpm > 0 then
+  local t = redis.call('TIME')
+  local now = tonumber(t[1]) + tonumber(t[2]) / 1e6
+  local v = redis.call('HMGET', KEYS[1], 'level', 'ts')
+  local lvl, ts = tonumber(v[1]), tonumber(v[2])
+  if lvl == nil then lvl, ts = tpm, now end
+  lvl = math.min(tpm, lvl + (now - ts) * tpm / 60.0)
+  lvl = math.max(-tpm, lvl - tonumber(ARGV[2]))
+  redis.call('HSET', KEYS[1], 'level', lvl, 'ts', now)
+  redis.call('EXPIRE', KEYS[1], 120)
+end
+return 0
+"""
+
+_CODES = {1: "max_concurrent", 2: "requests_per_minute", 3: "tokens_per_minute"}
+
+
+class RedisAdmission:
+    """Shared limits across gateway replicas; one round trip per decision."""
+
+    def __init__(self, url: str, *, namespace: str = "kvgate") -> None:
+        import redis.asyncio as redis_asyncio
+
+        self._redis = redis_asyncio.from_url(url)
+        self._ns = namespace
+        self._acquire = self._redis.register_script(_ACQUIRE)
+        self._release = self._redis.register_script(_RELEASE)
+
+    def _keys(self, tenant: str) -> list[str]:
+        base = f"{self._ns}:adm:{{{tenant}}}"  # hash tag: one slot per tenant in Redis Cluster
+        return [f"{base}:rpm", f"{base}:tpm", f"{base}:leases"]
+
+    async def acquire(self, tenant: str, limits: Limits, *, prompt_tokens: int, max_output_tokens: int) -> Lease:
+        check_sizes(limits, prompt_tokens=prompt_tokens, max_output_tokens=max_output_tokens)
+        lease = Lease(tenant, secrets.token_hex(8), limits.tokens_per_minute)
+        code, retry_ms = await self._acquire(
+            keys=self._keys(tenant),
+            args=[limits.requests_per_minute or 0, limits.tokens_per_minute or 0, limits.max_concurrent or 0,
+                  prompt_tokens, lease.lease_id, LEASE_TTL_SECONDS],
+        )
+        if int(code) != 0:
+            name = _CODES[int(code)]
+            value = getattr(limits, name)
+            raise AdmissionError(f"{name} limit of {value} reached", limit=name, status=429,
+                                 retry_after=max(0.001, int(retry_ms) / 1000.0))
+        return lease
+
+    async def release(self, lease: Lease, *, completion_tokens: int) -> None:
+        if lease.released:
+            return
+        lease.released = True
+        keys = self._keys(lease.tenant)
+        await self._release(keys=[keys[1], keys[2]], args=[lease.tokens_per_minute or 0, completion_tokens, lease.lease_id])
+
+    async def in_flight(self, tenant: str) -> int:
+        return int(await self._redis.zcard(self._keys(tenant)[2]))
+
+    async def close(self) -> None:
+        await self._redis.aclose()
+
+
+def retry_after_header(error: AdmissionError) -> str:
+    return str(max(1, math.ceil(error.retry_after or 1.0)))

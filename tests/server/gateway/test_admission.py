@@ -1,0 +1,154 @@
+"""Admission limits, in-process and on a real Redis (skipped only when Redis is down)."""
+
+from __future__ import annotations
+
+import secrets
+
+import pytest
+
+from server.gateway.admission import AdmissionError, Limits, LocalAdmission, RedisAdmission
+
+REDIS_URL = "redis://127.0.0.1:6379/0"
+
+
+def _redis_up() -> bool:
+    import redis
+
+    try:
+        return bool(redis.Redis.from_url(REDIS_URL, socket_connect_timeout=0.5).ping())
+    except Exception:
+        return False
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture(params=["local", "redis"])
+async def make_admission(request):
+    created = []
+    namespace = f"kvgate-test-{secrets.token_hex(4)}"
+
+    def factory():
+        if request.param == "local":
+            adm = LocalAdmission()
+        else:
+            if not _redis_up():
+                pytest.skip("Redis at 127.0.0.1:6379 is not reachable")
+            adm = RedisAdmission(REDIS_URL, namespace=namespace)
+        created.append(adm)
+        return adm
+
+    factory.kind = request.param
+    yield factory
+    if request.param == "redis" and created:
+        keys = [k async for k in created[0]._redis.scan_iter(f"{namespace}:*")]
+        if keys:
+            await created[0]._redis.delete(*keys)
+    for adm in created:
+        await adm.close()
+
+
+async def test_requests_per_minute_refuses_with_retry_after(make_admission) -> None:
+    adm = make_admission()
+    limits = Limits(requests_per_minute=3)
+    for _ in range(3):
+        await adm.release(await adm.acquire("t1", limits, prompt_tokens=5, max_output_tokens=5), completion_tokens=5)
+    with pytest.raises(AdmissionError) as info:
+        await adm.acquire("t1", limits, prompt_tokens=5, max_output_tokens=5)
+    assert info.value.status == 429 and info.value.limit == "requests_per_minute"
+    # One request token refills every 20 s at 3/min.
+    assert 15.0 < info.value.retry_after <= 20.0
+    # Another tenant is unaffected.
+    await adm.acquire("t2", limits, prompt_tokens=5, max_output_tokens=5)
+
+
+async def test_concurrency_is_exact_and_released(make_admission) -> None:
+    adm = make_admission()
+    limits = Limits(max_concurrent=2)
+    a = await adm.acquire("t", limits, prompt_tokens=1, max_output_tokens=1)
+    await adm.acquire("t", limits, prompt_tokens=1, max_output_tokens=1)
+    with pytest.raises(AdmissionError) as info:
+        await adm.acquire("t", limits, prompt_tokens=1, max_output_tokens=1)
+    assert info.value.limit == "max_concurrent"
+    await adm.release(a, completion_tokens=0)
+    await adm.release(a, completion_tokens=0)  # idempotent: does not free a second slot
+    await adm.acquire("t", limits, prompt_tokens=1, max_output_tokens=1)
+    with pytest.raises(AdmissionError):
+        await adm.acquire("t", limits, prompt_tokens=1, max_output_tokens=1)
+    assert await adm.in_flight("t") == 2
+
+
+async def test_tokens_per_minute_charges_prompt_then_completion(make_admission) -> None:
+    adm = make_admission()
+    limits = Limits(tokens_per_minute=600)
+    lease = await adm.acquire("t", limits, prompt_tokens=100, max_output_tokens=10)
+    await adm.release(lease, completion_tokens=450)
+    # 600 - 100 - 450 = ~50 left (plus a little refill): a 100-token prompt must wait ~5 s.
+    with pytest.raises(AdmissionError) as info:
+        await adm.acquire("t", limits, prompt_tokens=100, max_output_tokens=10)
+    assert info.value.limit == "tokens_per_minute"
+    assert 3.0 < info.value.retry_after <= 5.0
+
+
+async def test_refused_request_changes_nothing(make_admission) -> None:
+    adm = make_admission()
+    limits = Limits(requests_per_minute=1, max_concurrent=5)
+    with pytest.raises(AdmissionError):
+        await adm.acquire("t", Limits(max_prompt_tokens=10), prompt_tokens=11, max_output_tokens=1)
+    await adm.acquire("t", limits, prompt_tokens=1, max_output_tokens=1)
+    assert await adm.in_flight("t") == 1
+
+
+@pytest.mark.parametrize(
+    ("limits", "prompt", "output", "limit"),
+    [
+        (Limits(max_prompt_tokens=10), 11, 1, "max_prompt_tokens"),
+        (Limits(max_output_tokens=10), 1, 11, "max_output_tokens"),
+        (Limits(tokens_per_minute=100), 101, 1, "tokens_per_minute"),
+    ],
+)
+async def test_never_admissible_requests_are_400(make_admission, limits, prompt, output, limit) -> None:
+    adm = make_admission()
+    with pytest.raises(AdmissionError) as info:
+        await adm.acquire("t", limits, prompt_tokens=prompt, max_output_tokens=output)
+    assert info.value.status == 400 and info.value.limit == limit
+    assert str(getattr(limits, limit)) in str(info.value)
+
+
+async def test_local_bucket_refills_with_time() -> None:
+    clock = FakeClock()
+    adm = LocalAdmission(clock=clock)
+    limits = Limits(requests_per_minute=60)
+    for _ in range(60):
+        await adm.acquire("t", limits, prompt_tokens=1, max_output_tokens=1)
+    with pytest.raises(AdmissionError):
+        await adm.acquire("t", limits, prompt_tokens=1, max_output_tokens=1)
+    clock.now += 1.0
+    await adm.acquire("t", limits, prompt_tokens=1, max_output_tokens=1)
+
+
+async def test_redis_replicas_share_limits() -> None:
+    if not _redis_up():
+        pytest.skip("Redis at 127.0.0.1:6379 is not reachable")
+    namespace = f"kvgate-test-{secrets.token_hex(4)}"
+    first, second = RedisAdmission(REDIS_URL, namespace=namespace), RedisAdmission(REDIS_URL, namespace=namespace)
+    limits = Limits(requests_per_minute=4, max_concurrent=3)
+    leases = [await first.acquire("t", limits, prompt_tokens=1, max_output_tokens=1) for _ in range(2)]
+    leases.append(await second.acquire("t", limits, prompt_tokens=1, max_output_tokens=1))
+    with pytest.raises(AdmissionError) as info:
+        await second.acquire("t", limits, prompt_tokens=1, max_output_tokens=1)
+    assert info.value.limit == "max_concurrent"
+    await first.release(leases[0], completion_tokens=0)
+    await second.acquire("t", limits, prompt_tokens=1, max_output_tokens=1)
+    with pytest.raises(AdmissionError) as info:
+        await first.acquire("t", limits, prompt_tokens=1, max_output_tokens=1)
+    assert info.value.limit in {"requests_per_minute", "max_concurrent"}
+    keys = [k async for k in first._redis.scan_iter(f"{namespace}:*")]
+    await first._redis.delete(*keys)
+    await first.close()
+    await second.close()
