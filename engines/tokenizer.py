@@ -147,12 +147,17 @@ def _field(reader: GGUFReader, key: str, default: Any = None) -> Any:
     return entry.contents()
 
 
-def load_gguf_tokenizer(path: str | Path | None = None) -> ChatTokenizer:
-    """Build a :class:`ChatTokenizer` from a GGUF file's ``tokenizer.*`` metadata."""
+def load_gguf_tokenizer(path: str | Path | None = None, *, reader: GGUFReader | None = None) -> ChatTokenizer:
+    """Build a :class:`ChatTokenizer` from a GGUF file's ``tokenizer.*`` metadata.
+
+    ``reader`` lets a caller that already parsed the file (the model loader) share it:
+    parsing SmolLM2's metadata takes ~2-3 s of the load time.
+    """
     gguf_path = Path(path) if path is not None else default_gguf_path()
-    if not gguf_path.is_file():
-        raise TokenizerLoadError(f"GGUF file not found: {gguf_path}")
-    reader = GGUFReader(gguf_path)
+    if reader is None:
+        if not gguf_path.is_file():
+            raise TokenizerLoadError(f"GGUF file not found: {gguf_path}")
+        reader = GGUFReader(gguf_path)
     model_kind = _field(reader, "tokenizer.ggml.model")
     if model_kind != "gpt2":
         raise TokenizerLoadError(f"only byte-level BPE ('gpt2') GGUF tokenizers are supported, got {model_kind!r}")

@@ -1,0 +1,139 @@
+"""Llama forward in plain torch over a paged KV cache, for mixed prefill/decode batches.
+
+One call to :meth:`LlamaModel.forward` runs one scheduler step: the new tokens of every
+scheduled sequence are packed into one ``[T]`` vector (so every projection is one
+matmul over all of them), their K/V are written into the cache at their token slots,
+and attention reads each sequence's whole context back *from the cache* — so a
+sequence attends to exactly the (possibly FP8-rounded) values a later request reusing
+those blocks will read, and cold and warm runs see the same numbers.
+
+Attention layout::
+
+    prefill sequence i:  q [1, H, n_i, d]   k/v [1, Hkv, ctx_i, d]   causal, offset by the cached prefix
+    decode group:        q [B, Hkv, G, d]   k/v [B, Hkv, L, d]       G = H / Hkv query heads per KV head,
+                                                                     L = longest context, padding masked
+
+``scaled_dot_product_attention`` always gets 4-D tensors (3-D inputs fall to a path
+several times slower on CPU).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from engines.reference.kv_cache import PagedKvCache
+from engines.reference.weights import LlamaConfig, LlamaWeights
+
+
+@dataclass(slots=True)
+class PrefillSpan:
+    """One sequence's prompt chunk inside the packed token vector."""
+
+    start: int  # first row in the packed vector
+    length: int  # number of new tokens
+    context_slots: torch.Tensor  # [ctx] token slots of the whole context (cached + new), in order
+    cached: int  # tokens before the chunk (already in the cache)
+
+
+@dataclass(slots=True)
+class DecodeGroup:
+    """Sequences decoding one token each; their rows are ``start .. start + B``."""
+
+    start: int
+    context_slots: torch.Tensor  # [B, L] padded with any valid slot
+    mask: torch.Tensor  # [B, 1, 1, L] bool, True = attend
+
+
+@dataclass(slots=True)
+class StepBatch:
+    token_ids: torch.Tensor  # [T] int64
+    positions: torch.Tensor  # [T] int64
+    write_slots: torch.Tensor  # [T] int64 token slots in the primary tier
+    prefills: list[PrefillSpan] = field(default_factory=list)
+    decode: DecodeGroup | None = None
+    logit_rows: torch.Tensor | None = None  # rows whose next-token logits are wanted
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return F.rms_norm(x, (x.shape[-1],), weight, eps)
+
+
+class LlamaModel:
+    """Stateless forward over :class:`LlamaWeights`; all state lives in the KV cache."""
+
+    def __init__(self, weights: LlamaWeights) -> None:
+        self.weights = weights
+        self.config: LlamaConfig = weights.config
+        cfg = self.config
+        self.dtype = weights.embed.dtype
+        inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.float64) / cfg.head_dim))
+        angles = torch.outer(torch.arange(cfg.max_position, dtype=torch.float64), inv_freq)
+        angles = torch.cat((angles, angles), dim=-1)
+        self._cos = angles.cos().to(self.dtype)
+        self._sin = angles.sin().to(self.dtype)
+        self.groups = cfg.num_heads // cfg.num_kv_heads
+
+    def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        # x [T, heads, d]; Hugging Face rotate_half form (weights were un-permuted at load).
+        half = x.shape[-1] // 2
+        rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+        return x * cos + rotated * sin
+
+    @torch.inference_mode()
+    def forward(self, batch: StepBatch, cache: PagedKvCache) -> torch.Tensor:
+        """Run one step; returns logits ``[len(logit_rows), vocab]`` (float32)."""
+        cfg, w = self.config, self.weights
+        heads, kv_heads, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        q_size, kv_size = cfg.q_size, cfg.kv_size
+        x = w.embed.index_select(0, batch.token_ids)
+        cos = self._cos.index_select(0, batch.positions).unsqueeze(1)
+        sin = self._sin.index_select(0, batch.positions).unsqueeze(1)
+        total = x.shape[0]
+        prefill_masks = [_prefill_mask(span) for span in batch.prefills]
+        for layer_index, layer in enumerate(w.layers):
+            h = rms_norm(x, layer.attn_norm, cfg.rms_norm_eps)
+            qkv = h @ layer.wqkv.t()
+            q = self._rope(qkv[:, :q_size].view(total, heads, d), cos, sin)
+            k = self._rope(qkv[:, q_size : q_size + kv_size].view(total, kv_heads, d), cos, sin)
+            v = qkv[:, q_size + kv_size :]
+            cache.write(layer_index, k.reshape(total, kv_size), v, batch.write_slots)
+            attn = torch.empty(total, q_size, dtype=x.dtype)
+            for span, mask in zip(batch.prefills, prefill_masks):
+                kv = cache.read(layer_index, span.context_slots).to(x.dtype)  # [2, ctx, row]
+                ctx = kv.shape[1]
+                keys = kv[0].view(1, ctx, kv_heads, d).transpose(1, 2)
+                values = kv[1].view(1, ctx, kv_heads, d).transpose(1, 2)
+                queries = q[span.start : span.start + span.length].unsqueeze(0).transpose(1, 2)
+                out = F.scaled_dot_product_attention(
+                    queries, keys, values, attn_mask=mask, is_causal=mask is None, enable_gqa=True
+                )
+                attn[span.start : span.start + span.length] = out.transpose(1, 2).reshape(span.length, q_size)
+            if batch.decode is not None:
+                group = batch.decode
+                rows, width = group.context_slots.shape
+                kv = cache.read(layer_index, group.context_slots).to(x.dtype)  # [2, B, L, row]
+                keys = kv[0].view(rows, width, kv_heads, d).transpose(1, 2)
+                values = kv[1].view(rows, width, kv_heads, d).transpose(1, 2)
+                queries = q[group.start : group.start + rows].view(rows, kv_heads, self.groups, d)
+                out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=group.mask)
+                attn[group.start : group.start + rows] = out.reshape(rows, q_size)
+            x = x + attn @ layer.wo.t()
+            h = rms_norm(x, layer.ffn_norm, cfg.rms_norm_eps)
+            gate_up = h @ layer.w_gate_up.t()
+            gate, up = gate_up.split(cfg.intermediate_size, dim=-1)
+            x = x + (F.silu(gate) * up) @ layer.w_down.t()
+        rows = batch.logit_rows if batch.logit_rows is not None else torch.arange(total)
+        hidden = rms_norm(x.index_select(0, rows), w.final_norm, cfg.rms_norm_eps)
+        return (hidden @ w.lm_head.t()).float()
+
+
+def _prefill_mask(span: PrefillSpan) -> torch.Tensor | None:
+    """Causal mask for a chunk whose first token sits after ``span.cached`` cached tokens."""
+    if span.cached == 0:
+        return None  # plain causal: is_causal=True takes the fast path
+    ctx = span.cached + span.length
+    query_pos = torch.arange(span.cached, ctx).unsqueeze(1)
+    return torch.arange(ctx).unsqueeze(0) <= query_pos  # [n, ctx]
