@@ -1,0 +1,70 @@
+"""The audit log: one event per admin mutation, written in the mutation's transaction.
+
+``record`` only adds the row to the session; the caller's ``mutation`` block commits
+it together with the change, so a failed change never leaves an event and a committed
+change always does.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Any
+
+from sqlalchemy import select
+from sqlalchemy.orm import Session
+
+from tenants.common import Page, paginate
+from tenants.models import AuditEvent
+
+
+def record(
+    session: Session,
+    *,
+    actor: str,
+    action: str,
+    entity_type: str,
+    entity_id: int | str,
+    before: dict[str, Any] | None,
+    after: dict[str, Any] | None,
+    now: datetime,
+) -> AuditEvent:
+    event = AuditEvent(
+        at=now,
+        actor=actor,
+        action=action,
+        entity_type=entity_type,
+        entity_id=str(entity_id),
+        before=before,
+        after=after,
+    )
+    session.add(event)
+    return event
+
+
+def list_events(
+    session: Session,
+    *,
+    limit: int = 50,
+    offset: int = 0,
+    entity_type: str | None = None,
+    entity_id: str | None = None,
+    action: str | None = None,
+    actor: str | None = None,
+    since: datetime | None = None,
+    until: datetime | None = None,
+) -> Page[AuditEvent]:
+    """Newest first; every filter is optional and they combine with AND."""
+    stmt = select(AuditEvent)
+    if entity_type is not None:
+        stmt = stmt.where(AuditEvent.entity_type == entity_type)
+    if entity_id is not None:
+        stmt = stmt.where(AuditEvent.entity_id == str(entity_id))
+    if action is not None:
+        stmt = stmt.where(AuditEvent.action == action)
+    if actor is not None:
+        stmt = stmt.where(AuditEvent.actor == actor)
+    if since is not None:
+        stmt = stmt.where(AuditEvent.at >= since)
+    if until is not None:
+        stmt = stmt.where(AuditEvent.at < until)
+    return paginate(session, stmt.order_by(AuditEvent.id.desc()), limit=limit, offset=offset)

@@ -1,0 +1,151 @@
+"""Plumbing shared by the service modules: transactions, pages, references, snapshots.
+
+Invariant: a service mutation is one transaction that either commits its change *and*
+its audit event, or rolls back both (``mutation``). Integrity errors raised by the
+database (a lost race on a unique name, a reference deleted meanwhile) become registry
+errors, never raw driver exceptions.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any, Generic, TypeVar
+
+from sqlalchemy import Select, func, select
+from sqlalchemy.exc import IntegrityError
+from sqlalchemy.orm import Session
+
+from tenants.errors import Conflict, Duplicate, InvalidField, NotFound, RegistryError
+
+T = TypeVar("T")
+MAX_PAGE = 500
+
+
+@dataclass(frozen=True, slots=True)
+class Page(Generic[T]):
+    items: Sequence[T]
+    total: int
+    limit: int
+    offset: int
+
+
+def paginate(session: Session, stmt: Select[Any], *, limit: int, offset: int) -> Page[Any]:
+    """Run ``stmt`` (already ordered) for one page; ``total`` counts the unpaged rows."""
+    if isinstance(limit, bool) or not isinstance(limit, int) or not 1 <= limit <= MAX_PAGE:
+        raise InvalidField(f"limit must be an integer in [1, {MAX_PAGE}]", field="limit")
+    if isinstance(offset, bool) or not isinstance(offset, int) or offset < 0:
+        raise InvalidField("offset must be an integer >= 0", field="offset")
+    total = session.scalar(select(func.count()).select_from(stmt.order_by(None).subquery())) or 0
+    items = session.scalars(stmt.limit(limit).offset(offset)).all()
+    return Page(items=items, total=int(total), limit=limit, offset=offset)
+
+
+def integrity_kind(exc: IntegrityError) -> str:
+    """'unique', 'foreign_key', 'check', 'not_null' or 'other', from the driver's error."""
+    sqlstate = getattr(exc.orig, "sqlstate", None)  # psycopg 3
+    by_state = {"23505": "unique", "23503": "foreign_key", "23514": "check", "23502": "not_null"}
+    if sqlstate in by_state:
+        return by_state[sqlstate]
+    text = str(exc.orig).upper()
+    for needle, kind in (("UNIQUE", "unique"), ("FOREIGN KEY", "foreign_key"), ("CHECK", "check"), ("NOT NULL", "not_null")):
+        if needle in text:
+            return kind
+    return "other"
+
+
+@contextmanager
+def mutation(session: Session, *, unique_field: str | None = None, entity: str = "entity") -> Iterator[None]:
+    """Commit the block's writes (change + audit) at once, or roll all of them back."""
+    try:
+        yield
+        session.commit()
+    except IntegrityError as exc:
+        session.rollback()
+        kind = integrity_kind(exc)
+        if kind == "unique":
+            raise Duplicate(f"a {entity} with this {unique_field or 'name'} already exists", field=unique_field) from None
+        if kind == "foreign_key":
+            raise Conflict(f"the {entity} references a row that no longer exists, or is still referenced") from None
+        raise InvalidField(f"the {entity} breaks a registry constraint ({kind})") from None
+    except BaseException:
+        session.rollback()
+        raise
+
+
+def is_id(ref: int | str) -> bool:
+    return (isinstance(ref, int) and not isinstance(ref, bool)) or (isinstance(ref, str) and ref.isdigit())
+
+
+def get_by_ref(session: Session, model: type[T], ref: int | str, *, name_attr: str, what: str, field: str | None = None) -> T:
+    """Load ``model`` by numeric id or by its unique name.
+
+    Not found raises ``NotFound`` for a path reference (``field is None``), or
+    ``InvalidField(field)`` when the reference came from a request body (422).
+    """
+    row: T | None
+    if is_id(ref):
+        row = session.get(model, int(ref))
+    elif isinstance(ref, str):
+        row = session.scalars(select(model).where(getattr(model, name_attr) == ref)).one_or_none()
+    else:
+        row = None
+    if row is None:
+        message = f"{what} {ref!r} does not exist"
+        if field is not None:
+            raise InvalidField(message, field=field, code=f"unknown_{what.replace(' ', '_')}")
+        raise NotFound(message, code=f"{what.replace(' ', '_')}_not_found")
+    return row
+
+
+def snapshot(row: Any, *, exclude: tuple[str, ...] = ()) -> dict[str, Any]:
+    """JSON-able dict of a row's columns (for audit before/after), minus ``exclude``."""
+    out: dict[str, Any] = {}
+    for column in row.__table__.columns:
+        if column.key in exclude:
+            continue
+        value = getattr(row, column.key)
+        out[column.key] = value.isoformat() if isinstance(value, datetime) else value
+    return out
+
+
+
+
+def versioned_update(session: Session, row: Any, *, expected_version: int, values: dict[str, Any], now: datetime) -> None:
+    """``UPDATE ... SET values, version = version + 1 WHERE id = ? AND version = ?``.
+
+    Exactly one of several concurrent callers holding the same ``expected_version``
+    wins; the others match no row and get ``StaleVersion``. ``row`` is refreshed.
+    """
+    from sqlalchemy import update
+
+    from tenants.errors import StaleVersion
+
+    model = type(row)
+    result = session.execute(
+        update(model)
+        .where(model.id == row.id, model.version == expected_version)
+        .values(**values, version=model.version + 1, updated_at=now)
+        .execution_options(synchronize_session=False)
+    )
+    if result.rowcount != 1:  # type: ignore[attr-defined]
+        raise StaleVersion(
+            f"version {expected_version} is not the current version; reload and retry", field="version"
+        )
+    session.refresh(row)
+
+
+def check_version(row: Any, expected_version: Any) -> int:
+    """Fail fast on an obviously stale version (the UPDATE re-checks it atomically)."""
+    from tenants.errors import StaleVersion
+
+    if isinstance(expected_version, bool) or not isinstance(expected_version, int):
+        raise InvalidField("version must be an integer", field="version")
+    if row.version != expected_version:
+        raise StaleVersion(
+            f"version {expected_version} is not the current version ({row.version}); reload and retry",
+            field="version",
+        )
+    return expected_version

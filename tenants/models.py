@@ -1,0 +1,228 @@
+"""SQLAlchemy 2.x models of the tenant registry.
+
+Tables: ``pools`` (engine deployments), ``retention_classes`` (TensorRT-LLM retention
+priorities/durations per prompt segment), ``tenants``, ``api_keys`` (HMAC of the secret,
+never the plaintext), ``audit_events``, ``usage`` (per tenant per minute) and
+``usage_flushes`` (idempotency ledger for usage batches).
+
+Invariants kept by the database itself (CHECK / UNIQUE / FK), so that no writer —
+service, CLI or a hand-written SQL session — can store a state the services refuse:
+priorities in [0, 100], durations >= 0 or NULL (= no expiry), KV quota in (0, 1],
+a pool or class in use cannot be deleted (``ON DELETE RESTRICT``). Enumerations are
+strings with CHECKs rather than native enum types, so migrations stay portable.
+"""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+from typing import Any
+
+from sqlalchemy import (
+    JSON,
+    BigInteger,
+    CheckConstraint,
+    DateTime,
+    Float,
+    ForeignKey,
+    Index,
+    Integer,
+    MetaData,
+    String,
+    Text,
+    TypeDecorator,
+)
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+
+TENANT_STATUSES = ("active", "suspended")
+ISOLATIONS = ("shared", "salted", "dedicated")
+SEGMENTS = ("system", "context", "turn")
+
+# Deterministic constraint names: Alembic can drop/alter them on every backend.
+NAMING_CONVENTION = {
+    "ix": "ix_%(column_0_label)s",
+    "uq": "uq_%(table_name)s_%(column_0_name)s",
+    "ck": "ck_%(table_name)s_%(constraint_name)s",
+    "fk": "fk_%(table_name)s_%(column_0_name)s_%(referred_table_name)s",
+    "pk": "pk_%(table_name)s",
+}
+
+
+class UtcDateTime(TypeDecorator[datetime]):
+    """Timezone-aware UTC on the way in and out (SQLite drops the offset on storage)."""
+
+    impl = DateTime(timezone=True)
+    cache_ok = True
+
+    def process_bind_param(self, value: datetime | None, dialect: Any) -> datetime | None:
+        if value is None:
+            return None
+        if value.tzinfo is None:
+            raise ValueError("naive datetime given to a UTC column")
+        return value.astimezone(UTC)
+
+    def process_result_value(self, value: datetime | None, dialect: Any) -> datetime | None:
+        if value is None:
+            return None
+        return value.replace(tzinfo=UTC) if value.tzinfo is None else value.astimezone(UTC)
+
+
+def utcnow() -> datetime:
+    return datetime.now(UTC)
+
+
+class Base(DeclarativeBase):
+    metadata = MetaData(naming_convention=NAMING_CONVENTION)
+    type_annotation_map = {datetime: UtcDateTime()}
+
+
+def _priority_check(column: str) -> CheckConstraint:
+    return CheckConstraint(f"{column} >= 0 AND {column} <= 100", name=f"{column}_range")
+
+
+def _duration_check(column: str) -> CheckConstraint:
+    return CheckConstraint(f"{column} IS NULL OR {column} >= 0", name=f"{column}_nonneg")
+
+
+class Timestamped:
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+    updated_at: Mapped[datetime] = mapped_column(default=utcnow)
+    # Optimistic concurrency: every update is ``... WHERE id = ? AND version = ?``.
+    version: Mapped[int] = mapped_column(Integer, default=1)
+
+
+class Pool(Timestamped, Base):
+    """An engine deployment: one model behind one Triton (or reference) endpoint."""
+
+    __tablename__ = "pools"
+    __table_args__ = (
+        _priority_check("secondary_offload_min_priority"),
+        CheckConstraint("tokens_per_block >= 1", name="tokens_per_block_pos"),
+        CheckConstraint("primary_blocks >= 1", name="primary_blocks_pos"),
+        CheckConstraint("secondary_blocks >= 0", name="secondary_blocks_nonneg"),
+    )
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    name: Mapped[str] = mapped_column(String(64), unique=True)
+    model_name: Mapped[str] = mapped_column(String(128))
+    triton_url: Mapped[str] = mapped_column(String(256))
+    triton_model: Mapped[str] = mapped_column(String(128), default="kvgate_llm")
+    engine_spec: Mapped[str] = mapped_column(String(128), default="")
+    tokens_per_block: Mapped[int] = mapped_column(Integer)
+    primary_blocks: Mapped[int] = mapped_column(Integer)
+    secondary_blocks: Mapped[int] = mapped_column(Integer, default=0)
+    # TensorRT-LLM KvCacheConfig::secondaryOffloadMinPriority, inclusive
+    # (cpp/include/tensorrt_llm/executor/executor.h); always stored explicitly.
+    secondary_offload_min_priority: Mapped[int] = mapped_column(Integer)
+
+
+class RetentionClass(Timestamped, Base):
+    """Retention priority/duration per prompt segment and for decoded tokens.
+
+    Mirrors ``KvCacheRetentionConfig`` (TensorRT-LLM ``executor.h``): NULL duration =
+    the priority never expires.
+    """
+
+    __tablename__ = "retention_classes"
+    __table_args__ = tuple(
+        check
+        for seg in (*SEGMENTS, "decode")
+        for check in (_priority_check(f"{seg}_priority"), _duration_check(f"{seg}_duration_ms"))
+    )
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    name: Mapped[str] = mapped_column(String(64), unique=True)
+    description: Mapped[str] = mapped_column(Text, default="")
+    system_priority: Mapped[int] = mapped_column(Integer)
+    system_duration_ms: Mapped[int | None] = mapped_column(BigInteger)
+    context_priority: Mapped[int] = mapped_column(Integer)
+    context_duration_ms: Mapped[int | None] = mapped_column(BigInteger)
+    turn_priority: Mapped[int] = mapped_column(Integer)
+    turn_duration_ms: Mapped[int | None] = mapped_column(BigInteger)
+    decode_priority: Mapped[int] = mapped_column(Integer)
+    decode_duration_ms: Mapped[int | None] = mapped_column(BigInteger)
+
+
+class Tenant(Timestamped, Base):
+    __tablename__ = "tenants"
+    __table_args__ = (
+        CheckConstraint("status IN ('active', 'suspended')", name="status_enum"),
+        CheckConstraint("isolation IN ('shared', 'salted', 'dedicated')", name="isolation_enum"),
+        CheckConstraint("kv_quota_fraction > 0 AND kv_quota_fraction <= 1", name="kv_quota_range"),
+        CheckConstraint(
+            "rpm_limit >= 1 AND tpm_limit >= 1 AND max_concurrent_requests >= 1 "
+            "AND max_prompt_tokens >= 1 AND max_output_tokens >= 1",
+            name="limits_pos",
+        ),
+    )
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    slug: Mapped[str] = mapped_column(String(64), unique=True)
+    display_name: Mapped[str] = mapped_column(String(256))
+    status: Mapped[str] = mapped_column(String(16), default="active")
+    pool_id: Mapped[int] = mapped_column(ForeignKey("pools.id", ondelete="RESTRICT"), index=True)
+    retention_class_id: Mapped[int] = mapped_column(
+        ForeignKey("retention_classes.id", ondelete="RESTRICT"), index=True
+    )
+    isolation: Mapped[str] = mapped_column(String(16), default="salted")
+    # Server-generated (secrets.token_hex(16)); never accepted from a client, never listed.
+    cache_salt: Mapped[str] = mapped_column(String(64))
+    rpm_limit: Mapped[int] = mapped_column(Integer)
+    tpm_limit: Mapped[int] = mapped_column(Integer)
+    max_concurrent_requests: Mapped[int] = mapped_column(Integer)
+    max_prompt_tokens: Mapped[int] = mapped_column(Integer)
+    max_output_tokens: Mapped[int] = mapped_column(Integer)
+    kv_quota_fraction: Mapped[float] = mapped_column(Float)
+
+
+class ApiKey(Base):
+    """A tenant's API key ``kvg_<prefix>_<secret>``; stores HMAC-SHA256(pepper, secret) only."""
+
+    __tablename__ = "api_keys"
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    tenant_id: Mapped[int] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"), index=True)
+    prefix: Mapped[str] = mapped_column(String(16), unique=True)
+    secret_hash: Mapped[str] = mapped_column(String(64))
+    name: Mapped[str] = mapped_column(String(128), default="")
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+    last_used_at: Mapped[datetime | None] = mapped_column()
+    expires_at: Mapped[datetime | None] = mapped_column()
+    revoked_at: Mapped[datetime | None] = mapped_column()
+
+
+class AuditEvent(Base):
+    __tablename__ = "audit_events"
+    __table_args__ = (Index("ix_audit_events_entity", "entity_type", "entity_id"),)
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    at: Mapped[datetime] = mapped_column(default=utcnow, index=True)
+    actor: Mapped[str] = mapped_column(String(128))
+    action: Mapped[str] = mapped_column(String(64), index=True)
+    entity_type: Mapped[str] = mapped_column(String(32))
+    entity_id: Mapped[str] = mapped_column(String(64))
+    before: Mapped[dict[str, Any] | None] = mapped_column(JSON)
+    after: Mapped[dict[str, Any] | None] = mapped_column(JSON)
+
+
+class Usage(Base):
+    """Per-tenant counters per minute bucket (``minute`` = bucket start, UTC, seconds 0)."""
+
+    __tablename__ = "usage"
+
+    tenant_id: Mapped[int] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"), primary_key=True)
+    minute: Mapped[datetime] = mapped_column(primary_key=True)
+    requests: Mapped[int] = mapped_column(BigInteger, default=0)
+    prompt_tokens: Mapped[int] = mapped_column(BigInteger, default=0)
+    completion_tokens: Mapped[int] = mapped_column(BigInteger, default=0)
+
+
+class UsageFlush(Base):
+    """One row per applied usage batch: the unique ``flush_id`` makes a retry a no-op."""
+
+    __tablename__ = "usage_flushes"
+
+    flush_id: Mapped[str] = mapped_column(String(128), primary_key=True)
+    # The tenant when the batch covered exactly one, else NULL.
+    tenant_id: Mapped[int | None] = mapped_column(ForeignKey("tenants.id", ondelete="SET NULL"))
+    row_count: Mapped[int] = mapped_column(Integer)
+    applied_at: Mapped[datetime] = mapped_column(default=utcnow)

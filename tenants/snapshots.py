@@ -1,0 +1,122 @@
+"""Frozen, session-free snapshots of registry rows for the gateway's hot path.
+
+The gateway caches these; they hold no ORM state and cannot lazy-load, so they are safe
+to share across threads and event loops.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tenants.models import Pool, RetentionClass, Tenant
+
+
+@dataclass(frozen=True, slots=True)
+class SegmentRetention:
+    """One segment's TensorRT-LLM retention: priority 0..100, duration_ms None = no expiry."""
+
+    priority: int
+    duration_ms: int | None
+
+
+@dataclass(frozen=True, slots=True)
+class PoolSnapshot:
+    id: int
+    name: str
+    model_name: str
+    triton_url: str
+    triton_model: str
+    engine_spec: str
+    tokens_per_block: int
+    primary_blocks: int
+    secondary_blocks: int
+    secondary_offload_min_priority: int
+
+    @classmethod
+    def of(cls, pool: Pool) -> PoolSnapshot:
+        return cls(
+            id=pool.id, name=pool.name, model_name=pool.model_name, triton_url=pool.triton_url,
+            triton_model=pool.triton_model, engine_spec=pool.engine_spec, tokens_per_block=pool.tokens_per_block,
+            primary_blocks=pool.primary_blocks, secondary_blocks=pool.secondary_blocks,
+            secondary_offload_min_priority=pool.secondary_offload_min_priority,
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class RetentionClassSnapshot:
+    id: int
+    name: str
+    system: SegmentRetention
+    context: SegmentRetention
+    turn: SegmentRetention
+    decode: SegmentRetention
+
+    @classmethod
+    def of(cls, row: RetentionClass) -> RetentionClassSnapshot:
+        return cls(
+            id=row.id, name=row.name,
+            system=SegmentRetention(row.system_priority, row.system_duration_ms),
+            context=SegmentRetention(row.context_priority, row.context_duration_ms),
+            turn=SegmentRetention(row.turn_priority, row.turn_duration_ms),
+            decode=SegmentRetention(row.decode_priority, row.decode_duration_ms),
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class TenantLimits:
+    rpm: int
+    tpm: int
+    max_concurrent_requests: int
+    max_prompt_tokens: int
+    max_output_tokens: int
+
+    @classmethod
+    def of(cls, tenant: Tenant) -> TenantLimits:
+        return cls(
+            rpm=tenant.rpm_limit, tpm=tenant.tpm_limit, max_concurrent_requests=tenant.max_concurrent_requests,
+            max_prompt_tokens=tenant.max_prompt_tokens, max_output_tokens=tenant.max_output_tokens,
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class TenantSummary:
+    """What the gateway needs about every active tenant of a pool (quotas, metric labels)."""
+
+    id: int
+    slug: str
+    isolation: str
+    kv_quota_fraction: float
+    cache_salt: str
+
+    def __repr__(self) -> str:
+        return f"TenantSummary(id={self.id}, slug={self.slug!r}, isolation={self.isolation!r})"
+
+
+@dataclass(frozen=True, slots=True)
+class AuthenticatedTenant:
+    """Result of a successful key check. ``usable`` is the one flag the gateway must test.
+
+    A key that matched but is revoked or expired, or whose tenant is suspended, still
+    yields a snapshot (so the gateway can say *why*), with ``usable`` False.
+    """
+
+    tenant_id: int
+    slug: str
+    status: str
+    isolation: str
+    cache_salt: str
+    limits: TenantLimits
+    kv_quota_fraction: float
+    pool: PoolSnapshot
+    retention: RetentionClassSnapshot
+    key_id: int
+    key_revoked: bool
+    key_expired: bool
+
+    @property
+    def usable(self) -> bool:
+        return self.status == "active" and not self.key_revoked and not self.key_expired
+
+    def __repr__(self) -> str:  # keep the salt out of logs and tracebacks
+        return (f"AuthenticatedTenant(tenant_id={self.tenant_id}, slug={self.slug!r}, status={self.status!r}, "
+                f"key_id={self.key_id}, usable={self.usable})")

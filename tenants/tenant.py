@@ -1,0 +1,203 @@
+"""Tenants: placement (pool), retention class, isolation, limits and KV quota.
+
+Invariants:
+
+* ``cache_salt`` is generated here (``secrets.token_hex(16)``) and cannot be set by
+  any caller; audit snapshots omit it.
+* A ``dedicated`` tenant is alone on its pool: it cannot join a pool with other
+  tenants, and nobody can join its pool.
+* ``status`` changes only through ``suspend_tenant`` / ``resume_tenant``; each
+  mutation bumps ``version`` and writes one audit event in its transaction. A
+  suspend of an already suspended tenant (or resume of an active one) changes
+  nothing and records nothing.
+"""
+
+from __future__ import annotations
+
+import secrets
+from collections.abc import Mapping
+from datetime import datetime
+from typing import Any
+
+from sqlalchemy import func, select
+from sqlalchemy.orm import Session
+
+from tenants import audit, validation as v
+from tenants.common import Page, check_version, get_by_ref, mutation, paginate, snapshot, versioned_update
+from tenants.errors import Conflict, InvalidField
+from tenants.models import Pool, RetentionClass, Tenant
+from tenants.pools import get_pool
+from tenants.retention_classes import get_class
+
+DEFAULT_LIMITS = {
+    "rpm_limit": 600,
+    "tpm_limit": 200_000,
+    "max_concurrent_requests": 16,
+    "max_prompt_tokens": 8192,
+    "max_output_tokens": 1024,
+}
+DEFAULT_KV_QUOTA = 0.5
+SECRET_FIELDS = ("cache_salt",)
+
+_VALIDATORS: dict[str, Any] = {
+    "display_name": lambda x: v.text(x, field="display_name", max_len=256),
+    "isolation": lambda x: v.isolation(x),
+    "kv_quota_fraction": lambda x: v.fraction(x, field="kv_quota_fraction"),
+    **{key: (lambda x, f=key: v.integer(x, field=f, minimum=1)) for key in DEFAULT_LIMITS},
+}
+# ``pool`` and ``retention_class`` (id or name) are resolved separately.
+UPDATABLE = frozenset(_VALIDATORS) | {"pool", "retention_class"}
+
+
+def new_cache_salt() -> str:
+    return secrets.token_hex(16)
+
+
+def audit_view(tenant: Tenant) -> dict[str, Any]:
+    return snapshot(tenant, exclude=SECRET_FIELDS)
+
+
+def _validated(values: Mapping[str, Any]) -> dict[str, Any]:
+    out = {}
+    for key, value in values.items():
+        if key not in _VALIDATORS:
+            raise InvalidField(f"unknown or read-only field {key!r}", field=key)
+        out[key] = _VALIDATORS[key](value)
+    return out
+
+
+def _check_dedication(session: Session, *, pool: Pool, isolation: str, tenant_id: int | None) -> None:
+    others = select(Tenant).where(Tenant.pool_id == pool.id)
+    if tenant_id is not None:
+        others = others.where(Tenant.id != tenant_id)
+    if isolation == "dedicated":
+        count = session.scalar(select(func.count()).select_from(others.subquery())) or 0
+        if count:
+            raise Conflict(f"pool {pool.name!r} already has {count} tenant(s); a dedicated tenant needs its own pool",
+                           field="pool", code="pool_not_empty")
+    else:
+        owner = session.scalars(others.where(Tenant.isolation == "dedicated").limit(1)).first()
+        if owner is not None:
+            raise Conflict(f"pool {pool.name!r} is dedicated to tenant {owner.slug!r}", field="pool",
+                           code="pool_dedicated")
+
+
+def create_tenant(
+    session: Session,
+    *,
+    actor: str,
+    now: datetime,
+    slug: str,
+    display_name: str,
+    pool: int | str,
+    retention_class: int | str,
+    isolation: str = "salted",
+    kv_quota_fraction: float = DEFAULT_KV_QUOTA,
+    rpm_limit: int = DEFAULT_LIMITS["rpm_limit"],
+    tpm_limit: int = DEFAULT_LIMITS["tpm_limit"],
+    max_concurrent_requests: int = DEFAULT_LIMITS["max_concurrent_requests"],
+    max_prompt_tokens: int = DEFAULT_LIMITS["max_prompt_tokens"],
+    max_output_tokens: int = DEFAULT_LIMITS["max_output_tokens"],
+) -> Tenant:
+    """Create an active tenant; ``pool``/``retention_class`` are ids or names (unknown → 422 on that field)."""
+    slug = v.name(slug, field="slug")
+    values = _validated(dict(
+        display_name=display_name, isolation=isolation, kv_quota_fraction=kv_quota_fraction,
+        rpm_limit=rpm_limit, tpm_limit=tpm_limit, max_concurrent_requests=max_concurrent_requests,
+        max_prompt_tokens=max_prompt_tokens, max_output_tokens=max_output_tokens,
+    ))
+    with mutation(session, unique_field="slug", entity="tenant"):
+        pool_row = get_by_ref(session, Pool, pool, name_attr="name", what="pool", field="pool")
+        class_row = get_by_ref(session, RetentionClass, retention_class, name_attr="name",
+                               what="retention class", field="retention_class")
+        _check_dedication(session, pool=pool_row, isolation=values["isolation"], tenant_id=None)
+        tenant = Tenant(slug=slug, status="active", pool_id=pool_row.id, retention_class_id=class_row.id,
+                        cache_salt=new_cache_salt(), created_at=now, updated_at=now, version=1, **values)
+        session.add(tenant)
+        session.flush()
+        audit.record(session, actor=actor, action="tenant.create", entity_type="tenant", entity_id=tenant.id,
+                     before=None, after=audit_view(tenant), now=now)
+    return tenant
+
+
+def get_tenant(session: Session, *, ref: int | str) -> Tenant:
+    return get_by_ref(session, Tenant, ref, name_attr="slug", what="tenant")
+
+
+def list_tenants(session: Session, *, limit: int = 50, offset: int = 0, status: str | None = None,
+                 pool: int | str | None = None) -> Page[Tenant]:
+    stmt = select(Tenant)
+    if status is not None:
+        stmt = stmt.where(Tenant.status == v.status(status))
+    if pool is not None:
+        stmt = stmt.where(Tenant.pool_id == get_by_ref(session, Pool, pool, name_attr="name", what="pool",
+                                                       field="pool").id)
+    return paginate(session, stmt.order_by(Tenant.id), limit=limit, offset=offset)
+
+
+def update_tenant(session: Session, *, actor: str, now: datetime, ref: int | str, version: int,
+                  changes: Mapping[str, Any]) -> Tenant:
+    """Apply ``changes`` (any of ``UPDATABLE``) if ``version`` is current, else ``StaleVersion``."""
+    changes = dict(changes)
+    pool_ref = changes.pop("pool", None)
+    class_ref = changes.pop("retention_class", None)
+    values = _validated(changes)
+    with mutation(session, entity="tenant"):
+        tenant = get_tenant(session, ref=ref)
+        check_version(tenant, version)
+        if pool_ref is not None:
+            values["pool_id"] = get_by_ref(session, Pool, pool_ref, name_attr="name", what="pool", field="pool").id
+        if class_ref is not None:
+            values["retention_class_id"] = get_by_ref(session, RetentionClass, class_ref, name_attr="name",
+                                                      what="retention class", field="retention_class").id
+        if "pool_id" in values or "isolation" in values:
+            target = session.get(Pool, values.get("pool_id", tenant.pool_id))
+            assert target is not None
+            _check_dedication(session, pool=target, isolation=values.get("isolation", tenant.isolation),
+                              tenant_id=tenant.id)
+        before = audit_view(tenant)
+        versioned_update(session, tenant, expected_version=version, values=values, now=now)
+        audit.record(session, actor=actor, action="tenant.update", entity_type="tenant", entity_id=tenant.id,
+                     before=before, after=audit_view(tenant), now=now)
+    return tenant
+
+
+def _set_status(session: Session, *, actor: str, now: datetime, ref: int | str, status: str,
+                version: int | None) -> Tenant:
+    with mutation(session, entity="tenant"):
+        tenant = get_tenant(session, ref=ref)
+        expected = tenant.version if version is None else check_version(tenant, version)
+        if tenant.status == status:
+            return tenant
+        before = audit_view(tenant)
+        versioned_update(session, tenant, expected_version=expected, values={"status": status}, now=now)
+        action = "tenant.suspend" if status == "suspended" else "tenant.resume"
+        audit.record(session, actor=actor, action=action, entity_type="tenant", entity_id=tenant.id,
+                     before=before, after=audit_view(tenant), now=now)
+    return tenant
+
+
+def suspend_tenant(session: Session, *, actor: str, now: datetime, ref: int | str, version: int | None = None) -> Tenant:
+    """Suspend (keys stop authenticating as usable). ``version`` is optional here."""
+    return _set_status(session, actor=actor, now=now, ref=ref, status="suspended", version=version)
+
+
+def resume_tenant(session: Session, *, actor: str, now: datetime, ref: int | str, version: int | None = None) -> Tenant:
+    return _set_status(session, actor=actor, now=now, ref=ref, status="active", version=version)
+
+
+def delete_tenant(session: Session, *, actor: str, now: datetime, ref: int | str) -> None:
+    """Delete a tenant with its keys and usage rows (audit events stay)."""
+    with mutation(session, entity="tenant"):
+        tenant = get_tenant(session, ref=ref)
+        before = audit_view(tenant)
+        session.delete(tenant)
+        session.flush()
+        audit.record(session, actor=actor, action="tenant.delete", entity_type="tenant", entity_id=before["id"],
+                     before=before, after=None, now=now)
+
+
+def placement(session: Session, *, tenant: Tenant) -> tuple[Pool, RetentionClass]:
+    pool = get_pool(session, ref=tenant.pool_id)
+    cls = get_class(session, ref=tenant.retention_class_id)
+    return pool, cls

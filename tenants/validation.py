@@ -1,0 +1,74 @@
+"""Field rules shared by every writer (admin API, CLI, tests).
+
+The admin schemas repeat the simple bounds so OpenAPI shows them; these checks are the
+authority, so the CLI and direct service calls get the same errors with the same field
+names. Priority/duration rules come from ``retention.types`` (TensorRT-LLM semantics).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from typing import Any
+
+from retention.types import RetentionPlanError, check_duration, check_priority
+from tenants.errors import InvalidField
+from tenants.models import ISOLATIONS, TENANT_STATUSES
+
+# Lowercase names, not all digits: a path segment is then unambiguously an id or a name.
+NAME_RE = re.compile(r"^(?![0-9]+$)[a-z0-9][a-z0-9._-]{0,63}$")
+
+
+def name(value: Any, *, field: str) -> str:
+    if not isinstance(value, str) or not NAME_RE.match(value):
+        raise InvalidField(
+            f"{field} must be 1-64 chars of [a-z0-9._-], start with a letter or digit and not be all digits",
+            field=field,
+        )
+    return value
+
+
+def text(value: Any, *, field: str, max_len: int, allow_empty: bool = False) -> str:
+    if not isinstance(value, str) or len(value) > max_len or (not allow_empty and not value.strip()):
+        raise InvalidField(f"{field} must be a {'' if allow_empty else 'non-empty '}string of at most {max_len} chars", field=field)
+    return value
+
+
+def priority(value: Any, *, field: str) -> int:
+    try:
+        return check_priority(value, field=field)
+    except RetentionPlanError as exc:
+        raise InvalidField(str(exc), field=field) from exc
+
+
+def duration(value: Any, *, field: str) -> int | None:
+    try:
+        return check_duration(value, field=field)
+    except RetentionPlanError as exc:
+        raise InvalidField(str(exc), field=field) from exc
+
+
+def integer(value: Any, *, field: str, minimum: int, maximum: int = 2**31 - 1) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not minimum <= value <= maximum:
+        raise InvalidField(f"{field} must be an integer in [{minimum}, {maximum}], got {value!r}", field=field)
+    return value
+
+
+def fraction(value: Any, *, field: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or not 0 < value <= 1:
+        raise InvalidField(f"{field} must be a number in (0, 1], got {value!r}", field=field)
+    return float(value)
+
+
+def choice(value: Any, *, field: str, options: tuple[str, ...]) -> str:
+    if value not in options:
+        raise InvalidField(f"{field} must be one of {', '.join(options)}; got {value!r}", field=field)
+    return value
+
+
+def isolation(value: Any, *, field: str = "isolation") -> str:
+    return choice(value, field=field, options=ISOLATIONS)
+
+
+def status(value: Any, *, field: str = "status") -> str:
+    return choice(value, field=field, options=TENANT_STATUSES)
