@@ -1,0 +1,121 @@
+"""API-key authentication for the serving API, cached briefly.
+
+Keys are resolved by ``tenants.auth.authenticate_key`` (one indexed query + one HMAC)
+in a worker thread, then cached for ``ttl`` seconds under a SHA-256 of the presented
+key (the plaintext is never kept). Unknown keys are cached too (negative entries), so
+a flood of bad keys costs one database query per distinct key per TTL. ``clear()`` is
+called after every admin mutation in this process, so revocations and suspensions made
+through this gateway's admin API apply at once; other replicas see them within ``ttl``.
+
+``last_used_at`` is written off the request path: used key ids are collected and
+flushed by :meth:`KeyAuthenticator.flush_last_used` (a background task calls it).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import UTC, datetime
+
+import anyio
+from sqlalchemy.exc import SQLAlchemyError
+from sqlalchemy.orm import Session
+
+from retention.planner import RetentionClassSpec, SegmentRetention
+from server.gateway.admission import Limits
+from server.gateway.context import PoolRef, TenantContext
+from server.gateway.errors import ServingError
+from tenants.auth import authenticate_key, touch_keys_last_used
+from tenants.snapshots import AuthenticatedTenant
+
+
+def to_context(snapshot: AuthenticatedTenant) -> TenantContext:
+    pool, cls, lim = snapshot.pool, snapshot.retention, snapshot.limits
+    seg = lambda s: SegmentRetention(s.priority, s.duration_ms)  # noqa: E731
+    return TenantContext(
+        tenant_id=snapshot.tenant_id, slug=snapshot.slug, status=snapshot.status, isolation=snapshot.isolation,
+        cache_salt=snapshot.cache_salt,
+        limits=Limits(lim.rpm, lim.tpm, lim.max_concurrent_requests, lim.max_prompt_tokens, lim.max_output_tokens),
+        kv_quota_fraction=snapshot.kv_quota_fraction,
+        pool=PoolRef(pool.name, pool.model_name, pool.triton_url, pool.triton_model, pool.engine_spec,
+                     pool.tokens_per_block, pool.primary_blocks, pool.secondary_blocks,
+                     pool.secondary_offload_min_priority),
+        retention=RetentionClassSpec(seg(cls.system), seg(cls.context), seg(cls.turn), seg(cls.decode)),
+        key_id=snapshot.key_id,
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class _Entry:
+    expires: float
+    snapshot: AuthenticatedTenant | None
+
+
+class KeyAuthenticator:
+    def __init__(self, session_factory: Callable[[], Session], *, pepper: str, ttl: float = 5.0,
+                 max_entries: int = 10_000, clock: Callable[[], float] = time.monotonic) -> None:
+        self._sessions = session_factory
+        self._pepper = pepper
+        self._ttl = ttl
+        self._max = max_entries
+        self._clock = clock
+        self._cache: OrderedDict[bytes, _Entry] = OrderedDict()
+        self._used: set[int] = set()
+
+    def clear(self) -> None:
+        self._cache.clear()
+
+    def _lookup(self, plaintext: str) -> AuthenticatedTenant | None:
+        with self._sessions() as session:
+            return authenticate_key(session, plaintext=plaintext, pepper=self._pepper, now=datetime.now(UTC))
+
+    async def authenticate(self, authorization: str | None) -> TenantContext:
+        """The tenant behind ``Authorization: Bearer kvg_...`` or a 401/403 :class:`ServingError`."""
+        if not authorization or not authorization[:7].lower() == "bearer ":
+            raise ServingError(401, "invalid_api_key", "missing API key: send 'Authorization: Bearer kvg_...'")
+        plaintext = authorization[7:].strip()
+        digest = hashlib.sha256(plaintext.encode("utf-8", "surrogatepass")).digest()
+        now = self._clock()
+        entry = self._cache.get(digest)
+        if entry is None or entry.expires <= now:
+            try:
+                snapshot = await anyio.to_thread.run_sync(self._lookup, plaintext)
+            except SQLAlchemyError as exc:
+                if entry is not None and entry.snapshot is not None:
+                    snapshot = entry.snapshot  # registry down: serve the last known answer
+                else:
+                    raise ServingError(503, "registry_unavailable", "the tenant registry is unavailable; retry shortly",
+                                       headers={"Retry-After": "1"}) from exc
+            else:
+                entry = _Entry(now + self._ttl, snapshot)
+                self._cache[digest] = entry
+                self._cache.move_to_end(digest)
+                while len(self._cache) > self._max:
+                    self._cache.popitem(last=False)
+        else:
+            snapshot = entry.snapshot
+        if snapshot is None or snapshot.key_revoked or snapshot.key_expired:
+            raise ServingError(401, "invalid_api_key", "invalid, revoked or expired API key")
+        if snapshot.status != "active":
+            raise ServingError(403, "tenant_suspended", f"tenant '{snapshot.slug}' is suspended")
+        self._used.add(snapshot.key_id)
+        return to_context(snapshot)
+
+    def _touch(self, ids: list[int]) -> None:
+        with self._sessions() as session:
+            touch_keys_last_used(session, key_ids=ids, now=datetime.now(UTC))
+
+    async def flush_last_used(self) -> int:
+        """Write ``last_used_at`` for keys used since the last flush; keeps them on failure."""
+        if not self._used:
+            return 0
+        ids, self._used = sorted(self._used), set()
+        try:
+            await anyio.to_thread.run_sync(self._touch, ids)
+        except SQLAlchemyError:
+            self._used.update(ids)
+            return 0
+        return len(ids)

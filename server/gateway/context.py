@@ -1,0 +1,49 @@
+"""What the gateway knows about an authenticated request's tenant and pool.
+
+A frozen snapshot taken from the registry at authentication time (and cached with the
+key for the auth TTL), so a request never touches the database after auth.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from retention.planner import RetentionClassSpec
+from server.gateway.admission import Limits
+
+
+@dataclass(frozen=True, slots=True)
+class PoolRef:
+    name: str
+    model_name: str
+    triton_url: str
+    triton_model: str
+    engine_spec: str
+    tokens_per_block: int
+    primary_blocks: int
+    secondary_blocks: int
+    offload_min_priority: int
+
+
+@dataclass(frozen=True, slots=True)
+class TenantContext:
+    tenant_id: int
+    slug: str
+    status: str
+    isolation: str  # shared | salted | dedicated
+    cache_salt: str
+    limits: Limits
+    kv_quota_fraction: float
+    pool: PoolRef
+    retention: RetentionClassSpec
+    key_id: int
+
+    @property
+    def engine_tenant_id(self) -> str:
+        """The id the engine attributes blocks to (stable, not secret)."""
+        return str(self.tenant_id)
+
+    @property
+    def engine_salt(self) -> str | None:
+        """Cache salt sent to the engine: none for ``shared`` (prefixes shared across tenants)."""
+        return None if self.isolation == "shared" else self.cache_salt

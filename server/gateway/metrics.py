@@ -1,0 +1,117 @@
+"""The one place where gateway and pool statistics become Prometheus metrics.
+
+Everything is registered on the ``registry`` passed in (a fresh one per app and per
+test). Per-request series are labelled with the tenant's registry slug and the pool
+name (both bounded by the registry); pool gauges are produced at scrape time by a
+custom collector from the latest engine stats snapshots, so a scrape never calls an
+engine. Names carry units (``_seconds``, ``_total``) and the ``kvgate_`` prefix; the
+dashboards in ``deploy/`` read exactly these names.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from engines.contract import KvMetrics, PoolStatsReport
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+
+
+@dataclass(frozen=True, slots=True)
+class PoolSnapshot:
+    """What the collector needs from one pool at scrape time."""
+
+    pool: str
+    stats: PoolStatsReport
+    tenant_slugs: Mapping[str, str]  # engine tenant id -> registry slug (unknown ids are not exported)
+    tenant_quota_blocks: Mapping[str, float]  # slug -> primary blocks allowed by its kv_quota_fraction
+    demoted: Mapping[str, bool]  # slug -> currently demoted for quota
+
+
+class PoolStatsCollector(Collector):
+    def __init__(self, snapshots: Callable[[], Iterable[PoolSnapshot]]) -> None:
+        self._snapshots = snapshots
+
+    def describe(self):
+        return []
+
+    def collect(self):
+        blocks = GaugeMetricFamily("kvgate_pool_blocks", "KV blocks per pool, tier and state", labels=["pool", "tier", "state"])
+        tenant_blocks = GaugeMetricFamily("kvgate_tenant_kv_blocks", "KV blocks a tenant holds", labels=["tenant", "pool", "tier"])
+        quota = GaugeMetricFamily("kvgate_tenant_kv_quota_ratio", "Primary blocks held / blocks allowed by the KV quota", labels=["tenant", "pool"])
+        demoted = GaugeMetricFamily("kvgate_tenant_kv_demoted", "1 while the tenant's new blocks are demoted for quota", labels=["tenant", "pool"])
+        hit_rate = GaugeMetricFamily("kvgate_pool_cache_hit_rate", "Engine-reported KV block hit rate", labels=["pool"])
+        counters = {
+            name: CounterMetricFamily(f"kvgate_pool_{name}_blocks", f"KV blocks {name} by the engine since it started", labels=["pool"])
+            for name in ("offloaded", "onboarded", "evicted", "reused", "missed")
+        }
+        for snap in self._snapshots():
+            s = snap.stats
+            for tier_name, tier in (("primary", s.primary), ("secondary", s.secondary)):
+                blocks.add_metric([snap.pool, tier_name, "used"], tier.used_blocks)
+                blocks.add_metric([snap.pool, tier_name, "free"], tier.free_blocks)
+                blocks.add_metric([snap.pool, tier_name, "max"], tier.max_blocks)
+            hit_rate.add_metric([snap.pool], s.cache_hit_rate)
+            counters["offloaded"].add_metric([snap.pool], s.offloaded_blocks)
+            counters["onboarded"].add_metric([snap.pool], s.onboarded_blocks)
+            counters["evicted"].add_metric([snap.pool], s.evicted_blocks)
+            counters["reused"].add_metric([snap.pool], s.reused_blocks)
+            counters["missed"].add_metric([snap.pool], s.missed_blocks)
+            for tenant_id, (primary, secondary) in s.tenants.items():
+                slug = snap.tenant_slugs.get(tenant_id)
+                if slug is None:
+                    continue
+                tenant_blocks.add_metric([slug, snap.pool, "primary"], primary)
+                tenant_blocks.add_metric([slug, snap.pool, "secondary"], secondary)
+            for slug, allowed in snap.tenant_quota_blocks.items():
+                held = next((p for tid, (p, _) in s.tenants.items() if snap.tenant_slugs.get(tid) == slug), 0)
+                quota.add_metric([slug, snap.pool], held / allowed if allowed > 0 else 0.0)
+                demoted.add_metric([slug, snap.pool], 1.0 if snap.demoted.get(slug) else 0.0)
+        yield blocks
+        yield tenant_blocks
+        yield quota
+        yield demoted
+        yield hit_rate
+        yield from counters.values()
+
+
+class GatewayMetrics:
+    """Per-request metrics, labelled by tenant slug and pool."""
+
+    def __init__(self, registry: CollectorRegistry, snapshots: Callable[[], Iterable[PoolSnapshot]] | None = None) -> None:
+        self.registry = registry
+        tp = ["tenant", "pool"]
+        self.requests = Counter("kvgate_requests", "Serving requests by outcome", tp + ["status"], registry=registry)
+        self.prompt_tokens = Counter("kvgate_prompt_tokens", "Prompt tokens admitted", tp, registry=registry)
+        self.completion_tokens = Counter("kvgate_completion_tokens", "Completion tokens generated", tp, registry=registry)
+        self.ttft = Histogram("kvgate_ttft_seconds", "Time to first token", tp, buckets=_LATENCY_BUCKETS, registry=registry)
+        self.latency = Histogram("kvgate_request_duration_seconds", "End-to-end request latency", tp, buckets=_LATENCY_BUCKETS, registry=registry)
+        self.kv_reused = Counter("kvgate_kv_blocks_reused", "KV blocks reused from cache (GPU or host)", tp, registry=registry)
+        self.kv_new = Counter("kvgate_kv_blocks_new", "KV blocks newly allocated", tp, registry=registry)
+        self.kv_onboarded = Counter("kvgate_kv_blocks_onboarded", "KV blocks onboarded from the host tier", tp, registry=registry)
+        self.rate_limited = Counter("kvgate_rate_limited", "Requests refused by admission", ["tenant", "limit"], registry=registry)
+        self.quota_demotions = Counter("kvgate_quota_demotions", "Requests planned with quota demotion", tp, registry=registry)
+        if snapshots is not None:
+            registry.register(PoolStatsCollector(snapshots))
+
+    def observe_request(self, *, tenant: str, pool: str, status: str, prompt_tokens: int, completion_tokens: int,
+                        ttft: float | None, latency: float, kv: KvMetrics | None, demoted: bool) -> None:
+        self.requests.labels(tenant, pool, status).inc()
+        if prompt_tokens:
+            self.prompt_tokens.labels(tenant, pool).inc(prompt_tokens)
+        if completion_tokens:
+            self.completion_tokens.labels(tenant, pool).inc(completion_tokens)
+        if ttft is not None:
+            self.ttft.labels(tenant, pool).observe(ttft)
+        self.latency.labels(tenant, pool).observe(latency)
+        if kv is not None:
+            self.kv_reused.labels(tenant, pool).inc(kv.reused_blocks)
+            self.kv_new.labels(tenant, pool).inc(kv.new_blocks)
+            self.kv_onboarded.labels(tenant, pool).inc(kv.onboarded_blocks)
+        if demoted:
+            self.quota_demotions.labels(tenant, pool).inc()

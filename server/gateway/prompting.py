@@ -1,0 +1,102 @@
+"""Chat template + tokenization with exact segment boundaries.
+
+The gateway owns tokenization so it knows where each retention segment starts::
+
+    | system (leading system messages,  | context (earlier turns, tool   | turn (last user message |
+    |  or the template's default one)   |  results, documents)           |  + generation prompt)   |
+    0                              system_end                      context_end                  total
+
+Boundaries come from rendering message-list prefixes with the model's own chat
+template (each must be a text prefix of the full rendering, else the boundary falls
+back to the previous one), and each segment's text is tokenized on its own. That
+makes a segment's tokens a function of its text alone: the same system prompt always
+yields the same token ids, so it always hits the same cached blocks.
+
+For ``/v1/completions`` (a raw prompt, no roles) the whole prompt is context.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from engines.tokenizer import ChatTokenizer
+
+
+@dataclass(frozen=True, slots=True)
+class PreparedPrompt:
+    input_ids: tuple[int, ...]
+    system_end: int
+    context_end: int
+
+    @property
+    def total(self) -> int:
+        return len(self.input_ids)
+
+
+def _last_user_index(messages: Sequence[Mapping[str, Any]]) -> int:
+    for index in range(len(messages) - 1, -1, -1):
+        if messages[index].get("role") == "user":
+            return index
+    return len(messages)
+
+
+def _prefix_chars(tokenizer: ChatTokenizer, full: str, messages: Sequence[Mapping[str, Any]], floor: int) -> int:
+    if not messages:
+        return floor
+    try:
+        text = tokenizer.render_chat(messages, add_generation_prompt=False)
+    except Exception:  # a template that refuses a partial conversation: no boundary here
+        return floor
+    return len(text) if full.startswith(text) and len(text) >= floor else floor
+
+
+def prepare_chat(tokenizer: ChatTokenizer, messages: Sequence[Mapping[str, Any]]) -> PreparedPrompt:
+    """Render ``messages`` with the chat template and mark the segment boundaries."""
+    full = tokenizer.render_chat(messages, add_generation_prompt=True)
+    leading_system = 0
+    while leading_system < len(messages) and messages[leading_system].get("role") in ("system", "developer"):
+        leading_system += 1
+    last_user = _last_user_index(messages)
+    # With no system message, the template may insert its default one: render a single
+    # user message and cut at that message's start marker to find it.
+    if leading_system:
+        system_chars = _prefix_chars(tokenizer, full, messages[:leading_system], 0)
+    else:
+        system_chars = _default_system_chars(tokenizer, full, messages)
+    context_chars = _prefix_chars(tokenizer, full, messages[:last_user], system_chars)
+    pieces = (full[:system_chars], full[system_chars:context_chars], full[context_chars:])
+    ids: list[int] = []
+    ends: list[int] = []
+    for piece in pieces:
+        if piece:
+            ids.extend(tokenizer.encode(piece))
+        ends.append(len(ids))
+    return PreparedPrompt(tuple(ids), ends[0], ends[1])
+
+
+def _default_system_chars(tokenizer: ChatTokenizer, full: str, messages: Sequence[Mapping[str, Any]]) -> int:
+    """Where the template's default system prompt (if any) ends, for chats without one.
+
+    Two renderings that differ only in the first message's content share a prefix that
+    ends inside that message; its start is the role-opening special token (``<|...``)
+    before the role name (ChatML ``<|im_start|>user``, Llama-3 ``<|start_header_id|>user``).
+    """
+    role = str(messages[0].get("role", "user")) if messages else "user"
+    try:
+        first = tokenizer.render_chat([{"role": role, "content": "\x00"}], add_generation_prompt=False)
+        second = tokenizer.render_chat([{"role": role, "content": "\x01"}], add_generation_prompt=False)
+    except Exception:
+        return 0
+    common = next((i for i, (a, b) in enumerate(zip(first, second, strict=False)) if a != b), 0)
+    role_at = first.rfind(role, 0, common)
+    start = first.rfind("<|", 0, role_at) if role_at > 0 else -1
+    if start <= 0 or not full.startswith(first[:start]):
+        return 0
+    return start
+
+
+def prepare_completion(tokenizer: ChatTokenizer, prompt: str) -> PreparedPrompt:
+    ids = tuple(tokenizer.encode(prompt))
+    return PreparedPrompt(ids, 0, len(ids))
