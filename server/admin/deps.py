@@ -1,0 +1,75 @@
+"""Dependencies of the admin routes, as ``Annotated`` aliases.
+
+Everything comes from ``request.app.state`` (set by ``create_admin_app``): no globals,
+so tests build as many apps as they like side by side.
+"""
+
+from __future__ import annotations
+
+import hmac
+from collections.abc import Iterator
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Annotated
+
+from fastapi import Depends, Query, Request
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from sqlalchemy.orm import Session
+
+from server.errors import ApiError
+from server.settings import Settings
+
+_bearer = HTTPBearer(auto_error=False, description="an admin token from KVGATE_ADMIN_TOKENS")
+
+
+def get_settings(request: Request) -> Settings:
+    return request.app.state.settings
+
+
+def get_session(request: Request) -> Iterator[Session]:
+    with request.app.state.session_factory() as session:
+        yield session
+
+
+def get_now(request: Request) -> datetime:
+    return request.app.state.clock()
+
+
+def require_admin(
+    request: Request,
+    credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)],
+) -> str:
+    """The caller's actor id, if its bearer token matches a configured admin token.
+
+    Every configured token is compared (``hmac.compare_digest``), so timing does not say
+    which one matched or how many there are.
+    """
+    presented = credentials.credentials.encode() if credentials is not None else b""
+    actor = None
+    for candidate_actor, token in request.app.state.admin_credentials:
+        if hmac.compare_digest(presented, token.encode()) and credentials is not None:
+            actor = candidate_actor
+    if actor is None:
+        raise ApiError(401, "unauthorized", "a valid admin bearer token is required",
+                       headers={"WWW-Authenticate": "Bearer"})
+    return actor
+
+
+@dataclass(frozen=True, slots=True)
+class PageParams:
+    limit: int
+    offset: int
+
+
+def page_params(
+    limit: Annotated[int, Query(ge=1, le=500, description="page size, 1..500")] = 50,
+    offset: Annotated[int, Query(ge=0, description="rows to skip")] = 0,
+) -> PageParams:
+    return PageParams(limit=limit, offset=offset)
+
+
+SettingsDep = Annotated[Settings, Depends(get_settings)]
+SessionDep = Annotated[Session, Depends(get_session)]
+NowDep = Annotated[datetime, Depends(get_now)]
+AdminActor = Annotated[str, Depends(require_admin)]
+Paging = Annotated[PageParams, Depends(page_params)]

@@ -1,0 +1,265 @@
+"""Admin API schemas: ``XCreate`` / ``XUpdate`` / ``XPublic`` per resource.
+
+Create/Update forbid unknown fields (so ``cache_salt`` or a typo is a 422 naming the
+field). Bounds here mirror ``tenants.validation`` so OpenAPI documents them; the
+services re-check, so the CLI gets the same rules. No schema exposes ``cache_salt``
+or a key hash; the key plaintext appears only in ``ApiKeyCreated``.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Annotated, Generic, Literal, TypeVar
+
+from pydantic import BaseModel, ConfigDict, Field
+
+Priority = Annotated[int, Field(ge=0, le=100, description="TensorRT-LLM retention priority, 0..100")]
+Duration = Annotated[int | None, Field(ge=0, description="milliseconds; null = never expires")]
+Name = Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[a-z0-9][a-z0-9._-]*$", description="lowercase name, not all digits")]
+Ref = Annotated[int | str, Field(description="id or name")]
+PositiveInt = Annotated[int, Field(ge=1, le=2**31 - 1)]
+Isolation = Literal["shared", "salted", "dedicated"]
+
+T = TypeVar("T")
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class Public(BaseModel):
+    model_config = ConfigDict(from_attributes=True)
+
+
+class PageOf(BaseModel, Generic[T]):
+    items: list[T]
+    total: int
+    limit: int
+    offset: int
+
+
+# --- pools ---------------------------------------------------------------------------------
+
+
+class PoolCreate(Strict):
+    name: Name
+    model_name: str = Field(min_length=1, max_length=128, description="what /v1/models shows")
+    triton_url: str = Field(min_length=1, max_length=256, description="Triton gRPC host:port")
+    triton_model: str = Field("kvgate_llm", min_length=1, max_length=128)
+    engine_spec: str = Field("", max_length=128)
+    tokens_per_block: int = Field(32, ge=1, le=4096)
+    primary_blocks: PositiveInt
+    secondary_blocks: int = Field(0, ge=0, le=2**31 - 1)
+    secondary_offload_min_priority: Priority = 35
+
+
+class PoolUpdate(Strict):
+    version: int
+    name: Name | None = None
+    model_name: str | None = Field(None, min_length=1, max_length=128)
+    triton_url: str | None = Field(None, min_length=1, max_length=256)
+    triton_model: str | None = Field(None, min_length=1, max_length=128)
+    engine_spec: str | None = Field(None, max_length=128)
+    tokens_per_block: int | None = Field(None, ge=1, le=4096)
+    primary_blocks: PositiveInt | None = None
+    secondary_blocks: int | None = Field(None, ge=0, le=2**31 - 1)
+    secondary_offload_min_priority: Priority | None = None
+
+
+class PoolPublic(Public):
+    id: int
+    name: str
+    model_name: str
+    triton_url: str
+    triton_model: str
+    engine_spec: str
+    tokens_per_block: int
+    primary_blocks: int
+    secondary_blocks: int
+    secondary_offload_min_priority: int
+    version: int
+    created_at: datetime
+    updated_at: datetime
+
+
+# --- retention classes -----------------------------------------------------------------------
+
+
+class RetentionClassCreate(Strict):
+    name: Name
+    description: str = Field("", max_length=2000)
+    system_priority: Priority = 90
+    system_duration_ms: Duration = None
+    context_priority: Priority = 60
+    context_duration_ms: Duration = 600_000
+    turn_priority: Priority = 35
+    turn_duration_ms: Duration = 30_000
+    decode_priority: Priority = 35
+    decode_duration_ms: Duration = 30_000
+
+
+class RetentionClassUpdate(Strict):
+    version: int
+    name: Name | None = None
+    description: str | None = Field(None, max_length=2000)
+    system_priority: Priority | None = None
+    system_duration_ms: Duration = None
+    context_priority: Priority | None = None
+    context_duration_ms: Duration = None
+    turn_priority: Priority | None = None
+    turn_duration_ms: Duration = None
+    decode_priority: Priority | None = None
+    decode_duration_ms: Duration = None
+
+
+class RetentionClassPublic(Public):
+    id: int
+    name: str
+    description: str
+    system_priority: int
+    system_duration_ms: int | None
+    context_priority: int
+    context_duration_ms: int | None
+    turn_priority: int
+    turn_duration_ms: int | None
+    decode_priority: int
+    decode_duration_ms: int | None
+    version: int
+    created_at: datetime
+    updated_at: datetime
+
+
+# --- tenants ----------------------------------------------------------------------------------
+
+
+class TenantCreate(Strict):
+    slug: Name
+    display_name: str = Field(min_length=1, max_length=256)
+    pool: Ref
+    retention_class: Ref
+    isolation: Isolation = "salted"
+    kv_quota_fraction: float = Field(0.5, gt=0, le=1)
+    rpm_limit: PositiveInt = 600
+    tpm_limit: PositiveInt = 200_000
+    max_concurrent_requests: PositiveInt = 16
+    max_prompt_tokens: PositiveInt = 8192
+    max_output_tokens: PositiveInt = 1024
+
+
+class TenantUpdate(Strict):
+    version: int
+    display_name: str | None = Field(None, min_length=1, max_length=256)
+    pool: Ref | None = None
+    retention_class: Ref | None = None
+    isolation: Isolation | None = None
+    kv_quota_fraction: float | None = Field(None, gt=0, le=1)
+    rpm_limit: PositiveInt | None = None
+    tpm_limit: PositiveInt | None = None
+    max_concurrent_requests: PositiveInt | None = None
+    max_prompt_tokens: PositiveInt | None = None
+    max_output_tokens: PositiveInt | None = None
+
+
+class StatusChange(Strict):
+    version: int | None = Field(None, description="optional optimistic-concurrency check")
+
+
+class TenantPublic(Public):
+    id: int
+    slug: str
+    display_name: str
+    status: str
+    pool_id: int
+    pool: str
+    retention_class_id: int
+    retention_class: str
+    isolation: str
+    kv_quota_fraction: float
+    rpm_limit: int
+    tpm_limit: int
+    max_concurrent_requests: int
+    max_prompt_tokens: int
+    max_output_tokens: int
+    version: int
+    created_at: datetime
+    updated_at: datetime
+
+
+class SegmentViewPublic(Public):
+    segment: str
+    priority: int
+    duration_ms: int | None
+    tier_on_eviction: Literal["host", "dropped"]
+
+
+class RetentionViewPublic(BaseModel):
+    tenant: str
+    pool: str
+    secondary_offload_min_priority: int
+    secondary_blocks: int
+    segments: list[SegmentViewPublic]
+
+
+class TenantDetail(TenantPublic):
+    retention_view: list[SegmentViewPublic]
+
+
+# --- API keys --------------------------------------------------------------------------------
+
+
+class ApiKeyCreate(Strict):
+    name: str = Field("", max_length=128)
+    expires_at: datetime | None = Field(None, description="timezone-aware; null = never")
+
+
+class ApiKeyPublic(Public):
+    id: int
+    tenant_id: int
+    prefix: str
+    name: str
+    created_at: datetime
+    last_used_at: datetime | None
+    expires_at: datetime | None
+    revoked_at: datetime | None
+
+
+class ApiKeyCreated(ApiKeyPublic):
+    key: str = Field(description="the plaintext key; shown once, never retrievable again")
+
+
+# --- audit and usage -------------------------------------------------------------------------
+
+
+class AuditEventPublic(Public):
+    id: int
+    at: datetime
+    actor: str
+    action: str
+    entity_type: str
+    entity_id: str
+    before: dict | None
+    after: dict | None
+
+
+class UsageMinutePublic(Public):
+    minute: datetime
+    requests: int
+    prompt_tokens: int
+    completion_tokens: int
+
+
+class UsageTotalsPublic(Public):
+    requests: int
+    prompt_tokens: int
+    completion_tokens: int
+
+
+class UsageReportPublic(BaseModel):
+    tenant: str
+    start: datetime | None
+    end: datetime | None
+    total: UsageTotalsPublic
+    items: list[UsageMinutePublic]
+    total_minutes: int
+    limit: int
+    offset: int

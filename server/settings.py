@@ -1,0 +1,103 @@
+"""kvgate settings: one pydantic-settings class, environment prefix ``KVGATE_``.
+
+Invariant: ``check_serving_secrets`` refuses empty or placeholder admin tokens and key
+pepper unless ``dev`` is set; ``create_app`` calls it, so a production server never
+starts with guessable secrets. Lists such as ``KVGATE_ADMIN_TOKENS`` are comma-separated;
+an entry ``name:token`` names the audit actor, a bare token gets a hash-derived id.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import secrets
+from pathlib import Path
+from typing import Annotated
+
+from pydantic import Field, field_validator
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
+
+from tenants.db import DEFAULT_DATABASE_URL
+
+PLACEHOLDERS = frozenset({
+    "", "changeme", "change-me", "change_me", "changethis", "secret", "password", "admin", "token",
+    "test", "dev", "kvgate", "xxx", "todo", "placeholder",
+})
+MIN_SECRET_LEN = 16
+# Dev mode only: a fixed pepper keeps dev keys valid across restarts. Never for production.
+DEV_KEY_PEPPER = "kvgate-dev-pepper-NOT-FOR-PRODUCTION"
+DEV_TOKEN_FILE = ".kvgate-dev-admin-token"
+
+
+class SettingsError(ValueError):
+    """The configuration cannot be served (e.g. placeholder secrets outside dev mode)."""
+
+
+def _is_placeholder(value: str) -> bool:
+    return value.strip().lower() in PLACEHOLDERS or len(value.strip()) < MIN_SECRET_LEN
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="KVGATE_", env_file=None, extra="ignore")
+
+    database_url: str = DEFAULT_DATABASE_URL
+    admin_tokens: Annotated[list[str], NoDecode] = Field(default_factory=list, repr=False)
+    key_pepper: str = Field(default="", repr=False)
+    dev: bool = False
+    host: str = "127.0.0.1"
+    port: int = Field(default=8000, ge=1, le=65535)
+    redis_url: str | None = None
+    log_level: str = "info"
+
+    @field_validator("admin_tokens", mode="before")
+    @classmethod
+    def _split_tokens(cls, value: object) -> object:
+        if isinstance(value, str):
+            return [part.strip() for part in value.split(",") if part.strip()]
+        return value
+
+    def admin_credentials(self) -> list[tuple[str, str]]:
+        """(actor id, token) pairs. The actor id is what audit events record, never the token."""
+        out = []
+        for entry in self.admin_tokens:
+            name, sep, token = entry.partition(":")
+            if sep and name and token:
+                out.append((f"admin:{name}", token))
+            else:
+                out.append((f"admin:{hashlib.sha256(entry.encode()).hexdigest()[:12]}", entry))
+        return out
+
+    def effective_key_pepper(self) -> str:
+        if self.key_pepper:
+            return self.key_pepper
+        return DEV_KEY_PEPPER if self.dev else ""
+
+    def check_serving_secrets(self) -> None:
+        """Raise ``SettingsError`` unless the secrets are real (or ``dev`` is set)."""
+        if self.dev:
+            return
+        creds = self.admin_credentials()
+        if not creds or any(_is_placeholder(token) for _, token in creds):
+            raise SettingsError(
+                "KVGATE_ADMIN_TOKENS is empty or holds a placeholder/short token "
+                f"(< {MIN_SECRET_LEN} chars); set real tokens or start in dev mode (--dev)"
+            )
+        if _is_placeholder(self.key_pepper):
+            raise SettingsError(
+                f"KVGATE_KEY_PEPPER is empty or a placeholder (< {MIN_SECRET_LEN} chars); "
+                "set a long random value or start in dev mode (--dev)"
+            )
+
+
+def with_dev_admin_token(settings: Settings, *, token_file: Path = Path(DEV_TOKEN_FILE)) -> tuple[Settings, str | None]:
+    """In dev mode without tokens: load (or create) a random token kept in ``token_file``.
+
+    Returns the settings to use and the token if one was supplied this way (for printing).
+    """
+    if not settings.dev or settings.admin_tokens:
+        return settings, None
+    token = token_file.read_text().strip() if token_file.exists() else ""
+    if not token:
+        token = "kvgdev_" + secrets.token_urlsafe(24)
+        token_file.write_text(token + "\n")
+        token_file.chmod(0o600)
+    return settings.model_copy(update={"admin_tokens": [f"dev:{token}"]}), token
