@@ -1,0 +1,706 @@
+"""The KV block pool: TensorRT-LLM V1 KV-manager semantics, two tiers, one implementation.
+
+The reference engine keeps its KV in this pool, and the simulator replays traces through
+it. Sources (TensorRT-LLM release/1.2):
+
+* ``cpp/tensorrt_llm/batch_manager/kvCacheManager.cpp``:
+  ``WindowBlockManager::addSequence`` (the last prompt token is never matched),
+  ``loadOrAllocateBlocks`` (match full blocks, priority override on reuse, onboarding),
+  ``getFreeBlock`` (offload iff the victim holds tokens, its priority is at or above the
+  threshold and a host block is free; otherwise the victim's descendants are dropped),
+  ``onboardBlock``, ``storeBlocks`` / ``releaseBlocks`` (store full blocks for reuse,
+  release in reverse order so a chain's leaf is the least recently released);
+* ``cpp/tensorrt_llm/batch_manager/evictionPolicy.cpp``: ``LRUEvictionPolicy``
+  (``getFreeBlock``: head of the lowest non-empty priority, offload flag ``level >=
+  mSecondaryOffloadMinPriority`` with default 30; ``releaseBlock``: a duration starts at
+  release if the priority is not 35; ``claimBlock``: an explicit priority overrides,
+  the duration is replaced; ``refresh``: expired blocks go back to priority 35);
+* ``cpp/include/tensorrt_llm/executor/executor.h``: ``KvCacheRetentionConfig``
+  (``getPerBlockRetentionPriorityDuration``: a block takes the range holding its first
+  token; uncovered blocks get no priority, i.e. 35 when new and unchanged when reused).
+
+Where kvgate deliberately differs (documented in docs/architecture.md, "Retention core"):
+only free *leaves* of a tier are victims (TensorRT-LLM's queue may hand out a non-leaf and
+then drop its subtree); content-free slots are used before any cached block; partial-block
+reuse is not modelled; a chain is never stored below a host block.
+
+Layout of one request (B = tokens_per_block)::
+
+    tokens   |<- block 0 ->|<- block 1 ->|<- block 2 ->|<- 3 (partial) ->|<- reserve ->|
+    matched  | reused (GPU)| reused(host→GPU onboard)  |   new            |  new        |
+    priority | plan range holding the block's first token                | decode      |
+
+Time: every mutating call takes ``now`` in seconds (any monotonic origin); durations are
+milliseconds. Nothing reads a clock.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections import deque
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from retention.blocks import Block
+from retention.events import CreatedEvent, KvEvent, RemovedEvent, StoredBlock, StoredEvent, UpdatedEvent
+from retention.free_lists import TierFreeLists
+from retention.hashing import chain_hash, pack_tokens, root_hash
+from retention.stats import PoolCounters, PoolStats
+from retention.types import DEFAULT_PLAN, DEFAULT_PRIORITY, MAX_PRIORITY, MIN_PRIORITY, RetentionPlan, Tier
+
+P, S = Tier.PRIMARY, Tier.SECONDARY
+
+
+class PoolError(ValueError):
+    """Misuse of the pool API (unknown or duplicate request id, bad sizes, bad tokens)."""
+
+
+@dataclass(frozen=True, slots=True)
+class PoolConfig:
+    """Pool shape; mirrors ``executor::KvCacheConfig`` (``executor.h``) where it can.
+
+    ``secondary_offload_min_priority`` defaults to TensorRT-LLM's *code* default 30
+    (``kDefaultSecondaryOffloadMinPriority`` in ``evictionPolicy.cpp``), inclusive.
+    ``event_buffer_max_size``: ``None`` keeps every event until drained, 0 disables
+    events, n keeps the newest n (``KvCacheConfig::eventBufferMaxSize``).
+    """
+
+    primary_blocks: int
+    secondary_blocks: int = 0
+    tokens_per_block: int = 32
+    secondary_offload_min_priority: int = 30
+    enable_block_reuse: bool = True
+    event_buffer_max_size: int | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("primary_blocks", "secondary_blocks", "tokens_per_block"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise PoolError(f"{name} must be an integer >= 0, got {value!r}")
+        if self.primary_blocks < 1 or self.tokens_per_block < 1:
+            raise PoolError("primary_blocks and tokens_per_block must be >= 1")
+        if not MIN_PRIORITY <= self.secondary_offload_min_priority <= MAX_PRIORITY + 1:
+            raise PoolError("secondary_offload_min_priority must be within [0, 101] (101 = never offload)")
+        if self.event_buffer_max_size is not None and self.event_buffer_max_size < 0:
+            raise PoolError("event_buffer_max_size must be None or >= 0")
+
+
+@dataclass(frozen=True, slots=True)
+class BlockCopy:
+    """A physical KV copy the engine must execute, in list order, before the prefill."""
+
+    src_tier: Tier
+    src_slot: int
+    dst_tier: Tier
+    dst_slot: int
+
+
+@dataclass(frozen=True, slots=True)
+class Allocation:
+    request_id: Hashable
+    slots: tuple[int, ...]  # primary-tier slot per logical block, in sequence order
+    num_cached_tokens: int  # prompt tokens already valid in those slots (full reused blocks)
+    reused_blocks: int  # blocks matched in the radix tree (GPU or host)
+    onboarded_blocks: int  # of those, copied host -> GPU for this request
+    new_blocks: int  # freshly allocated blocks
+    copies: tuple[BlockCopy, ...]  # offloads/onboards to run before this request's prefill
+
+
+@dataclass(slots=True)
+class _Sequence:
+    request_id: Hashable
+    tenant: str | None
+    salt_root: int
+    extra_key: bytes
+    plan: RetentionPlan
+    prompt_len: int
+    prompt_bytes: bytes
+    hashes: list[int]  # hashes of the prompt's full blocks
+    blocks: list[Block] = field(default_factory=list)
+    orphans: list[Block] = field(default_factory=list)  # own copies replaced by stored twins
+
+
+class BlockPool:
+    """Two-tier KV block pool with priorities, durations, offload/onboard, events, stats.
+
+    Invariants (``check_invariants``): each tier's blocks are EMPTY, CACHED or IN USE
+    (see ``retention/blocks.py``); the free lists hold exactly the EMPTY blocks and the
+    CACHED tier-leaves; every tree block is reachable from the root through ``parent``;
+    a host block is never referenced and has only host children; no call changes any
+    state when it returns ``None``.
+    """
+
+    def __init__(self, config: PoolConfig) -> None:
+        self._config = config
+        self._bpt = config.tokens_per_block
+        self._blocks: tuple[list[Block], list[Block]] = (
+            [Block(P, i) for i in range(config.primary_blocks)],
+            [Block(S, i) for i in range(config.secondary_blocks)],
+        )
+        self._free = (TierFreeLists(), TierFreeLists())
+        for tier in (P, S):
+            for block in self._blocks[tier]:
+                self._free[tier].add_empty(block)
+        self._num_free_primary = config.primary_blocks  # blocks with ref_count == 0
+        self._cached: dict[int, Block] = {}
+        self._seqs: dict[Hashable, _Sequence] = {}
+        self._seq_counter = 0
+        self._expiry: list[tuple[float, int, Block]] = []
+        self._expiry_counter = 0
+        self._counters = PoolCounters()
+        self._tenants: dict[str, list[int]] = {}
+        maxlen = config.event_buffer_max_size
+        self._events_on = maxlen != 0
+        self._events: deque[KvEvent] = deque(maxlen=maxlen)
+        self._event_id = 0
+        self._emit(lambda i: CreatedEvent(i, (config.primary_blocks, config.secondary_blocks)))
+
+    # ------------------------------------------------------------------ queries
+    @property
+    def config(self) -> PoolConfig:
+        return self._config
+
+    def num_free_blocks(self, tier: Tier = P) -> int:
+        """Blocks with no reference: for the host tier, every block (host blocks are never referenced)."""
+        return self._num_free_primary if tier == P else self._config.secondary_blocks
+
+    def lookup(self, tokens: Sequence[int], *, salt: str | None, extra_key: bytes = b"") -> tuple[int, int, int]:
+        """(matched blocks, of which primary, of which secondary) that ``allocate`` would reuse now.
+
+        Pure: no state change. Matching stops one token short of the prompt's end
+        (``WindowBlockManager::addSequence``: "the last token can't be recovered").
+        """
+        packed = pack_tokens(tokens)
+        path, _ = self._match(packed, len(packed) // 4, root_hash(salt), extra_key)
+        primary = sum(1 for b in path if b.tier == P)
+        return len(path), primary, len(path) - primary
+
+    def can_allocate(
+        self, tokens: Sequence[int], *, salt: str | None, reserve_tokens: int = 0, extra_key: bytes = b""
+    ) -> bool:
+        """Whether ``allocate`` would succeed now (ignoring expiries, which never change room)."""
+        packed = pack_tokens(tokens)
+        n = len(packed) // 4
+        path, _ = self._match(packed, n, root_hash(salt), extra_key)
+        return self._fits(path, self._num_blocks(n + reserve_tokens))
+
+    # ------------------------------------------------------------------ allocate
+    def allocate(
+        self,
+        request_id: Hashable,
+        tokens: Sequence[int],
+        *,
+        salt: str | None,
+        tenant: str | None,
+        plan: RetentionPlan = DEFAULT_PLAN,
+        now: float,
+        reserve_tokens: int = 0,
+        extra_key: bytes = b"",
+    ) -> Allocation | None:
+        """Give ``request_id`` blocks for ``tokens`` (+ ``reserve_tokens``), reusing its cached prefix.
+
+        Check-then-commit: returns ``None`` with no state change when the blocks do not
+        fit. Otherwise: matched primary blocks are claimed, matched host blocks onboarded,
+        the rest allocated (each allocation may offload or drop a victim). A reused block
+        takes the plan's priority/duration if a range covers its first token (else keeps its
+        priority); new prompt blocks take the covering range or 35; blocks past the prompt
+        take the decode priority/duration.
+        """
+        if request_id in self._seqs:
+            raise PoolError(f"request {request_id!r} already holds blocks")
+        if reserve_tokens < 0:
+            raise PoolError("reserve_tokens must be >= 0")
+        packed = pack_tokens(tokens)
+        n = len(packed) // 4
+        if n == 0:
+            raise PoolError("tokens must not be empty")
+        salt_root = root_hash(salt)
+        path, hashes = self._match(packed, n, salt_root, extra_key)
+        total = self._num_blocks(n + reserve_tokens)
+        if not self._fits(path, total):
+            return None
+        self._refresh(now)
+        bpt = self._bpt
+        seq = _Sequence(request_id, tenant, salt_root, extra_key, plan, n, packed, hashes)
+        copies: list[BlockCopy] = []
+        counters = self._counters
+        # Claim the whole matched path first so no victim search can pick a block of it.
+        for index, block in enumerate(path):
+            self._claim_reused(block, plan, index * bpt)
+        onboarded = 0
+        for block in path:
+            if block.tier == S:
+                self._onboard(block, copies)
+                onboarded += 1
+            seq.blocks.append(block)
+        counters.reused_blocks += len(path)
+        counters.reused_secondary_blocks += onboarded
+        counters.reused_primary_blocks += len(path) - onboarded
+        counters.missed_blocks += self._num_blocks(n) - len(path)
+        for index in range(len(path), total):
+            first = index * bpt
+            if first < n:
+                rng = _range_at(plan, first)
+                priority, duration = (DEFAULT_PRIORITY, None) if rng is None else rng
+            else:
+                priority, duration = plan.decode_priority, plan.decode_duration_ms
+            seq.blocks.append(self._take_new(priority, duration, tenant, copies))
+        self._seqs[request_id] = seq
+        return Allocation(
+            request_id=request_id,
+            slots=tuple(b.slot for b in seq.blocks),
+            num_cached_tokens=len(path) * bpt,
+            reused_blocks=len(path),
+            onboarded_blocks=onboarded,
+            new_blocks=total - len(path),
+            copies=tuple(copies),
+        )
+
+    def extend(self, request_id: Hashable, num_tokens: int, *, now: float) -> tuple[tuple[int, ...], tuple[BlockCopy, ...]] | None:
+        """Grow the sequence's capacity to ``num_tokens`` tokens; new blocks take the decode retention.
+
+        Returns (all slots, copies to run first), or ``None`` with no state change when
+        there is no room.
+        """
+        seq = self._seq(request_id)
+        needed = self._num_blocks(num_tokens) - len(seq.blocks)
+        if needed > 0:
+            if needed > self._num_free_primary:
+                return None
+            self._refresh(now)
+        copies: list[BlockCopy] = []
+        for _ in range(max(needed, 0)):
+            seq.blocks.append(
+                self._take_new(seq.plan.decode_priority, seq.plan.decode_duration_ms, seq.tenant, copies)
+            )
+        return tuple(b.slot for b in seq.blocks), tuple(copies)
+
+    # ------------------------------------------------------------------ release
+    def release(
+        self, request_id: Hashable, tokens: Sequence[int], *, now: float, num_computed_tokens: int | None = None
+    ) -> None:
+        """Store the sequence's full blocks for reuse and drop its references (also for cancellation).
+
+        ``tokens`` is the whole sequence (prompt + generated) and must start with the
+        prompt. Only the first ``num_computed_tokens`` tokens have valid KV; the default
+        is ``len(tokens) - 1``, TensorRT-LLM's assumption (``releaseBlocks``: the last
+        sampled token was never fed back). Every full block inside that span is stored
+        (``storeBlocks``: walk from the root, reuse matching nodes, insert the rest);
+        other blocks become empty. Blocks are released leaf-first; a block with a
+        duration and a priority other than 35 expires at ``now + duration``.
+        """
+        seq = self._seq(request_id)
+        packed = pack_tokens(tokens)
+        n = len(packed) // 4
+        if packed[: len(seq.prompt_bytes)] != seq.prompt_bytes:
+            raise PoolError(f"release tokens of {request_id!r} do not start with its prompt")
+        computed = n - 1 if num_computed_tokens is None else num_computed_tokens
+        computed = max(0, min(computed, n, len(seq.blocks) * self._bpt))
+        del self._seqs[request_id]
+        self._refresh(now)
+        if self._config.enable_block_reuse:
+            self._store(seq, packed, computed // self._bpt)
+        self._release_refs(seq.blocks, now)
+        self._release_refs(seq.orphans, now)
+
+    # ------------------------------------------------------------------ events, stats
+    def take_events(self) -> list[KvEvent]:
+        """Drain and return the queued events, oldest first."""
+        events = list(self._events)
+        self._events.clear()
+        return events
+
+    def stats(self) -> PoolStats:
+        c = self._counters
+        cfg = self._config
+        in_use = cfg.primary_blocks - self._num_free_primary
+        host_cached = cfg.secondary_blocks - self._free[S].empty.size
+        return PoolStats(
+            tokens_per_block=self._bpt,
+            max_num_blocks=cfg.primary_blocks,
+            free_num_blocks=self._num_free_primary,
+            used_num_blocks=in_use,
+            secondary_max_blocks=cfg.secondary_blocks,
+            secondary_free_blocks=self._free[S].empty.size,
+            secondary_used_blocks=host_cached,
+            cached_primary_blocks=len(self._cached) - host_cached,
+            alloc_total_blocks=c.alloc_total_blocks,
+            alloc_new_blocks=c.alloc_new_blocks,
+            reused_blocks=c.reused_blocks,
+            reused_primary_blocks=c.reused_primary_blocks,
+            reused_secondary_blocks=c.reused_secondary_blocks,
+            missed_blocks=c.missed_blocks,
+            offloaded_blocks=c.offloaded_blocks,
+            onboarded_blocks=c.onboarded_blocks,
+            evicted_primary_blocks=c.evicted_primary_blocks,
+            evicted_secondary_blocks=c.evicted_secondary_blocks,
+            expired_blocks=c.expired_blocks,
+        )
+
+    def tenant_blocks(self) -> dict[str, tuple[int, int]]:
+        """tenant -> (primary, secondary) blocks it holds, in use or cached (owner = who allocated it)."""
+        return {t: (c[0], c[1]) for t, c in self._tenants.items() if c[0] or c[1]}
+
+    def active_requests(self) -> int:
+        return len(self._seqs)
+
+    # ------------------------------------------------------------------ internals: matching
+    def _num_blocks(self, num_tokens: int) -> int:
+        return -(-num_tokens // self._bpt)
+
+    def _match(self, packed: bytes, n: int, parent_hash: int, extra_key: bytes) -> tuple[list[Block], list[int]]:
+        """Longest cached chain of full blocks (at most ``(n-1)//B``) and the hashes of all full blocks."""
+        width = self._bpt * 4
+        full = n // self._bpt
+        limit = (n - 1) // self._bpt if self._config.enable_block_reuse else 0
+        cached = self._cached
+        path: list[Block] = []
+        hashes: list[int] = []
+        parent: Block | None = None
+        matching = True
+        h = parent_hash
+        for i in range(full):
+            chunk = packed[i * width : (i + 1) * width]
+            h = chain_hash(h, chunk, extra_key)
+            hashes.append(h)
+            if matching and i < limit:
+                block = cached.get(h)
+                if block is not None and block.parent is parent and block.tokens == chunk:
+                    path.append(block)
+                    parent = block
+                    continue
+                matching = False
+        return path, hashes
+
+    def _fits(self, path: list[Block], total: int) -> bool:
+        onboard = sum(1 for b in path if b.tier == S)
+        free_on_path = sum(1 for b in path if b.tier == P and b.ref_count == 0)
+        return onboard + total - len(path) <= self._num_free_primary - free_on_path
+
+    def _seq(self, request_id: Hashable) -> _Sequence:
+        try:
+            return self._seqs[request_id]
+        except KeyError:
+            raise PoolError(f"unknown request {request_id!r}") from None
+
+    # ------------------------------------------------------------------ internals: claiming
+    def _claim_reused(self, block: Block, plan: RetentionPlan, first_token: int) -> None:
+        """``LRUEvictionPolicy::claimBlock`` for a matched block: override priority, replace duration."""
+        if block.free_list is not None:
+            self._free[block.tier].remove(block)
+        if block.tier == P and block.ref_count == 0:
+            self._num_free_primary -= 1
+        rng = _range_at(plan, first_token)
+        if rng is not None and rng[0] != block.priority:
+            old = block.priority
+            block.priority = rng[0]
+            self._emit(lambda i: UpdatedEvent(i, block.block_hash, priority=(old, rng[0])))
+        block.duration_ms = None if rng is None else rng[1]
+        block.expires_at = None
+        # Host blocks are referenced too until onboarded, so no victim search in this
+        # call can treat them (or their ancestors) as free.
+        block.ref_count += 1
+
+    def _onboard(self, block: Block, copies: list[BlockCopy]) -> None:
+        """``WindowBlockManager::onboardBlock``: copy a host block into a free GPU slot, swap slots."""
+        target = self._take_primary(copies)
+        copies.append(BlockCopy(S, block.slot, P, target.slot))
+        host_slot = block.slot
+        block.tier, block.slot = P, target.slot
+        target.tier, target.slot = S, host_slot
+        self._free[S].add_empty(target)
+        if block.parent is not None and block.parent.tier == P:
+            block.parent.num_primary_children += 1
+        self._count(block, S, -1)
+        self._count(block, P, +1)
+        self._counters.onboarded_blocks += 1
+        self._emit(lambda i: UpdatedEvent(i, block.block_hash, cache_level=(S, P)))
+
+    def _take_new(self, priority: int, duration: int | None, tenant: str | None, copies: list[BlockCopy]) -> Block:
+        block = self._take_primary(copies)
+        block.priority = priority
+        block.duration_ms = duration
+        block.ref_count = 1
+        block.tenant = tenant
+        self._count(block, P, +1)
+        return block
+
+    def _take_primary(self, copies: list[BlockCopy]) -> Block:
+        """``WindowBlockManager::getFreeBlock``: an empty GPU block, offloading or dropping a victim.
+
+        Returns an EMPTY primary block outside every list (the caller claims it).
+        """
+        free = self._free[P]
+        victim = free.peek_victim()
+        assert victim is not None, "caller checked room"
+        free.remove(victim)
+        self._num_free_primary -= 1
+        counters = self._counters
+        counters.alloc_total_blocks += 1
+        if not victim.in_tree:
+            counters.alloc_new_blocks += 1
+            return victim
+        host = None
+        if victim.priority >= self._config.secondary_offload_min_priority:
+            host = self._take_host()
+        if host is None:
+            self._drop_subtree(victim)
+            counters.evicted_primary_blocks += 1
+            return victim
+        # Offload: copy out first, then swap slots so the tree node moves to the host tier.
+        copies.append(BlockCopy(P, victim.slot, S, host.slot))
+        gpu_slot = victim.slot
+        victim.tier, victim.slot = S, host.slot
+        host.tier, host.slot = P, gpu_slot
+        victim.duration_ms = None  # offload keeps the priority, clears the duration
+        victim.expires_at = None
+        self._count(victim, P, -1)
+        self._count(victim, S, +1)
+        counters.offloaded_blocks += 1
+        self._emit(lambda i: UpdatedEvent(i, victim.block_hash, cache_level=(P, S)))
+        parent = victim.parent
+        if parent is not None:
+            parent.num_primary_children -= 1
+            self._maybe_free_leaf(parent)
+        self._seq_counter += 1
+        victim.release_seq = self._seq_counter
+        if not victim.children:
+            self._free[S].add_cached(victim, ordered=False)
+        return host
+
+    def _take_host(self) -> Block | None:
+        """A free host block (host priority then LRU, whatever the incoming block), emptied."""
+        if not self._config.secondary_blocks:
+            return None
+        free = self._free[S]
+        victim = free.peek_victim()
+        if victim is None:
+            return None
+        free.remove(victim)
+        if victim.in_tree:
+            victim_hash = victim.block_hash
+            self._detach(victim, relink_parent=True)
+            self._emit(lambda i: RemovedEvent(i, (victim_hash,)))  # type: ignore[arg-type]
+            self._counters.evicted_secondary_blocks += 1
+        return victim
+
+    # ------------------------------------------------------------------ internals: tree
+    def _drop_subtree(self, victim: Block) -> None:
+        """Remove a dropped GPU victim and its (host) descendants from the tree (``freeChildren``)."""
+        removed: list[int] = []
+        for node in reversed(victim.descendants()):
+            if node.free_list is not None:
+                self._free[S].remove(node)
+            removed.append(node.block_hash)  # type: ignore[arg-type]
+            self._detach(node, relink_parent=False)
+            self._free[S].add_empty(node)
+            self._counters.evicted_secondary_blocks += 1
+        removed.append(victim.block_hash)  # type: ignore[arg-type]
+        self._detach(victim, relink_parent=True)
+        self._emit(lambda i: RemovedEvent(i, tuple(removed)))
+
+    def _detach(self, block: Block, *, relink_parent: bool) -> None:
+        """Take a childless block out of the tree; it becomes content-free."""
+        parent = block.parent
+        del self._cached[block.block_hash]  # type: ignore[arg-type]
+        if parent is not None:
+            del parent.children[block.block_hash]  # type: ignore[index, arg-type]
+            if block.tier == P:
+                parent.num_primary_children -= 1
+            if relink_parent:
+                self._maybe_free_leaf(parent)
+        self._count(block, block.tier, -1)
+        block.block_hash = None
+        block.tokens = None
+        block.parent = None
+        block.children = None
+        block.tenant = None
+        block.priority = DEFAULT_PRIORITY
+        block.duration_ms = None
+        block.expires_at = None
+
+    def _maybe_free_leaf(self, block: Block) -> None:
+        """A cached, unreferenced block that just became a tier leaf joins its free list in LRU position."""
+        if block.ref_count == 0 and block.free_list is None and block.in_tree and block.is_tier_leaf():
+            self._free[block.tier].add_cached(block, ordered=True)
+
+    def _store(self, seq: _Sequence, packed: bytes, num_full: int) -> None:
+        """``WindowBlockManager::storeBlocks``: insert the sequence's unstored full blocks."""
+        width = self._bpt * 4
+        parent: Block | None = None
+        stored: list[Block] = []
+        hashes = seq.hashes
+        h = seq.salt_root
+        for i in range(num_full):
+            chunk = packed[i * width : (i + 1) * width]
+            h = hashes[i] if i < len(hashes) else chain_hash(h, chunk, seq.extra_key)
+            block = seq.blocks[i]
+            existing = self._cached.get(h)
+            if existing is not None:
+                if existing is block:
+                    parent = block
+                    continue
+                if existing.parent is not parent or existing.tokens != chunk or existing.tier == S:
+                    break  # hash collision, or a host twin: stop (never hang GPU blocks below host)
+                # A twin with the same KV was stored meanwhile: the sequence adopts it (takes a
+                # reference, so reference counts stay monotone along chains) and frees its own copy.
+                if existing.free_list is not None:
+                    self._free[P].remove(existing)
+                if existing.ref_count == 0:
+                    self._num_free_primary -= 1
+                existing.ref_count += 1
+                seq.orphans.append(block)
+                seq.blocks[i] = existing
+                parent = existing
+                continue
+            if block.in_tree:
+                break  # cannot happen for a consistent caller; never re-parent a tree node
+            block.block_hash = h
+            block.tokens = chunk
+            block.parent = parent
+            if parent is not None:  # referenced by this sequence, so in no free list
+                if parent.children is None:
+                    parent.children = {}
+                parent.children[h] = block
+                parent.num_primary_children += 1
+            self._cached[h] = block
+            stored.append(block)
+            parent = block
+        if stored:
+            first_parent = stored[0].parent
+            self._emit(
+                lambda i: StoredEvent(
+                    i,
+                    None if first_parent is None else first_parent.block_hash,
+                    tuple(
+                        StoredBlock(b.block_hash, tuple(np.frombuffer(b.tokens, "<i4").tolist()), P, b.priority)  # type: ignore[arg-type]
+                        for b in stored
+                    ),
+                )
+            )
+
+    def _release_refs(self, blocks: list[Block], now: float) -> None:
+        """Drop one reference per block, leaf first (``releaseBlocks`` walks in reverse)."""
+        free = self._free[P]
+        for block in reversed(blocks):
+            block.ref_count -= 1
+            if block.ref_count:
+                continue
+            self._num_free_primary += 1
+            if not block.in_tree:
+                self._count(block, P, -1)
+                block.tenant = None
+                block.priority = DEFAULT_PRIORITY
+                block.duration_ms = None
+                block.expires_at = None
+                free.add_empty(block)
+                continue
+            self._seq_counter += 1
+            block.release_seq = self._seq_counter
+            if block.duration_ms is not None and block.priority != DEFAULT_PRIORITY:
+                block.expires_at = now + block.duration_ms / 1000.0
+                self._expiry_counter += 1
+                heapq.heappush(self._expiry, (block.expires_at, self._expiry_counter, block))
+            if block.num_primary_children == 0:
+                free.add_cached(block, ordered=False)
+
+    def _refresh(self, now: float) -> None:
+        """``LRUEvictionPolicy::refresh``: free blocks whose duration ran out return to priority 35."""
+        heap = self._expiry
+        while heap and heap[0][0] <= now:
+            expires_at, _, block = heapq.heappop(heap)
+            if block.expires_at != expires_at or block.ref_count or not block.in_tree or block.tier != P:
+                continue  # stale entry: the block was reused, moved or dropped since
+            in_list = block.free_list is not None
+            if in_list:
+                self._free[P].remove(block)
+            old = block.priority
+            block.priority = DEFAULT_PRIORITY
+            block.duration_ms = None
+            block.expires_at = None
+            self._seq_counter += 1
+            block.release_seq = self._seq_counter
+            if in_list:
+                self._free[P].add_cached(block, ordered=False)
+            self._counters.expired_blocks += 1
+            if old != DEFAULT_PRIORITY:
+                self._emit(lambda i: UpdatedEvent(i, block.block_hash, priority=(old, DEFAULT_PRIORITY)))
+
+    # ------------------------------------------------------------------ internals: bookkeeping
+    def _count(self, block: Block, tier: Tier, delta: int) -> None:
+        tenant = block.tenant
+        if tenant is not None:
+            counts = self._tenants.get(tenant)
+            if counts is None:
+                counts = self._tenants[tenant] = [0, 0]
+            counts[tier] += delta
+
+    def _emit(self, make) -> None:  # make: event_id -> KvEvent (built only when events are on)
+        if self._events_on:
+            self._event_id += 1
+            self._events.append(make(self._event_id))
+
+    # ------------------------------------------------------------------ test support
+    def peek_victim(self, tier: Tier = P) -> Block | None:
+        """The block the next allocation in ``tier`` would take (tests, simulator)."""
+        return self._free[tier].peek_victim()
+
+    def free_order(self, tier: Tier = P) -> list[Block]:
+        return self._free[tier].victim_order()
+
+    def cached_blocks(self) -> dict[int, Block]:
+        """Read-only view for tests: block hash -> tree block."""
+        return self._cached
+
+    def check_invariants(self) -> None:
+        """O(pool size) consistency check used by the property tests."""
+        listed: set[int] = set()
+        for tier in (P, S):
+            total = 0
+            for block in self._free[tier].victim_order():
+                assert block.tier == tier, "block in the wrong tier's list"
+                assert block.ref_count == 0, "free block is referenced"
+                assert id(block) not in listed
+                listed.add(id(block))
+                total += 1
+            assert total == self._free[tier].size
+        free_primary = 0
+        for tier in (P, S):
+            slots = sorted(b.slot for b in self._blocks[0] + self._blocks[1] if b.tier == tier)
+            capacity = self._config.primary_blocks if tier == P else self._config.secondary_blocks
+            assert slots == list(range(capacity)), f"tier {tier} slots are not a permutation"
+        for block in self._blocks[0] + self._blocks[1]:
+            if block.tier == P and block.ref_count == 0:
+                free_primary += 1
+            if block.tier == S:
+                assert block.ref_count == 0, "host block is referenced"
+            if not block.in_tree:
+                assert block.ref_count > 0 or id(block) in listed, "empty block missing from the empty list"
+                continue
+            assert self._cached[block.block_hash] is block  # type: ignore[index]
+            node = block
+            while node.parent is not None:  # reachable from the root
+                assert node.parent.children and node.parent.children[node.block_hash] is node  # type: ignore[index]
+                node = node.parent
+            if block.tier == S:
+                assert all(c.tier == S for c in (block.children or {}).values()), "GPU child below a host block"
+            primary_children = sum(1 for c in (block.children or {}).values() if c.tier == P)
+            assert primary_children == block.num_primary_children
+            evictable = block.ref_count == 0 and block.is_tier_leaf()
+            assert evictable == (id(block) in listed), "free-leaf membership is wrong"
+            if block.ref_count:
+                assert all(c.ref_count <= block.ref_count for c in (block.children or {}).values())
+        assert free_primary == self._num_free_primary
+        assert len(self._cached) == sum(1 for b in self._blocks[0] + self._blocks[1] if b.in_tree)
+
+
+def _range_at(plan: RetentionPlan, token_index: int) -> tuple[int, int | None] | None:
+    """(priority, duration) of the range holding ``token_index``, or None when uncovered."""
+    for rng in plan.ranges:
+        if rng.start > token_index:
+            return None
+        if rng.end is None or token_index < rng.end:
+            return rng.priority, rng.duration_ms
+    return None
