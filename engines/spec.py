@@ -1,0 +1,226 @@
+"""Engine specs: one YAML per model/pool, validated by pydantic at the edge.
+
+A spec is everything needed to build (TensorRT-LLM 1.2: ``quantize.py`` then
+``trtllm-build``) and to serve (Triton model ``kvgate_llm`` around the TensorRT-LLM
+executor, or the CPU reference engine) one pool's engine. The mapping from a spec to
+TensorRT-LLM arguments lives in :mod:`engines.trtllm`; this module only states what a
+valid spec is.
+
+Invariants (checked here, so no renderer ever sees a bad spec):
+
+* ``backend: tensorrt_llm`` specs carry a ``tensorrt_llm`` pin, an FP8 KV cache and a
+  KV config with an explicit ``secondary_offload_min_priority`` (TensorRT-LLM's code
+  default is 30, its docs say 35; kvgate never relies on either) and a non-zero
+  ``event_buffer_max_size`` (per-tenant block counts come from KV events);
+* ``tokens_per_block`` is a power of two > 1 (``cpp/tensorrt_llm/batch_manager/
+  kvCacheManager.cpp`` and the KV cache docs require it), fixed at build time;
+* ``max_input_len < max_seq_len`` and ``max_num_tokens >= tokens_per_block``;
+* the spec hash (:func:`spec_hash`) depends on content only, not on YAML layout.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from importlib import resources
+from pathlib import Path
+from typing import Annotated, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from retention.types import MAX_PRIORITY, MIN_PRIORITY
+
+SLUG = r"^[a-z0-9][a-z0-9._-]{0,62}$"
+
+
+class SpecError(ValueError):
+    """A spec file cannot be read or is invalid; the message names the file and field."""
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class ModelSource(_Strict):
+    """Where the weights come from: a Hugging Face id, or a local checkpoint/GGUF path."""
+
+    hf_id: str | None = None
+    checkpoint_path: str | None = None
+    tokenizer: str | None = Field(default=None, description="tokenizer id/path if it differs from the model")
+
+    @model_validator(mode="after")
+    def _exactly_one(self) -> ModelSource:
+        if (self.hf_id is None) == (self.checkpoint_path is None):
+            raise ValueError("model needs exactly one of hf_id or checkpoint_path")
+        return self
+
+    @property
+    def location(self) -> str:
+        return self.hf_id if self.hf_id is not None else str(self.checkpoint_path)
+
+
+class TrtllmPin(_Strict):
+    """The TensorRT-LLM release the engine is built with and served by (engines are not portable)."""
+
+    version: Annotated[str, Field(pattern=r"^1\.2\.\d+(rc\d+)?$")]
+    container: Annotated[str, Field(pattern=r"^[\w./-]+:[\w.-]+-trtllm-python-py3$")]
+    # examples/ is copied to /app/examples in the -trtllm-python-py3 image
+    # (tensorrtllm_backend r26.04 dockerfile/Dockerfile.triton.trt_llm_backend: WORKDIR /app, COPY ... examples).
+    examples_dir: str = "/app/examples"
+
+
+class Quantization(_Strict):
+    weights: Literal["none", "fp8"]
+    # TensorRT-LLM FP8 KV is E4M3 with a per-tensor scale; there is no E5M2 KV option.
+    kv_cache: Literal["fp8", "fp8_e4m3", "fp8_e5m2", "fp16", "bf16", "fp32"]
+    dtype: Literal["auto", "float16", "bfloat16"] = "auto"
+    calib_size: Annotated[int, Field(ge=1, le=100_000)] = 512
+    calib_dataset: str | None = None  # quantize.py default: cnn_dailymail (downloaded inside the builder)
+    calib_batch_size: Annotated[int, Field(ge=1, le=1024)] = 1
+
+
+class BuildLimits(_Strict):
+    tokens_per_block: Annotated[int, Field(ge=2, le=1024)]
+    max_batch_size: Annotated[int, Field(ge=1, le=4096)]
+    max_input_len: Annotated[int, Field(ge=1)]
+    max_seq_len: Annotated[int, Field(ge=2)]
+    max_num_tokens: Annotated[int, Field(ge=1)]
+    tensor_parallel: Annotated[int, Field(ge=1, le=64)] = 1
+    pipeline_parallel: Annotated[int, Field(ge=1, le=64)] = 1
+    gemm_plugin: Literal["auto", "float16", "bfloat16", "fp8", "disable"] = "auto"
+    workers: Annotated[int, Field(ge=1, le=64)] = 1
+
+    @model_validator(mode="after")
+    def _consistent(self) -> BuildLimits:
+        if self.tokens_per_block & (self.tokens_per_block - 1):
+            raise ValueError(f"tokens_per_block must be a power of two, got {self.tokens_per_block}")
+        if self.max_input_len >= self.max_seq_len:
+            raise ValueError(f"max_input_len ({self.max_input_len}) must be < max_seq_len ({self.max_seq_len})")
+        if self.max_num_tokens < self.tokens_per_block:
+            raise ValueError("max_num_tokens must be >= tokens_per_block")
+        if self.workers > self.tensor_parallel * self.pipeline_parallel:
+            raise ValueError("workers cannot exceed the number of ranks (tensor_parallel * pipeline_parallel)")
+        return self
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor_parallel * self.pipeline_parallel
+
+
+class KvCacheSpec(_Strict):
+    """Mirrors ``executor::KvCacheConfig`` (cpp/include/tensorrt_llm/executor/executor.h)."""
+
+    enable_block_reuse: bool = True
+    free_gpu_memory_fraction: Annotated[float, Field(gt=0.0, le=1.0)] = 0.9
+    max_tokens: Annotated[int, Field(ge=1)] | None = None
+    host_cache_size: Annotated[int, Field(ge=0)] = 0  # bytes of pinned host memory for the secondary tier
+    onboard_blocks: bool = True
+    secondary_offload_min_priority: Annotated[int, Field(ge=MIN_PRIORITY, le=MAX_PRIORITY)]
+    event_buffer_max_size: Annotated[int, Field(ge=0)] = 0
+    enable_partial_reuse: bool = True
+    copy_on_partial_reuse: bool = True
+
+
+class TritonSpec(_Strict):
+    model_name: Annotated[str, Field(pattern=SLUG)] = "kvgate_llm"
+    instance_count: Annotated[int, Field(ge=1, le=8)] = 1
+    iter_stats_max_iterations: Annotated[int, Field(ge=1)] = 1000
+    response_poll_ms: Annotated[int, Field(ge=1, le=1000)] = 5
+    max_queue_size: Annotated[int, Field(ge=1)] | None = None
+    vocab_size: Annotated[int, Field(ge=2)]
+    end_id: Annotated[int, Field(ge=0)] | None = None
+
+
+class ReferenceSpec(_Strict):
+    """The CPU reference engine's sizes (engines/reference/ reads these)."""
+
+    primary_blocks: Annotated[int, Field(ge=1)]
+    secondary_blocks: Annotated[int, Field(ge=0)] = 0
+
+
+class EngineSpec(_Strict):
+    name: Annotated[str, Field(pattern=SLUG)]
+    description: str = ""
+    backend: Literal["tensorrt_llm", "reference"]
+    model: ModelSource
+    quantization: Quantization
+    build: BuildLimits
+    kv_cache: KvCacheSpec
+    triton: TritonSpec
+    tensorrt_llm: TrtllmPin | None = None
+    reference: ReferenceSpec | None = None
+
+    @model_validator(mode="after")
+    def _backend_fields(self) -> EngineSpec:
+        if self.backend == "tensorrt_llm":
+            if self.tensorrt_llm is None:
+                raise ValueError("backend tensorrt_llm needs a tensorrt_llm: {version, container} pin")
+            if self.reference is not None:
+                raise ValueError("reference: settings only apply to backend reference")
+            if self.quantization.kv_cache not in ("fp8", "fp8_e4m3"):
+                raise ValueError("TensorRT-LLM engines store KV in FP8 (E4M3): set quantization.kv_cache: fp8")
+            if self.kv_cache.event_buffer_max_size == 0:
+                raise ValueError("kv_cache.event_buffer_max_size must be > 0: per-tenant block counts come from KV events")
+            if self.build.gemm_plugin == "fp8" and self.quantization.weights != "fp8":
+                raise ValueError("gemm_plugin fp8 needs quantization.weights: fp8")
+        else:
+            if self.reference is None:
+                raise ValueError("backend reference needs reference: {primary_blocks, secondary_blocks}")
+            if self.tensorrt_llm is not None:
+                raise ValueError("tensorrt_llm: pin only applies to backend tensorrt_llm")
+            if self.quantization.weights != "none":
+                raise ValueError("the reference engine has no FP8 weight path; set quantization.weights: none")
+        return self
+
+
+def spec_hash(spec: EngineSpec) -> str:
+    """SHA-256 of the spec's canonical JSON: equal content ⇒ equal hash, whatever the YAML layout."""
+    canonical = json.dumps(spec.model_dump(mode="json"), sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(canonical.encode()).hexdigest()
+
+
+def _format_errors(exc: ValidationError) -> str:
+    parts = []
+    for err in exc.errors():
+        where = ".".join(str(p) for p in err["loc"]) or "(root)"
+        parts.append(f"{where}: {err['msg']}")
+    return "; ".join(parts)
+
+
+def parse_spec(data: object, *, source: str = "<spec>") -> EngineSpec:
+    if not isinstance(data, dict):
+        raise SpecError(f"{source}: a spec is a YAML mapping, got {type(data).__name__}")
+    try:
+        return EngineSpec.model_validate(data)
+    except ValidationError as exc:
+        raise SpecError(f"{source}: {_format_errors(exc)}") from exc
+
+
+def load_spec(path: str | Path) -> EngineSpec:
+    """Read and validate one spec file; a bare name (no ``/``, no ``.yaml``) means a bundled spec."""
+    path_str = str(path)
+    if "/" not in path_str and not path_str.endswith((".yaml", ".yml")):
+        return load_bundled_spec(path_str)
+    file = Path(path_str)
+    try:
+        text = file.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise SpecError(f"{file}: cannot read spec ({exc.strerror})") from exc
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise SpecError(f"{file}: not valid YAML ({exc})") from exc
+    return parse_spec(data, source=str(file))
+
+
+def bundled_spec_names() -> list[str]:
+    folder = resources.files("engines") / "specs"
+    return sorted(p.name[: -len(".yaml")] for p in folder.iterdir() if p.name.endswith(".yaml"))
+
+
+def load_bundled_spec(name: str) -> EngineSpec:
+    file = resources.files("engines") / "specs" / f"{name}.yaml"
+    if not file.is_file():
+        raise SpecError(f"no bundled spec named {name!r}; bundled: {', '.join(bundled_spec_names())}")
+    return parse_spec(yaml.safe_load(file.read_text(encoding="utf-8")), source=f"engines/specs/{name}.yaml")

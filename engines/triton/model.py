@@ -1,0 +1,250 @@
+"""Triton Python-backend model ``kvgate_llm`` around the TensorRT-LLM release/1.2 executor.
+
+Why not the stock ``tensorrt_llm`` C++ model: it has no config key for
+``secondary_offload_min_priority``, no KV event buffer and no cache salt, and its ensemble
+does not declare the ``retention_*`` inputs (DESIGN §4). This model is decoupled (many
+responses per request) and speaks exactly ``engines/contract.py``:
+
+    execute(requests) ──parse_request──▶ executor.enqueue_request(Request(...))
+         │                                        │
+         └─ kv_stats call ─▶ PoolStatsReport      ▼
+                                  response thread: await_responses → sender.send(...)
+                                                   is_cancelled → cancel_request
+                                                   get_latest_events → TenantBlockLedger
+
+Request parsing and validation is ``engines.contract.parse_request`` — the same function
+the CPU reference engine calls. Binding calls cite their source: ``cpp/tensorrt_llm/
+nanobind/executor/{executor,request,executorConfig,bindings}.cpp`` at TensorRT-LLM
+release/1.2 (see :mod:`engines.trtllm.bindings` for what could not be confirmed).
+Python-backend calls follow triton-inference-server/python_backend ``README.md``
+(decoupled mode, ``get_response_sender``, ``TRITONSERVER_RESPONSE_COMPLETE_FINAL``,
+``is_cancelled``, ``using_decoupled_model_transaction_policy``).
+
+Per-request ``kv_cache_onboarded_blocks`` is always 0 here: TensorRT-LLM 1.2's
+``KvCacheMetrics`` has no onboard count (request.cpp); pool-level onboards come from KV
+events and are reported by the stats call.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import numpy as np
+import triton_python_backend_utils as pb_utils  # provided by Triton's Python backend stub
+
+from engines import contract
+from engines.trtllm import bindings, executor_args
+from engines.trtllm.kv_ledger import TenantBlockLedger
+from engines.triton.params import ServingParams
+
+log = logging.getLogger("kvgate.triton")
+
+
+@dataclass(slots=True)
+class _Pending:
+    sender: Any
+    request: contract.EngineRequest
+    end_id: int | None
+    generated: int = 0
+
+
+def _error(message: str) -> Any:
+    return pb_utils.InferenceResponse(output_tensors=[], error=pb_utils.TritonError(message))
+
+
+def _tensors(arrays: dict[str, np.ndarray]) -> list[Any]:
+    return [pb_utils.Tensor(name, value) for name, value in arrays.items()]
+
+
+class TritonPythonModel:
+    """Triton instantiates this class once per model instance (python_backend README)."""
+
+    def initialize(self, args: dict[str, str]) -> None:
+        model_config = json.loads(args["model_config"])
+        if not pb_utils.using_decoupled_model_transaction_policy(model_config):
+            raise pb_utils.TritonModelException("kvgate_llm must be decoupled: set model_transaction_policy { decoupled: true }")
+        self.params = ServingParams.from_model_config(model_config)
+        self.trtllm = bindings.load_executor_bindings()
+        self.salt_supported = bindings.probe_cache_salt(self.trtllm)
+        if not self.salt_supported:
+            log.error(
+                "TensorRT-LLM executor Request has no cache_salt_id: requests carrying cache_salt will be REFUSED "
+                "(salted tenants cannot be isolated on this build)"
+            )
+        self.executor = executor_args.make_executor(self.trtllm, self.params)
+        # executor.cpp: get_kv_cache_event_manager(); events need KvCacheConfig.event_buffer_max_size > 0.
+        self.event_manager = self.executor.get_kv_cache_event_manager()
+        self.ledger = TenantBlockLedger(tokens_per_block=self.params.tokens_per_block)
+        self.lock = threading.Lock()
+        self.pending: dict[int, _Pending] = {}
+        # Finished requests whose root-block expectation is dropped after the next event
+        # drain: their stored events may arrive in the same iteration as the final response.
+        self.finished: list[contract.EngineRequest] = []
+        self.latest_kv_stats: Any = None
+        self.stopping = threading.Event()
+        self.thread = threading.Thread(target=self._response_loop, name="kvgate-responses", daemon=True)
+        self.thread.start()
+
+    # Requests ------------------------------------------------------------------------
+    def execute(self, requests: list[Any]) -> None:
+        """Decoupled: every answer goes through the request's response sender; return None."""
+        for request in requests:
+            sender = request.get_response_sender()
+            try:
+                self._submit(request, sender)
+            except (contract.ContractError, executor_args.SaltUnsupportedError) as exc:
+                tensor = getattr(exc, "tensor", None)
+                sender.send(_error(f"{tensor}: {exc}" if tensor else str(exc)), flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+            except Exception as exc:  # an executor failure must answer the client, not hang it
+                log.exception("kvgate_llm: request failed")
+                sender.send(_error(f"engine error: {exc}"), flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+        return None
+
+    def _read_inputs(self, request: Any) -> dict[str, np.ndarray]:
+        tensors: dict[str, np.ndarray] = {}
+        for spec in contract.INPUTS:
+            tensor = pb_utils.get_input_tensor_by_name(request, spec.name)
+            if tensor is not None:
+                tensors[spec.name] = tensor.as_numpy()
+        return tensors
+
+    def _submit(self, request: Any, sender: Any) -> None:
+        tensors = self._read_inputs(request)
+        if contract.is_stats_request(tensors):
+            report = self.stats_report()
+            out = {contract.KV_CACHE_STATS.name: np.array([report.to_json().encode()], dtype=np.object_)}
+            sender.send(pb_utils.InferenceResponse(output_tensors=_tensors(out)), flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+            return
+        parsed = contract.parse_request(
+            tensors,
+            max_output_len=self.params.max_output_len,
+            max_input_len=self.params.max_input_len,
+            vocab_size=self.params.vocab_size,
+        )
+        if parsed.stop:
+            # A stop with nothing running under this call: answer at once with no tokens.
+            empty = contract.encode_response([], 0, contract.KvMetrics())
+            sender.send(pb_utils.InferenceResponse(output_tensors=_tensors(empty)), flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+            return
+        trt_request = executor_args.build_request(
+            self.trtllm, parsed, default_end_id=self.params.end_id, salt_supported=self.salt_supported
+        )
+        end_id = parsed.end_id if parsed.end_id is not None else self.params.end_id
+        with self.lock:
+            request_id = self.executor.enqueue_request(trt_request)  # executor.cpp: enqueue_request(request) -> id
+            self.pending[request_id] = _Pending(sender, parsed, end_id)
+            self.ledger.note_request(parsed.tenant_id, parsed.input_ids)
+
+    # Responses -----------------------------------------------------------------------
+    def _response_loop(self) -> None:
+        poll = timedelta(milliseconds=self.params.response_poll_ms)
+        while not self.stopping.is_set():
+            try:
+                self.pump(poll)
+            except Exception:  # keep serving; one bad response must not kill the loop
+                log.exception("kvgate_llm: response loop error")
+
+    def pump(self, timeout: timedelta) -> None:
+        """One turn of the response loop: dispatch responses, honour cancellation, drain events."""
+        self._cancel_abandoned()  # first: a cancelled client gets nothing more
+        # executor.cpp: await_responses(timeout: Optional[timedelta]) -> list[Response]
+        for response in self.executor.await_responses(timeout=timeout):
+            self._dispatch(response)
+        self.drain_events()
+
+    def _dispatch(self, response: Any) -> None:
+        with self.lock:
+            pending = self.pending.get(response.request_id)  # request.cpp: Response.request_id
+        if pending is None:
+            return
+        final = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+        if response.has_error():  # request.cpp: Response.has_error(), .error_msg
+            self._finish(response.request_id, pending)
+            pending.sender.send(_error(f"engine error: {response.error_msg}"), flags=final)
+            return
+        result = response.result  # request.cpp: Result.output_token_ids (per beam), .is_final, .request_perf_metrics
+        tokens = [int(t) for t in result.output_token_ids[0]] if result.output_token_ids else []
+        if pending.end_id is not None:
+            while tokens and tokens[-1] == pending.end_id:  # the contract never returns the end token
+                tokens.pop()
+        pending.generated = pending.generated + len(tokens) if pending.request.streaming else len(tokens)
+        arrays = contract.encode_response(tokens, pending.generated, self._kv_metrics(result))
+        if result.is_final:
+            self._finish(response.request_id, pending)
+        pending.sender.send(pb_utils.InferenceResponse(output_tensors=_tensors(arrays)), flags=final if result.is_final else 0)
+
+    @staticmethod
+    def _kv_metrics(result: Any) -> contract.KvMetrics:
+        perf = getattr(result, "request_perf_metrics", None)
+        if perf is None:
+            return contract.KvMetrics()
+        kv = perf.kv_cache_metrics  # request.cpp: KvCacheMetrics(num_total_allocated_blocks, num_new_allocated_blocks, num_reused_blocks, ...)
+        return contract.KvMetrics(
+            reused_blocks=int(kv.num_reused_blocks),
+            new_blocks=int(kv.num_new_allocated_blocks),
+            total_blocks=int(kv.num_total_allocated_blocks),
+            onboarded_blocks=0,
+        )
+
+    def _finish(self, request_id: int, pending: _Pending) -> None:
+        with self.lock:
+            self.pending.pop(request_id, None)
+            self.finished.append(pending.request)
+
+    def _cancel_abandoned(self) -> None:
+        with self.lock:
+            cancelled = [(rid, p) for rid, p in self.pending.items() if p.sender.is_cancelled()]
+        for request_id, pending in cancelled:
+            self.executor.cancel_request(request_id)  # executor.cpp: cancel_request(id)
+            self._finish(request_id, pending)
+
+    # Stats ---------------------------------------------------------------------------
+    def drain_events(self) -> None:
+        # bindings.cpp kv_cache.KVCacheEventManager.get_latest_events(timeout_ms: Optional[float])
+        events = self.event_manager.get_latest_events(timeout_ms=0)
+        with self.lock:
+            if events:
+                self.ledger.apply(events)
+            for done in self.finished:
+                self.ledger.forget_request(done.tenant_id, done.input_ids)
+            self.finished.clear()
+
+    def stats_report(self) -> contract.PoolStatsReport:
+        self.drain_events()
+        stats = self.executor.get_latest_iteration_stats()  # executor.cpp; deque of IterationStats since last call
+        if stats:
+            self.latest_kv_stats = stats[-1].kv_cache_stats  # bindings.cpp: IterationStats.kv_cache_stats (KvCacheStats)
+        kv = self.latest_kv_stats
+        with self.lock:
+            tiers = self.ledger.tier_blocks()
+            secondary_max = self.ledger.level_capacity[1]
+            report = contract.PoolStatsReport(
+                tokens_per_block=int(kv.tokens_per_block) if kv is not None else self.params.tokens_per_block,
+                primary=contract.TierStats(
+                    max_blocks=int(kv.max_num_blocks) if kv is not None else self.ledger.level_capacity[0],
+                    free_blocks=int(kv.free_num_blocks) if kv is not None else self.ledger.level_capacity[0] - tiers[0],
+                    used_blocks=int(kv.used_num_blocks) if kv is not None else tiers[0],
+                ),
+                secondary=contract.TierStats(max_blocks=secondary_max, free_blocks=max(secondary_max - tiers[1], 0), used_blocks=tiers[1]),
+                reused_blocks=int(kv.reused_blocks) if kv is not None else 0,
+                missed_blocks=int(kv.missed_blocks) if kv is not None else 0,
+                alloc_total_blocks=int(kv.alloc_total_blocks) if kv is not None else 0,
+                alloc_new_blocks=int(kv.alloc_new_blocks) if kv is not None else 0,
+                offloaded_blocks=self.ledger.offloaded,
+                onboarded_blocks=self.ledger.onboarded,
+                evicted_blocks=self.ledger.evicted,
+                cache_hit_rate=float(kv.cache_hit_rate) if kv is not None else 0.0,
+                secondary_offload_min_priority=self.params.secondary_offload_min_priority,
+                tenants=self.ledger.tenants(),
+            )
+        return report
+
+    def finalize(self) -> None:
+        self.stopping.set()
+        self.thread.join(timeout=5)
+        self.executor.shutdown()  # executor.cpp: shutdown()

@@ -1,0 +1,136 @@
+"""Render a Triton model repository: one ``kvgate_llm``-style model per pool.
+
+Layout (what ``tritonserver --model-repository DIR`` expects)::
+
+    DIR/
+      <model_name>/
+        config.pbtxt        rendered from engines/templates/config.pbtxt.tmpl
+        1/model.py          engines/triton/model.py, byte for byte
+
+Templates are typed: :class:`ConfigValues` lists every placeholder, and
+:func:`render_template` refuses a template whose placeholders differ from the values'
+fields (``string.Template.substitute`` alone would catch a missing value but not an
+unused one). Triton's own ``fill_template.py`` silently leaves ``${var}`` in place; this
+renderer never does.
+"""
+
+from __future__ import annotations
+
+import json
+import string
+from dataclasses import asdict, dataclass, fields
+from importlib import resources
+from pathlib import Path
+
+from engines import contract
+from engines.spec import EngineSpec
+from engines.triton.params import ServingParams
+
+TRITON_DATATYPES = {"INT32": "TYPE_INT32", "UINT64": "TYPE_UINT64", "FP32": "TYPE_FP32", "BOOL": "TYPE_BOOL", "BYTES": "TYPE_STRING"}
+
+
+class TemplateError(ValueError):
+    pass
+
+
+@dataclass(frozen=True, slots=True)
+class ConfigValues:
+    model_name: str
+    spec_name: str
+    spec_hash: str
+    instance_count: int
+    inputs: str
+    outputs: str
+    parameters: str
+
+
+def render_template(template_text: str, values: object) -> str:
+    """``string.Template.substitute`` with an exact placeholder ↔ field check."""
+    template = string.Template(template_text)
+    if not template.is_valid():
+        raise TemplateError("template has an invalid placeholder")
+    wanted = set(template.get_identifiers())
+    given = {f.name for f in fields(values)}  # type: ignore[arg-type]
+    if wanted != given:
+        raise TemplateError(
+            f"template placeholders and values differ: unfilled {sorted(wanted - given)}, unused {sorted(given - wanted)}"
+        )
+    return template.substitute(asdict(values))  # type: ignore[call-overload]
+
+
+def _q(text: str) -> str:
+    return json.dumps(text)  # protobuf text format accepts JSON-style double-quoted strings
+
+
+def _tensor_block(kind: str, specs: tuple[contract.TensorSpec, ...], *, optional: bool) -> str:
+    entries = []
+    for spec in specs:
+        lines = [
+            f"    name: {_q(spec.name)}",
+            f"    data_type: {TRITON_DATATYPES[spec.datatype]}",
+            f"    dims: [ {', '.join(str(d) for d in spec.shape)} ]",
+        ]
+        if optional:
+            # Every input is optional to Triton: the stats call sends only kv_stats;
+            # engines.contract.parse_request enforces input_ids / request_output_len.
+            lines.append("    optional: true")
+        entries.append("  {\n" + "\n".join(lines) + "\n  }")
+    return f"{kind} [\n" + ",\n".join(entries) + "\n]"
+
+
+def _parameters_block(params: dict[str, str]) -> str:
+    return "\n".join(
+        f"parameters {{\n  key: {_q(k)}\n  value: {{\n    string_value: {_q(v)}\n  }}\n}}" for k, v in params.items()
+    )
+
+
+def config_template() -> str:
+    return (resources.files("engines") / "templates" / "config.pbtxt.tmpl").read_text(encoding="utf-8")
+
+
+def render_config(spec: EngineSpec, *, engine_dir: str) -> str:
+    params = ServingParams.from_spec(spec, engine_dir=engine_dir)
+    values = ConfigValues(
+        model_name=spec.triton.model_name,
+        spec_name=spec.name,
+        spec_hash=params.spec_hash,
+        instance_count=spec.triton.instance_count,
+        inputs=_tensor_block("input", contract.INPUTS, optional=True),
+        outputs=_tensor_block("output", contract.OUTPUTS, optional=False),
+        parameters=_parameters_block(params.to_parameters()),
+    )
+    return render_template(config_template(), values)
+
+
+def model_source() -> bytes:
+    return (resources.files("engines") / "triton" / "model.py").read_bytes()
+
+
+@dataclass(frozen=True, slots=True)
+class RenderedModel:
+    model_name: str
+    config_path: Path
+    model_path: Path
+
+
+def render_repository(specs: list[EngineSpec], output: Path, *, engines_root: str) -> list[RenderedModel]:
+    """Write one model per spec under ``output``; ``engines_root`` is where engines live *in the Triton container*.
+
+    Two specs may not share a model name (Triton would load only one of them).
+    """
+    names = [s.triton.model_name for s in specs]
+    duplicates = sorted({n for n in names if names.count(n) > 1})
+    if duplicates:
+        raise TemplateError(f"two specs render the same Triton model name: {', '.join(duplicates)}")
+    rendered = []
+    for spec in specs:
+        engine_dir = f"{engines_root.rstrip('/')}/{spec.name}/engine"
+        text = render_config(spec, engine_dir=engine_dir)
+        model_dir = output / spec.triton.model_name
+        (model_dir / "1").mkdir(parents=True, exist_ok=True)
+        config_path = model_dir / "config.pbtxt"
+        config_path.write_text(text, encoding="utf-8")
+        model_path = model_dir / "1" / "model.py"
+        model_path.write_bytes(model_source())
+        rendered.append(RenderedModel(spec.triton.model_name, config_path, model_path))
+    return rendered

@@ -1,0 +1,145 @@
+"""Serving parameters → ``KvCacheConfig`` / ``ExecutorConfig`` / ``Request`` for the 1.2 executor.
+
+Keyword names and types follow the release/1.2 bindings (``cpp/tensorrt_llm/nanobind/
+executor/executorConfig.cpp`` and ``request.cpp``); the C++ defaults they would otherwise
+take are in ``cpp/include/tensorrt_llm/executor/executor.h``. Every field kvgate cares
+about is passed explicitly — notably ``secondary_offload_min_priority`` (code default 30,
+docs 35) — so no default of either source decides a tenant's fate.
+
+Durations: the bindings take ``std::chrono::milliseconds`` (nanobind ``stl/chrono.h``),
+i.e. :class:`datetime.timedelta` in Python, not an int of milliseconds.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from datetime import timedelta
+from types import ModuleType
+from typing import Any
+
+from engines.contract import EngineRequest
+from retention.types import DEFAULT_PRIORITY, RetentionPlan
+
+
+def kv_cache_config_kwargs(params: Any) -> dict[str, Any]:
+    """Keyword arguments for ``KvCacheConfig`` (executorConfig.cpp, ``nb::init<...>`` arg names)."""
+    kwargs: dict[str, Any] = {
+        "enable_block_reuse": params.enable_block_reuse,
+        "free_gpu_memory_fraction": params.free_gpu_memory_fraction,
+        "host_cache_size": params.host_cache_size,
+        "onboard_blocks": params.onboard_blocks,
+        "secondary_offload_min_priority": params.secondary_offload_min_priority,
+        "event_buffer_max_size": params.event_buffer_max_size,
+        "enable_partial_reuse": params.enable_partial_reuse,  # keyword-only in the binding
+        "copy_on_partial_reuse": params.copy_on_partial_reuse,  # keyword-only in the binding
+    }
+    if params.max_tokens is not None:
+        kwargs["max_tokens"] = params.max_tokens
+    return kwargs
+
+
+def executor_config_kwargs(params: Any, kv_cache_config: Any) -> dict[str, Any]:
+    """Keyword arguments for ``ExecutorConfig`` (executorConfig.cpp)."""
+    kwargs: dict[str, Any] = {
+        "max_beam_width": 1,
+        "kv_cache_config": kv_cache_config,
+        "iter_stats_max_iterations": params.iter_stats_max_iterations,
+        "max_batch_size": params.max_batch_size,
+        "max_num_tokens": params.max_num_tokens,
+    }
+    if params.max_queue_size is not None:
+        kwargs["max_queue_size"] = params.max_queue_size
+    return kwargs
+
+
+def make_executor(trtllm: ModuleType, params: Any) -> Any:
+    """``Executor(engine_dir, ModelType.DECODER_ONLY, ExecutorConfig(...))`` (nanobind/executor/executor.cpp)."""
+    kv_cache_config = trtllm.KvCacheConfig(**kv_cache_config_kwargs(params))
+    executor_config = trtllm.ExecutorConfig(**executor_config_kwargs(params, kv_cache_config))
+    return trtllm.Executor(params.engine_dir, trtllm.ModelType.DECODER_ONLY, executor_config)
+
+
+def _duration(ms: int | None) -> timedelta | None:
+    return None if ms is None else timedelta(milliseconds=ms)
+
+
+def retention_config(trtllm: ModuleType, plan: RetentionPlan) -> Any | None:
+    """``KvCacheRetentionConfig`` for ``plan`` (None for the default plan: nothing to say).
+
+    ``TokenRangeRetentionConfig(token_start, token_end, priority, duration_ms)``: ``token_end``
+    None is open-ended (to the end of the prompt); ``duration_ms`` None never expires
+    (request.cpp; semantics in executor.h). The decode priority/duration apply to generated blocks.
+    """
+    if not plan.ranges and plan.decode_priority == DEFAULT_PRIORITY and plan.decode_duration_ms is None:
+        return None
+    token_range = trtllm.KvCacheRetentionConfig.TokenRangeRetentionConfig
+    ranges = [
+        token_range(token_start=r.start, token_end=r.end, priority=r.priority, duration_ms=_duration(r.duration_ms))
+        for r in plan.ranges
+    ]
+    return trtllm.KvCacheRetentionConfig(
+        token_range_retention_configs=ranges,
+        decode_retention_priority=plan.decode_priority,
+        decode_duration_ms=_duration(plan.decode_duration_ms),
+    )
+
+
+def cache_salt_id(salt: str) -> int:
+    """The executor's ``cacheSaltID`` (``CacheSaltIDType = std::uint64_t``, executor/types.h) for a salt string.
+
+    Only kvgate's model feeds this executor, so any stable 64-bit digest isolates tenants;
+    blake2b keeps it stdlib-only. TensorRT-LLM mixes the id into the root block key only
+    (``batch_manager/blockKey.cpp``); descendants inherit it through the parent hash.
+    """
+    return int.from_bytes(hashlib.blake2b(salt.encode("utf-8"), digest_size=8).digest(), "little")
+
+
+class SaltUnsupportedError(RuntimeError):
+    """A salted request reached an executor build whose ``Request`` has no ``cache_salt_id``."""
+
+
+def sampling_config(trtllm: ModuleType, request: EngineRequest) -> Any:
+    """``SamplingConfig(beam_width=1, *, top_k=, top_p=, temperature=, seed=)`` (request.cpp).
+
+    Temperature 0 means greedy, which TensorRT-LLM expresses as ``top_k=1``.
+    """
+    s = request.sampling
+    kwargs: dict[str, Any] = {"beam_width": 1}
+    if s.temperature == 0.0:
+        kwargs["top_k"] = 1
+    else:
+        kwargs["temperature"] = s.temperature
+        if s.top_k > 0:
+            kwargs["top_k"] = s.top_k
+        if s.top_p < 1.0:
+            kwargs["top_p"] = s.top_p
+    if s.seed is not None:
+        kwargs["seed"] = s.seed
+    return trtllm.SamplingConfig(**kwargs)
+
+
+def build_request(trtllm: ModuleType, request: EngineRequest, *, default_end_id: int | None, salt_supported: bool) -> Any:
+    """The executor ``Request`` for a validated :class:`EngineRequest` (request.cpp ``Request`` init)."""
+    end_id = request.end_id if request.end_id is not None else default_end_id
+    kwargs: dict[str, Any] = {
+        "input_token_ids": list(request.input_ids),
+        "max_tokens": request.max_new_tokens,
+        "streaming": request.streaming,
+        "sampling_config": sampling_config(trtllm, request),
+        # exclude_input_from_output: output_ids carry generated tokens only (the contract);
+        # return_perf_metrics: per-request KvCacheMetrics (reused/new/total blocks).
+        "output_config": trtllm.OutputConfig(exclude_input_from_output=True, return_perf_metrics=True),
+    }
+    if end_id is not None:
+        kwargs["end_id"] = end_id
+    retention = retention_config(trtllm, request.retention)
+    if retention is not None:
+        kwargs["kv_cache_retention_config"] = retention
+    if request.cache_salt is not None:
+        if not salt_supported:
+            raise SaltUnsupportedError(
+                "this TensorRT-LLM build's executor Request has no cache_salt_id (PR #7106): "
+                "a salted tenant cannot be isolated, so the request is refused"
+            )
+        kwargs["cache_salt_id"] = cache_salt_id(request.cache_salt)
+    return trtllm.Request(**kwargs)

@@ -1,0 +1,99 @@
+"""A double of ``triton_python_backend_utils`` (Triton Python backend), only what kvgate_llm uses.
+
+Names follow triton-inference-server/python_backend ``README.md``: ``Tensor(name, ndarray)``
+with ``as_numpy()``, ``get_input_tensor_by_name``, ``InferenceResponse(output_tensors=,
+error=)``, ``TritonError``, ``TritonModelException``, ``TRITONSERVER_RESPONSE_COMPLETE_FINAL``,
+``using_decoupled_model_transaction_policy``, and a decoupled request's
+``get_response_sender()`` with ``send(response=None, flags=0)`` and ``is_cancelled()``.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+import types
+
+import numpy as np
+
+
+def make_module() -> types.ModuleType:
+    mod = types.ModuleType("triton_python_backend_utils")
+    mod.TRITONSERVER_RESPONSE_COMPLETE_FINAL = 1
+
+    class Tensor:
+        def __init__(self, name, value):
+            if not isinstance(name, str) or not isinstance(value, np.ndarray):
+                raise TypeError("Tensor(name: str, value: numpy.ndarray)")
+            self._name, self._value = name, value
+
+        def name(self):
+            return self._name
+
+        def as_numpy(self):
+            return self._value
+
+    class TritonError:
+        def __init__(self, message, code=None):
+            self._message = message
+
+        def message(self):
+            return self._message
+
+    class TritonModelException(Exception):
+        pass
+
+    class InferenceResponse:
+        def __init__(self, output_tensors=None, error=None):
+            self.output_tensors = list(output_tensors or [])
+            self._error = error
+
+        def has_error(self):
+            return self._error is not None
+
+        def error(self):
+            return self._error
+
+        def tensors(self):
+            return {t.name(): t.as_numpy() for t in self.output_tensors}
+
+    class ResponseSender:
+        def __init__(self):
+            self.responses: list[tuple[InferenceResponse | None, int]] = []
+            self.finished = threading.Event()
+            self.cancelled = False
+
+        def send(self, response=None, flags=0):
+            if self.finished.is_set():
+                raise RuntimeError("send() after the final flag")
+            self.responses.append((response, flags))
+            if flags & mod.TRITONSERVER_RESPONSE_COMPLETE_FINAL:
+                self.finished.set()
+
+        def is_cancelled(self):
+            return self.cancelled
+
+    class InferenceRequest:
+        def __init__(self, tensors: dict[str, np.ndarray]):
+            self.inputs = [Tensor(k, v) for k, v in tensors.items()]
+            self.sender = ResponseSender()
+
+        def get_response_sender(self):
+            return self.sender
+
+    def get_input_tensor_by_name(request, name):
+        for tensor in request.inputs:
+            if tensor.name() == name:
+                return tensor
+        return None
+
+    def using_decoupled_model_transaction_policy(model_config):
+        return bool(model_config.get("model_transaction_policy", {}).get("decoupled", False))
+
+    for obj in (Tensor, TritonError, TritonModelException, InferenceResponse, ResponseSender, InferenceRequest,
+                get_input_tensor_by_name, using_decoupled_model_transaction_policy):
+        setattr(mod, obj.__name__, obj)
+    return mod
+
+
+def install(module: types.ModuleType, monkeypatch) -> None:
+    monkeypatch.setitem(sys.modules, "triton_python_backend_utils", module)

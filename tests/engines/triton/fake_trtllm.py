@@ -1,0 +1,415 @@
+"""A recording double of ``tensorrt_llm.bindings.executor`` (TensorRT-LLM release/1.2).
+
+Only for tests: TensorRT-LLM cannot run here. Every constructor mirrors the binding's
+argument names, keyword-only markers, defaults and types as read in the sources, and
+refuses anything else with ``TypeError`` (nanobind raises TypeError for bad arguments):
+
+* KvCacheConfig, ExecutorConfig — cpp/tensorrt_llm/nanobind/executor/executorConfig.cpp
+* Request, SamplingConfig, OutputConfig, KvCacheRetentionConfig(.TokenRangeRetentionConfig),
+  Response/Result/KvCacheMetrics — cpp/tensorrt_llm/nanobind/executor/request.cpp
+* Executor (enqueue_request, await_responses, cancel_request, get_latest_iteration_stats,
+  get_kv_cache_event_manager, shutdown) — cpp/tensorrt_llm/nanobind/executor/executor.cpp
+* KvCacheStats, IterationStats, ModelType, kv_cache.* events — .../nanobind/executor/bindings.cpp
+
+Durations are ``datetime.timedelta`` (``std::chrono::milliseconds`` via nanobind stl/chrono.h).
+The simulated engine is tiny: it "generates" deterministic tokens, reuses full prompt
+blocks whose salted prefix chain it has stored, and emits stored events for new ones.
+"""
+
+from __future__ import annotations
+
+import enum
+import sys
+import threading
+import types
+from collections import deque
+from datetime import timedelta
+from typing import Any
+
+NONE = object()
+
+
+def _int(name: str, value: Any, *, optional: bool = False, lo: int | None = None, hi: int | None = None) -> None:
+    if value is None and optional:
+        return
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name}: expected int, got {type(value).__name__}")
+    if lo is not None and value < lo or hi is not None and value > hi:
+        raise TypeError(f"{name}: {value} out of range [{lo}, {hi}]")
+
+
+def _bool(name: str, value: Any) -> None:
+    if not isinstance(value, bool):
+        raise TypeError(f"{name}: expected bool, got {type(value).__name__}")
+
+
+def _float(name: str, value: Any, *, optional: bool = False) -> None:
+    if value is None and optional:
+        return
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name}: expected float, got {type(value).__name__}")
+
+
+def _duration(name: str, value: Any) -> None:
+    if value is not None and not isinstance(value, timedelta):
+        raise TypeError(f"{name}: expected datetime.timedelta (std::chrono::milliseconds) or None, got {type(value).__name__}")
+
+
+def make_module(*, salt_supported: bool = True, primary_blocks: int = 64, secondary_blocks: int = 256) -> types.ModuleType:
+    """A fresh fake module; ``module.calls`` records (class name, kwargs) of every construction."""
+    mod = types.ModuleType("tensorrt_llm.bindings.executor")
+    calls: list[tuple[str, dict[str, Any]]] = []
+    mod.calls = calls
+    mod.executors = []
+
+    class ModelType(enum.Enum):
+        DECODER_ONLY = 0
+        ENCODER_ONLY = 1
+        ENCODER_DECODER = 2
+
+    class KvCacheConfig:
+        def __init__(self, enable_block_reuse=True, max_tokens=None, max_attention_window=None, sink_token_length=None,
+                     free_gpu_memory_fraction=None, host_cache_size=None, onboard_blocks=True, cross_kv_cache_fraction=None,
+                     secondary_offload_min_priority=None, event_buffer_max_size=0, *, enable_partial_reuse=True,
+                     copy_on_partial_reuse=True, use_uvm=False, runtime_defaults=None):
+            _bool("enable_block_reuse", enable_block_reuse)
+            _int("max_tokens", max_tokens, optional=True, lo=1)
+            _float("free_gpu_memory_fraction", free_gpu_memory_fraction, optional=True)
+            _int("host_cache_size", host_cache_size, optional=True, lo=0)  # std::optional<size_t>
+            _bool("onboard_blocks", onboard_blocks)
+            _int("secondary_offload_min_priority", secondary_offload_min_priority, optional=True, lo=0, hi=100)
+            _int("event_buffer_max_size", event_buffer_max_size, lo=0)  # size_t
+            _bool("enable_partial_reuse", enable_partial_reuse)
+            _bool("copy_on_partial_reuse", copy_on_partial_reuse)
+            self.__dict__.update({k: v for k, v in locals().items() if k != "self"})
+            calls.append(("KvCacheConfig", {k: v for k, v in locals().items() if k not in ("self", "calls")}))
+
+    _EXECUTOR_CONFIG_ARGS = {
+        "max_beam_width", "scheduler_config", "kv_cache_config", "enable_chunked_context", "normalize_log_probs",
+        "iter_stats_max_iterations", "request_stats_max_iterations", "batching_type", "max_batch_size", "max_num_tokens",
+        "parallel_config", "peft_cache_config", "logits_post_processor_config", "decoding_config", "use_gpu_direct_storage",
+        "gpu_weights_percent", "max_queue_size", "extended_runtime_perf_knob_config", "debug_config", "recv_poll_period_ms",
+        "max_seq_idle_microseconds", "spec_dec_config", "guided_decoding_config", "additional_model_outputs",
+        "cache_transceiver_config", "gather_generation_logits", "mm_embedding_offloading", "enable_trt_overlap",
+    }
+
+    class ExecutorConfig:
+        def __init__(self, **kwargs):
+            unknown = set(kwargs) - _EXECUTOR_CONFIG_ARGS
+            if unknown:
+                raise TypeError(f"ExecutorConfig: unexpected keyword(s) {sorted(unknown)}")
+            _int("max_beam_width", kwargs.get("max_beam_width", 1), lo=1)
+            if "kv_cache_config" in kwargs and not isinstance(kwargs["kv_cache_config"], KvCacheConfig):
+                raise TypeError("kv_cache_config: expected KvCacheConfig")
+            for key in ("max_batch_size", "max_num_tokens", "max_queue_size"):
+                _int(key, kwargs.get(key), optional=True, lo=1)
+            _int("iter_stats_max_iterations", kwargs.get("iter_stats_max_iterations", 1000), lo=0)
+            self.__dict__.update(kwargs)
+            calls.append(("ExecutorConfig", dict(kwargs)))
+
+    class TokenRangeRetentionConfig:
+        def __init__(self, token_start, token_end, priority, duration_ms=None):
+            _int("token_start", token_start, lo=0)
+            _int("token_end", token_end, optional=True, lo=1)
+            _int("priority", priority, lo=0, hi=100)  # RetentionPriority, kMin..kMaxRetentionPriority
+            _duration("duration_ms", duration_ms)
+            self.token_start, self.token_end, self.priority, self.duration_ms = token_start, token_end, priority, duration_ms
+            calls.append(("TokenRangeRetentionConfig", dict(token_start=token_start, token_end=token_end, priority=priority, duration_ms=duration_ms)))
+
+    class KvCacheRetentionConfig:
+        def __init__(self, token_range_retention_configs, decode_retention_priority=35, decode_duration_ms=None,
+                     transfer_mode=None, directory=None):
+            if not isinstance(token_range_retention_configs, list) or not all(
+                isinstance(r, TokenRangeRetentionConfig) for r in token_range_retention_configs
+            ):
+                raise TypeError("token_range_retention_configs: expected list[TokenRangeRetentionConfig]")
+            _int("decode_retention_priority", decode_retention_priority, lo=0, hi=100)
+            _duration("decode_duration_ms", decode_duration_ms)
+            # The C++ constructor checks the ranges are sorted and non-overlapping (executor.h contract).
+            previous_end: int | None = 0
+            for r in token_range_retention_configs:
+                if previous_end is None or r.token_start < previous_end:
+                    raise RuntimeError("token ranges must be sorted and non-overlapping")
+                previous_end = r.token_end
+            self.token_range_retention_configs = token_range_retention_configs
+            self.decode_retention_priority = decode_retention_priority
+            self.decode_duration_ms = decode_duration_ms
+            calls.append(("KvCacheRetentionConfig", dict(decode_retention_priority=decode_retention_priority,
+                                                         decode_duration_ms=decode_duration_ms)))
+
+    KvCacheRetentionConfig.TokenRangeRetentionConfig = TokenRangeRetentionConfig
+
+    class SamplingConfig:
+        def __init__(self, beam_width=1, *, top_k=None, top_p=None, top_p_min=None, top_p_reset_ids=None, top_p_decay=None,
+                     seed=None, temperature=None, min_tokens=None, beam_search_diversity_rate=None, repetition_penalty=None,
+                     presence_penalty=None, frequency_penalty=None, length_penalty=None, early_stopping=None,
+                     no_repeat_ngram_size=None, num_return_sequences=None, min_p=None, beam_width_array=None):
+            _int("beam_width", beam_width, lo=1)
+            _int("top_k", top_k, optional=True, lo=0)
+            _float("top_p", top_p, optional=True)
+            _float("temperature", temperature, optional=True)
+            _int("seed", seed, optional=True, lo=0, hi=2**64 - 1)
+            self.beam_width, self.top_k, self.top_p, self.temperature, self.seed = beam_width, top_k, top_p, temperature, seed
+            calls.append(("SamplingConfig", dict(beam_width=beam_width, top_k=top_k, top_p=top_p, temperature=temperature, seed=seed)))
+
+    class OutputConfig:
+        def __init__(self, return_log_probs=False, return_context_logits=False, return_generation_logits=False,
+                     exclude_input_from_output=False, return_encoder_output=False, return_perf_metrics=False,
+                     additional_model_outputs=None):
+            for name, value in (("exclude_input_from_output", exclude_input_from_output), ("return_perf_metrics", return_perf_metrics)):
+                _bool(name, value)
+            self.exclude_input_from_output = exclude_input_from_output
+            self.return_perf_metrics = return_perf_metrics
+            calls.append(("OutputConfig", dict(exclude_input_from_output=exclude_input_from_output, return_perf_metrics=return_perf_metrics)))
+
+    def _request_init(self, input_token_ids, max_tokens, *, streaming=False, sampling_config=NONE, output_config=NONE,
+                      end_id=None, pad_id=None, position_ids=None, bad_words=None, stop_words=None, embedding_bias=None,
+                      external_draft_tokens_config=None, prompt_tuning_config=None, multimodal_input=None,
+                      multimodal_embedding=None, mrope_config=None, lora_config=None, lookahead_config=None,
+                      kv_cache_retention_config=None, logits_post_processor_name=None, logits_post_processor=None,
+                      encoder_input_token_ids=None, client_id=None, return_all_generated_tokens=False, priority=0.5,
+                      type=None, context_phase_params=None, encoder_input_features=None, encoder_output_length=None,
+                      cross_attention_mask=None, num_return_sequences=1, eagle_config=None, skip_cross_attn_blocks=None,
+                      guided_decoding_params=None, language_adapter_uid=None, allotted_time_ms=None, cache_salt_id=None):
+        if not isinstance(input_token_ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in input_token_ids):
+            raise TypeError("input_token_ids: expected list[int] (VecTokens)")
+        _int("max_tokens", max_tokens, lo=1)
+        _bool("streaming", streaming)
+        _int("end_id", end_id, optional=True, lo=0)
+        if sampling_config is not NONE and not isinstance(sampling_config, SamplingConfig):
+            raise TypeError("sampling_config: expected SamplingConfig")
+        if output_config is not NONE and not isinstance(output_config, OutputConfig):
+            raise TypeError("output_config: expected OutputConfig")
+        if kv_cache_retention_config is not None and not isinstance(kv_cache_retention_config, KvCacheRetentionConfig):
+            raise TypeError("kv_cache_retention_config: expected KvCacheRetentionConfig")
+        _int("cache_salt_id", cache_salt_id, optional=True, lo=0, hi=2**64 - 1)  # CacheSaltIDType = std::uint64_t
+        self.input_token_ids = input_token_ids
+        self.max_tokens = max_tokens
+        self.streaming = streaming
+        self.sampling_config = None if sampling_config is NONE else sampling_config
+        self.output_config = OutputConfig() if output_config is NONE else output_config
+        self.end_id = end_id
+        self.kv_cache_retention_config = kv_cache_retention_config
+        self.cache_salt_id = cache_salt_id
+        calls.append(("Request", dict(input_token_ids=input_token_ids, max_tokens=max_tokens, streaming=streaming,
+                                      end_id=end_id, cache_salt_id=cache_salt_id)))
+
+    if salt_supported:
+        Request = type("Request", (), {"__init__": _request_init})
+    else:
+        def _init_without_salt(self, input_token_ids, max_tokens, **kwargs):
+            if "cache_salt_id" in kwargs:
+                raise TypeError("__init__(): incompatible function arguments")  # what nanobind says
+            _request_init(self, input_token_ids, max_tokens, **kwargs)
+        Request = type("Request", (), {"__init__": _init_without_salt})
+
+    class KvCacheMetrics:
+        def __init__(self, total=0, new=0, reused=0, missed=0):
+            self.num_total_allocated_blocks, self.num_new_allocated_blocks = total, new
+            self.num_reused_blocks, self.num_missed_blocks = reused, missed
+            self.kv_cache_hit_rate = reused / total if total else 0.0
+
+    class RequestPerfMetrics:
+        def __init__(self, kv):
+            self.kv_cache_metrics = kv
+
+    class Result:
+        def __init__(self, tokens, is_final, perf):
+            self.output_token_ids = [list(tokens)]
+            self.is_final = is_final
+            self.request_perf_metrics = perf
+
+    class Response:
+        def __init__(self, request_id, result=None, error_msg=""):
+            self.request_id = request_id
+            self._result = result
+            self.error_msg = error_msg
+
+        def has_error(self):
+            return self._result is None
+
+        @property
+        def result(self):
+            if self._result is None:
+                raise RuntimeError("response has an error")
+            return self._result
+
+    kv_cache = types.ModuleType("tensorrt_llm.bindings.executor.kv_cache")
+
+    class UniqueToken:
+        def __init__(self, token_id):
+            self.token_id, self.token_extra_id = token_id, 0
+
+    class KVCacheCreatedData:
+        def __init__(self, levels):
+            self.num_blocks_per_cache_level = levels
+
+    class KVCacheStoredBlockData:
+        def __init__(self, block_hash, tokens, cache_level, priority):
+            self.block_hash, self.tokens, self.cache_level, self.priority = block_hash, tokens, cache_level, priority
+
+    class KVCacheStoredData:
+        def __init__(self, parent_hash, blocks):
+            self.parent_hash, self.blocks = parent_hash, blocks
+
+    class KVCacheRemovedData:
+        def __init__(self, block_hashes):
+            self.block_hashes = block_hashes
+
+    class KVCacheEventDiffInt:
+        def __init__(self, old_value, new_value):
+            self.old_value, self.new_value = old_value, new_value
+
+    class KVCacheUpdatedData:
+        def __init__(self, block_hash, cache_level=None, priority=None):
+            self.block_hash, self.cache_level, self.priority = block_hash, cache_level, priority
+
+    class KVCacheEvent:
+        def __init__(self, event_id, data, window_size=0):
+            self.event_id, self.data, self.window_size = event_id, data, window_size
+
+    for cls in (UniqueToken, KVCacheCreatedData, KVCacheStoredBlockData, KVCacheStoredData, KVCacheRemovedData,
+                KVCacheEventDiffInt, KVCacheUpdatedData, KVCacheEvent):
+        setattr(kv_cache, cls.__name__, cls)
+
+    class KVCacheEventManager:
+        def __init__(self):
+            self.events: deque = deque()
+
+        def get_latest_events(self, timeout_ms=None):
+            _float("timeout_ms", timeout_ms, optional=True)
+            out = list(self.events)
+            self.events.clear()
+            return out
+
+    class KvCacheStats:
+        def __init__(self, **values):
+            self.__dict__.update(values)
+
+    class IterationStats:
+        def __init__(self, kv_cache_stats):
+            self.kv_cache_stats = kv_cache_stats
+
+    class Executor:
+        def __init__(self, model_path, model_type, executor_config):
+            if not isinstance(model_type, ModelType):
+                raise TypeError("model_type: expected ModelType")
+            if not isinstance(executor_config, ExecutorConfig):
+                raise TypeError("executor_config: expected ExecutorConfig")
+            self.model_path, self.model_type, self.config = model_path, model_type, executor_config
+            self.tokens_per_block = 0  # set by the test (the engine knows it from its build)
+            self.lock = threading.Lock()
+            self.ready: deque = deque()
+            self.requests: dict[int, Any] = {}
+            self.cancelled: list[int] = []
+            self.tree: dict[int, int] = {}  # block hash -> cache level
+            self.next_id = 1
+            self.event_id = 0
+            self.reused_total = self.alloc_total = self.alloc_new = self.missed_total = 0
+            self.events = KVCacheEventManager()
+            self._event(KVCacheCreatedData([primary_blocks, secondary_blocks]))
+            self.shut = False
+            mod.executors.append(self)
+
+        def _event(self, data):
+            self.event_id += 1
+            self.events.events.append(KVCacheEvent(self.event_id, data))
+
+        def enqueue_request(self, request):
+            if not isinstance(request, Request):
+                raise TypeError("request: expected Request")
+            with self.lock:
+                request_id = self.next_id
+                self.next_id += 1
+                self.requests[request_id] = request
+                self._run(request_id, request)
+            return request_id
+
+        def _run(self, request_id, request):
+            tpb = self.tokens_per_block
+            ids = request.input_token_ids
+            parent = None
+            reused = new = 0
+            stored = []
+            for start in range(0, len(ids) - len(ids) % tpb, tpb):
+                chunk = tuple(ids[start:start + tpb])
+                key = hash((parent, chunk, request.cache_salt_id if parent is None else None))
+                if key in self.tree:
+                    reused += 1
+                else:
+                    new += 1
+                    self.tree[key] = 0
+                    stored.append((parent, key, chunk))
+                parent = key
+            for parent_hash, key, chunk in stored:
+                block = KVCacheStoredBlockData(key, [UniqueToken(t) for t in chunk], 0, 35)
+                self._event(KVCacheStoredData(parent_hash, [block]))
+            total = reused + new + (1 if len(ids) % tpb else 0)
+            self.reused_total += reused
+            self.alloc_total += total
+            self.alloc_new += total - reused
+            self.missed_total += new
+            metrics = RequestPerfMetrics(KvCacheMetrics(total=total, new=total - reused, reused=reused, missed=new))
+            generated = [(t * 7 + 3) % 1000 + 10 for t in ids][: request.max_tokens]
+            if request.end_id is not None and len(generated) < request.max_tokens:
+                generated.append(request.end_id)
+            if request.streaming:
+                for i, token in enumerate(generated):
+                    self.ready.append(Response(request_id, Result([token], i == len(generated) - 1, metrics)))
+            else:
+                self.ready.append(Response(request_id, Result(generated, True, metrics)))
+
+        def await_responses(self, timeout=None):
+            _duration("timeout", timeout)
+            with self.lock:
+                out = [r for r in self.ready if r.request_id not in self.cancelled]
+                self.ready.clear()
+            return out
+
+        def cancel_request(self, id=None):
+            _int("id", id, lo=0)
+            self.cancelled.append(id)
+
+        def get_latest_iteration_stats(self):
+            stats = KvCacheStats(
+                max_num_blocks=primary_blocks, free_num_blocks=primary_blocks - len(self.tree),
+                used_num_blocks=len(self.tree), tokens_per_block=self.tokens_per_block,
+                alloc_total_blocks=self.alloc_total, alloc_new_blocks=self.alloc_new, reused_blocks=self.reused_total,
+                missed_blocks=self.missed_total,
+                cache_hit_rate=self.reused_total / self.alloc_total if self.alloc_total else 0.0,
+            )
+            return [IterationStats(stats)]
+
+        def get_kv_cache_event_manager(self):
+            return self.events
+
+        def shutdown(self):
+            self.shut = True
+
+        # test helpers: what the real pool would report on an offload / onboard / eviction
+        def offload(self, block_hash):
+            self._event(KVCacheUpdatedData(block_hash, KVCacheEventDiffInt(0, 1), None))
+
+        def onboard(self, block_hash):
+            self._event(KVCacheUpdatedData(block_hash, KVCacheEventDiffInt(1, 0), None))
+
+        def evict(self, block_hash):
+            self.tree.pop(block_hash, None)
+            self._event(KVCacheRemovedData([block_hash]))
+
+    for obj in (ModelType, KvCacheConfig, ExecutorConfig, KvCacheRetentionConfig, SamplingConfig, OutputConfig, Request,
+                Response, Result, KvCacheStats, IterationStats, Executor):
+        setattr(mod, obj.__name__, obj)
+    mod.kv_cache = kv_cache
+    return mod
+
+
+def install(module: types.ModuleType, monkeypatch) -> None:
+    """Make ``import tensorrt_llm.bindings.executor`` return ``module`` for one test."""
+    root = types.ModuleType("tensorrt_llm")
+    bindings = types.ModuleType("tensorrt_llm.bindings")
+    root.bindings = bindings
+    bindings.executor = module
+    monkeypatch.setitem(sys.modules, "tensorrt_llm", root)
+    monkeypatch.setitem(sys.modules, "tensorrt_llm.bindings", bindings)
+    monkeypatch.setitem(sys.modules, "tensorrt_llm.bindings.executor", module)

@@ -1,0 +1,225 @@
+"""The kvgate_llm Triton model against doubles of the TensorRT-LLM 1.2 executor and pb_utils.
+
+What is checked is *our* side of the contract: the executor objects the model builds
+(names, types, values — the double refuses anything the 1.2 bindings would refuse), and
+what the model answers on the KServe side (engines/contract.py).
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+from datetime import timedelta
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import engines.contract as contract
+from engines.contract import EngineRequest, KvMetrics, PoolStatsReport, SamplingParams, encode_request
+from engines.trtllm.executor_args import cache_salt_id
+from retention.types import DEFAULT_PRIORITY, RetentionPlan, TokenRange
+from tests.engines.triton.conftest import make_harness
+
+FINAL = 1
+PROMPT = tuple(range(100, 100 + 80))  # 2 full blocks of 32 + 16 tokens
+
+
+def request(*, plan=RetentionPlan(), salt=None, tenant=None, streaming=False, max_new=4, ids=PROMPT):
+    return encode_request(
+        EngineRequest(
+            input_ids=ids, max_new_tokens=max_new, end_id=None, streaming=streaming,
+            sampling=SamplingParams(), retention=plan, cache_salt=salt, tenant_id=tenant,
+        )
+    )
+
+
+def outputs(sender):
+    assert sender.finished.is_set(), "no final response"
+    result = []
+    for response, flags in sender.responses:
+        assert response is not None and not response.has_error(), response.error().message() if response else None
+        result.append((response.tensors(), flags))
+    return result
+
+
+def error_of(sender) -> str:
+    [(response, flags)] = sender.responses
+    assert flags == FINAL and response.has_error()
+    return response.error().message()
+
+
+def recorded_request(h, index=-1):
+    return list(h.executor.requests.values())[index]
+
+
+def test_retention_plan_becomes_kv_cache_retention_config(harness):
+    plan = RetentionPlan(
+        ranges=(TokenRange(0, 32, 90, None), TokenRange(32, 64, 60, 30_000), TokenRange(64, None, 20, 5_000)),
+        decode_priority=10,
+        decode_duration_ms=1_000,
+    )
+    outputs(harness.send(request(plan=plan, salt="salt-of-tenant-a", tenant="tenant-a")))
+    sent = recorded_request(harness)
+    config = sent.kv_cache_retention_config
+    ranges = [(r.token_start, r.token_end, r.priority, r.duration_ms) for r in config.token_range_retention_configs]
+    assert ranges == [
+        (0, 32, 90, None),  # duration None = no expiry
+        (32, 64, 60, timedelta(milliseconds=30_000)),  # std::chrono::milliseconds ↔ timedelta
+        (64, None, 20, timedelta(milliseconds=5_000)),  # open-ended last range: token_end None
+    ]
+    assert config.decode_retention_priority == 10
+    assert config.decode_duration_ms == timedelta(milliseconds=1_000)
+    assert sent.cache_salt_id == cache_salt_id("salt-of-tenant-a")
+    assert 0 <= sent.cache_salt_id < 2**64
+    assert sent.input_token_ids == list(PROMPT)
+    assert sent.output_config.exclude_input_from_output is True
+    assert sent.output_config.return_perf_metrics is True
+    assert sent.end_id == 128009  # the spec's end_id when the request sends none
+
+
+def test_default_plan_sends_no_retention_config_and_unsalted_request_no_salt(harness):
+    outputs(harness.send(request()))
+    sent = recorded_request(harness)
+    assert sent.kv_cache_retention_config is None
+    assert sent.cache_salt_id is None
+
+
+def test_decode_only_plan_is_still_sent(harness):
+    outputs(harness.send(request(plan=RetentionPlan((), decode_priority=80, decode_duration_ms=None))))
+    config = recorded_request(harness).kv_cache_retention_config
+    assert config.token_range_retention_configs == []
+    assert config.decode_retention_priority == 80 and config.decode_duration_ms is None
+
+
+def test_greedy_and_sampled_requests_map_to_sampling_config(harness):
+    outputs(harness.send(request()))
+    greedy = recorded_request(harness).sampling_config
+    assert (greedy.top_k, greedy.top_p, greedy.temperature) == (1, None, None)
+    tensors = request()
+    tensors[contract.TEMPERATURE.name] = np.array([0.7], np.float32)
+    tensors[contract.TOP_P.name] = np.array([0.9], np.float32)
+    tensors[contract.TOP_K.name] = np.array([40], np.int32)
+    tensors[contract.RANDOM_SEED.name] = np.array([7], np.uint64)
+    outputs(harness.send(tensors))
+    sampled = recorded_request(harness).sampling_config
+    assert sampled.top_k == 40 and sampled.seed == 7
+    assert sampled.top_p == pytest.approx(0.9) and sampled.temperature == pytest.approx(0.7)
+
+
+def test_non_streaming_answer_and_kv_metrics(harness):
+    [(first, flags)] = outputs(harness.send(request(salt="s1")))
+    assert flags == FINAL
+    expected = [(t * 7 + 3) % 1000 + 10 for t in PROMPT][:4]
+    assert first[contract.OUTPUT_IDS.name].tolist() == expected
+    assert first[contract.SEQUENCE_LENGTH.name].tolist() == [4]
+    assert first[contract.KV_REUSED.name].tolist() == [0]
+    [(second, _)] = outputs(harness.send(request(salt="s1")))
+    assert second[contract.KV_REUSED.name].tolist() == [2]  # two full 32-token blocks
+    assert second[contract.KV_TOTAL.name].tolist() == [3]
+    assert second[contract.KV_NEW.name].tolist() == [1]
+    assert second[contract.KV_ONBOARDED.name].tolist() == [0]  # not reported per request by TRT-LLM 1.2
+
+
+def test_salts_isolate_tenants(harness):
+    outputs(harness.send(request(salt="tenant-a")))
+    [(other, _)] = outputs(harness.send(request(salt="tenant-b")))
+    assert other[contract.KV_REUSED.name].tolist() == [0]
+    [(same, _)] = outputs(harness.send(request(salt="tenant-a")))
+    assert same[contract.KV_REUSED.name].tolist() == [2]
+
+
+def test_streaming_sends_deltas_and_strips_the_end_token(harness):
+    tensors = request(streaming=True, max_new=6, ids=PROMPT[:3])
+    tensors[contract.END_ID.name] = np.array([77], np.int32)
+    responses = outputs(harness.send(tensors))
+    generated = [(t * 7 + 3) % 1000 + 10 for t in PROMPT[:3]]
+    assert [r[contract.OUTPUT_IDS.name].tolist() for r, _ in responses] == [[t] for t in generated] + [[]]
+    assert [r[contract.SEQUENCE_LENGTH.name].tolist()[0] for r, _ in responses] == [1, 2, 3, 3]
+    assert [flags for _, flags in responses] == [0, 0, 0, FINAL]
+    assert recorded_request(harness).end_id == 77
+
+
+def test_bad_input_gets_an_error_naming_the_tensor_and_the_model_keeps_serving(harness):
+    tensors = request()
+    tensors[contract.RANGE_STARTS.name] = np.array([0, 32], np.int32)
+    tensors[contract.RANGE_ENDS.name] = np.array([32], np.int32)
+    tensors[contract.RANGE_PRIORITIES.name] = np.array([50, 50], np.int32)
+    assert "retention_token_range_ends" in error_of(harness.send(tensors))
+    priority = request()
+    priority[contract.DECODE_PRIORITY.name] = np.array([101], np.int32)
+    assert "retention_decode_priority" in error_of(harness.send(priority))
+    assert "input_ids" in error_of(harness.send({contract.REQUEST_OUTPUT_LEN.name: np.array([4], np.int32)}))
+    too_long = request(max_new=harness.model.params.max_output_len + 1)
+    assert "request_output_len" in error_of(harness.send(too_long))
+    assert len(harness.executor.requests) == 0  # nothing invalid reached the executor
+    outputs(harness.send(request()))
+
+
+def test_stats_call_reports_pool_and_per_tenant_blocks_per_tier(harness):
+    outputs(harness.send(request(salt="a", tenant="tenant-a")))
+    other = tuple(range(500, 500 + 64))
+    outputs(harness.send(request(salt="b", tenant="tenant-b", ids=other)))
+    outputs(harness.send(request(salt="a", tenant="tenant-a")))  # reuse: stores nothing new
+    stats_sender = harness.send({contract.KV_STATS.name: np.array([True])})
+    [(tensors, flags)] = outputs(stats_sender)
+    report = PoolStatsReport.from_json(tensors[contract.KV_CACHE_STATS.name][0])
+    assert flags == FINAL
+    assert report.tenants == {"tenant-a": [2, 0], "tenant-b": [2, 0]}
+    assert report.secondary_offload_min_priority == 35
+    assert report.tokens_per_block == 32
+    assert report.primary.max_blocks == 64 and report.secondary.max_blocks == 256
+    assert report.reused_blocks == 2
+
+    a_blocks = [h for h, b in harness.model.ledger._blocks.items() if b.tenant == "tenant-a"]
+    harness.executor.offload(a_blocks[-1])
+    harness.executor.evict(a_blocks[0])
+    [(tensors, _)] = outputs(harness.send({contract.KV_STATS.name: np.array([True])}))
+    report = PoolStatsReport.from_json(tensors[contract.KV_CACHE_STATS.name][0])
+    assert report.tenants == {"tenant-a": [0, 1], "tenant-b": [2, 0]}
+    assert report.secondary.used_blocks == 1 and report.secondary.free_blocks == 255
+    assert (report.offloaded_blocks, report.evicted_blocks, report.onboarded_blocks) == (1, 1, 0)
+
+
+def test_cancelled_request_is_cancelled_in_the_executor(harness):
+    request_tensors = request(streaming=True, max_new=8)
+    inference = harness.pb.InferenceRequest(request_tensors)
+    harness.model.execute([inference])
+    inference.sender.cancelled = True
+    harness.model.pump(timedelta(0))
+    [request_id] = harness.executor.requests
+    assert harness.executor.cancelled == [request_id]
+    assert inference.sender.responses == []
+    assert harness.model.pending == {}
+
+
+def test_without_cache_salt_support_salted_requests_are_refused(tmp_path, monkeypatch):
+    h = make_harness(tmp_path, monkeypatch, salt_supported=False)
+    try:
+        assert "cache_salt_id" in error_of(h.send(request(salt="tenant-a")))
+        outputs(h.send(request()))  # unsalted (shared isolation) still served
+        assert recorded_request(h).cache_salt_id is None
+    finally:
+        h.model.finalize()
+
+
+def test_executor_is_built_from_the_config_pbtxt_parameters(harness):
+    executor = harness.executor
+    assert executor.model_path == "/engines/llama-3.1-8b-instruct-fp8kv/engine"
+    assert executor.model_type.name == "DECODER_ONLY"
+    kv = executor.config.kv_cache_config
+    assert (kv.secondary_offload_min_priority, kv.host_cache_size, kv.event_buffer_max_size) == (35, 34359738368, 16384)
+    harness.model.finalize()
+    assert executor.shut
+
+
+def test_model_and_reference_engine_share_one_parser(harness):
+    assert harness.module.contract is contract
+    # parse_request is defined once, in engines/contract.py; no engine module redefines it.
+    root = Path(contract.__file__).parent
+    definers = []
+    for path in root.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.FunctionDef) and node.name in ("parse_request", "parse_retention"):
+                definers.append(path.relative_to(root).as_posix())
+    assert sorted(set(definers)) == ["contract.py"]
