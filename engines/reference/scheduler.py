@@ -1,0 +1,213 @@
+"""Continuous batching over the retention pool: who runs in the next step, and how much.
+
+Every step mixes work under two limits, ``max_batch_size`` sequences and
+``max_num_tokens`` computed tokens (TensorRT-LLM's ``maxBatchSize`` / ``maxNumTokens``)::
+
+    step = [decode: 1 token for each running sequence whose prompt is done]
+         + [prefill chunks: the rest of the token budget, oldest sequence first]
+         + [admissions: waiting requests, FIFO, while the pool can hold their prompt]
+
+A waiting request the pool cannot hold stays queued (head of line, so a long prompt is
+not starved by short ones); it is admitted once running requests release blocks. When a
+decoding sequence cannot grow, the most recently admitted running sequence is
+preempted: its blocks are released (full blocks stay cached for reuse) and it re-enters
+the queue's head with its generated tokens, to be recomputed — mostly from cache.
+
+Invariants:
+* a sequence in ``running`` holds a pool allocation whose capacity covers every token
+  it has computed plus the ones scheduled in the current step;
+* every allocation is released exactly once (finish, cancel or preemption), with the
+  tokens whose KV is actually in the cache, so the pool stores only computed blocks;
+* physical copies the pool asks for are handed to the caller before the step that
+  needs them (``ScheduledStep.copies``), in the pool's order.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from enum import Enum
+
+import torch
+
+from engines.contract import EngineRequest, KvMetrics
+from retention.pool import BlockCopy, BlockPool
+
+
+class FinishReason(str, Enum):
+    END_ID = "end_id"
+    LENGTH = "length"
+    CANCELLED = "cancelled"
+
+
+@dataclass(slots=True, eq=False)
+class Sequence:
+    """One request's generation state. ``tokens`` = prompt + generated so far."""
+
+    request_id: str
+    request: EngineRequest
+    tokens: list[int]
+    prompt_len: int
+    end_ids: frozenset[int]
+    generator: torch.Generator | None = None
+    generated: int = 0  # tokens generated (not counting the end token)
+    num_computed: int = 0  # tokens whose KV is in the cache
+    prefill_target: int = 0  # tokens to compute before sampling resumes (prompt, or prompt+generated after preemption)
+    block_slots: list[int] = field(default_factory=list)
+    admitted: bool = False
+    metrics: KvMetrics = field(default_factory=KvMetrics)
+    admit_seq: int = 0
+
+    @property
+    def in_prefill(self) -> bool:
+        return self.num_computed < self.prefill_target
+
+
+@dataclass(slots=True)
+class Work:
+    seq: Sequence
+    start: int  # first token position computed this step
+    length: int  # tokens computed this step
+    sample: bool  # a next token is sampled from the last position
+
+
+@dataclass(slots=True)
+class ScheduledStep:
+    copies: list[BlockCopy]
+    prefills: list[Work]
+    decodes: list[Work]
+
+    def __bool__(self) -> bool:
+        return bool(self.prefills or self.decodes)
+
+
+class Scheduler:
+    """Queues and step planning; all pool mutations of the engine happen here."""
+
+    def __init__(self, pool: BlockPool, *, tokens_per_block: int, max_batch_size: int, max_num_tokens: int) -> None:
+        self.pool = pool
+        self.tokens_per_block = tokens_per_block
+        self.max_batch_size = max_batch_size
+        self.max_num_tokens = max_num_tokens
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self._admissions = 0
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def add(self, seq: Sequence) -> None:
+        seq.prefill_target = len(seq.tokens)
+        self.waiting.append(seq)
+
+    def find(self, request_id: str) -> Sequence | None:
+        for seq in self.running:
+            if seq.request_id == request_id:
+                return seq
+        for seq in self.waiting:
+            if seq.request_id == request_id:
+                return seq
+        return None
+
+    # Planning -------------------------------------------------------------------------
+    def schedule(self, now: float) -> ScheduledStep:
+        copies: list[BlockCopy] = []
+        budget = self.max_num_tokens
+        decodes: list[Work] = []
+        for seq in [s for s in self.running if not s.in_prefill]:
+            if seq not in self.running:  # preempted while growing an earlier sequence
+                continue
+            if budget <= 0:
+                break
+            if not self._grow(seq, seq.num_computed + 1, now, copies):
+                continue
+            decodes.append(Work(seq, seq.num_computed, 1, True))
+            budget -= 1
+        # A later sequence's growth may have preempted one already planned.
+        decodes = [w for w in decodes if w.seq in self.running]
+        budget = self.max_num_tokens - len(decodes)
+        prefills: list[Work] = []
+        for seq in self.running:
+            if budget <= 0:
+                break
+            if seq.in_prefill:
+                prefills.append(self._chunk(seq, budget))
+                budget -= prefills[-1].length
+        while self.waiting and budget > 0 and len(self.running) < self.max_batch_size:
+            seq = self.waiting[0]
+            if not self._admit(seq, now, copies):
+                break  # queue, don't crash: retried after blocks are released
+            self.waiting.popleft()
+            self.running.append(seq)
+            prefills.append(self._chunk(seq, budget))
+            budget -= prefills[-1].length
+        return ScheduledStep(copies, prefills, decodes)
+
+    def _chunk(self, seq: Sequence, budget: int) -> Work:
+        length = min(seq.prefill_target - seq.num_computed, budget)
+        done = seq.num_computed + length == seq.prefill_target
+        return Work(seq, seq.num_computed, length, done)
+
+    def _admit(self, seq: Sequence, now: float, copies: list[BlockCopy]) -> bool:
+        request = seq.request
+        allocation = self.pool.allocate(
+            seq.request_id, seq.tokens, salt=request.cache_salt, tenant=request.tenant_id,
+            plan=request.retention, now=now,
+        )
+        if allocation is None:
+            return False
+        copies.extend(allocation.copies)
+        seq.block_slots = list(allocation.slots)
+        # The pool never matches the last prompt token (its logits start generation).
+        seq.num_computed = allocation.num_cached_tokens
+        self._admissions += 1
+        seq.admit_seq = self._admissions
+        if not seq.admitted:  # metrics describe the first admission (the request as sent)
+            seq.metrics = KvMetrics(
+                reused_blocks=allocation.reused_blocks,
+                new_blocks=allocation.new_blocks,
+                total_blocks=len(allocation.slots),
+                onboarded_blocks=allocation.onboarded_blocks,
+            )
+        seq.admitted = True
+        return True
+
+    def _grow(self, seq: Sequence, num_tokens: int, now: float, copies: list[BlockCopy]) -> bool:
+        """Make ``seq`` hold ``num_tokens``; preempt newer sequences if needed."""
+        while len(seq.block_slots) * self.tokens_per_block < num_tokens:
+            grown = self.pool.extend(seq.request_id, num_tokens, now=now)
+            if grown is not None:
+                slots, extra = grown
+                copies.extend(extra)
+                added = len(slots) - len(seq.block_slots)
+                seq.block_slots = list(slots)
+                m = seq.metrics
+                seq.metrics = KvMetrics(m.reused_blocks, m.new_blocks + max(added, 0), len(slots), m.onboarded_blocks)
+                return True
+            victim = max(self.running, key=lambda s: s.admit_seq)
+            self.preempt(victim, now)
+            if victim is seq:
+                return False
+        return True
+
+    # Lifecycle ------------------------------------------------------------------------
+    def preempt(self, seq: Sequence, now: float) -> None:
+        """Release ``seq``'s blocks and put it back at the head of the queue."""
+        self._release(seq, now)
+        seq.prefill_target = len(seq.tokens)
+        self.waiting.appendleft(seq)
+
+    def finish(self, seq: Sequence, now: float) -> None:
+        if seq in self.running:
+            self._release(seq, now)
+        else:
+            try:
+                self.waiting.remove(seq)
+            except ValueError:
+                pass
+
+    def _release(self, seq: Sequence, now: float) -> None:
+        self.running.remove(seq)
+        self.pool.release(seq.request_id, seq.tokens, now=now, num_computed_tokens=seq.num_computed)
+        seq.block_slots = []
+        seq.num_computed = 0
