@@ -1,9 +1,257 @@
-"""`kvgate admin` commands."""
+"""`kvgate admin` commands: the registry from the shell, over the same service functions
+and schemas as the admin REST API (so the same rules and error codes apply).
+
+Output is JSON on stdout; errors are the admin error shape on stderr with exit code 1
+(registry rule) or 2 (invalid input). Audit events name the actor ``cli:<os user>``.
+"""
 
 from __future__ import annotations
 
+import getpass
+import json
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from datetime import UTC, datetime
+from typing import Annotated, Any
+
 import typer
+
+Sets = Annotated[list[str] | None, typer.Option("--set", help="field=value (value parsed as JSON, else a string)")]
+Limit = Annotated[int, typer.Option(help="page size 1..500")]
+Offset = Annotated[int, typer.Option(help="rows to skip")]
+
+
+def _parse_sets(items: list[str] | None) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for item in items or []:
+        key, sep, raw = item.partition("=")
+        if not sep or not key:
+            _fail(2, "invalid_value", f"--set expects field=value, got {item!r}", "--set")
+        try:
+            out[key] = json.loads(raw)
+        except json.JSONDecodeError:
+            out[key] = raw
+    return out
+
+
+def _fail(exit_code: int, code: str, message: str, field: str | None = None) -> None:
+    typer.echo(json.dumps({"error": {"code": code, "message": message, "field": field}}), err=True)
+    raise typer.Exit(exit_code)
+
+
+def _print(value: Any) -> None:
+    typer.echo(json.dumps(value, indent=2, default=str))
+
+
+@contextmanager
+def _session() -> Iterator[Any]:
+    """A registry session from settings; registry/validation errors become CLI errors."""
+    from pydantic import ValidationError
+    from sqlalchemy.exc import OperationalError
+
+    from server.settings import Settings
+    from tenants.db import make_engine, make_session_factory
+    from tenants.errors import RegistryError
+
+    engine = make_engine(Settings().database_url)
+    try:
+        with make_session_factory(engine)() as session:
+            yield session
+    except RegistryError as exc:
+        _fail(1, exc.code, exc.message, exc.field)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        field = ".".join(str(p) for p in first["loc"]) or None
+        _fail(2, "invalid_value", f"{field}: {first['msg']}", field)
+    except OperationalError as exc:
+        _fail(1, "database_unavailable", f"database error: {type(exc.orig).__name__}: {exc.orig}")
+    finally:
+        engine.dispose()
+
+
+def _actor() -> str:
+    try:
+        return f"cli:{getpass.getuser()}"
+    except Exception:  # noqa: BLE001 - no user database entry in some containers
+        return "cli:unknown"
+
+
+def _now() -> datetime:
+    return datetime.now(UTC)
+
+
+def _page(schema: Any, result: Any, convert: Callable[[Any], Any] | None = None) -> dict[str, Any]:
+    items = [convert(r) if convert else schema.model_validate(r).model_dump(mode="json") for r in result.items]
+    return {"items": items, "total": result.total, "limit": result.limit, "offset": result.offset}
+
+
+def _crud(parent: typer.Typer, *, name: str, help_text: str, service: Any, create_schema: Any,
+          update_schema: Any, public_schema: Any, create_fn: str, get_fn: str, list_fn: str, update_fn: str,
+          delete_fn: str, required: dict[str, str]) -> typer.Typer:
+    """list/show/create/update/delete for pools and retention classes."""
+    group = typer.Typer(no_args_is_help=True, help=help_text)
+    parent.add_typer(group, name=name)
+
+    @group.command("list")
+    def list_(limit: Limit = 50, offset: Offset = 0) -> None:
+        with _session() as s:
+            _print(_page(public_schema, getattr(service, list_fn)(s, limit=limit, offset=offset)))
+
+    @group.command()
+    def show(ref: str) -> None:
+        with _session() as s:
+            _print(public_schema.model_validate(getattr(service, get_fn)(s, ref=ref)).model_dump(mode="json"))
+
+    @group.command(help=f"Create; required --set fields: {', '.join(required) or 'none'} (plus NAME).")
+    def create(name_: Annotated[str, typer.Argument(metavar="NAME")], set_: Sets = None) -> None:
+        with _session() as s:
+            body = create_schema(name=name_, **_parse_sets(set_))
+            row = getattr(service, create_fn)(s, actor=_actor(), now=_now(), **body.model_dump())
+            _print(public_schema.model_validate(row).model_dump(mode="json"))
+
+    @group.command()
+    def update(ref: str, version: Annotated[int, typer.Option(help="current version")], set_: Sets = None) -> None:
+        with _session() as s:
+            body = update_schema(version=version, **_parse_sets(set_))
+            row = getattr(service, update_fn)(s, actor=_actor(), now=_now(), ref=ref, version=version,
+                                              changes=body.model_dump(exclude_unset=True, exclude={"version"}))
+            _print(public_schema.model_validate(row).model_dump(mode="json"))
+
+    @group.command()
+    def delete(ref: str) -> None:
+        with _session() as s:
+            getattr(service, delete_fn)(s, actor=_actor(), now=_now(), ref=ref)
+            _print({"deleted": ref})
+
+    return group
 
 
 def register(app: typer.Typer) -> None:
-    """Attach this module's commands to the root CLI (filled in by its issue)."""
+    """Attach ``kvgate admin pools|classes|tenants|keys|audit`` to the root CLI."""
+    from server.admin import schemas as sc
+    from tenants import pools, retention_classes
+
+    admin = typer.Typer(no_args_is_help=True, help="Manage the tenant registry (pools, classes, tenants, keys).")
+    app.add_typer(admin, name="admin")
+
+    _crud(admin, name="pools", help_text="Engine pools.", service=pools, create_schema=sc.PoolCreate,
+          update_schema=sc.PoolUpdate, public_schema=sc.PoolPublic, create_fn="create_pool", get_fn="get_pool",
+          list_fn="list_pools", update_fn="update_pool", delete_fn="delete_pool",
+          required={"model_name": "", "triton_url": "", "primary_blocks": ""})
+    _crud(admin, name="classes", help_text="Retention classes.", service=retention_classes,
+          create_schema=sc.RetentionClassCreate, update_schema=sc.RetentionClassUpdate,
+          public_schema=sc.RetentionClassPublic, create_fn="create_class", get_fn="get_class",
+          list_fn="list_classes", update_fn="update_class", delete_fn="delete_class", required={})
+    _register_tenants(admin)
+    _register_keys(admin)
+
+    @admin.command()
+    def audit(limit: Limit = 50, offset: Offset = 0,
+              entity_type: Annotated[str | None, typer.Option()] = None,
+              entity_id: Annotated[str | None, typer.Option()] = None,
+              action: Annotated[str | None, typer.Option()] = None) -> None:
+        """List audit events, newest first."""
+        from tenants import audit as audit_log
+
+        with _session() as s:
+            _print(_page(sc.AuditEventPublic, audit_log.list_events(
+                s, limit=limit, offset=offset, entity_type=entity_type, entity_id=entity_id, action=action)))
+
+
+def _tenant_json(session: Any, tenant: Any) -> dict[str, Any]:
+    from server.admin.tenants import _detail
+
+    return _detail(session, tenant).model_dump(mode="json")
+
+
+def _register_tenants(admin: typer.Typer) -> None:
+    from server.admin import schemas as sc
+    from tenants import tenant as svc
+
+    group = typer.Typer(no_args_is_help=True, help="Tenants.")
+    admin.add_typer(group, name="tenants")
+
+    @group.command("list")
+    def list_(limit: Limit = 50, offset: Offset = 0,
+              status: Annotated[str | None, typer.Option(help="active|suspended")] = None) -> None:
+        from server.admin.tenants import _publics
+
+        with _session() as s:
+            result = svc.list_tenants(s, limit=limit, offset=offset, status=status)
+            items = [p.model_dump(mode="json") for p in _publics(s, list(result.items))]
+            _print({"items": items, "total": result.total, "limit": result.limit, "offset": result.offset})
+
+    @group.command()
+    def show(ref: str) -> None:
+        """A tenant with its computed retention view (host vs dropped per segment)."""
+        with _session() as s:
+            _print(_tenant_json(s, svc.get_tenant(s, ref=ref)))
+
+    @group.command(help="Create a tenant; other fields (isolation, limits, kv_quota_fraction) via --set.")
+    def create(slug: str,
+               pool: Annotated[str, typer.Option(help="pool id or name")],
+               retention_class: Annotated[str, typer.Option("--class", help="retention class id or name")],
+               display_name: Annotated[str | None, typer.Option()] = None,
+               set_: Sets = None) -> None:
+        with _session() as s:
+            body = sc.TenantCreate(slug=slug, display_name=display_name or slug, pool=pool,
+                                   retention_class=retention_class, **_parse_sets(set_))
+            _print(_tenant_json(s, svc.create_tenant(s, actor=_actor(), now=_now(), **body.model_dump())))
+
+    @group.command()
+    def update(ref: str, version: Annotated[int, typer.Option(help="current version")], set_: Sets = None) -> None:
+        with _session() as s:
+            body = sc.TenantUpdate(version=version, **_parse_sets(set_))
+            tenant = svc.update_tenant(s, actor=_actor(), now=_now(), ref=ref, version=version,
+                                       changes=body.model_dump(exclude_unset=True, exclude={"version"}))
+            _print(_tenant_json(s, tenant))
+
+    @group.command()
+    def suspend(ref: str) -> None:
+        with _session() as s:
+            _print(_tenant_json(s, svc.suspend_tenant(s, actor=_actor(), now=_now(), ref=ref)))
+
+    @group.command()
+    def resume(ref: str) -> None:
+        with _session() as s:
+            _print(_tenant_json(s, svc.resume_tenant(s, actor=_actor(), now=_now(), ref=ref)))
+
+    @group.command()
+    def delete(ref: str) -> None:
+        with _session() as s:
+            svc.delete_tenant(s, actor=_actor(), now=_now(), ref=ref)
+            _print({"deleted": ref})
+
+
+def _register_keys(admin: typer.Typer) -> None:
+    from server.admin import schemas as sc
+    from server.settings import Settings
+    from tenants import keys as svc
+
+    group = typer.Typer(no_args_is_help=True, help="A tenant's API keys.")
+    admin.add_typer(group, name="keys")
+
+    @group.command()
+    def create(tenant: str, name: Annotated[str, typer.Option()] = "",
+               expires_at: Annotated[str | None, typer.Option(help="ISO 8601 with offset")] = None) -> None:
+        """Create a key; the plaintext is printed once and cannot be shown again."""
+        settings = Settings()
+        pepper = settings.effective_key_pepper()
+        if not pepper:
+            _fail(1, "no_pepper", "set KVGATE_KEY_PEPPER (or KVGATE_DEV=1 for the dev pepper)", "pepper")
+        with _session() as s:
+            body = sc.ApiKeyCreate(name=name, expires_at=expires_at)
+            row, plaintext = svc.create_key(s, actor=_actor(), now=_now(), tenant=tenant, name=body.name,
+                                            expires_at=body.expires_at, pepper=pepper)
+            _print({**sc.ApiKeyPublic.model_validate(row).model_dump(mode="json"), "key": plaintext})
+
+    @group.command("list")
+    def list_(tenant: str, limit: Limit = 50, offset: Offset = 0) -> None:
+        with _session() as s:
+            _print(_page(sc.ApiKeyPublic, svc.list_keys(s, tenant=tenant, limit=limit, offset=offset)))
+
+    @group.command()
+    def revoke(tenant: str, key_id: int) -> None:
+        with _session() as s:
+            row = svc.revoke_key(s, actor=_actor(), now=_now(), tenant=tenant, key_id=key_id)
+            _print(sc.ApiKeyPublic.model_validate(row).model_dump(mode="json"))
