@@ -174,6 +174,25 @@ class EngineSpec(_Strict):
         return self
 
 
+def reference_settings(spec: EngineSpec) -> dict[str, object]:
+    """Keyword arguments for ``engines.reference.config.ReferenceEngineConfig`` from a reference spec."""
+    if spec.backend != "reference" or spec.reference is None:
+        raise SpecError(f"spec {spec.name!r} is not a reference-engine spec")
+    kv_dtype = "fp8_e4m3" if spec.quantization.kv_cache == "fp8" else spec.quantization.kv_cache
+    return {
+        "kv_dtype": kv_dtype,
+        "primary_blocks": spec.reference.primary_blocks,
+        "secondary_blocks": spec.reference.secondary_blocks,
+        "tokens_per_block": spec.build.tokens_per_block,
+        "secondary_offload_min_priority": spec.kv_cache.secondary_offload_min_priority,
+        "enable_block_reuse": spec.kv_cache.enable_block_reuse,
+        "max_batch_size": spec.build.max_batch_size,
+        "max_num_tokens": spec.build.max_num_tokens,
+        "max_input_len": spec.build.max_input_len,
+        "max_output_len": spec.build.max_seq_len - spec.build.max_input_len,
+    }
+
+
 def spec_hash(spec: EngineSpec) -> str:
     """SHA-256 of the spec's canonical JSON: equal content ⇒ equal hash, whatever the YAML layout."""
     canonical = json.dumps(spec.model_dump(mode="json"), sort_keys=True, separators=(",", ":"))

@@ -1,0 +1,108 @@
+"""Engine specs: the bundled files load, bad specs fail with the field named, hashes are content-only."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import yaml
+
+from engines.spec import (
+    SpecError,
+    bundled_spec_names,
+    load_bundled_spec,
+    load_spec,
+    parse_spec,
+    reference_settings,
+    spec_hash,
+)
+
+TRT_SPECS = ["llama-3.1-70b-instruct-fp8-tp8", "llama-3.1-8b-instruct-fp8kv"]
+
+
+def test_bundled_specs():
+    assert bundled_spec_names() == TRT_SPECS + ["reference-smollm2"]
+    big = load_bundled_spec("llama-3.1-70b-instruct-fp8-tp8")
+    assert big.build.tensor_parallel == 8 and big.build.world_size == 8
+    small = load_bundled_spec("llama-3.1-8b-instruct-fp8kv")
+    assert (small.quantization.weights, small.quantization.kv_cache) == ("fp8", "fp8")
+    assert small.tensorrt_llm.version.startswith("1.2.")
+    assert small.tensorrt_llm.container.endswith("-trtllm-python-py3")
+
+
+def _raw(name: str) -> dict:
+    from importlib import resources
+
+    return yaml.safe_load((resources.files("engines") / "specs" / f"{name}.yaml").read_text())
+
+
+@pytest.mark.parametrize(
+    ("path", "value", "message"),
+    [
+        (("build", "tokens_per_block"), 48, "power of two"),
+        (("build", "max_input_len"), 9000, "max_input_len"),
+        (("kv_cache", "secondary_offload_min_priority"), 101, "kv_cache.secondary_offload_min_priority"),
+        (("kv_cache", "event_buffer_max_size"), 0, "event_buffer_max_size"),
+        (("quantization", "kv_cache"), "fp16", "FP8"),
+        (("quantization", "weights"), "int4", "quantization.weights"),
+        (("tensorrt_llm", "version"), "1.3.0", "tensorrt_llm.version"),
+        (("kv_cache", "host_cache_size"), -1, "kv_cache.host_cache_size"),
+        (("build", "workers"), 2, "workers"),
+    ],
+)
+def test_invalid_specs_name_the_field(path, value, message):
+    data = copy.deepcopy(_raw("llama-3.1-8b-instruct-fp8kv"))
+    data[path[0]][path[1]] = value
+    with pytest.raises(SpecError, match=message):
+        parse_spec(data, source="x.yaml")
+
+
+def test_offload_threshold_must_be_explicit():
+    data = copy.deepcopy(_raw("llama-3.1-8b-instruct-fp8kv"))
+    del data["kv_cache"]["secondary_offload_min_priority"]
+    with pytest.raises(SpecError, match="secondary_offload_min_priority"):
+        parse_spec(data)
+
+
+def test_unknown_keys_are_refused():
+    data = copy.deepcopy(_raw("llama-3.1-8b-instruct-fp8kv"))
+    data["kv_cache"]["secondary_offload_min_prio"] = 30
+    with pytest.raises(SpecError, match="secondary_offload_min_prio"):
+        parse_spec(data)
+
+
+def test_model_needs_exactly_one_source():
+    data = copy.deepcopy(_raw("llama-3.1-8b-instruct-fp8kv"))
+    data["model"]["checkpoint_path"] = "/ckpt"
+    with pytest.raises(SpecError, match="exactly one"):
+        parse_spec(data)
+
+
+def test_load_spec_from_file_and_errors(tmp_path):
+    file = tmp_path / "s.yaml"
+    file.write_text(yaml.safe_dump(_raw("llama-3.1-8b-instruct-fp8kv"), sort_keys=True))
+    assert spec_hash(load_spec(file)) == spec_hash(load_bundled_spec("llama-3.1-8b-instruct-fp8kv"))
+    (tmp_path / "bad.yaml").write_text("name: [unclosed")
+    with pytest.raises(SpecError, match="not valid YAML"):
+        load_spec(tmp_path / "bad.yaml")
+    with pytest.raises(SpecError, match="cannot read"):
+        load_spec(tmp_path / "missing.yaml")
+    with pytest.raises(SpecError, match="no bundled spec"):
+        load_spec("nope")
+
+
+def test_hash_changes_with_content():
+    data = copy.deepcopy(_raw("llama-3.1-8b-instruct-fp8kv"))
+    before = spec_hash(parse_spec(data))
+    data["kv_cache"]["host_cache_size"] += 1
+    assert spec_hash(parse_spec(data)) != before
+
+
+def test_reference_spec_maps_to_the_reference_engine_config():
+    settings = reference_settings(load_bundled_spec("reference-smollm2"))
+    assert settings["kv_dtype"] == "fp8_e4m3" and settings["max_output_len"] == 1024
+    config_module = pytest.importorskip("engines.reference.config")
+    config = config_module.ReferenceEngineConfig(**settings)
+    assert config.secondary_offload_min_priority == 35
+    with pytest.raises(SpecError):
+        reference_settings(load_bundled_spec("llama-3.1-8b-instruct-fp8kv"))

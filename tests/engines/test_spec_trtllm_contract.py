@@ -1,0 +1,136 @@
+"""Contract: for each TensorRT-LLM spec, the exact build commands and executor arguments.
+
+Every expected key carries the source file it was checked against (TensorRT-LLM
+release/1.2 unless noted). The expectations are written out by hand, not computed.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from engines.spec import load_bundled_spec
+from engines.triton.params import ServingParams
+from engines.trtllm.build_plan import BuildPlanError, build_plan
+from engines.trtllm.executor_args import executor_config_kwargs, kv_cache_config_kwargs
+
+QUANTIZE_8B = {
+    "--model_dir": "meta-llama/Llama-3.1-8B-Instruct",  # examples/quantization/quantize.py
+    "--dtype": "bfloat16",  # examples/quantization/quantize.py (choices auto/float16/bfloat16/float32)
+    "--qformat": "fp8",  # examples/quantization/quantize.py (choices incl. fp8, full_prec)
+    "--kv_cache_dtype": "fp8",  # examples/quantization/quantize.py (choices int8, fp8)
+    "--calib_size": "512",  # examples/quantization/quantize.py
+    "--batch_size": "1",  # examples/quantization/quantize.py (calibration batch)
+    "--tp_size": "1",  # examples/quantization/quantize.py
+    "--pp_size": "1",  # examples/quantization/quantize.py
+    "--output_dir": "/engines/llama-3.1-8b-instruct-fp8kv/checkpoint",  # examples/quantization/quantize.py
+}
+BUILD_8B = {
+    "--checkpoint_dir": "/engines/llama-3.1-8b-instruct-fp8kv/checkpoint",  # tensorrt_llm/commands/build.py
+    "--output_dir": "/engines/llama-3.1-8b-instruct-fp8kv/engine",  # tensorrt_llm/commands/build.py
+    "--gemm_plugin": "fp8",  # tensorrt_llm/plugin/plugin.py (add_plugin_argument)
+    "--kv_cache_type": "paged",  # tensorrt_llm/commands/build.py (enum KVCacheType)
+    "--use_paged_context_fmha": "enable",  # tensorrt_llm/plugin/plugin.py; needed for KV reuse
+    "--tokens_per_block": "32",  # tensorrt_llm/plugin/plugin.py
+    "--max_batch_size": "64",  # tensorrt_llm/commands/build.py
+    "--max_input_len": "7168",  # tensorrt_llm/commands/build.py
+    "--max_seq_len": "8192",  # tensorrt_llm/commands/build.py
+    "--max_num_tokens": "8192",  # tensorrt_llm/commands/build.py
+    "--max_beam_width": "1",  # tensorrt_llm/commands/build.py
+    "--workers": "1",  # tensorrt_llm/commands/build.py
+}
+QUANTIZE_70B = {
+    **QUANTIZE_8B,
+    "--model_dir": "meta-llama/Llama-3.1-70B-Instruct",  # examples/quantization/quantize.py
+    "--tp_size": "8",  # examples/quantization/quantize.py: TP is fixed in the checkpoint
+    "--output_dir": "/engines/llama-3.1-70b-instruct-fp8-tp8/checkpoint",  # examples/quantization/quantize.py
+}
+BUILD_70B = {
+    **BUILD_8B,
+    "--checkpoint_dir": "/engines/llama-3.1-70b-instruct-fp8-tp8/checkpoint",  # tensorrt_llm/commands/build.py
+    "--output_dir": "/engines/llama-3.1-70b-instruct-fp8-tp8/engine",  # tensorrt_llm/commands/build.py
+    "--max_batch_size": "128",  # tensorrt_llm/commands/build.py
+    "--max_input_len": "15360",  # tensorrt_llm/commands/build.py
+    "--max_seq_len": "16384",  # tensorrt_llm/commands/build.py
+    "--max_num_tokens": "16384",  # tensorrt_llm/commands/build.py
+    "--workers": "8",  # tensorrt_llm/commands/build.py: one build process per rank
+}
+
+KV_8B = {
+    "enable_block_reuse": True,  # cpp/tensorrt_llm/nanobind/executor/executorConfig.cpp (KvCacheConfig)
+    "free_gpu_memory_fraction": 0.85,  # executorConfig.cpp
+    "host_cache_size": 34359738368,  # executorConfig.cpp (bytes, std::optional<size_t>)
+    "onboard_blocks": True,  # executorConfig.cpp
+    "secondary_offload_min_priority": 35,  # executorConfig.cpp; C++ default 30 in executor.h, never relied on
+    "event_buffer_max_size": 16384,  # executorConfig.cpp (size_t)
+    "enable_partial_reuse": True,  # executorConfig.cpp (keyword-only)
+    "copy_on_partial_reuse": True,  # executorConfig.cpp (keyword-only)
+}
+KV_70B = {
+    **KV_8B,
+    "free_gpu_memory_fraction": 0.9,  # executorConfig.cpp
+    "host_cache_size": 274877906944,  # executorConfig.cpp
+    "event_buffer_max_size": 65536,  # executorConfig.cpp
+}
+EXECUTOR_8B = {
+    "max_beam_width": 1,  # executorConfig.cpp (ExecutorConfig)
+    "iter_stats_max_iterations": 1000,  # executorConfig.cpp; stats call reads IterationStats.kv_cache_stats
+    "max_batch_size": 64,  # executorConfig.cpp
+    "max_num_tokens": 8192,  # executorConfig.cpp
+}
+EXECUTOR_70B = {**EXECUTOR_8B, "max_batch_size": 128, "max_num_tokens": 16384}
+
+CASES = {
+    "llama-3.1-8b-instruct-fp8kv": (QUANTIZE_8B, BUILD_8B, KV_8B, EXECUTOR_8B),
+    "llama-3.1-70b-instruct-fp8-tp8": (QUANTIZE_70B, BUILD_70B, KV_70B, EXECUTOR_70B),
+}
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_build_commands(name):
+    quantize, trtllm_build, _, _ = CASES[name]
+    plan = build_plan(load_bundled_spec(name), output_dir="/engines")
+    first, second = plan.commands
+    assert first.argv[:2] == ("python3", "/app/examples/quantization/quantize.py")  # -trtllm-python-py3 image: /app/examples
+    assert first.flags() == quantize
+    assert second.argv[0] == "trtllm-build"  # console script -> tensorrt_llm/commands/build.py:main
+    assert second.flags() == trtllm_build
+    world = load_bundled_spec(name).build.world_size
+    assert plan.expected_artifacts == ("config.json",) + tuple(f"rank{r}.engine" for r in range(world))
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_executor_arguments(name):
+    _, _, kv, executor = CASES[name]
+    params = ServingParams.from_spec(load_bundled_spec(name), engine_dir="/engines/x/engine")
+    assert kv_cache_config_kwargs(params) == kv
+    marker = SimpleNamespace()
+    built = executor_config_kwargs(params, marker)
+    assert built.pop("kv_cache_config") is marker
+    assert built == executor
+
+
+def test_optional_kv_fields_are_passed_only_when_set():
+    params = ServingParams.from_spec(load_bundled_spec("llama-3.1-8b-instruct-fp8kv"), engine_dir="/e")
+    object.__setattr__(params, "max_tokens", 65536)
+    object.__setattr__(params, "max_queue_size", 256)
+    assert kv_cache_config_kwargs(params)["max_tokens"] == 65536  # executorConfig.cpp
+    assert executor_config_kwargs(params, None)["max_queue_size"] == 256  # executorConfig.cpp
+
+
+def test_full_precision_weights_use_full_prec_qformat():
+    spec = load_bundled_spec("llama-3.1-8b-instruct-fp8kv")
+    changed = spec.model_copy(update={
+        "quantization": spec.quantization.model_copy(update={"weights": "none", "calib_dataset": "/data/calib"}),
+        "build": spec.build.model_copy(update={"gemm_plugin": "auto"}),
+    })
+    quantize = build_plan(changed, output_dir="/e").commands[0]
+    assert quantize.flag("--qformat") == "full_prec"  # examples/quantization/quantize.py
+    assert quantize.flag("--kv_cache_dtype") == "fp8"
+    assert quantize.flag("--calib_dataset") == "/data/calib"  # examples/quantization/quantize.py
+
+
+def test_reference_spec_has_no_build():
+    with pytest.raises(BuildPlanError, match="no TensorRT-LLM engine"):
+        build_plan(load_bundled_spec("reference-smollm2"), output_dir="/e")
