@@ -1,9 +1,78 @@
-"""`kvgate build` commands."""
+"""`kvgate build` commands: TensorRT-LLM 1.2 engines and the Triton model repository.
+
+* ``kvgate build engine SPEC [--output DIR] [--dry-run] [--force]`` — quantize.py then
+  trtllm-build inside the TensorRT-LLM container, with a manifest (spec hash, versions,
+  artifact checksums) so an unchanged spec is not rebuilt; ``--dry-run`` prints the exact
+  commands and whether a build would run.
+* ``kvgate build repo SPEC... --output DIR [--engines-root PATH]`` — one Triton model per
+  spec (config.pbtxt + model.py).
+
+SPEC is a YAML path or the name of a bundled spec (``engines/specs/<name>.yaml``).
+"""
 
 from __future__ import annotations
+
+import shlex
+from pathlib import Path
+from typing import Annotated
 
 import typer
 
 
 def register(app: typer.Typer) -> None:
-    """Attach this module's commands to the root CLI (filled in by its issue)."""
+    """Attach this module's commands to the root CLI."""
+    build_app = typer.Typer(no_args_is_help=True, help="Build TensorRT-LLM engines and the Triton model repository.")
+
+    @build_app.command("engine")
+    def engine(
+        spec: Annotated[str, typer.Argument(help="spec YAML path or bundled spec name")],
+        output: Annotated[Path, typer.Option("--output", "-o", help="engines root (one folder per spec)")] = Path("/engines"),
+        dry_run: Annotated[bool, typer.Option("--dry-run", help="print the exact commands, run nothing")] = False,
+        force: Annotated[bool, typer.Option("--force", help="rebuild even when the manifest matches")] = False,
+    ) -> None:
+        """Quantize (FP8 KV) and build one spec's engines."""
+        from engines.spec import SpecError, load_spec
+        from engines.trtllm.build_plan import BuildPlanError, build_plan
+        from engines.trtllm.engine_build import EngineBuildError, build_engine, installed_trtllm_version, up_to_date
+
+        try:
+            loaded = load_spec(spec)
+            plan = build_plan(loaded, output_dir=str(output))
+        except (SpecError, BuildPlanError) as exc:
+            typer.echo(f"error: {exc}", err=True)
+            raise typer.Exit(2) from exc
+        if dry_run:
+            fresh, why = up_to_date(loaded, plan, output / loaded.name / "manifest.json")
+            typer.echo(f"# {loaded.name}: {'up to date, would not rebuild' if fresh else 'would build'} ({why})")
+            for command in plan.commands:
+                typer.echo(shlex.join(command.argv))
+            return
+        try:
+            outcome = build_engine(
+                loaded, output, progress=typer.echo, force=force, trtllm_version=installed_trtllm_version()
+            )
+        except EngineBuildError as exc:
+            typer.echo(f"error: {exc}", err=True)
+            raise typer.Exit(1) from exc
+        typer.echo(str(outcome.manifest_path))
+
+    @build_app.command("repo")
+    def repo(
+        specs: Annotated[list[str], typer.Argument(help="spec YAML paths or bundled spec names")],
+        output: Annotated[Path, typer.Option("--output", "-o", help="model repository directory")],
+        engines_root: Annotated[str, typer.Option(help="where the engines are mounted inside the Triton container")] = "/engines",
+    ) -> None:
+        """Render the Triton model repository (one kvgate_llm model per spec)."""
+        from engines.spec import SpecError, load_spec
+        from engines.triton.params import ParamsError
+        from engines.triton.repository import TemplateError, render_repository
+
+        try:
+            rendered = render_repository([load_spec(s) for s in specs], output, engines_root=engines_root)
+        except (SpecError, ParamsError, TemplateError) as exc:
+            typer.echo(f"error: {exc}", err=True)
+            raise typer.Exit(2) from exc
+        for model in rendered:
+            typer.echo(f"{model.model_name}: {model.config_path} {model.model_path}")
+
+    app.add_typer(build_app, name="build")
