@@ -444,7 +444,11 @@ class BlockPool:
             return victim
         host = None
         if victim.priority >= self._config.secondary_offload_min_priority:
+            # The host victim may be the victim's own child; the temporary reference keeps
+            # the victim from being re-listed as a GPU leaf when that child is detached.
+            victim.ref_count = 1
             host = self._take_host()
+            victim.ref_count = 0
         if host is None:
             self._drop_subtree(victim)
             counters.evicted_primary_blocks += 1
@@ -646,6 +650,10 @@ class BlockPool:
     def peek_victim(self, tier: Tier = P) -> Block | None:
         """The block the next allocation in ``tier`` would take (tests, simulator)."""
         return self._free[tier].peek_victim()
+
+    def all_blocks(self) -> list[Block]:
+        """Every block object of both tiers (tests)."""
+        return self._blocks[0] + self._blocks[1]
 
     def free_order(self, tier: Tier = P) -> list[Block]:
         return self._free[tier].victim_order()
