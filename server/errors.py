@@ -14,7 +14,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
-from sqlalchemy.exc import DBAPIError, InterfaceError, OperationalError
+from sqlalchemy.exc import DataError, DBAPIError, InterfaceError, OperationalError
 from sqlalchemy.exc import TimeoutError as PoolTimeoutError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -97,6 +97,7 @@ def install_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(StarletteHTTPException, _on_http_error)
     for exc_type in (OperationalError, InterfaceError, PoolTimeoutError):
         app.add_exception_handler(exc_type, _on_database_error)
+    app.add_exception_handler(DataError, _on_data_error)
     app.add_exception_handler(DBAPIError, _on_dbapi_error)
     app.add_exception_handler(Exception, _on_unexpected)
 
@@ -106,3 +107,8 @@ async def _on_dbapi_error(request: Request, exc: Exception) -> JSONResponse:
     if exc.connection_invalidated:
         return await _on_database_error(request, exc)
     return await _on_unexpected(request, exc)
+
+
+async def _on_data_error(_request: Request, exc: Exception) -> JSONResponse:
+    # The database refused a value (out-of-range number, NUL byte in text): bad input, not a bug.
+    return error_response(422, "invalid_value", "a value is not storable (out of range or invalid characters)", None)

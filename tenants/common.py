@@ -18,7 +18,8 @@ from sqlalchemy import Select, func, select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
-from tenants.errors import Conflict, Duplicate, InvalidField, NotFound, RegistryError
+from tenants.errors import Conflict, Duplicate, InvalidField, NotFound
+from tenants.validation import NAME_RE
 
 T = TypeVar("T")
 MAX_PAGE = 500
@@ -86,14 +87,14 @@ def get_by_ref(session: Session, model: type[T], ref: int | str, *, name_attr: s
     ``InvalidField(field)`` when the reference came from a request body (422).
     """
     row: T | None
-    if is_id(ref):
+    if is_id(ref) and int(ref) <= 2**31 - 1:
         row = session.get(model, int(ref))
-    elif isinstance(ref, str):
+    elif isinstance(ref, str) and NAME_RE.match(ref):
         row = session.scalars(select(model).where(getattr(model, name_attr) == ref)).one_or_none()
     else:
         row = None
     if row is None:
-        message = f"{what} {ref!r} does not exist"
+        message = f"{what} {str(ref)[:80]!r} does not exist"
         if field is not None:
             raise InvalidField(message, field=field, code=f"unknown_{what.replace(' ', '_')}")
         raise NotFound(message, code=f"{what.replace(' ', '_')}_not_found")

@@ -29,6 +29,8 @@ def name(value: Any, *, field: str) -> str:
 
 
 def text(value: Any, *, field: str, max_len: int, allow_empty: bool = False) -> str:
+    if isinstance(value, str) and "\x00" in value:
+        raise InvalidField(f"{field} must not contain NUL characters", field=field)
     if not isinstance(value, str) or len(value) > max_len or (not allow_empty and not value.strip()):
         raise InvalidField(f"{field} must be a {'' if allow_empty else 'non-empty '}string of at most {max_len} chars", field=field)
     return value
