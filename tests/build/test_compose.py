@@ -1,0 +1,246 @@
+"""docker-compose.yml, Dockerfiles and deploy/ validated statically (no Docker engine here)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+from pathlib import Path
+
+import pytest
+import yaml
+from typer.testing import CliRunner
+
+from engines.spec import bundled_spec_names, load_bundled_spec, reference_settings
+from server.cli import create_cli
+
+ROOT = Path(__file__).resolve().parents[2]
+COMPOSE = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
+SERVICES = COMPOSE["services"]
+VAR = re.compile(r"\$\{(\w+)(?::?([-?])([^}]*))?\}")
+
+
+def resolve(text: str) -> str:
+    """Compose interpolation with every variable unset: defaults apply, ${X:?msg} stays visible."""
+    return VAR.sub(lambda m: m.group(3) if m.group(2) == "-" else f"<required {m.group(1)}>", text)
+
+
+def flags(argv: list[str]) -> dict[str, str]:
+    return {argv[i]: argv[i + 1] for i in range(len(argv) - 1) if argv[i].startswith("--") and not argv[i + 1].startswith("--")}
+
+
+def cli_options(*command: str) -> set[str]:
+    result = CliRunner().invoke(create_cli(), [*command, "--help"], env={"COLUMNS": "200"})
+    assert result.exit_code == 0, result.output
+    return set(re.findall(r"--[a-z][a-z-]*", result.output))
+
+
+def test_services_and_profiles():
+    assert set(SERVICES) == {"postgres", "migrate", "gateway", "engine-cpu", "engine-builder", "triton", "prometheus", "grafana"}
+    profiles = {name: tuple(s.get("profiles", ())) for name, s in SERVICES.items()}
+    assert profiles == {
+        "postgres": (), "migrate": (), "gateway": (), "prometheus": (), "grafana": (),
+        "engine-cpu": ("cpu",), "engine-builder": ("gpu",), "triton": ("gpu",),
+    }
+
+
+def test_long_running_services_have_healthchecks_and_one_shots_do_not_restart():
+    for name, service in SERVICES.items():
+        if name in ("migrate", "engine-builder"):
+            assert service["restart"] == "no", name
+            continue
+        assert service["restart"] == "unless-stopped", name
+        check = service["healthcheck"]
+        assert check["test"][0] in ("CMD", "CMD-SHELL") and check["retries"] >= 3, name
+
+
+def test_dependencies_wait_for_health_or_completion():
+    gateway = SERVICES["gateway"]["depends_on"]
+    assert gateway == {"postgres": {"condition": "service_healthy"}, "migrate": {"condition": "service_completed_successfully"}}
+    assert SERVICES["migrate"]["depends_on"] == {"postgres": {"condition": "service_healthy"}}
+    assert SERVICES["triton"]["depends_on"] == {"engine-builder": {"condition": "service_completed_successfully"}}
+    assert SERVICES["grafana"]["depends_on"] == {"prometheus": {"condition": "service_healthy"}}
+
+
+def test_volumes_are_declared_and_bind_mounts_exist():
+    declared = set(COMPOSE["volumes"])
+    used = set()
+    for name, service in SERVICES.items():
+        for mount in service.get("volumes", []):
+            source = mount.split(":")[0]
+            if source.startswith("./"):
+                assert (ROOT / source).exists(), f"{name}: {source} does not exist"
+            else:
+                used.add(source)
+    assert used == declared
+    assert "pgdata:/var/lib/postgresql/data" in SERVICES["postgres"]["volumes"]
+    assert "engines:/engines:ro" in SERVICES["triton"]["volumes"] and "models:/models:ro" in SERVICES["triton"]["volumes"]
+
+
+def test_images_build_from_files_that_exist():
+    for name, service in SERVICES.items():
+        if "build" in service:
+            dockerfile = ROOT / service["build"]["context"] / service["build"]["dockerfile"]
+            assert dockerfile.is_file(), name
+            for line in dockerfile.read_text().splitlines():
+                if line.startswith("COPY ") and "--from" not in line:
+                    for source in line.split()[1:-1]:
+                        assert (ROOT / source).exists(), f"{dockerfile.name}: COPY {source} missing"
+
+
+def test_gateway_image_runs_as_non_root():
+    users = re.findall(r"^USER\s+(\S+)", (ROOT / "build/Dockerfile.gateway").read_text(), re.M)
+    assert users and users[-1] not in ("root", "0")
+
+
+def test_environment():
+    env = {k: resolve(str(v)) for k, v in SERVICES["gateway"]["environment"].items()}
+    assert env["KVGATE_DATABASE_URL"] == "postgresql+psycopg://kvgate:kvgate-local-only@postgres:5432/kvgate"
+    assert env["KVGATE_ADMIN_TOKENS"] == "<required KVGATE_ADMIN_TOKENS>"  # no default secret
+    assert env["KVGATE_KEY_PEPPER"] == "<required KVGATE_KEY_PEPPER>"
+    assert resolve(SERVICES["migrate"]["environment"]["KVGATE_DATABASE_URL"]) == env["KVGATE_DATABASE_URL"]
+    pg = SERVICES["postgres"]["environment"]
+    assert (pg["POSTGRES_USER"], pg["POSTGRES_DB"]) == ("kvgate", "kvgate")
+    assert resolve(SERVICES["grafana"]["environment"]["GF_SECURITY_ADMIN_PASSWORD"]) == "<required GRAFANA_ADMIN_PASSWORD>"
+    assert "HF_TOKEN" in SERVICES["engine-builder"]["environment"]
+
+
+def test_gateway_and_cpu_engine_commands_use_real_cli_flags():
+    gateway = SERVICES["gateway"]["command"]
+    assert gateway[:2] == ["kvgate", "serve"]
+    assert {f for f in gateway if f.startswith("--")} <= cli_options("serve")
+    engine = SERVICES["engine-cpu"]["command"]
+    assert engine[:3] == ["kvgate", "engine", "serve"]
+    assert {f for f in engine if f.startswith("--")} <= cli_options("engine", "serve")
+    assert flags(engine)["--host"] == "0.0.0.0" and flags(engine)["--port"] == "8001"
+
+
+def test_cpu_engine_flags_match_the_reference_spec():
+    settings = reference_settings(load_bundled_spec("reference-smollm2"))
+    given = flags(SERVICES["engine-cpu"]["command"])
+    expected = {
+        "--kv-dtype": settings["kv_dtype"],
+        "--primary-blocks": settings["primary_blocks"],
+        "--secondary-blocks": settings["secondary_blocks"],
+        "--tokens-per-block": settings["tokens_per_block"],
+        "--offload-min-priority": settings["secondary_offload_min_priority"],
+        "--max-batch-size": settings["max_batch_size"],
+        "--max-num-tokens": settings["max_num_tokens"],
+        "--max-input-len": settings["max_input_len"],
+        "--max-output-len": settings["max_output_len"],
+    }
+    assert {k: given[k] for k in expected} == {k: str(v) for k, v in expected.items()}
+
+
+def test_both_profiles_expose_the_engine_under_one_name():
+    for name in ("engine-cpu", "triton"):
+        assert SERVICES[name]["networks"]["default"]["aliases"] == ["engine"]
+    assert flags(SERVICES["triton"]["command"] + ["--x"]) == {}  # tritonserver uses --k=v
+    assert "--grpc-port=8001" in SERVICES["triton"]["command"]
+
+
+def test_gpu_services_reserve_nvidia_devices_and_pin_the_trtllm_image():
+    for name in ("engine-builder", "triton"):
+        devices = SERVICES[name]["deploy"]["resources"]["reservations"]["devices"]
+        assert devices == [{"driver": "nvidia", "count": "all", "capabilities": ["gpu"]}], name
+        image_arg = resolve(SERVICES[name]["build"]["args"]["TRITON_IMAGE"])
+        assert image_arg == "nvcr.io/nvidia/tritonserver:26.04-trtllm-python-py3"
+    pins = {load_bundled_spec(n).tensorrt_llm.container for n in bundled_spec_names() if load_bundled_spec(n).tensorrt_llm}
+    assert pins == {image_arg}
+    dockerfile = (ROOT / "build/Dockerfile.triton").read_text()
+    assert f"ARG TRITON_IMAGE={image_arg}" in dockerfile
+    assert "COPY build/engine_builder.sh /usr/local/bin/kvgate-engine-builder" in dockerfile
+    assert SERVICES["engine-builder"]["command"] == ["kvgate-engine-builder"]
+    assert resolve(SERVICES["engine-builder"]["environment"]["KVGATE_ENGINE_SPECS"]) in bundled_spec_names()
+
+
+def test_prometheus_scrapes_the_gateway_and_triton():
+    config = yaml.safe_load((ROOT / "deploy/prometheus.yml").read_text())
+    targets = {job["job_name"]: job["static_configs"][0]["targets"] for job in config["scrape_configs"]}
+    assert targets == {"kvgate-gateway": ["gateway:8000"], "triton": ["triton:8002"]}
+    assert "--metrics-port=8002" in SERVICES["triton"]["command"]
+    assert flags(SERVICES["gateway"]["command"])["--port"] == "8000"
+
+
+def test_grafana_provisioning_points_at_prometheus_and_the_dashboard():
+    datasource = yaml.safe_load((ROOT / "deploy/grafana/provisioning/datasources/prometheus.yml").read_text())
+    [ds] = datasource["datasources"]
+    assert ds["url"] == "http://prometheus:9090" and ds["uid"] == "kvgate-prometheus"
+    provider = yaml.safe_load((ROOT / "deploy/grafana/provisioning/dashboards/kvgate.yml").read_text())
+    assert provider["providers"][0]["options"]["path"] == "/var/lib/grafana/dashboards"
+    assert "./deploy/grafana/dashboards:/var/lib/grafana/dashboards:ro" in SERVICES["grafana"]["volumes"]
+
+
+DASHBOARD = json.loads((ROOT / "deploy/grafana/dashboards/kvgate.json").read_text())
+METRIC = re.compile(r"\bkvgate_[a-z_]+")
+
+
+def dashboard_metrics() -> set[str]:
+    names = set()
+    for panel in DASHBOARD["panels"]:
+        for target in panel["targets"]:
+            names |= set(METRIC.findall(target["expr"]))
+    return {n.removesuffix("_bucket") for n in names}
+
+
+def documented_metrics() -> set[str]:
+    text = (ROOT / "deploy/README.md").read_text()
+    table = text.split("<!-- metrics:begin -->")[1].split("<!-- metrics:end -->")[0]
+    return set(re.findall(r"^\| `(kvgate_[a-z_]+)`", table, re.M))
+
+
+def test_dashboard_covers_the_brief_and_uses_documented_metrics():
+    titles = " | ".join(p["title"] for p in DASHBOARD["panels"])
+    for needle in ("hit rate", "GPU tier", "host tier", "TTFT p50 / p99", "quota", "Evictions and offloads", "429"):
+        assert needle in titles
+    assert dashboard_metrics() <= documented_metrics()
+    assert all(t["datasource"]["uid"] == "kvgate-prometheus" for p in DASHBOARD["panels"] for t in p["targets"])
+    ids = [p["id"] for p in DASHBOARD["panels"]]
+    assert len(ids) == len(set(ids))
+
+
+def test_the_gateway_exposes_every_documented_metric():
+    metrics_module = pytest.importorskip("server.gateway.metrics")
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from engines.contract import PoolStatsReport, TierStats
+
+    report = PoolStatsReport(tokens_per_block=32, primary=TierStats(8, 4, 4), secondary=TierStats(8, 8, 0), tenants={"t1": [1, 0]})
+    snapshot = metrics_module.PoolSnapshot(pool="p", stats=report, tenant_slugs={"t1": "acme"}, tenant_quota_blocks={"acme": 4.0}, demoted={})
+    registry = CollectorRegistry()
+    gateway = metrics_module.GatewayMetrics(registry, snapshots=lambda: [snapshot])
+    gateway.requests.labels(tenant="acme", pool="p", status="ok").inc()
+    gateway.ttft.labels(tenant="acme", pool="p").observe(0.1)
+    for counter in (gateway.kv_reused, gateway.kv_new, gateway.kv_onboarded):
+        counter.labels(tenant="acme", pool="p").inc()
+    gateway.rate_limited.labels(tenant="acme", limit="rpm").inc()
+    exposed = set(re.findall(r"^(kvgate_[a-z_]+?)(?:_bucket|_count|_sum|_created)?[{ ]", generate_latest(registry).decode(), re.M))
+    assert documented_metrics() <= exposed
+
+
+@pytest.mark.parametrize("script", ["build/gpu_smoke.sh", "build/engine_builder.sh"])
+def test_shell_scripts_parse_and_are_executable(script):
+    path = ROOT / script
+    assert os.access(path, os.X_OK)
+    subprocess.run(["bash", "-n", str(path)], check=True)
+
+
+def test_gpu_smoke_uses_services_that_exist():
+    import shlex
+
+    text = (ROOT / "build/gpu_smoke.sh").read_text().replace("\\\n", " ")
+    used = []
+    for line in text.splitlines():
+        words = shlex.split(line, comments=True) if line.strip().startswith("docker compose") else []
+        if "run" in words:
+            rest = words[words.index("run") + 1:]
+            i = 0
+            while rest[i].startswith("-"):
+                i += 2 if rest[i] in ("-v", "--entrypoint") else 1
+            used.append(rest[i])
+        if "--wait" in words:
+            used.append(words[-1])
+    assert used == ["engine-builder", "triton", "gateway"]
+    assert set(used) <= set(SERVICES)
+    assert (ROOT / "build/gpu_smoke_client.py").is_file()
