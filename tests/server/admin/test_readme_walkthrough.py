@@ -1,0 +1,68 @@
+"""The README's admin walk-through runs verbatim against `kvgate serve --dev` (what `make serve` runs).
+
+The only change made to the commands is the port (a free one instead of 8000), so the
+test does not collide with a server a developer has running.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[3]
+
+
+def _walkthrough() -> str:
+    readme = (ROOT / "README.md").read_text()
+    block = re.search(r"<!-- walkthrough:start -->\s*```bash\n(.*?)```\s*<!-- walkthrough:end -->", readme, re.S)
+    assert block, "README lost its walk-through block"
+    return block.group(1)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.skipif(shutil.which("curl") is None, reason="curl not installed")
+def test_readme_walkthrough_verbatim(tmp_path: Path) -> None:
+    port = _free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVGATE_")}
+    kvgate = Path(sys.executable).with_name("kvgate")
+    server = subprocess.Popen([str(kvgate), "serve", "--dev", "--port", str(port)], cwd=tmp_path, env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        for _ in range(300):
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=1):
+                    break
+            except OSError:
+                if server.poll() is not None:
+                    pytest.fail(f"server exited: {server.stdout.read() if server.stdout else ''}")
+                time.sleep(0.1)
+        script = _walkthrough().replace("127.0.0.1:8000", f"127.0.0.1:{port}")
+        done = subprocess.run(["bash", "-euo", "pipefail", "-c", script], cwd=tmp_path, env=env,
+                              capture_output=True, text=True, timeout=60)
+        assert done.returncode == 0, done.stdout + done.stderr
+        outputs = [json.loads(line) for line in done.stdout.splitlines() if line.strip()]
+        pool, cls, tenant, view, key, audit = outputs
+        assert (pool["name"], cls["name"], tenant["slug"]) == ("gpu-a", "chat-gold", "acme")
+        assert [s["tier_on_eviction"] for s in view["segments"]] == ["host", "host", "dropped", "dropped"]
+        assert key["key"].startswith(f"kvg_{key['prefix']}_")
+        assert [e["action"] for e in audit["items"]] == ["api_key.create", "tenant.create", "retention_class.create",
+                                                         "pool.create"]
+    finally:
+        server.terminate()
+        out, _ = server.communicate(timeout=20)
+    assert "DEV MODE" in out and (tmp_path / ".kvgate-dev-admin-token").exists() and (tmp_path / "kvgate.db").exists()
