@@ -1,0 +1,200 @@
+"""The retention policies the simulator compares, and the plug-in point for more.
+
+A policy turns a trace request into a :class:`RetentionPlan` and says how the pool is
+shaped for it (host tier or not, offload threshold). Built-ins:
+
+* ``lru``            — every block at the default priority 35, no host tier: plain LRU
+                        prefix caching (vLLM-style automatic prefix caching);
+* ``trtllm-default`` — TensorRT-LLM defaults with a host tier: priority 35 everywhere,
+                        ``secondary_offload_min_priority`` 30 (code default), so every
+                        evicted block is offloaded;
+* ``class``          — retention classes from a mapping of tenants / prefix groups to
+                        system/context/turn/decode priorities and durations, through the
+                        same planner the gateway uses;
+* plug-ins passed to :func:`make_policy` in a ``registry`` (issue 7's ``adaptive``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from retention.planner import QuotaState, RetentionClassSpec, SegmentRetention, Segments, plan_retention
+from retention.pool import Allocation, BlockPool
+from retention.trace import TraceRequest
+from retention.types import DEFAULT_PLAN, TRTLLM_DEFAULT_OFFLOAD_MIN_PRIORITY, RetentionPlan, RetentionPlanError
+
+
+class SimPolicy(Protocol):
+    name: str
+    uses_host: bool
+    offload_min_priority: int
+
+    def plan(self, request: TraceRequest, hashes: list[int], *, now: float, pool: BlockPool) -> RetentionPlan: ...
+
+    def observe(
+        self, request: TraceRequest, hashes: list[int], allocation: Allocation | None, *, now: float, pool: BlockPool
+    ) -> None: ...
+
+
+@dataclass(slots=True)
+class FixedPolicy:
+    """Same plan for every request (``lru``, ``trtllm-default``)."""
+
+    name: str
+    uses_host: bool
+    offload_min_priority: int = TRTLLM_DEFAULT_OFFLOAD_MIN_PRIORITY
+    fixed: RetentionPlan = DEFAULT_PLAN
+
+    def plan(self, request: TraceRequest, hashes: list[int], *, now: float, pool: BlockPool) -> RetentionPlan:
+        return self.fixed
+
+    def observe(self, request, hashes, allocation, *, now, pool) -> None:  # noqa: ANN001 - protocol
+        return None
+
+
+class ClassMappingError(ValueError):
+    """A class mapping is malformed; the message names the key."""
+
+
+def _segment(data: Any, where: str) -> SegmentRetention:
+    if not isinstance(data, Mapping) or "priority" not in data:
+        raise ClassMappingError(f"{where} must be a mapping with a priority (and optional duration_ms)")
+    unknown = set(data) - {"priority", "duration_ms"}
+    if unknown:
+        raise ClassMappingError(f"{where} has unknown keys {sorted(unknown)}")
+    try:
+        return SegmentRetention(data["priority"], data.get("duration_ms"))
+    except RetentionPlanError as exc:
+        raise ClassMappingError(f"{where}: {exc}") from None
+
+
+@dataclass(frozen=True, slots=True)
+class ClassMapping:
+    """Tenants and prefix groups (first hash id) mapped to retention classes."""
+
+    classes: dict[str, RetentionClassSpec]
+    default: str
+    offload_min_priority: int = TRTLLM_DEFAULT_OFFLOAD_MIN_PRIORITY
+    tenants: dict[str, str] = field(default_factory=dict)
+    prefix_groups: dict[int, str] = field(default_factory=dict)
+
+    @classmethod
+    def from_dict(cls, data: Any) -> ClassMapping:
+        """Build from a parsed YAML/JSON document::
+
+            offload_min_priority: 35
+            default: standard
+            classes:
+              premium: {system: {priority: 90}, context: {priority: 60, duration_ms: 600000},
+                        turn: {priority: 40, duration_ms: 30000}, decode: {priority: 35}}
+              standard: {...}
+            tenants: {acme: premium}
+            prefix_groups: {0: premium}      # requests whose first hash id is 0
+        """
+        if not isinstance(data, Mapping):
+            raise ClassMappingError("the class mapping must be a mapping")
+        unknown = set(data) - {"classes", "default", "offload_min_priority", "tenants", "prefix_groups"}
+        if unknown:
+            raise ClassMappingError(f"unknown top-level keys {sorted(unknown)}")
+        raw_classes = data.get("classes")
+        if not isinstance(raw_classes, Mapping) or not raw_classes:
+            raise ClassMappingError("classes must be a non-empty mapping of class name -> segments")
+        classes: dict[str, RetentionClassSpec] = {}
+        for name, spec in raw_classes.items():
+            if not isinstance(spec, Mapping) or set(spec) != {"system", "context", "turn", "decode"}:
+                raise ClassMappingError(f"classes.{name} needs exactly system, context, turn and decode")
+            classes[str(name)] = RetentionClassSpec(
+                *(_segment(spec[s], f"classes.{name}.{s}") for s in ("system", "context", "turn", "decode"))
+            )
+        default = data.get("default", next(iter(classes)))
+        threshold = data.get("offload_min_priority", TRTLLM_DEFAULT_OFFLOAD_MIN_PRIORITY)
+        if isinstance(threshold, bool) or not isinstance(threshold, int) or not 0 <= threshold <= 101:
+            raise ClassMappingError("offload_min_priority must be an integer within [0, 101]")
+        tenants = {str(k): str(v) for k, v in (data.get("tenants") or {}).items()}
+        try:
+            groups = {int(k): str(v) for k, v in (data.get("prefix_groups") or {}).items()}
+        except (TypeError, ValueError):
+            raise ClassMappingError("prefix_groups keys must be integer hash ids") from None
+        for where, target in [("default", default), *((f"tenants.{k}", v) for k, v in tenants.items()),
+                              *((f"prefix_groups.{k}", v) for k, v in groups.items())]:
+            if target not in classes:
+                raise ClassMappingError(f"{where} names unknown class {target!r}")
+        return cls(classes, str(default), threshold, tenants, groups)
+
+    def class_for(self, request: TraceRequest) -> RetentionClassSpec:
+        if request.hash_ids and request.hash_ids[0] in self.prefix_groups:
+            return self.classes[self.prefix_groups[request.hash_ids[0]]]
+        if request.tenant is not None and request.tenant in self.tenants:
+            return self.classes[self.tenants[request.tenant]]
+        return self.classes[self.default]
+
+
+def trace_segments(request: TraceRequest, block_size: int) -> Segments:
+    """Segment boundaries: the trace's own fields, else everything but the last hash block is context."""
+    n = request.input_length
+    if request.context_tokens is not None or request.system_tokens is not None:
+        context = request.context_tokens if request.context_tokens is not None else (request.system_tokens or 0)
+        return Segments(request.system_tokens or 0, context, n)
+    context = min(n, (len(request.hash_ids) - 1) * block_size)
+    return Segments(0, context, n)
+
+
+QuotaLookup = Callable[[str | None, BlockPool], QuotaState]
+
+
+@dataclass(slots=True)
+class ClassPolicy:
+    mapping: ClassMapping
+    block_size: int = 512
+    quota: QuotaLookup | None = None  # issue 7: over-quota demotion
+    name: str = "class"
+    uses_host: bool = True
+
+    @property
+    def offload_min_priority(self) -> int:
+        return self.mapping.offload_min_priority
+
+    def plan(self, request: TraceRequest, hashes: list[int], *, now: float, pool: BlockPool) -> RetentionPlan:
+        state = QuotaState() if self.quota is None else self.quota(request.tenant, pool)
+        return plan_retention(
+            self.mapping.class_for(request), trace_segments(request, self.block_size),
+            offload_min_priority=self.mapping.offload_min_priority, quota=state,
+        )
+
+    def observe(self, request, hashes, allocation, *, now, pool) -> None:  # noqa: ANN001 - protocol
+        return None
+
+
+PolicyFactory = Callable[..., SimPolicy]
+
+
+def builtin_policy(name: str, *, mapping: ClassMapping | None = None, block_size: int = 512) -> SimPolicy:
+    """``lru``, ``trtllm-default`` or ``class`` (needs ``mapping``); else a registered policy."""
+    if name == "lru":
+        return FixedPolicy("lru", uses_host=False)
+    if name == "trtllm-default":
+        return FixedPolicy("trtllm-default", uses_host=True)
+    if name == "class":
+        if mapping is None:
+            raise ClassMappingError("the class policy needs a class mapping (--classes FILE)")
+        return ClassPolicy(mapping, block_size)
+    raise KeyError(name)
+
+
+def policy_names() -> tuple[str, ...]:
+    return ("lru", "trtllm-default", "class", "adaptive")
+
+
+def make_policy(
+    name: str, *, mapping: ClassMapping | None = None, block_size: int = 512, registry: Mapping[str, PolicyFactory] | None = None
+) -> SimPolicy:
+    """Resolve a policy by name; ``registry`` supplies plug-ins (e.g. ``adaptive``)."""
+    try:
+        return builtin_policy(name, mapping=mapping, block_size=block_size)
+    except KeyError:
+        pass
+    if registry and name in registry:
+        return registry[name](mapping=mapping, block_size=block_size)
+    raise ClassMappingError(f"unknown policy {name!r}; known: {', '.join(policy_names())}")

@@ -1,0 +1,308 @@
+"""Trace replay through the real pool and planner: hit rates per tier and tenant, traffic, Belady.
+
+For each (capacity, policy) the simulator builds a :class:`BlockPool` with the policy's
+shape and replays the trace in timestamp order (``now`` = the request's timestamp):
+
+``--hold none`` (default, the classic cache model)::
+
+    allocate(prompt) ─► release(prompt)          one request at a time; hit = cached prefix
+
+``--hold tokens`` (concurrency competes for capacity)::
+
+    arrival ─► wait (FIFO) ─► allocate(prompt + output reserve) ─► hold for
+        (prompt − cached) / prefill_tps + output / decode_tps seconds ─► release
+
+A request that cannot fit even into an idle pool is rejected (counted, all its tokens
+recomputed). Only prompt tokens are cached: Mooncake hash ids describe prompts, so
+generated tokens are modelled as capacity only (``reserve_tokens``), never as reusable.
+
+Reported per policy: token hit rate split by the tier the hit came from (GPU / host,
+onboarded), recomputed prefill tokens, offloaded / onboarded / evicted blocks, a
+per-tenant table; plus Belady's optimum (``retention/belady.py``) at the GPU capacity
+and, when a host tier exists, at GPU + host capacity.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Literal
+
+from retention.belady import BeladyResult, ChainRequest, belady, chain_request
+from retention.hashing import block_hashes
+from retention.pool import BlockPool, PoolConfig
+from retention.sim_policies import SimPolicy
+from retention.trace import TraceRequest, request_tokens
+
+Hold = Literal["none", "tokens"]
+Progress = Callable[[int], None]
+
+
+@dataclass(frozen=True, slots=True)
+class SimConfig:
+    tokens_per_block: int = 512  # pool block size
+    trace_block_size: int = 512  # tokens per hash id in the trace
+    hold: Hold = "none"
+    prefill_tokens_per_s: float = 8_000.0
+    decode_tokens_per_s: float = 40.0
+    salted: bool = False  # salt every request with its tenant (isolation "salted")
+
+    def __post_init__(self) -> None:
+        if self.hold not in ("none", "tokens"):
+            raise ValueError(f"hold must be 'none' or 'tokens', got {self.hold!r}")
+        if self.tokens_per_block < 1 or self.trace_block_size < 1:
+            raise ValueError("block sizes must be >= 1")
+        if self.prefill_tokens_per_s <= 0 or self.decode_tokens_per_s <= 0:
+            raise ValueError("token rates must be > 0")
+
+
+@dataclass(slots=True)
+class TenantResult:
+    requests: int = 0
+    rejected: int = 0
+    prompt_tokens: int = 0
+    gpu_hit_tokens: int = 0
+    host_hit_tokens: int = 0
+
+    @property
+    def hit_rate(self) -> float:
+        return (self.gpu_hit_tokens + self.host_hit_tokens) / self.prompt_tokens if self.prompt_tokens else 0.0
+
+
+@dataclass(slots=True)
+class PolicyResult:
+    policy: str
+    primary_blocks: int
+    secondary_blocks: int
+    requests: int = 0
+    rejected: int = 0
+    prompt_tokens: int = 0
+    gpu_hit_tokens: int = 0
+    host_hit_tokens: int = 0
+    offloaded_blocks: int = 0
+    onboarded_blocks: int = 0
+    evicted_primary_blocks: int = 0
+    evicted_secondary_blocks: int = 0
+    delayed_requests: int = 0
+    total_wait_s: float = 0.0
+    tenants: dict[str, TenantResult] = field(default_factory=dict)
+
+    @property
+    def hit_tokens(self) -> int:
+        return self.gpu_hit_tokens + self.host_hit_tokens
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hit_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
+    @property
+    def gpu_hit_rate(self) -> float:
+        return self.gpu_hit_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
+    @property
+    def host_hit_rate(self) -> float:
+        return self.host_hit_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
+    @property
+    def recomputed_prefill_tokens(self) -> int:
+        return self.prompt_tokens - self.hit_tokens
+
+    def to_dict(self) -> dict:
+        data = asdict(self)
+        data["tenants"] = {
+            name: {**asdict(t), "hit_rate": t.hit_rate} for name, t in sorted(self.tenants.items())
+        }
+        data.update(
+            hit_rate=self.hit_rate, gpu_hit_rate=self.gpu_hit_rate, host_hit_rate=self.host_hit_rate,
+            recomputed_prefill_tokens=self.recomputed_prefill_tokens,
+        )
+        return data
+
+
+def _salt(request: TraceRequest, config: SimConfig) -> str | None:
+    return request.tenant if config.salted else None
+
+
+def request_hashes(requests: Sequence[TraceRequest], config: SimConfig) -> list[list[int]]:
+    """Chained hashes of every request's full pool blocks (the pool's own hash function)."""
+    return [
+        block_hashes(request_tokens(r, config.trace_block_size), config.tokens_per_block, salt=_salt(r, config))
+        for r in requests
+    ]
+
+
+def simulate(
+    requests: Sequence[TraceRequest],
+    policy: SimPolicy,
+    *,
+    primary_blocks: int,
+    secondary_blocks: int,
+    config: SimConfig = SimConfig(),
+    hashes: Sequence[list[int]] | None = None,
+    progress: Progress | None = None,
+) -> PolicyResult:
+    """Replay ``requests`` through a fresh pool shaped for ``policy``."""
+    secondary = secondary_blocks if policy.uses_host else 0
+    pool = BlockPool(
+        PoolConfig(
+            primary_blocks=primary_blocks, secondary_blocks=secondary, tokens_per_block=config.tokens_per_block,
+            secondary_offload_min_priority=policy.offload_min_priority, event_buffer_max_size=0,
+        )
+    )
+    result = PolicyResult(policy.name, primary_blocks, secondary)
+    bpt = config.tokens_per_block
+    no_hashes: list[int] = []
+
+    def account(request: TraceRequest, reused: int, onboarded: int, rejected: bool) -> None:
+        tenant = result.tenants.setdefault(request.tenant or "-", TenantResult())
+        for target in (result, tenant):
+            target.requests += 1
+            target.prompt_tokens += request.input_length
+            if rejected:
+                target.rejected += 1
+            else:
+                target.gpu_hit_tokens += (reused - onboarded) * bpt
+                target.host_hit_tokens += onboarded * bpt
+
+    def try_admit(request: TraceRequest, now: float, reserve: int):
+        tokens = request_tokens(request, config.trace_block_size)
+        h = hashes[request.index] if hashes is not None else no_hashes
+        plan = policy.plan(request, h, now=now, pool=pool)
+        alloc = pool.allocate(
+            request.index, tokens, salt=_salt(request, config), tenant=request.tenant, plan=plan, now=now,
+            reserve_tokens=reserve,
+        )
+        if alloc is not None:
+            policy.observe(request, h, alloc, now=now, pool=pool)
+        return tokens, alloc
+
+    done = 0
+    if config.hold == "none":
+        for request in requests:
+            now = request.timestamp_ms / 1000.0
+            tokens, alloc = try_admit(request, now, 0)
+            if alloc is None:
+                policy.observe(request, hashes[request.index] if hashes else no_hashes, None, now=now, pool=pool)
+                account(request, 0, 0, True)
+            else:
+                account(request, alloc.reused_blocks, alloc.onboarded_blocks, False)
+                pool.release(request.index, tokens, now=now, num_computed_tokens=len(tokens))
+            done += 1
+            if progress is not None and done % 64 == 0:
+                progress(64)
+    else:
+        _replay_holding(requests, pool, config, try_admit, account, result, progress)
+    if progress is not None and config.hold == "none" and done % 64:
+        progress(done % 64)
+    stats = pool.stats()
+    result.offloaded_blocks = stats.offloaded_blocks
+    result.onboarded_blocks = stats.onboarded_blocks
+    result.evicted_primary_blocks = stats.evicted_primary_blocks
+    result.evicted_secondary_blocks = stats.evicted_secondary_blocks
+    return result
+
+
+def _replay_holding(requests, pool, config, try_admit, account, result, progress) -> None:  # noqa: ANN001
+    """``--hold tokens``: FIFO admission, blocks held for the modelled service time."""
+    running: list[tuple[float, int, object]] = []  # (finish time, request index, tokens)
+    waiting: deque[TraceRequest] = deque()
+
+    def admit_waiting(now: float) -> None:
+        while waiting:
+            request = waiting[0]
+            tokens, alloc = try_admit(request, now, request.output_length)
+            if alloc is None:
+                if running:
+                    return  # head-of-line request waits for capacity
+                waiting.popleft()  # cannot fit even in an idle pool
+                account(request, 0, 0, True)
+                _tick(progress)
+                continue
+            waiting.popleft()
+            wait = now - request.timestamp_ms / 1000.0
+            if wait > 0:
+                result.delayed_requests += 1
+                result.total_wait_s += wait
+            account(request, alloc.reused_blocks, alloc.onboarded_blocks, False)
+            service = (request.input_length - alloc.num_cached_tokens) / config.prefill_tokens_per_s
+            service += request.output_length / config.decode_tokens_per_s
+            heapq.heappush(running, (now + service, request.index, tokens))
+            _tick(progress)
+
+    def finish_until(limit: float | None) -> None:
+        while running and (limit is None or running[0][0] <= limit):
+            finish, index, tokens = heapq.heappop(running)
+            pool.release(index, tokens, now=finish, num_computed_tokens=len(tokens))
+            admit_waiting(finish)
+
+    for request in requests:
+        now = request.timestamp_ms / 1000.0
+        finish_until(now)
+        waiting.append(request)
+        admit_waiting(now)
+    finish_until(None)
+
+
+def _tick(progress: Progress | None) -> None:
+    if progress is not None:
+        progress(1)
+
+
+@dataclass(slots=True)
+class CapacityReport:
+    primary_blocks: int
+    secondary_blocks: int
+    results: dict[str, PolicyResult]
+    belady_gpu: BeladyResult
+    belady_total: BeladyResult | None  # GPU + host capacity, when a host tier exists
+
+    def to_dict(self) -> dict:
+        return {
+            "primary_blocks": self.primary_blocks,
+            "secondary_blocks": self.secondary_blocks,
+            "policies": {name: r.to_dict() for name, r in self.results.items()},
+            "belady_gpu": {**asdict(self.belady_gpu), "hit_rate": self.belady_gpu.hit_rate},
+            "belady_total": None
+            if self.belady_total is None
+            else {**asdict(self.belady_total), "hit_rate": self.belady_total.hit_rate},
+        }
+
+
+def run_simulation(
+    requests: Sequence[TraceRequest],
+    policies: Sequence[Callable[[], SimPolicy]],
+    capacities: Sequence[int],
+    *,
+    host_blocks: Callable[[int], int],
+    config: SimConfig = SimConfig(),
+    progress: Progress | None = None,
+) -> list[CapacityReport]:
+    """Every policy at every GPU capacity (host = ``host_blocks(gpu)``), with Belady ceilings.
+
+    ``policies`` are factories so each run starts from fresh policy state.
+    """
+    hashes = request_hashes(requests, config)
+    chains: list[ChainRequest] = [
+        chain_request(h, r.input_length, config.tokens_per_block) for h, r in zip(hashes, requests, strict=True)
+    ]
+    reports: list[CapacityReport] = []
+    for capacity in capacities:
+        host = host_blocks(capacity)
+        results: dict[str, PolicyResult] = {}
+        for factory in policies:
+            policy = factory()
+            results[policy.name] = simulate(
+                requests, policy, primary_blocks=capacity, secondary_blocks=host, config=config, hashes=hashes,
+                progress=progress,
+            )
+        any_host = any(r.secondary_blocks for r in results.values())
+        reports.append(
+            CapacityReport(
+                capacity, host, results,
+                belady(chains, capacity, config.tokens_per_block),
+                belady(chains, capacity + host, config.tokens_per_block) if any_host and host else None,
+            )
+        )
+    return reports

@@ -1,0 +1,116 @@
+"""Mooncake-format request traces (kvcache-ai/Mooncake ``FAST25-release/traces``).
+
+One JSON object per line: ``timestamp`` (ms), ``input_length``, ``output_length``,
+``hash_ids`` (one id per ``block_size`` prompt tokens, 512 for Mooncake; equal leading ids
+= shareable prefix). kvgate accepts optional fields: ``tenant`` (str), ``system_tokens``
+and ``context_tokens`` (segment boundaries for the ``class`` policy).
+
+Token synthesis (so the pool's real hashing and token comparison run): the ``j``-th
+token of hash id ``h`` is ``(h * 2654435761 + j) mod 2^31``. Two different ids below
+2^31 never produce the same block (the multiplier is odd, so ``(a - b) * K`` is not a
+multiple of 2^31), and equal ids produce equal blocks, so block equality in the pool is
+exactly hash-id equality in the trace. A request's tokens are its ids' blocks
+concatenated and cut to ``input_length``.
+
+Pure: parses lines handed in; the CLI does the file reading.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import numpy as np
+
+_MULT = 2654435761
+_MASK = 2**31 - 1
+
+
+class TraceError(ValueError):
+    """A malformed trace line; the message names the line number and field."""
+
+
+@dataclass(frozen=True, slots=True)
+class TraceRequest:
+    index: int  # position in timestamp order
+    timestamp_ms: float
+    input_length: int
+    output_length: int
+    hash_ids: tuple[int, ...]
+    tenant: str | None = None
+    system_tokens: int | None = None
+    context_tokens: int | None = None
+
+
+def _int_field(obj: dict, name: str, line: int, *, minimum: int) -> int:
+    value = obj.get(name)
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise TraceError(f"line {line}: {name} must be an integer >= {minimum}, got {value!r}")
+    return value
+
+
+def parse_trace(lines: Iterable[str], *, block_size: int = 512) -> list[TraceRequest]:
+    """Parse and validate JSONL lines; returns requests sorted by timestamp (stable)."""
+    if block_size < 1:
+        raise TraceError("block_size must be >= 1")
+    raw: list[tuple[float, int, dict]] = []
+    for number, text in enumerate(lines, start=1):
+        text = text.strip()
+        if not text:
+            continue
+        try:
+            obj = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise TraceError(f"line {number}: not valid JSON ({exc.msg})") from None
+        if not isinstance(obj, dict):
+            raise TraceError(f"line {number}: expected a JSON object")
+        ts = obj.get("timestamp")
+        if isinstance(ts, bool) or not isinstance(ts, (int, float)) or not math.isfinite(ts) or ts < 0:
+            raise TraceError(f"line {number}: timestamp must be a number >= 0 (ms), got {ts!r}")
+        raw.append((float(ts), number, obj))
+    raw.sort(key=lambda item: (item[0], item[1]))
+    out: list[TraceRequest] = []
+    for index, (ts, number, obj) in enumerate(raw):
+        input_length = _int_field(obj, "input_length", number, minimum=1)
+        output_length = _int_field(obj, "output_length", number, minimum=0)
+        ids = obj.get("hash_ids")
+        if not isinstance(ids, list) or not all(
+            isinstance(h, int) and not isinstance(h, bool) and 0 <= h <= _MASK for h in ids
+        ):
+            raise TraceError(f"line {number}: hash_ids must be a list of integers in [0, 2^31)")
+        expected = -(-input_length // block_size)
+        if len(ids) != expected:
+            raise TraceError(
+                f"line {number}: {len(ids)} hash_ids for input_length {input_length} "
+                f"(expected {expected} with block size {block_size})"
+            )
+        tenant = obj.get("tenant")
+        if tenant is not None and (not isinstance(tenant, str) or not tenant):
+            raise TraceError(f"line {number}: tenant must be a non-empty string")
+        system = obj.get("system_tokens")
+        context = obj.get("context_tokens")
+        if system is not None:
+            system = _int_field(obj, "system_tokens", number, minimum=0)
+        if context is not None:
+            context = _int_field(obj, "context_tokens", number, minimum=0)
+        if (system or 0) > (context if context is not None else input_length) or (context or 0) > input_length:
+            raise TraceError(f"line {number}: need system_tokens <= context_tokens <= input_length")
+        out.append(TraceRequest(index, ts, input_length, output_length, tuple(ids), tenant, system, context))
+    return out
+
+
+def request_tokens(request: TraceRequest, block_size: int = 512) -> np.ndarray:
+    """The synthetic prompt (int32) of ``request``; see the module docstring."""
+    ids = np.asarray(request.hash_ids, dtype=np.int64)
+    grid = (ids[:, None] * _MULT + np.arange(block_size, dtype=np.int64)[None, :]) & _MASK
+    return grid.reshape(-1)[: request.input_length].astype(np.int32)
+
+
+def distinct_blocks(requests: Iterable[TraceRequest]) -> int:
+    """Distinct hash ids in the trace (= distinct prompt blocks at the trace's block size)."""
+    seen: set[int] = set()
+    for request in requests:
+        seen.update(request.hash_ids)
+    return len(seen)
