@@ -1,9 +1,245 @@
-"""`kvgate simulate` commands."""
+"""`kvgate simulate TRACE.jsonl`: replay a Mooncake trace through the pool and planner.
+
+Examples::
+
+    kvgate simulate ../shared/traces/mooncake_synthetic_trace.jsonl -c 1% -c 2% -c 5% --host 4x
+    kvgate simulate trace.jsonl -p lru -p class --classes classes.yaml --hold tokens --json
+    kvgate simulate trace.jsonl -c 1% -c 2% -c 5% -c 10% --plot hit_rate.png
+
+Capacities are GPU blocks (``439``) or a percentage of the trace's distinct blocks
+(``1%``); ``--host`` is host blocks (``1756``), a multiple of the GPU capacity (``4x``)
+or ``0``. The simulation itself lives in ``retention/simulator.py`` (pure); this module
+only reads files, draws tables, the progress bar and the plot.
+"""
 
 from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Annotated, Any
 
 import typer
 
 
+class CliError(ValueError):
+    pass
+
+
+def parse_capacity(text: str, distinct_pool_blocks: int) -> int:
+    """``"439"`` → 439 blocks; ``"1%"`` → 1 % of the distinct blocks (at least 1)."""
+    raw = text.strip()
+    try:
+        if raw.endswith("%"):
+            share = float(raw[:-1])
+            if not math.isfinite(share) or share <= 0:
+                raise ValueError
+            return max(1, round(distinct_pool_blocks * share / 100.0))
+        value = int(raw)
+    except ValueError:
+        raise CliError(f"capacity {text!r} must be a positive block count or a percentage like 2%") from None
+    if value < 1:
+        raise CliError(f"capacity {text!r} must be >= 1 block")
+    return value
+
+
+def parse_host(text: str) -> Any:
+    """``"4x"`` → 4 × GPU; ``"1756"`` → fixed blocks; ``"0"`` → no host tier."""
+    raw = text.strip().lower()
+    try:
+        if raw.endswith("x"):
+            factor = float(raw[:-1])
+            if not math.isfinite(factor) or factor < 0:
+                raise ValueError
+            return lambda gpu: round(gpu * factor)
+        blocks = int(raw)
+        if blocks < 0:
+            raise ValueError
+    except ValueError:
+        raise CliError(f"--host {text!r} must be a block count or a multiple like 4x") from None
+    return lambda gpu: blocks
+
+
 def register(app: typer.Typer) -> None:
-    """Attach this module's commands to the root CLI (filled in by its issue)."""
+    """Attach ``kvgate simulate`` to the root CLI."""
+
+    @app.command("simulate")
+    def simulate(
+        trace: Annotated[Path, typer.Argument(help="Mooncake-format JSONL trace")],
+        policy: Annotated[
+            list[str] | None,
+            typer.Option("--policy", "-p", help="lru | trtllm-default | class | adaptive (repeat; default lru + trtllm-default, + class with --classes)"),
+        ] = None,
+        capacity: Annotated[
+            list[str] | None, typer.Option("--capacity", "-c", help="GPU capacity: blocks or % of distinct blocks (repeat)")
+        ] = None,
+        host: Annotated[str, typer.Option("--host", help="host tier: blocks, a multiple of GPU like 4x, or 0")] = "4x",
+        block_size: Annotated[int, typer.Option("--block-size", help="tokens per trace hash id (512 for Mooncake)")] = 512,
+        tokens_per_block: Annotated[int | None, typer.Option("--tokens-per-block", help="pool block size (default: --block-size)")] = None,
+        hold: Annotated[str, typer.Option("--hold", help="none: release at admission; tokens: hold for modelled prefill+decode")] = "none",
+        prefill_tps: Annotated[float, typer.Option("--prefill-tps", help="prefill tokens/s (--hold tokens)")] = 8000.0,
+        decode_tps: Annotated[float, typer.Option("--decode-tps", help="decode tokens/s per request (--hold tokens)")] = 40.0,
+        classes: Annotated[Path | None, typer.Option("--classes", help="YAML mapping of tenants/prefix groups to retention classes")] = None,
+        salted: Annotated[bool, typer.Option("--salted", help="salt each request with its tenant (no cross-tenant reuse)")] = False,
+        limit: Annotated[int | None, typer.Option("--limit", help="replay only the first N requests")] = None,
+        as_json: Annotated[bool, typer.Option("--json", help="print the full report as JSON")] = False,
+        plot: Annotated[Path | None, typer.Option("--plot", help="write hit rate vs capacity per policy (PNG)")] = None,
+        progress: Annotated[bool, typer.Option("--progress/--no-progress", help="progress bar on stderr")] = True,
+    ) -> None:
+        """Replay a trace through the block pool and planner; compare policies against Belady."""
+        from retention.sim_policies import ClassMapping, ClassMappingError, make_policy
+        from retention.simulator import SimConfig, run_simulation
+        from retention.trace import TraceError, distinct_blocks, parse_trace
+
+        try:
+            if not trace.is_file():
+                raise CliError(f"trace file not found: {trace}")
+            if hold not in ("none", "tokens"):
+                raise CliError("--hold must be 'none' or 'tokens'")
+            if limit is not None and limit < 1:
+                raise CliError("--limit must be >= 1")
+            pool_block = tokens_per_block or block_size
+            config = SimConfig(
+                tokens_per_block=pool_block, trace_block_size=block_size, hold=hold,  # type: ignore[arg-type]
+                prefill_tokens_per_s=prefill_tps, decode_tokens_per_s=decode_tps, salted=salted,
+            )
+            mapping = None
+            if classes is not None:
+                import yaml
+
+                try:
+                    mapping = ClassMapping.from_dict(yaml.safe_load(classes.read_text()))
+                except (OSError, yaml.YAMLError) as exc:
+                    raise CliError(f"cannot read {classes}: {exc}") from None
+            names = list(policy or (["lru", "trtllm-default"] + (["class"] if mapping else [])))
+            registry = _plugin_registry()
+            for name in names:  # fail fast on unknown names / missing mapping
+                make_policy(name, mapping=mapping, block_size=block_size, registry=registry)
+            with trace.open() as handle:
+                requests = parse_trace(handle, block_size=block_size)
+            if limit is not None:
+                requests = requests[:limit]
+            if not requests:
+                raise CliError("the trace holds no requests")
+            distinct = distinct_blocks(requests) * -(-block_size // pool_block)
+            gpu_caps = [parse_capacity(c, distinct) for c in (capacity or ["2%"])]
+            host_blocks = parse_host(host)
+        except (CliError, TraceError, ClassMappingError, ValueError) as exc:
+            typer.echo(f"error: {exc}", err=True)
+            raise typer.Exit(2) from None
+
+        factories = [
+            (lambda n=name: make_policy(n, mapping=mapping, block_size=block_size, registry=registry)) for name in names
+        ]
+        total = len(requests) * len(names) * len(gpu_caps)
+        if progress and not as_json:
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+            with Progress(
+                TextColumn("replaying"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(), transient=True
+            ) as bar:
+                task = bar.add_task("replay", total=total)
+                reports = run_simulation(
+                    requests, factories, gpu_caps, host_blocks=host_blocks, config=config,
+                    progress=lambda n: bar.advance(task, n),
+                )
+        else:
+            reports = run_simulation(requests, factories, gpu_caps, host_blocks=host_blocks, config=config)
+
+        document = {
+            "trace": str(trace),
+            "requests": len(requests),
+            "distinct_blocks": distinct,
+            "tokens_per_block": pool_block,
+            "hold": hold,
+            "capacities": [r.to_dict() for r in reports],
+        }
+        if plot is not None:
+            _plot(reports, distinct, plot)
+        if as_json:
+            typer.echo(json.dumps(document, indent=2))
+        else:
+            _print_tables(reports, distinct, len(requests), hold)
+            if plot is not None:
+                typer.echo(f"plot written to {plot}")
+
+
+def _plugin_registry() -> dict:
+    """Policies implemented outside the built-ins (issue 7's ``adaptive``), if present."""
+    registry: dict = {}
+    try:
+        from retention.adaptive import adaptive_policy
+    except ImportError:
+        return registry
+    registry["adaptive"] = adaptive_policy
+    return registry
+
+
+def _pct(x: float) -> str:
+    return f"{100 * x:.2f}%"
+
+
+def _print_tables(reports, distinct: int, num_requests: int, hold: str) -> None:  # noqa: ANN001
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console()
+    if not console.is_terminal:
+        console = Console(width=140)  # pipes and CI logs: do not squeeze the tables to 80 columns
+    console.print(f"{num_requests} requests, {distinct} distinct blocks, --hold {hold}")
+    for report in reports:
+        table = Table(
+            title=f"GPU {report.primary_blocks} blocks ({_pct(report.primary_blocks / distinct)} of distinct), "
+            f"host {report.secondary_blocks} blocks"
+        )
+        for column in ("policy", "hit rate", "GPU", "host", "recomputed tokens", "offloaded",
+                       "onboarded", "evicted", "rejected", "delayed", "of Belady"):
+            table.add_column(column, justify="left" if column == "policy" else "right")
+        for name, r in report.results.items():
+            ceiling = report.belady_total if r.secondary_blocks and report.belady_total else report.belady_gpu
+            share = r.hit_rate / ceiling.hit_rate if ceiling.hit_rate else 0.0
+            table.add_row(
+                name, _pct(r.hit_rate), _pct(r.gpu_hit_rate), _pct(r.host_hit_rate), f"{r.recomputed_prefill_tokens:,}",
+                f"{r.offloaded_blocks:,}", f"{r.onboarded_blocks:,}",
+                f"{r.evicted_primary_blocks + r.evicted_secondary_blocks:,}", str(r.rejected), str(r.delayed_requests),
+                _pct(share),
+            )
+        table.add_row("Belady (GPU only)", _pct(report.belady_gpu.hit_rate), "", "", "", "", "", "", "", "", "")
+        if report.belady_total is not None:
+            table.add_row("Belady (GPU + host)", _pct(report.belady_total.hit_rate), "", "", "", "", "", "", "", "", "")
+        console.print(table)
+        tenants = sorted({t for r in report.results.values() for t in r.tenants})
+        if tenants != ["-"]:
+            per = Table(title="per tenant: hit rate (requests)")
+            per.add_column("tenant")
+            for name in report.results:
+                per.add_column(name, justify="right")
+            for tenant in tenants:
+                cells = []
+                for r in report.results.values():
+                    t = r.tenants.get(tenant)
+                    cells.append("" if t is None else f"{_pct(t.hit_rate)} ({t.requests})")
+                per.add_row(tenant, *cells)
+            console.print(per)
+
+
+def _plot(reports, distinct: int, path: Path) -> None:  # noqa: ANN001
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    xs = [100 * r.primary_blocks / distinct for r in reports]
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for name in reports[0].results:
+        ax.plot(xs, [100 * r.results[name].hit_rate for r in reports], marker="o", label=name)
+    ax.plot(xs, [100 * r.belady_gpu.hit_rate for r in reports], "k--", label="Belady (GPU only)")
+    if all(r.belady_total is not None for r in reports):
+        ax.plot(xs, [100 * r.belady_total.hit_rate for r in reports], "k:", label="Belady (GPU + host)")
+    ax.set_xlabel("GPU capacity (% of distinct blocks)")
+    ax.set_ylabel("prompt-token hit rate (%)")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

@@ -1,0 +1,78 @@
+"""`kvgate simulate` end to end through the real CLI (small trace files written per test)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from typer.testing import CliRunner
+
+from server.cli import create_cli
+
+
+def write_trace(path: Path) -> Path:
+    lines = []
+    for i in range(24):
+        ids = [0, 1, 2, 100 + i] if i % 3 == 0 else [1000 + 10 * i + k for k in range(4)]
+        lines.append({"timestamp": i * 10, "input_length": 16, "output_length": 2, "hash_ids": ids,
+                      "tenant": "gold" if i % 3 == 0 else "noisy"})
+    path.write_text("\n".join(json.dumps(x) for x in lines) + "\n")
+    return path
+
+
+def test_json_report_has_policies_tiers_tenants_and_belady(tmp_path: Path) -> None:
+    trace = write_trace(tmp_path / "t.jsonl")
+    result = CliRunner().invoke(
+        create_cli(),
+        ["simulate", str(trace), "--block-size", "4", "-c", "5", "-c", "50%", "--host", "4x", "--json"],
+    )
+    assert result.exit_code == 0, result.output
+    doc = json.loads(result.output)
+    assert doc["requests"] == 24 and doc["distinct_blocks"] == len({0, 1, 2} | set(range(100, 124, 3))) + 16 * 4
+    first, second = doc["capacities"]
+    assert first["primary_blocks"] == 5 and first["secondary_blocks"] == 20
+    assert set(first["policies"]) == {"lru", "trtllm-default"}
+    trt = first["policies"]["trtllm-default"]
+    assert trt["host_hit_rate"] > 0 and trt["onboarded_blocks"] > 0
+    assert set(trt["tenants"]) == {"gold", "noisy"}
+    assert first["belady_gpu"]["hit_rate"] >= first["policies"]["lru"]["hit_rate"]
+    assert second["primary_blocks"] == round(doc["distinct_blocks"] / 2)
+
+
+def test_table_output_plot_and_class_policy(tmp_path: Path) -> None:
+    trace = write_trace(tmp_path / "t.jsonl")
+    classes = tmp_path / "classes.yaml"
+    classes.write_text(
+        "offload_min_priority: 35\ndefault: bulk\n"
+        "classes:\n"
+        "  premium: {system: {priority: 90}, context: {priority: 90}, turn: {priority: 90}, decode: {priority: 35}}\n"
+        "  bulk: {system: {priority: 0}, context: {priority: 0}, turn: {priority: 0}, decode: {priority: 0}}\n"
+        "tenants: {gold: premium}\n"
+    )
+    png = tmp_path / "plot.png"
+    result = CliRunner().invoke(
+        create_cli(),
+        ["simulate", str(trace), "--block-size", "4", "-c", "6", "-c", "10", "--classes", str(classes),
+         "--plot", str(png), "--no-progress", "--hold", "tokens"],
+    )
+    assert result.exit_code == 0, result.output
+    assert "Belady (GPU only)" in result.output and "class" in result.output and "per tenant" in result.output
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_bad_input_exits_2_with_a_message(tmp_path: Path) -> None:
+    runner = CliRunner()
+    trace = write_trace(tmp_path / "t.jsonl")
+    cases = [
+        (["simulate", str(tmp_path / "missing.jsonl")], "trace file not found"),
+        (["simulate", str(trace), "--block-size", "4", "-c", "0"], "must be >= 1"),
+        (["simulate", str(trace), "--block-size", "4", "--host", "lots"], "--host"),
+        (["simulate", str(trace), "--block-size", "4", "-p", "class"], "needs a class mapping"),
+        (["simulate", str(trace), "--block-size", "4", "-p", "nope"], "unknown policy"),
+        (["simulate", str(trace)], "expected 1 with block size 512"),
+        (["simulate", str(trace), "--block-size", "4", "--hold", "forever"], "--hold"),
+    ]
+    for argv, message in cases:
+        result = runner.invoke(create_cli(), argv)
+        assert result.exit_code == 2, (argv, result.output)
+        assert message in result.output, (argv, result.output)
