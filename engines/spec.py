@@ -130,6 +130,9 @@ class TritonSpec(_Strict):
     max_queue_size: Annotated[int, Field(ge=1)] | None = None
     vocab_size: Annotated[int, Field(ge=2)]
     end_id: Annotated[int, Field(ge=0)] | None = None
+    # Orchestrator-mode worker binary (tensor parallel > 1). ASSUMPTION: where the
+    # -trtllm-python-py3 image installs it (the stock C++ backend's directory); override per image.
+    executor_worker_path: str = "/opt/tritonserver/backends/tensorrtllm/trtllmExecutorWorker"
 
 
 class ReferenceSpec(_Strict):

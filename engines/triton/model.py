@@ -50,6 +50,7 @@ class _Pending:
     sender: Any
     request: contract.EngineRequest
     end_id: int | None
+    triton_id: str
     generated: int = 0
 
 
@@ -77,6 +78,11 @@ class TritonPythonModel:
                 "(salted tenants cannot be isolated on this build)"
             )
         self.executor = executor_args.make_executor(self.trtllm, self.params)
+        if not self.executor.can_enqueue_requests():  # executor.cpp: can_enqueue_requests()
+            # Leader mode on a non-leader rank: kvgate runs multi-GPU engines in orchestrator
+            # mode (one process enqueues), so this is a launch error, not a state to serve in.
+            self.executor.shutdown()
+            raise pb_utils.TritonModelException("kvgate_llm: this executor rank cannot enqueue requests (launch Triton once, not under mpirun)")
         # executor.cpp: get_kv_cache_event_manager(); events need KvCacheConfig.event_buffer_max_size > 0.
         self.event_manager = self.executor.get_kv_cache_event_manager()
         self.ledger = TenantBlockLedger(tokens_per_block=self.params.tokens_per_block)
@@ -115,10 +121,19 @@ class TritonPythonModel:
 
     def _submit(self, request: Any, sender: Any) -> None:
         tensors = self._read_inputs(request)
+        final = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
         if contract.is_stats_request(tensors):
             report = self.stats_report()
             out = {contract.KV_CACHE_STATS.name: np.array([report.to_json().encode()], dtype=np.object_)}
-            sender.send(pb_utils.InferenceResponse(output_tensors=_tensors(out)), flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+            sender.send(pb_utils.InferenceResponse(output_tensors=_tensors(out)), flags=final)
+            return
+        triton_id = request.request_id()
+        if contract.STOP.name in tensors and bool(np.asarray(tensors[contract.STOP.name]).reshape(-1)[:1].any()):
+            # As the stock tensorrt_llm model and the reference engine: `stop` cancels the
+            # running request(s) with the same Triton request id, and gets an empty final answer.
+            self._stop(triton_id)
+            empty = contract.encode_response([], 0, contract.KvMetrics())
+            sender.send(pb_utils.InferenceResponse(output_tensors=_tensors(empty)), flags=final)
             return
         parsed = contract.parse_request(
             tensors,
@@ -126,18 +141,13 @@ class TritonPythonModel:
             max_input_len=self.params.max_input_len,
             vocab_size=self.params.vocab_size,
         )
-        if parsed.stop:
-            # A stop with nothing running under this call: answer at once with no tokens.
-            empty = contract.encode_response([], 0, contract.KvMetrics())
-            sender.send(pb_utils.InferenceResponse(output_tensors=_tensors(empty)), flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
-            return
         trt_request = executor_args.build_request(
             self.trtllm, parsed, default_end_id=self.params.end_id, salt_supported=self.salt_supported
         )
         end_id = parsed.end_id if parsed.end_id is not None else self.params.end_id
         with self.lock:
             request_id = self.executor.enqueue_request(trt_request)  # executor.cpp: enqueue_request(request) -> id
-            self.pending[request_id] = _Pending(sender, parsed, end_id)
+            self.pending[request_id] = _Pending(sender, parsed, end_id, triton_id)
             self.ledger.note_request(parsed.tenant_id, parsed.input_ids)
 
     # Responses -----------------------------------------------------------------------
@@ -195,6 +205,17 @@ class TritonPythonModel:
         with self.lock:
             self.pending.pop(request_id, None)
             self.finished.append(pending.request)
+
+    def _stop(self, triton_id: str) -> None:
+        if not triton_id:
+            return
+        with self.lock:
+            stopped = [(rid, p) for rid, p in self.pending.items() if p.triton_id == triton_id]
+        for request_id, pending in stopped:
+            self.executor.cancel_request(request_id)  # executor.cpp: cancel_request(id)
+            self._finish(request_id, pending)
+            empty = contract.encode_response([], pending.generated, contract.KvMetrics())
+            pending.sender.send(pb_utils.InferenceResponse(output_tensors=_tensors(empty)), flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
 
     def _cancel_abandoned(self) -> None:
         with self.lock:

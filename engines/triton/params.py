@@ -54,6 +54,10 @@ class ServingParams:
     iter_stats_max_iterations: int
     max_queue_size: int | None
     response_poll_ms: int
+    # parallelism: world_size > 1 runs the executor in orchestrator mode (it spawns one
+    # worker process per rank), so a single Triton model instance drives all GPUs.
+    world_size: int
+    executor_worker_path: str
 
     @classmethod
     def from_spec(cls, spec: EngineSpec, *, engine_dir: str) -> ServingParams:
@@ -84,6 +88,8 @@ class ServingParams:
             iter_stats_max_iterations=t.iter_stats_max_iterations,
             max_queue_size=t.max_queue_size,
             response_poll_ms=t.response_poll_ms,
+            world_size=b.world_size,
+            executor_worker_path=t.executor_worker_path,
         )
 
     def to_parameters(self) -> dict[str, str]:
@@ -164,4 +170,6 @@ PARAMETER_KEYS: dict[str, str] = {
     "iter_stats_max_iterations": "iter_stats_max_iterations",  # stock
     "max_queue_size": "max_queue_size",  # stock
     "response_poll_ms": "kvgate_response_poll_ms",
+    "world_size": "kvgate_world_size",
+    "executor_worker_path": "executor_worker_path",  # stock (tensorrt_llm Python model, orchestrator mode)
 }

@@ -29,6 +29,9 @@ REQUIRED_NAMES: dict[str, str] = {
     "SamplingConfig": "nanobind/executor/request.cpp: SamplingConfig(beam_width=1, *, top_k=, top_p=, seed=, temperature=)",
     "OutputConfig": "nanobind/executor/request.cpp: OutputConfig(exclude_input_from_output=, return_perf_metrics=)",
     "ModelType": "nanobind/executor/bindings.cpp: ModelType.DECODER_ONLY",
+    "ParallelConfig": "nanobind/executor/executorConfig.cpp: ParallelConfig(communication_mode=, orchestrator_config=)",
+    "OrchestratorConfig": "nanobind/executor/executorConfig.cpp: OrchestratorConfig(is_orchestrator, worker_executable_path)",
+    "CommunicationMode": "nanobind/executor/bindings.cpp: CommunicationMode.ORCHESTRATOR",
 }
 
 

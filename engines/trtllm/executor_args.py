@@ -52,10 +52,30 @@ def executor_config_kwargs(params: Any, kv_cache_config: Any) -> dict[str, Any]:
     return kwargs
 
 
+def parallel_config(trtllm: ModuleType, params: Any) -> Any | None:
+    """Orchestrator mode for multi-GPU engines, None for one GPU (leader mode, the default).
+
+    ``ParallelConfig(communication_mode=CommunicationMode.ORCHESTRATOR, orchestrator_config=
+    OrchestratorConfig(is_orchestrator=True, worker_executable_path=...))`` — executorConfig.cpp;
+    the stock tensorrt_llm Python model (tensorrtllm_backend all_models/inflight_batcher_llm/
+    tensorrt_llm/1/model.py, get_parallel_config) does the same under TRTLLM_ORCHESTRATOR=1.
+    """
+    if params.world_size == 1:
+        return None
+    return trtllm.ParallelConfig(
+        communication_mode=trtllm.CommunicationMode.ORCHESTRATOR,
+        orchestrator_config=trtllm.OrchestratorConfig(is_orchestrator=True, worker_executable_path=params.executor_worker_path),
+    )
+
+
 def make_executor(trtllm: ModuleType, params: Any) -> Any:
     """``Executor(engine_dir, ModelType.DECODER_ONLY, ExecutorConfig(...))`` (nanobind/executor/executor.cpp)."""
     kv_cache_config = trtllm.KvCacheConfig(**kv_cache_config_kwargs(params))
-    executor_config = trtllm.ExecutorConfig(**executor_config_kwargs(params, kv_cache_config))
+    kwargs = executor_config_kwargs(params, kv_cache_config)
+    parallel = parallel_config(trtllm, params)
+    if parallel is not None:
+        kwargs["parallel_config"] = parallel
+    executor_config = trtllm.ExecutorConfig(**kwargs)
     return trtllm.Executor(params.engine_dir, trtllm.ModelType.DECODER_ONLY, executor_config)
 
 

@@ -73,9 +73,13 @@ def make_module() -> types.ModuleType:
             return self.cancelled
 
     class InferenceRequest:
-        def __init__(self, tensors: dict[str, np.ndarray]):
+        def __init__(self, tensors: dict[str, np.ndarray], request_id: str = ""):
             self.inputs = [Tensor(k, v) for k, v in tensors.items()]
             self.sender = ResponseSender()
+            self._request_id = request_id
+
+        def request_id(self):
+            return self._request_id
 
         def get_response_sender(self):
             return self.sender

@@ -101,11 +101,35 @@ def make_module(*, salt_supported: bool = True, primary_blocks: int = 64, second
             _int("max_beam_width", kwargs.get("max_beam_width", 1), lo=1)
             if "kv_cache_config" in kwargs and not isinstance(kwargs["kv_cache_config"], KvCacheConfig):
                 raise TypeError("kv_cache_config: expected KvCacheConfig")
+            if "parallel_config" in kwargs and not isinstance(kwargs["parallel_config"], ParallelConfig):
+                raise TypeError("parallel_config: expected ParallelConfig")
             for key in ("max_batch_size", "max_num_tokens", "max_queue_size"):
                 _int(key, kwargs.get(key), optional=True, lo=1)
             _int("iter_stats_max_iterations", kwargs.get("iter_stats_max_iterations", 1000), lo=0)
             self.__dict__.update(kwargs)
             calls.append(("ExecutorConfig", dict(kwargs)))
+
+    class CommunicationMode(enum.Enum):
+        LEADER = 0
+        ORCHESTRATOR = 1
+
+    class OrchestratorConfig:
+        def __init__(self, is_orchestrator=True, worker_executable_path="", orch_leader_comm=None, spawn_processes=True):
+            _bool("is_orchestrator", is_orchestrator)
+            if not isinstance(worker_executable_path, str):
+                raise TypeError("worker_executable_path: expected str")
+            self.is_orchestrator, self.worker_executable_path = is_orchestrator, worker_executable_path
+            calls.append(("OrchestratorConfig", dict(is_orchestrator=is_orchestrator, worker_executable_path=worker_executable_path)))
+
+    class ParallelConfig:
+        def __init__(self, communication_type=None, communication_mode=CommunicationMode.LEADER, device_ids=None,
+                     participant_ids=None, orchestrator_config=None, num_nodes=None):
+            if not isinstance(communication_mode, CommunicationMode):
+                raise TypeError("communication_mode: expected CommunicationMode")
+            if orchestrator_config is not None and not isinstance(orchestrator_config, OrchestratorConfig):
+                raise TypeError("orchestrator_config: expected OrchestratorConfig")
+            self.communication_mode, self.orchestrator_config = communication_mode, orchestrator_config
+            calls.append(("ParallelConfig", dict(communication_mode=communication_mode, orchestrator_config=orchestrator_config)))
 
     class TokenRangeRetentionConfig:
         def __init__(self, token_start, token_end, priority, duration_ms=None):
@@ -380,6 +404,9 @@ def make_module(*, salt_supported: bool = True, primary_blocks: int = 64, second
             )
             return [IterationStats(stats)]
 
+        def can_enqueue_requests(self):
+            return True
+
         def get_kv_cache_event_manager(self):
             return self.events
 
@@ -397,7 +424,7 @@ def make_module(*, salt_supported: bool = True, primary_blocks: int = 64, second
             self.tree.pop(block_hash, None)
             self._event(KVCacheRemovedData([block_hash]))
 
-    for obj in (ModelType, KvCacheConfig, ExecutorConfig, KvCacheRetentionConfig, SamplingConfig, OutputConfig, Request,
+    for obj in (CommunicationMode, OrchestratorConfig, ParallelConfig, ModelType, KvCacheConfig, ExecutorConfig, KvCacheRetentionConfig, SamplingConfig, OutputConfig, Request,
                 Response, Result, KvCacheStats, IterationStats, Executor):
         setattr(mod, obj.__name__, obj)
     mod.kv_cache = kv_cache

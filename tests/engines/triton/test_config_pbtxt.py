@@ -65,6 +65,7 @@ def expected_parameters(name: str) -> dict[str, str]:
             "kvgate_max_input_len": "7168",
             "kvgate_max_output_len": "1024",
             "kvgate_max_num_tokens": "8192",
+            "kvgate_world_size": "1",  # build.tensor_parallel * pipeline_parallel
         },
         "llama-3.1-70b-instruct-fp8-tp8": {
             "kv_cache_free_gpu_mem_fraction": "0.9",
@@ -74,6 +75,7 @@ def expected_parameters(name: str) -> dict[str, str]:
             "kvgate_max_input_len": "15360",
             "kvgate_max_output_len": "1024",
             "kvgate_max_num_tokens": "16384",
+            "kvgate_world_size": "8",  # TP=8: executor in orchestrator mode
         },
     }[name]
     return {
@@ -93,6 +95,8 @@ def expected_parameters(name: str) -> dict[str, str]:
         "kvgate_vocab_size": "128256",
         "kvgate_end_id": "128009",
         "kvgate_response_poll_ms": "5",
+        # tensorrtllm_backend all_models/inflight_batcher_llm/tensorrt_llm/1/model.py (get_parallel_config)
+        "executor_worker_path": "/opt/tritonserver/backends/tensorrtllm/trtllmExecutorWorker",
         **per_spec,  # the KV / limit values above, each from the spec
     }
 

@@ -193,6 +193,39 @@ def test_cancelled_request_is_cancelled_in_the_executor(harness):
     assert harness.model.pending == {}
 
 
+def test_stop_cancels_the_running_request_with_the_same_triton_id(harness):
+    running = harness.pb.InferenceRequest(request(streaming=True, max_new=8), request_id="req-7")
+    harness.model.execute([running])
+    stop = harness.pb.InferenceRequest({contract.STOP.name: np.array([True])}, request_id="req-7")
+    harness.model.execute([stop])
+    [request_id] = harness.executor.requests
+    assert harness.executor.cancelled == [request_id]
+    [(tensors, flags)] = outputs(stop.sender)
+    assert flags == FINAL and tensors[contract.OUTPUT_IDS.name].tolist() == []
+    [(final, flags)] = outputs(running.sender)
+    assert flags == FINAL and final[contract.OUTPUT_IDS.name].tolist() == []
+    harness.model.pump(timedelta(0))
+    assert len(running.sender.responses) == 1  # nothing after the final answer
+    other = harness.send({contract.STOP.name: np.array([True])})  # nothing running: still answered
+    assert outputs(other)[0][1] == FINAL
+
+
+def test_multi_gpu_spec_runs_the_executor_in_orchestrator_mode(tmp_path, monkeypatch):
+    h = make_harness(tmp_path, monkeypatch, spec_name="llama-3.1-70b-instruct-fp8-tp8")
+    try:
+        parallel = h.executor.config.parallel_config
+        assert parallel.communication_mode.name == "ORCHESTRATOR"
+        assert parallel.orchestrator_config.is_orchestrator is True
+        assert parallel.orchestrator_config.worker_executable_path == "/opt/tritonserver/backends/tensorrtllm/trtllmExecutorWorker"
+        outputs(h.send(request()))
+    finally:
+        h.model.finalize()
+
+
+def test_single_gpu_spec_uses_the_default_leader_mode(harness):
+    assert not hasattr(harness.executor.config, "parallel_config")
+
+
 def test_without_cache_salt_support_salted_requests_are_refused(tmp_path, monkeypatch):
     h = make_harness(tmp_path, monkeypatch, salt_supported=False)
     try:
