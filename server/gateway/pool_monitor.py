@@ -11,6 +11,8 @@ the watermarks starts undemoted and is demoted again if it crosses its quota).
 from __future__ import annotations
 
 import time
+
+import anyio
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
@@ -30,10 +32,11 @@ class TenantQuota:
 
 
 class PoolMonitor:
-    def __init__(self, directory: EngineDirectory, tenants_of: Callable[[str], Iterable[TenantQuota]], *,
+    def __init__(self, directory: EngineDirectory,
+                 pools_and_tenants: Callable[[], list[tuple[PoolRef, list[TenantQuota]]]], *,
                  low_watermark: float = 0.9, clock: Callable[[], float] = time.monotonic) -> None:
         self._directory = directory
-        self._tenants_of = tenants_of
+        self._pools_and_tenants = pools_and_tenants  # sync (reads the registry); run in a thread
         self._low = low_watermark
         self._clock = clock
         self._stats: dict[str, PoolStatsReport] = {}
@@ -64,12 +67,18 @@ class PoolMonitor:
         self.last_refresh[pool.name] = self._clock()
 
     async def refresh(self) -> None:
-        for pool in list(self._directory.pools.values()):
+        """Poll every registered pool once. Registry or engine failures keep the last state."""
+        try:
+            listing = await anyio.to_thread.run_sync(self._pools_and_tenants)
+        except Exception:  # registry down: keep polling the pools we know, with their last tenants
+            listing = [(pool, list(self._quotas.get(pool.name, {}).values())) for pool in self._directory.pools.values()]
+        for pool, tenants in listing:
+            self._directory.register(pool)
             try:
                 stats = await self._directory.client(pool).stats()
             except EngineError:
                 continue  # keep the last known state; the engine may be restarting
-            self.apply(pool, stats, self._tenants_of(pool.name))
+            self.apply(pool, stats, tenants)
 
     def snapshots(self) -> list[PoolSnapshot]:
         out = []

@@ -80,10 +80,10 @@ class GatewayServices:
 
 
 def build_gateway_services(*, session_factory, pepper: str, tokenizer_for, admission: Admission,
-                           registry: CollectorRegistry, tenants_of, auth_ttl: float = 5.0,
+                           registry: CollectorRegistry, pools_and_tenants, auth_ttl: float = 5.0,
                            intervals: LoopIntervals | None = None) -> GatewayServices:
     engines = EngineDirectory(tokenizer_for)
-    monitor = PoolMonitor(engines, tenants_of)
+    monitor = PoolMonitor(engines, pools_and_tenants)
     metrics = GatewayMetrics(registry, monitor.snapshots)
     usage = UsageRecorder(session_factory)
     return GatewayServices(

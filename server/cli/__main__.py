@@ -1,0 +1,5 @@
+"""``python -m server.cli`` = the ``kvgate`` command."""
+
+from server.cli import main
+
+main()

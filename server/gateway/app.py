@@ -1,0 +1,175 @@
+"""Installs the serving gateway into the app built by ``server.app.create_app``.
+
+Adds the OpenAI-compatible routes, their error shape, ``/metrics``, ``/readyz``, a
+request-body size limit, and the gateway's background loops in the app's lifespan.
+The admin API stays a mounted sub-app with its own error shape; after every successful
+admin mutation the auth cache is cleared, so a revoked key or a suspended tenant is
+refused by this process at once.
+"""
+
+from __future__ import annotations
+
+
+from contextlib import asynccontextmanager
+
+import anyio
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from sqlalchemy import text
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from server.gateway.context import PoolRef
+from server.gateway.errors import ServingError, error_response, handle_serving_error, validation_error
+from server.gateway.pool_monitor import TenantQuota
+from server.gateway.routes import router
+from server.gateway.services import GatewayServices
+from tenants.auth import list_active_tenants_for_pool, list_pool_snapshots
+
+MAX_BODY_BYTES = 4 * 1024 * 1024
+ADMIN_PREFIX = "/admin/"
+
+
+def pool_ref(snapshot) -> PoolRef:
+    return PoolRef(snapshot.name, snapshot.model_name, snapshot.triton_url, snapshot.triton_model,
+                   snapshot.engine_spec, snapshot.tokens_per_block, snapshot.primary_blocks,
+                   snapshot.secondary_blocks, snapshot.secondary_offload_min_priority)
+
+
+def registry_pools_and_tenants(session_factory):
+    """``pools_and_tenants`` for :class:`PoolMonitor`, read from the registry (sync)."""
+
+    def read() -> list[tuple[PoolRef, list[TenantQuota]]]:
+        with session_factory() as session:
+            out = []
+            for snap in list_pool_snapshots(session):
+                tenants = list_active_tenants_for_pool(session, pool_id=snap.id)
+                out.append((pool_ref(snap), [TenantQuota(t.id, t.slug, t.kv_quota_fraction) for t in tenants]))
+            return out
+
+    return read
+
+
+class BodyLimit:
+    """Refuse request bodies over ``limit`` bytes with 413, before any parsing."""
+
+    def __init__(self, app, limit: int = MAX_BODY_BYTES) -> None:
+        self.app = app
+        self.limit = limit
+
+    def _reject(self, path: str) -> Response:
+        message = f"request body is larger than {self.limit} bytes"
+        if path.startswith(ADMIN_PREFIX):
+            body = {"error": {"code": "payload_too_large", "message": message, "field": None}}
+            return JSONResponse(body, status_code=413)
+        return error_response(ServingError(413, "payload_too_large", message))
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        headers = dict(scope.get("headers") or [])
+        declared = headers.get(b"content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.limit:
+            return await self._reject(scope["path"])(scope, receive, send)
+        seen = 0
+
+        async def limited_receive():
+            nonlocal seen
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > self.limit:
+                    raise _TooLarge()
+            return message
+
+        try:
+            await self.app(scope, limited_receive, send)
+        except _TooLarge:
+            await self._reject(scope["path"])(scope, receive, send)
+
+
+class _TooLarge(Exception):
+    pass
+
+
+class AdminMutationHook:
+    """Clears the auth cache after a successful non-GET admin request."""
+
+    def __init__(self, app, services: GatewayServices) -> None:
+        self.app = app
+        self.services = services
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or not scope["path"].startswith(ADMIN_PREFIX) or scope["method"] in ("GET", "HEAD", "OPTIONS"):
+            return await self.app(scope, receive, send)
+        async def watch(message):
+            # Why before forwarding: the client may send its next request the moment it
+            # sees this response; the change is committed by then, the cache must be too.
+            if message["type"] == "http.response.start" and 200 <= message["status"] < 300:
+                self.services.auth.clear()
+            await send(message)
+
+        await self.app(scope, receive, watch)
+
+
+def install_gateway(app: FastAPI, services: GatewayServices) -> FastAPI:
+    app.state.gateway = services
+    app.include_router(router)
+
+    async def on_validation(request: Request, exc: RequestValidationError):
+        return error_response(validation_error(exc))
+
+    async def on_http_error(request: Request, exc: StarletteHTTPException):
+        # FastAPI answers undecodable bodies, unknown routes and wrong methods with
+        # HTTPException; give them the serving API's error shape too.
+        code = {400: "invalid_json", 404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
+        return error_response(ServingError(exc.status_code, code, str(exc.detail), headers=dict(exc.headers or {})))
+
+    app.add_exception_handler(StarletteHTTPException, on_http_error)
+    app.add_exception_handler(ServingError, handle_serving_error)
+    app.add_exception_handler(RequestValidationError, on_validation)
+
+    @app.get("/metrics", include_in_schema=False)
+    def metrics() -> Response:
+        return Response(generate_latest(services.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/readyz", include_in_schema=False)
+    async def readyz() -> JSONResponse:
+        checks: dict[str, str] = {}
+        session_factory = app.state.session_factory
+
+        def ping() -> list:
+            with session_factory() as session:
+                session.execute(text("SELECT 1"))
+                return [pool_ref(p) for p in list_pool_snapshots(session)]
+
+        try:
+            pools = await anyio.to_thread.run_sync(ping)
+            checks["registry"] = "ok"
+        except Exception as exc:  # noqa: BLE001 - any failure means not ready
+            checks["registry"] = f"unavailable: {type(exc).__name__}"
+            pools = list(services.engines.pools.values())
+        for pool in pools:
+            ready = await services.engines.client(pool).ready()
+            checks[f"pool:{pool.name}"] = "ok" if ready else "unavailable"
+        ok = all(v == "ok" for v in checks.values()) and not services.draining
+        return JSONResponse({"status": "ready" if ok else "not ready", "checks": checks}, status_code=200 if ok else 503)
+
+    inner = app.router.lifespan_context
+
+    @asynccontextmanager
+    async def lifespan(a):
+        async with inner(a):
+            services.start()
+            try:
+                yield
+            finally:
+                await services.stop()
+
+    app.router.lifespan_context = lifespan
+    app.add_middleware(AdminMutationHook, services=services)
+    app.add_middleware(BodyLimit)
+    return app
+
+

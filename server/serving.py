@@ -1,0 +1,57 @@
+"""The whole serving app: admin API + gateway on one registry, as ``kvgate serve`` runs it.
+
+``build_serving_app`` is the one composition root; tests and the CLI both call it, so
+what the tests exercise is what users run.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from fastapi import FastAPI
+from prometheus_client import CollectorRegistry
+from sqlalchemy.orm import Session, sessionmaker
+
+from engines.tokenizer import ChatTokenizer, default_gguf_path, load_gguf_tokenizer
+from server.app import create_app
+from server.gateway.admission import Admission, LocalAdmission, RedisAdmission
+from server.gateway.app import install_gateway, registry_pools_and_tenants
+from server.gateway.context import PoolRef
+from server.gateway.errors import ServingError
+from server.gateway.services import LoopIntervals, build_gateway_services
+from server.settings import Settings
+from tenants.db import make_engine, make_session_factory
+
+REFERENCE_SPECS = frozenset({"", "reference", "reference-smollm2"})
+
+
+def default_tokenizer_for(pool: PoolRef) -> ChatTokenizer:
+    """The reference pool's tokenizer comes from its GGUF; GPU specs name their own."""
+    if pool.engine_spec in REFERENCE_SPECS:
+        return load_gguf_tokenizer(default_gguf_path())
+    try:
+        from engines.spec import load_spec_tokenizer  # GPU specs: tokenizer.json shipped with the checkpoint
+
+        return load_spec_tokenizer(pool.engine_spec)
+    except Exception as exc:  # noqa: BLE001 - any failure is a configuration problem, not the client's
+        raise ServingError(503, "tokenizer_unavailable",
+                           f"no tokenizer available for engine spec '{pool.engine_spec}' of pool '{pool.name}': {exc}") from exc
+
+
+def build_serving_app(settings: Settings, *, session_factory: sessionmaker[Session] | None = None,
+                      tokenizer_for: Callable[[PoolRef], ChatTokenizer] = default_tokenizer_for,
+                      admission: Admission | None = None, registry: CollectorRegistry | None = None,
+                      auth_ttl: float = 5.0, intervals: LoopIntervals | None = None) -> FastAPI:
+    engine = None
+    if session_factory is None:
+        engine = make_engine(settings.database_url)
+        session_factory = make_session_factory(engine)
+    app = create_app(settings, engine=engine, session_factory=session_factory)
+    if admission is None:
+        admission = RedisAdmission(settings.redis_url) if settings.redis_url else LocalAdmission()
+    services = build_gateway_services(
+        session_factory=session_factory, pepper=settings.effective_key_pepper(), tokenizer_for=tokenizer_for,
+        admission=admission, registry=registry or CollectorRegistry(),
+        pools_and_tenants=registry_pools_and_tenants(session_factory), auth_ttl=auth_ttl, intervals=intervals,
+    )
+    return install_gateway(app, services)

@@ -1,0 +1,20 @@
+"""One real stack (engine process + gateway over HTTP + SQLite registry) for the gateway tests."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.server.gateway.stack import Stack, build_stack
+
+TOKENS_PER_BLOCK = 16
+ENGINE_ARGS = ["--tokens-per-block", str(TOKENS_PER_BLOCK), "--primary-blocks", "256", "--secondary-blocks", "512",
+               "--max-input-len", "2048", "--max-output-len", "256", "--max-batch-size", "8"]
+
+
+@pytest.fixture(scope="session")
+def stack(tmp_path_factory) -> Stack:
+    built = build_stack(tmp_path_factory.mktemp("stack"), engine_args=ENGINE_ARGS, tokens_per_block=TOKENS_PER_BLOCK,
+                        primary=256, secondary=512)
+    yield built
+    built.gateway.stop()
+    built.engine.kill()
