@@ -122,7 +122,8 @@ class ReferenceEngine:
 
     # Requests -----------------------------------------------------------------------------
     def submit(self, request_id: str, request: EngineRequest, sink: Sink) -> None:
-        end_ids = frozenset({request.end_id}) if request.end_id is not None else self.bundle.tokenizer.stop_token_ids
+        # No end_id (absent or -1): run to request_output_len, as TensorRT-LLM does without endId.
+        end_ids = frozenset({request.end_id}) if request.end_id is not None else frozenset()
         seq = Sequence(
             request_id=request_id, request=request, tokens=list(request.input_ids),
             prompt_len=len(request.input_ids), end_ids=end_ids, generator=make_generator(request.sampling),
