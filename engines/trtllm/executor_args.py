@@ -18,6 +18,7 @@ from types import ModuleType
 from typing import Any
 
 from engines.contract import EngineRequest
+from engines.trtllm.bindings import BindingError
 from retention.types import DEFAULT_PRIORITY, RetentionPlan
 
 
@@ -27,7 +28,6 @@ def kv_cache_config_kwargs(params: Any) -> dict[str, Any]:
         "enable_block_reuse": params.enable_block_reuse,
         "free_gpu_memory_fraction": params.free_gpu_memory_fraction,
         "host_cache_size": params.host_cache_size,
-        "onboard_blocks": params.onboard_blocks,
         "secondary_offload_min_priority": params.secondary_offload_min_priority,
         "event_buffer_max_size": params.event_buffer_max_size,
         "enable_partial_reuse": params.enable_partial_reuse,  # keyword-only in the binding
@@ -35,6 +35,12 @@ def kv_cache_config_kwargs(params: Any) -> dict[str, Any]:
     }
     if params.max_tokens is not None:
         kwargs["max_tokens"] = params.max_tokens
+    if not params.onboard_blocks:
+        # Passed only to turn onboarding off: the binding's default is true, and PR #12449
+        # (main, 2026-03) removed the argument altogether. release/1.2.1 still has it (the
+        # stock tensorrt_llm Python model of that release passes it); a build without it
+        # raises TypeError at start-up instead of silently ignoring the setting.
+        kwargs["onboard_blocks"] = False
     return kwargs
 
 
@@ -70,12 +76,19 @@ def parallel_config(trtllm: ModuleType, params: Any) -> Any | None:
 
 def make_executor(trtllm: ModuleType, params: Any) -> Any:
     """``Executor(engine_dir, ModelType.DECODER_ONLY, ExecutorConfig(...))`` (nanobind/executor/executor.cpp)."""
-    kv_cache_config = trtllm.KvCacheConfig(**kv_cache_config_kwargs(params))
+    kv_kwargs = kv_cache_config_kwargs(params)
+    try:
+        kv_cache_config = trtllm.KvCacheConfig(**kv_kwargs)
+    except TypeError as exc:  # a binding that lacks one of our keywords: say which, do not guess
+        raise BindingError(f"KvCacheConfig rejected keywords {sorted(kv_kwargs)}: {exc}") from exc
     kwargs = executor_config_kwargs(params, kv_cache_config)
     parallel = parallel_config(trtllm, params)
     if parallel is not None:
         kwargs["parallel_config"] = parallel
-    executor_config = trtllm.ExecutorConfig(**kwargs)
+    try:
+        executor_config = trtllm.ExecutorConfig(**kwargs)
+    except TypeError as exc:
+        raise BindingError(f"ExecutorConfig rejected keywords {sorted(kwargs)}: {exc}") from exc
     return trtllm.Executor(params.engine_dir, trtllm.ModelType.DECODER_ONLY, executor_config)
 
 

@@ -61,7 +61,6 @@ KV_8B = {
     "enable_block_reuse": True,  # cpp/tensorrt_llm/nanobind/executor/executorConfig.cpp (KvCacheConfig)
     "free_gpu_memory_fraction": 0.85,  # executorConfig.cpp
     "host_cache_size": 34359738368,  # executorConfig.cpp (bytes, std::optional<size_t>)
-    "onboard_blocks": True,  # executorConfig.cpp
     "secondary_offload_min_priority": 35,  # executorConfig.cpp; C++ default 30 in executor.h, never relied on
     "event_buffer_max_size": 16384,  # executorConfig.cpp (size_t)
     "enable_partial_reuse": True,  # executorConfig.cpp (keyword-only)
@@ -117,6 +116,9 @@ def test_optional_kv_fields_are_passed_only_when_set():
     object.__setattr__(params, "max_queue_size", 256)
     assert kv_cache_config_kwargs(params)["max_tokens"] == 65536  # executorConfig.cpp
     assert executor_config_kwargs(params, None)["max_queue_size"] == 256  # executorConfig.cpp
+    assert "onboard_blocks" not in kv_cache_config_kwargs(params)  # default true; removed on main by PR #12449
+    object.__setattr__(params, "onboard_blocks", False)
+    assert kv_cache_config_kwargs(params)["onboard_blocks"] is False  # executorConfig.cpp (release/1.2)
 
 
 def test_full_precision_weights_use_full_prec_qformat():

@@ -149,11 +149,12 @@ def make_module(*, salt_supported: bool = True, primary_blocks: int = 64, second
                 raise TypeError("token_range_retention_configs: expected list[TokenRangeRetentionConfig]")
             _int("decode_retention_priority", decode_retention_priority, lo=0, hi=100)
             _duration("decode_duration_ms", decode_duration_ms)
-            # The C++ constructor checks the ranges are sorted and non-overlapping (executor.h contract).
+            # cpp/tensorrt_llm/executor/kvCacheRetentionConfig.cpp: ranges are sorted by start, then
+            # must not overlap; an open-ended range (token_end None) can only be the last one.
             previous_end: int | None = 0
-            for r in token_range_retention_configs:
+            for r in sorted(token_range_retention_configs, key=lambda r: r.token_start):
                 if previous_end is None or r.token_start < previous_end:
-                    raise RuntimeError("token ranges must be sorted and non-overlapping")
+                    raise RuntimeError("token ranges must be non-overlapping")
                 previous_end = r.token_end
             self.token_range_retention_configs = token_range_retention_configs
             self.decode_retention_priority = decode_retention_priority

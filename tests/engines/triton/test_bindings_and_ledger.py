@@ -29,6 +29,27 @@ def test_a_binding_without_a_required_name_is_refused():
         load_executor_bindings(lambda _: bare)
 
 
+def test_a_kv_config_keyword_the_binding_lacks_fails_at_start_naming_it():
+    from engines.spec import load_bundled_spec
+    from engines.triton.params import ServingParams
+    from engines.trtllm.executor_args import make_executor
+
+    module = fake_trtllm.make_module()
+    original = module.KvCacheConfig
+
+    def without_onboard(**kwargs):  # what a build after PR #12449 accepts
+        if "onboard_blocks" in kwargs:
+            raise TypeError("__init__(): incompatible function arguments")
+        return original(**kwargs)
+
+    module.KvCacheConfig = without_onboard
+    params = ServingParams.from_spec(load_bundled_spec("llama-3.1-8b-instruct-fp8kv"), engine_dir="/e")
+    make_executor(module, params)  # default onboarding: the keyword is not sent
+    object.__setattr__(params, "onboard_blocks", False)
+    with pytest.raises(BindingError, match="KvCacheConfig rejected keywords .*onboard_blocks"):
+        make_executor(module, params)
+
+
 def test_salt_probe():
     assert probe_cache_salt(fake_trtllm.make_module(salt_supported=True)) is True
     assert probe_cache_salt(fake_trtllm.make_module(salt_supported=False)) is False
