@@ -23,13 +23,22 @@ from tenants.errors import RegistryError
 log = logging.getLogger("kvgate.admin")
 
 STATUS_BY_KIND = {"invalid": 422, "not_found": 404, "conflict": 409}
-CODE_BY_STATUS = {400: "bad_request", 401: "unauthorized", 403: "forbidden", 404: "not_found",
-                  405: "method_not_allowed", 409: "conflict", 422: "invalid_request", 503: "unavailable"}
+CODE_BY_STATUS = {
+    400: "bad_request",
+    401: "unauthorized",
+    403: "forbidden",
+    404: "not_found",
+    405: "method_not_allowed",
+    409: "conflict",
+    422: "invalid_request",
+    503: "unavailable",
+}
 
 
 class ApiError(Exception):
-    def __init__(self, status: int, code: str, message: str, *, field: str | None = None,
-                 headers: dict[str, str] | None = None) -> None:
+    def __init__(
+        self, status: int, code: str, message: str, *, field: str | None = None, headers: dict[str, str] | None = None
+    ) -> None:
         super().__init__(message)
         self.status, self.code, self.message, self.field, self.headers = status, code, message, field, headers
 
@@ -38,8 +47,9 @@ def error_body(code: str, message: str, field: str | None = None) -> dict[str, A
     return {"error": {"code": code, "message": message, "field": field}}
 
 
-def error_response(status: int, code: str, message: str, field: str | None = None,
-                   headers: dict[str, str] | None = None) -> JSONResponse:
+def error_response(
+    status: int, code: str, message: str, field: str | None = None, headers: dict[str, str] | None = None
+) -> JSONResponse:
     return JSONResponse(error_body(code, message, field), status_code=status, headers=headers)
 
 
@@ -81,8 +91,13 @@ async def _on_http_error(_request: Request, exc: Exception) -> JSONResponse:
 async def _on_database_error(_request: Request, exc: Exception) -> JSONResponse:
     # Why 503: the registry is a dependency; clients and load balancers should retry, not report a bug.
     log.warning("database unavailable: %s", type(exc).__name__)
-    return error_response(503, "database_unavailable", "the tenant registry database is unavailable; retry later",
-                          None, {"Retry-After": "5"})
+    return error_response(
+        503,
+        "database_unavailable",
+        "the tenant registry database is unavailable; retry later",
+        None,
+        {"Retry-After": "5"},
+    )
 
 
 async def _on_unexpected(_request: Request, exc: Exception) -> JSONResponse:

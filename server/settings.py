@@ -18,10 +18,25 @@ from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from tenants.db import DEFAULT_DATABASE_URL
 
-PLACEHOLDERS = frozenset({
-    "", "changeme", "change-me", "change_me", "changethis", "secret", "password", "admin", "token",
-    "test", "dev", "kvgate", "xxx", "todo", "placeholder",
-})
+PLACEHOLDERS = frozenset(
+    {
+        "",
+        "changeme",
+        "change-me",
+        "change_me",
+        "changethis",
+        "secret",
+        "password",
+        "admin",
+        "token",
+        "test",
+        "dev",
+        "kvgate",
+        "xxx",
+        "todo",
+        "placeholder",
+    }
+)
 MIN_SECRET_LEN = 16
 # Dev mode only: a fixed pepper keeps dev keys valid across restarts. Never for production.
 DEV_KEY_PEPPER = "kvgate-dev-pepper-NOT-FOR-PRODUCTION"

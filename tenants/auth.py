@@ -87,8 +87,9 @@ def list_active_tenants_for_pool(session: Session, *, pool_id: int) -> list[Tena
         select(Tenant).where(Tenant.pool_id == pool_id, Tenant.status == "active").order_by(Tenant.id)
     ).all()
     return [
-        TenantSummary(id=t.id, slug=t.slug, isolation=t.isolation, kv_quota_fraction=t.kv_quota_fraction,
-                      cache_salt=t.cache_salt)
+        TenantSummary(
+            id=t.id, slug=t.slug, isolation=t.isolation, kv_quota_fraction=t.kv_quota_fraction, cache_salt=t.cache_salt
+        )
         for t in rows
     ]
 

@@ -14,11 +14,11 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, Generic, TypeVar
 
-from sqlalchemy import Select, func, select
+from sqlalchemy import Select, func, select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
-from tenants.errors import Conflict, Duplicate, InvalidField, NotFound
+from tenants.errors import Conflict, Duplicate, InvalidField, NotFound, StaleVersion
 from tenants.validation import NAME_RE
 
 T = TypeVar("T")
@@ -51,7 +51,12 @@ def integrity_kind(exc: IntegrityError) -> str:
     if sqlstate in by_state:
         return by_state[sqlstate]
     text = str(exc.orig).upper()
-    for needle, kind in (("UNIQUE", "unique"), ("FOREIGN KEY", "foreign_key"), ("CHECK", "check"), ("NOT NULL", "not_null")):
+    for needle, kind in (
+        ("UNIQUE", "unique"),
+        ("FOREIGN KEY", "foreign_key"),
+        ("CHECK", "check"),
+        ("NOT NULL", "not_null"),
+    ):
         if needle in text:
             return kind
     return "other"
@@ -67,7 +72,9 @@ def mutation(session: Session, *, unique_field: str | None = None, entity: str =
         session.rollback()
         kind = integrity_kind(exc)
         if kind == "unique":
-            raise Duplicate(f"a {entity} with this {unique_field or 'name'} already exists", field=unique_field) from None
+            raise Duplicate(
+                f"a {entity} with this {unique_field or 'name'} already exists", field=unique_field
+            ) from None
         if kind == "foreign_key":
             raise Conflict(f"the {entity} references a row that no longer exists, or is still referenced") from None
         raise InvalidField(f"the {entity} breaks a registry constraint ({kind})") from None
@@ -80,7 +87,9 @@ def is_id(ref: int | str) -> bool:
     return (isinstance(ref, int) and not isinstance(ref, bool)) or (isinstance(ref, str) and ref.isdigit())
 
 
-def get_by_ref(session: Session, model: type[T], ref: int | str, *, name_attr: str, what: str, field: str | None = None) -> T:
+def get_by_ref(
+    session: Session, model: type[T], ref: int | str, *, name_attr: str, what: str, field: str | None = None
+) -> T:
     """Load ``model`` by numeric id or by its unique name.
 
     Not found raises ``NotFound`` for a path reference (``field is None``), or
@@ -112,18 +121,14 @@ def snapshot(row: Any, *, exclude: tuple[str, ...] = ()) -> dict[str, Any]:
     return out
 
 
-
-
-def versioned_update(session: Session, row: Any, *, expected_version: int, values: dict[str, Any], now: datetime) -> None:
+def versioned_update(
+    session: Session, row: Any, *, expected_version: int, values: dict[str, Any], now: datetime
+) -> None:
     """``UPDATE ... SET values, version = version + 1 WHERE id = ? AND version = ?``.
 
     Exactly one of several concurrent callers holding the same ``expected_version``
     wins; the others match no row and get ``StaleVersion``. ``row`` is refreshed.
     """
-    from sqlalchemy import update
-
-    from tenants.errors import StaleVersion
-
     model = type(row)
     result = session.execute(
         update(model)
@@ -132,16 +137,12 @@ def versioned_update(session: Session, row: Any, *, expected_version: int, value
         .execution_options(synchronize_session=False)
     )
     if result.rowcount != 1:  # type: ignore[attr-defined]
-        raise StaleVersion(
-            f"version {expected_version} is not the current version; reload and retry", field="version"
-        )
+        raise StaleVersion(f"version {expected_version} is not the current version; reload and retry", field="version")
     session.refresh(row)
 
 
 def check_version(row: Any, expected_version: Any) -> int:
     """Fail fast on an obviously stale version (the UPDATE re-checks it atomically)."""
-    from tenants.errors import StaleVersion
-
     if isinstance(expected_version, bool) or not isinstance(expected_version, int):
         raise InvalidField("version must be an integer", field="version")
     if row.version != expected_version:

@@ -22,7 +22,8 @@ from datetime import datetime
 from sqlalchemy import select, update
 from sqlalchemy.orm import Session
 
-from tenants import audit, validation as v
+from tenants import audit
+from tenants import validation as v
 from tenants.common import Page, get_by_ref, mutation, paginate, snapshot
 from tenants.errors import Conflict, InvalidField, NotFound
 from tenants.models import ApiKey, Tenant
@@ -53,8 +54,8 @@ def parse_key(plaintext: str) -> ParsedKey | None:
     head = f"{KEY_SCHEME}_"
     if not plaintext.startswith(head):
         return None
-    rest = plaintext[len(head):]
-    prefix, sep, secret = rest[:PREFIX_LEN], rest[PREFIX_LEN:PREFIX_LEN + 1], rest[PREFIX_LEN + 1:]
+    rest = plaintext[len(head) :]
+    prefix, sep, secret = rest[:PREFIX_LEN], rest[PREFIX_LEN : PREFIX_LEN + 1], rest[PREFIX_LEN + 1 :]
     if sep != "_" or len(prefix) != PREFIX_LEN or any(c not in _PREFIX_ALPHABET for c in prefix):
         return None
     if len(secret) < MIN_SECRET_LEN or any(c not in _SECRET_ALPHABET for c in secret):
@@ -100,18 +101,33 @@ def create_key(
         raise Conflict("could not allocate a unique key prefix; retry")
     with mutation(session, unique_field="prefix", entity="api key"):
         owner = get_by_ref(session, Tenant, tenant, name_attr="slug", what="tenant")
-        key = ApiKey(tenant_id=owner.id, prefix=prefix, secret_hash=hash_secret(secret, pepper=pepper),
-                     name=name, created_at=now, expires_at=expires_at)
+        key = ApiKey(
+            tenant_id=owner.id,
+            prefix=prefix,
+            secret_hash=hash_secret(secret, pepper=pepper),
+            name=name,
+            created_at=now,
+            expires_at=expires_at,
+        )
         session.add(key)
         session.flush()
-        audit.record(session, actor=actor, action="api_key.create", entity_type="api_key", entity_id=key.id,
-                     before=None, after=audit_view(key), now=now)
+        audit.record(
+            session,
+            actor=actor,
+            action="api_key.create",
+            entity_type="api_key",
+            entity_id=key.id,
+            before=None,
+            after=audit_view(key),
+            now=now,
+        )
     log.info("api key created: tenant=%s key_id=%s prefix=%s", owner.slug, key.id, key.prefix)
     return key, plaintext
 
 
-def list_keys(session: Session, *, tenant: int | str, limit: int = 50, offset: int = 0,
-              include_revoked: bool = True) -> Page[ApiKey]:
+def list_keys(
+    session: Session, *, tenant: int | str, limit: int = 50, offset: int = 0, include_revoked: bool = True
+) -> Page[ApiKey]:
     owner = get_by_ref(session, Tenant, tenant, name_attr="slug", what="tenant")
     stmt = select(ApiKey).where(ApiKey.tenant_id == owner.id)
     if not include_revoked:
@@ -131,13 +147,23 @@ def revoke_key(session: Session, *, actor: str, now: datetime, tenant: int | str
         before = audit_view(key)
         # Conditional UPDATE: of two concurrent revokes only one changes the row and audits.
         result = session.execute(
-            update(ApiKey).where(ApiKey.id == key.id, ApiKey.revoked_at.is_(None)).values(revoked_at=now)
+            update(ApiKey)
+            .where(ApiKey.id == key.id, ApiKey.revoked_at.is_(None))
+            .values(revoked_at=now)
             .execution_options(synchronize_session=False)
         )
         session.refresh(key)
         if result.rowcount != 1:  # type: ignore[attr-defined]
             return key
-        audit.record(session, actor=actor, action="api_key.revoke", entity_type="api_key", entity_id=key.id,
-                     before=before, after=audit_view(key), now=now)
+        audit.record(
+            session,
+            actor=actor,
+            action="api_key.revoke",
+            entity_type="api_key",
+            entity_id=key.id,
+            before=before,
+            after=audit_view(key),
+            now=now,
+        )
     log.info("api key revoked: tenant=%s key_id=%s prefix=%s", owner.slug, key.id, key.prefix)
     return key

@@ -22,7 +22,9 @@ def alembic_config(*, url: str | None = None, connection: Connection | None = No
     cfg.set_main_option("script_location", str(MIGRATIONS_DIR))
     if url is not None:
         # ConfigParser interpolation: a literal % in a password must be doubled.
-        cfg.set_main_option("sqlalchemy.url", normalize_url(url).render_as_string(hide_password=False).replace("%", "%%"))
+        cfg.set_main_option(
+            "sqlalchemy.url", normalize_url(url).render_as_string(hide_password=False).replace("%", "%%")
+        )
     if connection is not None:
         cfg.attributes["connection"] = connection
     return cfg

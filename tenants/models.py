@@ -160,9 +160,7 @@ class Tenant(Timestamped, Base):
     display_name: Mapped[str] = mapped_column(String(256))
     status: Mapped[str] = mapped_column(String(16), default="active")
     pool_id: Mapped[int] = mapped_column(ForeignKey("pools.id", ondelete="RESTRICT"), index=True)
-    retention_class_id: Mapped[int] = mapped_column(
-        ForeignKey("retention_classes.id", ondelete="RESTRICT"), index=True
-    )
+    retention_class_id: Mapped[int] = mapped_column(ForeignKey("retention_classes.id", ondelete="RESTRICT"), index=True)
     isolation: Mapped[str] = mapped_column(String(16), default="salted")
     # Server-generated (secrets.token_hex(16)); never accepted from a client, never listed.
     cache_salt: Mapped[str] = mapped_column(String(64))

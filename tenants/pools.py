@@ -13,7 +13,8 @@ from typing import Any
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
-from tenants import audit, validation as v
+from tenants import audit
+from tenants import validation as v
 from tenants.common import Page, check_version, get_by_ref, mutation, paginate, snapshot, versioned_update
 from tenants.errors import InUse, InvalidField
 from tenants.models import Pool, Tenant
@@ -61,17 +62,31 @@ def create_pool(
 ) -> Pool:
     values = _validated(
         dict(
-            name=name, model_name=model_name, triton_url=triton_url, triton_model=triton_model,
-            engine_spec=engine_spec, tokens_per_block=tokens_per_block, primary_blocks=primary_blocks,
-            secondary_blocks=secondary_blocks, secondary_offload_min_priority=secondary_offload_min_priority,
+            name=name,
+            model_name=model_name,
+            triton_url=triton_url,
+            triton_model=triton_model,
+            engine_spec=engine_spec,
+            tokens_per_block=tokens_per_block,
+            primary_blocks=primary_blocks,
+            secondary_blocks=secondary_blocks,
+            secondary_offload_min_priority=secondary_offload_min_priority,
         )
     )
     with mutation(session, unique_field="name", entity="pool"):
         pool = Pool(**values, created_at=now, updated_at=now, version=1)
         session.add(pool)
         session.flush()
-        audit.record(session, actor=actor, action="pool.create", entity_type="pool", entity_id=pool.id,
-                     before=None, after=snapshot(pool), now=now)
+        audit.record(
+            session,
+            actor=actor,
+            action="pool.create",
+            entity_type="pool",
+            entity_id=pool.id,
+            before=None,
+            after=snapshot(pool),
+            now=now,
+        )
     return pool
 
 
@@ -83,8 +98,9 @@ def list_pools(session: Session, *, limit: int = 50, offset: int = 0) -> Page[Po
     return paginate(session, select(Pool).order_by(Pool.id), limit=limit, offset=offset)
 
 
-def update_pool(session: Session, *, actor: str, now: datetime, ref: int | str, version: int,
-                changes: Mapping[str, Any]) -> Pool:
+def update_pool(
+    session: Session, *, actor: str, now: datetime, ref: int | str, version: int, changes: Mapping[str, Any]
+) -> Pool:
     """Apply ``changes`` (any of ``UPDATABLE``) if ``version`` is current."""
     values = _validated(changes)
     with mutation(session, unique_field="name", entity="pool"):
@@ -92,8 +108,16 @@ def update_pool(session: Session, *, actor: str, now: datetime, ref: int | str, 
         check_version(pool, version)
         before = snapshot(pool)
         versioned_update(session, pool, expected_version=version, values=values, now=now)
-        audit.record(session, actor=actor, action="pool.update", entity_type="pool", entity_id=pool.id,
-                     before=before, after=snapshot(pool), now=now)
+        audit.record(
+            session,
+            actor=actor,
+            action="pool.update",
+            entity_type="pool",
+            entity_id=pool.id,
+            before=before,
+            after=snapshot(pool),
+            now=now,
+        )
     return pool
 
 
@@ -102,10 +126,19 @@ def delete_pool(session: Session, *, actor: str, now: datetime, ref: int | str) 
         pool = get_pool(session, ref=ref)
         users = session.scalar(select(func.count()).select_from(Tenant).where(Tenant.pool_id == pool.id)) or 0
         if users:
-            raise InUse(f"pool {pool.name!r} is used by {users} tenant(s); move or delete them first",
-                        code="pool_in_use")
+            raise InUse(
+                f"pool {pool.name!r} is used by {users} tenant(s); move or delete them first", code="pool_in_use"
+            )
         before = snapshot(pool)
         session.delete(pool)
         session.flush()
-        audit.record(session, actor=actor, action="pool.delete", entity_type="pool", entity_id=before["id"],
-                     before=before, after=None, now=now)
+        audit.record(
+            session,
+            actor=actor,
+            action="pool.delete",
+            entity_type="pool",
+            entity_id=before["id"],
+            before=before,
+            after=None,
+            now=now,
+        )

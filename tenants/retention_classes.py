@@ -15,7 +15,8 @@ from typing import Any
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
-from tenants import audit, validation as v
+from tenants import audit
+from tenants import validation as v
 from tenants.common import Page, check_version, get_by_ref, mutation, paginate, snapshot, versioned_update
 from tenants.errors import InUse, InvalidField
 from tenants.models import RetentionClass, Tenant
@@ -58,19 +59,34 @@ def create_class(
     decode_duration_ms: int | None = 30_000,
 ) -> RetentionClass:
     """Defaults: system prompts pinned high, context kept ~10 min, the last turn ~30 s."""
-    values = _validated(dict(
-        name=name, description=description,
-        system_priority=system_priority, system_duration_ms=system_duration_ms,
-        context_priority=context_priority, context_duration_ms=context_duration_ms,
-        turn_priority=turn_priority, turn_duration_ms=turn_duration_ms,
-        decode_priority=decode_priority, decode_duration_ms=decode_duration_ms,
-    ))
+    values = _validated(
+        dict(
+            name=name,
+            description=description,
+            system_priority=system_priority,
+            system_duration_ms=system_duration_ms,
+            context_priority=context_priority,
+            context_duration_ms=context_duration_ms,
+            turn_priority=turn_priority,
+            turn_duration_ms=turn_duration_ms,
+            decode_priority=decode_priority,
+            decode_duration_ms=decode_duration_ms,
+        )
+    )
     with mutation(session, unique_field="name", entity="retention class"):
         row = RetentionClass(**values, created_at=now, updated_at=now, version=1)
         session.add(row)
         session.flush()
-        audit.record(session, actor=actor, action="retention_class.create", entity_type="retention_class",
-                     entity_id=row.id, before=None, after=snapshot(row), now=now)
+        audit.record(
+            session,
+            actor=actor,
+            action="retention_class.create",
+            entity_type="retention_class",
+            entity_id=row.id,
+            before=None,
+            after=snapshot(row),
+            now=now,
+        )
     return row
 
 
@@ -82,29 +98,44 @@ def list_classes(session: Session, *, limit: int = 50, offset: int = 0) -> Page[
     return paginate(session, select(RetentionClass).order_by(RetentionClass.id), limit=limit, offset=offset)
 
 
-def update_class(session: Session, *, actor: str, now: datetime, ref: int | str, version: int,
-                 changes: Mapping[str, Any]) -> RetentionClass:
+def update_class(
+    session: Session, *, actor: str, now: datetime, ref: int | str, version: int, changes: Mapping[str, Any]
+) -> RetentionClass:
     values = _validated(changes)
     with mutation(session, unique_field="name", entity="retention class"):
         row = get_class(session, ref=ref)
         check_version(row, version)
         before = snapshot(row)
         versioned_update(session, row, expected_version=version, values=values, now=now)
-        audit.record(session, actor=actor, action="retention_class.update", entity_type="retention_class",
-                     entity_id=row.id, before=before, after=snapshot(row), now=now)
+        audit.record(
+            session,
+            actor=actor,
+            action="retention_class.update",
+            entity_type="retention_class",
+            entity_id=row.id,
+            before=before,
+            after=snapshot(row),
+            now=now,
+        )
     return row
 
 
 def delete_class(session: Session, *, actor: str, now: datetime, ref: int | str) -> None:
     with mutation(session, entity="retention class"):
         row = get_class(session, ref=ref)
-        users = session.scalar(
-            select(func.count()).select_from(Tenant).where(Tenant.retention_class_id == row.id)
-        ) or 0
+        users = session.scalar(select(func.count()).select_from(Tenant).where(Tenant.retention_class_id == row.id)) or 0
         if users:
             raise InUse(f"retention class {row.name!r} is used by {users} tenant(s)", code="retention_class_in_use")
         before = snapshot(row)
         session.delete(row)
         session.flush()
-        audit.record(session, actor=actor, action="retention_class.delete", entity_type="retention_class",
-                     entity_id=before["id"], before=before, after=None, now=now)
+        audit.record(
+            session,
+            actor=actor,
+            action="retention_class.delete",
+            entity_type="retention_class",
+            entity_id=before["id"],
+            before=before,
+            after=None,
+            now=now,
+        )

@@ -35,9 +35,15 @@ class PoolSnapshot:
     @classmethod
     def of(cls, pool: Pool) -> PoolSnapshot:
         return cls(
-            id=pool.id, name=pool.name, model_name=pool.model_name, triton_url=pool.triton_url,
-            triton_model=pool.triton_model, engine_spec=pool.engine_spec, tokens_per_block=pool.tokens_per_block,
-            primary_blocks=pool.primary_blocks, secondary_blocks=pool.secondary_blocks,
+            id=pool.id,
+            name=pool.name,
+            model_name=pool.model_name,
+            triton_url=pool.triton_url,
+            triton_model=pool.triton_model,
+            engine_spec=pool.engine_spec,
+            tokens_per_block=pool.tokens_per_block,
+            primary_blocks=pool.primary_blocks,
+            secondary_blocks=pool.secondary_blocks,
             secondary_offload_min_priority=pool.secondary_offload_min_priority,
         )
 
@@ -54,7 +60,8 @@ class RetentionClassSnapshot:
     @classmethod
     def of(cls, row: RetentionClass) -> RetentionClassSnapshot:
         return cls(
-            id=row.id, name=row.name,
+            id=row.id,
+            name=row.name,
             system=SegmentRetention(row.system_priority, row.system_duration_ms),
             context=SegmentRetention(row.context_priority, row.context_duration_ms),
             turn=SegmentRetention(row.turn_priority, row.turn_duration_ms),
@@ -73,8 +80,11 @@ class TenantLimits:
     @classmethod
     def of(cls, tenant: Tenant) -> TenantLimits:
         return cls(
-            rpm=tenant.rpm_limit, tpm=tenant.tpm_limit, max_concurrent_requests=tenant.max_concurrent_requests,
-            max_prompt_tokens=tenant.max_prompt_tokens, max_output_tokens=tenant.max_output_tokens,
+            rpm=tenant.rpm_limit,
+            tpm=tenant.tpm_limit,
+            max_concurrent_requests=tenant.max_concurrent_requests,
+            max_prompt_tokens=tenant.max_prompt_tokens,
+            max_output_tokens=tenant.max_output_tokens,
         )
 
 
@@ -118,5 +128,7 @@ class AuthenticatedTenant:
         return self.status == "active" and not self.key_revoked and not self.key_expired
 
     def __repr__(self) -> str:  # keep the salt out of logs and tracebacks
-        return (f"AuthenticatedTenant(tenant_id={self.tenant_id}, slug={self.slug!r}, status={self.status!r}, "
-                f"key_id={self.key_id}, usable={self.usable})")
+        return (
+            f"AuthenticatedTenant(tenant_id={self.tenant_id}, slug={self.slug!r}, status={self.status!r}, "
+            f"key_id={self.key_id}, usable={self.usable})"
+        )

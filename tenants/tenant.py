@@ -22,7 +22,8 @@ from typing import Any
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
-from tenants import audit, validation as v
+from tenants import audit
+from tenants import validation as v
 from tenants.common import Page, check_version, get_by_ref, mutation, paginate, snapshot, versioned_update
 from tenants.errors import Conflict, InvalidField
 from tenants.models import Pool, RetentionClass, Tenant
@@ -73,13 +74,17 @@ def _check_dedication(session: Session, *, pool: Pool, isolation: str, tenant_id
     if isolation == "dedicated":
         count = session.scalar(select(func.count()).select_from(others.subquery())) or 0
         if count:
-            raise Conflict(f"pool {pool.name!r} already has {count} tenant(s); a dedicated tenant needs its own pool",
-                           field="pool", code="pool_not_empty")
+            raise Conflict(
+                f"pool {pool.name!r} already has {count} tenant(s); a dedicated tenant needs its own pool",
+                field="pool",
+                code="pool_not_empty",
+            )
     else:
         owner = session.scalars(others.where(Tenant.isolation == "dedicated").limit(1)).first()
         if owner is not None:
-            raise Conflict(f"pool {pool.name!r} is dedicated to tenant {owner.slug!r}", field="pool",
-                           code="pool_dedicated")
+            raise Conflict(
+                f"pool {pool.name!r} is dedicated to tenant {owner.slug!r}", field="pool", code="pool_dedicated"
+            )
 
 
 def create_tenant(
@@ -101,22 +106,47 @@ def create_tenant(
 ) -> Tenant:
     """Create an active tenant; ``pool``/``retention_class`` are ids or names (unknown → 422 on that field)."""
     slug = v.name(slug, field="slug")
-    values = _validated(dict(
-        display_name=display_name, isolation=isolation, kv_quota_fraction=kv_quota_fraction,
-        rpm_limit=rpm_limit, tpm_limit=tpm_limit, max_concurrent_requests=max_concurrent_requests,
-        max_prompt_tokens=max_prompt_tokens, max_output_tokens=max_output_tokens,
-    ))
+    values = _validated(
+        dict(
+            display_name=display_name,
+            isolation=isolation,
+            kv_quota_fraction=kv_quota_fraction,
+            rpm_limit=rpm_limit,
+            tpm_limit=tpm_limit,
+            max_concurrent_requests=max_concurrent_requests,
+            max_prompt_tokens=max_prompt_tokens,
+            max_output_tokens=max_output_tokens,
+        )
+    )
     with mutation(session, unique_field="slug", entity="tenant"):
         pool_row = get_by_ref(session, Pool, pool, name_attr="name", what="pool", field="pool")
-        class_row = get_by_ref(session, RetentionClass, retention_class, name_attr="name",
-                               what="retention class", field="retention_class")
+        class_row = get_by_ref(
+            session, RetentionClass, retention_class, name_attr="name", what="retention class", field="retention_class"
+        )
         _check_dedication(session, pool=pool_row, isolation=values["isolation"], tenant_id=None)
-        tenant = Tenant(slug=slug, status="active", pool_id=pool_row.id, retention_class_id=class_row.id,
-                        cache_salt=new_cache_salt(), created_at=now, updated_at=now, version=1, **values)
+        tenant = Tenant(
+            slug=slug,
+            status="active",
+            pool_id=pool_row.id,
+            retention_class_id=class_row.id,
+            cache_salt=new_cache_salt(),
+            created_at=now,
+            updated_at=now,
+            version=1,
+            **values,
+        )
         session.add(tenant)
         session.flush()
-        audit.record(session, actor=actor, action="tenant.create", entity_type="tenant", entity_id=tenant.id,
-                     before=None, after=audit_view(tenant), now=now)
+        audit.record(
+            session,
+            actor=actor,
+            action="tenant.create",
+            entity_type="tenant",
+            entity_id=tenant.id,
+            before=None,
+            after=audit_view(tenant),
+            now=now,
+        )
     return tenant
 
 
@@ -124,19 +154,22 @@ def get_tenant(session: Session, *, ref: int | str) -> Tenant:
     return get_by_ref(session, Tenant, ref, name_attr="slug", what="tenant")
 
 
-def list_tenants(session: Session, *, limit: int = 50, offset: int = 0, status: str | None = None,
-                 pool: int | str | None = None) -> Page[Tenant]:
+def list_tenants(
+    session: Session, *, limit: int = 50, offset: int = 0, status: str | None = None, pool: int | str | None = None
+) -> Page[Tenant]:
     stmt = select(Tenant)
     if status is not None:
         stmt = stmt.where(Tenant.status == v.status(status))
     if pool is not None:
-        stmt = stmt.where(Tenant.pool_id == get_by_ref(session, Pool, pool, name_attr="name", what="pool",
-                                                       field="pool").id)
+        stmt = stmt.where(
+            Tenant.pool_id == get_by_ref(session, Pool, pool, name_attr="name", what="pool", field="pool").id
+        )
     return paginate(session, stmt.order_by(Tenant.id), limit=limit, offset=offset)
 
 
-def update_tenant(session: Session, *, actor: str, now: datetime, ref: int | str, version: int,
-                  changes: Mapping[str, Any]) -> Tenant:
+def update_tenant(
+    session: Session, *, actor: str, now: datetime, ref: int | str, version: int, changes: Mapping[str, Any]
+) -> Tenant:
     """Apply ``changes`` (any of ``UPDATABLE``) if ``version`` is current, else ``StaleVersion``."""
     changes = dict(changes)
     pool_ref = changes.pop("pool", None)
@@ -148,22 +181,33 @@ def update_tenant(session: Session, *, actor: str, now: datetime, ref: int | str
         if pool_ref is not None:
             values["pool_id"] = get_by_ref(session, Pool, pool_ref, name_attr="name", what="pool", field="pool").id
         if class_ref is not None:
-            values["retention_class_id"] = get_by_ref(session, RetentionClass, class_ref, name_attr="name",
-                                                      what="retention class", field="retention_class").id
+            values["retention_class_id"] = get_by_ref(
+                session, RetentionClass, class_ref, name_attr="name", what="retention class", field="retention_class"
+            ).id
         if "pool_id" in values or "isolation" in values:
             target = session.get(Pool, values.get("pool_id", tenant.pool_id))
             assert target is not None
-            _check_dedication(session, pool=target, isolation=values.get("isolation", tenant.isolation),
-                              tenant_id=tenant.id)
+            _check_dedication(
+                session, pool=target, isolation=values.get("isolation", tenant.isolation), tenant_id=tenant.id
+            )
         before = audit_view(tenant)
         versioned_update(session, tenant, expected_version=version, values=values, now=now)
-        audit.record(session, actor=actor, action="tenant.update", entity_type="tenant", entity_id=tenant.id,
-                     before=before, after=audit_view(tenant), now=now)
+        audit.record(
+            session,
+            actor=actor,
+            action="tenant.update",
+            entity_type="tenant",
+            entity_id=tenant.id,
+            before=before,
+            after=audit_view(tenant),
+            now=now,
+        )
     return tenant
 
 
-def _set_status(session: Session, *, actor: str, now: datetime, ref: int | str, status: str,
-                version: int | None) -> Tenant:
+def _set_status(
+    session: Session, *, actor: str, now: datetime, ref: int | str, status: str, version: int | None
+) -> Tenant:
     with mutation(session, entity="tenant"):
         tenant = get_tenant(session, ref=ref)
         expected = tenant.version if version is None else check_version(tenant, version)
@@ -172,12 +216,22 @@ def _set_status(session: Session, *, actor: str, now: datetime, ref: int | str, 
         before = audit_view(tenant)
         versioned_update(session, tenant, expected_version=expected, values={"status": status}, now=now)
         action = "tenant.suspend" if status == "suspended" else "tenant.resume"
-        audit.record(session, actor=actor, action=action, entity_type="tenant", entity_id=tenant.id,
-                     before=before, after=audit_view(tenant), now=now)
+        audit.record(
+            session,
+            actor=actor,
+            action=action,
+            entity_type="tenant",
+            entity_id=tenant.id,
+            before=before,
+            after=audit_view(tenant),
+            now=now,
+        )
     return tenant
 
 
-def suspend_tenant(session: Session, *, actor: str, now: datetime, ref: int | str, version: int | None = None) -> Tenant:
+def suspend_tenant(
+    session: Session, *, actor: str, now: datetime, ref: int | str, version: int | None = None
+) -> Tenant:
     """Suspend (keys stop authenticating as usable). ``version`` is optional here."""
     return _set_status(session, actor=actor, now=now, ref=ref, status="suspended", version=version)
 
@@ -193,8 +247,16 @@ def delete_tenant(session: Session, *, actor: str, now: datetime, ref: int | str
         before = audit_view(tenant)
         session.delete(tenant)
         session.flush()
-        audit.record(session, actor=actor, action="tenant.delete", entity_type="tenant", entity_id=before["id"],
-                     before=before, after=None, now=now)
+        audit.record(
+            session,
+            actor=actor,
+            action="tenant.delete",
+            entity_type="tenant",
+            entity_id=before["id"],
+            before=before,
+            after=None,
+            now=now,
+        )
 
 
 def placement(session: Session, *, tenant: Tenant) -> tuple[Pool, RetentionClass]:

@@ -65,8 +65,9 @@ def _upsert(session: Session, tenant_id: int, minute: datetime, req: int, ptok: 
         from sqlalchemy.dialects.sqlite import insert
     else:  # pragma: no cover - only the two supported backends
         raise NotImplementedError(f"usage upsert for {dialect}")
-    stmt = insert(Usage).values(tenant_id=tenant_id, minute=minute, requests=req, prompt_tokens=ptok,
-                                completion_tokens=ctok)
+    stmt = insert(Usage).values(
+        tenant_id=tenant_id, minute=minute, requests=req, prompt_tokens=ptok, completion_tokens=ctok
+    )
     return stmt.on_conflict_do_update(
         index_elements=[Usage.tenant_id, Usage.minute],
         set_={
@@ -91,13 +92,17 @@ def record_usage(session: Session, *, flush_id: str, rows: Iterable[UsageRow], n
             session.rollback()
             return False
         tenant_ids = {tid for tid, _ in merged}
-        existing = set(session.scalars(select(Tenant.id).where(Tenant.id.in_(tenant_ids))).all()) if tenant_ids else set()
-        session.add(UsageFlush(
-            flush_id=flush_id,
-            tenant_id=next(iter(existing)) if len(existing) == 1 else None,
-            row_count=sum(1 for tid, _ in merged if tid in existing),
-            applied_at=now or datetime.now(UTC),
-        ))
+        existing = (
+            set(session.scalars(select(Tenant.id).where(Tenant.id.in_(tenant_ids))).all()) if tenant_ids else set()
+        )
+        session.add(
+            UsageFlush(
+                flush_id=flush_id,
+                tenant_id=next(iter(existing)) if len(existing) == 1 else None,
+                row_count=sum(1 for tid, _ in merged if tid in existing),
+                applied_at=now or datetime.now(UTC),
+            )
+        )
         # Why first: the ledger row takes the write lock / unique slot before any increment.
         session.flush()
         for (tid, minute), (req, ptok, ctok) in sorted(merged.items()):
@@ -117,8 +122,15 @@ def record_usage(session: Session, *, flush_id: str, rows: Iterable[UsageRow], n
         raise
 
 
-def usage_report(session: Session, *, tenant: int | str, start: datetime | None = None, end: datetime | None = None,
-                 limit: int = 500, offset: int = 0) -> tuple[UsageTotals, Page[Usage]]:
+def usage_report(
+    session: Session,
+    *,
+    tenant: int | str,
+    start: datetime | None = None,
+    end: datetime | None = None,
+    limit: int = 500,
+    offset: int = 0,
+) -> tuple[UsageTotals, Page[Usage]]:
     """Totals over ``[start, end)`` and one page of per-minute rows (oldest first)."""
     owner = get_by_ref(session, Tenant, tenant, name_attr="slug", what="tenant")
     conds = [Usage.tenant_id == owner.id]
@@ -127,8 +139,11 @@ def usage_report(session: Session, *, tenant: int | str, start: datetime | None 
     if end is not None:
         conds.append(Usage.minute < end)
     total = session.execute(
-        select(func.coalesce(func.sum(Usage.requests), 0), func.coalesce(func.sum(Usage.prompt_tokens), 0),
-               func.coalesce(func.sum(Usage.completion_tokens), 0)).where(*conds)
+        select(
+            func.coalesce(func.sum(Usage.requests), 0),
+            func.coalesce(func.sum(Usage.prompt_tokens), 0),
+            func.coalesce(func.sum(Usage.completion_tokens), 0),
+        ).where(*conds)
     ).one()
     page = paginate(session, select(Usage).where(*conds).order_by(Usage.minute), limit=limit, offset=offset)
     return UsageTotals(int(total[0]), int(total[1]), int(total[2])), page

@@ -32,7 +32,9 @@ def text(value: Any, *, field: str, max_len: int, allow_empty: bool = False) -> 
     if isinstance(value, str) and "\x00" in value:
         raise InvalidField(f"{field} must not contain NUL characters", field=field)
     if not isinstance(value, str) or len(value) > max_len or (not allow_empty and not value.strip()):
-        raise InvalidField(f"{field} must be a {'' if allow_empty else 'non-empty '}string of at most {max_len} chars", field=field)
+        raise InvalidField(
+            f"{field} must be a {'' if allow_empty else 'non-empty '}string of at most {max_len} chars", field=field
+        )
     return value
 
 
@@ -43,11 +45,18 @@ def priority(value: Any, *, field: str) -> int:
         raise InvalidField(str(exc), field=field) from exc
 
 
+# The engine contract carries durations as INT32 milliseconds (engines/contract.py).
+MAX_DURATION_MS = 2**31 - 1
+
+
 def duration(value: Any, *, field: str) -> int | None:
     try:
-        return check_duration(value, field=field)
+        checked = check_duration(value, field=field)
     except RetentionPlanError as exc:
         raise InvalidField(str(exc), field=field) from exc
+    if checked is not None and checked > MAX_DURATION_MS:
+        raise InvalidField(f"{field} must be at most {MAX_DURATION_MS} ms (INT32), got {checked}", field=field)
+    return checked
 
 
 def integer(value: Any, *, field: str, minimum: int, maximum: int = 2**31 - 1) -> int:

@@ -32,9 +32,16 @@ def retention_view(pool: PoolSnapshot, cls: RetentionClassSnapshot) -> list[Segm
     out = []
     for segment in SEGMENTS:
         seg = getattr(cls, segment)
-        out.append(SegmentView(
-            segment=segment, priority=seg.priority, duration_ms=seg.duration_ms,
-            tier_on_eviction=tier_on_eviction(seg.priority, offload_min_priority=pool.secondary_offload_min_priority,
-                                              secondary_blocks=pool.secondary_blocks),
-        ))
+        out.append(
+            SegmentView(
+                segment=segment,
+                priority=seg.priority,
+                duration_ms=seg.duration_ms,
+                tier_on_eviction=tier_on_eviction(
+                    seg.priority,
+                    offload_min_priority=pool.secondary_offload_min_priority,
+                    secondary_blocks=pool.secondary_blocks,
+                ),
+            )
+        )
     return out

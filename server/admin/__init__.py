@@ -20,8 +20,9 @@ from server.settings import Settings
 ADMIN_PREFIX = "/admin/v1"
 
 
-def create_admin_app(*, settings: Settings, session_factory: sessionmaker[Session],
-                     clock: Callable[[], datetime]) -> FastAPI:
+def create_admin_app(
+    *, settings: Settings, session_factory: sessionmaker[Session], clock: Callable[[], datetime]
+) -> FastAPI:
     app = FastAPI(
         title="kvgate admin API",
         version="1",

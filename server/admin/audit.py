@@ -9,6 +9,7 @@ from fastapi import APIRouter, Query
 
 from server.admin.deps import AdminActor, Paging, SessionDep
 from server.admin.schemas import AuditEventPublic, PageOf
+from server.errors import ApiError
 from tenants import audit
 
 router = APIRouter(prefix="/audit", tags=["audit"])
@@ -27,12 +28,23 @@ def list_audit(
     until: Annotated[datetime | None, Query(description="exclusive, ISO 8601 with offset")] = None,
 ) -> PageOf[AuditEventPublic]:
     """Newest first."""
-    from server.errors import ApiError
-
     for name, value in (("since", since), ("until", until)):
         if value is not None and value.tzinfo is None:
             raise ApiError(422, "invalid_value", f"{name} must include a timezone offset", field=name)
-    result = audit.list_events(session, limit=page.limit, offset=page.offset, entity_type=entity_type,
-                               entity_id=entity_id, action=action, actor=actor, since=since, until=until)
-    return PageOf[AuditEventPublic](items=[AuditEventPublic.model_validate(e) for e in result.items],
-                                    total=result.total, limit=result.limit, offset=result.offset)
+    result = audit.list_events(
+        session,
+        limit=page.limit,
+        offset=page.offset,
+        entity_type=entity_type,
+        entity_id=entity_id,
+        action=action,
+        actor=actor,
+        since=since,
+        until=until,
+    )
+    return PageOf[AuditEventPublic](
+        items=[AuditEventPublic.model_validate(e) for e in result.items],
+        total=result.total,
+        limit=result.limit,
+        offset=result.offset,
+    )

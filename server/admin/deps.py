@@ -50,8 +50,9 @@ def require_admin(
         if hmac.compare_digest(presented, token.encode()) and credentials is not None:
             actor = candidate_actor
     if actor is None:
-        raise ApiError(401, "unauthorized", "a valid admin bearer token is required",
-                       headers={"WWW-Authenticate": "Bearer"})
+        raise ApiError(
+            401, "unauthorized", "a valid admin bearer token is required", headers={"WWW-Authenticate": "Bearer"}
+        )
     return actor
 
 

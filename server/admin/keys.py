@@ -12,18 +12,30 @@ router = APIRouter(prefix="/tenants/{ref}/keys", tags=["api keys"])
 
 
 @router.post("", status_code=status.HTTP_201_CREATED, response_model=ApiKeyCreated)
-def create_key(ref: str, body: ApiKeyCreate, session: SessionDep, actor: AdminActor, now: NowDep,
-               settings: SettingsDep) -> ApiKeyCreated:
-    row, plaintext = keys.create_key(session, actor=actor, now=now, tenant=ref, name=body.name,
-                                     expires_at=body.expires_at, pepper=settings.effective_key_pepper())
+def create_key(
+    ref: str, body: ApiKeyCreate, session: SessionDep, actor: AdminActor, now: NowDep, settings: SettingsDep
+) -> ApiKeyCreated:
+    row, plaintext = keys.create_key(
+        session,
+        actor=actor,
+        now=now,
+        tenant=ref,
+        name=body.name,
+        expires_at=body.expires_at,
+        pepper=settings.effective_key_pepper(),
+    )
     return ApiKeyCreated(**ApiKeyPublic.model_validate(row).model_dump(), key=plaintext)
 
 
 @router.get("", response_model=PageOf[ApiKeyPublic])
 def list_keys(ref: str, session: SessionDep, _actor: AdminActor, page: Paging) -> PageOf[ApiKeyPublic]:
     result = keys.list_keys(session, tenant=ref, limit=page.limit, offset=page.offset)
-    return PageOf[ApiKeyPublic](items=[ApiKeyPublic.model_validate(k) for k in result.items], total=result.total,
-                                limit=result.limit, offset=result.offset)
+    return PageOf[ApiKeyPublic](
+        items=[ApiKeyPublic.model_validate(k) for k in result.items],
+        total=result.total,
+        limit=result.limit,
+        offset=result.offset,
+    )
 
 
 @router.post("/{key_id}/revoke", response_model=ApiKeyPublic)

@@ -19,8 +19,12 @@ def create_pool(body: PoolCreate, session: SessionDep, actor: AdminActor, now: N
 @router.get("", response_model=PageOf[PoolPublic])
 def list_pools(session: SessionDep, _actor: AdminActor, page: Paging) -> PageOf[PoolPublic]:
     result = pools.list_pools(session, limit=page.limit, offset=page.offset)
-    return PageOf[PoolPublic](items=[PoolPublic.model_validate(p) for p in result.items], total=result.total,
-                              limit=result.limit, offset=result.offset)
+    return PageOf[PoolPublic](
+        items=[PoolPublic.model_validate(p) for p in result.items],
+        total=result.total,
+        limit=result.limit,
+        offset=result.offset,
+    )
 
 
 @router.get("/{ref}", response_model=PoolPublic)

@@ -12,15 +12,21 @@ router = APIRouter(prefix="/retention-classes", tags=["retention classes"])
 
 
 @router.post("", status_code=status.HTTP_201_CREATED, response_model=RetentionClassPublic)
-def create_class(body: RetentionClassCreate, session: SessionDep, actor: AdminActor, now: NowDep) -> RetentionClassPublic:
+def create_class(
+    body: RetentionClassCreate, session: SessionDep, actor: AdminActor, now: NowDep
+) -> RetentionClassPublic:
     return RetentionClassPublic.model_validate(classes.create_class(session, actor=actor, now=now, **body.model_dump()))
 
 
 @router.get("", response_model=PageOf[RetentionClassPublic])
 def list_classes(session: SessionDep, _actor: AdminActor, page: Paging) -> PageOf[RetentionClassPublic]:
     result = classes.list_classes(session, limit=page.limit, offset=page.offset)
-    return PageOf[RetentionClassPublic](items=[RetentionClassPublic.model_validate(c) for c in result.items],
-                                        total=result.total, limit=result.limit, offset=result.offset)
+    return PageOf[RetentionClassPublic](
+        items=[RetentionClassPublic.model_validate(c) for c in result.items],
+        total=result.total,
+        limit=result.limit,
+        offset=result.offset,
+    )
 
 
 @router.get("/{ref}", response_model=RetentionClassPublic)
@@ -29,8 +35,9 @@ def get_class(ref: str, session: SessionDep, _actor: AdminActor) -> RetentionCla
 
 
 @router.patch("/{ref}", response_model=RetentionClassPublic)
-def update_class(ref: str, body: RetentionClassUpdate, session: SessionDep, actor: AdminActor,
-                 now: NowDep) -> RetentionClassPublic:
+def update_class(
+    ref: str, body: RetentionClassUpdate, session: SessionDep, actor: AdminActor, now: NowDep
+) -> RetentionClassPublic:
     changes = body.model_dump(exclude_unset=True, exclude={"version"})
     return RetentionClassPublic.model_validate(
         classes.update_class(session, actor=actor, now=now, ref=ref, version=body.version, changes=changes)

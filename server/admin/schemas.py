@@ -14,8 +14,12 @@ from typing import Annotated, Generic, Literal, TypeVar
 from pydantic import BaseModel, ConfigDict, Field
 
 Priority = Annotated[int, Field(ge=0, le=100, description="TensorRT-LLM retention priority, 0..100")]
-Duration = Annotated[int | None, Field(ge=0, description="milliseconds; null = never expires")]
-Name = Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[a-z0-9][a-z0-9._-]*$", description="lowercase name, not all digits")]
+# INT32 like the engine contract's retention_*_duration_ms tensors (engines/contract.py): at most ~24.8 days.
+Duration = Annotated[int | None, Field(ge=0, le=2**31 - 1, description="milliseconds; null = never expires")]
+Name = Annotated[
+    str,
+    Field(min_length=1, max_length=64, pattern=r"^[a-z0-9][a-z0-9._-]*$", description="lowercase name, not all digits"),
+]
 Ref = Annotated[int | str, Field(description="id or name")]
 PositiveInt = Annotated[int, Field(ge=1, le=2**31 - 1)]
 Isolation = Literal["shared", "salted", "dedicated"]
@@ -24,7 +28,9 @@ T = TypeVar("T")
 
 
 class Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    """Request bodies: unknown fields are errors; no coercion (``true`` is not 1, ``"5"`` is not 5)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
 
 
 class Public(BaseModel):

@@ -23,6 +23,7 @@ from server.admin.schemas import (
     UsageReportPublic,
     UsageTotalsPublic,
 )
+from server.errors import ApiError
 from tenants import tenant as tenant_service
 from tenants.models import Pool, RetentionClass, Tenant
 from tenants.snapshots import PoolSnapshot, RetentionClassSnapshot
@@ -39,24 +40,30 @@ def _public(tenant: Tenant, pool_name: str, class_name: str) -> TenantPublic:
     return TenantPublic(**data, pool=pool_name, retention_class=class_name)
 
 
-def _publics(session: Session, rows: list[Tenant]) -> list[TenantPublic]:
+def tenant_publics(session: Session, rows: list[Tenant]) -> list[TenantPublic]:
     pool_names = dict(session.execute(select(Pool.id, Pool.name).where(Pool.id.in_({t.pool_id for t in rows}))).all())
-    class_names = dict(session.execute(
-        select(RetentionClass.id, RetentionClass.name).where(RetentionClass.id.in_({t.retention_class_id for t in rows}))
-    ).all())
+    class_names = dict(
+        session.execute(
+            select(RetentionClass.id, RetentionClass.name).where(
+                RetentionClass.id.in_({t.retention_class_id for t in rows})
+            )
+        ).all()
+    )
     return [_public(t, pool_names[t.pool_id], class_names[t.retention_class_id]) for t in rows]
 
 
-def _detail(session: Session, tenant: Tenant) -> TenantDetail:
+def tenant_detail(session: Session, tenant: Tenant) -> TenantDetail:
     pool, cls = tenant_service.placement(session, tenant=tenant)
     view = retention_view(PoolSnapshot.of(pool), RetentionClassSnapshot.of(cls))
-    return TenantDetail(**_public(tenant, pool.name, cls.name).model_dump(),
-                        retention_view=[SegmentViewPublic.model_validate(s) for s in view])
+    return TenantDetail(
+        **_public(tenant, pool.name, cls.name).model_dump(),
+        retention_view=[SegmentViewPublic.model_validate(s) for s in view],
+    )
 
 
 @router.post("", status_code=status.HTTP_201_CREATED, response_model=TenantDetail)
 def create_tenant(body: TenantCreate, session: SessionDep, actor: AdminActor, now: NowDep) -> TenantDetail:
-    return _detail(session, tenant_service.create_tenant(session, actor=actor, now=now, **body.model_dump()))
+    return tenant_detail(session, tenant_service.create_tenant(session, actor=actor, now=now, **body.model_dump()))
 
 
 @router.get("", response_model=PageOf[TenantPublic])
@@ -68,13 +75,14 @@ def list_tenants(
     pool: Annotated[str | None, Query(description="pool id or name")] = None,
 ) -> PageOf[TenantPublic]:
     result = tenant_service.list_tenants(session, limit=page.limit, offset=page.offset, status=status_, pool=pool)
-    return PageOf[TenantPublic](items=_publics(session, list(result.items)), total=result.total,
-                                limit=result.limit, offset=result.offset)
+    return PageOf[TenantPublic](
+        items=tenant_publics(session, list(result.items)), total=result.total, limit=result.limit, offset=result.offset
+    )
 
 
 @router.get("/{ref}", response_model=TenantDetail)
 def get_tenant(ref: str, session: SessionDep, _actor: AdminActor) -> TenantDetail:
-    return _detail(session, tenant_service.get_tenant(session, ref=ref))
+    return tenant_detail(session, tenant_service.get_tenant(session, ref=ref))
 
 
 @router.patch("/{ref}", response_model=TenantDetail)
@@ -83,9 +91,8 @@ def update_tenant(ref: str, body: TenantUpdate, session: SessionDep, actor: Admi
     for reference in ("pool", "retention_class"):
         if reference in changes and changes[reference] is None:
             changes.pop(reference)
-    tenant = tenant_service.update_tenant(session, actor=actor, now=now, ref=ref, version=body.version,
-                                          changes=changes)
-    return _detail(session, tenant)
+    tenant = tenant_service.update_tenant(session, actor=actor, now=now, ref=ref, version=body.version, changes=changes)
+    return tenant_detail(session, tenant)
 
 
 @router.delete("/{ref}", status_code=status.HTTP_204_NO_CONTENT)
@@ -94,17 +101,21 @@ def delete_tenant(ref: str, session: SessionDep, actor: AdminActor, now: NowDep)
 
 
 @router.post("/{ref}/suspend", response_model=TenantDetail)
-def suspend_tenant(ref: str, session: SessionDep, actor: AdminActor, now: NowDep,
-                   body: StatusChange | None = None) -> TenantDetail:
+def suspend_tenant(
+    ref: str, session: SessionDep, actor: AdminActor, now: NowDep, body: StatusChange | None = None
+) -> TenantDetail:
     version = body.version if body is not None else None
-    return _detail(session, tenant_service.suspend_tenant(session, actor=actor, now=now, ref=ref, version=version))
+    return tenant_detail(
+        session, tenant_service.suspend_tenant(session, actor=actor, now=now, ref=ref, version=version)
+    )
 
 
 @router.post("/{ref}/resume", response_model=TenantDetail)
-def resume_tenant(ref: str, session: SessionDep, actor: AdminActor, now: NowDep,
-                  body: StatusChange | None = None) -> TenantDetail:
+def resume_tenant(
+    ref: str, session: SessionDep, actor: AdminActor, now: NowDep, body: StatusChange | None = None
+) -> TenantDetail:
     version = body.version if body is not None else None
-    return _detail(session, tenant_service.resume_tenant(session, actor=actor, now=now, ref=ref, version=version))
+    return tenant_detail(session, tenant_service.resume_tenant(session, actor=actor, now=now, ref=ref, version=version))
 
 
 @router.get("/{ref}/retention", response_model=RetentionViewPublic)
@@ -113,10 +124,13 @@ def get_retention_view(ref: str, session: SessionDep, _actor: AdminActor) -> Ret
     tenant = tenant_service.get_tenant(session, ref=ref)
     pool, cls = tenant_service.placement(session, tenant=tenant)
     view = retention_view(PoolSnapshot.of(pool), RetentionClassSnapshot.of(cls))
-    return RetentionViewPublic(tenant=tenant.slug, pool=pool.name,
-                               secondary_offload_min_priority=pool.secondary_offload_min_priority,
-                               secondary_blocks=pool.secondary_blocks,
-                               segments=[SegmentViewPublic.model_validate(s) for s in view])
+    return RetentionViewPublic(
+        tenant=tenant.slug,
+        pool=pool.name,
+        secondary_offload_min_priority=pool.secondary_offload_min_priority,
+        secondary_blocks=pool.secondary_blocks,
+        segments=[SegmentViewPublic.model_validate(s) for s in view],
+    )
 
 
 @router.get("/{ref}/usage", response_model=UsageReportPublic)
@@ -128,17 +142,18 @@ def get_usage(
     start: Annotated[datetime | None, Query(alias="from", description="inclusive, ISO 8601 with offset")] = None,
     end: Annotated[datetime | None, Query(alias="to", description="exclusive, ISO 8601 with offset")] = None,
 ) -> UsageReportPublic:
-    from server.errors import ApiError
-
     for name, value in (("from", start), ("to", end)):
         if value is not None and value.tzinfo is None:
             raise ApiError(422, "invalid_value", f"{name} must include a timezone offset", field=name)
     tenant = tenant_service.get_tenant(session, ref=ref)
-    totals, rows = usage_report(session, tenant=tenant.id, start=start, end=end, limit=page.limit,
-                                offset=page.offset)
+    totals, rows = usage_report(session, tenant=tenant.id, start=start, end=end, limit=page.limit, offset=page.offset)
     return UsageReportPublic(
-        tenant=tenant.slug, start=start, end=end,
+        tenant=tenant.slug,
+        start=start,
+        end=end,
         total=UsageTotalsPublic.model_validate(totals),
         items=[UsageMinutePublic.model_validate(r) for r in rows.items],
-        total_minutes=rows.total, limit=rows.limit, offset=rows.offset,
+        total_minutes=rows.total,
+        limit=rows.limit,
+        offset=rows.offset,
     )

@@ -34,6 +34,11 @@ def _parse_sets(items: list[str] | None) -> dict[str, Any]:
     return out
 
 
+def _body(schema: Any, **values: Any) -> Any:
+    """Validate CLI input exactly as the API validates a JSON request body."""
+    return schema.model_validate_json(json.dumps(values))
+
+
 def _fail(exit_code: int, code: str, message: str, field: str | None = None) -> None:
     typer.echo(json.dumps({"error": {"code": code, "message": message, "field": field}}), err=True)
     raise typer.Exit(exit_code)
@@ -85,9 +90,22 @@ def _page(schema: Any, result: Any, convert: Callable[[Any], Any] | None = None)
     return {"items": items, "total": result.total, "limit": result.limit, "offset": result.offset}
 
 
-def _crud(parent: typer.Typer, *, name: str, help_text: str, service: Any, create_schema: Any,
-          update_schema: Any, public_schema: Any, create_fn: str, get_fn: str, list_fn: str, update_fn: str,
-          delete_fn: str, required: dict[str, str]) -> typer.Typer:
+def _crud(
+    parent: typer.Typer,
+    *,
+    name: str,
+    help_text: str,
+    service: Any,
+    create_schema: Any,
+    update_schema: Any,
+    public_schema: Any,
+    create_fn: str,
+    get_fn: str,
+    list_fn: str,
+    update_fn: str,
+    delete_fn: str,
+    required: dict[str, str],
+) -> typer.Typer:
     """list/show/create/update/delete for pools and retention classes."""
     group = typer.Typer(no_args_is_help=True, help=help_text)
     parent.add_typer(group, name=name)
@@ -105,16 +123,22 @@ def _crud(parent: typer.Typer, *, name: str, help_text: str, service: Any, creat
     @group.command(help=f"Create; required --set fields: {', '.join(required) or 'none'} (plus NAME).")
     def create(name_: Annotated[str, typer.Argument(metavar="NAME")], set_: Sets = None) -> None:
         with _session() as s:
-            body = create_schema(name=name_, **_parse_sets(set_))
+            body = _body(create_schema, name=name_, **_parse_sets(set_))
             row = getattr(service, create_fn)(s, actor=_actor(), now=_now(), **body.model_dump())
             _print(public_schema.model_validate(row).model_dump(mode="json"))
 
     @group.command()
     def update(ref: str, version: Annotated[int, typer.Option(help="current version")], set_: Sets = None) -> None:
         with _session() as s:
-            body = update_schema(version=version, **_parse_sets(set_))
-            row = getattr(service, update_fn)(s, actor=_actor(), now=_now(), ref=ref, version=version,
-                                              changes=body.model_dump(exclude_unset=True, exclude={"version"}))
+            body = _body(update_schema, version=version, **_parse_sets(set_))
+            row = getattr(service, update_fn)(
+                s,
+                actor=_actor(),
+                now=_now(),
+                ref=ref,
+                version=version,
+                changes=body.model_dump(exclude_unset=True, exclude={"version"}),
+            )
             _print(public_schema.model_validate(row).model_dump(mode="json"))
 
     @group.command()
@@ -134,34 +158,65 @@ def register(app: typer.Typer) -> None:
     admin = typer.Typer(no_args_is_help=True, help="Manage the tenant registry (pools, classes, tenants, keys).")
     app.add_typer(admin, name="admin")
 
-    _crud(admin, name="pools", help_text="Engine pools.", service=pools, create_schema=sc.PoolCreate,
-          update_schema=sc.PoolUpdate, public_schema=sc.PoolPublic, create_fn="create_pool", get_fn="get_pool",
-          list_fn="list_pools", update_fn="update_pool", delete_fn="delete_pool",
-          required={"model_name": "", "triton_url": "", "primary_blocks": ""})
-    _crud(admin, name="classes", help_text="Retention classes.", service=retention_classes,
-          create_schema=sc.RetentionClassCreate, update_schema=sc.RetentionClassUpdate,
-          public_schema=sc.RetentionClassPublic, create_fn="create_class", get_fn="get_class",
-          list_fn="list_classes", update_fn="update_class", delete_fn="delete_class", required={})
+    _crud(
+        admin,
+        name="pools",
+        help_text="Engine pools.",
+        service=pools,
+        create_schema=sc.PoolCreate,
+        update_schema=sc.PoolUpdate,
+        public_schema=sc.PoolPublic,
+        create_fn="create_pool",
+        get_fn="get_pool",
+        list_fn="list_pools",
+        update_fn="update_pool",
+        delete_fn="delete_pool",
+        required={"model_name": "", "triton_url": "", "primary_blocks": ""},
+    )
+    _crud(
+        admin,
+        name="classes",
+        help_text="Retention classes.",
+        service=retention_classes,
+        create_schema=sc.RetentionClassCreate,
+        update_schema=sc.RetentionClassUpdate,
+        public_schema=sc.RetentionClassPublic,
+        create_fn="create_class",
+        get_fn="get_class",
+        list_fn="list_classes",
+        update_fn="update_class",
+        delete_fn="delete_class",
+        required={},
+    )
     _register_tenants(admin)
     _register_keys(admin)
 
     @admin.command()
-    def audit(limit: Limit = 50, offset: Offset = 0,
-              entity_type: Annotated[str | None, typer.Option()] = None,
-              entity_id: Annotated[str | None, typer.Option()] = None,
-              action: Annotated[str | None, typer.Option()] = None) -> None:
+    def audit(
+        limit: Limit = 50,
+        offset: Offset = 0,
+        entity_type: Annotated[str | None, typer.Option()] = None,
+        entity_id: Annotated[str | None, typer.Option()] = None,
+        action: Annotated[str | None, typer.Option()] = None,
+    ) -> None:
         """List audit events, newest first."""
         from tenants import audit as audit_log
 
         with _session() as s:
-            _print(_page(sc.AuditEventPublic, audit_log.list_events(
-                s, limit=limit, offset=offset, entity_type=entity_type, entity_id=entity_id, action=action)))
+            _print(
+                _page(
+                    sc.AuditEventPublic,
+                    audit_log.list_events(
+                        s, limit=limit, offset=offset, entity_type=entity_type, entity_id=entity_id, action=action
+                    ),
+                )
+            )
 
 
 def _tenant_json(session: Any, tenant: Any) -> dict[str, Any]:
-    from server.admin.tenants import _detail
+    from server.admin.tenants import tenant_detail
 
-    return _detail(session, tenant).model_dump(mode="json")
+    return tenant_detail(session, tenant).model_dump(mode="json")
 
 
 def _register_tenants(admin: typer.Typer) -> None:
@@ -172,13 +227,16 @@ def _register_tenants(admin: typer.Typer) -> None:
     admin.add_typer(group, name="tenants")
 
     @group.command("list")
-    def list_(limit: Limit = 50, offset: Offset = 0,
-              status: Annotated[str | None, typer.Option(help="active|suspended")] = None) -> None:
-        from server.admin.tenants import _publics
+    def list_(
+        limit: Limit = 50,
+        offset: Offset = 0,
+        status: Annotated[str | None, typer.Option(help="active|suspended")] = None,
+    ) -> None:
+        from server.admin.tenants import tenant_publics
 
         with _session() as s:
             result = svc.list_tenants(s, limit=limit, offset=offset, status=status)
-            items = [p.model_dump(mode="json") for p in _publics(s, list(result.items))]
+            items = [p.model_dump(mode="json") for p in tenant_publics(s, list(result.items))]
             _print({"items": items, "total": result.total, "limit": result.limit, "offset": result.offset})
 
     @group.command()
@@ -188,22 +246,36 @@ def _register_tenants(admin: typer.Typer) -> None:
             _print(_tenant_json(s, svc.get_tenant(s, ref=ref)))
 
     @group.command(help="Create a tenant; other fields (isolation, limits, kv_quota_fraction) via --set.")
-    def create(slug: str,
-               pool: Annotated[str, typer.Option(help="pool id or name")],
-               retention_class: Annotated[str, typer.Option("--class", help="retention class id or name")],
-               display_name: Annotated[str | None, typer.Option()] = None,
-               set_: Sets = None) -> None:
+    def create(
+        slug: str,
+        pool: Annotated[str, typer.Option(help="pool id or name")],
+        retention_class: Annotated[str, typer.Option("--class", help="retention class id or name")],
+        display_name: Annotated[str | None, typer.Option()] = None,
+        set_: Sets = None,
+    ) -> None:
         with _session() as s:
-            body = sc.TenantCreate(slug=slug, display_name=display_name or slug, pool=pool,
-                                   retention_class=retention_class, **_parse_sets(set_))
+            body = _body(
+                sc.TenantCreate,
+                slug=slug,
+                display_name=display_name or slug,
+                pool=pool,
+                retention_class=retention_class,
+                **_parse_sets(set_),
+            )
             _print(_tenant_json(s, svc.create_tenant(s, actor=_actor(), now=_now(), **body.model_dump())))
 
     @group.command()
     def update(ref: str, version: Annotated[int, typer.Option(help="current version")], set_: Sets = None) -> None:
         with _session() as s:
-            body = sc.TenantUpdate(version=version, **_parse_sets(set_))
-            tenant = svc.update_tenant(s, actor=_actor(), now=_now(), ref=ref, version=version,
-                                       changes=body.model_dump(exclude_unset=True, exclude={"version"}))
+            body = _body(sc.TenantUpdate, version=version, **_parse_sets(set_))
+            tenant = svc.update_tenant(
+                s,
+                actor=_actor(),
+                now=_now(),
+                ref=ref,
+                version=version,
+                changes=body.model_dump(exclude_unset=True, exclude={"version"}),
+            )
             _print(_tenant_json(s, tenant))
 
     @group.command()
@@ -232,17 +304,21 @@ def _register_keys(admin: typer.Typer) -> None:
     admin.add_typer(group, name="keys")
 
     @group.command()
-    def create(tenant: str, name: Annotated[str, typer.Option()] = "",
-               expires_at: Annotated[str | None, typer.Option(help="ISO 8601 with offset")] = None) -> None:
+    def create(
+        tenant: str,
+        name: Annotated[str, typer.Option()] = "",
+        expires_at: Annotated[str | None, typer.Option(help="ISO 8601 with offset")] = None,
+    ) -> None:
         """Create a key; the plaintext is printed once and cannot be shown again."""
         settings = Settings()
         pepper = settings.effective_key_pepper()
         if not pepper:
             _fail(1, "no_pepper", "set KVGATE_KEY_PEPPER (or KVGATE_DEV=1 for the dev pepper)", "pepper")
         with _session() as s:
-            body = sc.ApiKeyCreate(name=name, expires_at=expires_at)
-            row, plaintext = svc.create_key(s, actor=_actor(), now=_now(), tenant=tenant, name=body.name,
-                                            expires_at=body.expires_at, pepper=pepper)
+            body = _body(sc.ApiKeyCreate, name=name, expires_at=expires_at)
+            row, plaintext = svc.create_key(
+                s, actor=_actor(), now=_now(), tenant=tenant, name=body.name, expires_at=body.expires_at, pepper=pepper
+            )
             _print({**sc.ApiKeyPublic.model_validate(row).model_dump(mode="json"), "key": plaintext})
 
     @group.command("list")

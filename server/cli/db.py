@@ -37,7 +37,9 @@ def register(app: typer.Typer) -> None:
 
     @db.command()
     def downgrade(
-        revision: Annotated[str, typer.Argument(help="target revision: 'base' drops everything; use '-- -1' for one step")],
+        revision: Annotated[
+            str, typer.Argument(help="target revision: 'base' drops everything; use '-- -1' for one step")
+        ],
         database_url: UrlOption = None,
     ) -> None:
         """Downgrade the registry schema to REVISION (explicit, because it drops data)."""

@@ -33,8 +33,9 @@ def register(app: typer.Typer) -> None:
         host: Annotated[str | None, typer.Option(help="bind address (KVGATE_HOST, default 127.0.0.1)")] = None,
         port: Annotated[int | None, typer.Option(help="port (KVGATE_PORT, default 8000)")] = None,
         dev: Annotated[bool, typer.Option("--dev", help="development mode: dev token and pepper, loud banner")] = False,
-        migrate: Annotated[bool | None, typer.Option("--migrate/--no-migrate",
-                                                     help="apply migrations first (default: on in --dev)")] = None,
+        migrate: Annotated[
+            bool | None, typer.Option("--migrate/--no-migrate", help="apply migrations first (default: on in --dev)")
+        ] = None,
     ) -> None:
         """Serve the kvgate HTTP API (admin API at /admin/v1)."""
         import uvicorn
@@ -63,12 +64,16 @@ def register(app: typer.Typer) -> None:
         if settings.dev:
             typer.secho(
                 BANNER.format(
-                    host=settings.host, port=settings.port, db=settings.database_url,
+                    host=settings.host,
+                    port=settings.port,
+                    db=settings.database_url,
                     origin=f"from {token_file}" if dev_token else "from KVGATE_ADMIN_TOKENS",
                     token=dev_token or "<as configured>",
                     pepper="KVGATE_KEY_PEPPER" if settings.key_pepper else "built-in DEV pepper (keys are not secure)",
                     token_file=token_file,
                 ),
-                fg=typer.colors.YELLOW, bold=True, err=True,
+                fg=typer.colors.YELLOW,
+                bold=True,
+                err=True,
             )
         uvicorn.run(create_app(settings), host=settings.host, port=settings.port, log_level=settings.log_level)

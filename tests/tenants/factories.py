@@ -17,8 +17,13 @@ def now() -> datetime:
 
 
 def make_pool(session: Session, name: str = "gpu-a", **overrides: Any) -> Any:
-    values = dict(model_name="smollm2-135m", triton_url="127.0.0.1:8001", primary_blocks=128,
-                  secondary_blocks=256, secondary_offload_min_priority=35)
+    values = dict(
+        model_name="smollm2-135m",
+        triton_url="127.0.0.1:8001",
+        primary_blocks=128,
+        secondary_blocks=256,
+        secondary_offload_min_priority=35,
+    )
     values.update(overrides)
     return pools.create_pool(session, actor=ACTOR, now=now(), name=name, **values)
 
@@ -27,10 +32,19 @@ def make_class(session: Session, name: str = "gold", **overrides: Any) -> Any:
     return retention_classes.create_class(session, actor=ACTOR, now=now(), name=name, **overrides)
 
 
-def make_tenant(session: Session, slug: str = "acme", *, pool: str | int = "gpu-a", cls: str | int = "gold",
-                **overrides: Any) -> Any:
-    return tenant.create_tenant(session, actor=ACTOR, now=now(), slug=slug, display_name=slug.title(),
-                                pool=pool, retention_class=cls, **overrides)
+def make_tenant(
+    session: Session, slug: str = "acme", *, pool: str | int = "gpu-a", cls: str | int = "gold", **overrides: Any
+) -> Any:
+    return tenant.create_tenant(
+        session,
+        actor=ACTOR,
+        now=now(),
+        slug=slug,
+        display_name=slug.title(),
+        pool=pool,
+        retention_class=cls,
+        **overrides,
+    )
 
 
 def make_placement(session: Session) -> Any:

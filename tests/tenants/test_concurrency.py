@@ -38,8 +38,14 @@ def test_exactly_one_of_two_concurrent_updates_wins(db, round_: int) -> None:  #
     def worker(name: str, rpm: int) -> None:
         try:
             with db.factory() as s:
-                done = tenant.update_tenant(s, actor=f"test:{name}", now=now(), ref=t.id, version=1,
-                                            changes={"rpm_limit": rpm, "display_name": name})
+                done = tenant.update_tenant(
+                    s,
+                    actor=f"test:{name}",
+                    now=now(),
+                    ref=t.id,
+                    version=1,
+                    changes={"rpm_limit": rpm, "display_name": name},
+                )
                 outcomes[name] = done.version
         except StaleVersion as exc:
             outcomes[name] = exc

@@ -8,7 +8,14 @@ from datetime import timedelta
 import pytest
 from sqlalchemy import select
 
-from tenants import authenticate_key, keys, list_active_tenants_for_pool, list_pool_snapshots, tenant, touch_keys_last_used
+from tenants import (
+    authenticate_key,
+    keys,
+    list_active_tenants_for_pool,
+    list_pool_snapshots,
+    tenant,
+    touch_keys_last_used,
+)
 from tenants.errors import InvalidField, NotFound
 from tenants.keys import hash_secret, parse_key
 from tenants.models import ApiKey
@@ -33,8 +40,19 @@ def test_key_format_and_storage(session) -> None:  # type: ignore[no-untyped-def
     assert parsed.secret not in stored.secret_hash
 
 
-@pytest.mark.parametrize("bad", ["", "kvg_", "sk-abc", "kvg_ABCDEFGH_" + "a" * 40, "kvg_abcdefgh_short",
-                                 "kvg_abcdefgh-" + "a" * 40, "kvg_abcdefgh_" + "a" * 40 + "!", "x" * 5000])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        "",
+        "kvg_",
+        "sk-abc",
+        "kvg_ABCDEFGH_" + "a" * 40,
+        "kvg_abcdefgh_short",
+        "kvg_abcdefgh-" + "a" * 40,
+        "kvg_abcdefgh_" + "a" * 40 + "!",
+        "x" * 5000,
+    ],
+)
 def test_malformed_keys_do_not_parse(bad: str) -> None:
     assert parse_key(bad) is None
 

@@ -73,8 +73,11 @@ def test_migration_files_ship_as_package_data() -> None:
     root = Path(__file__).resolve().parents[2]
     config = tomllib.loads((root / "pyproject.toml").read_text())
     patterns = config["tool"]["setuptools"]["package-data"]["tenants"]
-    files = [p.relative_to(root / "tenants").as_posix() for p in (root / "tenants" / "migrations").rglob("*")
-             if p.is_file() and "__pycache__" not in p.parts]
+    files = [
+        p.relative_to(root / "tenants").as_posix()
+        for p in (root / "tenants" / "migrations").rglob("*")
+        if p.is_file() and "__pycache__" not in p.parts
+    ]
     assert any(f.startswith("migrations/versions/") for f in files)
     uncovered = [f for f in files if not any(fnmatch.fnmatch(f, pat) for pat in patterns)]
     assert uncovered == []

@@ -19,8 +19,16 @@ def _events(session) -> int:  # type: ignore[no-untyped-def]
 
 @pytest.mark.parametrize(
     ("field", "value"),
-    [("secondary_offload_min_priority", 101), ("secondary_offload_min_priority", -1), ("primary_blocks", 0),
-     ("secondary_blocks", -5), ("tokens_per_block", 0), ("model_name", ""), ("name", "123"), ("name", "Bad Name")],
+    [
+        ("secondary_offload_min_priority", 101),
+        ("secondary_offload_min_priority", -1),
+        ("primary_blocks", 0),
+        ("secondary_blocks", -5),
+        ("tokens_per_block", 0),
+        ("model_name", ""),
+        ("name", "123"),
+        ("name", "Bad Name"),
+    ],
 )
 def test_pool_validation_names_the_field(session, field, value) -> None:  # type: ignore[no-untyped-def]
     kwargs = dict(name="ok", model_name="m", triton_url="h:1", primary_blocks=8)
@@ -33,8 +41,14 @@ def test_pool_validation_names_the_field(session, field, value) -> None:  # type
 
 @pytest.mark.parametrize(
     ("field", "value"),
-    [("system_priority", 101), ("context_priority", -1), ("turn_duration_ms", -1), ("decode_priority", 1.5),
-     ("decode_duration_ms", -10), ("turn_priority", True)],
+    [
+        ("system_priority", 101),
+        ("context_priority", -1),
+        ("turn_duration_ms", -1),
+        ("decode_priority", 1.5),
+        ("decode_duration_ms", -10),
+        ("turn_priority", True),
+    ],
 )
 def test_class_validation_names_the_field(session, field, value) -> None:  # type: ignore[no-untyped-def]
     with pytest.raises(InvalidField) as err:
@@ -68,9 +82,17 @@ def test_unknown_references_are_field_errors(session) -> None:  # type: ignore[n
         tenant.get_tenant(session, ref="ghost")
 
 
-@pytest.mark.parametrize(("field", "value"), [("kv_quota_fraction", 0), ("kv_quota_fraction", 1.01),
-                                              ("kv_quota_fraction", float("nan")), ("rpm_limit", 0),
-                                              ("isolation", "private"), ("max_output_tokens", -1)])
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("kv_quota_fraction", 0),
+        ("kv_quota_fraction", 1.01),
+        ("kv_quota_fraction", float("nan")),
+        ("rpm_limit", 0),
+        ("isolation", "private"),
+        ("max_output_tokens", -1),
+    ],
+)
 def test_tenant_validation(session, field, value) -> None:  # type: ignore[no-untyped-def]
     make_pool(session)
     make_class(session)
@@ -90,14 +112,23 @@ def test_cache_salt_is_server_generated_and_kept_out_of_audit(session) -> None: 
         assert "cache_salt" not in (event.before or {}) and "cache_salt" not in (event.after or {})
         assert a.cache_salt not in str(event.before) + str(event.after)
     with pytest.raises(TypeError):
-        tenant.create_tenant(session, actor=ACTOR, now=now(), slug="c", display_name="C", pool="gpu-a",
-                             retention_class="gold", cache_salt="mine")  # type: ignore[call-arg]
+        tenant.create_tenant(
+            session,
+            actor=ACTOR,
+            now=now(),
+            slug="c",
+            display_name="C",
+            pool="gpu-a",
+            retention_class="gold",
+            cache_salt="mine",
+        )  # type: ignore[call-arg]
 
 
 def test_update_bumps_version_and_rejects_stale(session) -> None:  # type: ignore[no-untyped-def]
     make_placement(session)
-    updated = tenant.update_tenant(session, actor=ACTOR, now=now(), ref="acme", version=1,
-                                   changes={"rpm_limit": 5, "display_name": "ACME"})
+    updated = tenant.update_tenant(
+        session, actor=ACTOR, now=now(), ref="acme", version=1, changes={"rpm_limit": 5, "display_name": "ACME"}
+    )
     assert (updated.version, updated.rpm_limit, updated.display_name) == (2, 5, "ACME")
     with pytest.raises(StaleVersion):
         tenant.update_tenant(session, actor=ACTOR, now=now(), ref="acme", version=1, changes={"rpm_limit": 6})

@@ -19,14 +19,20 @@ T0 = datetime(2026, 1, 2, 3, 4, 0, tzinfo=UTC)
 
 def test_batch_applies_once_and_merges_minutes(session) -> None:  # type: ignore[no-untyped-def]
     t = make_placement(session)
-    rows = [UsageRow(t.id, T0 + timedelta(seconds=5), 1, 10, 3), UsageRow(t.id, T0 + timedelta(seconds=50), 2, 20, 4),
-            UsageRow(t.id, T0 + timedelta(minutes=1), 1, 1, 1)]
+    rows = [
+        UsageRow(t.id, T0 + timedelta(seconds=5), 1, 10, 3),
+        UsageRow(t.id, T0 + timedelta(seconds=50), 2, 20, 4),
+        UsageRow(t.id, T0 + timedelta(minutes=1), 1, 1, 1),
+    ]
     assert record_usage(session, flush_id="gw1-0001", rows=rows) is True
     assert record_usage(session, flush_id="gw1-0001", rows=rows) is False  # retry after a "crash"
     assert record_usage(session, flush_id="gw1-0002", rows=rows[:1]) is True
     totals, page = usage_report(session, tenant="acme")
     assert (totals.requests, totals.prompt_tokens, totals.completion_tokens) == (5, 41, 11)
-    assert [(u.minute, u.requests, u.prompt_tokens) for u in page.items] == [(T0, 4, 40), (T0 + timedelta(minutes=1), 1, 1)]
+    assert [(u.minute, u.requests, u.prompt_tokens) for u in page.items] == [
+        (T0, 4, 40),
+        (T0 + timedelta(minutes=1), 1, 1),
+    ]
     totals, page = usage_report(session, tenant="acme", start=T0 + timedelta(minutes=1))
     assert (totals.requests, page.total) == (1, 1)
     totals, _ = usage_report(session, tenant="acme", end=T0 + timedelta(minutes=1))

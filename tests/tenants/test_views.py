@@ -8,22 +8,34 @@ from tenants.snapshots import PoolSnapshot, RetentionClassSnapshot, SegmentReten
 from tenants.views import retention_view, tier_on_eviction
 
 
-@pytest.mark.parametrize(("priority", "threshold", "host_blocks", "tier"), [
-    (35, 35, 10, "host"),      # inclusive: at the threshold goes to host
-    (34, 35, 10, "dropped"),
-    (100, 0, 10, "host"),
-    (0, 0, 10, "host"),
-    (100, 35, 0, "dropped"),   # no host tier: everything evicted is dropped
-])
+@pytest.mark.parametrize(
+    ("priority", "threshold", "host_blocks", "tier"),
+    [
+        (35, 35, 10, "host"),  # inclusive: at the threshold goes to host
+        (34, 35, 10, "dropped"),
+        (100, 0, 10, "host"),
+        (0, 0, 10, "host"),
+        (100, 35, 0, "dropped"),  # no host tier: everything evicted is dropped
+    ],
+)
 def test_tier_on_eviction(priority: int, threshold: int, host_blocks: int, tier: str) -> None:
     assert tier_on_eviction(priority, offload_min_priority=threshold, secondary_blocks=host_blocks) == tier
 
 
 def test_view_covers_every_segment_in_order() -> None:
     pool = PoolSnapshot(1, "p", "m", "h:1", "kvgate_llm", "", 32, 100, 50, 50)
-    cls = RetentionClassSnapshot(1, "c", SegmentRetention(90, None), SegmentRetention(50, 600_000),
-                                 SegmentRetention(49, 30_000), SegmentRetention(10, None))
+    cls = RetentionClassSnapshot(
+        1,
+        "c",
+        SegmentRetention(90, None),
+        SegmentRetention(50, 600_000),
+        SegmentRetention(49, 30_000),
+        SegmentRetention(10, None),
+    )
     view = retention_view(pool, cls)
     assert [(v.segment, v.priority, v.duration_ms, v.tier_on_eviction) for v in view] == [
-        ("system", 90, None, "host"), ("context", 50, 600_000, "host"),
-        ("turn", 49, 30_000, "dropped"), ("decode", 10, None, "dropped")]
+        ("system", 90, None, "host"),
+        ("context", 50, 600_000, "host"),
+        ("turn", 49, 30_000, "dropped"),
+        ("decode", 10, None, "dropped"),
+    ]

@@ -18,8 +18,9 @@ AUTH = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
 
 
 def make_settings(db: Database, **overrides: object) -> Settings:
-    values: dict[str, object] = dict(database_url=db.url, admin_tokens=[f"ops:{ADMIN_TOKEN}", OTHER_TOKEN],
-                                     key_pepper=PEPPER)
+    values: dict[str, object] = dict(
+        database_url=db.url, admin_tokens=[f"ops:{ADMIN_TOKEN}", OTHER_TOKEN], key_pepper=PEPPER
+    )
     values.update(overrides)
     return Settings(**values)  # type: ignore[arg-type]
 
@@ -38,13 +39,25 @@ def client(db: Database, settings: Settings) -> Iterator[TestClient]:
 
 def seed(client: TestClient) -> dict:
     """Pool gpu-a (threshold 35, host tier), class gold, tenant acme; returns the tenant."""
-    r = client.post("/admin/v1/pools", headers=AUTH, json={
-        "name": "gpu-a", "model_name": "smollm2-135m", "triton_url": "127.0.0.1:8001",
-        "primary_blocks": 128, "secondary_blocks": 256, "secondary_offload_min_priority": 35})
+    r = client.post(
+        "/admin/v1/pools",
+        headers=AUTH,
+        json={
+            "name": "gpu-a",
+            "model_name": "smollm2-135m",
+            "triton_url": "127.0.0.1:8001",
+            "primary_blocks": 128,
+            "secondary_blocks": 256,
+            "secondary_offload_min_priority": 35,
+        },
+    )
     assert r.status_code == 201, r.text
     r = client.post("/admin/v1/retention-classes", headers=AUTH, json={"name": "gold"})
     assert r.status_code == 201, r.text
-    r = client.post("/admin/v1/tenants", headers=AUTH, json={
-        "slug": "acme", "display_name": "Acme", "pool": "gpu-a", "retention_class": "gold"})
+    r = client.post(
+        "/admin/v1/tenants",
+        headers=AUTH,
+        json={"slug": "acme", "display_name": "Acme", "pool": "gpu-a", "retention_class": "gold"},
+    )
     assert r.status_code == 201, r.text
     return r.json()

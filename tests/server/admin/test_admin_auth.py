@@ -12,10 +12,17 @@ from tests.server.admin.conftest import ADMIN_TOKEN, AUTH, OTHER_TOKEN, PEPPER, 
 A = "/admin/v1"
 
 
-@pytest.mark.parametrize("headers", [{}, {"Authorization": "Bearer wrong-token-xxxxxxxxxxxx"},
-                                     {"Authorization": f"Basic {ADMIN_TOKEN}"},
-                                     {"Authorization": f"Bearer {ADMIN_TOKEN}x"},
-                                     {"Authorization": f"Bearer {ADMIN_TOKEN[:-1]}"}, {"Authorization": "Bearer "}])
+@pytest.mark.parametrize(
+    "headers",
+    [
+        {},
+        {"Authorization": "Bearer wrong-token-xxxxxxxxxxxx"},
+        {"Authorization": f"Basic {ADMIN_TOKEN}"},
+        {"Authorization": f"Bearer {ADMIN_TOKEN}x"},
+        {"Authorization": f"Bearer {ADMIN_TOKEN[:-1]}"},
+        {"Authorization": "Bearer "},
+    ],
+)
 def test_requests_without_a_valid_token_are_401(client, headers) -> None:  # type: ignore[no-untyped-def]
     for method, path in (("get", "/pools"), ("post", "/pools"), ("get", "/audit"), ("delete", "/tenants/x")):
         r = client.request(method, f"{A}{path}", headers=headers, json={})

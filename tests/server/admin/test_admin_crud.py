@@ -28,40 +28,64 @@ def test_openapi_and_docs_are_served(client) -> None:  # type: ignore[no-untyped
 
 
 def test_pool_crud_round_trip(client) -> None:  # type: ignore[no-untyped-def]
-    r = client.post(f"{A}/pools", headers=AUTH, json={"name": "gpu-a", "model_name": "m", "triton_url": "h:8001",
-                                                      "primary_blocks": 64})
+    r = client.post(
+        f"{A}/pools",
+        headers=AUTH,
+        json={"name": "gpu-a", "model_name": "m", "triton_url": "h:8001", "primary_blocks": 64},
+    )
     assert r.status_code == 201
     pool = r.json()
-    assert (pool["triton_model"], pool["tokens_per_block"], pool["secondary_blocks"], pool["version"]) == ("kvgate_llm", 32, 0, 1)
+    assert (pool["triton_model"], pool["tokens_per_block"], pool["secondary_blocks"], pool["version"]) == (
+        "kvgate_llm",
+        32,
+        0,
+        1,
+    )
     assert client.get(f"{A}/pools/gpu-a", headers=AUTH).json() == pool
     assert client.get(f"{A}/pools/{pool['id']}", headers=AUTH).json() == pool
-    r = client.patch(f"{A}/pools/gpu-a", headers=AUTH, json={"version": 1, "secondary_blocks": 512,
-                                                             "secondary_offload_min_priority": 60})
+    r = client.patch(
+        f"{A}/pools/gpu-a",
+        headers=AUTH,
+        json={"version": 1, "secondary_blocks": 512, "secondary_offload_min_priority": 60},
+    )
     assert r.status_code == 200 and (r.json()["secondary_blocks"], r.json()["version"]) == (512, 2)
-    _error(client.patch(f"{A}/pools/gpu-a", headers=AUTH, json={"version": 1, "primary_blocks": 9}), 409, "stale_version", "version")
+    _error(
+        client.patch(f"{A}/pools/gpu-a", headers=AUTH, json={"version": 1, "primary_blocks": 9}),
+        409,
+        "stale_version",
+        "version",
+    )
     assert client.delete(f"{A}/pools/gpu-a", headers=AUTH).status_code == 204
     _error(client.get(f"{A}/pools/gpu-a", headers=AUTH), 404, "pool_not_found")
 
 
-@pytest.mark.parametrize(("body", "field"), [
-    ({"secondary_offload_min_priority": 101}, "secondary_offload_min_priority"),
-    ({"secondary_offload_min_priority": -1}, "secondary_offload_min_priority"),
-    ({"primary_blocks": 0}, "primary_blocks"),
-    ({"primary_blocks": "many"}, "primary_blocks"),
-    ({"name": "123"}, "name"),
-    ({"name": None}, "name"),
-    ({"tokens_per_block": 1.5}, "tokens_per_block"),
-    ({"surprise": 1}, "surprise"),
-])
+@pytest.mark.parametrize(
+    ("body", "field"),
+    [
+        ({"secondary_offload_min_priority": 101}, "secondary_offload_min_priority"),
+        ({"secondary_offload_min_priority": -1}, "secondary_offload_min_priority"),
+        ({"primary_blocks": 0}, "primary_blocks"),
+        ({"primary_blocks": "many"}, "primary_blocks"),
+        ({"name": "123"}, "name"),
+        ({"name": None}, "name"),
+        ({"tokens_per_block": 1.5}, "tokens_per_block"),
+        ({"surprise": 1}, "surprise"),
+    ],
+)
 def test_pool_validation_is_422_naming_the_field(client, body, field) -> None:  # type: ignore[no-untyped-def]
     payload = {"name": "p", "model_name": "m", "triton_url": "h:1", "primary_blocks": 8, **body}
     _error(client.post(f"{A}/pools", headers=AUTH, json=payload), 422, field=field)
 
 
-@pytest.mark.parametrize(("body", "field"), [
-    ({"system_priority": 101}, "system_priority"), ({"turn_duration_ms": -1}, "turn_duration_ms"),
-    ({"decode_priority": -3}, "decode_priority"), ({"context_priority": None}, "context_priority"),
-])
+@pytest.mark.parametrize(
+    ("body", "field"),
+    [
+        ({"system_priority": 101}, "system_priority"),
+        ({"turn_duration_ms": -1}, "turn_duration_ms"),
+        ({"decode_priority": -3}, "decode_priority"),
+        ({"context_priority": None}, "context_priority"),
+    ],
+)
 def test_class_validation(client, body, field) -> None:  # type: ignore[no-untyped-def]
     _error(client.post(f"{A}/retention-classes", headers=AUTH, json={"name": "c", **body}), 422, field=field)
 
@@ -71,56 +95,122 @@ def test_class_update_can_clear_a_duration_but_not_a_priority(client) -> None:  
     assert cls["turn_duration_ms"] == 30_000
     r = client.patch(f"{A}/retention-classes/c", headers=AUTH, json={"version": 1, "turn_duration_ms": None})
     assert r.status_code == 200 and r.json()["turn_duration_ms"] is None
-    _error(client.patch(f"{A}/retention-classes/c", headers=AUTH, json={"version": 2, "turn_priority": None}),
-           422, field="turn_priority")
+    _error(
+        client.patch(f"{A}/retention-classes/c", headers=AUTH, json={"version": 2, "turn_priority": None}),
+        422,
+        field="turn_priority",
+    )
 
 
 def test_tenant_create_conflicts_and_references(client) -> None:  # type: ignore[no-untyped-def]
     t = seed(client)
     assert (t["pool"], t["retention_class"], t["status"], t["isolation"]) == ("gpu-a", "gold", "active", "salted")
-    _error(client.post(f"{A}/tenants", headers=AUTH, json={"slug": "acme", "display_name": "A", "pool": "gpu-a",
-                                                           "retention_class": "gold"}), 409, "duplicate", "slug")
-    _error(client.post(f"{A}/tenants", headers=AUTH, json={"slug": "b", "display_name": "B", "pool": "nope",
-                                                           "retention_class": "gold"}), 422, "unknown_pool", "pool")
-    _error(client.post(f"{A}/tenants", headers=AUTH, json={"slug": "b", "display_name": "B", "pool": 1,
-                                                           "retention_class": 999}), 422, "unknown_retention_class",
-           "retention_class")
-    _error(client.post(f"{A}/tenants", headers=AUTH, json={"slug": "b", "display_name": "B", "pool": "gpu-a",
-                                                           "retention_class": "gold", "kv_quota_fraction": 0}),
-           422, field="kv_quota_fraction")
-    _error(client.post(f"{A}/tenants", headers=AUTH, json={"slug": "b", "display_name": "B", "pool": "gpu-a",
-                                                           "retention_class": "gold", "kv_quota_fraction": 1.5}),
-           422, field="kv_quota_fraction")
+    _error(
+        client.post(
+            f"{A}/tenants",
+            headers=AUTH,
+            json={"slug": "acme", "display_name": "A", "pool": "gpu-a", "retention_class": "gold"},
+        ),
+        409,
+        "duplicate",
+        "slug",
+    )
+    _error(
+        client.post(
+            f"{A}/tenants",
+            headers=AUTH,
+            json={"slug": "b", "display_name": "B", "pool": "nope", "retention_class": "gold"},
+        ),
+        422,
+        "unknown_pool",
+        "pool",
+    )
+    _error(
+        client.post(
+            f"{A}/tenants", headers=AUTH, json={"slug": "b", "display_name": "B", "pool": 1, "retention_class": 999}
+        ),
+        422,
+        "unknown_retention_class",
+        "retention_class",
+    )
+    _error(
+        client.post(
+            f"{A}/tenants",
+            headers=AUTH,
+            json={"slug": "b", "display_name": "B", "pool": "gpu-a", "retention_class": "gold", "kv_quota_fraction": 0},
+        ),
+        422,
+        field="kv_quota_fraction",
+    )
+    _error(
+        client.post(
+            f"{A}/tenants",
+            headers=AUTH,
+            json={
+                "slug": "b",
+                "display_name": "B",
+                "pool": "gpu-a",
+                "retention_class": "gold",
+                "kv_quota_fraction": 1.5,
+            },
+        ),
+        422,
+        field="kv_quota_fraction",
+    )
     _error(client.delete(f"{A}/pools/gpu-a", headers=AUTH), 409, "pool_in_use")
     _error(client.delete(f"{A}/retention-classes/gold", headers=AUTH), 409, "retention_class_in_use")
 
 
 def test_cache_salt_is_never_returned_or_accepted(client) -> None:  # type: ignore[no-untyped-def]
     created = seed(client)
-    responses = [created, client.get(f"{A}/tenants/acme", headers=AUTH).json(),
-                 client.get(f"{A}/tenants", headers=AUTH).json(),
-                 client.patch(f"{A}/tenants/acme", headers=AUTH, json={"version": 1, "rpm_limit": 3}).json(),
-                 client.get(f"{A}/audit", headers=AUTH).json()]
+    responses = [
+        created,
+        client.get(f"{A}/tenants/acme", headers=AUTH).json(),
+        client.get(f"{A}/tenants", headers=AUTH).json(),
+        client.patch(f"{A}/tenants/acme", headers=AUTH, json={"version": 1, "rpm_limit": 3}).json(),
+        client.get(f"{A}/audit", headers=AUTH).json(),
+    ]
     for body in responses:
         assert "cache_salt" not in str(body)
-    _error(client.post(f"{A}/tenants", headers=AUTH, json={"slug": "b", "display_name": "B", "pool": "gpu-a",
-                                                           "retention_class": "gold", "cache_salt": "0" * 32}),
-           422, field="cache_salt")
-    _error(client.patch(f"{A}/tenants/acme", headers=AUTH, json={"version": 2, "cache_salt": "0" * 32}),
-           422, field="cache_salt")
+    _error(
+        client.post(
+            f"{A}/tenants",
+            headers=AUTH,
+            json={"slug": "b", "display_name": "B", "pool": "gpu-a", "retention_class": "gold", "cache_salt": "0" * 32},
+        ),
+        422,
+        field="cache_salt",
+    )
+    _error(
+        client.patch(f"{A}/tenants/acme", headers=AUTH, json={"version": 2, "cache_salt": "0" * 32}),
+        422,
+        field="cache_salt",
+    )
 
 
 def test_tenant_update_suspend_resume_and_retention_view(client) -> None:  # type: ignore[no-untyped-def]
     seed(client)
-    client.post(f"{A}/retention-classes", headers=AUTH, json={"name": "bronze", "system_priority": 34,
-                                                              "context_priority": 35, "turn_priority": 10,
-                                                              "decode_priority": 0})
+    client.post(
+        f"{A}/retention-classes",
+        headers=AUTH,
+        json={
+            "name": "bronze",
+            "system_priority": 34,
+            "context_priority": 35,
+            "turn_priority": 10,
+            "decode_priority": 0,
+        },
+    )
     r = client.patch(f"{A}/tenants/acme", headers=AUTH, json={"version": 1, "retention_class": "bronze"})
     assert r.status_code == 200 and r.json()["retention_class"] == "bronze"
     view = client.get(f"{A}/tenants/acme/retention", headers=AUTH).json()
     assert view["secondary_offload_min_priority"] == 35
     assert {s["segment"]: s["tier_on_eviction"] for s in view["segments"]} == {
-        "system": "dropped", "context": "host", "turn": "dropped", "decode": "dropped"}
+        "system": "dropped",
+        "context": "host",
+        "turn": "dropped",
+        "decode": "dropped",
+    }
     assert r.json()["retention_view"] == view["segments"]
     r = client.post(f"{A}/tenants/acme/suspend", headers=AUTH)
     assert r.json()["status"] == "suspended"

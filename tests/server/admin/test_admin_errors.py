@@ -13,13 +13,34 @@ from tenants.db import make_engine, make_session_factory
 from tests.server.admin.conftest import AUTH, make_settings, seed
 
 A = "/admin/v1"
-GARBAGE = [None, [], "x", 0, -1, 1e308, True, {"name": {"nested": 1}}, {"name": "a" * 10_000},
-           {"version": "one"}, {"version": None}, {"primary_blocks": 2**64}, {"pool": [1]}, {"expires_at": "yesterday"},
-           {"slug": "\u0000"}, {"name": "p", "model_name": "m", "triton_url": "h", "primary_blocks": 1,
-                                "secondary_offload_min_priority": 2**40}]
-ENDPOINTS = [("post", "/pools"), ("patch", "/pools/p"), ("post", "/retention-classes"), ("patch", "/retention-classes/c"),
-             ("post", "/tenants"), ("patch", "/tenants/acme"), ("post", "/tenants/acme/keys"),
-             ("post", "/tenants/acme/suspend")]
+GARBAGE = [
+    None,
+    [],
+    "x",
+    0,
+    -1,
+    1e308,
+    True,
+    {"name": {"nested": 1}},
+    {"name": "a" * 10_000},
+    {"version": "one"},
+    {"version": None},
+    {"primary_blocks": 2**64},
+    {"pool": [1]},
+    {"expires_at": "yesterday"},
+    {"slug": "\u0000"},
+    {"name": "p", "model_name": "m", "triton_url": "h", "primary_blocks": 1, "secondary_offload_min_priority": 2**40},
+]
+ENDPOINTS = [
+    ("post", "/pools"),
+    ("patch", "/pools/p"),
+    ("post", "/retention-classes"),
+    ("patch", "/retention-classes/c"),
+    ("post", "/tenants"),
+    ("patch", "/tenants/acme"),
+    ("post", "/tenants/acme/keys"),
+    ("post", "/tenants/acme/suspend"),
+]
 
 
 def _shape(r) -> dict:  # type: ignore[no-untyped-def]
@@ -43,7 +64,14 @@ def test_garbage_bodies_are_4xx_with_the_error_shape(client) -> None:  # type: i
 def test_path_garbage(client) -> None:  # type: ignore[no-untyped-def]
     r = client.get(f"{A}/audit?entity_type=%00", headers=AUTH)  # SQLite: no match; PostgreSQL refuses NUL
     assert r.status_code in (200, 422) and (r.status_code == 200 or _shape(r)["code"] == "invalid_value")
-    for path in ("/pools/%00", "/tenants/acme/keys/abc/revoke", "/tenants/%00/keys", "/tenants/" + "9" * 40, "/tenants/-1/usage", "/tenants/x/keys/99999999999999999999/revoke"):
+    for path in (
+        "/pools/%00",
+        "/tenants/acme/keys/abc/revoke",
+        "/tenants/%00/keys",
+        "/tenants/" + "9" * 40,
+        "/tenants/-1/usage",
+        "/tenants/x/keys/99999999999999999999/revoke",
+    ):
         r = client.request("post" if path.endswith("revoke") else "get", f"{A}{path}", headers=AUTH)
         assert 400 <= r.status_code < 500, (path, r.text)
         _shape(r)
@@ -55,8 +83,11 @@ def test_unreachable_database_is_503(db, url: str) -> None:  # type: ignore[no-u
     app = create_app(make_settings(db, database_url=url), session_factory=make_session_factory(engine))
     try:
         with TestClient(app) as c:
-            for method, path, body in (("get", "/pools", None), ("post", "/retention-classes", {"name": "c"}),
-                                       ("get", "/tenants/acme", None)):
+            for method, path, body in (
+                ("get", "/pools", None),
+                ("post", "/retention-classes", {"name": "c"}),
+                ("get", "/tenants/acme", None),
+            ):
                 r = c.request(method, f"{A}{path}", headers=AUTH, json=body)
                 assert r.status_code == 503, r.text
                 assert _shape(r)["code"] == "database_unavailable"

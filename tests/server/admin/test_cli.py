@@ -28,9 +28,22 @@ def run(tmp_path, monkeypatch):  # type: ignore[no-untyped-def]
 
 def test_db_and_admin_round_trip(run) -> None:  # type: ignore[no-untyped-def]
     assert "revision 0001" in run("db", "upgrade").output
-    pool = json.loads(run("admin", "pools", "create", "gpu-a", "--set", "model_name=smollm2", "--set",
-                          "triton_url=127.0.0.1:8001", "--set", "primary_blocks=64", "--set",
-                          "secondary_blocks=64").output)
+    pool = json.loads(
+        run(
+            "admin",
+            "pools",
+            "create",
+            "gpu-a",
+            "--set",
+            "model_name=smollm2",
+            "--set",
+            "triton_url=127.0.0.1:8001",
+            "--set",
+            "primary_blocks=64",
+            "--set",
+            "secondary_blocks=64",
+        ).output
+    )
     assert pool["name"] == "gpu-a" and pool["secondary_offload_min_priority"] == 35
     run("admin", "classes", "create", "gold", "--set", "turn_priority=10", "--set", "turn_duration_ms=null")
     tenant = json.loads(run("admin", "tenants", "create", "acme", "--pool", "gpu-a", "--class", "gold").output)
@@ -44,8 +57,19 @@ def test_db_and_admin_round_trip(run) -> None:  # type: ignore[no-untyped-def]
     assert (updated["rpm_limit"], updated["version"]) == (5, 2)
     stale = run("admin", "tenants", "update", "acme", "--version", "1", "--set", "rpm_limit=6", code=1)
     assert "stale_version" in stale.output
-    bad = run("admin", "pools", "create", "p2", "--set", "model_name=m", "--set", "triton_url=h",
-              "--set", "primary_blocks=0", code=2)
+    bad = run(
+        "admin",
+        "pools",
+        "create",
+        "p2",
+        "--set",
+        "model_name=m",
+        "--set",
+        "triton_url=h",
+        "--set",
+        "primary_blocks=0",
+        code=2,
+    )
     assert "primary_blocks" in bad.output
     in_use = run("admin", "pools", "delete", "gpu-a", code=1)
     assert "pool_in_use" in in_use.output

@@ -40,8 +40,14 @@ def test_readme_walkthrough_verbatim(tmp_path: Path) -> None:
     port = _free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVGATE_")}
     kvgate = Path(sys.executable).with_name("kvgate")
-    server = subprocess.Popen([str(kvgate), "serve", "--dev", "--port", str(port)], cwd=tmp_path, env=env,
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    server = subprocess.Popen(
+        [str(kvgate), "serve", "--dev", "--port", str(port)],
+        cwd=tmp_path,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     try:
         for _ in range(300):
             try:
@@ -52,16 +58,26 @@ def test_readme_walkthrough_verbatim(tmp_path: Path) -> None:
                     pytest.fail(f"server exited: {server.stdout.read() if server.stdout else ''}")
                 time.sleep(0.1)
         script = _walkthrough().replace("127.0.0.1:8000", f"127.0.0.1:{port}")
-        done = subprocess.run(["bash", "-euo", "pipefail", "-c", script], cwd=tmp_path, env=env,
-                              capture_output=True, text=True, timeout=60)
+        done = subprocess.run(
+            ["bash", "-euo", "pipefail", "-c", script],
+            cwd=tmp_path,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
         assert done.returncode == 0, done.stdout + done.stderr
         outputs = [json.loads(line) for line in done.stdout.splitlines() if line.strip()]
         pool, cls, tenant, view, key, audit = outputs
         assert (pool["name"], cls["name"], tenant["slug"]) == ("gpu-a", "chat-gold", "acme")
         assert [s["tier_on_eviction"] for s in view["segments"]] == ["host", "host", "dropped", "dropped"]
         assert key["key"].startswith(f"kvg_{key['prefix']}_")
-        assert [e["action"] for e in audit["items"]] == ["api_key.create", "tenant.create", "retention_class.create",
-                                                         "pool.create"]
+        assert [e["action"] for e in audit["items"]] == [
+            "api_key.create",
+            "tenant.create",
+            "retention_class.create",
+            "pool.create",
+        ]
     finally:
         server.terminate()
         out, _ = server.communicate(timeout=20)
