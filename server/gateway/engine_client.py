@@ -15,6 +15,7 @@ engine-side refusals as :class:`EngineRejected`; nothing else escapes.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
@@ -137,14 +138,25 @@ class EngineClient:
         raw = result.as_numpy(KV_CACHE_STATS.name).reshape(-1)[0]
         return PoolStatsReport.from_json(raw)
 
-    async def generate(self, request: EngineRequest, *, request_id: str, timeout: float | None = None) -> AsyncIterator[EngineChunk]:
+    async def _connected(self, timeout: float) -> None:
+        """Wait (briefly) for the channel to be READY.
+
+        Why: after an engine restart the channel may sit in reconnect backoff, and a call
+        made then fails at once with UNAVAILABLE although the engine is back.
+        """
+        channel = self._client._channel  # tritonclient exposes no public accessor
+        if channel.get_state(try_to_connect=True) == grpc.ChannelConnectivity.READY:
+            return
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(channel.channel_ready(), timeout)
+
+    async def generate(self, request: EngineRequest, *, request_id: str, timeout: float | None = None,
+                       connect_timeout: float = 2.0) -> AsyncIterator[EngineChunk]:
         """Stream ``request`` through ``ModelStreamInfer``; see the module invariants."""
         inputs = _to_inputs(encode_request(request))
-        sent = asyncio.Event()
-
+        await self._connected(connect_timeout)
         async def one_request():
             yield {"model_name": self.model, "inputs": inputs, "request_id": request_id}
-            sent.set()
 
         stream = self._client.stream_infer(one_request(), stream_timeout=timeout)
         finished = False
