@@ -242,6 +242,12 @@ def test_executor_is_built_from_the_config_pbtxt_parameters(harness):
     assert executor.model_type.name == "DECODER_ONLY"
     kv = executor.config.kv_cache_config
     assert (kv.secondary_offload_min_priority, kv.host_cache_size, kv.event_buffer_max_size) == (35, 34359738368, 16384)
+    [kv_call] = [kwargs for name, kwargs in harness.trt.calls if name == "KvCacheConfig"]
+    assert {k: kv_call[k] for k in ("enable_block_reuse", "free_gpu_memory_fraction", "onboard_blocks", "enable_partial_reuse")} == {
+        "enable_block_reuse": True, "free_gpu_memory_fraction": 0.85, "onboard_blocks": True, "enable_partial_reuse": True,
+    }
+    [executor_call] = [kwargs for name, kwargs in harness.trt.calls if name == "ExecutorConfig"]
+    assert sorted(executor_call) == ["iter_stats_max_iterations", "kv_cache_config", "max_batch_size", "max_beam_width", "max_num_tokens"]
     harness.model.finalize()
     assert executor.shut
 
