@@ -1,4 +1,5 @@
-"""`kvgate serve`: run the HTTP service (the admin API for now) under uvicorn.
+"""`kvgate serve`: the gateway (OpenAI-compatible API), the admin API and, in dev mode,
+the CPU reference engine and a demo tenant, in one command.
 
 ``--dev`` is the explicit development mode ``make serve`` uses: it migrates the database,
 allows the built-in dev key pepper, creates (or reuses) a random admin token stored in
@@ -16,11 +17,27 @@ import typer
 BANNER = """
 ==========================================================================
   kvgate DEV MODE - not for production
+  serving   : http://{host}:{port}/v1          (OpenAI-compatible)
   admin API : http://{host}:{port}/admin/v1   (docs: /admin/v1/docs)
   database  : {db}
   admin token ({origin}): {token}
   key pepper: {pepper}
   export KVGATE_ADMIN=$(cat {token_file})
+==========================================================================
+"""
+
+
+DEMO = """
+==========================================================================
+  demo tenant 'demo' on pool 'reference' (model smollm2-135m-instruct)
+  API key: {key}
+
+  curl {base}/v1/chat/completions \\
+    -H "Authorization: Bearer {key}" -H "Content-Type: application/json" \\
+    -d '{{"model": "smollm2-135m-instruct", "messages": [{{"role": "user", "content": "What is the capital of France?"}}]}}'
+
+  python -c "import openai; c = openai.OpenAI(base_url='{base}/v1', api_key='{key}'); \\
+print(c.chat.completions.create(model='smollm2-135m-instruct', messages=[{{'role': 'user', 'content': 'Hi!'}}]).choices[0].message.content)"
 ==========================================================================
 """
 
@@ -36,11 +53,18 @@ def register(app: typer.Typer) -> None:
         migrate: Annotated[
             bool | None, typer.Option("--migrate/--no-migrate", help="apply migrations first (default: on in --dev)")
         ] = None,
+        engine: Annotated[
+            bool | None,
+            typer.Option("--engine/--no-engine", help="start the CPU reference engine as a child process (default: on in --dev)"),
+        ] = None,
+        engine_port: Annotated[int, typer.Option(help="gRPC port of the reference engine")] = 8001,
+        seed_demo: Annotated[
+            bool | None, typer.Option("--seed-demo/--no-seed-demo", help="create a demo pool/class/tenant/key (default: on in --dev)")
+        ] = None,
     ) -> None:
-        """Serve the kvgate HTTP API (admin API at /admin/v1)."""
+        """Serve the gateway (/v1) and the admin API (/admin/v1)."""
         import uvicorn
 
-        from server.app import create_app
         from server.settings import DEV_TOKEN_FILE, Settings, SettingsError, with_dev_admin_token
         from tenants import migrate as migrations
 
@@ -76,4 +100,30 @@ def register(app: typer.Typer) -> None:
                 bold=True,
                 err=True,
             )
-        uvicorn.run(create_app(settings), host=settings.host, port=settings.port, log_level=settings.log_level)
+        from server.demo import ReferencePoolShape
+        from server.demo import seed_demo as seed
+        from server.engine_process import EngineStartError, start_engine, stop_engine
+        from server.serving import build_serving_app
+        from tenants.db import make_engine, make_session_factory
+
+        shape = ReferencePoolShape(port=engine_port)
+        demo_key = None
+        if seed_demo if seed_demo is not None else settings.dev:
+            factory = make_session_factory(make_engine(settings.database_url))
+            demo_key = seed(factory, pepper=settings.effective_key_pepper(), shape=shape)
+        child = None
+        if engine if engine is not None else settings.dev:
+            try:
+                child = start_engine(shape.engine_args(), port=engine_port, progress=lambda m: typer.echo(m, err=True))
+            except EngineStartError as exc:
+                typer.echo(f"kvgate serve: {exc}", err=True)
+                raise typer.Exit(1) from None
+        if demo_key:
+            typer.secho(DEMO.format(base=f"http://{settings.host}:{settings.port}", key=demo_key),
+                        fg=typer.colors.GREEN, err=True)
+        try:
+            uvicorn.run(build_serving_app(settings), host=settings.host, port=settings.port,
+                        log_level=settings.log_level, timeout_graceful_shutdown=30)
+        finally:
+            if child is not None:
+                stop_engine(child)
