@@ -15,7 +15,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 import pytest
-from sqlalchemy import Engine, text
+from sqlalchemy import Engine, make_url, text
 from sqlalchemy.orm import Session, sessionmaker
 
 from tenants import migrate
@@ -26,8 +26,9 @@ PG_ADMIN_URL = os.environ.get("KVGATE_TEST_POSTGRES_URL", "postgresql://postgres
 
 
 def postgres_reachable() -> bool:
+    url = make_url(PG_ADMIN_URL)
     try:
-        with socket.create_connection(("127.0.0.1", 5432), timeout=0.5):
+        with socket.create_connection((url.host or "127.0.0.1", url.port or 5432), timeout=0.5):
             return True
     except OSError:
         return False
@@ -82,7 +83,7 @@ def _sqlite(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Database]:
 
 def _postgres() -> Iterator[Database]:
     if not postgres_reachable():
-        pytest.skip("PostgreSQL at 127.0.0.1:5432 is unreachable")
+        pytest.skip(f"PostgreSQL at {PG_ADMIN_URL} is unreachable")
     schema = new_pg_schema()
     engine = pg_engine(schema)
     try:

@@ -70,6 +70,8 @@ def test_pool_crud_round_trip(client) -> None:  # type: ignore[no-untyped-def]
         ({"name": None}, "name"),
         ({"tokens_per_block": 1.5}, "tokens_per_block"),
         ({"surprise": 1}, "surprise"),
+        ({"primary_blocks": True}, "primary_blocks"),  # no bool -> int coercion
+        ({"secondary_blocks": "8"}, "secondary_blocks"),  # no str -> int coercion
     ],
 )
 def test_pool_validation_is_422_naming_the_field(client, body, field) -> None:  # type: ignore[no-untyped-def]
@@ -84,6 +86,8 @@ def test_pool_validation_is_422_naming_the_field(client, body, field) -> None:  
         ({"turn_duration_ms": -1}, "turn_duration_ms"),
         ({"decode_priority": -3}, "decode_priority"),
         ({"context_priority": None}, "context_priority"),
+        ({"system_priority": True}, "system_priority"),
+        ({"context_duration_ms": 2**31}, "context_duration_ms"),  # INT32 on the engine contract
     ],
 )
 def test_class_validation(client, body, field) -> None:  # type: ignore[no-untyped-def]
