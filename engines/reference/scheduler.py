@@ -92,6 +92,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self._admissions = 0
+        self.preemptions = 0
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
@@ -196,6 +197,7 @@ class Scheduler:
         self._release(seq, now)
         seq.prefill_target = len(seq.tokens)
         self.waiting.appendleft(seq)
+        self.preemptions += 1
 
     def finish(self, seq: Sequence, now: float) -> None:
         if seq in self.running:

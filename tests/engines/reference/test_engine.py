@@ -1,0 +1,88 @@
+"""The engine in-process: preemption under KV pressure, sampling, config validation."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+
+import pytest
+
+from engines.contract import SamplingParams
+from engines.reference.config import EngineConfigError, ReferenceEngineConfig
+from engines.reference.engine import DuplicateRequestError, EngineStoppedError, ReferenceEngine
+from engines.reference.scheduler import FinishReason
+from tests.engines.reference.helpers import make_request
+
+pytestmark = pytest.mark.slow
+
+
+async def _collect(engine, request_id, request):
+    tokens, last = [], None
+    async for output in engine.generate(request_id, request):
+        tokens.extend(output.new_tokens)
+        last = output
+    return tokens, last
+
+
+@pytest.fixture
+def small_engine(bundle):
+    engine = ReferenceEngine(bundle, ReferenceEngineConfig(
+        kv_dtype="fp32", primary_blocks=4, secondary_blocks=0, tokens_per_block=16,
+        max_input_len=24, max_output_len=40, max_num_tokens=64,
+    ))
+    engine.start()
+    yield engine
+    engine.stop()
+
+
+async def test_decode_growth_preempts_and_recomputes_without_changing_output(small_engine, tokenizer):
+    prompts = [tokenizer.encode("Once upon a time in a quiet little village by the sea, there lived an old fisherman who"),
+               tokenizer.encode("The three most important rules of cooking pasta at home, according to every Italian grandmother, are")]
+    assert all(16 < len(p) <= 24 for p in prompts)  # two blocks each: both fit at first, not when they grow
+    requests = [make_request(p, 40, end_id=-1) for p in prompts]
+    solo = [await _collect(small_engine, f"solo{i}", r) for i, r in enumerate(requests)]
+    assert small_engine.scheduler.preemptions == 0
+    together = await asyncio.gather(*[_collect(small_engine, f"pair{i}", r) for i, r in enumerate(requests)])
+    assert small_engine.scheduler.preemptions > 0
+    assert [t for t, _ in together] == [t for t, _ in solo]
+    assert all(last.finish_reason is FinishReason.LENGTH and len(t) == 40 for t, last in together)
+    assert small_engine.stats().primary.used_blocks == 0
+
+
+async def test_seeded_sampling_is_reproducible(small_engine, tokenizer):
+    prompt = tokenizer.encode("Write a word:")
+    sampled = dataclasses.replace(
+        make_request(prompt, 10, end_id=-1), sampling=SamplingParams(temperature=1.0, top_p=0.9, top_k=50, seed=7)
+    )
+    first, _ = await _collect(small_engine, "s1", sampled)
+    second, _ = await _collect(small_engine, "s2", sampled)
+    other, _ = await _collect(small_engine, "s3", dataclasses.replace(sampled, sampling=SamplingParams(1.0, 0.9, 50, 8)))
+    assert first == second and len(first) == 10
+    assert other != first
+
+
+async def test_duplicate_ids_and_stopped_engine_are_refused(bundle, tokenizer):
+    engine = ReferenceEngine(bundle, ReferenceEngineConfig(kv_dtype="fp32", primary_blocks=8, max_input_len=64, max_output_len=64))
+    request = make_request(tokenizer.encode("Hi"), 4)
+    with pytest.raises(EngineStoppedError):
+        engine.submit("a", request, lambda _: None)
+    engine.start()
+    try:
+        engine.submit("a", dataclasses.replace(request, max_new_tokens=64, end_id=None), lambda _: None)
+        with pytest.raises(DuplicateRequestError):
+            engine.submit("a", request, lambda _: None)
+    finally:
+        engine.stop()
+    assert engine.stats().primary.used_blocks == 0
+
+
+@pytest.mark.parametrize("change,named", [
+    ({"primary_blocks": 0}, "primary_blocks"),
+    ({"kv_dtype": "int4"}, "kv_dtype"),
+    ({"secondary_offload_min_priority": 200}, "secondary_offload_min_priority"),
+    ({"max_input_len": 100_000}, "primary pool"),
+    ({"weight_dtype": "fp64"}, "weight_dtype"),
+])
+def test_config_validation_names_the_setting(change, named):
+    with pytest.raises(EngineConfigError, match=named):
+        ReferenceEngineConfig(**change)

@@ -1,0 +1,124 @@
+"""The Llama forward over paged KV: GGUF facts, RoPE layout, chunking and batching invariance."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from engines.reference.kv_cache import KvDtype, PagedKvCache
+from engines.reference.model import DecodeGroup, PrefillSpan, StepBatch
+from engines.reference.weights import unpermute_rope_rows
+from tests.engines.reference.helpers import chat_ids
+
+
+def test_gguf_facts(bundle):
+    cfg = bundle.config
+    assert (cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim) == (30, 576, 9, 3, 64)
+    assert cfg.rope_theta == 100000.0 and cfg.vocab_size == 49152
+    weights = bundle.model.weights
+    assert weights.lm_head is weights.embed  # tied embeddings: no output.weight in the file
+    assert weights.layers[0].wqkv.shape == (576 + 2 * 192, 576)
+
+
+def test_unpermute_inverts_llama_cpp_permute():
+    rng = np.random.default_rng(0)
+    weight = rng.standard_normal((3 * 8, 5)).astype(np.float32)
+    heads = 3
+    # llama.cpp convert_hf_to_gguf.LlamaModel.permute
+    permuted = weight.reshape(heads, 2, 8 // 2, 5).swapaxes(1, 2).reshape(weight.shape)
+    assert np.array_equal(unpermute_rope_rows(permuted, heads), weight)
+
+
+def _prefill(bundle, cache, ids, *, chunk: int | None = None, offset_slot: int = 0):
+    """Prefill ``ids`` at token slots offset_slot.. in chunks; returns last-token logits."""
+    n = len(ids)
+    slots = torch.arange(offset_slot, offset_slot + n)
+    chunk = chunk or n
+    logits = None
+    for start in range(0, n, chunk):
+        stop = min(n, start + chunk)
+        batch = StepBatch(
+            torch.tensor(ids[start:stop]), torch.arange(start, stop), slots[start:stop],
+            [PrefillSpan(0, stop - start, slots[:stop], start)], logit_rows=torch.tensor([stop - start - 1]),
+        )
+        logits = bundle.model.forward(batch, cache)
+    return logits[0]
+
+
+def test_chunked_prefill_matches_one_shot(bundle, tokenizer):
+    ids = list(chat_ids(tokenizer, "Explain photosynthesis in one paragraph, please, with an example."))
+    geometry = bundle.geometry(16)
+    whole = _prefill(bundle, PagedKvCache(geometry, KvDtype.FP32, primary_blocks=8), ids)
+    chunked = _prefill(bundle, PagedKvCache(geometry, KvDtype.FP32, primary_blocks=8), ids, chunk=7)
+    assert torch.allclose(whole, chunked, atol=1e-3)
+    assert int(whole.argmax()) == int(chunked.argmax())
+
+
+def test_batched_prefill_and_decode_match_single_sequences(bundle, tokenizer):
+    a = list(chat_ids(tokenizer, "What is the capital of France?"))
+    b = list(chat_ids(tokenizer, "Name three colors of the rainbow, please."))
+    geometry = bundle.geometry(16)
+    solo_a = _prefill(bundle, PagedKvCache(geometry, KvDtype.FP32, primary_blocks=16), a)
+    solo_b = _prefill(bundle, PagedKvCache(geometry, KvDtype.FP32, primary_blocks=16), b)
+    cache = PagedKvCache(geometry, KvDtype.FP32, primary_blocks=16)
+    slots_a, slots_b = torch.arange(len(a)), torch.arange(128, 128 + len(b))
+    batch = StepBatch(
+        torch.tensor(a + b), torch.cat((torch.arange(len(a)), torch.arange(len(b)))), torch.cat((slots_a, slots_b)),
+        [PrefillSpan(0, len(a), slots_a, 0), PrefillSpan(len(a), len(b), slots_b, 0)],
+        logit_rows=torch.tensor([len(a) - 1, len(a) + len(b) - 1]),
+    )
+    both = bundle.model.forward(batch, cache)
+    assert torch.allclose(both[0], solo_a, atol=1e-3) and torch.allclose(both[1], solo_b, atol=1e-3)
+    # One batched decode step of both sequences (padded contexts) vs each alone.
+    next_a, next_b = int(both[0].argmax()), int(both[1].argmax())
+    width = max(len(a), len(b)) + 1
+    context = torch.zeros(2, width, dtype=torch.int64)
+    mask = torch.zeros(2, 1, 1, width, dtype=torch.bool)
+    context[0, : len(a) + 1] = torch.arange(len(a) + 1)
+    context[1, : len(b) + 1] = torch.arange(128, 128 + len(b) + 1)
+    mask[0, ..., : len(a) + 1] = True
+    mask[1, ..., : len(b) + 1] = True
+    step = StepBatch(
+        torch.tensor([next_a, next_b]), torch.tensor([len(a), len(b)]), torch.tensor([len(a), 128 + len(b)]),
+        decode=DecodeGroup(0, context, mask), logit_rows=torch.tensor([0, 1]),
+    )
+    decoded = bundle.model.forward(step, cache)
+    single = PagedKvCache(geometry, KvDtype.FP32, primary_blocks=16)
+    _prefill(bundle, single, a)
+    alone = bundle.model.forward(StepBatch(
+        torch.tensor([next_a]), torch.tensor([len(a)]), torch.tensor([len(a)]),
+        decode=DecodeGroup(0, torch.arange(len(a) + 1).unsqueeze(0), torch.ones(1, 1, 1, len(a) + 1, dtype=torch.bool)),
+        logit_rows=torch.tensor([0]),
+    ), single)
+    assert torch.allclose(decoded[0], alone[0], atol=1e-3)
+
+
+def test_wrong_rope_layout_breaks_the_model(bundle, tokenizer):
+    """The un-permutation matters: with llama.cpp's row order and rotate_half, EOS comes at once."""
+    ids = list(chat_ids(tokenizer, "What is the capital of France?"))
+    geometry = bundle.geometry(16)
+    good = _prefill(bundle, PagedKvCache(geometry, KvDtype.FP32, primary_blocks=8), ids)
+    assert tokenizer.decode([int(good.argmax())]).strip() == "The"
+    cfg = bundle.config
+    layers = bundle.model.weights.layers
+    saved = [layer.wqkv.clone() for layer in layers]
+    try:
+        for layer in layers:  # re-apply llama.cpp's permutation to Q and K rows
+            q = layer.wqkv[: cfg.q_size].numpy()
+            k = layer.wqkv[cfg.q_size : cfg.q_size + cfg.kv_size].numpy()
+            permute = lambda w, h: w.reshape(h, 2, w.shape[0] // h // 2, w.shape[1]).swapaxes(1, 2).reshape(w.shape)
+            layer.wqkv[: cfg.q_size] = torch.from_numpy(permute(q.copy(), cfg.num_heads))
+            layer.wqkv[cfg.q_size : cfg.q_size + cfg.kv_size] = torch.from_numpy(permute(k.copy(), cfg.num_kv_heads))
+        bad = _prefill(bundle, PagedKvCache(geometry, KvDtype.FP32, primary_blocks=8), ids)
+    finally:
+        for layer, original in zip(layers, saved):
+            layer.wqkv.copy_(original)
+    assert int(bad.argmax()) != int(good.argmax())
+
+
+def test_e4m3_scales_are_calibrated_per_layer(bundle):
+    scales = bundle.kv_scales(KvDtype.FP8_E4M3)
+    assert scales.shape == (30,) and (scales > 0).all()
+    assert len(set(scales.tolist())) > 1  # per layer, not one global constant
+    assert torch.equal(bundle.kv_scales(KvDtype.FP8_E5M2), torch.ones(30))
