@@ -8,6 +8,7 @@ Output is JSON on stdout; errors are the admin error shape on stderr with exit c
 from __future__ import annotations
 
 import getpass
+import importlib
 import json
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -32,6 +33,16 @@ def _parse_sets(items: list[str] | None) -> dict[str, Any]:
         except json.JSONDecodeError:
             out[key] = raw
     return out
+
+
+class _Lazy:
+    """A module imported on first attribute access (keeps ``kvgate --help`` fast)."""
+
+    def __init__(self, path: str) -> None:
+        self._path = path
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(importlib.import_module(self._path), name)
 
 
 def _body(schema: Any, **values: Any) -> Any:
@@ -95,10 +106,8 @@ def _crud(
     *,
     name: str,
     help_text: str,
-    service: Any,
-    create_schema: Any,
-    update_schema: Any,
-    public_schema: Any,
+    service: str,
+    schema: str,
     create_fn: str,
     get_fn: str,
     list_fn: str,
@@ -106,32 +115,43 @@ def _crud(
     delete_fn: str,
     required: dict[str, str],
 ) -> typer.Typer:
-    """list/show/create/update/delete for pools and retention classes."""
+    """list/show/create/update/delete for pools and retention classes.
+
+    ``service`` is a module path and ``schema`` a schema family prefix (``Pool`` ->
+    ``PoolCreate``/``PoolUpdate``/``PoolPublic``), resolved when a command runs so that
+    ``kvgate --help`` does not import SQLAlchemy or FastAPI.
+    """
     group = typer.Typer(no_args_is_help=True, help=help_text)
     parent.add_typer(group, name=name)
+
+    def svc(fn: str) -> Any:
+        return getattr(importlib.import_module(service), fn)
+
+    def sc(kind: str) -> Any:
+        return getattr(importlib.import_module("server.admin.schemas"), f"{schema}{kind}")
 
     @group.command("list")
     def list_(limit: Limit = 50, offset: Offset = 0) -> None:
         with _session() as s:
-            _print(_page(public_schema, getattr(service, list_fn)(s, limit=limit, offset=offset)))
+            _print(_page(sc("Public"), svc(list_fn)(s, limit=limit, offset=offset)))
 
     @group.command()
     def show(ref: str) -> None:
         with _session() as s:
-            _print(public_schema.model_validate(getattr(service, get_fn)(s, ref=ref)).model_dump(mode="json"))
+            _print(sc("Public").model_validate(svc(get_fn)(s, ref=ref)).model_dump(mode="json"))
 
     @group.command(help=f"Create; required --set fields: {', '.join(required) or 'none'} (plus NAME).")
     def create(name_: Annotated[str, typer.Argument(metavar="NAME")], set_: Sets = None) -> None:
         with _session() as s:
-            body = _body(create_schema, name=name_, **_parse_sets(set_))
-            row = getattr(service, create_fn)(s, actor=_actor(), now=_now(), **body.model_dump())
-            _print(public_schema.model_validate(row).model_dump(mode="json"))
+            body = _body(sc("Create"), name=name_, **_parse_sets(set_))
+            row = svc(create_fn)(s, actor=_actor(), now=_now(), **body.model_dump())
+            _print(sc("Public").model_validate(row).model_dump(mode="json"))
 
     @group.command()
     def update(ref: str, version: Annotated[int, typer.Option(help="current version")], set_: Sets = None) -> None:
         with _session() as s:
-            body = _body(update_schema, version=version, **_parse_sets(set_))
-            row = getattr(service, update_fn)(
+            body = _body(sc("Update"), version=version, **_parse_sets(set_))
+            row = svc(update_fn)(
                 s,
                 actor=_actor(),
                 now=_now(),
@@ -139,12 +159,12 @@ def _crud(
                 version=version,
                 changes=body.model_dump(exclude_unset=True, exclude={"version"}),
             )
-            _print(public_schema.model_validate(row).model_dump(mode="json"))
+            _print(sc("Public").model_validate(row).model_dump(mode="json"))
 
     @group.command()
     def delete(ref: str) -> None:
         with _session() as s:
-            getattr(service, delete_fn)(s, actor=_actor(), now=_now(), ref=ref)
+            svc(delete_fn)(s, actor=_actor(), now=_now(), ref=ref)
             _print({"deleted": ref})
 
     return group
@@ -152,9 +172,6 @@ def _crud(
 
 def register(app: typer.Typer) -> None:
     """Attach ``kvgate admin pools|classes|tenants|keys|audit`` to the root CLI."""
-    from server.admin import schemas as sc
-    from tenants import pools, retention_classes
-
     admin = typer.Typer(no_args_is_help=True, help="Manage the tenant registry (pools, classes, tenants, keys).")
     app.add_typer(admin, name="admin")
 
@@ -162,10 +179,8 @@ def register(app: typer.Typer) -> None:
         admin,
         name="pools",
         help_text="Engine pools.",
-        service=pools,
-        create_schema=sc.PoolCreate,
-        update_schema=sc.PoolUpdate,
-        public_schema=sc.PoolPublic,
+        service="tenants.pools",
+        schema="Pool",
         create_fn="create_pool",
         get_fn="get_pool",
         list_fn="list_pools",
@@ -177,10 +192,8 @@ def register(app: typer.Typer) -> None:
         admin,
         name="classes",
         help_text="Retention classes.",
-        service=retention_classes,
-        create_schema=sc.RetentionClassCreate,
-        update_schema=sc.RetentionClassUpdate,
-        public_schema=sc.RetentionClassPublic,
+        service="tenants.retention_classes",
+        schema="RetentionClass",
         create_fn="create_class",
         get_fn="get_class",
         list_fn="list_classes",
@@ -200,6 +213,7 @@ def register(app: typer.Typer) -> None:
         action: Annotated[str | None, typer.Option()] = None,
     ) -> None:
         """List audit events, newest first."""
+        from server.admin import schemas as sc
         from tenants import audit as audit_log
 
         with _session() as s:
@@ -220,8 +234,8 @@ def _tenant_json(session: Any, tenant: Any) -> dict[str, Any]:
 
 
 def _register_tenants(admin: typer.Typer) -> None:
-    from server.admin import schemas as sc
-    from tenants import tenant as svc
+    sc = _Lazy("server.admin.schemas")
+    svc = _Lazy("tenants.tenant")
 
     group = typer.Typer(no_args_is_help=True, help="Tenants.")
     admin.add_typer(group, name="tenants")
@@ -296,9 +310,9 @@ def _register_tenants(admin: typer.Typer) -> None:
 
 
 def _register_keys(admin: typer.Typer) -> None:
-    from server.admin import schemas as sc
-    from server.settings import Settings
-    from tenants import keys as svc
+    sc = _Lazy("server.admin.schemas")
+    svc = _Lazy("tenants.keys")
+    settings_module = _Lazy("server.settings")
 
     group = typer.Typer(no_args_is_help=True, help="A tenant's API keys.")
     admin.add_typer(group, name="keys")
@@ -310,7 +324,7 @@ def _register_keys(admin: typer.Typer) -> None:
         expires_at: Annotated[str | None, typer.Option(help="ISO 8601 with offset")] = None,
     ) -> None:
         """Create a key; the plaintext is printed once and cannot be shown again."""
-        settings = Settings()
+        settings = settings_module.Settings()
         pepper = settings.effective_key_pepper()
         if not pepper:
             _fail(1, "no_pepper", "set KVGATE_KEY_PEPPER (or KVGATE_DEV=1 for the dev pepper)", "pepper")
