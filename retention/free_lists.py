@@ -164,6 +164,22 @@ class TierFreeLists:
             return None
         return self.by_priority[priority].head
 
+    def pop_victim(self) -> Block | None:
+        """Remove and return what :meth:`peek_victim` would return."""
+        lst = self.empty
+        if lst.head is None:
+            mask = self._mask
+            if not mask:
+                return None
+            lst = self.by_priority[(mask & -mask).bit_length() - 1]
+        block = lst.head
+        assert block is not None
+        lst.remove(block)
+        if lst.size == 0 and lst.key >= 0:
+            self._mask &= ~(1 << lst.key)
+        self.size -= 1
+        return block
+
     def victim_order(self) -> list[Block]:
         """Every free block in the order victims would be taken if nothing changed (tests)."""
         out = list(self.empty)

@@ -20,12 +20,15 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from hashlib import sha256
+from struct import Struct
 
 import numpy as np
 
 from retention.types import BlockHash
 
 UNSALTED_ROOT = 0
+_U64 = Struct("<Q")
+_U32 = Struct("<I")
 _INT32_MIN, _INT32_MAX = -(2**31), 2**31 - 1
 
 
@@ -38,7 +41,7 @@ def root_hash(salt: str | None) -> int:
     if not salt:
         return UNSALTED_ROOT
     digest = sha256(b"kvgate-salt\x00" + salt.encode("utf-8")).digest()
-    return int.from_bytes(digest[:8], "little")
+    return _U64.unpack_from(digest)[0]
 
 
 def pack_tokens(tokens: Sequence[int] | np.ndarray) -> bytes:
@@ -57,11 +60,17 @@ def pack_tokens(tokens: Sequence[int] | np.ndarray) -> bytes:
 
 
 def chain_hash(parent: int, block_bytes: bytes, extra_key: bytes = b"") -> BlockHash:
-    """Hash of one full block given its parent's hash (see module docstring)."""
-    digest = sha256(
-        parent.to_bytes(8, "little") + len(extra_key).to_bytes(4, "little") + extra_key + block_bytes
-    ).digest()
-    return BlockHash(int.from_bytes(digest[:8], "little"))
+    """Hash of one full block given its parent's hash (see module docstring).
+
+    Input: parent (u64) [+ len(extra) (u32) + extra] + tokens. Within one pool every block
+    has the same byte length, so inputs with and without an extra key cannot coincide.
+    """
+    h = sha256(_U64.pack(parent))
+    if extra_key:
+        h.update(_U32.pack(len(extra_key)))
+        h.update(extra_key)
+    h.update(block_bytes)
+    return BlockHash(_U64.unpack_from(h.digest())[0])
 
 
 def block_hashes(

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import heapq
 from collections import deque
+from hashlib import sha256
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 
@@ -46,7 +47,7 @@ import numpy as np
 from retention.blocks import Block
 from retention.events import CreatedEvent, KvEvent, RemovedEvent, StoredBlock, StoredEvent, UpdatedEvent
 from retention.free_lists import TierFreeLists
-from retention.hashing import chain_hash, pack_tokens, root_hash
+from retention.hashing import _U32, _U64, chain_hash, pack_tokens, root_hash
 from retention.stats import PoolCounters, PoolStats
 from retention.types import DEFAULT_PLAN, DEFAULT_PRIORITY, MAX_PRIORITY, MIN_PRIORITY, RetentionPlan, Tier
 
@@ -144,6 +145,8 @@ class BlockPool:
             for block in self._blocks[tier]:
                 self._free[tier].add_empty(block)
         self._num_free_primary = config.primary_blocks  # blocks with ref_count == 0
+        self._offload_min = config.secondary_offload_min_priority
+        self._has_host = config.secondary_blocks > 0
         self._cached: dict[int, Block] = {}
         self._seqs: dict[Hashable, _Sequence] = {}
         self._seq_counter = 0
@@ -239,14 +242,26 @@ class BlockPool:
         counters.reused_secondary_blocks += onboarded
         counters.reused_primary_blocks += len(path) - onboarded
         counters.missed_blocks += self._num_blocks(n) - len(path)
+        ranges = plan.ranges
+        take = self._take_primary
+        blocks = seq.blocks
         for index in range(len(path), total):
             first = index * bpt
-            if first < n:
+            if first >= n:
+                priority, duration = plan.decode_priority, plan.decode_duration_ms
+            elif ranges:
                 rng = _range_at(plan, first)
                 priority, duration = (DEFAULT_PRIORITY, None) if rng is None else rng
             else:
-                priority, duration = plan.decode_priority, plan.decode_duration_ms
-            seq.blocks.append(self._take_new(priority, duration, tenant, copies))
+                priority, duration = DEFAULT_PRIORITY, None
+            block = take(copies)  # inlined ``_take_new``
+            block.priority = priority
+            block.duration_ms = duration
+            block.ref_count = 1
+            if tenant is not None:
+                block.tenant = tenant
+                self._count(block, P, +1)
+            blocks.append(block)
         self._seqs[request_id] = seq
         return Allocation(
             request_id=request_id,
@@ -361,9 +376,19 @@ class BlockPool:
         parent: Block | None = None
         matching = True
         h = parent_hash
+        if extra_key:
+            extra = _U32.pack(len(extra_key)) + extra_key
+        else:
+            extra = b""
+        pack, unpack, digest_of = _U64.pack, _U64.unpack_from, sha256
         for i in range(full):
             chunk = packed[i * width : (i + 1) * width]
-            h = chain_hash(h, chunk, extra_key)
+            # Inlined ``chain_hash`` (same bytes, same result; tests compare the two).
+            hasher = digest_of(pack(h))
+            if extra:
+                hasher.update(extra)
+            hasher.update(chunk)
+            h = unpack(hasher.digest())[0]
             hashes.append(h)
             if matching and i < limit:
                 block = cached.get(h)
@@ -416,7 +441,8 @@ class BlockPool:
         self._count(block, S, -1)
         self._count(block, P, +1)
         self._counters.onboarded_blocks += 1
-        self._emit(lambda i: UpdatedEvent(i, block.block_hash, cache_level=(S, P)))
+        if self._events_on:
+            self._emit(lambda i: UpdatedEvent(i, block.block_hash, cache_level=(S, P)))
 
     def _take_new(self, priority: int, duration: int | None, tenant: str | None, copies: list[BlockCopy]) -> Block:
         block = self._take_primary(copies)
@@ -432,18 +458,16 @@ class BlockPool:
 
         Returns an EMPTY primary block outside every list (the caller claims it).
         """
-        free = self._free[P]
-        victim = free.peek_victim()
+        victim = self._free[P].pop_victim()
         assert victim is not None, "caller checked room"
-        free.remove(victim)
         self._num_free_primary -= 1
         counters = self._counters
         counters.alloc_total_blocks += 1
-        if not victim.in_tree:
+        if victim.block_hash is None:
             counters.alloc_new_blocks += 1
             return victim
         host = None
-        if victim.priority >= self._config.secondary_offload_min_priority:
+        if victim.priority >= self._offload_min and self._has_host:
             # The host victim may be the victim's own child; the temporary reference keeps
             # the victim from being re-listed as a GPU leaf when that child is detached.
             victim.ref_count = 1
@@ -454,20 +478,24 @@ class BlockPool:
             counters.evicted_primary_blocks += 1
             return victim
         # Offload: copy out first, then swap slots so the tree node moves to the host tier.
-        copies.append(BlockCopy(P, victim.slot, S, host.slot))
         gpu_slot = victim.slot
+        copies.append(BlockCopy(P, gpu_slot, S, host.slot))
         victim.tier, victim.slot = S, host.slot
         host.tier, host.slot = P, gpu_slot
         victim.duration_ms = None  # offload keeps the priority, clears the duration
         victim.expires_at = None
-        self._count(victim, P, -1)
-        self._count(victim, S, +1)
+        if victim.tenant is not None:
+            counts = self._tenants[victim.tenant]
+            counts[0] -= 1
+            counts[1] += 1
         counters.offloaded_blocks += 1
-        self._emit(lambda i: UpdatedEvent(i, victim.block_hash, cache_level=(P, S)))
+        if self._events_on:
+            self._emit(lambda i: UpdatedEvent(i, victim.block_hash, cache_level=(P, S)))
         parent = victim.parent
         if parent is not None:
             parent.num_primary_children -= 1
-            self._maybe_free_leaf(parent)
+            if parent.num_primary_children == 0 and parent.ref_count == 0 and parent.free_list is None:
+                self._free[P].add_cached(parent, ordered=True)
         self._seq_counter += 1
         victim.release_seq = self._seq_counter
         if not victim.children:
@@ -476,23 +504,26 @@ class BlockPool:
 
     def _take_host(self) -> Block | None:
         """A free host block (host priority then LRU, whatever the incoming block), emptied."""
-        if not self._config.secondary_blocks:
-            return None
-        free = self._free[S]
-        victim = free.peek_victim()
+        victim = self._free[S].pop_victim()
         if victim is None:
             return None
-        free.remove(victim)
-        if victim.in_tree:
+        if victim.block_hash is not None:
             victim_hash = victim.block_hash
             self._detach(victim, relink_parent=True)
-            self._emit(lambda i: RemovedEvent(i, (victim_hash,)))  # type: ignore[arg-type]
+            if self._events_on:
+                self._emit(lambda i: RemovedEvent(i, (victim_hash,)))
             self._counters.evicted_secondary_blocks += 1
         return victim
 
     # ------------------------------------------------------------------ internals: tree
     def _drop_subtree(self, victim: Block) -> None:
         """Remove a dropped GPU victim and its (host) descendants from the tree (``freeChildren``)."""
+        if not victim.children:  # the common case: a plain leaf
+            victim_hash = victim.block_hash
+            self._detach(victim, relink_parent=True)
+            if self._events_on:
+                self._emit(lambda i: RemovedEvent(i, (victim_hash,)))  # type: ignore[arg-type]
+            return
         removed: list[int] = []
         for node in reversed(victim.descendants()):
             if node.free_list is not None:
@@ -503,7 +534,8 @@ class BlockPool:
             self._counters.evicted_secondary_blocks += 1
         removed.append(victim.block_hash)  # type: ignore[arg-type]
         self._detach(victim, relink_parent=True)
-        self._emit(lambda i: RemovedEvent(i, tuple(removed)))
+        if self._events_on:
+            self._emit(lambda i: RemovedEvent(i, tuple(removed)))
 
     def _detach(self, block: Block, *, relink_parent: bool) -> None:
         """Take a childless block out of the tree; it becomes content-free."""
@@ -513,22 +545,18 @@ class BlockPool:
             del parent.children[block.block_hash]  # type: ignore[index, arg-type]
             if block.tier == P:
                 parent.num_primary_children -= 1
-            if relink_parent:
-                self._maybe_free_leaf(parent)
-        self._count(block, block.tier, -1)
+            if relink_parent and parent.ref_count == 0 and parent.free_list is None and parent.is_tier_leaf():
+                self._free[parent.tier].add_cached(parent, ordered=True)
+        if block.tenant is not None:
+            self._tenants[block.tenant][block.tier] -= 1
+            block.tenant = None
         block.block_hash = None
         block.tokens = None
         block.parent = None
         block.children = None
-        block.tenant = None
         block.priority = DEFAULT_PRIORITY
         block.duration_ms = None
         block.expires_at = None
-
-    def _maybe_free_leaf(self, block: Block) -> None:
-        """A cached, unreferenced block that just became a tier leaf joins its free list in LRU position."""
-        if block.ref_count == 0 and block.free_list is None and block.in_tree and block.is_tier_leaf():
-            self._free[block.tier].add_cached(block, ordered=True)
 
     def _store(self, seq: _Sequence, packed: bytes, num_full: int) -> None:
         """``WindowBlockManager::storeBlocks``: insert the sequence's unstored full blocks."""
@@ -559,7 +587,7 @@ class BlockPool:
                 seq.blocks[i] = existing
                 parent = existing
                 continue
-            if block.in_tree:
+            if block.block_hash is not None:
                 break  # cannot happen for a consistent caller; never re-parent a tree node
             block.block_hash = h
             block.tokens = chunk
@@ -593,7 +621,7 @@ class BlockPool:
             if block.ref_count:
                 continue
             self._num_free_primary += 1
-            if not block.in_tree:
+            if block.block_hash is None:
                 self._count(block, P, -1)
                 block.tenant = None
                 block.priority = DEFAULT_PRIORITY

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import hashlib
+
 import pytest
 
 import retention.pool as pool_module
@@ -241,9 +243,21 @@ def test_allocation_is_check_then_commit() -> None:
     pool.check_invariants()
 
 
+class TokenBlindSha256:
+    """A hash that ignores the block's tokens: every chain of equal length collides."""
+
+    def __init__(self, data: bytes) -> None:
+        self._data = data
+
+    def update(self, data: bytes) -> None:
+        return None
+
+    def digest(self) -> bytes:
+        return hashlib.sha256(self._data).digest()
+
+
 def test_token_comparison_on_hash_hit(monkeypatch: pytest.MonkeyPatch) -> None:
-    # Every block hashes to its parent's hash + 1: different tokens collide on purpose.
-    monkeypatch.setattr(pool_module, "chain_hash", lambda parent, data, extra=b"": parent + 1)
+    monkeypatch.setattr(pool_module, "sha256", TokenBlindSha256)
     pool = BlockPool(PoolConfig(primary_blocks=8, tokens_per_block=B))
     run(pool, "a", toks(0, 2, 0))
     assert pool.lookup(toks(500, 2, 1), salt=None) == (0, 0, 0)
@@ -307,3 +321,15 @@ def test_reuse_disabled_stores_nothing() -> None:
     pool = BlockPool(PoolConfig(primary_blocks=4, tokens_per_block=B, enable_block_reuse=False))
     run(pool, "a", toks(0, 2, 0))
     assert pool.cached_blocks() == {} and where(pool, toks(0, 2, 0)) == (0, 0, 0)
+
+
+def test_pool_hashes_are_the_exported_block_hashes() -> None:
+    from retention.hashing import block_hashes
+
+    pool = BlockPool(PoolConfig(primary_blocks=8, tokens_per_block=B))
+    tokens = toks(3, 3, 0)
+    run(pool, "a", tokens, salt="s")
+    assert set(pool.cached_blocks()) == set(block_hashes(tokens, B, salt="s"))
+    pool.allocate("x", tokens, salt="s", tenant=None, plan=DEFAULT_PLAN, now=1, extra_key=b"lora")
+    pool.release("x", tokens, now=1, num_computed_tokens=len(tokens))
+    assert set(block_hashes(tokens, B, salt="s", extra_key=b"lora")) <= set(pool.cached_blocks())
