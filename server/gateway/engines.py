@@ -8,7 +8,10 @@ tokenizer; a GPU pool's spec names its tokenizer).
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable
+
+import anyio
 
 from engines.tokenizer import ChatTokenizer
 from server.gateway.context import PoolRef
@@ -20,6 +23,7 @@ class EngineDirectory:
         self._tokenizer_for = tokenizer_for
         self._clients: dict[tuple[str, str], EngineClient] = {}
         self._tokenizers: dict[str, ChatTokenizer] = {}
+        self._loading: dict[str, asyncio.Lock] = {}
         self.pools: dict[str, PoolRef] = {}  # pools seen by requests or registered at start-up
 
     def register(self, pool: PoolRef) -> None:
@@ -33,10 +37,21 @@ class EngineDirectory:
             client = self._clients[key] = EngineClient(pool.triton_url, pool.triton_model)
         return client
 
-    def tokenizer(self, pool: PoolRef) -> ChatTokenizer:
+    async def tokenizer(self, pool: PoolRef) -> ChatTokenizer:
+        """The pool's tokenizer; the first call per spec loads it in a worker thread.
+
+        Why a thread and a lock: loading a GGUF tokenizer takes seconds and must neither
+        stall the event loop nor run twice when the first requests arrive together.
+        """
         tokenizer = self._tokenizers.get(pool.engine_spec)
-        if tokenizer is None:
-            tokenizer = self._tokenizers[pool.engine_spec] = self._tokenizer_for(pool)
+        if tokenizer is not None:
+            return tokenizer
+        lock = self._loading.setdefault(pool.engine_spec, asyncio.Lock())
+        async with lock:
+            tokenizer = self._tokenizers.get(pool.engine_spec)
+            if tokenizer is None:
+                tokenizer = await anyio.to_thread.run_sync(self._tokenizer_for, pool)
+                self._tokenizers[pool.engine_spec] = tokenizer
         return tokenizer
 
     async def close(self) -> None:

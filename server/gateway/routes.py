@@ -41,9 +41,9 @@ def _check_model(tenant: TenantContext, model: str) -> None:
                            param="model")
 
 
-def _job(services: GatewayServices, tenant: TenantContext, body, kind: str, prompt_for) -> CompletionJob:
+async def _job(services: GatewayServices, tenant: TenantContext, body, kind: str, prompt_for) -> CompletionJob:
     _check_model(tenant, body.model)
-    tokenizer = services.engines.tokenizer(tenant.pool)
+    tokenizer = await services.engines.tokenizer(tenant.pool)
     prompt = prompt_for(tokenizer)
     if prompt.total == 0:
         raise ServingError(400, "empty_prompt", "the prompt is empty", param="messages" if kind == "chat" else "prompt")
@@ -70,14 +70,14 @@ async def list_models(tenant: Tenant) -> dict:
 @router.post("/chat/completions")
 async def chat_completions(body: ChatCompletionRequest, tenant: Tenant, services: Gateway):
     messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-    job = _job(services, tenant, body, "chat", lambda tok: prepare_chat(tok, messages))
+    job = await _job(services, tenant, body, "chat", lambda tok: prepare_chat(tok, messages))
     return await services.runner.run(job)
 
 
 @router.post("/completions")
 async def completions(body: CompletionRequest, tenant: Tenant, services: Gateway):
     assert isinstance(body.prompt, str)
-    job = _job(services, tenant, body, "text", lambda tok: prepare_completion(tok, body.prompt))  # type: ignore[arg-type]
+    job = await _job(services, tenant, body, "text", lambda tok: prepare_completion(tok, body.prompt))  # type: ignore[arg-type]
     return await services.runner.run(job)
 
 

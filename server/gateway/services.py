@@ -57,8 +57,18 @@ class GatewayServices:
             except Exception:  # a loop must outlive one bad iteration
                 log.exception("background %s failed", name)
 
+    async def warm_up(self) -> None:
+        """Load every registered pool's tokenizer before traffic needs it."""
+        await self.monitor.refresh()
+        for pool in list(self.engines.pools.values()):
+            try:
+                await self.engines.tokenizer(pool)
+            except Exception:  # a pool without a usable tokenizer answers 503 per request
+                log.exception("no tokenizer for pool %s", pool.name)
+
     def start(self) -> None:
         self._tasks = [
+            asyncio.create_task(self.warm_up()),
             asyncio.create_task(self._loop(self.intervals.usage_flush, self.usage.flush, "usage flush")),
             asyncio.create_task(self._loop(self.intervals.last_used_flush, self.auth.flush_last_used, "last-used flush")),
             asyncio.create_task(self._loop(self.intervals.pool_poll, self.monitor.refresh, "pool poll")),

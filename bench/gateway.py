@@ -1,0 +1,242 @@
+"""What the gateway costs: latency added over calling the engine directly, and CPU per request.
+
+Side by side in one run, alternating rounds so machine noise hits both equally:
+
+* **direct**: the engine model called with ``tritonclient.grpc.aio`` streaming (the
+  gateway's own engine client, minus everything else);
+* **gateway**: the same request as an OpenAI chat completion over HTTP through
+  ``kvgate serve`` (auth, admission, chat template + tokenization, planning, gRPC,
+  detokenization, SSE, metrics, usage).
+
+The engine is ``bench/fixed_engine.py`` (a trivial model speaking the real contract that
+returns 16 fixed tokens at once), each party in its own process; gateway CPU time is read
+from ``/proc/<pid>/stat``. Figures go to the ``bench:gateway`` section of docs/benchmarks.md.
+
+    python bench/gateway.py [--requests 400] [--no-write]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import secrets
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from datetime import UTC, datetime
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from bench.report import machine, write_section  # noqa: E402
+from engines.contract import EngineRequest, SamplingParams  # noqa: E402
+from retention.types import RetentionPlan  # noqa: E402
+from server.gateway.engine_client import EngineClient  # noqa: E402
+
+MESSAGES = [
+    {"role": "system", "content": "You are a concise assistant for a travel agency. Answer in one sentence."},
+    {"role": "user", "content": "Suggest a weekend destination near Lisbon for a family with two kids."},
+]
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def wait_http(url: str, timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(url, timeout=1).status_code < 500:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    raise TimeoutError(url)
+
+
+def seed_registry(url: str, engine_port: int, pepper: str) -> str:
+    from tenants import keys, migrate, pools, retention_classes, tenant
+    from tenants.db import make_engine, make_session_factory
+
+    migrate.upgrade(url=url)
+    factory = make_session_factory(make_engine(url))
+    now, actor = datetime.now(UTC), "bench"
+    with factory() as s:
+        pools.create_pool(s, actor=actor, now=now, name="fixed", model_name="fixed", triton_url=f"127.0.0.1:{engine_port}",
+                          engine_spec="reference-smollm2", tokens_per_block=16, primary_blocks=1024,
+                          secondary_blocks=0, secondary_offload_min_priority=35)
+    with factory() as s:
+        retention_classes.create_class(s, actor=actor, now=now, name="std")
+    with factory() as s:
+        tenant.create_tenant(s, actor=actor, now=now, slug="bench", display_name="Bench", pool="fixed",
+                             retention_class="std", rpm_limit=10_000_000, tpm_limit=2_000_000_000,
+                             max_concurrent_requests=10_000, max_prompt_tokens=100_000, max_output_tokens=4096)
+    with factory() as s:
+        return keys.create_key(s, actor=actor, now=now, tenant="bench", pepper=pepper)[1]
+
+
+async def run_direct(client: EngineClient, request: EngineRequest, n: int, concurrency: int) -> list[float]:
+    latencies: list[float] = []
+    sem = asyncio.Semaphore(concurrency)
+
+    async def one() -> None:
+        async with sem:
+            start = time.perf_counter()
+            async for _ in client.generate(request, request_id=secrets.token_hex(4)):
+                pass
+            latencies.append(time.perf_counter() - start)
+
+    await asyncio.gather(*(one() for _ in range(n)))
+    return latencies
+
+
+async def run_gateway(http: httpx.AsyncClient, key: str, n: int, concurrency: int, stream: bool) -> list[float]:
+    latencies: list[float] = []
+    sem = asyncio.Semaphore(concurrency)
+    body = {"model": "fixed", "messages": MESSAGES, "max_tokens": 16, "temperature": 0, "stream": stream}
+    headers = {"Authorization": f"Bearer {key}"}
+
+    async def one() -> None:
+        async with sem:
+            start = time.perf_counter()
+            if stream:
+                async with http.stream("POST", "/v1/chat/completions", json=body, headers=headers) as response:
+                    assert response.status_code == 200, await response.aread()
+                    async for _ in response.aiter_bytes():
+                        pass
+            else:
+                response = await http.post("/v1/chat/completions", json=body, headers=headers)
+                assert response.status_code == 200, response.text
+            latencies.append(time.perf_counter() - start)
+
+    await asyncio.gather(*(one() for _ in range(n)))
+    return latencies
+
+
+def pct(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))]
+
+
+async def measure(args, key: str, engine_port: int, gateway_port: int, gateway_pid: int) -> list[dict]:
+    from engines.tokenizer import load_gguf_tokenizer
+    from server.gateway.prompting import prepare_chat
+
+    prompt = prepare_chat(load_gguf_tokenizer(), MESSAGES)
+    client = EngineClient(f"127.0.0.1:{engine_port}", "kvgate_llm")
+    limits = httpx.Limits(max_connections=64, max_keepalive_connections=64)
+    http = httpx.AsyncClient(base_url=f"http://127.0.0.1:{gateway_port}", limits=limits, timeout=60)
+    rows = []
+    try:
+        for stream in (False, True):
+            request = EngineRequest(prompt.input_ids, 16, 2, stream, SamplingParams(), RetentionPlan(), "salt", "1")
+            await run_gateway(http, key, 40, 8, stream)  # warm-up: tokenizer, caches, connections
+            await run_direct(client, request, 40, 8)
+            for concurrency in (1, 32):
+                direct: list[float] = []
+                gateway: list[float] = []
+                cpu = 0.0
+                rounds = 5
+                per_round = max(1, args.requests // rounds)
+                wall = 0.0
+                for _ in range(rounds):
+                    direct += await run_direct(client, request, per_round, concurrency)
+                    before = cpu_seconds(gateway_pid)
+                    started = time.perf_counter()
+                    gateway += await run_gateway(http, key, per_round, concurrency, stream)
+                    wall += time.perf_counter() - started
+                    cpu += cpu_seconds(gateway_pid) - before
+                row = {
+                    "mode": "stream (16 chunks)" if stream else "non-stream",
+                    "concurrency": concurrency,
+                    "requests": len(gateway),
+                    "direct_p50_ms": 1000 * pct(direct, 0.5), "direct_p99_ms": 1000 * pct(direct, 0.99),
+                    "gateway_p50_ms": 1000 * pct(gateway, 0.5), "gateway_p99_ms": 1000 * pct(gateway, 0.99),
+                    "added_p50_ms": 1000 * (pct(gateway, 0.5) - pct(direct, 0.5)),
+                    "added_p99_ms": 1000 * (pct(gateway, 0.99) - pct(direct, 0.99)),
+                    "gateway_cpu_ms_per_request": 1000 * cpu / len(gateway),
+                    "gateway_requests_per_s": len(gateway) / wall,
+                }
+                rows.append(row)
+                print(json.dumps({k: round(v, 2) if isinstance(v, float) else v for k, v in row.items()}))
+    finally:
+        await http.aclose()
+        await client.close()
+    return rows
+
+
+def render(rows: list[dict]) -> str:
+    lines = [
+        "## Gateway overhead (`bench/gateway.py`)",
+        "",
+        f"Machine: {machine()}; load generator, gateway (1 uvicorn worker) and a fixed-token engine "
+        "(`bench/fixed_engine.py`, 16 tokens) in separate processes on the same 2 cores. Direct = "
+        "`tritonclient.grpc.aio` stream to the engine; gateway = OpenAI chat completion over HTTP through "
+        "`kvgate serve` (auth, admission, template, tokenization, planning, gRPC, detokenization, metrics, usage). "
+        "Rounds alternate direct/gateway; CPU from /proc.",
+        "",
+        "| mode | clients | direct p50 / p99 ms | gateway p50 / p99 ms | added p50 / p99 ms | gateway CPU ms/req | gateway req/s |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['mode']} | {r['concurrency']} | {r['direct_p50_ms']:.2f} / {r['direct_p99_ms']:.2f} | "
+            f"{r['gateway_p50_ms']:.2f} / {r['gateway_p99_ms']:.2f} | {r['added_p50_ms']:.2f} / {r['added_p99_ms']:.2f} | "
+            f"{r['gateway_cpu_ms_per_request']:.2f} | {r['gateway_requests_per_s']:.0f} |"
+        )
+    lines += ["", "Targets: ≤ 2 ms gateway CPU per non-streaming request, ≤ 5 ms per 16-token stream, "
+              "≥ 300 non-streaming requests/s on 2 cores (LiteLLM 1.108.7, one worker, on this machine class: "
+              "10.2 ms and 24.4 ms CPU, ~100 and ~36 requests/s)."]
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--requests", type=int, default=400, help="gateway requests per configuration")
+    parser.add_argument("--no-write", action="store_true", help="print only; leave docs/benchmarks.md alone")
+    args = parser.parse_args()
+    tmp = Path(tempfile.mkdtemp(prefix="kvgate-bench-"))
+    engine_port, gateway_port = free_port(), free_port()
+    pepper, admin = "bench-pepper-" + secrets.token_hex(16), "bench-admin-" + secrets.token_hex(16)
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    engine = subprocess.Popen([sys.executable, str(ROOT / "bench" / "fixed_engine.py"), "--port", str(engine_port)],
+                              env=env, cwd=ROOT)
+    db_url = f"sqlite:///{tmp / 'registry.db'}"
+    key = seed_registry(db_url, engine_port, pepper)
+    gw_env = dict(env, KVGATE_DATABASE_URL=db_url, KVGATE_KEY_PEPPER=pepper, KVGATE_ADMIN_TOKENS=f"bench:{admin}",
+                  KVGATE_LOG_LEVEL="warning")
+    gateway = subprocess.Popen([sys.executable, "-m", "server.cli", "serve", "--no-engine", "--no-seed-demo",
+                                "--port", str(gateway_port)], env=gw_env, cwd=tmp)
+    try:
+        wait_http(f"http://127.0.0.1:{gateway_port}/healthz")
+        time.sleep(2.5)  # the fixed engine loads the tokenizer to pick its tokens
+        rows = asyncio.run(measure(args, key, engine_port, gateway_port, gateway.pid))
+    finally:
+        gateway.terminate()
+        engine.terminate()
+        gateway.wait(10)
+        engine.wait(10)
+    print(render(rows))
+    if not args.no_write:
+        write_section("gateway", render(rows))
+        print("wrote docs/benchmarks.md section bench:gateway")
+
+
+if __name__ == "__main__":
+    main()
