@@ -229,9 +229,10 @@ class BlockPool:
         seq = _Sequence(request_id, tenant, salt_root, extra_key, plan, n, packed, hashes)
         copies: list[BlockCopy] = []
         counters = self._counters
+        per_block = _per_block_retention(plan, self._num_blocks(n), bpt)
         # Claim the whole matched path first so no victim search can pick a block of it.
         for index, block in enumerate(path):
-            self._claim_reused(block, plan, index * bpt)
+            self._claim_reused(block, per_block[index])
         onboarded = 0
         for block in path:
             if block.tier == S:
@@ -242,18 +243,14 @@ class BlockPool:
         counters.reused_secondary_blocks += onboarded
         counters.reused_primary_blocks += len(path) - onboarded
         counters.missed_blocks += self._num_blocks(n) - len(path)
-        ranges = plan.ranges
         take = self._take_primary
         blocks = seq.blocks
         for index in range(len(path), total):
-            first = index * bpt
-            if first >= n:
+            if index * bpt >= n:
                 priority, duration = plan.decode_priority, plan.decode_duration_ms
-            elif ranges:
-                rng = _range_at(plan, first)
-                priority, duration = (DEFAULT_PRIORITY, None) if rng is None else rng
             else:
-                priority, duration = DEFAULT_PRIORITY, None
+                rng = per_block[index]
+                priority, duration = (DEFAULT_PRIORITY, None) if rng is None else rng
             block = take(copies)  # inlined ``_take_new``
             block.priority = priority
             block.duration_ms = duration
@@ -411,13 +408,12 @@ class BlockPool:
             raise PoolError(f"unknown request {request_id!r}") from None
 
     # ------------------------------------------------------------------ internals: claiming
-    def _claim_reused(self, block: Block, plan: RetentionPlan, first_token: int) -> None:
+    def _claim_reused(self, block: Block, rng: tuple[int, int | None] | None) -> None:
         """``LRUEvictionPolicy::claimBlock`` for a matched block: override priority, replace duration."""
         if block.free_list is not None:
             self._free[block.tier].remove(block)
         if block.tier == P and block.ref_count == 0:
             self._num_free_primary -= 1
-        rng = _range_at(plan, first_token)
         if rng is not None and rng[0] != block.priority:
             old = block.priority
             block.priority = rng[0]
@@ -732,11 +728,23 @@ class BlockPool:
         assert len(self._cached) == sum(1 for b in self._blocks[0] + self._blocks[1] if b.in_tree)
 
 
-def _range_at(plan: RetentionPlan, token_index: int) -> tuple[int, int | None] | None:
-    """(priority, duration) of the range holding ``token_index``, or None when uncovered."""
-    for rng in plan.ranges:
-        if rng.start > token_index:
-            return None
-        if rng.end is None or token_index < rng.end:
-            return rng.priority, rng.duration_ms
-    return None
+def _per_block_retention(plan: RetentionPlan, num_blocks: int, bpt: int) -> list[tuple[int, int | None] | None]:
+    """(priority, duration) per prompt block from the range holding its first token, None if uncovered.
+
+    One sweep over blocks and ranges, like ``KvCacheRetentionConfig::
+    getPerBlockRetentionPriorityDuration`` (``executor.h``).
+    """
+    if not plan.ranges:
+        return [None] * num_blocks
+    out: list[tuple[int, int | None] | None] = []
+    ranges = plan.ranges
+    r = 0
+    for index in range(num_blocks):
+        first = index * bpt
+        while r < len(ranges) and ranges[r].end is not None and first >= ranges[r].end:  # type: ignore[operator]
+            r += 1
+        if r < len(ranges) and ranges[r].start <= first:
+            out.append((ranges[r].priority, ranges[r].duration_ms))
+        else:
+            out.append(None)
+    return out

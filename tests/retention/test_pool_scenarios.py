@@ -333,3 +333,18 @@ def test_pool_hashes_are_the_exported_block_hashes() -> None:
     pool.allocate("x", tokens, salt="s", tenant=None, plan=DEFAULT_PLAN, now=1, extra_key=b"lora")
     pool.release("x", tokens, now=1, num_computed_tokens=len(tokens))
     assert set(block_hashes(tokens, B, salt="s", extra_key=b"lora")) <= set(pool.cached_blocks())
+
+
+@pytest.mark.parametrize(
+    ("ranges", "block", "length", "expected"),
+    [  # The cases of TensorRT-LLM's KvCacheRetentionConfigTest.BlockConfigTest (kvCacheRetentionConfigTest.cpp).
+        ([(0, 64, 80), (64, 128, 50)], 64, 256, [80, 50, None, None]),
+        ([(0, 63, 80), (63, 127, 30)], 32, 127, [80, 80, 30, 30]),
+        ([(0, 1, 80), (1, 2, 5)], 32, 128, [80, None, None, None]),
+        ([(40, None, 60)], 32, 128, [None, 60, 60, 60]),
+    ],
+)
+def test_block_takes_the_range_holding_its_first_token(ranges, block, length, expected) -> None:
+    plan = RetentionPlan(tuple(TokenRange(s, e, p) for s, e, p in ranges))
+    per_block = pool_module._per_block_retention(plan, -(-length // block), block)  # noqa: SLF001
+    assert [None if r is None else r[0] for r in per_block] == expected
