@@ -341,7 +341,7 @@ def test_pool_hashes_are_the_exported_block_hashes() -> None:
         ([(0, 64, 80), (64, 128, 50)], 64, 256, [80, 50, None, None]),
         ([(0, 63, 80), (63, 127, 30)], 32, 127, [80, 80, 30, 30]),
         ([(0, 1, 80), (1, 2, 5)], 32, 128, [80, None, None, None]),
-        ([(40, None, 60)], 32, 128, [None, 60, 60, 60]),
+        ([(40, None, 60)], 32, 128, [None, None, 60, 60]),  # block 1 starts at 32 < 40
     ],
 )
 def test_block_takes_the_range_holding_its_first_token(ranges, block, length, expected) -> None:
