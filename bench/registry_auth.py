@@ -74,8 +74,11 @@ def run(factory, *, tenants: int, lookups: int) -> dict[str, tuple[float, float]
             bad.append(time.perf_counter() - start)
             assert hit is not None and miss is None
             s.rollback()  # end the read transaction, as a fresh gateway session would
-    return {"authenticate_key (valid)": _percentiles(good), "authenticate_key (wrong secret)": _percentiles(bad),
-            "create_tenant (+audit, commit)": _percentiles(writes)}
+    return {
+        "authenticate_key (valid)": _percentiles(good),
+        "authenticate_key (wrong secret)": _percentiles(bad),
+        "create_tenant (+audit, commit)": _percentiles(writes),
+    }
 
 
 def sqlite_run(args: argparse.Namespace) -> dict[str, tuple[float, float]]:

@@ -11,26 +11,37 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Annotated, Generic, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-Priority = Annotated[int, Field(ge=0, le=100, description="TensorRT-LLM retention priority, 0..100")]
+Priority = Annotated[int, Field(strict=True, ge=0, le=100, description="TensorRT-LLM retention priority, 0..100")]
 # INT32 like the engine contract's retention_*_duration_ms tensors (engines/contract.py): at most ~24.8 days.
-Duration = Annotated[int | None, Field(ge=0, le=2**31 - 1, description="milliseconds; null = never expires")]
+Duration = Annotated[
+    int | None, Field(strict=True, ge=0, le=2**31 - 1, description="milliseconds; null = never expires")
+]
 Name = Annotated[
     str,
     Field(min_length=1, max_length=64, pattern=r"^[a-z0-9][a-z0-9._-]*$", description="lowercase name, not all digits"),
 ]
 Ref = Annotated[int | str, Field(description="id or name")]
-PositiveInt = Annotated[int, Field(ge=1, le=2**31 - 1)]
+PositiveInt = Annotated[int, Field(strict=True, ge=1, le=2**31 - 1)]
+Version = Annotated[int, Field(strict=True, description="the current version (optimistic concurrency)")]
 Isolation = Literal["shared", "salted", "dedicated"]
 
 T = TypeVar("T")
 
 
 class Strict(BaseModel):
-    """Request bodies: unknown fields are errors; no coercion (``true`` is not 1, ``"5"`` is not 5)."""
+    """Request bodies: unknown fields are errors; no coercion of numbers (``true`` is not 1, ``"5"`` is not 5)."""
 
-    model_config = ConfigDict(extra="forbid", strict=True)
+    model_config = ConfigDict(extra="forbid")
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_booleans(cls, value: object) -> object:
+        # JSON true/false would otherwise pass as 1/0 (a priority, a quota of 1.0).
+        if isinstance(value, bool):
+            raise ValueError("a boolean is not accepted here")
+        return value
 
 
 class Public(BaseModel):
@@ -53,22 +64,22 @@ class PoolCreate(Strict):
     triton_url: str = Field(min_length=1, max_length=256, description="Triton gRPC host:port")
     triton_model: str = Field("kvgate_llm", min_length=1, max_length=128)
     engine_spec: str = Field("", max_length=128)
-    tokens_per_block: int = Field(32, ge=1, le=4096)
+    tokens_per_block: int = Field(32, strict=True, ge=1, le=4096)
     primary_blocks: PositiveInt
-    secondary_blocks: int = Field(0, ge=0, le=2**31 - 1)
+    secondary_blocks: int = Field(0, strict=True, ge=0, le=2**31 - 1)
     secondary_offload_min_priority: Priority = 35
 
 
 class PoolUpdate(Strict):
-    version: int
+    version: Version
     name: Name | None = None
     model_name: str | None = Field(None, min_length=1, max_length=128)
     triton_url: str | None = Field(None, min_length=1, max_length=256)
     triton_model: str | None = Field(None, min_length=1, max_length=128)
     engine_spec: str | None = Field(None, max_length=128)
-    tokens_per_block: int | None = Field(None, ge=1, le=4096)
+    tokens_per_block: int | None = Field(None, strict=True, ge=1, le=4096)
     primary_blocks: PositiveInt | None = None
-    secondary_blocks: int | None = Field(None, ge=0, le=2**31 - 1)
+    secondary_blocks: int | None = Field(None, strict=True, ge=0, le=2**31 - 1)
     secondary_offload_min_priority: Priority | None = None
 
 
@@ -83,7 +94,7 @@ class PoolPublic(Public):
     primary_blocks: int
     secondary_blocks: int
     secondary_offload_min_priority: int
-    version: int
+    version: Version
     created_at: datetime
     updated_at: datetime
 
@@ -105,7 +116,7 @@ class RetentionClassCreate(Strict):
 
 
 class RetentionClassUpdate(Strict):
-    version: int
+    version: Version
     name: Name | None = None
     description: str | None = Field(None, max_length=2000)
     system_priority: Priority | None = None
@@ -130,7 +141,7 @@ class RetentionClassPublic(Public):
     turn_duration_ms: int | None
     decode_priority: int
     decode_duration_ms: int | None
-    version: int
+    version: Version
     created_at: datetime
     updated_at: datetime
 
@@ -153,7 +164,7 @@ class TenantCreate(Strict):
 
 
 class TenantUpdate(Strict):
-    version: int
+    version: Version
     display_name: str | None = Field(None, min_length=1, max_length=256)
     pool: Ref | None = None
     retention_class: Ref | None = None
@@ -167,7 +178,7 @@ class TenantUpdate(Strict):
 
 
 class StatusChange(Strict):
-    version: int | None = Field(None, description="optional optimistic-concurrency check")
+    version: Version | None = Field(None, description="optional optimistic-concurrency check")
 
 
 class TenantPublic(Public):
@@ -186,7 +197,7 @@ class TenantPublic(Public):
     max_concurrent_requests: int
     max_prompt_tokens: int
     max_output_tokens: int
-    version: int
+    version: Version
     created_at: datetime
     updated_at: datetime
 

@@ -87,6 +87,8 @@ def test_pool_validation_is_422_naming_the_field(client, body, field) -> None:  
         ({"decode_priority": -3}, "decode_priority"),
         ({"context_priority": None}, "context_priority"),
         ({"system_priority": True}, "system_priority"),
+        ({"system_priority": "7"}, "system_priority"),
+        ({"turn_priority": 7.5}, "turn_priority"),
         ({"context_duration_ms": 2**31}, "context_duration_ms"),  # INT32 on the engine contract
     ],
 )
@@ -240,3 +242,23 @@ def test_pagination_envelope_and_bounds(client) -> None:  # type: ignore[no-unty
 def test_unknown_route_and_method_use_the_error_shape(client) -> None:  # type: ignore[no-untyped-def]
     _error(client.get(f"{A}/nothing", headers=AUTH), 404)
     _error(client.put(f"{A}/pools", headers=AUTH, json={}), 405)
+
+
+def test_key_expiry_is_an_iso_timestamp_with_offset(client) -> None:  # type: ignore[no-untyped-def]
+    seed(client)
+    r = client.post(
+        f"{A}/tenants/acme/keys", headers=AUTH, json={"name": "k", "expires_at": "2099-01-01T00:00:00+02:00"}
+    )
+    assert r.status_code == 201, r.text
+    assert r.json()["expires_at"].startswith("2098-12-31T22:00:00")
+    _error(
+        client.post(f"{A}/tenants/acme/keys", headers=AUTH, json={"expires_at": "2099-01-01T00:00:00"}),
+        422,
+        field="expires_at",
+    )
+    _error(
+        client.post(f"{A}/tenants/acme/keys", headers=AUTH, json={"expires_at": "2001-01-01T00:00:00Z"}),
+        422,
+        field="expires_at",
+    )
+    _error(client.post(f"{A}/tenants/acme/keys", headers=AUTH, json={"name": True}), 422, field="name")
