@@ -32,7 +32,7 @@ def test_admin_api_never_answers_5xx(db, settings, client) -> None:  # type: ign
             )
             def check(case) -> None:  # type: ignore[no-untyped-def]
                 response = case.call(headers=AUTH)
-                assert response.status_code < 500, (operation.label, case.body, case.path_parameters, response.text)
+                assert response.status_code < 500, (case.method, case.path, case.body, response.text)
                 if response.status_code >= 400:
                     body = response.json()
                     assert set(body) == {"error"} and set(body["error"]) == {"code", "message", "field"}, body
