@@ -102,9 +102,13 @@ def build_plan(job: CompletionJob) -> RetentionPlan:
 
 
 def engine_request(job: CompletionJob, plan: RetentionPlan) -> EngineRequest:
+    # Why not always stream from the engine: each streamed gRPC message costs the gateway
+    # ~0.14 ms of CPU; a non-streaming answer without stop strings needs one message.
+    # Stop strings need the stream so the engine can be cancelled at the match.
+    streaming = job.stream or bool(job.stop)
     return EngineRequest(
         input_ids=job.prompt.input_ids, max_new_tokens=job.max_new_tokens, end_id=job.tokenizer.eos_token_id,
-        streaming=True, sampling=job.sampling, retention=plan, cache_salt=job.tenant.engine_salt,
+        streaming=streaming, sampling=job.sampling, retention=plan, cache_salt=job.tenant.engine_salt,
         tenant_id=job.tenant.engine_tenant_id,
     )
 
@@ -114,11 +118,13 @@ async def _generate(job: CompletionJob, plan: RetentionPlan, outcome: Outcome, s
     decoder = job.tokenizer.new_decode_stream()
     matcher = StopMatcher(job.stop)
     request_id = secrets.token_hex(8)
-    async with contextlib.aclosing(job.engine.generate(engine_request(job, plan), request_id=request_id)) as chunks:
+    request = engine_request(job, plan)
+    streamed = request.streaming  # TTFT is only observable when the engine streams
+    async with contextlib.aclosing(job.engine.generate(request, request_id=request_id)) as chunks:
         async for chunk in chunks:
             outcome.kv = chunk.kv
             outcome.completion_tokens = max(outcome.completion_tokens, chunk.generated)
-            if chunk.token_ids and outcome.ttft is None:
+            if chunk.token_ids and outcome.ttft is None and streamed:
                 outcome.ttft = time.perf_counter() - started
             text = "".join(decoder.push(t) for t in chunk.token_ids)
             delta = matcher.push(text)

@@ -16,13 +16,14 @@ import anyio
 from engines.tokenizer import ChatTokenizer
 from server.gateway.context import PoolRef
 from server.gateway.engine_client import EngineClient
+from server.gateway.prompting import ChatPrompter
 
 
 class EngineDirectory:
     def __init__(self, tokenizer_for: Callable[[PoolRef], ChatTokenizer]) -> None:
         self._tokenizer_for = tokenizer_for
         self._clients: dict[tuple[str, str], EngineClient] = {}
-        self._tokenizers: dict[str, ChatTokenizer] = {}
+        self._prompters: dict[str, ChatPrompter] = {}
         self._loading: dict[str, asyncio.Lock] = {}
         self.pools: dict[str, PoolRef] = {}  # pools seen by requests or registered at start-up
 
@@ -37,22 +38,22 @@ class EngineDirectory:
             client = self._clients[key] = EngineClient(pool.triton_url, pool.triton_model)
         return client
 
-    async def tokenizer(self, pool: PoolRef) -> ChatTokenizer:
+    async def prompter(self, pool: PoolRef) -> ChatPrompter:
         """The pool's tokenizer; the first call per spec loads it in a worker thread.
 
         Why a thread and a lock: loading a GGUF tokenizer takes seconds and must neither
         stall the event loop nor run twice when the first requests arrive together.
         """
-        tokenizer = self._tokenizers.get(pool.engine_spec)
-        if tokenizer is not None:
-            return tokenizer
+        prompter = self._prompters.get(pool.engine_spec)
+        if prompter is not None:
+            return prompter
         lock = self._loading.setdefault(pool.engine_spec, asyncio.Lock())
         async with lock:
-            tokenizer = self._tokenizers.get(pool.engine_spec)
-            if tokenizer is None:
+            prompter = self._prompters.get(pool.engine_spec)
+            if prompter is None:
                 tokenizer = await anyio.to_thread.run_sync(self._tokenizer_for, pool)
-                self._tokenizers[pool.engine_spec] = tokenizer
-        return tokenizer
+                prompter = self._prompters[pool.engine_spec] = ChatPrompter(tokenizer)
+        return prompter
 
     async def close(self) -> None:
         for client in self._clients.values():

@@ -89,7 +89,7 @@ class GatewayMetrics:
         self.requests = Counter("kvgate_requests", "Serving requests by outcome", tp + ["status"], registry=registry)
         self.prompt_tokens = Counter("kvgate_prompt_tokens", "Prompt tokens admitted", tp, registry=registry)
         self.completion_tokens = Counter("kvgate_completion_tokens", "Completion tokens generated", tp, registry=registry)
-        self.ttft = Histogram("kvgate_ttft_seconds", "Time to first token", tp, buckets=_LATENCY_BUCKETS, registry=registry)
+        self.ttft = Histogram("kvgate_ttft_seconds", "Time to first token (streamed requests)", tp, buckets=_LATENCY_BUCKETS, registry=registry)
         self.latency = Histogram("kvgate_request_duration_seconds", "End-to-end request latency", tp, buckets=_LATENCY_BUCKETS, registry=registry)
         self.kv_reused = Counter("kvgate_kv_blocks_reused", "KV blocks reused from cache (GPU or host)", tp, registry=registry)
         self.kv_new = Counter("kvgate_kv_blocks_new", "KV blocks newly allocated", tp, registry=registry)

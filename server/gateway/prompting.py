@@ -52,7 +52,29 @@ def _prefix_chars(tokenizer: ChatTokenizer, full: str, messages: Sequence[Mappin
     return len(text) if full.startswith(text) and len(text) >= floor else floor
 
 
-def prepare_chat(tokenizer: ChatTokenizer, messages: Sequence[Mapping[str, Any]]) -> PreparedPrompt:
+class ChatPrompter:
+    """Prepares prompts for one tokenizer; caches what depends only on the template."""
+
+    def __init__(self, tokenizer: ChatTokenizer) -> None:
+        self.tokenizer = tokenizer
+        self._default_system: dict[str, str] = {}  # first message's role -> template's default system text
+
+    def default_system_chars(self, full: str, messages: Sequence[Mapping[str, Any]]) -> int:
+        role = str(messages[0].get("role", "user")) if messages else "user"
+        prefix = self._default_system.get(role)
+        if prefix is None:
+            prefix = self._default_system[role] = _default_system_prefix(self.tokenizer, role)
+        return len(prefix) if prefix and full.startswith(prefix) else 0
+
+    def chat(self, messages: Sequence[Mapping[str, Any]]) -> PreparedPrompt:
+        return prepare_chat(self.tokenizer, messages, default_system_chars=self.default_system_chars)
+
+    def completion(self, prompt: str) -> PreparedPrompt:
+        return prepare_completion(self.tokenizer, prompt)
+
+
+def prepare_chat(tokenizer: ChatTokenizer, messages: Sequence[Mapping[str, Any]], *,
+                 default_system_chars=None) -> PreparedPrompt:
     """Render ``messages`` with the chat template and mark the segment boundaries."""
     full = tokenizer.render_chat(messages, add_generation_prompt=True)
     leading_system = 0
@@ -64,7 +86,11 @@ def prepare_chat(tokenizer: ChatTokenizer, messages: Sequence[Mapping[str, Any]]
     if leading_system:
         system_chars = _prefix_chars(tokenizer, full, messages[:leading_system], 0)
     else:
-        system_chars = _default_system_chars(tokenizer, full, messages)
+        if default_system_chars is None:
+            prefix = _default_system_prefix(tokenizer, str(messages[0].get("role", "user")) if messages else "user")
+            system_chars = len(prefix) if prefix and full.startswith(prefix) else 0
+        else:
+            system_chars = default_system_chars(full, messages)
     context_chars = _prefix_chars(tokenizer, full, messages[:last_user], system_chars)
     pieces = (full[:system_chars], full[system_chars:context_chars], full[context_chars:])
     ids: list[int] = []
@@ -76,25 +102,22 @@ def prepare_chat(tokenizer: ChatTokenizer, messages: Sequence[Mapping[str, Any]]
     return PreparedPrompt(tuple(ids), ends[0], ends[1])
 
 
-def _default_system_chars(tokenizer: ChatTokenizer, full: str, messages: Sequence[Mapping[str, Any]]) -> int:
+def _default_system_prefix(tokenizer: ChatTokenizer, role: str) -> str:
     """Where the template's default system prompt (if any) ends, for chats without one.
 
     Two renderings that differ only in the first message's content share a prefix that
     ends inside that message; its start is the role-opening special token (``<|...``)
     before the role name (ChatML ``<|im_start|>user``, Llama-3 ``<|start_header_id|>user``).
     """
-    role = str(messages[0].get("role", "user")) if messages else "user"
     try:
         first = tokenizer.render_chat([{"role": role, "content": "\x00"}], add_generation_prompt=False)
         second = tokenizer.render_chat([{"role": role, "content": "\x01"}], add_generation_prompt=False)
     except Exception:
-        return 0
+        return ""
     common = next((i for i, (a, b) in enumerate(zip(first, second, strict=False)) if a != b), 0)
     role_at = first.rfind(role, 0, common)
     start = first.rfind("<|", 0, role_at) if role_at > 0 else -1
-    if start <= 0 or not full.startswith(first[:start]):
-        return 0
-    return start
+    return first[:start] if start > 0 else ""
 
 
 def prepare_completion(tokenizer: ChatTokenizer, prompt: str) -> PreparedPrompt:

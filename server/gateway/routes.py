@@ -11,13 +11,12 @@ from server.gateway.completions import CompletionJob
 from server.gateway.context import TenantContext
 from server.gateway.errors import ServingError
 from server.gateway.openai_schemas import ChatCompletionRequest, CompletionRequest
-from server.gateway.prompting import prepare_chat, prepare_completion
 from server.gateway.services import GatewayServices
 
 router = APIRouter(prefix="/v1", tags=["serving"])
 
 
-def gateway(request: Request) -> GatewayServices:
+async def gateway(request: Request) -> GatewayServices:
     return request.app.state.gateway
 
 
@@ -43,8 +42,9 @@ def _check_model(tenant: TenantContext, model: str) -> None:
 
 async def _job(services: GatewayServices, tenant: TenantContext, body, kind: str, prompt_for) -> CompletionJob:
     _check_model(tenant, body.model)
-    tokenizer = await services.engines.tokenizer(tenant.pool)
-    prompt = prompt_for(tokenizer)
+    prompter = await services.engines.prompter(tenant.pool)
+    tokenizer = prompter.tokenizer
+    prompt = prompt_for(prompter)
     if prompt.total == 0:
         raise ServingError(400, "empty_prompt", "the prompt is empty", param="messages" if kind == "chat" else "prompt")
     requested = body.requested_max_tokens()
@@ -70,14 +70,14 @@ async def list_models(tenant: Tenant) -> dict:
 @router.post("/chat/completions")
 async def chat_completions(body: ChatCompletionRequest, tenant: Tenant, services: Gateway):
     messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-    job = await _job(services, tenant, body, "chat", lambda tok: prepare_chat(tok, messages))
+    job = await _job(services, tenant, body, "chat", lambda p: p.chat(messages))
     return await services.runner.run(job)
 
 
 @router.post("/completions")
 async def completions(body: CompletionRequest, tenant: Tenant, services: Gateway):
     assert isinstance(body.prompt, str)
-    job = await _job(services, tenant, body, "text", lambda tok: prepare_completion(tok, body.prompt))  # type: ignore[arg-type]
+    job = await _job(services, tenant, body, "text", lambda p: p.completion(body.prompt))  # type: ignore[arg-type]
     return await services.runner.run(job)
 
 

@@ -62,7 +62,7 @@ class GatewayServices:
         await self.monitor.refresh()
         for pool in list(self.engines.pools.values()):
             try:
-                await self.engines.tokenizer(pool)
+                await self.engines.prompter(pool)
             except Exception:  # a pool without a usable tokenizer answers 503 per request
                 log.exception("no tokenizer for pool %s", pool.name)
 
