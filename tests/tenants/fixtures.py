@@ -43,13 +43,14 @@ class Database:
     schema: str | None = None
 
     def clear(self) -> None:
+        """Empty every table and restart ids at 1 (DELETE: TRUNCATE costs ~170 ms a call here)."""
         with self.engine.begin() as conn:
+            for table in reversed(Base.metadata.sorted_tables):
+                conn.execute(table.delete())
             if self.backend == "postgresql":
-                names = ", ".join(t.name for t in Base.metadata.sorted_tables)
-                conn.execute(text(f"TRUNCATE {names} RESTART IDENTITY CASCADE"))
-            else:
-                for table in reversed(Base.metadata.sorted_tables):
-                    conn.execute(table.delete())
+                for table in Base.metadata.sorted_tables:
+                    if "id" in table.c and table.c.id.autoincrement is not False and table.c.id.primary_key:
+                        conn.execute(text(f"SELECT setval(pg_get_serial_sequence('{table.name}', 'id'), 1, false)"))
 
 
 def pg_engine(schema: str) -> Engine:
@@ -106,12 +107,11 @@ def _postgres_db() -> Iterator[Database]:
 
 
 @pytest.fixture(params=["sqlite", pytest.param("postgresql", marks=pytest.mark.postgres)])
-def db(request: pytest.FixtureRequest) -> Iterator[Database]:
+def db(request: pytest.FixtureRequest) -> Database:
     """A migrated, empty registry on each backend."""
     database: Database = request.getfixturevalue("_sqlite_db" if request.param == "sqlite" else "_postgres_db")
     database.clear()
-    yield database
-    database.clear()
+    return database
 
 
 @pytest.fixture
