@@ -14,7 +14,7 @@ from sqlalchemy import inspect
 from tenants import migrate
 from tenants.db import make_engine
 from tenants.models import Base
-from tests.tenants.fixtures import drop_pg_schema, new_pg_schema, pg_engine, postgres_reachable
+from tests.tenants.fixtures import PG_ADMIN_URL, drop_pg_schema, new_pg_schema, pg_engine, postgres_reachable
 
 TABLES = {t.name for t in Base.metadata.sorted_tables}
 
@@ -81,3 +81,23 @@ def test_migration_files_ship_as_package_data() -> None:
     assert any(f.startswith("migrations/versions/") for f in files)
     uncovered = [f for f in files if not any(fnmatch.fnmatch(f, pat) for pat in patterns)]
     assert uncovered == []
+
+
+@pytest.mark.postgres
+def test_postgres_by_url_like_the_cli() -> None:
+    """The URL path of env.py (what ``kvgate db upgrade`` uses), with a %-escaped query string."""
+    if not postgres_reachable():
+        pytest.skip("PostgreSQL is unreachable")
+    schema = new_pg_schema()
+    url = f"{PG_ADMIN_URL}?options=-csearch_path%3D{schema}"
+    try:
+        migrate.upgrade(url=url)
+        assert migrate.current(url=url) == migrate.head()
+        engine = pg_engine(schema)
+        with engine.connect() as conn:
+            assert set(inspect(conn).get_table_names()) == TABLES | {"alembic_version"}
+        engine.dispose()
+        migrate.downgrade(url=url, revision="base")
+        assert migrate.current(url=url) is None
+    finally:
+        drop_pg_schema(schema)
