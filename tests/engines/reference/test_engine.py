@@ -81,7 +81,7 @@ async def test_duplicate_ids_and_stopped_engine_are_refused(bundle, tokenizer):
     ({"kv_dtype": "int4"}, "kv_dtype"),
     ({"secondary_offload_min_priority": 200}, "secondary_offload_min_priority"),
     ({"max_input_len": 100_000}, "primary pool"),
-    ({"weight_dtype": "fp64"}, "weight_dtype"),
+    ({"weight_format": "fp64"}, "weight_format"),
 ])
 def test_config_validation_names_the_setting(change, named):
     with pytest.raises(EngineConfigError, match=named):

@@ -18,48 +18,48 @@ def make(dtype: KvDtype, scales=None) -> PagedKvCache:
 def test_read_returns_what_write_stored(dtype):
     cache = make(dtype, torch.tensor([0.01, 0.02]))
     torch.manual_seed(0)
-    key, value = torch.randn(5, 12), torch.randn(5, 12)
+    rows = torch.randn(5, 24)  # [K heads | V heads] per token
     slots = torch.tensor([0, 1, 2, 9, 10])
-    cache.write(1, key, value, slots)
+    cache.write(1, rows, slots)
     read = cache.read(1, slots)
-    expected = cache.dequantize(1, cache.quantize(1, torch.stack((key, value))))
+    expected = cache.dequantize(1, cache.quantize(1, rows))
     assert torch.equal(read, expected)
     tolerance = {KvDtype.FP32: 0.0, KvDtype.FP16: 2e-3, KvDtype.BF16: 2e-2, KvDtype.FP8_E4M3: 0.07, KvDtype.FP8_E5M2: 0.13}[dtype]
-    assert torch.allclose(read[0], key, rtol=tolerance, atol=tolerance * 0.1 + 1e-6)
+    assert torch.allclose(read, rows, rtol=tolerance, atol=tolerance * 0.1 + 1e-6)
 
 
 def test_e4m3_uses_the_per_layer_scale_and_clamps():
     cache = make(KvDtype.FP8_E4M3, torch.tensor([1.0, 0.5]))
-    big = torch.full((1, 12), 1000.0)
-    cache.write(1, big, -big, torch.tensor([0]))
+    big = torch.cat((torch.full((1, 12), 1000.0), torch.full((1, 12), -1000.0)), dim=1)
+    cache.write(1, big, torch.tensor([0]))
     read = cache.read(1, torch.tensor([0]))
-    assert torch.equal(read[0], torch.full((1, 12), 448.0 * 0.5))  # clamped to E4M3 max, times the scale
-    assert torch.equal(read[1], torch.full((1, 12), -448.0 * 0.5))
+    assert torch.equal(read[:, :12], torch.full((1, 12), 448.0 * 0.5))  # clamped to E4M3 max, times the scale
+    assert torch.equal(read[:, 12:], torch.full((1, 12), -448.0 * 0.5))
     assert cache.primary.dtype == torch.float8_e4m3fn
 
 
 def test_e5m2_clamps_instead_of_overflowing_to_inf():
     cache = make(KvDtype.FP8_E5M2)
-    cache.write(0, torch.full((1, 12), 1e6), torch.zeros(1, 12), torch.tensor([3]))
+    cache.write(0, torch.full((1, 24), 1e6), torch.tensor([3]))
     read = cache.read(0, torch.tensor([3]))
-    assert torch.isfinite(read).all() and read[0].max() == 57344.0
+    assert torch.isfinite(read).all() and read.max() == 57344.0
 
 
 @pytest.mark.parametrize("dtype", [KvDtype.FP8_E4M3, KvDtype.BF16])
 def test_offload_and_onboard_copy_bytes_exactly(dtype):
     cache = make(dtype, torch.tensor([0.05, 0.05]))
-    cache.write(0, torch.randn(4, 12), torch.randn(4, 12), torch.arange(4, 8))  # block 1
-    cache.write(1, torch.randn(4, 12), torch.randn(4, 12), torch.arange(4, 8))
+    cache.write(0, torch.randn(4, 24), torch.arange(4, 8))  # block 1
+    cache.write(1, torch.randn(4, 24), torch.arange(4, 8))
     original = cache.block_bytes(0, 1)
     cache.copy_block(0, 1, 1, 2)  # offload primary 1 -> secondary 2
     assert torch.equal(cache.block_bytes(1, 2).view(torch.uint8), original.view(torch.uint8))
-    cache.write(0, torch.zeros(4, 12), torch.zeros(4, 12), torch.arange(4, 8))  # slot reused by someone else
+    cache.write(0, torch.zeros(4, 24), torch.arange(4, 8))  # slot reused by someone else
     cache.copy_block(1, 2, 0, 3)  # onboard secondary 2 -> primary 3
     assert torch.equal(cache.block_bytes(0, 3).view(torch.uint8), original.view(torch.uint8))
 
 
 def test_sizes_follow_the_dtype():
-    assert make(KvDtype.FP8_E4M3).nbytes() == (2 * 2 * 16 * 12, 2 * 2 * 12 * 12)
+    assert make(KvDtype.FP8_E4M3).nbytes() == (2 * 16 * 24, 2 * 12 * 24)
     assert make(KvDtype.FP32).nbytes()[0] == 4 * 2 * 2 * 16 * 12
     assert GEOMETRY.bytes_per_block(KvDtype.FP16) == 2 * 2 * 4 * 12 * 2
 

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
 
 from engines.reference.kv_cache import KvDtype, PagedKvCache
-from engines.reference.model import DecodeGroup, PrefillSpan, StepBatch
+from engines.reference.linear import DenseLinear
+from engines.reference.model import DecodeGroup, LlamaModel, PrefillSpan, StepBatch
 from engines.reference.weights import unpermute_rope_rows
 from tests.engines.reference.helpers import chat_ids
 
@@ -17,8 +20,8 @@ def test_gguf_facts(bundle):
     assert (cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim) == (30, 576, 9, 3, 64)
     assert cfg.rope_theta == 100000.0 and cfg.vocab_size == 49152
     weights = bundle.model.weights
-    assert weights.lm_head is weights.embed  # tied embeddings: no output.weight in the file
-    assert weights.layers[0].wqkv.shape == (576 + 2 * 192, 576)
+    assert weights.lm_head.weight is weights.embed  # tied embeddings: no output.weight in the file
+    assert weights.layers[0].wqkv.weight.shape == (576 + 2 * 192, 576)
 
 
 def test_unpermute_inverts_llama_cpp_permute():
@@ -101,19 +104,22 @@ def test_wrong_rope_layout_breaks_the_model(bundle, tokenizer):
     good = _prefill(bundle, PagedKvCache(geometry, KvDtype.FP32, primary_blocks=8), ids)
     assert tokenizer.decode([int(good.argmax())]).strip() == "The"
     cfg = bundle.config
-    layers = bundle.model.weights.layers
-    saved = [layer.wqkv.clone() for layer in layers]
-    try:
-        for layer in layers:  # re-apply llama.cpp's permutation to Q and K rows
-            q = layer.wqkv[: cfg.q_size].numpy()
-            k = layer.wqkv[cfg.q_size : cfg.q_size + cfg.kv_size].numpy()
-            permute = lambda w, h: w.reshape(h, 2, w.shape[0] // h // 2, w.shape[1]).swapaxes(1, 2).reshape(w.shape)
-            layer.wqkv[: cfg.q_size] = torch.from_numpy(permute(q.copy(), cfg.num_heads))
-            layer.wqkv[cfg.q_size : cfg.q_size + cfg.kv_size] = torch.from_numpy(permute(k.copy(), cfg.num_kv_heads))
-        bad = _prefill(bundle, PagedKvCache(geometry, KvDtype.FP32, primary_blocks=8), ids)
-    finally:
-        for layer, original in zip(layers, saved):
-            layer.wqkv.copy_(original)
+
+    def permute(w: torch.Tensor, heads: int) -> torch.Tensor:  # llama.cpp's permutation, re-applied
+        return w.reshape(heads, 2, w.shape[0] // heads // 2, w.shape[1]).transpose(1, 2).reshape(w.shape)
+
+    layers = []
+    for layer in bundle.model.weights.layers:
+        w = layer.wqkv.weight
+        scrambled = torch.cat((permute(w[: cfg.q_size], cfg.num_heads),
+                               permute(w[cfg.q_size : cfg.q_size + cfg.kv_size], cfg.num_kv_heads),
+                               w[cfg.q_size + cfg.kv_size :]))
+        layers.append(dataclasses.replace(layer, wqkv=DenseLinear(scrambled)))
+    wrong = LlamaModel(dataclasses.replace(bundle.model.weights, layers=layers))
+    cache = PagedKvCache(geometry, KvDtype.FP32, primary_blocks=8)
+    slots = torch.arange(len(ids))
+    bad = wrong.forward(StepBatch(torch.tensor(ids), slots, slots, [PrefillSpan(0, len(ids), slots, 0)],
+                                  logit_rows=torch.tensor([len(ids) - 1])), cache)[0]
     assert int(bad.argmax()) != int(good.argmax())
 
 
@@ -122,3 +128,21 @@ def test_e4m3_scales_are_calibrated_per_layer(bundle):
     assert scales.shape == (30,) and (scales > 0).all()
     assert len(set(scales.tolist())) > 1  # per layer, not one global constant
     assert torch.equal(bundle.kv_scales(KvDtype.FP8_E5M2), torch.ones(30))
+
+
+def test_q4_rows_reproduce_gguf_dequantization_and_the_int4_kernel_matches(bundle):
+    from gguf.quants import dequantize
+
+    from engines.reference.linear import Q4Rows
+    from engines.reference.weights import open_gguf
+
+    reader = open_gguf(bundle.path)
+    tensor = next(t for t in reader.tensors if t.name == "blk.3.ffn_down.weight")
+    rows = Q4Rows.from_gguf(np.asarray(tensor.data))
+    reference = dequantize(tensor.data, tensor.tensor_type)
+    assert np.array_equal(rows.dequantize(), reference)
+    linear = rows.to_linear()
+    x = torch.randn(3, reference.shape[1])
+    expected = x @ torch.from_numpy(reference).t()
+    # bf16 activations and scales: relative error of a few 1e-3
+    assert torch.allclose(linear(x), expected, rtol=0.02, atol=0.02 * expected.abs().max().item())

@@ -1,0 +1,98 @@
+"""Linear layers for the reference forward: dense fp32/bf16, or the GGUF's own 4-bit weights.
+
+Decode at small batch is memory-bound: every step streams every weight once. The
+``q4`` backend keeps SmolLM2's Q4_1 matrices 4-bit (as llama.cpp does) instead of
+dequantizing them to fp32, cutting the bytes per step ~7x. The conversion keeps the
+4-bit codes: a Q4_1 block of 32 values stores ``w = d*q + m`` (``q`` in 0..15, ``d``/``m``
+fp16, ggml ``block_q4_1``); torch's CPU int4 kernel computes ``w = (q - 8)*scale + zero``
+per group of 32 along K, so ``scale = d`` and ``zero = m + 8d`` give the same weights up
+to the kernel's bf16 scales (relative rounding 2^-9 of ``d`` and ``zero``). Its
+activations are bf16 (the kernel's vectorised path); the residual stream stays fp32.
+
+Invariant: every backend computes ``x @ W.T`` for the same ``W`` (up to the activation
+rounding of its compute dtype) and returns ``x``'s dtype.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+Q4_GROUP = 32
+_Q4_1_BLOCK_BYTES = 20  # fp16 d, fp16 m, 16 bytes of nibbles
+
+
+@dataclass(slots=True)
+class DenseLinear:
+    weight: torch.Tensor  # [out, in], contiguous
+
+    @property
+    def out_features(self) -> int:
+        return self.weight.shape[0]
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == self.weight.dtype:
+            return x @ self.weight.t()
+        return (x.to(self.weight.dtype) @ self.weight.t()).to(x.dtype)
+
+    def dense(self) -> torch.Tensor:
+        return self.weight.float()
+
+
+@dataclass(slots=True)
+class Int4Linear:
+    packed: torch.Tensor  # torch CPU int4 pack of q [out, in]
+    scales_zeros: torch.Tensor  # [in / 32, out, 2] bf16
+    out_features: int
+    in_features: int
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(x.to(torch.bfloat16), self.packed, Q4_GROUP, self.scales_zeros)
+        return y.to(x.dtype)
+
+    def dense(self) -> torch.Tensor:
+        eye = torch.eye(self.in_features, dtype=torch.bfloat16)
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(eye, self.packed, Q4_GROUP, self.scales_zeros).float().t()
+
+
+Linear = DenseLinear | Int4Linear
+
+
+@dataclass(slots=True)
+class Q4Rows:
+    """A Q4_1 matrix split into nibbles and per-group ``d``/``m`` (rows can be permuted/concatenated)."""
+
+    q: np.ndarray  # [out, in] uint8 in 0..15
+    d: np.ndarray  # [out, in / 32] float32
+    m: np.ndarray  # [out, in / 32] float32
+
+    @classmethod
+    def from_gguf(cls, raw: np.ndarray) -> Q4Rows:
+        rows = raw.shape[0]
+        blocks = raw.reshape(rows, -1, _Q4_1_BLOCK_BYTES)
+        d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+        m = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
+        nibbles = blocks[..., 4:]
+        q = np.concatenate((nibbles & 0x0F, nibbles >> 4), axis=-1)  # elements 0..15 low, 16..31 high
+        return cls(q.reshape(rows, -1), d, m)
+
+    def take_rows(self, order: np.ndarray) -> Q4Rows:
+        return Q4Rows(self.q[order], self.d[order], self.m[order])
+
+    @staticmethod
+    def concat(parts: list[Q4Rows]) -> Q4Rows:
+        return Q4Rows(*(np.concatenate([getattr(p, f) for p in parts]) for f in ("q", "d", "m")))
+
+    def dequantize(self) -> np.ndarray:
+        groups = self.q.reshape(self.q.shape[0], -1, Q4_GROUP).astype(np.float32)
+        return (groups * self.d[..., None] + self.m[..., None]).reshape(self.q.shape)
+
+    def to_linear(self) -> Int4Linear:
+        out_features, in_features = self.q.shape
+        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(torch.from_numpy(self.q.astype(np.int32)), 1)
+        scale = torch.from_numpy(self.d).t()
+        zero = torch.from_numpy(self.m + 8.0 * self.d).t()
+        scales_zeros = torch.stack((scale, zero), dim=-1).to(torch.bfloat16).contiguous()
+        return Int4Linear(packed, scales_zeros, out_features, in_features)
