@@ -11,7 +11,9 @@ shaped for it (host tier or not, offload threshold). Built-ins:
 * ``class``          — retention classes from a mapping of tenants / prefix groups to
                         system/context/turn/decode priorities and durations, through the
                         same planner the gateway uses;
-* plug-ins passed to :func:`make_policy` in a ``registry`` (issue 7's ``adaptive``).
+* ``adaptive``       — per-tenant reuse statistics (``retention/adaptive.py``), the same
+                        code the gateway runs;
+* plug-ins passed to :func:`make_policy` in a ``registry``.
 """
 
 from __future__ import annotations
@@ -20,8 +22,10 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from retention.adaptive import adaptive_policy
 from retention.planner import QuotaState, RetentionClassSpec, SegmentRetention, Segments, plan_retention
 from retention.pool import Allocation, BlockPool
+from retention.quota import QuotaTracker
 from retention.trace import TraceRequest
 from retention.types import DEFAULT_PLAN, TRTLLM_DEFAULT_OFFLOAD_MIN_PRIORITY, RetentionPlan, RetentionPlanError
 
@@ -79,6 +83,8 @@ class ClassMapping:
     offload_min_priority: int = TRTLLM_DEFAULT_OFFLOAD_MIN_PRIORITY
     tenants: dict[str, str] = field(default_factory=dict)
     prefix_groups: dict[int, str] = field(default_factory=dict)
+    quotas: dict[str, float] = field(default_factory=dict)  # tenant -> share of GPU blocks
+    quota_hysteresis: float = 0.1
 
     @classmethod
     def from_dict(cls, data: Any) -> ClassMapping:
@@ -92,10 +98,14 @@ class ClassMapping:
               standard: {...}
             tenants: {acme: premium}
             prefix_groups: {0: premium}      # requests whose first hash id is 0
+            quotas: {noisy: 0.5}             # optional: share of GPU blocks (retention/quota.py)
+            quota_hysteresis: 0.1
         """
         if not isinstance(data, Mapping):
             raise ClassMappingError("the class mapping must be a mapping")
-        unknown = set(data) - {"classes", "default", "offload_min_priority", "tenants", "prefix_groups"}
+        unknown = set(data) - {
+            "classes", "default", "offload_min_priority", "tenants", "prefix_groups", "quotas", "quota_hysteresis",
+        }
         if unknown:
             raise ClassMappingError(f"unknown top-level keys {sorted(unknown)}")
         raw_classes = data.get("classes")
@@ -121,7 +131,15 @@ class ClassMapping:
                               *((f"prefix_groups.{k}", v) for k, v in groups.items())]:
             if target not in classes:
                 raise ClassMappingError(f"{where} names unknown class {target!r}")
-        return cls(classes, str(default), threshold, tenants, groups)
+        quotas: dict[str, float] = {}
+        for tenant, fraction in (data.get("quotas") or {}).items():
+            if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0 < fraction <= 1:
+                raise ClassMappingError(f"quotas.{tenant} must be a fraction within (0, 1]")
+            quotas[str(tenant)] = float(fraction)
+        hysteresis = data.get("quota_hysteresis", 0.1)
+        if isinstance(hysteresis, bool) or not isinstance(hysteresis, (int, float)) or not 0 <= hysteresis < 1:
+            raise ClassMappingError("quota_hysteresis must be within [0, 1)")
+        return cls(classes, str(default), threshold, tenants, groups, quotas, float(hysteresis))
 
     def class_for(self, request: TraceRequest) -> RetentionClassSpec:
         if request.hash_ids and request.hash_ids[0] in self.prefix_groups:
@@ -146,18 +164,33 @@ QuotaLookup = Callable[[str | None, BlockPool], QuotaState]
 
 @dataclass(slots=True)
 class ClassPolicy:
+    """Classes through the gateway's planner; with ``mapping.quotas``, over-quota demotion too."""
+
     mapping: ClassMapping
     block_size: int = 512
-    quota: QuotaLookup | None = None  # issue 7: over-quota demotion
+    quota: QuotaLookup | None = None  # override; default: a QuotaTracker when the mapping has quotas
     name: str = "class"
     uses_host: bool = True
+    tracker: QuotaTracker | None = None
+    demotions: int = 0  # requests planned while their tenant was over quota
 
     @property
     def offload_min_priority(self) -> int:
         return self.mapping.offload_min_priority
 
+    def _quota_state(self, tenant: str | None, pool: BlockPool) -> QuotaState:
+        if self.quota is not None:
+            return self.quota(tenant, pool)
+        if not self.mapping.quotas:
+            return QuotaState()
+        if self.tracker is None:
+            self.tracker = QuotaTracker(pool.config.primary_blocks, dict(self.mapping.quotas), self.mapping.quota_hysteresis)
+        self.tracker.update(pool.tenant_blocks())
+        return self.tracker.state(tenant)
+
     def plan(self, request: TraceRequest, hashes: list[int], *, now: float, pool: BlockPool) -> RetentionPlan:
-        state = QuotaState() if self.quota is None else self.quota(request.tenant, pool)
+        state = self._quota_state(request.tenant, pool)
+        self.demotions += state.over_quota
         return plan_retention(
             self.mapping.class_for(request), trace_segments(request, self.block_size),
             offload_min_priority=self.mapping.offload_min_priority, quota=state,
@@ -197,4 +230,6 @@ def make_policy(
         pass
     if registry and name in registry:
         return registry[name](mapping=mapping, block_size=block_size)
+    if name == "adaptive":
+        return adaptive_policy(mapping=mapping, block_size=block_size)
     raise ClassMappingError(f"unknown policy {name!r}; known: {', '.join(policy_names())}")

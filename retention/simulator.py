@@ -154,6 +154,8 @@ def simulate(
     result = PolicyResult(policy.name, primary_blocks, secondary)
     bpt = config.tokens_per_block
     no_hashes: list[int] = []
+    if hashes is None:
+        hashes = request_hashes(requests, config)
 
     def account(request: TraceRequest, reused: int, onboarded: int, rejected: bool) -> None:
         tenant = result.tenants.setdefault(request.tenant or "-", TenantResult())
@@ -168,7 +170,7 @@ def simulate(
 
     def try_admit(request: TraceRequest, now: float, reserve: int):
         tokens = request_tokens(request, config.trace_block_size)
-        h = hashes[request.index] if hashes is not None else no_hashes
+        h = hashes[request.index] if request.index < len(hashes) else no_hashes
         plan = policy.plan(request, h, now=now, pool=pool)
         alloc = pool.allocate(
             request.index, tokens, salt=_salt(request, config), tenant=request.tenant, plan=plan, now=now,
@@ -184,7 +186,7 @@ def simulate(
             now = request.timestamp_ms / 1000.0
             tokens, alloc = try_admit(request, now, 0)
             if alloc is None:
-                policy.observe(request, hashes[request.index] if hashes else no_hashes, None, now=now, pool=pool)
+                policy.observe(request, hashes[request.index], None, now=now, pool=pool)
                 account(request, 0, 0, True)
             else:
                 account(request, alloc.reused_blocks, alloc.onboarded_blocks, False)

@@ -112,7 +112,7 @@ def register(app: typer.Typer) -> None:
                 except (OSError, yaml.YAMLError) as exc:
                     raise CliError(f"cannot read {classes}: {exc}") from None
             names = list(policy or (["lru", "trtllm-default"] + (["class"] if mapping else [])))
-            registry = _plugin_registry()
+            registry = None  # plug-in policies beyond the built-ins would be passed here
             for name in names:  # fail fast on unknown names / missing mapping
                 make_policy(name, mapping=mapping, block_size=block_size, registry=registry)
             with trace.open() as handle:
@@ -162,17 +162,6 @@ def register(app: typer.Typer) -> None:
             _print_tables(reports, distinct, len(requests), hold)
             if plot is not None:
                 typer.echo(f"plot written to {plot}")
-
-
-def _plugin_registry() -> dict:
-    """Policies implemented outside the built-ins (issue 7's ``adaptive``), if present."""
-    registry: dict = {}
-    try:
-        from retention.adaptive import adaptive_policy
-    except ImportError:
-        return registry
-    registry["adaptive"] = adaptive_policy
-    return registry
 
 
 def _pct(x: float) -> str:

@@ -1,0 +1,286 @@
+"""Adaptive retention: bounded per-tenant reuse statistics of block-chain hashes → priorities.
+
+The gateway hashes every prompt into block-chain hashes (``retention.hashing.block_hashes``
+with the pool's ``tokens_per_block`` and the tenant's salt) and feeds them here; the
+simulator's ``adaptive`` policy runs the same code.
+
+Model. Per tenant we keep a size-bounded LRU map ``hash -> (uses, last_seen, shape)`` and
+three families of counters, each turned into a probability with a Beta(1, 1) prior:
+
+* ``p_c`` — a block used ``c`` times (c = 1, 2, 3, 4+) is used again within the horizon;
+* ``p_shape`` — a *new conversation* (first block never seen) of this shape
+  (``log2`` of its prompt blocks) comes back within the horizon;
+* ``p_tail`` — a new block appended to a known prefix (a new turn's tail) is used again.
+
+A block about to be reused for the ``c+1``-th time gets ``p_{c+1}``; a new block gets
+``p_shape`` or ``p_tail``. The probability becomes a priority relative to the pool's
+offload threshold ``T``::
+
+    p <  drop (1 %)   → 0              evicted first, dropped (never offloaded)
+    p <  junk (5 %)   → T              evicted first of the offloadable ones, in either tier
+    otherwise         → max(T+1, 36)   one band, LRU inside, duration = horizon
+
+Priorities never increase along a chain (running minimum). The horizon is the median
+(``horizon_quantile``) of the tenant's observed reuse gaps (bounded reservoir); after it a
+kept block falls back to 35 — below the live band — so stale blocks go before fresh ones.
+
+Why so few levels: on the Mooncake synthetic trace, finer priority levels (by ``p``) and
+protecting reused blocks for long horizons did *worse* than LRU (stale "hot" blocks crowd
+the cache; see docs/benchmarks.md). What reliably helps is keeping one-shot traffic out of
+the way — which is also what protects a premium tenant from a flooding neighbour, whose
+unique prompts drive its ``p`` towards 0.
+
+Bounds: ``max_entries`` hashes per tenant (oldest forgotten first; a forgotten hash counts
+as new), a fixed reservoir of gaps per tenant, O(blocks) work per request.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from retention.types import MAX_PRIORITY, RetentionPlan, TokenRange
+
+BUCKETS = 4  # use-count buckets: 1, 2, 3, 4+
+
+
+@dataclass(frozen=True, slots=True)
+class AdaptiveConfig:
+    max_entries: int = 200_000  # per tenant
+    keep_probability: float = 0.5  # p at or above which a block is kept at/above the threshold
+    junk_probability: float = 0.05  # p below which a block goes to the lowest band (evicted first)
+    drop_probability: float = 0.01  # p below which a block gets priority 0 (dropped, never offloaded)
+    levels: int = 1  # distinct kept priorities (1 = one band, LRU inside)
+    use_durations: bool = True  # kept blocks fall back to 35 after the horizon
+    horizon_quantile: float = 0.5
+    min_horizon_ms: int = 1_000
+    max_horizon_ms: int = 3_600_000
+    reservoir: int = 512  # reuse gaps kept per tenant for the horizon estimate
+
+    def __post_init__(self) -> None:
+        if self.max_entries < 1 or self.reservoir < 1:
+            raise ValueError("max_entries and reservoir must be >= 1")
+        if not 0.0 < self.keep_probability < 1.0 or not 0.0 < self.horizon_quantile <= 1.0:
+            raise ValueError("keep_probability must be in (0, 1) and horizon_quantile in (0, 1]")
+        if not 0 <= self.min_horizon_ms <= self.max_horizon_ms:
+            raise ValueError("need 0 <= min_horizon_ms <= max_horizon_ms")
+
+
+@dataclass(slots=True)
+class _Entry:
+    uses: int
+    last_seen: float  # seconds
+    shape: int = -1  # for a chain's first block: the shape bucket of the request that created it
+
+
+SHAPES = 8  # request shape = log2(prompt blocks), capped
+
+
+def shape_of(num_blocks: int) -> int:
+    return min(max(num_blocks, 1).bit_length() - 1, SHAPES - 1)
+
+
+@dataclass(slots=True)
+class TenantReuse:
+    """One tenant's bounded statistics."""
+
+    entries: OrderedDict[int, _Entry] = field(default_factory=OrderedDict)
+    reached: list[int] = field(default_factory=lambda: [0] * BUCKETS)  # blocks that reached c uses
+    reused: list[int] = field(default_factory=lambda: [0] * BUCKETS)  # ... and were used again in time
+    gaps: list[float] = field(default_factory=list)  # reservoir of reuse gaps (seconds)
+    gap_count: int = 0
+    # New conversations by shape: how many started, how many came back within the horizon.
+    opened: list[int] = field(default_factory=lambda: [0] * SHAPES)
+    revisited: list[int] = field(default_factory=lambda: [0] * SHAPES)
+    # New blocks appended to a known prefix ("tails"): how many, how many were used again.
+    tails: int = 0
+    tails_reused: int = 0
+
+    def probability(self, uses_before: int) -> float:
+        """P(used again | this use is use number ``uses_before + 1``), Beta(1,1)-smoothed."""
+        bucket = min(uses_before, BUCKETS - 1)
+        return (self.reused[bucket] + 1) / (self.reached[bucket] + 2)
+
+    def revisit_probability(self, shape: int) -> float:
+        """P(a new conversation of this shape comes back), Beta(1,1)-smoothed."""
+        return (self.revisited[shape] + 1) / (self.opened[shape] + 2)
+
+    def tail_probability(self) -> float:
+        return (self.tails_reused + 1) / (self.tails + 2)
+
+
+class ReuseStats:
+    """Per-tenant reuse statistics; the only state adaptive retention keeps."""
+
+    def __init__(self, config: AdaptiveConfig = AdaptiveConfig()) -> None:
+        self.config = config
+        self._tenants: dict[str, TenantReuse] = {}
+
+    def tenant(self, tenant: str | None) -> TenantReuse:
+        key = tenant or ""
+        stats = self._tenants.get(key)
+        if stats is None:
+            stats = self._tenants[key] = TenantReuse()
+        return stats
+
+    def uses(self, tenant: str | None, hashes: Sequence[int]) -> list[int]:
+        """Prior use count of each hash (0 = never seen or forgotten). Pure query."""
+        entries = self.tenant(tenant).entries
+        return [entries[h].uses if h in entries else 0 for h in hashes]
+
+    def horizon_ms(self, tenant: str | None) -> int:
+        cfg = self.config
+        gaps = self.tenant(tenant).gaps
+        if not gaps:
+            return cfg.max_horizon_ms
+        ordered = sorted(gaps)
+        value = ordered[min(len(ordered) - 1, int(cfg.horizon_quantile * len(ordered)))] * 1000.0
+        return int(min(cfg.max_horizon_ms, max(cfg.min_horizon_ms, value)))
+
+    def observe(self, tenant: str | None, hashes: Sequence[int], now: float, *, num_blocks: int | None = None) -> None:
+        """Record one request's blocks (call once per request, after planning it).
+
+        ``num_blocks`` (prompt blocks incl. a partial tail) gives the request's shape;
+        it defaults to ``len(hashes)``.
+        """
+        if not hashes:
+            return
+        stats = self.tenant(tenant)
+        entries = stats.entries
+        horizon_s = self.horizon_ms(tenant) / 1000.0
+        cfg = self.config
+        root = entries.get(hashes[0])
+        new_conversation = root is None
+        if root is not None and root.uses == 1 and root.shape >= 0 and now - root.last_seen <= horizon_s:
+            stats.revisited[root.shape] += 1
+        # Deepest first, so a chain's root is the most recently touched entry and is
+        # forgotten last (uses stay non-increasing along every remembered chain).
+        for depth in range(len(hashes) - 1, -1, -1):
+            h = hashes[depth]
+            entry = entries.get(h)
+            if entry is None:
+                entries[h] = _Entry(1, now, -1 if not new_conversation else -2)
+                stats.reached[0] += 1
+                if not new_conversation:
+                    stats.tails += 1
+                if len(entries) > cfg.max_entries:
+                    entries.popitem(last=False)
+                continue
+            entries.move_to_end(h)
+            gap = now - entry.last_seen
+            bucket = min(entry.uses - 1, BUCKETS - 1)
+            if gap <= horizon_s:
+                stats.reused[bucket] += 1
+                if entry.shape == -1 and entry.uses == 1:
+                    stats.tails_reused += 1
+            self._record_gap(stats, gap, h)
+            entry.uses += 1
+            entry.last_seen = now
+            stats.reached[min(entry.uses - 1, BUCKETS - 1)] += 1
+        if new_conversation:
+            shape = shape_of(num_blocks if num_blocks is not None else len(hashes))
+            stats.opened[shape] += 1
+            first = entries.get(hashes[0])
+            if first is not None:
+                first.shape = shape
+
+    def _record_gap(self, stats: TenantReuse, gap: float, salt: int) -> None:
+        """Reservoir sampling with a deterministic index (no RNG state: reproducible runs)."""
+        stats.gap_count += 1
+        if len(stats.gaps) < self.config.reservoir:
+            stats.gaps.append(gap)
+            return
+        slot = (salt ^ (stats.gap_count * 0x9E3779B1)) % stats.gap_count
+        if slot < self.config.reservoir:
+            stats.gaps[slot] = gap
+
+    def num_entries(self) -> int:
+        return sum(len(t.entries) for t in self._tenants.values())
+
+
+def priority_for(probability: float, threshold: int, config: AdaptiveConfig) -> int:
+    """Map a reuse probability to a priority band (see the module docstring).
+
+    The kept band sits above 35 so that an expired block (back at 35) sinks below every
+    live block, and above ``T`` so that evicted kept blocks go to the host tier.
+    """
+    if probability < config.drop_probability:
+        return 0
+    if probability < config.junk_probability:
+        return threshold  # lowest offloadable priority: first out of either tier
+    base = max(threshold + 1, 36)
+    if probability < config.keep_probability or config.levels <= 1:
+        return min(base, MAX_PRIORITY)
+    span = MAX_PRIORITY - base
+    level = min(config.levels - 1, int(config.levels * (probability - config.keep_probability) / (1.0 - config.keep_probability)))
+    return base + round(span * level / max(1, config.levels - 1))
+
+
+def adaptive_plan(
+    stats: ReuseStats,
+    tenant: str | None,
+    hashes: Sequence[int],
+    *,
+    num_tokens: int,
+    tokens_per_block: int,
+    offload_min_priority: int,
+    decode_priority: int = 0,
+) -> RetentionPlan:
+    """Per-block ranges from the tenant's statistics; equal neighbours merge, last open-ended.
+
+    Blocks past the hashed ones (the partial tail) are treated as never seen. Invariant:
+    priorities never increase with depth (running minimum), so a parent is never evicted
+    before its child — TensorRT-LLM would otherwise drop the child with the parent.
+    """
+    cfg = stats.config
+    tenant_stats = stats.tenant(tenant)
+    horizon = stats.horizon_ms(tenant)
+    uses = stats.uses(tenant, hashes)
+    num_blocks = -(-num_tokens // tokens_per_block)
+    new_conversation = not uses or uses[0] == 0
+    fresh = tenant_stats.revisit_probability(shape_of(num_blocks)) if new_conversation else tenant_stats.tail_probability()
+    ranges: list[list] = []
+    ceiling = MAX_PRIORITY
+    for index in range(num_blocks):
+        prior = uses[index] if index < len(uses) else 0
+        p = tenant_stats.probability(prior) if prior else fresh
+        priority = min(ceiling, priority_for(p, offload_min_priority, cfg))
+        ceiling = priority
+        duration = horizon if priority > 35 and cfg.use_durations else None
+        start = index * tokens_per_block
+        if ranges and ranges[-1][2] == priority and ranges[-1][3] == duration:
+            ranges[-1][1] = start + tokens_per_block
+        else:
+            ranges.append([start, start + tokens_per_block, priority, duration])
+    tokens = [
+        TokenRange(start, None if i == len(ranges) - 1 else end, priority, duration)
+        for i, (start, end, priority, duration) in enumerate(ranges)
+    ]
+    return RetentionPlan(tuple(tokens), decode_priority, None)
+
+
+@dataclass(slots=True)
+class AdaptivePolicy:
+    """The simulator's ``adaptive`` policy: same statistics and planner as the gateway."""
+
+    stats: ReuseStats
+    block_size: int = 512
+    offload_min_priority: int = 30
+    name: str = "adaptive"
+    uses_host: bool = True
+
+    def plan(self, request, hashes, *, now, pool) -> RetentionPlan:  # noqa: ANN001 - SimPolicy protocol
+        return adaptive_plan(
+            self.stats, request.tenant, hashes, num_tokens=request.input_length,
+            tokens_per_block=pool.config.tokens_per_block, offload_min_priority=self.offload_min_priority,
+        )
+
+    def observe(self, request, hashes, allocation, *, now, pool) -> None:  # noqa: ANN001
+        self.stats.observe(request.tenant, hashes, now, num_blocks=-(-request.input_length // pool.config.tokens_per_block))
+
+
+def adaptive_policy(*, mapping=None, block_size: int = 512, config: AdaptiveConfig = AdaptiveConfig()) -> AdaptivePolicy:  # noqa: ANN001
+    """Factory used by ``kvgate simulate -p adaptive`` (the class mapping's threshold if given)."""
+    threshold = mapping.offload_min_priority if mapping is not None else 30
+    return AdaptivePolicy(ReuseStats(config), block_size, threshold)
