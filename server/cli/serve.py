@@ -61,6 +61,9 @@ def register(app: typer.Typer) -> None:
         seed_demo: Annotated[
             bool | None, typer.Option("--seed-demo/--no-seed-demo", help="create a demo pool/class/tenant/key (default: on in --dev)")
         ] = None,
+        drain_timeout: Annotated[
+            float, typer.Option(envvar="KVGATE_DRAIN_TIMEOUT", help="on SIGTERM: seconds to let in-flight requests finish (new ones get 503)")
+        ] = 30.0,
     ) -> None:
         """Serve the gateway (/v1) and the admin API (/admin/v1)."""
         import uvicorn
@@ -122,8 +125,12 @@ def register(app: typer.Typer) -> None:
             typer.secho(DEMO.format(base=f"http://{settings.host}:{settings.port}", key=demo_key),
                         fg=typer.colors.GREEN, err=True)
         try:
-            uvicorn.run(build_serving_app(settings), host=settings.host, port=settings.port,
-                        log_level=settings.log_level, timeout_graceful_shutdown=30)
+            from server.gateway.drain import DrainingServer
+
+            app = build_serving_app(settings)
+            config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level=settings.log_level,
+                                    timeout_graceful_shutdown=30)
+            DrainingServer(config, app.state.gateway, drain_timeout=drain_timeout).run()
         finally:
             if child is not None:
                 stop_engine(child)

@@ -21,6 +21,7 @@ from sqlalchemy import text
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from server.gateway.context import PoolRef
+from server.gateway.drain import InFlight
 from server.gateway.errors import ServingError, error_response, handle_serving_error, validation_error
 from server.gateway.pool_monitor import TenantQuota
 from server.gateway.routes import router
@@ -170,6 +171,7 @@ def install_gateway(app: FastAPI, services: GatewayServices) -> FastAPI:
     app.router.lifespan_context = lifespan
     app.add_middleware(AdminMutationHook, services=services)
     app.add_middleware(BodyLimit)
+    app.add_middleware(InFlight, services=services)
     return app
 
 

@@ -44,7 +44,8 @@ class GatewayServices:
     metrics: GatewayMetrics
     runner: CompletionRunner
     intervals: LoopIntervals = field(default_factory=LoopIntervals)
-    draining: bool = False
+    draining: bool = False  # set by the SIGTERM drain (server.gateway.drain): new requests get 503
+    in_flight: int = 0  # serving requests not yet fully answered (server.gateway.drain.InFlight)
     _tasks: list[asyncio.Task] = field(default_factory=list)
 
     async def _loop(self, interval: float, step, name: str) -> None:
