@@ -37,8 +37,8 @@ def paginate(session: Session, stmt: Select[Any], *, limit: int, offset: int) ->
     """Run ``stmt`` (already ordered) for one page; ``total`` counts the unpaged rows."""
     if isinstance(limit, bool) or not isinstance(limit, int) or not 1 <= limit <= MAX_PAGE:
         raise InvalidField(f"limit must be an integer in [1, {MAX_PAGE}]", field="limit")
-    if isinstance(offset, bool) or not isinstance(offset, int) or offset < 0:
-        raise InvalidField("offset must be an integer >= 0", field="offset")
+    if isinstance(offset, bool) or not isinstance(offset, int) or not 0 <= offset <= 2**31 - 1:
+        raise InvalidField("offset must be an integer in [0, 2147483647]", field="offset")
     total = session.scalar(select(func.count()).select_from(stmt.order_by(None).subquery())) or 0
     items = session.scalars(stmt.limit(limit).offset(offset)).all()
     return Page(items=items, total=int(total), limit=limit, offset=offset)
@@ -84,7 +84,10 @@ def mutation(session: Session, *, unique_field: str | None = None, entity: str =
 
 
 def is_id(ref: int | str) -> bool:
-    return (isinstance(ref, int) and not isinstance(ref, bool)) or (isinstance(ref, str) and ref.isdigit())
+    # isascii: str.isdigit() is also true for "¹" or "٣", which int() then rejects.
+    return (isinstance(ref, int) and not isinstance(ref, bool)) or (
+        isinstance(ref, str) and ref.isascii() and ref.isdigit()
+    )
 
 
 def get_by_ref(

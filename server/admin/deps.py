@@ -19,6 +19,7 @@ from sqlalchemy.orm import Session
 from server.errors import ApiError
 from server.settings import Settings
 
+MAX_OFFSET = 2**31 - 1
 _bearer = HTTPBearer(auto_error=False, description="an admin token from KVGATE_ADMIN_TOKENS")
 
 
@@ -64,7 +65,7 @@ class PageParams:
 
 def page_params(
     limit: Annotated[int, Query(ge=1, le=500, description="page size, 1..500")] = 50,
-    offset: Annotated[int, Query(ge=0, description="rows to skip")] = 0,
+    offset: Annotated[int, Query(ge=0, le=MAX_OFFSET, description="rows to skip")] = 0,
 ) -> PageParams:
     return PageParams(limit=limit, offset=offset)
 

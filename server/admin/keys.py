@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from fastapi import APIRouter, status
+from typing import Annotated
+
+from fastapi import APIRouter, Path, status
 
 from server.admin.deps import AdminActor, NowDep, Paging, SessionDep, SettingsDep
 from server.admin.schemas import ApiKeyCreate, ApiKeyCreated, ApiKeyPublic, PageOf
@@ -39,5 +41,7 @@ def list_keys(ref: str, session: SessionDep, _actor: AdminActor, page: Paging) -
 
 
 @router.post("/{key_id}/revoke", response_model=ApiKeyPublic)
-def revoke_key(ref: str, key_id: int, session: SessionDep, actor: AdminActor, now: NowDep) -> ApiKeyPublic:
+def revoke_key(
+    ref: str, key_id: Annotated[int, Path(ge=1, le=2**31 - 1)], session: SessionDep, actor: AdminActor, now: NowDep
+) -> ApiKeyPublic:
     return ApiKeyPublic.model_validate(keys.revoke_key(session, actor=actor, now=now, tenant=ref, key_id=key_id))

@@ -48,6 +48,27 @@ class Public(BaseModel):
     model_config = ConfigDict(from_attributes=True)
 
 
+class ErrorDetail(BaseModel):
+    code: str = Field(description="stable machine-readable code, e.g. duplicate, stale_version, unknown_pool")
+    message: str
+    field: str | None = Field(description="the offending field, when one is to blame")
+
+
+class ErrorBody(BaseModel):
+    """The one error shape of the admin API."""
+
+    error: ErrorDetail
+
+
+ERROR_RESPONSES: dict[int | str, dict] = {
+    401: {"model": ErrorBody, "description": "missing or invalid admin token"},
+    404: {"model": ErrorBody, "description": "no such pool/class/tenant/key"},
+    409: {"model": ErrorBody, "description": "duplicate name, stale version, or still in use"},
+    422: {"model": ErrorBody, "description": "invalid field (named in error.field)"},
+    503: {"model": ErrorBody, "description": "registry database unavailable"},
+}
+
+
 class PageOf(BaseModel, Generic[T]):
     items: list[T]
     total: int

@@ -66,6 +66,9 @@ def test_path_garbage(client) -> None:  # type: ignore[no-untyped-def]
     assert r.status_code in (200, 422) and (r.status_code == 200 or _shape(r)["code"] == "invalid_value")
     for path in (
         "/pools/%00",
+        "/retention-classes/%C2%B9",
+        "/tenants/%D9%A3",
+        "/pools?offset=9223372036854775808",
         "/tenants/acme/keys/abc/revoke",
         "/tenants/%00/keys",
         "/tenants/" + "9" * 40,

@@ -1,8 +1,9 @@
 """Property-based fuzzing of the admin API from its own OpenAPI document (schemathesis).
 
 Every operation gets generated requests, valid and invalid (authenticated), against a
-seeded registry on each backend: no response may be a 5xx, and every 4xx must carry the
-one error shape. Example counts are small so the suite stays fast.
+seeded registry on each backend: no response may be a 5xx, every response must match the
+schema the OpenAPI document declares for its status, and every 4xx must carry the one
+error shape. Example counts are small so the suite stays fast.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 import schemathesis
 from hypothesis import HealthCheck, given
 from hypothesis import settings as hypothesis_settings
+from schemathesis.checks import not_a_server_error, response_schema_conformance
 from schemathesis.generation import GenerationMode
 
 from server.app import create_app
@@ -32,6 +34,7 @@ def test_admin_api_never_answers_5xx(db, settings, client) -> None:  # type: ign
             )
             def check(case) -> None:  # type: ignore[no-untyped-def]
                 response = case.call(headers=AUTH)
+                case.validate_response(response, checks=[not_a_server_error, response_schema_conformance])
                 assert response.status_code < 500, (case.method, case.path, case.body, response.text)
                 if response.status_code >= 400:
                     body = response.json()
