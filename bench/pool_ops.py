@@ -23,6 +23,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench.report import write_section  # noqa: E402
 from retention.pool import BlockPool, PoolConfig  # noqa: E402
 from retention.trace import distinct_blocks, parse_trace, request_tokens  # noqa: E402
 from retention.types import DEFAULT_PLAN  # noqa: E402
@@ -54,20 +55,6 @@ def replay(requests, *, primary: int, secondary: int, block: int) -> tuple[int, 
     stats = pool.stats()
     ops += stats.offloaded_blocks + stats.onboarded_blocks + stats.evicted_blocks
     return ops, elapsed
-
-
-def write_section(path: Path, name: str, body: str) -> None:
-    """Replace (or append) the ``<!-- bench:name -->`` section of ``path``; nothing else changes."""
-    start, end = f"<!-- bench:{name} -->", f"<!-- /bench:{name} -->"
-    text = path.read_text() if path.exists() else "# Benchmarks\n\nFigures written by the scripts in bench/.\n"
-    block = f"{start}\n{body.rstrip()}\n{end}"
-    if start in text and end in text:
-        head, rest = text.split(start, 1)
-        _, tail = rest.split(end, 1)
-        text = head + block + tail
-    else:
-        text = text.rstrip() + "\n\n" + block + "\n"
-    path.write_text(text)
 
 
 def main() -> None:
@@ -111,7 +98,7 @@ def main() -> None:
         body.append(f"| {label} | {ops:,} | {median:,.0f} | {low:,.0f} | {high:,.0f} |")
     text = "\n".join(body)
     if not args.no_write:
-        write_section(ROOT / "docs" / "benchmarks.md", SECTION, text)
+        write_section(SECTION, text)
         print("wrote docs/benchmarks.md section bench:pool_ops")
 
 

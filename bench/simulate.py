@@ -1,0 +1,224 @@
+"""Simulator evaluation: policies vs Belady on the Mooncake trace, and the noisy neighbour.
+
+Usage: ``OMP_NUM_THREADS=1 .venv/bin/python bench/simulate.py [--no-write] [--write-trace PATH]``
+
+Writes two sections of docs/benchmarks.md (``bench:simulator``, ``bench:noisy_neighbour``)
+and the plot docs/img/simulator_hit_rate.png. Deterministic: the same code and trace give
+the same figures (the only wall-clock figure is the replay speed).
+
+1. ``mooncake_synthetic_trace.jsonl`` at GPU capacities of 1, 2, 5, 10 % of its distinct
+   blocks, without a host tier (``lru``, ``adaptive``) and with a host tier of 4× the GPU
+   capacity (``trtllm-default``, ``adaptive``); Belady at the GPU capacity and at GPU + host.
+2. The noisy neighbour (``retention/workloads.py``): a premium tenant's hit rate alone,
+   and next to a tenant flooding unique prompts at 10× its rate under ``lru``,
+   ``adaptive``, classes, quotas, and classes + quotas.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from bench.report import machine, write_section  # noqa: E402
+from retention.sim_policies import ClassMapping, make_policy  # noqa: E402
+from retention.simulator import SimConfig, run_simulation, simulate  # noqa: E402
+from retention.trace import distinct_blocks, parse_trace  # noqa: E402
+from retention.workloads import NoisyNeighbourSpec, noisy_neighbour_trace  # noqa: E402
+
+TRACE = ROOT.parent / "shared" / "traces" / "mooncake_synthetic_trace.jsonl"
+PLOT = ROOT / "docs" / "img" / "simulator_hit_rate.png"
+FRACTIONS = (0.01, 0.02, 0.05, 0.10)
+
+PREMIUM_CLASS = {
+    "system": {"priority": 90},
+    "context": {"priority": 70, "duration_ms": 120_000},
+    "turn": {"priority": 50, "duration_ms": 60_000},
+    "decode": {"priority": 50},
+}
+STANDARD_CLASS = {s: {"priority": 35} for s in ("system", "context", "turn", "decode")}
+
+
+def pct(x: float) -> str:
+    return f"{100 * x:.1f} %"
+
+
+def mooncake_section(requests, distinct: int) -> tuple[str, list]:
+    caps = [round(distinct * f) for f in FRACTIONS]
+    started = time.perf_counter()
+    gpu_only = run_simulation(
+        requests, [lambda: make_policy("lru"), lambda: make_policy("adaptive")], caps, host_blocks=lambda c: 0
+    )
+    with_host = run_simulation(
+        requests, [lambda: make_policy("trtllm-default"), lambda: make_policy("adaptive")], caps,
+        host_blocks=lambda c: 4 * c,
+    )
+    seconds = time.perf_counter() - started
+    replays = len(caps) * 4
+    lines = [
+        "## Simulator: Mooncake synthetic trace (bench/simulate.py)",
+        "",
+        f"`kvgate simulate` model, `--hold none`, 512-token blocks; {len(requests):,} requests, "
+        f"{distinct:,} distinct blocks. Hit rate = prompt tokens served from cache / prompt tokens. "
+        f"{replays} replays + Belady in {seconds:.0f} s ({machine()}, shared).",
+        "",
+        "Without a host tier (Belady = single-tier optimum at the GPU capacity):",
+        "",
+        "| GPU capacity | lru | adaptive | Belady | lru / Belady | adaptive / Belady |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
+    for f, rep in zip(FRACTIONS, gpu_only, strict=True):
+        lru, ada, bel = rep.results["lru"].hit_rate, rep.results["adaptive"].hit_rate, rep.belady_gpu.hit_rate
+        lines.append(
+            f"| {f:.0%} ({rep.primary_blocks:,} blocks) | {pct(lru)} | {pct(ada)} | {pct(bel)} | "
+            f"{pct(lru / bel)} | {pct(ada / bel)} |"
+        )
+    lines += [
+        "",
+        "With a host tier of 4× the GPU capacity (hit rate = GPU + host; Belady at GPU + host blocks):",
+        "",
+        "| GPU capacity | trtllm-default (GPU / host) | adaptive (GPU / host) | Belady GPU+host | trtllm / Belady | adaptive / Belady | offloaded trtllm / adaptive |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for f, rep in zip(FRACTIONS, with_host, strict=True):
+        trt, ada = rep.results["trtllm-default"], rep.results["adaptive"]
+        bel = rep.belady_total.hit_rate if rep.belady_total else rep.belady_gpu.hit_rate
+        lines.append(
+            f"| {f:.0%} | {pct(trt.hit_rate)} ({pct(trt.gpu_hit_rate)} / {pct(trt.host_hit_rate)}) | "
+            f"{pct(ada.hit_rate)} ({pct(ada.gpu_hit_rate)} / {pct(ada.host_hit_rate)}) | {pct(bel)} | "
+            f"{pct(trt.hit_rate / bel)} | {pct(ada.hit_rate / bel)} | {trt.offloaded_blocks:,} / {ada.offloaded_blocks:,} |"
+        )
+    lines += [
+        "",
+        f"![hit rate vs GPU capacity]({PLOT.relative_to(ROOT / 'docs').as_posix()})",
+        "",
+        "Reading: `adaptive` is at or above `lru` at every GPU-only capacity but only by tenths of a",
+        "point — on this single-tenant trace the reuse it can predict online (which requests come",
+        "back, how soon) is weak: one-shot requests are few in *tokens*, and protecting reused",
+        "prefixes longer (finer priority levels, long durations) measured *below* LRU, so the",
+        "shipped policy stays close to LRU and only sinks traffic with < 5 % estimated reuse.",
+        "It does not reach 60 % of Belady at 2 % without a host tier (Belady knows the future",
+        "return order of hundreds of concurrent conversations). With a host tier it matches or",
+        "beats TensorRT-LLM defaults up to 5 % (dropping/sinking one-shot blocks saves host",
+        "room) and falls a little behind at 10 %, where host room is plentiful and the sunk",
+        "blocks would have been reused. Its win is multi-tenant (next section).",
+    ]
+    return "\n".join(lines), [gpu_only, with_host]
+
+
+def plot(reports, distinct: int) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    gpu_only, with_host = reports
+    xs = [100 * f for f in FRACTIONS]
+    fig, ax = plt.subplots(figsize=(7.5, 4.5))
+    ax.plot(xs, [100 * r.results["lru"].hit_rate for r in gpu_only], "o-", label="lru (GPU only)")
+    ax.plot(xs, [100 * r.results["adaptive"].hit_rate for r in gpu_only], "s-", label="adaptive (GPU only)")
+    ax.plot(xs, [100 * r.belady_gpu.hit_rate for r in gpu_only], "k--", label="Belady (GPU only)")
+    ax.plot(xs, [100 * r.results["trtllm-default"].hit_rate for r in with_host], "o-", label="trtllm-default (+host 4x)")
+    ax.plot(xs, [100 * r.results["adaptive"].hit_rate for r in with_host], "s-", label="adaptive (+host 4x)")
+    ax.plot(xs, [100 * r.belady_total.hit_rate for r in with_host], "k:", label="Belady (GPU + host)")
+    ax.set_xlabel("GPU capacity (% of the trace's distinct blocks)")
+    ax.set_ylabel("prompt-token hit rate (%)")
+    ax.set_title("Mooncake synthetic trace, --hold none")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    PLOT.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(PLOT, dpi=110)
+    plt.close(fig)
+
+
+def noisy_section(seed: int = 1, gpu_blocks: int = 128) -> str:
+    spec = NoisyNeighbourSpec()
+    mixed = parse_trace([json.dumps(x) for x in noisy_neighbour_trace(spec, seed=seed)])
+    solo = parse_trace([json.dumps(x) for x in noisy_neighbour_trace(spec, seed=seed, include_noisy=False)])
+    cfg = SimConfig()
+
+    def run(trace, name, mapping=None):
+        policy = make_policy(name, mapping=None if mapping is None else ClassMapping.from_dict(mapping))
+        policy.uses_host = False  # one GPU tier: the contest is for GPU blocks
+        result = simulate(trace, policy, primary_blocks=gpu_blocks, secondary_blocks=0, config=cfg)
+        return result, getattr(policy, "demotions", 0)
+
+    base = {"offload_min_priority": 35, "default": "standard"}
+    classes = dict(base, classes={"premium": PREMIUM_CLASS, "standard": STANDARD_CLASS}, tenants={"premium": "premium"})
+    standard = dict(base, classes={"standard": STANDARD_CLASS})
+    alone, _ = run(solo, "lru")
+    solo_rate = alone.tenants["premium"].hit_rate
+    rows = [
+        ("premium alone, lru", alone, 0, "—"),
+    ]
+    for label, name, mapping in [
+        ("lru", "lru", None),
+        ("adaptive", "adaptive", None),
+        ("classes (premium 90/70/50, noisy 35)", "class", classes),
+        ("quotas only (50 % each, all at 35)", "class", dict(standard, quotas={"premium": 0.5, "noisy": 0.5})),
+        ("classes + quota on noisy (50 %)", "class", dict(classes, quotas={"noisy": 0.5})),
+        ("classes + quotas (50 % each)", "class", dict(classes, quotas={"premium": 0.5, "noisy": 0.5})),
+    ]:
+        result, demotions = run(mixed, name, mapping)
+        rows.append((label, result, demotions, pct(result.tenants["premium"].hit_rate / solo_rate)))
+    premium_requests = sum(1 for r in mixed if r.tenant == "premium")
+    lines = [
+        "## Noisy neighbour (bench/simulate.py, retention/workloads.py)",
+        "",
+        f"Premium: {spec.turns}-turn chat sessions over a shared {spec.system_blocks}-block system prompt at "
+        f"{spec.premium_rps} req/s ({premium_requests} requests); noisy: unique {spec.noisy_blocks}-block prompts at "
+        f"{spec.flood_factor:.0f}× that rate ({len(mixed) - premium_requests} requests); {spec.duration_s:.0f} s, "
+        f"seed {seed}, one GPU tier of {gpu_blocks} blocks × 512 tokens, `--hold none`.",
+        "",
+        "| setup | premium hit rate | of premium alone | noisy hit rate | requests planned over quota |",
+        "|---|---:|---:|---:|---:|",
+    ]
+    for label, result, demotions, share in rows:
+        noisy = result.tenants.get("noisy")
+        lines.append(
+            f"| {label} | {pct(result.tenants['premium'].hit_rate)} | {share} | "
+            f"{'—' if noisy is None else pct(noisy.hit_rate)} | {demotions:,} |"
+        )
+    lines += [
+        "",
+        "Reading: under plain LRU the flood evicts the premium sessions between turns. Classes",
+        "alone restore the solo hit rate, and so do classes with a quota on the flooding tenant.",
+        "Quotas alone (50 % each, everyone at the default priority) keep the premium tenant at",
+        "about 90 % of its solo rate: the flooder is over its share almost all the time, so its",
+        "new blocks go first. Classes *plus* a 50 % quota on the premium tenant hurt it: quotas",
+        "count cached blocks, the premium's high-priority cache soon exceeds half of the pool, and",
+        "then its *new* blocks are demoted. Size a protected tenant's quota above its working set.",
+        "`adaptive` needs no configuration: the flood's measured reuse is ~0, so its blocks sink",
+        "below the premium's.",
+    ]
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--no-write", action="store_true", help="print only")
+    parser.add_argument("--write-trace", type=Path, help="also write the noisy-neighbour trace (JSONL) here")
+    args = parser.parse_args()
+    if args.write_trace:
+        args.write_trace.write_text("".join(json.dumps(x) + "\n" for x in noisy_neighbour_trace(NoisyNeighbourSpec(), seed=1)))
+    with TRACE.open() as handle:
+        requests = parse_trace(handle)
+    distinct = distinct_blocks(requests)
+    mooncake, reports = mooncake_section(requests, distinct)
+    noisy = noisy_section()
+    print(mooncake, "\n", noisy, sep="\n")
+    if not args.no_write:
+        plot(reports, distinct)
+        write_section("simulator", mooncake)
+        write_section("noisy_neighbour", noisy)
+        print("wrote docs/benchmarks.md sections bench:simulator, bench:noisy_neighbour and", PLOT)
+
+
+if __name__ == "__main__":
+    main()
