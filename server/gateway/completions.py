@@ -230,12 +230,19 @@ class CompletionRunner:
                 payload["usage"] = None
             return b"data: " + json.dumps(payload, separators=(",", ":")).encode() + b"\n\n"
 
+        # Why: one frame per token is the streaming hot path; only the text changes, so the
+        # rest of the frame is rendered once (byte-identical to ``frame(text, None)``).
+        head, tail = frame("\x00", None).split(b'"\\u0000"')
+
+        def text_frame(delta_text: str) -> bytes:
+            return head + json.dumps(delta_text).encode() + tail
+
         try:
             if chat:
                 yield frame(None, None, role=True)
             try:
                 async for delta in _generate(job, plan, outcome, started):
-                    yield frame(delta, None)
+                    yield text_frame(delta)
             except (EngineUnavailable, EngineRejected) as exc:
                 outcome.status = "engine_error"
                 err = _engine_error(exc)

@@ -193,3 +193,23 @@ def test_invalid_json_is_400(stack: Stack, tenant_key) -> None:
                           headers={"Authorization": f"Bearer {key}", "Content-Type": "application/json"})
     assert response.status_code == 400
     assert response.json()["error"]["code"] == "invalid_json"
+
+
+def test_key_last_used_is_written_off_the_request_path(stack: Stack) -> None:
+    import time
+
+    from sqlalchemy import select
+
+    from tenants.models import ApiKey, Tenant
+
+    slug = "lu-" + secrets.token_hex(3)
+    api = client(stack, stack.add_tenant(slug))
+    api.models.list()
+    deadline = time.monotonic() + 10
+    while True:
+        with stack.session_factory() as session:
+            used = session.scalars(select(ApiKey.last_used_at).join(Tenant).where(Tenant.slug == slug)).one()
+        if used is not None or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    assert used is not None
