@@ -30,7 +30,7 @@ def default_tokenizer_for(pool: PoolRef) -> ChatTokenizer:
     if pool.engine_spec in REFERENCE_SPECS:
         return load_gguf_tokenizer(default_gguf_path())
     try:
-        from engines.spec import load_spec_tokenizer  # GPU specs: tokenizer.json shipped with the checkpoint
+        from engines.hf_tokenizer import load_spec_tokenizer  # GPU specs: the checkpoint's tokenizer.json
 
         return load_spec_tokenizer(pool.engine_spec)
     except Exception as exc:  # noqa: BLE001 - any failure is a configuration problem, not the client's

@@ -44,7 +44,10 @@ async def _job(services: GatewayServices, tenant: TenantContext, body, kind: str
     _check_model(tenant, body.model)
     prompter = await services.engines.prompter(tenant.pool)
     tokenizer = prompter.tokenizer
-    prompt = prompt_for(prompter)
+    try:
+        prompt = prompt_for(prompter)
+    except ValueError as exc:  # the model's chat template refused the conversation
+        raise ServingError(400, "invalid_messages", str(exc), param="messages") from exc
     if prompt.total == 0:
         raise ServingError(400, "empty_prompt", "the prompt is empty", param="messages" if kind == "chat" else "prompt")
     requested = body.requested_max_tokens()
