@@ -3,7 +3,9 @@
 Parameters OpenAI defines but kvgate does not implement are accepted only at their
 neutral value (``n=1``, penalties 0, ``logprobs`` false, no tools) and refused with a
 400 naming the parameter otherwise; unknown fields are refused, so a typo never
-silently changes behaviour.
+silently changes behaviour. Types are strict (no ``"yes"``/``1`` for ``stream``, no
+``true`` for ``max_tokens``, no numeric strings): a client bug surfaces as a 400, not as
+a request that means something else. JSON integers are still accepted for floats.
 """
 
 from __future__ import annotations
@@ -18,13 +20,13 @@ MAX_STOP_STRINGS = 4
 
 
 class TextPart(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
     type: Literal["text"]
     text: Annotated[str, Field(max_length=MAX_TEXT_CHARS)]
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Annotated[str, Field(max_length=MAX_TEXT_CHARS)] | list[TextPart] | None = None
     name: Annotated[str, Field(max_length=64)] | None = None
@@ -39,12 +41,12 @@ class ChatMessage(BaseModel):
 
 
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
     include_usage: bool = False
 
 
 class _SamplingFields(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
     model: Annotated[str, Field(min_length=1, max_length=256)]
     temperature: Annotated[float, Field(ge=0.0, le=2.0)] | None = None
     top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
