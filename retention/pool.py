@@ -38,9 +38,9 @@ from __future__ import annotations
 
 import heapq
 from collections import deque
-from hashlib import sha256
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
+from hashlib import sha256
 
 import numpy as np
 
@@ -48,65 +48,15 @@ from retention.blocks import Block
 from retention.events import CreatedEvent, KvEvent, RemovedEvent, StoredBlock, StoredEvent, UpdatedEvent
 from retention.free_lists import TierFreeLists
 from retention.hashing import _U32, _U64, chain_hash, pack_tokens, root_hash
+from retention.invariants import check_pool_invariants
+from retention.pool_types import Allocation, BlockCopy, PoolConfig, PoolError, per_block_retention
 from retention.stats import PoolCounters, PoolStats
-from retention.types import DEFAULT_PLAN, DEFAULT_PRIORITY, MAX_PRIORITY, MIN_PRIORITY, RetentionPlan, Tier
+from retention.types import DEFAULT_PLAN, DEFAULT_PRIORITY, RetentionPlan, Tier
+
+# The API's value types live in retention/pool_types.py; importing them from here keeps working.
+__all__ = ["Allocation", "BlockCopy", "BlockPool", "PoolConfig", "PoolError"]
 
 P, S = Tier.PRIMARY, Tier.SECONDARY
-
-
-class PoolError(ValueError):
-    """Misuse of the pool API (unknown or duplicate request id, bad sizes, bad tokens)."""
-
-
-@dataclass(frozen=True, slots=True)
-class PoolConfig:
-    """Pool shape; mirrors ``executor::KvCacheConfig`` (``executor.h``) where it can.
-
-    ``secondary_offload_min_priority`` defaults to TensorRT-LLM's *code* default 30
-    (``kDefaultSecondaryOffloadMinPriority`` in ``evictionPolicy.cpp``), inclusive.
-    ``event_buffer_max_size``: ``None`` keeps every event until drained, 0 disables
-    events, n keeps the newest n (``KvCacheConfig::eventBufferMaxSize``).
-    """
-
-    primary_blocks: int
-    secondary_blocks: int = 0
-    tokens_per_block: int = 32
-    secondary_offload_min_priority: int = 30
-    enable_block_reuse: bool = True
-    event_buffer_max_size: int | None = None
-
-    def __post_init__(self) -> None:
-        for name in ("primary_blocks", "secondary_blocks", "tokens_per_block"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise PoolError(f"{name} must be an integer >= 0, got {value!r}")
-        if self.primary_blocks < 1 or self.tokens_per_block < 1:
-            raise PoolError("primary_blocks and tokens_per_block must be >= 1")
-        if not MIN_PRIORITY <= self.secondary_offload_min_priority <= MAX_PRIORITY + 1:
-            raise PoolError("secondary_offload_min_priority must be within [0, 101] (101 = never offload)")
-        if self.event_buffer_max_size is not None and self.event_buffer_max_size < 0:
-            raise PoolError("event_buffer_max_size must be None or >= 0")
-
-
-@dataclass(frozen=True, slots=True)
-class BlockCopy:
-    """A physical KV copy the engine must execute, in list order, before the prefill."""
-
-    src_tier: Tier
-    src_slot: int
-    dst_tier: Tier
-    dst_slot: int
-
-
-@dataclass(frozen=True, slots=True)
-class Allocation:
-    request_id: Hashable
-    slots: tuple[int, ...]  # primary-tier slot per logical block, in sequence order
-    num_cached_tokens: int  # prompt tokens already valid in those slots (full reused blocks)
-    reused_blocks: int  # blocks matched in the radix tree (GPU or host)
-    onboarded_blocks: int  # of those, copied host -> GPU for this request
-    new_blocks: int  # freshly allocated blocks
-    copies: tuple[BlockCopy, ...]  # offloads/onboards to run before this request's prefill
 
 
 @dataclass(slots=True)
@@ -229,7 +179,7 @@ class BlockPool:
         seq = _Sequence(request_id, tenant, salt_root, extra_key, plan, n, packed, hashes)
         copies: list[BlockCopy] = []
         counters = self._counters
-        per_block = _per_block_retention(plan, self._num_blocks(n), bpt)
+        per_block = per_block_retention(plan, self._num_blocks(n), bpt)
         # Claim the whole matched path first so no victim search can pick a block of it.
         for index, block in enumerate(path):
             self._claim_reused(block, per_block[index])
@@ -687,64 +637,5 @@ class BlockPool:
         return self._cached
 
     def check_invariants(self) -> None:
-        """O(pool size) consistency check used by the property tests."""
-        listed: set[int] = set()
-        for tier in (P, S):
-            total = 0
-            for block in self._free[tier].victim_order():
-                assert block.tier == tier, "block in the wrong tier's list"
-                assert block.ref_count == 0, "free block is referenced"
-                assert id(block) not in listed
-                listed.add(id(block))
-                total += 1
-            assert total == self._free[tier].size
-        free_primary = 0
-        for tier in (P, S):
-            slots = sorted(b.slot for b in self._blocks[0] + self._blocks[1] if b.tier == tier)
-            capacity = self._config.primary_blocks if tier == P else self._config.secondary_blocks
-            assert slots == list(range(capacity)), f"tier {tier} slots are not a permutation"
-        for block in self._blocks[0] + self._blocks[1]:
-            if block.tier == P and block.ref_count == 0:
-                free_primary += 1
-            if block.tier == S:
-                assert block.ref_count == 0, "host block is referenced"
-            if not block.in_tree:
-                assert block.ref_count > 0 or id(block) in listed, "empty block missing from the empty list"
-                continue
-            assert self._cached[block.block_hash] is block  # type: ignore[index]
-            node = block
-            while node.parent is not None:  # reachable from the root
-                assert node.parent.children and node.parent.children[node.block_hash] is node  # type: ignore[index]
-                node = node.parent
-            if block.tier == S:
-                assert all(c.tier == S for c in (block.children or {}).values()), "GPU child below a host block"
-            primary_children = sum(1 for c in (block.children or {}).values() if c.tier == P)
-            assert primary_children == block.num_primary_children
-            evictable = block.ref_count == 0 and block.is_tier_leaf()
-            assert evictable == (id(block) in listed), "free-leaf membership is wrong"
-            if block.ref_count:
-                assert all(c.ref_count <= block.ref_count for c in (block.children or {}).values())
-        assert free_primary == self._num_free_primary
-        assert len(self._cached) == sum(1 for b in self._blocks[0] + self._blocks[1] if b.in_tree)
-
-
-def _per_block_retention(plan: RetentionPlan, num_blocks: int, bpt: int) -> list[tuple[int, int | None] | None]:
-    """(priority, duration) per prompt block from the range holding its first token, None if uncovered.
-
-    One sweep over blocks and ranges, like ``KvCacheRetentionConfig::
-    getPerBlockRetentionPriorityDuration`` (``executor.h``).
-    """
-    if not plan.ranges:
-        return [None] * num_blocks
-    out: list[tuple[int, int | None] | None] = []
-    ranges = plan.ranges
-    r = 0
-    for index in range(num_blocks):
-        first = index * bpt
-        while r < len(ranges) and ranges[r].end is not None and first >= ranges[r].end:  # type: ignore[operator]
-            r += 1
-        if r < len(ranges) and ranges[r].start <= first:
-            out.append((ranges[r].priority, ranges[r].duration_ms))
-        else:
-            out.append(None)
-    return out
+        """O(pool size) consistency check used by the property tests (``retention/invariants.py``)."""
+        check_pool_invariants(self)

@@ -346,5 +346,5 @@ def test_pool_hashes_are_the_exported_block_hashes() -> None:
 )
 def test_block_takes_the_range_holding_its_first_token(ranges, block, length, expected) -> None:
     plan = RetentionPlan(tuple(TokenRange(s, e, p) for s, e, p in ranges))
-    per_block = pool_module._per_block_retention(plan, -(-length // block), block)  # noqa: SLF001
+    per_block = pool_module.per_block_retention(plan, -(-length // block), block)  # noqa: SLF001
     assert [None if r is None else r[0] for r in per_block] == expected
