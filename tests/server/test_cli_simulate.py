@@ -48,15 +48,17 @@ def test_table_output_plot_and_class_policy(tmp_path: Path) -> None:
         "  premium: {system: {priority: 90}, context: {priority: 90}, turn: {priority: 90}, decode: {priority: 35}}\n"
         "  bulk: {system: {priority: 0}, context: {priority: 0}, turn: {priority: 0}, decode: {priority: 0}}\n"
         "tenants: {gold: premium}\n"
+        "quotas: {noisy: 0.5}\n"
     )
     png = tmp_path / "plot.png"
     result = CliRunner().invoke(
         create_cli(),
         ["simulate", str(trace), "--block-size", "4", "-c", "6", "-c", "10", "--classes", str(classes),
-         "--plot", str(png), "--no-progress", "--hold", "tokens"],
+         "-p", "lru", "-p", "class", "-p", "adaptive", "--plot", str(png), "--no-progress", "--hold", "tokens"],
     )
     assert result.exit_code == 0, result.output
-    assert "Belady (GPU only)" in result.output and "class" in result.output and "per tenant" in result.output
+    assert "Belady (GPU only)" in result.output and "per tenant" in result.output
+    assert all(name in result.output for name in ("lru", "class", "adaptive"))
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
