@@ -39,8 +39,9 @@ class ReferenceEngineConfig:
     * ``max_batch_size``: sequences in flight per step (prefill + decode).
     * ``max_num_tokens``: tokens computed per step; long prompts are prefilled in chunks.
     * ``max_input_len`` / ``max_output_len``: per-request limits enforced by the contract.
-    * ``weight_format``: ``fp32`` (dequantized, the exact reference), ``bf16``, or ``q4``
-      (the GGUF's 4-bit matrices kept 4-bit, bf16 matmul inputs, fp32 residual stream).
+    * ``weight_format``: ``q4`` (default, fastest: the GGUF's 4-bit matrices kept 4-bit for
+      decode, bf16 GEMMs for prefill, fp32 residual stream), ``fp32`` (dequantized, the
+      exact reference; batch-invariant enough that tests compare outputs bit for bit), ``bf16``.
     * ``num_threads``: torch intra-op threads for the engine thread.
     """
 
@@ -55,7 +56,7 @@ class ReferenceEngineConfig:
     max_num_tokens: int = 512
     max_input_len: int = 4096
     max_output_len: int = 1024
-    weight_format: str = "fp32"
+    weight_format: str = "q4"
     num_threads: int = 1
 
     def __post_init__(self) -> None:

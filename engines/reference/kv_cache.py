@@ -61,7 +61,6 @@ _STORAGE = {
     KvDtype.FP32: torch.float32,
 }
 _FP8_MAX = {KvDtype.FP8_E4M3: 448.0, KvDtype.FP8_E5M2: 57344.0}
-_E4M3_VALUES = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(torch.float8_e4m3fn).to(torch.float32)
 
 
 @dataclass(frozen=True, slots=True)
@@ -113,11 +112,10 @@ class PagedKvCache:
         self._inv_scales = [float(1.0 / s) for s in self.scales]
         self._scale_values = [float(s) for s in self.scales]
         self._limit = _FP8_MAX.get(dtype)
-        # E4M3 -> float through a 256-entry table per layer (scale folded in) is several
-        # times faster on CPU than the elementwise cast (measured ~6x E5M2's cost).
-        self._e4m3_tables = (
-            [_E4M3_VALUES.to(compute_dtype) * s for s in self._scale_values] if dtype is KvDtype.FP8_E4M3 else None
-        )
+        # E4M3 -> float: the elementwise cast is ~7x slower on CPU than E5M2's; instead the
+        # E4M3 bits are moved into bf16's field positions (exact, subnormals included: the
+        # two formats then differ by exactly 2^120) and the factor is folded into the scale.
+        self._e4m3_factors = [s * 2.0**120 for s in self._scale_values]
 
     @property
     def primary_blocks(self) -> int:
@@ -141,9 +139,10 @@ class PagedKvCache:
         return scaled.clamp(-self._limit, self._limit).to(self.dtype.storage)
 
     def dequantize(self, layer: int, stored: torch.Tensor) -> torch.Tensor:
-        if self._e4m3_tables is not None:
-            table = self._e4m3_tables[layer]
-            return table.index_select(0, stored.view(torch.uint8).reshape(-1).to(torch.int32)).view(stored.shape)
+        if self.dtype is KvDtype.FP8_E4M3:
+            bits = stored.view(torch.uint8).to(torch.int16)
+            as_bf16 = (((bits & 0x7F) << 4) | ((bits & 0x80) << 8)).view(torch.bfloat16)
+            return (as_bf16.float() * self._e4m3_factors[layer]).to(self.compute_dtype)
         return stored.to(self.compute_dtype)
 
     def write(self, layer: int, rows: torch.Tensor, token_slots: torch.Tensor) -> None:

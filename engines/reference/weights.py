@@ -27,7 +27,7 @@ import torch
 from gguf import GGMLQuantizationType, GGUFReader
 from gguf.quants import dequantize
 
-from engines.reference.linear import DenseLinear, Linear, Q4Rows
+from engines.reference.linear import DenseLinear, Linear, Q4Rows, RowAdaptiveLinear
 
 
 class ModelLoadError(RuntimeError):
@@ -133,8 +133,9 @@ def load_llama_gguf(reader: GGUFReader, *, weight_format: str = "fp32") -> Llama
     """Load every tensor of a Llama GGUF (see the module docstring).
 
     ``weight_format``: ``fp32`` (dequantized, fp32 activations — the exact reference),
-    ``bf16`` (dequantized to bf16, bf16 activations), ``q4`` (Q4_1 matrices stay 4-bit
-    via :mod:`engines.reference.linear`, fp32 residual stream, bf16 LM head).
+    ``bf16`` (dequantized to bf16, bf16 activations), ``q4`` (the fast path: Q4_1
+    matrices kept 4-bit for single-row steps plus bf16 copies for multi-row GEMMs, see
+    :class:`~engines.reference.linear.RowAdaptiveLinear`; fp32 residual stream).
     """
     if weight_format not in WEIGHT_FORMATS:
         raise ModelLoadError(f"weight_format must be one of {', '.join(WEIGHT_FORMATS)}, got {weight_format!r}")
@@ -164,7 +165,9 @@ def load_llama_gguf(reader: GGUFReader, *, weight_format: str = "fp32") -> Llama
             for name, heads in parts:
                 q4 = Q4Rows.from_gguf(np.asarray(tensor(name).data))
                 rows.append(q4.take_rows(rope_row_order(q4.q.shape[0], heads)) if heads else q4)
-            return Q4Rows.concat(rows).to_linear()
+            merged = Q4Rows.concat(rows)
+            bf16 = torch.from_numpy(merged.dequantize()).to(torch.bfloat16).contiguous()
+            return RowAdaptiveLinear(merged.to_linear(), DenseLinear(bf16))
         arrays = []
         for name, heads in parts:
             array = dense(name)
@@ -188,7 +191,11 @@ def load_llama_gguf(reader: GGUFReader, *, weight_format: str = "fp32") -> Llama
     if embed.shape != (config.vocab_size, config.hidden_size):
         raise ModelLoadError(f"token_embd.weight has shape {tuple(embed.shape)}, expected {(config.vocab_size, config.hidden_size)}")
     head = to_torch(dense("output.weight")) if "output.weight" in tensors else embed
+    lm_head: Linear = DenseLinear(head)
     if weight_format == "q4":
-        # The tied head is Q8_0 in this file; bf16 halves its bytes (it is 1/5 of all weights).
-        head = head.to(torch.bfloat16).contiguous()
-    return LlamaWeights(config, embed, layers, to_torch(dense("output_norm.weight")), DenseLinear(head), weight_format)
+        # The tied head (Q8_0 here) is 1/5 of all weights: fp16 has the fastest single-row
+        # kernel on this CPU, bf16 the fastest multi-row one.
+        lm_head = RowAdaptiveLinear(
+            DenseLinear(head.half().contiguous()), DenseLinear(head.to(torch.bfloat16).contiguous()), max_single_rows=1
+        )
+    return LlamaWeights(config, embed, layers, to_torch(dense("output_norm.weight")), lm_head, weight_format)

