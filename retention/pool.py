@@ -275,6 +275,10 @@ class BlockPool:
         return events
 
     def stats(self) -> PoolStats:
+        """A snapshot: ``KvCacheStats`` fields, tier occupancy, cumulative traffic counters.
+
+        Invariant: ``used_num_blocks + free_num_blocks == max_num_blocks``.
+        """
         c = self._counters
         cfg = self._config
         in_use = cfg.primary_blocks - self._num_free_primary
@@ -306,6 +310,7 @@ class BlockPool:
         return {t: (c[0], c[1]) for t, c in self._tenants.items() if c[0] or c[1]}
 
     def active_requests(self) -> int:
+        """Requests holding blocks (allocated and not yet released)."""
         return len(self._seqs)
 
     # ------------------------------------------------------------------ internals: matching
@@ -630,6 +635,7 @@ class BlockPool:
         return self._blocks[0] + self._blocks[1]
 
     def free_order(self, tier: Tier = P) -> list[Block]:
+        """Free blocks of ``tier`` in the order they would be taken if nothing changed (tests)."""
         return self._free[tier].victim_order()
 
     def cached_blocks(self) -> dict[int, Block]:
