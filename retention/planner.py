@@ -138,3 +138,13 @@ def plan_retention(
 def offloads(retention: SegmentRetention, offload_min_priority: int) -> bool:
     """Whether blocks kept at this retention go to the host tier when evicted (inclusive threshold)."""
     return retention.priority >= offload_min_priority
+
+
+def demote(plan: RetentionPlan) -> RetentionPlan:
+    """The over-quota form of any plan (e.g. an adaptive one): one open range at priority 0.
+
+    Same result as planning with ``QuotaState(over_quota=True)``: every prompt block and
+    the decode blocks at ``kMinRetentionPriority`` with no duration, ``demoted`` set.
+    """
+    ranges = (TokenRange(0, None, MIN_PRIORITY, None),) if plan.ranges else ()
+    return RetentionPlan(ranges, MIN_PRIORITY, None, demoted=True)

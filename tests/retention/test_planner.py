@@ -70,3 +70,11 @@ def test_validation_names_the_problem() -> None:
 
 def test_offload_threshold_is_inclusive() -> None:
     assert offloads(SegmentRetention(30), 30) and not offloads(SegmentRetention(29), 30)
+
+
+def test_demote_matches_over_quota_planning() -> None:
+    from retention.planner import demote
+
+    normal = plan_retention(PREMIUM, Segments(100, 300, 350), offload_min_priority=30)
+    over = plan_retention(PREMIUM, Segments(100, 300, 350), offload_min_priority=30, quota=QuotaState(over_quota=True))
+    assert demote(normal) == over and demote(normal).demoted
