@@ -158,6 +158,8 @@ def simulate(
         hashes = request_hashes(requests, config)
 
     def account(request: TraceRequest, reused: int, onboarded: int, rejected: bool) -> None:
+        if rejected:  # policies learn from every request, served or not
+            policy.observe(request, hashes[request.index], None, now=request.timestamp_ms / 1000.0, pool=pool)
         tenant = result.tenants.setdefault(request.tenant or "-", TenantResult())
         for target in (result, tenant):
             target.requests += 1
@@ -186,7 +188,6 @@ def simulate(
             now = request.timestamp_ms / 1000.0
             tokens, alloc = try_admit(request, now, 0)
             if alloc is None:
-                policy.observe(request, hashes[request.index], None, now=now, pool=pool)
                 account(request, 0, 0, True)
             else:
                 account(request, alloc.reused_blocks, alloc.onboarded_blocks, False)
