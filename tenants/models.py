@@ -123,10 +123,13 @@ class RetentionClass(Timestamped, Base):
     """
 
     __tablename__ = "retention_classes"
-    __table_args__ = tuple(
-        check
-        for seg in (*SEGMENTS, "decode")
-        for check in (_priority_check(f"{seg}_priority"), _duration_check(f"{seg}_duration_ms"))
+    __table_args__ = (
+        *(
+            check
+            for seg in (*SEGMENTS, "decode")
+            for check in (_priority_check(f"{seg}_priority"), _duration_check(f"{seg}_duration_ms"))
+        ),
+        CheckConstraint("mode IN ('static', 'adaptive')", name="mode_enum"),
     )
 
     id: Mapped[int] = mapped_column(primary_key=True)
@@ -140,6 +143,9 @@ class RetentionClass(Timestamped, Base):
     turn_duration_ms: Mapped[int | None] = mapped_column(BigInteger)
     decode_priority: Mapped[int] = mapped_column(Integer)
     decode_duration_ms: Mapped[int | None] = mapped_column(BigInteger)
+    # static: the segment priorities above; adaptive: per-block priorities from measured
+    # reuse (retention/adaptive.py), the decode priority still from this class.
+    mode: Mapped[str] = mapped_column(String(16), default="static", server_default="static")
 
 
 class Tenant(Timestamped, Base):

@@ -22,10 +22,12 @@ from tenants.errors import InUse, InvalidField
 from tenants.models import RetentionClass, Tenant
 
 SEGMENT_FIELDS = ("system", "context", "turn", "decode")
+MODES = ("static", "adaptive")
 
 _VALIDATORS: dict[str, Any] = {
     "name": lambda x: v.name(x, field="name"),
     "description": lambda x: v.text(x, field="description", max_len=2000, allow_empty=True),
+    "mode": lambda x: v.choice(x, field="mode", options=MODES),
 }
 for _seg in SEGMENT_FIELDS:
     _VALIDATORS[f"{_seg}_priority"] = lambda x, f=f"{_seg}_priority": v.priority(x, field=f)
@@ -57,6 +59,7 @@ def create_class(
     turn_duration_ms: int | None = 30_000,
     decode_priority: int = 35,
     decode_duration_ms: int | None = 30_000,
+    mode: str = "static",
 ) -> RetentionClass:
     """Defaults: system prompts pinned high, context kept ~10 min, the last turn ~30 s."""
     values = _validated(
@@ -71,6 +74,7 @@ def create_class(
             turn_duration_ms=turn_duration_ms,
             decode_priority=decode_priority,
             decode_duration_ms=decode_duration_ms,
+            mode=mode,
         )
     )
     with mutation(session, unique_field="name", entity="retention class"):

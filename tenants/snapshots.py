@@ -56,6 +56,7 @@ class RetentionClassSnapshot:
     context: SegmentRetention
     turn: SegmentRetention
     decode: SegmentRetention
+    mode: str = "static"
 
     @classmethod
     def of(cls, row: RetentionClass) -> RetentionClassSnapshot:
@@ -66,6 +67,7 @@ class RetentionClassSnapshot:
             context=SegmentRetention(row.context_priority, row.context_duration_ms),
             turn=SegmentRetention(row.turn_priority, row.turn_duration_ms),
             decode=SegmentRetention(row.decode_priority, row.decode_duration_ms),
+            mode=row.mode,
         )
 
 

@@ -26,6 +26,7 @@ Ref = Annotated[int | str, Field(description="id or name")]
 PositiveInt = Annotated[int, Field(strict=True, ge=1, le=2**31 - 1)]
 Version = Annotated[int, Field(strict=True, description="the current version (optimistic concurrency)")]
 Isolation = Literal["shared", "salted", "dedicated"]
+RetentionMode = Literal["static", "adaptive"]
 
 T = TypeVar("T")
 
@@ -134,6 +135,7 @@ class RetentionClassCreate(Strict):
     turn_duration_ms: Duration = 30_000
     decode_priority: Priority = 35
     decode_duration_ms: Duration = 30_000
+    mode: RetentionMode = "static"
 
 
 class RetentionClassUpdate(Strict):
@@ -148,6 +150,7 @@ class RetentionClassUpdate(Strict):
     turn_duration_ms: Duration = None
     decode_priority: Priority | None = None
     decode_duration_ms: Duration = None
+    mode: RetentionMode | None = None
 
 
 class RetentionClassPublic(Public):
@@ -162,6 +165,7 @@ class RetentionClassPublic(Public):
     turn_duration_ms: int | None
     decode_priority: int
     decode_duration_ms: int | None
+    mode: str
     version: Version
     created_at: datetime
     updated_at: datetime

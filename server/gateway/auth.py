@@ -45,6 +45,7 @@ def to_context(snapshot: AuthenticatedTenant) -> TenantContext:
                      pool.secondary_offload_min_priority),
         retention=RetentionClassSpec(seg(cls.system), seg(cls.context), seg(cls.turn), seg(cls.decode)),
         key_id=snapshot.key_id,
+        retention_mode=cls.mode,
     )
 
 

@@ -37,6 +37,7 @@ class TenantContext:
     pool: PoolRef
     retention: RetentionClassSpec
     key_id: int
+    retention_mode: str = "static"  # static | adaptive (retention/adaptive.py)
 
     @property
     def engine_tenant_id(self) -> str:

@@ -1,11 +1,11 @@
 """Polls every pool's engine stats; derives per-tenant KV quota state with hysteresis.
 
-A tenant is *over quota* on a pool when the primary (GPU) blocks it holds exceed
-``kv_quota_fraction × primary_blocks``. Once over, it stays demoted until it falls
-below ``low_watermark ×`` that share, so it does not flap around the line. The state
-is a function of the engines' per-tenant block counts, so after a gateway restart the
-first poll rebuilds it (a tenant above its quota is demoted again at once; one between
-the watermarks starts undemoted and is demoted again if it crosses its quota).
+The state machine is ``retention.quota.QuotaTracker`` (the simulator uses the same one):
+a tenant is *over quota* on a pool when the primary (GPU) blocks it holds exceed
+``kv_quota_fraction × primary_blocks``, and stays demoted until it is back at or under
+90 % of that. Trackers are keyed by the engine's tenant id (``str(tenant.id)``). The
+state is a function of the engines' per-tenant block counts, so after a gateway restart
+the first poll rebuilds it (``QuotaTracker.rebuild`` semantics).
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 from engines.contract import PoolStatsReport
 from retention.planner import QuotaState
+from retention.quota import QuotaTracker
 from server.gateway.context import PoolRef
 from server.gateway.engine_client import EngineError
 from server.gateway.engines import EngineDirectory
@@ -34,18 +35,19 @@ class TenantQuota:
 class PoolMonitor:
     def __init__(self, directory: EngineDirectory,
                  pools_and_tenants: Callable[[], list[tuple[PoolRef, list[TenantQuota]]]], *,
-                 low_watermark: float = 0.9, clock: Callable[[], float] = time.monotonic) -> None:
+                 hysteresis: float = 0.1, clock: Callable[[], float] = time.monotonic) -> None:
         self._directory = directory
         self._pools_and_tenants = pools_and_tenants  # sync (reads the registry); run in a thread
-        self._low = low_watermark
+        self._hysteresis = hysteresis
         self._clock = clock
         self._stats: dict[str, PoolStatsReport] = {}
         self._quotas: dict[str, dict[str, TenantQuota]] = {}
-        self._demoted: dict[tuple[str, int], bool] = {}
+        self._trackers: dict[str, QuotaTracker] = {}
         self.last_refresh: dict[str, float] = {}
 
     def quota_state(self, pool: str, tenant_id: int) -> QuotaState:
-        return QuotaState(over_quota=self._demoted.get((pool, tenant_id), False))
+        tracker = self._trackers.get(pool)
+        return QuotaState() if tracker is None else tracker.state(str(tenant_id))
 
     def stats(self, pool: str) -> PoolStatsReport | None:
         return self._stats.get(pool)
@@ -55,15 +57,15 @@ class PoolMonitor:
         self._stats[pool.name] = stats
         quotas = {str(t.tenant_id): t for t in tenants}
         self._quotas[pool.name] = quotas
-        capacity = stats.primary.max_blocks or pool.primary_blocks
-        for engine_id, quota in quotas.items():
-            held = stats.tenants.get(engine_id, [0, 0])[0]
-            allowed = quota.kv_quota_fraction * capacity
-            key = (pool.name, quota.tenant_id)
-            if self._demoted.get(key, False):
-                self._demoted[key] = held >= self._low * allowed
-            else:
-                self._demoted[key] = held > allowed
+        capacity = max(1, stats.primary.max_blocks or pool.primary_blocks)
+        fractions = {engine_id: q.kv_quota_fraction for engine_id, q in quotas.items()}
+        previous = self._trackers.get(pool.name)
+        # Quotas and capacity come from the registry/engine on every poll; the demoted set
+        # carries over for tenants that still have a quota.
+        tracker = QuotaTracker(capacity, fractions, self._hysteresis,
+                               demoted=set() if previous is None else previous.demoted & fractions.keys())
+        tracker.update({tid: (counts[0], counts[1]) for tid, counts in stats.tenants.items()})
+        self._trackers[pool.name] = tracker
         self.last_refresh[pool.name] = self._clock()
 
     async def refresh(self) -> None:
@@ -89,6 +91,6 @@ class PoolMonitor:
                 pool=name, stats=stats,
                 tenant_slugs={tid: q.slug for tid, q in quotas.items()},
                 tenant_quota_blocks={q.slug: q.kv_quota_fraction * capacity for q in quotas.values()},
-                demoted={q.slug: self._demoted.get((name, q.tenant_id), False) for q in quotas.values()},
+                demoted={q.slug: self.quota_state(name, q.tenant_id).over_quota for q in quotas.values()},
             ))
         return out

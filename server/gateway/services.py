@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 from prometheus_client import CollectorRegistry
 
+from retention.adaptive import AdaptiveConfig, ReuseStats
 from server.gateway.admission import Admission
 from server.gateway.auth import KeyAuthenticator
 from server.gateway.completions import CompletionRunner
@@ -43,6 +44,7 @@ class GatewayServices:
     registry: CollectorRegistry
     metrics: GatewayMetrics
     runner: CompletionRunner
+    reuse: dict[str, ReuseStats] = field(default_factory=dict)  # pool -> adaptive retention statistics
     intervals: LoopIntervals = field(default_factory=LoopIntervals)
     draining: bool = False  # set by the SIGTERM drain (server.gateway.drain): new requests get 503
     in_flight: int = 0  # serving requests not yet fully answered (server.gateway.drain.InFlight)
@@ -92,14 +94,23 @@ class GatewayServices:
 
 def build_gateway_services(*, session_factory, pepper: str, tokenizer_for, admission: Admission,
                            registry: CollectorRegistry, pools_and_tenants, auth_ttl: float = 5.0,
-                           intervals: LoopIntervals | None = None) -> GatewayServices:
+                           intervals: LoopIntervals | None = None, adaptive_max_entries: int = 100_000) -> GatewayServices:
     engines = EngineDirectory(tokenizer_for)
+    reuse: dict[str, ReuseStats] = {}
+
+    def reuse_for(pool: str) -> ReuseStats:
+        stats = reuse.get(pool)
+        if stats is None:
+            stats = reuse[pool] = ReuseStats(AdaptiveConfig(max_entries=adaptive_max_entries))
+        return stats
+
     monitor = PoolMonitor(engines, pools_and_tenants)
     metrics = GatewayMetrics(registry, monitor.snapshots)
     usage = UsageRecorder(session_factory)
     return GatewayServices(
         auth=KeyAuthenticator(session_factory, pepper=pepper, ttl=auth_ttl),
         admission=admission, engines=engines, usage=usage, monitor=monitor, registry=registry, metrics=metrics,
-        runner=CompletionRunner(admission=admission, metrics=metrics, usage=usage.record),
+        runner=CompletionRunner(admission=admission, metrics=metrics, usage=usage.record, reuse_for=reuse_for),
+        reuse=reuse,
         intervals=intervals or LoopIntervals(),
     )

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from tenants import migrate
+
 import json
 
 import pytest
@@ -27,7 +29,7 @@ def run(tmp_path, monkeypatch):  # type: ignore[no-untyped-def]
 
 
 def test_db_and_admin_round_trip(run) -> None:  # type: ignore[no-untyped-def]
-    assert "revision 0001" in run("db", "upgrade").output
+    assert f"revision {migrate.head()}" in run("db", "upgrade").output
     pool = json.loads(
         run(
             "admin",
@@ -75,7 +77,7 @@ def test_db_and_admin_round_trip(run) -> None:  # type: ignore[no-untyped-def]
     assert "pool_in_use" in in_use.output
     audit = json.loads(run("admin", "audit", "--limit", "500").output)
     assert audit["total"] == 6 and all(e["actor"].startswith("cli:") for e in audit["items"])
-    assert "current: 0001" in run("db", "current").output
+    assert f"current: {migrate.head()}" in run("db", "current").output
     assert "revision base" in run("db", "downgrade", "base").output
 
 
