@@ -61,6 +61,9 @@ _STORAGE = {
     KvDtype.FP32: torch.float32,
 }
 _FP8_MAX = {KvDtype.FP8_E4M3: 448.0, KvDtype.FP8_E5M2: 57344.0}
+# fp32 bit mask keeping the sign (bit 31) and E4M3's 7 exponent/mantissa bits moved to 20..26
+# (0x87F00000 as a signed int32).
+_SIGN_EXPONENT_MANTISSA = 0x87F00000 - (1 << 32)
 
 
 @dataclass(frozen=True, slots=True)
@@ -112,9 +115,11 @@ class PagedKvCache:
         self._inv_scales = [float(1.0 / s) for s in self.scales]
         self._scale_values = [float(s) for s in self.scales]
         self._limit = _FP8_MAX.get(dtype)
-        # E4M3 -> float: the elementwise cast is ~7x slower on CPU than E5M2's; instead the
-        # E4M3 bits are moved into bf16's field positions (exact, subnormals included: the
-        # two formats then differ by exactly 2^120) and the factor is folded into the scale.
+        # E4M3 -> float: the elementwise cast is ~7x slower on CPU than E5M2's. Instead the
+        # sign-extended byte is shifted so its exponent/mantissa bits land in fp32's field
+        # positions (exact, subnormals included: the two formats then differ by exactly
+        # 2^120), masked, and the factor is folded into the layer's scale. In-place int32
+        # ops: ~5x faster than the cast.
         self._e4m3_factors = [s * 2.0**120 for s in self._scale_values]
 
     @property
@@ -140,9 +145,10 @@ class PagedKvCache:
 
     def dequantize(self, layer: int, stored: torch.Tensor) -> torch.Tensor:
         if self.dtype is KvDtype.FP8_E4M3:
-            bits = stored.view(torch.uint8).to(torch.int16)
-            as_bf16 = (((bits & 0x7F) << 4) | ((bits & 0x80) << 8)).view(torch.bfloat16)
-            return (as_bf16.float() * self._e4m3_factors[layer]).to(self.compute_dtype)
+            bits = stored.view(torch.int8).to(torch.int32)  # sign-extended
+            bits.bitwise_left_shift_(20).bitwise_and_(_SIGN_EXPONENT_MANTISSA)
+            values = bits.view(torch.float32).mul_(self._e4m3_factors[layer])
+            return values if self.compute_dtype == torch.float32 else values.to(self.compute_dtype)
         return stored.to(self.compute_dtype)
 
     def write(self, layer: int, rows: torch.Tensor, token_slots: torch.Tensor) -> None:
