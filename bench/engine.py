@@ -1,6 +1,8 @@
 """Reference-engine benchmark: throughput, prefix-cache TTFT by tier, FP8 KV quality.
 
-    OMP_NUM_THREADS=2 .venv/bin/python bench/engine.py [--threads 2] [--formats q4,fp32] [--repeats 3]
+    .venv/bin/python bench/engine.py [--configs q4@1,q4@2,fp32@1] [--repeats 3]
+
+(``FORMAT@THREADS``: weight format and torch threads of one measured configuration.)
 
 Everything runs in-process through :class:`ReferenceEngine` (scheduler, retention pool,
 paged KV, the real forward), i.e. what the gRPC server executes minus ~0.1 ms of
@@ -22,6 +24,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import importlib.util
+import os
 import statistics
 import sys
 import time
@@ -89,6 +92,7 @@ class Bench:
     def __init__(self, args) -> None:
         self.args = args
         self.counter = 0
+        self.threads = 1
 
     def rid(self) -> str:
         self.counter += 1
@@ -97,7 +101,7 @@ class Bench:
     async def throughput(self, bundle: ModelBundle, kv_dtype: str) -> dict[str, list[float]]:
         engine = ReferenceEngine(bundle, ReferenceEngineConfig(
             kv_dtype=kv_dtype, primary_blocks=160, secondary_blocks=0, max_input_len=2048, max_output_len=256,
-            max_num_tokens=512, num_threads=self.args.threads,
+            max_num_tokens=512, num_threads=self.threads,
         ))
         engine.start()
         figures: dict[str, list[float]] = {"prefill512": [], "prefill2048": [], "decode1": [], "decode8": []}
@@ -131,7 +135,7 @@ class Bench:
     async def prefix_ttft(self, bundle: ModelBundle, kv_dtype: str) -> dict[str, list[float]]:
         engine = ReferenceEngine(bundle, ReferenceEngineConfig(
             kv_dtype=kv_dtype, primary_blocks=72, secondary_blocks=160, max_input_len=1600, max_output_len=16,
-            max_num_tokens=512, num_threads=self.args.threads, secondary_offload_min_priority=30,
+            max_num_tokens=512, num_threads=self.threads, secondary_offload_min_priority=30,
         ))
         engine.start()
         figures: dict[str, list[float]] = {"miss": [], "gpu": [], "host": [], "onboarded": []}
@@ -157,7 +161,7 @@ class Bench:
     async def reference_continuations(self, bundle: ModelBundle) -> list[list[int]]:
         engine = ReferenceEngine(bundle, ReferenceEngineConfig(
             kv_dtype="fp32", primary_blocks=64, secondary_blocks=0, max_input_len=512, max_output_len=512,
-            num_threads=self.args.threads,
+            num_threads=self.threads,
         ))
         engine.start()
         questions = ["Tell me a story about a dragon and a baker.", "Explain how a CPU executes instructions.",
@@ -204,13 +208,13 @@ class Bench:
         return results
 
 
-def llama_cpp_figures(args, path: Path) -> dict[str, float] | None:
+def llama_cpp_figures(args, path: Path, threads: int) -> dict[str, float] | None:
     """llama.cpp on the same GGUF (only when llama-cpp-python is installed)."""
     if importlib.util.find_spec("llama_cpp") is None:
         return None
     from llama_cpp import Llama
 
-    llm = Llama(model_path=str(path), n_ctx=4096, n_threads=args.threads, n_batch=512, verbose=False)
+    llm = Llama(model_path=str(path), n_ctx=4096, n_threads=threads, n_batch=512, verbose=False)
     out: dict[str, float] = {}
     for size in (512, 2048):
         tokens = [int(t) for t in llm.tokenize(("Record of the harbor changed in 1700. " * 400).encode())[:size]]
@@ -229,19 +233,21 @@ def llama_cpp_figures(args, path: Path) -> dict[str, float] | None:
     return out
 
 
-def render(args, throughput, ttft, quality, llama, threads_note: str) -> str:
+def render(args, throughput, ttft, quality, llama) -> str:
     lines = [
         "## Reference engine (`bench/engine.py`)",
         "",
         f"SmolLM2-135M-Instruct Q4_1 GGUF, in-process `ReferenceEngine` (scheduler + retention pool + paged KV + forward), "
-        f"{threads_note}. Machine: {machine()}, shared with other work while measured, so treat figures as lower bounds. "
+        f"`max_num_tokens` 512. Machine: {machine()}, shared with three other engineers' work while measured "
+        f"(load average {os.getloadavg()[0]:.1f} at the end), so treat figures as lower bounds; with two busy cores a "
+        "second torch thread often hurts. "
         f"Median of {args.repeats} runs, best in brackets. Decode: {args.decode_tokens} tokens per sequence, greedy.",
         "",
-        "| weights | KV | prefill 512 tok/s | prefill 2,048 tok/s | decode batch 1 tok/s | decode 8 seqs aggregate tok/s |",
-        "|---|---|---:|---:|---:|---:|",
+        "| weights | threads | KV | prefill 512 tok/s | prefill 2,048 tok/s | decode batch 1 tok/s | decode 8 seqs aggregate tok/s |",
+        "|---|---:|---|---:|---:|---:|---:|",
     ]
-    for (fmt, kv), f in throughput.items():
-        lines.append(f"| {fmt} | {kv} | {summary(f['prefill512'])} | {summary(f['prefill2048'])} | "
+    for (fmt, threads, kv), f in throughput.items():
+        lines.append(f"| {fmt} | {threads} | {kv} | {summary(f['prefill512'])} | {summary(f['prefill2048'])} | "
                      f"{summary(f['decode1'])} | {summary(f['decode8'])} |")
     lines += [
         "",
@@ -251,12 +257,12 @@ def render(args, throughput, ttft, quality, llama, threads_note: str) -> str:
         "",
         "Time to first token, 1,500-token shared prefix + 50 new tokens (seconds; best in brackets):",
         "",
-        "| weights | KV | miss (cold) | primary-tier hit | host-tier hit (onboarded blocks) | miss / host hit |",
-        "|---|---|---:|---:|---:|---:|",
+        "| weights | threads | KV | miss (cold) | primary-tier hit | host-tier hit (onboarded blocks) | miss / host hit |",
+        "|---|---:|---|---:|---:|---:|---:|",
     ]
-    for (fmt, kv), f in ttft.items():
+    for (fmt, threads, kv), f in ttft.items():
         ratio = statistics.median(f["miss"]) / statistics.median(f["host"])
-        lines.append(f"| {fmt} | {kv} | {summary_low(f['miss'])} | {summary_low(f['gpu'])} | "
+        lines.append(f"| {fmt} | {threads} | {kv} | {summary_low(f['miss'])} | {summary_low(f['gpu'])} | "
                      f"{summary_low(f['host'])} ({int(statistics.median(f['onboarded']))}) | {ratio:.1f}x |")
     if quality is not None:
         fmt, results = quality
@@ -275,7 +281,7 @@ def render(args, throughput, ttft, quality, llama, threads_note: str) -> str:
     if llama is None:
         lines.append("llama.cpp comparison: skipped (llama-cpp-python is not installed).")
     else:
-        ours = throughput.get((args.compare_format, "fp8_e4m3"))
+        ours = next((v for (fmt, _, kv), v in throughput.items() if fmt == args.compare_format and kv == "fp8_e4m3"), None)
         lines.append("llama.cpp (llama-cpp-python) on the same GGUF, same threads, alternating in one window:")
         lines.append("")
         lines.append("| figure | llama.cpp | ours | ours / llama.cpp |")
@@ -288,8 +294,7 @@ def render(args, throughput, ttft, quality, llama, threads_note: str) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--formats", default="q4,fp32", help="weight formats to measure (fp32, bf16, q4)")
+    parser.add_argument("--configs", default="q4@1,q4@2,fp32@1", help="FORMAT@THREADS list (formats: fp32, bf16, q4)")
     parser.add_argument("--kv-dtypes", default="fp8_e4m3", help="KV dtypes for the throughput/TTFT tables")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--decode-tokens", type=int, default=128)
@@ -299,29 +304,36 @@ def main() -> None:
     parser.add_argument("--skip-quality", action="store_true")
     parser.add_argument("--no-write", action="store_true", help="print only; leave docs/benchmarks.md alone")
     args = parser.parse_args()
-    torch.set_num_threads(args.threads)
-    bench = Bench(args)
-    formats = [f.strip() for f in args.formats.split(",") if f.strip()]
+    configs = []
+    for item in args.configs.split(","):
+        fmt, _, threads = item.strip().partition("@")
+        configs.append((fmt, int(threads or 1)))
     kv_dtypes = [k.strip() for k in args.kv_dtypes.split(",") if k.strip()]
-    bundles = {fmt: load_model(weight_format=fmt) for fmt in formats}
+    bench = Bench(args)
+    bundles = {fmt: load_model(weight_format=fmt) for fmt, _ in configs}
     throughput, ttft = {}, {}
     llama = None
-    for fmt in formats:
+    for fmt, threads in configs:
+        torch.set_num_threads(threads)
+        bench.threads = threads
         for kv in kv_dtypes:
-            print(f"[{fmt} weights, {kv} KV] throughput ...", flush=True)
-            throughput[(fmt, kv)] = asyncio.run(bench.throughput(bundles[fmt], kv))
-            print({k: round(statistics.median(v), 1) for k, v in throughput[(fmt, kv)].items()}, flush=True)
-            print(f"[{fmt} weights, {kv} KV] prefix TTFT ...", flush=True)
-            ttft[(fmt, kv)] = asyncio.run(bench.prefix_ttft(bundles[fmt], kv))
-            print({k: round(statistics.median(v), 3) for k, v in ttft[(fmt, kv)].items()}, flush=True)
-        if fmt == args.compare_format:
-            llama = llama_cpp_figures(args, bundles[fmt].path)
+            key = (fmt, threads, kv)
+            print(f"[{fmt} weights, {threads} thread(s), {kv} KV] throughput ...", flush=True)
+            throughput[key] = asyncio.run(bench.throughput(bundles[fmt], kv))
+            print({k: round(statistics.median(v), 1) for k, v in throughput[key].items()}, flush=True)
+            print(f"[{fmt} weights, {threads} thread(s), {kv} KV] prefix TTFT ...", flush=True)
+            ttft[key] = asyncio.run(bench.prefix_ttft(bundles[fmt], kv))
+            print({k: round(statistics.median(v), 3) for k, v in ttft[key].items()}, flush=True)
+        if fmt == args.compare_format and llama is None:
+            llama = llama_cpp_figures(args, bundles[fmt].path, threads)
     quality = None
     if not args.skip_quality:
         print("[quality] teacher-forced KV dtype comparison ...", flush=True)
+        torch.set_num_threads(configs[0][1])
+        bench.threads = configs[0][1]
         bundle = bundles.get(args.quality_format) or load_model(weight_format=args.quality_format)
         quality = (args.quality_format, asyncio.run(bench.quality(bundle)))
-    body = render(args, throughput, ttft, quality, llama, f"{args.threads} torch thread(s)")
+    body = render(args, throughput, ttft, quality, llama)
     print(body)
     if not args.no_write:
         write_section("engine", body)

@@ -187,3 +187,27 @@ async def test_raw_and_typed_contents_are_both_read(fp8_server, tokenizer):
     names = [o.name for o in response.outputs]
     raw = response.raw_output_contents[names.index("output_ids")]
     assert np.frombuffer(raw, "<i4").tolist() == expected
+
+
+async def test_unary_with_streaming_true_and_stream_with_streaming_false(fp8_server, tokenizer):
+    """Both transports give the same tokens whatever ``streaming`` says; only the framing differs."""
+    request = make_request(chat_ids(tokenizer, "Name a planet."), 6, end_id=-1)
+    expected = infer(fp8_server.url, request).tokens
+    assert len(expected) == 6
+    merged = infer(fp8_server.url, dataclasses.replace(request, streaming=True))
+    assert merged.tokens == expected and merged.sequence_length == 6
+
+    async def requests():
+        yield {"model_name": MODEL, "inputs": to_inputs(encode_request(request)), "request_id": "whole"}
+
+    client = grpcaio.InferenceServerClient(fp8_server.url)
+    responses = []
+    try:
+        async for result, error in client.stream_infer(requests()):
+            assert error is None
+            responses.append(result)
+            if result.get_response().parameters["triton_final_response"].bool_param:
+                break
+    finally:
+        await client.close()
+    assert len(responses) == 1 and responses[0].as_numpy("output_ids").tolist() == expected
