@@ -16,7 +16,7 @@ from engines.tokenizer import ChatTokenizer, default_gguf_path, load_gguf_tokeni
 from server.app import create_app
 from server.gateway.admission import Admission, LocalAdmission, RedisAdmission
 from server.gateway.app import install_gateway, registry_pools_and_tenants
-from server.gateway.context import PoolRef
+from tenants.snapshots import PoolSnapshot
 from server.gateway.errors import ServingError
 from server.gateway.services import LoopIntervals, build_gateway_services
 from server.settings import Settings
@@ -25,7 +25,7 @@ from tenants.db import make_engine, make_session_factory
 REFERENCE_SPECS = frozenset({"", "reference", "reference-smollm2"})
 
 
-def default_tokenizer_for(pool: PoolRef) -> ChatTokenizer:
+def default_tokenizer_for(pool: PoolSnapshot) -> ChatTokenizer:
     """The reference pool's tokenizer comes from its GGUF; GPU specs name their own."""
     if pool.engine_spec in REFERENCE_SPECS:
         return load_gguf_tokenizer(default_gguf_path())
@@ -39,7 +39,7 @@ def default_tokenizer_for(pool: PoolRef) -> ChatTokenizer:
 
 
 def build_serving_app(settings: Settings, *, session_factory: sessionmaker[Session] | None = None,
-                      tokenizer_for: Callable[[PoolRef], ChatTokenizer] = default_tokenizer_for,
+                      tokenizer_for: Callable[[PoolSnapshot], ChatTokenizer] = default_tokenizer_for,
                       admission: Admission | None = None, registry: CollectorRegistry | None = None,
                       auth_ttl: float = 5.0, intervals: LoopIntervals | None = None) -> FastAPI:
     engine = None

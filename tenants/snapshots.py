@@ -8,15 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from retention.planner import SegmentRetention  # one segment's retention, shared with the planner
 from tenants.models import Pool, RetentionClass, Tenant
-
-
-@dataclass(frozen=True, slots=True)
-class SegmentRetention:
-    """One segment's TensorRT-LLM retention: priority 0..100, duration_ms None = no expiry."""
-
-    priority: int
-    duration_ms: int | None
 
 
 @dataclass(frozen=True, slots=True)

@@ -20,33 +20,27 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from sqlalchemy import text
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from server.gateway.context import PoolRef
 from server.gateway.drain import InFlight
 from server.gateway.errors import ServingError, error_response, handle_serving_error, validation_error
 from server.gateway.pool_monitor import TenantQuota
 from server.gateway.routes import router
 from server.gateway.services import GatewayServices
 from tenants.auth import list_active_tenants_for_pool, list_pool_snapshots
+from tenants.snapshots import PoolSnapshot
 
 MAX_BODY_BYTES = 4 * 1024 * 1024
 ADMIN_PREFIX = "/admin/"
 
 
-def pool_ref(snapshot) -> PoolRef:
-    return PoolRef(snapshot.name, snapshot.model_name, snapshot.triton_url, snapshot.triton_model,
-                   snapshot.engine_spec, snapshot.tokens_per_block, snapshot.primary_blocks,
-                   snapshot.secondary_blocks, snapshot.secondary_offload_min_priority)
-
-
 def registry_pools_and_tenants(session_factory):
     """``pools_and_tenants`` for :class:`PoolMonitor`, read from the registry (sync)."""
 
-    def read() -> list[tuple[PoolRef, list[TenantQuota]]]:
+    def read() -> list[tuple[PoolSnapshot, list[TenantQuota]]]:
         with session_factory() as session:
             out = []
             for snap in list_pool_snapshots(session):
                 tenants = list_active_tenants_for_pool(session, pool_id=snap.id)
-                out.append((pool_ref(snap), [TenantQuota(t.id, t.slug, t.kv_quota_fraction) for t in tenants]))
+                out.append((snap, [TenantQuota(t.id, t.slug, t.kv_quota_fraction) for t in tenants]))
             return out
 
     return read
@@ -143,7 +137,7 @@ def install_gateway(app: FastAPI, services: GatewayServices) -> FastAPI:
         def ping() -> list:
             with session_factory() as session:
                 session.execute(text("SELECT 1"))
-                return [pool_ref(p) for p in list_pool_snapshots(session)]
+                return list_pool_snapshots(session)
 
         try:
             pools = await anyio.to_thread.run_sync(ping)

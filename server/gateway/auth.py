@@ -24,9 +24,9 @@ import anyio
 from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import Session
 
-from retention.planner import RetentionClassSpec, SegmentRetention
+from retention.planner import RetentionClassSpec
 from server.gateway.admission import Limits
-from server.gateway.context import PoolRef, TenantContext
+from server.gateway.context import TenantContext
 from server.gateway.errors import ServingError
 from tenants.auth import authenticate_key, touch_keys_last_used
 from tenants.snapshots import AuthenticatedTenant
@@ -34,16 +34,13 @@ from tenants.snapshots import AuthenticatedTenant
 
 def to_context(snapshot: AuthenticatedTenant) -> TenantContext:
     pool, cls, lim = snapshot.pool, snapshot.retention, snapshot.limits
-    seg = lambda s: SegmentRetention(s.priority, s.duration_ms)  # noqa: E731
     return TenantContext(
         tenant_id=snapshot.tenant_id, slug=snapshot.slug, status=snapshot.status, isolation=snapshot.isolation,
         cache_salt=snapshot.cache_salt,
         limits=Limits(lim.rpm, lim.tpm, lim.max_concurrent_requests, lim.max_prompt_tokens, lim.max_output_tokens),
         kv_quota_fraction=snapshot.kv_quota_fraction,
-        pool=PoolRef(pool.name, pool.model_name, pool.triton_url, pool.triton_model, pool.engine_spec,
-                     pool.tokens_per_block, pool.primary_blocks, pool.secondary_blocks,
-                     pool.secondary_offload_min_priority),
-        retention=RetentionClassSpec(seg(cls.system), seg(cls.context), seg(cls.turn), seg(cls.decode)),
+        pool=pool,
+        retention=RetentionClassSpec(cls.system, cls.context, cls.turn, cls.decode),
         key_id=snapshot.key_id,
         retention_mode=cls.mode,
     )

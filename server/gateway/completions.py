@@ -106,7 +106,7 @@ def build_plan(job: CompletionJob, reuse: ReuseStats | None = None, now: float =
     in the statistics. Over quota, either way: everything at priority 0.
     """
     prompt, tenant = job.prompt, job.tenant
-    threshold = tenant.pool.offload_min_priority
+    threshold = tenant.pool.secondary_offload_min_priority
     segments = Segments(system_end=prompt.system_end, context_end=prompt.context_end, total=prompt.total)
     if tenant.retention_mode != "adaptive" or reuse is None or job.quota.over_quota:
         return plan_retention(tenant.retention, segments, offload_min_priority=threshold, quota=job.quota)

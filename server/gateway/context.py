@@ -10,19 +10,7 @@ from dataclasses import dataclass
 
 from retention.planner import RetentionClassSpec
 from server.gateway.admission import Limits
-
-
-@dataclass(frozen=True, slots=True)
-class PoolRef:
-    name: str
-    model_name: str
-    triton_url: str
-    triton_model: str
-    engine_spec: str
-    tokens_per_block: int
-    primary_blocks: int
-    secondary_blocks: int
-    offload_min_priority: int
+from tenants.snapshots import PoolSnapshot
 
 
 @dataclass(frozen=True, slots=True)
@@ -34,7 +22,7 @@ class TenantContext:
     cache_salt: str
     limits: Limits
     kv_quota_fraction: float
-    pool: PoolRef
+    pool: PoolSnapshot
     retention: RetentionClassSpec
     key_id: int
     retention_mode: str = "static"  # static | adaptive (retention/adaptive.py)

@@ -14,23 +14,23 @@ from collections.abc import Callable
 import anyio
 
 from engines.tokenizer import ChatTokenizer
-from server.gateway.context import PoolRef
+from tenants.snapshots import PoolSnapshot
 from server.gateway.engine_client import EngineClient
 from server.gateway.prompting import ChatPrompter
 
 
 class EngineDirectory:
-    def __init__(self, tokenizer_for: Callable[[PoolRef], ChatTokenizer]) -> None:
+    def __init__(self, tokenizer_for: Callable[[PoolSnapshot], ChatTokenizer]) -> None:
         self._tokenizer_for = tokenizer_for
         self._clients: dict[tuple[str, str], EngineClient] = {}
         self._prompters: dict[str, ChatPrompter] = {}
         self._loading: dict[str, asyncio.Lock] = {}
-        self.pools: dict[str, PoolRef] = {}  # pools seen by requests or registered at start-up
+        self.pools: dict[str, PoolSnapshot] = {}  # pools seen by requests or registered at start-up
 
-    def register(self, pool: PoolRef) -> None:
+    def register(self, pool: PoolSnapshot) -> None:
         self.pools[pool.name] = pool
 
-    def client(self, pool: PoolRef) -> EngineClient:
+    def client(self, pool: PoolSnapshot) -> EngineClient:
         self.pools[pool.name] = pool
         key = (pool.triton_url, pool.triton_model)
         client = self._clients.get(key)
@@ -38,7 +38,7 @@ class EngineDirectory:
             client = self._clients[key] = EngineClient(pool.triton_url, pool.triton_model)
         return client
 
-    async def prompter(self, pool: PoolRef) -> ChatPrompter:
+    async def prompter(self, pool: PoolSnapshot) -> ChatPrompter:
         """The pool's tokenizer; the first call per spec loads it in a worker thread.
 
         Why a thread and a lock: loading a GGUF tokenizer takes seconds and must neither

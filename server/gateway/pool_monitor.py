@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from engines.contract import PoolStatsReport
 from retention.planner import QuotaState
 from retention.quota import QuotaTracker
-from server.gateway.context import PoolRef
+from tenants.snapshots import PoolSnapshot
 from server.gateway.engine_client import EngineError
 from server.gateway.engines import EngineDirectory
 from server.gateway.metrics import PoolSnapshot
@@ -34,7 +34,7 @@ class TenantQuota:
 
 class PoolMonitor:
     def __init__(self, directory: EngineDirectory,
-                 pools_and_tenants: Callable[[], list[tuple[PoolRef, list[TenantQuota]]]], *,
+                 pools_and_tenants: Callable[[], list[tuple[PoolSnapshot, list[TenantQuota]]]], *,
                  hysteresis: float = 0.1, clock: Callable[[], float] = time.monotonic) -> None:
         self._directory = directory
         self._pools_and_tenants = pools_and_tenants  # sync (reads the registry); run in a thread
@@ -52,7 +52,7 @@ class PoolMonitor:
     def stats(self, pool: str) -> PoolStatsReport | None:
         return self._stats.get(pool)
 
-    def apply(self, pool: PoolRef, stats: PoolStatsReport, tenants: Iterable[TenantQuota]) -> None:
+    def apply(self, pool: PoolSnapshot, stats: PoolStatsReport, tenants: Iterable[TenantQuota]) -> None:
         """Fold one stats report into the quota state (pure apart from self)."""
         self._stats[pool.name] = stats
         quotas = {str(t.tenant_id): t for t in tenants}

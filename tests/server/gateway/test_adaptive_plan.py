@@ -11,14 +11,15 @@ from retention.adaptive import AdaptiveConfig, ReuseStats
 from retention.planner import QuotaState, RetentionClassSpec, SegmentRetention
 from server.gateway.admission import Limits
 from server.gateway.completions import CompletionJob, build_plan
-from server.gateway.context import PoolRef, TenantContext
+from server.gateway.context import TenantContext
+from tenants.snapshots import PoolSnapshot
 from server.gateway.prompting import PreparedPrompt
 from tenants import retention_classes
 from tests.server.gateway.stack import ACTOR, MODEL, Stack
 from tests.server.gateway.test_openai_e2e import client, system_prompt
 
 TPB = 16
-POOL = PoolRef("p", "m", "127.0.0.1:1", "kvgate_llm", "reference-smollm2", TPB, 256, 512, 30)
+POOL = PoolSnapshot(1, "p", "m", "127.0.0.1:1", "kvgate_llm", "reference-smollm2", TPB, 256, 512, 30)
 CLASS = RetentionClassSpec(SegmentRetention(90), SegmentRetention(60), SegmentRetention(40), SegmentRetention(20))
 
 
@@ -41,9 +42,9 @@ def test_repeated_prefix_is_kept_above_the_threshold_and_one_shot_traffic_falls_
         build_plan(job(unique_prompt(5)), reuse, now=float(step) + 0.5)  # one-shot prompts of the same shape
     kept = build_plan(job(shared + unique_prompt(1)), reuse, now=61.0)
     first_block_priority = kept.ranges[0].priority
-    assert first_block_priority > POOL.offload_min_priority  # evicted to host, not dropped
+    assert first_block_priority > POOL.secondary_offload_min_priority  # evicted to host, not dropped
     fresh = build_plan(job(unique_prompt(5)), reuse, now=61.5)
-    assert max(r.priority for r in fresh.ranges) <= POOL.offload_min_priority  # first out
+    assert max(r.priority for r in fresh.ranges) <= POOL.secondary_offload_min_priority  # first out
     assert kept.decode_priority == 20  # decode still from the class
 
 

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 from engines.contract import PoolStatsReport, TierStats
-from server.gateway.context import PoolRef
+from tenants.snapshots import PoolSnapshot
 from server.gateway.engines import EngineDirectory
 from server.gateway.pool_monitor import PoolMonitor, TenantQuota
 
-POOL = PoolRef("p", "m", "127.0.0.1:1", "kvgate_llm", "reference-smollm2", 16, 100, 400, 35)
+POOL = PoolSnapshot(1, "p", "m", "127.0.0.1:1", "kvgate_llm", "reference-smollm2", 16, 100, 400, 35)
 TENANTS = [TenantQuota(1, "premium", 0.5), TenantQuota(2, "flood", 0.2)]
 
 
