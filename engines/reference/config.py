@@ -76,6 +76,11 @@ class ReferenceEngineConfig:
         _at_least("max_input_len", self.max_input_len, 1)
         _at_least("max_output_len", self.max_output_len, 1)
         _at_least("num_threads", self.num_threads, 1)
+        if self.max_num_tokens < self.max_batch_size:
+            # Every decoding sequence needs one token of the step budget, or some would starve.
+            raise EngineConfigError(
+                f"max_num_tokens ({self.max_num_tokens}) must be >= max_batch_size ({self.max_batch_size})"
+            )
         if not MIN_PRIORITY <= self.secondary_offload_min_priority <= MAX_PRIORITY + 1:
             raise EngineConfigError(
                 f"secondary_offload_min_priority must be within [{MIN_PRIORITY}, {MAX_PRIORITY + 1}], "

@@ -201,7 +201,12 @@ class ReferenceEngine:
                     return
                 now = self.clock()
                 self._apply_cancels(now)
-                step = self.scheduler.schedule(now)
+                try:
+                    step = self.scheduler.schedule(now)
+                except Exception as exc:  # a pool/scheduler bug fails the requests, not the engine
+                    log.exception("reference engine scheduling failed")
+                    self._fail_all(f"engine scheduling failed: {exc}", now)
+                    continue
                 if not step:
                     # Work is queued but nothing fits (cannot happen with a validated config
                     # and no running sequence); wait for a release or a cancel.
@@ -223,6 +228,18 @@ class ReferenceEngine:
                 for seq, token in results:
                     if seq.request_id in self._sinks and seq.request_id not in self._cancels:
                         self._accept(seq, token, now)
+
+    def _fail_all(self, message: str, now: float) -> None:
+        for request_id in list(self._sinks):
+            seq = self.scheduler.find(request_id)
+            if seq is not None:
+                try:
+                    self._finish(seq, None, now, error=message)
+                except Exception:  # the pool is in an unknown state; still answer the client
+                    self.scheduler.running = [s for s in self.scheduler.running if s is not seq]
+                    sink = self._sinks.pop(request_id, None)
+                    if sink is not None:
+                        self._safe_call(sink, EngineOutput(request_id, (), seq.generated, seq.metrics, True, None, message))
 
     def _apply_cancels(self, now: float) -> None:
         for request_id in self._cancels:

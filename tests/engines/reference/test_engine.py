@@ -82,7 +82,33 @@ async def test_duplicate_ids_and_stopped_engine_are_refused(bundle, tokenizer):
     ({"secondary_offload_min_priority": 200}, "secondary_offload_min_priority"),
     ({"max_input_len": 100_000}, "primary pool"),
     ({"weight_format": "fp64"}, "weight_format"),
+    ({"max_num_tokens": 4, "max_batch_size": 8}, "max_num_tokens"),
 ])
 def test_config_validation_names_the_setting(change, named):
     with pytest.raises(EngineConfigError, match=named):
         ReferenceEngineConfig(**change)
+
+
+async def test_a_failing_step_fails_its_requests_and_the_engine_keeps_serving(small_engine, tokenizer):
+    real = small_engine.runner.model
+
+    class FailOnce:
+        def __init__(self) -> None:
+            self.failed = False
+
+        def forward(self, batch, cache):
+            if not self.failed:
+                self.failed = True
+                raise RuntimeError("injected fault")
+            return real.forward(batch, cache)
+
+    small_engine.runner.model = FailOnce()
+    try:
+        request = make_request(tokenizer.encode("Hello there, how are you today?"), 4, end_id=-1)
+        tokens, last = await _collect(small_engine, "boom", request)
+        assert last.finished and last.error is not None and "injected fault" in last.error
+        tokens, last = await _collect(small_engine, "after", request)
+        assert last.error is None and len(tokens) == 4
+    finally:
+        small_engine.runner.model = real
+    assert small_engine.stats().primary.used_blocks == 0
