@@ -228,7 +228,7 @@ def _plot(reports, distinct: int, path: Path) -> None:  # noqa: ANN001
     ax.set_xlabel("GPU capacity (% of distinct blocks)")
     ax.set_ylabel("prompt-token hit rate (%)")
     ax.grid(alpha=0.3)
-    ax.legend()
+    ax.legend(loc="upper left")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
