@@ -130,7 +130,7 @@ def plot(reports, distinct: int) -> None:
     ax.set_ylabel("prompt-token hit rate (%)")
     ax.set_title("Mooncake synthetic trace, --hold none")
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=8, loc="upper left")
+    ax.legend(fontsize=8)
     fig.tight_layout()
     PLOT.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(PLOT, dpi=110)
