@@ -1,6 +1,8 @@
 from __future__ import annotations
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from retention.planner import (
     QuotaState,
@@ -78,3 +80,26 @@ def test_demote_matches_over_quota_planning() -> None:
     normal = plan_retention(PREMIUM, Segments(100, 300, 350), offload_min_priority=30)
     over = plan_retention(PREMIUM, Segments(100, 300, 350), offload_min_priority=30, quota=QuotaState(over_quota=True))
     assert demote(normal) == over and demote(normal).demoted
+
+
+retentions = st.builds(SegmentRetention, st.sampled_from([0, 10, 35, 60, 90]), st.sampled_from([None, 1000]))
+
+
+@given(
+    cls=st.builds(RetentionClassSpec, retentions, retentions, retentions, retentions),
+    cuts=st.lists(st.integers(0, 500), min_size=3, max_size=3).map(sorted),
+    over=st.booleans(),
+)
+def test_plans_cover_the_prompt_without_gaps_and_merge_neighbours(cls, cuts, over) -> None:
+    system_end, context_end, total = cuts
+    if total == 0:
+        total = 1
+    plan = plan_retention(cls, Segments(system_end, context_end, total), offload_min_priority=35,
+                          quota=QuotaState(over))
+    assert plan.ranges[0].start == 0 and plan.ranges[-1].end is None
+    for a, b in zip(plan.ranges, plan.ranges[1:]):
+        assert a.end == b.start and (a.priority, a.duration_ms) != (b.priority, b.duration_ms)
+    for t in {0, system_end, context_end, total - 1} - {total}:
+        segment = cls.system if t < system_end else cls.context if t < context_end else cls.turn
+        expected = (0, None) if over else (segment.priority, segment.duration_ms)
+        assert plan.retention_at(t) == expected
