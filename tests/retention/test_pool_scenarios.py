@@ -348,3 +348,24 @@ def test_block_takes_the_range_holding_its_first_token(ranges, block, length, ex
     plan = RetentionPlan(tuple(TokenRange(s, e, p) for s, e, p in ranges))
     per_block = pool_module.per_block_retention(plan, -(-length // block), block)  # noqa: SLF001
     assert [None if r is None else r[0] for r in per_block] == expected
+
+
+def test_duration_at_default_priority_never_starts() -> None:
+    # LRUEvictionPolicy::releaseBlock only schedules expiry when the priority is not 35.
+    pool = BlockPool(PoolConfig(primary_blocks=4, tokens_per_block=B))
+    run(pool, "a", toks(0, 1, 0), p=plan(35, duration_ms=10), now=0.0)
+    (block,) = pool.cached_blocks().values()
+    assert block.duration_ms == 10 and block.expires_at is None
+    run(pool, "b", toks(50, 1, 0), now=100.0)
+    assert pool.stats().expired_blocks == 0
+
+
+def test_extend_can_offload_to_make_room_for_decode() -> None:
+    pool = BlockPool(PoolConfig(primary_blocks=2, secondary_blocks=1, tokens_per_block=B))
+    run(pool, "cached", toks(0, 1, 0), p=plan(60))
+    alloc = pool.allocate("d", toks(100, 0, 3), salt=None, tenant="t", plan=DEFAULT_PLAN, now=1)
+    assert alloc is not None and alloc.copies == ()  # took the empty block
+    slots, copies = pool.extend("d", 6, now=2)  # a second block: the cached one moves to host
+    assert len(slots) == 2 and copies == (BlockCopy(P, slots[1], S, 0),)
+    assert where(pool, toks(0, 1, 0)) == (1, 0, 1)
+    pool.check_invariants()
