@@ -20,6 +20,8 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from sqlalchemy import text
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from server.errors import CODE_BY_STATUS as ADMIN_CODES
+from server.errors import error_response as admin_error_response
 from server.gateway.drain import InFlight
 from server.gateway.errors import ServingError, error_response, handle_serving_error, validation_error
 from server.gateway.pool_monitor import TenantQuota
@@ -116,6 +118,11 @@ def install_gateway(app: FastAPI, services: GatewayServices) -> FastAPI:
         return error_response(validation_error(exc))
 
     async def on_http_error(request: Request, exc: StarletteHTTPException):
+        if request.url.path.startswith(ADMIN_PREFIX):
+            # A path the admin mount cannot match (its pattern stops at a newline, e.g.
+            # /admin/v1/tenants/%0A/keys) lands here: it is still an admin API error.
+            code = ADMIN_CODES.get(exc.status_code, f"http_{exc.status_code}")
+            return admin_error_response(exc.status_code, code, str(exc.detail), None, dict(exc.headers or {}) or None)
         # FastAPI answers undecodable bodies, unknown routes and wrong methods with
         # HTTPException; give them the serving API's error shape too.
         code = {400: "invalid_json", 404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
