@@ -7,7 +7,7 @@ PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip --disable-pip-version-check -q
 STAMP  := $(VENV)/.kvgate-installed
 
-.PHONY: setup serve test test-reliability bench lint clean
+.PHONY: setup serve test test-reliability bench clean
 
 setup: $(STAMP)
 
@@ -30,8 +30,15 @@ test: setup
 test-reliability: setup
 	$(VENV)/bin/python -m pytest -q -m "reliability or reliability_full" tests/reliability
 
+# Each script prints its figures and rewrites only its own section of docs/benchmarks.md
+# (load: docs/reliability.md). Run on a quiet machine; the engine bench takes ~10 minutes.
+BENCHES := pool_ops simulate registry_auth gateway engine load
+
 bench: setup
-	OMP_NUM_THREADS=1 $(PY) bench/pool_ops.py
+	for b in $(BENCHES); do OMP_NUM_THREADS=1 $(PY) bench/$$b.py || exit 1; done
+
+bench-%: setup
+	OMP_NUM_THREADS=1 $(PY) bench/$*.py
 
 clean:
 	rm -rf $(VENV) kvgate.db .pytest_cache

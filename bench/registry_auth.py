@@ -26,6 +26,9 @@ import time
 from datetime import UTC, datetime
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from bench.report import write_section  # noqa: E402
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
@@ -113,20 +116,6 @@ def postgres_run(args: argparse.Namespace) -> dict[str, tuple[float, float]] | N
         admin.dispose()
 
 
-def write_section(path: Path, name: str, body: str) -> None:
-    """Replace (or append) the ``<!-- bench:name -->`` section of ``path``; nothing else changes."""
-    start, end = f"<!-- bench:{name} -->", f"<!-- /bench:{name} -->"
-    text_ = path.read_text() if path.exists() else "# Benchmarks\n\nFigures written by the scripts in bench/.\n"
-    block = f"{start}\n{body.rstrip()}\n{end}"
-    if start in text_ and end in text_:
-        head, rest = text_.split(start, 1)
-        _, tail = rest.split(end, 1)
-        text_ = head + block + tail
-    else:
-        text_ = text_.rstrip() + "\n\n" + block + "\n"
-    path.write_text(text_)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tenants", type=int, default=200)
@@ -153,7 +142,7 @@ def main() -> None:
     body = "\n".join(lines)
     print(body)
     if not args.no_write:
-        write_section(ROOT / "docs" / "benchmarks.md", SECTION, body)
+        write_section(SECTION, body)
 
 
 if __name__ == "__main__":
