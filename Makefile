@@ -27,8 +27,11 @@ serve: setup
 test: setup
 	$(VENV)/bin/python -m pytest -q
 
+# The full reliability suite (make test runs its fast subset), then the 200-stream load bench;
+# both write their figures into docs/reliability.md.
 test-reliability: setup
-	$(VENV)/bin/python -m pytest -q -m "reliability or reliability_full" tests/reliability
+	OMP_NUM_THREADS=1 KVGATE_RELIABILITY_WRITE=1 $(PY) -m pytest -q -m "reliability or reliability_full" tests/reliability
+	OMP_NUM_THREADS=1 $(PY) bench/load.py
 
 # Each script prints its figures and rewrites only its own section of docs/benchmarks.md
 # (load: docs/reliability.md). Run on a quiet machine; the engine bench takes ~10 minutes.

@@ -44,7 +44,7 @@ def _backend(kind: str, tmp_path):
 
 @pytest.mark.parametrize("backend", [
     pytest.param("sqlite", marks=pytest.mark.reliability),
-    pytest.param("postgresql", marks=pytest.mark.reliability),
+    pytest.param("postgresql", marks=pytest.mark.reliability_full),
 ])
 def test_100_parallel_admin_updates_leave_a_consistent_registry(stack: Stack, tmp_path, backend, figures) -> None:
     url, db = _backend(backend, tmp_path)

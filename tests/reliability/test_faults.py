@@ -70,7 +70,7 @@ def wait_for(condition, timeout: float, what: str, interval: float = 0.05):
         time.sleep(interval)
 
 
-@pytest.mark.reliability
+@pytest.mark.reliability_full  # restarting the engine costs ~20 s
 def test_engine_killed_mid_stream_ends_the_stream_with_an_error_then_recovers(stack: Stack, figures) -> None:
     slug = "ek-" + secrets.token_hex(3)
     key = stack.add_tenant(slug, max_concurrent_requests=1)
@@ -207,7 +207,7 @@ pg_only = pytest.mark.skipif(not postgres_reachable(), reason="PostgreSQL at 127
 
 
 @pg_only
-@pytest.mark.reliability
+@pytest.mark.reliability_full
 def test_database_outage_serves_cached_keys_refuses_writes_and_loses_nothing(stack: Stack, tmp_path, figures) -> None:
     db = PostgresDatabase().create()
     link = TcpCut(postgres_port()).start()

@@ -176,7 +176,10 @@ def _fuzz(schema, base_url: str, headers: dict[str, str], examples: int, check_b
                 assert response.status_code < 500, (case.method, case.path, case.body, response.text[:500])
                 if response.status_code >= 400:
                     counts["4xx"] += 1
-                    check_body(response)
+                    try:
+                        check_body(response)
+                    except AssertionError as exc:
+                        raise AssertionError(f"{case.method} {response.request.url} {case.body!r}: {exc}") from None
                 else:
                     counts["2xx"] += 1
 
