@@ -61,6 +61,8 @@ class Settings(BaseSettings):
     host: str = "127.0.0.1"
     port: int = Field(default=8000, ge=1, le=65535)
     redis_url: str | None = None
+    # When set, /metrics requires "Authorization: Bearer <token>" (it names every tenant).
+    metrics_token: str | None = Field(default=None, repr=False)
     log_level: str = "info"
 
     @field_validator("admin_tokens", mode="before")

@@ -10,6 +10,7 @@ refused by this process at once.
 from __future__ import annotations
 
 
+import hmac
 from contextlib import asynccontextmanager
 
 import anyio
@@ -132,8 +133,17 @@ def install_gateway(app: FastAPI, services: GatewayServices) -> FastAPI:
     app.add_exception_handler(ServingError, handle_serving_error)
     app.add_exception_handler(RequestValidationError, on_validation)
 
+    metrics_token = getattr(app.state.settings, "metrics_token", None)
+
     @app.get("/metrics", include_in_schema=False)
-    def metrics() -> Response:
+    def metrics(request: Request) -> Response:
+        # Why a token: the series carry every tenant's slug, traffic and KV blocks; on the
+        # public port any API-key holder could watch the others (tests/reliability).
+        if metrics_token:
+            presented = request.headers.get("authorization", "").encode("utf-8", "surrogateescape")
+            if not hmac.compare_digest(presented, f"Bearer {metrics_token}".encode()):
+                return error_response(ServingError(401, "invalid_metrics_token",
+                                                   "/metrics needs 'Authorization: Bearer <KVGATE_METRICS_TOKEN>'"))
         return Response(generate_latest(services.registry), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/readyz", include_in_schema=False)
