@@ -11,6 +11,8 @@ fresh prompt so the attacker's own earlier probes never help it.
   of both populations (exact), and the two TTFT populations are indistinguishable: the
   test fails if the Hodges-Lehmann shift exceeds SHIFT_MS *and* a Mann-Whitney test
   rejects equality at ALPHA.
+* ``/metrics`` (every tenant's series) refuses a tenant's API key when
+  ``KVGATE_METRICS_TOKEN`` is set, and answers the scraper's token.
 * ``shared`` tenants, the positive control: the same probe does see the victim's
   prompt (cached tokens > 0 whenever it was cached), which shows the probe has power.
 """
@@ -94,7 +96,8 @@ def test_salted_tenant_cannot_detect_another_tenants_cached_prompt(stack: Stack,
     keys = {slug: registry.add_tenant(slug, pool="reference", isolation=isolation)
             for slug, isolation in (("victim", "salted"), ("attacker", "salted"),
                                     ("victim-shared", "shared"), ("attacker-shared", "shared"))}
-    gateway = GatewayProcess(registry.url, PEPPER, tmp_path / "gw")
+    metrics_token = "metrics-" + secrets.token_hex(16)
+    gateway = GatewayProcess(registry.url, PEPPER, tmp_path / "gw", extra_env={"KVGATE_METRICS_TOKEN": metrics_token})
     gateway.start()
     try:
         gateway.wait_ready()
@@ -104,6 +107,11 @@ def test_salted_tenant_cannot_detect_another_tenants_cached_prompt(stack: Stack,
                 probe(http, keys["attacker"], secret_prompt(secrets.token_hex(6)))
             salted = run_trials(http, keys["victim"], keys["attacker"], trials, rng)
             control = run_trials(http, keys["victim-shared"], keys["attacker-shared"], max(8, trials // 4), rng)
+            # The other thing a tenant could read: /metrics names every tenant and its KV blocks.
+            as_attacker = http.get("/metrics", headers={"Authorization": f"Bearer {keys['attacker']}"})
+            as_scraper = http.get("/metrics", headers={"Authorization": f"Bearer {metrics_token}"})
+        assert as_attacker.status_code == 401 and as_attacker.json()["error"]["code"] == "invalid_metrics_token"
+        assert as_scraper.status_code == 200 and 'tenant="victim"' in as_scraper.text
         ttft = compare(np.array(salted[False]["ttft"]), np.array(salted[True]["ttft"]))
         control_ttft = compare(np.array(control[False]["ttft"]), np.array(control[True]["ttft"]))
         figures.record(f"isolation: salted probe ({trials} interleaved trials)",
