@@ -13,6 +13,8 @@ returns 16 fixed tokens at once), each party in its own process; gateway CPU tim
 from ``/proc/<pid>/stat``. Figures go to the ``bench:gateway`` section of docs/benchmarks.md.
 
     python bench/gateway.py [--requests 400] [--no-write]
+
+With `wrk` installed (Debian package `wrk`) it also measures saturation throughput.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import asyncio
 import json
 import os
 import secrets
+import shutil
 import socket
 import statistics
 import subprocess
@@ -181,7 +184,33 @@ async def measure(args, key: str, engine_port: int, gateway_port: int, gateway_p
     return rows
 
 
-def render(rows: list[dict]) -> str:
+def wrk_throughput(key: str, gateway_port: int, gateway_pid: int, stream: bool, seconds: int = 10) -> dict | None:
+    """Saturation throughput with ``wrk`` (a C load generator, if installed): the Python
+    load generator above tops out before the gateway does on 2 cores."""
+    if shutil.which("wrk") is None:
+        return None
+    body = json.dumps({"model": "fixed", "messages": MESSAGES, "max_tokens": 16, "temperature": 0, "stream": stream})
+    script = Path(tempfile.mkdtemp()) / "post.lua"
+    script.write_text(
+        'wrk.method = "POST"\n'
+        f"wrk.body = {json.dumps(body)}\n"
+        'wrk.headers["Content-Type"] = "application/json"\n'
+        f'wrk.headers["Authorization"] = "Bearer {key}"\n'
+    )
+    before = cpu_seconds(gateway_pid)
+    out = subprocess.run(["wrk", "-t1", "-c32", f"-d{seconds}s", "-s", str(script),
+                          f"http://127.0.0.1:{gateway_port}/v1/chat/completions"], capture_output=True, text=True).stdout
+    cpu = cpu_seconds(gateway_pid) - before
+    rps = float(out.split("Requests/sec:")[1].split()[0])
+    total = int(out.split(" requests in ")[0].split()[-1])
+    errors = "Non-2xx" in out or "Socket errors" in out
+    row = {"mode": "stream (16 chunks)" if stream else "non-stream", "requests_per_s": rps,
+           "gateway_cpu_ms_per_request": 1000 * cpu / max(1, total), "gateway_cores": cpu / seconds, "errors": errors}
+    print(json.dumps({k: round(v, 2) if isinstance(v, float) else v for k, v in row.items()}))
+    return row
+
+
+def render(rows: list[dict], saturation: list[dict] | None = None) -> str:
     lines = [
         "## Gateway overhead (`bench/gateway.py`)",
         "",
@@ -200,6 +229,13 @@ def render(rows: list[dict]) -> str:
             f"{r['gateway_p50_ms']:.2f} / {r['gateway_p99_ms']:.2f} | {r['added_p50_ms']:.2f} / {r['added_p99_ms']:.2f} | "
             f"{r['gateway_cpu_ms_per_request']:.2f} | {r['gateway_requests_per_s']:.0f} |"
         )
+    if saturation:
+        lines += ["", "Saturation with `wrk -t1 -c32` (C load generator, 10 s; the gateway is one uvicorn worker, "
+                  "so one core at most; the load generator and engine use the other):", "",
+                  "| mode | gateway req/s | gateway CPU ms/req | gateway cores busy | errors |", "|---|---:|---:|---:|---|"]
+        for r in saturation:
+            lines.append(f"| {r['mode']} | {r['requests_per_s']:.0f} | {r['gateway_cpu_ms_per_request']:.2f} | "
+                         f"{r['gateway_cores']:.2f} | {'yes' if r['errors'] else 'none'} |")
     lines += ["", "Targets: ≤ 2 ms gateway CPU per non-streaming request, ≤ 5 ms per 16-token stream, "
               "≥ 300 non-streaming requests/s on 2 cores (LiteLLM 1.108.7, one worker, on this machine class: "
               "10.2 ms and 24.4 ms CPU, ~100 and ~36 requests/s)."]
@@ -227,14 +263,15 @@ def main() -> None:
         wait_http(f"http://127.0.0.1:{gateway_port}/healthz")
         time.sleep(2.5)  # the fixed engine loads the tokenizer to pick its tokens
         rows = asyncio.run(measure(args, key, engine_port, gateway_port, gateway.pid))
+        saturation = [r for r in (wrk_throughput(key, gateway_port, gateway.pid, stream) for stream in (False, True)) if r]
     finally:
         gateway.terminate()
         engine.terminate()
         gateway.wait(10)
         engine.wait(10)
-    print(render(rows))
+    print(render(rows, saturation))
     if not args.no_write:
-        write_section("gateway", render(rows))
+        write_section("gateway", render(rows, saturation))
         print("wrote docs/benchmarks.md section bench:gateway")
 
 
