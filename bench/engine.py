@@ -235,6 +235,32 @@ def llama_cpp_figures(args, path: Path, threads: int) -> dict[str, float] | None
     return out
 
 
+TARGETS = (  # (figure, label, target, higher is better); llama.cpp 0.3.36 figures from the issue
+    ("decode1", "decode batch 1 tok/s", 50.5, True),
+    ("decode8", "decode 8 seqs aggregate tok/s", 173.0, True),
+    ("prefill512", "prefill 512 tok/s", 574.0, True),
+    ("prefill2048", "prefill 2,048 tok/s", 456.0, True),
+    ("gpu", "warm-prefix TTFT s", 0.31, False),
+)
+
+
+def target_table(throughput, ttft) -> list[str]:
+    """Best configuration (by median) for each target figure, and whether it meets it."""
+    lines = ["Against the targets (best configuration by median):", "",
+             "| figure | target | best median | configuration | met |", "|---|---:|---:|---|---|"]
+    for key, label, target, higher in TARGETS:
+        source = ttft if key == "gpu" else throughput
+        medians = {cfg: statistics.median(f[key]) for cfg, f in source.items()}
+        cfg = (max if higher else min)(medians, key=medians.get)
+        value = medians[cfg]
+        met = value >= target if higher else value <= target
+        lines.append(f"| {label} | {target:g} | {value:,.3g} | {cfg[0]} {cfg[1]} threads | {'yes' if met else 'no'} |")
+    ratios = {cfg: statistics.median(f["miss"]) / statistics.median(f["host"]) for cfg, f in ttft.items()}
+    worst = min(ratios.values())
+    lines.append(f"| miss / host-hit TTFT | 3x | {worst:.1f}x (worst) | all | {'yes' if worst >= 3 else 'no'} |")
+    return lines
+
+
 def render(args, throughput, ttft, quality, llama) -> str:
     lines = [
         "## Reference engine (`bench/engine.py`)",
@@ -266,6 +292,7 @@ def render(args, throughput, ttft, quality, llama) -> str:
         ratio = statistics.median(f["miss"]) / statistics.median(f["host"])
         lines.append(f"| {fmt} | {threads} | {kv} | {summary_low(f['miss'])} | {summary_low(f['gpu'])} | "
                      f"{summary_low(f['host'])} ({int(statistics.median(f['onboarded']))}) | {ratio:.1f}x |")
+    lines += ["", *target_table(throughput, ttft)]
     if quality is not None:
         fmt, results = quality
         count = next(iter(results.values()))[2]
