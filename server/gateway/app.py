@@ -91,8 +91,20 @@ class _TooLarge(Exception):
     pass
 
 
+def _tenant_of(path: str) -> str | None:
+    """``ref`` of ``/admin/v1/tenants/<ref>[/...]``, else None."""
+    parts = path.split("/")
+    if len(parts) >= 5 and parts[1:4] == ["admin", "v1", "tenants"] and parts[4]:
+        return parts[4]  # ASGI paths arrive percent-decoded
+    return None
+
+
 class AdminMutationHook:
-    """Clears the auth cache after a successful non-GET admin request."""
+    """Clears the auth cache after a successful non-GET admin request.
+
+    A write under ``/admin/v1/tenants/<ref>/...`` clears only that tenant's entries;
+    anything else (pools, classes, tenant creation) clears them all.
+    """
 
     def __init__(self, app, services: GatewayServices) -> None:
         self.app = app
@@ -105,7 +117,7 @@ class AdminMutationHook:
             # Why before forwarding: the client may send its next request the moment it
             # sees this response; the change is committed by then, the cache must be too.
             if message["type"] == "http.response.start" and 200 <= message["status"] < 300:
-                self.services.auth.clear()
+                self.services.auth.clear(_tenant_of(scope["path"]))
             await send(message)
 
         await self.app(scope, receive, watch)

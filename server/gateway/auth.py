@@ -63,8 +63,19 @@ class KeyAuthenticator:
         self._cache: OrderedDict[bytes, _Entry] = OrderedDict()
         self._used: set[int] = set()
 
-    def clear(self) -> None:
-        self._cache.clear()
+    def clear(self, tenant: str | None = None) -> None:
+        """Forget cached answers: every one, or only those of ``tenant`` (slug or id).
+
+        Why scoped: the cached answers are also what keeps tenants served while the
+        registry is down; an admin write to one tenant must not take that away from all.
+        """
+        if tenant is None:
+            self._cache.clear()
+            return
+        stale = [digest for digest, entry in self._cache.items()
+                 if entry.snapshot is not None and tenant in (entry.snapshot.slug, str(entry.snapshot.tenant_id))]
+        for digest in stale:
+            del self._cache[digest]
 
     def _lookup(self, plaintext: str) -> AuthenticatedTenant | None:
         with self._sessions() as session:
