@@ -6,7 +6,9 @@ so tests build as many apps as they like side by side.
 
 from __future__ import annotations
 
+import contextlib
 import hmac
+import logging
 from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import datetime
@@ -14,11 +16,13 @@ from typing import Annotated
 
 from fastapi import Depends, Query, Request
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import Session
 
 from server.errors import ApiError
 from server.settings import Settings
 
+log = logging.getLogger("kvgate.admin")
 MAX_OFFSET = 2**31 - 1
 _bearer = HTTPBearer(auto_error=False, description="an admin token from KVGATE_ADMIN_TOKENS")
 
@@ -28,8 +32,19 @@ def get_settings(request: Request) -> Settings:
 
 
 def get_session(request: Request) -> Iterator[Session]:
-    with request.app.state.session_factory() as session:
+    session = request.app.state.session_factory()
+    try:
         yield session
+    finally:
+        # Why guarded: close() rolls back, and this runs after the response has started.
+        # If the database vanished in between, raising here made uvicorn drop the
+        # connection without an answer (the handler's commit, if any, stands).
+        try:
+            session.close()
+        except SQLAlchemyError:
+            log.warning("database gone while closing an admin session; connection discarded")
+            with contextlib.suppress(SQLAlchemyError):
+                session.invalidate()
 
 
 def get_now(request: Request) -> datetime:
