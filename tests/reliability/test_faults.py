@@ -212,6 +212,7 @@ def test_database_outage_serves_cached_keys_refuses_writes_and_loses_nothing(sta
     db = PostgresDatabase().create()
     link = TcpCut(postgres_port()).start()
     gateway = None
+    stop_writer = threading.Event()
     try:
         registry = Registry(db.url, pepper=PEPPER)  # direct: the test's own view, never cut
         registry.add_pool("reference", f"127.0.0.1:{stack.engine.port}")
@@ -232,6 +233,41 @@ def test_database_outage_serves_cached_keys_refuses_writes_and_loses_nothing(sta
             audit_before = session.scalar(select(func.count()).select_from(AuditEvent))
         served = [ask(key)]
         assert served[0].status_code == 200, served[0].text
+        # An admin writer keeps updating a tenant across the cut and the restore.
+        writes = {"ok": 0, "unavailable": 0, "other": []}
+
+        def writer() -> None:
+            with httpx.Client(base_url=gateway.base_url + "/admin/v1", headers=admin, timeout=30) as w:
+                value = 1000
+                while not stop_writer.is_set():
+                    try:
+                        version = w.get("/tenants/fresh")
+                        if version.status_code != 200:
+                            if version.status_code == 503:
+                                writes["unavailable"] += 1
+                            else:
+                                writes["other"].append(f"GET {version.status_code} {version.text[:200]}")
+                            time.sleep(0.1)
+                            continue
+                        value += 1
+                        r = w.patch("/tenants/fresh", json={"version": version.json()["version"], "rpm_limit": value})
+                    except httpx.HTTPError as exc:
+                        writes["other"].append(repr(exc))
+                        time.sleep(0.1)
+                        continue
+                    if r.status_code == 200:
+                        writes["ok"] += 1
+                    elif r.status_code == 503:
+                        writes["unavailable"] += 1
+                    else:
+                        writes["other"].append(f"{r.status_code} {r.text[:200]}")
+                    time.sleep(0.05)
+
+        with registry.factory() as session:
+            fresh_version = session.scalars(select(Tenant.version).where(Tenant.slug == "fresh")).one()
+        writer_thread = threading.Thread(target=writer, daemon=True)
+        writer_thread.start()
+        time.sleep(1.0)
 
         link.cut()
         cut_at = time.monotonic()
@@ -263,6 +299,18 @@ def test_database_outage_serves_cached_keys_refuses_writes_and_loses_nothing(sta
         # Recovery: new keys work again, the admin API answers, usage arrives exactly once.
         wait_for(lambda: ask(fresh_key).status_code == 200, 30, "the registry to be usable again", interval=0.5)
         assert http.get("/admin/v1/tenants", headers=admin).status_code == 200
+        time.sleep(1.0)
+        stop_writer.set()
+        writer_thread.join(30)
+        assert writes["other"] == [] and writes["ok"] > 0 and writes["unavailable"] > 0, writes
+        with registry.factory() as session:
+            fresh = session.scalars(select(Tenant).where(Tenant.slug == "fresh")).one()
+            updates = session.scalars(select(AuditEvent).where(AuditEvent.action == "tenant.update",
+                                                               AuditEvent.entity_id == str(fresh.id))).all()
+        # No partial writes: every committed update has its audit event and vice versa; a
+        # write whose answer was lost at the cut may have committed (at most one in flight).
+        assert len(updates) == fresh.version - fresh_version
+        assert writes["ok"] <= len(updates) <= writes["ok"] + 1
         expected_requests = len(served)
         expected_completion = sum(r.json()["usage"]["completion_tokens"] for r in served)
 
@@ -279,13 +327,17 @@ def test_database_outage_serves_cached_keys_refuses_writes_and_loses_nothing(sta
         assert usage_of("cached") == (expected_requests, expected_completion)
         with registry.factory() as session:
             assert session.scalars(select(Tenant).where(Tenant.slug == "ghost")).first() is None
-            assert session.scalar(select(func.count()).select_from(AuditEvent)) == audit_before
+            audit_after = session.scalar(select(func.count()).select_from(AuditEvent))
+            assert audit_after == audit_before + len(updates)
         figures.record("faults: database outage (PostgreSQL link cut)", outage_s=8,
                        cached_key_requests_served_during_outage=outage["served"],
                        cached_key_failures_during_outage=len(outage["other"]),
                        uncached_key_status=new_key.status_code, admin_write_status=create.status_code,
+                       admin_writer_ok=writes["ok"], admin_writer_503=writes["unavailable"],
+                       updates_committed=len(updates), audit_events_for_them=len(updates),
                        usage_requests_expected=expected_requests, usage_requests_recorded=usage_of("cached")[0])
     finally:
+        stop_writer.set()
         if gateway is not None:
             gateway.stop()
         link.close()
