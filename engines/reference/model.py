@@ -87,7 +87,6 @@ class LlamaModel:
         # Q and K heads are rotated together: [T, heads + kv_heads, d].
         cos = self._cos.index_select(0, batch.positions).unsqueeze(1)
         sin = self._sin.index_select(0, batch.positions).unsqueeze(1)
-        prefill_masks = [_prefill_mask(span) for span in batch.prefills]
         decode = batch.decode
         # A lone decode row needs no padding mask (its context is exactly its slots).
         decode_mask = None if decode is None or decode.context_slots.shape[0] == 1 else decode.mask
@@ -101,15 +100,16 @@ class LlamaModel:
             cache.write(layer_index, qkv[:, q_size:], batch.write_slots)
             q = qkv[:, :q_size]
             attn = torch.empty(total, q_size, dtype=x.dtype)
-            for span, mask in zip(batch.prefills, prefill_masks):
+            for span in batch.prefills:
                 kv = cache.read(layer_index, span.context_slots)  # [ctx, k | v]
                 ctx = kv.shape[0]
                 keys = kv[:, :kv_size].view(1, ctx, kv_heads, d).transpose(1, 2)
                 values = kv[:, kv_size:].view(1, ctx, kv_heads, d).transpose(1, 2)
                 queries = q[span.start : span.start + span.length].view(1, span.length, heads, d).transpose(1, 2)
-                out = F.scaled_dot_product_attention(
-                    queries, keys, values, attn_mask=mask, is_causal=mask is None, enable_gqa=True
-                )
+                if span.cached == 0:
+                    out = F.scaled_dot_product_attention(queries, keys, values, is_causal=True, enable_gqa=True)
+                else:
+                    out = _attend_after_prefix(queries, keys, values, span.cached, groups)
                 attn[span.start : span.start + span.length] = out.transpose(1, 2).reshape(span.length, q_size)
             if decode is not None:
                 rows, width = decode.context_slots.shape
@@ -131,10 +131,28 @@ class LlamaModel:
         return w.lm_head(hidden).float()
 
 
-def _prefill_mask(span: PrefillSpan) -> torch.Tensor | None:
-    """Causal mask for a chunk whose first token sits after ``span.cached`` cached tokens."""
-    if span.cached == 0:
-        return None  # plain causal: is_causal=True takes the fast path
-    ctx = span.cached + span.length
-    query_pos = torch.arange(span.cached, ctx).unsqueeze(1)
-    return torch.arange(ctx).unsqueeze(0) <= query_pos  # [n, ctx]
+_flash_with_lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+
+
+def _attend_after_prefix(
+    queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, cached: int, groups: int
+) -> torch.Tensor:
+    """Causal attention of a chunk that follows ``cached`` context tokens, without a mask.
+
+    Split in two flash-attention calls merged by their log-sum-exps: the chunk against the
+    cached prefix (every query sees every key: no mask, and GQA by folding each KV head's
+    query heads into the query axis) and the chunk against itself (plain causal). A boolean
+    mask over the whole context made the CPU kernel 10-25 % slower than this.
+    ``queries`` [1, H, n, d], ``keys``/``values`` [1, Hkv, cached + n, d] -> [1, H, n, d].
+    """
+    _, heads, n, d = queries.shape
+    kv_heads = keys.shape[1]
+    folded = queries.reshape(1, kv_heads, groups * n, d)  # head h = kv_head * groups + g
+    prefix_out, prefix_lse = _flash_with_lse(folded, keys[:, :, :cached], values[:, :, :cached], 0.0, False)
+    own_keys = keys[:, :, cached:].repeat_interleave(groups, dim=1)
+    own_values = values[:, :, cached:].repeat_interleave(groups, dim=1)
+    own_out, own_lse = _flash_with_lse(queries, own_keys, own_values, 0.0, True)
+    prefix_out = prefix_out.reshape(1, heads, n, d)
+    prefix_lse = prefix_lse.reshape(1, heads, n)
+    total = torch.logaddexp(prefix_lse, own_lse)
+    return prefix_out * (prefix_lse - total).exp_().unsqueeze(-1) + own_out * (own_lse - total).exp_().unsqueeze(-1)

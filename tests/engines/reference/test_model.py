@@ -146,3 +146,19 @@ def test_q4_rows_reproduce_gguf_dequantization_and_the_int4_kernel_matches(bundl
     expected = x @ torch.from_numpy(reference).t()
     # bf16 activations and scales: relative error of a few 1e-3
     assert torch.allclose(linear(x), expected, rtol=0.02, atol=0.02 * expected.abs().max().item())
+
+
+@pytest.mark.parametrize("cached,n", [(1, 1), (40, 7), (96, 64)])
+def test_split_prefix_attention_equals_masked_attention(cached, n):
+    import torch.nn.functional as F
+
+    from engines.reference.model import _attend_after_prefix
+
+    torch.manual_seed(cached + n)
+    heads, kv_heads, d = 9, 3, 64
+    queries = torch.randn(1, n, heads, d).transpose(1, 2)  # non-contiguous, as in the forward
+    keys = torch.randn(1, cached + n, kv_heads, d).transpose(1, 2)
+    values = torch.randn(1, cached + n, kv_heads, d).transpose(1, 2)
+    mask = torch.arange(cached + n)[None, :] <= torch.arange(cached, cached + n)[:, None]
+    expected = F.scaled_dot_product_attention(queries, keys, values, attn_mask=mask, enable_gqa=True)
+    assert torch.allclose(_attend_after_prefix(queries, keys, values, cached, heads // kv_heads), expected, atol=1e-5)
