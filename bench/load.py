@@ -22,6 +22,7 @@ import argparse
 import asyncio
 import json
 import random
+import secrets
 import sys
 import tempfile
 import time
@@ -54,6 +55,8 @@ class LoadReport:
     requests: int
     tenants: int
     max_tokens: int
+    replicas: int = 1
+    admission: str = "local"
     completed: int = 0
     errors: list[str] = field(default_factory=list)
     wrong_text: int = 0  # streams whose text is not what the engine generated for them
@@ -91,15 +94,14 @@ def _messages(tenant: int, question: int) -> list[dict]:
             {"role": "user", "content": QUESTIONS[question % len(QUESTIONS)]}]
 
 
-async def _stream(http: httpx.AsyncClient, key: str, body: dict, report: LoadReport, rng: random.Random,
+async def _stream(http: httpx.AsyncClient, url: str, key: str, body: dict, report: LoadReport, rng: random.Random,
                   ttfts: list[float], latencies: list[float]) -> StreamResult:
     while True:
         started = time.perf_counter()
         result = StreamResult(0)
         parser = SseParser(result)
         first = None
-        async with http.stream("POST", "/v1/chat/completions", json=body,
-                               headers={"Authorization": f"Bearer {key}"}) as response:
+        async with http.stream("POST", url, json=body, headers={"Authorization": f"Bearer {key}"}) as response:
             result.status = response.status_code
             if response.status_code == 429:
                 error = json.loads(await response.aread())["error"]
@@ -123,26 +125,37 @@ async def _stream(http: httpx.AsyncClient, key: str, body: dict, report: LoadRep
 
 
 async def run_load(*, engine_port: int, workdir: Path, requests: int = 200, tenants: int = 4, max_tokens: int = 4,
-                   limits: tuple[int, ...] = LIMITS, seed: int = 8) -> LoadReport:
-    """One burst of ``requests`` concurrent streams, spread evenly over ``tenants``."""
+                   limits: tuple[int, ...] = LIMITS, seed: int = 8, replicas: int = 1,
+                   redis_url: str | None = None) -> LoadReport:
+    """One burst of ``requests`` concurrent streams, spread evenly over ``tenants``.
+
+    With ``replicas`` > 1 the clients alternate between that many ``kvgate serve``
+    processes, which then need ``redis_url`` to share the tenants' limits.
+    """
     server, proxy, proxy_port = await start_counting_proxy(f"127.0.0.1:{engine_port}")
     registry = Registry(f"sqlite:///{workdir / 'load.db'}", pepper=PEPPER)
     registry.add_pool("reference", f"127.0.0.1:{proxy_port}")
     registry.add_class()
     keys, slugs = [], []
     report = LoadReport(requests, tenants, max_tokens)
+    run = secrets.token_hex(2)  # fresh slugs: Redis admission state is keyed by slug
     for t in range(tenants):
-        slug = f"load-{t}"
+        slug = f"load-{t}-{run}"
         limit = limits[t % len(limits)]
         keys.append(registry.add_tenant(slug, pool="reference", isolation="salted", max_concurrent_requests=limit,
                                         rpm_limit=100_000, tpm_limit=10_000_000))
         slugs.append(slug)
         report.limits[slug] = limit
-    gateway = GatewayProcess(registry.url, PEPPER, workdir / "gateway")
-    await asyncio.to_thread(gateway.start)
+    env = {"KVGATE_REDIS_URL": redis_url} if redis_url else {}
+    gateways = [GatewayProcess(registry.url, PEPPER, workdir / f"gateway{i}", extra_env=env) for i in range(replicas)]
+    report.replicas = replicas
+    report.admission = "redis" if redis_url else "local"
     rng = random.Random(seed)
     try:
-        await asyncio.to_thread(gateway.wait_ready)
+        for gateway in gateways:
+            await asyncio.to_thread(gateway.start)
+            await asyncio.to_thread(gateway.wait_ready)
+        gateway = gateways[0]
         connections = httpx.Limits(max_connections=requests + 16, max_keepalive_connections=requests + 16)
         async with httpx.AsyncClient(base_url=gateway.base_url, limits=connections,
                                      timeout=httpx.Timeout(600.0)) as http:
@@ -156,7 +169,7 @@ async def run_load(*, engine_port: int, workdir: Path, requests: int = 200, tena
                         reply.raise_for_status()
                     body = reply.json()
                     expected[(t, q)] = (body["choices"][0]["message"]["content"], body["usage"]["completion_tokens"])
-            report.rss_before_mib = gateway.rss_bytes() / 2**20
+            report.rss_before_mib = sum(g.rss_bytes() for g in gateways) / 2**20
             baseline = {k: v for k, v in proxy.started.items()}
             len_before = len(proxy.calls)
             proxy.max_in_flight.clear()
@@ -165,10 +178,11 @@ async def run_load(*, engine_port: int, workdir: Path, requests: int = 200, tena
             latencies: list[float] = []
             started = time.perf_counter()
             results = await asyncio.gather(*(
-                _stream(http, keys[t], chat_body(_messages(t, q), max_tokens=max_tokens), report, rng, ttfts, latencies)
-                for t, q in plan))
+                _stream(http, gateways[i % replicas].base_url + "/v1/chat/completions", keys[t],
+                        chat_body(_messages(t, q), max_tokens=max_tokens), report, rng, ttfts, latencies)
+                for i, (t, q) in enumerate(plan)))
             report.wall_s = time.perf_counter() - started
-            report.rss_after_mib = gateway.rss_bytes() / 2**20
+            report.rss_after_mib = sum(g.rss_bytes() for g in gateways) / 2**20
         # What the engine generated for each burst call, as text, keyed like the clients' view.
         tokenizer = load_gguf_tokenizer()
         prompt_of = {}
@@ -207,7 +221,8 @@ async def run_load(*, engine_port: int, workdir: Path, requests: int = 200, tena
         report.latency_p50_s, report.latency_p99_s = _pct(latencies, 0.5), _pct(latencies, 0.99)
         return report
     finally:
-        await asyncio.to_thread(gateway.stop)
+        for gateway in gateways:
+            await asyncio.to_thread(gateway.stop)
         await server.stop(0)
 
 
@@ -219,8 +234,8 @@ def render(report: LoadReport) -> str:
         "## Load (`bench/load.py`)",
         "",
         f"Machine: {machine()}, shared. {r.requests} concurrent streaming chat completions from {r.tenants} "
-        f"tenants (salted), {r.max_tokens} output tokens each, through `kvgate serve` (own process) to the CPU "
-        "reference engine (batch 16) behind a counting KServe proxy.",
+        f"tenants (salted), {r.max_tokens} output tokens each, through {r.replicas} `kvgate serve` process(es) "
+        f"({r.admission} admission) to the CPU reference engine (batch 16) behind a counting KServe proxy.",
         "",
         "| figure | value |",
         "|---|---:|",
@@ -230,7 +245,7 @@ def render(report: LoadReport) -> str:
         f"| streams whose greedy text differs from the prompt's solo run (engine batch numerics) | "
         f"{r.differs_from_solo} |",
         f"| 429 max_concurrent refusals (retried) | {r.refusals_429} |",
-        f"| gateway RSS before / after the burst | {r.rss_before_mib:.1f} MiB / {r.rss_after_mib:.1f} MiB |",
+        f"| gateway RSS before / after the burst (all replicas) | {r.rss_before_mib:.1f} MiB / {r.rss_after_mib:.1f} MiB |",
         f"| burst wall time | {r.wall_s:.1f} s |",
         f"| TTFT p50 / p99 (incl. queueing at the limit) | {r.ttft_p50_s:.2f} s / {r.ttft_p99_s:.2f} s |",
         f"| stream latency p50 / p99 | {r.latency_p50_s:.2f} s / {r.latency_p99_s:.2f} s |",
@@ -245,7 +260,7 @@ async def _main(args) -> LoadReport:
     await asyncio.to_thread(engine.start)
     try:
         return await run_load(engine_port=engine.port, workdir=tmp, requests=args.requests, tenants=args.tenants,
-                              max_tokens=args.max_tokens)
+                              max_tokens=args.max_tokens, replicas=args.replicas, redis_url=args.redis_url)
     finally:
         engine.kill()
 
@@ -255,6 +270,8 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=200)
     parser.add_argument("--tenants", type=int, default=4)
     parser.add_argument("--max-tokens", type=int, default=4)
+    parser.add_argument("--replicas", type=int, default=1, help="kvgate serve processes (> 1 needs --redis-url)")
+    parser.add_argument("--redis-url", default=None, help="shared admission, e.g. redis://127.0.0.1:6379/0")
     parser.add_argument("--no-write", action="store_true", help="print only; leave docs/reliability.md alone")
     args = parser.parse_args()
     report = asyncio.run(_main(args))
