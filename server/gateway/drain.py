@@ -11,7 +11,8 @@ kvgate drains in two steps instead:
 2. when no serving request is in flight, or after ``drain_timeout`` seconds, uvicorn's
    normal shutdown runs (lifespan shutdown flushes usage and closes engine channels).
 
-A second signal during the drain skips the wait (uvicorn's immediate shutdown).
+A second signal during the drain skips the wait (uvicorn's immediate shutdown). The
+process then exits 0, so ``kvgate serve`` stops its engine child on the way out.
 
 Invariant: :class:`InFlight` counts a serving request from its first ASGI call until
 its response has been sent completely (for a stream: after the last SSE frame), so
@@ -61,14 +62,19 @@ class DrainingServer(uvicorn.Server):
         self._drain_started: float | None = None
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
-        if self._drain_started is not None or self.should_exit or sig not in (signal.SIGTERM, signal.SIGINT):
-            super().handle_exit(sig, frame)  # second signal: stop waiting
+        # Why not uvicorn's handle_exit: it records the signal and re-raises it once the
+        # server has stopped, which kills the process before `kvgate serve` can stop its
+        # engine child. A drained gateway returns normally and exits 0.
+        if self._drain_started is None and not self.should_exit and sig in (signal.SIGTERM, signal.SIGINT):
+            # Only flags here: this runs as a signal handler between two bytecodes of the
+            # event loop thread; the loop's next tick (on_tick, every 0.1 s) does the rest.
+            self._drain_started = time.monotonic()
+            self.services.draining = True
             return
-        # Why only flags here: this runs as a signal handler between two bytecodes of the
-        # event loop thread; the loop's next tick (on_tick, every 0.1 s) does the rest.
-        self._captured_signals.append(sig)  # uvicorn re-raises it after shutdown, as without a drain
-        self._drain_started = time.monotonic()
-        self.services.draining = True
+        if self.should_exit and sig == signal.SIGINT:
+            self.force_exit = True  # third Ctrl-C: do not wait for connections either
+        else:
+            self.should_exit = True  # second signal: stop waiting for the drain
 
     async def on_tick(self, counter: int) -> bool:
         if self._drain_started is not None and not self.should_exit:

@@ -194,7 +194,7 @@ def test_sigterm_drains_in_flight_streams_and_refuses_new_requests(sqlite_regist
         assert all(s.usage["completion_tokens"] == 64 or s.finish_reasons == ["stop"] for s in streams)
         code = gateway.wait(30)
         exited_after = time.monotonic() - signalled
-        assert code in (0, -signal.SIGTERM)
+        assert code == 0  # drained and exited normally (so `kvgate serve` could stop an engine child)
         figures.record("faults: SIGTERM drain", streams_in_flight=len(streams),
                        streams_completed=sum(s.complete for s in streams), new_request_status=refused.status_code,
                        exit_after_signal_s=round(exited_after, 1), drain_timeout_s=60)
