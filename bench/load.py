@@ -1,7 +1,7 @@
 """Load: many concurrent streaming requests from several tenants through ``kvgate serve``.
 
 The whole path is real: the CPU reference engine (``kvgate engine serve``), a counting
-KServe proxy in front of it (``tests/reliability/harness.py``: in-flight requests per
+KServe proxy in front of it (``tests/reliability/proxies.py``: in-flight requests per
 ``tenant_id``, as the engine sees them), ``kvgate serve`` in its own process (RSS read
 from /proc), a SQLite registry, and HTTP clients reading the SSE bytes.
 
@@ -38,7 +38,8 @@ sys.path.insert(0, str(ROOT))
 from bench.report import machine, write_section  # noqa: E402
 from engines.tokenizer import load_gguf_tokenizer  # noqa: E402
 from server.gateway.prompting import prepare_chat  # noqa: E402
-from tests.reliability.harness import GatewayProcess, Registry, start_counting_proxy  # noqa: E402
+from tests.reliability.harness import GatewayProcess, Registry  # noqa: E402
+from tests.reliability.proxies import start_counting_proxy  # noqa: E402
 from tests.reliability.sse import SseParser, StreamResult, chat_body  # noqa: E402
 from tests.server.gateway.stack import PEPPER, EngineProcess, free_port  # noqa: E402
 

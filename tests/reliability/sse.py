@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from tests.server.gateway.stack import MODEL
@@ -65,11 +64,3 @@ class SseParser:
             r.text += delta.get("content") or choice.get("text") or ""
             if choice.get("finish_reason"):
                 r.finish_reasons.append(choice["finish_reason"])
-
-
-def parse_lines(status: int, lines: Iterable[str]) -> StreamResult:
-    result = StreamResult(status)
-    parser = SseParser(result)
-    for line in lines:
-        parser.line(line)
-    return result

@@ -24,20 +24,13 @@ import pytest
 from sqlalchemy import func, select
 
 from server.gateway.engine_client import EngineClient
-from tenants.models import AuditEvent, Tenant, Usage
-from tests.reliability.harness import (
-    GatewayProcess,
-    PostgresDatabase,
-    Registry,
-    TcpCut,
-    postgres_port,
-    run_counting_proxy_in_thread,
-)
-from tests.reliability.sse import SseParser, StreamResult, chat_body, parse_lines
-from tests.server.gateway.stack import ACTOR, PEPPER, Stack
-from tests.server.gateway.test_openai_e2e import metric
 from tenants import pools
-from tests.server.gateway.stack import MODEL
+from tenants.models import AuditEvent, Tenant, Usage
+from tests.reliability.harness import GatewayProcess, PostgresDatabase, Registry, postgres_port
+from tests.reliability.proxies import TcpCut, run_counting_proxy_in_thread
+from tests.reliability.sse import SseParser, StreamResult, chat_body
+from tests.server.gateway.stack import ACTOR, MODEL, PEPPER, Stack
+from tests.server.gateway.test_openai_e2e import metric
 from tests.tenants.fixtures import postgres_reachable
 
 QUESTION = [{"role": "user", "content": "Write a long story about a lighthouse keeper and the sea."}]

@@ -14,6 +14,7 @@ import json
 import random
 import secrets
 import string
+import time
 
 import httpx
 import numpy as np
@@ -291,8 +292,6 @@ def test_refused_keys_take_the_same_time(stack: Stack, tmp_path, samples: int, f
         with httpx.Client(base_url=gateway.base_url, timeout=30) as http:
             for _ in range(40):  # warm-up: connection, code paths, SQLite page cache
                 http.get("/v1/models", headers={"Authorization": f"Bearer {_random_key()}"})
-            import time
-
             for kind, key in trials:
                 started = time.perf_counter()
                 response = http.get("/v1/models", headers={"Authorization": f"Bearer {key}"})
