@@ -63,7 +63,7 @@ def wait_for(condition, timeout: float, what: str, interval: float = 0.05):
         time.sleep(interval)
 
 
-@pytest.mark.reliability_full  # restarting the engine costs ~20 s
+@pytest.mark.reliability  # restarting the engine costs ~10 s
 def test_engine_killed_mid_stream_ends_the_stream_with_an_error_then_recovers(stack: Stack, figures) -> None:
     slug = "ek-" + secrets.token_hex(3)
     key = stack.add_tenant(slug, max_concurrent_requests=1)
