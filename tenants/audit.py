@@ -7,13 +7,14 @@ change always does.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from datetime import datetime
 from typing import Any
 
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from tenants.common import Page, paginate
+from tenants.common import Page, paginate, snapshot, versioned_update
 from tenants.models import AuditEvent
 
 
@@ -39,6 +40,26 @@ def record(
     )
     session.add(event)
     return event
+
+
+def audited_insert(session: Session, row: Any, *, actor: str, now: datetime, entity_type: str,
+                   view: Callable[[Any], dict[str, Any]] = snapshot) -> Any:
+    """Add ``row`` and its ``<entity_type>.create`` event (inside the caller's ``mutation``)."""
+    session.add(row)
+    session.flush()
+    record(session, actor=actor, action=f"{entity_type}.create", entity_type=entity_type, entity_id=row.id,
+           before=None, after=view(row), now=now)
+    return row
+
+
+def audited_update(session: Session, row: Any, *, actor: str, now: datetime, entity_type: str, version: int,
+                   values: dict[str, Any], view: Callable[[Any], dict[str, Any]] = snapshot) -> Any:
+    """Versioned update of ``row`` plus its ``<entity_type>.update`` event (before/after views)."""
+    before = view(row)
+    versioned_update(session, row, expected_version=version, values=values, now=now)
+    record(session, actor=actor, action=f"{entity_type}.update", entity_type=entity_type, entity_id=row.id,
+           before=before, after=view(row), now=now)
+    return row
 
 
 def list_events(

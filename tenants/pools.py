@@ -15,7 +15,7 @@ from sqlalchemy.orm import Session
 
 from tenants import audit
 from tenants import validation as v
-from tenants.common import Page, check_version, get_by_ref, mutation, paginate, snapshot, versioned_update
+from tenants.common import Page, check_version, get_by_ref, mutation, paginate, snapshot
 from tenants.errors import InUse, InvalidField
 from tenants.models import Pool, Tenant
 
@@ -74,19 +74,8 @@ def create_pool(
         )
     )
     with mutation(session, unique_field="name", entity="pool"):
-        pool = Pool(**values, created_at=now, updated_at=now, version=1)
-        session.add(pool)
-        session.flush()
-        audit.record(
-            session,
-            actor=actor,
-            action="pool.create",
-            entity_type="pool",
-            entity_id=pool.id,
-            before=None,
-            after=snapshot(pool),
-            now=now,
-        )
+        pool = audit.audited_insert(session, Pool(**values, created_at=now, updated_at=now, version=1),
+                                    actor=actor, now=now, entity_type="pool")
     return pool
 
 
@@ -106,18 +95,7 @@ def update_pool(
     with mutation(session, unique_field="name", entity="pool"):
         pool = get_pool(session, ref=ref)
         check_version(pool, version)
-        before = snapshot(pool)
-        versioned_update(session, pool, expected_version=version, values=values, now=now)
-        audit.record(
-            session,
-            actor=actor,
-            action="pool.update",
-            entity_type="pool",
-            entity_id=pool.id,
-            before=before,
-            after=snapshot(pool),
-            now=now,
-        )
+        audit.audited_update(session, pool, actor=actor, now=now, entity_type="pool", version=version, values=values)
     return pool
 
 

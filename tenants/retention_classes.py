@@ -17,7 +17,7 @@ from sqlalchemy.orm import Session
 
 from tenants import audit
 from tenants import validation as v
-from tenants.common import Page, check_version, get_by_ref, mutation, paginate, snapshot, versioned_update
+from tenants.common import Page, check_version, get_by_ref, mutation, paginate, snapshot
 from tenants.errors import InUse, InvalidField
 from tenants.models import RetentionClass, Tenant
 
@@ -78,19 +78,8 @@ def create_class(
         )
     )
     with mutation(session, unique_field="name", entity="retention class"):
-        row = RetentionClass(**values, created_at=now, updated_at=now, version=1)
-        session.add(row)
-        session.flush()
-        audit.record(
-            session,
-            actor=actor,
-            action="retention_class.create",
-            entity_type="retention_class",
-            entity_id=row.id,
-            before=None,
-            after=snapshot(row),
-            now=now,
-        )
+        row = audit.audited_insert(session, RetentionClass(**values, created_at=now, updated_at=now, version=1),
+                                   actor=actor, now=now, entity_type="retention_class")
     return row
 
 
@@ -109,18 +98,8 @@ def update_class(
     with mutation(session, unique_field="name", entity="retention class"):
         row = get_class(session, ref=ref)
         check_version(row, version)
-        before = snapshot(row)
-        versioned_update(session, row, expected_version=version, values=values, now=now)
-        audit.record(
-            session,
-            actor=actor,
-            action="retention_class.update",
-            entity_type="retention_class",
-            entity_id=row.id,
-            before=before,
-            after=snapshot(row),
-            now=now,
-        )
+        audit.audited_update(session, row, actor=actor, now=now, entity_type="retention_class", version=version,
+                             values=values)
     return row
 
 

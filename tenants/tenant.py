@@ -135,18 +135,7 @@ def create_tenant(
             version=1,
             **values,
         )
-        session.add(tenant)
-        session.flush()
-        audit.record(
-            session,
-            actor=actor,
-            action="tenant.create",
-            entity_type="tenant",
-            entity_id=tenant.id,
-            before=None,
-            after=audit_view(tenant),
-            now=now,
-        )
+        audit.audited_insert(session, tenant, actor=actor, now=now, entity_type="tenant", view=audit_view)
     return tenant
 
 
@@ -190,18 +179,8 @@ def update_tenant(
             _check_dedication(
                 session, pool=target, isolation=values.get("isolation", tenant.isolation), tenant_id=tenant.id
             )
-        before = audit_view(tenant)
-        versioned_update(session, tenant, expected_version=version, values=values, now=now)
-        audit.record(
-            session,
-            actor=actor,
-            action="tenant.update",
-            entity_type="tenant",
-            entity_id=tenant.id,
-            before=before,
-            after=audit_view(tenant),
-            now=now,
-        )
+        audit.audited_update(session, tenant, actor=actor, now=now, entity_type="tenant", version=version,
+                             values=values, view=audit_view)
     return tenant
 
 
