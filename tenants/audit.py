@@ -62,6 +62,16 @@ def audited_update(session: Session, row: Any, *, actor: str, now: datetime, ent
     return row
 
 
+def audited_delete(session: Session, row: Any, *, actor: str, now: datetime, entity_type: str,
+                   view: Callable[[Any], dict[str, Any]] = snapshot) -> None:
+    """Delete ``row`` and record its ``<entity_type>.delete`` event (the event outlives the row)."""
+    before = view(row)
+    session.delete(row)
+    session.flush()
+    record(session, actor=actor, action=f"{entity_type}.delete", entity_type=entity_type, entity_id=before["id"],
+           before=before, after=None, now=now)
+
+
 def list_events(
     session: Session,
     *,

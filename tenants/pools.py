@@ -15,7 +15,7 @@ from sqlalchemy.orm import Session
 
 from tenants import audit
 from tenants import validation as v
-from tenants.common import Page, check_version, get_by_ref, mutation, paginate, snapshot
+from tenants.common import Page, check_version, get_by_ref, mutation, paginate
 from tenants.errors import InUse, InvalidField
 from tenants.models import Pool, Tenant
 
@@ -107,16 +107,4 @@ def delete_pool(session: Session, *, actor: str, now: datetime, ref: int | str) 
             raise InUse(
                 f"pool {pool.name!r} is used by {users} tenant(s); move or delete them first", code="pool_in_use"
             )
-        before = snapshot(pool)
-        session.delete(pool)
-        session.flush()
-        audit.record(
-            session,
-            actor=actor,
-            action="pool.delete",
-            entity_type="pool",
-            entity_id=before["id"],
-            before=before,
-            after=None,
-            now=now,
-        )
+        audit.audited_delete(session, pool, actor=actor, now=now, entity_type="pool")

@@ -17,7 +17,7 @@ from sqlalchemy.orm import Session
 
 from tenants import audit
 from tenants import validation as v
-from tenants.common import Page, check_version, get_by_ref, mutation, paginate, snapshot
+from tenants.common import Page, check_version, get_by_ref, mutation, paginate
 from tenants.errors import InUse, InvalidField
 from tenants.models import RetentionClass, Tenant
 
@@ -109,16 +109,4 @@ def delete_class(session: Session, *, actor: str, now: datetime, ref: int | str)
         users = session.scalar(select(func.count()).select_from(Tenant).where(Tenant.retention_class_id == row.id)) or 0
         if users:
             raise InUse(f"retention class {row.name!r} is used by {users} tenant(s)", code="retention_class_in_use")
-        before = snapshot(row)
-        session.delete(row)
-        session.flush()
-        audit.record(
-            session,
-            actor=actor,
-            action="retention_class.delete",
-            entity_type="retention_class",
-            entity_id=before["id"],
-            before=before,
-            after=None,
-            now=now,
-        )
+        audit.audited_delete(session, row, actor=actor, now=now, entity_type="retention_class")

@@ -223,19 +223,7 @@ def delete_tenant(session: Session, *, actor: str, now: datetime, ref: int | str
     """Delete a tenant with its keys and usage rows (audit events stay)."""
     with mutation(session, entity="tenant"):
         tenant = get_tenant(session, ref=ref)
-        before = audit_view(tenant)
-        session.delete(tenant)
-        session.flush()
-        audit.record(
-            session,
-            actor=actor,
-            action="tenant.delete",
-            entity_type="tenant",
-            entity_id=before["id"],
-            before=before,
-            after=None,
-            now=now,
-        )
+        audit.audited_delete(session, tenant, actor=actor, now=now, entity_type="tenant", view=audit_view)
 
 
 def placement(session: Session, *, tenant: Tenant) -> tuple[Pool, RetentionClass]:
