@@ -14,6 +14,10 @@ shaped for it (host tier or not, offload threshold). Built-ins:
 * ``adaptive``       — per-tenant reuse statistics (``retention/adaptive.py``), the same
                         code the gateway runs;
 * plug-ins passed to :func:`make_policy` in a ``registry``.
+
+Offline reference policies that need the whole request list (``oracle-reuse``,
+``oracle-reuse-within-<T>s``, ``oracle-next-use``) live in ``retention/oracle.py``; they
+implement the same :class:`SimPolicy` protocol and are built by ``bench/simulate.py``.
 """
 
 from __future__ import annotations

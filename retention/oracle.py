@@ -1,0 +1,115 @@
+"""Oracle reference policies: priority bands from *perfect* knowledge of future reuse.
+
+They answer "how good could a predictor-driven policy be on this trace?". ``adaptive``
+(and any policy like it) predicts, online, whether a block will be used again and turns
+that into a priority band; the pool then evicts the lowest band first, LRU inside a band
+(TensorRT-LLM's ``LRUEvictionPolicy``). An oracle policy replaces the prediction with the
+truth, read from the whole request list, and runs through the same :class:`BlockPool`:
+
+* ``oracle-reuse``        — band ``KEEP`` if the block is used again at all (by a later
+                            request whose matchable prefix holds it), else ``DROP``;
+* ``oracle-reuse-within`` — band ``KEEP`` iff the next use is at most ``horizon_s``
+                            seconds after this request (trace timestamps), else ``DROP``;
+* ``oracle-next-use``     — several bands by the time to the next use (sooner = higher),
+                            the best a perfect "how soon does it come back" predictor
+                            can express with fixed priorities.
+
+Every block's priority is set each time a request touches it (an explicit priority
+overrides on reuse, as in TensorRT-LLM), from *that* request's knowledge of the next use.
+A parent's next use is never later than its child's, so bands never increase along a
+chain (the running minimum below only guards the invariant). No durations: with exact
+knowledge a kept block is touched again before it would need to expire.
+
+They are offline (they need the future) and therefore simulator-only, built from the
+request list. They are not an upper bound for *every* policy — only Belady is
+(``retention/belady.py``) — but for any policy whose mechanism is "predict reuse, set a
+band, LRU inside the band" they are the ceiling of a perfect predictor of the same
+question.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from retention.belady import NEVER, chain_request, next_uses
+from retention.simulator import SimConfig, request_hashes
+from retention.trace import TraceRequest
+from retention.types import TRTLLM_DEFAULT_OFFLOAD_MIN_PRIORITY, RetentionPlan, TokenRange
+
+KEEP = 60  # above the default 35 and above the offload threshold
+DROP = 0  # evicted first; never offloaded
+
+
+def next_use_gaps(requests: Sequence[TraceRequest], config: SimConfig = SimConfig()) -> list[list[float | None]]:
+    """For each request and full pool block: seconds until the next request that can hit it (None = never)."""
+    hashes = request_hashes(requests, config)
+    chains = [chain_request(h, r.input_length, config.tokens_per_block) for h, r in zip(hashes, requests, strict=True)]
+    out: list[list[float | None]] = []
+    for request, nxt in zip(requests, next_uses(chains), strict=True):
+        now = request.timestamp_ms / 1000.0
+        out.append([None if j == NEVER else requests[j].timestamp_ms / 1000.0 - now for j in nxt])
+    return out
+
+
+@dataclass(slots=True)
+class OraclePolicy:
+    """Bands from known next-use gaps: ``bands`` = ((max gap s, priority), ...), ascending gaps.
+
+    A block whose gap is at most ``bands[i][0]`` (first match) gets ``bands[i][1]``; a block
+    matching no band, never used again, or past the request's full blocks gets ``DROP``.
+    """
+
+    name: str
+    gaps: list[list[float | None]]  # by request index, per full block
+    bands: tuple[tuple[float, int], ...]
+    uses_host: bool = False
+    offload_min_priority: int = TRTLLM_DEFAULT_OFFLOAD_MIN_PRIORITY
+
+    def priority(self, gap: float | None) -> int:
+        if gap is None:
+            return DROP
+        for limit, priority in self.bands:
+            if gap <= limit:
+                return priority
+        return DROP
+
+    def plan(self, request: TraceRequest, hashes: list[int], *, now: float, pool) -> RetentionPlan:  # noqa: ANN001
+        bpt = pool.config.tokens_per_block
+        gaps = self.gaps[request.index]
+        num_blocks = -(-request.input_length // bpt)
+        ranges: list[list[int]] = []
+        ceiling = KEEP + 40
+        for index in range(num_blocks):
+            priority = min(ceiling, self.priority(gaps[index] if index < len(gaps) else None))
+            ceiling = priority
+            if ranges and ranges[-1][2] == priority:
+                ranges[-1][1] = (index + 1) * bpt
+            else:
+                ranges.append([index * bpt, (index + 1) * bpt, priority])
+        tokens = tuple(
+            TokenRange(start, None if i == len(ranges) - 1 else end, priority)
+            for i, (start, end, priority) in enumerate(ranges)
+        )
+        return RetentionPlan(tokens, DROP, None)
+
+    def observe(self, request, hashes, allocation, *, now, pool) -> None:  # noqa: ANN001 - SimPolicy protocol
+        return None
+
+
+def oracle_reuse(gaps: list[list[float | None]]) -> OraclePolicy:
+    """KEEP iff the block is ever used again."""
+    return OraclePolicy("oracle-reuse", gaps, ((float("inf"), KEEP),))
+
+
+def oracle_reuse_within(gaps: list[list[float | None]], horizon_s: float) -> OraclePolicy:
+    """KEEP iff the block's next use is within ``horizon_s`` seconds."""
+    return OraclePolicy(f"oracle-reuse-within-{horizon_s:g}s", gaps, ((horizon_s, KEEP),))
+
+
+DEFAULT_NEXT_USE_BANDS = ((10.0, 90), (30.0, 80), (100.0, 70), (300.0, 60), (1000.0, 50), (float("inf"), 40))
+
+
+def oracle_next_use(gaps: list[list[float | None]], bands=DEFAULT_NEXT_USE_BANDS) -> OraclePolicy:  # noqa: ANN001
+    """Sooner next use = higher band (default: ≤10 s, 30, 100, 300, 1000 s, later); never = DROP."""
+    return OraclePolicy("oracle-next-use", gaps, tuple(bands))
