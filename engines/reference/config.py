@@ -18,7 +18,7 @@ from pathlib import Path
 from engines.reference.kv_cache import KvDtype
 from engines.reference.weights import WEIGHT_FORMATS
 
-# Steps computing at most this many tokens run with ``decode_threads`` (the 4-bit path's row limit).
+# Steps computing at most this many tokens run with ``decode_threads`` (decode-sized steps).
 SMALL_STEP_ROWS = 16
 from retention.types import MAX_PRIORITY, MIN_PRIORITY, TRTLLM_DEFAULT_OFFLOAD_MIN_PRIORITY
 
@@ -43,7 +43,7 @@ class ReferenceEngineConfig:
     * ``max_num_tokens``: tokens computed per step; long prompts are prefilled in chunks.
     * ``max_input_len`` / ``max_output_len``: per-request limits enforced by the contract.
     * ``weight_format``: ``q4`` (default, fastest: the GGUF's 4-bit matrices kept 4-bit for
-      decode, bf16 GEMMs for prefill, fp32 residual stream), ``fp32`` (dequantized, the
+      small decode steps, packed bf16 GEMMs for batched decode and prefill, fp32 residual stream), ``fp32`` (dequantized, the
       exact reference; batch-invariant enough that tests compare outputs bit for bit), ``bf16``.
     * ``num_threads``: torch intra-op threads for steps that compute more than
       ``SMALL_STEP_ROWS`` tokens (prefill-sized GEMMs).

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from engines.reference.kv_cache import KvDtype, PagedKvCache
-from engines.reference.linear import DenseLinear
+from engines.reference.linear import DenseLinear, PackedLinear, Q4Rows, RowAdaptiveLinear, packed_supported
 from engines.reference.model import DecodeGroup, LlamaModel, PrefillSpan, StepBatch
 from engines.reference.weights import unpermute_rope_rows
 from tests.engines.reference.helpers import chat_ids
@@ -133,7 +133,6 @@ def test_e4m3_scales_are_calibrated_per_layer(bundle):
 def test_q4_rows_reproduce_gguf_dequantization_and_the_int4_kernel_matches(bundle):
     from gguf.quants import dequantize
 
-    from engines.reference.linear import Q4Rows
     from engines.reference.weights import open_gguf
 
     reader = open_gguf(bundle.path)
@@ -162,3 +161,35 @@ def test_split_prefix_attention_equals_masked_attention(cached, n):
     mask = torch.arange(cached + n)[None, :] <= torch.arange(cached, cached + n)[:, None]
     expected = F.scaled_dot_product_attention(queries, keys, values, attn_mask=mask, enable_gqa=True)
     assert torch.allclose(_attend_after_prefix(queries, keys, values, cached, heads // kv_heads), expected, atol=1e-5)
+
+
+@pytest.mark.skipif(not packed_supported(), reason="oneDNN bf16 kernels unavailable on this CPU")
+def test_packed_bf16_linear_matches_the_dense_product_and_serves_batched_rows():
+    gen = torch.Generator().manual_seed(7)
+    weight = torch.randn(96, 64, generator=gen)
+    packed = PackedLinear.from_weight(weight)
+    exact = weight.to(torch.bfloat16).float()  # the matrix the packed kernel multiplies by
+    for rows in (1, 5, 40):
+        x = torch.randn(rows, 64, generator=gen)
+        expected = x.to(torch.bfloat16).float() @ exact.t()
+        got = packed(x)
+        assert got.dtype == torch.float32 and got.shape == (rows, 96)
+        assert torch.allclose(got, expected, rtol=1e-2, atol=1e-2 * expected.abs().max().item())
+    assert torch.equal(packed.dense(), exact)
+
+    # The row-adaptive pairing: 4-bit kernel up to 4 rows, the packed GEMM from 5 rows on.
+    q = torch.randint(0, 16, (96, 64), generator=gen).numpy().astype("uint8")
+    d = (torch.rand(96, 2, generator=gen) * 0.01).numpy()
+    m = (torch.rand(96, 2, generator=gen) * -0.05).numpy()
+    rows4 = Q4Rows(q, d, m)
+    adaptive = RowAdaptiveLinear(rows4.to_linear(), PackedLinear.from_weight(torch.from_numpy(rows4.dequantize())))
+    calls = []
+    for name in ("single", "multi"):
+        inner = getattr(adaptive, name)
+        setattr(adaptive, name, lambda x, inner=inner, name=name: calls.append(name) or inner(x))
+    reference = torch.from_numpy(rows4.dequantize())
+    for rows in (1, 4, 5, 8):
+        x = torch.randn(rows, 64, generator=gen)
+        expected = x @ reference.t()
+        assert torch.allclose(adaptive(x), expected, rtol=0.02, atol=0.02 * expected.abs().max().item())
+    assert calls == ["single", "single", "multi", "multi"]
