@@ -266,7 +266,7 @@ def render(args, throughput, ttft, quality, llama) -> str:
         "## Reference engine (`bench/engine.py`)",
         "",
         f"SmolLM2-135M-Instruct Q4_1 GGUF, in-process `ReferenceEngine` (scheduler + retention pool + paged KV + forward), "
-        f"`max_num_tokens` 512. Machine: {machine()}, shared with three other engineers' work while measured "
+        f"`max_num_tokens` 512. Machine: {machine()}, shared with other work "
         f"(load average {os.getloadavg()[0]:.1f} at the end), so treat figures as lower bounds; with two busy cores a "
         "second torch thread often hurts. "
         f"Median of {args.repeats} runs, best in brackets. Decode: {args.decode_tokens} tokens per sequence, greedy.",
