@@ -113,3 +113,46 @@ DEFAULT_NEXT_USE_BANDS = ((10.0, 90), (30.0, 80), (100.0, 70), (300.0, 60), (100
 def oracle_next_use(gaps: list[list[float | None]], bands=DEFAULT_NEXT_USE_BANDS) -> OraclePolicy:  # noqa: ANN001
     """Sooner next use = higher band (default: ≤10 s, 30, 100, 300, 1000 s, later); never = DROP."""
     return OraclePolicy("oracle-next-use", gaps, tuple(bands))
+
+
+ORACLE_NAMES = ("oracle-reuse", "oracle-reuse-within-<S>s", "oracle-next-use")
+_WITHIN = "oracle-reuse-within-"
+
+
+def is_oracle_name(name: str) -> bool:
+    return name.startswith("oracle-")
+
+
+def parse_oracle_name(name: str) -> float | None:
+    """Validate an oracle policy name; returns the horizon in seconds for ``-within-<S>s`` names.
+
+    Raises ``ValueError`` naming the accepted forms.
+    """
+    if name in ("oracle-reuse", "oracle-next-use"):
+        return None
+    if name.startswith(_WITHIN) and name.endswith("s"):
+        try:
+            horizon = float(name[len(_WITHIN) : -1])
+        except ValueError:
+            horizon = float("nan")
+        if horizon > 0 and horizon != float("inf"):
+            return horizon
+    raise ValueError(f"unknown oracle policy {name!r}; known: {', '.join(ORACLE_NAMES)} (S = seconds > 0, e.g. 30)")
+
+
+def oracle_factories(names: Sequence[str], requests: Sequence[TraceRequest], config: SimConfig = SimConfig()):  # noqa: ANN201
+    """``{name: factory}`` for the oracle names among ``names``; the future is read once."""
+    wanted = [n for n in names if is_oracle_name(n)]
+    if not wanted:
+        return {}
+    gaps = next_use_gaps(requests, config)
+    out = {}
+    for name in wanted:
+        horizon = parse_oracle_name(name)
+        if name == "oracle-reuse":
+            out[name] = lambda: oracle_reuse(gaps)
+        elif name == "oracle-next-use":
+            out[name] = lambda: oracle_next_use(gaps)
+        else:
+            out[name] = lambda h=horizon: oracle_reuse_within(gaps, h)
+    return out

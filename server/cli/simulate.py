@@ -5,6 +5,7 @@ Examples::
     kvgate simulate ../shared/traces/mooncake_synthetic_trace.jsonl -c 1% -c 2% -c 5% --host 4x
     kvgate simulate trace.jsonl -p lru -p class --classes classes.yaml --hold tokens --json
     kvgate simulate trace.jsonl -c 1% -c 2% -c 5% -c 10% --plot hit_rate.png
+    kvgate simulate trace.jsonl -p adaptive -p oracle-reuse -p oracle-reuse-within-30s --host 0
 
 Capacities are GPU blocks (``439``) or a percentage of the trace's distinct blocks
 (``1%``); ``--host`` is host blocks (``1756``), a multiple of the GPU capacity (``4x``)
@@ -68,7 +69,8 @@ def register(app: typer.Typer) -> None:
         trace: Annotated[Path, typer.Argument(help="Mooncake-format JSONL trace")],
         policy: Annotated[
             list[str] | None,
-            typer.Option("--policy", "-p", help="lru | trtllm-default | class | adaptive (repeat; default lru + trtllm-default, + class with --classes)"),
+            typer.Option("--policy", "-p", help="lru | trtllm-default | class | adaptive, or the offline ceilings oracle-reuse | "
+                 "oracle-reuse-within-<S>s | oracle-next-use (repeat; default lru + trtllm-default, + class with --classes)"),
         ] = None,
         capacity: Annotated[
             list[str] | None, typer.Option("--capacity", "-c", help="GPU capacity: blocks or % of distinct blocks (repeat)")
@@ -87,6 +89,7 @@ def register(app: typer.Typer) -> None:
         progress: Annotated[bool, typer.Option("--progress/--no-progress", help="progress bar on stderr")] = True,
     ) -> None:
         """Replay a trace through the block pool and planner; compare policies against Belady."""
+        from retention.oracle import is_oracle_name, oracle_factories, parse_oracle_name
         from retention.sim_policies import ClassMapping, ClassMappingError, make_policy
         from retention.simulator import SimConfig, run_simulation
         from retention.trace import TraceError, distinct_blocks, parse_trace
@@ -114,7 +117,10 @@ def register(app: typer.Typer) -> None:
             names = list(policy or (["lru", "trtllm-default"] + (["class"] if mapping else [])))
             registry = None  # plug-in policies beyond the built-ins would be passed here
             for name in names:  # fail fast on unknown names / missing mapping
-                make_policy(name, mapping=mapping, block_size=block_size, registry=registry)
+                if is_oracle_name(name):
+                    parse_oracle_name(name)
+                else:
+                    make_policy(name, mapping=mapping, block_size=block_size, registry=registry)
             with trace.open() as handle:
                 requests = parse_trace(handle, block_size=block_size)
             if limit is not None:
@@ -128,8 +134,11 @@ def register(app: typer.Typer) -> None:
             typer.echo(f"error: {exc}", err=True)
             raise typer.Exit(2) from None
 
+        # Oracles read the whole (possibly --limit-ed) request list: they know the future.
+        oracles = oracle_factories(names, requests, config)
         factories = [
-            (lambda n=name: make_policy(n, mapping=mapping, block_size=block_size, registry=registry)) for name in names
+            oracles.get(name) or (lambda n=name: make_policy(n, mapping=mapping, block_size=block_size, registry=registry))
+            for name in names
         ]
         total = len(requests) * len(names) * len(gpu_caps)
         if progress and not as_json:
@@ -183,7 +192,10 @@ def _print_tables(reports, distinct: int, num_requests: int, hold: str) -> None:
         )
         for column in ("policy", "hit rate", "GPU", "host", "recomputed tokens", "offloaded",
                        "onboarded", "evicted", "rejected", "delayed", "of Belady"):
-            table.add_column(column, justify="left" if column == "policy" else "right")
+            if column == "policy":
+                table.add_column(column, justify="left", no_wrap=True, min_width=24)
+            else:
+                table.add_column(column, justify="right")
         for name, r in report.results.items():
             ceiling = report.belady_total if r.secondary_blocks and report.belady_total else report.belady_gpu
             share = r.hit_rate / ceiling.hit_rate if ceiling.hit_rate else 0.0
