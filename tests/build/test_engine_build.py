@@ -46,7 +46,7 @@ def test_build_writes_manifest_and_skips_an_unchanged_spec(tmp_path):
     engine_dir = tmp_path / SPEC / "engine"
     assert manifest["spec_hash"] == spec_hash(spec)
     assert manifest["tensorrt_llm_version"] == "1.2.1" and manifest["tensorrt_llm_installed"] == "1.2.1"
-    assert manifest["container"] == "nvcr.io/nvidia/tritonserver:26.04-trtllm-python-py3"
+    assert manifest["container"] == "nvidia/tritonserver:26.04-trtllm-python-py3"
     assert manifest["artifacts"] == {n: sha256_file(engine_dir / n) for n in ("config.json", "rank0.engine")}
     assert manifest["commands"][1][0] == "trtllm-build"
 
