@@ -65,8 +65,9 @@ class TrtllmPin(_Strict):
 
     version: Annotated[str, Field(pattern=r"^1\.2\.\d+(rc\d+)?$")]
     container: Annotated[str, Field(pattern=r"^[\w./-]+:[\w.-]+-trtllm-python-py3$")]
-    # examples/ is copied to /app/examples in the -trtllm-python-py3 image
-    # (tensorrtllm_backend r26.04 dockerfile/Dockerfile.triton.trt_llm_backend: WORKDIR /app, COPY ... examples).
+    # examples/ is copied to /app/examples in the -trtllm-python-py3 image (tensorrtllm_backend
+    # r26.04 ce68ff5 dockerfile/Dockerfile.triton.trt_llm_backend: WORKDIR /app, COPY ... examples,
+    # from the release/1.2.1 checkout it also pip-installs tensorrt_llm==1.2.1).
     examples_dir: str = "/app/examples"
 
 
@@ -130,8 +131,10 @@ class TritonSpec(_Strict):
     max_queue_size: Annotated[int, Field(ge=1)] | None = None
     vocab_size: Annotated[int, Field(ge=2)]
     end_id: Annotated[int, Field(ge=0)] | None = None
-    # Orchestrator-mode worker binary (tensor parallel > 1). ASSUMPTION: where the
-    # -trtllm-python-py3 image installs it (the stock C++ backend's directory); override per image.
+    # Orchestrator-mode worker binary (tensor parallel > 1): Triton server r26.04 build.py
+    # (tensorrtllm_postbuild) installs trtllmExecutorWorker in backends/tensorrtllm/ of
+    # /opt/tritonserver, and it is the stock C++ backend's default executor_worker_path
+    # (TensorRT-LLM triton_backend/inflight_batcher_llm/src/model_state.cc). Override per image.
     executor_worker_path: str = "/opt/tritonserver/backends/tensorrtllm/trtllmExecutorWorker"
 
 

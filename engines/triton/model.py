@@ -14,11 +14,20 @@ responses per request) and speaks exactly ``engines/contract.py``:
 
 Request parsing and validation is ``engines.contract.parse_request`` — the same function
 the CPU reference engine calls. Binding calls cite their source: ``cpp/tensorrt_llm/
-nanobind/executor/{executor,request,executorConfig,bindings}.cpp`` at TensorRT-LLM
-release/1.2 (see :mod:`engines.trtllm.bindings` for what could not be confirmed).
-Python-backend calls follow triton-inference-server/python_backend ``README.md``
-(decoupled mode, ``get_response_sender``, ``TRITONSERVER_RESPONSE_COMPLETE_FINAL``,
-``is_cancelled``, ``using_decoupled_model_transaction_policy``).
+nanobind/executor/{executor,request,executorConfig,bindings}.cpp`` (1.2-era TensorRT-LLM
+snapshots; see :mod:`engines.trtllm.bindings` for what could not be read at the tag).
+Python-backend names were read in triton-inference-server/python_backend branch r26.04
+(47f9e030): ``src/resources/triton_python_backend_utils.py`` (``get_input_tensor_by_name``,
+``using_decoupled_model_transaction_policy``, ``TRITONSERVER_RESPONSE_COMPLETE_FINAL = 1``)
+and ``src/pb_stub.cc`` (``Tensor(name, ndarray)``/``as_numpy``, ``InferenceResponse(
+output_tensors=, error=)``, ``TritonError``, ``TritonModelException``, request
+``request_id()``/``get_response_sender()``, sender ``send(response=None, flags=0)``/
+``is_cancelled()``).
+
+Multi-GPU engines run the executor in orchestrator mode; the orchestrator process holds no
+model, so ``get_kv_cache_event_manager()`` returns None there (executorImpl.cpp:
+``if (!mModel) return std::nullopt``). The model then serves without KV events: no
+per-tenant block counts, no host-tier counts (logged once at start-up, documented).
 
 Per-request ``kv_cache_onboarded_blocks`` is always 0 here: TensorRT-LLM 1.2's
 ``KvCacheMetrics`` has no onboard count (request.cpp); pool-level onboards come from KV
@@ -71,6 +80,10 @@ class TritonPythonModel:
             raise pb_utils.TritonModelException("kvgate_llm must be decoupled: set model_transaction_policy { decoupled: true }")
         self.params = ServingParams.from_model_config(model_config)
         self.trtllm = bindings.load_executor_bindings()
+        version = bindings.check_version(self.trtllm, self.params.tensorrt_llm_version)
+        if version is None:
+            log.warning("%s has no __version__; cannot check it against the spec's TensorRT-LLM %s",
+                        bindings.EXECUTOR_MODULE, self.params.tensorrt_llm_version)
         self.salt_supported = bindings.probe_cache_salt(self.trtllm)
         if not self.salt_supported:
             log.error(
@@ -83,8 +96,16 @@ class TritonPythonModel:
             # mode (one process enqueues), so this is a launch error, not a state to serve in.
             self.executor.shutdown()
             raise pb_utils.TritonModelException("kvgate_llm: this executor rank cannot enqueue requests (launch Triton once, not under mpirun)")
-        # executor.cpp: get_kv_cache_event_manager(); events need KvCacheConfig.event_buffer_max_size > 0.
+        # executor.cpp: get_kv_cache_event_manager() -> Optional[KVCacheEventManager]; events need
+        # KvCacheConfig.event_buffer_max_size > 0, and an orchestrator process (world size > 1)
+        # has no local model, so it gets None (executorImpl.cpp getKVCacheEventManager).
         self.event_manager = self.executor.get_kv_cache_event_manager()
+        if self.event_manager is None:
+            log.error(
+                "kvgate_llm: this executor exposes no KV cache events (orchestrator mode, world size %d): "
+                "per-tenant and host-tier block counts will not be reported for this pool",
+                self.params.world_size,
+            )
         self.ledger = TenantBlockLedger(tokens_per_block=self.params.tokens_per_block)
         self.lock = threading.Lock()
         self.pending: dict[int, _Pending] = {}
@@ -148,7 +169,8 @@ class TritonPythonModel:
         with self.lock:
             request_id = self.executor.enqueue_request(trt_request)  # executor.cpp: enqueue_request(request) -> id
             self.pending[request_id] = _Pending(sender, parsed, end_id, triton_id)
-            self.ledger.note_request(parsed.tenant_id, parsed.input_ids)
+            if self.event_manager is not None:
+                self.ledger.note_request(parsed.tenant_id, parsed.input_ids)
 
     # Responses -----------------------------------------------------------------------
     def _response_loop(self) -> None:
@@ -227,7 +249,7 @@ class TritonPythonModel:
     # Stats ---------------------------------------------------------------------------
     def drain_events(self) -> None:
         # bindings.cpp kv_cache.KVCacheEventManager.get_latest_events(timeout_ms: Optional[float])
-        events = self.event_manager.get_latest_events(timeout_ms=0)
+        events = self.event_manager.get_latest_events(timeout_ms=0.0) if self.event_manager is not None else []
         with self.lock:
             if events:
                 self.ledger.apply(events)

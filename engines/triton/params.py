@@ -3,12 +3,17 @@
 One typed record travels both ways: :meth:`ServingParams.from_spec` (the renderer) and
 :meth:`ServingParams.from_model_config` (``model.py``'s ``initialize``, which receives the
 config as JSON, ``{"parameters": {key: {"string_value": ...}}}``). Keys that exist in the
-stock tensorrtllm backend keep its names (tensorrtllm_backend ``docs/model_config.md``:
-``engine_dir``, ``max_tokens_in_paged_kv_cache``, ``kv_cache_free_gpu_mem_fraction``,
-``kv_cache_host_memory_bytes``, ``kv_cache_onboard_blocks``, ``enable_kv_cache_reuse``,
-``iter_stats_max_iterations``, ``max_queue_size``); the rest are kvgate's and say so in their
-``kvgate_`` or ``kv_cache_`` names. The stock backend has no key for
-``secondary_offload_min_priority`` or the event buffer — the reason this model exists.
+stock tensorrtllm backend keep its names. Checked in triton-inference-server/
+tensorrtllm_backend branch r26.04 (ce68ff5) ``docs/model_config.md``: ``engine_dir``,
+``max_queue_size``, ``iter_stats_max_iterations``, ``max_tokens_in_paged_kv_cache``,
+``kv_cache_free_gpu_mem_fraction``, ``kv_cache_host_memory_bytes``,
+``enable_kv_cache_reuse``. Not in that document but read by the stock models
+(TensorRT-LLM ``triton_backend/inflight_batcher_llm/src/model_instance_state.cc`` and
+``triton_backend/all_models/inflight_batcher_llm/tensorrt_llm/1/model.py``):
+``kv_cache_onboard_blocks`` and ``executor_worker_path``. The rest are kvgate's and say so
+in their ``kvgate_`` or ``kv_cache_`` names: the upstream C++ backend (model_instance_state.cc
+at TensorRT-LLM 0c8de69a) has no key for ``secondary_offload_min_priority``, the event
+buffer or the partial-reuse switches — the reason this model exists.
 
 Invariant: ``from_model_config(render(p)) == p`` for every valid ``p`` (tested), and a
 missing or malformed parameter is an error naming the key, never a silent default.
@@ -147,7 +152,7 @@ def _convert(key: str, text: str, annotation: str) -> Any:
 
 
 PARAMETER_KEYS: dict[str, str] = {
-    "engine_dir": "engine_dir",  # stock (docs/model_config.md)
+    "engine_dir": "engine_dir",  # stock (tensorrtllm_backend r26.04 docs/model_config.md)
     "spec_name": "kvgate_spec_name",
     "spec_hash": "kvgate_spec_hash",
     "tensorrt_llm_version": "kvgate_tensorrt_llm_version",
@@ -158,18 +163,18 @@ PARAMETER_KEYS: dict[str, str] = {
     "max_num_tokens": "kvgate_max_num_tokens",
     "vocab_size": "kvgate_vocab_size",
     "end_id": "kvgate_end_id",
-    "enable_block_reuse": "enable_kv_cache_reuse",  # stock
-    "free_gpu_memory_fraction": "kv_cache_free_gpu_mem_fraction",  # stock
-    "max_tokens": "max_tokens_in_paged_kv_cache",  # stock
-    "host_cache_size": "kv_cache_host_memory_bytes",  # stock
-    "onboard_blocks": "kv_cache_onboard_blocks",  # stock (C++ backend reads it)
+    "enable_block_reuse": "enable_kv_cache_reuse",  # stock (docs/model_config.md)
+    "free_gpu_memory_fraction": "kv_cache_free_gpu_mem_fraction",  # stock (docs/model_config.md)
+    "max_tokens": "max_tokens_in_paged_kv_cache",  # stock (docs/model_config.md)
+    "host_cache_size": "kv_cache_host_memory_bytes",  # stock (docs/model_config.md)
+    "onboard_blocks": "kv_cache_onboard_blocks",  # stock (model_instance_state.cc, tensorrt_llm/1/model.py; undocumented)
     "secondary_offload_min_priority": "kv_cache_secondary_offload_min_priority",  # kvgate: stock has no key
     "event_buffer_max_size": "kv_cache_event_buffer_max_size",  # kvgate: stock has no key
     "enable_partial_reuse": "kv_cache_enable_partial_reuse",
     "copy_on_partial_reuse": "kv_cache_copy_on_partial_reuse",
-    "iter_stats_max_iterations": "iter_stats_max_iterations",  # stock
-    "max_queue_size": "max_queue_size",  # stock
+    "iter_stats_max_iterations": "iter_stats_max_iterations",  # stock (docs/model_config.md)
+    "max_queue_size": "max_queue_size",  # stock (docs/model_config.md)
     "response_poll_ms": "kvgate_response_poll_ms",
     "world_size": "kvgate_world_size",
-    "executor_worker_path": "executor_worker_path",  # stock (tensorrt_llm Python model, orchestrator mode)
+    "executor_worker_path": "executor_worker_path",  # stock (model_state.cc GetExecutorWorkerPath, tensorrt_llm/1/model.py)
 }

@@ -1,10 +1,13 @@
 """Serving parameters → ``KvCacheConfig`` / ``ExecutorConfig`` / ``Request`` for the 1.2 executor.
 
-Keyword names and types follow the release/1.2 bindings (``cpp/tensorrt_llm/nanobind/
-executor/executorConfig.cpp`` and ``request.cpp``); the C++ defaults they would otherwise
-take are in ``cpp/include/tensorrt_llm/executor/executor.h``. Every field kvgate cares
-about is passed explicitly — notably ``secondary_offload_min_priority`` (code default 30,
-docs 35) — so no default of either source decides a tenant's fate.
+Keyword names and types follow the 1.2-era bindings (``cpp/tensorrt_llm/nanobind/executor/
+executorConfig.cpp`` and ``request.cpp``, read in main-branch snapshots from before and
+after the release/1.2 branch point; see docs/architecture.md "Production path"); the C++
+defaults they would otherwise take are in ``cpp/include/tensorrt_llm/executor/executor.h``.
+Every field kvgate cares about is passed explicitly — notably
+``secondary_offload_min_priority`` (code default 30, docs 35) — so no default of either
+source decides a tenant's fate. ``KvCacheConfig`` has no dtype: the KV dtype (FP8) is fixed
+in the engine at build time (``quantize.py --kv_cache_dtype fp8``).
 
 Durations: the bindings take ``std::chrono::milliseconds`` (nanobind ``stl/chrono.h``),
 i.e. :class:`datetime.timedelta` in Python, not an int of milliseconds.
@@ -37,9 +40,10 @@ def kv_cache_config_kwargs(params: Any) -> dict[str, Any]:
         kwargs["max_tokens"] = params.max_tokens
     if not params.onboard_blocks:
         # Passed only to turn onboarding off: the binding's default is true, and PR #12449
-        # (main, 2026-03) removed the argument altogether. release/1.2.1 still has it (the
-        # stock tensorrt_llm Python model of that release passes it); a build without it
-        # raises TypeError at start-up instead of silently ignoring the setting.
+        # (merged to main 2026-03-23, after the release/1.2 branch) removed the argument.
+        # Every pre-#12449 snapshot of executorConfig.cpp has it as the 7th positional
+        # keyword; the 1.2.1 tag itself was not read. A build without it raises TypeError
+        # at start-up (make_executor names the keyword) instead of ignoring the setting.
         kwargs["onboard_blocks"] = False
     return kwargs
 

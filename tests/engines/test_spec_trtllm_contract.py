@@ -1,7 +1,9 @@
 """Contract: for each TensorRT-LLM spec, the exact build commands and executor arguments.
 
-Every expected key carries the source file it was checked against (TensorRT-LLM
-release/1.2 unless noted). The expectations are written out by hand, not computed.
+Every expected key carries the source file it was checked against: TensorRT-LLM 1.2-era
+sources (binding files read in main-branch snapshots on both sides of the release/1.2
+branch point, quantize.py at 059c97c1; the v1.2.1 tag itself was not readable here — see
+docs/architecture.md "Production path"). The expectations are written out by hand, not computed.
 """
 
 from __future__ import annotations
@@ -118,7 +120,7 @@ def test_optional_kv_fields_are_passed_only_when_set():
     assert executor_config_kwargs(params, None)["max_queue_size"] == 256  # executorConfig.cpp
     assert "onboard_blocks" not in kv_cache_config_kwargs(params)  # default true; removed on main by PR #12449
     object.__setattr__(params, "onboard_blocks", False)
-    assert kv_cache_config_kwargs(params)["onboard_blocks"] is False  # executorConfig.cpp (release/1.2)
+    assert kv_cache_config_kwargs(params)["onboard_blocks"] is False  # executorConfig.cpp (every pre-#12449 snapshot)
 
 
 def test_full_precision_weights_use_full_prec_qformat():

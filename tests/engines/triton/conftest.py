@@ -42,9 +42,9 @@ class Harness:
         return request.sender
 
 
-def make_harness(tmp_path, monkeypatch, *, salt_supported=True, spec_name=SPEC):
+def make_harness(tmp_path, monkeypatch, *, salt_supported=True, spec_name=SPEC, version="1.2.1"):
     pb = fake_pb_utils.make_module()
-    trt = fake_trtllm.make_module(salt_supported=salt_supported)
+    trt = fake_trtllm.make_module(salt_supported=salt_supported, version=version)
     fake_pb_utils.install(pb, monkeypatch)
     fake_trtllm.install(trt, monkeypatch)
     spec = load_bundled_spec(spec_name)

@@ -1,10 +1,13 @@
 """A double of ``triton_python_backend_utils`` (Triton Python backend), only what kvgate_llm uses.
 
-Names follow triton-inference-server/python_backend ``README.md``: ``Tensor(name, ndarray)``
-with ``as_numpy()``, ``get_input_tensor_by_name``, ``InferenceResponse(output_tensors=,
-error=)``, ``TritonError``, ``TritonModelException``, ``TRITONSERVER_RESPONSE_COMPLETE_FINAL``,
-``using_decoupled_model_transaction_policy``, and a decoupled request's
-``get_response_sender()`` with ``send(response=None, flags=0)`` and ``is_cancelled()``.
+Names were read in triton-inference-server/python_backend branch r26.04 (47f9e030):
+``src/resources/triton_python_backend_utils.py`` — ``get_input_tensor_by_name`` (walks
+``request.inputs()``), ``using_decoupled_model_transaction_policy(model_config: dict)``,
+``TRITONSERVER_RESPONSE_COMPLETE_FINAL = 1``; ``src/pb_stub.cc`` — ``Tensor(name, ndarray)``
+with ``name()``/``as_numpy()``, ``InferenceRequest.inputs()``/``request_id()``/
+``get_response_sender()``, ``InferenceResponse(output_tensors=, error=)``, ``TritonError``,
+``TritonModelException``, and the response sender's ``send(response=None, flags=0)`` and
+``is_cancelled()``.
 """
 
 from __future__ import annotations
@@ -74,9 +77,12 @@ def make_module() -> types.ModuleType:
 
     class InferenceRequest:
         def __init__(self, tensors: dict[str, np.ndarray], request_id: str = ""):
-            self.inputs = [Tensor(k, v) for k, v in tensors.items()]
+            self._inputs = [Tensor(k, v) for k, v in tensors.items()]
             self.sender = ResponseSender()
             self._request_id = request_id
+
+        def inputs(self):
+            return list(self._inputs)
 
         def request_id(self):
             return self._request_id
@@ -85,13 +91,15 @@ def make_module() -> types.ModuleType:
             return self.sender
 
     def get_input_tensor_by_name(request, name):
-        for tensor in request.inputs:
+        for tensor in request.inputs():
             if tensor.name() == name:
                 return tensor
         return None
 
     def using_decoupled_model_transaction_policy(model_config):
-        return bool(model_config.get("model_transaction_policy", {}).get("decoupled", False))
+        if "model_transaction_policy" in model_config:
+            return model_config["model_transaction_policy"]["decoupled"]
+        return False
 
     for obj in (Tensor, TritonError, TritonModelException, InferenceResponse, ResponseSender, InferenceRequest,
                 get_input_tensor_by_name, using_decoupled_model_transaction_policy):

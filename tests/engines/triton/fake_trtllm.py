@@ -2,14 +2,19 @@
 
 Only for tests: TensorRT-LLM cannot run here. Every constructor mirrors the binding's
 argument names, keyword-only markers, defaults and types as read in the sources, and
-refuses anything else with ``TypeError`` (nanobind raises TypeError for bad arguments):
+refuses anything else with ``TypeError`` (nanobind raises TypeError for bad arguments).
+The sources are 1.2-era main-branch snapshots of NVIDIA/TensorRT-LLM (the v1.2.1 tag
+itself could not be read here; docs/architecture.md "Production path" lists which
+snapshot each signature comes from and what that leaves unconfirmed):
 
 * KvCacheConfig, ExecutorConfig — cpp/tensorrt_llm/nanobind/executor/executorConfig.cpp
 * Request, SamplingConfig, OutputConfig, KvCacheRetentionConfig(.TokenRangeRetentionConfig),
   Response/Result/KvCacheMetrics — cpp/tensorrt_llm/nanobind/executor/request.cpp
 * Executor (enqueue_request, await_responses, cancel_request, get_latest_iteration_stats,
   get_kv_cache_event_manager, shutdown) — cpp/tensorrt_llm/nanobind/executor/executor.cpp
-* KvCacheStats, IterationStats, ModelType, kv_cache.* events — .../nanobind/executor/bindings.cpp
+* KvCacheStats, IterationStats, ModelType, ``__version__``, kv_cache.* events — .../nanobind/executor/bindings.cpp
+* ``get_kv_cache_event_manager()`` is None in an orchestrator process (no local model:
+  cpp/tensorrt_llm/executor/executorImpl.cpp ``getKVCacheEventManager``)
 
 Durations are ``datetime.timedelta`` (``std::chrono::milliseconds`` via nanobind stl/chrono.h).
 The simulated engine is tiny: it "generates" deterministic tokens, reuses full prompt
@@ -55,9 +60,12 @@ def _duration(name: str, value: Any) -> None:
         raise TypeError(f"{name}: expected datetime.timedelta (std::chrono::milliseconds) or None, got {type(value).__name__}")
 
 
-def make_module(*, salt_supported: bool = True, primary_blocks: int = 64, secondary_blocks: int = 256) -> types.ModuleType:
+def make_module(*, salt_supported: bool = True, primary_blocks: int = 64, secondary_blocks: int = 256,
+                version: str | None = "1.2.1") -> types.ModuleType:
     """A fresh fake module; ``module.calls`` records (class name, kwargs) of every construction."""
     mod = types.ModuleType("tensorrt_llm.bindings.executor")
+    if version is not None:
+        mod.__version__ = version  # bindings.cpp: m.attr("__version__") = tle::version()
     calls: list[tuple[str, dict[str, Any]]] = []
     mod.calls = calls
     mod.executors = []
@@ -68,10 +76,13 @@ def make_module(*, salt_supported: bool = True, primary_blocks: int = 64, second
         ENCODER_DECODER = 2
 
     class KvCacheConfig:
+        # executorConfig.cpp, newest snapshot before PR #12449 (which removed onboard_blocks on
+        # main, 2026-03-23): ten positional-or-keyword arguments, then keyword-only ones.
         def __init__(self, enable_block_reuse=True, max_tokens=None, max_attention_window=None, sink_token_length=None,
                      free_gpu_memory_fraction=None, host_cache_size=None, onboard_blocks=True, cross_kv_cache_fraction=None,
                      secondary_offload_min_priority=None, event_buffer_max_size=0, *, enable_partial_reuse=True,
-                     copy_on_partial_reuse=True, use_uvm=False, runtime_defaults=None):
+                     copy_on_partial_reuse=True, use_uvm=False, attention_dp_events_gather_period_ms=5,
+                     runtime_defaults=None, max_gpu_total_bytes=0):
             _bool("enable_block_reuse", enable_block_reuse)
             _int("max_tokens", max_tokens, optional=True, lo=1)
             _float("free_gpu_memory_fraction", free_gpu_memory_fraction, optional=True)
@@ -91,6 +102,7 @@ def make_module(*, salt_supported: bool = True, primary_blocks: int = 64, second
         "gpu_weights_percent", "max_queue_size", "extended_runtime_perf_knob_config", "debug_config", "recv_poll_period_ms",
         "max_seq_idle_microseconds", "spec_dec_config", "guided_decoding_config", "additional_model_outputs",
         "cache_transceiver_config", "gather_generation_logits", "mm_embedding_offloading", "enable_trt_overlap",
+        "fail_fast_on_attention_window_too_large",
     }
 
     class ExecutorConfig:
@@ -270,8 +282,9 @@ def make_module(*, salt_supported: bool = True, primary_blocks: int = 64, second
             self.num_blocks_per_cache_level = levels
 
     class KVCacheStoredBlockData:
-        def __init__(self, block_hash, tokens, cache_level, priority):
+        def __init__(self, block_hash, tokens, cache_level, priority, lora_id=None):
             self.block_hash, self.tokens, self.cache_level, self.priority = block_hash, tokens, cache_level, priority
+            self.lora_id = lora_id
 
     class KVCacheStoredData:
         def __init__(self, parent_hash, blocks):
@@ -290,8 +303,9 @@ def make_module(*, salt_supported: bool = True, primary_blocks: int = 64, second
             self.block_hash, self.cache_level, self.priority = block_hash, cache_level, priority
 
     class KVCacheEvent:
-        def __init__(self, event_id, data, window_size=0):
+        def __init__(self, event_id, data, window_size=0, attention_dp_rank=None):
             self.event_id, self.data, self.window_size = event_id, data, window_size
+            self.attention_dp_rank = attention_dp_rank
 
     for cls in (UniqueToken, KVCacheCreatedData, KVCacheStoredBlockData, KVCacheStoredData, KVCacheRemovedData,
                 KVCacheEventDiffInt, KVCacheUpdatedData, KVCacheEvent):
@@ -409,6 +423,13 @@ def make_module(*, salt_supported: bool = True, primary_blocks: int = 64, second
             return True
 
         def get_kv_cache_event_manager(self):
+            # executorImpl.cpp: std::nullopt without a local model (the orchestrator process) or
+            # without a KV cache event manager (event_buffer_max_size 0).
+            parallel = getattr(self.config, "parallel_config", None)
+            if parallel is not None and parallel.communication_mode is CommunicationMode.ORCHESTRATOR:
+                return None
+            if self.config.kv_cache_config.event_buffer_max_size == 0:
+                return None
             return self.events
 
         def shutdown(self):

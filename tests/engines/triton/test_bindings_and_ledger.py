@@ -50,6 +50,24 @@ def test_a_kv_config_keyword_the_binding_lacks_fails_at_start_naming_it():
         make_executor(module, params)
 
 
+def test_version_check():
+    from engines.trtllm.bindings import check_version, executor_version
+
+    module = fake_trtllm.make_module(version="1.2.1")
+    assert executor_version(module) == "1.2.1"  # bindings.cpp: m.attr("__version__") = tle::version()
+    assert check_version(module, "1.2.1") == "1.2.1"
+    with pytest.raises(BindingError, match="TensorRT-LLM 1.2.1 but the engine spec pins 1.2.0"):
+        check_version(module, "1.2.0")
+    assert check_version(fake_trtllm.make_module(version=None), "1.2.1") is None
+
+
+def test_a_binding_without_orchestrator_mode_is_refused():
+    module = fake_trtllm.make_module()
+    module.CommunicationMode = type("CommunicationMode", (), {"LEADER": 0})
+    with pytest.raises(BindingError, match="CommunicationMode.ORCHESTRATOR"):
+        load_executor_bindings(lambda _: module)
+
+
 def test_salt_probe():
     assert probe_cache_salt(fake_trtllm.make_module(salt_supported=True)) is True
     assert probe_cache_salt(fake_trtllm.make_module(salt_supported=False)) is False

@@ -216,7 +216,29 @@ def test_multi_gpu_spec_runs_the_executor_in_orchestrator_mode(tmp_path, monkeyp
         parallel = h.executor.config.parallel_config
         assert parallel.communication_mode.name == "ORCHESTRATOR"
         assert parallel.orchestrator_config.is_orchestrator is True
+        # The stock C++ backend's default (TensorRT-LLM triton_backend/inflight_batcher_llm/src/
+        # model_state.cc GetExecutorWorkerPath); server r26.04 build.py copies trtllmExecutorWorker there.
         assert parallel.orchestrator_config.worker_executable_path == "/opt/tritonserver/backends/tensorrtllm/trtllmExecutorWorker"
+        outputs(h.send(request(salt="a", tenant="tenant-a")))
+        # The orchestrator process has no local model: no KV event manager (executorImpl.cpp).
+        # The model still serves and answers the stats call, without per-tenant or host-tier counts.
+        assert h.model.event_manager is None
+        [(tensors, flags)] = outputs(h.send({contract.KV_STATS.name: np.array([True])}))
+        report = PoolStatsReport.from_json(tensors[contract.KV_CACHE_STATS.name][0])
+        assert flags == FINAL and report.tenants == {}
+        assert report.secondary.max_blocks == 0 and report.primary.max_blocks == 64  # primary from IterationStats
+        assert h.model.ledger._pending == {}  # nothing queued for events that never come
+    finally:
+        h.model.finalize()
+
+
+def test_bindings_of_another_tensorrt_llm_release_are_refused(tmp_path, monkeypatch):
+    from engines.trtllm.bindings import BindingError
+
+    with pytest.raises(BindingError, match=r"TensorRT-LLM 1\.3\.0 but the engine spec pins 1\.2\.1"):
+        make_harness(tmp_path, monkeypatch, version="1.3.0")
+    h = make_harness(tmp_path / "unversioned", monkeypatch, version=None)  # no __version__: logged, served
+    try:
         outputs(h.send(request()))
     finally:
         h.model.finalize()
