@@ -55,12 +55,16 @@ class CompletionJob:
 
 @dataclass(slots=True)
 class Outcome:
-    text: str = ""
+    pieces: list[str] = field(default_factory=list)  # the completion's text deltas, in order
     completion_tokens: int = 0
     finish_reason: str | None = None
     kv: KvMetrics | None = None
     ttft: float | None = None
     status: str = "ok"
+
+    @property
+    def text(self) -> str:
+        return "".join(self.pieces)
 
 
 UsageSink = Callable[[int, int, int], None]  # (tenant_id, prompt_tokens, completion_tokens)
@@ -132,29 +136,46 @@ def engine_request(job: CompletionJob, plan: RetentionPlan) -> EngineRequest:
 
 
 async def _generate(job: CompletionJob, plan: RetentionPlan, outcome: Outcome, started: float) -> AsyncIterator[str]:
-    """Text deltas of the completion; fills ``outcome`` as it goes."""
-    decoder = job.tokenizer.new_decode_stream()
-    matcher = StopMatcher(job.stop)
+    """Text deltas of the completion; fills ``outcome`` as it goes.
+
+    Runs once per engine response (per token when streaming), so the common cases take
+    short paths: a response with one token skips the join, and without stop strings the
+    text needs no :class:`StopMatcher` (which, with nothing to hold back, returns its
+    input unchanged and never stops).
+    """
+    push_token = job.tokenizer.new_decode_stream().push
+    matcher = StopMatcher(job.stop) if job.stop else None
     request_id = secrets.token_hex(8)
     request = engine_request(job, plan)
     streamed = request.streaming  # TTFT is only observable when the engine streams
+    pieces = outcome.pieces
     async with contextlib.aclosing(job.engine.generate(request, request_id=request_id)) as chunks:
         async for chunk in chunks:
             outcome.kv = chunk.kv
-            outcome.completion_tokens = max(outcome.completion_tokens, chunk.generated)
-            if chunk.token_ids and outcome.ttft is None and streamed:
-                outcome.ttft = time.perf_counter() - started
-            text = "".join(decoder.push(t) for t in chunk.token_ids)
+            if chunk.generated > outcome.completion_tokens:
+                outcome.completion_tokens = chunk.generated
+            ids = chunk.token_ids
+            if not ids:
+                text = ""
+            else:
+                if outcome.ttft is None and streamed:
+                    outcome.ttft = time.perf_counter() - started
+                text = push_token(ids[0]) if len(ids) == 1 else "".join([push_token(t) for t in ids])
+            if matcher is None:
+                if text:
+                    pieces.append(text)
+                    yield text
+                continue
             delta = matcher.push(text)
             if delta:
-                outcome.text += delta
+                pieces.append(delta)
                 yield delta
             if matcher.stopped:
                 outcome.finish_reason = "stop"
                 return  # closes the engine stream: the engine cancels and frees the blocks
-    tail = matcher.flush()
+    tail = matcher.flush() if matcher is not None else ""
     if tail:
-        outcome.text += tail
+        pieces.append(tail)
         yield tail
     outcome.finish_reason = "length" if outcome.completion_tokens >= job.max_new_tokens else "stop"
 
@@ -257,15 +278,13 @@ class CompletionRunner:
         # rest of the frame is rendered once (byte-identical to ``frame(text, None)``).
         head, tail = frame("\x00", None).split(b'"\\u0000"')
 
-        def text_frame(delta_text: str) -> bytes:
-            return head + json.dumps(delta_text).encode() + tail
-
         try:
             if chat:
                 yield frame(None, None, role=True)
             try:
                 async for delta in _generate(job, plan, outcome, started):
-                    yield text_frame(delta)
+                    # what json.dumps does for a str with its defaults, minus two calls
+                    yield head + _json_str(delta).encode() + tail
             except (EngineUnavailable, EngineRejected) as exc:
                 outcome.status = "engine_error"
                 err = _engine_error(exc)
@@ -283,6 +302,9 @@ class CompletionRunner:
             raise
         finally:
             await self._finish(job, plan, outcome, started, lease)
+
+
+_json_str = json.encoder.encode_basestring_ascii  # json.dumps(str) == _json_str(str) (ensure_ascii)
 
 
 def _ident(job: CompletionJob) -> str:

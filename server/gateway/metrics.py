@@ -96,22 +96,37 @@ class GatewayMetrics:
         self.kv_onboarded = Counter("kvgate_kv_blocks_onboarded", "KV blocks onboarded from the host tier", tp, registry=registry)
         self.rate_limited = Counter("kvgate_rate_limited", "Requests refused by admission", ["tenant", "limit"], registry=registry)
         self.quota_demotions = Counter("kvgate_quota_demotions", "Requests planned with quota demotion", tp, registry=registry)
+        self._children: dict[tuple[int, tuple[str, ...]], object] = {}
         if snapshots is not None:
             registry.register(PoolStatsCollector(snapshots))
 
+    def _child(self, metric, *labels: str):
+        """``metric.labels(*labels)``, looked up once per label set and kept.
+
+        Why: ``labels()`` validates and locks on every call, and a request records up to
+        nine series. Children are still created on first use only, so /metrics lists the
+        same series as before; label sets are bounded by the registry (tenant x pool).
+        """
+        key = (id(metric), labels)
+        child = self._children.get(key)
+        if child is None:
+            child = self._children[key] = metric.labels(*labels)
+        return child
+
     def observe_request(self, *, tenant: str, pool: str, status: str, prompt_tokens: int, completion_tokens: int,
                         ttft: float | None, latency: float, kv: KvMetrics | None, demoted: bool) -> None:
-        self.requests.labels(tenant, pool, status).inc()
+        child = self._child
+        child(self.requests, tenant, pool, status).inc()
         if prompt_tokens:
-            self.prompt_tokens.labels(tenant, pool).inc(prompt_tokens)
+            child(self.prompt_tokens, tenant, pool).inc(prompt_tokens)
         if completion_tokens:
-            self.completion_tokens.labels(tenant, pool).inc(completion_tokens)
+            child(self.completion_tokens, tenant, pool).inc(completion_tokens)
         if ttft is not None:
-            self.ttft.labels(tenant, pool).observe(ttft)
-        self.latency.labels(tenant, pool).observe(latency)
+            child(self.ttft, tenant, pool).observe(ttft)
+        child(self.latency, tenant, pool).observe(latency)
         if kv is not None:
-            self.kv_reused.labels(tenant, pool).inc(kv.reused_blocks)
-            self.kv_new.labels(tenant, pool).inc(kv.new_blocks)
-            self.kv_onboarded.labels(tenant, pool).inc(kv.onboarded_blocks)
+            child(self.kv_reused, tenant, pool).inc(kv.reused_blocks)
+            child(self.kv_new, tenant, pool).inc(kv.new_blocks)
+            child(self.kv_onboarded, tenant, pool).inc(kv.onboarded_blocks)
         if demoted:
-            self.quota_demotions.labels(tenant, pool).inc()
+            child(self.quota_demotions, tenant, pool).inc()

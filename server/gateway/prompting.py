@@ -91,7 +91,12 @@ def prepare_chat(tokenizer: ChatTokenizer, messages: Sequence[Mapping[str, Any]]
             system_chars = len(prefix) if prefix and full.startswith(prefix) else 0
         else:
             system_chars = default_system_chars(full, messages)
-    context_chars = _prefix_chars(tokenizer, full, messages[:last_user], system_chars)
+    if leading_system and last_user == leading_system:
+        # system messages then one user turn (the usual request): the context prefix is the
+        # system prefix just rendered, and _prefix_chars would return the same number
+        context_chars = system_chars
+    else:
+        context_chars = _prefix_chars(tokenizer, full, messages[:last_user], system_chars)
     pieces = (full[:system_chars], full[system_chars:context_chars], full[context_chars:])
     ids: list[int] = []
     ends: list[int] = []

@@ -80,6 +80,31 @@ def test_text_completion_and_stop_string(stack: Stack, tenant_key) -> None:
     assert cut.choices[0].finish_reason == "stop"
 
 
+def test_streamed_text_finish_and_usage_match_the_json_answer(stack: Stack, tenant_key) -> None:
+    # The SSE path renders one frame per token from prebuilt bytes and skips the stop
+    # matcher when there are no stop strings; what the client assembles must be exactly
+    # the JSON answer, with and without a stop string, for chat and text completions.
+    _, key = tenant_key
+    api = client(stack, key)
+    usage = {"include_usage": True}
+    for stop in (None, [","]):
+        whole = api.completions.create(model=MODEL, prompt="1, 2, 3, 4,", max_tokens=12, temperature=0, stop=stop)
+        chunks = list(api.completions.create(model=MODEL, prompt="1, 2, 3, 4,", max_tokens=12, temperature=0,
+                                             stop=stop, stream=True, stream_options=usage))
+        assert "".join(c.choices[0].text for c in chunks if c.choices) == whole.choices[0].text
+        assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == \
+            [whole.choices[0].finish_reason]
+        assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+        assert chunks[-1].usage.prompt_tokens == whole.usage.prompt_tokens
+    messages = [{"role": "user", "content": "Name three primary colours."}]
+    reply = api.chat.completions.create(model=MODEL, messages=messages, max_tokens=10, temperature=0)
+    chunks = list(api.chat.completions.create(model=MODEL, messages=messages, max_tokens=10, temperature=0,
+                                              stream=True, stream_options=usage))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == reply.choices[0].message.content
+    assert chunks[-1].usage.completion_tokens == reply.usage.completion_tokens
+
+
 def test_models_lists_the_tenants_pool_model(stack: Stack, tenant_key) -> None:
     _, key = tenant_key
     assert [m.id for m in client(stack, key).models.list()] == [MODEL]
