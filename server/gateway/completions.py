@@ -290,12 +290,14 @@ class CompletionRunner:
                 err = _engine_error(exc)
                 yield b"data: " + json.dumps(error_body(err.status, err.code, err.message)).encode() + b"\n\n"
                 return
-            yield frame(None, outcome.finish_reason)
+            # The closing frames are ready together: one body message (one socket write)
+            # instead of up to three, same bytes.
+            closing = frame(None, outcome.finish_reason)
             if job.include_usage:
                 usage = {"id": ident, "object": obj, "created": created, "model": job.model, "choices": [],
                          "usage": self._usage_body(job, outcome)}
-                yield b"data: " + json.dumps(usage, separators=(",", ":")).encode() + b"\n\n"
-            yield b"data: [DONE]\n\n"
+                closing += b"data: " + json.dumps(usage, separators=(",", ":")).encode() + b"\n\n"
+            yield closing + b"data: [DONE]\n\n"
         except BaseException:
             if outcome.status == "ok":
                 outcome.status = "client_gone"
