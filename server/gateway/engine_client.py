@@ -154,6 +154,10 @@ class EngineClient:
         # unary-stream: initial metadata, the request and the half-close go out in one
         # batch (the bidi form costs a request-iterator task and three gRPC batches, 0.1-0.2
         # ms of CPU per request); the server sees the same messages in the same order.
+        # Triton keeps a half-closed stream open until its in-flight requests have sent
+        # every response (triton-inference-server/server src/grpc/stream_infer_handler.cc,
+        # ModelStreamInferHandler::Process: "If done reading and no in-flight requests then
+        # can finish the entire stream"), as does the reference engine (tested).
         self._stream_infer = self._client._channel.unary_stream(
             STREAM_INFER_METHOD,
             request_serializer=service_pb2.ModelInferRequest.SerializeToString,
