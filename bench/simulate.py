@@ -28,7 +28,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench.report import machine, write_section  # noqa: E402
-from retention.oracle import next_use_gaps, oracle_next_use, oracle_reuse, oracle_reuse_within  # noqa: E402
+from retention.oracle import oracle_factories  # noqa: E402
 from retention.sim_policies import ClassMapping, make_policy  # noqa: E402
 from retention.simulator import SimConfig, run_simulation, simulate  # noqa: E402
 from retention.trace import distinct_blocks, parse_trace  # noqa: E402
@@ -55,10 +55,8 @@ def pct(x: float) -> str:
 def mooncake_section(requests, distinct: int) -> tuple[str, list]:
     caps = [round(distinct * f) for f in FRACTIONS]
     started = time.perf_counter()
-    gaps = next_use_gaps(requests)
-    oracles = [lambda: oracle_reuse(gaps)]
-    oracles += [lambda t=t: oracle_reuse_within(gaps, t) for t in HORIZONS_S]
-    oracles += [lambda: oracle_next_use(gaps)]
+    oracle_names = ["oracle-reuse", *(f"oracle-reuse-within-{t:g}s" for t in HORIZONS_S), "oracle-next-use"]
+    oracles = list(oracle_factories(oracle_names, requests).values())
     gpu_only = run_simulation(
         requests, [lambda: make_policy("lru"), lambda: make_policy("adaptive"), *oracles], caps,
         host_blocks=lambda c: 0,

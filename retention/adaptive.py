@@ -40,7 +40,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from retention.types import MAX_PRIORITY, RetentionPlan, TokenRange
+from retention.types import MAX_PRIORITY, RetentionPlan, merged_ranges
 
 BUCKETS = 4  # use-count buckets: 1, 2, 3, 4+
 
@@ -240,7 +240,7 @@ def adaptive_plan(
     num_blocks = -(-num_tokens // tokens_per_block)
     new_conversation = not uses or uses[0] == 0
     fresh = tenant_stats.revisit_probability(shape_of(num_blocks)) if new_conversation else tenant_stats.tail_probability()
-    ranges: list[list] = []
+    spans = []
     ceiling = MAX_PRIORITY
     for index in range(num_blocks):
         prior = uses[index] if index < len(uses) else 0
@@ -249,15 +249,8 @@ def adaptive_plan(
         ceiling = priority
         duration = horizon if priority > 35 and cfg.use_durations else None
         start = index * tokens_per_block
-        if ranges and ranges[-1][2] == priority and ranges[-1][3] == duration:
-            ranges[-1][1] = start + tokens_per_block
-        else:
-            ranges.append([start, start + tokens_per_block, priority, duration])
-    tokens = [
-        TokenRange(start, None if i == len(ranges) - 1 else end, priority, duration)
-        for i, (start, end, priority, duration) in enumerate(ranges)
-    ]
-    return RetentionPlan(tuple(tokens), decode_priority, None)
+        spans.append((start, start + tokens_per_block, priority, duration))
+    return RetentionPlan(merged_ranges(spans), decode_priority, None)
 
 
 @dataclass(slots=True)

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from retention.belady import NEVER, chain_request, next_uses
 from retention.simulator import SimConfig, request_hashes
 from retention.trace import TraceRequest
-from retention.types import TRTLLM_DEFAULT_OFFLOAD_MIN_PRIORITY, RetentionPlan, TokenRange
+from retention.types import MAX_PRIORITY, TRTLLM_DEFAULT_OFFLOAD_MIN_PRIORITY, RetentionPlan, merged_ranges
 
 KEEP = 60  # above the default 35 and above the offload threshold
 DROP = 0  # evicted first; never offloaded
@@ -78,20 +78,13 @@ class OraclePolicy:
         bpt = pool.config.tokens_per_block
         gaps = self.gaps[request.index]
         num_blocks = -(-request.input_length // bpt)
-        ranges: list[list[int]] = []
-        ceiling = KEEP + 40
+        spans = []
+        ceiling = MAX_PRIORITY
         for index in range(num_blocks):
             priority = min(ceiling, self.priority(gaps[index] if index < len(gaps) else None))
             ceiling = priority
-            if ranges and ranges[-1][2] == priority:
-                ranges[-1][1] = (index + 1) * bpt
-            else:
-                ranges.append([index * bpt, (index + 1) * bpt, priority])
-        tokens = tuple(
-            TokenRange(start, None if i == len(ranges) - 1 else end, priority)
-            for i, (start, end, priority) in enumerate(ranges)
-        )
-        return RetentionPlan(tokens, DROP, None)
+            spans.append((index * bpt, (index + 1) * bpt, priority, None))
+        return RetentionPlan(merged_ranges(spans), DROP, None)
 
     def observe(self, request, hashes, allocation, *, now, pool) -> None:  # noqa: ANN001 - SimPolicy protocol
         return None

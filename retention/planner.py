@@ -32,6 +32,7 @@ from retention.types import (
     RetentionPlanError,
     TokenRange,
     check_duration,
+    merged_ranges,
     check_priority,
 )
 
@@ -118,21 +119,10 @@ def plan_retention(
         (segments.system_end, segments.context_end, cls.context),
         (segments.context_end, segments.total, cls.turn),
     )
-    merged: list[list] = []  # [start, end, SegmentRetention]
-    for start, end, retention in parts:
-        if end <= start:
-            continue
-        retention = DEMOTED if demote else retention
-        if merged and merged[-1][1] == start and merged[-1][2] == retention:
-            merged[-1][1] = end
-        else:
-            merged.append([start, end, retention])
-    ranges = [
-        TokenRange(start, None if index == len(merged) - 1 else end, r.priority, r.duration_ms)
-        for index, (start, end, r) in enumerate(merged)
-    ]
+    kept = [(start, end, DEMOTED if demote else r) for start, end, r in parts]
+    ranges = merged_ranges((start, end, r.priority, r.duration_ms) for start, end, r in kept)
     decode = DEMOTED if demote else cls.decode
-    return RetentionPlan(tuple(ranges), decode.priority, decode.duration_ms, demoted=demote)
+    return RetentionPlan(ranges, decode.priority, decode.duration_ms, demoted=demote)
 
 
 def offloads(retention: SegmentRetention, offload_min_priority: int) -> bool:

@@ -20,6 +20,7 @@ refuses anything else with a :class:`RetentionPlanError` that names the problem)
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from enum import IntEnum
 from typing import NewType
@@ -97,6 +98,26 @@ class TokenRange:
 
     def contains(self, token_index: int) -> bool:
         return token_index >= self.start and (self.end is None or token_index < self.end)
+
+
+def merged_ranges(spans: Iterable[tuple[int, int, int, int | None]]) -> tuple[TokenRange, ...]:
+    """``(start, end, priority, duration_ms)`` spans in order → :class:`TokenRange` s.
+
+    Empty spans are skipped; touching neighbours with equal (priority, duration) merge; the
+    last range is open-ended, so it also covers a prompt that grew by a few tokens.
+    """
+    merged: list[list] = []
+    for start, end, priority, duration in spans:
+        if end <= start:
+            continue
+        if merged and merged[-1][1] == start and merged[-1][2] == priority and merged[-1][3] == duration:
+            merged[-1][1] = end
+        else:
+            merged.append([start, end, priority, duration])
+    return tuple(
+        TokenRange(start, None if index == len(merged) - 1 else end, priority, duration)
+        for index, (start, end, priority, duration) in enumerate(merged)
+    )
 
 
 @dataclass(frozen=True, slots=True)
