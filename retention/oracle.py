@@ -12,7 +12,11 @@ truth, read from the whole request list, and runs through the same :class:`Block
                             seconds after this request (trace timestamps), else ``DROP``;
 * ``oracle-next-use``     — several bands by the time to the next use (sooner = higher),
                             the best a perfect "how soon does it come back" predictor
-                            can express with fixed priorities.
+                            can express with fixed priorities;
+* ``oracle-popularity``   — priority by *how many times* the block is used in the next
+                            ``window_s`` seconds (more = higher, none = ``DROP``): perfect
+                            knowledge of each block's near-future popularity, i.e. more
+                            than any frequency, recency or rate estimator can learn online.
 
 Every block's priority is set each time a request touches it (an explicit priority
 overrides on reuse, as in TensorRT-LLM), from *that* request's knowledge of the next use.
@@ -29,6 +33,7 @@ question.
 
 from __future__ import annotations
 
+from bisect import bisect_right
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -75,19 +80,75 @@ class OraclePolicy:
         return DROP
 
     def plan(self, request: TraceRequest, hashes: list[int], *, now: float, pool) -> RetentionPlan:  # noqa: ANN001
-        bpt = pool.config.tokens_per_block
-        gaps = self.gaps[request.index]
-        num_blocks = -(-request.input_length // bpt)
-        spans = []
-        ceiling = MAX_PRIORITY
-        for index in range(num_blocks):
-            priority = min(ceiling, self.priority(gaps[index] if index < len(gaps) else None))
-            ceiling = priority
-            spans.append((index * bpt, (index + 1) * bpt, priority, None))
-        return RetentionPlan(merged_ranges(spans), DROP, None)
+        return _banded_plan(request, self.gaps[request.index], self.priority, pool.config.tokens_per_block)
 
     def observe(self, request, hashes, allocation, *, now, pool) -> None:  # noqa: ANN001 - SimPolicy protocol
         return None
+
+
+def _banded_plan(request: TraceRequest, known: Sequence, priority, tokens_per_block: int) -> RetentionPlan:  # noqa: ANN001
+    """One range per block at ``priority(known[i])`` (``None`` past the full blocks), running minimum."""
+    num_blocks = -(-request.input_length // tokens_per_block)
+    spans = []
+    ceiling = MAX_PRIORITY
+    for index in range(num_blocks):
+        value = min(ceiling, priority(known[index] if index < len(known) else None))
+        ceiling = value
+        spans.append((index * tokens_per_block, (index + 1) * tokens_per_block, value, None))
+    return RetentionPlan(merged_ranges(spans), DROP, None)
+
+
+def future_use_counts(requests: Sequence[TraceRequest], window_s: float, config: SimConfig = SimConfig()) -> list[list[int]]:
+    """For each request and full pool block: how many later requests within ``window_s`` seconds can hit it.
+
+    A later request counts when its matchable prefix holds the block and its timestamp is at
+    most ``window_s`` after this request's (same model as :func:`next_use_gaps`; requests are
+    in timestamp order, so a block's use times are sorted by request index).
+    """
+    hashes = request_hashes(requests, config)
+    chains = [chain_request(h, r.input_length, config.tokens_per_block) for h, r in zip(hashes, requests, strict=True)]
+    uses: dict[int, tuple[list[int], list[float]]] = {}  # key -> (request indices, timestamps s)
+    for index, (chain, request) in enumerate(zip(chains, requests, strict=True)):
+        for key in chain.keys[: chain.matchable_blocks]:
+            indices, times = uses.setdefault(key, ([], []))
+            indices.append(index)
+            times.append(request.timestamp_ms / 1000.0)
+    out: list[list[int]] = []
+    for index, (chain, request) in enumerate(zip(chains, requests, strict=True)):
+        limit = request.timestamp_ms / 1000.0 + window_s
+        row = []
+        for key in chain.keys:
+            indices, times = uses.get(key, ((), ()))
+            row.append(max(0, bisect_right(times, limit) - bisect_right(indices, index)))
+        out.append(row)
+    return out
+
+
+POPULAR_BASE = 36  # one use in the window: just above the default 35
+
+
+@dataclass(slots=True)
+class PopularityOracle:
+    """Priority by the known number of uses in the next ``window_s`` seconds; LRU among equals."""
+
+    name: str
+    counts: list[list[int]]  # by request index, per full block
+    uses_host: bool = False
+    offload_min_priority: int = TRTLLM_DEFAULT_OFFLOAD_MIN_PRIORITY
+
+    @staticmethod
+    def priority(count: int | None) -> int:
+        return DROP if not count else min(MAX_PRIORITY, POPULAR_BASE - 1 + count)
+
+    def plan(self, request: TraceRequest, hashes: list[int], *, now: float, pool) -> RetentionPlan:  # noqa: ANN001
+        return _banded_plan(request, self.counts[request.index], self.priority, pool.config.tokens_per_block)
+
+    def observe(self, request, hashes, allocation, *, now, pool) -> None:  # noqa: ANN001 - SimPolicy protocol
+        return None
+
+
+def oracle_popularity(requests: Sequence[TraceRequest], window_s: float, config: SimConfig = SimConfig()) -> PopularityOracle:
+    return PopularityOracle(f"oracle-popularity-{window_s:g}s", future_use_counts(requests, window_s, config))
 
 
 def oracle_reuse(gaps: list[list[float | None]]) -> OraclePolicy:
@@ -108,8 +169,8 @@ def oracle_next_use(gaps: list[list[float | None]], bands=DEFAULT_NEXT_USE_BANDS
     return OraclePolicy("oracle-next-use", gaps, tuple(bands))
 
 
-ORACLE_NAMES = ("oracle-reuse", "oracle-reuse-within-<S>s", "oracle-next-use")
-_WITHIN = "oracle-reuse-within-"
+ORACLE_NAMES = ("oracle-reuse", "oracle-reuse-within-<S>s", "oracle-next-use", "oracle-popularity-<S>s")
+_WINDOWED = ("oracle-reuse-within-", "oracle-popularity-")
 
 
 def is_oracle_name(name: str) -> bool:
@@ -117,35 +178,39 @@ def is_oracle_name(name: str) -> bool:
 
 
 def parse_oracle_name(name: str) -> float | None:
-    """Validate an oracle policy name; returns the horizon in seconds for ``-within-<S>s`` names.
+    """Validate an oracle policy name; returns the seconds of ``-within-<S>s`` / ``-popularity-<S>s`` names.
 
     Raises ``ValueError`` naming the accepted forms.
     """
     if name in ("oracle-reuse", "oracle-next-use"):
         return None
-    if name.startswith(_WITHIN) and name.endswith("s"):
-        try:
-            horizon = float(name[len(_WITHIN) : -1])
-        except ValueError:
-            horizon = float("nan")
-        if horizon > 0 and horizon != float("inf"):
-            return horizon
+    for prefix in _WINDOWED:
+        if name.startswith(prefix) and name.endswith("s"):
+            try:
+                seconds = float(name[len(prefix) : -1])
+            except ValueError:
+                seconds = float("nan")
+            if seconds > 0 and seconds != float("inf"):
+                return seconds
     raise ValueError(f"unknown oracle policy {name!r}; known: {', '.join(ORACLE_NAMES)} (S = seconds > 0, e.g. 30)")
 
 
 def oracle_factories(names: Sequence[str], requests: Sequence[TraceRequest], config: SimConfig = SimConfig()):  # noqa: ANN201
-    """``{name: factory}`` for the oracle names among ``names``; the future is read once."""
+    """``{name: factory}`` for the oracle names among ``names``; the future is read once per kind."""
     wanted = [n for n in names if is_oracle_name(n)]
     if not wanted:
         return {}
-    gaps = next_use_gaps(requests, config)
+    gaps = next_use_gaps(requests, config) if any(not n.startswith("oracle-popularity-") for n in wanted) else []
     out = {}
     for name in wanted:
-        horizon = parse_oracle_name(name)
+        seconds = parse_oracle_name(name)
         if name == "oracle-reuse":
             out[name] = lambda: oracle_reuse(gaps)
         elif name == "oracle-next-use":
             out[name] = lambda: oracle_next_use(gaps)
+        elif name.startswith("oracle-popularity-"):
+            policy = oracle_popularity(requests, seconds, config)  # type: ignore[arg-type]
+            out[name] = lambda p=policy: PopularityOracle(p.name, p.counts)
         else:
-            out[name] = lambda h=horizon: oracle_reuse_within(gaps, h)
+            out[name] = lambda h=seconds: oracle_reuse_within(gaps, h)
     return out

@@ -7,7 +7,17 @@ from pathlib import Path
 
 import pytest
 
-from retention.oracle import DROP, KEEP, next_use_gaps, oracle_next_use, oracle_reuse, oracle_reuse_within
+from retention.oracle import (
+    DROP,
+    KEEP,
+    future_use_counts,
+    next_use_gaps,
+    oracle_next_use,
+    oracle_popularity,
+    oracle_reuse,
+    oracle_reuse_within,
+    parse_oracle_name,
+)
 from retention.sim_policies import make_policy
 from retention.simulator import SimConfig, simulate
 from retention.trace import TraceRequest, distinct_blocks, parse_trace
@@ -145,3 +155,64 @@ def test_priorities() -> None:
     assert oracle_reuse_within(gaps, 30).priority(30.0) == KEEP and oracle_reuse_within(gaps, 30).priority(30.5) == DROP
     ladder = oracle_next_use(gaps)
     assert ladder.priority(5) > ladder.priority(50) > ladder.priority(5000) > ladder.priority(None) == DROP
+
+
+def test_future_use_counts_by_hand() -> None:
+    # Block 1 is matchable in requests at 0, 5, 6 and 400 s; the 8-token prompts' second block never is.
+    requests = tiny([(0, [1, 2]), (5_000, [1, 2]), (6_000, [1, 3]), (400_000, [1, 2])], length=8)
+    assert future_use_counts(requests, 10, TINY) == [[2, 0], [1, 0], [0, 0], [0, 0]]
+    assert future_use_counts(requests, 400, TINY) == [[3, 0], [2, 0], [1, 0], [0, 0]]
+    # Equal timestamps: only *later* requests count, never the request itself.
+    same = tiny([(0, [1, 90]), (0, [1, 91]), (0, [1, 92])])
+    assert future_use_counts(same, 1, TINY) == [[2], [1], [0]]
+
+
+def test_oracle_popularity_keeps_the_busier_prefix() -> None:
+    # A, B, C, then A three times and B once (A at 3, 4, 6 s; B at 5 s). Capacity 3: C's miss
+    # needs one of the cached A, B to go.
+    requests = tiny([(0, [1, 90]), (1_000, [2, 91]), (2_000, [3, 92]), (3_000, [1, 93]), (4_000, [1, 94]),
+                     (5_000, [2, 95]), (6_000, [1, 96])])
+    policy = oracle_popularity(requests, 100, TINY)
+    assert [row[0] for row in policy.counts] == [3, 1, 0, 2, 1, 0, 0]
+    assert policy.priority(0) == DROP < policy.priority(1) < policy.priority(3) <= 100
+    run = lambda p: simulate(requests, p, primary_blocks=3, secondary_blocks=0, config=TINY).hit_tokens  # noqa: E731
+    # Popularity: C evicts B (one use ahead), not A (three): A hits at 3, 4 and 6 s, B misses.
+    assert run(policy) == 12
+    # LRU evicts A (older): A misses at 3 s (evicting B), hits at 4 and 6 s, B misses at 5 s.
+    assert run(make_policy("lru")) == 8
+    # A 1.5 s window sees no use ahead of A or B when C arrives (both DROP, LRU order): as LRU.
+    assert run(oracle_popularity(requests, 1.5, TINY)) == 8
+
+
+def test_oracle_names_parse() -> None:
+    assert parse_oracle_name("oracle-popularity-300s") == 300.0
+    assert parse_oracle_name("oracle-reuse-within-30s") == 30.0
+    assert parse_oracle_name("oracle-reuse") is None
+    for bad in ("oracle-popularity-s", "oracle-popularity-0s", "oracle-popularity-infs", "oracle-bogus"):
+        with pytest.raises(ValueError, match="known: oracle-reuse"):
+            parse_oracle_name(bad)
+
+
+def test_oracle_popularity_equals_independent_count_on_mooncake_prefix() -> None:
+    """Counts against a brute-force scan over the first 400 requests of the real trace."""
+    if not TRACE.exists():
+        pytest.skip("shared Mooncake trace not present")
+    with TRACE.open() as handle:
+        requests = parse_trace(handle)[:400]
+    counts = future_use_counts(requests, 60)
+    keys_of = []
+    for req in requests:
+        keys, chain = [], ()
+        for h in req.hash_ids:
+            chain = hash((chain, h))
+            keys.append(chain)
+        keys_of.append(keys)
+    for r, req in enumerate(requests):
+        now = req.timestamp_ms
+        for i in range(req.input_length // 512):
+            expected = sum(
+                1 for later in range(r + 1, len(requests))
+                if requests[later].timestamp_ms - now <= 60_000
+                and keys_of[r][i] in keys_of[later][: (requests[later].input_length - 1) // 512]
+            )
+            assert counts[r][i] == expected, (r, i)

@@ -83,12 +83,14 @@ def test_bad_input_exits_2_with_a_message(tmp_path: Path) -> None:
 def test_oracle_ceilings_run_through_the_cli_and_bad_oracle_names_exit_2(tmp_path: Path) -> None:
     trace = write_trace(tmp_path / "t.jsonl")
     args = ["simulate", str(trace), "--block-size", "4", "-c", "6", "--host", "0", "--json",
-            "-p", "lru", "-p", "oracle-reuse", "-p", "oracle-reuse-within-15s", "-p", "oracle-reuse-within-0.02s", "-p", "oracle-next-use"]
+            "-p", "lru", "-p", "oracle-reuse", "-p", "oracle-reuse-within-15s", "-p", "oracle-reuse-within-0.02s", "-p", "oracle-next-use",
+            "-p", "oracle-popularity-15s"]
     result = CliRunner().invoke(create_cli(), args)
     assert result.exit_code == 0, result.output
     (report,) = json.loads(result.output)["capacities"]
     policies = report["policies"]
-    assert set(policies) == {"lru", "oracle-reuse", "oracle-reuse-within-15s", "oracle-reuse-within-0.02s", "oracle-next-use"}
+    assert set(policies) == {"lru", "oracle-reuse", "oracle-reuse-within-15s", "oracle-reuse-within-0.02s", "oracle-next-use",
+                             "oracle-popularity-15s"}
     belady = report["belady_gpu"]["hit_rate"]
     # gold's shared prefix [0, 1, 2] returns every 30 ms among unique noisy prompts: knowing
     # the future keeps it, LRU (6 blocks, 4-block prompts) loses it to the noise.
@@ -96,7 +98,11 @@ def test_oracle_ceilings_run_through_the_cli_and_bad_oracle_names_exit_2(tmp_pat
     assert 0 < policies["oracle-reuse"]["hit_rate"] <= belady
     assert policies["oracle-reuse-within-15s"]["hit_rate"] == policies["oracle-reuse"]["hit_rate"]
     assert policies["oracle-reuse-within-0.02s"]["hit_rate"] == 0  # gold comes back after 30 ms, not 20
+    # Gold is used again within 15 s and the noise never is: popularity keeps it like oracle-reuse.
+    assert policies["oracle-popularity-15s"]["hit_rate"] == policies["oracle-reuse"]["hit_rate"]
     assert all(p["offloaded_blocks"] == 0 for p in policies.values())
 
     bad = CliRunner().invoke(create_cli(), ["simulate", str(trace), "-p", "oracle-reuse-within-soon"])
     assert bad.exit_code == 2 and "unknown oracle policy 'oracle-reuse-within-soon'" in bad.output
+    bad = CliRunner().invoke(create_cli(), ["simulate", str(trace), "-p", "oracle-popularity-0s"])
+    assert bad.exit_code == 2 and "oracle-popularity-<S>s" in bad.output
