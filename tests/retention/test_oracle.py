@@ -89,12 +89,8 @@ def test_plan_bands_and_running_minimum() -> None:
     assert [(r.start, r.end, r.priority) for r in plan.ranges] == [(0, 8, KEEP), (8, None, DROP)]
 
 
-def banded_lru_hit_tokens(requests: list[TraceRequest], capacity: int, block: int, horizon_s: float | None) -> int:
-    """Two bands (reused-again [within horizon] or not), LRU inside: written independently of retention/.
-
-    Same model as ``test_simulator.plain_lru_hit_tokens``; a block's band is decided by the
-    last request that touched it, from the next request whose matchable prefix holds it.
-    """
+def chain_keys(requests: list[TraceRequest]) -> list[list]:
+    """Each request's chained block keys (equal key = equal prefix), independent of retention/."""
     keys_of = []
     for req in requests:
         keys, chain = [], ()
@@ -102,6 +98,16 @@ def banded_lru_hit_tokens(requests: list[TraceRequest], capacity: int, block: in
             chain = hash((chain, h))
             keys.append(chain)
         keys_of.append(keys)
+    return keys_of
+
+
+def banded_lru_hit_tokens(requests: list[TraceRequest], capacity: int, block: int, horizon_s: float | None) -> int:
+    """Two bands (reused-again [within horizon] or not), LRU inside: written independently of retention/.
+
+    Same model as ``test_simulator.plain_lru_hit_tokens``; a block's band is decided by the
+    last request that touched it, from the next request whose matchable prefix holds it.
+    """
+    keys_of = chain_keys(requests)
     next_time: list[dict] = [{} for _ in requests]
     upcoming: dict = {}
     for r in range(len(requests) - 1, -1, -1):
@@ -200,13 +206,7 @@ def test_oracle_popularity_equals_independent_count_on_mooncake_prefix() -> None
     with TRACE.open() as handle:
         requests = parse_trace(handle)[:400]
     counts = future_use_counts(requests, 60)
-    keys_of = []
-    for req in requests:
-        keys, chain = [], ()
-        for h in req.hash_ids:
-            chain = hash((chain, h))
-            keys.append(chain)
-        keys_of.append(keys)
+    keys_of = chain_keys(requests)
     for r, req in enumerate(requests):
         now = req.timestamp_ms
         for i in range(req.input_length // 512):
