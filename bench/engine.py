@@ -41,6 +41,7 @@ from engines.contract import EngineRequest, SamplingParams  # noqa: E402
 from engines.reference.config import ReferenceEngineConfig  # noqa: E402
 from engines.reference.engine import ReferenceEngine  # noqa: E402
 from engines.reference.kv_cache import KvDtype, PagedKvCache  # noqa: E402
+from engines.reference.linear import native_bf16  # noqa: E402
 from engines.reference.loader import ModelBundle, load_model  # noqa: E402
 from engines.reference.model import PrefillSpan, StepBatch  # noqa: E402
 from retention.types import RetentionPlan  # noqa: E402
@@ -266,7 +267,8 @@ def render(args, throughput, ttft, quality, llama) -> str:
         "## Reference engine (`bench/engine.py`)",
         "",
         f"SmolLM2-135M-Instruct Q4_1 GGUF, in-process `ReferenceEngine` (scheduler + retention pool + paged KV + forward), "
-        f"`max_num_tokens` 512. Machine: {machine()}, shared with other work "
+        f"`max_num_tokens` 512. Machine: {machine()}, torch CPU capability {torch.backends.cpu.get_cpu_capability()}, "
+        f"{'native bf16' if native_bf16() else 'no native bf16 (multi-row GEMMs in fp32, see bench:multirow)'}, shared with other work "
         f"(load average {os.getloadavg()[0]:.1f} at the end), so treat figures as lower bounds; with two busy cores a "
         "second torch thread often hurts. "
         f"Median of {args.repeats} runs, best in brackets. Decode: {args.decode_tokens} tokens per sequence, greedy.",

@@ -43,7 +43,8 @@ class ReferenceEngineConfig:
     * ``max_num_tokens``: tokens computed per step; long prompts are prefilled in chunks.
     * ``max_input_len`` / ``max_output_len``: per-request limits enforced by the contract.
     * ``weight_format``: ``q4`` (default, fastest: the GGUF's 4-bit matrices kept 4-bit for
-      small decode steps, packed bf16 GEMMs for batched decode and prefill, fp32 residual stream), ``fp32`` (dequantized, the
+      small decode steps, packed GEMMs for batched decode and prefill — bf16 on CPUs with native bf16, fp32 elsewhere —
+      fp32 residual stream), ``fp32`` (dequantized, the
       exact reference; batch-invariant enough that tests compare outputs bit for bit), ``bf16``.
     * ``num_threads``: torch intra-op threads for steps that compute more than
       ``SMALL_STEP_ROWS`` tokens (prefill-sized GEMMs).

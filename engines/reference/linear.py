@@ -9,11 +9,13 @@ per group of 32 along K, so ``scale = d`` and ``zero = m + 8d`` give the same we
 to the kernel's bf16 scales (relative rounding 2^-9 of ``d`` and ``zero``). Its
 activations are bf16 (the kernel's vectorised path); the residual stream stays fp32.
 
-For more rows than the 4-bit kernel handles well, the same matrix is kept once more in
-bf16, pre-packed into oneDNN's blocked layout (:class:`PackedLinear`), the way
-TorchInductor's CPU freezing pass runs linears (``torch/_inductor/fx_passes/mkldnn_fusion.py``:
+For more rows than the 4-bit kernel handles well, the same matrix is kept once more,
+pre-packed into oneDNN's blocked layout (:class:`PackedLinear`), the way TorchInductor's
+CPU freezing pass runs linears (``torch/_inductor/fx_passes/mkldnn_fusion.py``:
 ``mkldnn._reorder_linear_weight`` once, ``mkldnn._linear_pointwise`` per call). Packing
-once saves the per-call weight reorder that a plain ``x @ W.T`` pays.
+once saves the per-call weight reorder that a plain ``x @ W.T`` pays. The copy is bf16
+where the CPU runs bf16 natively and fp32 elsewhere (:func:`multi_row_linear`;
+``bench/multirow.py`` measures the choice).
 
 Invariant: every backend computes ``x @ W.T`` for the same ``W`` (up to the activation
 rounding of its compute dtype) and returns ``x``'s dtype.
@@ -65,51 +67,67 @@ class Int4Linear:
 
 @dataclass(slots=True)
 class PackedLinear:
-    """bf16 weights packed once for oneDNN; bf16 activations, ``x``'s dtype out.
+    """Weights packed once for oneDNN in ``dtype`` (bf16 or fp32); ``x``'s dtype out.
 
-    Needs oneDNN with bf16 support (:func:`packed_supported`); callers fall back to
-    :class:`DenseLinear` otherwise.
+    bf16 needs a CPU that runs oneDNN's bf16 kernels natively (:func:`native_bf16`);
+    fp32 packing works wherever oneDNN is built in (:func:`packed_supported`).
     """
 
     packed: torch.Tensor  # layout torch._mkldnn, logical shape [out, in]
     out_features: int
     in_features: int
+    dtype: torch.dtype = torch.bfloat16
 
     @classmethod
-    def from_weight(cls, weight: torch.Tensor) -> PackedLinear:
-        weight = weight.to(torch.bfloat16).contiguous()
-        return cls(torch.ops.mkldnn._reorder_linear_weight(weight), weight.shape[0], weight.shape[1])
+    def from_weight(cls, weight: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> PackedLinear:
+        weight = weight.to(dtype).contiguous()
+        return cls(torch.ops.mkldnn._reorder_linear_weight(weight), weight.shape[0], weight.shape[1], dtype)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        y = torch.ops.mkldnn._linear_pointwise(x.to(torch.bfloat16), self.packed, None, "none", [], "")
+        y = torch.ops.mkldnn._linear_pointwise(x.to(self.dtype), self.packed, None, "none", [], "")
         return y.to(x.dtype)
 
     def dense(self) -> torch.Tensor:
-        return self(torch.eye(self.in_features, dtype=torch.bfloat16)).float().t()
+        return self(torch.eye(self.in_features, dtype=self.dtype)).float().t()
 
 
 def packed_supported() -> bool:
-    """oneDNN is built in and this CPU runs its bf16 kernels natively."""
-    return bool(torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    """oneDNN is built in (packed fp32 linears work)."""
+    return bool(torch.backends.mkldnn.is_available())
 
 
-def bf16_linear(weight: torch.Tensor) -> PackedLinear | DenseLinear:
-    """The fastest bf16 linear this build offers for ``weight`` ``[out, in]``."""
+def native_bf16() -> bool:
+    """oneDNN is built in and this CPU runs its bf16 kernels natively (AVX512-BF16 or AMX)."""
+    return packed_supported() and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
+def multi_row_linear(weight: torch.Tensor) -> PackedLinear | DenseLinear:
+    """The fastest linear for many rows of ``weight`` ``[out, in]`` on this CPU.
+
+    Packed bf16 where the CPU has native bf16. Elsewhere (e.g. AVX2-only CPUs) bf16 and
+    fp16 GEMMs are emulated and 3-7x slower than fp32 (measured on an AVX2 x86_64 host:
+    a [1536, 576] matrix at 512 rows, bf16 187 ms, fp32 28.5 ms, packed fp32 25.4 ms; the
+    [49152, 576] LM head at 8 rows, bf16 98 ms, packed fp32 23.5 ms), so packed fp32.
+    """
+    if native_bf16():
+        return PackedLinear.from_weight(weight, torch.bfloat16)
     if packed_supported():
-        return PackedLinear.from_weight(weight)
-    return DenseLinear(weight.to(torch.bfloat16).contiguous())
+        return PackedLinear.from_weight(weight, torch.float32)
+    return DenseLinear(weight.float().contiguous())
 
 
 @dataclass(slots=True)
 class RowAdaptiveLinear:
     """One matrix in two layouts; the cheaper one for the number of rows is used.
 
-    Measured on this CPU class (AVX512-BF16, no AMX, memory bandwidth shared), inside a
-    whole decode step where the weights stream from memory: up to 4 rows the 4-bit kernel
+    Measured on an AVX512-BF16 host (no AMX, memory bandwidth shared), inside a whole
+    decode step where the weights stream from memory: up to 4 rows the 4-bit kernel
     wins because it moves the fewest bytes; from 5 rows on it runs twice over the weights
     (its time jumps ~1.6x between 4 and 5 rows) and the packed bf16 GEMM is faster (a
     batch-8 decode step: ~49 ms → ~43 ms); for prefill-sized inputs the bf16 GEMM is 2-3x
-    faster than fp32 and than the int4 kernel. Both compute the same matrix up to bf16
+    faster than fp32 and than the int4 kernel. On an AVX2-only host (packed fp32 as the
+    multi-row copy) the same split holds: whole decode steps of 1 / 2 / 4 / 8 rows took
+    73 / 95 / 142 / 258 ms on the 4-bit kernel against 111 / 136 / 159 / 247 ms packed. Both compute the same matrix up to bf16
     rounding — so, as in GPU engines, a sequence's logits depend slightly on how many
     rows share its step (the ``fp32`` format is the batch-invariant reference).
     """

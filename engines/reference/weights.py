@@ -27,7 +27,7 @@ import torch
 from gguf import GGMLQuantizationType, GGUFReader
 from gguf.quants import dequantize
 
-from engines.reference.linear import DenseLinear, Linear, Q4Rows, RowAdaptiveLinear, bf16_linear
+from engines.reference.linear import DenseLinear, Linear, Q4Rows, RowAdaptiveLinear, multi_row_linear
 
 
 class ModelLoadError(RuntimeError):
@@ -134,7 +134,7 @@ def load_llama_gguf(reader: GGUFReader, *, weight_format: str = "fp32") -> Llama
 
     ``weight_format``: ``fp32`` (dequantized, fp32 activations — the exact reference),
     ``bf16`` (dequantized to bf16, bf16 activations), ``q4`` (the fast path: Q4_1
-    matrices kept 4-bit for steps of up to 4 rows plus packed bf16 copies for larger ones, see
+    matrices kept 4-bit for steps of up to 4 rows plus packed copies for larger ones, see
     :class:`~engines.reference.linear.RowAdaptiveLinear`; fp32 residual stream).
     """
     if weight_format not in WEIGHT_FORMATS:
@@ -166,7 +166,7 @@ def load_llama_gguf(reader: GGUFReader, *, weight_format: str = "fp32") -> Llama
                 q4 = Q4Rows.from_gguf(np.asarray(tensor(name).data))
                 rows.append(q4.take_rows(rope_row_order(q4.q.shape[0], heads)) if heads else q4)
             merged = Q4Rows.concat(rows)
-            return RowAdaptiveLinear(merged.to_linear(), bf16_linear(torch.from_numpy(merged.dequantize())))
+            return RowAdaptiveLinear(merged.to_linear(), multi_row_linear(torch.from_numpy(merged.dequantize())))
         arrays = []
         for name, heads in parts:
             array = dense(name)
@@ -193,7 +193,7 @@ def load_llama_gguf(reader: GGUFReader, *, weight_format: str = "fp32") -> Llama
     lm_head: Linear = DenseLinear(head)
     if weight_format == "q4":
         # The tied head (Q8_0 here) is 1/5 of all weights: fp16 has the fastest single-row
-        # kernel on this CPU, packed bf16 the fastest multi-row one (half the time of an
-        # unpacked bf16 ``x @ W.T`` at 8 rows).
-        lm_head = RowAdaptiveLinear(DenseLinear(head.half().contiguous()), bf16_linear(head), max_single_rows=1)
+        # kernel (on AVX512-BF16 and on AVX2 hosts alike), the packed GEMM the fastest
+        # multi-row one (half the time of an unpacked bf16 ``x @ W.T`` at 8 rows).
+        lm_head = RowAdaptiveLinear(DenseLinear(head.half().contiguous()), multi_row_linear(head), max_single_rows=1)
     return LlamaWeights(config, embed, layers, to_torch(dense("output_norm.weight")), lm_head, weight_format)

@@ -9,7 +9,15 @@ import pytest
 import torch
 
 from engines.reference.kv_cache import KvDtype, PagedKvCache
-from engines.reference.linear import DenseLinear, PackedLinear, Q4Rows, RowAdaptiveLinear, packed_supported
+from engines.reference.linear import (
+    DenseLinear,
+    PackedLinear,
+    Q4Rows,
+    RowAdaptiveLinear,
+    multi_row_linear,
+    native_bf16,
+    packed_supported,
+)
 from engines.reference.model import DecodeGroup, LlamaModel, PrefillSpan, StepBatch
 from engines.reference.weights import unpermute_rope_rows
 from tests.engines.reference.helpers import chat_ids
@@ -163,26 +171,45 @@ def test_split_prefix_attention_equals_masked_attention(cached, n):
     assert torch.allclose(_attend_after_prefix(queries, keys, values, cached, heads // kv_heads), expected, atol=1e-5)
 
 
-@pytest.mark.skipif(not packed_supported(), reason="oneDNN bf16 kernels unavailable on this CPU")
-def test_packed_bf16_linear_matches_the_dense_product_and_serves_batched_rows():
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_packed_linear_matches_the_dense_product(dtype):
+    if dtype == torch.bfloat16 and not native_bf16():
+        pytest.skip("oneDNN bf16 kernels unavailable on this CPU (fp32 packing is tested instead)")
+    if not packed_supported():
+        pytest.skip("torch built without oneDNN")
     gen = torch.Generator().manual_seed(7)
     weight = torch.randn(96, 64, generator=gen)
-    packed = PackedLinear.from_weight(weight)
-    exact = weight.to(torch.bfloat16).float()  # the matrix the packed kernel multiplies by
+    packed = PackedLinear.from_weight(weight, dtype)
+    exact = weight.to(dtype).float()  # the matrix the packed kernel multiplies by
+    tolerance = 1e-2 if dtype == torch.bfloat16 else 1e-5
     for rows in (1, 5, 40):
         x = torch.randn(rows, 64, generator=gen)
-        expected = x.to(torch.bfloat16).float() @ exact.t()
+        expected = x.to(dtype).float() @ exact.t()
         got = packed(x)
         assert got.dtype == torch.float32 and got.shape == (rows, 96)
-        assert torch.allclose(got, expected, rtol=1e-2, atol=1e-2 * expected.abs().max().item())
-    assert torch.equal(packed.dense(), exact)
+        assert torch.allclose(got, expected, rtol=tolerance, atol=tolerance * expected.abs().max().item())
+    assert torch.allclose(packed.dense(), exact, atol=1e-6)
 
-    # The row-adaptive pairing: 4-bit kernel up to 4 rows, the packed GEMM from 5 rows on.
+
+def test_multi_row_linear_packs_in_the_cpus_fast_dtype():
+    linear = multi_row_linear(torch.randn(16, 32))
+    if native_bf16():
+        assert isinstance(linear, PackedLinear) and linear.dtype == torch.bfloat16
+    elif packed_supported():
+        # bf16/fp16 GEMMs are emulated without native bf16: fp32 is several times faster.
+        assert isinstance(linear, PackedLinear) and linear.dtype == torch.float32
+    else:
+        assert isinstance(linear, DenseLinear) and linear.weight.dtype == torch.float32
+
+
+def test_row_adaptive_linear_uses_int4_up_to_4_rows_then_the_packed_gemm():
+    gen = torch.Generator().manual_seed(7)
+    # The row-adaptive pairing: 4-bit kernel up to 4 rows, the multi-row GEMM from 5 rows on.
     q = torch.randint(0, 16, (96, 64), generator=gen).numpy().astype("uint8")
     d = (torch.rand(96, 2, generator=gen) * 0.01).numpy()
     m = (torch.rand(96, 2, generator=gen) * -0.05).numpy()
     rows4 = Q4Rows(q, d, m)
-    adaptive = RowAdaptiveLinear(rows4.to_linear(), PackedLinear.from_weight(torch.from_numpy(rows4.dequantize())))
+    adaptive = RowAdaptiveLinear(rows4.to_linear(), multi_row_linear(torch.from_numpy(rows4.dequantize())))
     calls = []
     for name in ("single", "multi"):
         inner = getattr(adaptive, name)
