@@ -43,16 +43,40 @@ def test_one_shot_flood_sinks_and_reused_prefixes_stay_kept() -> None:
     chat_plan = adaptive_plan(stats, "chat", block_hashes(shared + [1, 2, 3, 4], B), num_tokens=14,
                               tokens_per_block=B, offload_min_priority=30)
     assert {r.priority for r in flood_plan.ranges} <= {0, 30}
-    assert chat_plan.ranges[0].priority > 35 and chat_plan.ranges[0].duration_ms is not None
+    # The shared prefix (used 60 times) sits in the top kept band for the tenant's horizon
+    # (its median reuse gap, 1 s here); the new tail blocks are first uses (T = 30).
     priorities = [chat_plan.retention_at(i * B)[0] for i in range(4)]
-    assert priorities == sorted(priorities, reverse=True)  # never increasing along the chain
+    assert priorities[:2] == [46, 46] and priorities[2:] == [30, 30]
+    assert chat_plan.ranges[0].duration_ms == stats.horizon_ms("chat") == 1_000
+    assert all(r.duration_ms is None for r in chat_plan.ranges if r.priority <= 35)
+    untimed = ReuseStats(AdaptiveConfig(use_durations=False))
+    for i in range(3):
+        untimed.observe("chat", block_hashes(shared + [5_000 + i] * 4, B), float(i), num_blocks=3)
+    plan = adaptive_plan(untimed, "chat", block_hashes(shared + [1, 2, 3, 4], B), num_tokens=14,
+                         tokens_per_block=B, offload_min_priority=30)
+    assert plan.ranges[0].priority > 35 and all(r.duration_ms is None for r in plan.ranges)
+
+
+def test_priorities_never_increase_along_a_chain() -> None:
+    stats = ReuseStats()
+    deep = block_hashes(list(range(16)), B)  # 4 blocks
+    stats.observe("t", deep[:2], 0.0)  # the first two blocks seen once before ...
+    stats.observe("t", deep[:1], 1.0)  # ... the first one twice
+    plan = adaptive_plan(stats, "t", deep, num_tokens=16, tokens_per_block=B, offload_min_priority=30)
+    assert [plan.retention_at(i * B)[0] for i in range(4)] == [46, 36, 30, 30]
 
 
 def test_priority_bands_relative_to_threshold() -> None:
     cfg = AdaptiveConfig()
-    assert priority_for(0.001, 30, cfg) == 0
-    assert priority_for(0.03, 30, cfg) == 30
-    assert priority_for(0.5, 30, cfg) == 36 and priority_for(0.5, 50, cfg) == 51
+    assert priority_for(0.001, 5, 30, cfg) == 0  # measured one-shot traffic: dropped, whatever its uses
+    assert priority_for(0.9, 0, 30, cfg) == 30  # a first use: lowest offloadable band
+    assert priority_for(0.03, 1, 30, cfg) == 36 and priority_for(0.03, 1, 50, cfg) == 51
+    assert priority_for(0.5, 2, 30, cfg) == 46 == priority_for(0.5, 9, 30, cfg)
+    three = AdaptiveConfig(use_bands=3, band_step=5)
+    assert [priority_for(0.5, u, 30, three) for u in (1, 2, 3, 4)] == [36, 41, 46, 46]
+    assert priority_for(0.5, 2, 95, cfg) == 100  # capped at the maximum priority
+    with pytest.raises(ValueError):
+        AdaptiveConfig(use_bands=0)
 
 
 def test_noisy_neighbour_premium_survives_with_adaptive_and_classes() -> None:
