@@ -34,7 +34,7 @@ question.
 from __future__ import annotations
 
 from bisect import bisect_right
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from retention.belady import NEVER, chain_request, next_uses
@@ -46,56 +46,19 @@ KEEP = 60  # above the default 35 and above the offload threshold
 DROP = 0  # evicted first; never offloaded
 
 
+def _chains(requests: Sequence[TraceRequest], config: SimConfig) -> list:
+    """Each request as the pool hashes it: chained keys of its full blocks (``ChainRequest``)."""
+    hashes = request_hashes(requests, config)
+    return [chain_request(h, r.input_length, config.tokens_per_block) for h, r in zip(hashes, requests, strict=True)]
+
+
 def next_use_gaps(requests: Sequence[TraceRequest], config: SimConfig = SimConfig()) -> list[list[float | None]]:
     """For each request and full pool block: seconds until the next request that can hit it (None = never)."""
-    hashes = request_hashes(requests, config)
-    chains = [chain_request(h, r.input_length, config.tokens_per_block) for h, r in zip(hashes, requests, strict=True)]
     out: list[list[float | None]] = []
-    for request, nxt in zip(requests, next_uses(chains), strict=True):
+    for request, nxt in zip(requests, next_uses(_chains(requests, config)), strict=True):
         now = request.timestamp_ms / 1000.0
         out.append([None if j == NEVER else requests[j].timestamp_ms / 1000.0 - now for j in nxt])
     return out
-
-
-@dataclass(slots=True)
-class OraclePolicy:
-    """Bands from known next-use gaps: ``bands`` = ((max gap s, priority), ...), ascending gaps.
-
-    A block whose gap is at most ``bands[i][0]`` (first match) gets ``bands[i][1]``; a block
-    matching no band, never used again, or past the request's full blocks gets ``DROP``.
-    """
-
-    name: str
-    gaps: list[list[float | None]]  # by request index, per full block
-    bands: tuple[tuple[float, int], ...]
-    uses_host: bool = False
-    offload_min_priority: int = TRTLLM_DEFAULT_OFFLOAD_MIN_PRIORITY
-
-    def priority(self, gap: float | None) -> int:
-        if gap is None:
-            return DROP
-        for limit, priority in self.bands:
-            if gap <= limit:
-                return priority
-        return DROP
-
-    def plan(self, request: TraceRequest, hashes: list[int], *, now: float, pool) -> RetentionPlan:  # noqa: ANN001
-        return _banded_plan(request, self.gaps[request.index], self.priority, pool.config.tokens_per_block)
-
-    def observe(self, request, hashes, allocation, *, now, pool) -> None:  # noqa: ANN001 - SimPolicy protocol
-        return None
-
-
-def _banded_plan(request: TraceRequest, known: Sequence, priority, tokens_per_block: int) -> RetentionPlan:  # noqa: ANN001
-    """One range per block at ``priority(known[i])`` (``None`` past the full blocks), running minimum."""
-    num_blocks = -(-request.input_length // tokens_per_block)
-    spans = []
-    ceiling = MAX_PRIORITY
-    for index in range(num_blocks):
-        value = min(ceiling, priority(known[index] if index < len(known) else None))
-        ceiling = value
-        spans.append((index * tokens_per_block, (index + 1) * tokens_per_block, value, None))
-    return RetentionPlan(merged_ranges(spans), DROP, None)
 
 
 def future_use_counts(requests: Sequence[TraceRequest], window_s: float, config: SimConfig = SimConfig()) -> list[list[int]]:
@@ -105,8 +68,7 @@ def future_use_counts(requests: Sequence[TraceRequest], window_s: float, config:
     most ``window_s`` after this request's (same model as :func:`next_use_gaps`; requests are
     in timestamp order, so a block's use times are sorted by request index).
     """
-    hashes = request_hashes(requests, config)
-    chains = [chain_request(h, r.input_length, config.tokens_per_block) for h, r in zip(hashes, requests, strict=True)]
+    chains = _chains(requests, config)
     uses: dict[int, tuple[list[int], list[float]]] = {}  # key -> (request indices, timestamps s)
     for index, (chain, request) in enumerate(zip(chains, requests, strict=True)):
         for key in chain.keys[: chain.matchable_blocks]:
@@ -124,41 +86,74 @@ def future_use_counts(requests: Sequence[TraceRequest], window_s: float, config:
     return out
 
 
+@dataclass(frozen=True, slots=True)
+class GapBands:
+    """Priority from a known next-use gap: ``bands`` = ((max gap s, priority), ...), ascending gaps.
+
+    A gap at most ``bands[i][0]`` (first match) gets ``bands[i][1]``; a gap matching no band,
+    or ``None`` (never used again / past the request's full blocks), gets ``DROP``.
+    """
+
+    bands: tuple[tuple[float, int], ...]
+
+    def __call__(self, gap: float | None) -> int:
+        if gap is None:
+            return DROP
+        for limit, priority in self.bands:
+            if gap <= limit:
+                return priority
+        return DROP
+
+
 POPULAR_BASE = 36  # one use in the window: just above the default 35
 
 
+def popularity_priority(count: int | None) -> int:
+    """More known uses in the window = higher priority; none = ``DROP``."""
+    return DROP if not count else min(MAX_PRIORITY, POPULAR_BASE - 1 + count)
+
+
 @dataclass(slots=True)
-class PopularityOracle:
-    """Priority by the known number of uses in the next ``window_s`` seconds; LRU among equals."""
+class OraclePolicy:
+    """Per-block priorities ``rank(known[request][block])`` from facts read off the future; LRU among equals."""
 
     name: str
-    counts: list[list[int]]  # by request index, per full block
+    known: Sequence[Sequence]  # by request index, per full block (next-use gap, use count, ...)
+    rank: Callable[[object], int]
     uses_host: bool = False
     offload_min_priority: int = TRTLLM_DEFAULT_OFFLOAD_MIN_PRIORITY
 
-    @staticmethod
-    def priority(count: int | None) -> int:
-        return DROP if not count else min(MAX_PRIORITY, POPULAR_BASE - 1 + count)
+    def priority(self, value: object) -> int:
+        return self.rank(value)
 
     def plan(self, request: TraceRequest, hashes: list[int], *, now: float, pool) -> RetentionPlan:  # noqa: ANN001
-        return _banded_plan(request, self.counts[request.index], self.priority, pool.config.tokens_per_block)
+        """One range per block, running minimum (a parent is never below its child)."""
+        bpt = pool.config.tokens_per_block
+        known = self.known[request.index]
+        spans = []
+        ceiling = MAX_PRIORITY
+        for index in range(-(-request.input_length // bpt)):
+            ceiling = min(ceiling, self.rank(known[index] if index < len(known) else None))
+            spans.append((index * bpt, (index + 1) * bpt, ceiling, None))
+        return RetentionPlan(merged_ranges(spans), DROP, None)
 
     def observe(self, request, hashes, allocation, *, now, pool) -> None:  # noqa: ANN001 - SimPolicy protocol
         return None
 
 
-def oracle_popularity(requests: Sequence[TraceRequest], window_s: float, config: SimConfig = SimConfig()) -> PopularityOracle:
-    return PopularityOracle(f"oracle-popularity-{window_s:g}s", future_use_counts(requests, window_s, config))
+def oracle_popularity(counts: list[list[int]], window_s: float) -> OraclePolicy:
+    """Priority by the known number of uses in the next ``window_s`` seconds (:func:`future_use_counts`)."""
+    return OraclePolicy(f"oracle-popularity-{window_s:g}s", counts, popularity_priority)
 
 
 def oracle_reuse(gaps: list[list[float | None]]) -> OraclePolicy:
     """KEEP iff the block is ever used again."""
-    return OraclePolicy("oracle-reuse", gaps, ((float("inf"), KEEP),))
+    return OraclePolicy("oracle-reuse", gaps, GapBands(((float("inf"), KEEP),)))
 
 
 def oracle_reuse_within(gaps: list[list[float | None]], horizon_s: float) -> OraclePolicy:
     """KEEP iff the block's next use is within ``horizon_s`` seconds."""
-    return OraclePolicy(f"oracle-reuse-within-{horizon_s:g}s", gaps, ((horizon_s, KEEP),))
+    return OraclePolicy(f"oracle-reuse-within-{horizon_s:g}s", gaps, GapBands(((horizon_s, KEEP),)))
 
 
 DEFAULT_NEXT_USE_BANDS = ((10.0, 90), (30.0, 80), (100.0, 70), (300.0, 60), (1000.0, 50), (float("inf"), 40))
@@ -166,7 +161,7 @@ DEFAULT_NEXT_USE_BANDS = ((10.0, 90), (30.0, 80), (100.0, 70), (300.0, 60), (100
 
 def oracle_next_use(gaps: list[list[float | None]], bands=DEFAULT_NEXT_USE_BANDS) -> OraclePolicy:  # noqa: ANN001
     """Sooner next use = higher band (default: ≤10 s, 30, 100, 300, 1000 s, later); never = DROP."""
-    return OraclePolicy("oracle-next-use", gaps, tuple(bands))
+    return OraclePolicy("oracle-next-use", gaps, GapBands(tuple(bands)))
 
 
 ORACLE_NAMES = ("oracle-reuse", "oracle-reuse-within-<S>s", "oracle-next-use", "oracle-popularity-<S>s")
@@ -209,8 +204,8 @@ def oracle_factories(names: Sequence[str], requests: Sequence[TraceRequest], con
         elif name == "oracle-next-use":
             out[name] = lambda: oracle_next_use(gaps)
         elif name.startswith("oracle-popularity-"):
-            policy = oracle_popularity(requests, seconds, config)  # type: ignore[arg-type]
-            out[name] = lambda p=policy: PopularityOracle(p.name, p.counts)
+            counts = future_use_counts(requests, seconds, config)  # type: ignore[arg-type]
+            out[name] = lambda c=counts, w=seconds: oracle_popularity(c, w)
         else:
             out[name] = lambda h=seconds: oracle_reuse_within(gaps, h)
     return out

@@ -127,8 +127,8 @@ class RowAdaptiveLinear:
     batch-8 decode step: ~49 ms → ~43 ms); for prefill-sized inputs the bf16 GEMM is 2-3x
     faster than fp32 and than the int4 kernel. On an AVX2-only host (packed fp32 as the
     multi-row copy) the same split holds: whole decode steps of 1 / 2 / 4 / 8 rows took
-    73 / 95 / 142 / 258 ms on the 4-bit kernel against 111 / 136 / 159 / 247 ms packed. Both compute the same matrix up to bf16
-    rounding — so, as in GPU engines, a sequence's logits depend slightly on how many
+    73 / 95 / 142 / 258 ms on the 4-bit kernel against 111 / 136 / 159 / 247 ms packed.
+    Both compute the same matrix up to bf16 rounding — so, as in GPU engines, a sequence's logits depend slightly on how many
     rows share its step (the ``fp32`` format is the batch-invariant reference).
     """
 

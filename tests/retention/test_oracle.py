@@ -178,8 +178,8 @@ def test_oracle_popularity_keeps_the_busier_prefix() -> None:
     # needs one of the cached A, B to go.
     requests = tiny([(0, [1, 90]), (1_000, [2, 91]), (2_000, [3, 92]), (3_000, [1, 93]), (4_000, [1, 94]),
                      (5_000, [2, 95]), (6_000, [1, 96])])
-    policy = oracle_popularity(requests, 100, TINY)
-    assert [row[0] for row in policy.counts] == [3, 1, 0, 2, 1, 0, 0]
+    policy = oracle_popularity(future_use_counts(requests, 100, TINY), 100)
+    assert [row[0] for row in policy.known] == [3, 1, 0, 2, 1, 0, 0]
     assert policy.priority(0) == DROP < policy.priority(1) < policy.priority(3) <= 100
     run = lambda p: simulate(requests, p, primary_blocks=3, secondary_blocks=0, config=TINY).hit_tokens  # noqa: E731
     # Popularity: C evicts B (one use ahead), not A (three): A hits at 3, 4 and 6 s, B misses.
@@ -187,7 +187,7 @@ def test_oracle_popularity_keeps_the_busier_prefix() -> None:
     # LRU evicts A (older): A misses at 3 s (evicting B), hits at 4 and 6 s, B misses at 5 s.
     assert run(make_policy("lru")) == 8
     # A 1.5 s window sees no use ahead of A or B when C arrives (both DROP, LRU order): as LRU.
-    assert run(oracle_popularity(requests, 1.5, TINY)) == 8
+    assert run(oracle_popularity(future_use_counts(requests, 1.5, TINY), 1.5)) == 8
 
 
 def test_oracle_names_parse() -> None:
