@@ -141,7 +141,7 @@ def test_promtool_accepts_the_shipped_rules():
 
 
 def test_dashboards_and_rules_against_a_live_gateway(stack, prometheus):
-    key = stack.add_tenant("acme", kv_quota_fraction=0.5)
+    key = stack.add_tenant("acme", kv_quota_fraction=1.0)  # over a quota its new blocks would be demoted and dropped, not offloaded
     limited = stack.add_tenant("limited", rpm_limit=1)
     wait_for(lambda: query(prometheus, 'up{job="kvgate-gateway"} == 1'), 30, "the first scrape")
     with httpx.Client(base_url=stack.gateway.base_url, timeout=120) as client:
@@ -168,7 +168,11 @@ def test_dashboards_and_rules_against_a_live_gateway(stack, prometheus):
     def recorded_everything():
         return all(query(prometheus, name) for name in records)
 
-    wait_for(recorded_everything, 60, "every recording rule to return series")
+    try:
+        wait_for(recorded_everything, 60, "every recording rule to return series")
+    except AssertionError:
+        missing = [name for name in records if not query(prometheus, name)]
+        raise AssertionError(f"recording rules without series: {missing}") from None
     groups = json.loads(httpx.get(f"{prometheus}/api/v1/rules", timeout=10).text)["data"]["groups"]
     for group in groups:
         for rule in group["rules"]:
