@@ -145,7 +145,9 @@ def test_gpu_services_reserve_nvidia_devices_and_pin_the_trtllm_image():
         devices = SERVICES[name]["deploy"]["resources"]["reservations"]["devices"]
         assert devices == [{"driver": "nvidia", "count": "all", "capabilities": ["gpu"]}], name
         image_arg = resolve(SERVICES[name]["build"]["args"]["TRITON_IMAGE"])
-        assert image_arg == "nvidia/tritonserver:26.04-trtllm-python-py3"
+        # the public NGC name (server r26.04 docs/introduction/compatibility.md); a bare
+        # nvidia/... would resolve against Docker Hub
+        assert image_arg == "nvcr.io/nvidia/tritonserver:26.04-trtllm-python-py3"
     pins = {load_bundled_spec(n).tensorrt_llm.container for n in bundled_spec_names() if load_bundled_spec(n).tensorrt_llm}
     assert pins == {image_arg}
     dockerfile = (ROOT / "build/Dockerfile.triton").read_text()
