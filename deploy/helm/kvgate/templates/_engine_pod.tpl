@@ -104,7 +104,7 @@ containers:
           if [ "$i" = 0 ]; then h="$POD_NAME"; else h="$POD_NAME-$i"; fi
           hosts="$hosts${hosts:+,}$h.{{ $plan.name }}.$POD_NAMESPACE:{{ $plan.ranksPerPod }}"
         done
-        exec mpirun -np 1 --host "$hosts" --mca plm_rsh_agent {{ dig "multinode" "rshAgent" "ssh" $pool | quote }} \
+        exec mpirun -np 1 --host "$hosts" --mca plm_rsh_agent {{ dig "multinode" "rshAgent" "ssh -p 2222" $pool | quote }} \
           tritonserver --model-repository=/models --http-port=8000 --grpc-port=8001 --metrics-port=8002
     env:
       - name: POD_NAME
@@ -112,8 +112,9 @@ containers:
       - name: POD_NAMESPACE
         valueFrom: {fieldRef: {fieldPath: metadata.namespace}}
     {{- else }}
-    # Workers hold GPUs and wait for the leader's mpirun to start ranks here.
-    command: {{ toJson (dig "multinode" "workerCommand" (list "/usr/sbin/sshd" "-D" "-e") $pool) }}
+    # Workers hold GPUs and wait for the leader's mpirun to start ranks here through the rsh
+    # agent (default: an sshd on 2222 that the image must provide with keys; NOT in build/Dockerfile.triton).
+    command: {{ toJson (dig "multinode" "workerCommand" (list "/usr/sbin/sshd" "-D" "-e" "-p" "2222") $pool) }}
     {{- end }}
     ports:
       {{- if $serves }}
@@ -121,7 +122,7 @@ containers:
       - {name: grpc, containerPort: 8001, protocol: TCP}
       - {name: metrics, containerPort: 8002, protocol: TCP}
       {{- else }}
-      - {name: ssh, containerPort: 22, protocol: TCP}
+      - {name: rsh, containerPort: 2222, protocol: TCP}
       {{- end }}
     {{- if $serves }}
     # KServe v2 health endpoints on Triton's HTTP port. Loading an engine takes minutes.
