@@ -143,6 +143,12 @@ def test_templates_refuse_what_the_schema_cannot_express(chart):
     with pytest.raises(helm_python.HelmRenderError, match="divide"):
         render(chart, minimal(pools=[{**gpu_pool, "spec": "llama-3.1-70b-instruct-fp8-tp8", "multinode": {"enabled": True, "nodes": 3},
                                       "registry": {"model_name": "m", "primary_blocks": 1, "secondary_blocks": 1}}]))
+    with pytest.raises(helm_python.HelmRenderError, match="sized from the spec"):
+        render(chart, minimal(pools=[{**gpu_pool, "registry": {"model_name": "m", "primary_blocks": 1, "secondary_blocks": 1},
+                                      "resources": {"requests": {"memory": "1Gi"}}}]))
+    reference = {"name": "r", "spec": "reference-smollm2", "replicas": 1, "registry": {"model_name": "m"}}
+    with pytest.raises(helm_python.HelmRenderError, match="listed twice"):
+        render(chart, minimal(pools=[reference, reference]))
     with pytest.raises(helm_python.HelmRenderError, match="reference engine runs in one pod"):
         render(chart, minimal(pools=[{"name": "r", "spec": "reference-smollm2", "replicas": 1, "registry": {"model_name": "m"},
                                       "multinode": {"enabled": True, "nodes": 2}}]))

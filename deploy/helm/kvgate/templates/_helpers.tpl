@@ -141,6 +141,9 @@ Sizing (per engine pod):
 {{- $pinned := mul $hostCache $ranksPerPod -}}
 {{- $pinnedMi := div (add $pinned 1048575) 1048576 -}}
 {{- $memoryMi := add $pinnedMi (mul (add $shmGiB $overheadGiB) 1024) -}}
+{{- if and (eq $spec.backend "tensorrt_llm") $pool.resources -}}
+{{- fail (printf "pools[%s].resources: GPU pools are sized from the spec (GPUs, pinned host memory); tune engines.gpu or the pool's shmSizeGiB / hostMemoryOverheadGiB" $pool.name) -}}
+{{- end -}}
 {{- $reg := default dict $pool.registry -}}
 {{- $primary := 0 -}}
 {{- $secondary := 0 -}}
