@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 import json
 import math
+import os
 import re
 from pathlib import Path
 from typing import Any
@@ -417,6 +418,54 @@ def test_the_leak_scan_can_fail(renders):
     doc = "kind: ConfigMap\nmetadata: {name: x}\ndata: {url: 'postgresql://kvgate:%s@db/kvgate'}\n"
     assert leaks(Rendered(values={}, manifests={"x.yaml": doc % "hunter2"}))
     assert not leaks(Rendered(values={}, manifests={"x.yaml": doc % "$(KVGATE_POSTGRES_PASSWORD)"}))
+
+
+VAR_REF = re.compile(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)")
+
+
+def resolve_env(container: dict[str, Any], secret: dict[str, str]) -> dict[str, str]:
+    """What the kubelet gives the container: secretKeyRef from ``secret``, then $(VAR) expansion
+    of variables defined earlier in the list (Kubernetes dependent environment variables)."""
+    env: dict[str, str] = {}
+    for item in container.get("env", []):
+        if "value" in item:
+            env[item["name"]] = VAR_REF.sub(lambda m: env.get(m.group(1), m.group(0)), item["value"])
+        elif "secretKeyRef" in item["valueFrom"]:
+            ref = item["valueFrom"]["secretKeyRef"]
+            assert ref["name"] == "kvgate-secrets"
+            env[item["name"]] = secret[ref["key"]]
+    return env
+
+
+def test_secrets_reach_the_settings_only_at_run_time(renders, monkeypatch):
+    """Resolved as the kubelet would, the gateway's environment is a valid production
+    configuration for the real Settings — and none of those values is in the render."""
+    from server.settings import Settings
+
+    for name, r in renders.items():
+        (gateway,) = r.get("Deployment", "kvgate-gateway")["spec"]["template"]["spec"]["containers"]
+        env = resolve_env(gateway, TEST_SECRETS)
+        if r.values.get("postgres", {}).get("bundled"):
+            want_db = f"postgresql+psycopg://kvgate:{TEST_SECRETS['postgres-password']}@kvgate-postgres:5432/kvgate"
+        else:
+            want_db = TEST_SECRETS["database-url"]
+        assert env["KVGATE_DATABASE_URL"] == want_db, name
+        for job in ("kvgate-migrate", "kvgate-registry-apply"):
+            (c,) = r.get("Job", job)["spec"]["template"]["spec"]["containers"]
+            assert resolve_env(c, TEST_SECRETS)["KVGATE_DATABASE_URL"] == want_db
+        for key in [k for k in os.environ if k.startswith("KVGATE_")]:
+            monkeypatch.delenv(key)
+        for key, value in env.items():
+            monkeypatch.setenv(key, value)
+        settings = Settings()
+        settings.check_serving_secrets()  # real tokens and pepper, not dev mode
+        assert settings.admin_credentials() == [("admin:ops", TEST_SECRETS["admin-tokens"].split(":", 1)[1])]
+        assert settings.database_url == want_db and not settings.dev
+        if r.values.get("redis", {}).get("mode") == "external":
+            assert settings.redis_url == TEST_SECRETS["redis-url"]
+        if r.values["secrets"].get("keys", {}).get("metricsToken"):
+            assert settings.metrics_token == TEST_SECRETS["metrics-token"]
+        assert leaks(r) == []
 
 
 def test_database_url_comes_from_the_secret(renders):
