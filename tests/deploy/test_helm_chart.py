@@ -580,7 +580,9 @@ def test_triton_pods_serve_the_spec_after_the_builder(renders):
     assert {"name": "engines", "persistentVolumeClaim": {"claimName": "kvgate-engines", "readOnly": True}} in pod["volumes"]
     (job,) = [j for j in r.of_kind("Job") if j["metadata"]["labels"]["app.kubernetes.io/component"] == "engine-builder"]
     build = job["spec"]["template"]["spec"]["containers"][0]
-    assert build["command"] == ["kvgate-engine-builder"] and (ROOT / "build/engine_builder.sh").is_file()
+    assert build["command"] == ["kvgate-engine-builder"]
+    # the Triton image installs the builder script under that name (build/Dockerfile.triton)
+    assert "COPY build/engine_builder.sh /usr/local/bin/kvgate-engine-builder" in (ROOT / "build/Dockerfile.triton").read_text()
     assert {"name": "KVGATE_ENGINE_SPECS", "value": spec.name} in build["env"]
     assert build["resources"]["limits"]["nvidia.com/gpu"] == spec.build.world_size
     claim = r.get("PersistentVolumeClaim", "kvgate-engines")
