@@ -28,6 +28,7 @@ RELEASE, NAMESPACE = "kvgate", "llm"
 KUBE_VERSION = "1.36"
 MONITORING_API = "monitoring.coreos.com/v1"
 LWS_API = "leaderworkerset.x-k8s.io/v1"
+ALL_APIS = (MONITORING_API, LWS_API)
 
 
 @dataclass(slots=True)
@@ -106,3 +107,10 @@ def selector_matches(selector: dict[str, Any], labels: dict[str, str]) -> bool:
         if op == "DoesNotExist" and key in labels:
             return False
     return True
+
+
+def gateway(r: Rendered) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The gateway Deployment and its one container."""
+    deployment = r.get("Deployment", "kvgate-gateway")
+    (container,) = deployment["spec"]["template"]["spec"]["containers"]
+    return deployment, container
