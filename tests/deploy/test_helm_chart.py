@@ -401,10 +401,10 @@ def test_gpu_sizing_follows_the_spec(rendered):
                 continue
             nodes = pool.get("multinode", {}).get("nodes", 1) if pool.get("multinode", {}).get("enabled") else 1
             ranks = spec.build.world_size // nodes
-            memory = math.ceil(spec.kv_cache.host_cache_size * ranks / MI) + (shm_gib + overhead_gib) * 1024
+            memory = math.ceil(spec.kv_cache.host_cache_size_per_rank * ranks / MI) + (shm_gib + overhead_gib) * 1024
             assert res["requests"]["nvidia.com/gpu"] == res["limits"]["nvidia.com/gpu"] == ranks
             assert res["requests"]["memory"] == res["limits"]["memory"] == f"{memory}Mi"
-            assert memory * MI > spec.kv_cache.host_cache_size * ranks > 0
+            assert memory * MI > spec.kv_cache.host_cache_size_per_rank * ranks > 0
             dshm = {v["name"]: v for v in template["spec"]["volumes"]}["dshm"]
             assert dshm["emptyDir"] == {"medium": "Memory", "sizeLimit": f"{shm_gib}Gi"}
             assert {"name": "dshm", "mountPath": "/dev/shm"} in c["volumeMounts"]

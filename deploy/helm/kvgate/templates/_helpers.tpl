@@ -99,8 +99,8 @@ from the spec the engine serves.
 
 Sizing (per engine pod):
   ranksPerPod  = tensor_parallel * pipeline_parallel / nodes
-  pinned bytes = host_cache_size * ranksPerPod — TensorRT-LLM gives every rank its own host
-                 pool of host_cache_size bytes: BaseKVCacheManager::calculateFreeMemBytes returns
+  pinned bytes = host_cache_size_per_rank * ranksPerPod — TensorRT-LLM gives every rank its own host
+                 pool of host_cache_size_per_rank bytes: BaseKVCacheManager::calculateFreeMemBytes returns
                  freeSecondaryMemBytes = config.getHostCacheSize() per rank process
                  (NVIDIA/TensorRT-LLM cpp/tensorrt_llm/batch_manager/kvCacheManager.cpp)
   memory       = pinned + /dev/shm (an emptyDir in memory counts against the pod) + overhead
@@ -134,7 +134,7 @@ Sizing (per engine pod):
 {{- end -}}
 {{- $ranksPerPod := div $world $nodes -}}
 {{- $kv := $spec.kv_cache -}}
-{{- $hostCache := int64 (default 0 $kv.host_cache_size) -}}
+{{- $hostCache := int64 (default 0 $kv.host_cache_size_per_rank) -}}
 {{- $gpu := $root.Values.engines.gpu -}}
 {{- $shmGiB := int (default $gpu.shmSizeGiB $pool.shmSizeGiB) -}}
 {{- $overheadGiB := int (default $gpu.hostMemoryOverheadGiB $pool.hostMemoryOverheadGiB) -}}
