@@ -85,3 +85,33 @@ def test_serve_refuses_placeholder_secrets(run, monkeypatch) -> None:  # type: i
     monkeypatch.setenv("KVGATE_ADMIN_TOKENS", "changeme")
     result = run("serve", "--no-migrate", code=2)
     assert "refusing to start" in result.output
+
+
+def test_replicas_commands(run) -> None:  # type: ignore[no-untyped-def]
+    run("db", "upgrade")
+    replicas = '[{"name": "r0", "endpoint": "engine-0:8001"}]'
+    pool = json.loads(run("admin", "pools", "create", "gpu-a", "--set", "model_name=m", "--set",
+                          f"replicas={replicas}", "--set", "primary_blocks=8").output)
+    assert [r["name"] for r in pool["replicas"]] == ["r0"] and pool["triton_url"] == "engine-0:8001"
+    added = json.loads(run("admin", "replicas", "add", "gpu-a", "r1", "--endpoint", "engine-1:8001",
+                           "--weight", "2").output)
+    assert (added["name"], added["weight"], added["state"]) == ("r1", 2, "active")
+    assert [r["name"] for r in json.loads(run("admin", "replicas", "list", "gpu-a").output)] == ["r0", "r1"]
+    updated = json.loads(run("admin", "replicas", "update", "gpu-a", "r1", "--version", "1", "--set",
+                             "endpoint=engine-1b:8001").output)
+    assert (updated["endpoint"], updated["version"]) == ("engine-1b:8001", 2)
+    assert json.loads(run("admin", "replicas", "drain", "gpu-a", "r0").output)["state"] == "draining"
+    assert json.loads(run("admin", "replicas", "disable", "gpu-a", "r0", "--version", "2").output)["state"] \
+        == "disabled"
+    assert "stale_version" in run("admin", "replicas", "activate", "gpu-a", "r0", "--version", "1", code=1).output
+    assert json.loads(run("admin", "replicas", "activate", "gpu-a", "r0").output)["state"] == "active"
+    assert "endpoint" in run("admin", "replicas", "add", "gpu-a", "r2", "--endpoint", "nope", code=2).output
+    assert "replica_not_found" in run("admin", "replicas", "show", "gpu-a", "r9", code=1).output
+    run("admin", "replicas", "remove", "gpu-a", "r0")
+    last = run("admin", "replicas", "remove", "gpu-a", "r1", code=1)
+    assert "last_replica" in last.output
+    audit = json.loads(run("admin", "audit", "--entity-type", "pool_replica").output)
+    assert [e["action"] for e in audit["items"]][::-1] == [
+        "pool_replica.create", "pool_replica.update", "pool_replica.drain", "pool_replica.disable",
+        "pool_replica.activate", "pool_replica.delete",
+    ]
