@@ -174,7 +174,7 @@ def _crud(
 
 
 def register(app: typer.Typer) -> None:
-    """Attach ``kvgate admin pools|replicas|classes|tenants|keys|audit`` to the root CLI."""
+    """Attach ``kvgate admin pools|replicas|classes|tenants|keys|audit|apply`` to the root CLI."""
     admin = typer.Typer(no_args_is_help=True, help="Manage the tenant registry (pools, classes, tenants, keys).")
     app.add_typer(admin, name="admin")
 
@@ -207,6 +207,50 @@ def register(app: typer.Typer) -> None:
     _register_replicas(admin)
     _register_tenants(admin)
     _register_keys(admin)
+
+    @admin.command("apply")
+    def apply_(
+        file: Annotated[str, typer.Option("--file", "-f", help="registry YAML file ('-' = stdin)")],
+        dry_run: Annotated[bool, typer.Option("--dry-run", help="print the diff, write nothing")] = False,
+        prune: Annotated[
+            bool, typer.Option("--prune", help="also delete what the file's lists do not name (keys of pruned "
+                               "tenants too)")
+        ] = False,
+        actor: Annotated[str | None, typer.Option(help="audit actor (default cli:<os user>)")] = None,
+    ) -> None:
+        """Make the registry match a declarative file: pools with replicas, classes, tenants.
+
+        Idempotent: a second apply of the same file changes nothing and writes no audit
+        event. Prints each change (field: old → new); all changes commit in one
+        transaction, one audit event each, or none do. A bad file exits 2, writing nothing.
+        """
+        import sys
+        from pathlib import Path
+
+        from tenants.declarative import apply_registry, load_registry
+        from tenants.errors import InvalidField
+
+        who = _actor() if actor is None else actor
+        if not who.strip() or len(who) > 128:
+            _fail(2, "invalid_value", "--actor must be 1-128 characters", "--actor")
+        try:
+            text = sys.stdin.read() if file == "-" else Path(file).read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            _fail(2, "invalid_file", f"cannot read {file}: {exc}", "--file")
+        try:
+            doc = load_registry(text, source=file)
+        except InvalidField as exc:
+            _fail(2, exc.code, exc.message, exc.field)
+        with _session() as s:
+            try:
+                plan = apply_registry(s, doc, actor=who, now=_now(), prune=prune, dry_run=dry_run)
+            except InvalidField as exc:
+                _fail(2, exc.code, exc.message, exc.field)
+            typer.echo(plan.render())
+            if dry_run:
+                typer.echo("dry run: nothing written")
+            elif not plan.empty:
+                typer.echo(f"applied as {who}")
 
     @admin.command()
     def audit(
