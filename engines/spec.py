@@ -12,6 +12,11 @@ Invariants (checked here, so no renderer ever sees a bad spec):
   KV config with an explicit ``secondary_offload_min_priority`` (TensorRT-LLM's code
   default is 30, its docs say 35; kvgate never relies on either) and a non-zero
   ``event_buffer_max_size`` (per-tenant block counts come from KV events);
+* each TensorRT-LLM rule below is named (``[rule …]`` in the error) with the source file it
+  comes from, see :data:`RULES`: onboarding stays on, FP8 KV comes with FP8 weights, the
+  container names its registry host, and the host tier is sized per rank
+  (``host_cache_size_per_rank``; the old ``host_cache_size`` key is refused because its
+  unit was ambiguous — see :meth:`EngineSpec.pinned_host_bytes_total`);
 * ``tokens_per_block`` is a power of two > 1 (``cpp/tensorrt_llm/batch_manager/
   kvCacheManager.cpp`` and the KV cache docs require it), fixed at build time;
 * ``max_input_len < max_seq_len`` and ``max_num_tokens >= tokens_per_block``;
@@ -36,6 +41,40 @@ SLUG = r"^[a-z0-9][a-z0-9._-]{0,62}$"
 
 class SpecError(ValueError):
     """A spec file cannot be read or is invalid; the message names the file and field."""
+
+
+# Rules the validator enforces for TensorRT-LLM specs: name -> the source it comes from.
+RULES: dict[str, str] = {
+    "onboard-blocks": (
+        "NVIDIA/TensorRT-LLM cpp/tensorrt_llm/batch_manager/trtGptModelInflightBatching.cpp (00825c4e): "
+        'with onboarding off, TLLM_CHECK_WITH_INFO(!getPagedContextFMHA(), "KV cache blocks need to be '
+        'onboarded if context FMHA.") aborts the executor; every kvgate engine is built with '
+        "--use_paged_context_fmha enable, and host-tier hits are only reused by onboarding them"
+    ),
+    "fp8-kv-needs-fp8-weights": (
+        "NVIDIA/TensorRT-LLM tensorrt_llm/builder.py (008b2b8d) build(): with FP8 KV and weights not "
+        "FP8/W4A8_AWQ/NVFP4 it sets use_paged_context_fmha = False ('FP8 Paged Context FMHA is disabled "
+        "because FP8 context FMHA is disabled'), and trtGptModelInflightBatching.cpp fixExecutorConfig then "
+        "disables block reuse with only a warning; the same happens when the build GPU is below SM 89, which "
+        "the engine build checks in the built config.json"
+    ),
+    "host-cache-per-rank": (
+        "NVIDIA/TensorRT-LLM cpp/tensorrt_llm/batch_manager/trtGptModelInflightBatching.cpp: every rank builds "
+        "its own KV cache manager from BaseKVCacheManager::calculateFreeMemBytes (kvCacheManager.cpp: "
+        "freeSecondaryMemBytes = config.getHostCacheSize()), so KvCacheConfig.host_cache_size is pinned host "
+        "memory per rank; a replica pins world_size times that"
+    ),
+    "container-registry-host": (
+        "triton-inference-server/server docs/introduction/compatibility.md (r26.04): the -trtllm-python-py3 "
+        "images are published as nvcr.io/nvidia/tritonserver:<yy.mm>-trtllm-python-py3; a name without a "
+        "registry host resolves against Docker Hub, where NVIDIA does not publish it"
+    ),
+}
+
+
+def rule_error(name: str, message: str) -> str:
+    """An error message naming the rule and its source (``RULES``)."""
+    return f"[rule {name}] {message} (source: {RULES[name]})"
 
 
 class _Strict(BaseModel):
@@ -64,11 +103,25 @@ class TrtllmPin(_Strict):
     """The TensorRT-LLM release the engine is built with and served by (engines are not portable)."""
 
     version: Annotated[str, Field(pattern=r"^1\.2\.\d+(rc\d+)?$")]
-    container: Annotated[str, Field(pattern=r"^[\w./-]+:[\w.-]+-trtllm-python-py3$")]
+    # The image's full public name, registry host included (NGC: nvcr.io/nvidia/tritonserver:...).
+    container: Annotated[str, Field(pattern=r"^[\w./:-]+:[\w.-]+-trtllm-python-py3$")]
     # examples/ is copied to /app/examples in the -trtllm-python-py3 image (tensorrtllm_backend
     # r26.04 ce68ff5 dockerfile/Dockerfile.triton.trt_llm_backend: WORKDIR /app, COPY ... examples,
     # from the release/1.2.1 checkout it also pip-installs tensorrt_llm==1.2.1).
     examples_dir: str = "/app/examples"
+
+    @model_validator(mode="after")
+    def _registry_host(self) -> TrtllmPin:
+        # Docker's rule: the first path component is a registry host when it contains "." or ":"
+        # or is "localhost"; otherwise the name resolves against Docker Hub.
+        first = self.container.split("/", 1)[0]
+        if "/" not in self.container or not ("." in first or ":" in first or first == "localhost"):
+            raise ValueError(rule_error(
+                "container-registry-host",
+                f"container {self.container!r} names no registry host; use the image's public name, "
+                "e.g. nvcr.io/nvidia/tritonserver:26.04-trtllm-python-py3 (a mirror: its own host/path)",
+            ))
+        return self
 
 
 class Quantization(_Strict):
@@ -110,17 +163,42 @@ class BuildLimits(_Strict):
 
 
 class KvCacheSpec(_Strict):
-    """Mirrors ``executor::KvCacheConfig`` (cpp/include/tensorrt_llm/executor/executor.h)."""
+    """Mirrors ``executor::KvCacheConfig`` (cpp/include/tensorrt_llm/executor/executor.h).
+
+    ``host_cache_size_per_rank`` is ``KvCacheConfig.host_cache_size``: bytes of pinned host
+    memory for the secondary tier *of each rank* (rule ``host-cache-per-rank``).
+    """
 
     enable_block_reuse: bool = True
     free_gpu_memory_fraction: Annotated[float, Field(gt=0.0, le=1.0)] = 0.9
     max_tokens: Annotated[int, Field(ge=1)] | None = None
-    host_cache_size: Annotated[int, Field(ge=0)] = 0  # bytes of pinned host memory for the secondary tier
+    host_cache_size_per_rank: Annotated[int, Field(ge=0)] = 0
     onboard_blocks: bool = True
     secondary_offload_min_priority: Annotated[int, Field(ge=MIN_PRIORITY, le=MAX_PRIORITY)]
     event_buffer_max_size: Annotated[int, Field(ge=0)] = 0
     enable_partial_reuse: bool = True
     copy_on_partial_reuse: bool = True
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_ambiguous_host_cache_size(cls, data: object) -> object:
+        if isinstance(data, dict) and "host_cache_size" in data:
+            raise ValueError(rule_error(
+                "host-cache-per-rank",
+                "host_cache_size is ambiguous (per rank or per replica?); write host_cache_size_per_rank "
+                "(bytes each rank pins; a TP8 replica pins 8 times that)",
+            ))
+        return data
+
+    @model_validator(mode="after")
+    def _onboarding(self) -> KvCacheSpec:
+        if not self.onboard_blocks:
+            raise ValueError(rule_error(
+                "onboard-blocks",
+                "kv_cache.onboard_blocks: false is refused: the executor aborts at start-up with paged context "
+                "FMHA, and offloaded blocks could never be reused",
+            ))
+        return self
 
 
 class TritonSpec(_Strict):
@@ -170,6 +248,13 @@ class EngineSpec(_Strict):
                 raise ValueError("kv_cache.event_buffer_max_size must be > 0: per-tenant block counts come from KV events")
             if self.build.gemm_plugin == "fp8" and self.quantization.weights != "fp8":
                 raise ValueError("gemm_plugin fp8 needs quantization.weights: fp8")
+            if self.quantization.weights != "fp8":
+                raise ValueError(rule_error(
+                    "fp8-kv-needs-fp8-weights",
+                    f"quantization.weights: {self.quantization.weights} with an FP8 KV cache builds an engine without "
+                    "paged context FMHA, so the pool's KV block reuse would silently be off; use weights: fp8 "
+                    "(on an Ada, Hopper or Blackwell GPU: SM >= 89)",
+                ))
         else:
             if self.reference is None:
                 raise ValueError("backend reference needs reference: {primary_blocks, secondary_blocks}")
@@ -178,6 +263,15 @@ class EngineSpec(_Strict):
             if self.quantization.weights != "none":
                 raise ValueError("the reference engine has no FP8 weight path; set quantization.weights: none")
         return self
+
+    def pinned_host_bytes_per_rank(self) -> int:
+        """Pinned host memory one rank's KV cache manager allocates for the secondary tier."""
+        return self.kv_cache.host_cache_size_per_rank
+
+    def pinned_host_bytes_total(self) -> int:
+        """Pinned host memory of one replica: every rank pins its own tier (rule ``host-cache-per-rank``)."""
+        ranks = self.build.world_size if self.backend == "tensorrt_llm" else 1
+        return self.kv_cache.host_cache_size_per_rank * ranks
 
 
 def reference_settings(spec: EngineSpec) -> dict[str, object]:

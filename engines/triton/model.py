@@ -29,6 +29,11 @@ model, so ``get_kv_cache_event_manager()`` returns None there (executorImpl.cpp:
 ``if (!mModel) return std::nullopt``). The model then serves without KV events: no
 per-tenant block counts, no host-tier counts (logged once at start-up, documented).
 
+At start-up the model reads the engine's ``config.json`` and refuses to load when the pool
+promises block reuse but the engine has no paged context FMHA (the executor would only log
+"KV cache reuse disabled ..." and serve without reuse) or was built for another block size:
+:mod:`engines.trtllm.engine_config`.
+
 Per-request ``kv_cache_onboarded_blocks`` is always 0 here: TensorRT-LLM 1.2's
 ``KvCacheMetrics`` has no onboard count (request.cpp); pool-level onboards come from KV
 events and are reported by the stats call.
@@ -47,7 +52,7 @@ import numpy as np
 import triton_python_backend_utils as pb_utils  # provided by Triton's Python backend stub
 
 from engines import contract
-from engines.trtllm import bindings, executor_args
+from engines.trtllm import bindings, engine_config, executor_args
 from engines.trtllm.kv_ledger import TenantBlockLedger
 from engines.triton.params import ServingParams
 
@@ -84,6 +89,15 @@ class TritonPythonModel:
         if version is None:
             log.warning("%s has no __version__; cannot check it against the spec's TensorRT-LLM %s",
                         bindings.EXECUTOR_MODULE, self.params.tensorrt_llm_version)
+        try:
+            # A pool promises block reuse; TensorRT-LLM silently runs without it on an engine built
+            # without paged context FMHA (engines/trtllm/engine_config.py has the sources). Refuse here.
+            facts = engine_config.read_engine_config(self.params.engine_dir)
+            engine_config.check_reuse(
+                facts, enable_block_reuse=self.params.enable_block_reuse, tokens_per_block=self.params.tokens_per_block
+            )
+        except engine_config.EngineConfigError as exc:
+            raise pb_utils.TritonModelException(f"kvgate_llm: {exc}") from exc
         self.salt_supported = bindings.probe_cache_salt(self.trtllm)
         if not self.salt_supported:
             log.error(
@@ -96,9 +110,10 @@ class TritonPythonModel:
             # mode (one process enqueues), so this is a launch error, not a state to serve in.
             self.executor.shutdown()
             raise pb_utils.TritonModelException("kvgate_llm: this executor rank cannot enqueue requests (launch Triton once, not under mpirun)")
-        # executor.cpp: get_kv_cache_event_manager() -> Optional[KVCacheEventManager]; events need
-        # KvCacheConfig.event_buffer_max_size > 0, and an orchestrator process (world size > 1)
-        # has no local model, so it gets None (executorImpl.cpp getKVCacheEventManager).
+        # executor.cpp: get_kv_cache_event_manager() -> Optional[KVCacheEventManager]. None only in
+        # an orchestrator process (world size > 1: no local model, executorImpl.cpp
+        # getKVCacheEventManager); with event_buffer_max_size 0 a manager exists but its events never
+        # arrive — the spec requires a non-zero buffer for that reason.
         self.event_manager = self.executor.get_kv_cache_event_manager()
         if self.event_manager is None:
             log.error(
@@ -259,9 +274,14 @@ class TritonPythonModel:
 
     def stats_report(self) -> contract.PoolStatsReport:
         self.drain_events()
-        stats = self.executor.get_latest_iteration_stats()  # executor.cpp; deque of IterationStats since last call
-        if stats:
-            self.latest_kv_stats = stats[-1].kv_cache_stats  # bindings.cpp: IterationStats.kv_cache_stats (KvCacheStats)
+        # executor.cpp: deque of the IterationStats since the last call — empty when no iteration ran;
+        # IterationStats.kv_cache_stats is std::optional<KvCacheStats> (executor/types.h): keep the
+        # newest one present, fall back to the event ledger when there never was one.
+        stats = self.executor.get_latest_iteration_stats()
+        for iteration in reversed(stats or ()):
+            if iteration.kv_cache_stats is not None:
+                self.latest_kv_stats = iteration.kv_cache_stats
+                break
         kv = self.latest_kv_stats
         with self.lock:
             tiers = self.ledger.tier_blocks()

@@ -49,7 +49,7 @@ class ServingParams:
     enable_block_reuse: bool
     free_gpu_memory_fraction: float
     max_tokens: int | None
-    host_cache_size: int
+    host_cache_size: int  # bytes pinned by each rank (KvCacheConfig.host_cache_size; spec host_cache_size_per_rank)
     onboard_blocks: bool
     secondary_offload_min_priority: int
     event_buffer_max_size: int
@@ -84,7 +84,7 @@ class ServingParams:
             enable_block_reuse=kv.enable_block_reuse,
             free_gpu_memory_fraction=kv.free_gpu_memory_fraction,
             max_tokens=kv.max_tokens,
-            host_cache_size=kv.host_cache_size,
+            host_cache_size=kv.host_cache_size_per_rank,  # KvCacheConfig.host_cache_size is per rank
             onboard_blocks=kv.onboard_blocks,
             secondary_offload_min_priority=kv.secondary_offload_min_priority,
             event_buffer_max_size=kv.event_buffer_max_size,

@@ -66,8 +66,9 @@ class BuildPlan:
 
 def _qformat(spec: EngineSpec) -> str:
     # examples/quantization/quantize.py --qformat choices: nvfp4, fp8, int8_sq, int4_awq,
-    # w4a8_awq, int8_wo, int4_wo, full_prec (default).
-    return {"fp8": "fp8", "none": "full_prec"}[spec.quantization.weights]
+    # w4a8_awq, int8_wo, int4_wo, full_prec (default). Only fp8 reaches here: full_prec weights
+    # with an FP8 KV cache lose paged context FMHA (spec rule fp8-kv-needs-fp8-weights).
+    return {"fp8": "fp8"}[spec.quantization.weights]
 
 
 def build_plan(spec: EngineSpec, *, output_dir: str) -> BuildPlan:

@@ -9,7 +9,9 @@ The runner is injected (``subprocess`` in the CLI, a double in tests): the comma
 run inside the TensorRT-LLM 1.2 container.
 
 Invariant: the manifest is written last and atomically, only after every command
-succeeded and every expected artifact exists — a half-built engine never looks built.
+succeeded, every expected artifact exists and the built ``config.json`` kept paged context
+FMHA (``tensorrt_llm/builder.py`` drops it on a GPU below SM 89 with only a warning, and the
+pool's block reuse would silently be off) — a half-built or reuse-less engine never looks built.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from pathlib import Path
 
 from engines.spec import EngineSpec, spec_hash
 from engines.trtllm.build_plan import BuildPlan, Command, build_plan
+from engines.trtllm.engine_config import EngineConfigError, check_reuse, read_engine_config
 
 MANIFEST = "manifest.json"
 Runner = Callable[[Command], None]
@@ -81,6 +84,20 @@ def up_to_date(spec: EngineSpec, plan: BuildPlan, manifest_path: Path) -> tuple[
     return True, "spec hash and artifact checksums match"
 
 
+def _gib(n: int) -> str:
+    return f"{n / (1 << 30):g} GiB"
+
+
+def host_memory_summary(spec: EngineSpec) -> str:
+    """Pinned host memory of the KV host tier: per rank and for the replica (every rank pins its own)."""
+    ranks = spec.build.world_size
+    per_rank, total = spec.pinned_host_bytes_per_rank(), spec.pinned_host_bytes_total()
+    return (
+        f"pinned host memory (KV host tier): {_gib(per_rank)} per rank x {ranks} rank{'s' if ranks != 1 else ''} "
+        f"= {_gib(total)} per replica ({per_rank} B per rank, {total} B total)"
+    )
+
+
 def subprocess_runner(command: Command) -> None:
     """Run one command in the foreground, its output going to the terminal."""
     if shutil.which(command.argv[0]) is None:
@@ -125,6 +142,11 @@ def build_engine(
     missing = [name for name in plan.expected_artifacts if not (engine_dir / name).is_file()]
     if missing:
         raise EngineBuildError(f"build finished but {', '.join(missing)} missing under {engine_dir}")
+    try:
+        check_reuse(read_engine_config(engine_dir), enable_block_reuse=spec.kv_cache.enable_block_reuse,
+                    tokens_per_block=spec.build.tokens_per_block)
+    except EngineConfigError as exc:
+        raise EngineBuildError(f"built engine refused: {exc}") from exc
     progress(f"checksumming {len(plan.expected_artifacts)} artifacts")
     manifest = {
         "spec_name": spec.name,

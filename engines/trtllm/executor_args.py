@@ -138,18 +138,25 @@ class SaltUnsupportedError(RuntimeError):
 def sampling_config(trtllm: ModuleType, request: EngineRequest) -> Any:
     """``SamplingConfig(beam_width=1, *, top_k=, top_p=, temperature=, seed=)`` (request.cpp).
 
-    Temperature 0 means greedy, which TensorRT-LLM expresses as ``top_k=1``.
+    ``top_k`` and ``top_p`` are always passed. An unset field is not "no cut": the decoding
+    layers read ``DefaultDecodingParams`` (cpp/tensorrt_llm/layers/defaultDecodingParams.h:
+    ``getTopK() = 0``, ``getTopP() = 0.0f``), and ``regularizeTopKTopP``
+    (cpp/tensorrt_llm/kernels/samplingTopKKernels.h) turns ``topK == 0 && topP == 0.0f`` into
+    ``topK = 1`` — greedy. So a request with temperature > 0, top_k 0 and top_p 1.0 must send
+    ``top_p=1.0`` explicitly (checkTopP in executor/samplingConfig.cpp accepts (0, 1]), or it
+    silently decodes greedily.
+
+    Temperature 0 means greedy, expressed as ``top_k=1, top_p=1.0`` with the default temperature.
     """
     s = request.sampling
     kwargs: dict[str, Any] = {"beam_width": 1}
     if s.temperature == 0.0:
         kwargs["top_k"] = 1
+        kwargs["top_p"] = 1.0
     else:
         kwargs["temperature"] = s.temperature
-        if s.top_k > 0:
-            kwargs["top_k"] = s.top_k
-        if s.top_p < 1.0:
-            kwargs["top_p"] = s.top_p
+        kwargs["top_k"] = s.top_k  # 0 = no top-k cut (kept 0 by regularizeTopKTopP once top_p > 0)
+        kwargs["top_p"] = s.top_p  # contract: within (0, 1]; 1.0 = no nucleus cut
     if s.seed is not None:
         kwargs["seed"] = s.seed
     return trtllm.SamplingConfig(**kwargs)

@@ -6,7 +6,10 @@ The executor reports block life cycles through ``KVCacheEventManager.get_latest_
 
 * ``KVCacheCreatedData(num_blocks_per_cache_level)`` — pool sizes per level (0 GPU, 1 host);
 * ``KVCacheStoredData(parent_hash, blocks)``, each block ``KVCacheStoredBlockData(block_hash,
-  tokens, cache_level, priority, ...)`` — blocks entered the reuse tree;
+  tokens, cache_level, priority, ...)`` — blocks entered the reuse tree. One event carries
+  every block of one store call, each the child of the one before; ``parent_hash`` is the
+  first block's predecessor, None when the first block is a root (batch_manager/
+  kvCacheEventManager.cpp ``enqueueStoredEvent``);
 * ``KVCacheRemovedData(block_hashes)`` — blocks dropped from the tree (evicted);
 * ``KVCacheUpdatedData(block_hash, cache_level, priority)`` — ``cache_level`` is an optional
   ``KVCacheEventDiffInt(old_value, new_value)``: 0→1 is an offload, 1→0 an onboard.
@@ -111,10 +114,15 @@ class TenantBlockLedger:
             self._updated(int(data.block_hash), getattr(data, "cache_level", None))
 
     def _stored(self, parent_hash: Any, blocks: Any) -> None:
+        """One stored event: a chain of blocks; the first is a root iff ``parent_hash`` is None.
+
+        Only a root is matched against pending requests by its tokens; a chain under an unknown
+        parent stays unattributed (its tokens may equal some root's without being one).
+        """
         parent = self._blocks.get(int(parent_hash)) if parent_hash is not None else None
         tenant: str | None = parent.tenant if parent is not None else None
         for index, block in enumerate(blocks):
-            if tenant is None and index == 0:
+            if parent_hash is None and index == 0:
                 tokens = tuple(int(getattr(t, "token_id", t)) for t in block.tokens)
                 tenant = self._pop_pending(tokens)
             owner = tenant if tenant is not None else UNATTRIBUTED

@@ -3,7 +3,8 @@
 * ``kvgate build engine SPEC [--output DIR] [--dry-run] [--force]`` — quantize.py then
   trtllm-build inside the TensorRT-LLM container, with a manifest (spec hash, versions,
   artifact checksums) so an unchanged spec is not rebuilt; ``--dry-run`` prints the exact
-  commands and whether a build would run.
+  commands, whether a build would run, and the pinned host memory the served engine takes
+  (per rank and per replica: every rank pins its own host tier).
 * ``kvgate build repo SPEC... --output DIR [--engines-root PATH]`` — one Triton model per
   spec (config.pbtxt + model.py).
 
@@ -33,7 +34,13 @@ def register(app: typer.Typer) -> None:
         """Quantize (FP8 KV) and build one spec's engines."""
         from engines.spec import SpecError, load_spec
         from engines.trtllm.build_plan import BuildPlanError, build_plan
-        from engines.trtllm.engine_build import EngineBuildError, build_engine, installed_trtllm_version, up_to_date
+        from engines.trtllm.engine_build import (
+            EngineBuildError,
+            build_engine,
+            host_memory_summary,
+            installed_trtllm_version,
+            up_to_date,
+        )
 
         try:
             loaded = load_spec(spec)
@@ -44,6 +51,7 @@ def register(app: typer.Typer) -> None:
         if dry_run:
             fresh, why = up_to_date(loaded, plan, output / loaded.name / "manifest.json")
             typer.echo(f"# {loaded.name}: {'up to date, would not rebuild' if fresh else 'would build'} ({why})")
+            typer.echo(f"# {host_memory_summary(loaded)}")
             for command in plan.commands:
                 typer.echo(shlex.join(command.argv))
             return

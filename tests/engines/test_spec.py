@@ -46,7 +46,7 @@ def _raw(name: str) -> dict:
         (("quantization", "kv_cache"), "fp16", "FP8"),
         (("quantization", "weights"), "int4", "quantization.weights"),
         (("tensorrt_llm", "version"), "1.3.0", "tensorrt_llm.version"),
-        (("kv_cache", "host_cache_size"), -1, "kv_cache.host_cache_size"),
+        (("kv_cache", "host_cache_size_per_rank"), -1, "kv_cache.host_cache_size_per_rank"),
         (("build", "workers"), 2, "workers"),
     ],
 )
@@ -94,7 +94,7 @@ def test_load_spec_from_file_and_errors(tmp_path):
 def test_hash_changes_with_content():
     data = copy.deepcopy(_raw("llama-3.1-8b-instruct-fp8kv"))
     before = spec_hash(parse_spec(data))
-    data["kv_cache"]["host_cache_size"] += 1
+    data["kv_cache"]["host_cache_size_per_rank"] += 1
     assert spec_hash(parse_spec(data)) != before
 
 
@@ -106,3 +106,48 @@ def test_reference_spec_maps_to_the_reference_engine_config():
     assert config.secondary_offload_min_priority == 35
     with pytest.raises(SpecError):
         reference_settings(load_bundled_spec("llama-3.1-8b-instruct-fp8kv"))
+
+
+# --- issue 19: the rules the validator enforces, each named with its source ------------------
+
+def _invalid(mutate) -> str:
+    data = copy.deepcopy(_raw("llama-3.1-8b-instruct-fp8kv"))
+    mutate(data)
+    with pytest.raises(SpecError) as caught:
+        parse_spec(data, source="x.yaml")
+    return str(caught.value)
+
+
+def test_onboarding_off_is_refused_naming_the_rule_and_its_source():
+    message = _invalid(lambda d: d["kv_cache"].update(onboard_blocks=False))
+    assert "kv_cache" in message and "[rule onboard-blocks]" in message
+    assert "trtGptModelInflightBatching.cpp" in message and "KV cache blocks need to be onboarded" in message
+
+
+def test_full_precision_weights_with_fp8_kv_are_refused_naming_the_rule_and_its_source():
+    message = _invalid(lambda d: (d["quantization"].update(weights="none"), d["build"].update(gemm_plugin="auto")))
+    assert "[rule fp8-kv-needs-fp8-weights]" in message and "tensorrt_llm/builder.py" in message
+    assert "SM >= 89" in message
+
+
+def test_host_cache_size_is_per_rank_and_the_ambiguous_key_is_refused():
+    message = _invalid(lambda d: d["kv_cache"].update(host_cache_size=d["kv_cache"].pop("host_cache_size_per_rank")))
+    assert "[rule host-cache-per-rank]" in message and "calculateFreeMemBytes" in message
+    big = load_bundled_spec("llama-3.1-70b-instruct-fp8-tp8")
+    assert big.pinned_host_bytes_per_rank() == 32 << 30  # not 256 GiB per rank: 8 ranks would pin 2 TiB
+    assert big.pinned_host_bytes_total() == 256 << 30
+    small = load_bundled_spec("llama-3.1-8b-instruct-fp8kv")
+    assert small.pinned_host_bytes_per_rank() == small.pinned_host_bytes_total() == 32 << 30
+
+
+def test_container_must_name_its_registry_host():
+    for spec_name in TRT_SPECS:
+        # server r26.04 docs/introduction/compatibility.md: the NGC tag of the 26.04 trtllm image
+        assert load_bundled_spec(spec_name).tensorrt_llm.container == "nvcr.io/nvidia/tritonserver:26.04-trtllm-python-py3"
+    message = _invalid(lambda d: d["tensorrt_llm"].update(container="nvidia/tritonserver:26.04-trtllm-python-py3"))
+    assert "[rule container-registry-host]" in message and "compatibility.md" in message
+    for mirror in ("registry.example.com:5000/nvidia/tritonserver:26.04-trtllm-python-py3",
+                   "localhost/tritonserver:26.04-trtllm-python-py3"):
+        data = copy.deepcopy(_raw("llama-3.1-8b-instruct-fp8kv"))
+        data["tensorrt_llm"]["container"] = mirror
+        assert parse_spec(data).tensorrt_llm.container == mirror

@@ -71,7 +71,7 @@ KV_8B = {
 KV_70B = {
     **KV_8B,
     "free_gpu_memory_fraction": 0.9,  # executorConfig.cpp
-    "host_cache_size": 274877906944,  # executorConfig.cpp
+    "host_cache_size": 34359738368,  # executorConfig.cpp; per rank (each of 8 ranks pins it: 256 GiB per replica)
     "event_buffer_max_size": 65536,  # executorConfig.cpp
 }
 EXECUTOR_8B = {
@@ -123,14 +123,11 @@ def test_optional_kv_fields_are_passed_only_when_set():
     assert kv_cache_config_kwargs(params)["onboard_blocks"] is False  # executorConfig.cpp (every pre-#12449 snapshot)
 
 
-def test_full_precision_weights_use_full_prec_qformat():
+def test_calibration_dataset_is_passed_to_quantize():
     spec = load_bundled_spec("llama-3.1-8b-instruct-fp8kv")
-    changed = spec.model_copy(update={
-        "quantization": spec.quantization.model_copy(update={"weights": "none", "calib_dataset": "/data/calib"}),
-        "build": spec.build.model_copy(update={"gemm_plugin": "auto"}),
-    })
+    changed = spec.model_copy(update={"quantization": spec.quantization.model_copy(update={"calib_dataset": "/data/calib"})})
     quantize = build_plan(changed, output_dir="/e").commands[0]
-    assert quantize.flag("--qformat") == "full_prec"  # examples/quantization/quantize.py
+    assert quantize.flag("--qformat") == "fp8"  # full_prec is refused by the spec (rule fp8-kv-needs-fp8-weights)
     assert quantize.flag("--kv_cache_dtype") == "fp8"
     assert quantize.flag("--calib_dataset") == "/data/calib"  # examples/quantization/quantize.py
 

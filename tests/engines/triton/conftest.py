@@ -42,13 +42,25 @@ class Harness:
         return request.sender
 
 
-def make_harness(tmp_path, monkeypatch, *, salt_supported=True, spec_name=SPEC, version="1.2.1"):
+def make_harness(tmp_path, monkeypatch, *, salt_supported=True, spec_name=SPEC, version="1.2.1", spec=None,
+                 engine: dict | None = None, kv_cache_stats=True, write_engine=True):
+    """The model over a rendered repository and an engine directory holding a trtllm-build ``config.json``.
+
+    ``engine`` overrides fields of that config.json (``fake_trtllm.write_engine_config``), e.g.
+    ``{"paged_context_fmha": False}`` for what builder.py produces for FP8 KV without FP8 weights.
+    """
     pb = fake_pb_utils.make_module()
-    trt = fake_trtllm.make_module(salt_supported=salt_supported, version=version)
+    trt = fake_trtllm.make_module(salt_supported=salt_supported, version=version, kv_cache_stats=kv_cache_stats)
     fake_pb_utils.install(pb, monkeypatch)
     fake_trtllm.install(trt, monkeypatch)
-    spec = load_bundled_spec(spec_name)
-    [rendered] = render_repository([spec], tmp_path / "repo", engines_root="/engines")
+    spec = spec if spec is not None else load_bundled_spec(spec_name)
+    engines_root = tmp_path / "engines"
+    if write_engine:
+        fake_trtllm.write_engine_config(
+            engines_root / spec.name / "engine",
+            **{"tokens_per_block": spec.build.tokens_per_block, "tp_size": spec.build.tensor_parallel, **(engine or {})},
+        )
+    [rendered] = render_repository([spec], tmp_path / "repo", engines_root=str(engines_root))
     config = text_format.Parse(rendered.config_path.read_text(), model_config_pb2.ModelConfig())
     config_json = json_format.MessageToJson(config, preserving_proto_field_name=True)
     module_name = f"kvgate_model_{id(tmp_path)}"
@@ -59,7 +71,6 @@ def make_harness(tmp_path, monkeypatch, *, salt_supported=True, spec_name=SPEC, 
     model.stopping.set()
     model.thread.join(timeout=10)
     assert not model.thread.is_alive()
-    trt.executors[-1].tokens_per_block = spec.build.tokens_per_block
     return Harness(model, module, pb, trt, json.loads(config_json))
 
 

@@ -16,6 +16,19 @@ snapshot each signature comes from and what that leaves unconfirmed):
 * ``get_kv_cache_event_manager()`` is None in an orchestrator process (no local model:
   cpp/tensorrt_llm/executor/executorImpl.cpp ``getKVCacheEventManager``)
 
+What the real executor does silently or refuses, modelled here (each rule cites its source
+next to the code that applies it): it reads the engine's ``config.json``
+(runtime/gptJsonConfig.cpp), aborts for ``onboard_blocks=False`` with paged context FMHA
+and runs with reuse off when the engine lacks it (batch_manager/
+trtGptModelInflightBatching.cpp), regularizes top-k/top-p so an unset pair means greedy
+(kernels/samplingTopKKernels.h ``regularizeTopKTopP``), validates retention ranges
+(executor/kvCacheRetentionConfig.cpp), batches stored blocks in one event
+(batch_manager/kvCacheEventManager.cpp ``enqueueStoredEvent``), returns only the iteration
+stats since the last call, and exposes an event manager even with a zero event buffer.
+Exceptions are what nanobind makes of the C++ ones (nanobind src/nb_internals.cpp
+``default_exception_translator``): ``std::invalid_argument`` → ValueError, any other
+``std::exception`` (``TLLM_CHECK`` throws ``TllmException``, a ``std::runtime_error``) → RuntimeError.
+
 Durations are ``datetime.timedelta`` (``std::chrono::milliseconds`` via nanobind stl/chrono.h).
 The simulated engine is tiny: it "generates" deterministic tokens, reuses full prompt
 blocks whose salted prefix chain it has stored, and emits stored events for new ones.
@@ -24,14 +37,55 @@ blocks whose salted prefix chain it has stored, and emits stored events for new 
 from __future__ import annotations
 
 import enum
+import json
 import sys
 import threading
 import types
 from collections import deque
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 NONE = object()
+
+# cpp/tensorrt_llm/layers/defaultDecodingParams.h: getTopK() = 0, getTopP() = 0.0f — what an
+# unset SamplingConfig.top_k / top_p becomes in the decoding layers.
+DEFAULT_TOP_K = 0
+DEFAULT_TOP_P = 0.0
+
+
+def regularize_top_k_top_p(top_k: int, top_p: float) -> tuple[int, float]:
+    """cpp/tensorrt_llm/kernels/samplingTopKKernels.h ``regularizeTopKTopP``, applied by every sampling layer.
+
+    (0, 0.0) → top_k 1 (greedy: "topp = 0.0f ... equivalent to greedy search");
+    (k > 0, 0.0) → top_p 1.0 (top-k only).
+    """
+    if top_k == 0 and top_p == 0.0:
+        top_k = 1
+    if top_k > 0 and top_p == 0.0:
+        top_p = 1.0
+    return top_k, top_p
+
+
+def write_engine_config(engine_dir: str | Path, *, tokens_per_block: int = 32, paged_context_fmha: bool = True,
+                        context_fmha: bool = True, quant_algo: str | None = "FP8", kv_cache_quant_algo: str | None = "FP8",
+                        tp_size: int = 1) -> Path:
+    """The fields of a trtllm-build ``config.json`` that runtime/gptJsonConfig.cpp reads and this double uses."""
+    path = Path(engine_dir) / "config.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({
+        "version": "1.2.1",
+        "pretrained_config": {
+            "architecture": "LlamaForCausalLM",
+            "mapping": {"tp_size": tp_size, "pp_size": 1},
+            "quantization": {"quant_algo": quant_algo, "kv_cache_quant_algo": kv_cache_quant_algo},
+        },
+        "build_config": {"plugin_config": {
+            "context_fmha": context_fmha, "use_paged_context_fmha": paged_context_fmha,
+            "tokens_per_block": tokens_per_block, "paged_kv_cache": True, "remove_input_padding": True,
+        }},
+    }))
+    return path
 
 
 def _int(name: str, value: Any, *, optional: bool = False, lo: int | None = None, hi: int | None = None) -> None:
@@ -61,8 +115,12 @@ def _duration(name: str, value: Any) -> None:
 
 
 def make_module(*, salt_supported: bool = True, primary_blocks: int = 64, secondary_blocks: int = 256,
-                version: str | None = "1.2.1") -> types.ModuleType:
-    """A fresh fake module; ``module.calls`` records (class name, kwargs) of every construction."""
+                version: str | None = "1.2.1", kv_cache_stats: bool = True) -> types.ModuleType:
+    """A fresh fake module; ``module.calls`` records (class name, kwargs) of every construction.
+
+    ``kv_cache_stats=False``: ``IterationStats.kv_cache_stats`` is None (``std::optional<KvCacheStats>``
+    in executor/types.h; empty e.g. on a rank without a KV cache manager).
+    """
     mod = types.ModuleType("tensorrt_llm.bindings.executor")
     if version is not None:
         mod.__version__ = version  # bindings.cpp: m.attr("__version__") = tle::version()
@@ -145,9 +203,15 @@ def make_module(*, salt_supported: bool = True, primary_blocks: int = 64, second
 
     class TokenRangeRetentionConfig:
         def __init__(self, token_start, token_end, priority, duration_ms=None):
-            _int("token_start", token_start, lo=0)
-            _int("token_end", token_end, optional=True, lo=1)
-            _int("priority", priority, lo=0, hi=100)  # RetentionPriority, kMin..kMaxRetentionPriority
+            # SizeType32 / std::optional<SizeType32>: any int32 converts; the range rules are checked
+            # by KvCacheRetentionConfig (below), the priority here.
+            _int("token_start", token_start, lo=-(2**31), hi=2**31 - 1)
+            _int("token_end", token_end, optional=True, lo=-(2**31), hi=2**31 - 1)
+            _int("priority", priority, lo=-(2**31), hi=2**31 - 1)  # RetentionPriority = SizeType32
+            # kvCacheRetentionConfig.cpp TokenRangeRetentionConfig ctor: TLLM_CHECK_WITH_INFO(priority in
+            # [kMinRetentionPriority, kMaxRetentionPriority]) -> TllmException -> RuntimeError.
+            if not 0 <= priority <= 100:
+                raise RuntimeError("Invalid priority value. Must be between 0 and 100")
             _duration("duration_ms", duration_ms)
             self.token_start, self.token_end, self.priority, self.duration_ms = token_start, token_end, priority, duration_ms
             calls.append(("TokenRangeRetentionConfig", dict(token_start=token_start, token_end=token_end, priority=priority, duration_ms=duration_ms)))
@@ -161,13 +225,19 @@ def make_module(*, salt_supported: bool = True, primary_blocks: int = 64, second
                 raise TypeError("token_range_retention_configs: expected list[TokenRangeRetentionConfig]")
             _int("decode_retention_priority", decode_retention_priority, lo=0, hi=100)
             _duration("decode_duration_ms", decode_duration_ms)
-            # cpp/tensorrt_llm/executor/kvCacheRetentionConfig.cpp: ranges are sorted by start, then
-            # must not overlap; an open-ended range (token_end None) can only be the last one.
-            previous_end: int | None = 0
-            for r in sorted(token_range_retention_configs, key=lambda r: r.token_start):
-                if previous_end is None or r.token_start < previous_end:
-                    raise RuntimeError("token ranges must be non-overlapping")
-                previous_end = r.token_end
+            # cpp/tensorrt_llm/executor/kvCacheRetentionConfig.cpp (KvCacheRetentionConfig ctor, NVIDIA/
+            # TensorRT-LLM fbbc05dd): ranges sorted by start, then each throws std::invalid_argument
+            # (nanobind: ValueError) in this order.
+            ordered = sorted(token_range_retention_configs, key=lambda r: r.token_start)
+            for i, r in enumerate(ordered):
+                if r.token_end is None and i != len(ordered) - 1:
+                    raise ValueError("Invalid use of end indicator.")
+                if r.token_start < 0:
+                    raise ValueError("Token indices must be non-negative.")
+                if r.token_end is not None and r.token_start >= r.token_end:
+                    raise ValueError("Range must have a positive, non-zero length.")
+                if i != len(ordered) - 1 and r.token_end > ordered[i + 1].token_start:
+                    raise ValueError("Token ranges must be non-overlapping.")
             self.token_range_retention_configs = token_range_retention_configs
             self.decode_retention_priority = decode_retention_priority
             self.decode_duration_ms = decode_duration_ms
@@ -182,11 +252,23 @@ def make_module(*, salt_supported: bool = True, primary_blocks: int = 64, second
                      presence_penalty=None, frequency_penalty=None, length_penalty=None, early_stopping=None,
                      no_repeat_ngram_size=None, num_return_sequences=None, min_p=None, beam_width_array=None):
             _int("beam_width", beam_width, lo=1)
-            _int("top_k", top_k, optional=True, lo=0)
+            _int("top_k", top_k, optional=True)
             _float("top_p", top_p, optional=True)
             _float("temperature", temperature, optional=True)
             _int("seed", seed, optional=True, lo=0, hi=2**64 - 1)
+            # cpp/tensorrt_llm/executor/samplingConfig.cpp checkTopK / checkTopP / checkTemperature:
+            # TLLM_CHECK(topK >= 0), TLLM_CHECK(topP > 0 && topP <= 1), TLLM_CHECK(temperature >= 0).
+            if top_k is not None and top_k < 0:
+                raise RuntimeError("Assertion failed: topK.value() >= 0")
+            if top_p is not None and not 0.0 < top_p <= 1.0:
+                raise RuntimeError("Assertion failed: topP.value() > 0.f && topP.value() <= 1.f")
+            if temperature is not None and temperature < 0.0:
+                raise RuntimeError("Assertion failed: temperature.value() >= 0.f")
             self.beam_width, self.top_k, self.top_p, self.temperature, self.seed = beam_width, top_k, top_p, temperature, seed
+            # What the decoding layers run: unset fields take DefaultDecodingParams, then regularizeTopKTopP.
+            self.effective_top_k, self.effective_top_p = regularize_top_k_top_p(
+                DEFAULT_TOP_K if top_k is None else top_k, DEFAULT_TOP_P if top_p is None else float(top_p))
+            self.greedy = self.effective_top_k == 1
             calls.append(("SamplingConfig", dict(beam_width=beam_width, top_k=top_k, top_p=top_p, temperature=temperature, seed=seed)))
 
     class OutputConfig:
@@ -312,7 +394,14 @@ def make_module(*, salt_supported: bool = True, primary_blocks: int = 64, second
         setattr(kv_cache, cls.__name__, cls)
 
     class KVCacheEventManager:
-        def __init__(self):
+        """executor.h ``KVCacheEventManager`` wraps the KV cache manager (executorImpl.cpp); its
+        ``get_latest_events`` is ``BlockManager::getLatestEvents`` (batch_manager/kvCacheManager.cpp):
+        empty when the block manager has no event manager, i.e. ``event_buffer_max_size == 0``
+        (trtGptModelInflightBatching.cpp createKvCacheManager: ``getEventBufferMaxSize() > 0 ?
+        make_unique<KVCacheEventManager>(...) : nullptr``). The buffer bound itself is not modelled."""
+
+        def __init__(self, buffer_max_size):
+            self.buffer_max_size = buffer_max_size
             self.events: deque = deque()
 
         def get_latest_events(self, timeout_ms=None):
@@ -329,6 +418,15 @@ def make_module(*, salt_supported: bool = True, primary_blocks: int = 64, second
         def __init__(self, kv_cache_stats):
             self.kv_cache_stats = kv_cache_stats
 
+    def _read_engine(model_path):
+        # runtime/gptJsonConfig.cpp: GptJsonConfig::parse(path) checks the file exists
+        # (TLLM_CHECK_WITH_INFO "File does not exist"), then reads build_config.plugin_config.
+        path = Path(model_path) / "config.json"
+        if not path.is_file():
+            raise RuntimeError(f"[TensorRT-LLM][ERROR] Assertion failed: File does not exist: {path}")
+        plugin = json.loads(path.read_text())["build_config"]["plugin_config"]
+        return bool(plugin["use_paged_context_fmha"]), int(plugin["tokens_per_block"])
+
     class Executor:
         def __init__(self, model_path, model_type, executor_config):
             if not isinstance(model_type, ModelType):
@@ -336,7 +434,28 @@ def make_module(*, salt_supported: bool = True, primary_blocks: int = 64, second
             if not isinstance(executor_config, ExecutorConfig):
                 raise TypeError("executor_config: expected ExecutorConfig")
             self.model_path, self.model_type, self.config = model_path, model_type, executor_config
-            self.tokens_per_block = 0  # set by the test (the engine knows it from its build)
+            self.paged_context_fmha, self.tokens_per_block = _read_engine(model_path)
+            kv_config = getattr(executor_config, "kv_cache_config", None)
+            if kv_config is None:  # executor.h KvCacheConfig defaults
+                kv_config = types.SimpleNamespace(onboard_blocks=True, enable_block_reuse=True, event_buffer_max_size=0)
+            orchestrator = getattr(executor_config, "parallel_config", None) is not None and \
+                executor_config.parallel_config.communication_mode is CommunicationMode.ORCHESTRATOR
+            self.warnings: list[str] = []
+            # trtGptModelInflightBatching.cpp (NVIDIA/TensorRT-LLM 00825c4e) constructor: with onboarding
+            # off, TLLM_CHECK_WITH_INFO(!getPagedContextFMHA(), "KV cache blocks need to be onboarded if
+            # context FMHA.") -> TllmException -> RuntimeError; every rank (the orchestrator's workers
+            # included) builds this model, so the executor fails to start either way.
+            if not kv_config.onboard_blocks and self.paged_context_fmha:
+                raise RuntimeError("[TensorRT-LLM][ERROR] Assertion failed: KV cache blocks need to be onboarded if context FMHA.")
+            # trtGptModelInflightBatching.cpp fixExecutorConfig: reuse requested on an engine without
+            # paged context FMHA -> TLLM_LOG_WARNING and enableBlockReuse = false; the executor runs.
+            self.block_reuse = bool(kv_config.enable_block_reuse)
+            if self.block_reuse and not self.paged_context_fmha:
+                self.warnings.append("Fixing executorConfig: KV cache reuse disabled because model was not built with "
+                                     "paged context FMHA support")
+                self.block_reuse = False
+            self.has_local_model = not orchestrator  # executorImpl.cpp: the orchestrator holds no mModel
+            self.iter_stats_max_iterations = getattr(executor_config, "iter_stats_max_iterations", 1000)
             self.lock = threading.Lock()
             self.ready: deque = deque()
             self.requests: dict[int, Any] = {}
@@ -345,12 +464,15 @@ def make_module(*, salt_supported: bool = True, primary_blocks: int = 64, second
             self.next_id = 1
             self.event_id = 0
             self.reused_total = self.alloc_total = self.alloc_new = self.missed_total = 0
-            self.events = KVCacheEventManager()
+            self.iteration_stats: deque = deque(maxlen=max(self.iter_stats_max_iterations, 1))
+            self.events = KVCacheEventManager(kv_config.event_buffer_max_size)
             self._event(KVCacheCreatedData([primary_blocks, secondary_blocks]))
             self.shut = False
             mod.executors.append(self)
 
         def _event(self, data):
+            if self.events.buffer_max_size == 0:
+                return  # no event manager in the block manager: nothing is recorded
             self.event_id += 1
             self.events.events.append(KVCacheEvent(self.event_id, data))
 
@@ -373,23 +495,30 @@ def make_module(*, salt_supported: bool = True, primary_blocks: int = 64, second
             for start in range(0, len(ids) - len(ids) % tpb, tpb):
                 chunk = tuple(ids[start:start + tpb])
                 key = hash((parent, chunk, request.cache_salt_id if parent is None else None))
-                if key in self.tree:
+                if self.block_reuse and key in self.tree:
                     reused += 1
                 else:
                     new += 1
-                    self.tree[key] = 0
-                    stored.append((parent, key, chunk))
+                    if self.block_reuse:  # without reuse nothing enters the reuse tree
+                        self.tree[key] = 0
+                        stored.append((parent, key, chunk))
                 parent = key
-            for parent_hash, key, chunk in stored:
-                block = KVCacheStoredBlockData(key, [UniqueToken(t) for t in chunk], 0, 35)
-                self._event(KVCacheStoredData(parent_hash, [block]))
+            if stored:
+                # kvCacheEventManager.cpp enqueueStoredEvent: one KVCacheStoredData per store call, its
+                # parent the first block's predecessor (None for a root), holding every stored block.
+                blocks = [KVCacheStoredBlockData(key, [UniqueToken(t) for t in chunk], 0, 35) for _, key, chunk in stored]
+                self._event(KVCacheStoredData(stored[0][0], blocks))
             total = reused + new + (1 if len(ids) % tpb else 0)
             self.reused_total += reused
             self.alloc_total += total
             self.alloc_new += total - reused
             self.missed_total += new
             metrics = RequestPerfMetrics(KvCacheMetrics(total=total, new=total - reused, reused=reused, missed=new))
-            generated = [(t * 7 + 3) % 1000 + 10 for t in ids][: request.max_tokens]
+            sampling = request.sampling_config  # None: every field unset -> (0, 0.0) -> greedy
+            # Greedy decoding gives the deterministic tokens; sampling (what regularizeTopKTopP leaves
+            # non-greedy) gives different ones, so a test can tell the two apart from the output.
+            shift = 0 if sampling is None or sampling.greedy else 1 + (sampling.seed or 0)
+            generated = [(t * 7 + 3 + shift) % 1000 + 10 for t in ids][: request.max_tokens]
             if request.end_id is not None and len(generated) < request.max_tokens:
                 generated.append(request.end_id)
             if request.streaming:
@@ -397,6 +526,16 @@ def make_module(*, salt_supported: bool = True, primary_blocks: int = 64, second
                     self.ready.append(Response(request_id, Result([token], i == len(generated) - 1, metrics)))
             else:
                 self.ready.append(Response(request_id, Result(generated, True, metrics)))
+            self.iteration_stats.append(IterationStats(self._kv_stats() if kv_cache_stats else None))
+
+        def _kv_stats(self):
+            return KvCacheStats(
+                max_num_blocks=primary_blocks, free_num_blocks=primary_blocks - len(self.tree),
+                used_num_blocks=len(self.tree), tokens_per_block=self.tokens_per_block,
+                alloc_total_blocks=self.alloc_total, alloc_new_blocks=self.alloc_new, reused_blocks=self.reused_total,
+                missed_blocks=self.missed_total,
+                cache_hit_rate=self.reused_total / self.alloc_total if self.alloc_total else 0.0,
+            )
 
         def await_responses(self, timeout=None):
             _duration("timeout", timeout)
@@ -410,25 +549,21 @@ def make_module(*, salt_supported: bool = True, primary_blocks: int = 64, second
             self.cancelled.append(id)
 
         def get_latest_iteration_stats(self):
-            stats = KvCacheStats(
-                max_num_blocks=primary_blocks, free_num_blocks=primary_blocks - len(self.tree),
-                used_num_blocks=len(self.tree), tokens_per_block=self.tokens_per_block,
-                alloc_total_blocks=self.alloc_total, alloc_new_blocks=self.alloc_new, reused_blocks=self.reused_total,
-                missed_blocks=self.missed_total,
-                cache_hit_rate=self.reused_total / self.alloc_total if self.alloc_total else 0.0,
-            )
-            return [IterationStats(stats)]
+            # executor.h: "the per-iteration statistics computed since last call" — a std::deque that is
+            # empty when no iteration ran since; each IterationStats.kv_cache_stats is optional.
+            with self.lock:
+                out = deque(self.iteration_stats)
+                self.iteration_stats.clear()
+            return out
 
         def can_enqueue_requests(self):
             return True
 
         def get_kv_cache_event_manager(self):
-            # executorImpl.cpp: std::nullopt without a local model (the orchestrator process) or
-            # without a KV cache event manager (event_buffer_max_size 0).
-            parallel = getattr(self.config, "parallel_config", None)
-            if parallel is not None and parallel.communication_mode is CommunicationMode.ORCHESTRATOR:
-                return None
-            if self.config.kv_cache_config.event_buffer_max_size == 0:
+            # executorImpl.cpp getKVCacheEventManager (NVIDIA/TensorRT-LLM b35ac1b6): std::nullopt only
+            # without a local model (the orchestrator process); otherwise a manager around the KV cache
+            # manager, whatever event_buffer_max_size is (0: its events just never arrive).
+            if not self.has_local_model:
                 return None
             return self.events
 

@@ -29,7 +29,7 @@ def test_a_binding_without_a_required_name_is_refused():
         load_executor_bindings(lambda _: bare)
 
 
-def test_a_kv_config_keyword_the_binding_lacks_fails_at_start_naming_it():
+def test_a_kv_config_keyword_the_binding_lacks_fails_at_start_naming_it(tmp_path):
     from engines.spec import load_bundled_spec
     from engines.triton.params import ServingParams
     from engines.trtllm.executor_args import make_executor
@@ -43,7 +43,8 @@ def test_a_kv_config_keyword_the_binding_lacks_fails_at_start_naming_it():
         return original(**kwargs)
 
     module.KvCacheConfig = without_onboard
-    params = ServingParams.from_spec(load_bundled_spec("llama-3.1-8b-instruct-fp8kv"), engine_dir="/e")
+    fake_trtllm.write_engine_config(tmp_path)
+    params = ServingParams.from_spec(load_bundled_spec("llama-3.1-8b-instruct-fp8kv"), engine_dir=str(tmp_path))
     make_executor(module, params)  # default onboarding: the keyword is not sent
     object.__setattr__(params, "onboard_blocks", False)
     with pytest.raises(BindingError, match="KvCacheConfig rejected keywords .*onboard_blocks"):
@@ -116,3 +117,110 @@ def test_ledger_forgets_requests_that_stored_nothing_and_stays_bounded():
     assert ledger._pending_total == 3
     ledger.note_request("d", [1])  # shorter than a block: never stored, never expected
     assert ledger._pending_total == 3
+
+
+# --- what the stricter double refuses or does silently (issue 19), each as the real bindings ----
+
+def _executor(tmp_path, *, engine=None, **kv):
+    from engines.spec import load_bundled_spec
+    from engines.triton.params import ServingParams
+    from engines.trtllm.executor_args import make_executor
+
+    module = fake_trtllm.make_module()
+    fake_trtllm.write_engine_config(tmp_path, **(engine or {}))
+    params = ServingParams.from_spec(load_bundled_spec("llama-3.1-8b-instruct-fp8kv"), engine_dir=str(tmp_path))
+    for key, value in kv.items():
+        object.__setattr__(params, key, value)
+    return module, make_executor(module, params)
+
+
+def test_executor_aborts_without_onboarding_on_a_paged_context_engine(tmp_path):
+    # trtGptModelInflightBatching.cpp: TLLM_CHECK_WITH_INFO(!getPagedContextFMHA(), "KV cache blocks need
+    # to be onboarded if context FMHA.")
+    with pytest.raises(RuntimeError, match="KV cache blocks need to be onboarded if context FMHA"):
+        _executor(tmp_path, onboard_blocks=False)
+    _, executor = _executor(tmp_path / "plain", engine={"paged_context_fmha": False}, onboard_blocks=False)
+    assert executor.block_reuse is False  # no check without paged context FMHA, and no reuse either
+
+
+def test_executor_runs_without_reuse_on_an_engine_without_paged_context_fmha(tmp_path):
+    module, executor = _executor(tmp_path, engine={"paged_context_fmha": False})
+    assert executor.warnings == [
+        "Fixing executorConfig: KV cache reuse disabled because model was not built with paged context FMHA support"
+    ]
+    prompt = list(range(64))
+    for _ in range(2):
+        executor.enqueue_request(module.Request(input_token_ids=prompt, max_tokens=1))
+    metrics = [r.result.request_perf_metrics.kv_cache_metrics for r in executor.await_responses()]
+    assert [m.num_reused_blocks for m in metrics] == [0, 0]  # the same prompt twice, nothing reused
+    assert [type(e.data).__name__ for e in executor.get_kv_cache_event_manager().get_latest_events()] == ["KVCacheCreatedData"]
+
+
+def test_sampling_config_regularization_and_checks():
+    module = fake_trtllm.make_module()
+    # unset top_k/top_p are 0 / 0.0 (defaultDecodingParams.h): greedy, whatever the temperature
+    assert module.SamplingConfig(temperature=0.8).greedy is True
+    assert module.SamplingConfig(temperature=0.8, top_p=1.0).greedy is False
+    top_k_only = module.SamplingConfig(temperature=0.8, top_k=40)
+    assert (top_k_only.effective_top_k, top_k_only.effective_top_p, top_k_only.greedy) == (40, 1.0, False)
+    for bad in ({"top_p": 0.0}, {"top_p": 1.5}, {"top_k": -1}, {"temperature": -0.1}):  # samplingConfig.cpp TLLM_CHECKs
+        with pytest.raises(RuntimeError):
+            module.SamplingConfig(**bad)
+
+
+@pytest.mark.parametrize(
+    ("ranges", "message"),
+    [
+        ([(32, 32)], "positive, non-zero length"),
+        ([(40, 32)], "positive, non-zero length"),
+        ([(-1, 32)], "non-negative"),
+        ([(0, 64), (32, 96)], "non-overlapping"),
+        ([(0, None), (32, 64)], "end indicator"),
+    ],
+)
+def test_retention_ranges_are_validated_as_std_invalid_argument(ranges, message):
+    # kvCacheRetentionConfig.cpp throws std::invalid_argument; nanobind turns it into ValueError.
+    module = fake_trtllm.make_module()
+    token_range = module.KvCacheRetentionConfig.TokenRangeRetentionConfig
+    configs = [token_range(token_start=s, token_end=e, priority=50) for s, e in ranges]
+    with pytest.raises(ValueError, match=message):
+        module.KvCacheRetentionConfig(token_range_retention_configs=configs)
+    adjacent = [token_range(0, 32, 50), token_range(32, None, 20)]
+    module.KvCacheRetentionConfig(token_range_retention_configs=adjacent)  # touching ranges are fine
+    with pytest.raises(RuntimeError, match="priority"):
+        token_range(0, 32, 101)  # TLLM_CHECK_WITH_INFO in the TokenRangeRetentionConfig ctor
+
+
+def test_event_manager_exists_even_with_a_zero_event_buffer(tmp_path):
+    # executorImpl.cpp getKVCacheEventManager: a manager whenever the model has a KV cache manager;
+    # with event_buffer_max_size 0 the block manager has no event manager, so nothing ever arrives.
+    module, executor = _executor(tmp_path, event_buffer_max_size=0)
+    manager = executor.get_kv_cache_event_manager()
+    assert manager is not None
+    executor.enqueue_request(module.Request(input_token_ids=list(range(64)), max_tokens=1))
+    assert manager.get_latest_events(timeout_ms=0.0) == []
+
+
+def test_stored_blocks_of_one_request_arrive_in_one_event(tmp_path):
+    module, executor = _executor(tmp_path)
+    manager = executor.get_kv_cache_event_manager()
+    manager.get_latest_events()
+    executor.enqueue_request(module.Request(input_token_ids=list(range(100)), max_tokens=1))
+    [event] = manager.get_latest_events()
+    assert event.data.parent_hash is None and len(event.data.blocks) == 3  # kvCacheEventManager.cpp enqueueStoredEvent
+
+
+def test_ledger_attributes_a_batched_stored_event():
+    ledger = TenantBlockLedger(tokens_per_block=2)
+    ledger.note_request("a", [1, 2, 3, 4, 5, 6])
+    ledger.note_request("b", [7, 8, 9, 9])
+    batch = kv.KVCacheStoredData(None, [kv.KVCacheStoredBlockData(h, [kv.UniqueToken(t) for t in toks], 0, 35)
+                                        for h, toks in ((11, [1, 2]), (12, [3, 4]), (13, [5, 6]))])
+    ledger.apply_one(batch)
+    ledger.apply_one(kv.KVCacheStoredData(12, [kv.KVCacheStoredBlockData(14, [kv.UniqueToken(0), kv.UniqueToken(0)], 0, 35)]))
+    # a block under an unknown parent is never matched as a root, even when its tokens equal a root's
+    ledger.apply_one(stored(999, 30, [7, 8]))
+    ledger.apply_one(kv.KVCacheStoredData(None, [kv.KVCacheStoredBlockData(21, [kv.UniqueToken(7), kv.UniqueToken(8)], 0, 35),
+                                                 kv.KVCacheStoredBlockData(22, [kv.UniqueToken(9), kv.UniqueToken(9)], 0, 35)]))
+    assert ledger.tenants() == {"a": [4, 0], "b": [2, 0]}
+    assert ledger.tier_blocks() == [7, 0]

@@ -69,7 +69,9 @@ def expected_parameters(name: str) -> dict[str, str]:
         },
         "llama-3.1-70b-instruct-fp8-tp8": {
             "kv_cache_free_gpu_mem_fraction": "0.9",
-            "kv_cache_host_memory_bytes": "274877906944",
+            # per rank, like the stock key (tensorrtllm_backend passes it to KvCacheConfig.host_cache_size):
+            # 8 ranks x 32 GiB = 256 GiB per replica
+            "kv_cache_host_memory_bytes": "34359738368",
             "kv_cache_event_buffer_max_size": "65536",
             "kvgate_max_batch_size": "128",
             "kvgate_max_input_len": "15360",

@@ -95,7 +95,7 @@ def test_decode_only_plan_is_still_sent(harness):
 def test_greedy_and_sampled_requests_map_to_sampling_config(harness):
     outputs(harness.send(request()))
     greedy = recorded_request(harness).sampling_config
-    assert (greedy.top_k, greedy.top_p, greedy.temperature) == (1, None, None)
+    assert (greedy.top_k, greedy.top_p, greedy.temperature) == (1, 1.0, None)
     tensors = request()
     tensors[contract.TEMPERATURE.name] = np.array([0.7], np.float32)
     tensors[contract.TOP_P.name] = np.array([0.9], np.float32)
@@ -260,7 +260,7 @@ def test_without_cache_salt_support_salted_requests_are_refused(tmp_path, monkey
 
 def test_executor_is_built_from_the_config_pbtxt_parameters(harness):
     executor = harness.executor
-    assert executor.model_path == "/engines/llama-3.1-8b-instruct-fp8kv/engine"
+    assert executor.model_path.endswith("/engines/llama-3.1-8b-instruct-fp8kv/engine")
     assert executor.model_type.name == "DECODER_ONLY"
     kv = executor.config.kv_cache_config
     assert (kv.secondary_offload_min_priority, kv.host_cache_size, kv.event_buffer_max_size) == (35, 34359738368, 16384)
@@ -284,3 +284,72 @@ def test_model_and_reference_engine_share_one_parser(harness):
             if isinstance(node, ast.FunctionDef) and node.name in ("parse_request", "parse_retention"):
                 definers.append(path.relative_to(root).as_posix())
     assert sorted(set(definers)) == ["contract.py"]
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.7])
+@pytest.mark.parametrize("top_k", [0, 40])
+@pytest.mark.parametrize("top_p", [1.0, 0.9])
+def test_every_sampling_combination_reaches_the_decoder_as_asked(harness, temperature, top_k, top_p):
+    """Issue 19 defect 1: an unset top_p is 0.0 in the decoder (defaultDecodingParams.h), and
+    regularizeTopKTopP (samplingTopKKernels.h) turns top_k 0 + top_p 0.0 into greedy. The double
+    applies both, so a request that asks to sample must arrive as sampling."""
+    tensors = request(max_new=3)
+    tensors[contract.TEMPERATURE.name] = np.array([temperature], np.float32)
+    tensors[contract.TOP_K.name] = np.array([top_k], np.int32)
+    tensors[contract.TOP_P.name] = np.array([top_p], np.float32)
+    [(answer, _)] = outputs(harness.send(tensors))
+    sent = recorded_request(harness).sampling_config
+    greedy_tokens = [(t * 7 + 3) % 1000 + 10 for t in PROMPT][:3]
+    if temperature == 0.0:
+        assert sent.greedy and sent.effective_top_k == 1
+        assert answer[contract.OUTPUT_IDS.name].tolist() == greedy_tokens
+    else:
+        assert not sent.greedy, f"temperature {temperature}, top_k {top_k}, top_p {top_p} fell back to greedy"
+        assert sent.effective_top_k == top_k and sent.effective_top_p == pytest.approx(top_p)
+        assert sent.temperature == pytest.approx(temperature)
+        assert answer[contract.OUTPUT_IDS.name].tolist() != greedy_tokens
+
+
+def test_an_engine_without_paged_context_fmha_is_refused_when_the_pool_promises_reuse(tmp_path, monkeypatch):
+    """Issue 19 defect 4: builder.py drops paged context FMHA (FP8 KV without FP8 weights, or SM < 89);
+    the executor then runs with reuse off and only logs it. The model must not start."""
+    with pytest.raises(Exception, match="use_paged_context_fmha=False") as caught:
+        make_harness(tmp_path, monkeypatch, engine={"paged_context_fmha": False, "quant_algo": None})
+    assert type(caught.value).__name__ == "TritonModelException"
+    assert "fixExecutorConfig" in str(caught.value) and "builder.py" in str(caught.value)
+
+
+def test_an_engine_built_for_another_block_size_is_refused(tmp_path, monkeypatch):
+    with pytest.raises(Exception, match="tokens_per_block 64, the spec says 32"):
+        make_harness(tmp_path, monkeypatch, engine={"tokens_per_block": 64})
+
+
+def test_a_missing_engine_fails_at_start_naming_the_file(tmp_path, monkeypatch):
+    with pytest.raises(Exception, match=r"engine/config\.json"):
+        make_harness(tmp_path, monkeypatch, write_engine=False)
+
+
+def test_stats_before_any_iteration_and_between_iterations(harness):
+    # get_latest_iteration_stats() returns only the iterations since the last call: an empty deque
+    # before the first request and between two stats calls (executor.h).
+    [(tensors, _)] = outputs(harness.send({contract.KV_STATS.name: np.array([True])}))
+    report = PoolStatsReport.from_json(tensors[contract.KV_CACHE_STATS.name][0])
+    assert report.primary.max_blocks == 64 and report.primary.used_blocks == 0  # from the KV "created" event
+    outputs(harness.send(request(salt="a", tenant="tenant-a")))
+    for _ in range(2):  # the second call sees an empty deque and keeps the last KvCacheStats
+        [(tensors, _)] = outputs(harness.send({contract.KV_STATS.name: np.array([True])}))
+        report = PoolStatsReport.from_json(tensors[contract.KV_CACHE_STATS.name][0])
+        assert report.primary.used_blocks == 2 and report.alloc_total_blocks == 3
+
+
+def test_stats_without_kv_cache_stats_fall_back_to_events(tmp_path, monkeypatch):
+    h = make_harness(tmp_path, monkeypatch, kv_cache_stats=False)  # IterationStats.kv_cache_stats is None
+    try:
+        outputs(h.send(request(salt="a", tenant="tenant-a")))
+        [(tensors, flags)] = outputs(h.send({contract.KV_STATS.name: np.array([True])}))
+        report = PoolStatsReport.from_json(tensors[contract.KV_CACHE_STATS.name][0])
+        assert flags == FINAL
+        assert report.primary.max_blocks == 64 and report.primary.used_blocks == 2  # the ledger's counts
+        assert report.tenants == {"tenant-a": [2, 0]}
+    finally:
+        h.model.finalize()

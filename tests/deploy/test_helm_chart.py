@@ -1,0 +1,572 @@
+"""deploy/helm/kvgate verified without a cluster: Helm's own render, lint and values-schema
+validation (helm-python-sdk, in process), every built-in object against the Kubernetes JSON
+schemas (kubernetes-validate, offline), CRD kinds structurally, and assertions on the objects.
+
+What this cannot show: that the pods start, probes pass or the engines load on real nodes —
+nothing here runs a container (README "Deploying on Kubernetes" says so).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+import re
+from typing import Any
+
+import helm_python
+import kubernetes_validate
+import pytest
+import yaml
+from typer.main import get_command
+
+from engines.spec import load_bundled_spec, reference_settings
+from server.admin.schemas import PoolCreate, RetentionClassCreate, TenantCreate
+from server.cli import create_cli
+from tests.deploy.chart import (
+    ALL_APIS, CHART, CI_VALUES, KUBE_VERSION, LWS_API, MONITORING_API, NAMESPACE, ROOT, Rendered, containers,
+    gateway, load_values, pod_templates, render, selector_matches,
+)
+
+CRD_KINDS = {"ServiceMonitor", "PodMonitor", "PrometheusRule", "LeaderWorkerSet"}
+MI = 1 << 20
+
+
+def minimal(**overrides: Any) -> dict[str, Any]:
+    values: dict[str, Any] = {"secrets": {"existingSecret": "kvgate-secrets"}}
+    values.update(overrides)
+    return values
+
+
+def plan_name(pool: str) -> str:
+    return f"kvgate-engine-{pool}"
+
+
+def workload(r: Rendered, pool: str) -> dict[str, Any]:
+    found = [o for o in r.objects if o["kind"] in ("StatefulSet", "LeaderWorkerSet") and o["metadata"]["name"] == plan_name(pool)]
+    assert len(found) == 1
+    return found[0]
+
+
+def test_ci_values_files_exist():
+    assert [p.name for p in CI_VALUES] == ["cpu-trial.yaml", "gpu-8b-4-replicas.yaml", "multinode-70b.yaml"]
+
+
+def test_chart_reads_the_engine_specs_and_dashboard_the_images_and_compose_use():
+    # Links, not copies: the chart can only size pods from the very spec files both images bundle.
+    assert (CHART / "files" / "specs").resolve() == (ROOT / "engines" / "specs").resolve()
+    assert (CHART / "files" / "dashboards" / "kvgate.json").resolve() == (ROOT / "deploy/grafana/dashboards/kvgate.json").resolve()
+
+
+# --- Helm: lint and values schema ------------------------------------------------------------
+
+
+@pytest.mark.parametrize("values_file", CI_VALUES, ids=lambda p: p.stem)
+def test_lint_is_clean(values_file):
+    report = helm_python.lint(CHART, load_values(values_file), strict=True, namespace=NAMESPACE,
+                              kube_version=f"v{KUBE_VERSION}.0")
+    assert report["errors"] == []
+    # severity 2 = warning, 3 = error; "icon is recommended" (1 = info) is all that may remain.
+    assert [m for m in report["messages"] if m["severity"] >= 2] == []
+
+
+@pytest.mark.parametrize("values_file", CI_VALUES, ids=lambda p: p.stem)
+def test_schema_accepts_the_ci_values(chart, values_file):
+    chart.validate_schema(load_values(values_file))
+
+
+def test_defaults_render_with_only_the_secret_named(chart):
+    objects = render(chart, minimal()).objects
+    assert {o["kind"] for o in objects} >= {"Deployment", "StatefulSet", "Job", "ConfigMap", "NetworkPolicy"}
+
+
+BAD_VALUES = {
+    "no existing secret": {},
+    "an inline admin token": minimal(secrets={"existingSecret": "s", "adminTokens": "ops:0123456789abcdef0123"}),
+    "a database URL in values": minimal(postgres={"url": "postgresql://kvgate:hunter2hunter2@db/kvgate"}),
+    "two gateways without redis": minimal(gateway={"replicas": 2}),
+    "autoscaling without redis": minimal(gateway={"autoscaling": {"enabled": True}}),
+    "an unknown redis mode": minimal(redis={"mode": "cluster"}),
+    "a pool without replicas": minimal(pools=[{"name": "p", "spec": "reference-smollm2", "replicas": 0,
+                                               "registry": {"model_name": "m"}}]),
+    "a pool name that is no DNS label": minimal(pools=[{"name": "Big_Pool", "spec": "reference-smollm2", "replicas": 1,
+                                                        "registry": {"model_name": "m"}}]),
+    "a tenant with a key secret": minimal(registry={"tenants": [{"slug": "a", "display_name": "A", "pool": "reference",
+                                                                 "retention_class": "chat", "api_key": "kvg_x_y"}]}),
+    "a one-node multinode pool": minimal(pools=[{"name": "p", "spec": "reference-smollm2", "replicas": 1,
+                                                 "registry": {"model_name": "m"}, "multinode": {"enabled": True, "nodes": 1}}]),
+}
+
+
+@pytest.mark.parametrize("case", BAD_VALUES, ids=list(BAD_VALUES))
+def test_schema_rejects_bad_values(chart, case):
+    values = BAD_VALUES[case]
+    with pytest.raises(helm_python.HelmValuesError):
+        chart.validate_schema(values)
+    with pytest.raises(helm_python.HelmValuesError):  # render validates too, as `helm install` does
+        render(chart, values)
+
+
+def test_schema_rejects_a_bad_values_file(chart, tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("secrets:\n  existingSecret: kvgate-secrets\n  keyPepper: not-a-reference-but-the-secret-itself\n")
+    with pytest.raises(helm_python.HelmValuesError, match="keyPepper"):
+        chart.validate_schema(load_values(bad))
+
+
+def test_templates_refuse_what_the_schema_cannot_express(chart):
+    gpu_pool = {"name": "g", "spec": "llama-3.1-8b-instruct-fp8kv", "replicas": 1, "registry": {"model_name": "m"}}
+    with pytest.raises(helm_python.HelmRenderError, match="primary_blocks"):
+        render(chart, minimal(pools=[gpu_pool]))
+    with pytest.raises(helm_python.HelmRenderError, match="no engine spec"):
+        render(chart, minimal(pools=[{**gpu_pool, "spec": "no-such-spec"}]))
+    with pytest.raises(helm_python.HelmRenderError, match="divide"):
+        render(chart, minimal(pools=[{**gpu_pool, "spec": "llama-3.1-70b-instruct-fp8-tp8", "multinode": {"enabled": True, "nodes": 3},
+                                      "registry": {"model_name": "m", "primary_blocks": 1, "secondary_blocks": 1}}]))
+    with pytest.raises(helm_python.HelmRenderError, match="sized from the spec"):
+        render(chart, minimal(pools=[{**gpu_pool, "registry": {"model_name": "m", "primary_blocks": 1, "secondary_blocks": 1},
+                                      "resources": {"requests": {"memory": "1Gi"}}}]))
+    reference = {"name": "r", "spec": "reference-smollm2", "replicas": 1, "registry": {"model_name": "m"}}
+    with pytest.raises(helm_python.HelmRenderError, match="listed twice"):
+        render(chart, minimal(pools=[reference, reference]))
+    with pytest.raises(helm_python.HelmRenderError, match="reference engine runs in one pod"):
+        render(chart, minimal(pools=[{"name": "r", "spec": "reference-smollm2", "replicas": 1, "registry": {"model_name": "m"},
+                                      "multinode": {"enabled": True, "nodes": 2}}]))
+
+
+def test_schema_knows_the_admin_api_fields():
+    """The registry's retention classes and tenants are the admin API's Create schemas, field for field."""
+    schema = json.loads((CHART / "values.schema.json").read_text())
+    registry = schema["properties"]["registry"]["properties"]
+    assert set(registry["retention_classes"]["items"]["properties"]) == set(RetentionClassCreate.model_fields)
+    assert set(registry["tenants"]["items"]["properties"]) == set(TenantCreate.model_fields)
+    pool_registry = schema["properties"]["pools"]["items"]["properties"]["registry"]["properties"]
+    assert set(pool_registry) <= set(PoolCreate.model_fields)
+
+
+# --- Kubernetes schemas ----------------------------------------------------------------------
+
+
+def _structural_crd_check(obj: dict[str, Any]) -> None:
+    """CRD kinds are not in the Kubernetes schemas: check the fields the operators read.
+
+    Field names: prometheus-operator pkg/apis/monitoring/v1 (servicemonitor_types.go,
+    podmonitor_types.go, prometheusrule_types.go); kubernetes-sigs/lws
+    api/leaderworkerset/v1/leaderworkerset_types.go. The pod templates inside a
+    LeaderWorkerSet are validated as Pods against the Kubernetes schema.
+    """
+    kind, spec = obj["kind"], obj["spec"]
+    assert re.fullmatch(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?", obj["metadata"]["name"])
+    if kind == "ServiceMonitor":
+        assert obj["apiVersion"] == MONITORING_API
+        assert set(spec) == {"selector", "endpoints"} and spec["selector"]["matchLabels"]
+        for ep in spec["endpoints"]:
+            assert set(ep) <= {"port", "path", "interval", "authorization"}
+            if "authorization" in ep:
+                assert ep["authorization"]["type"] == "Bearer" and set(ep["authorization"]["credentials"]) == {"name", "key"}
+    elif kind == "PodMonitor":
+        assert obj["apiVersion"] == MONITORING_API
+        assert set(spec) == {"selector", "podMetricsEndpoints"}
+        assert all(set(ep) <= {"port", "path", "interval"} for ep in spec["podMetricsEndpoints"])
+    elif kind == "PrometheusRule":
+        assert obj["apiVersion"] == MONITORING_API
+        for group in spec["groups"]:
+            assert set(group) == {"name", "rules"}
+            for rule in group["rules"]:
+                assert set(rule) <= {"alert", "expr", "for", "labels", "annotations"} and rule["alert"] and rule["expr"]
+    elif kind == "LeaderWorkerSet":
+        assert obj["apiVersion"] == LWS_API
+        assert set(spec) <= {"replicas", "leaderWorkerTemplate", "rolloutStrategy", "startupPolicy", "networkConfig"}
+        assert spec["startupPolicy"] in ("LeaderCreated", "LeaderReady")
+        lwt = spec["leaderWorkerTemplate"]
+        assert set(lwt) <= {"leaderTemplate", "workerTemplate", "size", "restartPolicy", "subGroupPolicy"}
+        assert lwt["restartPolicy"] in ("RecreateGroupOnPodRestart", "RecreateGroupAfterStart", "None")
+        for template in pod_templates(obj):
+            pod = {"apiVersion": "v1", "kind": "Pod", "metadata": template["metadata"], "spec": template["spec"]}
+            kubernetes_validate.validate(pod, KUBE_VERSION, strict=True)
+    else:  # pragma: no cover - a new CRD kind needs its own check
+        raise AssertionError(f"no structural check for {kind}")
+
+
+def test_every_object_validates_against_the_kubernetes_schemas(rendered):
+    checked_crds = set()
+    for obj in rendered.objects:
+        if obj["kind"] in CRD_KINDS:
+            _structural_crd_check(obj)
+            checked_crds.add(obj["kind"])
+        else:
+            # strict: additional properties are errors (a misspelt field fails here).
+            kubernetes_validate.validate(obj, KUBE_VERSION, strict=True)
+    assert checked_crds  # every ci file renders at least one monitor
+
+
+def test_the_validator_catches_a_misspelt_field(renders):
+    deployment = copy.deepcopy(renders["cpu-trial"].get("Deployment", "kvgate-gateway"))
+    deployment["spec"]["template"]["spec"]["containers"][0]["livenessProbes"] = {}
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(deployment, KUBE_VERSION, strict=True)
+
+
+# --- the gateway -------------------------------------------------------------------------------
+
+
+def _serving_routes() -> set[str]:
+    from server.serving import build_serving_app
+    from server.settings import Settings
+
+    app = build_serving_app(Settings(dev=True, database_url="sqlite://"))
+    return {getattr(route, "path", "") for route in app.routes}
+
+
+def test_gateway_probes_hit_routes_the_app_serves(rendered):
+    _, c = gateway(rendered)
+    routes = _serving_routes()
+    assert c["livenessProbe"]["httpGet"]["path"] == "/healthz" and "/healthz" in routes
+    assert c["readinessProbe"]["httpGet"]["path"] == "/readyz" and "/readyz" in routes
+    port = {p["name"]: p["containerPort"] for p in c["ports"]}["http"]
+    assert c["command"][c["command"].index("--port") + 1] == str(port) == "8000"
+
+
+def test_gateway_runs_non_root_read_only_with_resources(rendered):
+    deployment, c = gateway(rendered)
+    pod = deployment["spec"]["template"]["spec"]
+    assert pod["securityContext"]["runAsNonRoot"] and pod["securityContext"]["runAsUser"] == 10001  # build/Dockerfile.gateway
+    assert "10001" in (ROOT / "build/Dockerfile.gateway").read_text()
+    assert c["securityContext"]["readOnlyRootFilesystem"] is True
+    assert c["securityContext"]["allowPrivilegeEscalation"] is False
+    assert {"/tmp"} <= {m["mountPath"] for m in c["volumeMounts"]}
+    assert c["resources"]["requests"]["cpu"] and c["resources"]["limits"]["memory"]
+    assert pod["topologySpreadConstraints"][0]["labelSelector"]["matchLabels"]["app.kubernetes.io/component"] == "gateway"
+
+
+def test_every_container_states_cpu_and_memory(rendered):
+    for obj in rendered.objects:
+        for template in pod_templates(obj):
+            for c in containers(template):
+                resources = c.get("resources", {})
+                assert "memory" in resources.get("requests", {}), (obj["metadata"]["name"], c["name"])
+                assert "cpu" in resources.get("requests", {}), (obj["metadata"]["name"], c["name"])
+
+
+def test_gateway_scaling_needs_and_gets_redis(renders):
+    gpu, multi, cpu = renders["gpu-8b-4-replicas"], renders["multinode-70b"], renders["cpu-trial"]
+    hpa = gpu.get("HorizontalPodAutoscaler", "kvgate-gateway")
+    assert hpa["spec"]["scaleTargetRef"] == {"apiVersion": "apps/v1", "kind": "Deployment", "name": "kvgate-gateway"}
+    assert "replicas" not in gpu.get("Deployment", "kvgate-gateway")["spec"]  # the HPA owns it
+    for r in (gpu, multi):
+        deployment, c = gateway(r)
+        env = {e["name"]: e for e in c["env"]}
+        assert "KVGATE_REDIS_URL" in env
+        pdb = r.get("PodDisruptionBudget", "kvgate-gateway")
+        assert selector_matches(pdb["spec"]["selector"], deployment["spec"]["template"]["metadata"]["labels"])
+    external = {e["name"]: e for e in gateway(gpu)[1]["env"]}["KVGATE_REDIS_URL"]
+    assert external["valueFrom"]["secretKeyRef"] == {"name": "kvgate-secrets", "key": "redis-url"}
+    bundled = {e["name"]: e for e in gateway(multi)[1]["env"]}["KVGATE_REDIS_URL"]
+    assert bundled["value"] == "redis://kvgate-redis:6379/0"
+    assert multi.get("Service", "kvgate-redis")
+    # one gateway: no Redis, no PDB (a PDB over a single pod would block every node drain)
+    assert "KVGATE_REDIS_URL" not in {e["name"] for e in gateway(cpu)[1]["env"]}
+    assert not cpu.of_kind("PodDisruptionBudget")
+
+
+def test_the_commands_parse_with_the_real_cli(renders):
+    """Every kvgate argv the chart runs parses with the CLI's own click parser (flags and types)."""
+    cli = get_command(create_cli())
+    seen, missing = set(), set()
+    for r in renders.values():
+        for obj in r.objects:
+            for template in pod_templates(obj):
+                for c in containers(template):
+                    argv = c.get("command", [])
+                    if not argv or argv[0] != "kvgate":
+                        continue
+                    group, path = cli, []
+                    args = list(argv[1:])
+                    while hasattr(group, "commands"):  # typer vendors click (typer._click): duck-type groups
+                        name = args.pop(0)
+                        path.append(name)
+                        if name not in group.commands:
+                            break
+                        group = group.commands[name]
+                    else:
+                        group.make_context(" ".join(path), args)  # raises a UsageError on a bad flag or value
+                        seen.add(" ".join(path))
+                        continue
+                    missing.add(" ".join(path))
+    assert {"serve", "db upgrade", "engine serve", "build repo"} <= seen
+    if missing == {"admin apply"}:
+        pytest.skip("`kvgate admin apply` (branch i13-registry) is not in this tree yet; the rest parsed")
+    assert not missing and "admin apply" in seen
+
+
+# --- hooks -------------------------------------------------------------------------------------
+
+
+def _hook(obj: dict[str, Any]) -> tuple[set[str], int]:
+    annotations = obj["metadata"].get("annotations", {})
+    return set(filter(None, annotations.get("helm.sh/hook", "").split(","))), int(annotations.get("helm.sh/hook-weight", "0"))
+
+
+def test_hooks_migrate_before_and_register_after(rendered):
+    migrate_events, migrate_weight = _hook(rendered.get("Job", "kvgate-migrate"))
+    apply_events, apply_weight = _hook(rendered.get("Job", "kvgate-registry-apply"))
+    assert migrate_events == {"pre-install", "pre-upgrade"}
+    assert apply_events == {"post-install", "post-upgrade"}
+    assert migrate_weight < apply_weight
+    # what the gateway and engines need at start is a normal release object, created between the hooks
+    for kind, name in [("Deployment", "kvgate-gateway"), ("ConfigMap", "kvgate-registry")]:
+        assert _hook(rendered.get(kind, name))[0] == set()
+    assert rendered.get("Job", "kvgate-migrate")["spec"]["template"]["spec"]["containers"][0]["command"] == ["kvgate", "db", "upgrade"]
+    apply = rendered.get("Job", "kvgate-registry-apply")["spec"]["template"]["spec"]
+    assert apply["containers"][0]["command"] == ["kvgate", "admin", "apply", "-f", "/etc/kvgate/registry/registry.yaml"]
+    assert apply["volumes"][0]["configMap"]["name"] == "kvgate-registry"
+
+
+def test_bundled_postgres_exists_before_the_migration(renders):
+    r = renders["cpu-trial"]
+    _, migrate_weight = _hook(r.get("Job", "kvgate-migrate"))
+    for kind in ("StatefulSet", "Service"):
+        events, weight = _hook(r.get(kind, "kvgate-postgres"))
+        assert events == {"pre-install"} and weight < migrate_weight
+    assert not renders["gpu-8b-4-replicas"].of_kind("StatefulSet") or all(
+        o["metadata"]["name"] != "kvgate-postgres" for o in renders["gpu-8b-4-replicas"].of_kind("StatefulSet"))
+
+
+# --- engines -------------------------------------------------------------------------------------
+
+
+def _pools(r: Rendered) -> list[dict[str, Any]]:
+    return r.values["pools"]
+
+
+def test_registry_replicas_match_the_engine_pods(rendered):
+    registry = yaml.safe_load(rendered.get("ConfigMap", "kvgate-registry")["data"]["registry.yaml"])
+    assert [p["name"] for p in registry["pools"]] == [p["name"] for p in _pools(rendered)]
+    for pool, entry in zip(_pools(rendered), registry["pools"], strict=True):
+        obj = workload(rendered, pool["name"])
+        replicas = obj["spec"]["replicas"]
+        assert replicas == pool["replicas"] == len(entry["replicas"])
+        if obj["kind"] == "StatefulSet":
+            service = rendered.get("Service", obj["spec"]["serviceName"])
+            assert service["spec"]["clusterIP"] == "None"
+            assert selector_matches({"matchLabels": service["spec"]["selector"]}, obj["spec"]["template"]["metadata"]["labels"])
+            assert {"name": "grpc", "port": 8001, "targetPort": "grpc", "protocol": "TCP"} in service["spec"]["ports"]
+            subdomain, serving = obj["spec"]["serviceName"], obj["spec"]["template"]
+        else:  # the LWS controller names the shared headless Service after the LeaderWorkerSet
+            subdomain, serving = obj["metadata"]["name"], obj["spec"]["leaderWorkerTemplate"]["leaderTemplate"]
+        grpc = [p for c in serving["spec"]["containers"] for p in c["ports"] if p["name"] == "grpc"]
+        assert grpc == [{"name": "grpc", "containerPort": 8001, "protocol": "TCP"}]
+        # pod i of a StatefulSet (leader i of an LWS) is <name>-i, resolvable as <name>-i.<subdomain>.<ns>.svc
+        assert entry["replicas"] == [
+            {"name": f"r{i}", "endpoint": f"{obj['metadata']['name']}-{i}.{subdomain}.{NAMESPACE}.svc.cluster.local:8001",
+             "weight": 1, "state": "active"}
+            for i in range(replicas)
+        ]
+
+
+def test_registry_pools_follow_the_spec_and_the_admin_schemas(rendered):
+    registry = yaml.safe_load(rendered.get("ConfigMap", "kvgate-registry")["data"]["registry.yaml"])
+    for pool, entry in zip(_pools(rendered), registry["pools"], strict=True):
+        spec = load_bundled_spec(pool["spec"])
+        assert entry["engine_spec"] == spec.name and entry["triton_model"] == spec.triton.model_name
+        assert entry["tokens_per_block"] == spec.build.tokens_per_block
+        assert entry["secondary_offload_min_priority"] == spec.kv_cache.secondary_offload_min_priority
+        if spec.backend == "reference":
+            assert (entry["primary_blocks"], entry["secondary_blocks"]) == (spec.reference.primary_blocks, spec.reference.secondary_blocks)
+        else:
+            assert (entry["primary_blocks"], entry["secondary_blocks"]) == (pool["registry"]["primary_blocks"], pool["registry"]["secondary_blocks"])
+        fields = {k: v for k, v in entry.items() if k != "replicas"}
+        # PoolCreate still requires triton_url until the replicas migration lands; the first replica stands in.
+        PoolCreate.model_validate({**fields, "triton_url": entry["replicas"][0]["endpoint"]})
+        assert set(entry) <= set(PoolCreate.model_fields) | {"replicas"}
+    for item in registry["retention_classes"]:
+        RetentionClassCreate.model_validate(item)
+    for item in registry["tenants"]:
+        TenantCreate.model_validate(item)
+
+
+def test_gpu_sizing_follows_the_spec(rendered):
+    """GPUs = ranks per pod; memory = host_cache_size per rank (TensorRT-LLM allots each rank its
+    own host pool) + /dev/shm + overhead; /dev/shm an in-memory emptyDir."""
+    gpu_defaults = rendered.values.get("engines", {}).get("gpu", {})
+    shm_gib, overhead_gib = gpu_defaults.get("shmSizeGiB", 2), gpu_defaults.get("hostMemoryOverheadGiB", 32)
+    for pool in _pools(rendered):
+        spec = load_bundled_spec(pool["spec"])
+        obj = workload(rendered, pool["name"])
+        for template in pod_templates(obj):
+            (c,) = template["spec"]["containers"]
+            res = c["resources"]
+            if spec.backend == "reference":
+                assert "nvidia.com/gpu" not in res.get("requests", {}) | res.get("limits", {})
+                continue
+            nodes = pool.get("multinode", {}).get("nodes", 1) if pool.get("multinode", {}).get("enabled") else 1
+            ranks = spec.build.world_size // nodes
+            memory = math.ceil(spec.kv_cache.host_cache_size_per_rank * ranks / MI) + (shm_gib + overhead_gib) * 1024
+            assert res["requests"]["nvidia.com/gpu"] == res["limits"]["nvidia.com/gpu"] == ranks
+            assert res["requests"]["memory"] == res["limits"]["memory"] == f"{memory}Mi"
+            assert memory * MI > spec.kv_cache.host_cache_size_per_rank * ranks > 0
+            dshm = {v["name"]: v for v in template["spec"]["volumes"]}["dshm"]
+            assert dshm["emptyDir"] == {"medium": "Memory", "sizeLimit": f"{shm_gib}Gi"}
+            assert {"name": "dshm", "mountPath": "/dev/shm"} in c["volumeMounts"]
+            tolerations = template["spec"]["tolerations"]
+            assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in tolerations
+            assert all(t in tolerations for t in pool.get("tolerations", []))
+
+
+def test_triton_pods_serve_the_spec_after_the_builder(renders):
+    r = renders["gpu-8b-4-replicas"]
+    spec = load_bundled_spec("llama-3.1-8b-instruct-fp8kv")
+    sts = workload(r, "llama8b")
+    pod = sts["spec"]["template"]["spec"]
+    (triton,) = pod["containers"]
+    assert triton["image"] == "registry.example.com/kvgate/kvgate-triton:0.1.0"
+    assert triton["command"] == ["tritonserver", "--model-repository=/models", "--http-port=8000", "--grpc-port=8001", "--metrics-port=8002"]
+    assert triton["readinessProbe"]["httpGet"] == {"path": "/v2/health/ready", "port": "http"}
+    assert triton["livenessProbe"]["httpGet"] == {"path": "/v2/health/live", "port": "http"}
+    wait, repo = pod["initContainers"]
+    assert wait["command"][:2] == ["python3", "-c"] and wait["command"][-1] == spec.name
+    assert "spec_hash" in wait["command"][2]
+    assert repo["command"] == ["kvgate", "build", "repo", spec.name, "--output", "/models", "--engines-root", "/engines"]
+    assert {"name": "engines", "persistentVolumeClaim": {"claimName": "kvgate-engines", "readOnly": True}} in pod["volumes"]
+    (job,) = [j for j in r.of_kind("Job") if j["metadata"]["labels"]["app.kubernetes.io/component"] == "engine-builder"]
+    build = job["spec"]["template"]["spec"]["containers"][0]
+    assert build["command"] == ["kvgate-engine-builder"]
+    # the Triton image installs the builder script under that name (build/Dockerfile.triton)
+    assert "COPY build/engine_builder.sh /usr/local/bin/kvgate-engine-builder" in (ROOT / "build/Dockerfile.triton").read_text()
+    assert {"name": "KVGATE_ENGINE_SPECS", "value": spec.name} in build["env"]
+    assert build["resources"]["limits"]["nvidia.com/gpu"] == spec.build.world_size
+    claim = r.get("PersistentVolumeClaim", "kvgate-engines")
+    assert claim["spec"]["accessModes"] == ["ReadWriteMany"]
+    # the gateway reads the GPU pool's tokenizer the builder leaves on the same volume
+    gw = gateway(r)[1]
+    assert {"name": "KVGATE_TOKENIZER_ROOT", "value": "/engines/tokenizers"} in gw["env"]
+
+
+def test_builder_job_name_follows_the_spec_file(chart, renders):
+    r = renders["gpu-8b-4-replicas"]
+    (job,) = [j for j in r.of_kind("Job") if j["metadata"]["labels"]["app.kubernetes.io/component"] == "engine-builder"]
+    again = render(chart, r.values, api_versions=ALL_APIS, is_upgrade=True)
+    (job2,) = [j for j in again.of_kind("Job") if j["metadata"]["labels"]["app.kubernetes.io/component"] == "engine-builder"]
+    assert job["metadata"]["name"] == job2["metadata"]["name"]  # unchanged spec: the same (finished) Job
+    import hashlib
+
+    digest = hashlib.sha256((ROOT / "engines/specs/llama-3.1-8b-instruct-fp8kv.yaml").read_bytes()).hexdigest()[:10]
+    assert job["metadata"]["name"] == f"kvgate-build-{digest}"
+
+
+def test_cpu_engine_flags_match_the_reference_spec(renders):
+    spec = load_bundled_spec("reference-smollm2")
+    expected = reference_settings(spec)
+    (c,) = workload(renders["cpu-trial"], "reference")["spec"]["template"]["spec"]["containers"]
+    argv = c["command"]
+    flags = {argv[i]: argv[i + 1] for i in range(3, len(argv) - 1, 2)}
+    assert argv[:3] == ["kvgate", "engine", "serve"] and flags["--port"] == "8001"
+    assert flags["--kv-dtype"] == expected["kv_dtype"]
+    for flag, key in [("--primary-blocks", "primary_blocks"), ("--secondary-blocks", "secondary_blocks"),
+                      ("--tokens-per-block", "tokens_per_block"), ("--offload-min-priority", "secondary_offload_min_priority"),
+                      ("--max-batch-size", "max_batch_size"), ("--max-num-tokens", "max_num_tokens"),
+                      ("--max-input-len", "max_input_len"), ("--max-output-len", "max_output_len")]:
+        assert flags[flag] == str(expected[key]), flag
+    assert "is_server_ready" in " ".join(c["readinessProbe"]["exec"]["command"])
+    assert c["securityContext"]["readOnlyRootFilesystem"] is True
+    assert not renders["cpu-trial"].of_kind("PersistentVolumeClaim")  # no TensorRT-LLM pool, no engines volume
+
+
+def test_leaderworkerset_only_when_enabled(renders):
+    assert not renders["cpu-trial"].of_kind("LeaderWorkerSet") and not renders["gpu-8b-4-replicas"].of_kind("LeaderWorkerSet")
+    lws = workload(renders["multinode-70b"], "llama70b")
+    assert lws["kind"] == "LeaderWorkerSet"
+    spec = load_bundled_spec("llama-3.1-70b-instruct-fp8-tp8")
+    lwt = lws["spec"]["leaderWorkerTemplate"]
+    assert lwt["size"] == 2
+    gpus = [t["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] for t in pod_templates(lws)]
+    assert gpus == [4, 4] and sum(gpus) == spec.build.world_size
+    leader = lwt["leaderTemplate"]["spec"]["containers"][0]
+    assert "mpirun -np 1" in leader["args"][0] and ":4" in leader["args"][0]
+    assert "readinessProbe" in leader and "readinessProbe" not in lwt["workerTemplate"]["spec"]["containers"][0]
+
+
+# --- network -------------------------------------------------------------------------------------
+
+
+def _pod_labels(r: Rendered) -> dict[str, dict[str, str]]:
+    labels = {}
+    for obj in r.objects:
+        for i, template in enumerate(pod_templates(obj)):
+            labels[f"{obj['kind']}/{obj['metadata']['name']}#{i}"] = template["metadata"]["labels"]
+    return labels
+
+
+def test_only_gateway_pods_reach_the_engines_grpc_port(rendered):
+    policy = rendered.get("NetworkPolicy", "kvgate-engines")
+    pods = _pod_labels(rendered)
+    engine_pods = {k for k, v in pods.items() if v.get("app.kubernetes.io/component") == "engine"}
+    assert engine_pods and {k for k, v in pods.items() if selector_matches(policy["spec"]["podSelector"], v)} == engine_pods
+    assert policy["spec"]["policyTypes"] == ["Ingress"]
+    grpc_rules = [rule for rule in policy["spec"]["ingress"] if {"port": 8001, "protocol": "TCP"} in rule["ports"]]
+    assert len(grpc_rules) == 1 and all(len(rule["ports"]) == 1 for rule in policy["spec"]["ingress"])
+    (peer,) = grpc_rules[0]["from"]
+    assert set(peer) == {"podSelector"}  # same namespace, pods only
+    allowed = {k for k, v in pods.items() if selector_matches(peer["podSelector"], v)}
+    assert allowed == {"Deployment/kvgate-gateway#0"}
+    # Multi-node groups talk among themselves (MPI, NCCL), and only within their pool.
+    for pool in _pools(rendered):
+        if pool.get("multinode", {}).get("enabled"):
+            group = rendered.get("NetworkPolicy", f"{plan_name(pool['name'])}-group")
+            (rule,) = group["spec"]["ingress"]
+            members = {k for k, v in pods.items() if selector_matches(rule["from"][0]["podSelector"], v)}
+            assert members == {k for k in engine_pods if pods[k]["kvgate.io/pool"] == pool["name"]}
+
+
+def test_the_admin_api_is_separate_and_off_by_default(renders):
+    cpu, gpu = renders["cpu-trial"], renders["gpu-8b-4-replicas"]
+    assert not cpu.of_kind("Ingress") and all(s["metadata"]["name"] != "kvgate-admin" for s in cpu.of_kind("Service"))
+    paths = {i["metadata"]["name"]: [p["path"] for rule in i["spec"]["rules"] for p in rule["http"]["paths"]] for i in gpu.of_kind("Ingress")}
+    assert paths == {"kvgate-gateway": ["/v1"], "kvgate-admin": ["/admin/v1"]}
+    admin = gpu.get("Service", "kvgate-admin")
+    assert selector_matches({"matchLabels": admin["spec"]["selector"]}, gpu.get("Deployment", "kvgate-gateway")["spec"]["template"]["metadata"]["labels"])
+
+
+# --- monitoring ----------------------------------------------------------------------------------
+
+
+def test_monitors_only_where_the_operator_crds_exist(chart):
+    values = load_values(CHART / "ci" / "gpu-8b-4-replicas.yaml")
+    without = render(chart, values)
+    assert not {o["kind"] for o in without.objects} & {"ServiceMonitor", "PodMonitor", "PrometheusRule"}
+    with_crds = render(chart, values, api_versions=(MONITORING_API,))
+    assert {"ServiceMonitor", "PodMonitor", "PrometheusRule"} <= {o["kind"] for o in with_crds.objects}
+
+
+def _documented_metrics() -> set[str]:
+    text = (ROOT / "deploy/README.md").read_text()
+    table = text.split("<!-- metrics:begin -->")[1].split("<!-- metrics:end -->")[0]
+    return set(re.findall(r"`(kvgate_[a-z_]+)`", table))
+
+
+def test_monitors_select_the_gateway_and_triton(renders):
+    r = renders["gpu-8b-4-replicas"]
+    sm = r.get("ServiceMonitor", "kvgate-gateway")
+    assert selector_matches(sm["spec"]["selector"], r.get("Service", "kvgate-gateway")["metadata"]["labels"])
+    (ep,) = sm["spec"]["endpoints"]
+    assert ep["port"] == "http" and ep["path"] == "/metrics"
+    assert ep["authorization"]["credentials"] == {"name": "kvgate-secrets", "key": "metrics-token"}  # KVGATE_METRICS_TOKEN
+    assert sm["metadata"]["labels"]["release"] == "kube-prometheus-stack"
+    pm = r.get("PodMonitor", "kvgate-triton")
+    triton = workload(r, "llama8b")["spec"]["template"]
+    assert selector_matches(pm["spec"]["selector"], triton["metadata"]["labels"])
+    assert pm["spec"]["podMetricsEndpoints"][0]["port"] in {p["name"] for p in triton["spec"]["containers"][0]["ports"]}
+    rules = r.get("PrometheusRule", "kvgate")["spec"]["groups"][0]["rules"]
+    used = {m for rule in rules for m in re.findall(r"kvgate_[a-z_]+", rule["expr"])}
+    assert used and used <= _documented_metrics()
+    assert not renders["cpu-trial"].of_kind("PodMonitor")  # the reference engine has no metrics port
+
+
+def test_grafana_dashboard_configmap(rendered):
+    cm = rendered.get("ConfigMap", "kvgate-dashboard")
+    assert cm["metadata"]["labels"]["grafana_dashboard"] == "1"
+    dashboard = json.loads(cm["data"]["kvgate.json"])
+    original = json.loads((ROOT / "deploy/grafana/dashboards/kvgate.json").read_text())
+    assert dashboard["uid"] == original["uid"] and len(dashboard["panels"]) == len(original["panels"])
+    assert "kvgate-prometheus" not in cm["data"]["kvgate.json"]
+    assert '"uid": "prometheus"' in cm["data"]["kvgate.json"]
