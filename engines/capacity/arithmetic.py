@@ -15,8 +15,10 @@ TensorRT-LLM 1.2 (``cpp/tensorrt_llm/batch_manager/kvCacheManager.cpp``):
   ``head_dim = kv_lora_rank + qk_rope_head_dim``, K only (``tensorrt_llm/_torch/pyexecutor/
   _util.py`` ``KvCacheCreator``: ``CacheType.SELFKONLY``); SGLang's ``MLATokenToKVPool``
   stores the same ``[tokens, 1, kv_lora_rank + qk_rope_head_dim]``. The latent has no head
-  axis, so every TP rank holds all of it; GQA heads are dealt out over TP ranks and
-  replicated when ``tp > num_kv_heads``.
+  axis, so every TP rank holds all of it (``resource_manager.py``
+  ``KVCacheManager.get_cache_size_per_token``: MLA ⇒ ``kv_factor = 1``, no division by
+  ``tp_size``; only GQA/MHA head dims are divided, and not under attention DP); GQA heads are
+  dealt out over TP ranks and replicated when ``tp > num_kv_heads``.
 * ``calculateMaxNumBlocks``: primary blocks = ``ceil(floor(bytes / bytes_per_token) /
   tokens_per_block)``, secondary blocks = ``floor(floor(host / bytes_per_token) /
   tokens_per_block)``, then the MIN over ranks (all ranks of a replica agree). So a pool's
