@@ -168,7 +168,29 @@ def run(scale: int, duration: float) -> tuple[str, dict]:
     for label, pressure, rec, host in big_rows:
         lines.append(f"| {label} ({pressure:g}×) | {pct(rec['trtllm-default'])} | {pct(rec['class'])} | "
                      f"{pct(rec['adaptive'])} | {pct(rec['belady'])} | {pct(host['trtllm-default'])} |")
+    light, heavy = raw["light"]["recompute"], raw["heavy"]["recompute"]
+    big_heavy = raw["heavy"]["big_host"]["recompute"]
+    gap = 100 * (heavy["class"] - heavy["trtllm-default"])
+    classes = ("match the defaults" if abs(gap) < 1.0
+               else f"are {abs(gap):.1f} points {'worse' if gap > 0 else 'better'} than the defaults")
+    medium_lru = raw["medium"]["recompute"]["lru"]
+    if medium_lru <= 0.38 <= heavy["lru"]:
+        versus_vllm = "their vLLM figure (38 %) falls between our GPU-only LRU at medium and at heavy load"
+    elif heavy["lru"] < 0.38:
+        versus_vllm = "our GPU-only LRU stays below their vLLM figure (38 %) even at 2× load"
+    else:
+        versus_vllm = "our GPU-only LRU exceeds their vLLM figure (38 %) already at medium load"
     lines += [
+        "",
+        f"Reading: at light load the sessions fit in GPU memory and every policy sits near the floor "
+        f"(Belady {pct(light['belady'])}): each document's first use, each turn's new user message, and the "
+        f"previous answer. At 2× load GPU-only LRU evicts histories between turns ({pct(heavy['lru'])} recomputed); "
+        f"the 32 GiB-per-rank host tier brings it to {pct(heavy['trtllm-default'])}, a 2 TiB one to "
+        f"{pct(big_heavy['trtllm-default'])} (Belady: {pct(heavy['belady'])} and {pct(big_heavy['belady'])}). Classes {classes} here: "
+        "one tenant, one class, and retrieved documents and conversation history share the `context` segment, so a "
+        "priority cannot tell a popular document from one session's history; classes pay off between tenants (noisy "
+        f"neighbour above). Against the design notes: {versus_vllm}; their LMCache rows add CPU + NVMe tiers far larger "
+        "than this host tier.",
         "",
         "The design notes' table (72B FP8 on 8 × H200, measured on GPUs, other engines):",
         "",
