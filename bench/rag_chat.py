@@ -190,7 +190,8 @@ def run(scale: int, duration: float) -> tuple[str, dict]:
         "one tenant, one class, and retrieved documents and conversation history share the `context` segment, so a "
         "priority cannot tell a popular document from one session's history; classes pay off between tenants (noisy "
         f"neighbour above). Against the design notes: {versus_vllm}; their LMCache rows add CPU + NVMe tiers far larger "
-        "than this host tier.",
+        "than this host tier. The floor itself rests on what the design notes do not state (corpus size and skew, "
+        "answer length, answers counted as new prompt tokens), so compare columns within a table more than across tables.",
         "",
         "The design notes' table (72B FP8 on 8 × H200, measured on GPUs, other engines):",
         "",
