@@ -184,6 +184,15 @@ def bundled_shape_names() -> list[str]:
     return sorted(p.name[: -len(".json")] for p in _models_dir().iterdir() if p.name.endswith(".json"))
 
 
+def bundled_shape_for_hf_id(hf_id: str) -> str | None:
+    """The bundled shape whose source is this Hugging Face model id (``_kvgate.hf_id``), if any."""
+    for name in bundled_shape_names():
+        meta = json.loads((_models_dir() / f"{name}.json").read_text(encoding="utf-8")).get("_kvgate", {})
+        if str(meta.get("hf_id", "")).lower() == hf_id.lower():
+            return name
+    return None
+
+
 def load_shape(ref: str | Path) -> ModelShape:
     """A bundled shape by name (``llama-3.1-70b``) or a ``config.json`` path."""
     text_ref = str(ref)

@@ -6,9 +6,13 @@ Examples::
     kvgate plan ./DeepSeek-V3/config.json --gpu h200 --tp 8 --weights fp8 --json
     kvgate plan qwen2.5-72b --gpu h200 --gpus 8 --tp 8 --host-blocks 500000
     kvgate plan llama-3.1-70b --gpu h100 --tp 8 --context 128K --sequences 256
+    kvgate plan --spec llama-3.1-70b-instruct-fp8-tp8 --gpu h200
     kvgate plan --list
 
-MODEL is a bundled shape name or a path to a Hugging Face ``config.json``. The arithmetic
+MODEL is a bundled shape name or a path to a Hugging Face ``config.json``. ``--spec`` takes
+an engine spec (bundled name or YAML path) and reads from it what it fixes: TP/PP, tokens per
+block, KV and weight dtypes, ``free_gpu_memory_fraction`` and ``host_cache_size`` (per rank), and
+the model (its ``hf_id``, when a bundled shape has it); options given explicitly win. The arithmetic
 lives in ``engines/capacity`` (pure); this module parses options and draws the table.
 """
 
@@ -60,12 +64,13 @@ def register(app: typer.Typer) -> None:
         gpu: Annotated[str, typer.Option("--gpu", help="GPU type: h100-80gb, h200-141gb, a100-80gb, l40s-48gb, b200-180gb")] = "h100-80gb",
         gpu_memory_gib: Annotated[float | None, typer.Option("--gpu-memory-gib", help="override the GPU's memory (GiB)")] = None,
         gpus: Annotated[int | None, typer.Option("--gpus", help="GPUs in the pool (default tp × pp: one replica)")] = None,
-        tp: Annotated[int, typer.Option("--tp", help="tensor parallel size")] = 1,
-        pp: Annotated[int, typer.Option("--pp", help="pipeline parallel size")] = 1,
-        kv_dtype: Annotated[str, typer.Option("--kv-dtype", help="fp8 | fp16 | bf16 | fp32")] = "fp8",
-        weights: Annotated[str, typer.Option("--weights", help="weight dtype of linear layers: bf16 | fp16 | fp8")] = "bf16",
-        tokens_per_block: Annotated[int, typer.Option("--tokens-per-block", help="KV block size (fixed at engine build)")] = 32,
-        fraction: Annotated[float, typer.Option("--free-gpu-memory-fraction", help="TensorRT-LLM KvCacheConfig fraction of free memory for KV")] = 0.9,
+        spec: Annotated[str | None, typer.Option("--spec", help="engine spec (bundled name or YAML): TP, block size, dtypes, fraction, host_cache_size, model")] = None,
+        tp: Annotated[int | None, typer.Option("--tp", help="tensor parallel size [1]")] = None,
+        pp: Annotated[int | None, typer.Option("--pp", help="pipeline parallel size [1]")] = None,
+        kv_dtype: Annotated[str | None, typer.Option("--kv-dtype", help="fp8 | fp16 | bf16 | fp32 [fp8]")] = None,
+        weights: Annotated[str | None, typer.Option("--weights", help="weight dtype of linear layers: bf16 | fp16 | fp8 [bf16]")] = None,
+        tokens_per_block: Annotated[int | None, typer.Option("--tokens-per-block", help="KV block size (fixed at engine build) [32]")] = None,
+        fraction: Annotated[float | None, typer.Option("--free-gpu-memory-fraction", help="TensorRT-LLM KvCacheConfig fraction of free memory for KV [0.9]")] = None,
         reserve_gib: Annotated[float, typer.Option("--reserve-gib", help="per-rank memory besides weights and KV (activations, CUDA context, NCCL): an estimate, measure it")] = 4.0,
         host_cache_size: Annotated[str | None, typer.Option("--host-cache-size", help="host KV bytes PER RANK (TensorRT-LLM's unit), e.g. 32GiB")] = None,
         host_memory: Annotated[str | None, typer.Option("--host-memory", help="host KV bytes PER REPLICA, split over its ranks, e.g. 256GiB")] = None,
@@ -79,20 +84,33 @@ def register(app: typer.Typer) -> None:
         from engines.capacity.arithmetic import PlanError, PlanInputs, host_cache_size_for_blocks, plan
         from engines.capacity.hardware import Hardware, HardwareError, bundled_gpus, load_gpu
         from engines.capacity.shapes import ShapeError, bundled_shape_names, load_shape
+        from engines.spec import SpecError
 
         if list_known:
             typer.echo("model shapes: " + ", ".join(bundled_shape_names()))
             typer.echo("GPU types:    " + ", ".join(f"{k} ({g.memory_bytes / GIB:.1f} GiB)" for k, g in bundled_gpus().items()))
             return
         try:
-            if model is None:
-                raise CliError("give a MODEL (bundled name or config.json path), or --list")
             if sum(x is not None for x in (host_cache_size, host_memory, host_blocks)) > 1:
                 raise CliError("give at most one of --host-cache-size, --host-memory, --host-blocks")
+            defaults = {"tp": 1, "pp": 1, "kv_dtype": "fp8", "weights": "bf16", "tokens_per_block": 32, "fraction": 0.9,
+                        "host_cache_size": 0, "model": None}
+            if spec is not None:
+                defaults.update(spec_defaults(spec))
+            model = model or defaults["model"]
+            if model is None:
+                raise CliError("give a MODEL (bundled name or config.json path), or --list"
+                               + (f"; no bundled shape has the spec's model {spec}" if spec else ""))
+            tp = tp or defaults["tp"]
+            pp = pp or defaults["pp"]
+            kv_dtype = kv_dtype or defaults["kv_dtype"]
+            weights = weights or defaults["weights"]
+            tokens_per_block = tokens_per_block or defaults["tokens_per_block"]
+            fraction = fraction if fraction is not None else defaults["fraction"]
             shape = load_shape(model)
             gpu_type = load_gpu(gpu, memory_gib=gpu_memory_gib)
             world = tp * pp
-            per_rank_host = 0
+            per_rank_host = defaults["host_cache_size"]
             if host_cache_size is not None:
                 per_rank_host = parse_bytes(host_cache_size, "--host-cache-size")
             elif host_memory is not None:
@@ -105,13 +123,34 @@ def register(app: typer.Typer) -> None:
             if host_blocks is not None:
                 size = host_cache_size_for_blocks(host_blocks, result.block_bytes_per_rank)
                 result = plan(shape, Hardware(gpu_type, gpus or world, tp, pp, size), inputs)
-        except (CliError, ShapeError, HardwareError, PlanError) as exc:
+        except (CliError, ShapeError, HardwareError, PlanError, SpecError) as exc:
             typer.echo(f"error: {exc}", err=True)
             raise typer.Exit(2) from None
         if as_json:
             typer.echo(json.dumps(result.to_dict(), indent=2))
         else:
             print_plan(result)
+
+
+def spec_defaults(ref: str) -> dict[str, object]:
+    """What an engine spec fixes, in ``kvgate plan`` terms. ``host_cache_size`` is per rank:
+    TensorRT-LLM gives every rank's KV cache manager that many bytes (kvCacheManager.cpp
+    ``calculateFreeMemBytes``)."""
+    from engines.capacity.shapes import bundled_shape_for_hf_id
+    from engines.spec import load_spec
+
+    engine_spec = load_spec(ref)
+    kv = engine_spec.quantization.kv_cache
+    out: dict[str, object] = {
+        "tp": engine_spec.build.tensor_parallel, "pp": engine_spec.build.pipeline_parallel,
+        "kv_dtype": "fp8" if kv.startswith("fp8") else kv,
+        "weights": "fp8" if engine_spec.quantization.weights == "fp8" else "bf16",
+        "tokens_per_block": engine_spec.build.tokens_per_block,
+        "fraction": engine_spec.kv_cache.free_gpu_memory_fraction,
+        "host_cache_size": engine_spec.kv_cache.host_cache_size,
+        "model": bundled_shape_for_hf_id(engine_spec.model.hf_id) if engine_spec.model.hf_id else None,
+    }
+    return out
 
 
 def print_plan(p) -> None:  # noqa: ANN001 - CapacityPlan

@@ -84,3 +84,24 @@ def test_size_parsers() -> None:
     assert parse_tokens("128K", "x") == 131072 and parse_tokens("8192", "x") == 8192
     with pytest.raises(CliError):
         parse_bytes("12 parsecs", "x")
+
+
+def test_engine_spec_supplies_what_it_fixes() -> None:
+    result = run("--spec", "llama-3.1-70b-instruct-fp8-tp8", "--gpu", "h200", "--json")
+    assert result.exit_code == 0, result.output
+    doc = json.loads(result.output)
+    assert doc["model"] == "llama-3.1-70b" and doc["tensor_parallel"] == 8 and doc["tokens_per_block"] == 32
+    assert (doc["kv_dtype"], doc["weight_dtype"], doc["free_gpu_memory_fraction"]) == ("fp8", "fp8", 0.9)
+    # the spec's host_cache_size is per rank (TensorRT-LLM): 256 GiB × 8 ranks = 2 TiB on the node
+    assert doc["host_cache_size"] == 256 * 2**30 and doc["host_bytes_per_replica"] == 2048 * 2**30
+    assert doc["secondary_blocks"] == (256 * 2**30 // (80 * 2 * 1 * 128)) // 32
+    override = json.loads(run("--spec", "llama-3.1-70b-instruct-fp8-tp8", "--gpu", "h200", "--tp", "4",
+                              "--host-memory", "64GiB", "--json").output)
+    assert override["tensor_parallel"] == 4 and override["host_cache_size"] == 16 * 2**30
+
+
+def test_spec_without_a_bundled_shape_or_unknown_spec_exits_2() -> None:
+    result = run("--spec", "reference-smollm2")
+    assert result.exit_code == 2 and "no bundled shape has the spec's model" in result.output
+    result = run("--spec", "no-such-spec", "--gpu", "h200")
+    assert result.exit_code == 2 and "no bundled spec" in result.output
