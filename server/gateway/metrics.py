@@ -18,6 +18,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from engines.contract import KvMetrics, PoolStatsReport
+from server.gateway.capacity_check import CapacityCheck
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 _ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.035, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1.0, 2.5)
@@ -43,6 +44,7 @@ class PoolSnapshot:
     tenant_slugs: Mapping[str, str]  # engine tenant id -> registry slug (unknown ids are not exported)
     tenant_quota_blocks: Mapping[str, float]  # slug -> primary blocks allowed by its kv_quota_fraction
     demoted: Mapping[str, bool]  # slug -> currently demoted for quota
+    capacity: CapacityCheck | None = None  # registered vs engine-reported blocks
 
 
 class PoolStatsCollector(Collector):
@@ -60,6 +62,11 @@ class PoolStatsCollector(Collector):
         quota = GaugeMetricFamily("kvgate_tenant_kv_quota_ratio", "Primary blocks held / blocks allowed by the KV quota", labels=["tenant", "pool"])
         demoted = GaugeMetricFamily("kvgate_tenant_kv_demoted", "1 while the tenant's new blocks are demoted for quota", labels=["tenant", "pool"])
         hit_rate = GaugeMetricFamily("kvgate_pool_cache_hit_rate", "Engine-reported KV block hit rate", labels=["pool"])
+        registered = GaugeMetricFamily("kvgate_pool_registered_blocks",
+                                       "KV blocks per tier as registered (kvgate_pool_blocks{state=\"max\"} is the engine's)",
+                                       labels=["pool", "tier"])
+        mismatch = GaugeMetricFamily("kvgate_pool_capacity_mismatch",
+                                     "1 while the registry's block counts or block size differ from the engine's", labels=["pool"])
         counters = {
             name: CounterMetricFamily(f"kvgate_pool_{name}_blocks", f"KV blocks {name} by the engine since it started", labels=["pool"])
             for name in ("offloaded", "onboarded", "evicted", "reused", "missed")
@@ -71,6 +78,10 @@ class PoolStatsCollector(Collector):
                 blocks.add_metric([snap.pool, tier_name, "free"], tier.free_blocks)
                 blocks.add_metric([snap.pool, tier_name, "max"], tier.max_blocks)
             hit_rate.add_metric([snap.pool], s.cache_hit_rate)
+            if snap.capacity is not None:
+                registered.add_metric([snap.pool, "primary"], snap.capacity.registered_primary)
+                registered.add_metric([snap.pool, "secondary"], snap.capacity.registered_secondary)
+                mismatch.add_metric([snap.pool], 1.0 if snap.capacity.mismatch else 0.0)
             counters["offloaded"].add_metric([snap.pool], s.offloaded_blocks)
             counters["onboarded"].add_metric([snap.pool], s.onboarded_blocks)
             counters["evicted"].add_metric([snap.pool], s.evicted_blocks)
@@ -91,6 +102,8 @@ class PoolStatsCollector(Collector):
         yield quota
         yield demoted
         yield hit_rate
+        yield registered
+        yield mismatch
         yield from counters.values()
         if self._engine_up is not None:
             up = GaugeMetricFamily("kvgate_engine_up", "1 if the pool's engine answered the gateway's last stats call", labels=["pool"])
