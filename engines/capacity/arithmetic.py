@@ -235,7 +235,7 @@ class CapacityPlan:
             "build": {"tokens_per_block": self.tokens_per_block, "tensor_parallel": self.tensor_parallel,
                       "pipeline_parallel": self.pipeline_parallel},
             "kv_cache": {"free_gpu_memory_fraction": self.free_gpu_memory_fraction,
-                         "host_cache_size": self.host_cache_size},
+                         "host_cache_size_per_rank": self.host_cache_size},
         }
 
     def to_dict(self) -> dict[str, object]:

@@ -147,7 +147,7 @@ def spec_defaults(ref: str) -> dict[str, object]:
         "weights": "fp8" if engine_spec.quantization.weights == "fp8" else "bf16",
         "tokens_per_block": engine_spec.build.tokens_per_block,
         "fraction": engine_spec.kv_cache.free_gpu_memory_fraction,
-        "host_cache_size": engine_spec.kv_cache.host_cache_size,
+        "host_cache_size": engine_spec.kv_cache.host_cache_size_per_rank,
         "model": bundled_shape_for_hf_id(engine_spec.model.hf_id) if engine_spec.model.hf_id else None,
     }
     return out

@@ -23,7 +23,7 @@ def test_json_plan_and_registration_for_a_bundled_shape() -> None:
     doc = json.loads(result.output)
     # the figures test_arithmetic derives by hand for this configuration
     assert doc["registration"] == {"tokens_per_block": 32, "primary_blocks": 188_224, "secondary_blocks": 52_428}
-    assert doc["spec"]["kv_cache"]["host_cache_size"] == 32 * 2**30  # per rank: 256 GiB over 8 ranks
+    assert doc["spec"]["kv_cache"]["host_cache_size_per_rank"] == 32 * 2**30  # per rank: 256 GiB over 8 ranks
     assert doc["host_bytes_per_replica"] == 256 * 2**30
     assert doc["concurrent_sequences"] == 735 and doc["attention"] == "gqa"
 
@@ -32,7 +32,7 @@ def test_table_names_both_host_units(tmp_path: Path) -> None:
     result = run("llama-3.1-8b", "--gpu", "l40s", "--host-cache-size", "16GiB")
     assert result.exit_code == 0, result.output
     assert "host_cache_size (per rank)" in result.output and "host memory per replica" in result.output
-    assert '"primary_blocks"' in result.output and '"host_cache_size": 17179869184' in result.output
+    assert '"primary_blocks"' in result.output and '"host_cache_size_per_rank": 17179869184' in result.output
 
 
 def test_config_json_path_and_reverse_host_blocks(tmp_path: Path) -> None:
@@ -92,9 +92,9 @@ def test_engine_spec_supplies_what_it_fixes() -> None:
     doc = json.loads(result.output)
     assert doc["model"] == "llama-3.1-70b" and doc["tensor_parallel"] == 8 and doc["tokens_per_block"] == 32
     assert (doc["kv_dtype"], doc["weight_dtype"], doc["free_gpu_memory_fraction"]) == ("fp8", "fp8", 0.9)
-    # the spec's host_cache_size is per rank (TensorRT-LLM): 256 GiB × 8 ranks = 2 TiB on the node
-    assert doc["host_cache_size"] == 256 * 2**30 and doc["host_bytes_per_replica"] == 2048 * 2**30
-    assert doc["secondary_blocks"] == (256 * 2**30 // (80 * 2 * 1 * 128)) // 32
+    # the spec's host_cache_size_per_rank (TensorRT-LLM's unit): 32 GiB × 8 ranks = 256 GiB on the node
+    assert doc["host_cache_size"] == 32 * 2**30 and doc["host_bytes_per_replica"] == 256 * 2**30
+    assert doc["secondary_blocks"] == (32 * 2**30 // (80 * 2 * 1 * 128)) // 32
     override = json.loads(run("--spec", "llama-3.1-70b-instruct-fp8-tp8", "--gpu", "h200", "--tp", "4",
                               "--host-memory", "64GiB", "--json").output)
     assert override["tensor_parallel"] == 4 and override["host_cache_size"] == 16 * 2**30

@@ -139,7 +139,7 @@ def test_plan_qwen72b_fp8_on_8_h200_with_256gib_host() -> None:
     assert p.host_bytes_per_replica == 256 * GIB
     assert p.concurrent_sequences == 188_224 // (8192 // 32) == 735
     assert p.registration() == {"tokens_per_block": 32, "primary_blocks": 188_224, "secondary_blocks": 52_428}
-    assert p.spec_values()["kv_cache"] == {"free_gpu_memory_fraction": 0.9, "host_cache_size": 32 * GIB}
+    assert p.spec_values()["kv_cache"] == {"free_gpu_memory_fraction": 0.9, "host_cache_size_per_rank": 32 * GIB}
 
 
 def test_plan_deepseek_v3_mla_latent_is_replicated_over_tp() -> None:

@@ -62,7 +62,7 @@ def test_snapshots_feed_the_quota_metrics() -> None:
 
 
 # --- registry vs engine capacity ---------------------------------------------------------------
-OVERSIZED = PoolSnapshot(1, "p", "m", "127.0.0.1:1", "kvgate_llm", "reference-smollm2", 16, 2048, 4096, 35)
+OVERSIZED = PoolSnapshot(1, "p", "m", "kvgate_llm", "reference-smollm2", 16, 2048, 4096, 35, (ReplicaSnapshot(1, "r0", "127.0.0.1:1", "active", 1),))
 
 
 def test_capacity_mismatch_is_pure_and_names_each_difference() -> None:
