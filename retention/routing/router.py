@@ -218,6 +218,10 @@ class KvAwareRouter(Router):
         return PrefixMatch(held.gpu_blocks, held.host_blocks, extra) if extra else held
 
     def apply_events(self, replica: ReplicaId, events: Iterable[KvEvent], *, now: float) -> None:
+        """Feed ``replica``'s KV events to its index; the first non-empty batch makes it precise."""
+        events = list(events)
+        if not events:
+            return
         index = self._indexes.get(replica)
         if not isinstance(index, PreciseIndex):
             index = self._indexes[replica] = PreciseIndex()
