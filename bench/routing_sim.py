@@ -77,7 +77,7 @@ def table(report: ClusterReport, tenant: str | None = None) -> list[str]:
     head = "| router | hit rate (GPU / host) | of ceiling | × round-robin | load imbalance | requests per replica |"
     sep = "|---|---:|---:|---:|---:|---|"
     if tenant:
-        head = head[:-1] + f" {tenant} hit rate |"
+        head += f" {tenant} hit rate |"
         sep += "---:|"
     lines = [head, sep]
     for name, r in report.results.items():
