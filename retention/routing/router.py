@@ -2,7 +2,7 @@
 
 Life cycle of a request, the same for every router (the caller supplies ``now``)::
 
-    decision = router.route(request, candidates, now=now)      # pure choice, no bookkeeping
+    decision = router.route(request, candidates, now=now)      # the choice; no load bookkeeping
     router.on_dispatch(request, decision, now=now)             # sent: load, pending, approx index
     router.on_prefill_done(request.request_id, now=now)        # first token
     router.on_complete(request.request_id, now=now)            # finished, failed or cancelled

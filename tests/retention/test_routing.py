@@ -35,7 +35,9 @@ def tokens(seed: int, n: int) -> list[int]:
 
 
 def request(rid, toks, *, salt=None, output=4) -> RouteRequest:
-    return RouteRequest(rid, tuple(block_hashes(toks, BPT, salt=salt)), len(toks), output)
+    made = RouteRequest.from_tokens(rid, toks, tokens_per_block=BPT, salt=salt, output_tokens=output)
+    assert made.hashes == tuple(block_hashes(toks, BPT, salt=salt))
+    return made
 
 
 def serve(pool: BlockPool, rid, toks, *, salt=None, now=0.0) -> None:
