@@ -230,10 +230,15 @@ class CompletionRunner:
     async def _finish(self, job, plan, outcome: Outcome, started: float, lease) -> None:
         await self._admission.release(lease, completion_tokens=outcome.completion_tokens)
         tenant = job.tenant
+        latency = time.perf_counter() - started
+        # Mean inter-token latency: observable only when tokens were streamed one by one.
+        inter_token = None
+        if outcome.ttft is not None and outcome.completion_tokens > 1:
+            inter_token = (latency - outcome.ttft) / (outcome.completion_tokens - 1)
         self._metrics.observe_request(
             tenant=tenant.slug, pool=tenant.pool.name, status=outcome.status, prompt_tokens=job.prompt.total,
-            completion_tokens=outcome.completion_tokens, ttft=outcome.ttft, latency=time.perf_counter() - started,
-            kv=outcome.kv, demoted=plan.demoted,
+            completion_tokens=outcome.completion_tokens, ttft=outcome.ttft, latency=latency,
+            kv=outcome.kv, demoted=plan.demoted, inter_token=inter_token,
         )
         self._usage(tenant.tenant_id, job.prompt.total, outcome.completion_tokens)
 

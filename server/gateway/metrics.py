@@ -20,6 +20,18 @@ from prometheus_client.registry import Collector
 from engines.contract import KvMetrics, PoolStatsReport
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+_ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.035, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1.0, 2.5)
+
+CACHE_OUTCOMES = ("gpu_hit", "host_hit", "miss")
+
+
+def cache_outcome(kv: KvMetrics | None) -> str:
+    """Where a request's cached prefix came from: ``host_hit`` if any block was onboarded
+    from the host tier, ``gpu_hit`` if blocks were reused from GPU memory only, ``miss`` if
+    nothing was reused (the whole prompt was computed)."""
+    if kv is None or kv.reused_blocks <= 0:
+        return "miss"
+    return "host_hit" if kv.onboarded_blocks > 0 else "gpu_hit"
 
 
 @dataclass(frozen=True, slots=True)
@@ -34,8 +46,10 @@ class PoolSnapshot:
 
 
 class PoolStatsCollector(Collector):
-    def __init__(self, snapshots: Callable[[], Iterable[PoolSnapshot]]) -> None:
+    def __init__(self, snapshots: Callable[[], Iterable[PoolSnapshot]],
+                 engine_up: Callable[[], Mapping[str, bool]] | None = None) -> None:
         self._snapshots = snapshots
+        self._engine_up = engine_up
 
     def describe(self):
         return []
@@ -78,18 +92,30 @@ class PoolStatsCollector(Collector):
         yield demoted
         yield hit_rate
         yield from counters.values()
+        if self._engine_up is not None:
+            up = GaugeMetricFamily("kvgate_engine_up", "1 if the pool's engine answered the gateway's last stats call", labels=["pool"])
+            for pool, answered in self._engine_up().items():
+                up.add_metric([pool], 1.0 if answered else 0.0)
+            yield up
 
 
 class GatewayMetrics:
     """Per-request metrics, labelled by tenant slug and pool."""
 
-    def __init__(self, registry: CollectorRegistry, snapshots: Callable[[], Iterable[PoolSnapshot]] | None = None) -> None:
+    def __init__(self, registry: CollectorRegistry, snapshots: Callable[[], Iterable[PoolSnapshot]] | None = None,
+                 engine_up: Callable[[], Mapping[str, bool]] | None = None) -> None:
         self.registry = registry
         tp = ["tenant", "pool"]
         self.requests = Counter("kvgate_requests", "Serving requests by outcome", tp + ["status"], registry=registry)
         self.prompt_tokens = Counter("kvgate_prompt_tokens", "Prompt tokens admitted", tp, registry=registry)
         self.completion_tokens = Counter("kvgate_completion_tokens", "Completion tokens generated", tp, registry=registry)
         self.ttft = Histogram("kvgate_ttft_seconds", "Time to first token (streamed requests)", tp, buckets=_LATENCY_BUCKETS, registry=registry)
+        # Hit quality, not hit counts (issue 15): the same TTFT split by where the prompt's
+        # cached prefix came from (see cache_outcome).
+        self.ttft_by_cache = Histogram("kvgate_ttft_by_cache_seconds", "Time to first token by cache outcome (streamed requests)",
+                                       tp + ["cache"], buckets=_LATENCY_BUCKETS, registry=registry)
+        self.inter_token = Histogram("kvgate_inter_token_seconds", "Mean inter-token latency of a streamed request",
+                                     tp, buckets=_ITL_BUCKETS, registry=registry)
         self.latency = Histogram("kvgate_request_duration_seconds", "End-to-end request latency", tp, buckets=_LATENCY_BUCKETS, registry=registry)
         self.kv_reused = Counter("kvgate_kv_blocks_reused", "KV blocks reused from cache (GPU or host)", tp, registry=registry)
         self.kv_new = Counter("kvgate_kv_blocks_new", "KV blocks newly allocated", tp, registry=registry)
@@ -98,7 +124,7 @@ class GatewayMetrics:
         self.quota_demotions = Counter("kvgate_quota_demotions", "Requests planned with quota demotion", tp, registry=registry)
         self._children: dict[tuple[int, tuple[str, ...]], object] = {}
         if snapshots is not None:
-            registry.register(PoolStatsCollector(snapshots))
+            registry.register(PoolStatsCollector(snapshots, engine_up))
 
     def _child(self, metric, *labels: str):
         """``metric.labels(*labels)``, looked up once per label set and kept.
@@ -114,7 +140,8 @@ class GatewayMetrics:
         return child
 
     def observe_request(self, *, tenant: str, pool: str, status: str, prompt_tokens: int, completion_tokens: int,
-                        ttft: float | None, latency: float, kv: KvMetrics | None, demoted: bool) -> None:
+                        ttft: float | None, latency: float, kv: KvMetrics | None, demoted: bool,
+                        inter_token: float | None = None) -> None:
         child = self._child
         child(self.requests, tenant, pool, status).inc()
         if prompt_tokens:
@@ -123,6 +150,9 @@ class GatewayMetrics:
             child(self.completion_tokens, tenant, pool).inc(completion_tokens)
         if ttft is not None:
             child(self.ttft, tenant, pool).observe(ttft)
+            child(self.ttft_by_cache, tenant, pool, cache_outcome(kv)).observe(ttft)
+        if inter_token is not None:
+            child(self.inter_token, tenant, pool).observe(inter_token)
         child(self.latency, tenant, pool).observe(latency)
         if kv is not None:
             child(self.kv_reused, tenant, pool).inc(kv.reused_blocks)

@@ -44,6 +44,7 @@ class PoolMonitor:
         self._quotas: dict[str, dict[str, TenantQuota]] = {}
         self._trackers: dict[str, QuotaTracker] = {}
         self.last_refresh: dict[str, float] = {}
+        self.engine_up: dict[str, bool] = {}  # pool -> did its last stats call answer
 
     def quota_state(self, pool: str, tenant_id: int) -> QuotaState:
         tracker = self._trackers.get(pool)
@@ -79,7 +80,9 @@ class PoolMonitor:
             try:
                 stats = await self._directory.client(pool).stats()
             except EngineError:
+                self.engine_up[pool.name] = False
                 continue  # keep the last known state; the engine may be restarting
+            self.engine_up[pool.name] = True
             self.apply(pool, stats, tenants)
 
     def snapshots(self) -> list[PoolSnapshot]:

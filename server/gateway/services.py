@@ -105,7 +105,7 @@ def build_gateway_services(*, session_factory, pepper: str, tokenizer_for, admis
         return stats
 
     monitor = PoolMonitor(engines, pools_and_tenants)
-    metrics = GatewayMetrics(registry, monitor.snapshots)
+    metrics = GatewayMetrics(registry, monitor.snapshots, lambda: monitor.engine_up)
     usage = UsageRecorder(session_factory)
     return GatewayServices(
         auth=KeyAuthenticator(session_factory, pepper=pepper, ttl=auth_ttl),
