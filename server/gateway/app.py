@@ -125,6 +125,9 @@ class AdminMutationHook:
 
 def install_gateway(app: FastAPI, services: GatewayServices) -> FastAPI:
     app.state.gateway = services
+    admin_app = getattr(app.state, "admin_app", None)
+    if admin_app is not None:  # the admin API's /pools/{ref}/slo/state and /restore (server/admin/slo.py)
+        admin_app.state.slo_guard = services.slo_guards
     app.include_router(router)
 
     async def on_validation(request: Request, exc: RequestValidationError):
