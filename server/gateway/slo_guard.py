@@ -58,7 +58,10 @@ class SloGuards:
         self.metrics = SloGuardMetrics(registry, self.tripped)
 
     def tripped(self) -> dict[str, bool]:
-        return {pool: guard.tripped for pool, guard in self._guards.items()}
+        """Every known pool (False without a budget), so the series exists before any trip."""
+        out = {pool.name: False for pool in self._pools()}
+        out.update((pool, guard.tripped) for pool, guard in self._guards.items())
+        return out
 
     def _guard(self, pool: PoolSnapshot) -> SloGuard | None:
         guard = self._guards.get(pool.name)

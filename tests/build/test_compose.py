@@ -212,12 +212,16 @@ def test_the_gateway_exposes_every_documented_metric():
     report = PoolStatsReport(tokens_per_block=32, primary=TierStats(8, 4, 4), secondary=TierStats(8, 8, 0), tenants={"t1": [1, 0]})
     snapshot = metrics_module.PoolSnapshot(pool="p", stats=report, tenant_slugs={"t1": "acme"}, tenant_quota_blocks={"acme": 4.0}, demoted={})
     registry = CollectorRegistry()
-    gateway = metrics_module.GatewayMetrics(registry, snapshots=lambda: [snapshot])
+    gateway = metrics_module.GatewayMetrics(registry, snapshots=lambda: [snapshot], engine_up=lambda: {"p": True})
+    gateway.observe_request(tenant="acme", pool="p", status="ok", prompt_tokens=8, completion_tokens=4, ttft=0.1,
+                            latency=0.2, kv=None, demoted=False, inter_token=0.02)
     gateway.requests.labels(tenant="acme", pool="p", status="ok").inc()
     gateway.ttft.labels(tenant="acme", pool="p").observe(0.1)
     for counter in (gateway.kv_reused, gateway.kv_new, gateway.kv_onboarded):
         counter.labels(tenant="acme", pool="p").inc()
     gateway.rate_limited.labels(tenant="acme", limit="rpm").inc()
+    guard = metrics_module.SloGuardMetrics(registry, lambda: {"p": False})
+    guard.observe(pool="p", arm="host", ttft=0.1, inter_token=0.01, cache="miss")
     exposed = set(re.findall(r"^(kvgate_[a-z_]+?)(?:_bucket|_count|_sum|_created)?[{ ]", generate_latest(registry).decode(), re.M))
     assert documented_metrics() <= exposed
 
