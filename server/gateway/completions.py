@@ -215,10 +215,10 @@ class CompletionRunner:
             raise ServingError(exc.status, code, str(exc), param=exc.limit, headers=headers) from exc
         reuse = self._reuse_for(job.tenant.pool.name) if self._reuse_for is not None else None
         plan = build_plan(job, reuse, self._clock())
+        started = time.perf_counter()
         outcome = Outcome()
         if self._guard is not None:  # SLO guard tripped or pilot control arm: host tier rolled back
             plan, outcome.arm = self._guard.apply(tenant, plan)
-        started = time.perf_counter()
         if job.stream:
             return StreamingResponse(self._sse(job, plan, outcome, started, lease), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
