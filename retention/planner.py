@@ -151,7 +151,9 @@ def roll_back_host_tier(plan: RetentionPlan, offload_min_priority: int) -> Reten
     Durations are kept only if the priority a block falls
     back to when its duration expires (35, ``kDefaultRetentionPriority``) is itself below
     the threshold; otherwise they are dropped (``None`` = never expires), because an expired
-    block at 35 would be offloaded again. Invariant: for ``offload_min_priority >= 1`` no
+    block at 35 would be offloaded again ("Priority reverts to the default of 35 after a
+    period of duration_ms", NVIDIA/TensorRT-LLM ``docs/source/features/kvcache.md``,
+    Retention Policy). Invariant: for ``offload_min_priority >= 1`` no
     block planned by the result offloads, at any time. A threshold of 0 offloads everything
     (no priority is below it): the plan is returned unchanged.
 
