@@ -26,6 +26,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from retention.types import (
+    DEFAULT_PRIORITY,
     MAX_PRIORITY,
     MIN_PRIORITY,
     RetentionPlan,
@@ -138,3 +139,55 @@ def demote(plan: RetentionPlan) -> RetentionPlan:
     """
     ranges = (TokenRange(0, None, MIN_PRIORITY, None),) if plan.ranges else ()
     return RetentionPlan(ranges, MIN_PRIORITY, None, demoted=True)
+
+
+def roll_back_host_tier(plan: RetentionPlan, offload_min_priority: int) -> RetentionPlan:
+    """The plan with the host tier rolled back: every block it plans is kept below the
+    pool's offload threshold, so when evicted it is dropped, never offloaded (SLO guard).
+
+    Priorities are clamped to ``offload_min_priority - 1`` (``min``): the order between
+    ranges is kept (non-strictly: priorities above the clamp become equal), ranges are not
+    merged (same token boundaries); prompt tokens no range covers get an explicit range.
+    Durations are kept only if the priority a block falls
+    back to when its duration expires (35, ``kDefaultRetentionPriority``) is itself below
+    the threshold; otherwise they are dropped (``None`` = never expires), because an expired
+    block at 35 would be offloaded again ("Priority reverts to the default of 35 after a
+    period of duration_ms", NVIDIA/TensorRT-LLM ``docs/source/features/kvcache.md``,
+    Retention Policy). Invariant: for ``offload_min_priority >= 1`` no
+    block planned by the result offloads, at any time. A threshold of 0 offloads everything
+    (no priority is below it): the plan is returned unchanged.
+
+        threshold 30:  [0,96)@90/∞  [96,128)@60/600s  decode@20/30s
+                   →   [0,96)@29/∞  [96,128)@29/∞     decode@20/∞
+    """
+    if isinstance(offload_min_priority, bool) or not isinstance(offload_min_priority, int) or not (
+        MIN_PRIORITY <= offload_min_priority <= MAX_PRIORITY + 1
+    ):
+        raise RetentionPlanError(
+            f"offload_min_priority must be an integer within [0, 101], got {offload_min_priority!r}",
+            field="offload_min_priority",
+        )
+    if offload_min_priority == MIN_PRIORITY:
+        return plan
+    ceiling = offload_min_priority - 1
+    keep_durations = DEFAULT_PRIORITY < offload_min_priority
+
+    def duration(value: int | None) -> int | None:
+        return value if keep_durations else None
+
+    # Prompt tokens no range covers get 35 in TensorRT-LLM (when new): cover every gap
+    # explicitly, so the result holds whatever plan it is given.
+    gap = min(DEFAULT_PRIORITY, ceiling)
+    ranges: list[TokenRange] = []
+    covered = 0
+    for r in plan.ranges:
+        if r.start > covered:
+            ranges.append(TokenRange(covered, r.start, gap, None))
+        ranges.append(TokenRange(r.start, r.end, min(r.priority, ceiling), duration(r.duration_ms)))
+        covered = r.end if r.end is not None else -1
+        if covered < 0:
+            break
+    if covered >= 0:
+        ranges.append(TokenRange(covered, None, gap, None))
+    return RetentionPlan(tuple(ranges), min(plan.decode_priority, ceiling), duration(plan.decode_duration_ms),
+                         demoted=plan.demoted)

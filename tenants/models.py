@@ -1,6 +1,7 @@
 """SQLAlchemy 2.x models of the tenant registry.
 
 Tables: ``pools`` (engine deployments), ``pool_replicas`` (a pool's engine endpoints),
+``pool_slo_budgets`` (a pool's latency budget for the gateway's SLO guard, at most one),
 ``retention_classes`` (TensorRT-LLM retention
 priorities/durations per prompt segment), ``tenants``, ``api_keys`` (HMAC of the secret,
 never the plaintext), ``audit_events``, ``usage`` (per tenant per minute) and
@@ -21,6 +22,7 @@ from typing import Any
 from sqlalchemy import (
     JSON,
     BigInteger,
+    Boolean,
     CheckConstraint,
     DateTime,
     Float,
@@ -128,10 +130,46 @@ class Pool(Timestamped, Base):
         passive_deletes=True,
     )
 
+    # At most one SLO budget (the gateway's guard, retention/rollout/guard.py); selectin
+    # like the replicas, so snapshots never lazy-load.
+    slo: Mapped[PoolSloBudget | None] = relationship(
+        back_populates="pool", lazy="selectin", cascade="all, delete-orphan", passive_deletes=True, uselist=False
+    )
+
     @property
     def triton_url(self) -> str:
         """Legacy single endpoint: the first active replica's, else the first replica's."""
         return primary_endpoint(self.replicas)
+
+
+class PoolSloBudget(Timestamped, Base):
+    """A pool's latency budget and guard settings (``retention.rollout.guard.SloBudget``).
+
+    Budgets in milliseconds (NULL = that latency is not guarded), times in whole seconds.
+    """
+
+    __tablename__ = "pool_slo_budgets"
+    __table_args__ = (
+        CheckConstraint("ttft_p99_ms IS NULL OR ttft_p99_ms >= 1", name="ttft_p99_ms_pos"),
+        CheckConstraint("itl_p99_ms IS NULL OR itl_p99_ms >= 1", name="itl_p99_ms_pos"),
+        CheckConstraint("window_seconds >= 1", name="window_seconds_pos"),
+        CheckConstraint("min_requests >= 1", name="min_requests_pos"),
+        CheckConstraint("cooldown_seconds >= 0", name="cooldown_seconds_nonneg"),
+        CheckConstraint("hysteresis >= 0 AND hysteresis < 1", name="hysteresis_range"),
+        CheckConstraint("pilot_fraction >= 0 AND pilot_fraction <= 1", name="pilot_fraction_range"),
+    )
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    pool_id: Mapped[int] = mapped_column(ForeignKey("pools.id", ondelete="CASCADE"), unique=True)
+    ttft_p99_ms: Mapped[int | None] = mapped_column(Integer)
+    itl_p99_ms: Mapped[int | None] = mapped_column(Integer)
+    window_seconds: Mapped[int] = mapped_column(Integer)
+    min_requests: Mapped[int] = mapped_column(Integer)
+    cooldown_seconds: Mapped[int] = mapped_column(Integer)
+    hysteresis: Mapped[float] = mapped_column(Float)
+    enabled: Mapped[bool] = mapped_column(Boolean)
+    pilot_fraction: Mapped[float] = mapped_column(Float)
+    pool: Mapped[Pool] = relationship(back_populates="slo")
 
 
 class PoolReplica(Timestamped, Base):

@@ -9,7 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from retention.planner import SegmentRetention  # one segment's retention, shared with the planner
-from tenants.models import Pool, PoolReplica, RetentionClass, Tenant, primary_endpoint
+from retention.rollout.guard import SloBudget
+from tenants.models import Pool, PoolReplica, PoolSloBudget, RetentionClass, Tenant, primary_endpoint
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,6 +44,7 @@ class PoolSnapshot:
     secondary_blocks: int
     secondary_offload_min_priority: int
     replicas: tuple[ReplicaSnapshot, ...]
+    slo: SloBudget | None = None  # the SLO guard's budget (tenants.slo); None = no guard
 
     @property
     def triton_url(self) -> str:
@@ -70,7 +72,18 @@ class PoolSnapshot:
             secondary_blocks=pool.secondary_blocks,
             secondary_offload_min_priority=pool.secondary_offload_min_priority,
             replicas=tuple(ReplicaSnapshot.of(r) for r in sorted(pool.replicas, key=lambda r: r.id)),
+            slo=_budget(pool.slo),
         )
+
+
+def _budget(row: PoolSloBudget | None) -> SloBudget | None:
+    if row is None:
+        return None
+    return SloBudget(
+        ttft_p99_ms=row.ttft_p99_ms, itl_p99_ms=row.itl_p99_ms, window_seconds=row.window_seconds,
+        min_requests=row.min_requests, cooldown_seconds=row.cooldown_seconds, hysteresis=row.hysteresis,
+        enabled=row.enabled, pilot_fraction=row.pilot_fraction,
+    )
 
 
 @dataclass(frozen=True, slots=True)

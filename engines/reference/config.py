@@ -51,6 +51,9 @@ class ReferenceEngineConfig:
     * ``decode_threads``: threads for smaller (decode) steps. Default 1: those ops last
       ~0.1 ms, and on a shared 2-core machine a second OpenMP thread that has to wait for
       a busy core made the 4-bit kernel up to 40x slower (measured); set 2 on a quiet machine.
+    * ``fault_onboard_delay_ms``: a test/chaos knob, 0 in production: sleep this long per
+      block onboarded from the host tier (a slow host link on purpose), so the gateway's
+      SLO guard can be exercised. It stalls the engine's step loop, like a blocking copy.
     """
 
     gguf_path: Path | None = None
@@ -67,6 +70,7 @@ class ReferenceEngineConfig:
     weight_format: str = "q4"
     num_threads: int = 1
     decode_threads: int = 1
+    fault_onboard_delay_ms: int = 0
 
     def __post_init__(self) -> None:
         if isinstance(self.kv_dtype, str) and not isinstance(self.kv_dtype, KvDtype):
@@ -86,6 +90,7 @@ class ReferenceEngineConfig:
         _at_least("max_output_len", self.max_output_len, 1)
         _at_least("num_threads", self.num_threads, 1)
         _at_least("decode_threads", self.decode_threads, 1)
+        _at_least("fault_onboard_delay_ms", self.fault_onboard_delay_ms, 0)
         if self.max_num_tokens < self.max_batch_size:
             # Every decoding sequence needs one token of the step budget, or some would starve.
             raise EngineConfigError(

@@ -84,7 +84,7 @@ class ReferenceEngine:
             self.pool, tokens_per_block=config.tokens_per_block,
             max_batch_size=config.max_batch_size, max_num_tokens=config.max_num_tokens,
         )
-        self.runner = StepRunner(bundle.model, self.cache)
+        self.runner = StepRunner(bundle.model, self.cache, onboard_delay_s=config.fault_onboard_delay_ms / 1000)
         self._lock = threading.Lock()
         self._wake = threading.Condition(self._lock)
         self._sinks: dict[str, Sink] = {}

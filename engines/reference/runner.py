@@ -10,18 +10,22 @@ one sampled token per sequence that asked for one.
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 from engines.reference.kv_cache import PagedKvCache
 from engines.reference.model import DecodeGroup, LlamaModel, PrefillSpan, StepBatch
 from engines.reference.sampling import sample_rows
 from engines.reference.scheduler import ScheduledStep, Sequence
+from retention.types import Tier
 
 
 class StepRunner:
-    def __init__(self, model: LlamaModel, cache: PagedKvCache) -> None:
+    def __init__(self, model: LlamaModel, cache: PagedKvCache, *, onboard_delay_s: float = 0.0) -> None:
         self.model = model
         self.cache = cache
+        self.onboard_delay_s = onboard_delay_s  # fault knob (ReferenceEngineConfig.fault_onboard_delay_ms)
         self.tokens_per_block = cache.geometry.tokens_per_block
 
     def token_slots(self, seq: Sequence, start: int, stop: int) -> torch.Tensor:
@@ -33,6 +37,8 @@ class StepRunner:
     def execute_copies(self, step: ScheduledStep) -> None:
         for copy in step.copies:
             self.cache.copy_block(int(copy.src_tier), copy.src_slot, int(copy.dst_tier), copy.dst_slot)
+            if self.onboard_delay_s and copy.src_tier == Tier.SECONDARY and copy.dst_tier == Tier.PRIMARY:
+                time.sleep(self.onboard_delay_s)  # a slow host link, on purpose (test/chaos only)
 
     def run(self, step: ScheduledStep) -> list[tuple[Sequence, int]]:
         """Forward the step; returns ``(sequence, sampled token)`` for every sampling row."""

@@ -207,6 +207,9 @@ def register(app: typer.Typer) -> None:
     _register_replicas(admin)
     _register_tenants(admin)
     _register_keys(admin)
+    from server.cli import slo  # its own module: the SLO guard's budget
+
+    slo.register(admin)
 
     @admin.command("apply")
     def apply_(

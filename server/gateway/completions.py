@@ -33,6 +33,7 @@ from server.gateway.engine_client import EngineClient, EngineRejected, EngineUna
 from server.gateway.errors import ServingError, error_body
 from server.gateway.metrics import GatewayMetrics
 from server.gateway.prompting import PreparedPrompt
+from server.gateway.slo_guard import SloGuards
 
 
 @dataclass(slots=True)
@@ -61,6 +62,7 @@ class Outcome:
     kv: KvMetrics | None = None
     ttft: float | None = None
     status: str = "ok"
+    arm: str | None = None  # SLO guard / pilot arm the plan was made for (server.gateway.slo_guard)
 
     @property
     def text(self) -> str:
@@ -192,12 +194,13 @@ class CompletionRunner:
 
     def __init__(self, *, admission: Admission, metrics: GatewayMetrics, usage: UsageSink,
                  reuse_for: Callable[[str], ReuseStats] | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, guard: SloGuards | None = None) -> None:
         self._admission = admission
         self._metrics = metrics
         self._usage = usage
         self._reuse_for = reuse_for
         self._clock = clock
+        self._guard = guard
 
     async def run(self, job: CompletionJob):
         tenant = job.tenant
@@ -214,6 +217,8 @@ class CompletionRunner:
         plan = build_plan(job, reuse, self._clock())
         started = time.perf_counter()
         outcome = Outcome()
+        if self._guard is not None:  # SLO guard tripped or pilot control arm: host tier rolled back
+            plan, outcome.arm = self._guard.apply(tenant, plan)
         if job.stream:
             return StreamingResponse(self._sse(job, plan, outcome, started, lease), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
@@ -240,6 +245,8 @@ class CompletionRunner:
             completion_tokens=outcome.completion_tokens, ttft=outcome.ttft, latency=latency,
             kv=outcome.kv, demoted=plan.demoted, inter_token=inter_token,
         )
+        if self._guard is not None:
+            self._guard.observe(tenant.pool.name, outcome.arm, ttft=outcome.ttft, inter_token=inter_token, kv=outcome.kv)
         self._usage(tenant.tenant_id, job.prompt.total, outcome.completion_tokens)
 
     def _usage_body(self, job: CompletionJob, outcome: Outcome) -> dict:

@@ -173,3 +173,41 @@ class GatewayMetrics:
             child(self.kv_onboarded, tenant, pool).inc(kv.onboarded_blocks)
         if demoted:
             child(self.quota_demotions, tenant, pool).inc()
+
+
+class SloGuardMetrics:
+    """The SLO guard's series: ``kvgate_slo_guard_tripped{pool}`` (1/0, read at scrape time) and,
+    per pilot arm (``host`` = planned with the host tier, ``rollback`` = planned below the
+    offload threshold), TTFT, inter-token latency and requests by cache outcome."""
+
+    def __init__(self, registry: CollectorRegistry, tripped: Callable[[], Mapping[str, bool]]) -> None:
+        arm = ["pool", "arm"]
+        self.ttft = Histogram("kvgate_pilot_ttft_seconds", "Time to first token by pilot arm (streamed requests)", arm,
+                              buckets=_LATENCY_BUCKETS, registry=registry)
+        self.inter_token = Histogram("kvgate_pilot_inter_token_seconds", "Mean inter-token latency by pilot arm", arm,
+                                     buckets=_ITL_BUCKETS, registry=registry)
+        self.requests = Counter("kvgate_pilot_requests", "Requests by pilot arm and cache outcome", arm + ["cache"],
+                                registry=registry)
+        registry.register(_TrippedCollector(tripped))
+
+    def observe(self, *, pool: str, arm: str, ttft: float | None, inter_token: float | None, cache: str) -> None:
+        self.requests.labels(pool, arm, cache).inc()
+        if ttft is not None:
+            self.ttft.labels(pool, arm).observe(ttft)
+        if inter_token is not None:
+            self.inter_token.labels(pool, arm).observe(inter_token)
+
+
+class _TrippedCollector(Collector):
+    def __init__(self, tripped: Callable[[], Mapping[str, bool]]) -> None:
+        self._tripped = tripped
+
+    def describe(self):
+        return []
+
+    def collect(self):
+        gauge = GaugeMetricFamily("kvgate_slo_guard_tripped",
+                                  "1 while the SLO guard has the pool's host tier rolled back", labels=["pool"])
+        for pool, tripped in self._tripped().items():
+            gauge.add_metric([pool], 1.0 if tripped else 0.0)
+        yield gauge

@@ -22,6 +22,7 @@ from server.gateway.completions import CompletionRunner
 from server.gateway.engines import EngineDirectory
 from server.gateway.metrics import GatewayMetrics
 from server.gateway.pool_monitor import PoolMonitor
+from server.gateway.slo_guard import SloGuards
 from server.gateway.usage import UsageRecorder
 
 log = logging.getLogger("kvgate.gateway")
@@ -32,6 +33,7 @@ class LoopIntervals:
     usage_flush: float = 2.0
     last_used_flush: float = 10.0
     pool_poll: float = 1.0
+    slo_guard: float = 1.0
 
 
 @dataclass(slots=True)
@@ -45,6 +47,7 @@ class GatewayServices:
     metrics: GatewayMetrics
     runner: CompletionRunner
     reuse: dict[str, ReuseStats] = field(default_factory=dict)  # pool -> adaptive retention statistics
+    slo_guards: SloGuards | None = None  # per-pool SLO guards (server.gateway.slo_guard)
     intervals: LoopIntervals = field(default_factory=LoopIntervals)
     draining: bool = False  # set by the SIGTERM drain (server.gateway.drain): new requests get 503
     in_flight: int = 0  # serving requests not yet fully answered (server.gateway.drain.InFlight)
@@ -76,6 +79,8 @@ class GatewayServices:
             asyncio.create_task(self._loop(self.intervals.last_used_flush, self.auth.flush_last_used, "last-used flush")),
             asyncio.create_task(self._loop(self.intervals.pool_poll, self.monitor.refresh, "pool poll")),
         ]
+        if self.slo_guards is not None:
+            self._tasks.append(asyncio.create_task(self._loop(self.intervals.slo_guard, self.slo_guards.tick, "SLO guard")))
 
     async def stop(self) -> None:
         for task in self._tasks:
@@ -107,10 +112,12 @@ def build_gateway_services(*, session_factory, pepper: str, tokenizer_for, admis
     monitor = PoolMonitor(engines, pools_and_tenants)
     metrics = GatewayMetrics(registry, monitor.snapshots, lambda: monitor.engine_up)
     usage = UsageRecorder(session_factory)
+    guards = SloGuards(session_factory=session_factory, pools=lambda: list(engines.pools.values()), registry=registry)
     return GatewayServices(
         auth=KeyAuthenticator(session_factory, pepper=pepper, ttl=auth_ttl),
         admission=admission, engines=engines, usage=usage, monitor=monitor, registry=registry, metrics=metrics,
-        runner=CompletionRunner(admission=admission, metrics=metrics, usage=usage.record, reuse_for=reuse_for),
-        reuse=reuse,
+        runner=CompletionRunner(admission=admission, metrics=metrics, usage=usage.record, reuse_for=reuse_for,
+                                guard=guards),
+        reuse=reuse, slo_guards=guards,
         intervals=intervals or LoopIntervals(),
     )

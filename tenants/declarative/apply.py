@@ -11,7 +11,7 @@ from datetime import datetime
 
 from sqlalchemy.orm import Session
 
-from tenants import pools, replicas, retention_classes, tenant
+from tenants import pools, replicas, retention_classes, slo, tenant
 from tenants.common import batch
 from tenants.declarative.plan import Change, Plan, compute_plan
 from tenants.declarative.schema import RegistryFile
@@ -38,6 +38,8 @@ def _execute(session: Session, change: Change, *, actor: str, now: datetime) -> 
         case ("replica", "update"):
             replicas.update_replica(session, **kw, pool=p["pool"], name=p["name"], version=change.version,
                                     changes=p["changes"])
+        case ("pool_slo", "create") | ("pool_slo", "update"):
+            slo.set_budget(session, **kw, pool=change.ref, values=p, version=change.version)
         case ("replica", "delete"):
             replicas.remove_replica(session, **kw, pool=p["pool"], name=p["name"])
         case ("tenant", "create"):

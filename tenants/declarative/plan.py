@@ -24,6 +24,7 @@ from typing import Any
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
+from tenants import slo
 from tenants.declarative.schema import RegistryFile
 from tenants.errors import InvalidField
 from tenants.models import Pool, RetentionClass, Tenant
@@ -32,7 +33,7 @@ from tenants.models import Pool, RetentionClass, Tenant
 ORDER = (
     ("retention_class", "create"), ("retention_class", "update"),
     ("pool", "create"), ("pool", "update"),
-    ("replica", "create"), ("replica", "update"),
+    ("replica", "create"), ("replica", "update"), ("pool_slo", "create"), ("pool_slo", "update"),
     ("tenant", "create"), ("tenant", "update"), ("tenant", "suspend"), ("tenant", "resume"),
     ("tenant", "delete"), ("replica", "delete"), ("pool", "delete"), ("retention_class", "delete"),
 )
@@ -133,12 +134,19 @@ def compute_plan(session: Session, doc: RegistryFile, *, prune: bool = False) ->
 
     for spec in doc.pools or []:
         cur = pools.get(spec.name)
-        wanted = spec.given(exclude=("name", "replicas"))
+        wanted = spec.given(exclude=("name", "replicas", "slo"))
         replicas = [r.given() for r in spec.replicas]
+        if spec.slo is not None:  # the whole budget, defaults for what the file leaves out
+            budget = slo.validated(spec.slo.model_dump())
+            have = None if cur is None else cur.slo
+            if have is None:
+                changes.append(Change("pool_slo", "create", spec.name, _created(budget), payload=budget))
+            elif diff := _diff(have, budget):
+                changes.append(Change("pool_slo", "update", spec.name, diff, have.version, budget))
         if cur is None:
             fields = (*_created(wanted), FieldChange("replicas", None, [_replica_line(r) for r in replicas]))
             changes.append(Change("pool", "create", spec.name, fields,
-                                  payload={**spec.given(exclude=("replicas",)), "replicas": replicas}))
+                                  payload={**spec.given(exclude=("replicas", "slo")), "replicas": replicas}))
             continue
         if diff := _diff(cur, wanted):
             changes.append(Change("pool", "update", spec.name, diff, cur.version, {f.name: f.new for f in diff}))

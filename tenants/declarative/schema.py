@@ -5,7 +5,9 @@ Shape (every list optional; a list's absence means "this kind is not managed by 
     pools:             # PoolCreate fields + replicas (at least one)
       - {name, model_name, primary_blocks, tokens_per_block?, secondary_blocks?,
          secondary_offload_min_priority?, triton_model?, engine_spec?,
-         replicas: [{name, endpoint, weight?, state?}, ...]}
+         replicas: [{name, endpoint, weight?, state?}, ...],
+         slo?: {ttft_p99_ms?, itl_p99_ms?, window_seconds?, min_requests?, cooldown_seconds?,
+                hysteresis?, enabled?, pilot_fraction?}}   # the whole SLO budget (tenants.slo)
     retention_classes: # RetentionClassCreate fields
       - {name, description?, <segment>_priority?, <segment>_duration_ms?, ..., mode?}
     tenants:           # TenantCreate fields, pool and class by name, optional status
@@ -26,9 +28,9 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, StrictFloat, StrictInt, StrictStr, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr, ValidationError
 
-from tenants import pools, retention_classes, tenant
+from tenants import pools, retention_classes, slo, tenant
 from tenants import validation as v
 from tenants.errors import InvalidField
 from tenants.replicas import validated_replica
@@ -56,6 +58,19 @@ class ReplicaSpec(_Item):
     state: StrictStr = "active"
 
 
+class SloSpec(_Item):
+    """A pool's whole SLO budget: fields not written take the defaults (``tenants.slo.DEFAULTS``)."""
+
+    ttft_p99_ms: StrictInt | None = None
+    itl_p99_ms: StrictInt | None = None
+    window_seconds: StrictInt = 60
+    min_requests: StrictInt = 20
+    cooldown_seconds: StrictInt = 300
+    hysteresis: StrictFloat | StrictInt = 0.2
+    enabled: StrictBool = True
+    pilot_fraction: StrictFloat | StrictInt = 1.0
+
+
 class PoolSpec(_Item):
     name: StrictStr
     model_name: StrictStr
@@ -66,6 +81,7 @@ class PoolSpec(_Item):
     triton_model: StrictStr = pools.DEFAULT_TRITON_MODEL
     engine_spec: StrictStr = ""
     replicas: list[ReplicaSpec] = Field(min_length=1)
+    slo: SloSpec | None = None  # omitted: the budget is not managed by the file
 
 
 class RetentionClassSpec(_Item):
@@ -152,7 +168,9 @@ def _unique(kind: str, names: list[str]) -> None:
 def _check_values(doc: RegistryFile) -> None:
     for i, p in enumerate(doc.pools or []):
         path = f"pools[{i}]"
-        _checked(path, lambda p=p: pools._validated(p.given(exclude=("replicas",))))
+        _checked(path, lambda p=p: pools._validated(p.given(exclude=("replicas", "slo"))))
+        if p.slo is not None:
+            _checked(f"{path}.slo", lambda p=p: slo.validated(p.slo.model_dump()))
         _unique(f"{path}.replicas", [r.name for r in p.replicas])
         for j, r in enumerate(p.replicas):
             _checked(f"{path}.replicas[{j}]", lambda r=r: validated_replica(r.model_dump()))

@@ -189,3 +189,56 @@ def test_postgres_0003_moves_triton_url_into_replicas_and_back() -> None:
     finally:
         engine.dispose()
         drop_pg_schema(schema)
+
+
+# --- 0004: pool_slo_budgets, with data -----------------------------------------------------------
+
+
+def _slo_budgets_round_trip(engine) -> None:  # type: ignore[no-untyped-def]
+    with engine.begin() as conn:
+        migrate.upgrade(connection=conn, revision="0002")
+        _seed_0002(conn)
+        migrate.upgrade(connection=conn, revision="0004")
+    with engine.begin() as conn:
+        conn.execute(text(
+            "INSERT INTO pool_slo_budgets (pool_id, ttft_p99_ms, itl_p99_ms, window_seconds, min_requests, "
+            "cooldown_seconds, hysteresis, enabled, pilot_fraction, created_at, updated_at, version) "
+            f"VALUES (1, 800, NULL, 60, 20, 300, 0.2, TRUE, 1.0, '{_T}', '{_T}', 1)"
+        ))
+    with engine.connect() as conn:  # the database itself refuses a second budget for a pool
+        with pytest.raises(Exception), conn.begin():
+            conn.execute(text(
+                "INSERT INTO pool_slo_budgets (pool_id, window_seconds, min_requests, cooldown_seconds, hysteresis, "
+                f"enabled, pilot_fraction, created_at, updated_at, version) VALUES (1, 60, 20, 300, 0.2, TRUE, 1.0, "
+                f"'{_T}', '{_T}', 1)"
+            ))
+    with engine.begin() as conn:
+        migrate.downgrade(connection=conn, revision="0003")
+    with engine.connect() as conn:
+        assert "pool_slo_budgets" not in inspect(conn).get_table_names()
+        assert conn.execute(text("SELECT count(*) FROM pools")).scalar_one() == 2  # pools untouched
+    with engine.begin() as conn:
+        migrate.upgrade(connection=conn)
+    with engine.connect() as conn:
+        assert conn.execute(text("SELECT count(*) FROM pool_slo_budgets")).scalar_one() == 0  # no guard armed
+
+
+def test_sqlite_0004_slo_budgets_up_and_down(tmp_path: Path) -> None:
+    engine = make_engine(f"sqlite:///{tmp_path / 'm4.db'}")
+    try:
+        _slo_budgets_round_trip(engine)
+    finally:
+        engine.dispose()
+
+
+@pytest.mark.postgres
+def test_postgres_0004_slo_budgets_up_and_down() -> None:
+    if not postgres_reachable():
+        pytest.skip("PostgreSQL at 127.0.0.1:5432 is unreachable")
+    schema = new_pg_schema()
+    engine = pg_engine(schema)
+    try:
+        _slo_budgets_round_trip(engine)
+    finally:
+        engine.dispose()
+        drop_pg_schema(schema)

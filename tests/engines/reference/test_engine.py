@@ -83,6 +83,7 @@ async def test_duplicate_ids_and_stopped_engine_are_refused(bundle, tokenizer):
     ({"max_input_len": 100_000}, "primary pool"),
     ({"weight_format": "fp64"}, "weight_format"),
     ({"max_num_tokens": 4, "max_batch_size": 8}, "max_num_tokens"),
+    ({"fault_onboard_delay_ms": -1}, "fault_onboard_delay_ms"),
 ])
 def test_config_validation_names_the_setting(change, named):
     with pytest.raises(EngineConfigError, match=named):

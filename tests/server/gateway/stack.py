@@ -128,9 +128,9 @@ PEPPER = "test-pepper-" + secrets.token_hex(16)
 
 
 def build_stack(tmp: Path, *, engine_args: list[str], tokens_per_block: int, primary: int, secondary: int,
-                offload_min_priority: int = 30) -> Stack:
+                offload_min_priority: int = 30, engine_timeout: float = 120.0) -> Stack:
     engine = EngineProcess(free_port(), engine_args, tmp / "engine.log")
-    engine.start()
+    engine.start(timeout=engine_timeout)
     url = f"sqlite:///{tmp / 'registry.db'}"
     migrate.upgrade(url=url)
     db_engine = make_engine(url)

@@ -1,0 +1,77 @@
+"""Pool SLO budgets against a real registry (SQLite and PostgreSQL): set, replace, validate,
+delete with the pool, audit, and the gateway's snapshot."""
+
+from __future__ import annotations
+
+import pytest
+from sqlalchemy import select, text
+
+from retention.rollout.guard import SloBudget
+from tenants import list_pool_snapshots, pools, slo
+from tenants.errors import InvalidField, NotFound, StaleVersion
+from tenants.models import AuditEvent, PoolSloBudget
+from tests.tenants.factories import ACTOR, make_pool, now
+
+
+def test_set_replace_snapshot_and_audit(session) -> None:  # type: ignore[no-untyped-def]
+    pool = make_pool(session)
+    assert list_pool_snapshots(session)[0].slo is None
+    with pytest.raises(NotFound) as err:
+        slo.get_budget(session, pool="gpu-a")
+    assert err.value.code == "slo_budget_not_found"
+    row = slo.set_budget(session, actor=ACTOR, now=now(), pool="gpu-a",
+                         values={"ttft_p99_ms": 800, "window_seconds": 30, "min_requests": 10})
+    assert (row.ttft_p99_ms, row.itl_p99_ms, row.window_seconds, row.cooldown_seconds, row.hysteresis,
+            row.enabled, row.pilot_fraction, row.version) == (800, None, 30, 300, 0.2, True, 1.0, 1)
+    (snap,) = list_pool_snapshots(session)
+    assert snap.slo == SloBudget(ttft_p99_ms=800, window_seconds=30, min_requests=10, cooldown_seconds=300)
+    # A replacement sets every field (defaults for the rest) and bumps the version.
+    row = slo.set_budget(session, actor=ACTOR, now=now(), pool=pool.id, values={"itl_p99_ms": 60, "pilot_fraction": 0.5},
+                         version=1)
+    assert (row.ttft_p99_ms, row.itl_p99_ms, row.pilot_fraction, row.version) == (None, 60, 0.5, 2)
+    with pytest.raises(StaleVersion):
+        slo.set_budget(session, actor=ACTOR, now=now(), pool="gpu-a", values={}, version=1)
+    events = session.scalars(select(AuditEvent).where(AuditEvent.entity_type == "pool_slo").order_by(AuditEvent.id)).all()
+    assert [(e.action, e.entity_id) for e in events] == [("pool_slo.create", str(pool.id)), ("pool_slo.update", str(pool.id))]
+    assert events[1].before["ttft_p99_ms"] == 800 and events[1].after["itl_p99_ms"] == 60
+    slo.delete_budget(session, actor=ACTOR, now=now(), pool="gpu-a")
+    assert list_pool_snapshots(session)[0].slo is None
+
+
+@pytest.mark.parametrize(("values", "field"), [
+    ({"ttft_p99_ms": 0}, "ttft_p99_ms"), ({"window_seconds": 0}, "window_seconds"),
+    ({"window_seconds": 1.5}, "window_seconds"), ({"min_requests": 0}, "min_requests"),
+    ({"cooldown_seconds": -1}, "cooldown_seconds"), ({"hysteresis": 1}, "hysteresis"),
+    ({"pilot_fraction": 2.0}, "pilot_fraction"), ({"enabled": "yes"}, "enabled"), ({"budget": 1}, "budget"),
+    ({"window_seconds": 10**9}, "window_seconds"),
+])
+def test_bad_values_name_the_field_and_write_nothing(session, values, field) -> None:  # type: ignore[no-untyped-def]
+    make_pool(session)
+    with pytest.raises(InvalidField) as err:
+        slo.set_budget(session, actor=ACTOR, now=now(), pool="gpu-a", values=values)
+    assert err.value.field == field
+    assert session.scalar(select(PoolSloBudget)) is None
+
+
+def test_the_database_refuses_what_the_service_refuses(session) -> None:  # type: ignore[no-untyped-def]
+    pool = make_pool(session)
+    slo.set_budget(session, actor=ACTOR, now=now(), pool="gpu-a", values={"ttft_p99_ms": 500})
+    with pytest.raises(Exception):
+        session.execute(text(f"UPDATE pool_slo_budgets SET hysteresis = 1.5 WHERE pool_id = {pool.id}"))
+        session.commit()
+    session.rollback()
+
+
+def test_budget_goes_with_its_pool(session) -> None:  # type: ignore[no-untyped-def]
+    make_pool(session)
+    slo.set_budget(session, actor=ACTOR, now=now(), pool="gpu-a", values={"ttft_p99_ms": 500})
+    pools.delete_pool(session, actor=ACTOR, now=now(), ref="gpu-a")
+    assert session.scalar(select(PoolSloBudget)) is None
+
+
+def test_guard_events_are_audited(session) -> None:  # type: ignore[no-untyped-def]
+    pool = make_pool(session)
+    slo.record_guard_event(session, actor="gateway:slo-guard", now=now(), pool_id=pool.id, action="trip",
+                           before={"tripped": False}, after={"tripped": True, "reason": "r"})
+    (event,) = session.scalars(select(AuditEvent).where(AuditEvent.action == "pool_slo.trip")).all()
+    assert event.actor == "gateway:slo-guard" and event.after["tripped"] is True
