@@ -61,11 +61,12 @@ class AdaptiveConfig:
     min_horizon_ms: int = 1_000
     max_horizon_ms: int = 3_600_000
     reservoir: int = 512  # reuse gaps kept per tenant for the horizon estimate
-    # With a host tier (``adaptive_plan(..., host_tier=True)``): where first uses and measured
-    # one-shot blocks go. "host" = at the threshold T, offloaded when evicted; "default" =
-    # first uses at max(T, 35), LRU with expired kept blocks in both tiers; "gpu" = as without
-    # a host tier (one-shot blocks at 0, dropped). See ``priority_for``.
-    host_mode: str = "host"
+    # With a host tier (``adaptive_plan(..., host_tier=True)``), see ``priority_for``:
+    # "recency" = 35 (LRU in both tiers) unless p < host_sink_probability, then T (offloaded,
+    # first out of either tier); "host" = the GPU bands but one-shot blocks at T, not 0;
+    # "default" = as "host" with first uses at max(T, 35); "gpu" = exactly the GPU-only bands.
+    host_mode: str = "recency"
+    host_sink_probability: float = 0.05
 
     def __post_init__(self) -> None:
         if self.max_entries < 1 or self.reservoir < 1:
@@ -76,8 +77,8 @@ class AdaptiveConfig:
             raise ValueError("use_bands and band_step must be >= 1")
         if not 0 <= self.min_horizon_ms <= self.max_horizon_ms:
             raise ValueError("need 0 <= min_horizon_ms <= max_horizon_ms")
-        if self.host_mode not in ("host", "default", "gpu"):
-            raise ValueError("host_mode must be 'host', 'default' or 'gpu'")
+        if self.host_mode not in ("recency", "host", "default", "gpu"):
+            raise ValueError("host_mode must be 'recency', 'host', 'default' or 'gpu'")
 
 
 @dataclass(slots=True)
@@ -224,6 +225,9 @@ def priority_for(probability: float, prior_uses: int, threshold: int, config: Ad
     the host) instead of 0; "default" also puts first uses at max(T, 35).
     """
     mode = config.host_mode if host_tier else "gpu"
+    if mode == "recency":
+        low = min(threshold, MAX_PRIORITY)
+        return low if probability < config.host_sink_probability else max(low, 35)
     if probability < config.drop_probability:
         return 0 if mode == "gpu" else min(threshold, MAX_PRIORITY)
     if prior_uses == 0:
