@@ -23,8 +23,11 @@ pool's choice.
 
 Cost per request: one pass over its hashes to find the kept ones; when any is kept, every
 candidate's plan and one shadow replay of the kept blocks per candidate (callers compute
-plans lazily: :meth:`PolicyDuel.kept` first). Memory: candidates × shadow size plus
-O(candidates) floats per tenant.
+plans lazily: :meth:`PolicyDuel.kept` first). The rate is ``DuelConfig.rate`` (5 %), raised
+for small pools so each shadow holds at least ``min_shadow_blocks`` GPU blocks (a shadow of
+a few blocks cannot rank policies): at most ``max(rate, 64 / C)`` of a request's blocks are
+replayed per candidate. Memory: candidates × shadow size plus O(candidates) floats per
+tenant.
 """
 
 from __future__ import annotations
@@ -39,7 +42,8 @@ from retention.types import RetentionPlan
 
 @dataclass(frozen=True, slots=True)
 class DuelConfig:
-    rate: float = 0.05  # share of the block-hash space the shadows see
+    rate: float = 0.05  # share of the block-hash space the shadows see ...
+    min_shadow_blocks: int = 64  # ... raised (up to 1) so each shadow has at least this many GPU blocks
     half_life_refs: float = 2_000.0  # decay of the contest, in kept references
     margin: float = 0.03  # a challenger must beat the incumbent by this share ...
     patience: int = 100  # ... for this many kept references in a row
@@ -50,8 +54,13 @@ class DuelConfig:
     def __post_init__(self) -> None:
         if self.half_life_refs <= 0 or self.margin < 0 or self.patience < 0 or self.min_refs < 0:
             raise ValueError("half_life_refs > 0; margin, patience, min_refs >= 0")
-        if self.tenant_min_refs < 0:
-            raise ValueError("tenant_min_refs must be >= 0")
+        if self.tenant_min_refs < 0 or self.min_shadow_blocks < 0:
+            raise ValueError("tenant_min_refs and min_shadow_blocks must be >= 0")
+        HashSample(self.rate)  # validates the rate
+
+    def rate_for(self, primary_blocks: int) -> float:
+        """The sampling rate for a pool: ``rate``, raised so a shadow holds ``min_shadow_blocks``."""
+        return min(1.0, max(self.rate, self.min_shadow_blocks / max(primary_blocks, 1)))
 
 
 @dataclass(slots=True)
@@ -86,7 +95,7 @@ class PolicyDuel:
     def __post_init__(self) -> None:
         if len(self.names) < 1 or len(set(self.names)) != len(self.names):
             raise ValueError("names must be distinct and non-empty")
-        self.sample = HashSample(self.config.rate)
+        self.sample = HashSample(self.config.rate_for(self.primary_blocks))
         self.shadows = [
             ShadowPool(self.sample, self.primary_blocks, self.secondary_blocks, self.offload_min_priority)
             for _ in self.names
