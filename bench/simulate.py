@@ -12,7 +12,7 @@ the same figures (the only wall-clock figure is the replay speed).
    Oracle reference policies (``retention/oracle.py``: priority bands from perfect knowledge
    of each block's next use, or of its number of uses in the next W seconds, through the
    same pool) at every capacity, GPU only.
-2. The noisy neighbour (``retention/workloads.py``): a premium tenant's hit rate alone,
+2. The noisy neighbour (``retention/workloads/noisy.py``): a premium tenant's hit rate alone,
    and next to a tenant flooding unique prompts at 10× its rate under ``lru``,
    ``adaptive``, classes, quotas, and classes + quotas.
 """
@@ -290,7 +290,7 @@ def noisy_section(seed: int = 1, gpu_blocks: int = 128) -> str:
         rows.append((label, result, demotions, pct(result.tenants["premium"].hit_rate / solo_rate)))
     premium_requests = sum(1 for r in mixed if r.tenant == "premium")
     lines = [
-        "## Noisy neighbour (bench/simulate.py, retention/workloads.py)",
+        "## Noisy neighbour (bench/simulate.py, retention/workloads/noisy.py)",
         "",
         f"Premium: {spec.turns}-turn chat sessions over a shared {spec.system_blocks}-block system prompt at "
         f"{spec.premium_rps} req/s ({premium_requests} requests); noisy: unique {spec.noisy_blocks}-block prompts at "
