@@ -35,6 +35,13 @@ long horizons did worse than LRU (stale "hot" blocks crowd the cache; docs/bench
 Sinking first uses also keeps one-shot traffic out of the way, which is what protects a
 premium tenant from a flooding neighbour, whose unique prompts drive its ``p`` towards 0.
 
+With a host tier (``adaptive_plan(..., host_tier=True)``, ``host_mode="recency"``): every
+block at 35 except measured one-shot blocks (p < ``host_sink_probability``), which go to T
+— offloaded, first out of either tier, never dropped. Offload keeps a block's priority and
+clears its duration, so the kept bands above would become *permanent* host priorities:
+on multi-turn chat the host filled with finished sessions and the hit rate fell from
+75.4 % (TensorRT-LLM defaults) to 60.4 % at 2 % GPU + 4× host (docs/benchmarks.md).
+
 Bounds: ``max_entries`` hashes per tenant (oldest forgotten first; a forgotten hash counts
 as new), a fixed reservoir of gaps per tenant, O(blocks) work per request.
 """
