@@ -7,7 +7,7 @@ Writes the ``bench:rag_chat`` section of docs/benchmarks.md. Deterministic (seed
 * Capacity: ``kvgate plan`` for Qwen2.5-72B (GQA, 8 KV heads) with FP8 weights and FP8 KV
   on 8 × H200 (TP 8), 32-token blocks, ``free_gpu_memory_fraction`` 0.9, a 4 GiB runtime
   reserve per rank, and a 256 GiB host tier for the replica (32 GiB ``host_cache_size`` per rank).
-* Workload: ``retention/rag_chat_workload.py`` — 1.5K-token system prompt, 8K tokens of
+* Workload: ``retention/workloads/rag_chat.py`` — 1.5K-token system prompt, 8K tokens of
   retrieved context (4 documents of 2K from a shared corpus, Zipf popularity), 200-token user
   turns, 300-token answers, 6 turns per session, 45 s mean think time.
 * Load: sessions per second such that the sessions in flight hold 0.5× (light), 1× (medium)
@@ -39,7 +39,7 @@ from bench.report import machine, write_section  # noqa: E402
 from engines.capacity.arithmetic import PlanInputs, plan  # noqa: E402
 from engines.capacity.hardware import GIB, Hardware, load_gpu  # noqa: E402
 from engines.capacity.shapes import load_shape  # noqa: E402
-from retention.rag_chat_workload import RagChatSpec, rag_chat_trace  # noqa: E402
+from retention.workloads.rag_chat import RagChatSpec, rag_chat_trace  # noqa: E402
 from retention.sim_policies import ClassMapping, make_policy  # noqa: E402
 from retention.simulator import SimConfig, run_simulation  # noqa: E402
 from retention.trace import parse_trace  # noqa: E402
@@ -135,7 +135,7 @@ def run(scale: int, duration: float) -> tuple[str, dict]:
         f"⇒ **{cap.primary_blocks:,} GPU blocks** of {TOKENS_PER_BLOCK} tokens ({cap.primary_tokens / 1e6:.2f} M tokens) and "
         f"**{cap.secondary_blocks:,} host blocks** (32 GiB `host_cache_size` per rank) per replica.",
         "",
-        f"Workload (`retention/rag_chat_workload.py`): {base.system_tokens:,}-token system prompt, "
+        f"Workload (`retention/workloads/rag_chat.py`): {base.system_tokens:,}-token system prompt, "
         f"{base.context_tokens:,} tokens of retrieved context ({base.docs_per_session} documents of "
         f"{base.tokens_per_doc:,} tokens, Zipf {base.popularity_skew:g} over {FULL_CORPUS:,} documents), "
         f"{base.user_tokens}-token user turns, {base.answer_tokens}-token answers, {base.turns} turns per session, "

@@ -13,6 +13,7 @@ parameters are documented on each spec dataclass.
 | ``rag`` | :mod:`~retention.workloads.rag` (Zipf documents, follow-ups) | report only |
 | ``agent`` | :mod:`~retention.workloads.agent` (tool loops, growing context) | report only |
 | ``api`` | :mod:`~retention.workloads.api` (single turn, 200 Zipf system prompts) | report only |
+| ``rag-chat`` | :mod:`~retention.workloads.rag_chat` (the design notes' RAG chat: 1.5K system, 8K retrieved, 6 turns; ``bench/rag_chat.py``) | report only |
 
 *Tune* families are the ones retention policies may be tuned on (``adaptive`` was built
 on ``synthetic`` and the noisy neighbour before this table existed; its selection on

@@ -7,7 +7,7 @@ from collections import Counter
 
 import pytest
 
-from retention.rag_chat_workload import RagChatSpec, rag_chat_trace
+from retention.workloads.rag_chat import RagChatSpec, rag_chat_trace
 from retention.sim_policies import make_policy
 from retention.simulator import SimConfig, simulate
 from retention.trace import parse_trace
