@@ -61,6 +61,12 @@ class AdaptiveConfig:
     min_horizon_ms: int = 1_000
     max_horizon_ms: int = 3_600_000
     reservoir: int = 512  # reuse gaps kept per tenant for the horizon estimate
+    # With a host tier (``adaptive_plan(..., host_tier=True)``), see ``priority_for``:
+    # "recency" = 35 (LRU in both tiers) unless p < host_sink_probability, then T (offloaded,
+    # first out of either tier); "host" = the GPU bands but one-shot blocks at T, not 0;
+    # "default" = as "host" with first uses at max(T, 35); "gpu" = exactly the GPU-only bands.
+    host_mode: str = "recency"
+    host_sink_probability: float = 0.05
 
     def __post_init__(self) -> None:
         if self.max_entries < 1 or self.reservoir < 1:
@@ -71,6 +77,8 @@ class AdaptiveConfig:
             raise ValueError("use_bands and band_step must be >= 1")
         if not 0 <= self.min_horizon_ms <= self.max_horizon_ms:
             raise ValueError("need 0 <= min_horizon_ms <= max_horizon_ms")
+        if self.host_mode not in ("recency", "host", "default", "gpu"):
+            raise ValueError("host_mode must be 'recency', 'host', 'default' or 'gpu'")
 
 
 @dataclass(slots=True)
@@ -205,16 +213,26 @@ class ReuseStats:
         return sum(len(t.entries) for t in self._tenants.values())
 
 
-def priority_for(probability: float, prior_uses: int, threshold: int, config: AdaptiveConfig) -> int:
+def priority_for(probability: float, prior_uses: int, threshold: int, config: AdaptiveConfig, *,
+                 host_tier: bool = False) -> int:
     """Map a reuse probability and prior use count to a priority band (see the module docstring).
 
     Kept bands start above 35 so that a block past its duration (back at 35, with
     ``use_durations``) sinks below every live one, and above ``T`` so that evicted kept
-    blocks go to the host tier.
+    blocks go to the host tier. With a host tier (``host_tier``) nothing is dropped in
+    ``host_mode`` "host" or "default": a block that comes back after the GPU turned over
+    can still be a host hit, so measured one-shot blocks go to T (offloaded, first out of
+    the host) instead of 0; "default" also puts first uses at max(T, 35).
     """
+    mode = config.host_mode if host_tier else "gpu"
+    if mode == "recency":
+        low = min(threshold, MAX_PRIORITY)
+        return low if probability < config.host_sink_probability else max(low, 35)
     if probability < config.drop_probability:
-        return 0
+        return 0 if mode == "gpu" else min(threshold, MAX_PRIORITY)
     if prior_uses == 0:
+        if mode == "default":
+            return min(max(threshold, 35), MAX_PRIORITY)
         return threshold  # lowest offloadable priority: first out of either tier
     base = max(threshold + 1, 36)
     return min(MAX_PRIORITY, base + config.band_step * (min(prior_uses, config.use_bands) - 1))
@@ -229,6 +247,7 @@ def adaptive_plan(
     tokens_per_block: int,
     offload_min_priority: int,
     decode_priority: int = 0,
+    host_tier: bool = False,
 ) -> RetentionPlan:
     """Per-block ranges from the tenant's statistics; equal neighbours merge, last open-ended.
 
@@ -248,7 +267,7 @@ def adaptive_plan(
     for index in range(num_blocks):
         prior = uses[index] if index < len(uses) else 0
         p = tenant_stats.probability(prior) if prior else fresh
-        priority = min(ceiling, priority_for(p, prior, offload_min_priority, cfg))
+        priority = min(ceiling, priority_for(p, prior, offload_min_priority, cfg, host_tier=host_tier))
         ceiling = priority
         duration = horizon if priority > 35 and cfg.use_durations else None
         start = index * tokens_per_block
@@ -270,6 +289,7 @@ class AdaptivePolicy:
         return adaptive_plan(
             self.stats, request.tenant, hashes, num_tokens=request.input_length,
             tokens_per_block=pool.config.tokens_per_block, offload_min_priority=self.offload_min_priority,
+            host_tier=pool.config.secondary_blocks > 0,
         )
 
     def observe(self, request, hashes, allocation, *, now, pool) -> None:  # noqa: ANN001

@@ -11,8 +11,11 @@ shaped for it (host tier or not, offload threshold). Built-ins:
 * ``class``          — retention classes from a mapping of tenants / prefix groups to
                         system/context/turn/decode priorities and durations, through the
                         same planner the gateway uses;
-* ``adaptive``       — per-tenant reuse statistics (``retention/adaptive.py``), the same
-                        code the gateway runs;
+* ``adaptive``       — adaptive retention with selection (``retention/selection.py``): the
+                        tenant's static class (``trtllm-default`` without ``--classes``) or
+                        adaptive's bands, whichever wins on sampled shadow pools; the same
+                        code the gateway runs for ``adaptive`` classes;
+* ``adaptive-bands`` — adaptive's bands alone, no selection (``retention/adaptive.py``);
 * plug-ins passed to :func:`make_policy` in a ``registry``.
 
 Offline reference policies that need the whole request list (``oracle-reuse``,
@@ -27,6 +30,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from retention.adaptive import adaptive_policy
+from retention.selection import AdaptiveSelectPolicy
 from retention.planner import QuotaState, RetentionClassSpec, SegmentRetention, Segments, plan_retention
 from retention.pool import Allocation, BlockPool
 from retention.quota import QuotaTracker
@@ -221,7 +225,7 @@ def builtin_policy(name: str, *, mapping: ClassMapping | None = None, block_size
 
 
 def policy_names() -> tuple[str, ...]:
-    return ("lru", "trtllm-default", "class", "adaptive")
+    return ("lru", "trtllm-default", "class", "adaptive", "adaptive-bands")
 
 
 def make_policy(
@@ -235,5 +239,10 @@ def make_policy(
     if registry and name in registry:
         return registry[name](mapping=mapping, block_size=block_size)
     if name == "adaptive":
-        return adaptive_policy(mapping=mapping, block_size=block_size)
+        static = builtin_policy("class" if mapping is not None else "trtllm-default", mapping=mapping, block_size=block_size)
+        return AdaptiveSelectPolicy(static)
+    if name == "adaptive-bands":
+        policy = adaptive_policy(mapping=mapping, block_size=block_size)
+        policy.name = "adaptive-bands"
+        return policy
     raise ClassMappingError(f"unknown policy {name!r}; known: {', '.join(policy_names())}")

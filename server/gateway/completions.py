@@ -23,9 +23,9 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from engines.contract import EngineRequest, KvMetrics, SamplingParams
 from engines.tokenizer import ChatTokenizer
-from retention.adaptive import ReuseStats, adaptive_plan
 from retention.hashing import block_hashes
 from retention.planner import QuotaState, Segments, plan_retention
+from retention.selection import AdaptiveSelector
 from retention.types import RetentionPlan
 from server.gateway.admission import Admission, AdmissionError, retry_after_header
 from server.gateway.context import TenantContext
@@ -33,6 +33,7 @@ from server.gateway.engine_client import EngineClient, EngineRejected, EngineUna
 from server.gateway.errors import ServingError, error_body
 from server.gateway.metrics import GatewayMetrics
 from server.gateway.prompting import PreparedPrompt
+from tenants.snapshots import PoolSnapshot
 
 
 @dataclass(slots=True)
@@ -100,27 +101,27 @@ class StopMatcher:
         return out
 
 
-def build_plan(job: CompletionJob, reuse: ReuseStats | None = None, now: float = 0.0) -> RetentionPlan:
+def build_plan(job: CompletionJob, selector: AdaptiveSelector | None = None, now: float = 0.0) -> RetentionPlan:
     """The request's retention plan.
 
-    ``static`` classes: segment priorities from the class. ``adaptive`` classes: per-block
-    priorities from the tenant's measured reuse (``retention.adaptive``, the same code the
-    simulator's ``adaptive`` policy runs), hashed exactly as the engine's pool hashes them
-    (pool ``tokens_per_block``, the salt the engine will see); the request is then recorded
-    in the statistics. Over quota, either way: everything at priority 0.
+    ``static`` classes: segment priorities from the class. ``adaptive`` classes: the pool's
+    :class:`~retention.selection.AdaptiveSelector` (the same code the simulator's
+    ``adaptive`` policy runs) picks between the class's plan and adaptive's per-block bands,
+    whichever wins on its sampled shadow pools, from block hashes computed exactly as the
+    engine's pool computes them (pool ``tokens_per_block``, the salt the engine will see);
+    the request is then recorded in the selector. Over quota, either way: everything at
+    priority 0, and the selector is not touched.
     """
     prompt, tenant = job.prompt, job.tenant
     threshold = tenant.pool.secondary_offload_min_priority
     segments = Segments(system_end=prompt.system_end, context_end=prompt.context_end, total=prompt.total)
-    if tenant.retention_mode != "adaptive" or reuse is None or job.quota.over_quota:
-        return plan_retention(tenant.retention, segments, offload_min_priority=threshold, quota=job.quota)
+    static = plan_retention(tenant.retention, segments, offload_min_priority=threshold, quota=job.quota)
+    if tenant.retention_mode != "adaptive" or selector is None or job.quota.over_quota:
+        return static
     tpb = tenant.pool.tokens_per_block
     hashes = block_hashes(prompt.input_ids, tpb, salt=tenant.engine_salt)
-    key = tenant.engine_tenant_id
-    plan = adaptive_plan(reuse, key, hashes, num_tokens=prompt.total, tokens_per_block=tpb,
-                         offload_min_priority=threshold, decode_priority=tenant.retention.decode.priority)
-    reuse.observe(key, hashes, now, num_blocks=-(-prompt.total // tpb))
-    return plan
+    return selector.plan(tenant=tenant.engine_tenant_id, hashes=hashes, num_tokens=prompt.total, tokens_per_block=tpb,
+                         static=static, now=now, decode_priority=tenant.retention.decode.priority)
 
 
 def engine_request(job: CompletionJob, plan: RetentionPlan) -> EngineRequest:
@@ -191,12 +192,12 @@ class CompletionRunner:
     """Runs :class:`CompletionJob` s against the injected admission, metrics and usage sink."""
 
     def __init__(self, *, admission: Admission, metrics: GatewayMetrics, usage: UsageSink,
-                 reuse_for: Callable[[str], ReuseStats] | None = None,
+                 selector_for: Callable[[PoolSnapshot], AdaptiveSelector] | None = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self._admission = admission
         self._metrics = metrics
         self._usage = usage
-        self._reuse_for = reuse_for
+        self._selector_for = selector_for
         self._clock = clock
 
     async def run(self, job: CompletionJob):
@@ -210,8 +211,8 @@ class CompletionRunner:
             headers = {"Retry-After": retry_after_header(exc)} if exc.status == 429 else None
             code = "rate_limit_exceeded" if exc.status == 429 else "limit_exceeded"
             raise ServingError(exc.status, code, str(exc), param=exc.limit, headers=headers) from exc
-        reuse = self._reuse_for(job.tenant.pool.name) if self._reuse_for is not None else None
-        plan = build_plan(job, reuse, self._clock())
+        selector = self._selector_for(job.tenant.pool) if self._selector_for is not None else None
+        plan = build_plan(job, selector, self._clock())
         started = time.perf_counter()
         outcome = Outcome()
         if job.stream:

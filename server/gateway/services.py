@@ -15,7 +15,8 @@ from dataclasses import dataclass, field
 
 from prometheus_client import CollectorRegistry
 
-from retention.adaptive import AdaptiveConfig, ReuseStats
+from retention.adaptive import AdaptiveConfig
+from retention.selection import AdaptiveSelector
 from server.gateway.admission import Admission
 from server.gateway.auth import KeyAuthenticator
 from server.gateway.completions import CompletionRunner
@@ -23,6 +24,7 @@ from server.gateway.engines import EngineDirectory
 from server.gateway.metrics import GatewayMetrics
 from server.gateway.pool_monitor import PoolMonitor
 from server.gateway.usage import UsageRecorder
+from tenants.snapshots import PoolSnapshot
 
 log = logging.getLogger("kvgate.gateway")
 
@@ -44,7 +46,7 @@ class GatewayServices:
     registry: CollectorRegistry
     metrics: GatewayMetrics
     runner: CompletionRunner
-    reuse: dict[str, ReuseStats] = field(default_factory=dict)  # pool -> adaptive retention statistics
+    selectors: dict[str, AdaptiveSelector] = field(default_factory=dict)  # pool -> adaptive retention (stats + duel)
     intervals: LoopIntervals = field(default_factory=LoopIntervals)
     draining: bool = False  # set by the SIGTERM drain (server.gateway.drain): new requests get 503
     in_flight: int = 0  # serving requests not yet fully answered (server.gateway.drain.InFlight)
@@ -96,13 +98,16 @@ def build_gateway_services(*, session_factory, pepper: str, tokenizer_for, admis
                            registry: CollectorRegistry, pools_and_tenants, auth_ttl: float = 5.0,
                            intervals: LoopIntervals | None = None, adaptive_max_entries: int = 100_000) -> GatewayServices:
     engines = EngineDirectory(tokenizer_for)
-    reuse: dict[str, ReuseStats] = {}
+    selectors: dict[str, AdaptiveSelector] = {}
 
-    def reuse_for(pool: str) -> ReuseStats:
-        stats = reuse.get(pool)
-        if stats is None:
-            stats = reuse[pool] = ReuseStats(AdaptiveConfig(max_entries=adaptive_max_entries))
-        return stats
+    def selector_for(pool: PoolSnapshot) -> AdaptiveSelector:
+        """One selector per pool, rebuilt (statistics and contest restart) when the pool's shape changes."""
+        selector = selectors.get(pool.name)
+        shape = (pool.primary_blocks, pool.secondary_blocks, pool.secondary_offload_min_priority)
+        if selector is None or (selector.primary_blocks, selector.secondary_blocks, selector.offload_min_priority) != shape:
+            selector = selectors[pool.name] = AdaptiveSelector(
+                *shape, adaptive=AdaptiveConfig(max_entries=adaptive_max_entries))
+        return selector
 
     monitor = PoolMonitor(engines, pools_and_tenants)
     metrics = GatewayMetrics(registry, monitor.snapshots, lambda: monitor.engine_up)
@@ -110,7 +115,7 @@ def build_gateway_services(*, session_factory, pepper: str, tokenizer_for, admis
     return GatewayServices(
         auth=KeyAuthenticator(session_factory, pepper=pepper, ttl=auth_ttl),
         admission=admission, engines=engines, usage=usage, monitor=monitor, registry=registry, metrics=metrics,
-        runner=CompletionRunner(admission=admission, metrics=metrics, usage=usage.record, reuse_for=reuse_for),
-        reuse=reuse,
+        runner=CompletionRunner(admission=admission, metrics=metrics, usage=usage.record, selector_for=selector_for),
+        selectors=selectors,
         intervals=intervals or LoopIntervals(),
     )

@@ -1,4 +1,4 @@
-"""Adaptive classes: per-block priorities from measured reuse, hashed as the engine hashes."""
+"""Adaptive classes: the pool's selector plans from measured reuse, hashed as the engine hashes."""
 
 from __future__ import annotations
 
@@ -7,8 +7,10 @@ import secrets
 import pytest
 
 from engines.contract import SamplingParams
-from retention.adaptive import AdaptiveConfig, ReuseStats
+from retention.adaptive import AdaptiveConfig
 from retention.planner import QuotaState, RetentionClassSpec, SegmentRetention
+from retention.selection import AdaptiveSelector
+from retention.shadow.duel import DuelConfig
 from server.gateway.admission import Limits
 from server.gateway.completions import CompletionJob, build_plan
 from server.gateway.context import TenantContext
@@ -34,8 +36,13 @@ def unique_prompt(blocks: int) -> tuple[int, ...]:
     return tuple(int.from_bytes(secrets.token_bytes(2), "little") for _ in range(blocks * TPB))
 
 
+def bands_only() -> AdaptiveSelector:
+    """A selector with adaptive's bands as its only candidate (GPU-only bands: no host tier)."""
+    return AdaptiveSelector(POOL.primary_blocks, 0, POOL.secondary_offload_min_priority, names=("bands",))
+
+
 def test_repeated_prefix_is_kept_above_the_threshold_and_one_shot_traffic_falls_below() -> None:
-    reuse = ReuseStats(AdaptiveConfig())
+    reuse = bands_only()
     shared = unique_prompt(4)
     for step in range(60):  # enough one-shot prompts for their revisit probability to fall under 5 %
         build_plan(job(shared + unique_prompt(1)), reuse, now=float(step))  # a recurring 4-block prefix
@@ -49,13 +56,35 @@ def test_repeated_prefix_is_kept_above_the_threshold_and_one_shot_traffic_falls_
 
 
 def test_static_class_and_over_quota_ignore_the_statistics() -> None:
-    reuse = ReuseStats(AdaptiveConfig())
+    reuse = AdaptiveSelector(POOL.primary_blocks, POOL.secondary_blocks, POOL.secondary_offload_min_priority)
     ids = unique_prompt(3)
     static = build_plan(job(ids, mode="static"), reuse, now=0.0)
     assert [r.priority for r in static.ranges] == [60]  # completions: the whole prompt is context
     demoted = build_plan(job(ids, over_quota=True), reuse, now=0.0)
     assert demoted.demoted and {r.priority for r in demoted.ranges} == {0}
-    assert reuse.num_entries() == 0  # neither path touched the statistics
+    assert reuse.stats.num_entries() == 0 and reuse.duel.pool_scope.refs == 0  # neither path touched the selector
+
+
+def test_the_class_plan_until_the_bands_win_on_the_shadows() -> None:
+    """Selection in the gateway: the class's plan (the incumbent) until adaptive's bands win.
+
+    A 4-block prefix shared by every request next to one-shot prompts that flood a pool of
+    24 GPU blocks: the class keeps everything at 60, so the flood evicts the shared prefix;
+    the bands sink the one-shot blocks, and the selector switches.
+    """
+    selector = AdaptiveSelector(24, 0, POOL.secondary_offload_min_priority, adaptive=AdaptiveConfig(),
+                                duel_config=DuelConfig(rate=1.0, min_refs=50, patience=10, half_life_refs=500))
+    shared = unique_prompt(4)
+    plans = []
+    for step in range(120):
+        plans.append(build_plan(job(shared + unique_prompt(1)), selector, now=float(step)))
+        for k in range(4):  # 24 one-shot blocks between two uses of the prefix: LRU loses it
+            build_plan(job(unique_prompt(6)), selector, now=float(step) + 0.1 * (k + 1))
+    assert [r.priority for r in plans[0].ranges] == [60]  # the class's plan first
+    assert selector.duel.chosen() == "bands" and selector.duel.switches() == 1
+    assert plans[-1].ranges[0].priority == 46 and plans[-1].ranges[0].duration_ms  # the prefix in the top kept band
+    standings = selector.duel.standings()
+    assert standings["bands"] > standings["static"]
 
 
 @pytest.mark.slow

@@ -1,4 +1,4 @@
-"""Synthetic multi-tenant traces (Mooncake format) for the simulator: the noisy neighbour.
+"""The noisy neighbour (Mooncake format): premium chat sessions next to a flooding tenant.
 
 A *premium* tenant runs multi-turn chat sessions over one shared system prompt; a *noisy*
 tenant floods unique long prompts at ``flood_factor`` × the premium request rate::

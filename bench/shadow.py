@@ -1,0 +1,200 @@
+"""Sampled shadow pools: accuracy against full replays, and the selection's cost per request.
+
+Usage: ``OMP_NUM_THREADS=1 .venv/bin/python bench/shadow.py [--no-write]``
+
+Writes ``bench:shadow_accuracy`` and ``bench:selection_cost`` in docs/benchmarks.md.
+
+1. Accuracy (issue 15's criterion: a 1 % sample within 2 points of a full replay at each
+   capacity): the public synthetic trace, GPU 1/2/5/10 % of its distinct blocks, GPU only
+   (TensorRT-LLM defaults = LRU) and with a 4× host tier; samples of 1, 5 and 10 % of the
+   hash space, five disjoint slices each (``HashSample(rate, start)``), error of each
+   slice's estimate in points; the full replays are the truth.
+2. Cost: per-request wall time of the gateway's planning step on the same trace (pool of 2 %
+   GPU + 4× host): the static class plan alone, adaptive's bands alone (plan + statistics),
+   and adaptive with selection (bands + static + two shadows) at 1 / 5 / 10 % sampling;
+   median, p99 and max over the trace's requests, side by side in one run, and the shadows'
+   size. A miss-ratio curve of four capacities at 1 % for comparison.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from bench.report import machine, write_section  # noqa: E402
+from retention.adaptive import AdaptiveConfig, ReuseStats, adaptive_plan  # noqa: E402
+from retention.planner import RetentionClassSpec, SegmentRetention, Segments, plan_retention  # noqa: E402
+from retention.selection import AdaptiveSelector  # noqa: E402
+from retention.shadow import HashSample, MissRatioCurve, ShadowPool  # noqa: E402
+from retention.shadow.duel import DuelConfig  # noqa: E402
+from retention.sim_policies import make_policy  # noqa: E402
+from retention.simulator import SimConfig, request_hashes, simulate  # noqa: E402
+from retention.trace import distinct_blocks, parse_trace  # noqa: E402
+
+from bench.generalize import TRACE  # noqa: E402
+FRACTIONS = (0.01, 0.02, 0.05, 0.10)
+RATES = (0.01, 0.05, 0.10)
+STARTS = (0.0, 0.2, 0.4, 0.6, 0.8)
+CLASS = RetentionClassSpec(SegmentRetention(35), SegmentRetention(35), SegmentRetention(35), SegmentRetention(35))
+
+
+def accuracy(requests, hashes, distinct: int) -> str:  # noqa: ANN001
+    caps = [round(distinct * f) for f in FRACTIONS]
+    truth = {
+        0: [simulate(requests, make_policy("lru"), primary_blocks=c, secondary_blocks=0, hashes=hashes).hit_rate
+            for c in caps],
+        4: [simulate(requests, make_policy("trtllm-default"), primary_blocks=c, secondary_blocks=4 * c,
+                     hashes=hashes).hit_rate for c in caps],
+    }
+    errors: dict[tuple[float, int], list[list[float]]] = {}
+    for rate in RATES:
+        for host in (0, 4):
+            per_cap: list[list[float]] = [[] for _ in caps]
+            for start in STARTS:
+                sample = HashSample(rate, start)
+                pools = [ShadowPool(sample, c, host * c) for c in caps]
+                for request, h in zip(requests, hashes, strict=True):
+                    kept = sample.indices(h)
+                    for pool in pools:
+                        pool.observe(h, now=request.timestamp_ms / 1000.0, num_tokens=request.input_length,
+                                     tokens_per_block=512, kept=kept)
+                for k, pool in enumerate(pools):
+                    per_cap[k].append(100 * (pool.counts.hit_rate() - truth[host][k]))
+            errors[(rate, host)] = per_cap
+    lines = [
+        "## Shadow pools: accuracy (bench/shadow.py)",
+        "",
+        f"Synthetic trace ({len(requests):,} requests, {distinct:,} distinct blocks), `--hold none`. Estimate of a",
+        "sampled shadow pool (retention/shadow/: the real BlockPool on the blocks whose hash falls in a slice of",
+        "the hash space, capacity × rate) minus the full replay's hit rate, in points, for five disjoint slices:",
+        "max |error| (mean error). Full replay: lru (GPU only) and trtllm-default (host 4×).",
+        "",
+        "| sample | host | " + " | ".join(f"GPU {f:.0%} (truth)" for f in FRACTIONS) + " |",
+        "|---|---|" + "---:|" * len(FRACTIONS),
+    ]
+    verdict = []
+    for rate in RATES:
+        for host in (0, 4):
+            cells = []
+            for k in range(len(caps)):
+                errs = errors[(rate, host)][k]
+                worst = max(abs(e) for e in errs)
+                cells.append(f"{worst:.1f} ({statistics.mean(errs):+.1f}) [{100 * truth[host][k]:.1f}]")
+                if worst > 2.0:
+                    verdict.append((rate, host, FRACTIONS[k], worst))
+            lines.append(f"| {rate:.0%} | {host}× | " + " | ".join(cells) + " |")
+    failing = sorted({r for r, _, _, _ in verdict})
+    ok = [r for r in RATES if r not in failing]
+    lines += [
+        "",
+        "Reading: " + (
+            f"slices of {', '.join(f'{r:.0%}' for r in failing)} miss 2 points somewhere "
+            f"({'; '.join(f'{r:.0%} host {h}× GPU {f:.0%}: {w:.1f}' for r, h, f, w in verdict[:6])}); "
+            if verdict else "every slice is within 2 points; "
+        ) + (f"{', '.join(f'{r:.0%}' for r in ok)} meet 2 points in every slice and setting. " if ok else "")
+        + "The trace has only 44 k distinct blocks, so a 1 % slice holds ~440 of them (4–44 shadow GPU blocks):",
+        "too few for issue 15's 2-point criterion at 1 %. SHARDS' small errors at 0.1–1 % come from traces with",
+        "millions of keys; the error shrinks with the number of sampled distinct blocks, not with the rate.",
+    ]
+    return "\n".join(lines)
+
+
+def cost(requests, hashes, distinct: int) -> str:  # noqa: ANN001
+    gpu = round(distinct * 0.02)
+    host = 4 * gpu
+
+    def timed(step) -> list[float]:  # noqa: ANN001
+        out = []
+        for request, h in zip(requests, hashes, strict=True):
+            started = time.perf_counter_ns()
+            step(request, h)
+            out.append((time.perf_counter_ns() - started) / 1000.0)
+        return out
+
+    def static_step(request, h) -> None:  # noqa: ANN001
+        n = request.input_length
+        plan_retention(CLASS, Segments(0, n, n), offload_min_priority=30)
+
+    stats = ReuseStats(AdaptiveConfig())
+
+    def bands_step(request, h) -> None:  # noqa: ANN001
+        n = request.input_length
+        plan_retention(CLASS, Segments(0, n, n), offload_min_priority=30)
+        adaptive_plan(stats, None, h, num_tokens=n, tokens_per_block=512, offload_min_priority=30, host_tier=True)
+        stats.observe(None, h, request.timestamp_ms / 1000.0, num_blocks=-(-n // 512))
+
+    runs = {"static class plan": timed(static_step), "bands (plan + statistics)": timed(bands_step)}
+    sizes = {}
+    for rate in RATES:
+        selector = AdaptiveSelector(gpu, host, 30, duel_config=DuelConfig(rate=rate, min_shadow_blocks=0))
+
+        def select_step(request, h, selector=selector) -> None:  # noqa: ANN001
+            n = request.input_length
+            static = plan_retention(CLASS, Segments(0, n, n), offload_min_priority=30)
+            selector.plan(tenant=None, hashes=h, num_tokens=n, tokens_per_block=512, static=static,
+                          now=request.timestamp_ms / 1000.0)
+
+        runs[f"adaptive with selection, {rate:.0%} shadows"] = timed(select_step)
+        shadow = selector.duel.shadows[0].pool.config
+        sizes[rate] = (shadow.primary_blocks, shadow.secondary_blocks, len(selector.duel.shadows))
+    curve = MissRatioCurve([round(distinct * f) for f in FRACTIONS], rate=0.01, host_blocks=lambda c: 4 * c)
+
+    def curve_step(request, h) -> None:  # noqa: ANN001
+        curve.observe(h, now=request.timestamp_ms / 1000.0, num_tokens=request.input_length, tokens_per_block=512)
+
+    runs["miss-ratio curve, 4 capacities, 1 %"] = timed(curve_step)
+    base = statistics.median(runs["bands (plan + statistics)"])
+    blocks = [len(h) for h in hashes]
+    lines = [
+        "## Selection: cost per request (bench/shadow.py)",
+        "",
+        f"Per-request wall time on the synthetic trace ({len(requests):,} requests, median {statistics.median(blocks):.0f} and",
+        f"max {max(blocks)} full 512-token blocks each), hashes precomputed (the gateway hashes once for the",
+        f"statistics anyway); pool 2 % GPU ({gpu} blocks) + 4× host. One run, side by side ({machine()}, shared).",
+        "",
+        "| step | median µs | p99 µs | max µs | median / bands |",
+        "|---|---:|---:|---:|---:|",
+    ]
+    for name, samples in runs.items():
+        ordered = sorted(samples)
+        p99 = ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))]
+        lines.append(f"| {name} | {statistics.median(samples):.0f} | {p99:.0f} | {ordered[-1]:.0f} | "
+                     f"{statistics.median(samples) / base:.2f} |")
+    lines += [
+        "",
+        "Shadow size per candidate (GPU + host blocks of the inner pool; two candidates): "
+        + ", ".join(f"{r:.0%}: {p} + {s}" for r, (p, s, _) in sizes.items()) + ".",
+        "Bound: per request one pass over the hashes plus, when a block is sampled, every candidate's plan",
+        "(O(blocks)) and a shadow replay of the sampled blocks per candidate (one SHA-256 and O(1) list work",
+        "each); a request's work is O(blocks × (1 + candidates × rate)), and memory is the shadows plus a few",
+        "floats per tenant. The p99/max rows are the long prompts (the trace's longest has ~120 blocks).",
+    ]
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--no-write", action="store_true")
+    args = parser.parse_args()
+    with TRACE.open() as handle:
+        requests = parse_trace(handle)
+    hashes = request_hashes(requests, SimConfig())
+    distinct = distinct_blocks(requests)
+    cost_text = cost(requests, hashes, distinct)
+    print(cost_text, flush=True)
+    accuracy_text = accuracy(requests, hashes, distinct)
+    print(accuracy_text)
+    if not args.no_write:
+        write_section("selection_cost", cost_text)
+        write_section("shadow_accuracy", accuracy_text)
+        print("wrote docs/benchmarks.md sections bench:selection_cost, bench:shadow_accuracy")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,129 @@
+"""``adaptive`` with selection: the tenant's static class or adaptive's bands, whichever wins.
+
+One :class:`AdaptiveSelector` per pool holds the adaptive reuse statistics
+(``retention/adaptive.py``) and a :class:`~retention.shadow.duel.PolicyDuel` between the
+candidates on sampled shadows of the pool's own shape. Per request it computes the plan of
+the candidate the request's tenant follows (every candidate's plan when the request has
+sampled blocks, to feed the shadows), then records the request in the statistics. The
+gateway owns one per pool and calls :meth:`AdaptiveSelector.plan`; the simulator's
+``adaptive`` policy (:class:`AdaptiveSelectPolicy`) calls the very same method, so a
+simulated run is what the gateway would have done.
+
+Candidates (``names``):
+
+* ``static`` — the tenant's retention class as the planner plans it; with no class (the
+  simulator without ``--classes``) TensorRT-LLM's defaults: everything at 35, every evicted
+  block offloaded. This is the incumbent: a pool follows anything else only on evidence.
+* ``bands`` — adaptive's bands, host-tier aware when the pool has a host tier
+  (``adaptive_plan(..., host_tier=True)``).
+
+The simulator also knows ``adaptive-bands`` (the bands alone, no selection) for comparison.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from retention.adaptive import AdaptiveConfig, ReuseStats, adaptive_plan
+from retention.shadow.duel import DuelConfig, PolicyDuel
+from retention.types import DEFAULT_PLAN, RetentionPlan
+
+CANDIDATES = ("static", "bands")
+
+
+@dataclass(slots=True)
+class AdaptiveSelector:
+    """Per pool: reuse statistics + a duel between the candidates. Pure; the caller passes ``now``."""
+
+    primary_blocks: int
+    secondary_blocks: int = 0
+    offload_min_priority: int = 30
+    adaptive: AdaptiveConfig = AdaptiveConfig()
+    duel_config: DuelConfig = DuelConfig()
+    names: tuple[str, ...] = CANDIDATES
+    stats: ReuseStats = field(init=False)
+    duel: PolicyDuel = field(init=False)
+
+    def __post_init__(self) -> None:
+        unknown = set(self.names) - set(CANDIDATES)
+        if unknown:
+            raise ValueError(f"unknown candidates {sorted(unknown)}; known: {', '.join(CANDIDATES)}")
+        self.stats = ReuseStats(self.adaptive)
+        self.duel = PolicyDuel(self.names, self.primary_blocks, self.secondary_blocks, self.offload_min_priority,
+                               self.duel_config)
+
+    def plan(self, *, tenant: str | None, hashes: Sequence[int], num_tokens: int, tokens_per_block: int,
+             static: RetentionPlan = DEFAULT_PLAN, now: float, decode_priority: int | None = None) -> RetentionPlan:
+        """The request's plan; records the request (shadows when sampled, statistics always).
+
+        ``hashes``: the prompt's full-block chain hashes at the pool's ``tokens_per_block``
+        with the salt the engine sees; ``static``: the plan of the tenant's class (over-quota
+        demotion is the caller's business, before or instead of this call). ``decode_priority``
+        for the bands defaults to the static plan's.
+        """
+        decode = static.decode_priority if decode_priority is None else decode_priority
+        duel = self.duel
+        kept = duel.kept(hashes)
+        index = duel.choice(tenant)
+
+        def candidate(name: str) -> RetentionPlan:
+            if name == "static":
+                return static
+            return adaptive_plan(
+                self.stats, tenant, hashes, num_tokens=num_tokens, tokens_per_block=tokens_per_block,
+                offload_min_priority=self.offload_min_priority, decode_priority=decode,
+                host_tier=self.secondary_blocks > 0,
+            )
+
+        if kept:
+            plans = [candidate(name) for name in self.names]
+            chosen = plans[index]
+            duel.record(hashes, kept, plans, now=now, num_tokens=num_tokens, tokens_per_block=tokens_per_block,
+                        tenant=tenant)
+        else:
+            chosen = candidate(self.names[index])
+        self.stats.observe(tenant, hashes, now, num_blocks=-(-num_tokens // tokens_per_block))
+        return chosen
+
+
+@dataclass(slots=True)
+class AdaptiveSelectPolicy:
+    """The simulator's ``adaptive``: an :class:`AdaptiveSelector` sized from the replayed pool.
+
+    ``static`` is the policy whose plan the ``static`` candidate uses (``trtllm-default`` or
+    the ``class`` policy with ``--classes``). Plans are made once per request: with
+    ``--hold tokens`` a waiting request is planned again on every admission attempt, and
+    the shadows must see it once.
+    """
+
+    static: object  # a SimPolicy (retention.sim_policies); typed loosely to avoid an import cycle
+    adaptive: AdaptiveConfig = AdaptiveConfig()
+    duel_config: DuelConfig = DuelConfig()
+    names: tuple[str, ...] = CANDIDATES
+    name: str = "adaptive"
+    uses_host: bool = True
+    selector: AdaptiveSelector | None = None
+    _last: tuple[int, RetentionPlan] | None = None
+
+    @property
+    def offload_min_priority(self) -> int:
+        return self.static.offload_min_priority  # type: ignore[attr-defined]
+
+    def plan(self, request, hashes, *, now, pool) -> RetentionPlan:  # noqa: ANN001 - SimPolicy protocol
+        if self._last is not None and self._last[0] == request.index:
+            return self._last[1]
+        if self.selector is None:
+            cfg = pool.config
+            self.selector = AdaptiveSelector(cfg.primary_blocks, cfg.secondary_blocks, cfg.secondary_offload_min_priority,
+                                             self.adaptive, self.duel_config, self.names)
+        static = self.static.plan(request, hashes, now=now, pool=pool)  # type: ignore[attr-defined]
+        chosen = self.selector.plan(
+            tenant=request.tenant, hashes=hashes, num_tokens=request.input_length,
+            tokens_per_block=pool.config.tokens_per_block, static=static, now=now, decode_priority=0,
+        )
+        self._last = (request.index, chosen)
+        return chosen
+
+    def observe(self, request, hashes, allocation, *, now, pool) -> None:  # noqa: ANN001 - SimPolicy protocol
+        return None  # the selector records each request when it plans it

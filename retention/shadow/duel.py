@@ -1,0 +1,170 @@
+"""Policy duelling: candidate retention policies side by side on sampled shadow pools.
+
+Set dueling (Qureshi et al., ISCA '07) lets a few cache sets run each candidate policy and
+the rest follow the winner; ARC moves between recency and frequency on the hits of its
+ghost lists. A KV pool has no sets to dedicate, so each candidate gets a *shadow* instead:
+a :class:`~retention.shadow.pool.ShadowPool` of the pool's own shape (GPU, host,
+threshold) scaled to one shared hash slice, replaying the plan that candidate would have
+given every request. The pool (and each tenant with enough sampled traffic) follows the
+candidate whose shadow hits most, with hysteresis::
+
+    per scope s (the pool, each tenant) and candidate k, per kept reference:
+        hits[s][k] ← hits[s][k] · d + hit,  refs[s] ← refs[s] · d + 1,   d = 2^(-1/half_life)
+    leader = argmax_k hits[s][k]
+    switch s to the leader when  refs[s] ≥ min_refs  and
+        hits[s][leader] ≥ hits[s][current] · (1 + margin) + 1   for ``patience`` kept refs in a row
+
+Scores decay in *sampled references*, not seconds, so the memory of the contest is the
+same at any request rate. The first candidate is the incumbent until another one proves
+itself: by convention the safe one (the tenant's static class, i.e. "leave the engine
+alone"). A tenant's score is its own hits in the shared shadows, where every tenant runs
+the candidate; a tenant whose decayed references stay below ``tenant_min_refs`` follows the
+pool's choice.
+
+Cost per request: one pass over its hashes to find the kept ones; when any is kept, every
+candidate's plan and one shadow replay of the kept blocks per candidate (callers compute
+plans lazily: :meth:`PolicyDuel.kept` first). The rate is ``DuelConfig.rate`` (5 %), raised
+for small pools so each shadow holds at least ``min_shadow_blocks`` GPU blocks (a shadow of
+a few blocks cannot rank policies): at most ``max(rate, 64 / C)`` of a request's blocks are
+replayed per candidate. Memory: candidates × shadow size plus O(candidates) floats per
+tenant.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from retention.shadow.pool import ShadowPool
+from retention.shadow.sampling import HashSample
+from retention.types import RetentionPlan
+
+
+@dataclass(frozen=True, slots=True)
+class DuelConfig:
+    rate: float = 0.05  # share of the block-hash space the shadows see ...
+    min_shadow_blocks: int = 64  # ... raised (up to 1) so each shadow has at least this many GPU blocks
+    half_life_refs: float = 2_000.0  # decay of the contest, in kept references
+    margin: float = 0.03  # a challenger must beat the incumbent by this share ...
+    patience: int = 100  # ... for this many kept references in a row
+    min_refs: float = 300.0  # no switch before this much decayed evidence in the scope
+    per_tenant: bool = True  # tenants with enough evidence follow their own winner
+    tenant_min_refs: float = 1_000.0
+
+    def __post_init__(self) -> None:
+        if self.half_life_refs <= 0 or self.margin < 0 or self.patience < 0 or self.min_refs < 0:
+            raise ValueError("half_life_refs > 0; margin, patience, min_refs >= 0")
+        if self.tenant_min_refs < 0 or self.min_shadow_blocks < 0:
+            raise ValueError("tenant_min_refs and min_shadow_blocks must be >= 0")
+        HashSample(self.rate)  # validates the rate
+
+    def rate_for(self, primary_blocks: int) -> float:
+        """The sampling rate for a pool: ``rate``, raised so a shadow holds ``min_shadow_blocks``."""
+        return min(1.0, max(self.rate, self.min_shadow_blocks / max(primary_blocks, 1)))
+
+
+@dataclass(slots=True)
+class _Scope:
+    hits: list[float]
+    refs: float = 0.0
+    current: int = 0
+    streak: int = 0
+    switches: int = 0
+
+
+@dataclass(slots=True)
+class PolicyDuel:
+    """Candidates ``names`` duelling on shadows of a pool of the given shape; pure, per pool.
+
+    Protocol per request: ``kept = duel.kept(hashes)``; ``i = duel.choice(tenant)`` (the
+    candidate whose plan the request gets); if ``kept``: ``duel.record(hashes, kept,
+    plans, ...)`` with every candidate's plan for the request, in ``names`` order.
+    """
+
+    names: tuple[str, ...]
+    primary_blocks: int
+    secondary_blocks: int = 0
+    offload_min_priority: int = 30
+    config: DuelConfig = DuelConfig()
+    sample: HashSample = field(init=False)
+    shadows: list[ShadowPool] = field(init=False)
+    pool_scope: _Scope = field(init=False)
+    tenants: dict[str, _Scope] = field(default_factory=dict)
+    _decay: float = field(init=False)
+
+    def __post_init__(self) -> None:
+        if len(self.names) < 1 or len(set(self.names)) != len(self.names):
+            raise ValueError("names must be distinct and non-empty")
+        self.sample = HashSample(self.config.rate_for(self.primary_blocks))
+        self.shadows = [
+            ShadowPool(self.sample, self.primary_blocks, self.secondary_blocks, self.offload_min_priority)
+            for _ in self.names
+        ]
+        self.pool_scope = _Scope([0.0] * len(self.names))
+        self._decay = 2.0 ** (-1.0 / self.config.half_life_refs)
+
+    def kept(self, hashes: Sequence[int]) -> list[int]:
+        """Positions of the request's sampled blocks (empty: no plan but the chosen one is needed)."""
+        return self.sample.indices(hashes)
+
+    def choice(self, tenant: str | None = None) -> int:
+        """Index of the candidate the request follows now."""
+        cfg = self.config
+        if cfg.per_tenant and tenant is not None:
+            scope = self.tenants.get(tenant)
+            if scope is not None and scope.refs >= cfg.tenant_min_refs:
+                return scope.current
+        return self.pool_scope.current
+
+    def chosen(self, tenant: str | None = None) -> str:
+        return self.names[self.choice(tenant)]
+
+    def record(self, hashes: Sequence[int], kept: Sequence[int], plans: Sequence[RetentionPlan], *, now: float,
+               num_tokens: int, tokens_per_block: int, tenant: str | None = None) -> None:
+        """Replay the request in every candidate's shadow and update the contest (no-op without kept blocks)."""
+        if not kept:
+            return
+        if len(plans) != len(self.names):
+            raise ValueError(f"need one plan per candidate ({len(self.names)}), got {len(plans)}")
+        hits = [
+            shadow.observe(hashes, plan, now=now, num_tokens=num_tokens, tokens_per_block=tokens_per_block,
+                           tenant=tenant, kept=kept).hits
+            for shadow, plan in zip(self.shadows, plans, strict=True)
+        ]
+        self._update(self.pool_scope, hits, len(kept))
+        if self.config.per_tenant and tenant is not None:
+            scope = self.tenants.get(tenant)
+            if scope is None:
+                # A new tenant starts where the pool stands, so it only leaves the pool's choice on its own evidence.
+                scope = self.tenants[tenant] = _Scope([0.0] * len(self.names), current=self.pool_scope.current)
+            if scope.refs < self.config.tenant_min_refs:
+                scope.current = self.pool_scope.current
+            self._update(scope, hits, len(kept))
+
+    def _update(self, scope: _Scope, hits: list[int], refs: int) -> None:
+        cfg = self.config
+        # Each of the request's kept references ages the scores by one step; hits are credited at the end.
+        factor = self._decay ** refs
+        scope.refs = scope.refs * factor + refs
+        for k, h in enumerate(hits):
+            scope.hits[k] = scope.hits[k] * factor + h
+        leader = max(range(len(hits)), key=lambda k: (scope.hits[k], k == scope.current))
+        incumbent = scope.hits[scope.current]
+        if leader != scope.current and scope.refs >= cfg.min_refs and scope.hits[leader] >= incumbent * (1 + cfg.margin) + 1:
+            scope.streak += refs
+            if scope.streak >= cfg.patience:
+                scope.current, scope.streak = leader, 0
+                scope.switches += 1
+        else:
+            scope.streak = 0
+
+    def standings(self, tenant: str | None = None) -> dict[str, float]:
+        """Decayed shadow hit ratio per candidate in a scope (the pool by default); for metrics."""
+        scope = self.pool_scope if tenant is None else self.tenants.get(tenant)
+        if scope is None or not scope.refs:
+            return {name: 0.0 for name in self.names}
+        return {name: scope.hits[k] / scope.refs for k, name in enumerate(self.names)}
+
+    def switches(self, tenant: str | None = None) -> int:
+        scope = self.pool_scope if tenant is None else self.tenants.get(tenant)
+        return 0 if scope is None else scope.switches

@@ -1,0 +1,81 @@
+"""``adaptive`` with selection in the simulator: same selector as the gateway, one record per request."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from retention.adaptive import AdaptiveConfig, priority_for
+from retention.pool import BlockPool, PoolConfig
+from retention.selection import AdaptiveSelectPolicy, AdaptiveSelector
+from retention.sim_policies import ClassMapping, make_policy
+from retention.simulator import SimConfig, simulate
+from retention.trace import parse_trace
+from retention.types import DEFAULT_PLAN
+from retention.workloads import ChatSpec, NoisyNeighbourSpec, chat_trace, noisy_neighbour_trace
+
+B = 16
+
+
+def trace(lines: list[dict]):  # noqa: ANN201
+    return parse_trace([json.dumps(x) for x in lines], block_size=B)
+
+
+@pytest.mark.parametrize("hold", ["none", "tokens"])
+def test_each_request_is_recorded_once_whatever_the_admission_retries(hold: str) -> None:
+    requests = trace(chat_trace(ChatSpec(duration_s=120, block_size=B, sessions_per_s=1.0), seed=3))
+    policy = make_policy("adaptive")
+    assert isinstance(policy, AdaptiveSelectPolicy) and policy.name == "adaptive"
+    config = SimConfig(tokens_per_block=B, trace_block_size=B, hold=hold, prefill_tokens_per_s=200.0)
+    result = simulate(requests, policy, primary_blocks=48, secondary_blocks=96, config=config)
+    assert result.requests == len(requests)
+    if hold == "tokens":
+        assert result.delayed_requests > 0  # admission was retried, so plan() ran more than once for some
+    duel = policy.selector.duel
+    assert duel.sample.rate == 1.0  # a 48-block pool: raised so each shadow holds >= 64 blocks (capped at 1)
+    with_blocks = sum(1 for r in requests if r.input_length >= B)
+    assert all(shadow.counts.requests == with_blocks for shadow in duel.shadows)
+
+
+def test_static_candidate_is_the_class_with_a_mapping() -> None:
+    mapping = ClassMapping.from_dict({
+        "offload_min_priority": 35, "default": "c",
+        "classes": {"c": {s: {"priority": 70} for s in ("system", "context", "turn", "decode")}},
+    })
+    policy = make_policy("adaptive", mapping=mapping)
+    assert policy.offload_min_priority == 35
+    requests = trace(chat_trace(ChatSpec(duration_s=30, block_size=B), seed=1))
+    pool = BlockPool(PoolConfig(primary_blocks=64, tokens_per_block=B, secondary_offload_min_priority=35))
+    plan = policy.plan(requests[0], [], now=0.0, pool=pool)
+    assert {r.priority for r in plan.ranges} == {70}  # the incumbent: the class
+
+
+def test_selection_protects_the_premium_tenant_like_the_bands() -> None:
+    spec = NoisyNeighbourSpec(duration_s=240, block_size=B)
+    mixed = trace(noisy_neighbour_trace(spec, seed=3))
+    config = SimConfig(tokens_per_block=B, trace_block_size=B)
+    lru = simulate(mixed, make_policy("lru"), primary_blocks=96, secondary_blocks=0, config=config)
+    policy = make_policy("adaptive")
+    selected = simulate(mixed, policy, primary_blocks=96, secondary_blocks=0, config=config)
+    assert policy.selector.duel.chosen() == "bands"
+    assert selected.tenants["premium"].hit_rate > lru.tenants["premium"].hit_rate + 0.2
+
+
+def test_host_tier_bands_never_drop_and_keep_recency_order() -> None:
+    cfg = AdaptiveConfig()
+    assert priority_for(0.001, 5, 30, cfg) == 0  # GPU only: measured one-shot traffic is dropped
+    assert priority_for(0.001, 5, 30, cfg, host_tier=True) == 30  # with a host: offloaded, first out
+    assert priority_for(0.5, 0, 30, cfg, host_tier=True) == 35 == priority_for(0.5, 4, 30, cfg, host_tier=True)
+    assert priority_for(0.5, 4, 40, cfg, host_tier=True) == 40  # never below the threshold: always offloadable
+    gpu_bands = AdaptiveConfig(host_mode="gpu")
+    assert priority_for(0.5, 4, 30, gpu_bands, host_tier=True) == 46
+    with pytest.raises(ValueError):
+        AdaptiveConfig(host_mode="disk")
+
+
+def test_selector_rejects_unknown_candidates() -> None:
+    with pytest.raises(ValueError):
+        AdaptiveSelector(64, names=("static", "lfu"))
+    selector = AdaptiveSelector(64, names=("static",))
+    assert selector.plan(tenant=None, hashes=[], num_tokens=5, tokens_per_block=B, static=DEFAULT_PLAN, now=0.0) is DEFAULT_PLAN

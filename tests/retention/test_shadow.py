@@ -1,0 +1,114 @@
+"""Sampled shadow pools: the fixed slice, plan mapping, and estimates against full replays."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from retention.hashing import block_hashes
+from retention.shadow import HashSample, MissRatioCurve, ShadowPool
+from retention.sim_policies import make_policy
+from retention.simulator import SimConfig, request_hashes, simulate
+from retention.trace import distinct_blocks, parse_trace
+from retention.types import RetentionPlan, TokenRange
+from retention.workloads import ChatSpec, chat_trace
+
+TRACE = Path("/work/shared/traces/mooncake_synthetic_trace.jsonl")
+B = 16
+
+
+def test_sample_is_a_fixed_slice_of_the_hash_space() -> None:
+    hashes = block_hashes(list(range(20_000 * B)), B)
+    sample = HashSample(0.1)
+    kept = sample.indices(hashes)
+    assert kept == [i for i, h in enumerate(hashes) if sample.keeps(h)] == HashSample(0.1).indices(hashes)
+    assert 0.08 < len(kept) / len(hashes) < 0.12
+    other = HashSample(0.1, start=0.95)  # wraps around the top of the space
+    assert set(kept) & set(other.indices(hashes)) == set(HashSample(0.05).indices(hashes))  # [0, 0.05) is in both
+    assert 0.08 < len(other.indices(hashes)) / len(hashes) < 0.12
+    assert HashSample(1.0).indices(hashes) == list(range(len(hashes)))
+    assert HashSample(0.01).scale(439) == 4 and HashSample(0.01).scale(10) == 1 and HashSample(0.01).scale(0) == 0
+    for bad in (0.0, 1.5, -0.1):
+        with pytest.raises(ValueError):
+            HashSample(bad)
+    with pytest.raises(ValueError):
+        HashSample(0.1, start=1.0)
+
+
+def test_kept_blocks_take_their_own_blocks_retention() -> None:
+    shadow = ShadowPool(HashSample(1.0), primary_blocks=64)
+    hashes = block_hashes(list(range(4 * B)), B)  # 4 full blocks
+    plan = RetentionPlan((TokenRange(0, 2 * B, 80, None), TokenRange(2 * B, None, 20, 5_000)), 35, None)
+    out = shadow.observe(hashes, plan, now=0.0, num_tokens=4 * B + 3, tokens_per_block=B, tenant="a")
+    assert (out.kept, out.hits) == (4, 0)
+    cached = sorted(shadow.pool.cached_blocks().values(), key=lambda b: b.release_seq, reverse=True)
+    # Release is leaf first, so the root is the most recently released block.
+    assert [(b.priority, b.duration_ms) for b in cached] == [(80, None), (80, None), (20, 5_000), (20, 5_000)]
+    again = shadow.observe(hashes, plan, now=1.0, num_tokens=4 * B + 3, tokens_per_block=B, tenant="a")
+    assert again.hits == 4
+    assert shadow.tenants["a"].kept_blocks == 8 and shadow.counts.hit_blocks == 4
+
+
+def test_a_request_too_big_for_the_shadow_counts_as_misses_and_changes_nothing() -> None:
+    shadow = ShadowPool(HashSample(1.0), primary_blocks=3)
+    small = block_hashes(list(range(2 * B)), B)
+    shadow.observe(small, now=0.0, num_tokens=2 * B + 1, tokens_per_block=B)
+    before = dict(shadow.pool.cached_blocks())
+    big = block_hashes(list(range(1000, 1000 + 8 * B)), B)
+    assert shadow.observe(big, now=1.0, num_tokens=8 * B + 1, tokens_per_block=B).hits == 0
+    assert shadow.pool.cached_blocks() == before
+    shadow.pool.check_invariants()
+
+
+@pytest.mark.parametrize("policy,host", [("lru", 0), ("trtllm-default", 4)])
+def test_unsampled_shadow_tracks_the_full_replay(policy: str, host: int) -> None:
+    lines = chat_trace(ChatSpec(duration_s=300, block_size=B, sessions_per_s=1.0), seed=5)
+    requests = parse_trace([json.dumps(x) for x in lines], block_size=B)
+    config = SimConfig(tokens_per_block=B, trace_block_size=B)
+    hashes = request_hashes(requests, config)
+    gpu = round(0.05 * distinct_blocks(requests))
+    full = simulate(requests, make_policy(policy), primary_blocks=gpu, secondary_blocks=host * gpu, config=config,
+                    hashes=hashes)
+    shadow = ShadowPool(HashSample(1.0), gpu, host * gpu if policy != "lru" else 0)
+    for request, h in zip(requests, hashes, strict=True):
+        shadow.observe(h, now=request.timestamp_ms / 1000.0, num_tokens=request.input_length, tokens_per_block=B)
+    # Not exact: the shadow releases at once and never matches a prompt-length tail (see retention/shadow/pool.py).
+    assert shadow.counts.hit_rate() == pytest.approx(full.hit_rate, abs=0.01)
+    assert full.hit_rate > 0.2
+
+
+@pytest.fixture(scope="module")
+def mooncake():  # noqa: ANN201
+    if not TRACE.exists():
+        pytest.skip("shared Mooncake trace not present")
+    with TRACE.open() as handle:
+        requests = parse_trace(handle)
+    return requests, request_hashes(requests, SimConfig())
+
+
+def test_sampled_curve_estimates_full_replays_on_the_synthetic_trace(mooncake) -> None:  # noqa: ANN001
+    """5 % samples (three disjoint slices) vs full LRU replays at 2 and 10 % GPU capacity.
+
+    Measured (bench/shadow.py): at 1 % one slice is off by up to 3.7 points, so issue 15's
+    "1 % within 2 points" does not hold on a trace this small; at 5 % every slice is within
+    1.7 points and their mean within 0.3.
+    """
+    requests, hashes = mooncake
+    distinct = distinct_blocks(requests)
+    caps = [round(distinct * f) for f in (0.02, 0.10)]
+    full = [simulate(requests, make_policy("lru"), primary_blocks=c, secondary_blocks=0, hashes=hashes).hit_rate
+            for c in caps]
+    estimates = []
+    for start in (0.0, 0.4, 0.8):  # 0.4 is the worst of five slices at 1 %
+        curve = MissRatioCurve(caps, rate=0.05)
+        curve.sample = HashSample(0.05, start)
+        curve.pools = [ShadowPool(curve.sample, c) for c in caps]
+        for request, h in zip(requests, hashes, strict=True):
+            curve.observe(h, now=request.timestamp_ms / 1000.0, num_tokens=request.input_length, tokens_per_block=512)
+        estimates.append([rate for _, _, rate in curve.points()])
+    for k, truth in enumerate(full):
+        per_slice = [e[k] for e in estimates]
+        assert all(abs(e - truth) < 0.02 for e in per_slice), (caps[k], truth, per_slice)
+        assert abs(sum(per_slice) / len(per_slice) - truth) < 0.01
