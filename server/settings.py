@@ -63,6 +63,9 @@ class Settings(BaseSettings):
     redis_url: str | None = None
     # When set, /metrics requires "Authorization: Bearer <token>" (it names every tenant).
     metrics_token: str | None = Field(default=None, repr=False)
+    # Online miss-ratio curves (server/gateway/miss_ratio.py): the share of the block-hash
+    # space each pool's shadow pools sample; 0 turns them off.
+    mrc_sample_rate: float = Field(default=0.01, ge=0.0, le=1.0)
     log_level: str = "info"
 
     @field_validator("admin_tokens", mode="before")

@@ -32,6 +32,7 @@ from server.gateway.context import TenantContext
 from server.gateway.engine_client import EngineClient, EngineRejected, EngineUnavailable
 from server.gateway.errors import ServingError, error_body
 from server.gateway.metrics import GatewayMetrics
+from server.gateway.miss_ratio import MissRatioCurves
 from server.gateway.prompting import PreparedPrompt
 from server.gateway.slo_guard import SloGuards
 from tenants.snapshots import PoolSnapshot
@@ -103,7 +104,16 @@ class StopMatcher:
         return out
 
 
-def build_plan(job: CompletionJob, selector: AdaptiveSelector | None = None, now: float = 0.0) -> RetentionPlan:
+def request_hashes(job: CompletionJob) -> list[int]:
+    """The prompt's full-block chain hashes exactly as the engine's pool computes them (pool
+    ``tokens_per_block``, the salt the engine will see): computed once per request and shared
+    by adaptive retention and the miss-ratio curves."""
+    tenant = job.tenant
+    return block_hashes(job.prompt.input_ids, tenant.pool.tokens_per_block, salt=tenant.engine_salt)
+
+
+def build_plan(job: CompletionJob, selector: AdaptiveSelector | None = None, now: float = 0.0,
+               hashes: list[int] | None = None) -> RetentionPlan:
     """The request's retention plan.
 
     ``static`` classes: segment priorities from the class. ``adaptive`` classes: the pool's
@@ -121,7 +131,8 @@ def build_plan(job: CompletionJob, selector: AdaptiveSelector | None = None, now
     if tenant.retention_mode != "adaptive" or selector is None or job.quota.over_quota:
         return static
     tpb = tenant.pool.tokens_per_block
-    hashes = block_hashes(prompt.input_ids, tpb, salt=tenant.engine_salt)
+    if hashes is None:
+        hashes = request_hashes(job)
     return selector.plan(tenant=tenant.engine_tenant_id, hashes=hashes, num_tokens=prompt.total, tokens_per_block=tpb,
                          static=static, now=now, decode_priority=tenant.retention.decode.priority)
 
@@ -195,11 +206,13 @@ class CompletionRunner:
 
     def __init__(self, *, admission: Admission, metrics: GatewayMetrics, usage: UsageSink,
                  selector_for: Callable[[PoolSnapshot], AdaptiveSelector] | None = None,
+                 curves: MissRatioCurves | None = None,
                  clock: Callable[[], float] = time.monotonic, guard: SloGuards | None = None) -> None:
         self._admission = admission
         self._metrics = metrics
         self._usage = usage
         self._selector_for = selector_for
+        self._curves = curves if curves is not None and curves.enabled else None
         self._clock = clock
         self._guard = guard
 
@@ -215,7 +228,14 @@ class CompletionRunner:
             code = "rate_limit_exceeded" if exc.status == 429 else "limit_exceeded"
             raise ServingError(exc.status, code, str(exc), param=exc.limit, headers=headers) from exc
         selector = self._selector_for(job.tenant.pool) if self._selector_for is not None else None
-        plan = build_plan(job, selector, self._clock())
+        now = self._clock()
+        adaptive = selector is not None and tenant.retention_mode == "adaptive" and not job.quota.over_quota
+        hashes = request_hashes(job) if adaptive or self._curves is not None else None
+        plan = build_plan(job, selector, now, hashes)
+        if self._curves is not None:
+            # The plan the request really got (quota, adaptive bands) goes to the shadows.
+            self._curves.observe(tenant.pool, hashes, plan, now=now, num_tokens=job.prompt.total,
+                                 tenant=tenant.engine_tenant_id)
         started = time.perf_counter()
         outcome = Outcome()
         if self._guard is not None:  # SLO guard tripped or pilot control arm: host tier rolled back

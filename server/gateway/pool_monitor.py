@@ -54,6 +54,10 @@ class PoolMonitor:
         tracker = self._trackers.get(pool)
         return QuotaState() if tracker is None else tracker.state(str(tenant_id))
 
+    def tenant_slugs(self, pool: str) -> dict[str, str]:
+        """Engine tenant id -> registry slug for the tenants the last listing had on ``pool``."""
+        return {tid: q.slug for tid, q in self._quotas.get(pool, {}).items()}
+
     def stats(self, pool: str) -> PoolStatsReport | None:
         return self._stats.get(pool)
 

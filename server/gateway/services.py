@@ -22,6 +22,7 @@ from server.gateway.auth import KeyAuthenticator
 from server.gateway.completions import CompletionRunner
 from server.gateway.engines import EngineDirectory
 from server.gateway.metrics import GatewayMetrics
+from server.gateway.miss_ratio import MissRatioCollector, MissRatioCurves
 from server.gateway.pool_monitor import PoolMonitor
 from server.gateway.slo_guard import SloGuards
 from server.gateway.usage import UsageRecorder
@@ -101,7 +102,8 @@ class GatewayServices:
 
 def build_gateway_services(*, session_factory, pepper: str, tokenizer_for, admission: Admission,
                            registry: CollectorRegistry, pools_and_tenants, auth_ttl: float = 5.0,
-                           intervals: LoopIntervals | None = None, adaptive_max_entries: int = 100_000) -> GatewayServices:
+                           intervals: LoopIntervals | None = None, adaptive_max_entries: int = 100_000,
+                           mrc_sample_rate: float = 0.01) -> GatewayServices:
     engines = EngineDirectory(tokenizer_for)
     selectors: dict[str, AdaptiveSelector] = {}
 
@@ -116,13 +118,16 @@ def build_gateway_services(*, session_factory, pepper: str, tokenizer_for, admis
 
     monitor = PoolMonitor(engines, pools_and_tenants)
     metrics = GatewayMetrics(registry, monitor.snapshots, lambda: monitor.engine_up)
+    curves = MissRatioCurves(mrc_sample_rate)
+    if curves.enabled:
+        registry.register(MissRatioCollector(curves, monitor.tenant_slugs))
     usage = UsageRecorder(session_factory)
     guards = SloGuards(session_factory=session_factory, pools=lambda: list(engines.pools.values()), registry=registry)
     return GatewayServices(
         auth=KeyAuthenticator(session_factory, pepper=pepper, ttl=auth_ttl),
         admission=admission, engines=engines, usage=usage, monitor=monitor, registry=registry, metrics=metrics,
         runner=CompletionRunner(admission=admission, metrics=metrics, usage=usage.record, selector_for=selector_for,
-                                guard=guards),
+                                guard=guards, curves=curves),
         selectors=selectors, slo_guards=guards,
         intervals=intervals or LoopIntervals(),
     )

@@ -221,6 +221,17 @@ def test_the_gateway_exposes_every_documented_metric():
     gateway.rate_limited.labels(tenant="acme", limit="rpm").inc()
     guard = metrics_module.SloGuardMetrics(registry, lambda: {"p": False})
     guard.observe(pool="p", arm="host", ttft=0.1, inter_token=0.01, cache="miss")
+    from retention.types import DEFAULT_PLAN
+    from server.gateway.miss_ratio import MissRatioCollector, MissRatioCurves
+    from tenants.snapshots import PoolSnapshot, ReplicaSnapshot
+
+    curves = MissRatioCurves(1.0)
+    pool = PoolSnapshot(id=1, name="p", model_name="m", triton_model="kvgate_llm", engine_spec="s", tokens_per_block=32,
+                        primary_blocks=8, secondary_blocks=8, secondary_offload_min_priority=30,
+                        replicas=(ReplicaSnapshot(id=1, name="r0", endpoint="h:1", state="active", weight=1),))
+    for now in (0.0, 1.0):
+        curves.observe(pool, [11 << 40, 12 << 40], DEFAULT_PLAN, now=now, num_tokens=70, tenant="t1")
+    registry.register(MissRatioCollector(curves, lambda _pool: {"t1": "acme"}))
     exposed = set(re.findall(r"^(kvgate_[a-z_]+?)(?:_bucket|_count|_sum|_created)?[{ ]", generate_latest(registry).decode(), re.M))
     assert documented_metrics() <= exposed
 

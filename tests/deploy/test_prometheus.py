@@ -55,7 +55,7 @@ def _binary(name: str) -> str:
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory):
     built = build_stack(tmp_path_factory.mktemp("promstack"), engine_args=ENGINE_ARGS, tokens_per_block=TPB,
-                        primary=64, secondary=128, offload_min_priority=30)
+                        primary=64, secondary=128, offload_min_priority=30, settings={"mrc_sample_rate": 1.0})
     yield built
     built.gateway.stop()
     built.engine.kill()

@@ -14,7 +14,9 @@ ENGINE_ARGS = ["--tokens-per-block", str(TOKENS_PER_BLOCK), "--primary-blocks", 
 @pytest.fixture(scope="session")
 def stack(tmp_path_factory) -> Stack:
     built = build_stack(tmp_path_factory.mktemp("stack"), engine_args=ENGINE_ARGS, tokens_per_block=TOKENS_PER_BLOCK,
-                        primary=256, secondary=512)
+                        primary=256, secondary=512,
+                        # every block in the miss-ratio curves' shadows: exact figures to check
+                        settings={"mrc_sample_rate": 1.0})
     yield built
     built.gateway.stop()
     built.engine.kill()

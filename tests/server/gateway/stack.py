@@ -128,7 +128,7 @@ PEPPER = "test-pepper-" + secrets.token_hex(16)
 
 
 def build_stack(tmp: Path, *, engine_args: list[str], tokens_per_block: int, primary: int, secondary: int,
-                offload_min_priority: int = 30, engine_timeout: float = 120.0) -> Stack:
+                offload_min_priority: int = 30, engine_timeout: float = 120.0, settings: dict | None = None) -> Stack:
     engine = EngineProcess(free_port(), engine_args, tmp / "engine.log")
     engine.start(timeout=engine_timeout)
     url = f"sqlite:///{tmp / 'registry.db'}"
@@ -146,8 +146,9 @@ def build_stack(tmp: Path, *, engine_args: list[str], tokens_per_block: int, pri
         retention_classes.create_class(session, actor=ACTOR, now=now, name="standard",
                                        system_priority=90, context_priority=60, turn_priority=40,
                                        decode_priority=20)
-    settings = Settings(database_url=url, admin_tokens=[f"ci:{admin_token}"], key_pepper=PEPPER, dev=False)
-    app = build_serving_app(settings, session_factory=factory, auth_ttl=0.5,
+    app_settings = Settings(database_url=url, admin_tokens=[f"ci:{admin_token}"], key_pepper=PEPPER, dev=False,
+                            **(settings or {}))
+    app = build_serving_app(app_settings, session_factory=factory, auth_ttl=0.5,
                             intervals=LoopIntervals(usage_flush=0.5, last_used_flush=1.0, pool_poll=0.3))
     gateway = GatewayServer(app, free_port())
     gateway.start()
