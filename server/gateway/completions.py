@@ -232,14 +232,14 @@ class CompletionRunner:
         adaptive = selector is not None and tenant.retention_mode == "adaptive" and not job.quota.over_quota
         hashes = request_hashes(job) if adaptive or self._curves is not None else None
         plan = build_plan(job, selector, now, hashes)
-        if self._curves is not None:
-            # The plan the request really got (quota, adaptive bands) goes to the shadows.
-            self._curves.observe(tenant.pool, hashes, plan, now=now, num_tokens=job.prompt.total,
-                                 tenant=tenant.engine_tenant_id)
         started = time.perf_counter()
         outcome = Outcome()
         if self._guard is not None:  # SLO guard tripped or pilot control arm: host tier rolled back
             plan, outcome.arm = self._guard.apply(tenant, plan)
+        if self._curves is not None:
+            # The plan the request really runs with (quota, adaptive bands, SLO rollback) goes to the shadows.
+            self._curves.observe(tenant.pool, hashes, plan, now=now, num_tokens=job.prompt.total,
+                                 tenant=tenant.engine_tenant_id)
         if job.stream:
             return StreamingResponse(self._sse(job, plan, outcome, started, lease), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
