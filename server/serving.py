@@ -53,5 +53,6 @@ def build_serving_app(settings: Settings, *, session_factory: sessionmaker[Sessi
         session_factory=session_factory, pepper=settings.effective_key_pepper(), tokenizer_for=tokenizer_for,
         admission=admission, registry=registry or CollectorRegistry(),
         pools_and_tenants=registry_pools_and_tenants(session_factory), auth_ttl=auth_ttl, intervals=intervals,
+        trace_dir=settings.trace_dir,
     )
     return install_gateway(app, services)

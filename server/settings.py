@@ -64,6 +64,8 @@ class Settings(BaseSettings):
     # When set, /metrics requires "Authorization: Bearer <token>" (it names every tenant).
     metrics_token: str | None = Field(default=None, repr=False)
     log_level: str = "info"
+    # Live trace captures (admin API /pools/{ref}/captures) write here: <trace_dir>/<pool>/capture-*.jsonl
+    trace_dir: Path = Path("kvgate-traces")
 
     @field_validator("admin_tokens", mode="before")
     @classmethod

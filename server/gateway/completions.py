@@ -68,6 +68,7 @@ class Outcome:
 
 
 UsageSink = Callable[[int, int, int], None]  # (tenant_id, prompt_tokens, completion_tokens)
+CaptureSink = Callable[..., bool]  # server.gateway.capture.TraceCaptures.offer (keyword arguments)
 
 
 class StopMatcher:
@@ -192,12 +193,13 @@ class CompletionRunner:
 
     def __init__(self, *, admission: Admission, metrics: GatewayMetrics, usage: UsageSink,
                  reuse_for: Callable[[str], ReuseStats] | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, capture: CaptureSink | None = None) -> None:
         self._admission = admission
         self._metrics = metrics
         self._usage = usage
         self._reuse_for = reuse_for
         self._clock = clock
+        self._capture = capture
 
     async def run(self, job: CompletionJob):
         tenant = job.tenant
@@ -230,12 +232,21 @@ class CompletionRunner:
     async def _finish(self, job, plan, outcome: Outcome, started: float, lease) -> None:
         await self._admission.release(lease, completion_tokens=outcome.completion_tokens)
         tenant = job.tenant
+        latency = time.perf_counter() - started
         self._metrics.observe_request(
             tenant=tenant.slug, pool=tenant.pool.name, status=outcome.status, prompt_tokens=job.prompt.total,
-            completion_tokens=outcome.completion_tokens, ttft=outcome.ttft, latency=time.perf_counter() - started,
+            completion_tokens=outcome.completion_tokens, ttft=outcome.ttft, latency=latency,
             kv=outcome.kv, demoted=plan.demoted,
         )
         self._usage(tenant.tenant_id, job.prompt.total, outcome.completion_tokens)
+        if self._capture is not None and outcome.kv is not None:  # the engine ran it: a trace line (if sampled)
+            kv = outcome.kv
+            self._capture(tenant_id=tenant.tenant_id, tenant=tenant.slug, retention_class=tenant.retention_class,
+                          pool=tenant.pool.name, tokens_per_block=tenant.pool.tokens_per_block, salt=tenant.engine_salt,
+                          input_ids=job.prompt.input_ids, system_end=job.prompt.system_end,
+                          context_end=job.prompt.context_end, output_length=outcome.completion_tokens,
+                          reused_blocks=kv.reused_blocks, onboarded_blocks=kv.onboarded_blocks, ttft=outcome.ttft,
+                          latency=latency, status=outcome.status)
 
     def _usage_body(self, job: CompletionJob, outcome: Outcome) -> dict:
         return {"prompt_tokens": job.prompt.total, "completion_tokens": outcome.completion_tokens,

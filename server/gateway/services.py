@@ -12,12 +12,14 @@ import asyncio
 import contextlib
 import logging
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from prometheus_client import CollectorRegistry
 
 from retention.adaptive import AdaptiveConfig, ReuseStats
 from server.gateway.admission import Admission
 from server.gateway.auth import KeyAuthenticator
+from server.gateway.capture import TraceCaptures
 from server.gateway.completions import CompletionRunner
 from server.gateway.engines import EngineDirectory
 from server.gateway.metrics import GatewayMetrics
@@ -32,6 +34,7 @@ class LoopIntervals:
     usage_flush: float = 2.0
     last_used_flush: float = 10.0
     pool_poll: float = 1.0
+    capture_refresh: float = 2.0
 
 
 @dataclass(slots=True)
@@ -46,6 +49,7 @@ class GatewayServices:
     runner: CompletionRunner
     reuse: dict[str, ReuseStats] = field(default_factory=dict)  # pool -> adaptive retention statistics
     intervals: LoopIntervals = field(default_factory=LoopIntervals)
+    captures: TraceCaptures | None = None  # live trace capture (server.gateway.capture)
     draining: bool = False  # set by the SIGTERM drain (server.gateway.drain): new requests get 503
     in_flight: int = 0  # serving requests not yet fully answered (server.gateway.drain.InFlight)
     _tasks: list[asyncio.Task] = field(default_factory=list)
@@ -76,6 +80,10 @@ class GatewayServices:
             asyncio.create_task(self._loop(self.intervals.last_used_flush, self.auth.flush_last_used, "last-used flush")),
             asyncio.create_task(self._loop(self.intervals.pool_poll, self.monitor.refresh, "pool poll")),
         ]
+        if self.captures is not None:
+            self._tasks.append(asyncio.create_task(self.captures.refresh()))
+            self._tasks.append(asyncio.create_task(
+                self._loop(self.intervals.capture_refresh, self.captures.refresh, "capture refresh")))
 
     async def stop(self) -> None:
         for task in self._tasks:
@@ -88,13 +96,17 @@ class GatewayServices:
             await self.usage.flush()
         with contextlib.suppress(Exception):
             await self.auth.flush_last_used()
+        if self.captures is not None:
+            with contextlib.suppress(Exception):
+                await self.captures.close()
         await self.engines.close()
         await self.admission.close()
 
 
 def build_gateway_services(*, session_factory, pepper: str, tokenizer_for, admission: Admission,
                            registry: CollectorRegistry, pools_and_tenants, auth_ttl: float = 5.0,
-                           intervals: LoopIntervals | None = None, adaptive_max_entries: int = 100_000) -> GatewayServices:
+                           intervals: LoopIntervals | None = None, adaptive_max_entries: int = 100_000,
+                           trace_dir: Path | None = None) -> GatewayServices:
     engines = EngineDirectory(tokenizer_for)
     reuse: dict[str, ReuseStats] = {}
 
@@ -107,10 +119,12 @@ def build_gateway_services(*, session_factory, pepper: str, tokenizer_for, admis
     monitor = PoolMonitor(engines, pools_and_tenants)
     metrics = GatewayMetrics(registry, monitor.snapshots)
     usage = UsageRecorder(session_factory)
+    captures = TraceCaptures(session_factory, trace_dir, registry) if trace_dir is not None else None
     return GatewayServices(
         auth=KeyAuthenticator(session_factory, pepper=pepper, ttl=auth_ttl),
         admission=admission, engines=engines, usage=usage, monitor=monitor, registry=registry, metrics=metrics,
-        runner=CompletionRunner(admission=admission, metrics=metrics, usage=usage.record, reuse_for=reuse_for),
-        reuse=reuse,
+        runner=CompletionRunner(admission=admission, metrics=metrics, usage=usage.record, reuse_for=reuse_for,
+                                capture=captures.offer if captures is not None else None),
+        reuse=reuse, captures=captures,
         intervals=intervals or LoopIntervals(),
     )
