@@ -163,6 +163,11 @@ class TraceCaptures:
         self._queue = queue.Queue(maxsize=self.queue_size)
         self.metrics = CaptureMetrics(self.registry)
 
+    @property
+    def active_pools(self) -> frozenset[str]:
+        """Pools this gateway is capturing now (as of its last refresh)."""
+        return frozenset(self._active)
+
     # --- event loop side -------------------------------------------------------------------
     async def refresh(self) -> None:
         """Read the active captures from the registry (in a worker thread)."""
