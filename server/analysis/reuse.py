@@ -90,7 +90,7 @@ def load_trace(path: Path, *, block_size: int | None = None, threads: int = 1) -
             f"format='newline_delimited', columns={columns})", {"path": str(path)},
         )
     except duckdb.Error as exc:
-        raise AnalyzeError(f"{path}: {_clean(exc)}") from None
+        raise AnalyzeError(f"{path}: {_first_bad_line(path) or _clean(exc)}") from None
     count = con.execute("SELECT count(*) FROM raw").fetchone()[0]
     if not count:
         raise AnalyzeError(f"{path}: the trace holds no requests")
@@ -136,6 +136,39 @@ def load_trace(path: Path, *, block_size: int | None = None, threads: int = 1) -
     con.execute("UPDATE blocks SET reused = prev_ts IS NOT NULL")
     has_outcome = con.execute("SELECT count(cached_gpu_tokens) > 0 FROM requests").fetchone()[0]
     return TraceTables(con, bs, int(count), bool(has_outcome))
+
+
+_TYPES: dict[str, tuple[type, ...]] = {
+    "timestamp": (int, float), "input_length": (int,), "output_length": (int,), "hash_ids": (list,),
+    "tenant": (str,), "system_tokens": (int,), "context_tokens": (int,), "block_size": (int,),
+    "cached_gpu_tokens": (int,), "cached_host_tokens": (int,), "ttft_ms": (int, float),
+}
+
+
+def _first_bad_line(path: Path) -> str | None:
+    """Only when DuckDB refused the file: find the first unreadable line in Python, by number.
+
+    (DuckDB's own message counts lines differently for malformed JSON.)
+    """
+    import json
+
+    with path.open(encoding="utf-8", errors="replace") as handle:
+        for number, text in enumerate(handle, start=1):
+            if not text.strip():
+                continue
+            try:
+                obj = json.loads(text)
+            except json.JSONDecodeError as exc:
+                return f"line {number}: not valid JSON ({exc.msg})"
+            if not isinstance(obj, dict):
+                return f"line {number}: expected a JSON object"
+            for name, types in _TYPES.items():
+                value = obj.get(name)
+                if value is not None and (isinstance(value, bool) or not isinstance(value, types)):
+                    return f"line {number}: {name} has the wrong type ({type(value).__name__})"
+            if any(isinstance(h, bool) or not isinstance(h, int) for h in obj.get("hash_ids") or []):
+                return f"line {number}: hash_ids must be a list of integers in [0, 2^31)"
+    return None
 
 
 def _validate(con: duckdb.DuckDBPyConnection, path: Path, bs: int) -> None:
