@@ -105,6 +105,7 @@ def top_prefixes(report: dict[str, Any], out: Path) -> Path | None:
     ax.invert_yaxis()
     for i, r in enumerate(rows):
         ax.text(r["tokens_saved"], i, f" {r['requests']:,} req", va="center", fontsize=8)
+    ax.set_xlim(0, 1.15 * max(r["tokens_saved"] for r in rows))  # room for the request counts
     ax.set_xlabel("prompt tokens saved (unbounded cache)")
     ax.set_title("most shared prefixes")
     fig.tight_layout()

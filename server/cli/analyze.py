@@ -2,7 +2,7 @@
 
 Examples::
 
-    kvgate analyze ../shared/traces/mooncake_synthetic_trace.jsonl --kv-bytes-per-token 131072
+    kvgate analyze ../shared/traces/mooncake_synthetic_trace.jsonl --kv-bytes-per-token 65536
     kvgate analyze capture.jsonl --model llama-3.1-8b --kv-dtype fp8 --plots report/ --json > report.json
 
 Answers, per tenant and per segment: the most shared prefixes (tokens saved), the
@@ -59,7 +59,7 @@ def register(app: typer.Typer) -> None:
         block_size: Annotated[int | None, typer.Option("--block-size", help="tokens per hash id (default: the lines' "
                               "block_size, else 512)")] = None,
         kv_bytes_per_token: Annotated[float | None, typer.Option("--kv-bytes-per-token", help="KV bytes per token "
-                                      "(all layers; e.g. 131072 for Llama-3.1-8B in FP8)")] = None,
+                                      "(all layers: 2 x layers x KV heads x head dim x dtype bytes; Llama-3.1-8B: 65536 in FP8)")] = None,
         model: Annotated[str | None, typer.Option("--model", help="bundled model shape for the KV bytes per token "
                          "(as kvgate plan), instead of --kv-bytes-per-token")] = None,
         kv_dtype: Annotated[str, typer.Option("--kv-dtype", help="KV dtype with --model: fp8 | fp16 | bf16")] = "fp8",
@@ -145,11 +145,18 @@ def _secs(x: float | None) -> str:
     return f"{x * 1000:.0f} ms" if x < 1 else f"{x:,.1f} s"
 
 
+def _bytes(x: float) -> str:
+    for scale, name in ((1e12, "TB"), (1e9, "GB"), (1e6, "MB"), (1e3, "kB")):
+        if x >= scale:
+            return f"{x / scale:,.2f} {name}"
+    return f"{x:,.0f} B"
+
+
 def _rate(x: float | None, unit: str) -> str:
     if x is None:
         return ""
     if unit == "bytes":
-        return f"{x / 1e9:,.2f} GB/s"
+        return _bytes(x) + "/s"
     return f"{x:,.0f} tok/s"
 
 
@@ -232,7 +239,7 @@ def _print_report(report: dict[str, Any]) -> None:
                           "← knee" if i == curve["knee_index"] else "")
         console.print(table)
         host = rec["host_tier"]
-        size = f" ({host['host_bytes'] / 2**30:,.1f} GiB)" if "host_bytes" in host else ""
+        size = f" ({_bytes(host['host_bytes'])} of KV)" if "host_bytes" in host else ""
         console.print(f"recommended host tier: {host['host_blocks']:,} blocks{size}, +{100 * host['hit_rate_gain']:.1f} "
                       f"points of hit rate over GPU only"
                       + ("" if host["saturated"] else " — the curve is still rising at the largest size measured: "
