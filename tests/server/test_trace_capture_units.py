@@ -90,3 +90,26 @@ def test_sizes_and_times() -> None:
     assert parse_time_ms("2026-12-01T00:00:00Z", field="--from") == 1796083200000
     assert parse_time_ms("2026-12-01T00:00:00", field="--from") == 1796083200000  # no zone: UTC
     assert parse_time_ms("1796083200000", field="--from") == 1796083200000
+
+
+def test_trace_start_list_stop_from_the_shell(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("KVGATE_DATABASE_URL", f"sqlite:///{tmp_path / 'cli.db'}")
+    cli, runner = create_cli(), CliRunner()
+
+    def run(*args: str, code: int = 0) -> str:
+        res = runner.invoke(cli, list(args))
+        assert res.exit_code == code, (args, res.output)
+        return res.output
+
+    run("db", "upgrade")
+    run("admin", "pools", "create", "gpu-a", "--set", "model_name=m", "--set", "triton_url=h:1",
+        "--set", "primary_blocks=8")
+    started = json.loads(run("trace", "start", "gpu-a", "--sample-rate", "0.5", "--max-bytes", "1MiB"))
+    assert (started["sample_rate"], started["max_bytes"], started["state"]) == (0.5, 2**20, "active")
+    assert "capture_active" in run("trace", "start", "gpu-a", code=1)
+    assert "max_bytes" in run("trace", "start", "gpu-a", "--max-bytes", "lots", code=2)
+    assert "sample_rate" in run("trace", "start", "gpu-a", "--sample-rate", "2", code=2)
+    assert [c["id"] for c in json.loads(run("trace", "list", "gpu-a"))] == [started["id"]]
+    assert json.loads(run("trace", "stop", "gpu-a", str(started["id"])))["state"] == "stopped"
+    audit = json.loads(run("admin", "audit", "--entity-type", "trace_capture"))
+    assert [e["action"] for e in audit["items"]] == ["trace_capture.stop", "trace_capture.create"]
