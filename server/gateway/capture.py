@@ -49,8 +49,10 @@ import logging
 import os
 import queue
 import socket
+import sys
 import threading
 import time
+from array import array
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from hashlib import blake2b
@@ -98,7 +100,10 @@ def sampled(key: bytes, salt: str | None, tokens: tuple[int, ...], system_end: i
     if rate >= 1.0:
         return True
     cut = min(len(tokens), (system_end // tokens_per_block + 1) * tokens_per_block)
-    h = blake2b((salt or "").encode() + b"\x00" + pack_tokens(tokens[:cut]), key=key[:64], digest_size=8)
+    packed = array("i", tokens[:cut])  # int32, ~5x faster than numpy for a short tuple
+    if sys.byteorder == "big":
+        packed.byteswap()  # little-endian everywhere, so every gateway of a capture decides alike
+    h = blake2b((salt or "").encode() + b"\x00" + packed.tobytes(), key=key[:64], digest_size=8)
     return int.from_bytes(h.digest(), "little") < rate * 2**64
 
 
