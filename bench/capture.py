@@ -7,7 +7,7 @@
 
 Real registry (migrated SQLite), real ``TraceCaptures`` and writer thread; medians of 7 runs.
 
-    python -m bench.capture [--write]
+    python bench/capture.py [--no-write]
 """
 
 from __future__ import annotations
@@ -93,7 +93,7 @@ def analyze_seconds() -> dict[str, float]:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--write", action="store_true", help="write the section of docs/benchmarks.md")
+    parser.add_argument("--no-write", action="store_true", help="print only")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         costs = asyncio.run(capture_costs(Path(tmp)))
@@ -123,8 +123,9 @@ for the reuse report (DuckDB), {timing['with_curve']:.1f} s with the host-tier c
 replays of the whole trace).
 """
     print(body)
-    if args.write:
+    if not args.no_write:
         write_section("capture", body)
+        print("wrote docs/benchmarks.md section bench:capture")
 
 
 if __name__ == "__main__":
