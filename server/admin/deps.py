@@ -85,8 +85,14 @@ def page_params(
     return PageParams(limit=limit, offset=offset)
 
 
+def get_engine_reports(request: Request):
+    """``pool name -> CapacityCheck | None`` from the gateway's pool monitor; a bare admin app has none."""
+    return getattr(request.app.state, "engine_reports", None) or (lambda _name: None)
+
+
 SettingsDep = Annotated[Settings, Depends(get_settings)]
 SessionDep = Annotated[Session, Depends(get_session)]
 NowDep = Annotated[datetime, Depends(get_now)]
 AdminActor = Annotated[str, Depends(require_admin)]
 Paging = Annotated[PageParams, Depends(page_params)]
+EngineReportsDep = Annotated[object, Depends(get_engine_reports)]

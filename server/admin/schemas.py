@@ -146,6 +146,16 @@ class PoolUpdate(Strict):
     secondary_offload_min_priority: Priority | None = None
 
 
+class EngineReportedPublic(BaseModel):
+    """What the pool's engine allocated, from the gateway's latest stats poll."""
+
+    primary_blocks: int
+    secondary_blocks: int
+    tokens_per_block: int
+    mismatch: bool = Field(description="true when any of these differs from the registered value; "
+                                       "quota arithmetic then uses the engine's figures")
+
+
 class PoolPublic(Public):
     id: int
     name: str
@@ -161,6 +171,8 @@ class PoolPublic(Public):
     version: Version
     created_at: datetime
     updated_at: datetime
+    engine_reported: EngineReportedPublic | None = Field(
+        None, description="the engine's own block counts from the gateway's latest poll (null: not polled yet)")
 
 
 # --- retention classes -----------------------------------------------------------------------

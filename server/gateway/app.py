@@ -125,6 +125,10 @@ class AdminMutationHook:
 
 def install_gateway(app: FastAPI, services: GatewayServices) -> FastAPI:
     app.state.gateway = services
+    # The admin API shows each pool's engine-reported capacity from the monitor's latest poll.
+    admin_app = getattr(app.state, "admin_app", None)
+    if admin_app is not None:
+        admin_app.state.engine_reports = services.monitor.capacity
     app.include_router(router)
 
     async def on_validation(request: Request, exc: RequestValidationError):

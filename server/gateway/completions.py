@@ -233,10 +233,14 @@ class CompletionRunner:
         await self._admission.release(lease, completion_tokens=outcome.completion_tokens)
         tenant = job.tenant
         latency = time.perf_counter() - started
+        # Mean inter-token latency: observable only when tokens were streamed one by one.
+        inter_token = None
+        if outcome.ttft is not None and outcome.completion_tokens > 1:
+            inter_token = (latency - outcome.ttft) / (outcome.completion_tokens - 1)
         self._metrics.observe_request(
             tenant=tenant.slug, pool=tenant.pool.name, status=outcome.status, prompt_tokens=job.prompt.total,
             completion_tokens=outcome.completion_tokens, ttft=outcome.ttft, latency=latency,
-            kv=outcome.kv, demoted=plan.demoted,
+            kv=outcome.kv, demoted=plan.demoted, inter_token=inter_token,
         )
         self._usage(tenant.tenant_id, job.prompt.total, outcome.completion_tokens)
         if self._capture is not None and outcome.kv is not None:  # the engine ran it: a trace line (if sampled)

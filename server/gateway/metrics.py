@@ -18,8 +18,21 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from engines.contract import KvMetrics, PoolStatsReport
+from server.gateway.capacity_check import CapacityCheck
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+_ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.035, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1.0, 2.5)
+
+CACHE_OUTCOMES = ("gpu_hit", "host_hit", "miss")
+
+
+def cache_outcome(kv: KvMetrics | None) -> str:
+    """Where a request's cached prefix came from: ``host_hit`` if any block was onboarded
+    from the host tier, ``gpu_hit`` if blocks were reused from GPU memory only, ``miss`` if
+    nothing was reused (the whole prompt was computed)."""
+    if kv is None or kv.reused_blocks <= 0:
+        return "miss"
+    return "host_hit" if kv.onboarded_blocks > 0 else "gpu_hit"
 
 
 @dataclass(frozen=True, slots=True)
@@ -31,11 +44,14 @@ class PoolSnapshot:
     tenant_slugs: Mapping[str, str]  # engine tenant id -> registry slug (unknown ids are not exported)
     tenant_quota_blocks: Mapping[str, float]  # slug -> primary blocks allowed by its kv_quota_fraction
     demoted: Mapping[str, bool]  # slug -> currently demoted for quota
+    capacity: CapacityCheck | None = None  # registered vs engine-reported blocks
 
 
 class PoolStatsCollector(Collector):
-    def __init__(self, snapshots: Callable[[], Iterable[PoolSnapshot]]) -> None:
+    def __init__(self, snapshots: Callable[[], Iterable[PoolSnapshot]],
+                 engine_up: Callable[[], Mapping[str, bool]] | None = None) -> None:
         self._snapshots = snapshots
+        self._engine_up = engine_up
 
     def describe(self):
         return []
@@ -46,6 +62,11 @@ class PoolStatsCollector(Collector):
         quota = GaugeMetricFamily("kvgate_tenant_kv_quota_ratio", "Primary blocks held / blocks allowed by the KV quota", labels=["tenant", "pool"])
         demoted = GaugeMetricFamily("kvgate_tenant_kv_demoted", "1 while the tenant's new blocks are demoted for quota", labels=["tenant", "pool"])
         hit_rate = GaugeMetricFamily("kvgate_pool_cache_hit_rate", "Engine-reported KV block hit rate", labels=["pool"])
+        registered = GaugeMetricFamily("kvgate_pool_registered_blocks",
+                                       "KV blocks per tier as registered (kvgate_pool_blocks{state=\"max\"} is the engine's)",
+                                       labels=["pool", "tier"])
+        mismatch = GaugeMetricFamily("kvgate_pool_capacity_mismatch",
+                                     "1 while the registry's block counts or block size differ from the engine's", labels=["pool"])
         counters = {
             name: CounterMetricFamily(f"kvgate_pool_{name}_blocks", f"KV blocks {name} by the engine since it started", labels=["pool"])
             for name in ("offloaded", "onboarded", "evicted", "reused", "missed")
@@ -57,6 +78,10 @@ class PoolStatsCollector(Collector):
                 blocks.add_metric([snap.pool, tier_name, "free"], tier.free_blocks)
                 blocks.add_metric([snap.pool, tier_name, "max"], tier.max_blocks)
             hit_rate.add_metric([snap.pool], s.cache_hit_rate)
+            if snap.capacity is not None:
+                registered.add_metric([snap.pool, "primary"], snap.capacity.registered_primary)
+                registered.add_metric([snap.pool, "secondary"], snap.capacity.registered_secondary)
+                mismatch.add_metric([snap.pool], 1.0 if snap.capacity.mismatch else 0.0)
             counters["offloaded"].add_metric([snap.pool], s.offloaded_blocks)
             counters["onboarded"].add_metric([snap.pool], s.onboarded_blocks)
             counters["evicted"].add_metric([snap.pool], s.evicted_blocks)
@@ -77,19 +102,33 @@ class PoolStatsCollector(Collector):
         yield quota
         yield demoted
         yield hit_rate
+        yield registered
+        yield mismatch
         yield from counters.values()
+        if self._engine_up is not None:
+            up = GaugeMetricFamily("kvgate_engine_up", "1 if the pool's engine answered the gateway's last stats call", labels=["pool"])
+            for pool, answered in self._engine_up().items():
+                up.add_metric([pool], 1.0 if answered else 0.0)
+            yield up
 
 
 class GatewayMetrics:
     """Per-request metrics, labelled by tenant slug and pool."""
 
-    def __init__(self, registry: CollectorRegistry, snapshots: Callable[[], Iterable[PoolSnapshot]] | None = None) -> None:
+    def __init__(self, registry: CollectorRegistry, snapshots: Callable[[], Iterable[PoolSnapshot]] | None = None,
+                 engine_up: Callable[[], Mapping[str, bool]] | None = None) -> None:
         self.registry = registry
         tp = ["tenant", "pool"]
         self.requests = Counter("kvgate_requests", "Serving requests by outcome", tp + ["status"], registry=registry)
         self.prompt_tokens = Counter("kvgate_prompt_tokens", "Prompt tokens admitted", tp, registry=registry)
         self.completion_tokens = Counter("kvgate_completion_tokens", "Completion tokens generated", tp, registry=registry)
         self.ttft = Histogram("kvgate_ttft_seconds", "Time to first token (streamed requests)", tp, buckets=_LATENCY_BUCKETS, registry=registry)
+        # Hit quality, not hit counts (issue 15): the same TTFT split by where the prompt's
+        # cached prefix came from (see cache_outcome).
+        self.ttft_by_cache = Histogram("kvgate_ttft_by_cache_seconds", "Time to first token by cache outcome (streamed requests)",
+                                       tp + ["cache"], buckets=_LATENCY_BUCKETS, registry=registry)
+        self.inter_token = Histogram("kvgate_inter_token_seconds", "Mean inter-token latency of a streamed request",
+                                     tp, buckets=_ITL_BUCKETS, registry=registry)
         self.latency = Histogram("kvgate_request_duration_seconds", "End-to-end request latency", tp, buckets=_LATENCY_BUCKETS, registry=registry)
         self.kv_reused = Counter("kvgate_kv_blocks_reused", "KV blocks reused from cache (GPU or host)", tp, registry=registry)
         self.kv_new = Counter("kvgate_kv_blocks_new", "KV blocks newly allocated", tp, registry=registry)
@@ -98,7 +137,7 @@ class GatewayMetrics:
         self.quota_demotions = Counter("kvgate_quota_demotions", "Requests planned with quota demotion", tp, registry=registry)
         self._children: dict[tuple[int, tuple[str, ...]], object] = {}
         if snapshots is not None:
-            registry.register(PoolStatsCollector(snapshots))
+            registry.register(PoolStatsCollector(snapshots, engine_up))
 
     def _child(self, metric, *labels: str):
         """``metric.labels(*labels)``, looked up once per label set and kept.
@@ -114,7 +153,8 @@ class GatewayMetrics:
         return child
 
     def observe_request(self, *, tenant: str, pool: str, status: str, prompt_tokens: int, completion_tokens: int,
-                        ttft: float | None, latency: float, kv: KvMetrics | None, demoted: bool) -> None:
+                        ttft: float | None, latency: float, kv: KvMetrics | None, demoted: bool,
+                        inter_token: float | None = None) -> None:
         child = self._child
         child(self.requests, tenant, pool, status).inc()
         if prompt_tokens:
@@ -123,6 +163,9 @@ class GatewayMetrics:
             child(self.completion_tokens, tenant, pool).inc(completion_tokens)
         if ttft is not None:
             child(self.ttft, tenant, pool).observe(ttft)
+            child(self.ttft_by_cache, tenant, pool, cache_outcome(kv)).observe(ttft)
+        if inter_token is not None:
+            child(self.inter_token, tenant, pool).observe(inter_token)
         child(self.latency, tenant, pool).observe(latency)
         if kv is not None:
             child(self.kv_reused, tenant, pool).inc(kv.reused_blocks)

@@ -10,6 +10,7 @@ the first poll rebuilds it (``QuotaTracker.rebuild`` semantics).
 
 from __future__ import annotations
 
+import logging
 import time
 
 import anyio
@@ -20,10 +21,12 @@ from engines.contract import PoolStatsReport
 from retention.planner import QuotaState
 from retention.quota import QuotaTracker
 from tenants.snapshots import PoolSnapshot
+from server.gateway.capacity_check import CapacityCheck, capacity_mismatch
 from server.gateway.engine_client import EngineError
 from server.gateway.engines import EngineDirectory
 from server.gateway.metrics import PoolSnapshot
 
+log = logging.getLogger("kvgate.gateway")
 
 @dataclass(frozen=True, slots=True)
 class TenantQuota:
@@ -44,6 +47,8 @@ class PoolMonitor:
         self._quotas: dict[str, dict[str, TenantQuota]] = {}
         self._trackers: dict[str, QuotaTracker] = {}
         self.last_refresh: dict[str, float] = {}
+        self.engine_up: dict[str, bool] = {}  # pool -> did its last stats call answer
+        self._capacity: dict[str, CapacityCheck] = {}
 
     def quota_state(self, pool: str, tenant_id: int) -> QuotaState:
         tracker = self._trackers.get(pool)
@@ -52,12 +57,20 @@ class PoolMonitor:
     def stats(self, pool: str) -> PoolStatsReport | None:
         return self._stats.get(pool)
 
+    def capacity(self, pool: str) -> CapacityCheck | None:
+        """Registered vs engine-reported capacity from the latest poll (None before the first)."""
+        return self._capacity.get(pool)
+
     def apply(self, pool: PoolSnapshot, stats: PoolStatsReport, tenants: Iterable[TenantQuota]) -> None:
         """Fold one stats report into the quota state (pure apart from self)."""
         self._stats[pool.name] = stats
         quotas = {str(t.tenant_id): t for t in tenants}
         self._quotas[pool.name] = quotas
-        capacity = max(1, stats.primary.max_blocks or pool.primary_blocks)
+        check = capacity_mismatch(pool, stats)
+        if check.mismatch and self._capacity.get(pool.name) != check:  # once per new disagreement, not per poll
+            log.warning(check.message())
+        self._capacity[pool.name] = check
+        capacity = max(1, check.effective_primary)  # the engine's blocks, not the registry's
         fractions = {engine_id: q.kv_quota_fraction for engine_id, q in quotas.items()}
         previous = self._trackers.get(pool.name)
         # Quotas and capacity come from the registry/engine on every poll; the demoted set
@@ -79,7 +92,9 @@ class PoolMonitor:
             try:
                 stats = await self._directory.client(pool).stats()
             except EngineError:
+                self.engine_up[pool.name] = False
                 continue  # keep the last known state; the engine may be restarting
+            self.engine_up[pool.name] = True
             self.apply(pool, stats, tenants)
 
     def snapshots(self) -> list[PoolSnapshot]:
@@ -92,5 +107,6 @@ class PoolMonitor:
                 tenant_slugs={tid: q.slug for tid, q in quotas.items()},
                 tenant_quota_blocks={q.slug: q.kv_quota_fraction * capacity for q in quotas.values()},
                 demoted={q.slug: self.quota_state(name, q.tenant_id).over_quota for q in quotas.values()},
+                capacity=self._capacity.get(name),
             ))
         return out

@@ -117,7 +117,7 @@ def build_gateway_services(*, session_factory, pepper: str, tokenizer_for, admis
         return stats
 
     monitor = PoolMonitor(engines, pools_and_tenants)
-    metrics = GatewayMetrics(registry, monitor.snapshots)
+    metrics = GatewayMetrics(registry, monitor.snapshots, lambda: monitor.engine_up)
     usage = UsageRecorder(session_factory)
     captures = TraceCaptures(session_factory, trace_dir, registry) if trace_dir is not None else None
     return GatewayServices(

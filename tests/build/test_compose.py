@@ -212,11 +212,12 @@ def test_the_gateway_exposes_every_documented_metric():
     report = PoolStatsReport(tokens_per_block=32, primary=TierStats(8, 4, 4), secondary=TierStats(8, 8, 0), tenants={"t1": [1, 0]})
     snapshot = metrics_module.PoolSnapshot(pool="p", stats=report, tenant_slugs={"t1": "acme"}, tenant_quota_blocks={"acme": 4.0}, demoted={})
     registry = CollectorRegistry()
-    gateway = metrics_module.GatewayMetrics(registry, snapshots=lambda: [snapshot])
-    gateway.requests.labels(tenant="acme", pool="p", status="ok").inc()
-    gateway.ttft.labels(tenant="acme", pool="p").observe(0.1)
-    for counter in (gateway.kv_reused, gateway.kv_new, gateway.kv_onboarded):
-        counter.labels(tenant="acme", pool="p").inc()
+    gateway = metrics_module.GatewayMetrics(registry, snapshots=lambda: [snapshot], engine_up=lambda: {"p": True})
+    from engines.contract import KvMetrics
+
+    gateway.observe_request(tenant="acme", pool="p", status="ok", prompt_tokens=10, completion_tokens=3, ttft=0.1,
+                            latency=0.3, kv=KvMetrics(reused_blocks=1, new_blocks=1, total_blocks=2, onboarded_blocks=1),
+                            demoted=False, inter_token=0.1)
     gateway.rate_limited.labels(tenant="acme", limit="rpm").inc()
     exposed = set(re.findall(r"^(kvgate_[a-z_]+?)(?:_bucket|_count|_sum|_created)?[{ ]", generate_latest(registry).decode(), re.M))
     assert documented_metrics() <= exposed

@@ -166,3 +166,18 @@ def test_bad_options_exit_2(tmp_path: Path) -> None:
         assert code == 2 and needle in out, (args, out)
     code, out = _run(str(tmp_path / "missing.jsonl"), "--no-progress")
     assert code == 2 and "not found" in out
+
+
+def test_model_shape_gives_the_kv_bytes_per_token(tmp_path: Path) -> None:
+    """``--model`` uses the shapes of ``kvgate plan`` (engines/capacity, branch i17-plan) when present."""
+    trace = _write(tmp_path / "tiny.jsonl", TINY)
+    code, out = _run(str(trace), "--json", "--no-progress", "--no-curve", "--model", "llama-3.1-8b")
+    try:
+        import engines.capacity  # noqa: F401
+    except ImportError:
+        assert code == 2 and "--kv-bytes-per-token instead" in out
+        return
+    assert code == 0, out
+    assert json.loads(out)["transfer"]["kv_bytes_per_token"] == 32 * 8 * 128 * 2  # layers x KV heads x dim x K,V; FP8
+    code, out = _run(str(trace), "--no-progress", "--no-curve", "--model", "no-such-model")
+    assert code == 2 and "--model" in out

@@ -59,3 +59,52 @@ def test_snapshots_feed_the_quota_metrics() -> None:
     assert snap.tenant_slugs == {"1": "premium", "2": "flood"}
     assert snap.tenant_quota_blocks == {"premium": 50.0, "flood": 20.0}
     assert snap.demoted == {"premium": False, "flood": True}
+
+
+# --- registry vs engine capacity ---------------------------------------------------------------
+OVERSIZED = PoolSnapshot(1, "p", "m", "kvgate_llm", "reference-smollm2", 16, 2048, 4096, 35, (ReplicaSnapshot(1, "r0", "127.0.0.1:1", "active", 1),))
+
+
+def test_capacity_mismatch_is_pure_and_names_each_difference() -> None:
+    from server.gateway.capacity_check import capacity_mismatch
+
+    check = capacity_mismatch(OVERSIZED, stats())
+    assert check.mismatch and check.effective_primary == 100
+    assert (check.reported_primary, check.reported_secondary, check.reported_tokens_per_block) == (100, 400, 16)
+    assert "primary_blocks registered 2048, engine reports 100" in check.message()
+    assert "secondary_blocks registered 4096, engine reports 400" in check.message()
+    assert "tokens_per_block" not in check.message()
+    assert not capacity_mismatch(POOL, stats()).mismatch
+    # an engine that reports no blocks yet: compute with the registry's figure
+    empty = PoolStatsReport(16, TierStats(0, 0, 0), TierStats(0, 0, 0))
+    assert capacity_mismatch(OVERSIZED, empty).effective_primary == 2048
+
+
+def test_quota_uses_the_engines_blocks_and_the_mismatch_is_logged_once(caplog) -> None:
+    m = monitor()
+    with caplog.at_level("WARNING", logger="kvgate.gateway"):
+        m.apply(OVERSIZED, stats(flood=21), TENANTS)  # 21 > 0.2 × 100 engine blocks (but far under 0.2 × 2048)
+        m.apply(OVERSIZED, stats(flood=21), TENANTS)
+    assert m.quota_state("p", 2).over_quota
+    warnings = [r for r in caplog.records if "registry and engine disagree" in r.getMessage()]
+    assert len(warnings) == 1
+    assert m.capacity("p").mismatch
+    (snap,) = m.snapshots()
+    assert snap.tenant_quota_blocks["flood"] == 20.0 and snap.capacity.registered_primary == 2048
+
+
+def test_capacity_gauges() -> None:
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from server.gateway.metrics import GatewayMetrics
+
+    m = monitor()
+    m.apply(OVERSIZED, stats(), TENANTS)
+    registry = CollectorRegistry()
+    GatewayMetrics(registry, m.snapshots)
+    text = generate_latest(registry).decode()
+    assert 'kvgate_pool_capacity_mismatch{pool="p"} 1.0' in text
+    assert 'kvgate_pool_registered_blocks{pool="p",tier="primary"} 2048.0' in text
+    assert 'kvgate_pool_blocks{pool="p",state="max",tier="primary"} 100.0' in text
+    m.apply(POOL, stats(), TENANTS)  # the operator fixed the registry
+    assert 'kvgate_pool_capacity_mismatch{pool="p"} 0.0' in generate_latest(registry).decode()
