@@ -6,10 +6,13 @@ number in it is defined in ``server/analysis/reuse.py`` and ``recommend.py``.
 
 from __future__ import annotations
 
+import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+import duckdb
 
 from server.analysis import recommend, reuse
 
@@ -25,6 +28,7 @@ class AnalyzeOptions:
     curve_requests: int | None = 20_000  # None: replay the whole trace for the curve
     curve: bool = True
     duration_percentile: float = 90.0
+    memory_limit: str = "1GB"  # DuckDB spills beyond it (to a temporary directory)
 
 
 Stage = Callable[[str], None]
@@ -39,7 +43,18 @@ def build_report(path: Path, options: AnalyzeOptions, *, stage: Stage | None = N
             stage(text)
 
     say("loading the trace")
-    tables = reuse.load_trace(path, block_size=options.block_size)
+    with tempfile.TemporaryDirectory(prefix="kvgate-analyze-") as spill:
+        try:
+            return _build(path, options, Path(spill), say, advance, set_total)
+        except duckdb.OutOfMemoryException:
+            raise reuse.AnalyzeError(f"DuckDB needed more than --memory-limit {options.memory_limit} for {path}; "
+                                     "raise it (it spills to disk beyond the limit where it can)") from None
+
+
+def _build(path: Path, options: AnalyzeOptions, spill: Path, say: Stage, advance: Advance | None,
+           set_total: Callable[[int], None] | None) -> dict[str, Any]:
+    tables = reuse.load_trace(path, block_size=options.block_size, memory_limit=options.memory_limit,
+                              temp_directory=spill)
     say("reuse per tenant and segment")
     report: dict[str, Any] = {"trace": str(path), "overview": reuse.overview(tables)}
     report["reuse"] = reuse.reuse_by_group(tables)

@@ -78,11 +78,29 @@ def _clean(exc: Exception) -> str:
     return text.replace("Invalid Input Error: ", "").replace("Conversion Error: ", "")
 
 
-def load_trace(path: Path, *, block_size: int | None = None, threads: int = 1) -> TraceTables:
-    """Read and validate ``path``; build the ``requests`` and ``blocks`` tables."""
+def load_trace(path: Path, *, block_size: int | None = None, threads: int | None = None,
+               memory_limit: str = "1GB", temp_directory: Path | None = None) -> TraceTables:
+    """Read and validate ``path``; build the ``requests`` and ``blocks`` tables.
+
+    With ``temp_directory`` the tables live in a database file there and DuckDB keeps to
+    ``memory_limit`` by spilling, so a trace of millions of lines does not need its size in
+    RAM; without it everything is in memory.
+    """
     if not path.is_file():
         raise AnalyzeError(f"trace file not found: {path}")
-    con = duckdb.connect(config={"threads": threads, "preserve_insertion_order": True})
+    config: dict[str, Any] = {"preserve_insertion_order": True, "memory_limit": memory_limit}
+    if threads is not None:
+        config["threads"] = threads
+    if temp_directory is not None:
+        config["temp_directory"] = str(temp_directory)
+    try:
+        # A database file in the temporary directory (not in memory): tables then live in the
+        # buffer pool and can leave RAM, which an in-memory database's cannot.
+        database = str(temp_directory / "trace.duckdb") if temp_directory is not None else ":memory:"
+        con = duckdb.connect(database, config=config)
+    except duckdb.Error as exc:
+        raise AnalyzeError(f"cannot start DuckDB: {_clean(exc)}") from None
+    con.execute("SET enable_progress_bar = false")  # DuckDB's own bar would mix with --json and ours
     columns = "{" + ", ".join(f"{k}: '{v}'" for k, v in _COLUMNS.items()) + "}"
     try:
         con.execute(
@@ -91,6 +109,9 @@ def load_trace(path: Path, *, block_size: int | None = None, threads: int = 1) -
         )
     except duckdb.Error as exc:
         raise AnalyzeError(f"{path}: {_first_bad_line(path) or _clean(exc)}") from None
+    # Line numbers are fixed now; every later order is explicit (ORDER BY), and without
+    # insertion order DuckDB can stream and spill the big window and CUBE queries.
+    con.execute("SET preserve_insertion_order = false")
     count = con.execute("SELECT count(*) FROM raw").fetchone()[0]
     if not count:
         raise AnalyzeError(f"{path}: the trace holds no requests")
@@ -266,20 +287,25 @@ def top_prefixes(t: TraceTables, *, top: int = 10) -> list[dict[str, Any]]:
 
 
 def reuse_gaps(t: TraceTables) -> list[dict[str, Any]]:
-    """Reuse-gap percentiles (seconds) per (tenant, segment) and ``*`` totals, with a CDF."""
+    """Reuse-gap percentiles (seconds) per (tenant, segment) and ``*`` totals, with a CDF.
+
+    One query per grouping (not a CUBE): exact quantiles hold their group's gaps in memory,
+    and four groupings at once would hold every gap four times.
+    """
     quantiles = [i / (CDF_POINTS - 1) for i in range(CDF_POINTS)]
-    rows = t.dicts("""
-        SELECT * FROM (
-            SELECT coalesce(tenant, '*') AS tenant_, coalesce(segment, '*') AS segment_, count(*) AS reuses,
+    rows: list[dict[str, Any]] = []
+    for tenant, segment in (("'*'", "'*'"), ("'*'", "segment"), ("tenant", "'*'"), ("tenant", "segment")):
+        keys = [k for k in (tenant, segment) if not k.startswith("'")]
+        group = f"GROUP BY {', '.join(keys)}" if keys else ""
+        rows += t.dicts(f"""
+            SELECT {tenant} AS tenant, {segment} AS segment, count(*) AS reuses,
                    quantile_cont(gap, 0.5) AS p50_s, quantile_cont(gap, 0.9) AS p90_s,
                    quantile_cont(gap, 0.99) AS p99_s, max(gap) AS max_s, quantile_cont(gap, $q) AS cdf_s
             FROM (SELECT tenant, segment, (ts - prev_ts) / 1000.0 AS gap FROM blocks WHERE reused)
-            GROUP BY CUBE (tenant, segment)
-        ) ORDER BY tenant_ = '*' DESC, tenant_, segment_ = '*' DESC, segment_
-    """, {"q": quantiles})
-    for row in rows:
-        row["tenant"], row["segment"] = row.pop("tenant_"), row.pop("segment_")
-    return rows
+            {group}
+        """, {"q": quantiles})
+    rows = [r for r in rows if r["reuses"]]
+    return sorted(rows, key=lambda r: (r["tenant"] != "*", r["tenant"], r["segment"] != "*", r["segment"]))
 
 
 def transfer(t: TraceTables, *, kv_bytes_per_token: float, link_bytes_per_s: float) -> dict[str, Any]:

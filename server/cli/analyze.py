@@ -73,6 +73,8 @@ def register(app: typer.Typer) -> None:
         percentile: Annotated[float, typer.Option("--duration-percentile", help="reuse-gap percentile a duration "
                               "covers")] = 90.0,
         top: Annotated[int, typer.Option("--top", help="shared prefixes listed per tenant")] = 10,
+        memory_limit: Annotated[str, typer.Option("--memory-limit", help="DuckDB memory limit; beyond it, it "
+                                "spills to a temporary directory")] = "1GB",
         as_json: Annotated[bool, typer.Option("--json", help="print the full report as JSON")] = False,
         plots: Annotated[Path | None, typer.Option("--plots", help="directory for PNG plots")] = None,
         progress: Annotated[bool, typer.Option("--progress/--no-progress", help="progress on stderr")] = True,
@@ -96,7 +98,7 @@ def register(app: typer.Typer) -> None:
             options = AnalyzeOptions(
                 block_size=block_size, kv_bytes_per_token=kvb, link_bytes_per_s=link_gb_s * 1e9, top=top, gpu=gpu,
                 host_multiples=_multiples(host_multiples), curve_requests=curve_requests or None, curve=not no_curve,
-                duration_percentile=percentile,
+                duration_percentile=percentile, memory_limit=memory_limit,
             )
             if progress:
                 report = _with_progress(trace, options)
