@@ -3,7 +3,11 @@
 One JSON object per line: ``timestamp`` (ms), ``input_length``, ``output_length``,
 ``hash_ids`` (one id per ``block_size`` prompt tokens, 512 for Mooncake; equal leading ids
 = shareable prefix). kvgate accepts optional fields: ``tenant`` (str), ``system_tokens``
-and ``context_tokens`` (segment boundaries for the ``class`` policy).
+and ``context_tokens`` (segment boundaries for the ``class`` policy), ``block_size``
+(tokens per hash id; a live capture writes its pool's ``tokens_per_block`` on every line,
+so a reader needs no flag: all lines that carry it must agree, and lines without it use
+the caller's block size, 512 by default). Other fields (a capture's observed outcome) are
+ignored here.
 
 Token synthesis (so the pool's real hashing and token comparison run): the ``j``-th
 token of hash id ``h`` is ``(h * 2654435761 + j) mod 2^31``. Two different ids below
@@ -42,6 +46,7 @@ class TraceRequest:
     tenant: str | None = None
     system_tokens: int | None = None
     context_tokens: int | None = None
+    block_size: int | None = None  # the line's own block_size field, if it had one
 
 
 def _int_field(obj: dict, name: str, line: int, *, minimum: int) -> int:
@@ -51,10 +56,15 @@ def _int_field(obj: dict, name: str, line: int, *, minimum: int) -> int:
     return value
 
 
-def parse_trace(lines: Iterable[str], *, block_size: int = 512) -> list[TraceRequest]:
-    """Parse and validate JSONL lines; returns requests sorted by timestamp (stable)."""
-    if block_size < 1:
+def parse_trace(lines: Iterable[str], *, block_size: int | None = None) -> list[TraceRequest]:
+    """Parse and validate JSONL lines; returns requests sorted by timestamp (stable).
+
+    ``block_size=None``: each line's ``block_size`` field, else 512 (Mooncake). An explicit
+    ``block_size`` that a line contradicts is an error, as are lines that disagree.
+    """
+    if block_size is not None and block_size < 1:
         raise TraceError("block_size must be >= 1")
+    seen_block_size: tuple[int, int] | None = None  # (value, first line carrying it)
     raw: list[tuple[float, int, dict]] = []
     for number, text in enumerate(lines, start=1):
         text = text.strip()
@@ -75,16 +85,26 @@ def parse_trace(lines: Iterable[str], *, block_size: int = 512) -> list[TraceReq
     for index, (ts, number, obj) in enumerate(raw):
         input_length = _int_field(obj, "input_length", number, minimum=1)
         output_length = _int_field(obj, "output_length", number, minimum=0)
+        line_block = None
+        if "block_size" in obj:
+            line_block = _int_field(obj, "block_size", number, minimum=1)
+            if block_size is not None and line_block != block_size:
+                raise TraceError(f"line {number}: block_size {line_block} but the block size asked for is {block_size}")
+            if seen_block_size is not None and seen_block_size[0] != line_block:
+                raise TraceError(f"line {number}: block_size {line_block} differs from {seen_block_size[0]} "
+                                 f"(line {seen_block_size[1]}); one trace has one block size")
+            seen_block_size = seen_block_size or (line_block, number)
+        size = line_block or block_size or 512
         ids = obj.get("hash_ids")
         if not isinstance(ids, list) or not all(
             isinstance(h, int) and not isinstance(h, bool) and 0 <= h <= _MASK for h in ids
         ):
             raise TraceError(f"line {number}: hash_ids must be a list of integers in [0, 2^31)")
-        expected = -(-input_length // block_size)
+        expected = -(-input_length // size)
         if len(ids) != expected:
             raise TraceError(
                 f"line {number}: {len(ids)} hash_ids for input_length {input_length} "
-                f"(expected {expected} with block size {block_size})"
+                f"(expected {expected} with block size {size})"
             )
         tenant = obj.get("tenant")
         if tenant is not None and (not isinstance(tenant, str) or not tenant):
@@ -97,8 +117,19 @@ def parse_trace(lines: Iterable[str], *, block_size: int = 512) -> list[TraceReq
             context = _int_field(obj, "context_tokens", number, minimum=0)
         if (system or 0) > (context if context is not None else input_length) or (context or 0) > input_length:
             raise TraceError(f"line {number}: need system_tokens <= context_tokens <= input_length")
-        out.append(TraceRequest(index, ts, input_length, output_length, tuple(ids), tenant, system, context))
+        out.append(TraceRequest(index, ts, input_length, output_length, tuple(ids), tenant, system, context,
+                                line_block))
+    if seen_block_size is not None and any(r.block_size is None for r in out):
+        raise TraceError(f"some lines carry block_size {seen_block_size[0]} and others none; "
+                         "one trace has one block size")
     return out
+
+
+def trace_block_size(requests: Iterable[TraceRequest], default: int = 512) -> int:
+    """The block size the trace's lines carry (``parse_trace`` checked they agree), else ``default``."""
+    for request in requests:
+        return request.block_size or default
+    return default
 
 
 def request_tokens(request: TraceRequest, block_size: int = 512) -> np.ndarray:

@@ -54,5 +54,6 @@ def build_serving_app(settings: Settings, *, session_factory: sessionmaker[Sessi
         admission=admission, registry=registry or CollectorRegistry(),
         pools_and_tenants=registry_pools_and_tenants(session_factory), auth_ttl=auth_ttl, intervals=intervals,
         mrc_sample_rate=settings.mrc_sample_rate,
+        trace_dir=settings.trace_dir,
     )
     return install_gateway(app, services)

@@ -67,6 +67,8 @@ class Settings(BaseSettings):
     # space each pool's shadow pools sample; 0 turns them off.
     mrc_sample_rate: float = Field(default=0.01, ge=0.0, le=1.0)
     log_level: str = "info"
+    # Live trace captures (admin API /pools/{ref}/captures) write here: <trace_dir>/<pool>/capture-*.jsonl
+    trace_dir: Path = Path("kvgate-traces")
 
     @field_validator("admin_tokens", mode="before")
     @classmethod

@@ -5,7 +5,8 @@ Tables: ``pools`` (engine deployments), ``pool_replicas`` (a pool's engine endpo
 ``retention_classes`` (TensorRT-LLM retention
 priorities/durations per prompt segment), ``tenants``, ``api_keys`` (HMAC of the secret,
 never the plaintext), ``audit_events``, ``usage`` (per tenant per minute) and
-``usage_flushes`` (idempotency ledger for usage batches).
+``usage_flushes`` (idempotency ledger for usage batches) and ``trace_captures`` (opt-in
+live trace capture per pool, optionally one tenant; the gateway writes the files).
 
 Invariants kept by the database itself (CHECK / UNIQUE / FK), so that no writer —
 service, CLI or a hand-written SQL session — can store a state the services refuse:
@@ -35,10 +36,12 @@ from sqlalchemy import (
     TypeDecorator,
     UniqueConstraint,
 )
+from sqlalchemy import text
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
 
 TENANT_STATUSES = ("active", "suspended")
 REPLICA_STATES = ("active", "draining", "disabled")
+CAPTURE_STATES = ("active", "stopped")
 ISOLATIONS = ("shared", "salted", "dedicated")
 SEGMENTS = ("system", "context", "turn")
 
@@ -318,3 +321,32 @@ class UsageFlush(Base):
     tenant_id: Mapped[int | None] = mapped_column(ForeignKey("tenants.id", ondelete="SET NULL"))
     row_count: Mapped[int] = mapped_column(Integer)
     applied_at: Mapped[datetime] = mapped_column(default=utcnow)
+
+
+class TraceCapture(Timestamped, Base):
+    """An opt-in live trace capture of one pool (optionally one tenant's requests).
+
+    Invariants: at most one ``active`` capture per pool (partial unique index);
+    ``0 < sample_rate <= 1``; ``max_bytes >= 1``. ``key`` is a per-capture secret (hex)
+    the gateway keys the sampling and the block-id mapping with, so ids of two captures
+    cannot be joined; it never leaves the server (not in the admin API, not in audit).
+    """
+
+    __tablename__ = "trace_captures"
+    __table_args__ = (
+        CheckConstraint("state IN ('active', 'stopped')", name="state_enum"),
+        CheckConstraint("sample_rate > 0 AND sample_rate <= 1", name="sample_rate_range"),
+        CheckConstraint("max_bytes >= 1", name="max_bytes_pos"),
+        Index("uq_trace_captures_active_pool", "pool_id", unique=True,
+              sqlite_where=text("state = 'active'"), postgresql_where=text("state = 'active'")),
+    )
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    pool_id: Mapped[int] = mapped_column(ForeignKey("pools.id", ondelete="CASCADE"), index=True)
+    tenant_id: Mapped[int | None] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"), index=True)
+    sample_rate: Mapped[float] = mapped_column(Float)
+    max_bytes: Mapped[int] = mapped_column(BigInteger)
+    state: Mapped[str] = mapped_column(String(16), default="active")
+    key: Mapped[str] = mapped_column(String(64))
+    started_at: Mapped[datetime] = mapped_column(default=utcnow)
+    stopped_at: Mapped[datetime | None] = mapped_column()

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import typer
 
-from server.cli import admin, build, db, engine, plan, serve, simulate
+from server.cli import admin, analyze, build, db, engine, plan, serve, simulate, trace
 
 
 def create_cli() -> typer.Typer:
@@ -17,7 +17,7 @@ def create_cli() -> typer.Typer:
     def root() -> None:
         """kvgate: multi-tenant KV-cache-aware LLM serving on TensorRT-LLM and Triton."""
 
-    for module in (db, admin, serve, simulate, plan, engine, build):
+    for module in (db, admin, serve, simulate, analyze, trace, plan, engine, build):
         module.register(app)
 
     @app.command()

@@ -80,7 +80,8 @@ def register(app: typer.Typer) -> None:
             list[str] | None, typer.Option("--capacity", "-c", help="GPU capacity: blocks or % of distinct blocks (repeat)")
         ] = None,
         host: Annotated[str, typer.Option("--host", help="host tier: blocks, a multiple of GPU like 4x, or 0")] = "4x",
-        block_size: Annotated[int, typer.Option("--block-size", help="tokens per trace hash id (512 for Mooncake)")] = 512,
+        block_size: Annotated[int | None, typer.Option("--block-size", help="tokens per trace hash id (default: the "
+                              "lines' block_size field, as a kvgate capture writes it, else 512 as Mooncake)")] = None,
         tokens_per_block: Annotated[int | None, typer.Option("--tokens-per-block", help="pool block size (default: --block-size)")] = None,
         hold: Annotated[str, typer.Option("--hold", help="none: release at admission; tokens: hold for modelled prefill+decode")] = "none",
         prefill_tps: Annotated[float, typer.Option("--prefill-tps", help="prefill tokens/s (--hold tokens)")] = 8000.0,
@@ -106,7 +107,7 @@ def register(app: typer.Typer) -> None:
         from retention.oracle import is_oracle_name, oracle_factories, parse_oracle_name
         from retention.sim_policies import ClassMapping, ClassMappingError, make_policy
         from retention.simulator import SimConfig, run_simulation
-        from retention.trace import TraceError, distinct_blocks, parse_trace
+        from retention.trace import TraceError, distinct_blocks, parse_trace, trace_block_size
 
         try:
             if not trace.is_file():
@@ -119,11 +120,6 @@ def register(app: typer.Typer) -> None:
 
             clusters = cluster_configs(
                 replicas, router, index=index, ttl=ttl, cost=cost, temperature=temperature, seed=seed
-            )
-            pool_block = tokens_per_block or block_size
-            config = SimConfig(
-                tokens_per_block=pool_block, trace_block_size=block_size, hold=hold,  # type: ignore[arg-type]
-                prefill_tokens_per_s=prefill_tps, decode_tokens_per_s=decode_tps, salted=salted,
             )
             mapping = None
             if classes is not None:
@@ -141,9 +137,15 @@ def register(app: typer.Typer) -> None:
                         raise CliError("oracle policies read the whole trace; they cannot run with --replicas")
                     parse_oracle_name(name)
                 else:
-                    make_policy(name, mapping=mapping, block_size=block_size, registry=registry)
+                    make_policy(name, mapping=mapping, block_size=block_size or 512, registry=registry)
             with trace.open() as handle:
                 requests = parse_trace(handle, block_size=block_size)
+            block_size = block_size or trace_block_size(requests)
+            pool_block = tokens_per_block or block_size
+            config = SimConfig(
+                tokens_per_block=pool_block, trace_block_size=block_size, hold=hold,  # type: ignore[arg-type]
+                prefill_tokens_per_s=prefill_tps, decode_tokens_per_s=decode_tps, salted=salted,
+            )
             if limit is not None:
                 requests = requests[:limit]
             if not requests:

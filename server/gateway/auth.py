@@ -43,6 +43,7 @@ def to_context(snapshot: AuthenticatedTenant) -> TenantContext:
         retention=RetentionClassSpec(cls.system, cls.context, cls.turn, cls.decode),
         key_id=snapshot.key_id,
         retention_mode=cls.mode,
+        retention_class=cls.name,
     )
 
 

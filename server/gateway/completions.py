@@ -72,6 +72,7 @@ class Outcome:
 
 
 UsageSink = Callable[[int, int, int], None]  # (tenant_id, prompt_tokens, completion_tokens)
+CaptureSink = Callable[..., bool]  # server.gateway.capture.TraceCaptures.offer (keyword arguments)
 
 
 class StopMatcher:
@@ -207,7 +208,8 @@ class CompletionRunner:
     def __init__(self, *, admission: Admission, metrics: GatewayMetrics, usage: UsageSink,
                  selector_for: Callable[[PoolSnapshot], AdaptiveSelector] | None = None,
                  curves: MissRatioCurves | None = None,
-                 clock: Callable[[], float] = time.monotonic, guard: SloGuards | None = None) -> None:
+                 clock: Callable[[], float] = time.monotonic, guard: SloGuards | None = None,
+                 capture: CaptureSink | None = None) -> None:
         self._admission = admission
         self._metrics = metrics
         self._usage = usage
@@ -215,6 +217,7 @@ class CompletionRunner:
         self._curves = curves if curves is not None and curves.enabled else None
         self._clock = clock
         self._guard = guard
+        self._capture = capture
 
     async def run(self, job: CompletionJob):
         tenant = job.tenant
@@ -269,6 +272,14 @@ class CompletionRunner:
         if self._guard is not None:
             self._guard.observe(tenant.pool.name, outcome.arm, ttft=outcome.ttft, inter_token=inter_token, kv=outcome.kv)
         self._usage(tenant.tenant_id, job.prompt.total, outcome.completion_tokens)
+        if self._capture is not None and outcome.kv is not None:  # the engine ran it: a trace line (if sampled)
+            kv = outcome.kv
+            self._capture(tenant_id=tenant.tenant_id, tenant=tenant.slug, retention_class=tenant.retention_class,
+                          pool=tenant.pool.name, tokens_per_block=tenant.pool.tokens_per_block, salt=tenant.engine_salt,
+                          input_ids=job.prompt.input_ids, system_end=job.prompt.system_end,
+                          context_end=job.prompt.context_end, output_length=outcome.completion_tokens,
+                          reused_blocks=kv.reused_blocks, onboarded_blocks=kv.onboarded_blocks, ttft=outcome.ttft,
+                          latency=latency, status=outcome.status)
 
     def _usage_body(self, job: CompletionJob, outcome: Outcome) -> dict:
         return {"prompt_tokens": job.prompt.total, "completion_tokens": outcome.completion_tokens,

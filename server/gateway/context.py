@@ -26,6 +26,7 @@ class TenantContext:
     retention: RetentionClassSpec
     key_id: int
     retention_mode: str = "static"  # static | adaptive (retention/adaptive.py)
+    retention_class: str = ""  # the class's name (trace capture lines carry it)
 
     @property
     def engine_tenant_id(self) -> str:

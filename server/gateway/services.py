@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import logging
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from prometheus_client import CollectorRegistry
 
@@ -19,6 +20,7 @@ from retention.adaptive import AdaptiveConfig
 from retention.selection import AdaptiveSelector
 from server.gateway.admission import Admission
 from server.gateway.auth import KeyAuthenticator
+from server.gateway.capture import TraceCaptures
 from server.gateway.completions import CompletionRunner
 from server.gateway.engines import EngineDirectory
 from server.gateway.metrics import GatewayMetrics
@@ -37,6 +39,7 @@ class LoopIntervals:
     last_used_flush: float = 10.0
     pool_poll: float = 1.0
     slo_guard: float = 1.0
+    capture_refresh: float = 2.0
 
 
 @dataclass(slots=True)
@@ -52,6 +55,7 @@ class GatewayServices:
     selectors: dict[str, AdaptiveSelector] = field(default_factory=dict)  # pool -> adaptive retention (stats + duel)
     slo_guards: SloGuards | None = None  # per-pool SLO guards (server.gateway.slo_guard)
     intervals: LoopIntervals = field(default_factory=LoopIntervals)
+    captures: TraceCaptures | None = None  # live trace capture (server.gateway.capture)
     draining: bool = False  # set by the SIGTERM drain (server.gateway.drain): new requests get 503
     in_flight: int = 0  # serving requests not yet fully answered (server.gateway.drain.InFlight)
     _tasks: list[asyncio.Task] = field(default_factory=list)
@@ -84,6 +88,10 @@ class GatewayServices:
         ]
         if self.slo_guards is not None:
             self._tasks.append(asyncio.create_task(self._loop(self.intervals.slo_guard, self.slo_guards.tick, "SLO guard")))
+        if self.captures is not None:
+            self._tasks.append(asyncio.create_task(self.captures.refresh()))
+            self._tasks.append(asyncio.create_task(
+                self._loop(self.intervals.capture_refresh, self.captures.refresh, "capture refresh")))
 
     async def stop(self) -> None:
         for task in self._tasks:
@@ -96,6 +104,9 @@ class GatewayServices:
             await self.usage.flush()
         with contextlib.suppress(Exception):
             await self.auth.flush_last_used()
+        if self.captures is not None:
+            with contextlib.suppress(Exception):
+                await self.captures.close()
         await self.engines.close()
         await self.admission.close()
 
@@ -103,7 +114,7 @@ class GatewayServices:
 def build_gateway_services(*, session_factory, pepper: str, tokenizer_for, admission: Admission,
                            registry: CollectorRegistry, pools_and_tenants, auth_ttl: float = 5.0,
                            intervals: LoopIntervals | None = None, adaptive_max_entries: int = 100_000,
-                           mrc_sample_rate: float = 0.01) -> GatewayServices:
+                           mrc_sample_rate: float = 0.01, trace_dir: Path | None = None) -> GatewayServices:
     engines = EngineDirectory(tokenizer_for)
     selectors: dict[str, AdaptiveSelector] = {}
 
@@ -123,11 +134,13 @@ def build_gateway_services(*, session_factory, pepper: str, tokenizer_for, admis
         registry.register(MissRatioCollector(curves, monitor.tenant_slugs))
     usage = UsageRecorder(session_factory)
     guards = SloGuards(session_factory=session_factory, pools=lambda: list(engines.pools.values()), registry=registry)
+    captures = TraceCaptures(session_factory, trace_dir, registry) if trace_dir is not None else None
     return GatewayServices(
         auth=KeyAuthenticator(session_factory, pepper=pepper, ttl=auth_ttl),
         admission=admission, engines=engines, usage=usage, monitor=monitor, registry=registry, metrics=metrics,
         runner=CompletionRunner(admission=admission, metrics=metrics, usage=usage.record, selector_for=selector_for,
-                                guard=guards, curves=curves),
-        selectors=selectors, slo_guards=guards,
+                                guard=guards, curves=curves,
+                                capture=captures.offer if captures is not None else None),
+        selectors=selectors, slo_guards=guards, captures=captures,
         intervals=intervals or LoopIntervals(),
     )

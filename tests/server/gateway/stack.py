@@ -108,6 +108,7 @@ class Stack:
     admin_token: str
     tokens_per_block: int
     keys: dict[str, str] = field(default_factory=dict)
+    trace_dir: Path | None = None  # live trace captures (server/gateway/capture.py) write here
 
     def now(self) -> datetime:
         return datetime.now(UTC)
@@ -147,9 +148,10 @@ def build_stack(tmp: Path, *, engine_args: list[str], tokens_per_block: int, pri
                                        system_priority=90, context_priority=60, turn_priority=40,
                                        decode_priority=20)
     app_settings = Settings(database_url=url, admin_tokens=[f"ci:{admin_token}"], key_pepper=PEPPER, dev=False,
-                            **(settings or {}))
+                            **{"trace_dir": tmp / "traces", **(settings or {})})
     app = build_serving_app(app_settings, session_factory=factory, auth_ttl=0.5,
-                            intervals=LoopIntervals(usage_flush=0.5, last_used_flush=1.0, pool_poll=0.3))
+                            intervals=LoopIntervals(usage_flush=0.5, last_used_flush=1.0, pool_poll=0.3,
+                                                    capture_refresh=0.3))
     gateway = GatewayServer(app, free_port())
     gateway.start()
-    return Stack(engine, gateway, factory, admin_token, tokens_per_block)
+    return Stack(engine, gateway, factory, admin_token, tokens_per_block, trace_dir=tmp / "traces")

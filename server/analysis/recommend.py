@@ -1,0 +1,133 @@
+"""Recommendations from a trace: a host tier size and per-segment retention durations.
+
+* **Host tier size**: the trace is replayed by the real simulator (``retention/simulator``,
+  the pool code the engine runs) with TensorRT-LLM's defaults (every block at priority
+  35 >= the code-default offload threshold 30, so every GPU victim goes to host) at a
+  fixed GPU capacity and several host sizes. The recommendation is the knee of the
+  hit-rate curve (Kneedle: the point farthest above the chord after scaling both axes
+  to [0, 1]); when the largest host tier adds less than ``MIN_GAIN`` to the hit rate, it
+  is 0 (a host tier would buy nothing measurable); when the curve has no knee in the
+  measured range (still rising as fast at the largest size), it is the largest size,
+  flagged ``saturated: false`` (measure larger sizes).
+* **Durations**: a segment's blocks should outlive the gap to their next use; the
+  recommendation is the ``percentile``-th reuse gap of the segment rounded up to two
+  significant digits (so ``percentile`` % of the observed reuses would still find the
+  block), and none when the segment was reused fewer than ``MIN_REUSES`` times.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+MIN_GAIN = 0.005  # half a point of hit rate
+MIN_BEND = 0.05  # the knee must lie this far above the chord (both axes scaled to [0, 1])
+MIN_REUSES = 20
+DEFAULT_HOST_MULTIPLES = (0.0, 0.5, 1.0, 2.0, 4.0, 8.0, 16.0, 32.0)
+
+
+def knee(xs: Sequence[float], ys: Sequence[float]) -> tuple[int, bool]:
+    """(index of the knee, saturated) of an increasing curve (Kneedle, no smoothing).
+
+    ``xs`` ascending. A flat curve (gain below ``MIN_GAIN``) gives (0, True): more host
+    buys nothing. A curve that never rises above its chord by ``MIN_BEND`` (straight or
+    still accelerating at the largest size) has no knee in range: (last, False), i.e.
+    "at least this much; measure larger sizes".
+    """
+    if len(xs) != len(ys) or not xs:
+        raise ValueError("knee needs equal, non-empty xs and ys")
+    top = max(range(len(ys)), key=lambda i: (ys[i], -i))
+    gain = ys[top] - ys[0]
+    if gain < MIN_GAIN or xs[-1] == xs[0]:
+        return 0, True
+    best, best_d = 0, -math.inf
+    for i in range(top + 1):
+        d = (ys[i] - ys[0]) / gain - (xs[i] - xs[0]) / (xs[top] - xs[0])
+        if d > best_d + 1e-12:
+            best, best_d = i, d
+    if best_d < MIN_BEND:
+        return len(xs) - 1, False
+    return best, True
+
+
+def round_up_2sig(value: float) -> float:
+    """Round up to two significant digits: 281.7 -> 290, 0.0123 -> 0.013."""
+    if value <= 0:
+        return 0.0
+    scale = 10 ** (math.floor(math.log10(value)) - 1)
+    return math.ceil(round(value / scale, 9)) * scale
+
+
+def durations(gaps: list[dict[str, Any]], *, percentile: float = 90.0) -> list[dict[str, Any]]:
+    """Per (tenant, segment) row of ``reuse.reuse_gaps``: the recommended duration (ms) or None."""
+    out = []
+    points = len(gaps[0]["cdf_s"]) - 1 if gaps else 100
+    for row in gaps:
+        rec: dict[str, Any] = {"tenant": row["tenant"], "segment": row["segment"], "reuses": row["reuses"],
+                               "percentile": percentile}
+        if row["reuses"] < MIN_REUSES:
+            rec.update(duration_ms=None, reason=f"only {row['reuses']} reuses (< {MIN_REUSES})")
+        else:
+            k = percentile / 100 * points
+            lo, hi = math.floor(k), math.ceil(k)
+            cdf = row["cdf_s"]
+            gap = cdf[lo] + (cdf[hi] - cdf[lo]) * (k - lo)
+            rec.update(gap_s=gap, duration_ms=int(round_up_2sig(gap * 1000)), reason=None)
+        out.append(rec)
+    return out
+
+
+def host_curve(path: Path, *, block_size: int, gpu: str = "2%", multiples: Sequence[float] = DEFAULT_HOST_MULTIPLES,
+               max_requests: int | None = 20_000, progress: Callable[[int], None] | None = None,
+               on_total: Callable[[int], None] | None = None) -> dict[str, Any]:
+    """Hit rate at one GPU capacity and several host sizes (simulator), and the knee.
+
+    ``gpu``: blocks (``"878"``) or a share of the replayed requests' distinct blocks
+    (``"2%"``). Replays the first ``max_requests`` lines of the file (None = all).
+    """
+    from retention.sim_policies import make_policy
+    from retention.simulator import SimConfig, request_hashes, simulate
+    from retention.trace import distinct_blocks, parse_trace
+
+    with path.open(encoding="utf-8") as handle:
+        lines = handle if max_requests is None else itertools.islice(handle, max_requests)
+        requests = parse_trace(lines, block_size=block_size)
+    config = SimConfig(tokens_per_block=block_size, trace_block_size=block_size)
+    distinct = distinct_blocks(requests)
+    gpu_blocks = _capacity(gpu, distinct)
+    hosts = sorted({round(gpu_blocks * m) for m in multiples})
+    if on_total is not None:
+        on_total(len(requests) * len(hosts))
+    hashes = request_hashes(requests, config)
+    points = []
+    for host in hosts:
+        result = simulate(requests, make_policy("trtllm-default"), primary_blocks=gpu_blocks, secondary_blocks=host,
+                          config=config, hashes=hashes, progress=progress)
+        points.append({"host_blocks": host, "hit_rate": result.hit_rate, "gpu_hit_rate": result.gpu_hit_rate,
+                       "host_hit_rate": result.host_hit_rate})
+    index, saturated = knee([p["host_blocks"] for p in points], [p["hit_rate"] for p in points])
+    return {
+        "requests_replayed": len(requests), "distinct_blocks": distinct, "gpu_blocks": gpu_blocks, "policy": "trtllm-default",
+        "points": points, "knee_index": index, "saturated": saturated, "recommended_host_blocks": points[index]["host_blocks"],
+        "gain_at_knee": points[index]["hit_rate"] - points[0]["hit_rate"],
+        "gain_at_max": max(p["hit_rate"] for p in points) - points[0]["hit_rate"],
+    }
+
+
+def _capacity(text: str, distinct: int) -> int:
+    raw = text.strip()
+    try:
+        if raw.endswith("%"):
+            share = float(raw[:-1])
+            if not math.isfinite(share) or share <= 0:
+                raise ValueError
+            return max(1, round(distinct * share / 100.0))
+        value = int(raw)
+        if value < 1:
+            raise ValueError
+        return value
+    except ValueError:
+        raise ValueError(f"--gpu {text!r} must be a positive block count or a percentage like 2%") from None

@@ -1,0 +1,177 @@
+"""`kvgate trace start|stop|list|export`: live trace captures from the shell.
+
+``start``/``stop``/``list`` go through the same registry services as the admin API
+(``/admin/v1/pools/{ref}/captures``), audited as ``cli:<user>``. ``export`` reads the
+gateways' capture files under the trace directory (``KVGATE_TRACE_DIR``, or ``--dir``)
+and writes one time range of one pool, in timestamp order, as a trace that
+``kvgate simulate`` and ``kvgate analyze`` read unchanged::
+
+    kvgate trace start reference --sample-rate 0.25 --max-bytes 512MiB
+    kvgate trace export --pool reference --from 2026-12-01T14:00:00Z --to 2026-12-01T15:00:00Z -o hour.jsonl
+    kvgate analyze hour.jsonl --plots report/
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
+_UNITS = {"": 1, "B": 1, "K": 10**3, "KB": 10**3, "KIB": 2**10, "M": 10**6, "MB": 10**6, "MIB": 2**20,
+          "G": 10**9, "GB": 10**9, "GIB": 2**30, "T": 10**12, "TB": 10**12, "TIB": 2**40}
+
+
+PoolArg = Annotated[str, typer.Argument(metavar="POOL", help="pool id or name")]
+CaptureId = Annotated[int, typer.Argument(metavar="ID", help="capture id")]
+
+
+class ExportError(ValueError):
+    pass
+
+
+def parse_size(text: str) -> int:
+    """``"512MiB"`` → 536870912; ``"1GB"`` → 10^9; ``"1000"`` → 1000 bytes."""
+    match = _SIZE.match(text)
+    unit = (match.group(2) or "").upper() if match else ""
+    if match is None or unit not in _UNITS:
+        raise ExportError(f"size {text!r} must be bytes or a number with KiB/MiB/GiB/KB/MB/GB")
+    return int(float(match.group(1)) * _UNITS[unit])
+
+
+def parse_time_ms(text: str, *, field: str) -> int:
+    """Unix ms (``1764597600000``) or ISO 8601 (``2026-12-01T14:00:00Z``; no zone = UTC)."""
+    raw = text.strip()
+    if raw.isdigit():
+        return int(raw)
+    try:
+        moment = datetime.fromisoformat(raw.replace("Z", "+00:00").replace("z", "+00:00"))
+    except ValueError:
+        raise ExportError(f"{field} {text!r} must be Unix ms or an ISO 8601 time like 2026-12-01T14:00:00Z") from None
+    if moment.tzinfo is None:
+        moment = moment.replace(tzinfo=UTC)
+    return int(moment.timestamp() * 1000)
+
+
+def capture_files(directory: Path, pool: str, capture: int | None = None) -> list[Path]:
+    """The capture files of ``pool`` (all gateways, all captures, or one capture id)."""
+    pattern = f"capture-{capture:06d}-*.jsonl" if capture is not None else "capture-*.jsonl"
+    return sorted((directory / pool).glob(pattern))
+
+
+def export_range(files: list[Path], out: Path, *, start_ms: int | None, end_ms: int | None) -> tuple[int, int | None]:
+    """Write the lines with ``start_ms <= timestamp < end_ms`` sorted by timestamp.
+
+    Returns (lines written, block size). Lines are copied byte for byte (no re-encoding);
+    a line that is not a JSON object with a numeric timestamp (e.g. a torn last line of a
+    file being written) is skipped; captures of different block sizes are refused.
+    """
+    selected: list[tuple[float, int, str]] = []
+    block_size: int | None = None
+    order = 0
+    for file in files:
+        with file.open(encoding="utf-8") as handle:
+            for text in handle:
+                if not text.endswith("\n"):
+                    continue  # the writer's current line, not complete yet
+                try:
+                    obj = json.loads(text)
+                except json.JSONDecodeError:
+                    continue
+                ts = obj.get("timestamp") if isinstance(obj, dict) else None
+                if isinstance(ts, bool) or not isinstance(ts, (int, float)):
+                    continue
+                if (start_ms is not None and ts < start_ms) or (end_ms is not None and ts >= end_ms):
+                    continue
+                size = obj.get("block_size")
+                if block_size is None:
+                    block_size = size
+                elif size != block_size:
+                    raise ExportError(f"{file}: block_size {size} differs from {block_size} in an earlier line; "
+                                      "export one capture (--capture ID)")
+                selected.append((float(ts), order, text))
+                order += 1
+    selected.sort()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with out.open("w", encoding="utf-8") as handle:
+        handle.writelines(text for _, _, text in selected)
+    return len(selected), block_size
+
+
+def register(app: typer.Typer) -> None:
+    """Attach ``kvgate trace`` to the root CLI."""
+    group = typer.Typer(no_args_is_help=True, help="Live trace captures: start, stop, list, export.")
+    app.add_typer(group, name="trace")
+
+    @group.command()
+    def start(
+        pool: PoolArg,
+        sample_rate: Annotated[float, typer.Option("--sample-rate", help="share of conversations captured, (0, 1]")] = 1.0,
+        max_bytes: Annotated[str, typer.Option("--max-bytes", help="size bound per gateway file, e.g. 256MiB")] = "256MiB",
+        tenant: Annotated[str | None, typer.Option("--tenant", help="only this tenant's requests")] = None,
+    ) -> None:
+        """Start capturing POOL's requests (every gateway picks it up within seconds)."""
+        from server.admin.captures import CaptureCreate
+        from server.cli.admin import _actor, _body, _fail, _now, _print, _session
+        from tenants import captures
+
+        try:
+            size = parse_size(max_bytes)
+        except ExportError as exc:
+            _fail(2, "invalid_value", str(exc), "max_bytes")
+        with _session() as s:
+            body = _body(CaptureCreate, sample_rate=sample_rate, max_bytes=size, tenant=tenant)
+            row = captures.start_capture(s, actor=_actor(), now=_now(), pool=pool, **body.model_dump())
+            _print(captures.capture_public(row, s))
+
+    @group.command()
+    def stop(pool: PoolArg, capture_id: Annotated[int, typer.Argument(metavar="ID", help="capture id")]) -> None:
+        """Stop a capture."""
+        from server.cli.admin import _actor, _now, _print, _session
+        from tenants import captures
+
+        with _session() as s:
+            _print(captures.capture_public(captures.stop_capture(s, actor=_actor(), now=_now(), pool=pool,
+                                                                 capture_id=capture_id), s))
+
+    @group.command("list")
+    def list_(pool: PoolArg) -> None:
+        """The pool's captures, newest first."""
+        from server.cli.admin import _print, _session
+        from tenants import captures
+
+        with _session() as s:
+            _print([captures.capture_public(r, s) for r in captures.list_captures(s, pool=pool)])
+
+    @group.command()
+    def export(
+        pool: Annotated[str, typer.Option("--pool", help="pool name (a directory under the trace dir)")],
+        output: Annotated[Path, typer.Option("--output", "-o", help="trace file to write (JSONL)")],
+        start_at: Annotated[str | None, typer.Option("--from", help="first time (inclusive): ISO 8601 or Unix ms")] = None,
+        end_at: Annotated[str | None, typer.Option("--to", help="last time (exclusive): ISO 8601 or Unix ms")] = None,
+        capture: Annotated[int | None, typer.Option("--capture", help="only this capture id")] = None,
+        directory: Annotated[Path | None, typer.Option("--dir", help="trace directory (default KVGATE_TRACE_DIR)")] = None,
+    ) -> None:
+        """Write one pool's captured requests in a time range, sorted by timestamp."""
+        try:
+            if directory is None:
+                from server.settings import Settings
+
+                directory = Settings().trace_dir
+            start_ms = parse_time_ms(start_at, field="--from") if start_at else None
+            end_ms = parse_time_ms(end_at, field="--to") if end_at else None
+            if start_ms is not None and end_ms is not None and end_ms <= start_ms:
+                raise ExportError("--to must be after --from")
+            files = capture_files(directory, pool, capture)
+            if not files:
+                raise ExportError(f"no capture files for pool {pool!r} under {directory}"
+                                  + (f" (capture {capture})" if capture is not None else ""))
+            count, block_size = export_range(files, output, start_ms=start_ms, end_ms=end_ms)
+        except (ExportError, OSError) as exc:
+            typer.echo(f"error: {exc}", err=True)
+            raise typer.Exit(2) from None
+        typer.echo(f"{count} requests written to {output} (block size {block_size}, from {len(files)} file(s))")

@@ -1,0 +1,183 @@
+"""`kvgate analyze`: figures against a hand-computed tiny trace, the synthetic trace (a slice)
+against an independent computation, the knee rule, and clear errors (exit 2) for bad input."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from server.analysis.recommend import knee, round_up_2sig
+from server.cli import create_cli
+
+SYNTHETIC = Path("/work/shared/traces/mooncake_synthetic_trace.jsonl")
+
+# block size 4. Hand-computed figures below refer to these lines.
+TINY = [
+    {"timestamp": 0, "tenant": "x", "input_length": 10, "output_length": 1, "hash_ids": [1, 2, 3],
+     "system_tokens": 4, "context_tokens": 8, "block_size": 4},
+    {"timestamp": 1000, "tenant": "x", "input_length": 12, "output_length": 1, "hash_ids": [1, 2, 4],
+     "system_tokens": 4, "context_tokens": 8, "block_size": 4},
+    {"timestamp": 3000, "tenant": "y", "input_length": 8, "output_length": 1, "hash_ids": [5, 6],
+     "system_tokens": 4, "context_tokens": 4, "block_size": 4},
+    {"timestamp": 4000, "tenant": "x", "input_length": 4, "output_length": 1, "hash_ids": [1],
+     "system_tokens": 4, "context_tokens": 4, "block_size": 4},
+    {"timestamp": 4000, "tenant": "y", "input_length": 8, "output_length": 1, "hash_ids": [5, 7],
+     "system_tokens": 4, "context_tokens": 4, "block_size": 4},
+]
+
+
+def _write(path: Path, lines: list) -> Path:
+    path.write_text("".join((x if isinstance(x, str) else json.dumps(x)) + "\n" for x in lines))
+    return path
+
+
+def _run(*args: str) -> tuple[int, str]:
+    res = CliRunner().invoke(create_cli(), ["analyze", *args])
+    return res.exit_code, res.output
+
+
+def test_tiny_trace_figures_match_hand_computation(tmp_path: Path) -> None:
+    trace = _write(tmp_path / "tiny.jsonl", TINY)
+    code, out = _run(str(trace), "--json", "--no-progress", "--no-curve", "--kv-bytes-per-token", "10",
+                     "--host-link-gb-s", "9e-8", "--plots", str(tmp_path / "plots"))
+    assert code == 0, out
+    r = json.loads(out)
+    ov = r["overview"]
+    assert (ov["requests"], ov["prompt_tokens"], ov["distinct_blocks"], ov["block_uses"], ov["duration_s"],
+            ov["tenants"], ov["block_size"]) == (5, 42, 7, 11, 4.0, 2, 4)
+
+    reuse = {(x["tenant"], x["segment"]): x for x in r["reuse"]}
+    assert (reuse["*", "*"]["tokens"], reuse["*", "*"]["reused_tokens"]) == (42, 16)
+    assert (reuse["*", "*"]["distinct_blocks"], reuse["*", "*"]["one_shot_blocks"]) == (7, 4)
+    x, y = reuse["x", "*"], reuse["y", "*"]
+    assert (x["tokens"], x["reused_tokens"], x["reuse_share"]) == (26, 12, 12 / 26)
+    assert (x["distinct_blocks"], x["one_shot_share"], x["one_shot_token_share"]) == (4, 0.5, 6 / 14)
+    assert (y["tokens"], y["reused_tokens"], y["one_shot_share"], y["one_shot_token_share"]) == (16, 4, 2 / 3, 8 / 12)
+    assert (reuse["x", "system"]["tokens"], reuse["x", "system"]["reused_tokens"]) == (12, 8)
+    assert (reuse["x", "context"]["tokens"], reuse["x", "context"]["reused_tokens"]) == (8, 4)
+    assert (reuse["x", "turn"]["tokens"], reuse["x", "turn"]["reused_tokens"]) == (6, 0)
+
+    prefixes = [(p["tenant"], p["end_id"], p["blocks"], p["ends_in"], p["requests"], p["tokens_saved"])
+                for p in r["top_prefixes"]]
+    assert prefixes == [("x", 2, 2, "context", 1, 8), ("x", 1, 1, "system", 1, 4), ("y", 5, 1, "system", 1, 4)]
+
+    gaps = {(g["tenant"], g["segment"]): g for g in r["reuse_gaps"]}
+    total = gaps["*", "*"]
+    assert (total["reuses"], total["p50_s"], total["max_s"]) == (4, 1.0, 3.0)
+    assert math.isclose(total["p90_s"], 2.4)  # [1, 1, 1, 3]: 1 + 0.7 * 2
+    assert (gaps["x", "*"]["reuses"], gaps["y", "*"]["reuses"], gaps["x", "system"]["max_s"]) == (3, 1, 3.0)
+    assert total["cdf_s"][0] == 1.0 and total["cdf_s"][-1] == 3.0 and len(total["cdf_s"]) == 101
+
+    tr = r["transfer"]
+    assert tr["seconds"] == 5
+    assert (tr["onboard_mean_bytes_per_s"], tr["offload_mean_bytes_per_s"]) == (32.0, 52.0)
+    assert (tr["onboard_max_bytes_per_s"], tr["offload_max_bytes_per_s"]) == (80.0, 100.0)
+    assert tr["seconds_over_budget"] == 3  # 100, 120, 80, 120 bytes against 90
+    assert r["observed"] == []  # a Mooncake-style trace carries no outcome
+
+    durations = {(d["tenant"], d["segment"]): d for d in r["recommendations"]["durations"]}
+    assert durations["*", "*"]["duration_ms"] is None and "only 4 reuses" in durations["*", "*"]["reason"]
+    assert {p.name for p in (tmp_path / "plots").iterdir()} == {
+        "reuse_gap_cdf.png", "kv_transfer.png", "top_prefixes.png", "reuse_and_one_shot.png"}
+
+
+def test_tables_and_host_curve_on_the_tiny_trace(tmp_path: Path) -> None:
+    trace = _write(tmp_path / "tiny.jsonl", TINY)
+    code, out = _run(str(trace), "--no-progress", "--gpu", "1", "--host-multiples", "0,1,4")
+    assert code == 0, out
+    for title in ("reuse and one-shot blocks", "most shared prefixes", "reuse gaps", "host-link load",
+                  "host-tier curve", "recommended host tier", "recommended retention durations"):
+        assert title in out
+    code, out = _run(str(trace), "--json", "--no-progress", "--gpu", "1", "--host-multiples", "0,1,4")
+    curve = json.loads(out)["host_curve"]
+    assert [p["host_blocks"] for p in curve["points"]] == [0, 1, 4] and curve["gpu_blocks"] == 1
+
+
+def test_synthetic_trace_slice_against_an_independent_count(tmp_path: Path) -> None:
+    if not SYNTHETIC.is_file():
+        pytest.skip("the shared synthetic trace is not on this machine")
+    with SYNTHETIC.open() as handle:
+        lines = [next(handle) for _ in range(400)]
+    trace = tmp_path / "slice.jsonl"
+    trace.write_text("".join(lines))
+    code, out = _run(str(trace), "--json", "--no-progress", "--no-curve", "--kv-bytes-per-token", "131072")
+    assert code == 0, out
+    r = json.loads(out)
+    reqs = sorted((json.loads(x) for x in lines), key=lambda o: o["timestamp"])  # stable: file order on ties
+    seen: set[int] = set()
+    uses: dict[int, int] = {}
+    reused = tokens = 0
+    for req in reqs:
+        for pos, h in enumerate(req["hash_ids"]):
+            n = min(512, req["input_length"] - pos * 512)
+            tokens += n
+            reused += n if h in seen else 0
+            uses[h] = uses.get(h, 0) + 1
+        seen.update(req["hash_ids"])
+    total = next(x for x in r["reuse"] if (x["tenant"], x["segment"]) == ("*", "*"))
+    assert (total["tokens"], total["reused_tokens"]) == (tokens, reused)
+    assert total["distinct_blocks"] == len(uses)
+    assert total["one_shot_blocks"] == sum(1 for n in uses.values() if n == 1)
+    assert r["overview"]["block_size"] == 512 and r["transfer"]["kv_bytes_per_token"] == 131072
+
+
+def test_knee_rule() -> None:
+    # concave: scaled distances above the chord 0.52, 0.65, 0.47, 0.0 at x = 1, 2, 4, 8
+    assert knee([0, 1, 2, 4, 8], [0.1, 0.3, 0.38, 0.40, 0.41]) == (2, True)
+    assert knee([0, 1, 2], [0.2, 0.2, 0.203]) == (0, True)  # flat: no host tier
+    assert knee([0, 1, 2, 4], [0.1, 0.11, 0.13, 0.3]) == (3, False)  # still rising: lower bound
+    assert round_up_2sig(281.7) == 290 and round_up_2sig(1000) == 1000 and math.isclose(round_up_2sig(0.01234), 0.013)
+
+
+@pytest.mark.parametrize(("lines", "needle"), [
+    (['{"timestamp": 0, "input_length": 4, "output_length": 1, "hash_ids": [1]}', "not json"], "line 2"),
+    ([{"timestamp": 0, "input_length": 600, "output_length": 1, "hash_ids": [1]}], "line 1: the number of hash_ids"),
+    ([{"timestamp": 0, "input_length": 4, "output_length": 1, "hash_ids": [2**31]}], "line 1: hash_ids"),
+    ([{"timestamp": -1, "input_length": 4, "output_length": 1, "hash_ids": [1]}], "line 1: timestamp"),
+    ([{"timestamp": 0, "input_length": 4, "output_length": 1, "hash_ids": [1]},
+      {"timestamp": 0, "input_length": 0, "output_length": 1, "hash_ids": []}], "line 2: input_length"),
+    ([{"timestamp": 0, "input_length": 4, "output_length": 1, "hash_ids": [1], "block_size": 4},
+      {"timestamp": 1, "input_length": 4, "output_length": 1, "hash_ids": [1], "block_size": 8}], "different block sizes"),
+    ([{"timestamp": 0, "input_length": 8, "output_length": 1, "hash_ids": [1, 2], "block_size": 4,
+       "system_tokens": 6, "context_tokens": 5}], "line 1: need system_tokens"),
+    ([{"timestamp": 0, "input_length": 4, "output_length": 1, "hash_ids": [1]},
+      {"timestamp": "soon", "input_length": 4, "output_length": 1, "hash_ids": [1]}], "line 2: timestamp has the wrong type"),
+    ([{"timestamp": 0, "input_length": 8, "output_length": 1, "hash_ids": [1, None]}], "line 1: hash_ids"),
+    ([], "no requests"),
+])
+def test_bad_traces_exit_2(tmp_path: Path, lines: list, needle: str) -> None:
+    trace = _write(tmp_path / "bad.jsonl", lines)
+    code, out = _run(str(trace), "--no-progress", "--no-curve")
+    assert code == 2 and needle in out, out
+
+
+def test_bad_options_exit_2(tmp_path: Path) -> None:
+    trace = _write(tmp_path / "tiny.jsonl", TINY)
+    for args, needle in ((["--kv-bytes-per-token", "0"], "--kv-bytes-per-token"),
+                         (["--kv-bytes-per-token", "1", "--model", "llama-3.1-8b"], "not both"),
+                         (["--host-multiples", "1"], "--host-multiples"),
+                         (["--gpu", "lots"], "--gpu"),
+                         (["--block-size", "8"], "block_size 4 but --block-size 8")):
+        code, out = _run(str(trace), "--no-progress", *args)
+        assert code == 2 and needle in out, (args, out)
+    code, out = _run(str(tmp_path / "missing.jsonl"), "--no-progress")
+    assert code == 2 and "not found" in out
+
+
+def test_model_shape_gives_the_kv_bytes_per_token(tmp_path: Path) -> None:
+    """``--model`` uses the shapes of ``kvgate plan`` (engines/capacity, branch i17-plan) when present."""
+    trace = _write(tmp_path / "tiny.jsonl", TINY)
+    code, out = _run(str(trace), "--json", "--no-progress", "--no-curve", "--model", "llama-3.1-8b")
+    try:
+        import engines.capacity  # noqa: F401
+    except ImportError:
+        assert code == 2 and "--kv-bytes-per-token instead" in out
+        return
+    assert code == 0, out
+    assert json.loads(out)["transfer"]["kv_bytes_per_token"] == 32 * 8 * 128 * 2  # layers x KV heads x dim x K,V; FP8
+    code, out = _run(str(trace), "--no-progress", "--no-curve", "--model", "no-such-model")
+    assert code == 2 and "--model" in out

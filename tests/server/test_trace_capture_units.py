@@ -1,0 +1,115 @@
+"""Trace capture pieces without an engine: ids, sampling, the block_size field, export."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+from typer.testing import CliRunner
+
+from retention.hashing import block_hashes
+from retention.trace import TraceError, parse_trace, trace_block_size
+from server.cli import create_cli
+from server.cli.trace import parse_size, parse_time_ms
+from server.gateway.capture import sampled, trace_hash_ids, trace_id
+
+KEY_A, KEY_B = b"a" * 32, b"b" * 32
+
+
+def test_ids_follow_the_pools_hashes_in_31_bits_and_depend_on_key_and_salt() -> None:
+    tokens = np.arange(70, dtype=np.int32)
+    ids = trace_hash_ids(KEY_A, tokens, 16, "salt-1")
+    assert len(ids) == 5 and all(0 <= i < 2**31 for i in ids)  # 4 full blocks + the 6-token tail
+    assert ids[:4] == [trace_id(KEY_A, h) for h in block_hashes(tokens, 16, salt="salt-1")]
+    assert trace_hash_ids(KEY_A, tokens[:64], 16, "salt-1") == ids[:4]  # a prefix keeps its ids
+    longer = trace_hash_ids(KEY_A, np.arange(80, dtype=np.int32), 16, "salt-1")
+    assert longer[:4] == ids[:4] and ids[4] != longer[4]  # a tail is not the full block it grows into
+    assert not set(ids) & set(trace_hash_ids(KEY_A, tokens, 16, "salt-2"))  # salted tenants never match
+    assert not set(ids) & set(trace_hash_ids(KEY_B, tokens, 16, "salt-1"))  # captures cannot be joined
+    assert trace_hash_ids(KEY_A, tokens, 16, None) == trace_hash_ids(KEY_A, tokens, 16, None)  # shared: stable
+
+
+def test_sampling_is_stable_per_conversation_and_near_the_rate() -> None:
+    rng = np.random.default_rng(7)
+    system = tuple(range(40))
+    prompts = [system + tuple(int(t) for t in rng.integers(1000, 30000, 40)) for _ in range(2000)]
+    picked = [sampled(KEY_A, "s", p, 40, 16, 0.25) for p in prompts]
+    assert 0.21 < sum(picked) / len(picked) < 0.29
+    # the next turn of the same conversation (same first non-system block) gets the same answer
+    assert all(sampled(KEY_A, "s", p + (5, 6, 7) * 20, 40, 16, 0.25) == k for p, k in zip(prompts, picked, strict=True))
+    assert all(sampled(KEY_A, "s", p, 40, 16, 1.0) for p in prompts[:10])
+
+
+def test_parse_trace_reads_block_size_from_the_lines() -> None:
+    def line(n: int, bs: int | None) -> str:
+        obj = {"timestamp": 0, "input_length": n, "output_length": 1, "hash_ids": list(range(-(-n // (bs or 512))))}
+        if bs is not None:
+            obj["block_size"] = bs
+        return json.dumps(obj)
+
+    requests = parse_trace([line(40, 16), line(16, 16)])
+    assert trace_block_size(requests) == 16 and [len(r.hash_ids) for r in requests] == [3, 1]
+    assert trace_block_size(parse_trace([line(600, None)])) == 512  # Mooncake: no field, 512
+    with pytest.raises(TraceError, match="differs"):
+        parse_trace([line(40, 16), line(40, 8)])
+    with pytest.raises(TraceError, match="others none"):
+        parse_trace([line(40, 16), line(600, None)])
+    with pytest.raises(TraceError, match="asked for is 32"):
+        parse_trace([line(40, 16)], block_size=32)
+
+
+def test_export_selects_a_time_range_in_order_and_skips_a_torn_line(tmp_path: Path) -> None:
+    pool = tmp_path / "traces" / "p"
+    pool.mkdir(parents=True)
+
+    def obj(ts: int) -> dict:
+        return {"timestamp": ts, "input_length": 4, "output_length": 1, "hash_ids": [ts], "block_size": 4}
+
+    (pool / "capture-000001-h1-1.jsonl").write_text("".join(json.dumps(obj(t)) + "\n" for t in (100, 300, 500))
+                                                    + '{"timestamp": 9')
+    (pool / "capture-000001-h2-2.jsonl").write_text("".join(json.dumps(obj(t)) + "\n" for t in (200, 400)))
+    (pool / "capture-000002-h1-1.jsonl").write_text(json.dumps(obj(250)) + "\n")
+    out = tmp_path / "out.jsonl"
+    cli = CliRunner()
+    res = cli.invoke(create_cli(), ["trace", "export", "--pool", "p", "--dir", str(tmp_path / "traces"), "--capture",
+                                    "1", "--from", "200", "--to", "500", "-o", str(out)])
+    assert res.exit_code == 0, res.output
+    assert [json.loads(x)["timestamp"] for x in out.read_text().splitlines()] == [200, 300, 400]
+    res = cli.invoke(create_cli(), ["trace", "export", "--pool", "p", "--dir", str(tmp_path / "traces"), "-o", str(out)])
+    assert [json.loads(x)["timestamp"] for x in out.read_text().splitlines()] == [100, 200, 250, 300, 400, 500]
+    for args, needle in ((["--pool", "none"], "no capture files"), (["--pool", "p", "--from", "tomorrow"], "--from"),
+                         (["--pool", "p", "--from", "500", "--to", "100"], "after")):
+        res = cli.invoke(create_cli(), ["trace", "export", "--dir", str(tmp_path / "traces"), "-o", str(out), *args])
+        assert res.exit_code == 2 and needle in res.output, res.output
+
+
+def test_sizes_and_times() -> None:
+    assert parse_size("512MiB") == 512 * 2**20 and parse_size("1GB") == 10**9 and parse_size("1000") == 1000
+    assert parse_time_ms("2026-12-01T00:00:00Z", field="--from") == 1796083200000
+    assert parse_time_ms("2026-12-01T00:00:00", field="--from") == 1796083200000  # no zone: UTC
+    assert parse_time_ms("1796083200000", field="--from") == 1796083200000
+
+
+def test_trace_start_list_stop_from_the_shell(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("KVGATE_DATABASE_URL", f"sqlite:///{tmp_path / 'cli.db'}")
+    cli, runner = create_cli(), CliRunner()
+
+    def run(*args: str, code: int = 0) -> str:
+        res = runner.invoke(cli, list(args))
+        assert res.exit_code == code, (args, res.output)
+        return res.output
+
+    run("db", "upgrade")
+    run("admin", "pools", "create", "gpu-a", "--set", "model_name=m", "--set", "triton_url=h:1",
+        "--set", "primary_blocks=8")
+    started = json.loads(run("trace", "start", "gpu-a", "--sample-rate", "0.5", "--max-bytes", "1MiB"))
+    assert (started["sample_rate"], started["max_bytes"], started["state"]) == (0.5, 2**20, "active")
+    assert "capture_active" in run("trace", "start", "gpu-a", code=1)
+    assert "max_bytes" in run("trace", "start", "gpu-a", "--max-bytes", "lots", code=2)
+    assert "sample_rate" in run("trace", "start", "gpu-a", "--sample-rate", "2", code=2)
+    assert [c["id"] for c in json.loads(run("trace", "list", "gpu-a"))] == [started["id"]]
+    assert json.loads(run("trace", "stop", "gpu-a", str(started["id"])))["state"] == "stopped"
+    audit = json.loads(run("admin", "audit", "--entity-type", "trace_capture"))
+    assert [e["action"] for e in audit["items"]] == ["trace_capture.stop", "trace_capture.create"]
