@@ -25,7 +25,7 @@ serve: setup
 	$(VENV)/bin/kvgate serve --dev
 
 test: setup
-	$(VENV)/bin/python -m pytest -q
+	$(VENV)/bin/python -m pytest -q --durations=25
 
 # The full reliability suite (make test runs its fast subset), then the 200-stream load bench;
 # both write their figures into docs/reliability.md.
