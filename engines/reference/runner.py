@@ -14,7 +14,7 @@ import torch
 
 from engines.reference.kv_cache import PagedKvCache
 from engines.reference.model import DecodeGroup, LlamaModel, PrefillSpan, StepBatch
-from engines.reference.sampling import sample_rows
+from engines.reference.sampling import Sampled, sample
 from engines.reference.scheduler import ScheduledStep, Sequence
 
 
@@ -34,7 +34,7 @@ class StepRunner:
         for copy in step.copies:
             self.cache.copy_block(int(copy.src_tier), copy.src_slot, int(copy.dst_tier), copy.dst_slot)
 
-    def run(self, step: ScheduledStep) -> list[tuple[Sequence, int]]:
+    def run(self, step: ScheduledStep) -> list[tuple[Sequence, Sampled]]:
         """Forward the step; returns ``(sequence, sampled token)`` for every sampling row."""
         self.execute_copies(step)
         token_ids: list[int] = []
@@ -86,7 +86,4 @@ class StepRunner:
             work.seq.num_computed = work.start + work.length
         if not sampled:
             return []
-        tokens = sample_rows(
-            logits, [s.request.sampling for s in sampled], [s.generator for s in sampled]
-        )
-        return list(zip(sampled, tokens))
+        return list(zip(sampled, sample(logits, sampled)))
