@@ -42,7 +42,7 @@ class Harness:
         return request.sender
 
 
-def make_harness(tmp_path, monkeypatch, *, salt_supported=True, spec_name=SPEC, version="1.2.1"):
+def make_harness(tmp_path, monkeypatch, *, salt_supported=True, spec_name=SPEC, version="1.2.1", parameters=None):
     pb = fake_pb_utils.make_module()
     trt = fake_trtllm.make_module(salt_supported=salt_supported, version=version)
     fake_pb_utils.install(pb, monkeypatch)
@@ -50,6 +50,8 @@ def make_harness(tmp_path, monkeypatch, *, salt_supported=True, spec_name=SPEC, 
     spec = load_bundled_spec(spec_name)
     [rendered] = render_repository([spec], tmp_path / "repo", engines_root="/engines")
     config = text_format.Parse(rendered.config_path.read_text(), model_config_pb2.ModelConfig())
+    for key, value in (parameters or {}).items():  # what an operator adds to config.pbtxt
+        config.parameters[key].string_value = value
     config_json = json_format.MessageToJson(config, preserving_proto_field_name=True)
     module_name = f"kvgate_model_{id(tmp_path)}"
     monkeypatch.setitem(sys.modules, module_name, None)
