@@ -111,7 +111,8 @@ def _structure(body: ChatCompletionRequest) -> tuple[ToolPlan | None, Guide | No
     fmt = body.response_format
     if guide is None and fmt is not None and fmt.type != "text":
         schema = {"type": "object"} if fmt.type == "json_object" else (fmt.json_schema.schema_ or {"type": "object"})  # type: ignore[union-attr]
-        guide = Guide("json_schema", json.dumps(schema, separators=(",", ":"), sort_keys=True))
+        # property order is kept: it is the order the model writes the fields in
+        guide = Guide("json_schema", json.dumps(schema, separators=(",", ":")))
     return plan, guide
 
 

@@ -128,7 +128,7 @@ def forced_call_guide(functions: Sequence[Mapping[str, Any]]) -> Guide:
             "required": ["name", "arguments"], "additionalProperties": False,
         })
     schema = variants[0] if len(variants) == 1 else {"anyOf": variants}
-    return Guide("json_schema", json.dumps(schema, separators=(",", ":"), sort_keys=True))
+    return Guide("json_schema", json.dumps(schema, separators=(",", ":")))  # "name" first, then "arguments"
 
 
 def new_call_id() -> str:
