@@ -161,6 +161,7 @@ MAX_TENANT_ID_BYTES = 128
 MAX_TOP_LOG_PROBS = 20  # OpenAI's top_logprobs limit
 MAX_LOGIT_BIAS = 300  # OpenAI's logit_bias limit (entries)
 MAX_GUIDE_BYTES = 256 * 1024
+MAX_GUIDE_DEPTH = 64  # nesting of a JSON-schema guide (grammar compilers recurse on it)
 GUIDE_TYPES = ("json", "json_schema", "regex", "ebnf_grammar")
 
 
@@ -476,6 +477,19 @@ def parse_logit_bias(tensors: Mapping[str, np.ndarray], vocab_size: int) -> tupl
     return tuple((int(t), float(v)) for t, v in zip(ids.tolist(), values.tolist()))
 
 
+def json_depth(value: object) -> int:
+    """Nesting depth of a parsed JSON value (iterative: safe on any input json.loads returned)."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        deepest = max(deepest, depth)
+        if isinstance(item, dict):
+            stack.extend((v, depth + 1) for v in item.values())
+        elif isinstance(item, list):
+            stack.extend((v, depth + 1) for v in item)
+    return deepest
+
+
 def parse_guide(tensors: Mapping[str, np.ndarray]) -> Guide | None:
     """The request's guide; the type is required, the text is required except for ``json``.
 
@@ -493,13 +507,15 @@ def parse_guide(tensors: Mapping[str, np.ndarray]) -> Guide | None:
                             tensor=GUIDE_TYPE.name)
     if text is None and kind != "json":
         raise ContractError(f"guided_decoding_guide is required for guide type {kind!r}", tensor=GUIDE.name)
-    if kind == "json_schema":
+    if kind == "json_schema" or (kind == "json" and text):
         try:
             schema = json.loads(text or "")
-        except ValueError as exc:
+        except (ValueError, RecursionError) as exc:
             raise ContractError(f"guided_decoding_guide is not valid JSON: {exc}", tensor=GUIDE.name) from exc
         if not isinstance(schema, (dict, bool)):
             raise ContractError("guided_decoding_guide must be a JSON schema object", tensor=GUIDE.name)
+        if json_depth(schema) > MAX_GUIDE_DEPTH:
+            raise ContractError(f"guided_decoding_guide nests deeper than {MAX_GUIDE_DEPTH} levels", tensor=GUIDE.name)
     return Guide(kind, text or "")
 
 

@@ -8,7 +8,7 @@ from fastapi import APIRouter, Depends, Header, Request
 
 import json
 
-from engines.contract import Guide, SamplingParams
+from engines.contract import MAX_GUIDE_BYTES, MAX_GUIDE_DEPTH, Guide, SamplingParams, json_depth
 from server.gateway.completions import CompletionJob
 from server.gateway.context import TenantContext
 from server.gateway.errors import ServingError
@@ -108,12 +108,28 @@ def _structure(body: ChatCompletionRequest) -> tuple[ToolPlan | None, Guide | No
             guide = forced_call_guide(list(functions.values()))
         else:
             plan = ToolPlan(functions, choice, parallel=body.parallel_tool_calls is not False)
+    for name, function in functions.items():
+        _check_schema(function.get("parameters"), "tools")
     fmt = body.response_format
+    if fmt is not None and fmt.json_schema is not None:
+        _check_schema(fmt.json_schema.schema_, "response_format")
     if guide is None and fmt is not None and fmt.type != "text":
         schema = {"type": "object"} if fmt.type == "json_object" else (fmt.json_schema.schema_ or {"type": "object"})  # type: ignore[union-attr]
         # property order is kept: it is the order the model writes the fields in
         guide = Guide("json_schema", json.dumps(schema, separators=(",", ":")))
     return plan, guide
+
+
+def _check_schema(schema: dict | None, param: str) -> None:
+    """A schema the engine will compile into a grammar: bounded nesting and size (else 400 naming ``param``)."""
+    if schema is None:
+        return
+    if json_depth(schema) > MAX_GUIDE_DEPTH:
+        raise ServingError(400, "invalid_request", f"{param}: the JSON schema nests deeper than {MAX_GUIDE_DEPTH} levels",
+                           param=param)
+    if len(json.dumps(schema)) > MAX_GUIDE_BYTES // 2:
+        raise ServingError(400, "invalid_request", f"{param}: the JSON schema is larger than {MAX_GUIDE_BYTES // 2} bytes",
+                           param=param)
 
 
 def _messages(body: ChatCompletionRequest) -> list[dict]:

@@ -105,6 +105,8 @@ def test_defaults_send_no_extension_tensors() -> None:
         ({"guided_decoding_guide": np.array([b"[0-9]+"], np.object_)}, "guided_decoding_guide_type"),
         ({"guided_decoding_guide_type": np.array([b"json_schema"], np.object_),
           "guided_decoding_guide": np.array([b"{not json"], np.object_)}, "guided_decoding_guide"),
+        ({"guided_decoding_guide_type": np.array([b"json_schema"], np.object_),
+          "guided_decoding_guide": np.array([(b'{"a":' * 100 + b"1" + b"}" * 100)], np.object_)}, "guided_decoding_guide"),
     ],
 )
 def test_bad_extensions_name_their_tensor(changes, tensor) -> None:
