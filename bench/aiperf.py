@@ -61,7 +61,7 @@ def profile_command(*, url: str, key: str, tokenizer_dir: Path, artifacts: Path,
         str(aiperf_executable()), "profile",
         "--model", model, "--url", url, "--endpoint-type", "chat", "--streaming", "--api-key", key,
         "--tokenizer", str(tokenizer_dir),
-        "--request-count", str(requests), "--concurrency", str(concurrency), "--warmup-request-count", "0",
+        "--request-count", str(requests), "--concurrency", str(concurrency),
         "--prompt-input-tokens-mean", str(input_tokens), "--prompt-input-tokens-stddev", "0",
         "--prompt-output-tokens-mean", str(output_tokens), "--prompt-output-tokens-stddev", "0",
         # what fixes the output length on vLLM-compatible servers; kvgate honours both
