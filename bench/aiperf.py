@@ -76,7 +76,9 @@ def profile_command(*, url: str, key: str, tokenizer_dir: Path, artifacts: Path,
 
 def run_profile(command: list[str], artifacts: Path, timeout: float = 1200) -> dict:
     """Run AIPerf and return its JSON export (``profile_export_aiperf.json``)."""
-    env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+    # Not HF_HUB_OFFLINE: AIPerf's offline mode looks the name up in the hub cache, which a local
+    # tokenizer directory is not in; a local path is loaded from disk without any network access.
+    env = dict(os.environ, OMP_NUM_THREADS="1")
     done = subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=env)
     exports = sorted(artifacts.rglob("profile_export_aiperf.json"))
     if done.returncode != 0 or not exports:
