@@ -17,7 +17,7 @@ pytestmark = pytest.mark.slow
 def chat(stack: Stack) -> ChatOpenAI:
     key = stack.add_tenant("lc-" + secrets.token_hex(4), rpm_limit=100000, tpm_limit=100000000)
     return ChatOpenAI(model=MODEL, base_url=stack.gateway.base_url + "/v1", api_key=key, temperature=0,
-                      max_tokens=48, max_retries=0, timeout=300)
+                      max_tokens=64, max_retries=0, timeout=300)
 
 
 class GetWeather(BaseModel):
@@ -50,5 +50,5 @@ def test_bind_tools_with_a_forced_tool(chat: ChatOpenAI) -> None:
 @pytest.mark.parametrize("method", ["json_schema", "function_calling"])
 def test_with_structured_output(chat: ChatOpenAI, method: str) -> None:
     structured = chat.with_structured_output(Capital, method=method)
-    result = structured.invoke([("user", "Give the country Italy and its capital.")])
+    result = structured.invoke([("system", "Answer with one JSON object."), ("user", "Italy: which country, which capital?")])
     assert isinstance(result, Capital)
