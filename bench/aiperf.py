@@ -105,7 +105,9 @@ def render(export: dict, *, requests: int, concurrency: int, input_tokens: int, 
         f"{requests} requests at concurrency {concurrency}, synthetic prompts of {input_tokens} tokens, output fixed at "
         f"{output_tokens} tokens with `--extra-inputs ignore_eos:true min_tokens:{output_tokens}`, through `kvgate serve` "
         "to the CPU reference engine (SmolLM2-135M, q4 weights, FP8 KV) on the same 2 shared cores. "
-        "These are CPU-reference figures (they show the stack is benchmarkable the standard way), not GPU ones.",
+        "These are CPU-reference figures (they show the stack is benchmarkable the standard way), not GPU ones; "
+        f"the machine is shared (1-minute load average {os.getloadavg()[0]:.1f} when the run ended). "
+        "Input length is the server's count: the synthetic prompt plus SmolLM2's chat template.",
         "",
         "| metric | avg | p50 | p99 |",
         "|---|---:|---:|---:|",
