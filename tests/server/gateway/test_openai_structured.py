@@ -212,6 +212,13 @@ def _token_id(stack: Stack, key: str, completion) -> int:
     return tokenizer.encode(bytes(completion.choices[0].logprobs.content[0].bytes).decode())[0]
 
 
+def _nested(depth: int) -> dict:
+    schema: dict = {"type": "integer"}
+    for _ in range(depth):
+        schema = {"type": "object", "properties": {"a": schema}}
+    return schema
+
+
 @pytest.mark.parametrize(
     ("extra", "status", "code"),
     [
@@ -224,6 +231,20 @@ def _token_id(stack: Stack, key: str, completion) -> int:
         ({"tool_choice": "required"}, 400, "invalid_request"),  # without tools
         ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nope"}}}},
          400, "engine_rejected"),
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"$ref": "#/nowhere"}}}},
+         400, "engine_rejected"),
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "string", "pattern": "(("}}}},
+         400, "engine_rejected"),
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "integer", "minimum": 5, "maximum": 1}}}},
+         400, "engine_rejected"),
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"enum": []}}}},
+         400, "engine_rejected"),
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": _nested(70)}}},
+         400, "invalid_request"),
+        ({"logit_bias": {"abc": 1}}, 400, "invalid_request"),
+        ({"logit_bias": {"999999": 1}}, 400, "invalid_request"),
+        ({"min_tokens": 2, "ignore_eos": True, "top_k": 5, "repetition_penalty": 1.1}, 200, None),
+        ({"min_tokens": 3}, 400, "invalid_request"),  # above max_tokens 2
     ],
 )
 def test_fields_are_honoured_ignored_or_refused_by_name(stack: Stack, key: str, extra, status, code) -> None:
