@@ -118,3 +118,28 @@ async def test_a_guide_that_does_not_compile_is_a_contract_error(engine, tokeniz
         await _collect(engine, "bad", bad)
     assert caught.value.tensor == "guided_decoding_guide"
     assert engine.in_flight() == 0
+
+
+def test_log_probs_over_grpc_unary_streaming_and_stream(fp8_server, tokenizer):
+    """The server's three answer paths carry output_log_probs / top_log_probs aligned with output_ids."""
+    import tritonclient.grpc as grpcclient
+
+    from engines.contract import decode_log_probs, encode_request
+    from tests.engines.reference.helpers import to_inputs
+
+    request = dataclasses.replace(make_request(chat_ids(tokenizer, "Hi there"), 4, end_id=-1), return_log_probs=True,
+                                  num_top_log_probs=2)
+    client = grpcclient.InferenceServerClient(fp8_server.url)
+    try:
+        answers = []
+        for streaming in (False, True):  # unary ModelInfer; with streaming true the server merges the deltas
+            result = client.infer("kvgate_llm", to_inputs(encode_request(dataclasses.replace(request, streaming=streaming))))
+            names = ("output_log_probs", "top_log_probs", "top_log_probs_token_ids")
+            probs = decode_log_probs({n: result.as_numpy(n) for n in names})
+            answers.append((result.as_numpy("output_ids").tolist(), probs))
+    finally:
+        client.close()
+    (ids, probs), (ids_merged, probs_merged) = answers
+    assert ids == ids_merged and len(probs) == len(ids) == 4
+    assert [p.logprob for p in probs] == pytest.approx([p.logprob for p in probs_merged], abs=1e-5)
+    assert all(len(p.top) == 2 and p.top[0][0] == t for p, t in zip(probs, ids))  # greedy: chosen = most likely
