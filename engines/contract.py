@@ -12,6 +12,33 @@ exists (triton-inference-server/tensorrtllm_backend
 ``KvCacheRetentionConfig``; ``cache_salt``, ``tenant_id``,
 ``kv_cache_onboarded_blocks`` and the stats call are kvgate additions.
 
+Sampling extensions, log probabilities and guided decoding (issue 18) use the stock names
+of TensorRT-LLM's ``triton_backend/all_models/inflight_batcher_llm/tensorrt_llm/config.pbtxt``
+(NVIDIA/TensorRT-LLM 0c8de69a): ``repetition_penalty``, ``presence_penalty``,
+``frequency_penalty`` (FP32), ``min_tokens`` (INT32), ``return_log_probs`` (BOOL),
+``guided_decoding_guide_type`` / ``guided_decoding_guide`` (STRING = BYTES) and the output
+``output_log_probs`` (FP32). The guide types are the stock Python model's mapping
+(``tensorrt_llm/1/model.py`` ``get_guided_decoding_params_from_request``: ``json``,
+``json_schema``, ``regex``, ``ebnf_grammar``). kvgate additions, because the stock model
+has no input for them: ``ignore_eos`` (the LLM API's ``SamplingParams.ignore_eos``, which
+``tensorrt_llm/executor/base_worker.py`` turns into ``end_id=-1``), ``num_top_log_probs``
+with the outputs ``top_log_probs`` / ``top_log_probs_token_ids`` (OpenAI ``top_logprobs``),
+and a sparse logit bias ``logit_bias_token_ids`` / ``logit_bias_values`` (the stock
+``embedding_bias`` is a dense vocabulary-sized FP32 tensor: ~200 KB per request for
+SmolLM2, ~500 KB for Llama 3; the Triton model densifies the sparse form into the
+executor's ``Request.embedding_bias``).
+
+Sampling semantics (both implementations): ``repetition_penalty`` (> 0, 1 = off) divides
+positive and multiplies negative logits of every token present in prompt or output;
+``presence_penalty`` / ``frequency_penalty`` (OpenAI's, in [-2, 2]) subtract a constant /
+a per-occurrence amount from tokens already generated; the logit bias is added first;
+``min_tokens`` masks the end token(s) until that many tokens were generated;
+``ignore_eos`` never ends a request on an end token (it still runs to
+``request_output_len``, a guide's completion, or ``stop``). Log probabilities are the
+model's: ``log_softmax`` of the raw logits of the step, before bias, penalties,
+temperature and guide (what vLLM returns by default), for the chosen token and the
+``num_top_log_probs`` most likely ones (descending).
+
 Shapes: the model is configured with ``max_batch_size: 0``, so tensors carry exactly
 the shapes below; a leading batch dimension of 1 (as sent by clients written for the
 stock backend) is accepted and squeezed.
@@ -42,7 +69,7 @@ request reach a scheduler.
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 
 import numpy as np
@@ -84,11 +111,25 @@ DECODE_DURATION = TensorSpec("retention_decode_duration_ms", "INT32", (1,))
 CACHE_SALT = TensorSpec("cache_salt", "BYTES", (1,))
 TENANT_ID = TensorSpec("tenant_id", "BYTES", (1,))
 KV_STATS = TensorSpec("kv_stats", "BOOL", (1,))
+# Sampling extensions (stock names, see the module docstring) and kvgate additions.
+REPETITION_PENALTY = TensorSpec("repetition_penalty", "FP32", (1,))
+PRESENCE_PENALTY = TensorSpec("presence_penalty", "FP32", (1,))
+FREQUENCY_PENALTY = TensorSpec("frequency_penalty", "FP32", (1,))
+MIN_TOKENS = TensorSpec("min_tokens", "INT32", (1,))
+IGNORE_EOS = TensorSpec("ignore_eos", "BOOL", (1,))  # kvgate
+RETURN_LOG_PROBS = TensorSpec("return_log_probs", "BOOL", (1,))
+NUM_TOP_LOG_PROBS = TensorSpec("num_top_log_probs", "INT32", (1,))  # kvgate
+LOGIT_BIAS_IDS = TensorSpec("logit_bias_token_ids", "INT32", (-1,))  # kvgate (sparse embedding_bias)
+LOGIT_BIAS_VALUES = TensorSpec("logit_bias_values", "FP32", (-1,))  # kvgate
+GUIDE_TYPE = TensorSpec("guided_decoding_guide_type", "BYTES", (1,))
+GUIDE = TensorSpec("guided_decoding_guide", "BYTES", (1,))
 
 INPUTS: tuple[TensorSpec, ...] = (
     INPUT_IDS, REQUEST_OUTPUT_LEN, END_ID, STREAMING, TEMPERATURE, TOP_P, TOP_K, RANDOM_SEED,
     STOP, RANGE_STARTS, RANGE_ENDS, RANGE_PRIORITIES, RANGE_DURATIONS, DECODE_PRIORITY,
     DECODE_DURATION, CACHE_SALT, TENANT_ID, KV_STATS,
+    REPETITION_PENALTY, PRESENCE_PENALTY, FREQUENCY_PENALTY, MIN_TOKENS, IGNORE_EOS, RETURN_LOG_PROBS,
+    NUM_TOP_LOG_PROBS, LOGIT_BIAS_IDS, LOGIT_BIAS_VALUES, GUIDE_TYPE, GUIDE,
 )
 # input_ids / request_output_len are required for generation but not for the stats call,
 # so the Triton config marks every input optional and parse_request enforces the rest.
@@ -101,9 +142,14 @@ KV_NEW = TensorSpec("kv_cache_alloc_new_blocks", "INT32", (1,))
 KV_TOTAL = TensorSpec("kv_cache_alloc_total_blocks", "INT32", (1,))
 KV_ONBOARDED = TensorSpec("kv_cache_onboarded_blocks", "INT32", (1,))
 KV_CACHE_STATS = TensorSpec("kv_cache_stats", "BYTES", (1,))
+# Present only when the request set return_log_probs; one row per token of output_ids.
+OUTPUT_LOG_PROBS = TensorSpec("output_log_probs", "FP32", (-1,))
+TOP_LOG_PROBS = TensorSpec("top_log_probs", "FP32", (-1, -1))  # kvgate: [tokens, num_top_log_probs]
+TOP_LOG_PROBS_IDS = TensorSpec("top_log_probs_token_ids", "INT32", (-1, -1))  # kvgate
 
 OUTPUTS: tuple[TensorSpec, ...] = (
     OUTPUT_IDS, SEQUENCE_LENGTH, KV_REUSED, KV_NEW, KV_TOTAL, KV_ONBOARDED, KV_CACHE_STATS,
+    OUTPUT_LOG_PROBS, TOP_LOG_PROBS, TOP_LOG_PROBS_IDS,
 )
 
 NUMPY_DTYPES: dict[str, type] = {
@@ -112,6 +158,11 @@ NUMPY_DTYPES: dict[str, type] = {
 
 MAX_SALT_BYTES = 256
 MAX_TENANT_ID_BYTES = 128
+MAX_TOP_LOG_PROBS = 20  # OpenAI's top_logprobs limit
+MAX_LOGIT_BIAS = 300  # OpenAI's logit_bias limit (entries)
+MAX_GUIDE_BYTES = 256 * 1024
+MAX_GUIDE_DEPTH = 64  # nesting of a JSON-schema guide (grammar compilers recurse on it)
+GUIDE_TYPES = ("json", "json_schema", "regex", "ebnf_grammar")
 
 
 class ContractError(ValueError):
@@ -128,6 +179,26 @@ class SamplingParams:
     top_p: float = 1.0
     top_k: int = 0  # 0 = no top-k cut
     seed: int | None = None
+    repetition_penalty: float = 1.0  # 1 = off
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    min_tokens: int = 0
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias), ids unique
+
+    @property
+    def penalized(self) -> bool:
+        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class Guide:
+    """Guided decoding: the output must match ``text`` read as ``kind`` (one of GUIDE_TYPES).
+
+    ``json`` with empty text: any JSON value (TensorRT-LLM's ``GuideType.JSON`` with no guide).
+    """
+
+    kind: str
+    text: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -143,6 +214,10 @@ class EngineRequest:
     cache_salt: str | None
     tenant_id: str | None
     stop: bool = False
+    ignore_eos: bool = False
+    return_log_probs: bool = False
+    num_top_log_probs: int = 0  # only with return_log_probs
+    guide: Guide | None = None
 
 
 @dataclass(slots=True)
@@ -326,18 +401,122 @@ def parse_request(
         raise ContractError(f"runtime_top_p must be within (0, 1], got {top_p}", tensor=TOP_P.name)
     if top_k < 0:
         raise ContractError(f"runtime_top_k must be >= 0, got {top_k}", tensor=TOP_K.name)
+    if top_k >= vocab_size:
+        top_k = 0  # a cut at or above the vocabulary is no cut
     seed_raw = _scalar(tensors, RANDOM_SEED, None)
+    repetition = _finite(tensors, REPETITION_PENALTY, 1.0)
+    if repetition <= 0.0:
+        raise ContractError(f"repetition_penalty must be > 0, got {repetition}", tensor=REPETITION_PENALTY.name)
+    presence = _finite(tensors, PRESENCE_PENALTY, 0.0)
+    frequency = _finite(tensors, FREQUENCY_PENALTY, 0.0)
+    for spec, value in ((PRESENCE_PENALTY, presence), (FREQUENCY_PENALTY, frequency)):
+        if not -2.0 <= value <= 2.0:
+            raise ContractError(f"{spec.name} must be within [-2, 2], got {value}", tensor=spec.name)
+    min_tokens = int(_scalar(tensors, MIN_TOKENS, 0))
+    if not 0 <= min_tokens <= max_new:
+        raise ContractError(
+            f"min_tokens must be within [0, request_output_len={max_new}], got {min_tokens}", tensor=MIN_TOKENS.name
+        )
+    return_log_probs = bool(_scalar(tensors, RETURN_LOG_PROBS, False))
+    num_top = int(_scalar(tensors, NUM_TOP_LOG_PROBS, 0))
+    if not 0 <= num_top <= MAX_TOP_LOG_PROBS:
+        raise ContractError(f"num_top_log_probs must be within [0, {MAX_TOP_LOG_PROBS}], got {num_top}",
+                            tensor=NUM_TOP_LOG_PROBS.name)
+    if num_top and not return_log_probs:
+        raise ContractError("num_top_log_probs needs return_log_probs true", tensor=NUM_TOP_LOG_PROBS.name)
+    sampling = SamplingParams(
+        temperature, top_p, top_k, None if seed_raw is None else int(seed_raw),
+        repetition_penalty=repetition, presence_penalty=presence, frequency_penalty=frequency,
+        min_tokens=min_tokens, logit_bias=parse_logit_bias(tensors, vocab_size),
+    )
     return EngineRequest(
         input_ids=tuple(int(t) for t in ids),
         max_new_tokens=max_new,
         end_id=end_id,
         streaming=bool(_scalar(tensors, STREAMING, False)),
-        sampling=SamplingParams(temperature, top_p, top_k, None if seed_raw is None else int(seed_raw)),
+        sampling=sampling,
         retention=parse_retention(tensors, int(ids.size)),
         cache_salt=_text(tensors, CACHE_SALT, MAX_SALT_BYTES),
         tenant_id=_text(tensors, TENANT_ID, MAX_TENANT_ID_BYTES),
         stop=bool(_scalar(tensors, STOP, False)),
+        ignore_eos=bool(_scalar(tensors, IGNORE_EOS, False)),
+        return_log_probs=return_log_probs,
+        num_top_log_probs=num_top,
+        guide=parse_guide(tensors),
     )
+
+
+def _finite(tensors: Mapping[str, np.ndarray], spec: TensorSpec, default: float) -> float:
+    value = float(_scalar(tensors, spec, default))
+    if not np.isfinite(value):
+        raise ContractError(f"{spec.name} must be finite, got {value}", tensor=spec.name)
+    return value
+
+
+def parse_logit_bias(tensors: Mapping[str, np.ndarray], vocab_size: int) -> tuple[tuple[int, float], ...]:
+    """``(token id, bias)`` pairs from the two sparse tensors (sent together, equal lengths, unique ids)."""
+    ids = _int_array(tensors, LOGIT_BIAS_IDS.name)
+    has_values = LOGIT_BIAS_VALUES.name in tensors
+    if ids is None and not has_values:
+        return ()
+    if ids is None or not has_values:
+        raise ContractError("logit_bias_token_ids and logit_bias_values must be sent together", tensor=LOGIT_BIAS_IDS.name)
+    values = _as_1d(LOGIT_BIAS_VALUES.name, tensors[LOGIT_BIAS_VALUES.name]).astype(np.float64)
+    if values.shape[0] != ids.shape[0]:
+        raise ContractError(f"logit_bias_values has {values.shape[0]} entries for {ids.shape[0]} token ids",
+                            tensor=LOGIT_BIAS_VALUES.name)
+    if ids.shape[0] > MAX_LOGIT_BIAS:
+        raise ContractError(f"logit_bias_token_ids has {ids.shape[0]} entries; at most {MAX_LOGIT_BIAS}",
+                            tensor=LOGIT_BIAS_IDS.name)
+    if ids.size and (int(ids.min()) < 0 or int(ids.max()) >= vocab_size):
+        raise ContractError(f"logit_bias_token_ids must be token ids in [0, {vocab_size})", tensor=LOGIT_BIAS_IDS.name)
+    if len(set(ids.tolist())) != ids.shape[0]:
+        raise ContractError("logit_bias_token_ids must not repeat a token id", tensor=LOGIT_BIAS_IDS.name)
+    if not np.all(np.isfinite(values)) or np.any(np.abs(values) > 100.0):
+        raise ContractError("logit_bias_values must be finite and within [-100, 100]", tensor=LOGIT_BIAS_VALUES.name)
+    return tuple((int(t), float(v)) for t, v in zip(ids.tolist(), values.tolist()))
+
+
+def json_depth(value: object) -> int:
+    """Nesting depth of a parsed JSON value (iterative: safe on any input json.loads returned)."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        deepest = max(deepest, depth)
+        if isinstance(item, dict):
+            stack.extend((v, depth + 1) for v in item.values())
+        elif isinstance(item, list):
+            stack.extend((v, depth + 1) for v in item)
+    return deepest
+
+
+def parse_guide(tensors: Mapping[str, np.ndarray]) -> Guide | None:
+    """The request's guide; the type is required, the text is required except for ``json``.
+
+    Only the form is checked here; whether the schema/grammar/regex compiles is the
+    implementation's check (it answers with a ContractError naming ``guided_decoding_guide``).
+    """
+    kind = _text(tensors, GUIDE_TYPE, 64)
+    text = _text(tensors, GUIDE, MAX_GUIDE_BYTES)
+    if kind is None:
+        if text is not None:
+            raise ContractError("guided_decoding_guide needs guided_decoding_guide_type", tensor=GUIDE_TYPE.name)
+        return None
+    if kind not in GUIDE_TYPES:
+        raise ContractError(f"guided_decoding_guide_type must be one of {', '.join(GUIDE_TYPES)}; got {kind!r}",
+                            tensor=GUIDE_TYPE.name)
+    if text is None and kind != "json":
+        raise ContractError(f"guided_decoding_guide is required for guide type {kind!r}", tensor=GUIDE.name)
+    if kind == "json_schema" or (kind == "json" and text):
+        try:
+            schema = json.loads(text or "")
+        except (ValueError, RecursionError) as exc:
+            raise ContractError(f"guided_decoding_guide is not valid JSON: {exc}", tensor=GUIDE.name) from exc
+        if not isinstance(schema, (dict, bool)):
+            raise ContractError("guided_decoding_guide must be a JSON schema object", tensor=GUIDE.name)
+        if json_depth(schema) > MAX_GUIDE_DEPTH:
+            raise ContractError(f"guided_decoding_guide nests deeper than {MAX_GUIDE_DEPTH} levels", tensor=GUIDE.name)
+    return Guide(kind, text or "")
 
 
 # Encoding (what a client sends) ----------------------------------------------------------
@@ -371,6 +550,29 @@ def encode_request(request: EngineRequest) -> dict[str, np.ndarray]:
     }
     if request.sampling.seed is not None:
         tensors[RANDOM_SEED.name] = np.array([request.sampling.seed], np.uint64)
+    s = request.sampling
+    # Extensions only when they differ from the default: the common request stays small.
+    if s.repetition_penalty != 1.0:
+        tensors[REPETITION_PENALTY.name] = np.array([s.repetition_penalty], np.float32)
+    if s.presence_penalty != 0.0:
+        tensors[PRESENCE_PENALTY.name] = np.array([s.presence_penalty], np.float32)
+    if s.frequency_penalty != 0.0:
+        tensors[FREQUENCY_PENALTY.name] = np.array([s.frequency_penalty], np.float32)
+    if s.min_tokens:
+        tensors[MIN_TOKENS.name] = np.array([s.min_tokens], np.int32)
+    if s.logit_bias:
+        tensors[LOGIT_BIAS_IDS.name] = np.array([t for t, _ in s.logit_bias], np.int32)
+        tensors[LOGIT_BIAS_VALUES.name] = np.array([v for _, v in s.logit_bias], np.float32)
+    if request.ignore_eos:
+        tensors[IGNORE_EOS.name] = np.array([True], np.bool_)
+    if request.return_log_probs:
+        tensors[RETURN_LOG_PROBS.name] = np.array([True], np.bool_)
+        if request.num_top_log_probs:
+            tensors[NUM_TOP_LOG_PROBS.name] = np.array([request.num_top_log_probs], np.int32)
+    if request.guide is not None:
+        tensors[GUIDE_TYPE.name] = np.array([request.guide.kind.encode()], np.object_)
+        if request.guide.text:
+            tensors[GUIDE.name] = np.array([request.guide.text.encode()], np.object_)
     if request.cache_salt is not None:
         tensors[CACHE_SALT.name] = np.array([request.cache_salt.encode()], np.object_)
     if request.tenant_id is not None:
@@ -389,8 +591,19 @@ class KvMetrics:
     onboarded_blocks: int = 0
 
 
-def encode_response(output_ids: list[int] | tuple[int, ...], sequence_length: int, kv: KvMetrics) -> dict[str, np.ndarray]:
-    return {
+@dataclass(frozen=True, slots=True)
+class TokenLogProbs:
+    """Log probabilities of one generated token (see the module docstring for their meaning)."""
+
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()  # (token id, logprob), most likely first
+
+
+def encode_response(output_ids: list[int] | tuple[int, ...], sequence_length: int, kv: KvMetrics,
+                    log_probs: Sequence[TokenLogProbs] | None = None, num_top: int = 0) -> dict[str, np.ndarray]:
+    """Output tensors; ``log_probs`` (one per output id) adds ``output_log_probs`` and, with
+    ``num_top`` > 0, ``top_log_probs``/``top_log_probs_token_ids`` of shape ``[len(output_ids), num_top]``."""
+    out = {
         OUTPUT_IDS.name: np.array(output_ids, np.int32),
         SEQUENCE_LENGTH.name: np.array([sequence_length], np.int32),
         KV_REUSED.name: np.array([kv.reused_blocks], np.int32),
@@ -398,3 +611,32 @@ def encode_response(output_ids: list[int] | tuple[int, ...], sequence_length: in
         KV_TOTAL.name: np.array([kv.total_blocks], np.int32),
         KV_ONBOARDED.name: np.array([kv.onboarded_blocks], np.int32),
     }
+    if log_probs is not None:
+        out[OUTPUT_LOG_PROBS.name] = np.array([lp.logprob for lp in log_probs], np.float32)
+        if num_top:
+            ids = np.zeros((len(log_probs), num_top), np.int32)
+            values = np.full((len(log_probs), num_top), -np.inf, np.float32)
+            for row, lp in enumerate(log_probs):
+                for col, (token, value) in enumerate(lp.top[:num_top]):
+                    ids[row, col], values[row, col] = token, value
+            out[TOP_LOG_PROBS.name] = values
+            out[TOP_LOG_PROBS_IDS.name] = ids
+    return out
+
+
+def decode_log_probs(tensors: Mapping[str, np.ndarray]) -> tuple[TokenLogProbs, ...] | None:
+    """Inverse of the log-probability part of :func:`encode_response` (None when absent)."""
+    if OUTPUT_LOG_PROBS.name not in tensors:
+        return None
+    chosen = np.asarray(tensors[OUTPUT_LOG_PROBS.name], np.float32).reshape(-1)
+    top_values = tensors.get(TOP_LOG_PROBS.name)
+    top_ids = tensors.get(TOP_LOG_PROBS_IDS.name)
+    out = []
+    for row, value in enumerate(chosen.tolist()):
+        top: tuple[tuple[int, float], ...] = ()
+        if top_values is not None and top_ids is not None and np.size(top_values):
+            vals = np.asarray(top_values).reshape(len(chosen), -1)[row]
+            ids = np.asarray(top_ids).reshape(len(chosen), -1)[row]
+            top = tuple((int(i), float(v)) for i, v in zip(ids.tolist(), vals.tolist()) if np.isfinite(v))
+        out.append(TokenLogProbs(float(value), top))
+    return tuple(out)

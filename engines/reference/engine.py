@@ -24,15 +24,17 @@ import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
-from engines.contract import EngineRequest, KvMetrics, PoolStatsReport, TierStats
+from engines.contract import EngineRequest, KvMetrics, PoolStatsReport, TierStats, TokenLogProbs
 from engines.reference.config import SMALL_STEP_ROWS, ReferenceEngineConfig
 from engines.reference.kv_cache import PagedKvCache
 from engines.reference.loader import ModelBundle
 from engines.reference.runner import StepRunner
-from engines.reference.sampling import make_generator
+from engines.reference.grammar import GrammarCache
+from engines.reference.sampling import Sampled, make_generator
 from engines.reference.scheduler import FinishReason, Scheduler, Sequence
 from retention.pool import BlockPool, PoolConfig
 
@@ -48,6 +50,7 @@ class EngineOutput:
     finished: bool = False
     finish_reason: FinishReason | None = None
     error: str | None = None
+    log_probs: tuple[TokenLogProbs, ...] | None = None  # one per token of new_tokens, when asked
 
 
 Sink = Callable[[EngineOutput], None]
@@ -85,6 +88,7 @@ class ReferenceEngine:
             max_batch_size=config.max_batch_size, max_num_tokens=config.max_num_tokens,
         )
         self.runner = StepRunner(bundle.model, self.cache, onboard_delay_s=config.fault_onboard_delay_ms / 1000)
+        self.grammars = GrammarCache(bundle.tokenizer, bundle.config.vocab_size)
         self._lock = threading.Lock()
         self._wake = threading.Condition(self._lock)
         self._sinks: dict[str, Sink] = {}
@@ -121,12 +125,23 @@ class ReferenceEngine:
                     self._finish(seq, FinishReason.CANCELLED, now)
 
     # Requests -----------------------------------------------------------------------------
-    def submit(self, request_id: str, request: EngineRequest, sink: Sink) -> None:
-        # No end_id (absent or -1): run to request_output_len, as TensorRT-LLM does without endId.
-        end_ids = frozenset({request.end_id}) if request.end_id is not None else frozenset()
+    def compile_guide(self, request: EngineRequest) -> Any:
+        """The request's compiled grammar (cached per guide), None without a guide; ContractError if it does not compile."""
+        return None if request.guide is None else self.grammars.compile(request.guide)
+
+    def submit(self, request_id: str, request: EngineRequest, sink: Sink, *, compiled: Any = None) -> None:
+        # No end_id (absent or -1) or ignore_eos: run to request_output_len, as TensorRT-LLM
+        # does with end_id -1 (tensorrt_llm/executor/base_worker.py: end_id=-1 if ignore_eos).
+        end_ids = frozenset({request.end_id}) if request.end_id is not None and not request.ignore_eos else frozenset()
+        if request.guide is not None and compiled is None:
+            compiled = self.compile_guide(request)
+        matcher = None
+        if compiled is not None:
+            matcher = self.grammars.matcher(compiled, request.end_id)
         seq = Sequence(
             request_id=request_id, request=request, tokens=list(request.input_ids),
             prompt_len=len(request.input_ids), end_ids=end_ids, generator=make_generator(request.sampling),
+            matcher=matcher,
         )
         with self._lock:
             if self._thread is None or self._stopping:
@@ -150,7 +165,9 @@ class ReferenceEngine:
         """Outputs of one request as they are produced; closing the iterator cancels it."""
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue[EngineOutput] = asyncio.Queue()
-        self.submit(request_id, request, lambda out: loop.call_soon_threadsafe(queue.put_nowait, out))
+        # A first compile of a schema takes milliseconds to seconds: off the event loop.
+        compiled = await asyncio.to_thread(self.compile_guide, request) if request.guide is not None else None
+        self.submit(request_id, request, lambda out: loop.call_soon_threadsafe(queue.put_nowait, out), compiled=compiled)
         finished = False
         try:
             while not finished:
@@ -226,9 +243,9 @@ class ReferenceEngine:
             with self._lock:
                 self.steps += 1
                 now = self.clock()
-                for seq, token in results:
+                for seq, sampled in results:
                     if seq.request_id in self._sinks and seq.request_id not in self._cancels:
-                        self._accept(seq, token, now)
+                        self._accept(seq, sampled, now)
 
     def _fail_all(self, message: str, now: float) -> None:
         for request_id in list(self._sinks):
@@ -249,21 +266,40 @@ class ReferenceEngine:
                 self._finish(seq, FinishReason.CANCELLED, now)
         self._cancels.clear()
 
-    def _accept(self, seq: Sequence, token: int, now: float) -> None:
+    def _accept(self, seq: Sequence, sampled: Sampled, now: float) -> None:
+        token = sampled.token
+        if seq.matcher is not None:
+            # The bitmask allowed only tokens the grammar accepts; a stop token it accepts
+            # completes the guide, which ends the request whatever ignore_eos says.
+            if not seq.matcher.accept_token(token):
+                self._finish(seq, None, now, error=f"guided decoding: the grammar refused token {token}")
+                return
+            if seq.matcher.is_terminated():
+                self._finish(seq, FinishReason.END_ID, now)
+                return
         if token in seq.end_ids:
             self._finish(seq, FinishReason.END_ID, now)
             return
         seq.tokens.append(token)
         seq.generated += 1
+        if sampled.log_probs is not None:
+            seq.log_probs.append(sampled.log_probs)
+        last_lp = (sampled.log_probs,) if sampled.log_probs is not None else None
         if seq.generated >= seq.request.max_new_tokens:
-            self._finish(seq, FinishReason.LENGTH, now, last=(token,))
+            self._finish(seq, FinishReason.LENGTH, now, last=(token,), last_log_probs=last_lp)
         elif seq.request.streaming:
-            self._emit(seq, EngineOutput(seq.request_id, (token,), seq.generated, seq.metrics))
+            self._emit(seq, EngineOutput(seq.request_id, (token,), seq.generated, seq.metrics, log_probs=last_lp))
 
-    def _finish(self, seq: Sequence, reason: FinishReason | None, now: float, *, last: tuple[int, ...] = (), error: str | None = None) -> None:
+    def _finish(self, seq: Sequence, reason: FinishReason | None, now: float, *, last: tuple[int, ...] = (),
+                error: str | None = None, last_log_probs: tuple[TokenLogProbs, ...] | None = None) -> None:
         self.scheduler.finish(seq, now)
-        tokens = last if seq.request.streaming else tuple(seq.tokens[seq.prompt_len :])
-        output = EngineOutput(seq.request_id, tokens, seq.generated, seq.metrics, True, reason, error)
+        if seq.request.streaming:
+            tokens = last
+            log_probs = (last_log_probs or ()) if seq.request.return_log_probs else None
+        else:
+            tokens = tuple(seq.tokens[seq.prompt_len :])
+            log_probs = tuple(seq.log_probs) if seq.request.return_log_probs else None
+        output = EngineOutput(seq.request_id, tokens, seq.generated, seq.metrics, True, reason, error, log_probs)
         sink = self._sinks.pop(seq.request_id, None)
         self._wake.notify_all()
         if sink is not None:

@@ -16,7 +16,7 @@ import torch
 
 from engines.reference.kv_cache import PagedKvCache
 from engines.reference.model import DecodeGroup, LlamaModel, PrefillSpan, StepBatch
-from engines.reference.sampling import sample_rows
+from engines.reference.sampling import Sampled, sample
 from engines.reference.scheduler import ScheduledStep, Sequence
 from retention.types import Tier
 
@@ -40,7 +40,7 @@ class StepRunner:
             if self.onboard_delay_s and copy.src_tier == Tier.SECONDARY and copy.dst_tier == Tier.PRIMARY:
                 time.sleep(self.onboard_delay_s)  # a slow host link, on purpose (test/chaos only)
 
-    def run(self, step: ScheduledStep) -> list[tuple[Sequence, int]]:
+    def run(self, step: ScheduledStep) -> list[tuple[Sequence, Sampled]]:
         """Forward the step; returns ``(sequence, sampled token)`` for every sampling row."""
         self.execute_copies(step)
         token_ids: list[int] = []
@@ -92,7 +92,4 @@ class StepRunner:
             work.seq.num_computed = work.start + work.length
         if not sampled:
             return []
-        tokens = sample_rows(
-            logits, [s.request.sampling for s in sampled], [s.generator for s in sampled]
-        )
-        return list(zip(sampled, tokens))
+        return list(zip(sampled, sample(logits, sampled)))

@@ -27,10 +27,11 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 from enum import Enum
+from typing import Any
 
 import torch
 
-from engines.contract import EngineRequest, KvMetrics
+from engines.contract import EngineRequest, KvMetrics, TokenLogProbs
 from retention.pool import BlockCopy, BlockPool
 
 
@@ -57,6 +58,8 @@ class Sequence:
     admitted: bool = False
     metrics: KvMetrics = field(default_factory=KvMetrics)
     admit_seq: int = 0
+    matcher: Any = None  # xgrammar GrammarMatcher of a guided request, advanced per accepted token
+    log_probs: list[TokenLogProbs] = field(default_factory=list)  # per generated token, when asked
 
     @property
     def in_prefill(self) -> bool:

@@ -35,8 +35,8 @@ import numpy as np
 from tritonclient.grpc import service_pb2, service_pb2_grpc
 
 from engines.contract import (
-    KV_CACHE_STATS, MODEL_NAME, STOP, ContractError, EngineRequest, KvMetrics, encode_response,
-    is_stats_request, parse_request,
+    KV_CACHE_STATS, MODEL_NAME, OUTPUT_LOG_PROBS, STOP, TOP_LOG_PROBS, ContractError, EngineRequest, KvMetrics,
+    TokenLogProbs, decode_log_probs, encode_response, is_stats_request, parse_request,
 )
 from engines.reference.config import ReferenceEngineConfig
 from engines.reference.engine import EngineOutput, EngineStoppedError, ReferenceEngine
@@ -165,7 +165,8 @@ class KvgateInferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
         async for output in self._generate(request.id, parsed):
             if output.error is not None:
                 raise _RequestFailed(grpc.StatusCode.INTERNAL, f"[{MODEL_NAME}] {output.error}")
-            tensors_out = encode_response(list(output.new_tokens), output.sequence_length, output.kv)
+            tensors_out = encode_response(list(output.new_tokens), output.sequence_length, output.kv,
+                                          output.log_probs, parsed.num_top_log_probs)
             yield _response(request, tensors_out, requested, final=output.finished)
 
     async def _generate(self, client_id: str, parsed: EngineRequest) -> AsyncIterator[EngineOutput]:
@@ -176,6 +177,8 @@ class KvgateInferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
                 yield output
         except EngineStoppedError as exc:
             raise _RequestFailed(grpc.StatusCode.UNAVAILABLE, f"[{MODEL_NAME}] {exc}") from None
+        except ContractError as exc:  # a guide that does not compile
+            raise _RequestFailed(grpc.StatusCode.INVALID_ARGUMENT, f"[{MODEL_NAME}] {exc}") from None
         finally:
             ids = self._by_client_id.get(client_id)
             if ids is not None:
@@ -208,14 +211,23 @@ def _merge(responses: list[service_pb2.ModelInferResponse]) -> service_pb2.Model
     from tritonclient.grpc import InferResult  # local: only the unary streaming=true path needs it
 
     tokens: list[int] = []
+    log_probs: list[TokenLogProbs] | None = None
+    num_top = 0
     for response in responses:
-        tokens.extend(int(t) for t in InferResult(response).as_numpy("output_ids"))
+        result = InferResult(response)
+        tokens.extend(int(t) for t in result.as_numpy("output_ids"))
+        names = {o.name for o in response.outputs}
+        if OUTPUT_LOG_PROBS.name in names:
+            part = decode_log_probs({n: result.as_numpy(n) for n in names if "log_probs" in n})
+            log_probs = (log_probs or []) + list(part or ())
+            if TOP_LOG_PROBS.name in names:
+                num_top = max(num_top, int(result.as_numpy(TOP_LOG_PROBS.name).shape[-1]))
     last = InferResult(responses[-1])
     kv = KvMetrics(*(int(last.as_numpy(n)[0]) for n in (
         "kv_cache_reused_blocks", "kv_cache_alloc_new_blocks", "kv_cache_alloc_total_blocks", "kv_cache_onboarded_blocks"
     )))
     merged = service_pb2.ModelInferResponse(model_name=MODEL_NAME, model_version=MODEL_VERSION, id=responses[-1].id)
-    encode_outputs(merged, encode_response(tokens, int(last.as_numpy("sequence_length")[0]), kv))
+    encode_outputs(merged, encode_response(tokens, int(last.as_numpy("sequence_length")[0]), kv, log_probs, num_top))
     return merged
 
 

@@ -52,7 +52,7 @@ import numpy as np
 import triton_python_backend_utils as pb_utils  # provided by Triton's Python backend stub
 
 from engines import contract
-from engines.trtllm import bindings, engine_config, executor_args
+from engines.trtllm import bindings, engine_config, executor_args, request_extensions
 from engines.trtllm.kv_ledger import TenantBlockLedger
 from engines.triton.params import ServingParams
 
@@ -104,7 +104,16 @@ class TritonPythonModel:
                 "TensorRT-LLM executor Request has no cache_salt_id: requests carrying cache_salt will be REFUSED "
                 "(salted tenants cannot be isolated on this build)"
             )
-        self.executor = executor_args.make_executor(self.trtllm, self.params)
+        # Guided decoding needs the tokenizer in the executor (GuidedDecodingConfig); the stock
+        # models read it from the `tokenizer_dir` parameter (tensorrt_llm/config.pbtxt), as here.
+        # Optional: without it guided requests are refused by name (request_extensions.py).
+        tokenizer_dir = model_config.get("parameters", {}).get("tokenizer_dir", {}).get("string_value", "")
+        guided_config = None
+        if tokenizer_dir and not tokenizer_dir.startswith("${"):
+            stops = [self.params.end_id] if self.params.end_id is not None else []
+            guided_config = request_extensions.guided_decoding_config(self.trtllm, tokenizer_dir, stops)
+        self.guided_supported = guided_config is not None
+        self.executor = executor_args.make_executor(self.trtllm, self.params, guided_decoding_config=guided_config)
         if not self.executor.can_enqueue_requests():  # executor.cpp: can_enqueue_requests()
             # Leader mode on a non-leader rank: kvgate runs multi-GPU engines in orchestrator
             # mode (one process enqueues), so this is a launch error, not a state to serve in.
@@ -139,7 +148,8 @@ class TritonPythonModel:
             sender = request.get_response_sender()
             try:
                 self._submit(request, sender)
-            except (contract.ContractError, executor_args.SaltUnsupportedError) as exc:
+            except (contract.ContractError, executor_args.SaltUnsupportedError,
+                    request_extensions.ExtensionUnsupportedError) as exc:
                 tensor = getattr(exc, "tensor", None)
                 sender.send(_error(f"{tensor}: {exc}" if tensor else str(exc)), flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
             except Exception as exc:  # an executor failure must answer the client, not hang it
@@ -178,9 +188,12 @@ class TritonPythonModel:
             vocab_size=self.params.vocab_size,
         )
         trt_request = executor_args.build_request(
-            self.trtllm, parsed, default_end_id=self.params.end_id, salt_supported=self.salt_supported
+            self.trtllm, parsed, default_end_id=self.params.end_id, salt_supported=self.salt_supported,
+            vocab_size=self.params.vocab_size, guided_supported=self.guided_supported,
         )
         end_id = parsed.end_id if parsed.end_id is not None else self.params.end_id
+        if parsed.ignore_eos:
+            end_id = None  # end_id -1 in the executor: an end token is an ordinary output token
         with self.lock:
             request_id = self.executor.enqueue_request(trt_request)  # executor.cpp: enqueue_request(request) -> id
             self.pending[request_id] = _Pending(sender, parsed, end_id, triton_id)
@@ -216,11 +229,23 @@ class TritonPythonModel:
             return
         result = response.result  # request.cpp: Result.output_token_ids (per beam), .is_final, .request_perf_metrics
         tokens = [int(t) for t in result.output_token_ids[0]] if result.output_token_ids else []
+        raw_count = len(tokens)  # Result.log_probs has one entry per returned token, end token included
         if pending.end_id is not None:
             while tokens and tokens[-1] == pending.end_id:  # the contract never returns the end token
                 tokens.pop()
         pending.generated = pending.generated + len(tokens) if pending.request.streaming else len(tokens)
-        arrays = contract.encode_response(tokens, pending.generated, self._kv_metrics(result))
+        log_probs = None
+        if pending.request.return_log_probs:
+            # request.cpp: Result.log_probs, one list per beam, aligned with output_token_ids
+            values = request_extensions.chosen_log_probs(result, raw_count)
+            if values is not None:
+                values = values[: len(tokens)]
+            if values is None:
+                self._finish(response.request_id, pending)
+                pending.sender.send(_error("engine error: return_log_probs was set but the executor returned no log probabilities"), flags=final)
+                return
+            log_probs = [contract.TokenLogProbs(v) for v in values]
+        arrays = contract.encode_response(tokens, pending.generated, self._kv_metrics(result), log_probs)
         if result.is_final:
             self._finish(response.request_id, pending)
         pending.sender.send(pb_utils.InferenceResponse(output_tensors=_tensors(arrays)), flags=final if result.is_final else 0)

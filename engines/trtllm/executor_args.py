@@ -21,6 +21,7 @@ from types import ModuleType
 from typing import Any
 
 from engines.contract import EngineRequest
+from engines.trtllm import request_extensions
 from engines.trtllm.bindings import BindingError
 from retention.types import DEFAULT_PRIORITY, RetentionPlan
 
@@ -78,7 +79,7 @@ def parallel_config(trtllm: ModuleType, params: Any) -> Any | None:
     )
 
 
-def make_executor(trtllm: ModuleType, params: Any) -> Any:
+def make_executor(trtllm: ModuleType, params: Any, *, guided_decoding_config: Any = None) -> Any:
     """``Executor(engine_dir, ModelType.DECODER_ONLY, ExecutorConfig(...))`` (nanobind/executor/executor.cpp)."""
     kv_kwargs = kv_cache_config_kwargs(params)
     try:
@@ -89,6 +90,8 @@ def make_executor(trtllm: ModuleType, params: Any) -> Any:
     parallel = parallel_config(trtllm, params)
     if parallel is not None:
         kwargs["parallel_config"] = parallel
+    if guided_decoding_config is not None:  # executorConfig.cpp: ExecutorConfig(guided_decoding_config=)
+        kwargs["guided_decoding_config"] = guided_decoding_config
     try:
         executor_config = trtllm.ExecutorConfig(**kwargs)
     except TypeError as exc:
@@ -159,11 +162,16 @@ def sampling_config(trtllm: ModuleType, request: EngineRequest) -> Any:
         kwargs["top_p"] = s.top_p  # contract: within (0, 1]; 1.0 = no nucleus cut
     if s.seed is not None:
         kwargs["seed"] = s.seed
+    kwargs.update(request_extensions.sampling_extension_kwargs(s))  # penalties, min_tokens (issue 18)
     return trtllm.SamplingConfig(**kwargs)
 
 
-def build_request(trtllm: ModuleType, request: EngineRequest, *, default_end_id: int | None, salt_supported: bool) -> Any:
-    """The executor ``Request`` for a validated :class:`EngineRequest` (request.cpp ``Request`` init)."""
+def build_request(trtllm: ModuleType, request: EngineRequest, *, default_end_id: int | None, salt_supported: bool,
+                  vocab_size: int = 0, guided_supported: bool = False) -> Any:
+    """The executor ``Request`` for a validated :class:`EngineRequest` (request.cpp ``Request`` init).
+
+    Raises :class:`request_extensions.ExtensionUnsupportedError` for what this executor cannot do.
+    """
     end_id = request.end_id if request.end_id is not None else default_end_id
     kwargs: dict[str, Any] = {
         "input_token_ids": list(request.input_ids),
@@ -172,10 +180,14 @@ def build_request(trtllm: ModuleType, request: EngineRequest, *, default_end_id:
         "sampling_config": sampling_config(trtllm, request),
         # exclude_input_from_output: output_ids carry generated tokens only (the contract);
         # return_perf_metrics: per-request KvCacheMetrics (reused/new/total blocks).
-        "output_config": trtllm.OutputConfig(exclude_input_from_output=True, return_perf_metrics=True),
+        "output_config": trtllm.OutputConfig(exclude_input_from_output=True, return_perf_metrics=True,
+                                             **request_extensions.output_config_kwargs(request)),
     }
     if end_id is not None:
         kwargs["end_id"] = end_id
+    # ignore_eos (end_id -1), logit bias (embedding_bias), guide: engines/trtllm/request_extensions.py
+    kwargs.update(request_extensions.request_extension_kwargs(
+        trtllm, request, vocab_size=vocab_size, guided_supported=guided_supported))
     retention = retention_config(trtllm, request.retention)
     if retention is not None:
         kwargs["kv_cache_retention_config"] = retention

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from engines.contract import EngineRequest, KvMetrics, SamplingParams
+from engines.contract import EngineRequest, Guide, KvMetrics, SamplingParams, TokenLogProbs
 from engines.tokenizer import ChatTokenizer
 from retention.hashing import block_hashes
 from retention.planner import QuotaState, Segments, plan_retention
@@ -32,9 +32,11 @@ from server.gateway.context import TenantContext
 from server.gateway.engine_client import EngineClient, EngineRejected, EngineUnavailable
 from server.gateway.errors import ServingError, error_body
 from server.gateway.metrics import GatewayMetrics
+from server.gateway.logprobs import TokenTexts, chat_entries, completion_block
 from server.gateway.miss_ratio import MissRatioCurves
 from server.gateway.prompting import PreparedPrompt
 from server.gateway.slo_guard import SloGuards
+from server.gateway.tools import CallSplitter, ToolCall, ToolPlan, parse_forced, parse_tool_calls
 from tenants.snapshots import PoolSnapshot
 
 
@@ -54,6 +56,17 @@ class CompletionJob:
     tokenizer: ChatTokenizer
     engine: EngineClient
     quota: QuotaState = field(default_factory=QuotaState)
+    # issue 18: guided decoding, tools, log probabilities, extensions
+    guide: Guide | None = None
+    tools: ToolPlan | None = None
+    ignore_eos: bool = False
+    logprobs: int | None = None  # None: not asked; else how many alternatives per token
+    token_texts: TokenTexts | None = None
+    continuous_usage: bool = False
+
+    @property
+    def parses_tools(self) -> bool:
+        return self.tools is not None and self.tools.parses
 
 
 @dataclass(slots=True)
@@ -65,6 +78,11 @@ class Outcome:
     ttft: float | None = None
     status: str = "ok"
     arm: str | None = None  # SLO guard / pilot arm the plan was made for (server.gateway.slo_guard)
+    token_ids: list[int] = field(default_factory=list)  # generated ids, kept only when log probs are asked
+    log_probs: list[TokenLogProbs] = field(default_factory=list)
+    sent_log_probs: int = 0  # how many of log_probs went out in stream frames
+    held: list[str] = field(default_factory=list)  # text kept back from the content (tool calls)
+    tool_calls: list[ToolCall] = field(default_factory=list)
 
     @property
     def text(self) -> str:
@@ -146,7 +164,8 @@ def engine_request(job: CompletionJob, plan: RetentionPlan) -> EngineRequest:
     return EngineRequest(
         input_ids=job.prompt.input_ids, max_new_tokens=job.max_new_tokens, end_id=job.tokenizer.eos_token_id,
         streaming=streaming, sampling=job.sampling, retention=plan, cache_salt=job.tenant.engine_salt,
-        tenant_id=job.tenant.engine_tenant_id,
+        tenant_id=job.tenant.engine_tenant_id, ignore_eos=job.ignore_eos, return_log_probs=job.logprobs is not None,
+        num_top_log_probs=job.logprobs or 0, guide=job.guide,
     )
 
 
@@ -158,6 +177,10 @@ async def _generate(job: CompletionJob, plan: RetentionPlan, outcome: Outcome, s
     text needs no :class:`StopMatcher` (which, with nothing to hold back, returns its
     input unchanged and never stops).
     """
+    if job.parses_tools or job.logprobs is not None:
+        async for delta in _generate_extended(job, plan, outcome, started):
+            yield delta
+        return
     push_token = job.tokenizer.new_decode_stream().push
     matcher = StopMatcher(job.stop) if job.stop else None
     request_id = secrets.token_hex(8)
@@ -193,6 +216,72 @@ async def _generate(job: CompletionJob, plan: RetentionPlan, outcome: Outcome, s
         pieces.append(tail)
         yield tail
     outcome.finish_reason = "length" if outcome.completion_tokens >= job.max_new_tokens else "stop"
+
+
+async def _generate_extended(job: CompletionJob, plan: RetentionPlan, outcome: Outcome, started: float) -> AsyncIterator[str]:
+    """:func:`_generate` for requests with log probabilities or tools (the slower, general path).
+
+    Content deltas are yielded as usual; with tools, text that belongs to a tool call is
+    kept in ``outcome.held`` and parsed into ``outcome.tool_calls`` at the end (forced
+    calls: all of it; ``auto``: from the first ``<tool_call>`` on).
+    """
+    push_token = job.tokenizer.new_decode_stream().push
+    matcher = StopMatcher(job.stop) if job.stop else None
+    forced = job.tools is not None and job.tools.mode == "forced"
+    splitter = CallSplitter() if job.tools is not None and job.tools.mode == "auto" else None
+    request = engine_request(job, plan)
+    streamed = request.streaming
+
+    def route(text: str) -> str:
+        if forced:
+            outcome.held.append(text)
+            return ""
+        if splitter is not None:
+            out = splitter.push(text)
+            if splitter.calling and splitter.held:
+                outcome.held[:] = [splitter.held]
+            return out
+        return text
+
+    async with contextlib.aclosing(job.engine.generate(request, request_id=secrets.token_hex(8))) as chunks:
+        async for chunk in chunks:
+            outcome.kv = chunk.kv
+            outcome.completion_tokens = max(outcome.completion_tokens, chunk.generated)
+            if chunk.token_ids and outcome.ttft is None and streamed:
+                outcome.ttft = time.perf_counter() - started
+            if job.logprobs is not None and chunk.log_probs is not None:
+                outcome.token_ids.extend(chunk.token_ids)
+                outcome.log_probs.extend(chunk.log_probs)
+            text = "".join(push_token(t) for t in chunk.token_ids)
+            if matcher is not None:
+                text = matcher.push(text)
+            delta = route(text) if text else ""
+            if delta:
+                outcome.pieces.append(delta)
+                yield delta
+            if matcher is not None and matcher.stopped:
+                outcome.finish_reason = "stop"
+                break
+    tail = matcher.flush() if matcher is not None and not matcher.stopped else ""
+    delta = route(tail) if tail else ""
+    if splitter is not None:
+        delta += splitter.flush() if not splitter.calling else ""
+    if delta:
+        outcome.pieces.append(delta)
+        yield delta
+    if outcome.finish_reason is None:
+        outcome.finish_reason = "length" if outcome.completion_tokens >= job.max_new_tokens else "stop"
+    if job.tools is not None and outcome.held:
+        held = "".join(outcome.held)
+        if forced:
+            outcome.tool_calls = parse_forced(held, job.tools)
+        else:
+            _, outcome.tool_calls = parse_tool_calls(held, job.tools)
+        if outcome.tool_calls:
+            outcome.finish_reason = "tool_calls"
+        else:  # not a usable call after all (cut short, unknown function): it was content
+            outcome.pieces.append(held)
+            yield held
 
 
 def _engine_error(exc: Exception) -> ServingError:
@@ -289,11 +378,16 @@ class CompletionRunner:
     def _body(self, job: CompletionJob, outcome: Outcome) -> dict:
         ident, created = _ident(job), int(time.time())
         if job.kind == "chat":
-            choice = {"index": 0, "message": {"role": "assistant", "content": outcome.text},
-                      "finish_reason": outcome.finish_reason, "logprobs": None}
+            message: dict = {"role": "assistant", "content": outcome.text}
+            if outcome.tool_calls:
+                message["content"] = outcome.text or None
+                message["tool_calls"] = [call.to_openai() for call in outcome.tool_calls]
+            choice = {"index": 0, "message": message, "finish_reason": outcome.finish_reason,
+                      "logprobs": _chat_logprobs(job, outcome, len(outcome.log_probs))}
             obj = "chat.completion"
         else:
-            choice = {"index": 0, "text": outcome.text, "finish_reason": outcome.finish_reason, "logprobs": None}
+            choice = {"index": 0, "text": outcome.text, "finish_reason": outcome.finish_reason,
+                      "logprobs": _text_logprobs(job, outcome, len(outcome.log_probs), 0)}
             obj = "text_completion"
         return {"id": ident, "object": obj, "created": created, "model": job.model, "choices": [choice],
                 "usage": self._usage_body(job, outcome)}
@@ -302,24 +396,43 @@ class CompletionRunner:
         ident, created = _ident(job), int(time.time())
         chat = job.kind == "chat"
         obj = "chat.completion.chunk" if chat else "text_completion"
+        continuous = job.include_usage and job.continuous_usage
+        text_offset = 0
 
-        def frame(delta_text: str | None, finish: str | None, *, role: bool = False) -> bytes:
+        def frame(delta_text: str | None, finish: str | None, *, role: bool = False, tool_calls: list | None = None,
+                  logprobs: dict | None = None) -> bytes:
             if chat:
                 delta: dict = {}
                 if role:
                     delta["role"] = "assistant"
                 if delta_text:
                     delta["content"] = delta_text
-                choice = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}
+                if tool_calls:
+                    delta["tool_calls"] = tool_calls
+                choice = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": logprobs}
             else:
-                choice = {"index": 0, "text": delta_text or "", "finish_reason": finish, "logprobs": None}
+                choice = {"index": 0, "text": delta_text or "", "finish_reason": finish, "logprobs": logprobs}
             payload = {"id": ident, "object": obj, "created": created, "model": job.model, "choices": [choice]}
             if job.include_usage:
-                payload["usage"] = None
+                # vLLM's continuous_usage_stats: running usage in every chunk; otherwise null until the last
+                payload["usage"] = self._usage_body(job, outcome) if continuous else None
             return b"data: " + json.dumps(payload, separators=(",", ":")).encode() + b"\n\n"
+
+        def pending_logprobs() -> dict | None:
+            nonlocal text_offset
+            if job.logprobs is None:
+                return None
+            upto = len(outcome.log_probs)
+            start, outcome.sent_log_probs = outcome.sent_log_probs, upto
+            if chat:
+                return _chat_logprobs(job, outcome, upto, start)
+            block = _text_logprobs(job, outcome, upto, start, text_offset)
+            text_offset += sum(len(t) for t in block["tokens"]) if block else 0
+            return block
 
         # Why: one frame per token is the streaming hot path; only the text changes, so the
         # rest of the frame is rendered once (byte-identical to ``frame(text, None)``).
+        simple = job.logprobs is None and not continuous
         head, tail = frame("\x00", None).split(b'"\\u0000"')
 
         try:
@@ -327,16 +440,24 @@ class CompletionRunner:
                 yield frame(None, None, role=True)
             try:
                 async for delta in _generate(job, plan, outcome, started):
-                    # what json.dumps does for a str with its defaults, minus two calls
-                    yield head + _json_str(delta).encode() + tail
+                    if simple:
+                        # what json.dumps does for a str with its defaults, minus two calls
+                        yield head + _json_str(delta).encode() + tail
+                    else:
+                        yield frame(delta, None, logprobs=pending_logprobs())
             except (EngineUnavailable, EngineRejected) as exc:
                 outcome.status = "engine_error"
                 err = _engine_error(exc)
                 yield b"data: " + json.dumps(error_body(err.status, err.code, err.message)).encode() + b"\n\n"
                 return
+            closing = b""
+            if job.logprobs is not None and outcome.sent_log_probs < len(outcome.log_probs):
+                closing += frame(None, None, logprobs=pending_logprobs())  # tokens whose text was held back
+            if outcome.tool_calls:
+                closing += frame(None, None, tool_calls=[c.to_openai(i) for i, c in enumerate(outcome.tool_calls)])
             # The closing frames are ready together: one body message (one socket write)
             # instead of up to three, same bytes.
-            closing = frame(None, outcome.finish_reason)
+            closing += frame(None, outcome.finish_reason)
             if job.include_usage:
                 usage = {"id": ident, "object": obj, "created": created, "model": job.model, "choices": [],
                          "usage": self._usage_body(job, outcome)}
@@ -348,6 +469,20 @@ class CompletionRunner:
             raise
         finally:
             await self._finish(job, plan, outcome, started, lease)
+
+
+def _chat_logprobs(job: CompletionJob, outcome: Outcome, upto: int, start: int = 0) -> dict | None:
+    if job.logprobs is None or job.token_texts is None:
+        return None
+    return {"content": chat_entries(job.token_texts, outcome.token_ids[start:upto], outcome.log_probs[start:upto]),
+            "refusal": None}
+
+
+def _text_logprobs(job: CompletionJob, outcome: Outcome, upto: int, start: int = 0, offset: int = 0) -> dict | None:
+    if job.logprobs is None or job.token_texts is None:
+        return None
+    return completion_block(job.token_texts, outcome.token_ids[start:upto], outcome.log_probs[start:upto],
+                            offset=offset, with_top=job.logprobs > 0)
 
 
 _json_str = json.encoder.encode_basestring_ascii  # json.dumps(str) == _json_str(str) (ensure_ascii)

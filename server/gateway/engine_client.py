@@ -36,10 +36,14 @@ from engines.contract import (
     KV_STATS,
     KV_TOTAL,
     OUTPUT_IDS,
+    OUTPUT_LOG_PROBS,
     SEQUENCE_LENGTH,
+    TOP_LOG_PROBS,
+    TOP_LOG_PROBS_IDS,
     EngineRequest,
     KvMetrics,
     PoolStatsReport,
+    TokenLogProbs,
     encode_request,
 )
 
@@ -78,6 +82,7 @@ class EngineChunk:
     generated: int  # cumulative generated tokens (``sequence_length``)
     kv: KvMetrics
     final: bool
+    log_probs: tuple[TokenLogProbs, ...] | None = None  # one per token_ids entry, when asked
 
 
 def _request_proto(model: str, request_id: str, tensors: dict[str, np.ndarray]) -> service_pb2.ModelInferRequest:
@@ -92,6 +97,25 @@ def _request_proto(model: str, request_id: str, tensors: dict[str, np.ndarray]) 
 
 
 _SCALAR_OUTPUTS = {SEQUENCE_LENGTH.name: 0, KV_REUSED.name: 1, KV_NEW.name: 2, KV_TOTAL.name: 3, KV_ONBOARDED.name: 4}
+_LOG_PROB_OUTPUTS = {OUTPUT_LOG_PROBS.name: "f", TOP_LOG_PROBS.name: "f", TOP_LOG_PROBS_IDS.name: "i"}
+
+
+def _log_probs(raw: dict[str, tuple[array, list[int]]]) -> tuple[TokenLogProbs, ...] | None:
+    """``TokenLogProbs`` from the raw log-probability outputs of one response."""
+    if OUTPUT_LOG_PROBS.name not in raw:
+        return None
+    chosen = raw[OUTPUT_LOG_PROBS.name][0]
+    values = raw.get(TOP_LOG_PROBS.name)
+    ids = raw.get(TOP_LOG_PROBS_IDS.name)
+    width = values[1][-1] if values is not None and len(values[1]) == 2 else 0
+    out = []
+    for row, value in enumerate(chosen):
+        top: tuple[tuple[int, float], ...] = ()
+        if width and ids is not None:
+            top = tuple((ids[0][row * width + k], values[0][row * width + k]) for k in range(width)
+                        if values[0][row * width + k] != float("-inf"))
+        out.append(TokenLogProbs(value, top))
+    return tuple(out)
 _OUTPUT_IDS = OUTPUT_IDS.name
 _from_bytes = int.from_bytes
 
@@ -105,6 +129,7 @@ def _chunk(response: service_pb2.ModelInferResponse, streaming: bool, previous_k
     ids: tuple[int, ...] = ()
     scalars = [0, 0, 0, 0, 0]
     slots = _SCALAR_OUTPUTS
+    raw_log_probs: dict[str, tuple[array, list[int]]] | None = None
     for output, data in zip(response.outputs, response.raw_output_contents):
         name = output.name
         if name == _OUTPUT_IDS:
@@ -113,6 +138,9 @@ def _chunk(response: service_pb2.ModelInferResponse, streaming: bool, previous_k
             slot = slots.get(name)
             if slot is not None and data:
                 scalars[slot] = _from_bytes(data[:4], "little", signed=True)
+            elif name in _LOG_PROB_OUTPUTS:
+                raw_log_probs = raw_log_probs or {}
+                raw_log_probs[name] = (array(_LOG_PROB_OUTPUTS[name], data), list(output.shape))
     final_param = response.parameters.get("triton_final_response")
     final = bool(final_param.bool_param) if final_param is not None else not streaming
     _, reused, new, total, onboarded = scalars
@@ -121,7 +149,7 @@ def _chunk(response: service_pb2.ModelInferResponse, streaming: bool, previous_k
         kv = previous_kv
     else:
         kv = KvMetrics(reused, new, total, onboarded)
-    return EngineChunk(ids, scalars[0], kv, final)
+    return EngineChunk(ids, scalars[0], kv, final, _log_probs(raw_log_probs) if raw_log_probs else None)
 
 
 def _classify(exc: BaseException) -> EngineError:

@@ -1,9 +1,11 @@
 """Request bodies of the OpenAI-compatible routes (pydantic, strict about what we cannot honour).
 
-Parameters OpenAI defines but kvgate does not implement are accepted only at their
-neutral value (``n=1``, penalties 0, ``logprobs`` false, no tools) and refused with a
-400 naming the parameter otherwise; unknown fields are refused, so a typo never
-silently changes behaviour. Types are strict (no ``"yes"``/``1`` for ``stream``, no
+Every OpenAI chat/completions field is honoured, accepted-and-ignored (documented in the
+README's table), or refused with a 400 naming it: ``n`` is accepted only at 1; fields
+kvgate does not declare (``audio``, ``modalities``, ``prediction``, ``functions``, ...)
+are refused as ``unsupported_parameter``, so a typo never silently changes behaviour.
+The vLLM-style extensions (``top_k``, ``min_tokens``, ``ignore_eos``,
+``repetition_penalty``, ``stream_options.continuous_usage_stats``) are honoured. Types are strict (no ``"yes"``/``1`` for ``stream``, no
 ``true`` for ``max_tokens``, no numeric strings): a client bug surfaces as a 400, not as
 a request that means something else. JSON integers are still accepted for floats.
 """
@@ -25,12 +27,31 @@ class TextPart(BaseModel):
     text: Annotated[str, Field(max_length=MAX_TEXT_CHARS)]
 
 
+MAX_TOOLS = 128
+FunctionName = Annotated[str, Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")]
+
+
+class FunctionCall(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    name: FunctionName
+    arguments: Annotated[str, Field(max_length=MAX_TEXT_CHARS)]
+
+
+class MessageToolCall(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    id: Annotated[str, Field(max_length=128)]
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Annotated[str, Field(max_length=MAX_TEXT_CHARS)] | list[TextPart] | None = None
     name: Annotated[str, Field(max_length=64)] | None = None
     tool_call_id: Annotated[str, Field(max_length=128)] | None = None
+    tool_calls: Annotated[list[MessageToolCall], Field(max_length=MAX_TOOLS)] | None = None
+    refusal: str | None = None  # echoed back by clients in assistant messages; ignored
 
     def text(self) -> str:
         if self.content is None:
@@ -43,6 +64,52 @@ class ChatMessage(BaseModel):
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM extension: usage in every chunk (with include_usage)
+
+
+class FunctionDefinition(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    name: FunctionName
+    description: Annotated[str, Field(max_length=MAX_TEXT_CHARS)] | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None  # arguments always follow the schema when the call is forced
+
+
+class ToolDefinition(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    name: FunctionName
+
+
+class NamedToolChoice(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    type: Literal["function"]
+    function: NamedFunction
+
+
+class JsonSchemaFormat(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True, populate_by_name=True)
+    name: Annotated[str, Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")]
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None  # the output always follows the schema (guided decoding)
+
+
+class ResponseFormat(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_given(self) -> ResponseFormat:
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError("response_format type json_schema needs json_schema")
+        return self
 
 
 class _SamplingFields(BaseModel):
@@ -54,36 +121,67 @@ class _SamplingFields(BaseModel):
     stop: Annotated[str, Field(min_length=1, max_length=256)] | Annotated[list[Annotated[str, Field(min_length=1, max_length=256)]], Field(max_length=MAX_STOP_STRINGS)] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    n: Annotated[int, Field(ge=1, le=1)] = 1
-    user: Annotated[str, Field(max_length=256)] | None = None
-    presence_penalty: Annotated[float, Field(ge=0.0, le=0.0)] = 0.0
-    frequency_penalty: Annotated[float, Field(ge=0.0, le=0.0)] = 0.0
-    logprobs: Literal[False] | None = None
+    n: Annotated[int, Field(ge=1, le=1)] | None = 1
+    user: Annotated[str, Field(max_length=256)] | None = None  # accepted, ignored: the API key names the tenant
+    presence_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] | None = None
+    frequency_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] | None = None
+    logit_bias: Annotated[dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]], Field(max_length=300)] | None = None
+    # vLLM-compatible extensions
+    top_k: Annotated[int, Field(ge=-1, le=1_000_000)] | None = None  # -1 or 0: no cut
+    min_tokens: Annotated[int, Field(ge=0, le=1_000_000)] | None = None
+    ignore_eos: bool | None = None
+    repetition_penalty: Annotated[float, Field(gt=0.0, le=10.0)] | None = None
+    # accepted and ignored (README: "OpenAI request fields")
+    service_tier: Literal["auto", "default", "flex", "scale", "priority"] | None = None
 
     def stop_strings(self) -> tuple[str, ...]:
         if self.stop is None:
             return ()
         return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
 
+    def logit_bias_pairs(self) -> tuple[tuple[int, float], ...]:
+        """``logit_bias`` keys are token ids written as strings (OpenAI's shape)."""
+        if not self.logit_bias:
+            return ()
+        pairs = []
+        for key, value in self.logit_bias.items():
+            if not key.isdigit():
+                raise ValueError(f"logit_bias keys must be token ids, got {key!r}")
+            pairs.append((int(key), float(value)))
+        return tuple(pairs)
+
 
 class ChatCompletionRequest(_SamplingFields):
     messages: Annotated[list[ChatMessage], Field(min_length=1, max_length=MAX_MESSAGES)]
     max_tokens: Annotated[int, Field(ge=1, le=1_000_000)] | None = None
     max_completion_tokens: Annotated[int, Field(ge=1, le=1_000_000)] | None = None
-    top_logprobs: Literal[0] | None = None
-    tools: Annotated[list[Any], Field(max_length=0)] | None = None
-    tool_choice: Literal["none"] | None = None
-    response_format: dict[str, Any] | None = None
+    logprobs: bool | None = None
+    top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
+    tools: Annotated[list[ToolDefinition], Field(max_length=MAX_TOOLS)] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    response_format: ResponseFormat | None = None
     parallel_tool_calls: bool | None = None
+    # accepted and ignored (README: "OpenAI request fields")
     metadata: dict[str, str] | None = None
     store: Literal[False] | None = None
+    prompt_cache_key: Annotated[str, Field(max_length=1024)] | None = None
+    safety_identifier: Annotated[str, Field(max_length=256)] | None = None
 
-    @field_validator("response_format")
-    @classmethod
-    def _text_only(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
-        if value is not None and value.get("type") != "text":
-            raise ValueError("only response_format {\"type\": \"text\"} is supported")
-        return value
+    @model_validator(mode="after")
+    def _consistent(self) -> ChatCompletionRequest:
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs: true")
+        names = {t.function.name for t in self.tools or ()}
+        if len(names) != len(self.tools or ()):
+            raise ValueError("tools: function names must be unique")
+        if isinstance(self.tool_choice, NamedToolChoice) and self.tool_choice.function.name not in names:
+            raise ValueError(f"tool_choice names function {self.tool_choice.function.name!r}, which is not in tools")
+        if self.tool_choice in ("required",) or isinstance(self.tool_choice, NamedToolChoice):
+            if not names:
+                raise ValueError("tool_choice requires tools")
+            if self.response_format is not None and self.response_format.type != "text":
+                raise ValueError("a forced tool call cannot be combined with a JSON response_format")
+        return self
 
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
@@ -92,6 +190,7 @@ class ChatCompletionRequest(_SamplingFields):
 class CompletionRequest(_SamplingFields):
     prompt: Annotated[str, Field(max_length=MAX_TEXT_CHARS)] | Annotated[list[Annotated[str, Field(max_length=MAX_TEXT_CHARS)]], Field(min_length=1, max_length=1)]
     max_tokens: Annotated[int, Field(ge=1, le=1_000_000)] | None = 16
+    logprobs: Annotated[int, Field(ge=0, le=5)] | None = None  # completions: how many alternatives
     echo: Literal[False] = False
     suffix: None = None
     best_of: Annotated[int, Field(ge=1, le=1)] | None = None

@@ -3,7 +3,8 @@
 The gateway owns tokenization so it knows where each retention segment starts::
 
     | system (leading system messages,  | context (earlier turns, tool   | turn (last user message |
-    |  or the template's default one)   |  results, documents)           |  + generation prompt)   |
+    |  tool definitions, or the         |  results, documents)           |  + generation prompt)   |
+    |  template's default one)          |                                |                         |
     0                              system_end                      context_end                  total
 
 Boundaries come from rendering message-list prefixes with the model's own chat
@@ -22,6 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from engines.tokenizer import ChatTokenizer
+from server.gateway.logprobs import TokenTexts
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,6 +59,7 @@ class ChatPrompter:
 
     def __init__(self, tokenizer: ChatTokenizer) -> None:
         self.tokenizer = tokenizer
+        self.token_texts = TokenTexts(tokenizer)  # token id -> text/bytes for log probabilities
         self._default_system: dict[str, str] = {}  # first message's role -> template's default system text
 
     def default_system_chars(self, full: str, messages: Sequence[Mapping[str, Any]]) -> int:
@@ -81,6 +84,10 @@ def prepare_chat(tokenizer: ChatTokenizer, messages: Sequence[Mapping[str, Any]]
     while leading_system < len(messages) and messages[leading_system].get("role") in ("system", "developer"):
         leading_system += 1
     last_user = _last_user_index(messages)
+    # Tool results after the last user message are context (retrieved data), not the turn:
+    # the context then runs to the end of the last tool message.
+    last_tool = max((i for i in range(last_user, len(messages)) if messages[i].get("role") == "tool"), default=-1)
+    context_upto = last_tool + 1 if last_tool >= 0 else last_user
     # With no system message, the template may insert its default one: render a single
     # user message and cut at that message's start marker to find it.
     if leading_system:
@@ -91,12 +98,12 @@ def prepare_chat(tokenizer: ChatTokenizer, messages: Sequence[Mapping[str, Any]]
             system_chars = len(prefix) if prefix and full.startswith(prefix) else 0
         else:
             system_chars = default_system_chars(full, messages)
-    if leading_system and last_user == leading_system:
+    if leading_system and context_upto == leading_system:
         # system messages then one user turn (the usual request): the context prefix is the
         # system prefix just rendered, and _prefix_chars would return the same number
         context_chars = system_chars
     else:
-        context_chars = _prefix_chars(tokenizer, full, messages[:last_user], system_chars)
+        context_chars = _prefix_chars(tokenizer, full, messages[:context_upto], system_chars)
     pieces = (full[:system_chars], full[system_chars:context_chars], full[context_chars:])
     ids: list[int] = []
     ends: list[int] = []

@@ -6,11 +6,14 @@ from typing import Annotated
 
 from fastapi import APIRouter, Depends, Header, Request
 
-from engines.contract import SamplingParams
+import json
+
+from engines.contract import MAX_GUIDE_BYTES, MAX_GUIDE_DEPTH, Guide, SamplingParams, json_depth
 from server.gateway.completions import CompletionJob
 from server.gateway.context import TenantContext
 from server.gateway.errors import ServingError
-from server.gateway.openai_schemas import ChatCompletionRequest, CompletionRequest
+from server.gateway.openai_schemas import ChatCompletionRequest, CompletionRequest, NamedToolChoice
+from server.gateway.tools import ToolPlan, forced_call_guide, render_messages
 from server.gateway.services import GatewayServices
 
 router = APIRouter(prefix="/v1", tags=["serving"])
@@ -53,13 +56,33 @@ async def _job(services: GatewayServices, tenant: TenantContext, body, kind: str
     requested = body.requested_max_tokens()
     max_new = requested if requested is not None else tenant.limits.max_output_tokens or 256
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
+    min_tokens = body.min_tokens or 0
+    if min_tokens > max_new:
+        raise ServingError(400, "invalid_request", f"min_tokens ({min_tokens}) exceeds the output limit ({max_new})",
+                           param="min_tokens")
+    try:
+        logit_bias = body.logit_bias_pairs()
+    except ValueError as exc:
+        raise ServingError(400, "invalid_request", str(exc), param="logit_bias") from exc
+    if any(token >= tokenizer.vocab_size for token, _ in logit_bias):
+        raise ServingError(400, "invalid_request", f"logit_bias token ids must be below {tokenizer.vocab_size}",
+                           param="logit_bias")
+    sampling = SamplingParams(
+        temperature=1.0 if body.temperature is None else body.temperature,
+        top_p=1.0 if body.top_p is None else body.top_p,
+        top_k=max(body.top_k or 0, 0), seed=body.seed,
+        repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
+        presence_penalty=body.presence_penalty or 0.0, frequency_penalty=body.frequency_penalty or 0.0,
+        min_tokens=min_tokens, logit_bias=logit_bias,
+    )
     return CompletionJob(
         tenant=tenant, kind=kind, model=body.model, prompt=prompt, max_new_tokens=max_new,
-        sampling=SamplingParams(temperature=1.0 if body.temperature is None else body.temperature,
-                                top_p=1.0 if body.top_p is None else body.top_p, top_k=0, seed=body.seed),
+        sampling=sampling,
         stop=body.stop_strings(), stream=body.stream, include_usage=include_usage, tokenizer=tokenizer,
         engine=services.engines.client(tenant.pool),
         quota=services.monitor.quota_state(tenant.pool.name, tenant.tenant_id),
+        ignore_eos=bool(body.ignore_eos), token_texts=prompter.token_texts,
+        continuous_usage=bool(body.stream_options and body.stream_options.continuous_usage_stats),
     )
 
 
@@ -70,10 +93,65 @@ async def list_models(tenant: Tenant) -> dict:
     ]}
 
 
+def _structure(body: ChatCompletionRequest) -> tuple[ToolPlan | None, Guide | None]:
+    """The request's tool plan and output guide (response_format or a forced tool call)."""
+    functions = {t.function.name: t.function.model_dump(exclude_none=True) for t in body.tools or ()}
+    plan = None
+    guide = None
+    if functions:
+        choice = body.tool_choice or "auto"
+        if isinstance(choice, NamedToolChoice):
+            plan = ToolPlan(functions, "forced", parallel=False)
+            guide = forced_call_guide([functions[choice.function.name]])
+        elif choice == "required":
+            plan = ToolPlan(functions, "forced", parallel=False)
+            guide = forced_call_guide(list(functions.values()))
+        else:
+            plan = ToolPlan(functions, choice, parallel=body.parallel_tool_calls is not False)
+    for name, function in functions.items():
+        _check_schema(function.get("parameters"), "tools")
+    fmt = body.response_format
+    if fmt is not None and fmt.json_schema is not None:
+        _check_schema(fmt.json_schema.schema_, "response_format")
+    if guide is None and fmt is not None and fmt.type != "text":
+        schema = {"type": "object"} if fmt.type == "json_object" else (fmt.json_schema.schema_ or {"type": "object"})  # type: ignore[union-attr]
+        # property order is kept: it is the order the model writes the fields in
+        guide = Guide("json_schema", json.dumps(schema, separators=(",", ":")))
+    return plan, guide
+
+
+def _check_schema(schema: dict | None, param: str) -> None:
+    """A schema the engine will compile into a grammar: bounded nesting and size (else 400 naming ``param``)."""
+    if schema is None:
+        return
+    if json_depth(schema) > MAX_GUIDE_DEPTH:
+        raise ServingError(400, "invalid_request", f"{param}: the JSON schema nests deeper than {MAX_GUIDE_DEPTH} levels",
+                           param=param)
+    if len(json.dumps(schema)) > MAX_GUIDE_BYTES // 2:
+        raise ServingError(400, "invalid_request", f"{param}: the JSON schema is larger than {MAX_GUIDE_BYTES // 2} bytes",
+                           param=param)
+
+
+def _messages(body: ChatCompletionRequest) -> list[dict]:
+    out = []
+    for m in body.messages:
+        message: dict = {"role": m.role, "content": m.text()}
+        if m.tool_calls:
+            message["tool_calls"] = [{"name": c.function.name, "arguments": c.function.arguments} for c in m.tool_calls]
+        out.append(message)
+    functions = [t.function.model_dump(exclude_none=True) for t in body.tools or ()]
+    if functions or any("tool_calls" in m for m in out):
+        return render_messages(out, functions)
+    return out
+
+
 @router.post("/chat/completions")
 async def chat_completions(body: ChatCompletionRequest, tenant: Tenant, services: Gateway):
-    messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+    messages = _messages(body)
     job = await _job(services, tenant, body, "chat", lambda p: p.chat(messages))
+    job.tools, job.guide = _structure(body)
+    if body.logprobs:
+        job.logprobs = body.top_logprobs or 0
     return await services.runner.run(job)
 
 
@@ -81,6 +159,7 @@ async def chat_completions(body: ChatCompletionRequest, tenant: Tenant, services
 async def completions(body: CompletionRequest, tenant: Tenant, services: Gateway):
     assert isinstance(body.prompt, str)
     job = await _job(services, tenant, body, "text", lambda p: p.completion(body.prompt))  # type: ignore[arg-type]
+    job.logprobs = body.logprobs
     return await services.runner.run(job)
 
 

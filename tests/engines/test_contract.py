@@ -57,3 +57,69 @@ def test_bad_requests_name_the_tensor(mutate, tensor) -> None:
     with pytest.raises(ContractError) as info:
         parse_request(tensors, **LIMITS)
     assert info.value.tensor == tensor
+
+
+# Issue 18: sampling extensions, log probabilities, logit bias, guides -------------------
+from engines.contract import (  # noqa: E402
+    Guide,
+    KvMetrics,
+    TokenLogProbs,
+    decode_log_probs,
+    encode_response,
+)
+
+
+def test_extensions_round_trip() -> None:
+    sampling = SamplingParams(0.5, 0.75, 5, 3, repetition_penalty=1.25, presence_penalty=-0.5, frequency_penalty=1.5,
+                              min_tokens=4, logit_bias=((7, 5.0), (9, -100.0)))
+    request = _request(sampling=sampling, ignore_eos=True, return_log_probs=True, num_top_log_probs=3,
+                       guide=Guide("json_schema", '{"type": "object"}'))
+    assert parse_request(encode_request(request), **LIMITS) == request
+    assert parse_request(encode_request(_request(guide=Guide("json"))), **LIMITS).guide == Guide("json")
+
+
+def test_defaults_send_no_extension_tensors() -> None:
+    names = set(encode_request(_request()))
+    assert not names & {"repetition_penalty", "min_tokens", "ignore_eos", "return_log_probs", "guided_decoding_guide_type",
+                        "logit_bias_token_ids"}
+
+
+@pytest.mark.parametrize(
+    ("changes", "tensor"),
+    [
+        ({"repetition_penalty": np.array([0.0], np.float32)}, "repetition_penalty"),
+        ({"presence_penalty": np.array([2.5], np.float32)}, "presence_penalty"),
+        ({"frequency_penalty": np.array([np.nan], np.float32)}, "frequency_penalty"),
+        ({"min_tokens": np.array([17], np.int32)}, "min_tokens"),  # > request_output_len 16
+        ({"num_top_log_probs": np.array([2], np.int32)}, "num_top_log_probs"),  # without return_log_probs
+        ({"return_log_probs": np.array([True]), "num_top_log_probs": np.array([21], np.int32)}, "num_top_log_probs"),
+        ({"logit_bias_token_ids": np.array([1], np.int32)}, "logit_bias_token_ids"),
+        ({"logit_bias_token_ids": np.array([1, 2], np.int32), "logit_bias_values": np.array([1.0], np.float32)},
+         "logit_bias_values"),
+        ({"logit_bias_token_ids": np.array([1000], np.int32), "logit_bias_values": np.array([1.0], np.float32)},
+         "logit_bias_token_ids"),
+        ({"logit_bias_token_ids": np.array([1, 1], np.int32), "logit_bias_values": np.array([1.0, 2.0], np.float32)},
+         "logit_bias_token_ids"),
+        ({"guided_decoding_guide_type": np.array([b"xml"], np.object_)}, "guided_decoding_guide_type"),
+        ({"guided_decoding_guide_type": np.array([b"regex"], np.object_)}, "guided_decoding_guide"),
+        ({"guided_decoding_guide": np.array([b"[0-9]+"], np.object_)}, "guided_decoding_guide_type"),
+        ({"guided_decoding_guide_type": np.array([b"json_schema"], np.object_),
+          "guided_decoding_guide": np.array([b"{not json"], np.object_)}, "guided_decoding_guide"),
+        ({"guided_decoding_guide_type": np.array([b"json_schema"], np.object_),
+          "guided_decoding_guide": np.array([(b'{"a":' * 100 + b"1" + b"}" * 100)], np.object_)}, "guided_decoding_guide"),
+    ],
+)
+def test_bad_extensions_name_their_tensor(changes, tensor) -> None:
+    tensors = encode_request(_request())
+    tensors.update(changes)
+    with pytest.raises(ContractError) as caught:
+        parse_request(tensors, **LIMITS)
+    assert caught.value.tensor == tensor
+
+
+def test_log_probs_round_trip_through_the_response_tensors() -> None:
+    probs = (TokenLogProbs(-0.5, ((3, -0.5), (4, -1.5))), TokenLogProbs(-2.0, ((5, -0.125), (6, -2.0))))
+    out = encode_response([3, 6], 2, KvMetrics(), probs, num_top=2)
+    assert out["top_log_probs"].shape == (2, 2) and out["top_log_probs_token_ids"].dtype == np.int32
+    assert decode_log_probs(out) == probs
+    assert decode_log_probs(encode_response([3], 1, KvMetrics())) is None

@@ -43,7 +43,8 @@ class Harness:
 
 
 def make_harness(tmp_path, monkeypatch, *, salt_supported=True, spec_name=SPEC, version="1.2.1", spec=None,
-                 engine: dict | None = None, kv_cache_stats=True, write_engine=True):
+                 engine: dict | None = None, kv_cache_stats=True, write_engine=True,
+                 parameters=None):
     """The model over a rendered repository and an engine directory holding a trtllm-build ``config.json``.
 
     ``engine`` overrides fields of that config.json (``fake_trtllm.write_engine_config``), e.g.
@@ -62,6 +63,8 @@ def make_harness(tmp_path, monkeypatch, *, salt_supported=True, spec_name=SPEC, 
         )
     [rendered] = render_repository([spec], tmp_path / "repo", engines_root=str(engines_root))
     config = text_format.Parse(rendered.config_path.read_text(), model_config_pb2.ModelConfig())
+    for key, value in (parameters or {}).items():  # what an operator adds to config.pbtxt
+        config.parameters[key].string_value = value
     config_json = json_format.MessageToJson(config, preserving_proto_field_name=True)
     module_name = f"kvgate_model_{id(tmp_path)}"
     monkeypatch.setitem(sys.modules, module_name, None)

@@ -173,6 +173,8 @@ def make_module(*, salt_supported: bool = True, primary_blocks: int = 64, second
                 raise TypeError("kv_cache_config: expected KvCacheConfig")
             if "parallel_config" in kwargs and not isinstance(kwargs["parallel_config"], ParallelConfig):
                 raise TypeError("parallel_config: expected ParallelConfig")
+            if kwargs.get("guided_decoding_config") is not None and not isinstance(kwargs["guided_decoding_config"], GuidedDecodingConfig):
+                raise TypeError("guided_decoding_config: expected GuidedDecodingConfig")
             for key in ("max_batch_size", "max_num_tokens", "max_queue_size"):
                 _int(key, kwargs.get(key), optional=True, lo=1)
             _int("iter_stats_max_iterations", kwargs.get("iter_stats_max_iterations", 1000), lo=0)
@@ -264,12 +266,28 @@ def make_module(*, salt_supported: bool = True, primary_blocks: int = 64, second
                 raise RuntimeError("Assertion failed: topP.value() > 0.f && topP.value() <= 1.f")
             if temperature is not None and temperature < 0.0:
                 raise RuntimeError("Assertion failed: temperature.value() >= 0.f")
+            # issue 18: executor/samplingConfig.cpp checkRepetitionPenalty (TLLM_CHECK > 0 -> RuntimeError),
+            # checkMinTokens (>= 0); presence/frequency penalties are unchecked floats.
+            _float("repetition_penalty", repetition_penalty, optional=True)
+            _float("presence_penalty", presence_penalty, optional=True)
+            _float("frequency_penalty", frequency_penalty, optional=True)
+            _int("min_tokens", min_tokens, optional=True, lo=-(2**31), hi=2**31 - 1)  # OptSize32
+            if repetition_penalty is not None and not repetition_penalty > 0.0:
+                raise RuntimeError("Repetition penalty should be strictly greater than zero.")
+            if min_tokens is not None and min_tokens < 0:
+                raise RuntimeError("min_tokens must be >= 0")
+            self.repetition_penalty, self.presence_penalty = repetition_penalty, presence_penalty
+            self.frequency_penalty, self.min_tokens = frequency_penalty, min_tokens
+            self.repetition_penalty, self.presence_penalty = repetition_penalty, presence_penalty
+            self.frequency_penalty, self.min_tokens = frequency_penalty, min_tokens
             self.beam_width, self.top_k, self.top_p, self.temperature, self.seed = beam_width, top_k, top_p, temperature, seed
             # What the decoding layers run: unset fields take DefaultDecodingParams, then regularizeTopKTopP.
             self.effective_top_k, self.effective_top_p = regularize_top_k_top_p(
                 DEFAULT_TOP_K if top_k is None else top_k, DEFAULT_TOP_P if top_p is None else float(top_p))
             self.greedy = self.effective_top_k == 1
-            calls.append(("SamplingConfig", dict(beam_width=beam_width, top_k=top_k, top_p=top_p, temperature=temperature, seed=seed)))
+            calls.append(("SamplingConfig", dict(beam_width=beam_width, top_k=top_k, top_p=top_p, temperature=temperature, seed=seed,
+                                                 repetition_penalty=repetition_penalty, presence_penalty=presence_penalty,
+                                                 frequency_penalty=frequency_penalty, min_tokens=min_tokens)))
 
     class OutputConfig:
         def __init__(self, return_log_probs=False, return_context_logits=False, return_generation_logits=False,
@@ -277,9 +295,54 @@ def make_module(*, salt_supported: bool = True, primary_blocks: int = 64, second
                      additional_model_outputs=None):
             for name, value in (("exclude_input_from_output", exclude_input_from_output), ("return_perf_metrics", return_perf_metrics)):
                 _bool(name, value)
+            _bool("return_log_probs", return_log_probs)  # request.cpp OutputConfig: bool
+            self.return_log_probs = return_log_probs
             self.exclude_input_from_output = exclude_input_from_output
             self.return_perf_metrics = return_perf_metrics
-            calls.append(("OutputConfig", dict(exclude_input_from_output=exclude_input_from_output, return_perf_metrics=return_perf_metrics)))
+            calls.append(("OutputConfig", dict(exclude_input_from_output=exclude_input_from_output, return_perf_metrics=return_perf_metrics,
+                                               return_log_probs=return_log_probs)))
+
+    class GuideType(enum.Enum):  # request.cpp: GuidedDecodingParams.GuideType
+        JSON = 0
+        JSON_SCHEMA = 1
+        REGEX = 2
+        EBNF_GRAMMAR = 3
+        STRUCTURAL_TAG = 4
+
+    class GuidedDecodingParams:
+        # request.cpp: nb::init<GuideType, std::optional<std::string>>(), guide_type, guide=None
+        def __init__(self, guide_type, guide=None):
+            if not isinstance(guide_type, GuideType):
+                raise TypeError("guide_type: expected GuidedDecodingParams.GuideType")
+            if guide is not None and not isinstance(guide, str):
+                raise TypeError("guide: expected str or None")
+            self.guide_type, self.guide = guide_type, guide
+            calls.append(("GuidedDecodingParams", dict(guide_type=guide_type, guide=guide)))
+
+    GuidedDecodingParams.GuideType = GuideType
+
+    class GuidedDecodingBackend(enum.Enum):  # executorConfig.cpp: GuidedDecodingConfig.GuidedDecodingBackend
+        XGRAMMAR = 0
+        LLGUIDANCE = 1
+
+    class GuidedDecodingConfig:
+        # executorConfig.cpp: nb::init<GuidedDecodingBackend, optional<vector<string>>, optional<string>,
+        # optional<vector<TokenIdType>>>(), backend, encoded_vocab=None, tokenizer_str=None, stop_token_ids=None
+        def __init__(self, backend, encoded_vocab=None, tokenizer_str=None, stop_token_ids=None):
+            if not isinstance(backend, GuidedDecodingBackend):
+                raise TypeError("backend: expected GuidedDecodingConfig.GuidedDecodingBackend")
+            if encoded_vocab is not None and not (isinstance(encoded_vocab, list) and all(isinstance(t, str) for t in encoded_vocab)):
+                raise TypeError("encoded_vocab: expected list[str]")
+            if tokenizer_str is not None and not isinstance(tokenizer_str, str):
+                raise TypeError("tokenizer_str: expected str")
+            if stop_token_ids is not None and not (isinstance(stop_token_ids, list) and all(isinstance(t, int) for t in stop_token_ids)):
+                raise TypeError("stop_token_ids: expected list[int]")
+            self.backend, self.encoded_vocab = backend, encoded_vocab
+            self.tokenizer_str, self.stop_token_ids = tokenizer_str, stop_token_ids
+            calls.append(("GuidedDecodingConfig", dict(backend=backend, vocab_size=len(encoded_vocab or []),
+                                                       stop_token_ids=stop_token_ids)))
+
+    GuidedDecodingConfig.GuidedDecodingBackend = GuidedDecodingBackend
 
     def _request_init(self, input_token_ids, max_tokens, *, streaming=False, sampling_config=NONE, output_config=NONE,
                       end_id=None, pad_id=None, position_ids=None, bad_words=None, stop_words=None, embedding_bias=None,
@@ -294,7 +357,8 @@ def make_module(*, salt_supported: bool = True, primary_blocks: int = 64, second
             raise TypeError("input_token_ids: expected list[int] (VecTokens)")
         _int("max_tokens", max_tokens, lo=1)
         _bool("streaming", streaming)
-        _int("end_id", end_id, optional=True, lo=0)
+        # std::optional<SizeType32>: any int32; the LLM API sends -1 for ignore_eos (executor/base_worker.py)
+        _int("end_id", end_id, optional=True, lo=-(2**31), hi=2**31 - 1)
         if sampling_config is not NONE and not isinstance(sampling_config, SamplingConfig):
             raise TypeError("sampling_config: expected SamplingConfig")
         if output_config is not NONE and not isinstance(output_config, OutputConfig):
@@ -302,6 +366,17 @@ def make_module(*, salt_supported: bool = True, primary_blocks: int = 64, second
         if kv_cache_retention_config is not None and not isinstance(kv_cache_retention_config, KvCacheRetentionConfig):
             raise TypeError("kv_cache_retention_config: expected KvCacheRetentionConfig")
         _int("cache_salt_id", cache_salt_id, optional=True, lo=0, hi=2**64 - 1)  # CacheSaltIDType = std::uint64_t
+        # issue 18 — request.cpp: embedding_bias std::optional<Tensor> (a torch tensor from Python),
+        # guided_decoding_params std::optional<GuidedDecodingParams>.
+        if embedding_bias is not None:
+            import torch
+
+            if not isinstance(embedding_bias, torch.Tensor):
+                raise TypeError("embedding_bias: expected a Tensor")
+        if guided_decoding_params is not None and not isinstance(guided_decoding_params, GuidedDecodingParams):
+            raise TypeError("guided_decoding_params: expected GuidedDecodingParams")
+        self.embedding_bias = embedding_bias
+        self.guided_decoding_params = guided_decoding_params
         self.input_token_ids = input_token_ids
         self.max_tokens = max_tokens
         self.streaming = streaming
@@ -333,10 +408,12 @@ def make_module(*, salt_supported: bool = True, primary_blocks: int = 64, second
             self.kv_cache_metrics = kv
 
     class Result:
-        def __init__(self, tokens, is_final, perf):
+        def __init__(self, tokens, is_final, perf, log_probs=None):
             self.output_token_ids = [list(tokens)]
             self.is_final = is_final
             self.request_perf_metrics = perf
+            # request.cpp: Result.log_probs, std::optional<vector<vector<float>>> (per beam), None unless asked
+            self.log_probs = None if log_probs is None else [list(log_probs)]
 
     class Response:
         def __init__(self, request_id, result=None, error_msg=""):
@@ -519,13 +596,17 @@ def make_module(*, salt_supported: bool = True, primary_blocks: int = 64, second
             # non-greedy) gives different ones, so a test can tell the two apart from the output.
             shift = 0 if sampling is None or sampling.greedy else 1 + (sampling.seed or 0)
             generated = [(t * 7 + 3 + shift) % 1000 + 10 for t in ids][: request.max_tokens]
-            if request.end_id is not None and len(generated) < request.max_tokens:
+            if request.end_id is not None and request.end_id >= 0 and len(generated) < request.max_tokens:
                 generated.append(request.end_id)
+            # Simulated log probabilities: -0.5 - 0.01 * token, returned only with return_log_probs.
+            asked = request.output_config.return_log_probs
+            lps = [-0.5 - 0.01 * t for t in generated]
             if request.streaming:
                 for i, token in enumerate(generated):
-                    self.ready.append(Response(request_id, Result([token], i == len(generated) - 1, metrics)))
+                    self.ready.append(Response(request_id, Result([token], i == len(generated) - 1, metrics,
+                                                                  lps[i:i + 1] if asked else None)))
             else:
-                self.ready.append(Response(request_id, Result(generated, True, metrics)))
+                self.ready.append(Response(request_id, Result(generated, True, metrics, lps if asked else None)))
             self.iteration_stats.append(IterationStats(self._kv_stats() if kv_cache_stats else None))
 
         def _kv_stats(self):
@@ -582,7 +663,7 @@ def make_module(*, salt_supported: bool = True, primary_blocks: int = 64, second
             self._event(KVCacheRemovedData([block_hash]))
 
     for obj in (CommunicationMode, OrchestratorConfig, ParallelConfig, ModelType, KvCacheConfig, ExecutorConfig, KvCacheRetentionConfig, SamplingConfig, OutputConfig, Request,
-                Response, Result, KvCacheStats, IterationStats, Executor):
+                Response, Result, KvCacheStats, IterationStats, Executor, GuidedDecodingParams, GuidedDecodingConfig):
         setattr(mod, obj.__name__, obj)
     mod.kv_cache = kv_cache
     return mod

@@ -42,6 +42,18 @@ INPUTS = {
     "cache_salt": ("TYPE_STRING", [1]),
     "tenant_id": ("TYPE_STRING", [1]),
     "kv_stats": ("TYPE_BOOL", [1]),
+    # issue 18 (stock names from TensorRT-LLM triton_backend tensorrt_llm/config.pbtxt, or kvgate's)
+    "repetition_penalty": ("TYPE_FP32", [1]),
+    "presence_penalty": ("TYPE_FP32", [1]),
+    "frequency_penalty": ("TYPE_FP32", [1]),
+    "min_tokens": ("TYPE_INT32", [1]),
+    "ignore_eos": ("TYPE_BOOL", [1]),
+    "return_log_probs": ("TYPE_BOOL", [1]),
+    "num_top_log_probs": ("TYPE_INT32", [1]),
+    "logit_bias_token_ids": ("TYPE_INT32", [-1]),
+    "logit_bias_values": ("TYPE_FP32", [-1]),
+    "guided_decoding_guide_type": ("TYPE_STRING", [1]),
+    "guided_decoding_guide": ("TYPE_STRING", [1]),
 }
 OUTPUTS = {
     "output_ids": ("TYPE_INT32", [-1]),
@@ -51,6 +63,9 @@ OUTPUTS = {
     "kv_cache_alloc_total_blocks": ("TYPE_INT32", [1]),
     "kv_cache_onboarded_blocks": ("TYPE_INT32", [1]),
     "kv_cache_stats": ("TYPE_STRING", [1]),
+    "output_log_probs": ("TYPE_FP32", [-1]),
+    "top_log_probs": ("TYPE_FP32", [-1, -1]),
+    "top_log_probs_token_ids": ("TYPE_INT32", [-1, -1]),
 }
 
 

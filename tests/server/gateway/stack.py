@@ -43,7 +43,7 @@ class EngineProcess:
     log_path: Path
     proc: subprocess.Popen | None = None
 
-    def start(self, timeout: float = 120.0) -> None:
+    def start(self, timeout: float = 300.0) -> None:  # a shared 2-core machine can take minutes to load the model
         import tritonclient.grpc as grpcclient
 
         log = open(self.log_path, "ab")

@@ -1,0 +1,218 @@
+"""OpenAI function calling on a chat template without tool support.
+
+SmolLM2's template (and any template that only renders ``role`` + ``content``) has no
+place for tool definitions, so kvgate renders them itself, in the Hermes format many
+open models are trained on (Qwen2.5, Hermes 2/3) — this is the documented format:
+
+* the tool definitions go into the **system** message (appended to the request's first
+  system/developer message, or as a system message of their own), so they are part of
+  the system retention segment and cached with it::
+
+      # Tools
+
+      You may call one or more functions to assist with the user query.
+
+      You are provided with function signatures within <tools></tools> XML tags:
+      <tools>
+      {"type": "function", "function": {"name": ..., "description": ..., "parameters": ...}}
+      </tools>
+
+      For each function call, return a json object with function name and arguments within
+      <tool_call></tool_call> XML tags:
+      <tool_call>
+      {"name": <function-name>, "arguments": <args-json-object>}
+      </tool_call>
+
+* an assistant message's ``tool_calls`` are rendered back as ``<tool_call>`` blocks in its
+  content; ``tool`` messages keep their role (ChatML renders ``<|im_start|>tool``).
+* ``tool_choice``: ``none`` — the tools are still shown (as OpenAI does) but the output is
+  never parsed for calls; ``auto`` — ``<tool_call>`` blocks in the output become
+  ``message.tool_calls``; ``required`` / a named function — the output is **constrained**
+  by a JSON-schema guide to exactly one ``{"name": ..., "arguments": {...}}`` object whose
+  arguments follow the function's ``parameters`` schema, so the call is always valid.
+
+Invariant: :func:`parse_tool_calls` only returns calls to functions the request defined,
+with ``arguments`` a JSON object serialized as a string (OpenAI's shape).
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from engines.contract import Guide
+
+CALL_OPEN = "<tool_call>"
+CALL_CLOSE = "</tool_call>"
+_PREAMBLE = (
+    "# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
+    "You are provided with function signatures within <tools></tools> XML tags:\n<tools>\n"
+)
+_POSTAMBLE = (
+    "\n</tools>\n\nFor each function call, return a json object with function name and arguments within "
+    "<tool_call></tool_call> XML tags:\n<tool_call>\n{\"name\": <function-name>, \"arguments\": <args-json-object>}\n"
+    "</tool_call>"
+)
+
+
+@dataclass(frozen=True, slots=True)
+class ToolCall:
+    id: str
+    name: str
+    arguments: str  # JSON object text
+
+    def to_openai(self, index: int | None = None) -> dict:
+        out: dict[str, Any] = {"id": self.id, "type": "function",
+                               "function": {"name": self.name, "arguments": self.arguments}}
+        if index is not None:
+            out = {"index": index, **out}
+        return out
+
+
+@dataclass(frozen=True, slots=True)
+class ToolPlan:
+    """What the gateway does with the output of a request that has tools."""
+
+    functions: dict[str, dict]  # name -> the function definition (OpenAI shape)
+    mode: str  # "none" | "auto" | "forced"
+    parallel: bool = True
+
+    @property
+    def parses(self) -> bool:
+        return self.mode != "none"
+
+
+def tools_system_text(functions: Sequence[Mapping[str, Any]]) -> str:
+    lines = [json.dumps({"type": "function", "function": dict(f)}, ensure_ascii=False) for f in functions]
+    return _PREAMBLE + "\n".join(lines) + _POSTAMBLE
+
+
+def render_messages(messages: Sequence[Mapping[str, Any]], functions: Sequence[Mapping[str, Any]]) -> list[dict]:
+    """Template-ready ``{role, content}`` messages with the tools in the system message."""
+    out: list[dict] = []
+    for message in messages:
+        content = message.get("content") or ""
+        calls = message.get("tool_calls") or ()
+        if calls:
+            blocks = [f"{CALL_OPEN}\n{json.dumps({'name': c['name'], 'arguments': _as_object(c['arguments'])}, ensure_ascii=False)}\n{CALL_CLOSE}"
+                      for c in calls]
+            content = (content + "\n" if content else "") + "\n".join(blocks)
+        out.append({"role": message["role"], "content": content})
+    if functions:
+        block = tools_system_text(functions)
+        if out and out[0]["role"] in ("system", "developer"):
+            out[0] = {"role": out[0]["role"], "content": f"{out[0]['content']}\n\n{block}" if out[0]["content"] else block}
+        else:
+            out.insert(0, {"role": "system", "content": block})
+    return out
+
+
+def _as_object(arguments: str) -> Any:
+    try:
+        return json.loads(arguments)
+    except ValueError:
+        return arguments
+
+
+def forced_call_guide(functions: Sequence[Mapping[str, Any]]) -> Guide:
+    """A JSON-schema guide: one call object for one of ``functions`` (anyOf when several)."""
+    variants = []
+    for f in functions:
+        parameters = f.get("parameters") or {"type": "object", "properties": {}}
+        variants.append({
+            "type": "object",
+            "properties": {"name": {"const": f["name"]}, "arguments": parameters},
+            "required": ["name", "arguments"], "additionalProperties": False,
+        })
+    schema = variants[0] if len(variants) == 1 else {"anyOf": variants}
+    return Guide("json_schema", json.dumps(schema, separators=(",", ":")))  # "name" first, then "arguments"
+
+
+def new_call_id() -> str:
+    return "call_" + secrets.token_hex(12)
+
+
+def parse_forced(text: str, plan: ToolPlan) -> list[ToolCall]:
+    """The single call a forced guide produced (empty if the output was cut short)."""
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return []
+    call = _call_from(value, plan)
+    return [call] if call is not None else []
+
+
+def parse_tool_calls(text: str, plan: ToolPlan) -> tuple[str, list[ToolCall]]:
+    """Split ``auto`` output into (content before the first call, calls)."""
+    start = text.find(CALL_OPEN)
+    if start < 0:
+        return text, []
+    content = text[:start].rstrip()
+    calls: list[ToolCall] = []
+    rest = text[start:]
+    while rest.startswith(CALL_OPEN):
+        end = rest.find(CALL_CLOSE)
+        body = rest[len(CALL_OPEN): end if end >= 0 else len(rest)]
+        try:
+            call = _call_from(json.loads(body), plan)
+        except ValueError:
+            call = None
+        if call is not None:
+            calls.append(call)
+        if end < 0:
+            break
+        rest = rest[end + len(CALL_CLOSE):].lstrip()
+    if not calls:  # nothing usable: the text stays content, as the model wrote it
+        return text, []
+    return content, calls if plan.parallel else calls[:1]
+
+
+def _call_from(value: Any, plan: ToolPlan) -> ToolCall | None:
+    if not isinstance(value, dict) or value.get("name") not in plan.functions:
+        return None
+    arguments = value.get("arguments", {})
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments)
+        except ValueError:
+            return None
+    if not isinstance(arguments, dict):
+        return None
+    return ToolCall(new_call_id(), value["name"], json.dumps(arguments, ensure_ascii=False))
+
+
+class CallSplitter:
+    """Streaming ``auto`` mode: passes content through until ``<tool_call>`` may start, then holds.
+
+    ``push`` returns the text safe to stream as content; everything from the first
+    ``<tool_call>`` on is kept in ``held`` for :func:`parse_tool_calls` at the end.
+    """
+
+    def __init__(self) -> None:
+        self._pending = ""
+        self.held = ""
+        self.calling = False
+
+    def push(self, text: str) -> str:
+        if self.calling:
+            self.held += text
+            return ""
+        self._pending += text
+        at = self._pending.find(CALL_OPEN)
+        if at >= 0:
+            self.calling = True
+            out, self.held, self._pending = self._pending[:at], self._pending[at:], ""
+            return out
+        # keep back a suffix that could be the start of "<tool_call>"
+        keep = next((k for k in range(min(len(CALL_OPEN) - 1, len(self._pending)), 0, -1)
+                     if CALL_OPEN.startswith(self._pending[-k:])), 0)
+        out = self._pending[: len(self._pending) - keep]
+        self._pending = self._pending[len(self._pending) - keep:]
+        return out
+
+    def flush(self) -> str:
+        out, self._pending = self._pending, ""
+        return out
