@@ -51,6 +51,8 @@ class ReferenceEngineConfig:
     * ``decode_threads``: threads for smaller (decode) steps. Default 1: those ops last
       ~0.1 ms, and on a shared 2-core machine a second OpenMP thread that has to wait for
       a busy core made the 4-bit kernel up to 40x slower (measured); set 2 on a quiet machine.
+    * ``kv_event_ring``: KV event records kept for polling routers (``engines/kv_events.py``);
+      a poller whose cursor fell off the ring gets a snapshot instead.
     """
 
     gguf_path: Path | None = None
@@ -67,6 +69,7 @@ class ReferenceEngineConfig:
     weight_format: str = "q4"
     num_threads: int = 1
     decode_threads: int = 1
+    kv_event_ring: int = 16_384
 
     def __post_init__(self) -> None:
         if isinstance(self.kv_dtype, str) and not isinstance(self.kv_dtype, KvDtype):
@@ -79,6 +82,7 @@ class ReferenceEngineConfig:
             self.gguf_path = Path(self.gguf_path)
         _at_least("primary_blocks", self.primary_blocks, 1)
         _at_least("secondary_blocks", self.secondary_blocks, 0)
+        _at_least("kv_event_ring", self.kv_event_ring, 1)
         _at_least("tokens_per_block", self.tokens_per_block, 1)
         _at_least("max_batch_size", self.max_batch_size, 1)
         _at_least("max_num_tokens", self.max_num_tokens, 1)

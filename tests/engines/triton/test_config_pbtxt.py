@@ -42,6 +42,7 @@ INPUTS = {
     "cache_salt": ("TYPE_STRING", [1]),
     "tenant_id": ("TYPE_STRING", [1]),
     "kv_stats": ("TYPE_BOOL", [1]),
+    "kv_events_since": ("TYPE_UINT64", [1]),
 }
 OUTPUTS = {
     "output_ids": ("TYPE_INT32", [-1]),
