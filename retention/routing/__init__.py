@@ -1,0 +1,41 @@
+"""Routing core (pure): which replica of a pool serves a request.
+
+``types`` (candidates, requests, matches, decisions), ``index`` (per-replica block
+indexes: precise from KV events, approximate from routing decisions), ``load``
+(in-flight load per replica), ``cost`` (expected prefill after reuse + load, softmax
+choice) and ``router`` (one interface: random, round-robin, session, kv-aware). Callers:
+the gateway (``server/gateway/routing.py``) and ``retention/cluster_sim.py``. See
+docs/architecture.md, "Routing".
+"""
+
+from retention.routing.cost import CostModel, choose, rendezvous
+from retention.routing.index import ApproximateIndex, BlockIndex, CapacityModel, PreciseIndex
+from retention.routing.load import LoadTracker
+from retention.routing.router import (
+    ROUTER_NAMES,
+    KvAwareRouter,
+    RandomRouter,
+    RoundRobinRouter,
+    Router,
+    SessionRouter,
+    approximate_indexes,
+    make_router,
+)
+from retention.routing.types import (
+    NO_MATCH,
+    Candidate,
+    Decision,
+    PrefixMatch,
+    ReplicaId,
+    ReplicaLoad,
+    ReplicaScore,
+    RouteRequest,
+    RoutingError,
+)
+
+__all__ = [
+    "NO_MATCH", "ROUTER_NAMES", "ApproximateIndex", "BlockIndex", "Candidate", "CapacityModel", "CostModel",
+    "Decision", "KvAwareRouter", "LoadTracker", "PreciseIndex", "PrefixMatch",
+    "RandomRouter", "ReplicaId", "ReplicaLoad", "ReplicaScore", "RoundRobinRouter", "RouteRequest", "Router",
+    "RoutingError", "SessionRouter", "approximate_indexes", "choose", "make_router", "rendezvous",
+]

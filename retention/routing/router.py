@@ -1,0 +1,305 @@
+"""Routers: one interface for the gateway and the simulator; kv-aware plus three baselines.
+
+Life cycle of a request, the same for every router (the caller supplies ``now``)::
+
+    decision = router.route(request, candidates, now=now)      # pure choice, no bookkeeping
+    router.on_dispatch(request, decision, now=now)             # sent: load, pending, approx index
+    router.on_prefill_done(request.request_id, now=now)        # first token
+    router.on_complete(request.request_id, now=now)            # finished, failed or cancelled
+    router.apply_events(replica, pool_events, now=now)         # whenever a replica reports KV events
+
+A retry after a failure before the first token is ``on_complete`` then ``route`` over the
+remaining candidates and ``on_dispatch`` again. ``candidates`` are the pool's replicas that
+are healthy and ``active`` (the caller filters: draining / disabled / broken replicas are
+simply not passed).
+
+* ``random``       — weighted random (``random.Random`` injected);
+* ``round-robin``  — smooth weighted round-robin (nginx's: each turn every candidate gains
+  its weight, the largest wins and pays the total);
+* ``session``      — sticky: weighted rendezvous hashing of the session key (default the
+  request's first block hash, so one conversation — and one tenant's shared system
+  prompt — lands on one replica while the replica set is stable);
+* ``kv-aware``     — the cost of ``cost.py`` over per-replica indexes (``index.py``):
+  precise where the replica sends KV events, approximate (what the router sent there)
+  otherwise. SGLang's cache-aware router and AIBrix switch to pure load balancing when
+  load is imbalanced (SGLang: shortest queue; AIBrix: load > mean + 2σ); here load is a
+  term of the same cost, so the switch is continuous (``overlap_weight`` sets it), as in
+  Dynamo.
+
+Pure: no clock, no I/O; state is per router instance (one per pool in the gateway).
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable, Hashable, Iterable, Sequence
+from typing import Literal
+
+from retention.events import KvEvent
+from retention.routing.cost import CostModel, choose, rendezvous
+from retention.routing.index import ApproximateIndex, BlockIndex, CapacityModel, PreciseIndex
+from retention.routing.load import LoadTracker
+from retention.routing.types import (
+    NO_MATCH,
+    Candidate,
+    Decision,
+    PrefixMatch,
+    ReplicaId,
+    ReplicaLoad,
+    RouteRequest,
+    RoutingError,
+)
+
+RouterName = Literal["random", "round-robin", "session", "kv-aware"]
+ROUTER_NAMES: tuple[str, ...] = ("random", "round-robin", "session", "kv-aware")
+
+
+def _session_key(request: RouteRequest) -> int | None:
+    if request.session_key is not None:
+        return request.session_key
+    if request.hashes:
+        return int(request.hashes[0])
+    return None
+
+
+class Router:
+    """Base: in-flight load tracking shared by every router; subclasses implement ``_choose``."""
+
+    name: str = "base"
+
+    def __init__(self, *, tokens_per_block: int, rng: random.Random | None = None) -> None:
+        if tokens_per_block < 1:
+            raise RoutingError("tokens_per_block must be >= 1")
+        self.tokens_per_block = tokens_per_block
+        self.rng = rng if rng is not None else random.Random(0)
+        self.loads = LoadTracker()
+
+    # ---------------------------------------------------------------- choice
+    def route(self, request: RouteRequest, candidates: Sequence[Candidate], *, now: float) -> Decision:
+        """Pick a replica among ``candidates`` (non-empty, distinct ids). Changes no load state."""
+        if not candidates:
+            raise RoutingError("no candidate replicas (none healthy and active)")
+        ids = [c.replica for c in candidates]
+        if len(set(ids)) != len(ids):
+            raise RoutingError(f"duplicate candidate replicas: {ids}")
+        return self._choose(request, candidates, now)
+
+    def _choose(self, request: RouteRequest, candidates: Sequence[Candidate], now: float) -> Decision:
+        raise NotImplementedError
+
+    def load(self, replica: ReplicaId, candidate: Candidate | None = None) -> ReplicaLoad:
+        """The load the router sees for ``replica`` (the candidate's own figures win)."""
+        if candidate is not None and candidate.load is not None:
+            return candidate.load
+        return self.loads.load(replica)
+
+    # ---------------------------------------------------------------- hooks
+    def on_dispatch(self, request: RouteRequest, decision: Decision, *, now: float) -> None:
+        """The request was sent to ``decision.replica``: count its load there."""
+        bpt = self.tokens_per_block
+        match = decision.match
+        usable = max(0, (request.prompt_tokens - 1) // bpt)
+        reused = min(match.blocks + match.pending_blocks, usable)
+        self.loads.dispatch(
+            request.request_id, decision.replica,
+            prefill_tokens=request.prompt_tokens - reused * bpt,
+            blocks=-(-(request.prompt_tokens + request.output_tokens) // bpt),
+        )
+
+    def on_prefill_done(self, request_id: Hashable, *, now: float) -> None:
+        """The request produced its first token: its prefill no longer queues."""
+        self.loads.prefill_done(request_id)
+
+    def on_complete(self, request_id: Hashable, *, now: float) -> None:
+        """The request ended (done, failed, cancelled). Idempotent."""
+        self.loads.complete(request_id)
+
+    def apply_events(self, replica: ReplicaId, events: Iterable[KvEvent], *, now: float) -> None:
+        """KV events reported by ``replica`` (ignored by routers without an index)."""
+        return None
+
+    def forget_replica(self, replica: ReplicaId) -> None:
+        """``replica`` failed or was removed: drop its in-flight load (and index)."""
+        self.loads.forget_replica(replica)
+
+
+class RandomRouter(Router):
+    name = "random"
+
+    def _choose(self, request: RouteRequest, candidates: Sequence[Candidate], now: float) -> Decision:
+        pick = self.rng.choices(list(candidates), weights=[c.weight for c in candidates])[0]
+        return Decision(pick.replica, self.name)
+
+
+class RoundRobinRouter(Router):
+    name = "round-robin"
+
+    def __init__(self, *, tokens_per_block: int, rng: random.Random | None = None) -> None:
+        super().__init__(tokens_per_block=tokens_per_block, rng=rng)
+        self._current: dict[ReplicaId, int] = {}
+
+    def _choose(self, request: RouteRequest, candidates: Sequence[Candidate], now: float) -> Decision:
+        current = self._current
+        total = 0
+        for c in candidates:
+            current[c.replica] = current.get(c.replica, 0) + c.weight
+            total += c.weight
+        best = max(candidates, key=lambda c: (current[c.replica], -c.replica))
+        current[best.replica] -= total
+        return Decision(best.replica, self.name)
+
+
+class SessionRouter(Router):
+    name = "session"
+
+    def _choose(self, request: RouteRequest, candidates: Sequence[Candidate], now: float) -> Decision:
+        key = _session_key(request)
+        if key is None:  # nothing to stick to (prompt shorter than a block): least running
+            best = min(candidates, key=lambda c: (self.load(c.replica, c).running / c.weight, c.replica))
+        else:
+            best = max(candidates, key=lambda c: (rendezvous(key, c.replica, c.weight), -c.replica))
+        return Decision(best.replica, self.name)
+
+
+IndexFactory = Callable[[ReplicaId], BlockIndex]
+
+
+class KvAwareRouter(Router):
+    """Lowest expected prefill-after-reuse plus load (``cost.py``) over per-replica indexes.
+
+    Indexes: ``index_factory(replica)`` builds a replica's index the first time it is a
+    candidate (default: a :class:`PreciseIndex`); the first KV events a replica reports turn
+    an approximate index into a precise one (the guess is dropped). ``on_dispatch`` records
+    the prompt into approximate indexes and into the replica's *pending* set (blocks being
+    computed there), which ``on_complete`` clears.
+    """
+
+    name = "kv-aware"
+
+    def __init__(
+        self,
+        *,
+        tokens_per_block: int,
+        cost: CostModel = CostModel(),
+        index_factory: IndexFactory | None = None,
+        rng: random.Random | None = None,
+    ) -> None:
+        super().__init__(tokens_per_block=tokens_per_block, rng=rng)
+        self.cost = cost
+        self._factory: IndexFactory = index_factory or (lambda _replica: PreciseIndex())
+        self._indexes: dict[ReplicaId, BlockIndex] = {}
+        self._pending: dict[ReplicaId, dict[int, int]] = {}  # replica -> hash -> in-flight requests
+        self._pending_of: dict[Hashable, tuple[ReplicaId, tuple[int, ...]]] = {}
+
+    # ---------------------------------------------------------------- indexes
+    def index(self, replica: ReplicaId) -> BlockIndex:
+        """The replica's index (created on first use)."""
+        index = self._indexes.get(replica)
+        if index is None:
+            index = self._indexes[replica] = self._factory(replica)
+        return index
+
+    def set_index(self, replica: ReplicaId, index: BlockIndex) -> None:
+        self._indexes[replica] = index
+
+    def match(self, replica: ReplicaId, hashes: Sequence[int], *, now: float) -> PrefixMatch:
+        """Held prefix on ``replica`` from its index, extended by blocks pending there."""
+        held = self.index(replica).match(hashes, now=now)
+        pending = self._pending.get(replica)
+        if not pending:
+            return held
+        extra = 0
+        for h in hashes[held.blocks :]:
+            if h not in pending:
+                break
+            extra += 1
+        return PrefixMatch(held.gpu_blocks, held.host_blocks, extra) if extra else held
+
+    def apply_events(self, replica: ReplicaId, events: Iterable[KvEvent], *, now: float) -> None:
+        index = self._indexes.get(replica)
+        if not isinstance(index, PreciseIndex):
+            index = self._indexes[replica] = PreciseIndex()
+        index.apply(events)
+
+    def forget_replica(self, replica: ReplicaId) -> None:
+        super().forget_replica(replica)
+        self._indexes.pop(replica, None)
+        self._pending.pop(replica, None)
+        for rid in [rid for rid, (r, _) in self._pending_of.items() if r == replica]:
+            del self._pending_of[rid]
+
+    # ---------------------------------------------------------------- choice
+    def _choose(self, request: RouteRequest, candidates: Sequence[Candidate], now: float) -> Decision:
+        cost, bpt = self.cost, self.tokens_per_block
+        scores = tuple(
+            cost.score(
+                c.replica, self.match(c.replica, request.hashes, now=now), self.load(c.replica, c),
+                prompt_tokens=request.prompt_tokens, output_tokens=request.output_tokens,
+                tokens_per_block=bpt, weight=c.weight,
+            )
+            for c in candidates
+        )
+        key = _session_key(request)
+        best = choose(
+            scores, tie_key=0 if key is None else key, weights={c.replica: c.weight for c in candidates},
+            temperature=cost.temperature, rng=self.rng,
+        )
+        return Decision(best.replica, self.name, best.match, scores)
+
+    # ---------------------------------------------------------------- hooks
+    def on_dispatch(self, request: RouteRequest, decision: Decision, *, now: float) -> None:
+        super().on_dispatch(request, decision, now=now)
+        replica = decision.replica
+        hashes = tuple(int(h) for h in request.hashes)
+        self.index(replica).record(hashes, now=now)
+        pending = self._pending.setdefault(replica, {})
+        for h in hashes:
+            pending[h] = pending.get(h, 0) + 1
+        self._pending_of[request.request_id] = (replica, hashes)
+
+    def on_complete(self, request_id: Hashable, *, now: float) -> None:
+        super().on_complete(request_id, now=now)
+        entry = self._pending_of.pop(request_id, None)
+        if entry is None:
+            return
+        replica, hashes = entry
+        pending = self._pending.get(replica)
+        if pending is None:
+            return
+        for h in hashes:
+            left = pending.get(h, 0) - 1
+            if left > 0:
+                pending[h] = left
+            else:
+                pending.pop(h, None)
+
+
+def make_router(
+    name: str,
+    *,
+    tokens_per_block: int,
+    cost: CostModel = CostModel(),
+    index_factory: IndexFactory | None = None,
+    rng: random.Random | None = None,
+) -> Router:
+    """A router by name (``random | round-robin | session | kv-aware``)."""
+    if name == "random":
+        return RandomRouter(tokens_per_block=tokens_per_block, rng=rng)
+    if name == "round-robin":
+        return RoundRobinRouter(tokens_per_block=tokens_per_block, rng=rng)
+    if name == "session":
+        return SessionRouter(tokens_per_block=tokens_per_block, rng=rng)
+    if name == "kv-aware":
+        return KvAwareRouter(tokens_per_block=tokens_per_block, cost=cost, index_factory=index_factory, rng=rng)
+    raise RoutingError(f"unknown router {name!r}; choose one of {', '.join(ROUTER_NAMES)}")
+
+
+def approximate_indexes(capacity: CapacityModel) -> IndexFactory:
+    """An ``index_factory`` giving every replica an :class:`ApproximateIndex` of ``capacity``."""
+    return lambda _replica: ApproximateIndex(capacity)
+
+
+__all__ = [
+    "NO_MATCH", "ROUTER_NAMES", "KvAwareRouter", "RandomRouter", "RoundRobinRouter", "Router", "RouterName",
+    "SessionRouter", "approximate_indexes", "make_router",
+]
