@@ -32,6 +32,7 @@ from server.gateway.context import TenantContext
 from server.gateway.engine_client import EngineClient, EngineRejected, EngineUnavailable
 from server.gateway.errors import ServingError, error_body
 from server.gateway.metrics import GatewayMetrics
+from server.gateway.routing import RoutedEngine
 from server.gateway.prompting import PreparedPrompt
 
 
@@ -49,7 +50,7 @@ class CompletionJob:
     stream: bool
     include_usage: bool
     tokenizer: ChatTokenizer
-    engine: EngineClient
+    engine: RoutedEngine | EngineClient  # anything with EngineClient.generate's signature
     quota: QuotaState = field(default_factory=QuotaState)
 
 

@@ -58,7 +58,7 @@ async def _job(services: GatewayServices, tenant: TenantContext, body, kind: str
         sampling=SamplingParams(temperature=1.0 if body.temperature is None else body.temperature,
                                 top_p=1.0 if body.top_p is None else body.top_p, top_k=0, seed=body.seed),
         stop=body.stop_strings(), stream=body.stream, include_usage=include_usage, tokenizer=tokenizer,
-        engine=services.engines.client(tenant.pool),
+        engine=services.routing.engine(services.engines.seen(tenant.pool)),
         quota=services.monitor.quota_state(tenant.pool.name, tenant.tenant_id),
     )
 

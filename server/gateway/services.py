@@ -22,6 +22,7 @@ from server.gateway.completions import CompletionRunner
 from server.gateway.engines import EngineDirectory
 from server.gateway.metrics import GatewayMetrics
 from server.gateway.pool_monitor import PoolMonitor
+from server.gateway.routing import Routing, RoutingConfig
 from server.gateway.usage import UsageRecorder
 
 log = logging.getLogger("kvgate.gateway")
@@ -44,6 +45,7 @@ class GatewayServices:
     registry: CollectorRegistry
     metrics: GatewayMetrics
     runner: CompletionRunner
+    routing: Routing
     reuse: dict[str, ReuseStats] = field(default_factory=dict)  # pool -> adaptive retention statistics
     intervals: LoopIntervals = field(default_factory=LoopIntervals)
     draining: bool = False  # set by the SIGTERM drain (server.gateway.drain): new requests get 503
@@ -89,12 +91,14 @@ class GatewayServices:
         with contextlib.suppress(Exception):
             await self.auth.flush_last_used()
         await self.engines.close()
+        await self.routing.close()
         await self.admission.close()
 
 
 def build_gateway_services(*, session_factory, pepper: str, tokenizer_for, admission: Admission,
                            registry: CollectorRegistry, pools_and_tenants, auth_ttl: float = 5.0,
-                           intervals: LoopIntervals | None = None, adaptive_max_entries: int = 100_000) -> GatewayServices:
+                           intervals: LoopIntervals | None = None, adaptive_max_entries: int = 100_000,
+                           routing: RoutingConfig | None = None) -> GatewayServices:
     engines = EngineDirectory(tokenizer_for)
     reuse: dict[str, ReuseStats] = {}
 
@@ -104,13 +108,17 @@ def build_gateway_services(*, session_factory, pepper: str, tokenizer_for, admis
             stats = reuse[pool] = ReuseStats(AdaptiveConfig(max_entries=adaptive_max_entries))
         return stats
 
-    monitor = PoolMonitor(engines, pools_and_tenants)
-    metrics = GatewayMetrics(registry, monitor.snapshots)
+    metrics = GatewayMetrics(registry)
+    router = Routing(routing, metrics=metrics)
+    metrics.watch_replicas(router.rows)
+    monitor = PoolMonitor(engines, pools_and_tenants, routing=router)
+    metrics.watch_pools(monitor.snapshots)
     usage = UsageRecorder(session_factory)
     return GatewayServices(
         auth=KeyAuthenticator(session_factory, pepper=pepper, ttl=auth_ttl),
         admission=admission, engines=engines, usage=usage, monitor=monitor, registry=registry, metrics=metrics,
         runner=CompletionRunner(admission=admission, metrics=metrics, usage=usage.record, reuse_for=reuse_for),
+        routing=router,
         reuse=reuse,
         intervals=intervals or LoopIntervals(),
     )
