@@ -8,7 +8,7 @@ Public surface for the gateway (all keyword-only after the session, DB-agnostic)
 * ``list_pool_snapshots(session) -> list[PoolSnapshot]``
 * ``record_usage(session, *, flush_id, rows, now=None) -> bool``
 
-Admin writes live in ``tenants.pools``, ``tenants.retention_classes``, ``tenants.tenant``
+Admin writes live in ``tenants.pools``, ``tenants.replicas``, ``tenants.retention_classes``, ``tenants.tenant``
 and ``tenants.keys``; each is one transaction with one audit event.
 """
 
@@ -17,6 +17,7 @@ from tenants.db import DEFAULT_DATABASE_URL, make_engine, make_session_factory
 from tenants.snapshots import (
     AuthenticatedTenant,
     PoolSnapshot,
+    ReplicaSnapshot,
     RetentionClassSnapshot,
     SegmentRetention,
     TenantLimits,
@@ -28,6 +29,7 @@ __all__ = [
     "DEFAULT_DATABASE_URL",
     "AuthenticatedTenant",
     "PoolSnapshot",
+    "ReplicaSnapshot",
     "RetentionClassSnapshot",
     "SegmentRetention",
     "TenantLimits",

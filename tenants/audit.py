@@ -53,11 +53,12 @@ def audited_insert(session: Session, row: Any, *, actor: str, now: datetime, ent
 
 
 def audited_update(session: Session, row: Any, *, actor: str, now: datetime, entity_type: str, version: int,
-                   values: dict[str, Any], view: Callable[[Any], dict[str, Any]] = snapshot) -> Any:
-    """Versioned update of ``row`` plus its ``<entity_type>.update`` event (before/after views)."""
+                   values: dict[str, Any], view: Callable[[Any], dict[str, Any]] = snapshot,
+                   action: str | None = None) -> Any:
+    """Versioned update of ``row`` plus its ``<entity_type>.update`` event (or ``action``; before/after views)."""
     before = view(row)
     versioned_update(session, row, expected_version=version, values=values, now=now)
-    record(session, actor=actor, action=f"{entity_type}.update", entity_type=entity_type, entity_id=row.id,
+    record(session, actor=actor, action=action or f"{entity_type}.update", entity_type=entity_type, entity_id=row.id,
            before=before, after=view(row), now=now)
     return row
 

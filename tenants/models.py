@@ -1,6 +1,7 @@
 """SQLAlchemy 2.x models of the tenant registry.
 
-Tables: ``pools`` (engine deployments), ``retention_classes`` (TensorRT-LLM retention
+Tables: ``pools`` (engine deployments), ``pool_replicas`` (a pool's engine endpoints),
+``retention_classes`` (TensorRT-LLM retention
 priorities/durations per prompt segment), ``tenants``, ``api_keys`` (HMAC of the secret,
 never the plaintext), ``audit_events``, ``usage`` (per tenant per minute) and
 ``usage_flushes`` (idempotency ledger for usage batches).
@@ -30,10 +31,12 @@ from sqlalchemy import (
     String,
     Text,
     TypeDecorator,
+    UniqueConstraint,
 )
-from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
 
 TENANT_STATUSES = ("active", "suspended")
+REPLICA_STATES = ("active", "draining", "disabled")
 ISOLATIONS = ("shared", "salted", "dedicated")
 SEGMENTS = ("system", "context", "turn")
 
@@ -91,7 +94,11 @@ class Timestamped:
 
 
 class Pool(Timestamped, Base):
-    """An engine deployment: one model behind one Triton (or reference) endpoint."""
+    """An engine deployment: one model served by one or more replicas (``pool_replicas``).
+
+    Invariant (kept by the services, ``tenants.replicas``): a pool always has at least
+    one replica row; ``replicas`` is ordered by id, so the first one is the oldest.
+    """
 
     __tablename__ = "pools"
     __table_args__ = (
@@ -104,7 +111,6 @@ class Pool(Timestamped, Base):
     id: Mapped[int] = mapped_column(primary_key=True)
     name: Mapped[str] = mapped_column(String(64), unique=True)
     model_name: Mapped[str] = mapped_column(String(128))
-    triton_url: Mapped[str] = mapped_column(String(256))
     triton_model: Mapped[str] = mapped_column(String(128), default="kvgate_llm")
     engine_spec: Mapped[str] = mapped_column(String(128), default="")
     tokens_per_block: Mapped[int] = mapped_column(Integer)
@@ -113,6 +119,50 @@ class Pool(Timestamped, Base):
     # TensorRT-LLM KvCacheConfig::secondaryOffloadMinPriority, inclusive
     # (cpp/include/tensorrt_llm/executor/executor.h); always stored explicitly.
     secondary_offload_min_priority: Mapped[int] = mapped_column(Integer)
+    # selectin: every Pool load brings its replicas in one extra query (snapshots need them).
+    replicas: Mapped[list[PoolReplica]] = relationship(
+        back_populates="pool",
+        order_by="PoolReplica.id",
+        lazy="selectin",
+        cascade="all, delete-orphan",
+        passive_deletes=True,
+    )
+
+    @property
+    def triton_url(self) -> str:
+        """Legacy single endpoint: the first active replica's, else the first replica's."""
+        return primary_endpoint(self.replicas)
+
+
+class PoolReplica(Timestamped, Base):
+    """One engine endpoint (Triton or reference server, gRPC ``host:port``) of a pool.
+
+    ``state``: ``active`` gets new requests, ``draining`` finishes what it has and gets
+    none, ``disabled`` is out of rotation. ``weight`` scales the replica's share.
+    """
+
+    __tablename__ = "pool_replicas"
+    __table_args__ = (
+        UniqueConstraint("pool_id", "name", name="uq_pool_replicas_pool_id_name"),
+        CheckConstraint("state IN ('active', 'draining', 'disabled')", name="state_enum"),
+        CheckConstraint("weight >= 1", name="weight_pos"),
+    )
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    pool_id: Mapped[int] = mapped_column(ForeignKey("pools.id", ondelete="CASCADE"), index=True)
+    name: Mapped[str] = mapped_column(String(64))
+    endpoint: Mapped[str] = mapped_column(String(256))
+    state: Mapped[str] = mapped_column(String(16), default="active")
+    weight: Mapped[int] = mapped_column(Integer, default=1)
+    pool: Mapped[Pool] = relationship(back_populates="replicas")
+
+
+def primary_endpoint(replicas: Any) -> str:
+    """The first active replica's endpoint (by id), else the first replica's, else ``""``."""
+    for replica in replicas:
+        if replica.state == "active":
+            return str(replica.endpoint)
+    return str(replicas[0].endpoint) if replicas else ""
 
 
 class RetentionClass(Timestamped, Base):

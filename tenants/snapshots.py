@@ -9,21 +9,53 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from retention.planner import SegmentRetention  # one segment's retention, shared with the planner
-from tenants.models import Pool, RetentionClass, Tenant
+from tenants.models import Pool, PoolReplica, RetentionClass, Tenant, primary_endpoint
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicaSnapshot:
+    """One engine endpoint of a pool; ``state`` is ``active | draining | disabled``."""
+
+    id: int
+    name: str
+    endpoint: str
+    state: str
+    weight: int
+
+    @classmethod
+    def of(cls, replica: PoolReplica) -> ReplicaSnapshot:
+        return cls(
+            id=replica.id, name=replica.name, endpoint=replica.endpoint, state=replica.state, weight=replica.weight
+        )
 
 
 @dataclass(frozen=True, slots=True)
 class PoolSnapshot:
+    """A pool and its replicas (ordered by id; a registry pool always has at least one)."""
+
     id: int
     name: str
     model_name: str
-    triton_url: str
     triton_model: str
     engine_spec: str
     tokens_per_block: int
     primary_blocks: int
     secondary_blocks: int
     secondary_offload_min_priority: int
+    replicas: tuple[ReplicaSnapshot, ...]
+
+    @property
+    def triton_url(self) -> str:
+        """Legacy single endpoint: the first active replica's, else the first replica's.
+
+        Kept so code written for one endpoint per pool keeps working; routing over all
+        replicas reads ``replicas``.
+        """
+        return primary_endpoint(self.replicas)
+
+    @property
+    def active_replicas(self) -> tuple[ReplicaSnapshot, ...]:
+        return tuple(r for r in self.replicas if r.state == "active")
 
     @classmethod
     def of(cls, pool: Pool) -> PoolSnapshot:
@@ -31,13 +63,13 @@ class PoolSnapshot:
             id=pool.id,
             name=pool.name,
             model_name=pool.model_name,
-            triton_url=pool.triton_url,
             triton_model=pool.triton_model,
             engine_spec=pool.engine_spec,
             tokens_per_block=pool.tokens_per_block,
             primary_blocks=pool.primary_blocks,
             secondary_blocks=pool.secondary_blocks,
             secondary_offload_min_priority=pool.secondary_offload_min_priority,
+            replicas=tuple(ReplicaSnapshot.of(r) for r in sorted(pool.replicas, key=lambda r: r.id)),
         )
 
 

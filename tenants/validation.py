@@ -13,10 +13,19 @@ from typing import Any
 
 from retention.types import RetentionPlanError, check_duration, check_priority
 from tenants.errors import InvalidField
-from tenants.models import ISOLATIONS, TENANT_STATUSES
+from tenants.models import ISOLATIONS, REPLICA_STATES, TENANT_STATUSES
 
 # Lowercase names, not all digits: a path segment is then unambiguously an id or a name.
-NAME_RE = re.compile(r"^(?![0-9]+$)[a-z0-9][a-z0-9._-]{0,63}$")
+# \Z, not $: Python's $ also matches before a trailing newline ("gpu-a\n" is not a name).
+NAME_RE = re.compile(r"^(?![0-9]+\Z)[a-z0-9][a-z0-9._-]{0,63}\Z")
+
+# A replica's gRPC endpoint: host:port, host a DNS name / IPv4 / [IPv6], port 1..65535.
+# One pattern for the service check (re.fullmatch) and the admin schema (OpenAPI).
+ENDPOINT_PATTERN = (
+    r"^(?:[A-Za-z0-9](?:[A-Za-z0-9._-]{0,250})|\[[0-9A-Fa-f:.]{2,45}\])"
+    r":(?:6553[0-5]|655[0-2][0-9]|65[0-4][0-9]{2}|6[0-4][0-9]{3}|[1-5][0-9]{4}|[1-9][0-9]{0,3})$"
+)
+_ENDPOINT_RE = re.compile(ENDPOINT_PATTERN)
 
 
 def name(value: Any, *, field: str) -> str:
@@ -83,3 +92,16 @@ def isolation(value: Any, *, field: str = "isolation") -> str:
 
 def status(value: Any, *, field: str = "status") -> str:
     return choice(value, field=field, options=TENANT_STATUSES)
+
+
+def endpoint(value: Any, *, field: str) -> str:
+    if not isinstance(value, str) or len(value) > 256 or not _ENDPOINT_RE.fullmatch(value):
+        raise InvalidField(
+            f"{field} must be host:port (a DNS name, IPv4 or [IPv6] address, port 1-65535), got {str(value)[:80]!r}",
+            field=field,
+        )
+    return value
+
+
+def replica_state(value: Any, *, field: str = "state") -> str:
+    return choice(value, field=field, options=REPLICA_STATES)

@@ -13,6 +13,8 @@ from typing import Annotated, Generic, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from tenants.validation import ENDPOINT_PATTERN
+
 Priority = Annotated[int, Field(strict=True, ge=0, le=100, description="TensorRT-LLM retention priority, 0..100")]
 # INT32 like the engine contract's retention_*_duration_ms tensors (engines/contract.py): at most ~24.8 days.
 Duration = Annotated[
@@ -26,6 +28,11 @@ Ref = Annotated[int | str, Field(description="id or name")]
 PositiveInt = Annotated[int, Field(strict=True, ge=1, le=2**31 - 1)]
 Version = Annotated[int, Field(strict=True, description="the current version (optimistic concurrency)")]
 Isolation = Literal["shared", "salted", "dedicated"]
+ReplicaState = Literal["active", "draining", "disabled"]
+Endpoint = Annotated[
+    str, Field(min_length=3, max_length=256, pattern=ENDPOINT_PATTERN, description="gRPC host:port of the engine")
+]
+Weight = Annotated[int, Field(strict=True, ge=1, le=1000, description="relative share of the pool's traffic")]
 RetentionMode = Literal["static", "adaptive"]
 
 T = TypeVar("T")
@@ -63,8 +70,8 @@ class ErrorBody(BaseModel):
 
 ERROR_RESPONSES: dict[int | str, dict] = {
     401: {"model": ErrorBody, "description": "missing or invalid admin token"},
-    404: {"model": ErrorBody, "description": "no such pool/class/tenant/key"},
-    409: {"model": ErrorBody, "description": "duplicate name, stale version, or still in use"},
+    404: {"model": ErrorBody, "description": "no such pool/replica/class/tenant/key"},
+    409: {"model": ErrorBody, "description": "duplicate name, stale version, still in use, or a pool's last replica"},
     422: {"model": ErrorBody, "description": "invalid field (named in error.field)"},
     503: {"model": ErrorBody, "description": "registry database unavailable"},
 }
@@ -77,13 +84,46 @@ class PageOf(BaseModel, Generic[T]):
     offset: int
 
 
-# --- pools ---------------------------------------------------------------------------------
+# --- pools and their replicas -------------------------------------------------------------------
+
+
+class ReplicaCreate(Strict):
+    name: Name
+    endpoint: Endpoint
+    weight: Weight = 1
+    state: ReplicaState = "active"
+
+
+class ReplicaUpdate(Strict):
+    version: Version
+    endpoint: Endpoint | None = None
+    weight: Weight | None = None
+    state: ReplicaState | None = None
+
+
+class ReplicaPublic(Public):
+    id: int
+    pool_id: int
+    name: str
+    endpoint: str
+    state: str
+    weight: int
+    version: Version
+    created_at: datetime
+    updated_at: datetime
 
 
 class PoolCreate(Strict):
+    """A pool with ``replicas`` (at least one), or the legacy ``triton_url`` = one replica ``r0``."""
+
     name: Name
     model_name: str = Field(min_length=1, max_length=128, description="what /v1/models shows")
-    triton_url: str = Field(min_length=1, max_length=256, description="Triton gRPC host:port")
+    replicas: list[ReplicaCreate] | None = Field(
+        None, min_length=1, max_length=256, description="the pool's engine endpoints (give this or triton_url)"
+    )
+    triton_url: Endpoint | None = Field(
+        None, description="legacy: one active replica named r0 at this host:port (give this or replicas)"
+    )
     triton_model: str = Field("kvgate_llm", min_length=1, max_length=128)
     engine_spec: str = Field("", max_length=128)
     tokens_per_block: int = Field(32, strict=True, ge=1, le=4096)
@@ -93,10 +133,11 @@ class PoolCreate(Strict):
 
 
 class PoolUpdate(Strict):
+    """Pool fields; replicas change through ``/pools/{ref}/replicas``."""
+
     version: Version
     name: Name | None = None
     model_name: str | None = Field(None, min_length=1, max_length=128)
-    triton_url: str | None = Field(None, min_length=1, max_length=256)
     triton_model: str | None = Field(None, min_length=1, max_length=128)
     engine_spec: str | None = Field(None, max_length=128)
     tokens_per_block: int | None = Field(None, strict=True, ge=1, le=4096)
@@ -109,7 +150,8 @@ class PoolPublic(Public):
     id: int
     name: str
     model_name: str
-    triton_url: str
+    triton_url: str = Field(description="legacy: the first active replica's endpoint (else the first replica's)")
+    replicas: list[ReplicaPublic]
     triton_model: str
     engine_spec: str
     tokens_per_block: int

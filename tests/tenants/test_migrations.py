@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from alembic.autogenerate import compare_metadata
 from alembic.runtime.migration import MigrationContext
-from sqlalchemy import inspect
+from sqlalchemy import inspect, text
 
 from tenants import migrate
 from tenants.db import make_engine
@@ -100,4 +100,92 @@ def test_postgres_by_url_like_the_cli() -> None:
         migrate.downgrade(url=url, revision="base")
         assert migrate.current(url=url) is None
     finally:
+        drop_pg_schema(schema)
+
+
+# --- 0003: pools.triton_url <-> pool_replicas, with data ---------------------------------------
+
+_T = "2026-11-30 12:00:00+00:00"
+
+
+def _seed_0002(conn) -> None:  # type: ignore[no-untyped-def]
+    """Two pools in the 0002 schema (one with a tenant), written as plain SQL."""
+    for pid, name, url in ((1, "gpu-a", "engine-a:8001"), (2, "gpu-b", "10.0.0.7:9001")):
+        conn.execute(text(
+            "INSERT INTO pools (id, name, model_name, triton_url, triton_model, engine_spec, tokens_per_block, "
+            "primary_blocks, secondary_blocks, secondary_offload_min_priority, created_at, updated_at, version) "
+            f"VALUES ({pid}, '{name}', 'm', '{url}', 'kvgate_llm', '', 32, 64, 0, 35, '{_T}', '{_T}', 3)"
+        ))
+    conn.execute(text(
+        "INSERT INTO retention_classes (id, name, description, system_priority, context_priority, turn_priority, "
+        f"decode_priority, mode, created_at, updated_at, version) VALUES (1, 'gold', '', 90, 60, 35, 35, 'static', "
+        f"'{_T}', '{_T}', 1)"
+    ))
+    conn.execute(text(
+        "INSERT INTO tenants (id, slug, display_name, status, pool_id, retention_class_id, isolation, cache_salt, "
+        "rpm_limit, tpm_limit, max_concurrent_requests, max_prompt_tokens, max_output_tokens, kv_quota_fraction, "
+        f"created_at, updated_at, version) VALUES (1, 'acme', 'Acme', 'active', 1, 1, 'salted', 'salt', 1, 1, 1, 1, 1, "
+        f"0.5, '{_T}', '{_T}', 1)"
+    ))
+
+
+def _replicas_and_pools_round_trip(engine) -> None:  # type: ignore[no-untyped-def]
+    with engine.begin() as conn:
+        migrate.upgrade(connection=conn, revision="0002")
+        _seed_0002(conn)
+    with engine.begin() as conn:
+        migrate.upgrade(connection=conn, revision="0003")
+    with engine.connect() as conn:
+        assert "triton_url" not in {c["name"] for c in inspect(conn).get_columns("pools")}
+        rows = conn.execute(text(
+            "SELECT pool_id, name, endpoint, state, weight, version FROM pool_replicas ORDER BY id"
+        )).all()
+        assert [tuple(r) for r in rows] == [
+            (1, "r0", "engine-a:8001", "active", 1, 1),
+            (2, "r0", "10.0.0.7:9001", "active", 1, 1),
+        ]
+        # The tenant still points at its pool, the pool kept its version.
+        assert conn.execute(text("SELECT pool_id FROM tenants")).scalar_one() == 1
+        assert conn.execute(text("SELECT version FROM pools WHERE id = 1")).scalar_one() == 3
+    with engine.begin() as conn:
+        # A second replica on gpu-a, and gpu-b's first replica disabled: the downgrade keeps
+        # each pool's first replica by id, whatever its state.
+        conn.execute(text(
+            "INSERT INTO pool_replicas (pool_id, name, endpoint, state, weight, created_at, updated_at, version) "
+            f"VALUES (1, 'r1', 'engine-a2:8001', 'active', 2, '{_T}', '{_T}', 1)"
+        ))
+        conn.execute(text("UPDATE pool_replicas SET state = 'disabled' WHERE pool_id = 2"))
+    with engine.begin() as conn:
+        migrate.downgrade(connection=conn, revision="0002")
+    with engine.connect() as conn:
+        assert "pool_replicas" not in inspect(conn).get_table_names()
+        urls = conn.execute(text("SELECT id, triton_url FROM pools ORDER BY id")).all()
+        assert [tuple(r) for r in urls] == [(1, "engine-a:8001"), (2, "10.0.0.7:9001")]
+        nullable = {c["name"]: c["nullable"] for c in inspect(conn).get_columns("pools")}
+        assert nullable["triton_url"] is False
+    with engine.begin() as conn:  # and up again with the restored column
+        migrate.upgrade(connection=conn)
+    with engine.connect() as conn:
+        rows = conn.execute(text("SELECT pool_id, name, endpoint FROM pool_replicas ORDER BY id")).all()
+        assert [tuple(r) for r in rows] == [(1, "r0", "engine-a:8001"), (2, "r0", "10.0.0.7:9001")]
+
+
+def test_sqlite_0003_moves_triton_url_into_replicas_and_back(tmp_path: Path) -> None:
+    engine = make_engine(f"sqlite:///{tmp_path / 'm3.db'}")
+    try:
+        _replicas_and_pools_round_trip(engine)
+    finally:
+        engine.dispose()
+
+
+@pytest.mark.postgres
+def test_postgres_0003_moves_triton_url_into_replicas_and_back() -> None:
+    if not postgres_reachable():
+        pytest.skip("PostgreSQL at 127.0.0.1:5432 is unreachable")
+    schema = new_pg_schema()
+    engine = pg_engine(schema)
+    try:
+        _replicas_and_pools_round_trip(engine)
+    finally:
+        engine.dispose()
         drop_pg_schema(schema)

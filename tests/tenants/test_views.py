@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tenants.snapshots import PoolSnapshot, RetentionClassSnapshot, SegmentRetention
+from tenants.snapshots import PoolSnapshot, ReplicaSnapshot, RetentionClassSnapshot, SegmentRetention
 from tenants.views import retention_view, tier_on_eviction
 
 
@@ -23,7 +23,7 @@ def test_tier_on_eviction(priority: int, threshold: int, host_blocks: int, tier:
 
 
 def test_view_covers_every_segment_in_order() -> None:
-    pool = PoolSnapshot(1, "p", "m", "h:1", "kvgate_llm", "", 32, 100, 50, 50)
+    pool = PoolSnapshot(1, "p", "m", "kvgate_llm", "", 32, 100, 50, 50, (ReplicaSnapshot(1, "r0", "h:1", "active", 1),))
     cls = RetentionClassSnapshot(
         1,
         "c",

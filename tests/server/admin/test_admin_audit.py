@@ -44,7 +44,7 @@ def test_each_mutation_one_event_each_failure_none(client) -> None:  # type: ign
         ("delete", "/pools/gpu-a", None, "pool.delete"),
     ]
     failing = [
-        ("post", "/pools", {"name": "x", "model_name": "m", "triton_url": "h", "primary_blocks": 0}),  # 422
+        ("post", "/pools", {"name": "x", "model_name": "m", "triton_url": "h:1", "primary_blocks": 0}),  # 422
         ("patch", "/pools/ghost", {"version": 1, "primary_blocks": 1}),  # 404
         ("delete", "/tenants/ghost", None),  # 404
         ("post", "/tenants/ghost/keys", {}),  # 404
@@ -69,7 +69,7 @@ def test_each_mutation_one_event_each_failure_none(client) -> None:  # type: ign
 
 def test_conflicting_mutations_leave_no_event(client) -> None:  # type: ignore[no-untyped-def]
     client.post(
-        f"{A}/pools", headers=AUTH, json={"name": "p", "model_name": "m", "triton_url": "h", "primary_blocks": 1}
+        f"{A}/pools", headers=AUTH, json={"name": "p", "model_name": "m", "triton_url": "h:1", "primary_blocks": 1}
     )
     client.post(f"{A}/retention-classes", headers=AUTH, json={"name": "c"})
     client.post(
@@ -77,7 +77,7 @@ def test_conflicting_mutations_leave_no_event(client) -> None:  # type: ignore[n
     )
     before = _count(client)
     for method, path, body in [
-        ("post", "/pools", {"name": "p", "model_name": "m", "triton_url": "h", "primary_blocks": 1}),  # duplicate
+        ("post", "/pools", {"name": "p", "model_name": "m", "triton_url": "h:1", "primary_blocks": 1}),  # duplicate
         ("patch", "/tenants/t", {"version": 7, "rpm_limit": 1}),  # stale
         ("delete", "/pools/p", None),  # in use
         ("post", "/tenants/t/suspend", {"version": 9}),  # stale
@@ -106,7 +106,7 @@ def test_change_and_event_share_one_transaction(db, monkeypatch) -> None:  # typ
 
 def test_audit_filters(client) -> None:  # type: ignore[no-untyped-def]
     client.post(
-        f"{A}/pools", headers=AUTH, json={"name": "p", "model_name": "m", "triton_url": "h", "primary_blocks": 1}
+        f"{A}/pools", headers=AUTH, json={"name": "p", "model_name": "m", "triton_url": "h:1", "primary_blocks": 1}
     )
     client.post(f"{A}/retention-classes", headers=AUTH, json={"name": "c"})
     client.patch(f"{A}/pools/p", headers=AUTH, json={"version": 1, "primary_blocks": 2})

@@ -29,7 +29,7 @@ GARBAGE = [
     {"pool": [1]},
     {"expires_at": "yesterday"},
     {"slug": "\u0000"},
-    {"name": "p", "model_name": "m", "triton_url": "h", "primary_blocks": 1, "secondary_offload_min_priority": 2**40},
+    {"name": "p", "model_name": "m", "triton_url": "h:1", "primary_blocks": 1, "secondary_offload_min_priority": 2**40},
 ]
 ENDPOINTS = [
     ("post", "/pools"),

@@ -67,7 +67,7 @@ def test_db_and_admin_round_trip(run) -> None:  # type: ignore[no-untyped-def]
         "--set",
         "model_name=m",
         "--set",
-        "triton_url=h",
+        "triton_url=h:1",
         "--set",
         "primary_blocks=0",
         code=2,

@@ -12,14 +12,14 @@ from retention.planner import QuotaState, RetentionClassSpec, SegmentRetention
 from server.gateway.admission import Limits
 from server.gateway.completions import CompletionJob, build_plan
 from server.gateway.context import TenantContext
-from tenants.snapshots import PoolSnapshot
+from tenants.snapshots import PoolSnapshot, ReplicaSnapshot
 from server.gateway.prompting import PreparedPrompt
 from tenants import retention_classes
 from tests.server.gateway.stack import ACTOR, MODEL, Stack
 from tests.server.gateway.test_openai_e2e import client, system_prompt
 
 TPB = 16
-POOL = PoolSnapshot(1, "p", "m", "127.0.0.1:1", "kvgate_llm", "reference-smollm2", TPB, 256, 512, 30)
+POOL = PoolSnapshot(1, "p", "m", "kvgate_llm", "reference-smollm2", TPB, 256, 512, 30, (ReplicaSnapshot(1, "r0", "127.0.0.1:1", "active", 1),))
 CLASS = RetentionClassSpec(SegmentRetention(90), SegmentRetention(60), SegmentRetention(40), SegmentRetention(20))
 
 

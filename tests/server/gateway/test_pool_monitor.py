@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 from engines.contract import PoolStatsReport, TierStats
-from tenants.snapshots import PoolSnapshot
+from tenants.snapshots import PoolSnapshot, ReplicaSnapshot
 from server.gateway.engines import EngineDirectory
 from server.gateway.pool_monitor import PoolMonitor, TenantQuota
 
-POOL = PoolSnapshot(1, "p", "m", "127.0.0.1:1", "kvgate_llm", "reference-smollm2", 16, 100, 400, 35)
+POOL = PoolSnapshot(1, "p", "m", "kvgate_llm", "reference-smollm2", 16, 100, 400, 35, (ReplicaSnapshot(1, "r0", "127.0.0.1:1", "active", 1),))
 TENANTS = [TenantQuota(1, "premium", 0.5), TenantQuota(2, "flood", 0.2)]
 
 
