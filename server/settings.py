@@ -11,7 +11,7 @@ from __future__ import annotations
 import hashlib
 import secrets
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Literal
 
 from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
@@ -64,6 +64,10 @@ class Settings(BaseSettings):
     # When set, /metrics requires "Authorization: Bearer <token>" (it names every tenant).
     metrics_token: str | None = Field(default=None, repr=False)
     log_level: str = "info"
+    # Replica routing (server/gateway/routing.py, retention/routing/cost.py).
+    router: Literal["kv-aware", "round-robin", "session", "random"] = "kv-aware"
+    router_overlap_weight: float = Field(default=1.0, ge=0.0)
+    router_temperature: float = Field(default=0.0, ge=0.0)
 
     @field_validator("admin_tokens", mode="before")
     @classmethod

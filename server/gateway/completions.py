@@ -68,6 +68,7 @@ class Outcome:
         return "".join(self.pieces)
 
 
+REPLICA_HEADER = "x-kvgate-replica"
 UsageSink = Callable[[int, int, int], None]  # (tenant_id, prompt_tokens, completion_tokens)
 
 
@@ -226,7 +227,12 @@ class CompletionRunner:
             raise _engine_error(exc) from exc
         finally:
             await self._finish(job, plan, outcome, started, lease)
-        return JSONResponse(self._body(job, outcome))
+        replica = getattr(job.engine, "replica", None)
+        # Like x-gateway-destination-endpoint of the Gateway API Inference Extension
+        # (kubernetes-sigs/gateway-api-inference-extension docs/proposals/004-endpoint-picker-protocol):
+        # which engine replica served the answer, named as in the registry (not an address).
+        headers = {REPLICA_HEADER: replica} if replica else None
+        return JSONResponse(self._body(job, outcome), headers=headers)
 
     async def _finish(self, job, plan, outcome: Outcome, started: float, lease) -> None:
         await self._admission.release(lease, completion_tokens=outcome.completion_tokens)

@@ -138,25 +138,6 @@ class Replica:
         return self.state == "active" and self.breaker.closed
 
 
-@dataclass(frozen=True, slots=True)
-class _ReplicaEntry:
-    """The registry's view of one replica (``tenants.snapshots.ReplicaSnapshot``)."""
-
-    id: int
-    name: str
-    endpoint: str
-    state: str
-    weight: int
-
-
-def registry_replicas(pool: PoolSnapshot) -> tuple[_ReplicaEntry, ...]:
-    """The pool's replicas from its snapshot (ordered by id)."""
-    replicas = getattr(pool, "replicas", None)
-    if replicas is None:  # a registry without replica rows: the pool's single endpoint
-        return (_ReplicaEntry(0, "default", pool.triton_url, "active", 1),)
-    return tuple(_ReplicaEntry(r.id, r.name, r.endpoint, r.state, r.weight) for r in replicas)
-
-
 def report_as_pool_events(report: KvEventsReport) -> list[KvEvent]:
     """A replica's event report as ``retention.events`` for the router's precise index.
 
@@ -239,7 +220,7 @@ class PoolRoute:
         """Take the registry's replica set: add new ones, update states, retire removed ones."""
         self.pool = pool
         seen: set[int] = set()
-        for entry in registry_replicas(pool):
+        for entry in pool.replicas:
             seen.add(entry.id)
             replica = self.replicas.get(entry.id)
             if replica is not None and replica.endpoint != entry.endpoint:  # moved: a new engine
@@ -383,6 +364,7 @@ class RoutedEngine:
     def __init__(self, routing: Routing, route: PoolRoute) -> None:
         self._routing = routing
         self._route = route
+        self.replica: str | None = None  # the replica of the last attempt (response header)
 
     async def generate(self, request: EngineRequest, *, request_id: str,
                        timeout: float | None = None) -> AsyncIterator[EngineChunk]:
@@ -402,6 +384,7 @@ class RoutedEngine:
             except RoutingError as exc:
                 raise EngineUnavailable(str(exc)) from exc
             replica = route.replicas[decision.replica]
+            self.replica = replica.name
             router.on_dispatch(routed, decision, now=clock())
             replica.in_flight += 1
             produced = False
