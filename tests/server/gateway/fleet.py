@@ -115,14 +115,17 @@ class Fleet:
         return {r.name: route.router.match(r.id, hashes, now=0.0).blocks for r in route.replicas.values()}
 
     def wait_indexed(self, hashes: tuple[int, ...], blocks: int, *, gateways=(0,), timeout: float = 60.0) -> str:
-        """Wait until every listed gateway's index shows ``blocks`` leading blocks on one replica."""
+        """Wait until every listed gateway's index shows ``blocks`` leading blocks on one replica.
+
+        Returns the replica holding the longest prefix (by the first gateway's view).
+        """
         deadline = time.monotonic() + timeout
         while True:
             views = [self.holders(hashes, gateway=g) for g in gateways]
             names = [{n for n, b in v.items() if b >= blocks} for v in views]
             common = set.intersection(*names)
             if common:
-                return sorted(common)[0]
+                return max(sorted(common), key=lambda name: views[0][name])
             if time.monotonic() > deadline:
                 raise TimeoutError(f"prefix never indexed: {views}")
             time.sleep(0.05)

@@ -141,9 +141,10 @@ def test_a_loaded_replica_is_avoided_when_the_cost_says_so(fleet):
         t.join(300)
     assert r2.status_code == 200 and r2.headers[REPLICA] != "r0"
     assert all(a.status_code == 200 and a.headers[REPLICA] == "r0" for a in answers)
-    # with the load gone, the prefix wins again
+    # with the load gone, the longest prefix (now on the replica that served turn 2) wins again
     third = follow_up(second, r2.json()["choices"][0]["message"]["content"], "Thanks.")
     holder = fleet.wait_indexed(fleet.prompt_hashes("busy", third), 3)
+    assert holder == r2.headers[REPLICA]
     assert fleet.chat("busy", third).headers[REPLICA] == holder
 
 
