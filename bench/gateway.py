@@ -81,7 +81,8 @@ def seed_registry(url: str, engine_port: int, pepper: str) -> str:
     factory = make_session_factory(make_engine(url))
     now, actor = datetime.now(UTC), "bench"
     with factory() as s:
-        pools.create_pool(s, actor=actor, now=now, name="fixed", model_name="fixed", triton_url=f"127.0.0.1:{engine_port}",
+        pools.create_pool(s, actor=actor, now=now, name="fixed", model_name="fixed",
+                          replicas=[{"name": "r0", "endpoint": f"127.0.0.1:{engine_port}"}],
                           engine_spec="reference-smollm2", tokens_per_block=16, primary_blocks=1024,
                           secondary_blocks=0, secondary_offload_min_priority=35)
     with factory() as s:

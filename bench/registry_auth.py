@@ -56,7 +56,8 @@ def run(factory, *, tenants: int, lookups: int) -> dict[str, tuple[float, float]
     plaintexts: list[str] = []
     writes: list[float] = []
     with factory() as s:
-        create_pool(s, actor="bench", now=now, name="p", model_name="m", triton_url="h:1", primary_blocks=1024)
+        create_pool(s, actor="bench", now=now, name="p", model_name="m",
+                    replicas=[{"name": "r0", "endpoint": "h:1"}], primary_blocks=1024)
         create_class(s, actor="bench", now=now, name="c")
         for i in range(tenants):
             start = time.perf_counter()

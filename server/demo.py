@@ -49,7 +49,8 @@ def seed_demo(factory: sessionmaker[Session], *, pepper: str, shape: ReferencePo
         return key_file.read_text().strip() if key_file.exists() else None
     with factory() as session:
         pools.create_pool(session, actor=ACTOR, now=now, name=DEMO_POOL, model_name=DEMO_MODEL,
-                          triton_url=f"127.0.0.1:{shape.port}", engine_spec="reference-smollm2",
+                          replicas=[{"name": "r0", "endpoint": f"127.0.0.1:{shape.port}"}],
+                          engine_spec="reference-smollm2",
                           tokens_per_block=shape.tokens_per_block, primary_blocks=shape.primary_blocks,
                           secondary_blocks=shape.secondary_blocks,
                           secondary_offload_min_priority=shape.offload_min_priority)

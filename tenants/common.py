@@ -62,12 +62,41 @@ def integrity_kind(exc: IntegrityError) -> str:
     return "other"
 
 
+_BATCH = "kvgate.batch"
+
+
 @contextmanager
-def mutation(session: Session, *, unique_field: str | None = None, entity: str = "entity") -> Iterator[None]:
-    """Commit the block's writes (change + audit) at once, or roll all of them back."""
+def batch(session: Session) -> Iterator[None]:
+    """Run several service mutations as ONE transaction: all commit at the end, or none.
+
+    Inside, ``mutation`` flushes instead of committing (each service call still writes its
+    change and its audit event); any error rolls back everything done in the block.
+    """
+    if session.info.get(_BATCH):
+        raise RuntimeError("batches do not nest")
+    session.info[_BATCH] = True
     try:
         yield
         session.commit()
+    except BaseException:
+        session.rollback()
+        raise
+    finally:
+        session.info.pop(_BATCH, None)
+
+
+@contextmanager
+def mutation(session: Session, *, unique_field: str | None = None, entity: str = "entity") -> Iterator[None]:
+    """Commit the block's writes (change + audit) at once, or roll all of them back.
+
+    Inside ``batch`` the writes are only flushed; the batch commits or rolls back.
+    """
+    try:
+        yield
+        if session.info.get(_BATCH):
+            session.flush()
+        else:
+            session.commit()
     except IntegrityError as exc:
         session.rollback()
         kind = integrity_kind(exc)

@@ -20,6 +20,9 @@ import typer
 Sets = Annotated[list[str] | None, typer.Option("--set", help="field=value (value parsed as JSON, else a string)")]
 Limit = Annotated[int, typer.Option(help="page size 1..500")]
 Offset = Annotated[int, typer.Option(help="rows to skip")]
+PoolArg = Annotated[str, typer.Argument(metavar="POOL", help="pool id or name")]
+ReplicaName = Annotated[str, typer.Argument(metavar="NAME", help="replica name")]
+OptVersion = Annotated[int | None, typer.Option(help="optional: fail unless this is the current version")]
 
 
 def _parse_sets(items: list[str] | None) -> dict[str, Any]:
@@ -171,7 +174,7 @@ def _crud(
 
 
 def register(app: typer.Typer) -> None:
-    """Attach ``kvgate admin pools|classes|tenants|keys|audit`` to the root CLI."""
+    """Attach ``kvgate admin pools|replicas|classes|tenants|keys|audit|apply`` to the root CLI."""
     admin = typer.Typer(no_args_is_help=True, help="Manage the tenant registry (pools, classes, tenants, keys).")
     app.add_typer(admin, name="admin")
 
@@ -186,7 +189,7 @@ def register(app: typer.Typer) -> None:
         list_fn="list_pools",
         update_fn="update_pool",
         delete_fn="delete_pool",
-        required={"model_name": "", "triton_url": "", "primary_blocks": ""},
+        required={"model_name": "", "replicas (JSON list) or the legacy triton_url": "", "primary_blocks": ""},
     )
     _crud(
         admin,
@@ -201,8 +204,53 @@ def register(app: typer.Typer) -> None:
         delete_fn="delete_class",
         required={},
     )
+    _register_replicas(admin)
     _register_tenants(admin)
     _register_keys(admin)
+
+    @admin.command("apply")
+    def apply_(
+        file: Annotated[str, typer.Option("--file", "-f", help="registry YAML file ('-' = stdin)")],
+        dry_run: Annotated[bool, typer.Option("--dry-run", help="print the diff, write nothing")] = False,
+        prune: Annotated[
+            bool, typer.Option("--prune", help="also delete what the file's lists do not name (keys of pruned "
+                               "tenants too)")
+        ] = False,
+        actor: Annotated[str | None, typer.Option(help="audit actor (default cli:<os user>)")] = None,
+    ) -> None:
+        """Make the registry match a declarative file: pools with replicas, classes, tenants.
+
+        Idempotent: a second apply of the same file changes nothing and writes no audit
+        event. Prints each change (field: old → new); all changes commit in one
+        transaction, one audit event each, or none do. A bad file exits 2, writing nothing.
+        """
+        import sys
+        from pathlib import Path
+
+        from tenants.declarative import apply_registry, load_registry
+        from tenants.errors import InvalidField
+
+        who = _actor() if actor is None else actor
+        if not who.strip() or len(who) > 128:
+            _fail(2, "invalid_value", "--actor must be 1-128 characters", "--actor")
+        try:
+            text = sys.stdin.read() if file == "-" else Path(file).read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            _fail(2, "invalid_file", f"cannot read {file}: {exc}", "--file")
+        try:
+            doc = load_registry(text, source=file)
+        except InvalidField as exc:
+            _fail(2, exc.code, exc.message, exc.field)
+        with _session() as s:
+            try:
+                plan = apply_registry(s, doc, actor=who, now=_now(), prune=prune, dry_run=dry_run)
+            except InvalidField as exc:
+                _fail(2, exc.code, exc.message, exc.field)
+            typer.echo(plan.render())
+            if dry_run:
+                typer.echo("dry run: nothing written")
+            elif not plan.empty:
+                typer.echo(f"applied as {who}")
 
     @admin.command()
     def audit(
@@ -225,6 +273,69 @@ def register(app: typer.Typer) -> None:
                     ),
                 )
             )
+
+
+def _register_replicas(admin: typer.Typer) -> None:
+    sc = _Lazy("server.admin.schemas")
+    svc = _Lazy("tenants.replicas")
+
+    group = typer.Typer(no_args_is_help=True, help="A pool's engine replicas (endpoints).")
+    admin.add_typer(group, name="replicas")
+
+    def out(row: Any) -> None:
+        _print(sc.ReplicaPublic.model_validate(row).model_dump(mode="json"))
+
+    @group.command("list")
+    def list_(pool: PoolArg) -> None:
+        with _session() as s:
+            _print([sc.ReplicaPublic.model_validate(r).model_dump(mode="json") for r in svc.list_replicas(s, pool=pool)])
+
+    @group.command()
+    def show(pool: PoolArg, name: ReplicaName) -> None:
+        with _session() as s:
+            out(svc.get_replica(s, pool=pool, name=name))
+
+    @group.command()
+    def add(
+        pool: PoolArg,
+        name: ReplicaName,
+        endpoint: Annotated[str, typer.Option(help="engine gRPC host:port")],
+        weight: Annotated[int, typer.Option(help="relative share, >= 1")] = 1,
+        state: Annotated[str, typer.Option(help="active|draining|disabled")] = "active",
+    ) -> None:
+        """Add a replica to POOL."""
+        with _session() as s:
+            body = _body(sc.ReplicaCreate, name=name, endpoint=endpoint, weight=weight, state=state)
+            out(svc.add_replica(s, actor=_actor(), now=_now(), pool=pool, **body.model_dump()))
+
+    @group.command(help="Change endpoint, weight and/or state: --set endpoint=h:p --set weight=2.")
+    def update(
+        pool: PoolArg, name: ReplicaName, version: Annotated[int, typer.Option(help="current version")], set_: Sets = None
+    ) -> None:
+        with _session() as s:
+            body = _body(sc.ReplicaUpdate, version=version, **_parse_sets(set_))
+            changes = body.model_dump(exclude_unset=True, exclude={"version"})
+            out(svc.update_replica(s, actor=_actor(), now=_now(), pool=pool, name=name, version=version,
+                                   changes=changes))
+
+    def state_command(command: str, state: str, doc: str) -> None:
+        def change(pool: PoolArg, name: ReplicaName, version: OptVersion = None) -> None:
+            with _session() as s:
+                out(svc.set_state(s, actor=_actor(), now=_now(), pool=pool, name=name, state=state, version=version))
+
+        change.__doc__ = doc
+        group.command(command)(change)
+
+    state_command("drain", "draining", "Drain: no new requests; in-flight ones finish.")
+    state_command("disable", "disabled", "Disable: out of rotation.")
+    state_command("activate", "active", "Activate: back into rotation.")
+
+    @group.command()
+    def remove(pool: PoolArg, name: ReplicaName) -> None:
+        """Remove a replica (a pool's last replica cannot be removed)."""
+        with _session() as s:
+            svc.remove_replica(s, actor=_actor(), now=_now(), pool=pool, name=name)
+            _print({"removed": name, "pool": pool})
 
 
 def _tenant_json(session: Any, tenant: Any) -> dict[str, Any]:

@@ -37,17 +37,18 @@ def cli_options(*command: str) -> set[str]:
 
 
 def test_services_and_profiles():
-    assert set(SERVICES) == {"postgres", "migrate", "gateway", "engine-cpu", "engine-builder", "triton", "prometheus", "grafana"}
+    assert set(SERVICES) == {"postgres", "migrate", "gateway", "engine-cpu", "engine-builder", "triton", "prometheus", "grafana",
+                             "registry-apply"}
     profiles = {name: tuple(s.get("profiles", ())) for name, s in SERVICES.items()}
     assert profiles == {
         "postgres": (), "migrate": (), "gateway": (), "prometheus": (), "grafana": (),
-        "engine-cpu": ("cpu",), "engine-builder": ("gpu",), "triton": ("gpu",),
+        "engine-cpu": ("cpu",), "engine-builder": ("gpu",), "triton": ("gpu",), "registry-apply": ("registry",),
     }
 
 
 def test_long_running_services_have_healthchecks_and_one_shots_do_not_restart():
     for name, service in SERVICES.items():
-        if name in ("migrate", "engine-builder"):
+        if name in ("migrate", "engine-builder", "registry-apply"):
             assert service["restart"] == "no", name
             continue
         assert service["restart"] == "unless-stopped", name
@@ -68,7 +69,7 @@ def test_volumes_are_declared_and_bind_mounts_exist():
     used = set()
     for name, service in SERVICES.items():
         for mount in service.get("volumes", []):
-            source = mount.split(":")[0]
+            source = resolve(mount).split(":")[0]
             if source.startswith("./"):
                 assert (ROOT / source).exists(), f"{name}: {source} does not exist"
             else:
@@ -244,3 +245,19 @@ def test_gpu_smoke_uses_services_that_exist():
     assert used == ["engine-builder", "triton", "gateway"]
     assert set(used) <= set(SERVICES)
     assert (ROOT / "build/gpu_smoke_client.py").is_file()
+
+
+def test_registry_apply_one_shot_runs_the_real_command_on_the_mounted_example():
+    """The optional `registry` profile applies the mounted file with `kvgate admin apply` after
+    the migration, against the same database as the gateway; the default file is the example
+    (which the registry tests apply twice)."""
+    service = SERVICES["registry-apply"]
+    command = service["command"]
+    assert command[:3] == ["kvgate", "admin", "apply"]
+    assert {f for f in command if f.startswith("-")} <= cli_options("admin", "apply") | {"-f"}
+    source, target, mode = resolve(service["volumes"][0]).split(":")
+    assert (source, mode) == ("./deploy/registry.example.yaml", "ro") and (ROOT / source).is_file()
+    assert command[command.index("-f") + 1] == target
+    assert resolve(service["environment"]["KVGATE_DATABASE_URL"]) == resolve(SERVICES["gateway"]["environment"]["KVGATE_DATABASE_URL"])
+    assert service["depends_on"]["migrate"] == {"condition": "service_completed_successfully"}
+    assert service["restart"] == "no"

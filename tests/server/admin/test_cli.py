@@ -85,3 +85,101 @@ def test_serve_refuses_placeholder_secrets(run, monkeypatch) -> None:  # type: i
     monkeypatch.setenv("KVGATE_ADMIN_TOKENS", "changeme")
     result = run("serve", "--no-migrate", code=2)
     assert "refusing to start" in result.output
+
+
+def test_replicas_commands(run) -> None:  # type: ignore[no-untyped-def]
+    run("db", "upgrade")
+    replicas = '[{"name": "r0", "endpoint": "engine-0:8001"}]'
+    pool = json.loads(run("admin", "pools", "create", "gpu-a", "--set", "model_name=m", "--set",
+                          f"replicas={replicas}", "--set", "primary_blocks=8").output)
+    assert [r["name"] for r in pool["replicas"]] == ["r0"] and pool["triton_url"] == "engine-0:8001"
+    added = json.loads(run("admin", "replicas", "add", "gpu-a", "r1", "--endpoint", "engine-1:8001",
+                           "--weight", "2").output)
+    assert (added["name"], added["weight"], added["state"]) == ("r1", 2, "active")
+    assert [r["name"] for r in json.loads(run("admin", "replicas", "list", "gpu-a").output)] == ["r0", "r1"]
+    updated = json.loads(run("admin", "replicas", "update", "gpu-a", "r1", "--version", "1", "--set",
+                             "endpoint=engine-1b:8001").output)
+    assert (updated["endpoint"], updated["version"]) == ("engine-1b:8001", 2)
+    assert json.loads(run("admin", "replicas", "drain", "gpu-a", "r0").output)["state"] == "draining"
+    assert json.loads(run("admin", "replicas", "disable", "gpu-a", "r0", "--version", "2").output)["state"] \
+        == "disabled"
+    assert "stale_version" in run("admin", "replicas", "activate", "gpu-a", "r0", "--version", "1", code=1).output
+    assert json.loads(run("admin", "replicas", "activate", "gpu-a", "r0").output)["state"] == "active"
+    assert "endpoint" in run("admin", "replicas", "add", "gpu-a", "r2", "--endpoint", "nope", code=2).output
+    assert "replica_not_found" in run("admin", "replicas", "show", "gpu-a", "r9", code=1).output
+    run("admin", "replicas", "remove", "gpu-a", "r0")
+    last = run("admin", "replicas", "remove", "gpu-a", "r1", code=1)
+    assert "last_replica" in last.output
+    audit = json.loads(run("admin", "audit", "--entity-type", "pool_replica").output)
+    assert [e["action"] for e in audit["items"]][::-1] == [
+        "pool_replica.create", "pool_replica.update", "pool_replica.drain", "pool_replica.disable",
+        "pool_replica.activate", "pool_replica.delete",
+    ]
+
+
+def test_admin_apply(run, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """`kvgate admin apply -f`: dry run writes nothing, apply audits as the actor, twice is a no-op,
+    a bad file exits 2 and writes nothing."""
+    import getpass
+    from pathlib import Path
+
+    run("db", "upgrade")
+    example = Path(__file__).resolve().parents[3] / "deploy" / "registry.example.yaml"
+    dry = run("admin", "apply", "-f", str(example), "--dry-run").output
+    assert "+ pool reference" in dry and "+ tenant acme" in dry and "dry run: nothing written" in dry
+    assert json.loads(run("admin", "audit").output)["total"] == 0
+    applied = run("admin", "apply", "-f", str(example)).output
+    assert applied == dry.replace("dry run: nothing written", f"applied as cli:{getpass.getuser()}")
+    audit = json.loads(run("admin", "audit").output)
+    assert audit["total"] == 5 and {e["actor"] for e in audit["items"]} == {f"cli:{getpass.getuser()}"}
+    assert "no changes" in run("admin", "apply", "-f", str(example)).output
+    assert json.loads(run("admin", "audit").output)["total"] == 5
+
+    changed = tmp_path / "changed.yaml"
+    changed.write_text(example.read_text().replace("rpm_limit: 60\n", "rpm_limit: 90\n"))
+    out = run("admin", "apply", "-f", str(changed), "--actor", "helm:release-1").output
+    assert "~ tenant nightly\n    rpm_limit: 60 → 90\n1 change(s): 1 update" in out
+    newest = json.loads(run("admin", "audit", "--limit", "1").output)["items"][0]
+    assert (newest["actor"], newest["action"], newest["after"]["rpm_limit"]) == ("helm:release-1", "tenant.update", 90)
+
+    bad = tmp_path / "bad.yaml"
+    for text, needle in (
+        ("tenants:\n  - {slug: x, pool: reference, retention_class: chat, api_keys: [k]}\n", "tenants[0].api_keys"),
+        ("tenants:\n  - {slug: x, pool: nope, retention_class: chat}\n", "tenants[0].pool"),
+        ("retention_classes:\n  - {name: c2, turn_priority: 101}\n", "retention_classes[0].turn_priority"),
+        ("pools: [\n", "not valid YAML at line"),
+    ):
+        bad.write_text(text)
+        result = run("admin", "apply", "-f", str(bad), code=2)
+        assert needle in result.output, result.output
+    assert "cannot read" in run("admin", "apply", "-f", str(tmp_path / "missing.yaml"), code=2).output
+    assert json.loads(run("admin", "audit").output)["total"] == 6
+
+
+@pytest.mark.postgres
+def test_admin_apply_on_postgres(monkeypatch, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """The same command against PostgreSQL, by URL from KVGATE_DATABASE_URL as a Helm Job runs it."""
+    from pathlib import Path
+
+    from tests.tenants.fixtures import PG_ADMIN_URL, drop_pg_schema, new_pg_schema, postgres_reachable
+
+    if not postgres_reachable():
+        pytest.skip("PostgreSQL is unreachable")
+    schema = new_pg_schema()
+    monkeypatch.setenv("KVGATE_DATABASE_URL", f"{PG_ADMIN_URL}?options=-csearch_path%3D{schema}")
+    runner, cli = CliRunner(), create_cli()
+    example = str(Path(__file__).resolve().parents[3] / "deploy" / "registry.example.yaml")
+    try:
+        assert runner.invoke(cli, ["db", "upgrade"]).exit_code == 0
+        first = runner.invoke(cli, ["admin", "apply", "-f", example, "--actor", "helm:kvgate"])
+        assert first.exit_code == 0 and "5 change(s): 5 create" in first.output, first.output
+        second = runner.invoke(cli, ["admin", "apply", "-f", example])
+        assert second.exit_code == 0 and "no changes" in second.output
+        bad = tmp_path / "bad.yaml"
+        bad.write_text("tenants:\n  - {slug: x, pool: nope, retention_class: chat}\n")
+        third = runner.invoke(cli, ["admin", "apply", "-f", str(bad)])
+        assert third.exit_code == 2 and "tenants[0].pool" in third.output
+        audit = json.loads(runner.invoke(cli, ["admin", "audit"]).output)
+        assert audit["total"] == 5 and {e["actor"] for e in audit["items"]} == {"helm:kvgate"}
+    finally:
+        drop_pg_schema(schema)

@@ -70,15 +70,19 @@ def test_readme_walkthrough_verbatim(tmp_path: Path) -> None:
         )
         assert done.returncode == 0, done.stdout + done.stderr
         outputs = [json.loads(line) for line in done.stdout.splitlines() if line.strip()]
-        pool, cls, tenant, view, key, audit = outputs
+        pool, added, drained, replicas, cls, tenant, view, key, audit = outputs
         assert (pool["name"], cls["name"], tenant["slug"]) == ("gpu-a", "chat-gold", "acme")
+        assert (added["name"], drained["name"], drained["state"]) == ("r1", "r0", "draining")
+        assert [(r["name"], r["state"]) for r in replicas] == [("r0", "draining"), ("r1", "active")]
         assert [s["tier_on_eviction"] for s in view["segments"]] == ["host", "host", "dropped", "dropped"]
         assert key["key"].startswith(f"kvg_{key['prefix']}_")
-        # Newest first: our four creations (the fifth may come from the dev demo seed).
-        assert [e["action"] for e in audit["items"][:4]] == [
+        # Newest first: our six changes.
+        assert [e["action"] for e in audit["items"]] == [
             "api_key.create",
             "tenant.create",
             "retention_class.create",
+            "pool_replica.drain",
+            "pool_replica.create",
             "pool.create",
         ]
     finally:

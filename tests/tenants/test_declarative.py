@@ -1,0 +1,225 @@
+"""`registry.yaml` → plan → one audited transaction, on SQLite and PostgreSQL.
+
+Apply twice → no change and no audit event; a changed file → exactly the audited changes;
+a bad file (unknown field, unknown pool, bad priority) → a clear error naming the path
+and nothing written; a change that fails half-way → nothing written.
+"""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from sqlalchemy import func, select
+
+from tenants import declarative
+from tenants.errors import Conflict, InvalidField
+from tenants.models import AuditEvent, Pool, PoolReplica, RetentionClass, Tenant
+from tests.tenants.factories import make_class, make_pool, make_tenant, now
+
+ROOT = Path(__file__).resolve().parents[2]
+ACTOR = "cli:ops"
+FILE: dict[str, Any] = {
+    "pools": [
+        {
+            "name": "llama8b",
+            "model_name": "llama-3.1-8b",
+            "engine_spec": "llama-3.1-8b-instruct-fp8kv",
+            "tokens_per_block": 32,
+            "primary_blocks": 8192,
+            "secondary_blocks": 32768,
+            "secondary_offload_min_priority": 35,
+            "replicas": [
+                {"name": "r0", "endpoint": "kvgate-engine-llama8b-0.kvgate-engine-llama8b:8001", "weight": 1,
+                 "state": "active"},
+                {"name": "r1", "endpoint": "kvgate-engine-llama8b-1.kvgate-engine-llama8b:8001"},
+            ],
+        }
+    ],
+    "retention_classes": [{"name": "chat", "turn_priority": 30, "turn_duration_ms": None}],
+    "tenants": [
+        {"slug": "acme", "pool": "llama8b", "retention_class": "chat", "isolation": "salted", "rpm_limit": 100,
+         "kv_quota_fraction": 0.4},
+        {"slug": "beta", "display_name": "Beta", "pool": "llama8b", "retention_class": "chat"},
+    ],
+}
+
+
+def _events(session) -> list[AuditEvent]:  # type: ignore[no-untyped-def]
+    return list(session.scalars(select(AuditEvent).order_by(AuditEvent.id)))
+
+
+def _apply(session, data: dict[str, Any], **kw: Any) -> declarative.Plan:  # type: ignore[no-untyped-def]
+    return declarative.apply_registry(session, declarative.parse_registry(data), actor=ACTOR, now=now(), **kw)
+
+
+def _counts(session) -> tuple[int, ...]:  # type: ignore[no-untyped-def]
+    return tuple(
+        session.scalar(select(func.count()).select_from(m)) for m in (Pool, PoolReplica, RetentionClass, Tenant,
+                                                                       AuditEvent)
+    )
+
+
+def test_apply_twice_changes_nothing_the_second_time(session) -> None:  # type: ignore[no-untyped-def]
+    plan = _apply(session, FILE)
+    assert [(c.kind, c.action, c.ref) for c in plan.changes] == [
+        ("retention_class", "create", "chat"),
+        ("pool", "create", "llama8b"),
+        ("tenant", "create", "acme"),
+        ("tenant", "create", "beta"),
+    ]
+    events = _events(session)
+    assert [e.action for e in events] == ["retention_class.create", "pool.create", "tenant.create", "tenant.create"]
+    assert {e.actor for e in events} == {ACTOR}
+    pool = session.scalars(select(Pool)).one()
+    assert [(r.name, r.weight, r.state) for r in pool.replicas] == [("r0", 1, "active"), ("r1", 1, "active")]
+    acme = session.scalars(select(Tenant).where(Tenant.slug == "acme")).one()
+    assert (acme.display_name, acme.rpm_limit, acme.kv_quota_fraction, acme.tpm_limit) == ("acme", 100, 0.4, 200_000)
+    assert session.scalars(select(RetentionClass)).one().turn_duration_ms is None
+
+    again = _apply(session, FILE)
+    assert again.empty and again.render() == "no changes: the registry matches the file"
+    assert len(_events(session)) == 4
+    # The shipped example applies cleanly, twice, too.
+    example = yaml.safe_load((ROOT / "deploy/registry.example.yaml").read_text())
+    assert not _apply(session, example).empty
+    assert _apply(session, example).empty
+
+
+def test_a_changed_file_makes_exactly_the_audited_changes(session) -> None:  # type: ignore[no-untyped-def]
+    _apply(session, FILE)
+    before = len(_events(session))
+    changed = copy.deepcopy(FILE)
+    changed["pools"][0]["primary_blocks"] = 16384
+    changed["pools"][0]["replicas"][1]["state"] = "draining"
+    changed["pools"][0]["replicas"].append({"name": "r2", "endpoint": "10.0.0.3:8001", "weight": 2})
+    changed["retention_classes"][0]["turn_priority"] = 20
+    changed["tenants"][0]["rpm_limit"] = 200
+    changed["tenants"][1]["status"] = "suspended"
+    dry = declarative.apply_registry(session, declarative.parse_registry(changed), actor=ACTOR, now=now(),
+                                     dry_run=True)
+    assert len(_events(session)) == before  # dry run: nothing written
+    text = dry.render()
+    for line in (
+        "~ pool llama8b", "    primary_blocks: 8192 → 16384",
+        "~ replica llama8b/r1", '    state: "active" → "draining"',
+        "+ replica llama8b/r2", '    endpoint: "10.0.0.3:8001"',
+        "~ retention_class chat", "    turn_priority: 30 → 20",
+        "~ tenant acme", "    rpm_limit: 100 → 200",
+        "~ tenant beta (suspend)",
+        "6 change(s): 1 create, 1 suspend, 4 update",
+    ):
+        assert line in text.splitlines(), (line, text)
+
+    plan = _apply(session, changed)
+    assert [(c.kind, c.action, c.ref) for c in plan.changes] == [(c.kind, c.action, c.ref) for c in dry.changes]
+    new = _events(session)[before:]
+    assert [(e.action, e.entity_type) for e in new] == [
+        ("retention_class.update", "retention_class"),
+        ("pool.update", "pool"),
+        ("pool_replica.create", "pool_replica"),
+        ("pool_replica.update", "pool_replica"),
+        ("tenant.update", "tenant"),
+        ("tenant.suspend", "tenant"),
+    ]
+    assert all(e.actor == ACTOR for e in new)
+    assert (new[1].before["primary_blocks"], new[1].after["primary_blocks"]) == (8192, 16384)
+    assert _apply(session, changed).empty
+
+
+def test_omitted_fields_are_not_managed(session) -> None:  # type: ignore[no-untyped-def]
+    """A replica an operator drained stays drained when the file says nothing about its state."""
+    _apply(session, FILE)
+    from tenants import replicas
+
+    replicas.drain_replica(session, actor="ops", now=now(), pool="llama8b", name="r1")
+    assert _apply(session, FILE).empty  # r1 has no state in FILE
+    forced = copy.deepcopy(FILE)
+    forced["pools"][0]["replicas"][1]["state"] = "active"
+    (change,) = _apply(session, forced).changes
+    assert (change.kind, change.ref, change.fields[0].old, change.fields[0].new) == (
+        "replica", "llama8b/r1", "draining", "active")
+
+
+def test_prune_only_deletes_listed_kinds(session) -> None:  # type: ignore[no-untyped-def]
+    make_pool(session, name="legacy")
+    make_class(session, name="old")
+    make_tenant(session, slug="gone", pool="legacy", cls="old")
+    _apply(session, FILE)
+    counts = _counts(session)
+    # Pruning pools alone cannot delete "legacy" while tenant "gone" (not pruned: no
+    # tenants list in this file) is on it: the registry refuses, nothing is written.
+    from tenants.errors import InUse
+
+    with pytest.raises(InUse):
+        _apply(session, {"pools": FILE["pools"]}, prune=True)
+    assert _counts(session) == counts
+    # Without --prune nothing outside the file is touched.
+    assert _apply(session, FILE).empty
+    assert _counts(session) == counts
+    trimmed = copy.deepcopy(FILE)
+    trimmed["pools"][0]["replicas"] = trimmed["pools"][0]["replicas"][1:]
+    plan = _apply(session, trimmed, prune=True)
+    assert [(c.kind, c.action, c.ref) for c in plan.changes] == [
+        ("tenant", "delete", "gone"),
+        ("replica", "delete", "llama8b/r0"),
+        ("pool", "delete", "legacy"),
+        ("retention_class", "delete", "old"),
+    ]
+    assert [r.name for r in session.scalars(select(Pool)).one().replicas] == ["r1"]
+    assert _apply(session, trimmed, prune=True).empty
+
+
+def test_prune_of_a_file_without_tenants_keeps_tenants(session) -> None:  # type: ignore[no-untyped-def]
+    _apply(session, FILE)
+    plan = _apply(session, {"retention_classes": FILE["retention_classes"]}, prune=True)
+    assert plan.empty and session.scalar(select(func.count()).select_from(Tenant)) == 2
+
+
+@pytest.mark.parametrize(
+    ("mutate", "field", "code"),
+    [
+        (lambda d: d["tenants"][0].update(api_keys=["kvg_x"]), "tenants[0].api_keys", "unknown_field"),
+        (lambda d: d["pools"][0]["replicas"][0].update(port=1), "pools[0].replicas[0].port", "unknown_field"),
+        (lambda d: d.update(quotas=[]), "quotas", "unknown_field"),
+        (lambda d: d["tenants"][1].update(pool="nope"), "tenants[1].pool", "unknown_pool"),
+        (lambda d: d["tenants"][1].update(retention_class="nope"), "tenants[1].retention_class",
+         "unknown_retention_class"),
+        (lambda d: d["retention_classes"][0].update(turn_priority=150), "retention_classes[0].turn_priority", None),
+        (lambda d: d["pools"][0].update(secondary_offload_min_priority=-1),
+         "pools[0].secondary_offload_min_priority", None),
+        (lambda d: d["pools"][0]["replicas"][1].update(name="r0"), "pools[0].replicas[1]", "duplicate"),
+        (lambda d: d["pools"][0].update(replicas=[]), "pools[0].replicas", None),
+        (lambda d: d["tenants"][0].update(status="paused"), "tenants[0].status", None),
+    ],
+)
+def test_a_bad_file_is_a_clear_error_and_writes_nothing(session, mutate, field, code) -> None:  # type: ignore[no-untyped-def]
+    bad = copy.deepcopy(FILE)
+    mutate(bad)
+    with pytest.raises(InvalidField) as err:
+        _apply(session, bad)
+    assert err.value.field == field and err.value.message.startswith(field)
+    if code is not None:
+        assert err.value.code == code
+    assert _counts(session) == (0, 0, 0, 0, 0)
+
+
+def test_a_change_failing_half_way_rolls_back_the_whole_apply(session) -> None:  # type: ignore[no-untyped-def]
+    """The last tenant cannot be placed (dedicated pool taken): the class, pool, replicas and
+    the first tenant created before it in the same apply are rolled back too."""
+    bad = copy.deepcopy(FILE)
+    bad["tenants"][0]["isolation"] = "dedicated"
+    with pytest.raises(Conflict) as err:
+        _apply(session, bad)
+    assert err.value.code == "pool_dedicated"
+    assert _counts(session) == (0, 0, 0, 0, 0)
+    assert _apply(session, FILE).changes  # and the session is usable afterwards
+
+
+def test_yaml_errors_name_the_line() -> None:
+    with pytest.raises(InvalidField) as err:
+        declarative.load_registry("pools:\n  - name: [\n")
+    assert err.value.code == "invalid_yaml" and "line" in err.value.message
