@@ -204,6 +204,7 @@ class PoolRoute:
         self.replicas: dict[int, Replica] = {}
         self.retiring: list[Replica] = []  # removed from the registry, requests still in flight
         self.router: Router = self._new_router(config.router)
+        self.generation = 0  # bumped by use_router: a poll begun before the switch is discarded
         self.sync(pool)
 
     def _new_router(self, name: str) -> Router:
@@ -212,6 +213,7 @@ class PoolRoute:
     def use_router(self, name: str) -> None:
         """Switch the routing policy (benchmarks); indexes are rebuilt from fresh snapshots."""
         self.router = self._new_router(name)
+        self.generation += 1
         for replica in self.replicas.values():
             replica.cursor = 0
             replica.events = None
@@ -265,6 +267,7 @@ class PoolRoute:
         now = self._clock()
         if not replica.breaker.probe_due(now):
             return
+        generation = self.generation
         try:
             stats = await replica.client.stats(self.config.stats_timeout_s, events_since=replica.cursor)
         except EngineError:
@@ -273,7 +276,8 @@ class PoolRoute:
         if replica.breaker.succeed():
             log.warning("replica %s/%s back in rotation", self.name, replica.name)
         replica.stats = stats
-        self._feed(replica, stats.kv_events)
+        if generation == self.generation:
+            self._feed(replica, stats.kv_events)
 
     def _feed(self, replica: Replica, report: KvEventsReport | None) -> None:
         now = self._clock()
