@@ -148,7 +148,13 @@ class KvEventLog:
         self._next_seq += 1
 
     def invalidate(self) -> None:
-        """The producer lost events (its own buffer overflowed): every poller resyncs."""
+        """The producer lost events (its own buffer overflowed): every poller resyncs.
+
+        The lost events would have taken the next sequence number, so it is skipped: every
+        cursor taken so far is now below ``valid_from``, and a snapshot taken after this
+        call comes with a cursor that is valid.
+        """
+        self._next_seq += 1
         self._valid_from = self._next_seq
 
     def report(self, since: int) -> KvEventsReport:

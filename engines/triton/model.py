@@ -48,6 +48,8 @@ import triton_python_backend_utils as pb_utils  # provided by Triton's Python ba
 
 from engines import contract
 from engines.trtllm import bindings, executor_args
+from engines.kv_events import KvEventsReport
+from engines.trtllm.kv_event_translator import KvEventTranslator
 from engines.trtllm.kv_ledger import TenantBlockLedger
 from engines.triton.params import ServingParams
 
@@ -107,6 +109,9 @@ class TritonPythonModel:
                 self.params.world_size,
             )
         self.ledger = TenantBlockLedger(tokens_per_block=self.params.tokens_per_block)
+        # Routers read KV events in kvgate's hash space (engines/trtllm/kv_event_translator.py);
+        # without an event manager the gateway falls back to approximate routing.
+        self.kv_events = KvEventTranslator(self.params.tokens_per_block) if self.event_manager is not None else None
         self.lock = threading.Lock()
         self.pending: dict[int, _Pending] = {}
         # Finished requests whose root-block expectation is dropped after the next event
@@ -144,7 +149,7 @@ class TritonPythonModel:
         tensors = self._read_inputs(request)
         final = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
         if contract.is_stats_request(tensors):
-            report = self.stats_report()
+            report = self.stats_report(contract.kv_events_cursor(tensors))
             out = {contract.KV_CACHE_STATS.name: np.array([report.to_json().encode()], dtype=np.object_)}
             sender.send(pb_utils.InferenceResponse(output_tensors=_tensors(out)), flags=final)
             return
@@ -171,6 +176,8 @@ class TritonPythonModel:
             self.pending[request_id] = _Pending(sender, parsed, end_id, triton_id)
             if self.event_manager is not None:
                 self.ledger.note_request(parsed.tenant_id, parsed.input_ids)
+                if self.kv_events is not None:
+                    self.kv_events.note_request(parsed.cache_salt, parsed.input_ids)
 
     # Responses -----------------------------------------------------------------------
     def _response_loop(self) -> None:
@@ -253,11 +260,15 @@ class TritonPythonModel:
         with self.lock:
             if events:
                 self.ledger.apply(events)
+                if self.kv_events is not None:
+                    self.kv_events.apply(events)
             for done in self.finished:
                 self.ledger.forget_request(done.tenant_id, done.input_ids)
+                if self.kv_events is not None:
+                    self.kv_events.forget_request(done.cache_salt, done.input_ids)
             self.finished.clear()
 
-    def stats_report(self) -> contract.PoolStatsReport:
+    def stats_report(self, events_since: int | None = None) -> contract.PoolStatsReport:
         self.drain_events()
         stats = self.executor.get_latest_iteration_stats()  # executor.cpp; deque of IterationStats since last call
         if stats:
@@ -285,6 +296,9 @@ class TritonPythonModel:
                 secondary_offload_min_priority=self.params.secondary_offload_min_priority,
                 tenants=self.ledger.tenants(),
             )
+            if events_since is not None:
+                report.kv_events = (self.kv_events.log.report(events_since) if self.kv_events is not None
+                                    else KvEventsReport.unsupported())
         return report
 
     def finalize(self) -> None:

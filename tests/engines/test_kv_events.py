@@ -44,9 +44,11 @@ def test_cursor_off_the_ring_or_invalidated_gets_a_snapshot() -> None:
     assert log.report(2).snapshot == truth  # seq 2 fell off a ring of 2
     tail = log.report(4)
     assert tail.snapshot is None and [e.seq for e in tail.events] == [4, 5]
+    cursor = log.next_seq  # a poller that had seen everything before the loss
     log.invalidate()
-    assert log.report(4).snapshot == truth
-    assert log.report(log.next_seq).snapshot is None
+    assert log.report(4).snapshot == truth and log.report(cursor).snapshot == truth
+    resynced = log.report(0)
+    assert log.report(resynced.next_seq).snapshot is None
     assert log.report(log.next_seq + 7).snapshot == truth  # a cursor from another epoch
 
 
