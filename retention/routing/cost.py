@@ -1,29 +1,48 @@
-"""The kv-aware router's cost: expected prefill work after reuse, plus load; and the choice.
+"""The kv-aware router's cost: expected prefill work after reuse, plus load beyond a band.
 
-Per candidate replica ``r`` (B = tokens per block, hits capped at ``(prompt − 1) // B``
-because the engine always computes the last prompt token)::
+Per candidate replica ``r`` (B = tokens per block; hits are capped at ``(prompt − 1) // B``
+because the engine always computes the last prompt token; all terms in blocks)::
 
-    prefill_blocks(r) = (prompt − B × (gpu_hits + host_credit × host_hits
-                                      + pending_credit × pending_hits)) / B
-    queued_blocks(r)  = queued prefill tokens on r / B
-    decode_blocks(r)  = KV blocks held by r's running requests + this request's blocks
-    cost(r)           = (overlap_weight × (prefill_blocks + queued_blocks)
-                         + decode_weight × decode_blocks) / weight(r)
+    prefill(r)  = prompt / B − (gpu_hits + host_credit × host_hits + pending_credit × pending_hits)
+    level(r)    = (overlap_weight × queued_prefill(r) + decode_weight × decode(r)
+                   + recent_weight × recent_prefill(r)) / weight(r)
+    threshold   = max(min_r level + balance_request_share × prompt / B,  balance_rel × min_r level)
+    cost(r)     = overlap_weight × prefill(r) / weight(r) + max(0, level(r) − threshold)
 
-This is NVIDIA Dynamo's KV-router cost (``cost = overlap_score_weight × prefill_blocks +
-decode_blocks`` with prefill counting the worker's queued prefill tokens too, and decode
-blocks the *potential* active blocks including the new request's; ai-dynamo/dynamo
-``docs/architecture/kv_cache_routing.md``, ``lib/llm/src/kv_router/scheduler.rs``) with
-three kvgate additions: host-tier hits are credited below GPU hits (``host_credit``,
-default 0.75, the figure issue 13 gives for Dynamo's host-tier credit: an onboard is a copy,
-not free), blocks being computed by in-flight requests on the replica are credited
-(``pending_credit``), and the replica's registry weight divides its cost (a weight-2
-replica is twice the engine).
+``queued_prefill``: tokens routed to r and not yet prefilled; ``decode``: KV blocks held by
+r's running requests plus this request's; ``recent_prefill``: prefill tokens dispatched to
+r, exponentially decayed (``LoadTracker.half_life_s``) — the replica's recent compute.
+
+Where it comes from:
+
+* NVIDIA Dynamo's KV router (ai-dynamo/dynamo ``docs/architecture/kv_cache_routing.md``,
+  ``lib/llm/src/kv_router/scheduler.rs``): ``cost = overlap_score_weight × prefill_blocks +
+  decode_blocks``, prefill counting the worker's queued prefill too, decode blocks the
+  *potential* active blocks. :meth:`CostModel.dynamo` is exactly that (up to a constant
+  shared by all candidates, which never changes the choice).
+* SGLang's cache-aware router (``balance_abs_threshold`` / ``balance_rel_threshold``) and
+  AIBrix (prefix match unless load > mean + 2σ) follow the cache unless load is
+  *imbalanced*. kvgate keeps one cost but only counts load *above a band* over the
+  least-loaded candidate: one request's worth of blocks (``balance_request_share``) or
+  ``balance_rel`` × the least load, whichever is larger. Inside the band cache affinity
+  decides; beyond it every block of excess load weighs like a block of prefill.
+* kvgate additions: host-tier hits are credited below GPU hits (``host_credit``, default
+  0.75, the figure issue 13 gives for Dynamo's host tier: an onboard is a copy, not free);
+  blocks that requests in flight on r are computing now are credited (``pending_credit``);
+  the registry weight divides a replica's prefill and load (weight 2 = twice the engine);
+  recent prefill work is a load signal (``recent_weight``).
+
+Why the defaults differ from Dynamo's (measured, docs/benchmarks.md "Routing simulator"):
+with Dynamo's cost (T = 0, weight 1) on the Mooncake trace, 4 replicas at 2 %, the
+instantaneous load differences between replicas outweigh most prefix hits, so
+conversations scatter and the hit rate stays near 60 % of the one-big-pool ceiling; with
+the band, and recent prefill work instead of active blocks as the main load signal, it is
+above 90 % with the per-replica prefill work still within a few percent.
 
 Choice: with ``temperature`` 0 the lowest cost wins; ties go to the highest rendezvous
-hash of (request's session key, replica) and then the lowest id, so every gateway
-replica that sees the same indexes picks the same replica, and equal-cost new prefixes
-spread evenly instead of piling on replica 0. With ``temperature`` T > 0, Dynamo's softmax
+hash of (request's session key, replica), then the lowest id, so every gateway replica
+with the same view picks the same replica and equal-cost new prefixes spread evenly
+instead of piling onto one replica. With ``temperature`` T > 0, Dynamo's softmax
 sampling: costs normalised by the largest, ``p(r) ∝ exp(−cost(r) / (max cost × T))``,
 drawn from the caller's ``random.Random`` (seeded in tests: deterministic).
 """
@@ -42,47 +61,75 @@ _MASK64 = (1 << 64) - 1
 
 @dataclass(frozen=True, slots=True)
 class CostModel:
-    """Weights of the cost (module docstring). Defaults follow Dynamo (weight 1, T = 0)."""
+    """Weights of the cost (module docstring). ``CostModel.dynamo()`` = Dynamo's cost."""
 
     overlap_weight: float = 1.0
-    decode_weight: float = 1.0
+    decode_weight: float = 0.1
+    recent_weight: float = 0.2
     host_credit: float = 0.75
     pending_credit: float = 1.0
+    balance_request_share: float = 1.0
+    balance_rel: float = 1.5
     temperature: float = 0.0
 
     def __post_init__(self) -> None:
-        for name in ("overlap_weight", "decode_weight", "temperature"):
+        for name in ("overlap_weight", "decode_weight", "recent_weight", "balance_request_share", "temperature"):
             value = getattr(self, name)
-            if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
+            if isinstance(value, bool) or not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
                 raise RoutingError(f"{name} must be a finite number >= 0, got {value!r}")
         for name in ("host_credit", "pending_credit"):
             value = getattr(self, name)
-            if not (isinstance(value, (int, float)) and 0.0 <= value <= 1.0):
+            if isinstance(value, bool) or not (isinstance(value, (int, float)) and 0.0 <= value <= 1.0):
                 raise RoutingError(f"{name} must be within [0, 1], got {value!r}")
+        rel = self.balance_rel
+        if isinstance(rel, bool) or not (isinstance(rel, (int, float)) and math.isfinite(rel) and rel >= 1):
+            raise RoutingError(f"balance_rel must be a finite number >= 1, got {rel!r}")
 
-    def score(
+    @classmethod
+    def dynamo(cls, *, overlap_weight: float = 1.0, temperature: float = 0.0, host_credit: float = 0.75) -> CostModel:
+        """Dynamo's cost: ``overlap_weight × (queued + new prefill blocks) + potential active blocks``."""
+        return cls(
+            overlap_weight=overlap_weight, decode_weight=1.0, recent_weight=0.0, host_credit=host_credit,
+            pending_credit=1.0, balance_request_share=0.0, balance_rel=1.0, temperature=temperature,
+        )
+
+    def scores(
         self,
-        replica: ReplicaId,
-        match: PrefixMatch,
-        load: ReplicaLoad,
+        candidates: Sequence[tuple[ReplicaId, PrefixMatch, ReplicaLoad, int]],
         *,
         prompt_tokens: int,
         output_tokens: int,
         tokens_per_block: int,
-        weight: int = 1,
-    ) -> ReplicaScore:
-        """One candidate's cost terms (see the module docstring)."""
+    ) -> tuple[ReplicaScore, ...]:
+        """Every candidate's cost terms; ``candidates`` = (replica, match, load, weight).
+
+        One call over the whole set because the load term is measured against the
+        least-loaded candidate (module docstring).
+        """
         bpt = tokens_per_block
         usable = max(0, (prompt_tokens - 1) // bpt)
-        gpu = min(match.gpu_blocks, usable)
-        host = min(match.host_blocks, usable - gpu)
-        pending = min(match.pending_blocks, usable - gpu - host)
-        credited = gpu + self.host_credit * host + self.pending_credit * pending
-        prefill = max(0.0, prompt_tokens / bpt - credited)
-        queued = load.queued_prefill_tokens / bpt
-        decode = load.active_blocks + -(-(prompt_tokens + output_tokens) // bpt)
-        cost = (self.overlap_weight * (prefill + queued) + self.decode_weight * decode) / weight
-        return ReplicaScore(replica, PrefixMatch(gpu, host, pending), prefill, queued, decode, cost)
+        prompt_blocks = prompt_tokens / bpt
+        own_blocks = -(-(prompt_tokens + output_tokens) // bpt)
+        rows = []
+        for replica, match, load, weight in candidates:
+            gpu = min(match.gpu_blocks, usable)
+            host = min(match.host_blocks, usable - gpu)
+            pending = min(match.pending_blocks, usable - gpu - host)
+            prefill = max(0.0, prompt_blocks - (gpu + self.host_credit * host + self.pending_credit * pending))
+            queued = load.queued_prefill_tokens / bpt
+            decode = float(load.active_blocks + own_blocks)
+            recent = load.recent_prefill_tokens / bpt
+            level = (self.overlap_weight * queued + self.decode_weight * decode + self.recent_weight * recent) / weight
+            rows.append((replica, PrefixMatch(gpu, host, pending), prefill, queued, decode, level, weight))
+        floor = min((row[5] for row in rows), default=0.0)
+        threshold = max(floor + self.balance_request_share * prompt_blocks, self.balance_rel * floor)
+        return tuple(
+            ReplicaScore(
+                replica, match, prefill, queued, decode, max(0.0, level - threshold),
+                self.overlap_weight * prefill / weight + max(0.0, level - threshold),
+            )
+            for replica, match, prefill, queued, decode, level, weight in rows
+        )
 
 
 def rendezvous(key: int, replica: ReplicaId, weight: int = 1) -> float:

@@ -5,12 +5,14 @@ Dynamo's KV router keeps the same two numbers per worker (``docs/design_docs/rou
 sequences), updating prefill when the first output token arrives and active blocks when a
 request completes. kvgate's hooks::
 
-    on_dispatch ──► queued prefill += predicted new tokens, active += blocks, running += 1
+    on_dispatch ──► queued prefill += predicted new tokens, active += blocks, running += 1,
+                    recent prefill (decayed, half-life ``half_life_s``) += predicted new tokens
     on_prefill_done (first token) ──► queued prefill -= that request's share
     on_complete (done, failed or cancelled) ──► everything of the request removed
 
-Invariant: every figure equals the sum over the replica's in-flight requests, so it is
-never negative and returns to zero when the replica has nothing in flight.
+Invariant: queued prefill, active blocks and running equal the sums over the replica's
+in-flight requests, so they are never negative and return to zero when the replica has
+nothing in flight. Recent prefill only decays (it is history, not in-flight state).
 """
 
 from __future__ import annotations
@@ -34,22 +36,32 @@ class _Totals:
     queued_prefill_tokens: int = 0
     active_blocks: int = 0
     running: int = 0
+    recent_prefill: float = 0.0  # decayed sum of dispatched prefill tokens, as of ``recent_at``
+    recent_at: float = 0.0
 
 
 class LoadTracker:
     """Requests in flight per replica; see the module docstring for the life cycle."""
 
-    __slots__ = ("_requests", "_totals")
+    __slots__ = ("_requests", "_totals", "half_life_s")
 
-    def __init__(self) -> None:
+    def __init__(self, *, half_life_s: float = 60.0) -> None:
+        if not half_life_s > 0:
+            raise RoutingError("half_life_s must be > 0")
+        self.half_life_s = half_life_s
         self._requests: dict[Hashable, _InFlight] = {}
         self._totals: dict[ReplicaId, _Totals] = {}
 
-    def load(self, replica: ReplicaId) -> ReplicaLoad:
+    def _decayed(self, t: _Totals, now: float) -> float:
+        if now <= t.recent_at:
+            return t.recent_prefill
+        return t.recent_prefill * 0.5 ** ((now - t.recent_at) / self.half_life_s)
+
+    def load(self, replica: ReplicaId, *, now: float = 0.0) -> ReplicaLoad:
         t = self._totals.get(replica)
         if t is None:
             return ReplicaLoad()
-        return ReplicaLoad(t.queued_prefill_tokens, t.active_blocks, t.running)
+        return ReplicaLoad(t.queued_prefill_tokens, t.active_blocks, t.running, self._decayed(t, now))
 
     def replica_of(self, request_id: Hashable) -> ReplicaId | None:
         entry = self._requests.get(request_id)
@@ -61,11 +73,15 @@ class LoadTracker:
     def __len__(self) -> int:
         return len(self._requests)
 
-    def dispatch(self, request_id: Hashable, replica: ReplicaId, *, prefill_tokens: int, blocks: int) -> None:
+    def dispatch(
+        self, request_id: Hashable, replica: ReplicaId, *, prefill_tokens: int, blocks: int, now: float = 0.0
+    ) -> None:
         if request_id in self._requests:
             raise RoutingError(f"request {request_id!r} is already in flight")
         self._requests[request_id] = _InFlight(replica, max(0, prefill_tokens), max(0, blocks))
         t = self._totals.setdefault(replica, _Totals())
+        t.recent_prefill = self._decayed(t, now) + max(0, prefill_tokens)
+        t.recent_at = max(now, t.recent_at)
         t.queued_prefill_tokens += max(0, prefill_tokens)
         t.active_blocks += max(0, blocks)
         t.running += 1

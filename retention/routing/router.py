@@ -24,7 +24,7 @@ simply not passed).
   otherwise. SGLang's cache-aware router and AIBrix switch to pure load balancing when
   load is imbalanced (SGLang: shortest queue; AIBrix: load > mean + 2σ); here load is a
   term of the same cost, so the switch is continuous (``overlap_weight`` sets it), as in
-  Dynamo.
+  Dynamo, but measured above a band (``cost.py``).
 
 Pure: no clock, no I/O; state is per router instance (one per pool in the gateway).
 """
@@ -67,12 +67,14 @@ class Router:
 
     name: str = "base"
 
-    def __init__(self, *, tokens_per_block: int, rng: random.Random | None = None) -> None:
-        if tokens_per_block < 1:
-            raise RoutingError("tokens_per_block must be >= 1")
+    def __init__(
+        self, *, tokens_per_block: int, rng: random.Random | None = None, half_life_s: float = 60.0
+    ) -> None:
+        if isinstance(tokens_per_block, bool) or not isinstance(tokens_per_block, int) or tokens_per_block < 1:
+            raise RoutingError("tokens_per_block must be an integer >= 1")
         self.tokens_per_block = tokens_per_block
         self.rng = rng if rng is not None else random.Random(0)
-        self.loads = LoadTracker()
+        self.loads = LoadTracker(half_life_s=half_life_s)
 
     # ---------------------------------------------------------------- choice
     def route(self, request: RouteRequest, candidates: Sequence[Candidate], *, now: float) -> Decision:
@@ -87,11 +89,11 @@ class Router:
     def _choose(self, request: RouteRequest, candidates: Sequence[Candidate], now: float) -> Decision:
         raise NotImplementedError
 
-    def load(self, replica: ReplicaId, candidate: Candidate | None = None) -> ReplicaLoad:
+    def load(self, replica: ReplicaId, candidate: Candidate | None = None, *, now: float = 0.0) -> ReplicaLoad:
         """The load the router sees for ``replica`` (the candidate's own figures win)."""
         if candidate is not None and candidate.load is not None:
             return candidate.load
-        return self.loads.load(replica)
+        return self.loads.load(replica, now=now)
 
     # ---------------------------------------------------------------- hooks
     def on_dispatch(self, request: RouteRequest, decision: Decision, *, now: float) -> None:
@@ -103,7 +105,7 @@ class Router:
         self.loads.dispatch(
             request.request_id, decision.replica,
             prefill_tokens=request.prompt_tokens - reused * bpt,
-            blocks=-(-(request.prompt_tokens + request.output_tokens) // bpt),
+            blocks=-(-(request.prompt_tokens + request.output_tokens) // bpt), now=now,
         )
 
     def on_prefill_done(self, request_id: Hashable, *, now: float) -> None:
@@ -231,13 +233,10 @@ class KvAwareRouter(Router):
     # ---------------------------------------------------------------- choice
     def _choose(self, request: RouteRequest, candidates: Sequence[Candidate], now: float) -> Decision:
         cost, bpt = self.cost, self.tokens_per_block
-        scores = tuple(
-            cost.score(
-                c.replica, self.match(c.replica, request.hashes, now=now), self.load(c.replica, c),
-                prompt_tokens=request.prompt_tokens, output_tokens=request.output_tokens,
-                tokens_per_block=bpt, weight=c.weight,
-            )
-            for c in candidates
+        scores = cost.scores(
+            [(c.replica, self.match(c.replica, request.hashes, now=now), self.load(c.replica, c, now=now), c.weight)
+             for c in candidates],
+            prompt_tokens=request.prompt_tokens, output_tokens=request.output_tokens, tokens_per_block=bpt,
         )
         key = _session_key(request)
         best = choose(

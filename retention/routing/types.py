@@ -30,13 +30,15 @@ class ReplicaLoad:
     ``queued_prefill_tokens``: prompt tokens routed there and not yet prefilled (waiting or
     prefilling), after predicted reuse. ``active_blocks``: KV blocks held by its running
     requests (prompt + output reserve). ``running``: requests in flight (dispatched, not
-    completed). Normally tracked by the router itself (``LoadTracker``); a caller that has
+    completed). ``recent_prefill_tokens``: prefill tokens dispatched there, exponentially
+    decayed (half-life ``LoadTracker.half_life_s``): the replica's recent compute. Normally tracked by the router itself (``LoadTracker``); a caller that has
     better numbers (an engine's own queue) passes them in :class:`Candidate`.
     """
 
     queued_prefill_tokens: int = 0
     active_blocks: int = 0
     running: int = 0
+    recent_prefill_tokens: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -113,9 +115,10 @@ class ReplicaScore:
 
     replica: ReplicaId
     match: PrefixMatch
-    prefill_blocks: float  # this request's blocks to compute after reuse (host credited)
-    queued_prefill_blocks: float
-    decode_blocks: float
+    prefill_blocks: float  # this request's blocks to compute after reuse (host, pending credited)
+    queued_prefill_blocks: float  # prefill already queued on the replica
+    decode_blocks: float  # KV blocks of its running requests + this request's
+    excess_load: float  # load above the least-loaded candidate beyond the balance slack
     cost: float
 
 

@@ -1,0 +1,297 @@
+"""Trace replay over N replica pools behind a router (``kvgate simulate --replicas N``).
+
+Each replica is its own :class:`BlockPool` (same shape, same retention policy); a router
+from ``retention/routing/`` — the code the gateway runs — picks the replica of every
+request. The ``kv-aware`` router's indexes are fed the way the gateway feeds them: *precise*
+from each pool's own KV events (drained after every allocate / release, so the index sees
+offloads, onboards and evictions as they happen), or *approximate* from its own decisions.
+
+``--hold none``: every request is allocated and released at its arrival (no load; the
+router still sees its indexes). ``--hold tokens``: per replica the single-pool model of
+``retention/simulator.py`` — FIFO admission, blocks held for ``(prompt − cached) /
+prefill_tps + output / decode_tps`` — with one event clock across replicas::
+
+    arrival ─► route ─► on_dispatch ─► replica's FIFO ─► allocate ─► prefill done
+        (on_prefill_done) ─► finish: release, events ─► apply_events, on_complete
+
+Replicas compute independently (a replica's service time does not depend on its
+concurrency); load matters through KV capacity (held blocks push cached ones out, and a
+full replica makes requests wait) — the contention ``--hold tokens`` models.
+
+Reported: token hit rate per tier (totals and per tenant, as :class:`PolicyResult`), per
+replica requests / prompt tokens / computed prefill tokens, and the load imbalance
+``max / mean`` of computed prefill tokens per replica. The ceiling (one pool with N× the
+capacity) is ``retention.simulator.simulate`` at N× the blocks.
+"""
+
+from __future__ import annotations
+
+import heapq
+import random
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Literal
+
+from retention.pool import BlockPool, PoolConfig
+from retention.routing import (
+    Candidate,
+    CapacityModel,
+    CostModel,
+    Router,
+    RouteRequest,
+    approximate_indexes,
+    make_router,
+)
+from retention.sim_policies import SimPolicy
+from retention.simulator import PolicyResult, SimConfig, TenantResult, _salt, request_hashes
+from retention.trace import TraceRequest, request_tokens
+
+IndexMode = Literal["precise", "approximate"]
+Progress = Callable[[int], None]
+
+
+@dataclass(frozen=True, slots=True)
+class ClusterConfig:
+    """The replica set and its router.
+
+    ``index``: how kv-aware learns what a replica holds (``precise`` = pool events,
+    ``approximate`` = its own decisions in a two-tier LRU of the pool's size, optionally
+    aged by ``ttl_s``). ``seed`` seeds the router's random source (``random``, softmax).
+    """
+
+    replicas: int
+    router: str = "kv-aware"
+    cost: CostModel = CostModel()
+    index: IndexMode = "precise"
+    ttl_s: float | None = None
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.replicas < 1:
+            raise ValueError("replicas must be >= 1")
+        if self.index not in ("precise", "approximate"):
+            raise ValueError(f"index must be 'precise' or 'approximate', got {self.index!r}")
+
+
+@dataclass(slots=True)
+class ReplicaResult:
+    replica: int
+    requests: int = 0
+    rejected: int = 0
+    prompt_tokens: int = 0
+    prefill_tokens: int = 0  # prompt tokens computed (not served from cache)
+    gpu_hit_tokens: int = 0
+    host_hit_tokens: int = 0
+    delayed_requests: int = 0
+
+    @property
+    def hit_rate(self) -> float:
+        return (self.gpu_hit_tokens + self.host_hit_tokens) / self.prompt_tokens if self.prompt_tokens else 0.0
+
+
+@dataclass(slots=True)
+class ClusterResult:
+    router: str
+    index: str
+    total: PolicyResult
+    replicas: list[ReplicaResult] = field(default_factory=list)
+
+    @staticmethod
+    def _imbalance(values: Sequence[int]) -> float:
+        mean = sum(values) / len(values) if values else 0.0
+        return max(values) / mean if mean else 1.0
+
+    @property
+    def load_imbalance(self) -> float:
+        """max / mean computed prefill tokens per replica (1.0 = perfectly even)."""
+        return self._imbalance([r.prefill_tokens for r in self.replicas])
+
+    @property
+    def request_imbalance(self) -> float:
+        """max / mean requests per replica."""
+        return self._imbalance([r.requests for r in self.replicas])
+
+    def to_dict(self) -> dict:
+        return {
+            "router": self.router,
+            "index": self.index,
+            "load_imbalance": self.load_imbalance,
+            "request_imbalance": self.request_imbalance,
+            "total": self.total.to_dict(),
+            "replicas": [{**asdict(r), "hit_rate": r.hit_rate} for r in self.replicas],
+        }
+
+
+def _build_router(cluster: ClusterConfig, config: SimConfig, primary: int, secondary: int) -> Router:
+    factory = None
+    if cluster.index == "approximate":
+        factory = approximate_indexes(CapacityModel(primary, secondary, cluster.ttl_s))
+    return make_router(
+        cluster.router, tokens_per_block=config.tokens_per_block, cost=cluster.cost, index_factory=factory,
+        rng=random.Random(cluster.seed),
+    )
+
+
+def simulate_cluster(
+    requests: Sequence[TraceRequest],
+    policy_factory: Callable[[], SimPolicy],
+    *,
+    cluster: ClusterConfig,
+    primary_blocks: int,
+    secondary_blocks: int,
+    config: SimConfig = SimConfig(),
+    hashes: Sequence[list[int]] | None = None,
+    progress: Progress | None = None,
+) -> ClusterResult:
+    """Replay ``requests`` over ``cluster.replicas`` fresh pools (each ``primary_blocks`` GPU)."""
+    policies = [policy_factory() for _ in range(cluster.replicas)]
+    name = policies[0].name
+    secondary = secondary_blocks if policies[0].uses_host else 0
+    events_on = cluster.router == "kv-aware" and cluster.index == "precise"
+    pools = [
+        BlockPool(
+            PoolConfig(
+                primary_blocks=primary_blocks, secondary_blocks=secondary, tokens_per_block=config.tokens_per_block,
+                secondary_offload_min_priority=p.offload_min_priority, event_buffer_max_size=None if events_on else 0,
+            )
+        )
+        for p in policies
+    ]
+    router = _build_router(cluster, config, primary_blocks, secondary)
+    candidates = [Candidate(i) for i in range(cluster.replicas)]
+    if hashes is None:
+        hashes = request_hashes(requests, config)
+    total = PolicyResult(name, primary_blocks, secondary)
+    per_replica = [ReplicaResult(i) for i in range(cluster.replicas)]
+    bpt = config.tokens_per_block
+    route_requests: dict[int, RouteRequest] = {}
+
+    def feed(replica: int, now: float) -> None:
+        if events_on:
+            router.apply_events(replica, pools[replica].take_events(), now=now)
+
+    def account(replica: int, request: TraceRequest, reused: int, onboarded: int, rejected: bool) -> None:
+        tenant = total.tenants.setdefault(request.tenant or "-", TenantResult())
+        rep = per_replica[replica]
+        for target in (total, tenant, rep):
+            target.requests += 1
+            target.prompt_tokens += request.input_length
+            if rejected:
+                target.rejected += 1
+            else:
+                target.gpu_hit_tokens += (reused - onboarded) * bpt
+                target.host_hit_tokens += onboarded * bpt
+        rep.prefill_tokens += request.input_length - (0 if rejected else reused * bpt)
+
+    def route(request: TraceRequest, now: float) -> int:
+        h = hashes[request.index]
+        rr = RouteRequest(request.index, tuple(h), request.input_length, request.output_length)
+        decision = router.route(rr, candidates, now=now)
+        router.on_dispatch(rr, decision, now=now)
+        route_requests[request.index] = rr
+        return decision.replica
+
+    def try_admit(replica: int, request: TraceRequest, now: float, reserve: int):
+        pool, policy = pools[replica], policies[replica]
+        tokens = request_tokens(request, config.trace_block_size)
+        h = hashes[request.index]
+        plan = policy.plan(request, h, now=now, pool=pool)
+        alloc = pool.allocate(
+            request.index, tokens, salt=_salt(request, config), tenant=request.tenant, plan=plan, now=now,
+            reserve_tokens=reserve,
+        )
+        if alloc is not None:
+            policy.observe(request, h, alloc, now=now, pool=pool)
+            feed(replica, now)
+        return tokens, alloc
+
+    def reject(replica: int, request: TraceRequest, now: float) -> None:
+        policies[replica].observe(request, hashes[request.index], None, now=now, pool=pools[replica])
+        account(replica, request, 0, 0, True)
+        router.on_complete(request.index, now=now)
+
+    if config.hold == "none":
+        for request in requests:
+            now = request.timestamp_ms / 1000.0
+            replica = route(request, now)
+            tokens, alloc = try_admit(replica, request, now, 0)
+            if alloc is None:
+                reject(replica, request, now)
+            else:
+                account(replica, request, alloc.reused_blocks, alloc.onboarded_blocks, False)
+                router.on_prefill_done(request.index, now=now)
+                pools[replica].release(request.index, tokens, now=now, num_computed_tokens=len(tokens))
+                feed(replica, now)
+                router.on_complete(request.index, now=now)
+            if progress is not None:
+                progress(1)
+        _finish_totals(total, pools)
+        return ClusterResult(cluster.router, cluster.index, total, per_replica)
+
+    # --hold tokens: one clock, events (time, seq, kind, replica, request index, tokens)
+    clock: list[tuple[float, int, int, int, int, object]] = []
+    seq = 0
+    waiting: list[deque[TraceRequest]] = [deque() for _ in range(cluster.replicas)]
+    running = [0] * cluster.replicas
+    PREFILL_DONE, FINISH = 0, 1
+
+    def admit_waiting(replica: int, now: float) -> None:
+        nonlocal seq
+        queue = waiting[replica]
+        while queue:
+            request = queue[0]
+            tokens, alloc = try_admit(replica, request, now, request.output_length)
+            if alloc is None:
+                if running[replica]:
+                    return  # head-of-line request waits for capacity on its replica
+                queue.popleft()
+                reject(replica, request, now)
+                if progress is not None:
+                    progress(1)
+                continue
+            queue.popleft()
+            if now > request.timestamp_ms / 1000.0:
+                total.delayed_requests += 1
+                total.total_wait_s += now - request.timestamp_ms / 1000.0
+                per_replica[replica].delayed_requests += 1
+            account(replica, request, alloc.reused_blocks, alloc.onboarded_blocks, False)
+            prefill = (request.input_length - alloc.num_cached_tokens) / config.prefill_tokens_per_s
+            decode = request.output_length / config.decode_tokens_per_s
+            running[replica] += 1
+            heapq.heappush(clock, (now + prefill, seq, PREFILL_DONE, replica, request.index, None))
+            heapq.heappush(clock, (now + prefill + decode, seq + 1, FINISH, replica, request.index, tokens))
+            seq += 2
+            if progress is not None:
+                progress(1)
+
+    def run_until(limit: float | None) -> None:
+        while clock and (limit is None or clock[0][0] <= limit):
+            at, _, kind, replica, index, tokens = heapq.heappop(clock)
+            if kind == PREFILL_DONE:
+                router.on_prefill_done(index, now=at)
+                continue
+            pools[replica].release(index, tokens, now=at, num_computed_tokens=len(tokens))  # type: ignore[arg-type]
+            feed(replica, at)
+            router.on_complete(index, now=at)
+            running[replica] -= 1
+            admit_waiting(replica, at)
+
+    for request in requests:
+        now = request.timestamp_ms / 1000.0
+        run_until(now)
+        replica = route(request, now)
+        waiting[replica].append(request)
+        admit_waiting(replica, now)
+    run_until(None)
+    _finish_totals(total, pools)
+    return ClusterResult(cluster.router, cluster.index, total, per_replica)
+
+
+def _finish_totals(total: PolicyResult, pools: Sequence[BlockPool]) -> None:
+    for pool in pools:
+        stats = pool.stats()
+        total.offloaded_blocks += stats.offloaded_blocks
+        total.onboarded_blocks += stats.onboarded_blocks
+        total.evicted_primary_blocks += stats.evicted_primary_blocks
+        total.evicted_secondary_blocks += stats.evicted_secondary_blocks
