@@ -120,22 +120,24 @@ def test_a_loaded_replica_is_avoided_when_the_cost_says_so(fleet):
     second = follow_up(first, r1.json()["choices"][0]["message"]["content"], "And tomorrow?")
     prefix = fleet.wait_indexed(fleet.prompt_hashes("busy", second), 2)
     assert prefix == "r0"
-    # three long generations on r0: their KV blocks outweigh the prefix r0 holds
+    # five long generations on r0 (long prompts, long answers): beyond the cost's balance band
+    # their load outweighs the prefix r0 holds
     r0 = fleet.replica("r0")
     answers: list[httpx.Response] = []
+    document = " ".join(f"Chapter {i} tells how the foundry cast bell number {i} in the cold winter." for i in range(20))
 
     def flood(i: int) -> None:
-        answers.append(fleet.chat("flood", [{"role": "user", "content": f"Write a long story number {i}."}],
+        answers.append(fleet.chat("flood", [{"role": "user", "content": f"{document} Retell chapter {i} at length."}],
                                   max_tokens=150))
 
-    threads = [threading.Thread(target=flood, args=(i,)) for i in range(3)]
+    threads = [threading.Thread(target=flood, args=(i,)) for i in range(5)]
     for t in threads:
         t.start()
-    fleet.wait_until(lambda: r0.in_flight >= 3, what="load on r0")
+    fleet.wait_until(lambda: r0.in_flight >= 5, what="load on r0")
     for name in ("r1", "r2"):
         fleet.set_state(name, "active")
         fleet.wait_state(name, "active")
-    assert r0.in_flight >= 3, "the load finished before the check; raise max_tokens"
+    assert r0.in_flight >= 5, "the load finished before the check; raise max_tokens"
     r2 = fleet.chat("busy", second)
     for t in threads:
         t.join(300)
