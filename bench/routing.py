@@ -148,8 +148,7 @@ def new_tenants(factory, pepper: str, prefix: str, count: int) -> list[str]:
 
 def system_prompt(tenant: int) -> str:
     topic = TOPICS[tenant % len(TOPICS)]
-    return (f"You are the help desk of the {topic} society (desk {tenant}). Answer in one or two short "
-            f"sentences, stay friendly, mention {topic} when it fits, and never invent prices or dates.")
+    return f"You are desk {tenant} of the {topic} society. Be brief and friendly."
 
 
 def user_message(tenant: int, conversation: int, turn: int) -> str:
@@ -299,7 +298,7 @@ def main() -> None:
     parser.add_argument("--replicas", type=int, default=3)
     parser.add_argument("--tenants", type=int, default=4)
     parser.add_argument("--conversations", type=int, default=2, help="per tenant")
-    parser.add_argument("--turns", type=int, default=5)
+    parser.add_argument("--turns", type=int, default=6)
     parser.add_argument("--max-tokens", type=int, default=8)
     parser.add_argument("--concurrency", type=int, default=4)
     parser.add_argument("--primary-blocks", type=int, default=64)

@@ -120,15 +120,15 @@ def test_a_loaded_replica_is_avoided_when_the_cost_says_so(fleet):
     second = follow_up(first, r1.json()["choices"][0]["message"]["content"], "And tomorrow?")
     prefix = fleet.wait_indexed(fleet.prompt_hashes("busy", second), 2)
     assert prefix == "r0"
-    # five long generations on r0 (long prompts, long answers): beyond the cost's balance band
-    # their load outweighs the prefix r0 holds
+    # five generations with long prompts on r0: their prefill work and held blocks put r0
+    # beyond the cost's balance band, and the excess outweighs the prefix r0 holds
     r0 = fleet.replica("r0")
     answers: list[httpx.Response] = []
     document = " ".join(f"Chapter {i} tells how the foundry cast bell number {i} in the cold winter." for i in range(20))
 
     def flood(i: int) -> None:
         answers.append(fleet.chat("flood", [{"role": "user", "content": f"{document} Retell chapter {i} at length."}],
-                                  max_tokens=150))
+                                  max_tokens=40))
 
     threads = [threading.Thread(target=flood, args=(i,)) for i in range(5)]
     for t in threads:
