@@ -36,7 +36,7 @@ import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator, Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from engines.contract import EngineRequest, PoolStatsReport, TierStats
 from engines.kv_events import MOVED, REMOVED, STORED, KvEventsReport
@@ -78,7 +78,7 @@ class RoutingConfig:
     retries: int = 1
     breaker_open_s: float = 0.5
     breaker_max_open_s: float = 10.0
-    stats_timeout_s: float = 2.0
+    stats_timeout_s: float = 5.0
 
 
 @dataclass(slots=True)
@@ -320,8 +320,7 @@ class Routing:
 
     def use_router(self, name: str) -> None:
         make_router(name, tokens_per_block=1)  # validates the name
-        self.config = RoutingConfig(name, self.config.cost, self.config.retries, self.config.breaker_open_s,
-                                    self.config.breaker_max_open_s, self.config.stats_timeout_s)
+        self.config = replace(self.config, router=name)
         for route in self.pools.values():
             route.config = self.config
             route.use_router(name)
