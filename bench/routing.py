@@ -9,9 +9,10 @@ cache hits and both routers face the same work and the same residue in the engin
 
 Workload: ``--tenants`` tenants, each with its own system prompt and ``--conversations``
 conversations of ``--turns`` turns (a long user message each; the model's greedy answer is
-kept in the history). Conversations run concurrently (``--concurrency`` at a time), turns in
-order. Measured per router: cached-token share (``prompt_tokens_details.cached_tokens`` /
-prompt tokens, from the engines' reuse), TTFT p50/p90 (first streamed content), requests
+kept in the history), turns in order. All conversations are open at once and at most
+``--concurrency`` requests are in flight, so a replica sees other conversations between two
+turns of one. Measured per router: cached-token share (``prompt_tokens_details.cached_tokens``
+/ prompt tokens, from the engines' reuse), TTFT p50/p90 (first streamed content), requests
 per replica (the gateway's ``kvgate_replica_requests_total``).
 
     python bench/routing.py [--rounds 2] [--no-write]
@@ -66,7 +67,7 @@ def start_engines(n: int, args, logs: Path) -> list[tuple[subprocess.Popen, int]
         proc = subprocess.Popen(
             [sys.executable, "-m", "server.cli", "engine", "serve", "--port", str(port),
              "--tokens-per-block", str(TPB), "--primary-blocks", str(args.primary_blocks), "--secondary-blocks", "0",
-             "--max-input-len", "960", "--max-output-len", "64", "--max-batch-size", "8", "--max-num-tokens", "256"],
+             "--max-input-len", "1024", "--max-output-len", "64", "--max-batch-size", "8", "--max-num-tokens", "256"],
             stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
         engines.append((proc, port))
     for proc, port in engines:
@@ -158,36 +159,42 @@ def user_message(tenant: int, conversation: int, turn: int) -> str:
             f"short walks and old buildings. What should we look at first, and what should we skip?")
 
 
-async def conversation(http: httpx.AsyncClient, key: str, tenant: int, index: int, turns: int,
-                       max_tokens: int, sink: list[dict]) -> None:
+async def conversation(http: httpx.AsyncClient, key: str, tenant: int, index: int, args, sink: list[dict],
+                       slots: asyncio.Semaphore) -> None:
+    """One conversation, turn after turn; a slot is held per request (users think between turns)."""
     messages = [{"role": "system", "content": system_prompt(tenant)}]
     headers = {"Authorization": f"Bearer {key}"}
-    for turn in range(turns):
+    for turn in range(args.turns):
         messages.append({"role": "user", "content": user_message(tenant, index, turn)})
-        body = {"model": MODEL, "messages": messages, "max_tokens": max_tokens, "temperature": 0, "stream": True,
-                "stream_options": {"include_usage": True}}
-        started = time.perf_counter()
-        ttft, text, usage = None, [], None
-        async with http.stream("POST", "/v1/chat/completions", json=body, headers=headers) as response:
-            if response.status_code != 200:
-                raise RuntimeError(f"HTTP {response.status_code}: {await response.aread()!r}")
-            async for line in response.aiter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                chunk = json.loads(line[6:])
-                if "error" in chunk:
-                    raise RuntimeError(chunk["error"])
-                if chunk.get("usage"):
-                    usage = chunk["usage"]
-                for choice in chunk.get("choices", ()):
-                    content = choice.get("delta", {}).get("content")
-                    if content:
-                        if ttft is None:
-                            ttft = time.perf_counter() - started
-                        text.append(content)
-        messages.append({"role": "assistant", "content": "".join(text)})
-        sink.append({"ttft": ttft, "prompt": usage["prompt_tokens"],
-                     "cached": usage["prompt_tokens_details"]["cached_tokens"]})
+        body = {"model": MODEL, "messages": messages, "max_tokens": args.max_tokens, "temperature": 0,
+                "stream": True, "stream_options": {"include_usage": True}}
+        async with slots:
+            answer = await one_turn(http, body, headers, sink)
+        messages.append({"role": "assistant", "content": answer})
+
+
+async def one_turn(http: httpx.AsyncClient, body: dict, headers: dict, sink: list[dict]) -> str:
+    started = time.perf_counter()
+    ttft, text, usage = None, [], None
+    async with http.stream("POST", "/v1/chat/completions", json=body, headers=headers) as response:
+        if response.status_code != 200:
+            raise RuntimeError(f"HTTP {response.status_code}: {await response.aread()!r}")
+        async for line in response.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if "error" in chunk:
+                raise RuntimeError(chunk["error"])
+            if chunk.get("usage"):
+                usage = chunk["usage"]
+            for choice in chunk.get("choices", ()):
+                content = choice.get("delta", {}).get("content")
+                if content:
+                    if ttft is None:
+                        ttft = time.perf_counter() - started
+                    text.append(content)
+    sink.append({"ttft": ttft, "prompt": usage["prompt_tokens"], "cached": usage["prompt_tokens_details"]["cached_tokens"]})
+    return "".join(text)
 
 
 def replica_requests(metrics_text: str) -> dict[str, float]:
@@ -205,16 +212,11 @@ def pct(values: list[float], q: float) -> float:
 
 
 async def run_round(http: httpx.AsyncClient, keys: list[str], args) -> list[dict]:
+    """Every conversation of every tenant at once; at most ``concurrency`` requests in flight."""
     sink: list[dict] = []
-    sem = asyncio.Semaphore(args.concurrency)
-
-    async def one(tenant: int, index: int) -> None:
-        async with sem:
-            await conversation(http, keys[tenant], tenant, index, args.turns, args.max_tokens, sink)
-
-    # Interleave tenants so every tenant is active at once.
+    slots = asyncio.Semaphore(args.concurrency)
     jobs = [(t, c) for c in range(args.conversations) for t in range(args.tenants)]
-    await asyncio.gather(*(one(t, c) for t, c in jobs))
+    await asyncio.gather(*(conversation(http, keys[t], t, c, args, sink, slots) for t, c in jobs))
     return sink
 
 
@@ -273,7 +275,8 @@ def render(summary: dict[str, dict], args) -> str:
         f"{args.primary_blocks} GPU blocks of {TPB} tokens, no host tier) are the replicas of one pool behind one "
         f"gateway. Workload: {args.tenants} salted tenants × {args.conversations} conversations × {args.turns} turns "
         f"(own system prompt per tenant, long user turns, greedy answers of ≤ {args.max_tokens} tokens kept in the "
-        f"history), {args.concurrency} conversations at a time. {args.rounds} rounds per router, alternated in one "
+        f"history), all conversations open at once with at most {args.concurrency} requests in flight (users think "
+        f"between turns). {args.rounds} round(s) per router, alternated in one "
         "run, each round with fresh tenants (new salts) replaying the same texts.",
         "",
         "| router | requests | cached-token share | TTFT p50 s | TTFT p90 s | requests per replica | wall s |",
@@ -297,11 +300,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--replicas", type=int, default=3)
     parser.add_argument("--tenants", type=int, default=4)
-    parser.add_argument("--conversations", type=int, default=2, help="per tenant")
-    parser.add_argument("--turns", type=int, default=6)
+    parser.add_argument("--conversations", type=int, default=4, help="per tenant")
+    parser.add_argument("--turns", type=int, default=4)
     parser.add_argument("--max-tokens", type=int, default=8)
     parser.add_argument("--concurrency", type=int, default=4)
-    parser.add_argument("--primary-blocks", type=int, default=64)
+    parser.add_argument("--primary-blocks", type=int, default=80)
     parser.add_argument("--rounds", type=int, default=1, help="rounds per router (alternated)")
     parser.add_argument("--no-write", action="store_true", help="print only; leave docs/benchmarks.md alone")
     args = parser.parse_args()
