@@ -66,3 +66,40 @@ def test_event_reports_rebuild_the_routers_precise_index() -> None:
     router.apply_events(7, report_as_pool_events(report), now=0.0)
     assert router.match(7, (1,), now=0.0).blocks == 1 and router.match(7, (2,), now=0.0).blocks == 0
     assert router.match(7, (15,), now=0.0).blocks == 1
+
+
+def test_a_replica_without_events_gets_an_approximate_index_fed_by_dispatches() -> None:
+    import asyncio
+
+    from engines.kv_events import KvEventsReport
+    from retention.routing import ApproximateIndex, RouteRequest
+    from server.gateway.routing import PoolRoute, RoutingConfig
+    from tenants.snapshots import PoolSnapshot, ReplicaSnapshot
+
+    async def scenario() -> None:
+        pool = PoolSnapshot(1, "p", "m", "kvgate_llm", "spec", 16, 64, 0, 35,
+                            (ReplicaSnapshot(5, "r0", "127.0.0.1:1", "active", 1),
+                             ReplicaSnapshot(6, "r1", "127.0.0.1:2", "active", 1)))
+        route = PoolRoute(pool, RoutingConfig(), clock=lambda: 0.0)
+        try:
+            route._feed(route.replicas[5], KvEventsReport.unsupported())  # orchestrator mode
+            assert route.replicas[5].events is False
+            assert isinstance(route.router.index(5), ApproximateIndex)
+            request = RouteRequest("q", (11, 12, 13), 64, 4)
+            assert route.router.match(5, (11, 12, 13), now=0.0).blocks == 0
+            only_r0 = [c for c in route.candidates(set()) if c.replica == 5]
+            decision = route.router.route(request, only_r0, now=0.0)
+            route.router.on_dispatch(request, decision, now=0.0)
+            route.router.on_complete("q", now=0.0)
+            # what was sent there is now expected there
+            assert route.router.match(5, (11, 12, 13), now=0.0).blocks == 3
+            # a draining replica is no candidate
+            route.sync(PoolSnapshot(1, "p", "m", "kvgate_llm", "spec", 16, 64, 0, 35,
+                                    (ReplicaSnapshot(5, "r0", "127.0.0.1:1", "draining", 1),
+                                     ReplicaSnapshot(6, "r1", "127.0.0.1:2", "active", 1))))
+            assert [c.replica for c in route.candidates(set())] == [6]
+        finally:
+            for replica in route.replicas.values():
+                await replica.client.close()
+
+    asyncio.run(scenario())
