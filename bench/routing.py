@@ -125,9 +125,12 @@ def seed(url: str, ports: list[int], primary_blocks: int):
                           tokens_per_block=TPB, primary_blocks=primary_blocks, secondary_blocks=0,
                           secondary_offload_min_priority=30,
                           replicas=[{"name": f"r{i}", "endpoint": f"127.0.0.1:{p}"} for i, p in enumerate(ports)])
+    # One priority for every segment (TensorRT-LLM's default 35): eviction is plain LRU, so a
+    # round's blocks age out behind the next round's instead of outranking them (fresh salts
+    # every round make them dead weight) — the comparison is about routing, not retention.
     with factory() as s:
-        retention_classes.create_class(s, actor="bench", now=now, name="chat", system_priority=90,
-                                       context_priority=60, turn_priority=40, decode_priority=20)
+        retention_classes.create_class(s, actor="bench", now=now, name="chat", system_priority=35,
+                                       context_priority=35, turn_priority=35, decode_priority=35)
     return factory
 
 
@@ -225,9 +228,9 @@ async def measure(args, gateway, factory, pepper: str) -> dict[str, dict]:
     http = httpx.AsyncClient(base_url=gateway.base_url, timeout=600,
                              limits=httpx.Limits(max_connections=32, max_keepalive_connections=32))
     results: dict[str, dict] = {name: {"samples": [], "per_replica": {}, "seconds": 0.0}
-                                for name in ("round-robin", "kv-aware")}
+                                for name in args.routers.split(",")}
     try:
-        order = [name for _ in range(args.rounds) for name in ("round-robin", "kv-aware")]
+        order = [name for _ in range(args.rounds) for name in args.routers.split(",")]
         for number, name in enumerate(order):
             routing.use_router(name)
             await asyncio.sleep(0.5)  # a poll or two: the fresh router's indexes resync from snapshots
@@ -272,7 +275,7 @@ def render(summary: dict[str, dict], args) -> str:
         "## Routing over replicas (`bench/routing.py`)",
         "",
         f"Machine: {machine()}. Three reference engines (`kvgate engine serve`, one torch thread each, "
-        f"{args.primary_blocks} GPU blocks of {TPB} tokens, no host tier) are the replicas of one pool behind one "
+        f"{args.primary_blocks} GPU blocks of {TPB} tokens, no host tier, one retention priority: LRU) are the replicas of one pool behind one "
         f"gateway. Workload: {args.tenants} salted tenants × {args.conversations} conversations × {args.turns} turns "
         f"(own system prompt per tenant, long user turns, greedy answers of ≤ {args.max_tokens} tokens kept in the "
         f"history), all conversations open at once with at most {args.concurrency} requests in flight (users think "
@@ -304,10 +307,13 @@ def main() -> None:
     parser.add_argument("--turns", type=int, default=4)
     parser.add_argument("--max-tokens", type=int, default=8)
     parser.add_argument("--concurrency", type=int, default=4)
-    parser.add_argument("--primary-blocks", type=int, default=80)
+    parser.add_argument("--primary-blocks", type=int, default=128)
     parser.add_argument("--rounds", type=int, default=1, help="rounds per router (alternated)")
+    parser.add_argument("--routers", default="round-robin,kv-aware", help="routers alternated in each round")
     parser.add_argument("--no-write", action="store_true", help="print only; leave docs/benchmarks.md alone")
     args = parser.parse_args()
+    if args.routers != "round-robin,kv-aware":
+        args.no_write = True  # the docs section compares exactly these two
 
     from server.gateway.services import LoopIntervals
     from server.serving import build_serving_app
@@ -327,6 +333,8 @@ def main() -> None:
         gateway.start()
         summary = summarise(asyncio.run(measure(args, gateway, factory, pepper)))
         print(json.dumps(summary, indent=1))
+        if args.no_write and args.routers != "round-robin,kv-aware":
+            return
         text = render(summary, args)
         print(text)
         if not args.no_write:
