@@ -241,6 +241,7 @@ def register(app: typer.Typer) -> None:
             doc = load_registry(text, source=file)
         except InvalidField as exc:
             _fail(2, exc.code, exc.message, exc.field)
+        _require_current_schema()
         with _session() as s:
             try:
                 plan = apply_registry(s, doc, actor=who, now=_now(), prune=prune, dry_run=dry_run)
@@ -336,6 +337,22 @@ def _register_replicas(admin: typer.Typer) -> None:
         with _session() as s:
             svc.remove_replica(s, actor=_actor(), now=_now(), pool=pool, name=name)
             _print({"removed": name, "pool": pool})
+
+
+def _require_current_schema() -> None:
+    """Exit 1 with a clear message unless the database is migrated to this code's head."""
+    from sqlalchemy.exc import SQLAlchemyError
+
+    from server.settings import Settings
+    from tenants import migrate
+
+    try:
+        current, head = migrate.current(url=Settings().database_url), migrate.head()
+    except SQLAlchemyError as exc:
+        _fail(1, "database_unavailable", f"database error: {type(exc).__name__}: {exc}")
+    if current != head:
+        _fail(1, "schema_not_current", f"the registry schema is at {current or 'base'}, this kvgate needs {head}: "
+              "run `kvgate db upgrade` first")
 
 
 def _tenant_json(session: Any, tenant: Any) -> dict[str, Any]:

@@ -17,6 +17,7 @@ def now() -> datetime:
 
 
 def make_pool(session: Session, name: str = "gpu-a", **overrides: Any) -> Any:
+    """A pool with one replica r0 at 127.0.0.1:8001 (legacy ``triton_url``), or ``replicas=[...]``."""
     values = dict(
         model_name="smollm2-135m",
         triton_url="127.0.0.1:8001",
@@ -24,6 +25,8 @@ def make_pool(session: Session, name: str = "gpu-a", **overrides: Any) -> Any:
         secondary_blocks=256,
         secondary_offload_min_priority=35,
     )
+    if "replicas" in overrides and "triton_url" not in overrides:
+        del values["triton_url"]  # replicas=[...] replaces the legacy single endpoint
     values.update(overrides)
     return pools.create_pool(session, actor=ACTOR, now=now(), name=name, **values)
 

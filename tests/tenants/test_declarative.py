@@ -15,8 +15,8 @@ import pytest
 import yaml
 from sqlalchemy import func, select
 
-from tenants import declarative
-from tenants.errors import Conflict, InvalidField
+from tenants import declarative, replicas
+from tenants.errors import Conflict, InUse, InvalidField
 from tenants.models import AuditEvent, Pool, PoolReplica, RetentionClass, Tenant
 from tests.tenants.factories import make_class, make_pool, make_tenant, now
 
@@ -133,8 +133,6 @@ def test_a_changed_file_makes_exactly_the_audited_changes(session) -> None:  # t
 def test_omitted_fields_are_not_managed(session) -> None:  # type: ignore[no-untyped-def]
     """A replica an operator drained stays drained when the file says nothing about its state."""
     _apply(session, FILE)
-    from tenants import replicas
-
     replicas.drain_replica(session, actor="ops", now=now(), pool="llama8b", name="r1")
     assert _apply(session, FILE).empty  # r1 has no state in FILE
     forced = copy.deepcopy(FILE)
@@ -152,8 +150,6 @@ def test_prune_only_deletes_listed_kinds(session) -> None:  # type: ignore[no-un
     counts = _counts(session)
     # Pruning pools alone cannot delete "legacy" while tenant "gone" (not pruned: no
     # tenants list in this file) is on it: the registry refuses, nothing is written.
-    from tenants.errors import InUse
-
     with pytest.raises(InUse):
         _apply(session, {"pools": FILE["pools"]}, prune=True)
     assert _counts(session) == counts

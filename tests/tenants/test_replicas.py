@@ -24,7 +24,6 @@ def _events(session, action: str | None = None) -> list[AuditEvent]:  # type: ig
 def _two_replica_pool(session):  # type: ignore[no-untyped-def]
     return make_pool(
         session,
-        triton_url=None,
         replicas=[{"name": "r0", "endpoint": "engine-0:8001"}, {"name": "r1", "endpoint": "engine-1:8001", "weight": 3}],
     )
 
@@ -57,7 +56,7 @@ def test_pool_with_replicas_and_its_snapshot(session) -> None:  # type: ignore[n
     ("kwargs", "field"),
     [
         ({"triton_url": None}, "replicas"),  # neither
-        ({"replicas": [{"name": "r0", "endpoint": "h:1"}]}, "replicas"),  # both (triton_url from the factory)
+        ({"triton_url": "h:1", "replicas": [{"name": "r0", "endpoint": "h:1"}]}, "replicas"),  # both
         ({"triton_url": None, "replicas": []}, "replicas"),
         ({"triton_url": "no-port"}, "triton_url"),
         ({"triton_url": None, "replicas": [{"name": "r0", "endpoint": "h:70000"}]}, "replicas.0.endpoint"),

@@ -123,8 +123,9 @@ def test_admin_apply(run, tmp_path) -> None:  # type: ignore[no-untyped-def]
     import getpass
     from pathlib import Path
 
-    run("db", "upgrade")
     example = Path(__file__).resolve().parents[3] / "deploy" / "registry.example.yaml"
+    assert "kvgate db upgrade" in run("admin", "apply", "-f", str(example), code=1).output  # not migrated yet
+    run("db", "upgrade")
     dry = run("admin", "apply", "-f", str(example), "--dry-run").output
     assert "+ pool reference" in dry and "+ tenant acme" in dry and "dry run: nothing written" in dry
     assert json.loads(run("admin", "audit").output)["total"] == 0
