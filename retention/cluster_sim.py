@@ -96,6 +96,7 @@ class ClusterResult:
     index: str
     total: PolicyResult
     replicas: list[ReplicaResult] = field(default_factory=list)
+    predicted_hit_blocks: int = 0  # kv-aware: held blocks its index saw on the chosen replica
 
     @staticmethod
     def _imbalance(values: Sequence[int]) -> float:
@@ -117,6 +118,7 @@ class ClusterResult:
             "router": self.router,
             "index": self.index,
             "load_imbalance": self.load_imbalance,
+            "predicted_hit_blocks": self.predicted_hit_blocks,
             "request_imbalance": self.request_imbalance,
             "total": self.total.to_dict(),
             "replicas": [{**asdict(r), "hit_rate": r.hit_rate} for r in self.replicas],
@@ -165,7 +167,7 @@ def simulate_cluster(
     total = PolicyResult(name, primary_blocks, secondary)
     per_replica = [ReplicaResult(i) for i in range(cluster.replicas)]
     bpt = config.tokens_per_block
-    route_requests: dict[int, RouteRequest] = {}
+    predicted = 0
 
     def feed(replica: int, now: float) -> None:
         if events_on:
@@ -185,11 +187,12 @@ def simulate_cluster(
         rep.prefill_tokens += request.input_length - (0 if rejected else reused * bpt)
 
     def route(request: TraceRequest, now: float) -> int:
+        nonlocal predicted
         h = hashes[request.index]
         rr = RouteRequest(request.index, tuple(h), request.input_length, request.output_length)
         decision = router.route(rr, candidates, now=now)
         router.on_dispatch(rr, decision, now=now)
-        route_requests[request.index] = rr
+        predicted += decision.match.blocks
         return decision.replica
 
     def try_admit(replica: int, request: TraceRequest, now: float, reserve: int):
@@ -227,7 +230,7 @@ def simulate_cluster(
             if progress is not None:
                 progress(1)
         _finish_totals(total, pools)
-        return ClusterResult(cluster.router, cluster.index, total, per_replica)
+        return ClusterResult(cluster.router, cluster.index, total, per_replica, predicted)
 
     # --hold tokens: one clock, events (time, seq, kind, replica, request index, tokens)
     clock: list[tuple[float, int, int, int, int, object]] = []
@@ -285,7 +288,7 @@ def simulate_cluster(
         admit_waiting(replica, now)
     run_until(None)
     _finish_totals(total, pools)
-    return ClusterResult(cluster.router, cluster.index, total, per_replica)
+    return ClusterResult(cluster.router, cluster.index, total, per_replica, predicted)
 
 
 def _finish_totals(total: PolicyResult, pools: Sequence[BlockPool]) -> None:
@@ -295,3 +298,70 @@ def _finish_totals(total: PolicyResult, pools: Sequence[BlockPool]) -> None:
         total.onboarded_blocks += stats.onboarded_blocks
         total.evicted_primary_blocks += stats.evicted_primary_blocks
         total.evicted_secondary_blocks += stats.evicted_secondary_blocks
+
+
+@dataclass(slots=True)
+class ClusterReport:
+    """Every router over the same replicas, and the ceiling: one pool with N× the capacity."""
+
+    replicas: int
+    primary_blocks: int  # per replica
+    secondary_blocks: int  # per replica
+    ceiling: PolicyResult
+    results: dict[str, ClusterResult]
+
+    def share_of_ceiling(self, router: str) -> float:
+        top = self.ceiling.hit_rate
+        return self.results[router].total.hit_rate / top if top else 0.0
+
+    def to_dict(self) -> dict:
+        return {
+            "replicas": self.replicas,
+            "primary_blocks_per_replica": self.primary_blocks,
+            "secondary_blocks_per_replica": self.secondary_blocks,
+            "ceiling": self.ceiling.to_dict(),
+            "routers": {
+                name: {**r.to_dict(), "share_of_ceiling": self.share_of_ceiling(name)} for name, r in self.results.items()
+            },
+        }
+
+
+def compare_routers(
+    requests: Sequence[TraceRequest],
+    policy_factory: Callable[[], SimPolicy],
+    routers: Sequence[ClusterConfig],
+    *,
+    primary_blocks: int,
+    secondary_blocks: int,
+    config: SimConfig = SimConfig(),
+    labels: Sequence[str] | None = None,
+    progress: Progress | None = None,
+) -> ClusterReport:
+    """Each cluster configuration (same replica count), plus the single-pool ceiling.
+
+    ``labels`` name the results (default: the router names, which must then be distinct).
+    """
+    from retention.simulator import simulate  # the single-pool replay, for the ceiling
+
+    if not routers:
+        raise ValueError("at least one router configuration is needed")
+    count = routers[0].replicas
+    if any(r.replicas != count for r in routers):
+        raise ValueError("every configuration must have the same number of replicas")
+    names = list(labels) if labels is not None else [r.router for r in routers]
+    if len(set(names)) != len(names):
+        raise ValueError(f"duplicate result labels: {names}")
+    hashes = request_hashes(requests, config)
+    ceiling = simulate(
+        requests, policy_factory(), primary_blocks=count * primary_blocks, secondary_blocks=count * secondary_blocks,
+        config=config, hashes=hashes, progress=progress,
+    )
+    results = {
+        name: simulate_cluster(
+            requests, policy_factory, cluster=cluster, primary_blocks=primary_blocks,
+            secondary_blocks=secondary_blocks, config=config, hashes=hashes, progress=progress,
+        )
+        for name, cluster in zip(names, routers, strict=True)
+    }
+    secondary = secondary_blocks if ceiling.secondary_blocks else 0
+    return ClusterReport(count, primary_blocks, secondary, ceiling, results)

@@ -37,7 +37,7 @@ with Dynamo's cost (T = 0, weight 1) on the Mooncake trace, 4 replicas at 2 %, t
 instantaneous load differences between replicas outweigh most prefix hits, so
 conversations scatter and the hit rate stays near 60 % of the one-big-pool ceiling; with
 the band, and recent prefill work instead of active blocks as the main load signal, it is
-above 90 % with the per-replica prefill work still within a few percent.
+95 %, with the busiest replica computing 4 % more prefill than the mean.
 
 Choice: with ``temperature`` 0 the lowest cost wins; ties go to the highest rendezvous
 hash of (request's session key, replica), then the lowest id, so every gateway replica

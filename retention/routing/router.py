@@ -2,7 +2,7 @@
 
 Life cycle of a request, the same for every router (the caller supplies ``now``)::
 
-    decision = router.route(request, candidates, now=now)      # pure choice, no bookkeeping
+    decision = router.route(request, candidates, now=now)      # the choice; no load bookkeeping
     router.on_dispatch(request, decision, now=now)             # sent: load, pending, approx index
     router.on_prefill_done(request.request_id, now=now)        # first token
     router.on_complete(request.request_id, now=now)            # finished, failed or cancelled
@@ -136,8 +136,8 @@ class RandomRouter(Router):
 class RoundRobinRouter(Router):
     name = "round-robin"
 
-    def __init__(self, *, tokens_per_block: int, rng: random.Random | None = None) -> None:
-        super().__init__(tokens_per_block=tokens_per_block, rng=rng)
+    def __init__(self, *, tokens_per_block: int, rng: random.Random | None = None, half_life_s: float = 60.0) -> None:
+        super().__init__(tokens_per_block=tokens_per_block, rng=rng, half_life_s=half_life_s)
         self._current: dict[ReplicaId, int] = {}
 
     def _choose(self, request: RouteRequest, candidates: Sequence[Candidate], now: float) -> Decision:
@@ -185,8 +185,9 @@ class KvAwareRouter(Router):
         cost: CostModel = CostModel(),
         index_factory: IndexFactory | None = None,
         rng: random.Random | None = None,
+        half_life_s: float = 60.0,
     ) -> None:
-        super().__init__(tokens_per_block=tokens_per_block, rng=rng)
+        super().__init__(tokens_per_block=tokens_per_block, rng=rng, half_life_s=half_life_s)
         self.cost = cost
         self._factory: IndexFactory = index_factory or (lambda _replica: PreciseIndex())
         self._indexes: dict[ReplicaId, BlockIndex] = {}
@@ -218,6 +219,10 @@ class KvAwareRouter(Router):
         return PrefixMatch(held.gpu_blocks, held.host_blocks, extra) if extra else held
 
     def apply_events(self, replica: ReplicaId, events: Iterable[KvEvent], *, now: float) -> None:
+        """Feed ``replica``'s KV events to its index; the first non-empty batch makes it precise."""
+        events = list(events)
+        if not events:
+            return
         index = self._indexes.get(replica)
         if not isinstance(index, PreciseIndex):
             index = self._indexes[replica] = PreciseIndex()
@@ -280,16 +285,21 @@ def make_router(
     cost: CostModel = CostModel(),
     index_factory: IndexFactory | None = None,
     rng: random.Random | None = None,
+    half_life_s: float = 60.0,
 ) -> Router:
-    """A router by name (``random | round-robin | session | kv-aware``)."""
+    """A router by name (``random | round-robin | session | kv-aware``).
+
+    ``half_life_s``: decay of the recent-prefill load signal (``LoadTracker``).
+    """
+    common = {"tokens_per_block": tokens_per_block, "rng": rng, "half_life_s": half_life_s}
     if name == "random":
-        return RandomRouter(tokens_per_block=tokens_per_block, rng=rng)
+        return RandomRouter(**common)
     if name == "round-robin":
-        return RoundRobinRouter(tokens_per_block=tokens_per_block, rng=rng)
+        return RoundRobinRouter(**common)
     if name == "session":
-        return SessionRouter(tokens_per_block=tokens_per_block, rng=rng)
+        return SessionRouter(**common)
     if name == "kv-aware":
-        return KvAwareRouter(tokens_per_block=tokens_per_block, cost=cost, index_factory=index_factory, rng=rng)
+        return KvAwareRouter(cost=cost, index_factory=index_factory, **common)
     raise RoutingError(f"unknown router {name!r}; choose one of {', '.join(ROUTER_NAMES)}")
 
 

@@ -11,9 +11,12 @@ the same in every gateway that sees the same state.
 
 from __future__ import annotations
 
-from collections.abc import Hashable
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 
+import numpy as np
+
+from retention.hashing import block_hashes
 from retention.types import BlockHash
 
 ReplicaId = int
@@ -82,6 +85,22 @@ class RouteRequest:
             object.__setattr__(self, "hashes", tuple(self.hashes))
         if self.prompt_tokens < 1 or self.output_tokens < 0:
             raise RoutingError("prompt_tokens must be >= 1 and output_tokens >= 0")
+
+    @classmethod
+    def from_tokens(
+        cls,
+        request_id: Hashable,
+        prompt: Sequence[int] | np.ndarray,
+        *,
+        tokens_per_block: int,
+        salt: str | None,
+        output_tokens: int = 0,
+        extra_key: bytes = b"",
+        session_key: int | None = None,
+    ) -> RouteRequest:
+        """Hash ``prompt`` exactly as the engine's pool will (same salt, same extra key)."""
+        hashes = block_hashes(prompt, tokens_per_block, salt=salt, extra_key=extra_key)
+        return cls(request_id, tuple(hashes), len(prompt), output_tokens, session_key)
 
 
 @dataclass(frozen=True, slots=True)

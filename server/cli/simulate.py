@@ -6,11 +6,15 @@ Examples::
     kvgate simulate trace.jsonl -p lru -p class --classes classes.yaml --hold tokens --json
     kvgate simulate trace.jsonl -c 1% -c 2% -c 5% -c 10% --plot hit_rate.png
     kvgate simulate trace.jsonl -p adaptive -p oracle-reuse -p oracle-reuse-within-30s --host 0
+    kvgate simulate trace.jsonl --replicas 4 --router round-robin --router kv-aware -p trtllm-default --hold tokens
 
 Capacities are GPU blocks (``439``) or a percentage of the trace's distinct blocks
 (``1%``); ``--host`` is host blocks (``1756``), a multiple of the GPU capacity (``4x``)
 or ``0``. The simulation itself lives in ``retention/simulator.py`` (pure); this module
-only reads files, draws tables, the progress bar and the plot.
+only reads files, draws tables, the progress bar and the plot. With ``--replicas N`` the
+trace is replayed over N pools (each of the given capacity) behind each ``--router``
+(``retention/cluster_sim.py``, ``server/cli/simulate_replicas.py``), next to the ceiling of
+one pool with N× the capacity.
 """
 
 from __future__ import annotations
@@ -87,6 +91,16 @@ def register(app: typer.Typer) -> None:
         as_json: Annotated[bool, typer.Option("--json", help="print the full report as JSON")] = False,
         plot: Annotated[Path | None, typer.Option("--plot", help="write hit rate vs capacity per policy (PNG)")] = None,
         progress: Annotated[bool, typer.Option("--progress/--no-progress", help="progress bar on stderr")] = True,
+        replicas: Annotated[int | None, typer.Option("--replicas", help="replay over N replica pools, each of the given capacity, behind --router")] = None,
+        router: Annotated[
+            list[str] | None,
+            typer.Option("--router", help="random | round-robin | session | kv-aware (repeat; default all four; needs --replicas)"),
+        ] = None,
+        index: Annotated[str, typer.Option("--index", help="kv-aware's index: precise (pool KV events) | approximate (its own decisions)")] = "precise",
+        ttl: Annotated[float | None, typer.Option("--ttl", help="approximate index: also forget blocks not routed for S seconds")] = None,
+        cost: Annotated[str, typer.Option("--cost", help="kv-aware cost: kvgate (balance band) | dynamo (Dynamo's cost)")] = "kvgate",
+        temperature: Annotated[float, typer.Option("--temperature", help="kv-aware softmax temperature (0 = lowest cost)")] = 0.0,
+        seed: Annotated[int, typer.Option("--seed", help="random source of the random router and of softmax sampling")] = 0,
     ) -> None:
         """Replay a trace through the block pool and planner; compare policies against Belady."""
         from retention.oracle import is_oracle_name, oracle_factories, parse_oracle_name
@@ -101,6 +115,11 @@ def register(app: typer.Typer) -> None:
                 raise CliError("--hold must be 'none' or 'tokens'")
             if limit is not None and limit < 1:
                 raise CliError("--limit must be >= 1")
+            from server.cli.simulate_replicas import cluster_configs
+
+            clusters = cluster_configs(
+                replicas, router, index=index, ttl=ttl, cost=cost, temperature=temperature, seed=seed
+            )
             pool_block = tokens_per_block or block_size
             config = SimConfig(
                 tokens_per_block=pool_block, trace_block_size=block_size, hold=hold,  # type: ignore[arg-type]
@@ -118,6 +137,8 @@ def register(app: typer.Typer) -> None:
             registry = None  # plug-in policies beyond the built-ins would be passed here
             for name in names:  # fail fast on unknown names / missing mapping
                 if is_oracle_name(name):
+                    if clusters:
+                        raise CliError("oracle policies read the whole trace; they cannot run with --replicas")
                     parse_oracle_name(name)
                 else:
                     make_policy(name, mapping=mapping, block_size=block_size, registry=registry)
@@ -133,6 +154,15 @@ def register(app: typer.Typer) -> None:
         except (CliError, TraceError, ClassMappingError, ValueError) as exc:
             typer.echo(f"error: {exc}", err=True)
             raise typer.Exit(2) from None
+
+        if clusters:
+            from server.cli.simulate_replicas import run_replicas
+
+            run_replicas(
+                requests, names, clusters, gpu_caps, host_blocks=host_blocks, config=config, mapping=mapping,
+                block_size=block_size, as_json=as_json, progress=progress, trace=str(trace), distinct=distinct,
+            )
+            return
 
         # Oracles read the whole (possibly --limit-ed) request list: they know the future.
         oracles = oracle_factories(names, requests, config)

@@ -35,7 +35,9 @@ def tokens(seed: int, n: int) -> list[int]:
 
 
 def request(rid, toks, *, salt=None, output=4) -> RouteRequest:
-    return RouteRequest(rid, tuple(block_hashes(toks, BPT, salt=salt)), len(toks), output)
+    made = RouteRequest.from_tokens(rid, toks, tokens_per_block=BPT, salt=salt, output_tokens=output)
+    assert made.hashes == tuple(block_hashes(toks, BPT, salt=salt))
+    return made
 
 
 def serve(pool: BlockPool, rid, toks, *, salt=None, now=0.0) -> None:
@@ -302,3 +304,32 @@ def test_rendezvous_is_stable_across_processes() -> None:
     assert rendezvous(12345, 0) == pytest.approx(rendezvous(12345, 0))
     assert round(rendezvous(1, 0), 6) == round(rendezvous(1, 0, 1), 6)
     assert rendezvous(1, 0, 2) == pytest.approx(2 * rendezvous(1, 0, 1))
+
+
+def test_two_gateways_fed_the_same_events_decide_the_same() -> None:
+    pools = {i: BlockPool(PoolConfig(primary_blocks=32, secondary_blocks=32, tokens_per_block=BPT)) for i in range(3)}
+    gateways = [make_router("kv-aware", tokens_per_block=BPT) for _ in range(2)]
+    prompts = [tokens(s, 3 * BPT + 1) for s in range(12)]
+    for step in range(60):
+        prompt = prompts[(step * 7) % len(prompts)] + tokens(500 + step, BPT)
+        req = request(step, prompt)
+        first, second = (gw.route(req, CANDS, now=step) for gw in gateways)
+        assert first.replica == second.replica and first.match == second.match, step
+        owner = gateways[step % 2]  # each request is served through one gateway only
+        owner.on_dispatch(req, first, now=step)
+        serve(pools[first.replica], step, prompt, now=step)
+        owner.on_complete(step, now=step)
+        events = pools[first.replica].take_events()
+        for gw in gateways:  # the events reach both
+            gw.apply_events(first.replica, events, now=step)
+
+
+def test_forget_replica_drops_its_load_and_index() -> None:
+    router = make_router("kv-aware", tokens_per_block=BPT)
+    req = request(1, tokens(3, 4 * BPT))
+    decision = router.route(req, CANDS, now=0)
+    router.on_dispatch(req, decision, now=0)
+    router.forget_replica(decision.replica)
+    assert router.load(decision.replica).running == 0
+    assert router.match(decision.replica, req.hashes, now=1) == PrefixMatch()
+    router.on_complete(1, now=1)  # a late completion of a forgotten request is harmless

@@ -106,3 +106,49 @@ def test_oracle_ceilings_run_through_the_cli_and_bad_oracle_names_exit_2(tmp_pat
     assert bad.exit_code == 2 and "unknown oracle policy 'oracle-reuse-within-soon'" in bad.output
     bad = CliRunner().invoke(create_cli(), ["simulate", str(trace), "-p", "oracle-popularity-0s"])
     assert bad.exit_code == 2 and "oracle-popularity-<S>s" in bad.output
+
+
+def test_replicas_compare_routers_against_the_ceiling(tmp_path: Path) -> None:
+    trace = write_trace(tmp_path / "t.jsonl")
+    result = CliRunner().invoke(
+        create_cli(),
+        ["simulate", str(trace), "--block-size", "4", "-c", "8", "--host", "2x", "-p", "trtllm-default",
+         "--replicas", "2", "--hold", "tokens", "--json"],
+    )
+    assert result.exit_code == 0, result.output
+    doc = json.loads(result.output)
+    (run,) = doc["runs"]
+    assert doc["replicas"] == 2 and run["primary_blocks_per_replica"] == 8 and run["secondary_blocks_per_replica"] == 16
+    assert run["ceiling"]["primary_blocks"] == 16 and run["ceiling"]["secondary_blocks"] == 32
+    assert set(run["routers"]) == {"random", "round-robin", "session", "kv-aware"}
+    for name, r in run["routers"].items():
+        assert sum(rep["requests"] for rep in r["replicas"]) == 24, name
+        assert r["load_imbalance"] >= 1.0
+    assert [rep["requests"] for rep in run["routers"]["round-robin"]["replicas"]] == [12, 12]
+    assert run["routers"]["kv-aware"]["share_of_ceiling"] == run["routers"]["kv-aware"]["total"]["hit_rate"] / run["ceiling"]["hit_rate"]
+    table = CliRunner().invoke(
+        create_cli(),
+        ["simulate", str(trace), "--block-size", "4", "-c", "8", "--replicas", "2", "--router", "kv-aware",
+         "--index", "approximate", "--ttl", "60", "--no-progress"],
+    )
+    assert table.exit_code == 0, table.output
+    assert "ceiling: 1 pool × 2 capacity" in table.output and "load imbalance" in table.output
+
+
+def test_replica_options_exit_2_on_bad_input(tmp_path: Path) -> None:
+    trace = write_trace(tmp_path / "t.jsonl")
+    base = ["simulate", str(trace), "--block-size", "4", "-c", "8", "--no-progress"]
+    for extra, message in [
+        (["--replicas", "0"], "--replicas must be >= 1"),
+        (["--router", "kv-aware"], "--router needs --replicas"),
+        (["--replicas", "2", "--router", "nearest"], "is not one of"),
+        (["--replicas", "2", "--index", "exact"], "--index must be"),
+        (["--replicas", "2", "--index", "approximate", "--ttl", "0"], "--ttl must be"),
+        (["--replicas", "2", "--ttl", "30"], "--ttl applies to --index approximate"),
+        (["--replicas", "2", "--cost", "cheap"], "--cost must be"),
+        (["--replicas", "2", "--temperature", "-1"], "--temperature must be"),
+        (["--replicas", "2", "-p", "oracle-reuse"], "cannot run with --replicas"),
+    ]:
+        result = CliRunner().invoke(create_cli(), base + extra)
+        assert result.exit_code == 2, (extra, result.output)
+        assert message in result.output, (extra, result.output)
