@@ -308,7 +308,7 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=8)
     parser.add_argument("--concurrency", type=int, default=4)
     parser.add_argument("--primary-blocks", type=int, default=128)
-    parser.add_argument("--rounds", type=int, default=1, help="rounds per router (alternated)")
+    parser.add_argument("--rounds", type=int, default=2, help="rounds per router (alternated)")
     parser.add_argument("--routers", default="round-robin,kv-aware", help="routers alternated in each round")
     parser.add_argument("--no-write", action="store_true", help="print only; leave docs/benchmarks.md alone")
     args = parser.parse_args()
