@@ -16,8 +16,9 @@ module feeds it and carries it out::
 Invariants:
 
 * A request is only dispatched to a replica whose registry state is ``active`` and whose
-  breaker is closed; ``draining`` and ``disabled`` replicas finish what they have, and a
-  replica removed from the registry keeps its client until its last request ends.
+  breaker is closed (when no such replica exists, to an ``active`` one with an open breaker,
+  as a probe); ``draining`` and ``disabled`` replicas finish what they have, and a replica
+  removed from the registry keeps its client until its last request ends.
 * Indexes hold kvgate's own salted block hashes (the engines report in that space,
   ``engines/kv_events.py``), so a salted tenant's request never matches another tenant's
   blocks and the router never sees an engine's internal hash.
@@ -251,7 +252,13 @@ class PoolRoute:
                 await replica.client.close()
 
     def candidates(self, exclude: set[int]) -> list[Candidate]:
-        return [Candidate(r.id, r.weight) for r in self.replicas.values() if r.routable and r.id not in exclude]
+        """Active replicas with a closed breaker; when there are none, the active ones whose
+        breaker is open (a request is then the probe: failing at once would not be better,
+        and a replica that came back, e.g. the only one after a restart, serves it)."""
+        healthy = [Candidate(r.id, r.weight) for r in self.replicas.values() if r.routable and r.id not in exclude]
+        if healthy:
+            return healthy
+        return [Candidate(r.id, r.weight) for r in self.replicas.values() if r.state == "active" and r.id not in exclude]
 
     def mark_failed(self, replica: Replica) -> None:
         now = self._clock()
@@ -402,6 +409,8 @@ class RoutedEngine:
                             router.on_prefill_done(request_id, now=clock())
                         yield chunk
                 status = "ok"
+                if replica.breaker.succeed():
+                    log.warning("replica %s/%s back in rotation (served a request)", route.name, replica.name)
                 return
             except EngineRejected:
                 status = "rejected"
