@@ -154,12 +154,17 @@ def test_killing_a_replica_mid_run_fails_no_request_that_had_not_started(tmp_pat
     fleet = start_fleet(tmp_path, bundle)
     try:
         fleet.add_tenant("kill")
-        fleet.wait_state("r1", "active")
+        for name in ("r0", "r2"):  # the first requests all go to r1
+            fleet.set_state(name, "disabled")
+            fleet.wait_state(name, "disabled")
         r1 = fleet.replica("r1")
         with ThreadPoolExecutor(6) as pool:
             futures = [pool.submit(fleet.chat, "kill", [{"role": "user", "content": f"Count to {i}."}], max_tokens=24)
                        for i in range(12)]
             fleet.wait_until(lambda: r1.in_flight > 0, what="requests on r1")
+            for name in ("r0", "r2"):
+                fleet.set_state(name, "active")
+                fleet.wait_state(name, "active")
             fleet.kill_engine("r1")
             results = [f.result() for f in futures]
         results += [fleet.chat("kill", [{"role": "user", "content": f"Say {w}."}]) for w in ("yes", "no", "maybe")]
@@ -181,9 +186,15 @@ def test_draining_then_removing_a_replica_fails_no_request(tmp_path, bundle):
         def ask(i: int) -> httpx.Response:
             return fleet.chat("drain", [{"role": "user", "content": f"Spell the number {i}."}], max_tokens=24)
 
+        for name in ("r0", "r1"):  # the first requests all go to r2
+            fleet.set_state(name, "disabled")
+            fleet.wait_state(name, "disabled")
         with ThreadPoolExecutor(4) as pool:
             before = [pool.submit(ask, i) for i in range(8)]
             fleet.wait_until(lambda: r2.in_flight > 0, what="requests on r2")
+            for name in ("r0", "r1"):
+                fleet.set_state(name, "active")
+                fleet.wait_state(name, "active")
             fleet.set_state("r2", "draining")
             fleet.wait_state("r2", "draining")
             during = [pool.submit(ask, i) for i in range(8, 16)]
