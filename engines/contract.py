@@ -45,7 +45,11 @@ stock backend) is accepted and squeezed.
 
 Stats side channel: a request whose ``kv_stats`` input is true (and that carries no
 ``input_ids``) gets one response with ``kv_cache_stats``: BYTES[1], the JSON of
-:class:`PoolStatsReport`.
+:class:`PoolStatsReport`. With ``kv_events_since`` (UINT64[1], a cursor; 0 = from
+scratch) the report also carries ``kv_events``: the replica's KV events in kvgate's
+block-hash space since that cursor, or a snapshot of its cached hashes when the cursor
+is too old (``engines/kv_events.py``). Replicas that cannot report events answer with
+``kv_events.supported`` false. Without the input, no events are reported.
 
 Responses (both implementations, streaming or not):
 
@@ -70,10 +74,11 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 
 import numpy as np
 
+from engines.kv_events import KvEventsReport
 from retention.types import (
     DEFAULT_PRIORITY,
     RetentionPlan,
@@ -123,11 +128,12 @@ LOGIT_BIAS_IDS = TensorSpec("logit_bias_token_ids", "INT32", (-1,))  # kvgate (s
 LOGIT_BIAS_VALUES = TensorSpec("logit_bias_values", "FP32", (-1,))  # kvgate
 GUIDE_TYPE = TensorSpec("guided_decoding_guide_type", "BYTES", (1,))
 GUIDE = TensorSpec("guided_decoding_guide", "BYTES", (1,))
+KV_EVENTS_SINCE = TensorSpec("kv_events_since", "UINT64", (1,))
 
 INPUTS: tuple[TensorSpec, ...] = (
     INPUT_IDS, REQUEST_OUTPUT_LEN, END_ID, STREAMING, TEMPERATURE, TOP_P, TOP_K, RANDOM_SEED,
     STOP, RANGE_STARTS, RANGE_ENDS, RANGE_PRIORITIES, RANGE_DURATIONS, DECODE_PRIORITY,
-    DECODE_DURATION, CACHE_SALT, TENANT_ID, KV_STATS,
+    DECODE_DURATION, CACHE_SALT, TENANT_ID, KV_STATS, KV_EVENTS_SINCE,
     REPETITION_PENALTY, PRESENCE_PENALTY, FREQUENCY_PENALTY, MIN_TOKENS, IGNORE_EOS, RETURN_LOG_PROBS,
     NUM_TOP_LOG_PROBS, LOGIT_BIAS_IDS, LOGIT_BIAS_VALUES, GUIDE_TYPE, GUIDE,
 )
@@ -248,16 +254,23 @@ class PoolStatsReport:
     cache_hit_rate: float = 0.0
     secondary_offload_min_priority: int = 30
     tenants: dict[str, list[int]] = field(default_factory=dict)
+    kv_events: KvEventsReport | None = None  # only when the request asked (kv_events_since)
 
     def to_json(self) -> str:
-        return json.dumps(asdict(self), separators=(",", ":"))
+        events = self.kv_events
+        data = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "kv_events"}
+        data["primary"], data["secondary"] = asdict(self.primary), asdict(self.secondary)
+        if events is not None:
+            data["kv_events"] = events.to_dict()
+        return json.dumps(data, separators=(",", ":"))
 
     @classmethod
     def from_json(cls, text: str | bytes) -> PoolStatsReport:
         data = json.loads(text)
         data["primary"] = TierStats(**data["primary"])
         data["secondary"] = TierStats(**data["secondary"])
-        return cls(**data)
+        events = data.pop("kv_events", None)
+        return cls(**data, kv_events=None if events is None else KvEventsReport.from_dict(events))
 
 
 # Parsing --------------------------------------------------------------------------------
@@ -307,6 +320,16 @@ def _text(tensors: Mapping[str, np.ndarray], spec: TensorSpec, limit: int) -> st
 
 def is_stats_request(tensors: Mapping[str, np.ndarray]) -> bool:
     return bool(_scalar(tensors, KV_STATS, False))
+
+
+def kv_events_cursor(tensors: Mapping[str, np.ndarray]) -> int | None:
+    """The stats request's ``kv_events_since`` cursor, or None when events were not asked for."""
+    raw = _scalar(tensors, KV_EVENTS_SINCE, None)
+    if raw is None:
+        return None
+    if not np.issubdtype(np.asarray(raw).dtype, np.integer) or int(raw) < 0:
+        raise ContractError("kv_events_since must be a non-negative integer", tensor=KV_EVENTS_SINCE.name)
+    return int(raw)
 
 
 def parse_retention(tensors: Mapping[str, np.ndarray], num_prompt_tokens: int) -> RetentionPlan:

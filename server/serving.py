@@ -13,11 +13,13 @@ from prometheus_client import CollectorRegistry
 from sqlalchemy.orm import Session, sessionmaker
 
 from engines.tokenizer import ChatTokenizer, default_gguf_path, load_gguf_tokenizer
+from retention.routing import CostModel
 from server.app import create_app
 from server.gateway.admission import Admission, LocalAdmission, RedisAdmission
 from server.gateway.app import install_gateway, registry_pools_and_tenants
 from tenants.snapshots import PoolSnapshot
 from server.gateway.errors import ServingError
+from server.gateway.routing import RoutingConfig
 from server.gateway.services import LoopIntervals, build_gateway_services
 from server.settings import Settings
 from tenants.db import make_engine, make_session_factory
@@ -41,7 +43,8 @@ def default_tokenizer_for(pool: PoolSnapshot) -> ChatTokenizer:
 def build_serving_app(settings: Settings, *, session_factory: sessionmaker[Session] | None = None,
                       tokenizer_for: Callable[[PoolSnapshot], ChatTokenizer] = default_tokenizer_for,
                       admission: Admission | None = None, registry: CollectorRegistry | None = None,
-                      auth_ttl: float = 5.0, intervals: LoopIntervals | None = None) -> FastAPI:
+                      auth_ttl: float = 5.0, intervals: LoopIntervals | None = None,
+                      routing: RoutingConfig | None = None) -> FastAPI:
     engine = None
     if session_factory is None:
         engine = make_engine(settings.database_url)
@@ -55,5 +58,7 @@ def build_serving_app(settings: Settings, *, session_factory: sessionmaker[Sessi
         pools_and_tenants=registry_pools_and_tenants(session_factory), auth_ttl=auth_ttl, intervals=intervals,
         mrc_sample_rate=settings.mrc_sample_rate,
         trace_dir=settings.trace_dir,
+        routing=routing or RoutingConfig(router=settings.router, cost=CostModel(
+            overlap_weight=settings.router_overlap_weight, temperature=settings.router_temperature)),
     )
     return install_gateway(app, services)

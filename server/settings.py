@@ -11,7 +11,7 @@ from __future__ import annotations
 import hashlib
 import secrets
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Literal
 
 from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
@@ -69,6 +69,10 @@ class Settings(BaseSettings):
     log_level: str = "info"
     # Live trace captures (admin API /pools/{ref}/captures) write here: <trace_dir>/<pool>/capture-*.jsonl
     trace_dir: Path = Path("kvgate-traces")
+    # Replica routing (server/gateway/routing.py, retention/routing/cost.py).
+    router: Literal["kv-aware", "round-robin", "session", "random"] = "kv-aware"
+    router_overlap_weight: float = Field(default=1.0, ge=0.0)
+    router_temperature: float = Field(default=0.0, ge=0.0)
 
     @field_validator("admin_tokens", mode="before")
     @classmethod

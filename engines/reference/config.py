@@ -54,6 +54,8 @@ class ReferenceEngineConfig:
     * ``fault_onboard_delay_ms``: a test/chaos knob, 0 in production: sleep this long per
       block onboarded from the host tier (a slow host link on purpose), so the gateway's
       SLO guard can be exercised. It stalls the engine's step loop, like a blocking copy.
+    * ``kv_event_ring``: KV event records kept for polling routers (``engines/kv_events.py``);
+      a poller whose cursor fell off the ring gets a snapshot instead.
     """
 
     gguf_path: Path | None = None
@@ -71,6 +73,7 @@ class ReferenceEngineConfig:
     num_threads: int = 1
     decode_threads: int = 1
     fault_onboard_delay_ms: int = 0
+    kv_event_ring: int = 16_384
 
     def __post_init__(self) -> None:
         if isinstance(self.kv_dtype, str) and not isinstance(self.kv_dtype, KvDtype):
@@ -83,6 +86,7 @@ class ReferenceEngineConfig:
             self.gguf_path = Path(self.gguf_path)
         _at_least("primary_blocks", self.primary_blocks, 1)
         _at_least("secondary_blocks", self.secondary_blocks, 0)
+        _at_least("kv_event_ring", self.kv_event_ring, 1)
         _at_least("tokens_per_block", self.tokens_per_block, 1)
         _at_least("max_batch_size", self.max_batch_size, 1)
         _at_least("max_num_tokens", self.max_num_tokens, 1)

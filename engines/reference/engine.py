@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 from engines.contract import EngineRequest, KvMetrics, PoolStatsReport, TierStats, TokenLogProbs
+from engines.kv_events import KvEventLog, PoolEventFeed
 from engines.reference.config import SMALL_STEP_ROWS, ReferenceEngineConfig
 from engines.reference.kv_cache import PagedKvCache
 from engines.reference.loader import ModelBundle
@@ -89,6 +90,10 @@ class ReferenceEngine:
         )
         self.runner = StepRunner(bundle.model, self.cache, onboard_delay_s=config.fault_onboard_delay_ms / 1000)
         self.grammars = GrammarCache(bundle.tokenizer, bundle.config.vocab_size)
+        # KV events for routers (engines/kv_events.py): the pool's events are drained into
+        # the ring after every step, so the pool's own buffer never grows without bound.
+        self.kv_events = KvEventLog(self._cached_tiers, capacity=config.kv_event_ring)
+        self._event_feed = PoolEventFeed(self.kv_events)
         self._lock = threading.Lock()
         self._wake = threading.Condition(self._lock)
         self._sinks: dict[str, Sink] = {}
@@ -185,9 +190,21 @@ class ReferenceEngine:
         with self._lock:
             return len(self._sinks)
 
-    def stats(self) -> PoolStatsReport:
+    def stats(self, events_since: int | None = None) -> PoolStatsReport:
+        """Pool statistics; with ``events_since`` also the KV events after that cursor."""
         with self._lock:
-            return self._stats_locked()
+            report = self._stats_locked()
+            if events_since is not None:
+                self._pump_events()
+                report.kv_events = self.kv_events.report(events_since)
+            return report
+
+    def _cached_tiers(self) -> dict[int, int]:
+        """Every cached block hash -> tier (the resync snapshot; called under the lock)."""
+        return {h: int(block.tier) for h, block in self.pool.cached_blocks().items()}
+
+    def _pump_events(self) -> None:
+        self._event_feed.feed(self.pool.take_events())
 
     def _stats_locked(self) -> PoolStatsReport:
         s = self.pool.stats()
@@ -246,6 +263,7 @@ class ReferenceEngine:
                 for seq, sampled in results:
                     if seq.request_id in self._sinks and seq.request_id not in self._cancels:
                         self._accept(seq, sampled, now)
+                self._pump_events()
 
     def _fail_all(self, message: str, now: float) -> None:
         for request_id in list(self._sinks):

@@ -36,7 +36,7 @@ from tritonclient.grpc import service_pb2, service_pb2_grpc
 
 from engines.contract import (
     KV_CACHE_STATS, MODEL_NAME, OUTPUT_LOG_PROBS, STOP, TOP_LOG_PROBS, ContractError, EngineRequest, KvMetrics,
-    TokenLogProbs, decode_log_probs, encode_response, is_stats_request, parse_request,
+    TokenLogProbs, decode_log_probs, encode_response, is_stats_request, kv_events_cursor, parse_request,
 )
 from engines.reference.config import ReferenceEngineConfig
 from engines.reference.engine import EngineOutput, EngineStoppedError, ReferenceEngine
@@ -147,7 +147,7 @@ class KvgateInferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
         try:
             tensors = decode_inputs(request)
             if is_stats_request(tensors):
-                report = self.engine.stats()
+                report = self.engine.stats(kv_events_cursor(tensors))
                 payload = {KV_CACHE_STATS.name: np.array([report.to_json().encode()], dtype=np.object_)}
                 yield _response(request, payload, None, final=True)
                 return

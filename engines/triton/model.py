@@ -52,7 +52,9 @@ import numpy as np
 import triton_python_backend_utils as pb_utils  # provided by Triton's Python backend stub
 
 from engines import contract
+from engines.kv_events import KvEventsReport
 from engines.trtllm import bindings, engine_config, executor_args, request_extensions
+from engines.trtllm.kv_event_translator import KvEventTranslator
 from engines.trtllm.kv_ledger import TenantBlockLedger
 from engines.triton.params import ServingParams
 
@@ -131,6 +133,9 @@ class TritonPythonModel:
                 self.params.world_size,
             )
         self.ledger = TenantBlockLedger(tokens_per_block=self.params.tokens_per_block)
+        # Routers read KV events in kvgate's hash space (engines/trtllm/kv_event_translator.py);
+        # without an event manager the gateway falls back to approximate routing.
+        self.kv_events = KvEventTranslator(self.params.tokens_per_block) if self.event_manager is not None else None
         self.lock = threading.Lock()
         self.pending: dict[int, _Pending] = {}
         # Finished requests whose root-block expectation is dropped after the next event
@@ -169,7 +174,7 @@ class TritonPythonModel:
         tensors = self._read_inputs(request)
         final = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
         if contract.is_stats_request(tensors):
-            report = self.stats_report()
+            report = self.stats_report(contract.kv_events_cursor(tensors))
             out = {contract.KV_CACHE_STATS.name: np.array([report.to_json().encode()], dtype=np.object_)}
             sender.send(pb_utils.InferenceResponse(output_tensors=_tensors(out)), flags=final)
             return
@@ -199,6 +204,8 @@ class TritonPythonModel:
             self.pending[request_id] = _Pending(sender, parsed, end_id, triton_id)
             if self.event_manager is not None:
                 self.ledger.note_request(parsed.tenant_id, parsed.input_ids)
+                if self.kv_events is not None:
+                    self.kv_events.note_request(parsed.cache_salt, parsed.input_ids)
 
     # Responses -----------------------------------------------------------------------
     def _response_loop(self) -> None:
@@ -293,11 +300,15 @@ class TritonPythonModel:
         with self.lock:
             if events:
                 self.ledger.apply(events)
+                if self.kv_events is not None:
+                    self.kv_events.apply(events)
             for done in self.finished:
                 self.ledger.forget_request(done.tenant_id, done.input_ids)
+                if self.kv_events is not None:
+                    self.kv_events.forget_request(done.cache_salt, done.input_ids)
             self.finished.clear()
 
-    def stats_report(self) -> contract.PoolStatsReport:
+    def stats_report(self, events_since: int | None = None) -> contract.PoolStatsReport:
         self.drain_events()
         # executor.cpp: deque of the IterationStats since the last call — empty when no iteration ran;
         # IterationStats.kv_cache_stats is std::optional<KvCacheStats> (executor/types.h): keep the
@@ -330,6 +341,9 @@ class TritonPythonModel:
                 secondary_offload_min_priority=self.params.secondary_offload_min_priority,
                 tenants=self.ledger.tenants(),
             )
+            if events_since is not None:
+                report.kv_events = (self.kv_events.log.report(events_since) if self.kv_events is not None
+                                    else KvEventsReport.unsupported())
         return report
 
     def finalize(self) -> None:

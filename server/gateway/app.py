@@ -181,7 +181,7 @@ def install_gateway(app: FastAPI, services: GatewayServices) -> FastAPI:
             checks["registry"] = f"unavailable: {type(exc).__name__}"
             pools = list(services.engines.pools.values())
         for pool in pools:
-            ready = await services.engines.client(pool).ready()
+            ready = await services.routing.ready(pool)
             checks[f"pool:{pool.name}"] = "ok" if ready else "unavailable"
         ok = all(v == "ok" for v in checks.values()) and not services.draining
         return JSONResponse({"status": "ready" if ok else "not ready", "checks": checks}, status_code=200 if ok else 503)

@@ -34,6 +34,7 @@ from server.gateway.errors import ServingError, error_body
 from server.gateway.metrics import GatewayMetrics
 from server.gateway.logprobs import TokenTexts, chat_entries, completion_block
 from server.gateway.miss_ratio import MissRatioCurves
+from server.gateway.routing import RoutedEngine
 from server.gateway.prompting import PreparedPrompt
 from server.gateway.slo_guard import SloGuards
 from server.gateway.tools import CallSplitter, ToolCall, ToolPlan, parse_forced, parse_tool_calls
@@ -54,7 +55,7 @@ class CompletionJob:
     stream: bool
     include_usage: bool
     tokenizer: ChatTokenizer
-    engine: EngineClient
+    engine: RoutedEngine | EngineClient  # anything with EngineClient.generate's signature
     quota: QuotaState = field(default_factory=QuotaState)
     # issue 18: guided decoding, tools, log probabilities, extensions
     guide: Guide | None = None
@@ -89,6 +90,7 @@ class Outcome:
         return "".join(self.pieces)
 
 
+REPLICA_HEADER = "x-kvgate-replica"
 UsageSink = Callable[[int, int, int], None]  # (tenant_id, prompt_tokens, completion_tokens)
 CaptureSink = Callable[..., bool]  # server.gateway.capture.TraceCaptures.offer (keyword arguments)
 
@@ -343,7 +345,12 @@ class CompletionRunner:
             raise _engine_error(exc) from exc
         finally:
             await self._finish(job, plan, outcome, started, lease)
-        return JSONResponse(self._body(job, outcome))
+        replica = getattr(job.engine, "replica", None)
+        # Like x-gateway-destination-endpoint of the Gateway API Inference Extension
+        # (kubernetes-sigs/gateway-api-inference-extension docs/proposals/004-endpoint-picker-protocol):
+        # which engine replica served the answer, named as in the registry (not an address).
+        headers = {REPLICA_HEADER: replica} if replica else None
+        return JSONResponse(self._body(job, outcome), headers=headers)
 
     async def _finish(self, job, plan, outcome: Outcome, started: float, lease) -> None:
         await self._admission.release(lease, completion_tokens=outcome.completion_tokens)

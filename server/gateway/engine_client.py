@@ -30,6 +30,7 @@ from tritonclient.utils import InferenceServerException, serialize_byte_tensor
 from engines.contract import (
     INPUTS,
     KV_CACHE_STATS,
+    KV_EVENTS_SINCE,
     KV_NEW,
     KV_ONBOARDED,
     KV_REUSED,
@@ -201,13 +202,22 @@ class EngineClient:
         except (InferenceServerException, grpc.RpcError):
             return False
 
-    async def stats(self, timeout: float = 5.0) -> PoolStatsReport:
-        """The engine's pool statistics (the ``kv_stats`` side channel)."""
+    async def stats(self, timeout: float = 5.0, *, events_since: int | None = None) -> PoolStatsReport:
+        """The engine's pool statistics (the ``kv_stats`` side channel).
+
+        With ``events_since`` (a cursor, 0 = from scratch) the report also carries the
+        replica's KV events after it (``engines/kv_events.py``).
+        """
         flag = InferInput(KV_STATS.name, [1], KV_STATS.datatype)
         flag.set_data_from_numpy(np.array([True], np.bool_))
+        inputs = [flag]
+        if events_since is not None:
+            cursor = InferInput(KV_EVENTS_SINCE.name, [1], KV_EVENTS_SINCE.datatype)
+            cursor.set_data_from_numpy(np.array([events_since], np.uint64))
+            inputs.append(cursor)
         try:
             result = await self._client.infer(
-                self.model, [flag], outputs=[InferRequestedOutput(KV_CACHE_STATS.name)], client_timeout=timeout
+                self.model, inputs, outputs=[InferRequestedOutput(KV_CACHE_STATS.name)], client_timeout=timeout
             )
         except (InferenceServerException, grpc.RpcError) as exc:
             raise _classify(exc) from exc

@@ -1,9 +1,8 @@
-"""Engine clients and tokenizers per pool, created on first use and reused.
+"""Tokenizers per pool (by engine spec), created on first use and reused; known pools.
 
-A client is keyed by (Triton URL, model name), so an admin edit of a pool's URL takes
-effect with the next request without a restart. Tokenizers are resolved by engine spec
-through an injected ``tokenizer_for`` (the reference pool uses the GGUF's own
-tokenizer; a GPU pool's spec names its tokenizer).
+Engine clients live with the pool's replicas (``server/gateway/routing.py``). Tokenizers
+are resolved by engine spec through an injected ``tokenizer_for`` (the reference pool
+uses the GGUF's own tokenizer; a GPU pool's spec names its tokenizer).
 """
 
 from __future__ import annotations
@@ -15,14 +14,12 @@ import anyio
 
 from engines.tokenizer import ChatTokenizer
 from tenants.snapshots import PoolSnapshot
-from server.gateway.engine_client import EngineClient
 from server.gateway.prompting import ChatPrompter
 
 
 class EngineDirectory:
     def __init__(self, tokenizer_for: Callable[[PoolSnapshot], ChatTokenizer]) -> None:
         self._tokenizer_for = tokenizer_for
-        self._clients: dict[tuple[str, str], EngineClient] = {}
         self._prompters: dict[str, ChatPrompter] = {}
         self._loading: dict[str, asyncio.Lock] = {}
         self.pools: dict[str, PoolSnapshot] = {}  # pools seen by requests or registered at start-up
@@ -30,13 +27,10 @@ class EngineDirectory:
     def register(self, pool: PoolSnapshot) -> None:
         self.pools[pool.name] = pool
 
-    def client(self, pool: PoolSnapshot) -> EngineClient:
-        self.pools[pool.name] = pool
-        key = (pool.triton_url, pool.triton_model)
-        client = self._clients.get(key)
-        if client is None:
-            client = self._clients[key] = EngineClient(pool.triton_url, pool.triton_model)
-        return client
+    def seen(self, pool: PoolSnapshot) -> PoolSnapshot:
+        """Remember a pool a request used (so the poll loop keeps polling it); returns it."""
+        self.pools.setdefault(pool.name, pool)
+        return pool
 
     async def prompter(self, pool: PoolSnapshot) -> ChatPrompter:
         """The pool's tokenizer; the first call per spec loads it in a worker thread.
@@ -56,6 +50,4 @@ class EngineDirectory:
         return prompter
 
     async def close(self) -> None:
-        for client in self._clients.values():
-            await client.close()
-        self._clients.clear()
+        self._prompters.clear()

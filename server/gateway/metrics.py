@@ -112,6 +112,43 @@ class PoolStatsCollector(Collector):
             yield up
 
 
+@dataclass(frozen=True, slots=True)
+class ReplicaRow:
+    """What the collector needs from one replica at scrape time (``server/gateway/routing.py``)."""
+
+    pool: str
+    replica: str
+    state: str  # registry state: active | draining | disabled
+    healthy: bool  # circuit breaker closed
+    in_flight: int
+    indexed: str  # precise | approximate | unknown
+
+
+class ReplicaCollector(Collector):
+    def __init__(self, rows: Callable[[], Iterable[ReplicaRow]]) -> None:
+        self._rows = rows
+
+    def describe(self):
+        return []
+
+    def collect(self):
+        labels = ["pool", "replica"]
+        healthy = GaugeMetricFamily("kvgate_replica_healthy", "1 while the replica's circuit breaker is closed", labels=labels)
+        in_flight = GaugeMetricFamily("kvgate_replica_in_flight", "Requests this gateway has in flight on the replica", labels=labels)
+        state = GaugeMetricFamily("kvgate_replica_state", "1 for the replica's registry state", labels=labels + ["state"])
+        index = GaugeMetricFamily("kvgate_replica_index_mode", "1 for how the router knows the replica's cache",
+                                  labels=labels + ["mode"])
+        for row in self._rows():
+            healthy.add_metric([row.pool, row.replica], 1.0 if row.healthy else 0.0)
+            in_flight.add_metric([row.pool, row.replica], row.in_flight)
+            state.add_metric([row.pool, row.replica, row.state], 1.0)
+            index.add_metric([row.pool, row.replica, row.indexed], 1.0)
+        yield healthy
+        yield in_flight
+        yield state
+        yield index
+
+
 class GatewayMetrics:
     """Per-request metrics, labelled by tenant slug and pool."""
 
@@ -135,9 +172,33 @@ class GatewayMetrics:
         self.kv_onboarded = Counter("kvgate_kv_blocks_onboarded", "KV blocks onboarded from the host tier", tp, registry=registry)
         self.rate_limited = Counter("kvgate_rate_limited", "Requests refused by admission", ["tenant", "limit"], registry=registry)
         self.quota_demotions = Counter("kvgate_quota_demotions", "Requests planned with quota demotion", tp, registry=registry)
+        pr = ["pool", "replica"]
+        self.replica_requests = Counter("kvgate_replica_requests", "Engine attempts per replica by outcome "
+                                        "(ok, retried, error, rejected, cancelled)", pr + ["status"], registry=registry)
+        self.replica_prompt_tokens = Counter("kvgate_replica_prompt_tokens", "Prompt tokens sent to the replica", pr,
+                                             registry=registry)
+        self.replica_cached_tokens = Counter("kvgate_replica_cached_tokens", "Prompt tokens the replica served from "
+                                             "its KV cache", pr, registry=registry)
         self._children: dict[tuple[int, tuple[str, ...]], object] = {}
         if snapshots is not None:
             registry.register(PoolStatsCollector(snapshots, engine_up))
+
+    def watch_pools(self, snapshots: Callable[[], Iterable[PoolSnapshot]],
+                    engine_up: Callable[[], Mapping[str, bool]] | None = None) -> None:
+        """Export pool gauges from the latest engine stats (and whether any replica answered) at scrape time."""
+        self.registry.register(PoolStatsCollector(snapshots, engine_up))
+
+    def watch_replicas(self, rows: Callable[[], Iterable[ReplicaRow]]) -> None:
+        """Export replica health and load at scrape time (called once by the services)."""
+        self.registry.register(ReplicaCollector(rows))
+
+    def observe_replica(self, *, pool: str, replica: str, status: str, prompt_tokens: int, cached_tokens: int) -> None:
+        """One engine attempt on ``replica`` (a retried request counts once per attempt)."""
+        child = self._child
+        child(self.replica_requests, pool, replica, status).inc()
+        if status == "ok":
+            child(self.replica_prompt_tokens, pool, replica).inc(prompt_tokens)
+            child(self.replica_cached_tokens, pool, replica).inc(cached_tokens)
 
     def _child(self, metric, *labels: str):
         """``metric.labels(*labels)``, looked up once per label set and kept.

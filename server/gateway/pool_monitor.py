@@ -1,5 +1,9 @@
 """Polls every pool's engine stats; derives per-tenant KV quota state with hysteresis.
 
+Each poll goes through :class:`server.gateway.routing.Routing`, which polls every replica
+of the pool (stats + KV events for the router, and the breaker's probe) and sums their
+reports: quotas stay per pool, a tenant's blocks summed over the pool's replicas.
+
 The state machine is ``retention.quota.QuotaTracker`` (the simulator uses the same one):
 a tenant is *over quota* on a pool when the primary (GPU) blocks it holds exceed
 ``kv_quota_fraction × primary_blocks``, and stays demoted until it is back at or under
@@ -22,9 +26,9 @@ from retention.planner import QuotaState
 from retention.quota import QuotaTracker
 from tenants.snapshots import PoolSnapshot
 from server.gateway.capacity_check import CapacityCheck, capacity_mismatch
-from server.gateway.engine_client import EngineError
 from server.gateway.engines import EngineDirectory
 from server.gateway.metrics import PoolSnapshot
+from server.gateway.routing import Routing
 
 log = logging.getLogger("kvgate.gateway")
 
@@ -38,8 +42,10 @@ class TenantQuota:
 class PoolMonitor:
     def __init__(self, directory: EngineDirectory,
                  pools_and_tenants: Callable[[], list[tuple[PoolSnapshot, list[TenantQuota]]]], *,
-                 hysteresis: float = 0.1, clock: Callable[[], float] = time.monotonic) -> None:
+                 routing: Routing | None = None, hysteresis: float = 0.1,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self._directory = directory
+        self._routing = routing if routing is not None else Routing()
         self._pools_and_tenants = pools_and_tenants  # sync (reads the registry); run in a thread
         self._hysteresis = hysteresis
         self._clock = clock
@@ -93,12 +99,10 @@ class PoolMonitor:
             listing = [(pool, list(self._quotas.get(pool.name, {}).values())) for pool in self._directory.pools.values()]
         for pool, tenants in listing:
             self._directory.register(pool)
-            try:
-                stats = await self._directory.client(pool).stats()
-            except EngineError:
-                self.engine_up[pool.name] = False
-                continue  # keep the last known state; the engine may be restarting
-            self.engine_up[pool.name] = True
+            stats = await self._routing.poll(pool)
+            self.engine_up[pool.name] = stats is not None  # any replica answered its stats call
+            if stats is None:
+                continue  # no replica answered: keep the last known state (engines restarting)
             self.apply(pool, stats, tenants)
 
     def snapshots(self) -> list[PoolSnapshot]:

@@ -79,7 +79,7 @@ async def _job(services: GatewayServices, tenant: TenantContext, body, kind: str
         tenant=tenant, kind=kind, model=body.model, prompt=prompt, max_new_tokens=max_new,
         sampling=sampling,
         stop=body.stop_strings(), stream=body.stream, include_usage=include_usage, tokenizer=tokenizer,
-        engine=services.engines.client(tenant.pool),
+        engine=services.routing.engine(services.engines.seen(tenant.pool)),
         quota=services.monitor.quota_state(tenant.pool.name, tenant.tenant_id),
         ignore_eos=bool(body.ignore_eos), token_texts=prompter.token_texts,
         continuous_usage=bool(body.stream_options and body.stream_options.continuous_usage_stats),

@@ -27,6 +27,7 @@ from server.gateway.metrics import GatewayMetrics
 from server.gateway.miss_ratio import MissRatioCollector, MissRatioCurves
 from server.gateway.pool_monitor import PoolMonitor
 from server.gateway.slo_guard import SloGuards
+from server.gateway.routing import Routing, RoutingConfig
 from server.gateway.usage import UsageRecorder
 from tenants.snapshots import PoolSnapshot
 
@@ -52,6 +53,7 @@ class GatewayServices:
     registry: CollectorRegistry
     metrics: GatewayMetrics
     runner: CompletionRunner
+    routing: Routing
     selectors: dict[str, AdaptiveSelector] = field(default_factory=dict)  # pool -> adaptive retention (stats + duel)
     slo_guards: SloGuards | None = None  # per-pool SLO guards (server.gateway.slo_guard)
     intervals: LoopIntervals = field(default_factory=LoopIntervals)
@@ -108,13 +110,15 @@ class GatewayServices:
             with contextlib.suppress(Exception):
                 await self.captures.close()
         await self.engines.close()
+        await self.routing.close()
         await self.admission.close()
 
 
 def build_gateway_services(*, session_factory, pepper: str, tokenizer_for, admission: Admission,
                            registry: CollectorRegistry, pools_and_tenants, auth_ttl: float = 5.0,
                            intervals: LoopIntervals | None = None, adaptive_max_entries: int = 100_000,
-                           mrc_sample_rate: float = 0.01, trace_dir: Path | None = None) -> GatewayServices:
+                           mrc_sample_rate: float = 0.01, trace_dir: Path | None = None,
+                           routing: RoutingConfig | None = None) -> GatewayServices:
     engines = EngineDirectory(tokenizer_for)
     selectors: dict[str, AdaptiveSelector] = {}
 
@@ -127,8 +131,11 @@ def build_gateway_services(*, session_factory, pepper: str, tokenizer_for, admis
                 *shape, adaptive=AdaptiveConfig(max_entries=adaptive_max_entries))
         return selector
 
-    monitor = PoolMonitor(engines, pools_and_tenants)
-    metrics = GatewayMetrics(registry, monitor.snapshots, lambda: monitor.engine_up)
+    metrics = GatewayMetrics(registry)
+    router = Routing(routing, metrics=metrics)
+    metrics.watch_replicas(router.rows)
+    monitor = PoolMonitor(engines, pools_and_tenants, routing=router)
+    metrics.watch_pools(monitor.snapshots, lambda: monitor.engine_up)
     curves = MissRatioCurves(mrc_sample_rate)
     if curves.enabled:
         registry.register(MissRatioCollector(curves, monitor.tenant_slugs))
@@ -141,6 +148,7 @@ def build_gateway_services(*, session_factory, pepper: str, tokenizer_for, admis
         runner=CompletionRunner(admission=admission, metrics=metrics, usage=usage.record, selector_for=selector_for,
                                 guard=guards, curves=curves,
                                 capture=captures.offer if captures is not None else None),
+        routing=router,
         selectors=selectors, slo_guards=guards, captures=captures,
         intervals=intervals or LoopIntervals(),
     )

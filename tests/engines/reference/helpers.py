@@ -84,12 +84,17 @@ async def stream(client: grpcaio.InferenceServerClient, request: EngineRequest, 
     raise AssertionError("stream ended without a final response")
 
 
-def stats(url: str) -> PoolStatsReport:
+def stats(url: str, events_since: int | None = None) -> PoolStatsReport:
     client = grpcclient.InferenceServerClient(url)
     try:
         flag = grpcclient.InferInput("kv_stats", [1], "BOOL")
         flag.set_data_from_numpy(np.array([True]))
-        result = client.infer(MODEL, [flag])
+        inputs = [flag]
+        if events_since is not None:
+            cursor = grpcclient.InferInput("kv_events_since", [1], "UINT64")
+            cursor.set_data_from_numpy(np.array([events_since], np.uint64))
+            inputs.append(cursor)
+        result = client.infer(MODEL, inputs)
     finally:
         client.close()
     return PoolStatsReport.from_json(result.as_numpy("kv_cache_stats")[0])

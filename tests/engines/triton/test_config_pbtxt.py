@@ -54,6 +54,7 @@ INPUTS = {
     "logit_bias_values": ("TYPE_FP32", [-1]),
     "guided_decoding_guide_type": ("TYPE_STRING", [1]),
     "guided_decoding_guide": ("TYPE_STRING", [1]),
+    "kv_events_since": ("TYPE_UINT64", [1]),
 }
 OUTPUTS = {
     "output_ids": ("TYPE_INT32", [-1]),

@@ -1,0 +1,438 @@
+"""The gateway's side of routing: replicas, their health, their KV events, the dispatch.
+
+The choice itself is pure and lives in ``retention/routing/`` (cost, indexes, load); this
+module feeds it and carries it out::
+
+    poll loop (PoolMonitor, every ~1 s)            request (RoutedEngine.generate)
+      per pool: sync replica set from registry       hashes = block_hashes(prompt, salt)
+      per replica: stats + kv_events_since cursor    candidates = active ∧ breaker closed
+        ├─ events → router index (precise)           decision = router.route(...)
+        ├─ unsupported → approximate index           on_dispatch → stream from replica
+        ├─ failure → breaker opens (out of rotation) first token → on_prefill_done
+        └─ success → breaker closes (back in)        end → on_complete (load released)
+      sum of replicas' per-tenant blocks → quotas    unavailable before a token → retry once
+                                                     elsewhere (breaker opens on the failed one)
+
+Invariants:
+
+* A request is only dispatched to a replica whose registry state is ``active`` and whose
+  breaker is closed (when no such replica exists, to an ``active`` one with an open breaker,
+  as a probe); ``draining`` and ``disabled`` replicas finish what they have, and a replica
+  removed from the registry keeps its client until its last request ends.
+* Indexes hold kvgate's own salted block hashes (the engines report in that space,
+  ``engines/kv_events.py``), so a salted tenant's request never matches another tenant's
+  blocks and the router never sees an engine's internal hash.
+* Every gateway polling the same replicas builds the same indexes (each poller has its own
+  cursor; reading events never consumes them), and the router breaks ties by a rendezvous
+  hash, not by local state: gateways that see the same events choose the same replica for
+  the same request when their loads agree.
+* Load is what this gateway dispatched (queued prefill tokens, running requests, held
+  blocks); it returns to zero when nothing is in flight.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator, Callable, Iterable
+from dataclasses import dataclass, field, replace
+
+from engines.contract import EngineRequest, PoolStatsReport, TierStats
+from engines.kv_events import MOVED, REMOVED, STORED, KvEventsReport
+from retention.events import CreatedEvent, KvEvent, RemovedEvent, StoredBlock, StoredEvent, UpdatedEvent
+from retention.hashing import block_hashes
+from retention.routing import (
+    ApproximateIndex,
+    Candidate,
+    CapacityModel,
+    CostModel,
+    Decision,
+    Router,
+    RouteRequest,
+    RoutingError,
+    make_router,
+)
+from retention.types import Tier
+from tenants.snapshots import PoolSnapshot
+from server.gateway.engine_client import EngineChunk, EngineClient, EngineError, EngineRejected, EngineUnavailable
+from server.gateway.metrics import ReplicaRow
+
+log = logging.getLogger("kvgate.gateway.routing")
+
+
+@dataclass(frozen=True, slots=True)
+class RoutingConfig:
+    """Gateway routing settings.
+
+    ``router``: ``kv-aware`` (default) | ``round-robin`` | ``session`` | ``random``.
+    ``cost``: weights of the kv-aware cost (``retention/routing/cost.py``). ``retries``:
+    extra attempts on another replica for a request that failed before its first token.
+    ``breaker_open_s`` / ``breaker_max_open_s``: a failed replica is probed again after
+    ``open_s``, doubling per failed probe up to the maximum. ``stats_timeout_s``: a replica
+    whose stats call takes longer has stopped answering.
+    """
+
+    router: str = "kv-aware"
+    cost: CostModel = field(default_factory=CostModel)
+    retries: int = 1
+    breaker_open_s: float = 0.5
+    breaker_max_open_s: float = 10.0
+    stats_timeout_s: float = 5.0
+
+
+@dataclass(slots=True)
+class Breaker:
+    """Circuit breaker of one replica: ``closed`` (in rotation) or ``open`` (out, probed).
+
+    A dispatch that finds the replica unavailable, or a stats poll that fails, opens it;
+    the poll loop probes an open replica once ``retry_at`` has passed and a successful
+    probe closes it. Consecutive failures double the wait (capped).
+    """
+
+    state: str = "closed"
+    failures: int = 0
+    retry_at: float = 0.0
+
+    @property
+    def closed(self) -> bool:
+        return self.state == "closed"
+
+    def fail(self, now: float, open_s: float, max_open_s: float) -> bool:
+        """Record a failure; True when this opened a closed breaker."""
+        opened = self.state == "closed"
+        self.failures += 1
+        self.state = "open"
+        self.retry_at = now + min(max_open_s, open_s * 2 ** (self.failures - 1))
+        return opened
+
+    def succeed(self) -> bool:
+        """Record a success; True when this closed an open breaker."""
+        reopened = self.state == "open"
+        self.state, self.failures, self.retry_at = "closed", 0, 0.0
+        return reopened
+
+    def probe_due(self, now: float) -> bool:
+        return self.closed or now >= self.retry_at
+
+
+@dataclass(slots=True)
+class Replica:
+    """One engine endpoint of a pool, as this gateway sees it."""
+
+    id: int
+    name: str
+    endpoint: str
+    state: str  # registry state: active | draining | disabled
+    weight: int
+    client: EngineClient
+    breaker: Breaker = field(default_factory=Breaker)
+    in_flight: int = 0
+    cursor: int = 0  # KV events cursor (0 = ask for a snapshot)
+    epoch: str = ""
+    events: bool | None = None  # None until the first successful poll
+    stats: PoolStatsReport | None = None
+
+    @property
+    def routable(self) -> bool:
+        return self.state == "active" and self.breaker.closed
+
+
+def report_as_pool_events(report: KvEventsReport) -> list[KvEvent]:
+    """A replica's event report as ``retention.events`` for the router's precise index.
+
+    A snapshot becomes a *created* event (the index clears) followed by one *stored* event
+    per cached block; records keep their sequence numbers as event ids so that the index's
+    gap counter stays meaningful.
+    """
+    out: list[KvEvent] = []
+    if report.snapshot is not None:
+        base = report.next_seq - 1
+        out.append(CreatedEvent(base - 1, (0, 0)))
+        out.append(StoredEvent(base, None, tuple(StoredBlock(h, (), Tier(t), 0) for h, t in report.snapshot.items())))
+    for record in report.events:
+        if record.kind == STORED:
+            out.append(StoredEvent(record.seq, None, tuple(StoredBlock(h, (), Tier(record.tier), 0) for h in record.hashes)))
+        elif record.kind == REMOVED:
+            out.append(RemovedEvent(record.seq, record.hashes))
+        elif record.kind == MOVED:
+            for h in record.hashes:
+                # The old level is not carried; the index only reads the new one.
+                out.append(UpdatedEvent(record.seq, h, (Tier(1 - record.tier), Tier(record.tier))))
+    return out
+
+
+def sum_reports(reports: Iterable[PoolStatsReport]) -> PoolStatsReport | None:
+    """One pool-level report from its replicas': capacities, counters and tenant blocks add up.
+
+    Quotas stay per pool: a tenant's share is measured against the pool's summed GPU
+    blocks, with its blocks summed over replicas.
+    """
+    reports = list(reports)
+    if not reports:
+        return None
+    first = reports[0]
+    total = PoolStatsReport(first.tokens_per_block, TierStats(0, 0, 0), TierStats(0, 0, 0),
+                            secondary_offload_min_priority=first.secondary_offload_min_priority)
+    counters = ("reused_blocks", "missed_blocks", "alloc_total_blocks", "alloc_new_blocks", "offloaded_blocks",
+                "onboarded_blocks", "evicted_blocks")
+    for report in reports:
+        for tier_name in ("primary", "secondary"):
+            mine, theirs = getattr(total, tier_name), getattr(report, tier_name)
+            mine.max_blocks += theirs.max_blocks
+            mine.free_blocks += theirs.free_blocks
+            mine.used_blocks += theirs.used_blocks
+        for name in counters:
+            setattr(total, name, getattr(total, name) + getattr(report, name))
+        for tenant, counts in report.tenants.items():
+            held = total.tenants.setdefault(tenant, [0, 0])
+            held[0] += counts[0]
+            held[1] += counts[1]
+    lookups = total.reused_blocks + total.missed_blocks
+    total.cache_hit_rate = total.reused_blocks / lookups if lookups else 0.0
+    return total
+
+
+class PoolRoute:
+    """The replicas and the router of one pool."""
+
+    def __init__(self, pool: PoolSnapshot, config: RoutingConfig, clock: Callable[[], float]) -> None:
+        self.name = pool.name
+        self.config = config
+        self._clock = clock
+        self.pool = pool
+        self.replicas: dict[int, Replica] = {}
+        self.retiring: list[Replica] = []  # removed from the registry, requests still in flight
+        self.router: Router = self._new_router(config.router)
+        self.generation = 0  # bumped by use_router: a poll begun before the switch is discarded
+        self.sync(pool)
+
+    def _new_router(self, name: str) -> Router:
+        return make_router(name, tokens_per_block=self.pool.tokens_per_block, cost=self.config.cost)
+
+    def use_router(self, name: str) -> None:
+        """Switch the routing policy (benchmarks); indexes are rebuilt from fresh snapshots."""
+        self.router = self._new_router(name)
+        self.generation += 1
+        for replica in self.replicas.values():
+            replica.cursor = 0
+            replica.events = None
+
+    def sync(self, pool: PoolSnapshot) -> None:
+        """Take the registry's replica set: add new ones, update states, retire removed ones."""
+        self.pool = pool
+        seen: set[int] = set()
+        for entry in pool.replicas:
+            seen.add(entry.id)
+            replica = self.replicas.get(entry.id)
+            if replica is not None and replica.endpoint != entry.endpoint:  # moved: a new engine
+                self._retire(replica)
+                replica = None
+            if replica is None:
+                replica = self.replicas[entry.id] = Replica(
+                    entry.id, entry.name, entry.endpoint, entry.state, entry.weight,
+                    EngineClient(entry.endpoint, pool.triton_model))
+            replica.name, replica.state, replica.weight = entry.name, entry.state, entry.weight
+        for gone in [r for rid, r in self.replicas.items() if rid not in seen]:
+            self._retire(gone)
+
+    def _retire(self, replica: Replica) -> None:
+        self.replicas.pop(replica.id, None)
+        self.router.forget_replica(replica.id)
+        replica.state = "removed"
+        self.retiring.append(replica)
+
+    async def reap(self) -> None:
+        """Close the clients of retired replicas that have nothing in flight."""
+        done = [r for r in self.retiring if r.in_flight == 0]
+        self.retiring = [r for r in self.retiring if r.in_flight > 0]
+        for replica in done:
+            with contextlib.suppress(Exception):
+                await replica.client.close()
+
+    def candidates(self, exclude: set[int]) -> list[Candidate]:
+        """Active replicas with a closed breaker; when there are none, the active ones whose
+        breaker is open (a request is then the probe: failing at once would not be better,
+        and a replica that came back, e.g. the only one after a restart, serves it)."""
+        healthy = [Candidate(r.id, r.weight) for r in self.replicas.values() if r.routable and r.id not in exclude]
+        if healthy:
+            return healthy
+        return [Candidate(r.id, r.weight) for r in self.replicas.values() if r.state == "active" and r.id not in exclude]
+
+    def mark_failed(self, replica: Replica) -> None:
+        now = self._clock()
+        if replica.breaker.fail(now, self.config.breaker_open_s, self.config.breaker_max_open_s):
+            log.warning("replica %s/%s (%s) out of rotation", self.name, replica.name, replica.endpoint)
+            # Its cache may be gone (restart) and its load is unknown: start over when it is back.
+            if replica.id in self.replicas:
+                self.router.forget_replica(replica.id)
+            replica.cursor, replica.events = 0, None
+
+    async def poll(self, replica: Replica) -> None:
+        """One stats + events poll of ``replica``; doubles as the breaker's probe."""
+        now = self._clock()
+        if not replica.breaker.probe_due(now):
+            return
+        generation = self.generation
+        try:
+            stats = await replica.client.stats(self.config.stats_timeout_s, events_since=replica.cursor)
+        except EngineError:
+            self.mark_failed(replica)
+            return
+        if replica.breaker.succeed():
+            log.warning("replica %s/%s back in rotation", self.name, replica.name)
+        replica.stats = stats
+        if generation == self.generation:
+            self._feed(replica, stats.kv_events)
+
+    def _feed(self, replica: Replica, report: KvEventsReport | None) -> None:
+        now = self._clock()
+        if report is None or not report.supported:
+            if replica.events is not False:  # approximate mode: index what we send there
+                replica.events = False
+                set_index = getattr(self.router, "set_index", None)
+                if set_index is not None:
+                    set_index(replica.id, ApproximateIndex(CapacityModel(
+                        max(1, self.pool.primary_blocks), max(0, self.pool.secondary_blocks))))
+            return
+        if report.epoch != replica.epoch and report.snapshot is None:
+            # The replica restarted since our cursor was taken: ask again from scratch.
+            replica.cursor, replica.epoch = 0, report.epoch
+            return
+        replica.events, replica.epoch, replica.cursor = True, report.epoch, report.next_seq
+        self.router.apply_events(replica.id, report_as_pool_events(report), now=now)
+
+    def pool_stats(self) -> PoolStatsReport | None:
+        """The pool's summed stats over replicas that answered their last poll."""
+        return sum_reports(r.stats for r in self.replicas.values() if r.stats is not None and r.breaker.closed)
+
+
+class Routing:
+    """Every pool's :class:`PoolRoute`; the gateway's single entry point for dispatch."""
+
+    def __init__(self, config: RoutingConfig | None = None, *, metrics=None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.config = config or RoutingConfig()
+        self.metrics = metrics  # GatewayMetrics (replica-labelled series), optional in tests
+        self._clock = clock
+        self.pools: dict[str, PoolRoute] = {}
+
+    def route(self, pool: PoolSnapshot) -> PoolRoute:
+        """The pool's route; the first request for a pool creates it from its snapshot."""
+        route = self.pools.get(pool.name)
+        if route is None:
+            route = self.pools[pool.name] = PoolRoute(pool, self.config, self._clock)
+        return route
+
+    def use_router(self, name: str) -> None:
+        make_router(name, tokens_per_block=1)  # validates the name
+        self.config = replace(self.config, router=name)
+        for route in self.pools.values():
+            route.config = self.config
+            route.use_router(name)
+
+    async def poll(self, pool: PoolSnapshot) -> PoolStatsReport | None:
+        """Sync the pool's replicas from ``pool`` and poll each once (concurrently)."""
+        route = self.route(pool)
+        route.sync(pool)
+        replicas = list(route.replicas.values())
+        await asyncio.gather(*(route.poll(r) for r in replicas))
+        await route.reap()
+        return route.pool_stats()
+
+    def engine(self, pool: PoolSnapshot) -> RoutedEngine:
+        return RoutedEngine(self, self.route(pool))
+
+    async def ready(self, pool: PoolSnapshot) -> bool:
+        """Ready when at least one active replica answers."""
+        route = self.route(pool)
+        results = await asyncio.gather(*(r.client.ready() for r in route.replicas.values() if r.state == "active"))
+        return any(results)
+
+    def rows(self) -> list[ReplicaRow]:
+        """Replica health and load for the metrics collector (read at scrape time)."""
+        modes = {True: "precise", False: "approximate", None: "unknown"}
+        return [ReplicaRow(name, r.name, r.state, r.breaker.closed, r.in_flight, modes[r.events])
+                for name, route in list(self.pools.items()) for r in list(route.replicas.values())]
+
+    async def close(self) -> None:
+        for route in self.pools.values():
+            for replica in [*route.replicas.values(), *route.retiring]:
+                with contextlib.suppress(Exception):
+                    await replica.client.close()
+        self.pools.clear()
+
+
+class RoutedEngine:
+    """What the completion path streams from: one request, routed, retried, accounted.
+
+    Same ``generate`` signature as :class:`EngineClient`, so ``completions.py`` does not
+    know about replicas.
+    """
+
+    def __init__(self, routing: Routing, route: PoolRoute) -> None:
+        self._routing = routing
+        self._route = route
+        self.replica: str | None = None  # the replica of the last attempt (response header)
+
+    async def generate(self, request: EngineRequest, *, request_id: str,
+                       timeout: float | None = None) -> AsyncIterator[EngineChunk]:
+        route, clock = self._route, self._routing._clock
+        tpb = route.pool.tokens_per_block
+        routed = RouteRequest(request_id, tuple(block_hashes(request.input_ids, tpb, salt=request.cache_salt)),
+                              len(request.input_ids), request.max_new_tokens)
+        tried: set[int] = set()
+        attempts = 0
+        while True:
+            candidates = route.candidates(tried)
+            if not candidates:
+                raise EngineUnavailable(f"no healthy active replica in pool '{route.name}'")
+            router = route.router
+            try:
+                decision: Decision = router.route(routed, candidates, now=clock())
+            except RoutingError as exc:
+                raise EngineUnavailable(str(exc)) from exc
+            replica = route.replicas[decision.replica]
+            self.replica = replica.name
+            router.on_dispatch(routed, decision, now=clock())
+            replica.in_flight += 1
+            produced = False
+            status, kv = "error", None
+            try:
+                async with contextlib.aclosing(replica.client.generate(request, request_id=request_id,
+                                                                       timeout=timeout)) as chunks:
+                    async for chunk in chunks:
+                        kv = chunk.kv
+                        if chunk.token_ids and not produced:
+                            produced = True
+                            router.on_prefill_done(request_id, now=clock())
+                        yield chunk
+                status = "ok"
+                if replica.breaker.succeed():
+                    log.warning("replica %s/%s back in rotation (served a request)", route.name, replica.name)
+                return
+            except EngineRejected:
+                status = "rejected"
+                raise
+            except EngineUnavailable:
+                route.mark_failed(replica)
+                tried.add(replica.id)
+                retry = not produced and attempts < self._routing.config.retries and bool(route.candidates(tried))
+                status = "retried" if retry else "error"
+                if not retry:
+                    raise
+                attempts += 1
+                log.warning("request %s: replica %s/%s unavailable before its first token; retrying elsewhere",
+                            request_id, route.name, replica.name)
+            except BaseException:  # consumer left (stop string, client gone) or cancelled
+                status = "cancelled"
+                raise
+            finally:
+                router.on_complete(request_id, now=clock())
+                replica.in_flight -= 1
+                metrics = self._routing.metrics
+                if metrics is not None:
+                    cached = 0 if kv is None else min(len(request.input_ids), kv.reused_blocks * tpb)
+                    metrics.observe_replica(pool=route.name, replica=replica.name, status=status,
+                                            prompt_tokens=len(request.input_ids), cached_tokens=cached)

@@ -1,0 +1,102 @@
+"""The Triton model reports TensorRT-LLM's KV events in kvgate's block-hash space.
+
+Against the executor double (tests/engines/triton/fake_trtllm.py), whose block hash is
+its own (like the real one, unrelated to kvgate's): the gateway must see kvgate hashes.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+import engines.contract as contract
+from engines.contract import EngineRequest, PoolStatsReport, SamplingParams, encode_request
+from engines.kv_events import GPU, HOST, apply_report
+from engines.trtllm.kv_event_translator import KvEventTranslator
+from retention.hashing import block_hashes
+from retention.types import RetentionPlan
+from tests.engines.triton.conftest import make_harness
+
+PROMPT = tuple(range(100, 100 + 80))  # 2 full blocks of 32 + 16 tokens
+OTHER = tuple(range(500, 500 + 64))
+
+
+def send(h, ids, salt, tenant):
+    tensors = encode_request(EngineRequest(input_ids=ids, max_new_tokens=4, end_id=None, streaming=False,
+                                           sampling=SamplingParams(), retention=RetentionPlan(), cache_salt=salt,
+                                           tenant_id=tenant))
+    sender = h.send(tensors)
+    assert sender.finished.is_set()
+
+
+def poll(h, since):
+    sender = h.send({contract.KV_STATS.name: np.array([True]),
+                     contract.KV_EVENTS_SINCE.name: np.array([since], np.uint64)})
+    [(response, _)] = sender.responses
+    return PoolStatsReport.from_json(response.tensors()[contract.KV_CACHE_STATS.name][0]).kv_events
+
+
+def test_stored_offloaded_and_removed_blocks_arrive_as_kvgate_hashes(harness):
+    send(harness, PROMPT, "a", "tenant-a")
+    send(harness, OTHER, "b", "tenant-b")
+    send(harness, PROMPT, "a", "tenant-a")  # reuse: nothing new stored
+    mirror: dict[int, int] = {}
+    first = poll(harness, 0)
+    assert first.supported and first.snapshot is not None
+    apply_report(mirror, first)
+    a, b = block_hashes(PROMPT, 32, salt="a"), block_hashes(OTHER, 32, salt="b")
+    assert mirror == {a[0]: GPU, a[1]: GPU, b[0]: GPU, b[1]: GPU}
+    assert not set(mirror) & set(harness.executor.tree)  # never TensorRT-LLM's own hashes
+
+    trt_a = [h for h, blk in harness.model.ledger._blocks.items() if blk.tenant == "tenant-a"]
+    harness.executor.offload(trt_a[-1])
+    harness.executor.evict(trt_a[0])
+    later = poll(harness, first.next_seq)
+    assert later.snapshot is None and [e.kind for e in later.events] == ["moved", "removed"]
+    apply_report(mirror, later)
+    assert mirror == {a[1]: HOST, b[0]: GPU, b[1]: GPU}
+    # a second poller starting now gets the same state from a snapshot
+    assert poll(harness, 0).snapshot == mirror
+
+
+def test_orchestrator_mode_reports_no_events(tmp_path, monkeypatch):
+    h = make_harness(tmp_path, monkeypatch, spec_name="llama-3.1-70b-instruct-fp8-tp8")
+    try:
+        send(h, PROMPT, "a", "tenant-a")
+        report = poll(h, 0)
+        assert report is not None and not report.supported  # the gateway falls back to approximate routing
+    finally:
+        h.model.finalize()
+
+
+class _Tok:
+    def __init__(self, token_id):
+        self.token_id = token_id
+
+
+class _Block:
+    def __init__(self, block_hash, tokens, cache_level=0):
+        self.block_hash, self.tokens, self.cache_level = block_hash, [_Tok(t) for t in tokens], cache_level
+
+
+class _Stored:
+    def __init__(self, parent_hash, blocks):
+        self.parent_hash, self.blocks = parent_hash, blocks
+
+
+class _Event:
+    def __init__(self, event_id, data):
+        self.event_id, self.data = event_id, data
+
+
+def test_unknown_roots_and_parents_are_not_reported_and_gaps_force_a_resync():
+    t = KvEventTranslator(tokens_per_block=4)
+    t.apply([_Event(1, _Stored(None, [_Block(11, [1, 2, 3, 4])]))])  # no request expected this root
+    t.apply([_Event(2, _Stored(77, [_Block(12, [5, 6, 7, 8])]))])  # parent never seen
+    assert t.log.report(0).snapshot == {}
+    t.note_request("s", [1, 2, 3, 4, 5, 6, 7, 8, 9])
+    t.apply([_Event(3, _Stored(None, [_Block(21, [1, 2, 3, 4]), _Block(22, [5, 6, 7, 8])]))])
+    expected = block_hashes([1, 2, 3, 4, 5, 6, 7, 8], 4, salt="s")
+    cursor = t.log.next_seq
+    assert t.log.report(0).snapshot == {expected[0]: GPU, expected[1]: GPU}
+    t.apply([_Event(5, _Stored(22, [_Block(23, [9, 10, 11, 12])]))])  # event 4 was lost
+    assert t.log.report(cursor).snapshot is not None
