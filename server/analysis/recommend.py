@@ -118,16 +118,10 @@ def host_curve(path: Path, *, block_size: int, gpu: str = "2%", multiples: Seque
 
 
 def _capacity(text: str, distinct: int) -> int:
-    raw = text.strip()
+    """``--gpu`` as ``kvgate simulate -c`` reads it (one parser for both commands)."""
+    from server.cli.simulate import CliError, parse_capacity
+
     try:
-        if raw.endswith("%"):
-            share = float(raw[:-1])
-            if not math.isfinite(share) or share <= 0:
-                raise ValueError
-            return max(1, round(distinct * share / 100.0))
-        value = int(raw)
-        if value < 1:
-            raise ValueError
-        return value
-    except ValueError:
-        raise ValueError(f"--gpu {text!r} must be a positive block count or a percentage like 2%") from None
+        return parse_capacity(text, distinct)
+    except CliError as exc:
+        raise ValueError(f"--gpu: {exc}") from None
