@@ -27,7 +27,7 @@ from prometheus_client import CollectorRegistry
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.report import machine, write_section  # noqa: E402
 from server.analysis.report import AnalyzeOptions, build_report  # noqa: E402
-from server.gateway.capture import TraceCaptures  # noqa: E402
+from server.gateway.observe.capture import TraceCaptures  # noqa: E402
 from tenants import captures, migrate, pools  # noqa: E402
 from tenants.db import make_engine, make_session_factory  # noqa: E402
 

@@ -45,7 +45,7 @@ sys.path.insert(0, str(ROOT))
 from bench.report import machine, write_section  # noqa: E402
 from engines.contract import EngineRequest, Guide, SamplingParams  # noqa: E402
 from retention.types import RetentionPlan  # noqa: E402
-from server.gateway.engine_client import EngineClient  # noqa: E402
+from server.gateway.replicas.engine_client import EngineClient  # noqa: E402
 
 MESSAGES = [
     {"role": "system", "content": "You are a concise assistant for a travel agency. Answer in one sentence."},
@@ -152,7 +152,7 @@ def pct(values: list[float], q: float) -> float:
 async def measure(args, key: str, engine_port: int, gateway_port: int, gateway_pid: int,
                   modes: tuple = ((False, None), (True, None), (False, {"response_format": SCHEMA_FORMAT}))) -> list[dict]:
     from engines.tokenizer import load_gguf_tokenizer
-    from server.gateway.prompting import prepare_chat
+    from server.gateway.api.prompting import prepare_chat
 
     prompt = prepare_chat(load_gguf_tokenizer(), MESSAGES)
     client = EngineClient(f"127.0.0.1:{engine_port}", "kvgate_llm")

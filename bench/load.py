@@ -37,7 +37,7 @@ sys.path.insert(0, str(ROOT))
 
 from bench.report import machine, write_section  # noqa: E402
 from engines.tokenizer import load_gguf_tokenizer  # noqa: E402
-from server.gateway.prompting import prepare_chat  # noqa: E402
+from server.gateway.api.prompting import prepare_chat  # noqa: E402
 from tests.reliability.harness import GatewayProcess, Registry  # noqa: E402
 from tests.reliability.proxies import start_counting_proxy  # noqa: E402
 from tests.reliability.sse import SseParser, StreamResult, chat_body  # noqa: E402

@@ -1,7 +1,7 @@
 """bench:mrc — what the gateway's online miss-ratio curves cost per request.
 
 Replays the public synthetic trace (Mooncake, 512-token blocks; tokens synthesised as the
-simulator does) through ``server.gateway.miss_ratio.PoolCurve`` — the six shadow points a
+simulator does) through ``server.gateway.observe.miss_ratio.PoolCurve`` — the six shadow points a
 pool with a host tier gets — at several sampling rates, side by side in one run with the
 block hashing the gateway already does for adaptive retention (the curves reuse those
 hashes). Pool: 2 % of the trace's distinct blocks on GPU, 4x that on host (the simulator's
@@ -27,7 +27,7 @@ from bench.report import machine, write_section  # noqa: E402
 from retention.hashing import block_hashes  # noqa: E402
 from retention.trace import distinct_blocks, parse_trace, request_tokens  # noqa: E402
 from retention.types import DEFAULT_PLAN  # noqa: E402
-from server.gateway.miss_ratio import PoolCurve  # noqa: E402
+from server.gateway.observe.miss_ratio import PoolCurve  # noqa: E402
 from tenants.snapshots import PoolSnapshot, ReplicaSnapshot  # noqa: E402
 
 TRACE = Path(os.environ.get("KVGATE_TRACE", ROOT.parent / "shared" / "traces" / "mooncake_synthetic_trace.jsonl"))

@@ -19,7 +19,7 @@ from server.gateway.admission import Admission, LocalAdmission, RedisAdmission
 from server.gateway.app import install_gateway, registry_pools_and_tenants
 from tenants.snapshots import PoolSnapshot
 from server.gateway.errors import ServingError
-from server.gateway.routing import RoutingConfig
+from server.gateway.replicas.routing import RoutingConfig
 from server.gateway.services import LoopIntervals, build_gateway_services
 from server.settings import Settings
 from tenants.db import make_engine, make_session_factory

@@ -63,13 +63,13 @@ class Settings(BaseSettings):
     redis_url: str | None = None
     # When set, /metrics requires "Authorization: Bearer <token>" (it names every tenant).
     metrics_token: str | None = Field(default=None, repr=False)
-    # Online miss-ratio curves (server/gateway/miss_ratio.py): the share of the block-hash
+    # Online miss-ratio curves (server/gateway/observe/miss_ratio.py): the share of the block-hash
     # space each pool's shadow pools sample; 0 turns them off.
     mrc_sample_rate: float = Field(default=0.01, ge=0.0, le=1.0)
     log_level: str = "info"
     # Live trace captures (admin API /pools/{ref}/captures) write here: <trace_dir>/<pool>/capture-*.jsonl
     trace_dir: Path = Path("kvgate-traces")
-    # Replica routing (server/gateway/routing.py, retention/routing/cost.py).
+    # Replica routing (server/gateway/replicas/routing.py, retention/routing/cost.py).
     router: Literal["kv-aware", "round-robin", "session", "random"] = "kv-aware"
     router_overlap_weight: float = Field(default=1.0, ge=0.0)
     router_temperature: float = Field(default=0.0, ge=0.0)

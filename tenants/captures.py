@@ -1,7 +1,7 @@
 """Live trace captures: opt-in, per pool (optionally one tenant), audited.
 
 A capture tells every gateway serving the pool to write a sample of the pool's requests
-as a Mooncake-format JSONL trace (``server/gateway/capture.py``). The registry holds only
+as a Mooncake-format JSONL trace (``server/gateway/observe/capture.py``). The registry holds only
 the switch and its parameters; the files live in the gateways' trace directory.
 
 Invariants:

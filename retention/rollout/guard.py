@@ -108,7 +108,7 @@ class Observation:
     ttft: float | None
     itl: float | None
     arm: str = ARM_HOST
-    cache: str = "miss"  # gpu_hit | host_hit | miss (server.gateway.metrics.cache_outcome)
+    cache: str = "miss"  # gpu_hit | host_hit | miss (server.gateway.observe.metrics.cache_outcome)
 
 
 def p99(values: list[float]) -> float | None:

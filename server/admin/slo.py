@@ -7,7 +7,7 @@
 * ``POST /pools/{ref}/slo/restore`` — restore the host tier at once (audited as
   ``pool_slo.restore`` with the admin as actor).
 
-The state lives in the gateway process (``server.gateway.slo_guard``), installed on this
+The state lives in the gateway process (``server.gateway.observe.slo_guard``), installed on this
 app as ``app.state.slo_guard``; an admin API served without a gateway answers 404
 ``no_gateway`` there. Each gateway replica guards on its own traffic.
 """
@@ -90,7 +90,7 @@ def _guard(request: Request):  # type: ignore[no-untyped-def]
 
 @router.get("/{ref}/slo/state")
 def guard_state(ref: str, request: Request, session: SessionDep, _actor: AdminActor) -> dict[str, Any]:
-    """The guard's state in this gateway process (see ``server.gateway.slo_guard.SloGuards.view``)."""
+    """The guard's state in this gateway process (see ``server.gateway.observe.slo_guard.SloGuards.view``)."""
     guard = _guard(request)
     pool = pools.get_pool(session, ref=ref)
     return guard.view(pool.name)

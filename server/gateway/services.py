@@ -20,14 +20,14 @@ from retention.adaptive import AdaptiveConfig
 from retention.selection import AdaptiveSelector
 from server.gateway.admission import Admission
 from server.gateway.auth import KeyAuthenticator
-from server.gateway.capture import TraceCaptures
-from server.gateway.completions import CompletionRunner
-from server.gateway.engines import EngineDirectory
-from server.gateway.metrics import GatewayMetrics
-from server.gateway.miss_ratio import MissRatioCollector, MissRatioCurves
-from server.gateway.pool_monitor import PoolMonitor
-from server.gateway.slo_guard import SloGuards
-from server.gateway.routing import Routing, RoutingConfig
+from server.gateway.observe.capture import TraceCaptures
+from server.gateway.api.completions import CompletionRunner
+from server.gateway.replicas.engines import EngineDirectory
+from server.gateway.observe.metrics import GatewayMetrics
+from server.gateway.observe.miss_ratio import MissRatioCollector, MissRatioCurves
+from server.gateway.replicas.pool_monitor import PoolMonitor
+from server.gateway.observe.slo_guard import SloGuards
+from server.gateway.replicas.routing import Routing, RoutingConfig
 from server.gateway.usage import UsageRecorder
 from tenants.snapshots import PoolSnapshot
 
@@ -55,9 +55,9 @@ class GatewayServices:
     runner: CompletionRunner
     routing: Routing
     selectors: dict[str, AdaptiveSelector] = field(default_factory=dict)  # pool -> adaptive retention (stats + duel)
-    slo_guards: SloGuards | None = None  # per-pool SLO guards (server.gateway.slo_guard)
+    slo_guards: SloGuards | None = None  # per-pool SLO guards (server.gateway.observe.slo_guard)
     intervals: LoopIntervals = field(default_factory=LoopIntervals)
-    captures: TraceCaptures | None = None  # live trace capture (server.gateway.capture)
+    captures: TraceCaptures | None = None  # live trace capture (server.gateway.observe.capture)
     draining: bool = False  # set by the SIGTERM drain (server.gateway.drain): new requests get 503
     in_flight: int = 0  # serving requests not yet fully answered (server.gateway.drain.InFlight)
     _tasks: list[asyncio.Task] = field(default_factory=list)

@@ -204,7 +204,7 @@ def test_dashboard_covers_the_brief_and_uses_documented_metrics():
 
 
 def test_the_gateway_exposes_every_documented_metric():
-    metrics_module = pytest.importorskip("server.gateway.metrics")
+    metrics_module = pytest.importorskip("server.gateway.observe.metrics")
     from prometheus_client import CollectorRegistry, generate_latest
 
     from engines.contract import PoolStatsReport, TierStats
@@ -222,7 +222,7 @@ def test_the_gateway_exposes_every_documented_metric():
     guard = metrics_module.SloGuardMetrics(registry, lambda: {"p": False})
     guard.observe(pool="p", arm="host", ttft=0.1, inter_token=0.01, cache="miss")
     from retention.types import DEFAULT_PLAN
-    from server.gateway.miss_ratio import MissRatioCollector, MissRatioCurves
+    from server.gateway.observe.miss_ratio import MissRatioCollector, MissRatioCurves
     from tenants.snapshots import PoolSnapshot, ReplicaSnapshot
 
     curves = MissRatioCurves(1.0)

@@ -9,7 +9,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from engines.hf_tokenizer import load_hf_tokenizer, load_spec_tokenizer
 from engines.tokenizer import TokenizerLoadError
-from server.gateway.prompting import ChatPrompter
+from server.gateway.api.prompting import ChatPrompter
 
 CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
           "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")

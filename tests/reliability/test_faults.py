@@ -23,7 +23,7 @@ import httpx
 import pytest
 from sqlalchemy import func, select
 
-from server.gateway.engine_client import EngineClient
+from server.gateway.replicas.engine_client import EngineClient
 from tenants import pools
 from tenants.models import AuditEvent, Tenant, Usage
 from tests.reliability.harness import GatewayProcess, PostgresDatabase, Registry, postgres_port

@@ -13,7 +13,7 @@ from retention.hashing import block_hashes
 from retention.trace import TraceError, parse_trace, trace_block_size
 from server.cli import create_cli
 from server.cli.trace import parse_size, parse_time_ms
-from server.gateway.capture import sampled, trace_hash_ids, trace_id
+from server.gateway.observe.capture import sampled, trace_hash_ids, trace_id
 
 KEY_A, KEY_B = b"a" * 32, b"b" * 32
 

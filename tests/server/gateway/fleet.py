@@ -22,8 +22,8 @@ from engines.reference.config import ReferenceEngineConfig
 from engines.reference.loader import ModelBundle
 from retention.hashing import block_hashes
 from retention.routing import RouteRequest
-from server.gateway.prompting import ChatPrompter
-from server.gateway.routing import PoolRoute, Replica
+from server.gateway.api.prompting import ChatPrompter
+from server.gateway.replicas.routing import PoolRoute, Replica
 from server.gateway.services import LoopIntervals
 from server.serving import build_serving_app
 from server.settings import Settings

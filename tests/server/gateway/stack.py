@@ -108,7 +108,7 @@ class Stack:
     admin_token: str
     tokens_per_block: int
     keys: dict[str, str] = field(default_factory=dict)
-    trace_dir: Path | None = None  # live trace captures (server/gateway/capture.py) write here
+    trace_dir: Path | None = None  # live trace captures (server/gateway/observe/capture.py) write here
 
     def now(self) -> datetime:
         return datetime.now(UTC)

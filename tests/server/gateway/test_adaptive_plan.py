@@ -12,10 +12,10 @@ from retention.planner import QuotaState, RetentionClassSpec, SegmentRetention
 from retention.selection import AdaptiveSelector
 from retention.shadow.duel import DuelConfig
 from server.gateway.admission import Limits
-from server.gateway.completions import CompletionJob, build_plan
+from server.gateway.api.completions import CompletionJob, build_plan
 from server.gateway.context import TenantContext
 from tenants.snapshots import PoolSnapshot, ReplicaSnapshot
-from server.gateway.prompting import PreparedPrompt
+from server.gateway.api.prompting import PreparedPrompt
 from tenants import retention_classes
 from tests.server.gateway.stack import ACTOR, MODEL, Stack
 from tests.server.gateway.test_openai_e2e import client, system_prompt

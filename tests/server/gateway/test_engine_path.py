@@ -14,7 +14,7 @@ from engines.contract import parse_retention
 from engines.reference.kserve import decode_inputs
 from engines.tokenizer import load_gguf_tokenizer
 from retention.planner import RetentionClassSpec, SegmentRetention, Segments, plan_retention
-from server.gateway.prompting import prepare_chat
+from server.gateway.api.prompting import prepare_chat
 from tenants import pools
 from tenants.models import Tenant
 from tests.server.gateway.recording_proxy import start_proxy

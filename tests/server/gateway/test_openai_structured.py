@@ -16,7 +16,7 @@ from pydantic import BaseModel
 from engines.reference.kv_cache import KvDtype, PagedKvCache
 from engines.reference.loader import load_model
 from engines.reference.model import DecodeGroup, PrefillSpan, StepBatch
-from server.gateway.prompting import ChatPrompter
+from server.gateway.api.prompting import ChatPrompter
 from tests.server.gateway.stack import MODEL, Stack
 
 pytestmark = pytest.mark.slow

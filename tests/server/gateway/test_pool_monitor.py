@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from engines.contract import PoolStatsReport, TierStats
 from tenants.snapshots import PoolSnapshot, ReplicaSnapshot
-from server.gateway.engines import EngineDirectory
-from server.gateway.pool_monitor import PoolMonitor, TenantQuota
+from server.gateway.replicas.engines import EngineDirectory
+from server.gateway.replicas.pool_monitor import PoolMonitor, TenantQuota
 
 POOL = PoolSnapshot(1, "p", "m", "kvgate_llm", "reference-smollm2", 16, 100, 400, 35, (ReplicaSnapshot(1, "r0", "127.0.0.1:1", "active", 1),))
 TENANTS = [TenantQuota(1, "premium", 0.5), TenantQuota(2, "flood", 0.2)]
@@ -66,7 +66,7 @@ OVERSIZED = PoolSnapshot(1, "p", "m", "kvgate_llm", "reference-smollm2", 16, 204
 
 
 def test_capacity_mismatch_is_pure_and_names_each_difference() -> None:
-    from server.gateway.capacity_check import capacity_mismatch
+    from server.gateway.replicas.capacity_check import capacity_mismatch
 
     check = capacity_mismatch(OVERSIZED, stats())
     assert check.mismatch and check.effective_primary == 100
@@ -96,7 +96,7 @@ def test_quota_uses_the_engines_blocks_and_the_mismatch_is_logged_once(caplog) -
 def test_capacity_gauges() -> None:
     from prometheus_client import CollectorRegistry, generate_latest
 
-    from server.gateway.metrics import GatewayMetrics
+    from server.gateway.observe.metrics import GatewayMetrics
 
     m = monitor()
     m.apply(OVERSIZED, stats(), TENANTS)

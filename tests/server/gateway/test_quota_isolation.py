@@ -10,7 +10,7 @@ import time
 import httpx
 import pytest
 
-from server.gateway.engine_client import EngineClient
+from server.gateway.replicas.engine_client import EngineClient
 from server.gateway.services import LoopIntervals
 from server.serving import build_serving_app
 from server.settings import Settings

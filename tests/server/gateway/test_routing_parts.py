@@ -5,7 +5,7 @@ from __future__ import annotations
 from engines.contract import PoolStatsReport, TierStats
 from engines.kv_events import GPU, HOST, MOVED, REMOVED, STORED, KvEventLog
 from retention.routing import KvAwareRouter
-from server.gateway.routing import Breaker, report_as_pool_events, sum_reports
+from server.gateway.replicas.routing import Breaker, report_as_pool_events, sum_reports
 
 
 def test_breaker_opens_on_failure_backs_off_and_closes_on_success() -> None:
@@ -73,7 +73,7 @@ def test_a_replica_without_events_gets_an_approximate_index_fed_by_dispatches() 
 
     from engines.kv_events import KvEventsReport
     from retention.routing import ApproximateIndex, RouteRequest
-    from server.gateway.routing import PoolRoute, RoutingConfig
+    from server.gateway.replicas.routing import PoolRoute, RoutingConfig
     from tenants.snapshots import PoolSnapshot, ReplicaSnapshot
 
     async def scenario() -> None:

@@ -23,7 +23,7 @@ import time
 import httpx
 import pytest
 
-from server.gateway.engine_client import EngineClient
+from server.gateway.replicas.engine_client import EngineClient
 from tests.server.gateway.stack import build_stack
 
 pytestmark = pytest.mark.slow

@@ -17,7 +17,7 @@ from retention.planner import RetentionClassSpec, SegmentRetention, Segments, pl
 from retention.rollout.pilot import pilot_arm
 from server.gateway.admission import Limits
 from server.gateway.context import TenantContext
-from server.gateway.slo_guard import SloGuards
+from server.gateway.observe.slo_guard import SloGuards
 from tenants import list_pool_snapshots, slo
 from tenants.models import AuditEvent
 from tests.tenants.factories import ACTOR, make_pool, now

@@ -8,9 +8,9 @@ import jsonschema
 import pytest
 
 from engines.tokenizer import load_gguf_tokenizer
-from server.gateway.logprobs import TokenTexts
-from server.gateway.prompting import ChatPrompter
-from server.gateway.tools import (
+from server.gateway.api.logprobs import TokenTexts
+from server.gateway.api.prompting import ChatPrompter
+from server.gateway.api.tools import (
     CallSplitter,
     ToolPlan,
     forced_call_guide,

@@ -56,8 +56,8 @@ from retention.routing import (
 )
 from retention.types import Tier
 from tenants.snapshots import PoolSnapshot
-from server.gateway.engine_client import EngineChunk, EngineClient, EngineError, EngineRejected, EngineUnavailable
-from server.gateway.metrics import ReplicaRow
+from server.gateway.replicas.engine_client import EngineChunk, EngineClient, EngineError, EngineRejected, EngineUnavailable
+from server.gateway.observe.metrics import ReplicaRow
 
 log = logging.getLogger("kvgate.gateway.routing")
 

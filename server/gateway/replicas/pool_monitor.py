@@ -1,6 +1,6 @@
 """Polls every pool's engine stats; derives per-tenant KV quota state with hysteresis.
 
-Each poll goes through :class:`server.gateway.routing.Routing`, which polls every replica
+Each poll goes through :class:`server.gateway.replicas.routing.Routing`, which polls every replica
 of the pool (stats + KV events for the router, and the breaker's probe) and sums their
 reports: quotas stay per pool, a tenant's blocks summed over the pool's replicas.
 
@@ -25,10 +25,10 @@ from engines.contract import PoolStatsReport
 from retention.planner import QuotaState
 from retention.quota import QuotaTracker
 from tenants.snapshots import PoolSnapshot
-from server.gateway.capacity_check import CapacityCheck, capacity_mismatch
-from server.gateway.engines import EngineDirectory
-from server.gateway.metrics import PoolSnapshot
-from server.gateway.routing import Routing
+from server.gateway.replicas.capacity_check import CapacityCheck, capacity_mismatch
+from server.gateway.replicas.engines import EngineDirectory
+from server.gateway.observe.metrics import PoolSnapshot
+from server.gateway.replicas.routing import Routing
 
 log = logging.getLogger("kvgate.gateway")
 

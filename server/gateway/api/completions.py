@@ -29,15 +29,15 @@ from retention.selection import AdaptiveSelector
 from retention.types import RetentionPlan
 from server.gateway.admission import Admission, AdmissionError, retry_after_header
 from server.gateway.context import TenantContext
-from server.gateway.engine_client import EngineClient, EngineRejected, EngineUnavailable
+from server.gateway.replicas.engine_client import EngineClient, EngineRejected, EngineUnavailable
 from server.gateway.errors import ServingError, error_body
-from server.gateway.metrics import GatewayMetrics
-from server.gateway.logprobs import TokenTexts, chat_entries, completion_block
-from server.gateway.miss_ratio import MissRatioCurves
-from server.gateway.routing import RoutedEngine
-from server.gateway.prompting import PreparedPrompt
-from server.gateway.slo_guard import SloGuards
-from server.gateway.tools import CallSplitter, ToolCall, ToolPlan, parse_forced, parse_tool_calls
+from server.gateway.observe.metrics import GatewayMetrics
+from server.gateway.api.logprobs import TokenTexts, chat_entries, completion_block
+from server.gateway.observe.miss_ratio import MissRatioCurves
+from server.gateway.replicas.routing import RoutedEngine
+from server.gateway.api.prompting import PreparedPrompt
+from server.gateway.observe.slo_guard import SloGuards
+from server.gateway.api.tools import CallSplitter, ToolCall, ToolPlan, parse_forced, parse_tool_calls
 from tenants.snapshots import PoolSnapshot
 
 
@@ -78,7 +78,7 @@ class Outcome:
     kv: KvMetrics | None = None
     ttft: float | None = None
     status: str = "ok"
-    arm: str | None = None  # SLO guard / pilot arm the plan was made for (server.gateway.slo_guard)
+    arm: str | None = None  # SLO guard / pilot arm the plan was made for (server.gateway.observe.slo_guard)
     token_ids: list[int] = field(default_factory=list)  # generated ids, kept only when log probs are asked
     log_probs: list[TokenLogProbs] = field(default_factory=list)
     sent_log_probs: int = 0  # how many of log_probs went out in stream frames
@@ -92,7 +92,7 @@ class Outcome:
 
 REPLICA_HEADER = "x-kvgate-replica"
 UsageSink = Callable[[int, int, int], None]  # (tenant_id, prompt_tokens, completion_tokens)
-CaptureSink = Callable[..., bool]  # server.gateway.capture.TraceCaptures.offer (keyword arguments)
+CaptureSink = Callable[..., bool]  # server.gateway.observe.capture.TraceCaptures.offer (keyword arguments)
 
 
 class StopMatcher:

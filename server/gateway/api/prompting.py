@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from engines.tokenizer import ChatTokenizer
-from server.gateway.logprobs import TokenTexts
+from server.gateway.api.logprobs import TokenTexts
 
 
 @dataclass(frozen=True, slots=True)

@@ -9,11 +9,11 @@ from fastapi import APIRouter, Depends, Header, Request
 import json
 
 from engines.contract import MAX_GUIDE_BYTES, MAX_GUIDE_DEPTH, Guide, SamplingParams, json_depth
-from server.gateway.completions import CompletionJob
+from server.gateway.api.completions import CompletionJob
 from server.gateway.context import TenantContext
 from server.gateway.errors import ServingError
-from server.gateway.openai_schemas import ChatCompletionRequest, CompletionRequest, NamedToolChoice
-from server.gateway.tools import ToolPlan, forced_call_guide, render_messages
+from server.gateway.api.openai_schemas import ChatCompletionRequest, CompletionRequest, NamedToolChoice
+from server.gateway.api.tools import ToolPlan, forced_call_guide, render_messages
 from server.gateway.services import GatewayServices
 
 router = APIRouter(prefix="/v1", tags=["serving"])

@@ -1,6 +1,6 @@
 """Tokenizers per pool (by engine spec), created on first use and reused; known pools.
 
-Engine clients live with the pool's replicas (``server/gateway/routing.py``). Tokenizers
+Engine clients live with the pool's replicas (``server/gateway/replicas/routing.py``). Tokenizers
 are resolved by engine spec through an injected ``tokenizer_for`` (the reference pool
 uses the GGUF's own tokenizer; a GPU pool's spec names its tokenizer).
 """
@@ -14,7 +14,7 @@ import anyio
 
 from engines.tokenizer import ChatTokenizer
 from tenants.snapshots import PoolSnapshot
-from server.gateway.prompting import ChatPrompter
+from server.gateway.api.prompting import ChatPrompter
 
 
 class EngineDirectory:

@@ -32,7 +32,7 @@ from retention.rollout.guard import ARM_HOST, ARM_ROLLBACK, GuardTransition, Obs
 from retention.rollout.pilot import PilotReport, pilot_arm
 from retention.types import RetentionPlan
 from server.gateway.context import TenantContext
-from server.gateway.metrics import SloGuardMetrics, cache_outcome
+from server.gateway.observe.metrics import SloGuardMetrics, cache_outcome
 from tenants.slo import record_guard_event
 from tenants.snapshots import PoolSnapshot
 

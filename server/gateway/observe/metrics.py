@@ -18,7 +18,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from engines.contract import KvMetrics, PoolStatsReport
-from server.gateway.capacity_check import CapacityCheck
+from server.gateway.replicas.capacity_check import CapacityCheck
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 _ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.035, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1.0, 2.5)
@@ -114,7 +114,7 @@ class PoolStatsCollector(Collector):
 
 @dataclass(frozen=True, slots=True)
 class ReplicaRow:
-    """What the collector needs from one replica at scrape time (``server/gateway/routing.py``)."""
+    """What the collector needs from one replica at scrape time (``server/gateway/replicas/routing.py``)."""
 
     pool: str
     replica: str

@@ -1,0 +1,1 @@
+"""What the gateway measures: Prometheus metrics, miss-ratio curves, live trace capture, SLO guards."""
