@@ -75,19 +75,12 @@ class ClusterConfig:
 
 
 @dataclass(slots=True)
-class ReplicaResult:
-    replica: int
-    requests: int = 0
-    rejected: int = 0
-    prompt_tokens: int = 0
-    prefill_tokens: int = 0  # prompt tokens computed (not served from cache)
-    gpu_hit_tokens: int = 0
-    host_hit_tokens: int = 0
-    delayed_requests: int = 0
+class ReplicaResult(TenantResult):
+    """One replica's counts: a tenant's (requests, hits, ``hit_rate``) plus its load."""
 
-    @property
-    def hit_rate(self) -> float:
-        return (self.gpu_hit_tokens + self.host_hit_tokens) / self.prompt_tokens if self.prompt_tokens else 0.0
+    replica: int = 0
+    prefill_tokens: int = 0  # prompt tokens computed (not served from cache)
+    delayed_requests: int = 0
 
 
 @dataclass(slots=True)
@@ -165,7 +158,7 @@ def simulate_cluster(
     if hashes is None:
         hashes = request_hashes(requests, config)
     total = PolicyResult(name, primary_blocks, secondary)
-    per_replica = [ReplicaResult(i) for i in range(cluster.replicas)]
+    per_replica = [ReplicaResult(replica=i) for i in range(cluster.replicas)]
     bpt = config.tokens_per_block
     predicted = 0
 
