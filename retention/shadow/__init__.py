@@ -9,8 +9,8 @@
 Pure like the rest of ``retention/``: callers pass hashes, plans and ``now``.
 """
 
-from retention.shadow.curve import MissRatioCurve
+from retention.shadow.curve import CurvePoint, MissRatioCurve
 from retention.shadow.pool import ShadowCounts, ShadowOutcome, ShadowPool
 from retention.shadow.sampling import HashSample
 
-__all__ = ["HashSample", "MissRatioCurve", "ShadowCounts", "ShadowOutcome", "ShadowPool"]
+__all__ = ["CurvePoint", "HashSample", "MissRatioCurve", "ShadowCounts", "ShadowOutcome", "ShadowPool"]

@@ -11,7 +11,10 @@ Usage (gateway or simulator; ``now`` in seconds from any monotonic origin)::
 
     curve = MissRatioCurve([512, 1024, 2048, 4096], rate=0.01, host_blocks=lambda gpu: 4 * gpu)
     curve.observe(hashes, plan, now=now, num_tokens=len(prompt), tokens_per_block=32, tenant="acme")
-    curve.points()  # [(512, 2048, 0.21), (1024, 4096, 0.27), ...]  (gpu, host, est. hit rate)
+    curve.points()  # [CurvePoint(gpu_blocks=512, host_blocks=2048, hit_rate=0.21, stderr=0.012), ...]
+
+Each point carries the jackknife standard error of its estimate (``ShadowCounts.hit_rate_stderr``):
+report ``hit_rate ± 2 × stderr``, and raise the rate when that interval is too wide to decide on.
 
 Bounds: memory Σ (C + H) × rate blocks; CPU per request O(blocks) + Σ O(kept blocks).
 """
@@ -24,6 +27,16 @@ from dataclasses import dataclass, field
 from retention.shadow.pool import ShadowPool
 from retention.shadow.sampling import HashSample
 from retention.types import DEFAULT_PLAN, TRTLLM_DEFAULT_OFFLOAD_MIN_PRIORITY, RetentionPlan
+
+
+@dataclass(frozen=True, slots=True)
+class CurvePoint:
+    """One capacity's estimate; ``hit_rate`` / ``stderr`` are ``None`` before any sampled block."""
+
+    gpu_blocks: int
+    host_blocks: int
+    hit_rate: float | None
+    stderr: float | None
 
 
 @dataclass(slots=True)
@@ -50,10 +63,12 @@ class MissRatioCurve:
             pool.observe(hashes, plan, now=now, num_tokens=num_tokens, tokens_per_block=tokens_per_block,
                          tenant=tenant, kept=kept)
 
-    def points(self, tenant: str | None = None) -> list[tuple[int, int, float | None]]:
-        """(GPU blocks, host blocks, estimated hit rate or ``None`` without samples) per capacity."""
+    def points(self, tenant: str | None = None) -> list[CurvePoint]:
+        """One :class:`CurvePoint` per capacity, in ``capacities`` order (pool-wide or one tenant's)."""
         out = []
         for pool in self.pools:
             counts = pool.counts if tenant is None else pool.tenants.get(tenant)
-            out.append((pool.primary_blocks, pool.secondary_blocks, None if counts is None else counts.hit_rate()))
+            rate = None if counts is None else counts.hit_rate()
+            stderr = None if counts is None else counts.hit_rate_stderr()
+            out.append(CurvePoint(pool.primary_blocks, pool.secondary_blocks, rate, stderr))
         return out

@@ -22,14 +22,24 @@ Estimates (SHARDS' ratio estimator): hit ratio of full blocks = kept hits / kept
 times the exact share of prompt tokens that sit in full blocks (every request is counted,
 sampled or not), which gives the prompt-token hit rate the simulator reports.
 
+Every estimate states its own error. The kept blocks are split into ``JACKKNIFE_GROUPS``
+groups by their hash's low bits (independent of the slice, which uses the high bits), and
+the delete-one-group jackknife of the ratio gives a standard error: the spread of the
+estimate over which blocks happened to fall in the slice, the error that dominates (the
+estimator is nearly unbiased). It grows as the sample's distinct blocks shrink, so a 1 %
+slice of a small trace says "± 4 points" instead of looking precise (docs/benchmarks.md,
+``bench:shadow_accuracy``, checks the interval against full replays). Cache interaction
+between groups is ignored (a deleted group's blocks still competed for the shadow).
+
 Deliberate approximations: requests are admitted and released at once (``--hold none``:
 the shadow models cache contents, not blocks held by running requests); a prompt whose
 length is a multiple of the block size has its last full block matchable in the shadow
 (the real pool cannot match it); kept blocks of a request the shadow cannot fit count as
 misses.
 
-Bounds: memory O(C × R + H × R) blocks plus one counter set per tenant seen; CPU per
-request O(blocks) integer comparisons + O(kept blocks) pool work (one SHA-256 each).
+Bounds: memory O(C × R + H × R) blocks plus one counter set (2 × JACKKNIFE_GROUPS + 6
+integers) per tenant seen; CPU per request O(blocks) integer comparisons + O(kept blocks)
+pool work (one SHA-256 each).
 """
 
 from __future__ import annotations
@@ -45,7 +55,13 @@ from retention.shadow.sampling import HashSample
 from retention.types import DEFAULT_PLAN, RetentionPlan, merged_ranges
 
 SHADOW_TOKENS_PER_BLOCK = 2
+JACKKNIFE_GROUPS = 16  # a power of two: a kept block's group is ``hash & (JACKKNIFE_GROUPS - 1)``
 _MASK31 = (1 << 31) - 1
+_GROUP_MASK = JACKKNIFE_GROUPS - 1
+
+
+def _zeros() -> list[int]:
+    return [0] * JACKKNIFE_GROUPS
 
 
 @dataclass(slots=True)
@@ -58,12 +74,31 @@ class ShadowCounts:
     kept_blocks: int = 0  # kept (sampled) full-block references
     hit_blocks: int = 0  # of those, matched in the shadow pool (GPU or host)
     host_hit_blocks: int = 0  # of those, onboarded from the shadow host tier
+    kept_by_group: list[int] = field(default_factory=_zeros)  # kept_blocks split by jackknife group
+    hits_by_group: list[int] = field(default_factory=_zeros)  # hit_blocks split likewise
 
     def hit_rate(self) -> float | None:
         """Estimated prompt-token hit rate; ``None`` before any kept reference."""
         if not self.kept_blocks or not self.prompt_tokens:
             return None
         return self.hit_blocks / self.kept_blocks * self.full_block_tokens / self.prompt_tokens
+
+    def hit_rate_stderr(self) -> float | None:
+        """Delete-one-group jackknife standard error of :meth:`hit_rate` (same units).
+
+        ``None`` until at least two groups hold kept references (no spread to measure).
+        Invariant: ``sum(kept_by_group) == kept_blocks`` and ``sum(hits_by_group) == hit_blocks``.
+        """
+        groups = [(k, h) for k, h in zip(self.kept_by_group, self.hits_by_group, strict=True) if k]
+        if len(groups) < 2 or not self.prompt_tokens:
+            return None
+        scale = self.full_block_tokens / self.prompt_tokens
+        kept, hits = self.kept_blocks, self.hit_blocks
+        # Deleting a group with every kept reference is impossible here (two groups are non-empty).
+        leave_out = [(hits - h) / (kept - k) * scale for k, h in groups]
+        mean = sum(leave_out) / len(leave_out)
+        n = len(leave_out)
+        return ((n - 1) / n * sum((x - mean) ** 2 for x in leave_out)) ** 0.5
 
     def host_hit_rate(self) -> float | None:
         if not self.kept_blocks or not self.prompt_tokens:
@@ -135,6 +170,9 @@ class ShadowPool:
         targets = [self.counts]
         if tenant is not None:
             targets.append(self.tenants.setdefault(tenant, ShadowCounts()))
+        # A shadow hit is a matched prefix of the shadow request, so the hits are the first
+        # ``outcome.hits`` kept blocks.
+        groups = [hashes[i] & _GROUP_MASK for i in index]
         for c in targets:
             c.requests += 1
             c.prompt_tokens += num_tokens
@@ -142,6 +180,11 @@ class ShadowPool:
             c.kept_blocks += outcome.kept
             c.hit_blocks += outcome.hits
             c.host_hit_blocks += outcome.host_hits
+            kept_by, hits_by = c.kept_by_group, c.hits_by_group
+            for j, g in enumerate(groups):
+                kept_by[g] += 1
+                if j < outcome.hits:
+                    hits_by[g] += 1
         return outcome
 
     def _replay(self, hashes: Sequence[int], index: Sequence[int], plan: RetentionPlan, now: float,

@@ -14,7 +14,8 @@ included — so the estimate answers "this traffic, these plans, another size"::
     host 2x    registered           2 × registered (pools with a host tier only)
 
 Exported at scrape time as ``kvgate_mrc_hit_rate{pool, gpu, host}`` (estimated prompt-token
-hit rate), ``kvgate_mrc_host_hit_rate{…}`` and ``kvgate_mrc_blocks{pool, gpu, host, tier}``,
+hit rate), ``kvgate_mrc_hit_rate_stderr{…}`` (its jackknife standard error: read the point
+as ± 2 of these), ``kvgate_mrc_host_hit_rate{…}`` and ``kvgate_mrc_blocks{pool, gpu, host, tier}``,
 plus ``kvgate_tenant_mrc_hit_rate{tenant, pool, gpu, host}`` for tenants with samples.
 
 Bounds: memory Σ (C + H) × rate blocks per pool (about 0.05 × (9.5 × primary + 5 × host)
@@ -121,6 +122,9 @@ class MissRatioCollector(Collector):
                                 "(sampled shadow pools fed the live plans)", labels=labels)
         host_hit = GaugeMetricFamily("kvgate_mrc_host_hit_rate", "Estimated share of prompt tokens served from the "
                                      "host tier at this capacity", labels=labels)
+        stderr = GaugeMetricFamily("kvgate_mrc_hit_rate_stderr", "Jackknife standard error of kvgate_mrc_hit_rate "
+                                   "(over which blocks fell in the sample); ± 2 of these is a ~95 % interval",
+                                   labels=labels)
         blocks = GaugeMetricFamily("kvgate_mrc_blocks", "Capacity of a miss-ratio-curve point (full-pool blocks)",
                                    labels=labels + ["tier"])
         tenant_hit = GaugeMetricFamily("kvgate_tenant_mrc_hit_rate", "Estimated prompt-token hit rate of one tenant "
@@ -136,6 +140,9 @@ class MissRatioCollector(Collector):
                 if rate is None:
                     continue  # no sampled block yet: no estimate, not a zero
                 hit.add_metric(key, rate)
+                error = shadow.counts.hit_rate_stderr()
+                if error is not None:
+                    stderr.add_metric(key, error)
                 host_hit.add_metric(key, shadow.counts.host_hit_rate() or 0.0)
                 for tenant_id, counts in shadow.tenants.items():
                     slug = slugs.get(tenant_id)
@@ -143,6 +150,7 @@ class MissRatioCollector(Collector):
                     if slug is not None and tenant_rate is not None:
                         tenant_hit.add_metric([slug] + key, tenant_rate)
         yield hit
+        yield stderr
         yield host_hit
         yield blocks
         yield tenant_hit

@@ -12,6 +12,8 @@ from __future__ import annotations
 import secrets
 import time
 
+import httpx
+
 from tests.server.gateway.stack import Stack
 from tests.server.gateway.test_openai_e2e import client, metric, system_prompt
 
@@ -42,3 +44,8 @@ def test_curves_estimate_a_repeated_prompt_exactly(stack: Stack) -> None:
     assert metric(stack, "kvgate_mrc_blocks", pool="reference", gpu="2x", host="1x", tier="primary") == 512
     assert metric(stack, "kvgate_mrc_blocks", pool="reference", gpu="1x", host="0x", tier="secondary") == 0
     assert 0.0 < metric(stack, "kvgate_mrc_hit_rate", pool="reference", gpu="4x", host="1x") <= 1.0
+    # Each estimate carries its jackknife standard error (the prompt's blocks span several groups).
+    text = httpx.get(stack.gateway.base_url + "/metrics").text
+    errors = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+              if line.startswith("kvgate_mrc_hit_rate_stderr{") and 'pool="reference"' in line]
+    assert len(errors) == 6 and all(0.0 <= e < 0.5 for e in errors), errors
