@@ -79,6 +79,25 @@ def test_volumes_are_declared_and_bind_mounts_exist():
     assert "engines:/engines:ro" in SERVICES["triton"]["volumes"] and "models:/models:ro" in SERVICES["triton"]["volumes"]
 
 
+def test_gateway_trace_dir_is_a_declared_volume_the_image_owns():
+    """Live captures land in KVGATE_TRACE_DIR: it must be a named volume's mount (the files outlive
+    the container) that the image creates owned by its non-root user (a new volume takes the
+    ownership of the image's mount point; a path missing from the image would be root's)."""
+    gateway = SERVICES["gateway"]
+    trace_dir = gateway["environment"]["KVGATE_TRACE_DIR"]
+    mounts = {m.split(":")[1]: m.split(":") for m in gateway["volumes"]}
+    source, _, *mode = mounts[trace_dir]
+    assert source in COMPOSE["volumes"] and "ro" not in mode
+    dockerfile = (ROOT / "build/Dockerfile.gateway").read_text()
+    user = re.findall(r"^USER\s+(\S+)", dockerfile, re.M)[-1]
+    assert re.search(rf"mkdir -p {re.escape(trace_dir)}\b", dockerfile)
+    (owned,) = re.findall(rf"chown -R {user}:{user} (\S+)", dockerfile)
+    assert trace_dir == owned or trace_dir.startswith(owned.rstrip("/") + "/")
+    # the documented export reads the same directory
+    readme = (ROOT / "README.md").read_text()
+    assert "docker compose exec gateway kvgate trace export" in readme and f"-o {trace_dir}/" in readme
+
+
 def test_images_build_from_files_that_exist():
     for name, service in SERVICES.items():
         if "build" in service:

@@ -12,6 +12,7 @@ import copy
 import json
 import math
 import re
+import shlex
 from typing import Any
 
 import helm_python
@@ -95,6 +96,12 @@ BAD_VALUES = {
                                                                  "retention_class": "chat", "api_key": "kvg_x_y"}]}),
     "a one-node multinode pool": minimal(pools=[{"name": "p", "spec": "reference-smollm2", "replicas": 1,
                                                  "registry": {"model_name": "m"}, "multinode": {"enabled": True, "nodes": 1}}]),
+    "a read-only trace claim": minimal(gateway={"traces": {"persistence": {"enabled": True, "accessModes": ["ReadOnlyMany"]}}}),
+    "a relative trace dir": minimal(gateway={"traces": {"mountPath": "kvgate-traces"}}),
+    "a trace dir over /tmp": minimal(gateway={"traces": {"mountPath": "/tmp"}}),
+    "a trace emptyDir limit that is no quantity": minimal(gateway={"traces": {"sizeLimit": "lots"}}),
+    "a trace existingClaim without persistence": minimal(gateway={"traces": {"persistence": {"existingClaim": "traces"}}}),
+    "an unknown trace key": minimal(gateway={"traces": {"persistence": {"enabled": True, "readOnly": False}}}),
 }
 
 
@@ -300,6 +307,97 @@ def test_the_commands_parse_with_the_real_cli(renders):
     if missing == {"admin apply"}:
         pytest.skip("`kvgate admin apply` (branch i13-registry) is not in this tree yet; the rest parsed")
     assert not missing and "admin apply" in seen
+
+
+# --- trace captures ------------------------------------------------------------------------------
+
+
+def _trace_mount(r: Rendered) -> tuple[str, dict[str, Any], dict[str, Any]]:
+    """(KVGATE_TRACE_DIR, its volumeMount, its volume) in the gateway pod."""
+    deployment, c = gateway(r)
+    env = {e["name"]: e for e in c["env"]}
+    trace_dir = env["KVGATE_TRACE_DIR"]["value"]
+    (mount,) = [m for m in c["volumeMounts"] if m["mountPath"] == trace_dir]
+    (volume,) = [v for v in deployment["spec"]["template"]["spec"]["volumes"] if v["name"] == mount["name"]]
+    return trace_dir, mount, volume
+
+
+def test_gateway_writes_trace_captures_to_a_writable_mount(rendered, monkeypatch):
+    """The root filesystem is read-only, so the capture directory must be a writable volume mounted
+    exactly where KVGATE_TRACE_DIR (the setting the gateway really reads) points."""
+    from server.settings import Settings
+
+    _, c = gateway(rendered)
+    assert c["securityContext"]["readOnlyRootFilesystem"] is True
+    trace_dir, mount, volume = _trace_mount(rendered)
+    assert trace_dir.startswith("/") and not mount.get("readOnly", False)
+    assert set(volume) & {"emptyDir", "persistentVolumeClaim"} and not volume.get("persistentVolumeClaim", {}).get("readOnly")
+    monkeypatch.setenv("KVGATE_TRACE_DIR", trace_dir)
+    assert Settings(dev=True, database_url="sqlite://").trace_dir.as_posix() == trace_dir
+
+
+def test_trace_dir_defaults_to_a_bounded_emptydir(chart):
+    r = render(chart, minimal())
+    trace_dir, _, volume = _trace_mount(r)
+    assert trace_dir == "/var/lib/kvgate/traces"
+    assert volume == {"name": "traces", "emptyDir": {"sizeLimit": "4Gi"}}
+    assert not r.of_kind("PersistentVolumeClaim")
+    moved = render(chart, minimal(gateway={"traces": {"mountPath": "/data/traces", "sizeLimit": "500Mi"}}))
+    trace_dir, _, volume = _trace_mount(moved)
+    assert trace_dir == "/data/traces" and volume["emptyDir"] == {"sizeLimit": "500Mi"}
+
+
+def test_trace_persistence_renders_a_kept_claim_the_gateway_mounts(chart, renders):
+    persistence = {"enabled": True, "storageClassName": "shared-rwx", "size": "20Gi"}
+    r = render(chart, minimal(redis={"mode": "bundled"}, gateway={"replicas": 3, "traces": {"persistence": persistence}}))
+    claim = r.get("PersistentVolumeClaim", "kvgate-traces")
+    kubernetes_validate.validate(claim, KUBE_VERSION, strict=True)
+    assert claim["spec"] == {"accessModes": ["ReadWriteMany"], "storageClassName": "shared-rwx",
+                             "resources": {"requests": {"storage": "20Gi"}}}
+    assert claim["metadata"]["annotations"]["helm.sh/resource-policy"] == "keep"  # captures outlive an uninstall
+    _, _, volume = _trace_mount(r)
+    assert volume == {"name": "traces", "persistentVolumeClaim": {"claimName": "kvgate-traces"}}
+    # the GPU example shares one claim among its autoscaled gateways
+    _, _, volume = _trace_mount(renders["gpu-8b-4-replicas"])
+    assert volume["persistentVolumeClaim"]["claimName"] == "kvgate-traces"
+    assert renders["gpu-8b-4-replicas"].get("PersistentVolumeClaim", "kvgate-traces")["spec"]["accessModes"] == ["ReadWriteMany"]
+
+
+def test_trace_existing_claim_is_mounted_not_created(chart):
+    r = render(chart, minimal(gateway={"traces": {"persistence": {"enabled": True, "existingClaim": "captures"}}}))
+    assert all(c["metadata"]["name"] != "kvgate-traces" for c in r.of_kind("PersistentVolumeClaim"))
+    _, _, volume = _trace_mount(r)
+    assert volume == {"name": "traces", "persistentVolumeClaim": {"claimName": "captures"}}
+
+
+@pytest.mark.parametrize("mode", ["ReadWriteOnce", "ReadWriteOncePod"])
+def test_a_single_node_trace_claim_refuses_several_gateways(chart, mode):
+    rwo = {"traces": {"persistence": {"enabled": True, "accessModes": [mode]}}}
+    for scaled in ({"replicas": 2}, {"autoscaling": {"enabled": True}}):
+        with pytest.raises(helm_python.HelmRenderError, match=rf"accessModes \[{mode}\]: .*ReadWriteMany"):
+            render(chart, minimal(redis={"mode": "bundled"}, gateway={**rwo, **scaled}))
+    # one gateway may use it; several may with ReadWriteMany or a claim of their own choosing
+    assert render(chart, minimal(gateway=rwo)).get("PersistentVolumeClaim", "kvgate-traces")["spec"]["accessModes"] == [mode]
+    for ok in ({"accessModes": ["ReadWriteOnce", "ReadWriteMany"]}, {"existingClaim": "captures"}):
+        persistence = {**rwo["traces"]["persistence"], **ok}
+        render(chart, minimal(redis={"mode": "bundled"}, gateway={"replicas": 2, "traces": {"persistence": persistence}}))
+
+
+def test_notes_export_command_parses_with_the_real_cli(chart):
+    """NOTES.txt tells the operator how to export captures: the argv must be one the CLI accepts,
+    reading the directory the gateway writes."""
+    cli = get_command(create_cli())
+    export = cli.commands["trace"].commands["export"]
+    for persistence, flag_dir in ((False, "--dir"), (True, None)):
+        r = render(chart, minimal(gateway={"traces": {"persistence": {"enabled": persistence}}}))
+        notes = next(text for path, text in r.manifests.items() if path.endswith("NOTES.txt"))
+        (line,) = [ln for ln in notes.splitlines() if "kvgate trace export" in ln]
+        argv = shlex.split(line[line.index("kvgate trace export"):])[3:]
+        export.make_context("trace export", list(argv))  # raises a UsageError on a bad flag
+        if flag_dir:
+            assert flag_dir in argv  # the files were copied out of the pods
+        else:  # run in a gateway pod: KVGATE_TRACE_DIR applies, the output lands on the shared mount
+            assert argv[argv.index("-o") + 1].startswith(_trace_mount(r)[0] + "/")
 
 
 # --- hooks -------------------------------------------------------------------------------------

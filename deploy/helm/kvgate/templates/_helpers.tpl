@@ -91,6 +91,11 @@ capabilities: {drop: [ALL]}
 {{- default (printf "%s-engines" (include "kvgate.fullname" .)) .Values.engines.storage.existingClaim -}}
 {{- end -}}
 
+{{/* The gateway's trace capture claim (gateway.traces.persistence enabled): existingClaim or the chart's. */}}
+{{- define "kvgate.tracesClaim" -}}
+{{- default (printf "%s-traces" (include "kvgate.fullname" .)) .Values.gateway.traces.persistence.existingClaim -}}
+{{- end -}}
+
 {{/*
 kvgate.poolPlan: everything derived for one pool, as YAML (callers use `fromYaml`).
 Input: (dict "root" $ "pool" <pools item>). The engine spec is read from files/specs/
