@@ -249,7 +249,7 @@ def test_the_gateway_exposes_every_documented_metric():
                         primary_blocks=8, secondary_blocks=8, secondary_offload_min_priority=30,
                         replicas=(ReplicaSnapshot(id=1, name="r0", endpoint="h:1", state="active", weight=1),))
     for now in (0.0, 1.0):
-        curves.observe(pool, [11 << 40, 12 << 40], DEFAULT_PLAN, now=now, num_tokens=70, tenant="t1")
+        curves.observe(pool, [11 << 40, (12 << 40) | 1], DEFAULT_PLAN, now=now, num_tokens=70, tenant="t1")
     registry.register(MissRatioCollector(curves, lambda _pool: {"t1": "acme"}))
     exposed = set(re.findall(r"^(kvgate_[a-z_]+?)(?:_bucket|_count|_sum|_created)?[{ ]", generate_latest(registry).decode(), re.M))
     assert documented_metrics() <= exposed
