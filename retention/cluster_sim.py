@@ -44,8 +44,8 @@ from retention.routing import (
     make_router,
 )
 from retention.sim_policies import SimPolicy
-from retention.simulator import PolicyResult, SimConfig, TenantResult, _salt, request_hashes
-from retention.trace import TraceRequest, request_tokens
+from retention.simulator import PolicyResult, SimConfig, TenantResult, admit_request, record_outcome, request_hashes
+from retention.trace import TraceRequest
 
 IndexMode = Literal["precise", "approximate"]
 Progress = Callable[[int], None]
@@ -170,13 +170,7 @@ def simulate_cluster(
         tenant = total.tenants.setdefault(request.tenant or "-", TenantResult())
         rep = per_replica[replica]
         for target in (total, tenant, rep):
-            target.requests += 1
-            target.prompt_tokens += request.input_length
-            if rejected:
-                target.rejected += 1
-            else:
-                target.gpu_hit_tokens += (reused - onboarded) * bpt
-                target.host_hit_tokens += onboarded * bpt
+            record_outcome(target, request.input_length, reused, onboarded, rejected, bpt)
         rep.prefill_tokens += request.input_length - (0 if rejected else reused * bpt)
 
     def route(request: TraceRequest, now: float) -> int:
@@ -189,16 +183,9 @@ def simulate_cluster(
         return decision.replica
 
     def try_admit(replica: int, request: TraceRequest, now: float, reserve: int):
-        pool, policy = pools[replica], policies[replica]
-        tokens = request_tokens(request, config.trace_block_size)
-        h = hashes[request.index]
-        plan = policy.plan(request, h, now=now, pool=pool)
-        alloc = pool.allocate(
-            request.index, tokens, salt=_salt(request, config), tenant=request.tenant, plan=plan, now=now,
-            reserve_tokens=reserve,
-        )
+        tokens, alloc = admit_request(pools[replica], policies[replica], request, hashes[request.index], config,
+                                      now, reserve)
         if alloc is not None:
-            policy.observe(request, h, alloc, now=now, pool=pool)
             feed(replica, now)
         return tokens, alloc
 

@@ -133,6 +133,32 @@ def request_hashes(requests: Sequence[TraceRequest], config: SimConfig) -> list[
     ]
 
 
+def record_outcome(target: TenantResult | PolicyResult, prompt_tokens: int, reused: int, onboarded: int,
+                   rejected: bool, tokens_per_block: int) -> None:
+    """Count one request in ``target``: rejected, or its reused blocks split into GPU and host hits."""
+    target.requests += 1
+    target.prompt_tokens += prompt_tokens
+    if rejected:
+        target.rejected += 1
+    else:
+        target.gpu_hit_tokens += (reused - onboarded) * tokens_per_block
+        target.host_hit_tokens += onboarded * tokens_per_block
+
+
+def admit_request(pool: BlockPool, policy: SimPolicy, request: TraceRequest, h: Sequence[int], config: SimConfig,
+                  now: float, reserve: int):  # noqa: ANN201 - (tokens, Allocation | None)
+    """Plan and allocate one request in ``pool``; the policy observes it when admitted."""
+    tokens = request_tokens(request, config.trace_block_size)
+    plan = policy.plan(request, h, now=now, pool=pool)
+    alloc = pool.allocate(
+        request.index, tokens, salt=_salt(request, config), tenant=request.tenant, plan=plan, now=now,
+        reserve_tokens=reserve,
+    )
+    if alloc is not None:
+        policy.observe(request, h, alloc, now=now, pool=pool)
+    return tokens, alloc
+
+
 def simulate(
     requests: Sequence[TraceRequest],
     policy: SimPolicy,
@@ -162,25 +188,11 @@ def simulate(
             policy.observe(request, hashes[request.index], None, now=request.timestamp_ms / 1000.0, pool=pool)
         tenant = result.tenants.setdefault(request.tenant or "-", TenantResult())
         for target in (result, tenant):
-            target.requests += 1
-            target.prompt_tokens += request.input_length
-            if rejected:
-                target.rejected += 1
-            else:
-                target.gpu_hit_tokens += (reused - onboarded) * bpt
-                target.host_hit_tokens += onboarded * bpt
+            record_outcome(target, request.input_length, reused, onboarded, rejected, bpt)
 
     def try_admit(request: TraceRequest, now: float, reserve: int):
-        tokens = request_tokens(request, config.trace_block_size)
         h = hashes[request.index] if request.index < len(hashes) else no_hashes
-        plan = policy.plan(request, h, now=now, pool=pool)
-        alloc = pool.allocate(
-            request.index, tokens, salt=_salt(request, config), tenant=request.tenant, plan=plan, now=now,
-            reserve_tokens=reserve,
-        )
-        if alloc is not None:
-            policy.observe(request, h, alloc, now=now, pool=pool)
-        return tokens, alloc
+        return admit_request(pool, policy, request, h, config, now, reserve)
 
     done = 0
     if config.hold == "none":
