@@ -195,7 +195,7 @@ class PrimedChunks:
     def __init__(self, chunks: AsyncIterator[EngineChunk]) -> None:
         self._chunks = chunks
         self._first: EngineChunk | None = None
-        self.first_at: float | None = None  # perf_counter() when the first chunk arrived
+        self.first_at: float | None = None  # perf_counter() when the first chunk arrived, if it held tokens
 
     async def prime(self) -> None:
         """Wait for the first chunk; raises what the engine raises before it."""
@@ -203,7 +203,8 @@ class PrimedChunks:
             self._first = await anext(self._chunks)
         except StopAsyncIteration:
             return
-        self.first_at = time.perf_counter()
+        if self._first.token_ids:  # TTFT, as _generate would have measured it
+            self.first_at = time.perf_counter()
 
     def __aiter__(self) -> PrimedChunks:
         return self
