@@ -59,6 +59,8 @@ def build_serving_app(settings: Settings, *, session_factory: sessionmaker[Sessi
         mrc_sample_rate=settings.mrc_sample_rate,
         trace_dir=settings.trace_dir,
         routing=routing or RoutingConfig(router=settings.router, cost=CostModel(
-            overlap_weight=settings.router_overlap_weight, temperature=settings.router_temperature)),
+            overlap_weight=settings.router_overlap_weight, temperature=settings.router_temperature),
+            first_token_timeout_s=settings.first_token_timeout_s,
+            answer_timeout_per_token_s=settings.answer_timeout_per_token_s),
     )
     return install_gateway(app, services)

@@ -73,6 +73,15 @@ class Settings(BaseSettings):
     router: Literal["kv-aware", "round-robin", "session", "random"] = "kv-aware"
     router_overlap_weight: float = Field(default=1.0, ge=0.0)
     router_temperature: float = Field(default=0.0, ge=0.0)
+    # First-token deadline per attempt (server/gateway/replicas/routing.py, RoutingConfig): a replica
+    # that accepted a request but sent no token within this many seconds has its call cancelled
+    # (the engine frees the request), counts a failure in its circuit breaker, and the request
+    # is retried once on another replica; with none left the client gets a 504
+    # ``engine_timeout``. 0 = no deadline. Non-streamed answers without stop strings come from
+    # the engine in one message, so their deadline is the whole answer's:
+    # first_token_timeout_s + max_tokens * answer_timeout_per_token_s.
+    first_token_timeout_s: float = Field(default=30.0, ge=0.0)
+    answer_timeout_per_token_s: float = Field(default=0.5, ge=0.0)
 
     @field_validator("admin_tokens", mode="before")
     @classmethod

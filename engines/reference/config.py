@@ -54,6 +54,11 @@ class ReferenceEngineConfig:
     * ``fault_onboard_delay_ms``: a test/chaos knob, 0 in production: sleep this long per
       block onboarded from the host tier (a slow host link on purpose), so the gateway's
       SLO guard can be exercised. It stalls the engine's step loop, like a blocking copy.
+    * ``fault_first_token_hold_ms``: a test/chaos knob, 0 in production: hold every new
+      request this long before scheduling it; ``-1`` holds it until it is cancelled (a
+      replica that accepts requests and never answers, while its stats call still does).
+      A held request is in flight (``ReferenceEngine.in_flight``) and holds no blocks; a
+      cancel ends it at once. Read at each submit, so tests may change it on a live engine.
     * ``kv_event_ring``: KV event records kept for polling routers (``engines/kv_events.py``);
       a poller whose cursor fell off the ring gets a snapshot instead.
     """
@@ -73,6 +78,7 @@ class ReferenceEngineConfig:
     num_threads: int = 1
     decode_threads: int = 1
     fault_onboard_delay_ms: int = 0
+    fault_first_token_hold_ms: int = 0
     kv_event_ring: int = 16_384
 
     def __post_init__(self) -> None:
@@ -95,6 +101,7 @@ class ReferenceEngineConfig:
         _at_least("num_threads", self.num_threads, 1)
         _at_least("decode_threads", self.decode_threads, 1)
         _at_least("fault_onboard_delay_ms", self.fault_onboard_delay_ms, 0)
+        _at_least("fault_first_token_hold_ms", self.fault_first_token_hold_ms, -1)
         if self.max_num_tokens < self.max_batch_size:
             # Every decoding sequence needs one token of the step budget, or some would starve.
             raise EngineConfigError(

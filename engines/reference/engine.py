@@ -13,7 +13,9 @@ the lock and carried out by the engine thread between steps, so a sequence is ne
 released while a forward is writing its blocks.
 
 Invariants: every submitted request gets exactly one output with ``finished=True``
-(end token, length, cancel, or error); after it, the request holds no pool blocks.
+(end token, length, cancel, or error); after it, the request holds no pool blocks. A
+request held by the fault knob ``fault_first_token_hold_ms`` is in flight but not in the
+scheduler (it holds no blocks) until its hold ends or it is cancelled.
 """
 
 from __future__ import annotations
@@ -98,6 +100,8 @@ class ReferenceEngine:
         self._wake = threading.Condition(self._lock)
         self._sinks: dict[str, Sink] = {}
         self._cancels: set[str] = set()
+        # Fault knob (config.fault_first_token_hold_ms): request id -> (release time or None, sequence).
+        self._held: dict[str, tuple[float | None, Sequence]] = {}
         self._thread: threading.Thread | None = None
         self._stopping = False
         self.steps = 0
@@ -124,6 +128,8 @@ class ReferenceEngine:
             self._thread = None
         with self._lock:
             now = self.clock()
+            for request_id in list(self._held):
+                self._drop_held(request_id)
             for request_id in list(self._sinks):
                 seq = self.scheduler.find(request_id)
                 if seq is not None:
@@ -154,7 +160,11 @@ class ReferenceEngine:
             if request_id in self._sinks:
                 raise DuplicateRequestError(f"request id {request_id!r} is already in flight")
             self._sinks[request_id] = sink
-            self.scheduler.add(seq)
+            hold_ms = self.config.fault_first_token_hold_ms
+            if hold_ms:
+                self._held[request_id] = (None if hold_ms < 0 else self.clock() + hold_ms / 1000, seq)
+            else:
+                self.scheduler.add(seq)
             self._wake.notify()
 
     def cancel(self, request_id: str) -> bool:
@@ -228,8 +238,8 @@ class ReferenceEngine:
     def _loop(self) -> None:
         while True:
             with self._lock:
-                while not self._stopping and not (self.scheduler.has_work() or self._cancels):
-                    self._wake.wait()
+                while not self._stopping and not (self._release_held() or self.scheduler.has_work() or self._cancels):
+                    self._wake.wait(self._held_wait())
                 if self._stopping:
                     return
                 now = self.clock()
@@ -279,10 +289,37 @@ class ReferenceEngine:
 
     def _apply_cancels(self, now: float) -> None:
         for request_id in self._cancels:
+            if request_id in self._held:
+                self._drop_held(request_id)
+                continue
             seq = self.scheduler.find(request_id)
             if seq is not None:
                 self._finish(seq, FinishReason.CANCELLED, now)
         self._cancels.clear()
+
+    # Fault knob: held requests (config.fault_first_token_hold_ms) ------------------------
+    def _release_held(self) -> bool:
+        """Move held requests whose hold has ended into the scheduler; True if any moved."""
+        if not self._held:
+            return False
+        now = self.clock()
+        due = [rid for rid, (until, _) in self._held.items() if until is not None and until <= now]
+        for request_id in due:
+            self.scheduler.add(self._held.pop(request_id)[1])
+        return bool(due)
+
+    def _held_wait(self) -> float | None:
+        """Seconds until the next held request is due (None: nothing timed is held)."""
+        times = [until for until, _ in self._held.values() if until is not None]
+        return max(0.0, min(times) - self.clock()) if times else None
+
+    def _drop_held(self, request_id: str) -> None:
+        """End a held request as cancelled (it was never scheduled: no blocks to release)."""
+        _, seq = self._held.pop(request_id)
+        sink = self._sinks.pop(request_id, None)
+        self._wake.notify_all()
+        if sink is not None:
+            self._safe_call(sink, EngineOutput(request_id, (), 0, seq.metrics, True, FinishReason.CANCELLED))
 
     def _accept(self, seq: Sequence, sampled: Sampled, now: float) -> None:
         token = sampled.token

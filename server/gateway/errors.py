@@ -11,7 +11,8 @@ from fastapi.responses import JSONResponse
 
 _TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
           404: "not_found_error", 413: "invalid_request_error", 422: "invalid_request_error",
-          429: "rate_limit_error", 500: "server_error", 502: "server_error", 503: "service_unavailable"}
+          429: "rate_limit_error", 500: "server_error", 502: "server_error", 503: "service_unavailable",
+          504: "timeout_error"}
 
 
 class ServingError(Exception):

@@ -7,7 +7,12 @@
 * leaving early (client disconnect, stop string) closes the engine stream, which
   cancels the engine request and frees its blocks;
 * usage and metrics are recorded once per admitted request, with the tokens actually
-  generated.
+  generated;
+* a streamed response starts (status 200, headers) only once the engine's first response
+  is in hand: the replica is then final (no retry after it), so ``x-kvgate-replica`` names
+  the one that serves the stream, and a failure before it (no replica, refusal, first-token
+  deadline) is an HTTP error with an OpenAI error body, as for non-streamed requests.
+  Failures after it can only be reported in the stream (an ``error`` event).
 """
 
 from __future__ import annotations
@@ -29,7 +34,7 @@ from retention.selection import AdaptiveSelector
 from retention.types import RetentionPlan
 from server.gateway.admission import Admission, AdmissionError, retry_after_header
 from server.gateway.context import TenantContext
-from server.gateway.replicas.engine_client import EngineClient, EngineRejected, EngineUnavailable
+from server.gateway.replicas.engine_client import EngineChunk, EngineClient, EngineRejected, EngineTimeout, EngineUnavailable
 from server.gateway.errors import ServingError, error_body
 from server.gateway.observe.metrics import GatewayMetrics
 from server.gateway.api.logprobs import TokenTexts, chat_entries, completion_block
@@ -171,8 +176,54 @@ def engine_request(job: CompletionJob, plan: RetentionPlan) -> EngineRequest:
     )
 
 
-async def _generate(job: CompletionJob, plan: RetentionPlan, outcome: Outcome, started: float) -> AsyncIterator[str]:
-    """Text deltas of the completion; fills ``outcome`` as it goes.
+def _open(job: CompletionJob, plan: RetentionPlan) -> tuple[EngineRequest, AsyncIterator[EngineChunk]]:
+    """The engine request and its (not yet started) stream of chunks."""
+    request = engine_request(job, plan)
+    return request, job.engine.generate(request, request_id=secrets.token_hex(8))
+
+
+class PrimedChunks:
+    """An engine stream whose first chunk is fetched ahead (:meth:`prime`), then replayed.
+
+    Why: the routed engine may retry on another replica until it yields its first chunk;
+    after that the replica is final, so a streamed response can name it in its headers.
+    :meth:`aclose` closes the underlying stream whether or not it was ever iterated.
+    """
+
+    __slots__ = ("_chunks", "_first", "first_at")
+
+    def __init__(self, chunks: AsyncIterator[EngineChunk]) -> None:
+        self._chunks = chunks
+        self._first: EngineChunk | None = None
+        self.first_at: float | None = None  # perf_counter() when the first chunk arrived, if it held tokens
+
+    async def prime(self) -> None:
+        """Wait for the first chunk; raises what the engine raises before it."""
+        try:
+            self._first = await anext(self._chunks)
+        except StopAsyncIteration:
+            return
+        if self._first.token_ids:  # TTFT, as _generate would have measured it
+            self.first_at = time.perf_counter()
+
+    def __aiter__(self) -> PrimedChunks:
+        return self
+
+    async def __anext__(self) -> EngineChunk:
+        first = self._first
+        if first is not None:
+            self._first = None
+            return first
+        return await anext(self._chunks)
+
+    async def aclose(self) -> None:
+        await self._chunks.aclose()
+
+
+async def _generate(job: CompletionJob, request: EngineRequest, chunks: AsyncIterator[EngineChunk], outcome: Outcome,
+                    started: float) -> AsyncIterator[str]:
+    """Text deltas of the completion from the engine stream ``chunks`` (of ``request``);
+    fills ``outcome`` as it goes, and closes ``chunks`` when it ends or is closed.
 
     Runs once per engine response (per token when streaming), so the common cases take
     short paths: a response with one token skips the join, and without stop strings the
@@ -180,16 +231,14 @@ async def _generate(job: CompletionJob, plan: RetentionPlan, outcome: Outcome, s
     input unchanged and never stops).
     """
     if job.parses_tools or job.logprobs is not None:
-        async for delta in _generate_extended(job, plan, outcome, started):
+        async for delta in _generate_extended(job, request, chunks, outcome, started):
             yield delta
         return
     push_token = job.tokenizer.new_decode_stream().push
     matcher = StopMatcher(job.stop) if job.stop else None
-    request_id = secrets.token_hex(8)
-    request = engine_request(job, plan)
     streamed = request.streaming  # TTFT is only observable when the engine streams
     pieces = outcome.pieces
-    async with contextlib.aclosing(job.engine.generate(request, request_id=request_id)) as chunks:
+    async with contextlib.aclosing(chunks):
         async for chunk in chunks:
             outcome.kv = chunk.kv
             if chunk.generated > outcome.completion_tokens:
@@ -220,7 +269,8 @@ async def _generate(job: CompletionJob, plan: RetentionPlan, outcome: Outcome, s
     outcome.finish_reason = "length" if outcome.completion_tokens >= job.max_new_tokens else "stop"
 
 
-async def _generate_extended(job: CompletionJob, plan: RetentionPlan, outcome: Outcome, started: float) -> AsyncIterator[str]:
+async def _generate_extended(job: CompletionJob, request: EngineRequest, chunks: AsyncIterator[EngineChunk],
+                             outcome: Outcome, started: float) -> AsyncIterator[str]:
     """:func:`_generate` for requests with log probabilities or tools (the slower, general path).
 
     Content deltas are yielded as usual; with tools, text that belongs to a tool call is
@@ -231,7 +281,6 @@ async def _generate_extended(job: CompletionJob, plan: RetentionPlan, outcome: O
     matcher = StopMatcher(job.stop) if job.stop else None
     forced = job.tools is not None and job.tools.mode == "forced"
     splitter = CallSplitter() if job.tools is not None and job.tools.mode == "auto" else None
-    request = engine_request(job, plan)
     streamed = request.streaming
 
     def route(text: str) -> str:
@@ -245,7 +294,7 @@ async def _generate_extended(job: CompletionJob, plan: RetentionPlan, outcome: O
             return out
         return text
 
-    async with contextlib.aclosing(job.engine.generate(request, request_id=secrets.token_hex(8))) as chunks:
+    async with contextlib.aclosing(chunks):
         async for chunk in chunks:
             outcome.kv = chunk.kv
             outcome.completion_tokens = max(outcome.completion_tokens, chunk.generated)
@@ -289,6 +338,9 @@ async def _generate_extended(job: CompletionJob, plan: RetentionPlan, outcome: O
 def _engine_error(exc: Exception) -> ServingError:
     if isinstance(exc, EngineRejected):
         return ServingError(400, "engine_rejected", f"the engine refused the request: {exc}")
+    if isinstance(exc, EngineTimeout):
+        return ServingError(504, "engine_timeout", "no replica of the model's engine started answering in time; "
+                            "retry shortly", headers={"Retry-After": "1"})
     return ServingError(503, "engine_unavailable", "the model's engine is unavailable; retry shortly",
                         headers={"Retry-After": "1"})
 
@@ -334,23 +386,42 @@ class CompletionRunner:
             # The plan the request really runs with (quota, adaptive bands, SLO rollback) goes to the shadows.
             self._curves.observe(tenant.pool, hashes, plan, now=now, num_tokens=job.prompt.total,
                                  tenant=tenant.engine_tenant_id)
+        request, chunks = _open(job, plan)
         if job.stream:
-            return StreamingResponse(self._sse(job, plan, outcome, started, lease), media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+            primed = PrimedChunks(chunks)
+            try:
+                await primed.prime()
+            except BaseException as exc:
+                engine_failed = isinstance(exc, (EngineUnavailable, EngineRejected))
+                outcome.status = "engine_error" if engine_failed else "client_gone"
+                await primed.aclose()
+                await self._finish(job, plan, outcome, started, lease)
+                if engine_failed:
+                    raise _engine_error(exc) from exc
+                raise
+            if primed.first_at is not None and request.streaming:
+                outcome.ttft = primed.first_at - started
+            headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **self._replica_header(job)}
+            return StreamingResponse(self._sse(job, plan, request, primed, outcome, started, lease),
+                                     media_type="text/event-stream", headers=headers)
         try:
-            async for _ in _generate(job, plan, outcome, started):
+            async for _ in _generate(job, request, chunks, outcome, started):
                 pass
         except (EngineUnavailable, EngineRejected) as exc:
             outcome.status = "engine_error"
             raise _engine_error(exc) from exc
         finally:
             await self._finish(job, plan, outcome, started, lease)
+        return JSONResponse(self._body(job, outcome), headers=self._replica_header(job) or None)
+
+    @staticmethod
+    def _replica_header(job: CompletionJob) -> dict[str, str]:
+        """Like x-gateway-destination-endpoint of the Gateway API Inference Extension
+        (kubernetes-sigs/gateway-api-inference-extension docs/proposals/004-endpoint-picker-protocol):
+        which engine replica serves the answer, named as in the registry (not an address).
+        Read once the engine's first chunk is in (the routed engine no longer retries then)."""
         replica = getattr(job.engine, "replica", None)
-        # Like x-gateway-destination-endpoint of the Gateway API Inference Extension
-        # (kubernetes-sigs/gateway-api-inference-extension docs/proposals/004-endpoint-picker-protocol):
-        # which engine replica served the answer, named as in the registry (not an address).
-        headers = {REPLICA_HEADER: replica} if replica else None
-        return JSONResponse(self._body(job, outcome), headers=headers)
+        return {REPLICA_HEADER: replica} if replica else {}
 
     async def _finish(self, job, plan, outcome: Outcome, started: float, lease) -> None:
         await self._admission.release(lease, completion_tokens=outcome.completion_tokens)
@@ -399,7 +470,8 @@ class CompletionRunner:
         return {"id": ident, "object": obj, "created": created, "model": job.model, "choices": [choice],
                 "usage": self._usage_body(job, outcome)}
 
-    async def _sse(self, job: CompletionJob, plan, outcome: Outcome, started: float, lease) -> AsyncIterator[bytes]:
+    async def _sse(self, job: CompletionJob, plan: RetentionPlan, request: EngineRequest, chunks: PrimedChunks,
+                   outcome: Outcome, started: float, lease) -> AsyncIterator[bytes]:
         ident, created = _ident(job), int(time.time())
         chat = job.kind == "chat"
         obj = "chat.completion.chunk" if chat else "text_completion"
@@ -446,7 +518,7 @@ class CompletionRunner:
             if chat:
                 yield frame(None, None, role=True)
             try:
-                async for delta in _generate(job, plan, outcome, started):
+                async for delta in _generate(job, request, chunks, outcome, started):
                     if simple:
                         # what json.dumps does for a str with its defaults, minus two calls
                         yield head + _json_str(delta).encode() + tail
@@ -475,6 +547,7 @@ class CompletionRunner:
                 outcome.status = "client_gone"
             raise
         finally:
+            await chunks.aclose()  # no-op when _generate closed it; frees the engine request otherwise
             await self._finish(job, plan, outcome, started, lease)
 
 

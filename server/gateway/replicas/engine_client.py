@@ -8,7 +8,8 @@ first request after an engine restart succeeds (gRPC's default backoff grows to 
 Invariants: :meth:`EngineClient.generate` yields chunks until the engine's final
 response and then stops; if the consumer stops early (client gone, stop string hit),
 closing the generator cancels the gRPC call, which the engine treats as a cancel and
-frees the request's blocks. Transport failures surface as :class:`EngineUnavailable`,
+frees the request's blocks; so does cancelling a task awaiting the next chunk (the router's
+first-token deadline): the ``CancelledError`` runs the same ``finally``. Transport failures surface as :class:`EngineUnavailable`,
 engine-side refusals as :class:`EngineRejected`; nothing else escapes.
 """
 
@@ -75,6 +76,12 @@ class EngineUnavailable(EngineError):
 
 class EngineRejected(EngineError):
     """The engine refused the request (its contract validation)."""
+
+
+class EngineTimeout(EngineUnavailable):
+    """The engine accepted the request but sent nothing before the gateway's first-token
+    deadline (gateway answers 504). Raised by the router (``routing.RoutedEngine``), which
+    has already cancelled the call: the engine saw a cancel and freed the request."""
 
 
 @dataclass(frozen=True, slots=True)

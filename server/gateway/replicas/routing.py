@@ -10,8 +10,10 @@ module feeds it and carries it out::
         ├─ unsupported → approximate index           on_dispatch → stream from replica
         ├─ failure → breaker opens (out of rotation) first token → on_prefill_done
         └─ success → breaker closes (back in)        end → on_complete (load released)
-      sum of replicas' per-tenant blocks → quotas    unavailable before a token → retry once
-                                                     elsewhere (breaker opens on the failed one)
+      sum of replicas' per-tenant blocks → quotas    unavailable, or no first token within
+                                                     first_token_timeout_s (call cancelled) →
+                                                     retry once elsewhere (breaker opens on
+                                                     the failed one)
 
 Invariants:
 
@@ -56,7 +58,9 @@ from retention.routing import (
 )
 from retention.types import Tier
 from tenants.snapshots import PoolSnapshot
-from server.gateway.replicas.engine_client import EngineChunk, EngineClient, EngineError, EngineRejected, EngineUnavailable
+from server.gateway.replicas.engine_client import (
+    EngineChunk, EngineClient, EngineError, EngineRejected, EngineTimeout, EngineUnavailable,
+)
 from server.gateway.observe.metrics import ReplicaRow
 
 log = logging.getLogger("kvgate.gateway.routing")
@@ -72,6 +76,13 @@ class RoutingConfig:
     ``breaker_open_s`` / ``breaker_max_open_s``: a failed replica is probed again after
     ``open_s``, doubling per failed probe up to the maximum. ``stats_timeout_s``: a replica
     whose stats call takes longer has stopped answering.
+
+    ``first_token_timeout_s`` (0 = none): how long one attempt may wait for its first token
+    before it is cancelled, counted as the replica's failure and retried elsewhere (a replica
+    that accepts requests but never answers, whose stats may still answer). When the engine
+    does not stream (a non-streamed answer without stop strings comes in one message at the
+    end) the first token cannot be seen, so that attempt's deadline is the whole answer's:
+    ``first_token_timeout_s + max_new_tokens * answer_timeout_per_token_s``.
     """
 
     router: str = "kv-aware"
@@ -80,6 +91,16 @@ class RoutingConfig:
     breaker_open_s: float = 0.5
     breaker_max_open_s: float = 10.0
     stats_timeout_s: float = 5.0
+    first_token_timeout_s: float = 30.0
+    answer_timeout_per_token_s: float = 0.5
+
+    def first_response_wait(self, request: EngineRequest) -> float | None:
+        """Seconds an attempt of ``request`` may wait for its first engine message (None: forever)."""
+        if self.first_token_timeout_s <= 0:
+            return None
+        if request.streaming:
+            return self.first_token_timeout_s
+        return self.first_token_timeout_s + request.max_new_tokens * self.answer_timeout_per_token_s
 
 
 @dataclass(slots=True)
@@ -368,7 +389,10 @@ class RoutedEngine:
     """What the completion path streams from: one request, routed, retried, accounted.
 
     Same ``generate`` signature as :class:`EngineClient`, so ``completions.py`` does not
-    know about replicas.
+    know about replicas. Invariants: a retry happens only before anything was yielded (so
+    the consumer never sees two replicas' tokens); once the first chunk has been yielded,
+    ``replica`` names the replica serving the rest and never changes; every attempt's
+    engine call is cancelled when the attempt ends without the engine's final response.
     """
 
     def __init__(self, routing: Routing, route: PoolRoute) -> None:
@@ -382,6 +406,7 @@ class RoutedEngine:
         tpb = route.pool.tokens_per_block
         routed = RouteRequest(request_id, tuple(block_hashes(request.input_ids, tpb, salt=request.cache_salt)),
                               len(request.input_ids), request.max_new_tokens)
+        wait = self._routing.config.first_response_wait(request)
         tried: set[int] = set()
         attempts = 0
         while True:
@@ -397,15 +422,34 @@ class RoutedEngine:
             self.replica = replica.name
             router.on_dispatch(routed, decision, now=clock())
             replica.in_flight += 1
-            produced = False
+            produced = prefilled = False
             status, kv = "error", None
             try:
                 async with contextlib.aclosing(replica.client.generate(request, request_id=request_id,
                                                                        timeout=timeout)) as chunks:
-                    async for chunk in chunks:
+                    deadline = None if wait is None else asyncio.get_running_loop().time() + wait
+                    while True:
+                        try:
+                            if deadline is not None and not produced:
+                                # Only the wait for the engine is bounded, never the consumer's
+                                # time between chunks. Expiry cancels the await inside the
+                                # client's generator, whose finally cancels the gRPC call: the
+                                # engine drops the request (engines/reference/server.py,
+                                # ModelStreamInfer; engines/triton/model.py, _cancel_abandoned).
+                                async with asyncio.timeout_at(deadline):
+                                    chunk = await anext(chunks)
+                            else:
+                                chunk = await anext(chunks)
+                        except StopAsyncIteration:
+                            break
+                        except TimeoutError:
+                            raise EngineTimeout(f"replica {route.name}/{replica.name} sent no token within "
+                                                f"{wait:g} s") from None
                         kv = chunk.kv
-                        if chunk.token_ids and not produced:
-                            produced = True
+                        # The consumer sees this chunk: no retry and no deadline from here on.
+                        produced, deadline = True, None
+                        if chunk.token_ids and not prefilled:
+                            prefilled = True
                             router.on_prefill_done(request_id, now=clock())
                         yield chunk
                 status = "ok"
@@ -415,7 +459,7 @@ class RoutedEngine:
             except EngineRejected:
                 status = "rejected"
                 raise
-            except EngineUnavailable:
+            except EngineUnavailable as exc:
                 route.mark_failed(replica)
                 tried.add(replica.id)
                 retry = not produced and attempts < self._routing.config.retries and bool(route.candidates(tried))
@@ -423,8 +467,9 @@ class RoutedEngine:
                 if not retry:
                     raise
                 attempts += 1
-                log.warning("request %s: replica %s/%s unavailable before its first token; retrying elsewhere",
-                            request_id, route.name, replica.name)
+                log.warning("request %s: replica %s/%s %s before its first token; retrying elsewhere",
+                            request_id, route.name, replica.name,
+                            "timed out" if isinstance(exc, EngineTimeout) else "unavailable")
             except BaseException:  # consumer left (stop string, client gone) or cancelled
                 status = "cancelled"
                 raise

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import time
 
 import pytest
 
@@ -84,6 +85,7 @@ async def test_duplicate_ids_and_stopped_engine_are_refused(bundle, tokenizer):
     ({"weight_format": "fp64"}, "weight_format"),
     ({"max_num_tokens": 4, "max_batch_size": 8}, "max_num_tokens"),
     ({"fault_onboard_delay_ms": -1}, "fault_onboard_delay_ms"),
+    ({"fault_first_token_hold_ms": -2}, "fault_first_token_hold_ms"),
 ])
 def test_config_validation_names_the_setting(change, named):
     with pytest.raises(EngineConfigError, match=named):
@@ -113,3 +115,29 @@ async def test_a_failing_step_fails_its_requests_and_the_engine_keeps_serving(sm
     finally:
         small_engine.runner.model = real
     assert small_engine.stats().primary.used_blocks == 0
+
+
+async def test_the_first_token_hold_knob_holds_until_due_or_cancelled(small_engine, tokenizer):
+    request = make_request(tokenizer.encode("Hello there, how are you today?"), 3, end_id=-1)
+    small_engine.config.fault_first_token_hold_ms = -1  # hung: accepted, never scheduled
+    try:
+        hung = small_engine.generate("hung", request)
+        waiting = asyncio.ensure_future(anext(hung))
+        await asyncio.sleep(0.5)
+        assert not waiting.done() and small_engine.in_flight() == 1
+        assert small_engine.stats().primary.used_blocks == 0  # held, not scheduled
+        assert small_engine.cancel("hung")
+        output = await asyncio.wait_for(waiting, 10)
+        assert output.finished and output.finish_reason is FinishReason.CANCELLED and output.new_tokens == ()
+        await hung.aclose()
+        assert small_engine.in_flight() == 0
+        # a timed hold: the request runs once it is due, with the same tokens as without a hold
+        small_engine.config.fault_first_token_hold_ms = 300
+        began = time.monotonic()
+        held, _ = await _collect(small_engine, "held", request)
+        assert time.monotonic() - began >= 0.3  # a lower bound only: the hold happened
+    finally:
+        small_engine.config.fault_first_token_hold_ms = 0
+    plain, _ = await _collect(small_engine, "plain", request)
+    assert held == plain and len(plain) == 3
+    assert small_engine.in_flight() == 0 and small_engine.stats().primary.used_blocks == 0

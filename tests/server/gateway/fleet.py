@@ -70,6 +70,15 @@ class Fleet:
         with self.session_factory() as session:
             replicas.remove_replica(session, actor=ACTOR, now=datetime.now(UTC), pool=POOL, name=replica)
 
+    def hang(self, replica: str, hold_ms: int = -1) -> None:
+        """Fault knob: the replica's engine accepts new requests and holds them (-1: until
+        cancelled) while its stats call keeps answering (``fault_first_token_hold_ms``)."""
+        self.engines[replica][0].engine.config.fault_first_token_hold_ms = hold_ms
+
+    def engine_in_flight(self, replica: str) -> int:
+        """Requests the replica's engine itself holds (held ones included)."""
+        return self.engines[replica][0].engine.in_flight()
+
     def stop_engine(self, replica: str) -> None:
         handle, thread = self.engines.pop(replica)
         stop_in_thread(handle, thread)
@@ -96,8 +105,9 @@ class Fleet:
         self.wait_until(seen, what=f"{name} {state}")
 
     def chat(self, slug: str, messages: list[dict], *, gateway: int = 0, max_tokens: int = 4,
-             client: httpx.Client | None = None) -> httpx.Response:
-        body = {"model": MODEL, "messages": messages, "max_tokens": max_tokens, "temperature": 0}
+             client: httpx.Client | None = None, stream: bool = False) -> httpx.Response:
+        """One chat completion; ``stream``: the SSE body is read whole (``response.text``)."""
+        body = {"model": MODEL, "messages": messages, "max_tokens": max_tokens, "temperature": 0, "stream": stream}
         headers = {"Authorization": f"Bearer {self.keys[slug]}"}
         url = f"{self.gateways[gateway].base_url}/v1/chat/completions"
         if client is not None:
@@ -162,7 +172,9 @@ class Fleet:
             self.stop_engine(name)
 
 
-def start_fleet(tmp: Path, bundle: ModelBundle, *, replicas_count: int = 3, gateways: int = 1) -> Fleet:
+def start_fleet(tmp: Path, bundle: ModelBundle, *, replicas_count: int = 3, gateways: int = 1,
+                settings: dict | None = None) -> Fleet:
+    """``settings``: extra gateway ``Settings`` fields (e.g. ``first_token_timeout_s``)."""
     engines = {f"r{i}": start_in_thread(ReferenceEngineConfig(**ENGINE), bundle) for i in range(replicas_count)}
     url = f"sqlite:///{tmp / 'registry.db'}"
     migrate.upgrade(url=url)
@@ -177,9 +189,10 @@ def start_fleet(tmp: Path, bundle: ModelBundle, *, replicas_count: int = 3, gate
         retention_classes.create_class(session, actor=ACTOR, now=now, name="chat", system_priority=90,
                                        context_priority=60, turn_priority=40, decode_priority=20)
     fleet = Fleet(bundle, engines, factory)
-    settings = Settings(database_url=url, admin_tokens=[f"ci:admin-{secrets.token_hex(8)}"], key_pepper=PEPPER)
+    app_settings = Settings(database_url=url, admin_tokens=[f"ci:admin-{secrets.token_hex(8)}"], key_pepper=PEPPER,
+                            **(settings or {}))
     for _ in range(gateways):
-        app = build_serving_app(settings, session_factory=factory, tokenizer_for=lambda pool: bundle.tokenizer,
+        app = build_serving_app(app_settings, session_factory=factory, tokenizer_for=lambda pool: bundle.tokenizer,
                                 auth_ttl=0.2, intervals=LoopIntervals(usage_flush=0.5, last_used_flush=1.0,
                                                                       pool_poll=0.1))
         server = GatewayServer(app, free_port())

@@ -103,3 +103,13 @@ def test_a_replica_without_events_gets_an_approximate_index_fed_by_dispatches() 
                 await replica.client.close()
 
     asyncio.run(scenario())
+
+
+def test_the_first_response_deadline_covers_the_whole_answer_when_the_engine_does_not_stream() -> None:
+    from tests.engines.reference.helpers import make_request
+    from server.gateway.replicas.routing import RoutingConfig
+
+    config = RoutingConfig(first_token_timeout_s=2.0, answer_timeout_per_token_s=0.25)
+    assert config.first_response_wait(make_request([1, 2, 3], 40, streaming=True)) == 2.0
+    assert config.first_response_wait(make_request([1, 2, 3], 40, streaming=False)) == 2.0 + 40 * 0.25
+    assert RoutingConfig(first_token_timeout_s=0).first_response_wait(make_request([1], 4, streaming=True)) is None
