@@ -59,7 +59,7 @@ def main() -> None:
         hash_times.append(elapsed)
     hash_us = statistics.median(hash_times) / len(requests) * 1e6
 
-    rows, estimates = [], {}
+    rows, estimates, stated = [], {}, {}
     for rate in RATES:
         times, curve = [], None
         for _ in range(3):
@@ -72,6 +72,7 @@ def main() -> None:
         us = statistics.median(times) / len(requests) * 1e6
         held = sum(p.shadow.pool.config.primary_blocks + p.shadow.pool.config.secondary_blocks for p in curve.points)
         estimates[rate] = {(p.gpu, p.host): p.shadow.counts.hit_rate() or 0.0 for p in curve.points}
+        stated[rate] = {(p.gpu, p.host): 2 * (p.shadow.counts.hit_rate_stderr() or 0.0) for p in curve.points}
         rows.append((rate, us, us / hash_us, held))
 
     full = estimates[1.0]
@@ -85,13 +86,14 @@ def main() -> None:
         "",
         f"Hashing the prompt's blocks (what the curves reuse): **{hash_us:.1f} µs** per request.",
         "",
-        "| sampling rate | curves µs / request | × hashing | shadow blocks held | 1x point estimate | rate-1.0 value | error (points) |",
+        "| sampling rate | curves µs / request | × hashing | shadow blocks held | 1x point estimate (± stated) | rate-1.0 value | error (points) |",
         "|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for rate, us, ratio, held in rows:
         est, ref = estimates[rate][("1x", "1x")], full[("1x", "1x")]
-        lines.append(f"| {rate:g} | {us:.1f} | {ratio:.2f} | {held:,} | {est:.1%} | {ref:.1%} | {abs(est - ref) * 100:.2f} |")
-    lines += ["", "Every point at each rate against rate 1.0 (points of hit rate):", "",
+        lines.append(f"| {rate:g} | {us:.1f} | {ratio:.2f} | {held:,} | {est:.1%} (± {stated[rate][('1x', '1x')] * 100:.1f}) | {ref:.1%} | {abs(est - ref) * 100:.2f} |")
+    lines += ["", "± stated: 2 × the point's own jackknife standard error (`kvgate_mrc_hit_rate_stderr`), in points.",
+              "", "Every point at each rate against rate 1.0 (points of hit rate):", "",
               "| point (GPU / host) | " + " | ".join(f"{r:g}" for r in RATES[:-1]) + " | rate 1.0 |",
               "|---|" + "---:|" * len(RATES)]
     for key in full:
