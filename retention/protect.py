@@ -240,3 +240,34 @@ def protect_plan(tracker: ConversationTracker, hashes: Sequence[int], *, num_tok
     cut = min(start, num_blocks) * tokens_per_block
     spans = [(0, cut, high, duration), (cut, num_blocks * tokens_per_block, private, duration if private == high else None)]
     return RetentionPlan(merged_ranges(spans), decode_priority, None)
+
+
+@dataclass(slots=True)
+class ProtectPolicy:
+    """The simulator's ``protect``: the candidate alone, no selection (for comparison, like ``adaptive-bands``).
+
+    Plans each request once (with ``--hold tokens`` a waiting request is planned again on
+    every admission attempt, and the tracker must record it once).
+    """
+
+    config: ProtectConfig = ProtectConfig()
+    offload_min_priority: int = 30
+    name: str = "protect"
+    uses_host: bool = True
+    tracker: ConversationTracker | None = None
+    _last: tuple[int, RetentionPlan] | None = None
+
+    def plan(self, request, hashes, *, now, pool) -> RetentionPlan:  # noqa: ANN001 - SimPolicy protocol
+        if self._last is not None and self._last[0] == request.index:
+            return self._last[1]
+        if self.tracker is None:
+            self.tracker = ConversationTracker(pool.config.primary_blocks, self.config)
+        bpt = pool.config.tokens_per_block
+        plan = protect_plan(self.tracker, hashes, num_tokens=request.input_length, tokens_per_block=bpt, now=now,
+                            offload_min_priority=self.offload_min_priority)
+        self.tracker.observe(hashes, now, num_blocks=-(-request.input_length // bpt))
+        self._last = (request.index, plan)
+        return plan
+
+    def observe(self, request, hashes, allocation, *, now, pool) -> None:  # noqa: ANN001 - SimPolicy protocol
+        return None  # recorded when planned

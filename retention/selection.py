@@ -25,7 +25,7 @@ Candidates (``names``):
 ``names=None`` (the default, what the gateway uses) picks :func:`default_candidates` for the
 pool's shape.
 
-The simulator also knows ``adaptive-bands`` (the bands alone, no selection) for comparison.
+The simulator also knows ``adaptive-bands`` and ``protect`` (each candidate alone, no selection) for comparison.
 """
 
 from __future__ import annotations
