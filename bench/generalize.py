@@ -226,7 +226,7 @@ def section(results: list[dict], roles: dict[str, str], seconds: float) -> str:
         + (", ".join(f"{n} GPU {row['fraction']:.0%}" for n, row in protect_rows) or "no setting") + ".",
         "",
         "Why the chat families stay short of 1.3 × lru at 2 % GPU only. " + "; ".join(history) + ".",
-        "1.3× needs the conversation history's hits to roughly double. The generators draw every think time",
+        "So 1.3× needs 2–3× LRU's history hits. The generators draw every think time",
         "independently (lognormal) and never reveal how many turns a session will have, so nothing the gateway",
         "knows says which history comes back soon; Belady knows. Holding each history a fixed time D (what",
         "`protect` does for its subset, LRU for everyone until its turnover) yields F(D) / E[min(gap, D)] hits",
