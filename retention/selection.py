@@ -1,4 +1,4 @@
-"""``adaptive`` with selection: the tenant's static class or adaptive's bands, whichever wins.
+"""``adaptive`` with selection: the tenant's static class, adaptive's bands or ``protect``, whichever wins.
 
 One :class:`AdaptiveSelector` per pool holds the adaptive reuse statistics
 (``retention/adaptive.py``) and a :class:`~retention.shadow.duel.PolicyDuel` between the
@@ -15,9 +15,17 @@ Candidates (``names``):
   simulator without ``--classes``) TensorRT-LLM's defaults: everything at 35, every evicted
   block offloaded. This is the incumbent: a pool follows anything else only on evidence.
 * ``bands`` — adaptive's bands, host-tier aware when the pool has a host tier
-  (``adaptive_plan(..., host_tier=True)``).
+  (``adaptive_plan(..., host_tier=True)``);
+* ``protect`` — GPU-only pools: a live subset of conversations that fits the GPU above the
+  rest, for as long as the median revisit gap (``retention/protect.py``). Not offered with a
+  host tier: offload keeps a block's priority and clears its duration (``getFreeBlock`` in
+  ``evictionPolicy.cpp``, see ``retention/pool.py``), so the protected band would pin
+  finished conversations in host memory for good.
 
-The simulator also knows ``adaptive-bands`` (the bands alone, no selection) for comparison.
+``names=None`` (the default, what the gateway uses) picks :func:`default_candidates` for the
+pool's shape.
+
+The simulator also knows ``adaptive-bands`` and ``protect`` (each candidate alone, no selection) for comparison.
 """
 
 from __future__ import annotations
@@ -26,10 +34,16 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from retention.adaptive import AdaptiveConfig, ReuseStats, adaptive_plan
+from retention.protect import ConversationTracker, ProtectConfig, protect_plan
 from retention.shadow.duel import DuelConfig, PolicyDuel
 from retention.types import DEFAULT_PLAN, RetentionPlan
 
-CANDIDATES = ("static", "bands")
+CANDIDATES = ("static", "bands", "protect")
+
+
+def default_candidates(secondary_blocks: int) -> tuple[str, ...]:
+    """The candidates a pool duels: all of them GPU-only, ``static`` and ``bands`` with a host tier."""
+    return ("static", "bands") if secondary_blocks > 0 else CANDIDATES
 
 
 @dataclass(slots=True)
@@ -41,15 +55,21 @@ class AdaptiveSelector:
     offload_min_priority: int = 30
     adaptive: AdaptiveConfig = AdaptiveConfig()
     duel_config: DuelConfig = DuelConfig()
-    names: tuple[str, ...] = CANDIDATES
+    names: tuple[str, ...] | None = None  # None: default_candidates(secondary_blocks)
+    protect: ProtectConfig = ProtectConfig()
     stats: ReuseStats = field(init=False)
+    tracker: ConversationTracker | None = field(init=False)
     duel: PolicyDuel = field(init=False)
 
     def __post_init__(self) -> None:
+        if self.names is None:
+            self.names = default_candidates(self.secondary_blocks)
         unknown = set(self.names) - set(CANDIDATES)
         if unknown:
             raise ValueError(f"unknown candidates {sorted(unknown)}; known: {', '.join(CANDIDATES)}")
         self.stats = ReuseStats(self.adaptive)
+        # Conversations are tracked only when a candidate needs them (bounded, but not free).
+        self.tracker = ConversationTracker(self.primary_blocks, self.protect) if "protect" in self.names else None
         self.duel = PolicyDuel(self.names, self.primary_blocks, self.secondary_blocks, self.offload_min_priority,
                                self.duel_config)
 
@@ -70,6 +90,9 @@ class AdaptiveSelector:
         def candidate(name: str) -> RetentionPlan:
             if name == "static":
                 return static
+            if name == "protect":
+                return protect_plan(self.tracker, hashes, num_tokens=num_tokens, tokens_per_block=tokens_per_block,
+                                    now=now, offload_min_priority=self.offload_min_priority, decode_priority=decode)
             return adaptive_plan(
                 self.stats, tenant, hashes, num_tokens=num_tokens, tokens_per_block=tokens_per_block,
                 offload_min_priority=self.offload_min_priority, decode_priority=decode,
@@ -83,7 +106,10 @@ class AdaptiveSelector:
                         tenant=tenant)
         else:
             chosen = candidate(self.names[index])
-        self.stats.observe(tenant, hashes, now, num_blocks=-(-num_tokens // tokens_per_block))
+        num_blocks = -(-num_tokens // tokens_per_block)
+        self.stats.observe(tenant, hashes, now, num_blocks=num_blocks)
+        if self.tracker is not None:
+            self.tracker.observe(hashes, now, num_blocks=num_blocks)
         return chosen
 
 
@@ -100,7 +126,7 @@ class AdaptiveSelectPolicy:
     static: object  # a SimPolicy (retention.sim_policies); typed loosely to avoid an import cycle
     adaptive: AdaptiveConfig = AdaptiveConfig()
     duel_config: DuelConfig = DuelConfig()
-    names: tuple[str, ...] = CANDIDATES
+    names: tuple[str, ...] | None = None  # None: default_candidates of the replayed pool
     name: str = "adaptive"
     uses_host: bool = True
     selector: AdaptiveSelector | None = None

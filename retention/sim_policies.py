@@ -12,10 +12,12 @@ shaped for it (host tier or not, offload threshold). Built-ins:
                         system/context/turn/decode priorities and durations, through the
                         same planner the gateway uses;
 * ``adaptive``       — adaptive retention with selection (``retention/selection.py``): the
-                        tenant's static class (``trtllm-default`` without ``--classes``) or
-                        adaptive's bands, whichever wins on sampled shadow pools; the same
-                        code the gateway runs for ``adaptive`` classes;
+                        tenant's static class (``trtllm-default`` without ``--classes``),
+                        adaptive's bands or (GPU-only pools) ``protect``, whichever wins on
+                        sampled shadow pools; the same code the gateway runs for ``adaptive``
+                        classes;
 * ``adaptive-bands`` — adaptive's bands alone, no selection (``retention/adaptive.py``);
+* ``protect``        — the ``protect`` candidate alone, no selection (``retention/protect.py``);
 * plug-ins passed to :func:`make_policy` in a ``registry``.
 
 Offline reference policies that need the whole request list (``oracle-reuse``,
@@ -30,6 +32,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from retention.adaptive import adaptive_policy
+from retention.protect import ProtectPolicy
 from retention.selection import AdaptiveSelectPolicy
 from retention.planner import QuotaState, RetentionClassSpec, SegmentRetention, Segments, plan_retention
 from retention.pool import Allocation, BlockPool
@@ -225,7 +228,7 @@ def builtin_policy(name: str, *, mapping: ClassMapping | None = None, block_size
 
 
 def policy_names() -> tuple[str, ...]:
-    return ("lru", "trtllm-default", "class", "adaptive", "adaptive-bands")
+    return ("lru", "trtllm-default", "class", "adaptive", "adaptive-bands", "protect")
 
 
 def make_policy(
@@ -245,4 +248,6 @@ def make_policy(
         policy = adaptive_policy(mapping=mapping, block_size=block_size)
         policy.name = "adaptive-bands"
         return policy
+    if name == "protect":
+        return ProtectPolicy(offload_min_priority=mapping.offload_min_priority if mapping is not None else 30)
     raise ClassMappingError(f"unknown policy {name!r}; known: {', '.join(policy_names())}")
