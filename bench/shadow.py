@@ -1,6 +1,6 @@
 """Sampled shadow pools: accuracy against full replays, and the selection's cost per request.
 
-Usage: ``OMP_NUM_THREADS=1 .venv/bin/python bench/shadow.py [--no-write] [--scaled-copies N]``
+Usage: ``OMP_NUM_THREADS=1 .venv/bin/python bench/shadow.py [--no-write] [--sections cost accuracy] [--scaled-copies N]``
 
 Writes ``bench:shadow_accuracy`` and ``bench:selection_cost`` in docs/benchmarks.md.
 
@@ -206,6 +206,16 @@ def cost(requests, hashes, distinct: int) -> str:  # noqa: ANN001
         runs[f"adaptive with selection, {rate:.0%} shadows"] = timed(select_step)
         shadow = selector.duel.shadows[0].pool.config
         sizes[rate] = (shadow.primary_blocks, shadow.secondary_blocks, len(selector.duel.shadows))
+    # A GPU-only pool duels three candidates (static, bands, protect: retention/selection.py).
+    gpu_only = AdaptiveSelector(gpu, 0, 30, duel_config=DuelConfig(rate=0.01, min_shadow_blocks=0))
+
+    def gpu_only_step(request, h) -> None:  # noqa: ANN001
+        n = request.input_length
+        static = plan_retention(CLASS, Segments(0, n, n), offload_min_priority=30)
+        gpu_only.plan(tenant=None, hashes=h, num_tokens=n, tokens_per_block=512, static=static,
+                      now=request.timestamp_ms / 1000.0)
+
+    runs[f"adaptive with selection, GPU only ({', '.join(gpu_only.names)}), 1 % shadows"] = timed(gpu_only_step)
     curve = MissRatioCurve([round(distinct * f) for f in FRACTIONS], rate=0.01, host_blocks=lambda c: 4 * c)
 
     def curve_step(request, h) -> None:  # noqa: ANN001
@@ -231,7 +241,7 @@ def cost(requests, hashes, distinct: int) -> str:  # noqa: ANN001
                      f"{statistics.median(samples) / base:.2f} |")
     lines += [
         "",
-        "Shadow size per candidate (GPU + host blocks of the inner pool; two candidates): "
+        "Shadow size per candidate (GPU + host blocks of the inner pool; two candidates with a host tier): "
         + ", ".join(f"{r:.0%}: {p} + {s}" for r, (p, s, _) in sizes.items()) + ".",
         "Bound: per request one pass over the hashes plus, when a block is sampled, every candidate's plan",
         "(O(blocks)) and a shadow replay of the sampled blocks per candidate (one SHA-256 and O(1) list work",
@@ -245,6 +255,7 @@ def cost(requests, hashes, distinct: int) -> str:  # noqa: ANN001
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--no-write", action="store_true")
+    parser.add_argument("--sections", nargs="+", choices=("cost", "accuracy"), default=["cost", "accuracy"])
     parser.add_argument("--scaled-copies", type=int, default=10,
                         help="also check 1 %% slices on this many copies of the trace (1 = skip)")
     args = parser.parse_args()
@@ -252,14 +263,18 @@ def main() -> None:
         requests = parse_trace(handle)
     hashes = request_hashes(requests, SimConfig())
     distinct = distinct_blocks(requests)
-    cost_text = cost(requests, hashes, distinct)
-    print(cost_text, flush=True)
-    accuracy_text = accuracy(requests, hashes, distinct, scaled_copies=args.scaled_copies)
-    print(accuracy_text)
-    if not args.no_write:
-        write_section("selection_cost", cost_text)
-        write_section("shadow_accuracy", accuracy_text)
-        print("wrote docs/benchmarks.md sections bench:selection_cost, bench:shadow_accuracy")
+    if "cost" in args.sections:
+        cost_text = cost(requests, hashes, distinct)
+        print(cost_text, flush=True)
+        if not args.no_write:
+            write_section("selection_cost", cost_text)
+            print("wrote docs/benchmarks.md section bench:selection_cost")
+    if "accuracy" in args.sections:
+        accuracy_text = accuracy(requests, hashes, distinct, scaled_copies=args.scaled_copies)
+        print(accuracy_text)
+        if not args.no_write:
+            write_section("shadow_accuracy", accuracy_text)
+            print("wrote docs/benchmarks.md section bench:shadow_accuracy")
 
 
 if __name__ == "__main__":

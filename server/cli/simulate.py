@@ -73,7 +73,7 @@ def register(app: typer.Typer) -> None:
         trace: Annotated[Path, typer.Argument(help="Mooncake-format JSONL trace")],
         policy: Annotated[
             list[str] | None,
-            typer.Option("--policy", "-p", help="lru | trtllm-default | class | adaptive (with selection) | adaptive-bands, or the offline ceilings oracle-reuse | "
+            typer.Option("--policy", "-p", help="lru | trtllm-default | class | adaptive (with selection) | adaptive-bands | protect, or the offline ceilings oracle-reuse | "
                  "oracle-reuse-within-<S>s | oracle-next-use | oracle-popularity-<S>s (repeat; default lru + trtllm-default, + class with --classes)"),
         ] = None,
         capacity: Annotated[
