@@ -3,7 +3,8 @@
 ``run_completion`` returns either a JSON body or an SSE stream. Invariants:
 
 * the admission lease is released exactly once, whatever happens (client gone,
-  engine error, stop string);
+  engine error, stop string), and for a stream even when its body never starts
+  (:class:`ClosingStreamingResponse`);
 * leaving early (client disconnect, stop string) closes the engine stream, which
   cancels the engine request and frees its blocks;
 * usage and metrics are recorded once per admitted request, with the tokens actually
@@ -21,9 +22,10 @@ import contextlib
 import json
 import secrets
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 
+import anyio
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from engines.contract import EngineRequest, Guide, KvMetrics, SamplingParams, TokenLogProbs
@@ -220,6 +222,37 @@ class PrimedChunks:
         await self._chunks.aclose()
 
 
+class ClosingStreamingResponse(StreamingResponse):
+    """A :class:`StreamingResponse` whose ``on_close`` runs however sending it ends.
+
+    Why: Starlette (1.10, ``responses.StreamingResponse.__call__``) may end without ever
+    iterating the body: under ASGI spec 2.4 an ``OSError`` from sending the headers to a
+    client that is gone becomes ``ClientDisconnect`` before the first ``anext``; under 2.3
+    the disconnect listener cancels the sending task, which (anyio 4) runs the body only
+    because that task had not started yet. A body generator that never started has no
+    ``finally`` to run, not even on ``aclose()``, and it holds the admission slot and an
+    open engine stream. So the cleanup is a separate, idempotent ``on_close``, called here
+    in a ``finally`` (shielded: it must finish even when the task is being cancelled) after
+    closing the body iterator, so that a body suspended mid-stream runs its own ``finally``
+    first.
+    """
+
+    def __init__(self, content: AsyncIterator[bytes], *, on_close: Callable[[], Awaitable[None]],
+                 **kwargs) -> None:
+        super().__init__(content, **kwargs)
+        self._on_close = on_close
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            with anyio.CancelScope(shield=True):
+                try:
+                    await self.body_iterator.aclose()
+                finally:
+                    await self._on_close()
+
+
 async def _generate(job: CompletionJob, request: EngineRequest, chunks: AsyncIterator[EngineChunk], outcome: Outcome,
                     started: float) -> AsyncIterator[str]:
     """Text deltas of the completion from the engine stream ``chunks`` (of ``request``);
@@ -402,8 +435,21 @@ class CompletionRunner:
             if primed.first_at is not None and request.streaming:
                 outcome.ttft = primed.first_at - started
             headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **self._replica_header(job)}
-            return StreamingResponse(self._sse(job, plan, request, primed, outcome, started, lease),
-                                     media_type="text/event-stream", headers=headers)
+            ended = False
+
+            async def end_stream() -> None:
+                """Exactly once, from the body's ``finally`` or, if the body never ran, the response's."""
+                nonlocal ended
+                if ended:
+                    return
+                ended = True
+                if outcome.status == "ok" and outcome.finish_reason is None:
+                    outcome.status = "client_gone"  # the body never ran to its end
+                await primed.aclose()  # no-op when _generate closed it; frees the engine request otherwise
+                await self._finish(job, plan, outcome, started, lease)
+
+            return ClosingStreamingResponse(self._sse(job, request, primed, outcome, started, end_stream),
+                                            on_close=end_stream, media_type="text/event-stream", headers=headers)
         try:
             async for _ in _generate(job, request, chunks, outcome, started):
                 pass
@@ -470,8 +516,10 @@ class CompletionRunner:
         return {"id": ident, "object": obj, "created": created, "model": job.model, "choices": [choice],
                 "usage": self._usage_body(job, outcome)}
 
-    async def _sse(self, job: CompletionJob, plan: RetentionPlan, request: EngineRequest, chunks: PrimedChunks,
-                   outcome: Outcome, started: float, lease) -> AsyncIterator[bytes]:
+    async def _sse(self, job: CompletionJob, request: EngineRequest, chunks: PrimedChunks,
+                   outcome: Outcome, started: float, end: Callable[[], Awaitable[None]]) -> AsyncIterator[bytes]:
+        """The SSE body; ``end`` (idempotent: closes ``chunks``, releases the admission slot,
+        records the outcome) runs when it ends, and from the response if it never starts."""
         ident, created = _ident(job), int(time.time())
         chat = job.kind == "chat"
         obj = "chat.completion.chunk" if chat else "text_completion"
@@ -547,8 +595,7 @@ class CompletionRunner:
                 outcome.status = "client_gone"
             raise
         finally:
-            await chunks.aclose()  # no-op when _generate closed it; frees the engine request otherwise
-            await self._finish(job, plan, outcome, started, lease)
+            await end()
 
 
 def _chat_logprobs(job: CompletionJob, outcome: Outcome, upto: int, start: int = 0) -> dict | None:

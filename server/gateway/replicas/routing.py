@@ -5,11 +5,13 @@ module feeds it and carries it out::
 
     poll loop (PoolMonitor, every ~1 s)            request (RoutedEngine.generate)
       per pool: sync replica set from registry       hashes = block_hashes(prompt, salt)
-      per replica: stats + kv_events_since cursor    candidates = active ∧ breaker closed
-        ├─ events → router index (precise)           decision = router.route(...)
-        ├─ unsupported → approximate index           on_dispatch → stream from replica
-        ├─ failure → breaker opens (out of rotation) first token → on_prefill_done
-        └─ success → breaker closes (back in)        end → on_complete (load released)
+      per replica: stats + kv_events_since cursor    a timed-out replica's trial due? → it alone
+        ├─ events → router index (precise)           else candidates = active ∧ breaker closed
+        ├─ unsupported → approximate index           decision = router.route(...)
+        ├─ failure → breaker opens (out of rotation) on_dispatch → stream from replica
+        └─ success → breaker closes (back in),       first token → on_prefill_done, breaker
+           unless the replica timed out (then only     closes (the replica serves)
+           a served request closes it: breaker.py)   end → on_complete (load released)
       sum of replicas' per-tenant blocks → quotas    unavailable, or no first token within
                                                      first_token_timeout_s (call cancelled) →
                                                      retry once elsewhere (breaker opens on
@@ -18,8 +20,9 @@ module feeds it and carries it out::
 Invariants:
 
 * A request is only dispatched to a replica whose registry state is ``active`` and whose
-  breaker is closed (when no such replica exists, to an ``active`` one with an open breaker,
-  as a probe); ``draining`` and ``disabled`` replicas finish what they have, and a replica
+  breaker is closed, or as the one trial of a replica that timed out (``breaker.py``); when
+  no such replica exists, to an ``active`` one whose breaker opened on connection failures,
+  as a probe (never to one that timed out and whose trial is not due); ``draining`` and ``disabled`` replicas finish what they have, and a replica
   removed from the registry keeps its client until its last request ends.
 * Indexes hold kvgate's own salted block hashes (the engines report in that space,
   ``engines/kv_events.py``), so a salted tenant's request never matches another tenant's
@@ -58,6 +61,7 @@ from retention.routing import (
 )
 from retention.types import Tier
 from tenants.snapshots import PoolSnapshot
+from server.gateway.replicas.breaker import Breaker
 from server.gateway.replicas.engine_client import (
     EngineChunk, EngineClient, EngineError, EngineRejected, EngineTimeout, EngineUnavailable,
 )
@@ -74,7 +78,8 @@ class RoutingConfig:
     ``cost``: weights of the kv-aware cost (``retention/routing/cost.py``). ``retries``:
     extra attempts on another replica for a request that failed before its first token.
     ``breaker_open_s`` / ``breaker_max_open_s``: a failed replica is probed again after
-    ``open_s``, doubling per failed probe up to the maximum. ``stats_timeout_s``: a replica
+    ``open_s``, doubling per failed probe up to the maximum; a replica that timed out is not
+    closed by its probe but gets one trial request per open period (``breaker.py``). ``stats_timeout_s``: a replica
     whose stats call takes longer has stopped answering.
 
     ``first_token_timeout_s`` (0 = none): how long one attempt may wait for its first token
@@ -101,41 +106,6 @@ class RoutingConfig:
         if request.streaming:
             return self.first_token_timeout_s
         return self.first_token_timeout_s + request.max_new_tokens * self.answer_timeout_per_token_s
-
-
-@dataclass(slots=True)
-class Breaker:
-    """Circuit breaker of one replica: ``closed`` (in rotation) or ``open`` (out, probed).
-
-    A dispatch that finds the replica unavailable, or a stats poll that fails, opens it;
-    the poll loop probes an open replica once ``retry_at`` has passed and a successful
-    probe closes it. Consecutive failures double the wait (capped).
-    """
-
-    state: str = "closed"
-    failures: int = 0
-    retry_at: float = 0.0
-
-    @property
-    def closed(self) -> bool:
-        return self.state == "closed"
-
-    def fail(self, now: float, open_s: float, max_open_s: float) -> bool:
-        """Record a failure; True when this opened a closed breaker."""
-        opened = self.state == "closed"
-        self.failures += 1
-        self.state = "open"
-        self.retry_at = now + min(max_open_s, open_s * 2 ** (self.failures - 1))
-        return opened
-
-    def succeed(self) -> bool:
-        """Record a success; True when this closed an open breaker."""
-        reopened = self.state == "open"
-        self.state, self.failures, self.retry_at = "closed", 0, 0.0
-        return reopened
-
-    def probe_due(self, now: float) -> bool:
-        return self.closed or now >= self.retry_at
 
 
 @dataclass(slots=True)
@@ -274,21 +244,55 @@ class PoolRoute:
 
     def candidates(self, exclude: set[int]) -> list[Candidate]:
         """Active replicas with a closed breaker; when there are none, the active ones whose
-        breaker is open (a request is then the probe: failing at once would not be better,
-        and a replica that came back, e.g. the only one after a restart, serves it)."""
+        breaker is open on connection failures (a request is then the probe: failing at once
+        would not be better, and a replica that came back, e.g. the only one after a restart,
+        serves it). Never one that timed out and is not due for its trial: sending there
+        would wait the whole first-token deadline again."""
         healthy = [Candidate(r.id, r.weight) for r in self.replicas.values() if r.routable and r.id not in exclude]
         if healthy:
             return healthy
-        return [Candidate(r.id, r.weight) for r in self.replicas.values() if r.state == "active" and r.id not in exclude]
+        now = self._clock()
+        return [Candidate(r.id, r.weight) for r in self.replicas.values()
+                if r.state == "active" and r.id not in exclude and not r.breaker.avoid(now)]
+
+    def can_route(self, exclude: set[int]) -> bool:
+        """Whether a request excluding ``exclude`` has somewhere to go (a candidate or a trial)."""
+        now = self._clock()
+        return bool(self.candidates(exclude)) or any(
+            r.state == "active" and r.id not in exclude and r.breaker.trial_due(now) for r in self.replicas.values())
+
+    def take_trial(self, exclude: set[int]) -> Replica | None:
+        """An active replica that timed out and is due for its one trial request, now taken
+        (its breaker half-open: no other request goes there until the trial ends)."""
+        now = self._clock()
+        for replica in self.replicas.values():
+            if replica.state == "active" and replica.id not in exclude and replica.breaker.start_trial(now):
+                log.warning("replica %s/%s: trial request after a timeout", self.name, replica.name)
+                return replica
+        return None
+
+    def _out_of_rotation(self, replica: Replica, why: str) -> None:
+        log.warning("replica %s/%s (%s) out of rotation (%s)", self.name, replica.name, replica.endpoint, why)
+        # Its cache may be gone (restart) and its load is unknown: start over when it is back.
+        if replica.id in self.replicas:
+            self.router.forget_replica(replica.id)
+        replica.cursor, replica.events = 0, None
 
     def mark_failed(self, replica: Replica) -> None:
-        now = self._clock()
-        if replica.breaker.fail(now, self.config.breaker_open_s, self.config.breaker_max_open_s):
-            log.warning("replica %s/%s (%s) out of rotation", self.name, replica.name, replica.endpoint)
-            # Its cache may be gone (restart) and its load is unknown: start over when it is back.
-            if replica.id in self.replicas:
-                self.router.forget_replica(replica.id)
-            replica.cursor, replica.events = 0, None
+        """A connection failure (dispatch or stats poll)."""
+        if replica.breaker.fail(self._clock(), self.config.breaker_open_s, self.config.breaker_max_open_s):
+            self._out_of_rotation(replica, "unavailable")
+
+    def mark_timed_out(self, replica: Replica, dispatched_at: float) -> None:
+        """An attempt dispatched at ``dispatched_at`` got no first token within the deadline."""
+        if replica.breaker.time_out(self._clock(), dispatched_at, self.config.breaker_open_s,
+                                    self.config.breaker_max_open_s):
+            self._out_of_rotation(replica, "no first token in time")
+
+    def mark_served(self, replica: Replica) -> None:
+        """A request received its first token from ``replica``."""
+        if replica.breaker.served():
+            log.warning("replica %s/%s back in rotation (served a request)", self.name, replica.name)
 
     async def poll(self, replica: Replica) -> None:
         """One stats + events poll of ``replica``; doubles as the breaker's probe."""
@@ -301,7 +305,7 @@ class PoolRoute:
         except EngineError:
             self.mark_failed(replica)
             return
-        if replica.breaker.succeed():
+        if replica.breaker.probe_ok():  # not when it timed out: its stats answer while it hangs
             log.warning("replica %s/%s back in rotation", self.name, replica.name)
         replica.stats = stats
         if generation == self.generation:
@@ -393,6 +397,10 @@ class RoutedEngine:
     the consumer never sees two replicas' tokens); once the first chunk has been yielded,
     ``replica`` names the replica serving the rest and never changes; every attempt's
     engine call is cancelled when the attempt ends without the engine's final response.
+
+    A replica that timed out gets its trial from the first attempt of a request (one that
+    can still be retried if the trial times out too), or from a later one when nothing else
+    is left; the trial's first chunk closes its breaker (``breaker.py``).
     """
 
     def __init__(self, routing: Routing, route: PoolRoute) -> None:
@@ -407,10 +415,14 @@ class RoutedEngine:
         routed = RouteRequest(request_id, tuple(block_hashes(request.input_ids, tpb, salt=request.cache_salt)),
                               len(request.input_ids), request.max_new_tokens)
         wait = self._routing.config.first_response_wait(request)
+        retries = self._routing.config.retries
         tried: set[int] = set()
         attempts = 0
         while True:
             candidates = route.candidates(tried)
+            trial = route.take_trial(tried) if attempts < retries or not candidates else None
+            if trial is not None:
+                candidates = [Candidate(trial.id, trial.weight)]
             if not candidates:
                 raise EngineUnavailable(f"no healthy active replica in pool '{route.name}'")
             router = route.router
@@ -420,7 +432,8 @@ class RoutedEngine:
                 raise EngineUnavailable(str(exc)) from exc
             replica = route.replicas[decision.replica]
             self.replica = replica.name
-            router.on_dispatch(routed, decision, now=clock())
+            dispatched_at = clock()
+            router.on_dispatch(routed, decision, now=dispatched_at)
             replica.in_flight += 1
             produced = prefilled = False
             status, kv = "error", None
@@ -446,6 +459,8 @@ class RoutedEngine:
                             raise EngineTimeout(f"replica {route.name}/{replica.name} sent no token within "
                                                 f"{wait:g} s") from None
                         kv = chunk.kv
+                        if not produced:  # the replica answers: proof it serves (closes a breaker)
+                            route.mark_served(replica)
                         # The consumer sees this chunk: no retry and no deadline from here on.
                         produced, deadline = True, None
                         if chunk.token_ids and not prefilled:
@@ -453,16 +468,17 @@ class RoutedEngine:
                             router.on_prefill_done(request_id, now=clock())
                         yield chunk
                 status = "ok"
-                if replica.breaker.succeed():
-                    log.warning("replica %s/%s back in rotation (served a request)", route.name, replica.name)
                 return
             except EngineRejected:
                 status = "rejected"
                 raise
             except EngineUnavailable as exc:
-                route.mark_failed(replica)
+                if isinstance(exc, EngineTimeout):
+                    route.mark_timed_out(replica, dispatched_at)
+                else:
+                    route.mark_failed(replica)
                 tried.add(replica.id)
-                retry = not produced and attempts < self._routing.config.retries and bool(route.candidates(tried))
+                retry = not produced and attempts < retries and route.can_route(tried)
                 status = "retried" if retry else "error"
                 if not retry:
                     raise
@@ -474,6 +490,8 @@ class RoutedEngine:
                 status = "cancelled"
                 raise
             finally:
+                if trial is not None:
+                    trial.breaker.end_trial()  # no verdict (client gone, refused): the next request tries
                 router.on_complete(request_id, now=clock())
                 replica.in_flight -= 1
                 metrics = self._routing.metrics

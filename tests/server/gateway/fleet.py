@@ -51,11 +51,12 @@ class Fleet:
     salts: dict[str, str | None] = field(default_factory=dict)
 
     # Registry ---------------------------------------------------------------------------
-    def add_tenant(self, slug: str, *, isolation: str = "salted") -> str:
+    def add_tenant(self, slug: str, *, isolation: str = "salted", **limits: int) -> str:
+        """``limits``: registry limit columns (e.g. ``max_concurrent_requests=2``)."""
         now = datetime.now(UTC)
         with self.session_factory() as session:
             row = tenant.create_tenant(session, actor=ACTOR, now=now, slug=slug, display_name=slug, pool=POOL,
-                                       retention_class="chat", isolation=isolation)
+                                       retention_class="chat", isolation=isolation, **limits)
             self.salts[slug] = None if isolation == "shared" else row.cache_salt
         with self.session_factory() as session:
             created = keys.create_key(session, actor=ACTOR, now=now, tenant=slug, pepper=PEPPER, name="t")
@@ -173,8 +174,9 @@ class Fleet:
 
 
 def start_fleet(tmp: Path, bundle: ModelBundle, *, replicas_count: int = 3, gateways: int = 1,
-                settings: dict | None = None) -> Fleet:
-    """``settings``: extra gateway ``Settings`` fields (e.g. ``first_token_timeout_s``)."""
+                settings: dict | None = None, wrap=None) -> Fleet:
+    """``settings``: extra gateway ``Settings`` fields (e.g. ``first_token_timeout_s``);
+    ``wrap``: app -> the ASGI app uvicorn serves instead (a test middleware around it)."""
     engines = {f"r{i}": start_in_thread(ReferenceEngineConfig(**ENGINE), bundle) for i in range(replicas_count)}
     url = f"sqlite:///{tmp / 'registry.db'}"
     migrate.upgrade(url=url)
@@ -195,7 +197,7 @@ def start_fleet(tmp: Path, bundle: ModelBundle, *, replicas_count: int = 3, gate
         app = build_serving_app(app_settings, session_factory=factory, tokenizer_for=lambda pool: bundle.tokenizer,
                                 auth_ttl=0.2, intervals=LoopIntervals(usage_flush=0.5, last_used_flush=1.0,
                                                                       pool_poll=0.1))
-        server = GatewayServer(app, free_port())
+        server = GatewayServer(app, free_port(), asgi=None if wrap is None else wrap(app))
         server.start()
         fleet.gateways.append(server)
     return fleet

@@ -77,13 +77,14 @@ class GatewayServer:
     port: int
     server: uvicorn.Server | None = None
     thread: threading.Thread | None = None
+    asgi: object | None = None  # what uvicorn serves, when not ``app`` itself (a test wrapper around it)
 
     @property
     def base_url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
     def start(self) -> None:
-        config = uvicorn.Config(self.app, host="127.0.0.1", port=self.port, log_level="warning", lifespan="on")
+        config = uvicorn.Config(self.asgi or self.app, host="127.0.0.1", port=self.port, log_level="warning", lifespan="on")
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, daemon=True)
         self.thread.start()

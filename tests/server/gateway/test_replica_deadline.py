@@ -9,6 +9,9 @@ answering, so only the gateway's first-token deadline can notice.
 from __future__ import annotations
 
 import json
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 
 import httpx
 import pytest
@@ -43,7 +46,15 @@ def healthy(fleet):
     for name in ("r0", "r1"):
         fleet.hang(name, 0)
     fleet.wait_until(lambda: all(fleet.engine_in_flight(n) == 0 for n in ("r0", "r1")), what="engines idle")
-    fleet.wait_until(lambda: all(fleet.replica(n).breaker.closed for n in ("r0", "r1")), what="breakers closed")
+
+    def closed() -> bool:
+        # A replica that timed out comes back only through a served trial request (breaker.py):
+        # send one whenever a trial is due.
+        breakers = [fleet.replica(n).breaker for n in ("r0", "r1")]
+        if any(b.trial_due(time.monotonic()) for b in breakers):
+            fleet.chat("dl", [{"role": "user", "content": "Are you back?"}], max_tokens=2)
+        return all(b.closed for b in breakers)
+    fleet.wait_until(closed, what="breakers closed")
 
 
 def other(name: str) -> str:
@@ -117,3 +128,78 @@ def test_every_replica_hung_is_a_504_with_an_openai_error_body(fleet, stream):
                      what="hung engines freed")
     # the gateway's own request metric records an engine error, not a server error
     assert fleet.metric("kvgate_requests_total", status="engine_error") >= 1
+
+
+def test_a_hung_replica_waits_the_deadline_once_per_growing_open_period_and_returns_after_a_served_trial(fleet):
+    """Its stats keep answering, yet no probe brings it back: after the first timeout only one
+    trial request per open period goes there (open period doubling, capped), and once the
+    hang is lifted the next trial is served and the replica is back in rotation.
+
+    Round robin makes the hung replica every other request's first choice whenever it is in
+    rotation (kv-aware routing would often avoid it by chance). Client-side bound: the k-th
+    and (k+1)-th requests that waited the deadline D satisfy
+    ``end[k+1] - start[k] >= 2 D + open_period(k)``: the k-th attempt timed out no earlier
+    than ``start[k] + D``, the trial went no earlier than one open period later, and waited D.
+    """
+    deadline, open_s, max_open_s = 2.0, 1.0, 4.0
+    routing = fleet.gateways[0].app.state.gateway.routing
+    saved = routing.config
+    routing.config = replace(saved, first_token_timeout_s=deadline, breaker_open_s=open_s,
+                             breaker_max_open_s=max_open_s)
+    route = fleet.route()
+    route.config = routing.config
+    routing.use_router("round-robin")
+    retried = lambda: fleet.metric("kvgate_replica_requests_total", replica="r0", status="retried")  # noqa: E731
+    try:
+        breaker = fleet.replica("r0").breaker
+        fleet.hang("r0")
+        before = retried()
+        timed: list[tuple[float, float, str]] = []  # (start, end, replica header) per request
+        counter = iter(range(10_000))
+
+        def one() -> tuple[float, float, str]:
+            start = time.monotonic()
+            response = fleet.chat("dl", [{"role": "user", "content": f"Count to {next(counter)}."}], max_tokens=2)
+            assert response.status_code == 200, response.text
+            return start, time.monotonic(), response.headers[REPLICA]
+
+        with ThreadPoolExecutor(3) as pool:
+            bursts = 0
+            give_up = time.monotonic() + 90
+            while retried() - before < 4 and time.monotonic() < give_up:
+                if breaker.trial_due(time.monotonic()):
+                    # a trial is due: of three concurrent requests only one may go there
+                    burst = list(pool.map(lambda _: one(), range(3)))
+                    assert sum(end - start >= deadline for start, end, _ in burst) == 1, burst
+                    timed += burst
+                    bursts += 1
+                else:
+                    timed.append(one())
+        attempts = retried() - before
+        assert attempts == 4 and bursts >= 2
+        assert all(name == "r1" for _, _, name in timed)  # every answer came from the healthy one
+        slow = sorted((t for t in timed if t[1] - t[0] >= deadline), key=lambda t: t[0])
+        assert len(slow) == attempts  # each deadline waited is one attempt on the hung replica
+        assert len(timed) > 2 * attempts  # most requests never went near it
+        for k in range(1, len(slow)):
+            period = min(max_open_s, open_s * 2 ** (k - 1))
+            assert slow[k][1] - slow[k - 1][0] >= 2 * deadline + period, (k, slow)
+        # the stats probe kept answering all along, yet it is still out of rotation
+        assert not breaker.closed and breaker.suspect and fleet.replica("r0").stats is not None
+        fleet.wait_until(lambda: fleet.engine_in_flight("r0") == 0, timeout=10, what="hung engine freed")
+
+        # the hang ends: nothing reaches it before the trial is due, then the trial is served
+        fleet.hang("r0", 0)
+        served_before = served(fleet, "r0")
+        fleet.wait_until(lambda: breaker.trial_due(time.monotonic()), timeout=max_open_s + 5, what="trial due")
+        start, end, name = one()
+        assert name == "r0" and end - start < deadline and breaker.closed and not breaker.suspect
+        names = [one()[2] for _ in range(4)]
+        assert names.count("r0") == 2 and names.count("r1") == 2  # back in rotation
+        assert served(fleet, "r0") == served_before + 3
+        assert retried() - before == attempts
+    finally:
+        fleet.hang("r0", 0)
+        routing.config = saved
+        route.config = saved
+        routing.use_router(saved.router)

@@ -5,7 +5,8 @@ from __future__ import annotations
 from engines.contract import PoolStatsReport, TierStats
 from engines.kv_events import GPU, HOST, MOVED, REMOVED, STORED, KvEventLog
 from retention.routing import KvAwareRouter
-from server.gateway.replicas.routing import Breaker, report_as_pool_events, sum_reports
+from server.gateway.replicas.breaker import Breaker
+from server.gateway.replicas.routing import report_as_pool_events, sum_reports
 
 
 def test_breaker_opens_on_failure_backs_off_and_closes_on_success() -> None:
@@ -18,7 +19,7 @@ def test_breaker_opens_on_failure_backs_off_and_closes_on_success() -> None:
     for _ in range(5):
         b.fail(20.0, 0.5, 4.0)
     assert b.retry_at == 24.0  # capped
-    assert b.succeed() is True and b.closed and b.failures == 0
+    assert b.probe_ok() is True and b.closed and b.failures == 0
 
 
 def test_pool_stats_are_summed_over_replicas() -> None:
