@@ -36,7 +36,7 @@ MODEL = "smollm2-135m-instruct"
 def aiperf_executable() -> Path:
     path = Path(os.environ.get("KVGATE_AIPERF", ROOT / ".venv-aiperf" / "bin" / "aiperf"))
     if not path.exists():
-        raise FileNotFoundError(f"{path} is missing: run `make setup` (it creates .venv-aiperf) or set KVGATE_AIPERF")
+        raise FileNotFoundError(f"{path} is missing: run `make test` or `make bench` (they create .venv-aiperf) or set KVGATE_AIPERF")
     return path
 
 
