@@ -40,6 +40,17 @@ def default_tokenizer_for(pool: PoolSnapshot) -> ChatTokenizer:
                            f"no tokenizer available for engine spec '{pool.engine_spec}' of pool '{pool.name}': {exc}") from exc
 
 
+def routing_config(settings: Settings) -> RoutingConfig:
+    """The gateway's routing, deadline and breaker settings from ``KVGATE_*``."""
+    return RoutingConfig(
+        router=settings.router,
+        cost=CostModel(overlap_weight=settings.router_overlap_weight, temperature=settings.router_temperature),
+        first_token_timeout_s=settings.first_token_timeout_s,
+        answer_timeout_per_token_s=settings.answer_timeout_per_token_s,
+        breaker_open_s=settings.breaker_open_s, breaker_max_open_s=settings.breaker_max_open_s,
+    )
+
+
 def build_serving_app(settings: Settings, *, session_factory: sessionmaker[Session] | None = None,
                       tokenizer_for: Callable[[PoolSnapshot], ChatTokenizer] = default_tokenizer_for,
                       admission: Admission | None = None, registry: CollectorRegistry | None = None,
@@ -58,9 +69,6 @@ def build_serving_app(settings: Settings, *, session_factory: sessionmaker[Sessi
         pools_and_tenants=registry_pools_and_tenants(session_factory), auth_ttl=auth_ttl, intervals=intervals,
         mrc_sample_rate=settings.mrc_sample_rate,
         trace_dir=settings.trace_dir,
-        routing=routing or RoutingConfig(router=settings.router, cost=CostModel(
-            overlap_weight=settings.router_overlap_weight, temperature=settings.router_temperature),
-            first_token_timeout_s=settings.first_token_timeout_s,
-            answer_timeout_per_token_s=settings.answer_timeout_per_token_s),
+        routing=routing or routing_config(settings),
     )
     return install_gateway(app, services)

@@ -13,7 +13,7 @@ import secrets
 from pathlib import Path
 from typing import Annotated, Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from tenants.db import DEFAULT_DATABASE_URL
@@ -41,6 +41,16 @@ MIN_SECRET_LEN = 16
 # Dev mode only: a fixed pepper keeps dev keys valid across restarts. Never for production.
 DEV_KEY_PEPPER = "kvgate-dev-pepper-NOT-FOR-PRODUCTION"
 DEV_TOKEN_FILE = ".kvgate-dev-admin-token"
+
+
+def settings_errors(exc: ValidationError) -> str:
+    """One line per invalid setting, named by its environment variable (``KVGATE_<FIELD>``)."""
+    parts = []
+    for error in exc.errors():
+        field = ".".join(str(part) for part in error.get("loc", ()) if part != "__root__")
+        name = f"KVGATE_{field.upper()}" if field else "settings"
+        parts.append(f"{name}: {error.get('msg', 'invalid')}")
+    return "; ".join(parts)
 
 
 class SettingsError(ValueError):
@@ -82,6 +92,17 @@ class Settings(BaseSettings):
     # first_token_timeout_s + max_tokens * answer_timeout_per_token_s.
     first_token_timeout_s: float = Field(default=30.0, ge=0.0)
     answer_timeout_per_token_s: float = Field(default=0.5, ge=0.0)
+    # Circuit breaker (server/gateway/replicas/breaker.py): a failed or timed-out replica is out
+    # of rotation for breaker_open_s, doubling on each further failure up to breaker_max_open_s.
+    breaker_open_s: float = Field(default=0.5, gt=0.0)
+    breaker_max_open_s: float = Field(default=10.0, gt=0.0)
+
+    @model_validator(mode="after")
+    def _breaker_bounds(self) -> "Settings":
+        if self.breaker_max_open_s < self.breaker_open_s:
+            raise ValueError(f"breaker_max_open_s ({self.breaker_max_open_s}) must be >= breaker_open_s "
+                             f"({self.breaker_open_s})")
+        return self
 
     @field_validator("admin_tokens", mode="before")
     @classmethod

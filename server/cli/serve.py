@@ -68,7 +68,9 @@ def register(app: typer.Typer) -> None:
         """Serve the gateway (/v1) and the admin API (/admin/v1)."""
         import uvicorn
 
-        from server.settings import DEV_TOKEN_FILE, Settings, SettingsError, with_dev_admin_token
+        from pydantic import ValidationError
+
+        from server.settings import DEV_TOKEN_FILE, Settings, SettingsError, settings_errors, with_dev_admin_token
         from tenants import migrate as migrations
 
         overrides: dict[str, object] = {}
@@ -78,7 +80,11 @@ def register(app: typer.Typer) -> None:
             overrides["port"] = port
         if dev:
             overrides["dev"] = True
-        settings = Settings(**overrides)  # type: ignore[arg-type]
+        try:
+            settings = Settings(**overrides)  # type: ignore[arg-type]
+        except ValidationError as exc:
+            typer.echo(f"kvgate serve: refusing to start: {settings_errors(exc)}", err=True)
+            raise typer.Exit(2) from None
         token_file = Path(DEV_TOKEN_FILE)
         settings, dev_token = with_dev_admin_token(settings, token_file=token_file)
         try:

@@ -87,6 +87,29 @@ def test_serve_refuses_placeholder_secrets(run, monkeypatch) -> None:  # type: i
     assert "refusing to start" in result.output
 
 
+@pytest.mark.parametrize("env,named", [
+    ({"KVGATE_FIRST_TOKEN_TIMEOUT_S": "-1"}, "KVGATE_FIRST_TOKEN_TIMEOUT_S"),
+    ({"KVGATE_BREAKER_OPEN_S": "2", "KVGATE_BREAKER_MAX_OPEN_S": "1"}, "breaker_max_open_s (1.0) must be >= breaker_open_s (2.0)"),
+])
+def test_serve_names_an_invalid_setting_instead_of_a_traceback(run, monkeypatch, env, named) -> None:  # type: ignore[no-untyped-def]
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    result = run("serve", "--no-migrate", code=2)
+    assert "refusing to start" in result.output and named in result.output
+    assert "Traceback" not in result.output
+
+
+def test_breaker_settings_reach_the_routing_config(monkeypatch) -> None:
+    from server.serving import routing_config
+    from server.settings import Settings
+
+    monkeypatch.setenv("KVGATE_BREAKER_OPEN_S", "1.5")
+    monkeypatch.setenv("KVGATE_BREAKER_MAX_OPEN_S", "30")
+    monkeypatch.setenv("KVGATE_FIRST_TOKEN_TIMEOUT_S", "7")
+    config = routing_config(Settings())
+    assert (config.breaker_open_s, config.breaker_max_open_s, config.first_token_timeout_s) == (1.5, 30.0, 7.0)
+
+
 def test_replicas_commands(run) -> None:  # type: ignore[no-untyped-def]
     run("db", "upgrade")
     replicas = '[{"name": "r0", "endpoint": "engine-0:8001"}]'
