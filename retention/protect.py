@@ -44,7 +44,11 @@ With a host tier the duration would be cleared on offload (the band pinned in ho
 for good), which is why the selector offers this candidate in GPU-only pools only.
 
 Bounds: ``max_blocks`` remembered hashes and ``max_conversations`` conversations (oldest
-forgotten first), a fixed gap reservoir; O(blocks) dict work per request.
+forgotten first), a fixed gap reservoir; O(blocks) dict work per request. Measured with
+tracemalloc at both caps full (400 k hashes, 60 k conversations): 88 MB, about 220 bytes per
+remembered hash — per GPU-only pool in the gateway. Lower ``max_blocks`` for small pools:
+on the chat families a cap of 8 × the pool's GPU blocks planned the same (hit rates equal
+to 0.3 points at 1 and 2 % GPU).
 """
 
 from __future__ import annotations
