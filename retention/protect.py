@@ -44,11 +44,12 @@ With a host tier the duration would be cleared on offload (the band pinned in ho
 for good), which is why the selector offers this candidate in GPU-only pools only.
 
 Bounds: ``max_blocks`` remembered hashes and ``max_conversations`` conversations (oldest
-forgotten first), a fixed gap reservoir; O(blocks) dict work per request. Measured with
-tracemalloc at both caps full (400 k hashes, 60 k conversations): 88 MB, about 220 bytes per
-remembered hash — per GPU-only pool in the gateway. Lower ``max_blocks`` for small pools:
-on the chat families a cap of 8 × the pool's GPU blocks planned the same (hit rates equal
-to 0.3 points at 1 and 2 % GPU).
+forgotten first), a fixed gap reservoir; O(blocks) dict work per request. By default both
+scale with the pool (``ProtectConfig.caps``): 8 × its GPU blocks of hashes (4,096 to 400 k)
+and 2 × its GPU blocks of conversations (1,024 to 100 k) — a block forgotten after 8 pool
+turnovers is long gone from the GPU, and on the chat families a cap of 8 × planned the same
+as 400 k (hit rates equal within 0.3 points at 1 and 2 % GPU). Measured with tracemalloc at
+400 k hashes and 60 k conversations: 88 MB, about 220 bytes per remembered hash.
 """
 
 from __future__ import annotations
@@ -69,8 +70,8 @@ class ProtectConfig:
     live_quantile: float = 0.5  # a conversation is live this long after its last request (of revisit gaps)
     min_live_s: float = 1.0
     max_live_s: float = 3_600.0
-    max_blocks: int = 400_000  # remembered block hashes
-    max_conversations: int = 100_000
+    max_blocks: int | None = None  # remembered block hashes; None: scaled to the pool (caps())
+    max_conversations: int | None = None  # None: scaled to the pool (caps())
     reservoir: int = 512  # revisit gaps kept for the live window
 
     def __post_init__(self) -> None:
@@ -78,8 +79,16 @@ class ProtectConfig:
             raise ValueError("share and live_quantile must be within (0, 1]")
         if not 0.0 <= self.min_live_s <= self.max_live_s:
             raise ValueError("need 0 <= min_live_s <= max_live_s")
-        if self.max_blocks < 1 or self.max_conversations < 1 or self.reservoir < 1:
+        if (self.max_blocks is not None and self.max_blocks < 1) or (
+                self.max_conversations is not None and self.max_conversations < 1) or self.reservoir < 1:
             raise ValueError("max_blocks, max_conversations and reservoir must be >= 1")
+
+    def caps(self, primary_blocks: int) -> tuple[int, int]:
+        """(remembered hashes, conversations) for a pool of ``primary_blocks`` GPU blocks."""
+        blocks = self.max_blocks if self.max_blocks is not None else min(400_000, max(4_096, 8 * primary_blocks))
+        convs = (self.max_conversations if self.max_conversations is not None
+                 else min(100_000, max(1_024, 2 * primary_blocks)))
+        return blocks, convs
 
 
 _NO_CHILD = -1
@@ -115,6 +124,11 @@ class ConversationTracker:
     _gaps: list[float] = field(default_factory=list)
     _gap_count: int = 0
     _live_s: float | None = None  # cached quantile; refreshed every LIVE_REFRESH gaps
+    _max_blocks: int = field(init=False, default=0)
+    _max_conversations: int = field(init=False, default=0)
+
+    def __post_init__(self) -> None:
+        self._max_blocks, self._max_conversations = self.config.caps(self.primary_blocks)
 
     def live_s(self) -> float:
         """The live window: the ``live_quantile`` of the measured revisit gaps (``max_live_s`` before any)."""
@@ -174,7 +188,7 @@ class ConversationTracker:
         conv = convs.get(key)
         if conv is None:
             conv = convs[key] = _Conversation(now, 0)
-            if len(convs) > self.config.max_conversations:
+            if len(convs) > self._max_conversations:
                 old_key, old = convs.popitem(last=False)
                 if self._live.pop(old_key, None) is not None:
                     self.footprint -= old.blocks
@@ -214,7 +228,7 @@ class ConversationTracker:
                     node.child = nxt
                 elif node.child != nxt:
                     node.shared = True
-        while len(nodes) > self.config.max_blocks:
+        while len(nodes) > self._max_blocks:
             nodes.popitem(last=False)
 
     def _record_gap(self, gap: float, salt: int) -> None:

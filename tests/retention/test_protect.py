@@ -92,3 +92,12 @@ def test_config_is_validated() -> None:
         ProtectConfig(share=0.0)
     with pytest.raises(ValueError):
         ProtectConfig(min_live_s=10.0, max_live_s=1.0)
+
+
+def test_memory_caps_scale_with_the_pool_unless_set() -> None:
+    assert ProtectConfig().caps(100) == (4_096, 1_024)
+    assert ProtectConfig().caps(10_000) == (80_000, 20_000)
+    assert ProtectConfig().caps(1_000_000) == (400_000, 100_000)
+    assert ProtectConfig(max_blocks=7, max_conversations=3).caps(10_000) == (7, 3)
+    with pytest.raises(ValueError):
+        ProtectConfig(max_blocks=0)
