@@ -57,6 +57,19 @@ from retention.types import MAX_PRIORITY, RetentionPlan, merged_ranges
 BUCKETS = 4  # use-count buckets: 1, 2, 3, 4+
 
 
+def reservoir_add(reservoir: list[float], value: float, *, count: int, salt: int, size: int) -> None:
+    """Reservoir sampling (``count`` = values seen so far, this one included) with a deterministic slot.
+
+    No RNG state, so runs are reproducible; ``salt`` (e.g. the block hash) spreads the slots.
+    """
+    if len(reservoir) < size:
+        reservoir.append(value)
+        return
+    slot = (salt ^ (count * 0x9E3779B1)) % count
+    if slot < size:
+        reservoir[slot] = value
+
+
 @dataclass(frozen=True, slots=True)
 class AdaptiveConfig:
     max_entries: int = 200_000  # per tenant
@@ -207,14 +220,8 @@ class ReuseStats:
                 first.shape = shape
 
     def _record_gap(self, stats: TenantReuse, gap: float, salt: int) -> None:
-        """Reservoir sampling with a deterministic index (no RNG state: reproducible runs)."""
         stats.gap_count += 1
-        if len(stats.gaps) < self.config.reservoir:
-            stats.gaps.append(gap)
-            return
-        slot = (salt ^ (stats.gap_count * 0x9E3779B1)) % stats.gap_count
-        if slot < self.config.reservoir:
-            stats.gaps[slot] = gap
+        reservoir_add(stats.gaps, gap, count=stats.gap_count, salt=salt, size=self.config.reservoir)
 
     def num_entries(self) -> int:
         return sum(len(t.entries) for t in self._tenants.values())

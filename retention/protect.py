@@ -58,6 +58,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from retention.adaptive import reservoir_add
 from retention.types import DEFAULT_PRIORITY, MAX_PRIORITY, RetentionPlan, merged_ranges
 
 PROTECTED_PRIORITY = 45
@@ -236,12 +237,7 @@ class ConversationTracker:
         self._gap_count += 1
         if self._gap_count % LIVE_REFRESH == 1 or self._gap_count <= LIVE_REFRESH:
             self._live_s = None  # sorting the reservoir on every request would dominate the cost
-        if len(self._gaps) < self.config.reservoir:
-            self._gaps.append(gap)
-            return
-        slot = (salt ^ (self._gap_count * 0x9E3779B1)) % self._gap_count
-        if slot < self.config.reservoir:
-            self._gaps[slot] = gap
+        reservoir_add(self._gaps, gap, count=self._gap_count, salt=salt, size=self.config.reservoir)
 
 
 def protect_priorities(offload_min_priority: int) -> tuple[int, int]:

@@ -12,6 +12,17 @@ ENGINE_ARGS = ["--tokens-per-block", str(TOKENS_PER_BLOCK), "--primary-blocks", 
 
 
 @pytest.fixture(scope="session")
+def bundle():
+    """The reference model, loaded once for the in-process engine fleets (tests/server/gateway/fleet.py)."""
+    import torch
+
+    from engines.reference.loader import load_model
+
+    torch.set_num_threads(1)
+    return load_model()
+
+
+@pytest.fixture(scope="session")
 def stack(tmp_path_factory) -> Stack:
     built = build_stack(tmp_path_factory.mktemp("stack"), engine_args=ENGINE_ARGS, tokens_per_block=TOKENS_PER_BLOCK,
                         primary=256, secondary=512,

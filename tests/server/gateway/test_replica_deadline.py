@@ -15,19 +15,11 @@ from dataclasses import replace
 
 import httpx
 import pytest
-import torch
 
-from engines.reference.loader import load_model
 from tests.server.gateway.fleet import start_fleet
 
 REPLICA = "x-kvgate-replica"
 DEADLINE_S = 3.0  # first_token_timeout_s: far above a healthy first token here, short enough for a test
-
-
-@pytest.fixture(scope="module")
-def bundle():
-    torch.set_num_threads(1)
-    return load_model()
 
 
 @pytest.fixture(scope="module")

@@ -12,18 +12,10 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
-import torch
 
-from engines.reference.loader import load_model
 from tests.server.gateway.fleet import start_fleet
 
 REPLICA = "x-kvgate-replica"
-
-
-@pytest.fixture(scope="module")
-def bundle():
-    torch.set_num_threads(1)
-    return load_model()
 
 
 @pytest.fixture(scope="module")

@@ -18,9 +18,7 @@ import socket
 import time
 
 import pytest
-import torch
 
-from engines.reference.loader import load_model
 from tests.server.gateway.fleet import MODEL, start_fleet
 
 LIMIT = 2  # the tenant's max_concurrent_requests
@@ -50,9 +48,8 @@ class Asgi24:
 
 
 @pytest.fixture(scope="module")
-def fleet(tmp_path_factory):
-    torch.set_num_threads(1)
-    built = start_fleet(tmp_path_factory.mktemp("disconnect"), load_model(), replicas_count=1,
+def fleet(tmp_path_factory, bundle):
+    built = start_fleet(tmp_path_factory.mktemp("disconnect"), bundle, replicas_count=1,
                         settings={"first_token_timeout_s": 30.0}, wrap=Asgi24)
     built.add_tenant("gone", max_concurrent_requests=LIMIT)
     yield built
