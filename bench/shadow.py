@@ -138,7 +138,7 @@ def accuracy(requests, hashes, distinct: int, *, scaled_copies: int) -> str:  # 
             if verdict else "every slice is within 2 points; "
         ) + (f"{', '.join(f'{r:.0%}' for r in ok)} meet 2 points in every slice and setting. " if ok else "")
         + f"The stated interval (estimate ± 2 standard errors) holds the full replay in {covered} of {cases} cases,",
-        "and at 1 % it is ±3–5 points wide: the trace has only 44 k distinct blocks, so a 1 % slice holds ~440",
+        "and at 1 % it grows with capacity to ±5 points: the trace has only 44 k distinct blocks, so a 1 % slice holds ~440",
         "of them (4–44 shadow GPU blocks), and which hot blocks fall in it moves the estimate by points. The",
         "error shrinks with the number of sampled distinct blocks, not with the rate; see the scaled run below.",
     ]
