@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import secrets
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -21,7 +21,7 @@ import httpx
 from engines.reference.config import ReferenceEngineConfig
 from engines.reference.loader import ModelBundle
 from retention.hashing import block_hashes
-from retention.routing import RouteRequest
+from retention.routing import ReplicaLoad, RouteRequest
 from server.gateway.api.prompting import ChatPrompter
 from server.gateway.replicas.routing import PoolRoute, Replica
 from server.gateway.services import LoopIntervals
@@ -148,12 +148,19 @@ class Fleet:
                 raise TimeoutError(f"{what} not reached")
             time.sleep(0.05)
 
-    def decide(self, slug: str, messages: list[dict], *, gateway: int = 0) -> str:
-        """The replica this gateway's router would choose now for this prompt (no dispatch)."""
+    def decide(self, slug: str, messages: list[dict], *, gateway: int = 0, idle: bool = False) -> str:
+        """The replica this gateway's router would choose now for this prompt (no dispatch).
+
+        ``idle``: every candidate's load given as zero, so the choice rests on the block
+        index and the tie-break alone (each gateway's load is its own dispatch history).
+        """
         route = self.route(gateway)
         hashes = self.prompt_hashes(slug, messages)
+        candidates = route.candidates(set())
+        if idle:
+            candidates = [replace(c, load=ReplicaLoad(0, 0, 0, 0.0)) for c in candidates]
         decision = route.router.route(RouteRequest("probe", hashes, max(1, len(hashes) * TPB), 4),
-                                      route.candidates(set()), now=0.0)
+                                      candidates, now=0.0)
         return route.replicas[decision.replica].name
 
     def metric(self, name: str, gateway: int = 0, **labels: str) -> float:

@@ -93,11 +93,13 @@ def test_two_gateways_fed_the_same_events_converge(fleet):
         r2 = fleet.chat("twins", second, gateway=1)  # the other gateway
         assert r2.headers[REPLICA] == r1.headers[REPLICA]
         probes += [second, opening(f"observatory {i}", "Is the dome open?"), opening(f"cold {i}", "Hello?")]
-    # both gateways hold the same indexes, so they choose alike, for warm and cold prompts
+    # both gateways hold the same indexes, so, load aside (each gateway's load is its own
+    # dispatch history), they choose alike, for warm and cold prompts
     fleet.wait_until(lambda: all(fleet.holders(fleet.prompt_hashes("twins", p), gateway=0)
                                  == fleet.holders(fleet.prompt_hashes("twins", p), gateway=1) for p in probes),
                      what="indexes converged")
-    assert [fleet.decide("twins", p, gateway=0) for p in probes] == [fleet.decide("twins", p, gateway=1) for p in probes]
+    assert ([fleet.decide("twins", p, gateway=0, idle=True) for p in probes]
+            == [fleet.decide("twins", p, gateway=1, idle=True) for p in probes])
 
 
 def test_a_loaded_replica_is_avoided_when_the_cost_says_so(fleet):
