@@ -25,8 +25,10 @@ def system_prompt(nonce: str) -> str:
             "Capitals are cities; countries are not. Prefer the commonly used English name of every place.")
 
 
-def metric(stack: Stack, name: str, **labels: str) -> float:
-    text = httpx.get(stack.gateway.base_url + "/metrics").text
+def metric(stack: Stack, name: str, *, scrape: str | None = None, **labels: str) -> float:
+    """Sum of the samples of `name` matching `labels`, from `scrape` (one /metrics body, so
+    several figures read from it are one snapshot) or from a new scrape."""
+    text = scrape if scrape is not None else httpx.get(stack.gateway.base_url + "/metrics").text
     total = 0.0
     for line in text.splitlines():
         if not line.startswith(name + "{"):
