@@ -40,8 +40,8 @@ from engines.capacity.arithmetic import PlanInputs, plan  # noqa: E402
 from engines.capacity.hardware import GIB, Hardware, load_gpu  # noqa: E402
 from engines.capacity.shapes import load_shape  # noqa: E402
 from retention.workloads.rag_chat import RagChatSpec, rag_chat_trace  # noqa: E402
-from retention.sim_policies import ClassMapping, make_policy  # noqa: E402
-from retention.simulator import SimConfig, run_simulation  # noqa: E402
+from retention.simulation.sim_policies import ClassMapping, make_policy  # noqa: E402
+from retention.simulation.simulator import SimConfig, run_simulation  # noqa: E402
 from retention.trace import parse_trace  # noqa: E402
 
 MODEL, GPU, GPUS, TP, HOST_PER_REPLICA = "qwen2.5-72b", "h200-141gb", 8, 8, 256 * GIB

@@ -25,10 +25,10 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench.report import machine, write_section  # noqa: E402
-from retention.cluster_sim import ClusterConfig, ClusterReport, compare_routers  # noqa: E402
+from retention.simulation.cluster_sim import ClusterConfig, ClusterReport, compare_routers  # noqa: E402
 from retention.routing import CostModel  # noqa: E402
-from retention.sim_policies import make_policy  # noqa: E402
-from retention.simulator import SimConfig  # noqa: E402
+from retention.simulation.sim_policies import make_policy  # noqa: E402
+from retention.simulation.simulator import SimConfig  # noqa: E402
 from retention.trace import distinct_blocks, parse_trace  # noqa: E402
 from retention.workloads import NoisyNeighbourSpec, noisy_neighbour_trace  # noqa: E402
 
@@ -143,7 +143,7 @@ def main() -> None:
     lines = [
         "## Routing simulator (bench/routing_sim.py)",
         "",
-        f"`kvgate simulate --replicas {REPLICAS} --router …` model (`retention/cluster_sim.py`): each replica is its",
+        f"`kvgate simulate --replicas {REPLICAS} --router …` model (`retention/simulation/cluster_sim.py`): each replica is its",
         "own block pool, the router is the gateway's code (`retention/routing/`), kv-aware's precise index is fed",
         "from each pool's KV events. `--hold tokens` (blocks held for (prompt − cached) / 8,000 tok/s + output /",
         "40 tok/s, FIFO per replica). Ceiling = one pool with 4× the GPU and host blocks. Load imbalance = max /",

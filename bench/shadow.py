@@ -36,8 +36,8 @@ from retention.planner import RetentionClassSpec, SegmentRetention, Segments, pl
 from retention.selection import AdaptiveSelector  # noqa: E402
 from retention.shadow import HashSample, MissRatioCurve, ShadowPool  # noqa: E402
 from retention.shadow.duel import DuelConfig  # noqa: E402
-from retention.sim_policies import make_policy  # noqa: E402
-from retention.simulator import SimConfig, request_hashes, simulate  # noqa: E402
+from retention.simulation.sim_policies import make_policy  # noqa: E402
+from retention.simulation.simulator import SimConfig, request_hashes, simulate  # noqa: E402
 from retention.trace import distinct_blocks, parse_trace  # noqa: E402
 
 from bench.generalize import TRACE  # noqa: E402

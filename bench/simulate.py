@@ -9,7 +9,7 @@ the same figures (the only wall-clock figure is the replay speed).
 1. ``mooncake_synthetic_trace.jsonl`` at GPU capacities of 1, 2, 5, 10 % of its distinct
    blocks, without a host tier (``lru``, ``adaptive``) and with a host tier of 4× the GPU
    capacity (``trtllm-default``, ``adaptive``); Belady at the GPU capacity and at GPU + host.
-   Oracle reference policies (``retention/oracle.py``: priority bands from perfect knowledge
+   Oracle reference policies (``retention/simulation/oracle.py``: priority bands from perfect knowledge
    of each block's next use, or of its number of uses in the next W seconds, through the
    same pool) at every capacity, GPU only.
 2. The noisy neighbour (``retention/workloads/noisy.py``): a premium tenant's hit rate alone,
@@ -29,9 +29,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench.report import machine, write_section  # noqa: E402
-from retention.oracle import oracle_factories  # noqa: E402
-from retention.sim_policies import ClassMapping, make_policy  # noqa: E402
-from retention.simulator import SimConfig, run_simulation, simulate  # noqa: E402
+from retention.simulation.oracle import oracle_factories  # noqa: E402
+from retention.simulation.sim_policies import ClassMapping, make_policy  # noqa: E402
+from retention.simulation.simulator import SimConfig, run_simulation, simulate  # noqa: E402
 from retention.trace import distinct_blocks, parse_trace  # noqa: E402
 from retention.workloads import NoisyNeighbourSpec, noisy_neighbour_trace  # noqa: E402
 
@@ -102,7 +102,7 @@ def mooncake_section(requests, distinct: int) -> tuple[str, list]:
     within = [f"oracle-reuse-within-{t:g}s" for t in HORIZONS_S]
     lines += [
         "",
-        "Oracle reference policies (GPU only, offline; `retention/oracle.py`): the same pool and",
+        "Oracle reference policies (GPU only, offline; `retention/simulation/oracle.py`): the same pool and",
         "mechanism as `adaptive` — predict reuse, set a priority band, LRU inside the band — but the",
         "prediction is *perfect*, read from the whole trace: `oracle-reuse` keeps blocks that will",
         "ever be used again, `within T` those used again within T seconds, `oracle-next-use` bands",

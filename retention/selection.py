@@ -123,7 +123,7 @@ class AdaptiveSelectPolicy:
     the shadows must see it once.
     """
 
-    static: object  # a SimPolicy (retention.sim_policies); typed loosely to avoid an import cycle
+    static: object  # a SimPolicy (retention.simulation.sim_policies); typed loosely to avoid an import cycle
     adaptive: AdaptiveConfig = AdaptiveConfig()
     duel_config: DuelConfig = DuelConfig()
     names: tuple[str, ...] | None = None  # None: default_candidates of the replayed pool

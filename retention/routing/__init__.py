@@ -4,7 +4,7 @@
 indexes: precise from KV events, approximate from routing decisions), ``load``
 (in-flight load per replica), ``cost`` (expected prefill after reuse + load, softmax
 choice) and ``router`` (one interface: random, round-robin, session, kv-aware). Callers:
-the gateway (``server/gateway/replicas/routing.py``) and ``retention/cluster_sim.py``. See
+the gateway (``server/gateway/replicas/routing.py``) and ``retention/simulation/cluster_sim.py``. See
 docs/architecture.md, "Routing".
 """
 

@@ -2,7 +2,7 @@
 
 Shared by every router (``router.py``), the indexes (``index.py``), the load tracker
 (``load.py``) and the cost (``cost.py``), and by the two callers: the gateway
-(``server/gateway/replicas/routing.py``) and the cluster simulator (``retention/cluster_sim.py``).
+(``server/gateway/replicas/routing.py``) and the cluster simulator (``retention/simulation/cluster_sim.py``).
 
 Replicas are named by the registry's integer id (``ReplicaSnapshot.id``): ids are stable
 across gateway replicas, so ties broken by id (or by a hash of request and id) come out

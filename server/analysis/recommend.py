@@ -88,8 +88,8 @@ def host_curve(path: Path, *, block_size: int, gpu: str = "2%", multiples: Seque
     ``gpu``: blocks (``"878"``) or a share of the replayed requests' distinct blocks
     (``"2%"``). Replays the first ``max_requests`` lines of the file (None = all).
     """
-    from retention.sim_policies import make_policy
-    from retention.simulator import SimConfig, request_hashes, simulate
+    from retention.simulation.sim_policies import make_policy
+    from retention.simulation.simulator import SimConfig, request_hashes, simulate
     from retention.trace import distinct_blocks, parse_trace
 
     with path.open(encoding="utf-8") as handle:

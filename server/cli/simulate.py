@@ -10,10 +10,10 @@ Examples::
 
 Capacities are GPU blocks (``439``) or a percentage of the trace's distinct blocks
 (``1%``); ``--host`` is host blocks (``1756``), a multiple of the GPU capacity (``4x``)
-or ``0``. The simulation itself lives in ``retention/simulator.py`` (pure); this module
+or ``0``. The simulation itself lives in ``retention/simulation/simulator.py`` (pure); this module
 only reads files, draws tables, the progress bar and the plot. With ``--replicas N`` the
 trace is replayed over N pools (each of the given capacity) behind each ``--router``
-(``retention/cluster_sim.py``, ``server/cli/simulate_replicas.py``), next to the ceiling of
+(``retention/simulation/cluster_sim.py``, ``server/cli/simulate_replicas.py``), next to the ceiling of
 one pool with N× the capacity.
 """
 
@@ -104,9 +104,9 @@ def register(app: typer.Typer) -> None:
         seed: Annotated[int, typer.Option("--seed", help="random source of the random router and of softmax sampling")] = 0,
     ) -> None:
         """Replay a trace through the block pool and planner; compare policies against Belady."""
-        from retention.oracle import is_oracle_name, oracle_factories, parse_oracle_name
-        from retention.sim_policies import ClassMapping, ClassMappingError, make_policy
-        from retention.simulator import SimConfig, run_simulation
+        from retention.simulation.oracle import is_oracle_name, oracle_factories, parse_oracle_name
+        from retention.simulation.sim_policies import ClassMapping, ClassMappingError, make_policy
+        from retention.simulation.simulator import SimConfig, run_simulation
         from retention.trace import TraceError, distinct_blocks, parse_trace, trace_block_size
 
         try:

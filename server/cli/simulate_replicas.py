@@ -4,7 +4,7 @@ Parsing of the routing options (exit code 2 on bad input, through ``simulate``'s
 handling) and the report: per GPU capacity and policy, one row per router — hit rate by
 tier, share of the ceiling (one pool with N× the capacity), load imbalance (max / mean
 prefill tokens computed per replica), requests per replica. The replay itself is
-``retention/cluster_sim.py`` (pure), whose ``kv-aware`` runs the gateway's router code.
+``retention/simulation/cluster_sim.py`` (pure), whose ``kv-aware`` runs the gateway's router code.
 """
 
 from __future__ import annotations
@@ -15,9 +15,9 @@ from collections.abc import Callable, Sequence
 
 import typer
 
-from retention.cluster_sim import ClusterConfig, ClusterReport, compare_routers
+from retention.simulation.cluster_sim import ClusterConfig, ClusterReport, compare_routers
 from retention.routing import ROUTER_NAMES, CostModel, RoutingError
-from retention.simulator import SimConfig
+from retention.simulation.simulator import SimConfig
 from retention.trace import TraceRequest
 from server.cli.simulate import CliError
 
@@ -81,7 +81,7 @@ def run_replicas(
     distinct: int,
 ) -> None:
     """Replay, then print tables or JSON."""
-    from retention.sim_policies import make_policy
+    from retention.simulation.sim_policies import make_policy
 
     reports: list[tuple[int, str, ClusterReport]] = []
     steps = len(capacities) * len(policies) * (len(clusters) + 1) * len(requests)

@@ -6,8 +6,8 @@ import pytest
 
 from retention.adaptive import AdaptiveConfig, ReuseStats, adaptive_plan, priority_for
 from retention.hashing import block_hashes
-from retention.sim_policies import make_policy
-from retention.simulator import simulate
+from retention.simulation.sim_policies import make_policy
+from retention.simulation.simulator import simulate
 from retention.trace import parse_trace
 from retention.workloads import NoisyNeighbourSpec, noisy_neighbour_trace
 
@@ -84,7 +84,7 @@ def test_noisy_neighbour_premium_survives_with_adaptive_and_classes() -> None:
     mixed = parse_trace([json.dumps(x) for x in noisy_neighbour_trace(spec, seed=3)], block_size=B)
     solo = parse_trace([json.dumps(x) for x in noisy_neighbour_trace(spec, seed=3, include_noisy=False)], block_size=B)
     assert {r.tenant for r in mixed} == {"premium", "noisy"} and {r.tenant for r in solo} == {"premium"}
-    from retention.simulator import SimConfig
+    from retention.simulation.simulator import SimConfig
 
     cfg = SimConfig(tokens_per_block=B, trace_block_size=B)
     alone = simulate(solo, make_policy("lru"), primary_blocks=96, secondary_blocks=0, config=cfg).tenants["premium"]

@@ -8,7 +8,7 @@ from itertools import combinations
 
 import pytest
 
-from retention.belady import ChainRequest, belady, chain_request
+from retention.simulation.belady import ChainRequest, belady, chain_request
 
 B = 4
 

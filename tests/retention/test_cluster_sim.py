@@ -6,10 +6,10 @@ import json
 
 import pytest
 
-from retention.cluster_sim import ClusterConfig, compare_routers, simulate_cluster
+from retention.simulation.cluster_sim import ClusterConfig, compare_routers, simulate_cluster
 from retention.routing import CostModel
-from retention.sim_policies import make_policy
-from retention.simulator import SimConfig, simulate
+from retention.simulation.sim_policies import make_policy
+from retention.simulation.simulator import SimConfig, simulate
 from retention.trace import parse_trace
 from retention.workloads import NoisyNeighbourSpec, noisy_neighbour_trace
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from retention.oracle import (
+from retention.simulation.oracle import (
     DROP,
     KEEP,
     future_use_counts,
@@ -18,8 +18,8 @@ from retention.oracle import (
     oracle_reuse_within,
     parse_oracle_name,
 )
-from retention.sim_policies import make_policy
-from retention.simulator import SimConfig, simulate
+from retention.simulation.sim_policies import make_policy
+from retention.simulation.simulator import SimConfig, simulate
 from retention.trace import TraceRequest, distinct_blocks, parse_trace
 
 TRACE = Path("/work/shared/traces/mooncake_synthetic_trace.jsonl")

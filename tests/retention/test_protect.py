@@ -7,8 +7,8 @@ import json
 import pytest
 
 from retention.protect import ConversationTracker, ProtectConfig, ProtectPolicy, protect_plan, protect_priorities
-from retention.sim_policies import make_policy
-from retention.simulator import SimConfig, simulate
+from retention.simulation.sim_policies import make_policy
+from retention.simulation.simulator import SimConfig, simulate
 from retention.trace import parse_trace
 from retention.workloads import ChatSpec, chat_trace
 

@@ -9,8 +9,8 @@ import pytest
 from retention.adaptive import AdaptiveConfig, priority_for
 from retention.pool import BlockPool, PoolConfig
 from retention.selection import AdaptiveSelectPolicy, AdaptiveSelector
-from retention.sim_policies import ClassMapping, make_policy
-from retention.simulator import SimConfig, simulate
+from retention.simulation.sim_policies import ClassMapping, make_policy
+from retention.simulation.simulator import SimConfig, simulate
 from retention.trace import parse_trace
 from retention.types import DEFAULT_PLAN
 from retention.workloads import ChatSpec, NoisyNeighbourSpec, chat_trace, noisy_neighbour_trace, phased

@@ -9,8 +9,8 @@ import pytest
 
 from retention.hashing import block_hashes
 from retention.shadow import HashSample, MissRatioCurve, ShadowPool
-from retention.sim_policies import make_policy
-from retention.simulator import SimConfig, request_hashes, simulate
+from retention.simulation.sim_policies import make_policy
+from retention.simulation.simulator import SimConfig, request_hashes, simulate
 from retention.trace import distinct_blocks, parse_trace
 from retention.types import RetentionPlan, TokenRange
 from retention.workloads import ChatSpec, chat_trace

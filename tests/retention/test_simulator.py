@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from retention.sim_policies import ClassMapping, ClassMappingError, make_policy
-from retention.simulator import SimConfig, run_simulation, simulate
+from retention.simulation.sim_policies import ClassMapping, ClassMappingError, make_policy
+from retention.simulation.simulator import SimConfig, run_simulation, simulate
 from retention.trace import TraceError, TraceRequest, distinct_blocks, parse_trace, request_tokens
 
 TRACE = Path("/work/shared/traces/mooncake_synthetic_trace.jsonl")

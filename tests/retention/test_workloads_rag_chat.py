@@ -8,8 +8,8 @@ from collections import Counter
 import pytest
 
 from retention.workloads.rag_chat import RagChatSpec, rag_chat_trace
-from retention.sim_policies import make_policy
-from retention.simulator import SimConfig, simulate
+from retention.simulation.sim_policies import make_policy
+from retention.simulation.simulator import SimConfig, simulate
 from retention.trace import parse_trace
 
 

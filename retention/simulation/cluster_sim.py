@@ -8,7 +8,7 @@ offloads, onboards and evictions as they happen), or *approximate* from its own 
 
 ``--hold none``: every request is allocated and released at its arrival (no load; the
 router still sees its indexes). ``--hold tokens``: per replica the single-pool model of
-``retention/simulator.py`` — FIFO admission, blocks held for ``(prompt − cached) /
+``retention/simulation/simulator.py`` — FIFO admission, blocks held for ``(prompt − cached) /
 prefill_tps + output / decode_tps`` — with one event clock across replicas::
 
     arrival ─► route ─► on_dispatch ─► replica's FIFO ─► allocate ─► prefill done
@@ -21,7 +21,7 @@ full replica makes requests wait) — the contention ``--hold tokens`` models.
 Reported: token hit rate per tier (totals and per tenant, as :class:`PolicyResult`), per
 replica requests / prompt tokens / computed prefill tokens, and the load imbalance
 ``max / mean`` of computed prefill tokens per replica. The ceiling (one pool with N× the
-capacity) is ``retention.simulator.simulate`` at N× the blocks.
+capacity) is ``retention.simulation.simulator.simulate`` at N× the blocks.
 """
 
 from __future__ import annotations
@@ -43,8 +43,8 @@ from retention.routing import (
     approximate_indexes,
     make_router,
 )
-from retention.sim_policies import SimPolicy
-from retention.simulator import PolicyResult, SimConfig, TenantResult, admit_request, record_outcome, request_hashes
+from retention.simulation.sim_policies import SimPolicy
+from retention.simulation.simulator import PolicyResult, SimConfig, TenantResult, admit_request, record_outcome, request_hashes
 from retention.trace import TraceRequest
 
 IndexMode = Literal["precise", "approximate"]
@@ -321,7 +321,7 @@ def compare_routers(
 
     ``labels`` name the results (default: the router names, which must then be distinct).
     """
-    from retention.simulator import simulate  # the single-pool replay, for the ceiling
+    from retention.simulation.simulator import simulate  # the single-pool replay, for the ceiling
 
     if not routers:
         raise ValueError("at least one router configuration is needed")

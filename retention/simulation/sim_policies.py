@@ -21,7 +21,7 @@ shaped for it (host tier or not, offload threshold). Built-ins:
 * plug-ins passed to :func:`make_policy` in a ``registry``.
 
 Offline reference policies that need the whole request list (``oracle-reuse``,
-``oracle-reuse-within-<T>s``, ``oracle-next-use``) live in ``retention/oracle.py``; they
+``oracle-reuse-within-<T>s``, ``oracle-next-use``) live in ``retention/simulation/oracle.py``; they
 implement the same :class:`SimPolicy` protocol and are built by ``bench/simulate.py``.
 """
 

@@ -26,7 +26,7 @@ knowledge a kept block is touched again before it would need to expire.
 
 They are offline (they need the future) and therefore simulator-only, built from the
 request list. They are not an upper bound for *every* policy — only Belady is
-(``retention/belady.py``) — but for any policy whose mechanism is "predict reuse, set a
+(``retention/simulation/belady.py``) — but for any policy whose mechanism is "predict reuse, set a
 band, LRU inside the band" they are the ceiling of a perfect predictor of the same
 question.
 """
@@ -37,8 +37,8 @@ from bisect import bisect_right
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from retention.belady import NEVER, chain_request, next_uses
-from retention.simulator import SimConfig, request_hashes
+from retention.simulation.belady import NEVER, chain_request, next_uses
+from retention.simulation.simulator import SimConfig, request_hashes
 from retention.trace import TraceRequest
 from retention.types import MAX_PRIORITY, TRTLLM_DEFAULT_OFFLOAD_MIN_PRIORITY, RetentionPlan, merged_ranges
 

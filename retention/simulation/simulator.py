@@ -18,7 +18,7 @@ generated tokens are modelled as capacity only (``reserve_tokens``), never as re
 
 Reported per policy: token hit rate split by the tier the hit came from (GPU / host,
 onboarded), recomputed prefill tokens, offloaded / onboarded / evicted blocks, a
-per-tenant table; plus Belady's optimum (``retention/belady.py``) at the GPU capacity
+per-tenant table; plus Belady's optimum (``retention/simulation/belady.py``) at the GPU capacity
 and, when a host tier exists, at GPU + host capacity.
 """
 
@@ -30,10 +30,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Literal
 
-from retention.belady import BeladyResult, ChainRequest, belady, chain_request
+from retention.simulation.belady import BeladyResult, ChainRequest, belady, chain_request
 from retention.hashing import block_hashes
 from retention.pool import BlockPool, PoolConfig
-from retention.sim_policies import SimPolicy
+from retention.simulation.sim_policies import SimPolicy
 from retention.trace import TraceRequest, request_tokens
 
 Hold = Literal["none", "tokens"]
