@@ -329,7 +329,12 @@ class PoolRoute:
         self.router.apply_events(replica.id, report_as_pool_events(report), now=now)
 
     def pool_stats(self) -> PoolStatsReport | None:
-        """The pool's summed stats over replicas that answered their last poll."""
+        """The pool's summed stats over the replicas in rotation (breaker closed).
+
+        A replica out of rotation — down, or suspect (its stats answer but a request timed out
+        there) — receives no new blocks, so neither its capacity nor the blocks tenants hold
+        there count in quota arithmetic: both sides of ``held / (fraction × capacity)`` drop it
+        together, and it counts again once a served request closes its breaker."""
         return sum_reports(r.stats for r in self.replicas.values() if r.stats is not None and r.breaker.closed)
 
 
