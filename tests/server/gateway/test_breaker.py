@@ -214,3 +214,28 @@ def test_with_every_replica_timed_out_requests_fail_fast_until_a_trial_is_due() 
         assert route.replicas[1].breaker.closed
 
     asyncio.run(scenario())
+
+
+def test_a_suspect_replicas_capacity_and_tenant_blocks_leave_the_quota_sums_together() -> None:
+    """Its stats keep answering while it hangs, yet it takes no new blocks: both sides of a
+    tenant's quota ratio drop it, and it counts again once a served trial closes its breaker."""
+
+    async def scenario() -> None:
+        clock, routing, pool, route, fakes = _setup()
+        for name, held in (("r0", 6), ("r1", 2)):
+            async def stats(timeout=5.0, *, events_since=None, held=held):
+                return PoolStatsReport(16, TierStats(10, held, 10 - held), TierStats(0, 0, 0), tenants={"7": [held, 0]})
+            fakes[name].stats = stats
+        await routing.poll(pool)
+        both = route.pool_stats()
+        assert both.primary.max_blocks == 20 and both.tenants == {"7": [8, 0]}
+        route.replicas[0].breaker.time_out(clock.now, clock.now, OPEN_S, MAX_S)
+        clock.now += OPEN_S
+        await routing.poll(pool)  # the suspect's stats answer...
+        assert route.replicas[0].stats is not None
+        alone = route.pool_stats()  # ... but it is out of rotation: capacity and blocks both go
+        assert alone.primary.max_blocks == 10 and alone.tenants == {"7": [2, 0]}
+        assert await _serve(routing, pool) == "r0"  # the trial is served: back in rotation
+        assert route.pool_stats().primary.max_blocks == 20 and route.pool_stats().tenants == {"7": [8, 0]}
+
+    asyncio.run(scenario())
