@@ -139,7 +139,9 @@ def test_guard_trips_stops_offloads_recovers_and_restores(stack):
         #    a changed budget keeps the trip and restores on the new cool-down, counted from the trip.
         r = client.put("/admin/v1/pools/reference/slo", headers=admin, json={**BUDGET, "cooldown_seconds": 5})
         assert r.status_code == 200, r.text
-        assert state()["tripped"]
+        # Race: the trip is > 5 s old, so a poll + guard tick may already restore it (by cool-down, never otherwise).
+        now = state()
+        assert now["tripped"] or (now["restores"] == 1 and "cool-down over" in now["last_reason"]), now
         until(lambda: not state()["tripped"], 240, "the guard to restore the tier")
         restored = state()
         assert restored["restores"] == 1 and "cool-down over" in restored["last_reason"], restored
