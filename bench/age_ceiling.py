@@ -2,7 +2,7 @@
 
 Usage: ``OMP_NUM_THREADS=1 .venv/bin/python bench/age_ceiling.py [--no-write] [--only a,b]``
 
-Writes the ``bench:age_ceiling`` section of docs/benchmarks.md. GPU only (one tier), GPU
+Writes the ``bench:age_ceiling`` section of docs/benchmarks.md and docs/img/age_ceiling.png. GPU only (one tier), GPU
 capacity 1/2/5/10 % of the workload's distinct blocks, the workloads and seeds of
 ``bench/generalize.py``. The ceiling (retention/simulation/hit_density.py) is what any policy that
 ranks idle blocks by their age and class (shared prefix / private history) could hit at
@@ -24,6 +24,7 @@ sys.path.insert(0, str(ROOT))
 from bench.generalize import CHAT, FRACTIONS, load, workloads  # noqa: E402
 from bench.report import machine, write_section  # noqa: E402
 
+PLOT = ROOT / "docs" / "img" / "age_ceiling.png"
 IID = ("chat", "chat-long")  # families whose think times are drawn independently: the ceiling is a bound
 
 
@@ -87,7 +88,9 @@ def section(results: list[dict], roles: dict[str, str], seconds: float) -> str:
         verdicts.append(f"{result['name']} {ratio:.2f}× ({kind})")
     lines += [
         "",
-        "Reading. At 2 % GPU only, the ceiling over lru is " + ", ".join(verdicts) + ". On the two generated",
+        "![age-based ceiling](img/age_ceiling.png)",
+        "",
+        "Reading. At 2 % GPU only, the ceiling over lru is " + ", ".join(verdicts) + ". On the generated",
         "chat families it is below the 1.3× issue 16 asks for: no policy that knows only the past (how long ago",
         "a block was used, and whether it is a shared prefix) can reach 1.3× lru there, selection included",
         "(a policy reading the turn index could pass it a little: the generators draw session lengths from",
@@ -100,6 +103,37 @@ def section(results: list[dict], roles: dict[str, str], seconds: float) -> str:
         "bands can use beyond age, so adaptive may come close to it or pass it (the generalize table above).",
     ]
     return "\n".join(lines)
+
+
+def plot(results: list[dict], roles: dict[str, str]) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    cols = 4
+    rows = -(-len(results) // cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(4 * cols, 3.0 * rows), squeeze=False)
+    xs = [100 * f for f in FRACTIONS]
+    for ax, result in zip(axes.flat, results):
+        by = {r["fraction"]: r for r in result["rows"]}
+        ax.plot(xs, [100 * by[f]["lru"] for f in FRACTIONS], "o-", color="C0", label="lru")
+        ax.plot(xs, [100 * by[f]["ceiling"] for f in FRACTIONS], "^-" if result["name"] in IID else "^:",
+                color="C3", label="age-based ceiling (dotted: estimate)")
+        ax.plot(xs, [130 * by[f]["lru"] for f in FRACTIONS], color="C0", lw=0.6, ls="--", label="1.3 × lru")
+        ax.plot(xs, [100 * by[f]["belady"] for f in FRACTIONS], "k--", lw=0.8, label="Belady")
+        ax.set_title(f"{result['name']} ({roles[result['name']]})", fontsize=9)
+        ax.grid(alpha=0.3)
+        ax.tick_params(labelsize=7)
+    for ax in list(axes.flat)[len(results):]:
+        ax.axis("off")
+    axes.flat[0].legend(fontsize=6)
+    fig.supxlabel("GPU capacity (% of distinct blocks), GPU only", fontsize=9)
+    fig.supylabel("prompt-token hit rate (%)", fontsize=9)
+    fig.tight_layout()
+    PLOT.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(PLOT, dpi=100)
+    plt.close(fig)
 
 
 def main() -> None:
@@ -121,6 +155,7 @@ def main() -> None:
     print(body)
     if not args.no_write:
         write_section("age_ceiling", body)
+        plot(results, roles)
 
 
 if __name__ == "__main__":

@@ -33,6 +33,7 @@ from retention.workloads.chat import ChatSpec, chat_trace
 from retention.workloads.common import phased
 from retention.workloads.noisy import NoisyNeighbourSpec, noisy_neighbour_trace
 from retention.workloads.rag import RagSpec, rag_trace
+from retention.workloads.rag_chat import RagChatSpec, rag_chat_trace
 
 Role = Literal["tune", "report"]
 
@@ -67,6 +68,8 @@ def families() -> tuple[Family, ...]:
                "tool loops of 3–25 steps over 3 agent prompts, context grows 2–5 blocks a step"),
         Family("api", "report", lambda seed: api_trace(ApiSpec(), seed=seed),
                "single-turn requests behind 200 Zipf(1.1) system prompts of 2–16 blocks"),
+        Family("rag-chat", "report", lambda seed: rag_chat_trace(RagChatSpec(), seed=seed),
+               "1.5K shared system + 4 of 5,000 Zipf(1) documents (8K) + 6 turns, exponential think time (mean 45 s)"),
     )
 
 
