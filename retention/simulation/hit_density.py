@@ -25,6 +25,11 @@ the tier between the classes is a fractional knapsack over the hulls' segments, 
 (most hits per block-second) first. The space of the request being served is not
 subtracted (an upper bound).
 
+The budget is time-averaged (capacity × span). A request needs all its blocks resident at
+its instant, which the average cannot see, so at capacities near the size of one request
+the ceiling is loose and can exceed Belady's optimum; Belady bounds every policy, so the
+callers report ``min(ceiling, Belady)``, still an upper bound for age-based policies.
+
 The model is Belady's (one request at a time; full blocks cached after a request; the
 first ``(len - 1) // B`` blocks matchable), except that a private block's hit does not
 require its parent to be cached (an upper bound). The result is a ceiling for

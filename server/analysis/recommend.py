@@ -26,6 +26,7 @@ from typing import Any
 MIN_GAIN = 0.005  # half a point of hit rate
 MIN_BEND = 0.05  # the knee must lie this far above the chord (both axes scaled to [0, 1])
 MIN_REUSES = 20
+MIN_HEADROOM = 0.01  # one point of hit rate between LRU and the age-based ceiling
 DEFAULT_HOST_MULTIPLES = (0.0, 0.5, 1.0, 2.0, 4.0, 8.0, 16.0, 32.0)
 
 
@@ -114,7 +115,41 @@ def host_curve(path: Path, *, block_size: int, gpu: str = "2%", multiples: Seque
         "points": points, "knee_index": index, "saturated": saturated, "recommended_host_blocks": points[index]["host_blocks"],
         "gain_at_knee": points[index]["hit_rate"] - points[0]["hit_rate"],
         "gain_at_max": max(p["hit_rate"] for p in points) - points[0]["hit_rate"],
+        "retention": retention_headroom(requests, hashes, gpu_blocks, block_size,
+                                        lru=next((p["hit_rate"] for p in points if p["host_blocks"] == 0), None)),
     }
+
+
+def retention_headroom(requests: Sequence[Any], hashes: Sequence[Sequence[int]], gpu_blocks: int, block_size: int,
+                       *, lru: float | None = None) -> dict[str, Any]:
+    """LRU, the age-based ceiling and Belady at ``gpu_blocks`` (GPU only), and what they say.
+
+    ``lru``: the GPU-only replay's hit rate when the caller has it (TensorRT-LLM's defaults
+    without a host tier are LRU), else it is replayed here."""
+    from retention.simulation.belady import belady, chain_request
+    from retention.simulation.hit_density import age_ceiling
+    from retention.simulation.sim_policies import make_policy
+    from retention.simulation.simulator import SimConfig, simulate
+
+    if lru is None:
+        config = SimConfig(tokens_per_block=block_size, trace_block_size=block_size)
+        lru = simulate(requests, make_policy("lru"), primary_blocks=gpu_blocks, secondary_blocks=0, config=config,
+                       hashes=hashes).hit_rate
+    chains = [chain_request(h, r.input_length, block_size) for h, r in zip(hashes, requests, strict=True)]
+    optimum = belady(chains, gpu_blocks, block_size).hit_rate
+    ceiling = age_ceiling(chains, [r.timestamp_ms / 1000 for r in requests], gpu_blocks, block_size).hit_rate
+    # Belady bounds every policy (the ceiling's time-averaged budget is loose near one request's
+    # size); on recorded traffic the ceiling is an estimate, so it is never reported below LRU.
+    ceiling = max(min(ceiling, optimum), lru)
+    headroom = ceiling - lru
+    if headroom < MIN_HEADROOM:
+        verdict = (f"retention can add at most {100 * headroom:.1f} points over LRU at this GPU capacity: "
+                   "size capacity (the host tier above) instead")
+    else:
+        verdict = (f"an age-based retention policy could add up to {100 * headroom:.1f} points over LRU: "
+                   "compare `kvgate simulate -p adaptive` on this trace before giving tenants an adaptive class (mode adaptive)")
+    return {"gpu_blocks": gpu_blocks, "lru": lru, "age_ceiling": ceiling, "belady": optimum,
+            "headroom": headroom, "verdict": verdict}
 
 
 def _capacity(text: str, distinct: int) -> int:

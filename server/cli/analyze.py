@@ -246,6 +246,13 @@ def _print_report(report: dict[str, Any]) -> None:
                       f"points of hit rate over GPU only"
                       + ("" if host["saturated"] else " — the curve is still rising at the largest size measured: "
                          "this is a lower bound, try larger --host-multiples"))
+        ret = curve["retention"]
+        table = Table(title=f"retention headroom: GPU {ret['gpu_blocks']:,} blocks, GPU only")
+        for col in ("LRU", "age-based ceiling", "Belady (knows the future)"):
+            table.add_column(col, justify="right")
+        table.add_row(_pct(ret["lru"]), _pct(ret["age_ceiling"]), _pct(ret["belady"]))
+        console.print(table)
+        console.print(ret["verdict"])
     table = Table(title="recommended retention durations (reuse-gap percentile)")
     for col in ("tenant", "segment", "reuses", "percentile", "duration_ms"):
         table.add_column(col, justify="left" if col in ("tenant", "segment") else "right")

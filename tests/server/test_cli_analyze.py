@@ -95,6 +95,26 @@ def test_tables_and_host_curve_on_the_tiny_trace(tmp_path: Path) -> None:
     code, out = _run(str(trace), "--json", "--no-progress", "--gpu", "1", "--host-multiples", "0,1,4")
     curve = json.loads(out)["host_curve"]
     assert [p["host_blocks"] for p in curve["points"]] == [0, 1, 4] and curve["gpu_blocks"] == 1
+    assert "retention headroom" in _run(str(trace), "--no-progress", "--gpu", "1")[1]
+
+
+def test_retention_headroom_orders_lru_the_age_ceiling_and_belady(tmp_path: Path) -> None:
+    """On generated chat traffic (i.i.d. think times) the ceiling is a bound: LRU <= it; Belady
+    is the single-tier optimum, so LRU <= Belady too; the verdict follows the gap."""
+    from retention.workloads import ChatSpec, chat_trace
+
+    trace = _write(tmp_path / "chat.jsonl", chat_trace(ChatSpec(duration_s=600.0), seed=1))
+    code, out = _run(str(trace), "--json", "--no-progress", "--gpu", "1%", "--host-multiples", "0,4")
+    assert code == 0, out
+    ret = json.loads(out)["host_curve"]["retention"]
+    lru = json.loads(out)["host_curve"]["points"][0]["hit_rate"]
+    assert ret["lru"] == lru  # the host-0 point of the curve is LRU: not replayed twice
+    assert 0 < ret["lru"] <= ret["age_ceiling"] <= ret["belady"]
+    assert ret["headroom"] == pytest.approx(ret["age_ceiling"] - ret["lru"])
+    assert ("could add up to" in ret["verdict"]) == (ret["headroom"] >= 0.01)
+    code, out = _run(str(trace), "--json", "--no-progress", "--gpu", "100%", "--host-multiples", "0,1")
+    roomy = json.loads(out)["host_curve"]["retention"]  # everything fits: nothing for retention to add
+    assert roomy["lru"] == roomy["age_ceiling"] and "size capacity" in roomy["verdict"]
 
 
 def test_synthetic_trace_slice_against_an_independent_count(tmp_path: Path) -> None:
