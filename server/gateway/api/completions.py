@@ -222,6 +222,26 @@ class PrimedChunks:
         await self._chunks.aclose()
 
 
+def run_once_shielded(cleanup: Callable[[], Awaitable[None]]) -> Callable[[], Awaitable[None]]:
+    """``cleanup`` at most once, and always to its end.
+
+    Why shielded: the first caller may be a stream body that is being cancelled (the client
+    left right after the last frame). Unshielded, the cancellation would stop the cleanup at
+    its first ``await`` — the admission slot, the metrics, the usage and the trace line lost —
+    and the response's own later call would find it already done."""
+    done = False
+
+    async def once() -> None:
+        nonlocal done
+        if done:
+            return
+        done = True
+        with anyio.CancelScope(shield=True):
+            await cleanup()
+
+    return once
+
+
 class ClosingStreamingResponse(StreamingResponse):
     """A :class:`StreamingResponse` whose ``on_close`` runs however sending it ends.
 
@@ -427,27 +447,24 @@ class CompletionRunner:
             except BaseException as exc:
                 engine_failed = isinstance(exc, (EngineUnavailable, EngineRejected))
                 outcome.status = "engine_error" if engine_failed else "client_gone"
-                await primed.aclose()
-                await self._finish(job, plan, outcome, started, lease)
+                with anyio.CancelScope(shield=True):  # a cancelled request still releases its slot
+                    await primed.aclose()
+                    await self._finish(job, plan, outcome, started, lease)
                 if engine_failed:
                     raise _engine_error(exc) from exc
                 raise
             if primed.first_at is not None and request.streaming:
                 outcome.ttft = primed.first_at - started
             headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **self._replica_header(job)}
-            ended = False
 
-            async def end_stream() -> None:
-                """Exactly once, from the body's ``finally`` or, if the body never ran, the response's."""
-                nonlocal ended
-                if ended:
-                    return
-                ended = True
+            async def end() -> None:
+                """From the body's ``finally`` or, if the body never ran, the response's (once)."""
                 if outcome.status == "ok" and outcome.finish_reason is None:
                     outcome.status = "client_gone"  # the body never ran to its end
                 await primed.aclose()  # no-op when _generate closed it; frees the engine request otherwise
                 await self._finish(job, plan, outcome, started, lease)
 
+            end_stream = run_once_shielded(end)
             return ClosingStreamingResponse(self._sse(job, request, primed, outcome, started, end_stream),
                                             on_close=end_stream, media_type="text/event-stream", headers=headers)
         try:
@@ -457,7 +474,8 @@ class CompletionRunner:
             outcome.status = "engine_error"
             raise _engine_error(exc) from exc
         finally:
-            await self._finish(job, plan, outcome, started, lease)
+            with anyio.CancelScope(shield=True):  # a client gone mid-answer still releases its slot
+                await self._finish(job, plan, outcome, started, lease)
         return JSONResponse(self._body(job, outcome), headers=self._replica_header(job) or None)
 
     @staticmethod

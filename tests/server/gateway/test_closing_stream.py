@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import asyncio
 
+import anyio
 import pytest
 from starlette.requests import ClientDisconnect
 from starlette.responses import StreamingResponse
 
-from server.gateway.api.completions import ClosingStreamingResponse
+from server.gateway.api.completions import ClosingStreamingResponse, run_once_shielded
 
 
 class Body:
@@ -112,3 +113,57 @@ def test_a_complete_stream_is_cleaned_up_once() -> None:
 
     asyncio.run(main())
     assert calls == ["finally", "on_close"]
+
+
+def test_a_cleanup_started_by_a_cancelled_body_runs_to_its_end_and_only_once() -> None:
+    """The body's ``finally`` is the first caller when the client leaves right after the last
+    frame: Starlette cancels the task group that runs the body (an anyio cancel scope, which
+    re-delivers the cancellation at every ``await``), yet the slot release, metrics and trace
+    line after the cleanup's first ``await`` must all happen, and the response's later call
+    must not repeat them."""
+    steps: list[str] = []
+
+    async def cleanup() -> None:
+        steps.append("release slot")
+        await anyio.sleep(0.05)  # e.g. the admission lock or a Redis round trip
+        steps.append("metrics and trace line")
+
+    async def main() -> None:
+        end = run_once_shielded(cleanup)
+
+        async def body() -> None:
+            try:
+                await anyio.sleep(3600)
+            finally:
+                await end()
+
+        async with anyio.create_task_group() as group:
+            group.start_soon(body)
+            await anyio.sleep(0.01)
+            group.cancel_scope.cancel()  # as Starlette does when the client disconnects
+        await end()  # the response's finally
+
+    anyio.run(main)
+    assert steps == ["release slot", "metrics and trace line"]
+
+
+def test_without_the_shield_the_cleanup_would_stop_at_its_first_await() -> None:
+    """The failure the shield prevents, shown with the same cancellation (a control)."""
+    steps: list[str] = []
+
+    async def main() -> None:
+        async def body() -> None:
+            try:
+                await anyio.sleep(3600)
+            finally:
+                steps.append("release slot")
+                await anyio.sleep(0.05)
+                steps.append("metrics and trace line")
+
+        async with anyio.create_task_group() as group:
+            group.start_soon(body)
+            await anyio.sleep(0.01)
+            group.cancel_scope.cancel()
+
+    anyio.run(main)
+    assert steps == ["release slot"]
