@@ -22,7 +22,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench.generalize import CHAT, FRACTIONS, load, workloads  # noqa: E402
-from bench.report import machine, write_section  # noqa: E402
+from bench.report import machine, workload_grid, write_section  # noqa: E402
 
 PLOT = ROOT / "docs" / "img" / "age_ceiling.png"
 IID = ("chat", "chat-long")  # families whose think times are drawn independently: the ceiling is a bound
@@ -108,34 +108,17 @@ def section(results: list[dict], roles: dict[str, str], seconds: float) -> str:
 
 
 def plot(results: list[dict], roles: dict[str, str]) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    cols = 4
-    rows = -(-len(results) // cols)
-    fig, axes = plt.subplots(rows, cols, figsize=(4 * cols, 3.0 * rows), squeeze=False)
     xs = [100 * f for f in FRACTIONS]
-    for ax, result in zip(axes.flat, results):
+
+    def draw(ax, result: dict) -> None:  # noqa: ANN001 - a matplotlib Axes
         by = {r["fraction"]: r for r in result["rows"]}
         ax.plot(xs, [100 * by[f]["lru"] for f in FRACTIONS], "o-", color="C0", label="lru")
         ax.plot(xs, [100 * by[f]["ceiling"] for f in FRACTIONS], "^-" if result["name"] in IID else "^:",
                 color="C3", label="age-based ceiling (dotted: estimate)")
         ax.plot(xs, [130 * by[f]["lru"] for f in FRACTIONS], color="C0", lw=0.6, ls="--", label="1.3 × lru")
         ax.plot(xs, [100 * by[f]["belady"] for f in FRACTIONS], "k--", lw=0.8, label="Belady")
-        ax.set_title(f"{result['name']} ({roles[result['name']]})", fontsize=9)
-        ax.grid(alpha=0.3)
-        ax.tick_params(labelsize=7)
-    for ax in list(axes.flat)[len(results):]:
-        ax.axis("off")
-    axes.flat[0].legend(fontsize=6)
-    fig.supxlabel("GPU capacity (% of distinct blocks), GPU only", fontsize=9)
-    fig.supylabel("prompt-token hit rate (%)", fontsize=9)
-    fig.tight_layout()
-    PLOT.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(PLOT, dpi=100)
-    plt.close(fig)
+
+    workload_grid(results, roles, draw, PLOT, xlabel="GPU capacity (% of distinct blocks), GPU only", row_height=3.0)
 
 
 def main() -> None:

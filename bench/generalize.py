@@ -27,7 +27,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.report import machine, write_section  # noqa: E402
+from bench.report import machine, workload_grid, write_section  # noqa: E402
 
 TRACE = next(
     (p for p in (ROOT.parent / "shared" / "traces" / "mooncake_synthetic_trace.jsonl",  # /work/main → /work/shared
@@ -238,16 +238,9 @@ def section(results: list[dict], roles: dict[str, str], seconds: float) -> str:
 
 
 def plot(results: list[dict], roles: dict[str, str]) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    cols = 4
-    rows = -(-len(results) // cols)
-    fig, axes = plt.subplots(rows, cols, figsize=(4 * cols, 3.2 * rows), squeeze=False)
     xs = [100 * f for f in FRACTIONS]
-    for ax, result in zip(axes.flat, results):
+
+    def draw(ax, result: dict) -> None:  # noqa: ANN001 - a matplotlib Axes
         def series(key: str, host: int) -> list[float]:
             by = {r["fraction"]: r for r in result["rows"] if r["host"] == host}
             return [100 * by[f][key] for f in FRACTIONS]
@@ -258,18 +251,8 @@ def plot(results: list[dict], roles: dict[str, str]) -> None:
         ax.plot(xs, series("trtllm-default", 4), "o-", color="C2", label="trtllm-default (+host 4×)")
         ax.plot(xs, series("adaptive", 4), "s-", color="C3", label="adaptive (+host 4×)")
         ax.plot(xs, series("belady", 4), "k:", lw=0.8, label="Belady (GPU+host)")
-        ax.set_title(f"{result['name']} ({roles[result['name']]})", fontsize=9)
-        ax.grid(alpha=0.3)
-        ax.tick_params(labelsize=7)
-    for ax in list(axes.flat)[len(results):]:
-        ax.axis("off")
-    axes.flat[0].legend(fontsize=6)
-    fig.supxlabel("GPU capacity (% of distinct blocks)", fontsize=9)
-    fig.supylabel("prompt-token hit rate (%)", fontsize=9)
-    fig.tight_layout()
-    PLOT.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(PLOT, dpi=100)
-    plt.close(fig)
+
+    workload_grid(results, roles, draw, PLOT, xlabel="GPU capacity (% of distinct blocks)")
 
 
 def main() -> None:

@@ -1,9 +1,11 @@
-"""Shared by the bench scripts: replace one ``<!-- bench:NAME -->`` section of docs/benchmarks.md."""
+"""Shared by the bench scripts: replace one ``<!-- bench:NAME -->`` section of docs/benchmarks.md,
+and draw one small panel per workload."""
 
 from __future__ import annotations
 
 import os
 import platform
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 BENCHMARKS = Path(__file__).resolve().parent.parent / "docs" / "benchmarks.md"
@@ -26,3 +28,31 @@ def write_section(name: str, body: str, path: Path = BENCHMARKS) -> None:
     else:
         text = text.rstrip() + "\n\n" + block + "\n"
     path.write_text(text)
+
+
+def workload_grid(results: Sequence[dict], roles: dict[str, str], draw: Callable[..., None], path: Path, *,
+                  xlabel: str, ylabel: str = "prompt-token hit rate (%)", row_height: float = 3.2) -> None:
+    """One panel per workload result (4 a row), ``draw(ax, result)`` fills each; the first
+    panel carries the legend. Titles name the workload and its role (tune / report)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    cols = 4
+    rows = -(-len(results) // cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(4 * cols, row_height * rows), squeeze=False)
+    for ax, result in zip(axes.flat, results):
+        draw(ax, result)
+        ax.set_title(f"{result['name']} ({roles[result['name']]})", fontsize=9)
+        ax.grid(alpha=0.3)
+        ax.tick_params(labelsize=7)
+    for ax in list(axes.flat)[len(results):]:
+        ax.axis("off")
+    axes.flat[0].legend(fontsize=6)
+    fig.supxlabel(xlabel, fontsize=9)
+    fig.supylabel(ylabel, fontsize=9)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
