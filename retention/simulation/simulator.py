@@ -19,7 +19,8 @@ generated tokens are modelled as capacity only (``reserve_tokens``), never as re
 Reported per policy: token hit rate split by the tier the hit came from (GPU / host,
 onboarded), recomputed prefill tokens, offloaded / onboarded / evicted blocks, a
 per-tenant table; plus Belady's optimum (``retention/simulation/belady.py``) at the GPU capacity
-and, when a host tier exists, at GPU + host capacity.
+and, when a host tier exists, at GPU + host capacity, and the most an age-based policy could
+reach on the GPU (``retention/simulation/hit_density.py``, capped by Belady).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Literal
 
 from retention.simulation.belady import BeladyResult, ChainRequest, belady, chain_request
+from retention.simulation.hit_density import age_ceiling
 from retention.hashing import block_hashes
 from retention.pool import BlockPool, PoolConfig
 from retention.simulation.sim_policies import SimPolicy
@@ -272,6 +274,7 @@ class CapacityReport:
     results: dict[str, PolicyResult]
     belady_gpu: BeladyResult
     belady_total: BeladyResult | None  # GPU + host capacity, when a host tier exists
+    age_ceiling_gpu: float = 0.0  # hit rate: the most an age-based policy could reach on the GPU (hit_density.py)
 
     def to_dict(self) -> dict:
         return {
@@ -282,6 +285,7 @@ class CapacityReport:
             "belady_total": None
             if self.belady_total is None
             else {**asdict(self.belady_total), "hit_rate": self.belady_total.hit_rate},
+            "age_ceiling_gpu": self.age_ceiling_gpu,
         }
 
 
@@ -302,6 +306,7 @@ def run_simulation(
     chains: list[ChainRequest] = [
         chain_request(h, r.input_length, config.tokens_per_block) for h, r in zip(hashes, requests, strict=True)
     ]
+    times = [r.timestamp_ms / 1000 for r in requests]
     reports: list[CapacityReport] = []
     for capacity in capacities:
         host = host_blocks(capacity)
@@ -313,11 +318,14 @@ def run_simulation(
                 progress=progress,
             )
         any_host = any(r.secondary_blocks for r in results.values())
+        optimum = belady(chains, capacity, config.tokens_per_block)
+        # Belady bounds every policy; the age ceiling's time-averaged budget is loose near one request's size.
+        ceiling = min(optimum.hit_rate, age_ceiling(chains, times, capacity, config.tokens_per_block).hit_rate)
         reports.append(
             CapacityReport(
-                capacity, host, results,
-                belady(chains, capacity, config.tokens_per_block),
+                capacity, host, results, optimum,
                 belady(chains, capacity + host, config.tokens_per_block) if any_host and host else None,
+                ceiling,
             )
         )
     return reports

@@ -237,6 +237,7 @@ def _print_tables(reports, distinct: int, num_requests: int, hold: str) -> None:
                 f"{r.evicted_primary_blocks + r.evicted_secondary_blocks:,}", str(r.rejected), str(r.delayed_requests),
                 _pct(share),
             )
+        table.add_row("age-based ceiling (GPU only)", _pct(report.age_ceiling_gpu), "", "", "", "", "", "", "", "", "")
         table.add_row("Belady (GPU only)", _pct(report.belady_gpu.hit_rate), "", "", "", "", "", "", "", "", "")
         if report.belady_total is not None:
             table.add_row("Belady (GPU + host)", _pct(report.belady_total.hit_rate), "", "", "", "", "", "", "", "", "")

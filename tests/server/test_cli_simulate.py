@@ -36,6 +36,8 @@ def test_json_report_has_policies_tiers_tenants_and_belady(tmp_path: Path) -> No
     assert trt["host_hit_rate"] > 0 and trt["onboarded_blocks"] > 0
     assert set(trt["tenants"]) == {"gold", "noisy"}
     assert first["belady_gpu"]["hit_rate"] >= first["policies"]["lru"]["hit_rate"]
+    for cap in (first, second):  # LRU is an age-based policy: under the ceiling, which Belady caps
+        assert cap["policies"]["lru"]["hit_rate"] <= cap["age_ceiling_gpu"] <= cap["belady_gpu"]["hit_rate"]
     assert second["primary_blocks"] == round(doc["distinct_blocks"] / 2)
 
 
@@ -58,6 +60,7 @@ def test_table_output_plot_and_class_policy(tmp_path: Path) -> None:
     )
     assert result.exit_code == 0, result.output
     assert "Belady (GPU only)" in result.output and "per tenant" in result.output
+    assert "age-based ceiling (GPU only)" in result.output
     assert all(name in result.output for name in ("lru", "class", "adaptive"))
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
