@@ -27,8 +27,12 @@ subtracted (an upper bound).
 
 The budget is time-averaged (capacity × span). A request needs all its blocks resident at
 its instant, which the average cannot see, so at capacities near the size of one request
-the ceiling is loose and can exceed Belady's optimum; Belady bounds every policy, so the
-callers report ``min(ceiling, Belady)``, still an upper bound for age-based policies.
+the ceiling is loose and can exceed Belady's optimum; Belady bounds every policy, so
+:meth:`AgeCeiling.capped` reports ``min(ceiling, Belady)``, still an upper bound for
+age-based policies (what the simulator, ``kvgate analyze`` and the bench print).
+
+The hulls depend on the trace only; :class:`AgeHulls` builds them once and answers any
+capacity from them (one walk along the sorted segments).
 
 The model is Belady's (one request at a time; full blocks cached after a request; the
 first ``(len - 1) // B`` blocks matchable), except that a private block's hit does not
@@ -64,6 +68,11 @@ class AgeCeiling:
     @property
     def shared_hit_rate(self) -> float:
         return self.shared_hit_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
+    def capped(self, belady_hit_rate: float) -> float:
+        """The hit rate to report: the ceiling, but never above Belady's at the same capacity
+        (the time-averaged budget is loose near one request's size; Belady bounds every policy)."""
+        return min(self.hit_rate, belady_hit_rate)
 
 
 @dataclass(slots=True)
@@ -142,9 +151,12 @@ def hull(periods: IdlePeriods) -> list[tuple[float, float]]:
     return vertices
 
 
-def best_hits(hulls: Sequence[list[tuple[float, float]]], budget: float) -> list[float]:
-    """Hits per class from spending ``budget`` block-seconds on the steepest hull segments first."""
-    segments = []
+Segment = tuple[float, float, float, int]  # (hits per block-second, block-seconds, hits, class)
+
+
+def steepest_first(hulls: Sequence[Sequence[tuple[float, float]]]) -> list[Segment]:
+    """Every hull's segments, most hits per block-second first (within a hull slopes only fall)."""
+    segments: list[Segment] = []
     for c, vertices in enumerate(hulls):
         for (x0, y0), (x1, y1) in zip(vertices, vertices[1:]):
             if x1 > x0:
@@ -152,7 +164,12 @@ def best_hits(hulls: Sequence[list[tuple[float, float]]], budget: float) -> list
             else:  # hits at no occupancy (a gap of 0): free
                 segments.append((float("inf"), 0.0, y1 - y0, c))
     segments.sort(key=lambda s: -s[0])
-    hits = [0.0] * len(hulls)
+    return segments
+
+
+def spend(segments: Sequence[Segment], classes: int, budget: float) -> list[float]:
+    """Hits per class from spending ``budget`` block-seconds along ``segments`` in order."""
+    hits = [0.0] * classes
     left = budget
     for _, width, height, c in segments:
         if width <= left:
@@ -164,18 +181,47 @@ def best_hits(hulls: Sequence[list[tuple[float, float]]], budget: float) -> list
     return hits
 
 
+def best_hits(hulls: Sequence[Sequence[tuple[float, float]]], budget: float) -> list[float]:
+    """Hits per class from spending ``budget`` block-seconds on the steepest hull segments first."""
+    return spend(steepest_first(hulls), len(hulls), budget)
+
+
+@dataclass(frozen=True, slots=True)
+class AgeHulls:
+    """A trace's (shared, private) hull segments, steepest first, and what the ceiling needs
+    besides the capacity: any capacity is then one walk along the segments."""
+
+    segments: tuple[Segment, ...]
+    span_s: float
+    prompt_tokens: int
+    reusable_blocks: int
+
+    @classmethod
+    def build(cls, requests: Sequence[ChainRequest], times_s: Sequence[float]) -> AgeHulls:
+        """O(n log n) in idle periods; ``times_s`` per request, in order."""
+        shared_periods, private_periods = idle_periods(requests, times_s, shared_keys(requests))
+        return cls(
+            segments=tuple(steepest_first([hull(shared_periods), hull(private_periods)])),
+            span_s=(times_s[-1] - times_s[0]) if len(times_s) > 1 else 0.0,
+            prompt_tokens=sum(r.prompt_tokens for r in requests),
+            reusable_blocks=len(shared_periods.gaps) + len(private_periods.gaps),
+        )
+
+    def at(self, capacity_blocks: int, tokens_per_block: int) -> AgeCeiling:
+        """The ceiling (module docstring) with ``capacity_blocks`` GPU blocks."""
+        if capacity_blocks < 1 or tokens_per_block < 1:
+            raise ValueError("capacity_blocks and tokens_per_block must be >= 1")
+        shared_hits, private_hits = spend(self.segments, 2, capacity_blocks * self.span_s)
+        return AgeCeiling(
+            capacity_blocks=capacity_blocks,
+            prompt_tokens=self.prompt_tokens,
+            shared_hit_tokens=shared_hits * tokens_per_block,
+            private_hit_tokens=private_hits * tokens_per_block,
+            reusable_tokens=self.reusable_blocks * tokens_per_block,
+        )
+
+
 def age_ceiling(requests: Sequence[ChainRequest], times_s: Sequence[float], capacity_blocks: int,
                 tokens_per_block: int) -> AgeCeiling:
-    """The ceiling (see the module docstring) at ``capacity_blocks``; O(n log n) in idle periods."""
-    if capacity_blocks < 1 or tokens_per_block < 1:
-        raise ValueError("capacity_blocks and tokens_per_block must be >= 1")
-    shared_periods, private_periods = idle_periods(requests, times_s, shared_keys(requests))
-    span = (times_s[-1] - times_s[0]) if len(times_s) > 1 else 0.0
-    shared_hits, private_hits = best_hits([hull(shared_periods), hull(private_periods)], capacity_blocks * span)
-    return AgeCeiling(
-        capacity_blocks=capacity_blocks,
-        prompt_tokens=sum(r.prompt_tokens for r in requests),
-        shared_hit_tokens=shared_hits * tokens_per_block,
-        private_hit_tokens=private_hits * tokens_per_block,
-        reusable_tokens=(len(shared_periods.gaps) + len(private_periods.gaps)) * tokens_per_block,
-    )
+    """The ceiling at one capacity (:class:`AgeHulls` answers several from one build)."""
+    return AgeHulls.build(requests, times_s).at(capacity_blocks, tokens_per_block)

@@ -31,10 +31,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Literal
 
-from retention.simulation.belady import BeladyResult, ChainRequest, belady, chain_request
-from retention.simulation.hit_density import age_ceiling
 from retention.hashing import block_hashes
 from retention.pool import BlockPool, PoolConfig
+from retention.simulation.belady import BeladyResult, ChainRequest, belady, chain_request
+from retention.simulation.hit_density import AgeHulls
 from retention.simulation.sim_policies import SimPolicy
 from retention.trace import TraceRequest, request_tokens
 
@@ -306,7 +306,7 @@ def run_simulation(
     chains: list[ChainRequest] = [
         chain_request(h, r.input_length, config.tokens_per_block) for h, r in zip(hashes, requests, strict=True)
     ]
-    times = [r.timestamp_ms / 1000 for r in requests]
+    hulls = AgeHulls.build(chains, [r.timestamp_ms / 1000 for r in requests])
     reports: list[CapacityReport] = []
     for capacity in capacities:
         host = host_blocks(capacity)
@@ -319,8 +319,7 @@ def run_simulation(
             )
         any_host = any(r.secondary_blocks for r in results.values())
         optimum = belady(chains, capacity, config.tokens_per_block)
-        # Belady bounds every policy; the age ceiling's time-averaged budget is loose near one request's size.
-        ceiling = min(optimum.hit_rate, age_ceiling(chains, times, capacity, config.tokens_per_block).hit_rate)
+        ceiling = hulls.at(capacity, config.tokens_per_block).capped(optimum.hit_rate)
         reports.append(
             CapacityReport(
                 capacity, host, results, optimum,

@@ -127,7 +127,7 @@ def retention_headroom(requests: Sequence[Any], hashes: Sequence[Sequence[int]],
     ``lru``: the GPU-only replay's hit rate when the caller has it (TensorRT-LLM's defaults
     without a host tier are LRU), else it is replayed here."""
     from retention.simulation.belady import belady, chain_request
-    from retention.simulation.hit_density import age_ceiling
+    from retention.simulation.hit_density import AgeHulls
     from retention.simulation.sim_policies import make_policy
     from retention.simulation.simulator import SimConfig, simulate
 
@@ -137,17 +137,17 @@ def retention_headroom(requests: Sequence[Any], hashes: Sequence[Sequence[int]],
                        hashes=hashes).hit_rate
     chains = [chain_request(h, r.input_length, block_size) for h, r in zip(hashes, requests, strict=True)]
     optimum = belady(chains, gpu_blocks, block_size).hit_rate
-    ceiling = age_ceiling(chains, [r.timestamp_ms / 1000 for r in requests], gpu_blocks, block_size).hit_rate
-    # Belady bounds every policy (the ceiling's time-averaged budget is loose near one request's
-    # size); on recorded traffic the ceiling is an estimate, so it is never reported below LRU.
-    ceiling = max(min(ceiling, optimum), lru)
+    hulls = AgeHulls.build(chains, [r.timestamp_ms / 1000 for r in requests])
+    ceiling = hulls.at(gpu_blocks, block_size).capped(optimum)
+    ceiling = max(ceiling, lru)  # on recorded traffic the ceiling is an estimate: never reported below LRU
     headroom = ceiling - lru
     if headroom < MIN_HEADROOM:
         verdict = (f"retention can add at most {100 * headroom:.1f} points over LRU at this GPU capacity: "
                    "size capacity (the host tier above) instead")
     else:
         verdict = (f"an age-based retention policy could add up to {100 * headroom:.1f} points over LRU: "
-                   "compare `kvgate simulate -p adaptive` on this trace before giving tenants an adaptive class (mode adaptive)")
+                   "compare `kvgate simulate -p adaptive` on this trace before giving tenants an adaptive class "
+                   "(mode adaptive)")
     return {"gpu_blocks": gpu_blocks, "lru": lru, "age_ceiling": ceiling, "belady": optimum,
             "headroom": headroom, "verdict": verdict}
 
