@@ -229,9 +229,9 @@ def section(results: list[dict], roles: dict[str, str], seconds: float) -> str:
         "So 1.3× needs 2–3× LRU's history hits. The generators draw every think time",
         "independently (lognormal) and never reveal how many turns a session will have, so nothing the gateway",
         "knows says which history comes back soon; Belady knows. The hit-density ceiling of every policy that",
-        "ranks idle blocks by age and class (`bench:age_ceiling`, the next section) is 1.09× lru on chat and",
-        "1.15× on chat-long at 2 % GPU only: below 1.3× for any online policy of that kind, selection included",
-        "(rag-chat: 1.15×, an estimate there, since its documents differ in popularity).",
+        "ranks idle blocks by age and class (`bench:age_ceiling`, the next section, with its figures) is below",
+        "1.3× lru on the generated chat families at 2 % GPU only: out of reach for any online policy of that",
+        "kind, selection included.",
         "The held-out real trace (old adaptive 1.74× lru at 2 %) is where the criterion is checked.",
     ]
     return "\n".join(lines)
