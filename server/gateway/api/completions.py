@@ -31,6 +31,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from engines.contract import EngineRequest, Guide, KvMetrics, SamplingParams, TokenLogProbs
 from engines.tokenizer import ChatTokenizer
 from retention.hashing import block_hashes
+from retention.hints import CacheHints
 from retention.planner import QuotaState, Segments, plan_retention
 from retention.selection import AdaptiveSelector
 from retention.types import RetentionPlan
@@ -71,6 +72,7 @@ class CompletionJob:
     logprobs: int | None = None  # None: not asked; else how many alternatives per token
     token_texts: TokenTexts | None = None
     continuous_usage: bool = False
+    hints: CacheHints = field(default_factory=CacheHints)  # client cache intent (retention.hints), any dialect
 
     @property
     def parses_tools(self) -> bool:
