@@ -11,6 +11,7 @@ import numpy as np
 import engines.contract as contract
 from engines.contract import EngineRequest, PoolStatsReport, SamplingParams, encode_request
 from engines.kv_events import GPU, HOST, apply_report
+from engines.trtllm.block_key import trt_root_hash
 from engines.trtllm.kv_event_translator import KvEventTranslator
 from retention.hashing import block_hashes
 from retention.types import RetentionPlan
@@ -47,13 +48,17 @@ def test_stored_offloaded_and_removed_blocks_arrive_as_kvgate_hashes(harness):
     assert mirror == {a[0]: GPU, a[1]: GPU, b[0]: GPU, b[1]: GPU}
     assert not set(mirror) & set(harness.executor.tree)  # never TensorRT-LLM's own hashes
 
+    # TensorRT-LLM hashes in storing order: two full blocks and the partial one stored at release
+    # (kvgate reports full blocks only)
     trt_a = [h for h, blk in harness.model.ledger._blocks.items() if blk.tenant == "tenant-a"]
-    harness.executor.offload(trt_a[-1])
-    harness.executor.evict(trt_a[0])
+    trt_b = [h for h, blk in harness.model.ledger._blocks.items() if blk.tenant == "tenant-b"]
+    assert len(trt_a) == len(trt_b) == 3
+    harness.executor.offload(trt_a[1])
+    harness.executor.evict(trt_b[1])  # and its partial child (freeChildren)
     later = poll(harness, first.next_seq)
     assert later.snapshot is None and [e.kind for e in later.events] == ["moved", "removed"]
     apply_report(mirror, later)
-    assert mirror == {a[1]: HOST, b[0]: GPU, b[1]: GPU}
+    assert mirror == {a[0]: GPU, a[1]: HOST, b[0]: GPU}
     # a second poller starting now gets the same state from a snapshot
     assert poll(harness, 0).snapshot == mirror
 
@@ -94,9 +99,11 @@ def test_unknown_roots_and_parents_are_not_reported_and_gaps_force_a_resync():
     t.apply([_Event(2, _Stored(77, [_Block(12, [5, 6, 7, 8])]))])  # parent never seen
     assert t.log.report(0).snapshot == {}
     t.note_request("s", [1, 2, 3, 4, 5, 6, 7, 8, 9])
-    t.apply([_Event(3, _Stored(None, [_Block(21, [1, 2, 3, 4]), _Block(22, [5, 6, 7, 8])]))])
+    t.apply([_Event(3, _Stored(None, [_Block(21, [1, 2, 3, 4]), _Block(22, [5, 6, 7, 8])]))])  # not s's root hash
+    assert t.log.report(0).snapshot == {} and t.unmatched_roots == 2
+    t.apply([_Event(4, _Stored(None, [_Block(trt_root_hash([1, 2, 3, 4], "s"), [1, 2, 3, 4]), _Block(22, [5, 6, 7, 8])]))])
     expected = block_hashes([1, 2, 3, 4, 5, 6, 7, 8], 4, salt="s")
     cursor = t.log.next_seq
     assert t.log.report(0).snapshot == {expected[0]: GPU, expected[1]: GPU}
-    t.apply([_Event(5, _Stored(22, [_Block(23, [9, 10, 11, 12])]))])  # event 4 was lost
+    t.apply([_Event(6, _Stored(22, [_Block(23, [9, 10, 11, 12])]))])  # event 5 was lost
     assert t.log.report(cursor).snapshot is not None
