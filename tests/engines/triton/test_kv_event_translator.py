@@ -6,6 +6,8 @@ its own (like the real one, unrelated to kvgate's): the gateway must see kvgate 
 
 from __future__ import annotations
 
+from datetime import timedelta
+
 import numpy as np
 
 import engines.contract as contract
@@ -107,3 +109,58 @@ def test_unknown_roots_and_parents_are_not_reported_and_gaps_force_a_resync():
     assert t.log.report(0).snapshot == {expected[0]: GPU, expected[1]: GPU}
     t.apply([_Event(6, _Stored(22, [_Block(23, [9, 10, 11, 12])]))])  # event 5 was lost
     assert t.log.report(cursor).snapshot is not None
+
+
+# --- attribution of roots to salts (TensorRT-LLM mixes cacheSaltID into the root's block hash) ----
+
+HEADER = tuple(range(900, 932))  # one full block every tenant's prompt starts with (a chat-template header)
+A = HEADER + tuple(range(1000, 1040))  # 72 tokens: two full blocks for kvgate
+B = HEADER + tuple(range(2000, 2040))
+
+
+def submit(h, ids, salt, tenant):
+    """Hand a request to the model without pumping: it waits for the next iteration."""
+    tensors = encode_request(EngineRequest(input_ids=ids, max_new_tokens=4, end_id=None, streaming=False,
+                                           sampling=SamplingParams(), retention=RetentionPlan(), cache_salt=salt,
+                                           tenant_id=tenant))
+    h.model.execute([h.pb.InferenceRequest(tensors)])
+
+
+def salted(ids, salt):
+    return set(block_hashes(ids, 32, salt=salt))
+
+
+def test_a_reused_root_never_lends_its_salt_to_another_tenants_chain(harness):
+    # Before: the reused request stayed pending with the header's tokens (a reused root emits no stored
+    # event) and tenant-b's fresh root, same header, was filed under salt a.
+    send(harness, A, "a", "tenant-a")
+    harness.executor.auto_run = False
+    submit(harness, A, "a", "tenant-a")  # reuses a's root: no stored event for it
+    submit(harness, B, "b", "tenant-b")  # same first block, other salt: a fresh root, stored
+    while harness.executor.active:
+        harness.executor.step()
+    harness.model.pump(timedelta(0))
+    mirror: dict[int, int] = {}
+    apply_report(mirror, poll(harness, 0))
+    assert set(mirror) == salted(A, "a") | salted(B, "b")
+    tenants = harness.model.ledger.tenants()
+    assert tenants == {"tenant-a": [3, 0], "tenant-b": [3, 0]}  # two full blocks + the partial one each
+
+
+def test_events_later_than_their_request_are_translated_under_their_own_salt(tmp_path, monkeypatch):
+    # The event manager's worker hands an iteration's events over after its responses (event_lag):
+    # the model has forgotten the finished request when they arrive. Before: the late root went to the
+    # next pending request with the same header — tenant-b's — and a's chain was filed under salt b.
+    h = make_harness(tmp_path, monkeypatch, event_lag=2)
+    try:
+        send(h, A, "a", "tenant-a")
+        assert h.model.kv_events.log.report(0).snapshot == {}  # not arrived yet
+        submit(h, B, "b", "tenant-b")
+        mirror: dict[int, int] = {}
+        for _ in range(4):  # each stats poll drains the event manager once
+            report = poll(h, 0)
+        apply_report(mirror, report)
+        assert set(mirror) == salted(A, "a") | salted(B, "b")
+        assert h.model.ledger.tenants() == {"tenant-a": [3, 0], "tenant-b": [3, 0]}
+    finally:
+        h.model.finalize()
