@@ -22,16 +22,20 @@ next to the code that applies it): it reads the engine's ``config.json``
 and runs with reuse off when the engine lacks it (batch_manager/
 trtGptModelInflightBatching.cpp), regularizes top-k/top-p so an unset pair means greedy
 (kernels/samplingTopKKernels.h ``regularizeTopKTopP``), validates retention ranges
-(executor/kvCacheRetentionConfig.cpp), batches stored blocks in one event
-(batch_manager/kvCacheEventManager.cpp ``enqueueStoredEvent``), returns only the iteration
-stats since the last call, and exposes an event manager even with a zero event buffer.
+(executor/kvCacheRetentionConfig.cpp), stores blocks for reuse and reports them when the
+KV cache manager does (``fake_block_manager.py``: storeContextBlocks / storeNewBlock /
+releaseBlocks, one stored event per store call, events flushed per iteration and handed over
+late by the event manager's worker), returns only the iteration stats since the last call,
+and exposes an event manager even with a zero event buffer.
 Exceptions are what nanobind makes of the C++ ones (nanobind src/nb_internals.cpp
 ``default_exception_translator``): ``std::invalid_argument`` → ValueError, any other
 ``std::exception`` (``TLLM_CHECK`` throws ``TllmException``, a ``std::runtime_error``) → RuntimeError.
 
 Durations are ``datetime.timedelta`` (``std::chrono::milliseconds`` via nanobind stl/chrono.h).
-The simulated engine is tiny: it "generates" deterministic tokens, reuses full prompt
-blocks whose salted prefix chain it has stored, and emits stored events for new ones.
+The simulated engine is tiny: it "generates" deterministic tokens and runs iterations
+(``Executor.step``; ``await_responses`` runs them until every request finished unless a test
+sets ``auto_run = False`` and steps by hand), with a KV block manager that matches, stores and
+releases blocks under TensorRT-LLM's own salted block hash (``fake_block_manager.py``).
 """
 
 from __future__ import annotations
