@@ -141,6 +141,7 @@ class TritonPythonModel:
         # Finished requests, dropped from the ledger's pending roots after the next event drain.
         self.finished: list[contract.EngineRequest] = []
         self.latest_kv_stats: Any = None
+        self.hash_warned = False  # logged once when no stored root matches kvgate's reproduction of the hash
         self.stopping = threading.Event()
         self.thread = threading.Thread(target=self._response_loop, name="kvgate-responses", daemon=True)
         self.thread.start()
@@ -303,6 +304,14 @@ class TritonPythonModel:
                 self.ledger.apply(events)
                 if self.kv_events is not None:
                     self.kv_events.apply(events)
+                    if not self.hash_warned and self.kv_events.hash_mismatch_suspected():
+                        self.hash_warned = True
+                        log.error(
+                            "kvgate_llm: %d stored root blocks matched no request: this TensorRT-LLM build's block hash "
+                            "differs from engines/trtllm/block_key.py, so KV events cannot be attributed to salts or "
+                            "tenants (routers get no credit, quotas see unattributed blocks)",
+                            self.kv_events.unmatched_roots,
+                        )
             # A finished request stops being pending in the ledger (shared-prefix FIFO); its root hash
             # still resolves there and in the translator, so events later than this drain (the event
             # manager's worker thread hands them over asynchronously) are still attributed exactly.

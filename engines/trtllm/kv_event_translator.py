@@ -53,6 +53,7 @@ class KvEventTranslator:
     log: KvEventLog = field(init=False)
     max_blocks: int = 1 << 20
     max_roots: int = 4096
+    matched_roots: int = 0
     unmatched_roots: int = 0
     _kv: dict[int, int] = field(default_factory=dict)  # TensorRT-LLM block hash -> kvgate hash
     _tier: dict[int, int] = field(default_factory=dict)  # kvgate hash -> cache level (0 GPU, 1 host)
@@ -78,6 +79,14 @@ class KvEventTranslator:
         self._roots.move_to_end(key)
         while len(self._roots) > self.max_roots:
             self._roots.popitem(last=False)
+
+    def hash_mismatch_suspected(self, threshold: int = 32) -> bool:
+        """True when ``threshold`` stored roots arrived and none matched a noted request.
+
+        What a TensorRT-LLM build whose ``BlockKeyHasher`` differs from ``block_key.py`` looks like:
+        nothing is misattributed, but nothing is reported either.
+        """
+        return self.matched_roots == 0 and self.unmatched_roots >= threshold
 
     # Events --------------------------------------------------------------------------
     def apply(self, events: Any) -> None:
@@ -123,6 +132,7 @@ class KvEventTranslator:
             if entry is None or entry[1] != self._tokens(first):
                 self.unmatched_roots += 1
                 return  # no noted request has this root under its salt
+            self.matched_roots += 1
             parent = root_hash(entry[0])
         by_level: dict[int, list[int]] = {}
         for block in blocks:

@@ -164,3 +164,21 @@ def test_events_later_than_their_request_are_translated_under_their_own_salt(tmp
         assert h.model.ledger.tenants() == {"tenant-a": [3, 0], "tenant-b": [3, 0]}
     finally:
         h.model.finalize()
+
+
+def test_a_build_whose_block_hash_differs_is_reported_once_and_misattributes_nothing(tmp_path, monkeypatch, caplog):
+    from tests.engines.triton import fake_block_manager
+
+    real = fake_block_manager.block_key_hash
+    monkeypatch.setattr(fake_block_manager, "block_key_hash", lambda tokens, parent, salt: real(tokens, parent, salt) ^ 1)
+    h = make_harness(tmp_path, monkeypatch)
+    try:
+        for i in range(33):
+            send(h, tuple(range(3000 + 40 * i, 3000 + 40 * i + 40)), "a", "tenant-a")
+        poll(h, 0)
+        assert poll(h, 0).snapshot == {}  # nothing reported rather than anything under a guessed salt
+        assert h.model.ledger.tenants() == {}
+        errors = [r for r in caplog.records if "block hash differs" in r.getMessage()]
+        assert len(errors) == 1
+    finally:
+        h.model.finalize()
