@@ -21,10 +21,13 @@ the chain from the root, skips blocks whose key is already in the tree and store
                                        handed to the event manager's worker thread
 
 so the block holding the last prompt token is stored only when generation fills it or at
-release, never at enqueue. Not modelled: partial reuse (``enable_partial_reuse``: a block whose
-tokens only partly match, or a stored partial block, counts as missed here), capacity-driven
-eviction and offload (tests call ``evict`` / ``offload`` / ``onboard`` on the executor),
-per-block retention priorities (every stored block reports the default 35).
+release, never at enqueue. Partial reuse (``enable_partial_reuse``) is modelled as
+``loadOrAllocateBlocks`` does it, including its silence: an unreferenced leaf that a prompt
+matches only partly is taken out of the tree for the request *without a removed event*
+(``silently_removed`` keeps them, for tests). Not modelled: capacity-driven eviction and
+offload (tests call ``evict`` / ``offload`` / ``onboard`` on the executor), per-block retention
+priorities (every stored block reports the default 35), the free-list accounting behind
+``KvCacheMetrics`` (total = the prompt's blocks, new = total − reused).
 """
 
 from __future__ import annotations
@@ -94,9 +97,13 @@ class FakeBlockManager:
 
     def __init__(self, tokens_per_block: int, *, enable_block_reuse: bool,
                  enqueue_stored: Callable[[Any, list[TreeBlock]], None],
-                 enqueue_removed: Callable[[int], None]) -> None:
+                 enqueue_removed: Callable[[int], None],
+                 enable_partial_reuse: bool = True, copy_on_partial_reuse: bool = True) -> None:
         self.tokens_per_block = tokens_per_block
         self.enable_block_reuse = enable_block_reuse
+        self.enable_partial_reuse = enable_partial_reuse
+        self.copy_on_partial_reuse = copy_on_partial_reuse
+        self.silently_removed: set[int] = set()  # left the tree through partial reuse, no event
         self.tree: dict[int, TreeBlock] = {}
         self.roots: dict[tuple[tuple[int, ...], int | None], int] = {}  # mCachedBlocksRoot's next blocks
         self.sequences: dict[int, Sequence] = {}
@@ -116,17 +123,56 @@ class FakeBlockManager:
         reused = 0
         children = self.roots
         for key in chop(prompt, len(prompt) - 1, tpb, True)[:context_blocks]:
-            if len(key) != tpb:
-                break  # a partial key matches only partially (enable_partial_reuse): not modelled
-            found = children.get((tuple(key), salt_id))
+            found, partial = self._find_matching_block(children, tuple(key), salt_id)
             if found is None:
                 break  # "searchRoot = nullptr; // no matching needed for following blocks"
             block = self.tree[found]
-            block.refs += 1  # claimBlock + addBlockToAllBeams
-            seq.held.append(found)
-            reused += 1
-            children = block.children
+            reused += 1  # ++mReusedBlocks, partial matches included
+            if not partial:  # "Recover block and reuse": claimBlock + addBlockToAllBeams
+                block.refs += 1
+                seq.held.append(found)
+                children = block.children
+                continue
+            if block.refs == 0 and not block.children:
+                # "Leaf block that nobody is using. Make block private and reuse": freeLeafBlock unlinks it
+                # from its parent and no event is enqueued, so event readers still count it as cached.
+                self._unlink(block)
+                del self.tree[found]
+                self.silently_removed.add(found)
+            # else "copy reusable tokens" into a fresh private block: the tree is untouched
+            break  # "searchRoot = nullptr; // no matching needed for following blocks"
         return reused, context_blocks
+
+    # kvCacheManager.cpp KVCacheBlock::findMatchingBlock(blockKey, enablePartialReuse, copyOnPartialReuse)
+    def _find_matching_block(self, children, tokens: tuple[int, ...], salt_id: int | None) -> tuple[int | None, bool]:
+        """(block, partialMatch): an exact key returns ``!block->isFull()``; otherwise, with partial reuse,
+        the child sharing the most leading tokens (same salt: BlockKey::partialMatch compares it first),
+        among all children with copy-on-partial-reuse, else among unreferenced leaves."""
+        if not tokens or not children:
+            return None, False
+        found = children.get((tokens, salt_id))
+        if found is not None:
+            return found, len(self.tree[found].tokens) != self.tokens_per_block
+        if not self.enable_partial_reuse:
+            return None, False
+        best, best_hash = 0, None
+        for (child_tokens, child_salt), child in children.items():
+            block = self.tree[child]
+            if child_salt != salt_id or not (self.copy_on_partial_reuse or (block.refs == 0 and not block.children)):
+                continue
+            matched = 0
+            for a, b in zip(child_tokens, tokens):
+                if a != b:
+                    break
+                matched += 1
+            if matched > best:
+                best, best_hash = matched, child
+        return best_hash, best_hash is not None
+
+    def _unlink(self, block: TreeBlock) -> None:
+        parent = self.tree.get(block.parent)
+        siblings = parent.children if parent is not None else self.roots
+        siblings.pop((block.tokens, block.salt_id), None)
 
     # kvCacheManager.cpp BlockManager::storeContextBlocks: chopVectorIntoBlocks(uniqueTokens,
     # uniqueTokens.size() - 1, B, false); trtGptModelInflightBatching.cpp calls it in forwardAsync for a
@@ -194,9 +240,7 @@ class FakeBlockManager:
             raise RuntimeError(f"block {block_hash} is in use: only unreferenced blocks are evicted")
         for child in list(block.children.values()):
             self.evict(child)
-        parent = self.tree.get(block.parent)
-        siblings = parent.children if parent is not None else self.roots
-        siblings.pop((block.tokens, block.salt_id), None)
+        self._unlink(block)
         del self.tree[block_hash]
         self._enqueue_removed(block_hash)
 

@@ -535,7 +535,8 @@ def make_module(*, salt_supported: bool = True, primary_blocks: int = 64, second
             self.paged_context_fmha, self.tokens_per_block = _read_engine(model_path)
             kv_config = getattr(executor_config, "kv_cache_config", None)
             if kv_config is None:  # executor.h KvCacheConfig defaults
-                kv_config = types.SimpleNamespace(onboard_blocks=True, enable_block_reuse=True, event_buffer_max_size=0)
+                kv_config = types.SimpleNamespace(onboard_blocks=True, enable_block_reuse=True, event_buffer_max_size=0,
+                                                  enable_partial_reuse=True, copy_on_partial_reuse=True)
             orchestrator = getattr(executor_config, "parallel_config", None) is not None and \
                 executor_config.parallel_config.communication_mode is CommunicationMode.ORCHESTRATOR
             self.warnings: list[str] = []
@@ -565,7 +566,9 @@ def make_module(*, salt_supported: bool = True, primary_blocks: int = 64, second
             self.iteration_stats: deque = deque(maxlen=max(self.iter_stats_max_iterations, 1))
             self.events = KVCacheEventManager(kv_config.event_buffer_max_size)
             self.blocks = FakeBlockManager(self.tokens_per_block, enable_block_reuse=self.block_reuse,
-                                           enqueue_stored=self._stored, enqueue_removed=self._removed)
+                                           enqueue_stored=self._stored, enqueue_removed=self._removed,
+                                           enable_partial_reuse=kv_config.enable_partial_reuse,
+                                           copy_on_partial_reuse=kv_config.copy_on_partial_reuse)
             # kvCacheManager.cpp WindowBlockManager ctor: enqueueCreatedEvent. Flushed at once here (the real
             # one waits for the first iteration's flush) so a stats call before any request sees the sizes.
             self._event(KVCacheCreatedData([primary_blocks, secondary_blocks]))

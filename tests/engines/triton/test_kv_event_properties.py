@@ -142,7 +142,7 @@ class Replica:
                 assert block.tenant in TENANTS_OF[self.ever[trt_hash][0]], "a block was counted for another tenant"
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=300, deadline=None)
 @given(st.integers(0, 2), ops)
 def test_no_event_is_ever_filed_under_another_salt(engine_dir, lag, steps):
     replica = Replica(engine_dir, lag)
@@ -159,8 +159,14 @@ def test_no_event_is_ever_filed_under_another_salt(engine_dir, lag, steps):
         replica.step()
     for _ in range(lag + 1):
         replica.drain()
-    # every event delivered: the translation is complete and exact, the ledger attributes every block
+    # every event delivered: the translation is complete, the ledger attributes every block
     full = {h for h in replica.executor.tree if replica.expected(h) is not None}
-    assert set(replica.translator._kv) == full
-    assert set(replica.index._tier) == {replica.expected(h) for h in full}
+    assert full <= set(replica.translator._kv)
+    assert {replica.expected(h) for h in full} <= set(replica.index._tier)
     assert all(replica.ledger._blocks[h].tenant != UNATTRIBUTED for h in replica.executor.tree)
+    # ...and exact but for one gap of TensorRT-LLM's events: a leaf that partial reuse takes out of the
+    # tree is never reported removed (kvCacheManager.cpp loadOrAllocateBlocks, freeLeafBlock), so it stays
+    # listed — under its own salt — until evicted or re-stored
+    stale = set(replica.translator._kv) - full
+    assert stale <= replica.executor.blocks.silently_removed
+    assert {replica.expected(h) for h in stale} == set(replica.index._tier) - {replica.expected(h) for h in full}
