@@ -67,6 +67,7 @@ def trt_block_hash(tokens: Iterable[int], parent_hash: int = 0, salt_id: int | N
 def trt_root_hash(tokens: Iterable[int], salt: str | None) -> int:
     """The hash TensorRT-LLM gives the first block holding ``tokens`` for a request with ``salt``.
 
-    ``salt`` as the gateway sends it (``cache_salt``); None/empty means no ``cache_salt_id`` was set.
+    ``salt`` as parsed from the request (``cache_salt``, never empty: the contract makes "" None); the
+    executor gets ``cache_salt_id(salt)`` exactly when it is not None (``executor_args.build_request``).
     """
-    return trt_block_hash(tokens, 0, cache_salt_id(salt) if salt else None)
+    return trt_block_hash(tokens, 0, cache_salt_id(salt) if salt is not None else None)
