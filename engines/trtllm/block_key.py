@@ -5,9 +5,11 @@ nanobind/executor/bindings.cpp) but no salt and no request id. That hash is
 ``KVCacheBlock::getHash()``, set by ``WindowBlockManager::storeBlocks``
 (batch_manager/kvCacheManager.cpp) as ``BlockKeyHasher()(blockKey, searchRoot->getHash())``,
 where the search starts at ``mCachedBlocksRoot`` whose hash is 0 (``KVCacheBlock`` ctor:
-``mHash{0}``). ``BlockKeyHasher::hash`` (kvCacheManager.cpp in the 1.2-era sources; moved to
-batch_manager/blockKey.cpp later, with the mixing steps factored into ``__hash32``/``__hash64``
-in batch_manager/common.h and then ``hash32Mix``/``hash64Mix`` — the same arithmetic) is::
+``mHash{0}``). ``BlockKeyHasher::hash`` (kvCacheManager.cpp in the 1.2-era snapshot b35ac1b6,
+the one docs/architecture.md cites for executorImpl.cpp; moved to batch_manager/blockKey.cpp
+later, with the mixing steps factored into ``__hash32``/``__hash64`` in batch_manager/common.h
+and then ``hash32Mix``/``hash64Mix`` (0bd2980d) — the same arithmetic; the ``v1.2.1`` tag
+itself could not be read here) is::
 
     seed = len(tokens) ^ parent * 0xbf58476d1ce4e5b9            (size_t, i.e. mod 2**64)
     if parent == 0 and cacheSaltID:  seed = mix64(cacheSaltID, seed)   # the root only

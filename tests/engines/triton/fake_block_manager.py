@@ -1,9 +1,9 @@
 """The double's KV block manager: when TensorRT-LLM 1.2 stores blocks for reuse and which events say so.
 
 Only for tests (``fake_trtllm.Executor`` drives it). Every rule cites the C++ it follows:
-``cpp/tensorrt_llm/batch_manager/kvCacheManager.cpp`` (1.2-era NVIDIA/TensorRT-LLM sources;
-the ``v1.2.1`` tag itself was not readable here), ``batch_manager/kvCacheEventManager.cpp``,
-``batch_manager/trtGptModelInflightBatching.cpp``. One attention window, beam width 1,
+``cpp/tensorrt_llm/batch_manager/kvCacheManager.cpp`` (NVIDIA/TensorRT-LLM b35ac1b6, a 1.2-era
+snapshot; the ``v1.2.1`` tag itself was not readable here), ``batch_manager/kvCacheEventManager.cpp``
+(05843b0a), ``batch_manager/trtGptModelInflightBatching.cpp`` (forwardAsync / forwardSync). One attention window, beam width 1,
 no chunked context, no sliding window.
 
 When blocks enter the reuse tree (each a ``WindowBlockManager::storeBlocks`` call, which walks
