@@ -63,7 +63,9 @@ def block_key_hash(tokens: list[int] | tuple[int, ...], parent_hash: int, salt_i
 
 
 def chop(tokens: list[int], usable: int, tokens_per_block: int, allow_partial: bool) -> list[list[int]]:
-    """``chopVectorIntoBlocks(tokens, usable, tokensPerBlock, allowPartial)`` (batch_manager/kvCacheUtils.h)."""
+    """``chopVectorIntoBlocks(vec, usableSize, elementsPerBlock, allowPartial)`` (include/.../batch_manager/
+    kvCacheManager.h; in kvCacheManager.cpp's anonymous namespace in other snapshots): blocks of the first
+    ``usable`` tokens, a short last one only with ``allow_partial``."""
     head = list(tokens[: max(usable, 0)])
     blocks = [head[i:i + tokens_per_block] for i in range(0, len(head), tokens_per_block)]
     if not allow_partial and blocks and len(blocks[-1]) < tokens_per_block:
