@@ -138,10 +138,10 @@ class TritonPythonModel:
         self.kv_events = KvEventTranslator(self.params.tokens_per_block) if self.event_manager is not None else None
         self.lock = threading.Lock()
         self.pending: dict[int, _Pending] = {}
-        # Finished requests whose root-block expectation is dropped after the next event
-        # drain: their stored events may arrive in the same iteration as the final response.
+        # Finished requests, dropped from the ledger's pending roots after the next event drain.
         self.finished: list[contract.EngineRequest] = []
         self.latest_kv_stats: Any = None
+        self.hash_warned = False  # logged once when no stored root matches kvgate's reproduction of the hash
         self.stopping = threading.Event()
         self.thread = threading.Thread(target=self._response_loop, name="kvgate-responses", daemon=True)
         self.thread.start()
@@ -203,7 +203,9 @@ class TritonPythonModel:
             request_id = self.executor.enqueue_request(trt_request)  # executor.cpp: enqueue_request(request) -> id
             self.pending[request_id] = _Pending(sender, parsed, end_id, triton_id)
             if self.event_manager is not None:
-                self.ledger.note_request(parsed.tenant_id, parsed.input_ids)
+                # Roots are matched by TensorRT-LLM's own salted root hash (engines/trtllm/block_key.py):
+                # noting after enqueue is safe, the events are drained under this lock.
+                self.ledger.note_request(parsed.tenant_id, parsed.input_ids, parsed.cache_salt)
                 if self.kv_events is not None:
                     self.kv_events.note_request(parsed.cache_salt, parsed.input_ids)
 
@@ -302,10 +304,19 @@ class TritonPythonModel:
                 self.ledger.apply(events)
                 if self.kv_events is not None:
                     self.kv_events.apply(events)
+                    if not self.hash_warned and self.kv_events.hash_mismatch_suspected():
+                        self.hash_warned = True
+                        log.error(
+                            "kvgate_llm: %d stored root blocks matched no request: this TensorRT-LLM build's block hash "
+                            "differs from engines/trtllm/block_key.py, so KV events cannot be attributed to salts or "
+                            "tenants (routers get no credit, quotas see unattributed blocks)",
+                            self.kv_events.unmatched_roots,
+                        )
+            # A finished request stops being pending in the ledger (shared-prefix FIFO); its root hash
+            # still resolves there and in the translator, so events later than this drain (the event
+            # manager's worker thread hands them over asynchronously) are still attributed exactly.
             for done in self.finished:
-                self.ledger.forget_request(done.tenant_id, done.input_ids)
-                if self.kv_events is not None:
-                    self.kv_events.forget_request(done.cache_salt, done.input_ids)
+                self.ledger.forget_request(done.tenant_id, done.input_ids, done.cache_salt)
             self.finished.clear()
 
     def stats_report(self, events_since: int | None = None) -> contract.PoolStatsReport:

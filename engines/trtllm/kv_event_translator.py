@@ -1,13 +1,12 @@
 """TensorRT-LLM KV cache events → kvgate block hashes, for routers (``engines/kv_events.py``).
 
 The executor's ``KVCacheEventManager.get_latest_events`` (nanobind/executor/bindings.cpp,
-submodule ``kv_cache``) reports blocks by TensorRT-LLM's own block hash
-(``BlockKeyHasher`` in ``cpp/tensorrt_llm/batch_manager/kvCacheManager.cpp``), which
-depends on the build and mixes the request's ``cacheSaltID`` in ways the gateway cannot
-reproduce. So the router never sees it: every stored block is re-hashed with kvgate's
-chain hash over the tokens the event carries (``KVCacheStoredBlockData.tokens``, each a
-``UniqueToken`` with ``token_id``), and TensorRT-LLM's hash is only a key to find the
-kvgate hash again for later *removed* / *updated* events::
+submodule ``kv_cache``) reports blocks by TensorRT-LLM's own block hash (``BlockKeyHasher``,
+reproduced in :mod:`engines.trtllm.block_key`). The router never sees it: every stored block
+is re-hashed with kvgate's chain hash over the tokens the event carries
+(``KVCacheStoredBlockData.tokens``, each a ``UniqueToken`` with ``token_id``), and
+TensorRT-LLM's hash is only a key to find the kvgate hash again for later *removed* /
+*updated* events::
 
     stored(parent=P, blocks=[b1 b2])   kv(b1) = chain_hash(kv(P) or root(salt), tokens(b1))
                                        kv(b2) = chain_hash(kv(b1), tokens(b2))
@@ -15,25 +14,36 @@ kvgate hash again for later *removed* / *updated* events::
     updated(b2, cache_level 0→1)       → MOVED kv(b2) to host
 
 Roots: a block without a parent starts a chain whose kvgate root depends on the request's
-salt, which events do not carry. As ``kv_ledger.TenantBlockLedger`` does for tenants, the
-translator matches a root block's tokens against the first block of requests enqueued
-and not yet seen (``note_request`` / ``forget_request``), oldest first. A root that
-matches no pending request, or a block whose parent is unknown (its chain was never
-translated), is not reported: the router then simply does not credit that prefix.
+salt, which events do not carry. TensorRT-LLM mixes the request's ``cacheSaltID`` into the
+root's hash, so the salt is recovered *exactly*: ``note_request`` computes the TensorRT-LLM
+hash of the request's first block under its salt (``block_key.trt_root_hash``) and keeps
+``hash -> (salt, tokens)`` in a bounded most-recently-noted map; a stored root is
+translated only when its ``block_hash`` and tokens equal an entry. A root of another salt
+has another hash, so it can never be filed under this salt, whatever the order of requests,
+reused roots (which emit nothing) and late or batched events. Entries are facts, not
+expectations: they are not consumed by a match nor dropped when a request ends, so an event
+that arrives after its request finished is still translated; the bound only forgets the
+least recently noted first blocks. A root that matches no entry (a prompt shorter than one
+block whose root filled with generated tokens, an entry forgotten under load, a build whose
+hash differs) and a block whose parent is unknown are not reported: the router then simply
+does not credit that prefix (``unmatched_roots`` counts the former).
 
-Invariants: the map from TensorRT-LLM hash to kvgate hash only holds blocks currently
-reported cached (removal drops the entry) and never exceeds ``max_blocks`` (when it
-would, it is cleared and every poller resyncs); a gap in TensorRT-LLM's ``event_id``
-sequence (its bounded ``event_buffer_max_size`` dropped events) makes every poller resync.
+Invariants: every STORED hash is ``block_hashes(tokens of its chain, salt=s)[-1]`` for the
+salt ``s`` whose ``cacheSaltID`` produced the root's TensorRT-LLM hash; the map from
+TensorRT-LLM hash to kvgate hash only holds blocks currently reported cached (removal drops
+the entry) and never exceeds ``max_blocks`` (when it would, it is cleared and every poller
+resyncs); a gap in TensorRT-LLM's ``event_id`` sequence (its bounded ``event_buffer_max_size``
+dropped events) makes every poller resync.
 """
 
 from __future__ import annotations
 
-from collections import deque
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
 from engines.kv_events import MOVED, REMOVED, STORED, KvEventLog
+from engines.trtllm.block_key import trt_root_hash
 from retention.hashing import chain_hash, pack_tokens, root_hash
 
 
@@ -42,11 +52,13 @@ class KvEventTranslator:
     tokens_per_block: int
     log: KvEventLog = field(init=False)
     max_blocks: int = 1 << 20
-    max_pending: int = 4096
+    max_roots: int = 4096
+    matched_roots: int = 0
+    unmatched_roots: int = 0
     _kv: dict[int, int] = field(default_factory=dict)  # TensorRT-LLM block hash -> kvgate hash
     _tier: dict[int, int] = field(default_factory=dict)  # kvgate hash -> cache level (0 GPU, 1 host)
-    _pending: dict[tuple[int, ...], deque[str | None]] = field(default_factory=dict)
-    _pending_total: int = 0
+    # TensorRT-LLM root hash -> (salt, first-block tokens), most recently noted last
+    _roots: OrderedDict[int, tuple[str | None, tuple[int, ...]]] = field(default_factory=OrderedDict)
     _last_event_id: int | None = None
 
     def __post_init__(self) -> None:
@@ -54,38 +66,27 @@ class KvEventTranslator:
 
     # Requests ------------------------------------------------------------------------
     def note_request(self, salt: str | None, input_ids: tuple[int, ...] | list[int]) -> None:
-        """A request with this salt may store a root block holding ``input_ids[:tokens_per_block]``."""
+        """Remember which salt a root holding ``input_ids[:tokens_per_block]`` would come from.
+
+        Call it before (or while) the request is enqueued. Prompts shorter than a block are not
+        noted: their root is stored only at release, filled with generated tokens.
+        """
         if len(input_ids) < self.tokens_per_block:
-            return  # a partial first block is never stored for reuse
-        key = tuple(int(t) for t in input_ids[: self.tokens_per_block])
-        self._pending.setdefault(key, deque()).append(salt or None)
-        self._pending_total += 1
-        if self._pending_total > self.max_pending:  # bounded: forget the oldest expectation
-            self._pop(next(iter(self._pending)))
-
-    def forget_request(self, salt: str | None, input_ids: tuple[int, ...] | list[int]) -> None:
-        """A finished request whose root block was reused (no stored event) stops being expected."""
-        key = tuple(int(t) for t in input_ids[: self.tokens_per_block])
-        queue = self._pending.get(key)
-        if queue is None or len(input_ids) < self.tokens_per_block:
             return
-        try:
-            queue.remove(salt or None)
-        except ValueError:
-            return
-        self._pending_total -= 1
-        if not queue:
-            del self._pending[key]
+        tokens = tuple(int(t) for t in input_ids[: self.tokens_per_block])
+        key = trt_root_hash(tokens, salt or None)
+        self._roots[key] = (salt or None, tokens)
+        self._roots.move_to_end(key)
+        while len(self._roots) > self.max_roots:
+            self._roots.popitem(last=False)
 
-    def _pop(self, key: tuple[int, ...]) -> tuple[bool, str | None]:
-        queue = self._pending.get(key)
-        if not queue:
-            return False, None
-        salt = queue.popleft()
-        self._pending_total -= 1
-        if not queue:
-            del self._pending[key]
-        return True, salt
+    def hash_mismatch_suspected(self, threshold: int = 32) -> bool:
+        """True when ``threshold`` stored roots arrived and none matched a noted request.
+
+        What a TensorRT-LLM build whose ``BlockKeyHasher`` differs from ``block_key.py`` looks like:
+        nothing is misattributed, but nothing is reported either.
+        """
+        return self.matched_roots == 0 and self.unmatched_roots >= threshold
 
     # Events --------------------------------------------------------------------------
     def apply(self, events: Any) -> None:
@@ -119,18 +120,20 @@ class KvEventTranslator:
             self.log.append(MOVED, (kv,), int(diff.new_value))
 
     def _stored(self, parent_hash: Any, blocks: Any) -> None:
+        if not blocks:
+            return
         if parent_hash is not None:
             parent = self._kv.get(int(parent_hash))
             if parent is None:
                 return  # the chain above was never translated: nothing below can be hashed
         else:
-            first = blocks[0] if blocks else None
-            if first is None:
-                return
-            found, salt = self._pop(self._tokens(first))
-            if not found:
-                return  # no request expected this root: its salt is unknown
-            parent = root_hash(salt)
+            first = blocks[0]
+            entry = self._roots.get(int(first.block_hash))
+            if entry is None or entry[1] != self._tokens(first):
+                self.unmatched_roots += 1
+                return  # no noted request has this root under its salt
+            self.matched_roots += 1
+            parent = root_hash(entry[0])
         by_level: dict[int, list[int]] = {}
         for block in blocks:
             tokens = self._tokens(block)

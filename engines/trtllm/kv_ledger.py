@@ -14,15 +14,19 @@ The executor reports block life cycles through ``KVCacheEventManager.get_latest_
 * ``KVCacheUpdatedData(block_hash, cache_level, priority)`` — ``cache_level`` is an optional
   ``KVCacheEventDiffInt(old_value, new_value)``: 0→1 is an offload, 1→0 an onboard.
 
-The data classes differ across builds (nanobind vs pybind, later additions such as
-``cache_salt``), so the ledger reads them by attribute, never by class.
+The data classes differ across builds (nanobind vs pybind, fields added over releases), so
+the ledger reads them by attribute, never by class. None of them carries a salt.
 
 Attribution: the events carry no request or tenant id. A stored block inherits the
-tenant of its parent; a root block (no known parent) is matched on its tokens against
-the first block of requests enqueued but not yet attributed, oldest first. With
-``salted`` isolation, chains never cross tenants, so this is exact up to two tenants
-sending the same first block at the same moment; with ``shared`` isolation a shared
-prefix counts for the tenant that stored it first — documented, and what a quota wants.
+tenant of its parent; a root block (``parent_hash`` None) is matched by its TensorRT-LLM
+``block_hash``, which mixes the request's ``cacheSaltID`` into the root
+(``engines/trtllm/block_key.py``), against the root hash of each noted request's first block
+under its salt. With ``salted`` (or ``dedicated``) isolation a hash belongs to one tenant, so
+attribution is exact whatever the order of requests, reused roots (no stored event) or late
+events. Tenants without a salt (``shared``) have the same hash for the same first block: among
+them the root goes to the oldest noted request not yet attributed or forgotten, and when none
+is left (an event later than the end of its request) to the last tenant that claimed it — a
+shared prefix counts for one of the tenants sharing it, which is what a quota wants.
 
 Invariant: ``tier_blocks[level]`` equals the number of live hashes at that level, and
 the per-tenant counts sum to it minus the unattributed blocks.
@@ -30,9 +34,11 @@ the per-tenant counts sum to it minus the unattributed blocks.
 
 from __future__ import annotations
 
-from collections import deque
+from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from typing import Any
+
+from engines.trtllm.block_key import trt_root_hash
 
 UNATTRIBUTED = ""
 
@@ -44,56 +50,71 @@ class _Block:
 
 
 @dataclass(slots=True)
+class _Root:
+    """Noted requests whose first block has one TensorRT-LLM root hash (one salt)."""
+
+    tokens: tuple[int, ...]
+    last: str  # the tenant a root with no pending request left is given (late events)
+    pending: deque[str] = field(default_factory=deque)
+
+
+@dataclass(slots=True)
 class TenantBlockLedger:
     tokens_per_block: int
     max_pending: int = 4096
+    max_roots: int = 4096
     level_capacity: list[int] = field(default_factory=lambda: [0, 0])
     offloaded: int = 0
     onboarded: int = 0
     evicted: int = 0
     _blocks: dict[int, _Block] = field(default_factory=dict)
     _counts: dict[str, list[int]] = field(default_factory=dict)
-    _pending: dict[tuple[int, ...], deque[str]] = field(default_factory=dict)
+    _roots: OrderedDict[int, _Root] = field(default_factory=OrderedDict)  # TensorRT-LLM root hash, newest last
     _pending_total: int = 0
 
     # Requests ------------------------------------------------------------------------
-    def note_request(self, tenant: str | None, input_ids: tuple[int, ...] | list[int]) -> None:
-        """Remember that ``tenant`` may store a root block holding ``input_ids[:tokens_per_block]``."""
+    def note_request(self, tenant: str | None, input_ids: tuple[int, ...] | list[int], salt: str | None = None) -> None:
+        """``tenant`` may store the root holding ``input_ids[:tokens_per_block]`` under ``salt``."""
         if len(input_ids) < self.tokens_per_block:
-            return  # a partial first block is never stored for reuse
-        key = tuple(int(t) for t in input_ids[: self.tokens_per_block])
-        queue = self._pending.setdefault(key, deque())
-        queue.append(tenant or UNATTRIBUTED)
+            return  # its root is stored only at release, filled with generated tokens: not matched
+        tokens = tuple(int(t) for t in input_ids[: self.tokens_per_block])
+        owner = tenant or UNATTRIBUTED
+        key = trt_root_hash(tokens, salt or None)
+        root = self._roots.get(key)
+        if root is None:
+            root = self._roots[key] = _Root(tokens, owner)
+        self._roots.move_to_end(key)
+        root.pending.append(owner)
         self._pending_total += 1
-        if self._pending_total > self.max_pending:  # bounded: forget the oldest expectation
-            oldest_key = next(iter(self._pending))
-            self._pop_pending(oldest_key)
+        while self._pending_total > self.max_pending:  # bounded: forget the oldest expectations
+            oldest = next(root for root in self._roots.values() if root.pending)
+            oldest.pending.popleft()
+            self._pending_total -= 1
+        while len(self._roots) > self.max_roots:
+            _, dropped = self._roots.popitem(last=False)
+            self._pending_total -= len(dropped.pending)
 
-    def forget_request(self, tenant: str | None, input_ids: tuple[int, ...] | list[int]) -> None:
-        """A finished request whose root block was reused (no stored event) stops being expected."""
+    def forget_request(self, tenant: str | None, input_ids: tuple[int, ...] | list[int], salt: str | None = None) -> None:
+        """A finished request stops being pending; its root hash still resolves (late events)."""
         if len(input_ids) < self.tokens_per_block:
             return
-        key = tuple(int(t) for t in input_ids[: self.tokens_per_block])
-        queue = self._pending.get(key)
-        if queue is None:
+        root = self._roots.get(trt_root_hash(input_ids[: self.tokens_per_block], salt or None))
+        if root is None:
             return
         try:
-            queue.remove(tenant or UNATTRIBUTED)
+            root.pending.remove(tenant or UNATTRIBUTED)
         except ValueError:
             return
         self._pending_total -= 1
-        if not queue:
-            del self._pending[key]
 
-    def _pop_pending(self, key: tuple[int, ...]) -> str | None:
-        queue = self._pending.get(key)
-        if not queue:
-            return None
-        tenant = queue.popleft()
-        self._pending_total -= 1
-        if not queue:
-            del self._pending[key]
-        return tenant
+    def _root_tenant(self, block: Any) -> str:
+        root = self._roots.get(int(block.block_hash))
+        if root is None or root.tokens != tuple(int(getattr(t, "token_id", t)) for t in block.tokens):
+            return UNATTRIBUTED
+        if root.pending:
+            root.last = root.pending.popleft()
+            self._pending_total -= 1
+        return root.last
 
     # Events --------------------------------------------------------------------------
     def apply(self, events: Any) -> None:
@@ -116,15 +137,14 @@ class TenantBlockLedger:
     def _stored(self, parent_hash: Any, blocks: Any) -> None:
         """One stored event: a chain of blocks; the first is a root iff ``parent_hash`` is None.
 
-        Only a root is matched against pending requests by its tokens; a chain under an unknown
-        parent stays unattributed (its tokens may equal some root's without being one).
+        Only a root is matched, by its TensorRT-LLM hash; a chain under an unknown parent stays
+        unattributed (its tokens may equal some root's without being one).
         """
         parent = self._blocks.get(int(parent_hash)) if parent_hash is not None else None
         tenant: str | None = parent.tenant if parent is not None else None
         for index, block in enumerate(blocks):
             if parent_hash is None and index == 0:
-                tokens = tuple(int(getattr(t, "token_id", t)) for t in block.tokens)
-                tenant = self._pop_pending(tokens)
+                tenant = self._root_tenant(block)
             owner = tenant if tenant is not None else UNATTRIBUTED
             block_hash = int(block.block_hash)
             self._drop(block_hash)  # a re-stored hash replaces its old entry

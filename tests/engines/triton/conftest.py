@@ -44,14 +44,15 @@ class Harness:
 
 def make_harness(tmp_path, monkeypatch, *, salt_supported=True, spec_name=SPEC, version="1.2.1", spec=None,
                  engine: dict | None = None, kv_cache_stats=True, write_engine=True,
-                 parameters=None):
+                 parameters=None, event_lag=0):
     """The model over a rendered repository and an engine directory holding a trtllm-build ``config.json``.
 
     ``engine`` overrides fields of that config.json (``fake_trtllm.write_engine_config``), e.g.
     ``{"paged_context_fmha": False}`` for what builder.py produces for FP8 KV without FP8 weights.
     """
     pb = fake_pb_utils.make_module()
-    trt = fake_trtllm.make_module(salt_supported=salt_supported, version=version, kv_cache_stats=kv_cache_stats)
+    trt = fake_trtllm.make_module(salt_supported=salt_supported, version=version, kv_cache_stats=kv_cache_stats,
+                                  event_lag=event_lag)
     fake_pb_utils.install(pb, monkeypatch)
     fake_trtllm.install(trt, monkeypatch)
     spec = spec if spec is not None else load_bundled_spec(spec_name)

@@ -22,16 +22,20 @@ next to the code that applies it): it reads the engine's ``config.json``
 and runs with reuse off when the engine lacks it (batch_manager/
 trtGptModelInflightBatching.cpp), regularizes top-k/top-p so an unset pair means greedy
 (kernels/samplingTopKKernels.h ``regularizeTopKTopP``), validates retention ranges
-(executor/kvCacheRetentionConfig.cpp), batches stored blocks in one event
-(batch_manager/kvCacheEventManager.cpp ``enqueueStoredEvent``), returns only the iteration
-stats since the last call, and exposes an event manager even with a zero event buffer.
+(executor/kvCacheRetentionConfig.cpp), stores blocks for reuse and reports them when the
+KV cache manager does (``fake_block_manager.py``: storeContextBlocks / storeNewBlock /
+releaseBlocks, one stored event per store call, events flushed per iteration and handed over
+late by the event manager's worker), returns only the iteration stats since the last call,
+and exposes an event manager even with a zero event buffer.
 Exceptions are what nanobind makes of the C++ ones (nanobind src/nb_internals.cpp
 ``default_exception_translator``): ``std::invalid_argument`` → ValueError, any other
 ``std::exception`` (``TLLM_CHECK`` throws ``TllmException``, a ``std::runtime_error``) → RuntimeError.
 
 Durations are ``datetime.timedelta`` (``std::chrono::milliseconds`` via nanobind stl/chrono.h).
-The simulated engine is tiny: it "generates" deterministic tokens, reuses full prompt
-blocks whose salted prefix chain it has stored, and emits stored events for new ones.
+The simulated engine is tiny: it "generates" deterministic tokens and runs iterations
+(``Executor.step``; ``await_responses`` runs them until every request finished unless a test
+sets ``auto_run = False`` and steps by hand), with a KV block manager that matches, stores and
+releases blocks under TensorRT-LLM's own salted block hash (``fake_block_manager.py``).
 """
 
 from __future__ import annotations
@@ -42,11 +46,26 @@ import sys
 import threading
 import types
 from collections import deque
+from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+from tests.engines.triton.fake_block_manager import FakeBlockManager, FakeEventQueue
+
 NONE = object()
+
+
+@dataclass(slots=True)
+class _Active:
+    """A request between enqueue and release: its planned tokens and responses (see Executor.step)."""
+
+    request: Any
+    generated: list[int]
+    planned: list[Any]
+    kv: Any  # the KvCacheMetrics its responses carry, filled when it is scheduled
+    scheduled: bool = False
+    produced: int = 0
 
 # cpp/tensorrt_llm/layers/defaultDecodingParams.h: getTopK() = 0, getTopP() = 0.0f — what an
 # unset SamplingConfig.top_k / top_p becomes in the decoding layers.
@@ -115,11 +134,13 @@ def _duration(name: str, value: Any) -> None:
 
 
 def make_module(*, salt_supported: bool = True, primary_blocks: int = 64, secondary_blocks: int = 256,
-                version: str | None = "1.2.1", kv_cache_stats: bool = True) -> types.ModuleType:
+                version: str | None = "1.2.1", kv_cache_stats: bool = True, event_lag: int = 0) -> types.ModuleType:
     """A fresh fake module; ``module.calls`` records (class name, kwargs) of every construction.
 
     ``kv_cache_stats=False``: ``IterationStats.kv_cache_stats`` is None (``std::optional<KvCacheStats>``
-    in executor/types.h; empty e.g. on a rank without a KV cache manager).
+    in executor/types.h; empty e.g. on a rank without a KV cache manager). ``event_lag``: how many
+    ``get_latest_events`` calls miss an iteration's events before they arrive (the event manager's
+    worker thread, ``fake_block_manager.FakeEventQueue``).
     """
     mod = types.ModuleType("tensorrt_llm.bindings.executor")
     if version is not None:
@@ -475,17 +496,17 @@ def make_module(*, salt_supported: bool = True, primary_blocks: int = 64, second
         ``get_latest_events`` is ``BlockManager::getLatestEvents`` (batch_manager/kvCacheManager.cpp):
         empty when the block manager has no event manager, i.e. ``event_buffer_max_size == 0``
         (trtGptModelInflightBatching.cpp createKvCacheManager: ``getEventBufferMaxSize() > 0 ?
-        make_unique<KVCacheEventManager>(...) : nullptr``). The buffer bound itself is not modelled."""
+        make_unique<KVCacheEventManager>(...) : nullptr``). Queueing, flushing, the buffer bound and
+        the worker's delay: ``fake_block_manager.FakeEventQueue``."""
 
         def __init__(self, buffer_max_size):
             self.buffer_max_size = buffer_max_size
-            self.events: deque = deque()
+            self.queue = FakeEventQueue(buffer_max_size, lambda event_id, data: KVCacheEvent(event_id, data),
+                                        lag=event_lag)
 
         def get_latest_events(self, timeout_ms=None):
             _float("timeout_ms", timeout_ms, optional=True)
-            out = list(self.events)
-            self.events.clear()
-            return out
+            return self.queue.take()
 
     class KvCacheStats:
         def __init__(self, **values):
@@ -514,7 +535,8 @@ def make_module(*, salt_supported: bool = True, primary_blocks: int = 64, second
             self.paged_context_fmha, self.tokens_per_block = _read_engine(model_path)
             kv_config = getattr(executor_config, "kv_cache_config", None)
             if kv_config is None:  # executor.h KvCacheConfig defaults
-                kv_config = types.SimpleNamespace(onboard_blocks=True, enable_block_reuse=True, event_buffer_max_size=0)
+                kv_config = types.SimpleNamespace(onboard_blocks=True, enable_block_reuse=True, event_buffer_max_size=0,
+                                                  enable_partial_reuse=True, copy_on_partial_reuse=True)
             orchestrator = getattr(executor_config, "parallel_config", None) is not None and \
                 executor_config.parallel_config.communication_mode is CommunicationMode.ORCHESTRATOR
             self.warnings: list[str] = []
@@ -537,21 +559,42 @@ def make_module(*, salt_supported: bool = True, primary_blocks: int = 64, second
             self.ready: deque = deque()
             self.requests: dict[int, Any] = {}
             self.cancelled: list[int] = []
-            self.tree: dict[int, int] = {}  # block hash -> cache level
+            self.active: dict[int, _Active] = {}  # enqueued, not finished (scheduled at the next iteration)
+            self.auto_run = True  # await_responses runs iterations until every request finished
             self.next_id = 1
-            self.event_id = 0
             self.reused_total = self.alloc_total = self.alloc_new = self.missed_total = 0
             self.iteration_stats: deque = deque(maxlen=max(self.iter_stats_max_iterations, 1))
             self.events = KVCacheEventManager(kv_config.event_buffer_max_size)
+            self.blocks = FakeBlockManager(self.tokens_per_block, enable_block_reuse=self.block_reuse,
+                                           enqueue_stored=self._stored, enqueue_removed=self._removed,
+                                           enable_partial_reuse=kv_config.enable_partial_reuse,
+                                           copy_on_partial_reuse=kv_config.copy_on_partial_reuse)
+            # kvCacheManager.cpp WindowBlockManager ctor: enqueueCreatedEvent. Flushed at once here (the real
+            # one waits for the first iteration's flush) so a stats call before any request sees the sizes.
             self._event(KVCacheCreatedData([primary_blocks, secondary_blocks]))
+            self.events.queue.flush()
             self.shut = False
             mod.executors.append(self)
+
+        @property
+        def tree(self):
+            """The reuse tree: TensorRT-LLM block hash -> block (fake_block_manager.TreeBlock)."""
+            return self.blocks.tree
 
         def _event(self, data):
             if self.events.buffer_max_size == 0:
                 return  # no event manager in the block manager: nothing is recorded
-            self.event_id += 1
-            self.events.events.append(KVCacheEvent(self.event_id, data))
+            self.events.queue.enqueue(data)
+
+        def _stored(self, parent_hash, blocks):
+            # kvCacheEventManager.cpp enqueueStoredEvent: KVCacheStoredBlockData(getHash(), getUniqueTokens(),
+            # loraTaskId, isPrimary() ? kPrimaryLevel : kSecondaryLevel, getPriority())
+            self._event(KVCacheStoredData(parent_hash, [
+                KVCacheStoredBlockData(b.block_hash, [UniqueToken(t) for t in b.tokens], b.level, 35) for b in blocks]))
+
+        def _removed(self, block_hash):
+            if self.events.buffer_max_size:
+                self.events.queue.enqueue_removed(block_hash, KVCacheRemovedData)
 
         def enqueue_request(self, request):
             if not isinstance(request, Request):
@@ -564,33 +607,10 @@ def make_module(*, salt_supported: bool = True, primary_blocks: int = 64, second
             return request_id
 
         def _run(self, request_id, request):
-            tpb = self.tokens_per_block
+            """Plan the request's tokens and responses; blocks are matched, stored and released by ``step``."""
+            # KvCacheMetrics are filled in when the request is scheduled (KVCacheManager::addSequence).
+            metrics = RequestPerfMetrics(KvCacheMetrics())
             ids = request.input_token_ids
-            parent = None
-            reused = new = 0
-            stored = []
-            for start in range(0, len(ids) - len(ids) % tpb, tpb):
-                chunk = tuple(ids[start:start + tpb])
-                key = hash((parent, chunk, request.cache_salt_id if parent is None else None))
-                if self.block_reuse and key in self.tree:
-                    reused += 1
-                else:
-                    new += 1
-                    if self.block_reuse:  # without reuse nothing enters the reuse tree
-                        self.tree[key] = 0
-                        stored.append((parent, key, chunk))
-                parent = key
-            if stored:
-                # kvCacheEventManager.cpp enqueueStoredEvent: one KVCacheStoredData per store call, its
-                # parent the first block's predecessor (None for a root), holding every stored block.
-                blocks = [KVCacheStoredBlockData(key, [UniqueToken(t) for t in chunk], 0, 35) for _, key, chunk in stored]
-                self._event(KVCacheStoredData(stored[0][0], blocks))
-            total = reused + new + (1 if len(ids) % tpb else 0)
-            self.reused_total += reused
-            self.alloc_total += total
-            self.alloc_new += total - reused
-            self.missed_total += new
-            metrics = RequestPerfMetrics(KvCacheMetrics(total=total, new=total - reused, reused=reused, missed=new))
             sampling = request.sampling_config  # None: every field unset -> (0, 0.0) -> greedy
             # Greedy decoding gives the deterministic tokens; sampling (what regularizeTopKTopP leaves
             # non-greedy) gives different ones, so a test can tell the two apart from the output.
@@ -601,13 +621,69 @@ def make_module(*, salt_supported: bool = True, primary_blocks: int = 64, second
             # Simulated log probabilities: -0.5 - 0.01 * token, returned only with return_log_probs.
             asked = request.output_config.return_log_probs
             lps = [-0.5 - 0.01 * t for t in generated]
+            planned = []
             if request.streaming:
                 for i, token in enumerate(generated):
-                    self.ready.append(Response(request_id, Result([token], i == len(generated) - 1, metrics,
-                                                                  lps[i:i + 1] if asked else None)))
+                    planned.append(Response(request_id, Result([token], i == len(generated) - 1, metrics,
+                                                               lps[i:i + 1] if asked else None)))
             else:
-                self.ready.append(Response(request_id, Result(generated, True, metrics, lps if asked else None)))
+                planned.append(Response(request_id, Result(generated, True, metrics, lps if asked else None)))
+            self.active[request_id] = _Active(request, generated, planned, metrics.kv_cache_metrics)
+
+        def step(self):
+            """One iteration (trtGptModelInflightBatching.cpp forwardAsync + forwardSync) over every active request.
+
+            Scheduling admits everything (no capacity model). Order, as in the C++: new requests get their
+            sequence (KVCacheManager::addSequence: reuse matching, per-request KV metrics); forwardAsync stores
+            context blocks of requests whose context ran and the newest block of requests in generation;
+            forwardSync appends each request's next token and releases finished (or cancelled) requests,
+            storing their blocks; responses go out; flushIterationEvents hands the events over.
+            """
+            with self.lock:
+                self._step()
+
+        def _step(self):
+            blocks = self.blocks
+            for request_id, active in self.active.items():
+                if request_id in self.cancelled or active.scheduled:
+                    continue
+                request = active.request
+                reused, context = blocks.add_sequence(request_id, request.input_token_ids, request.cache_salt_id)
+                kv = active.kv
+                kv.num_total_allocated_blocks, kv.num_reused_blocks = context, reused
+                kv.num_new_allocated_blocks = kv.num_missed_blocks = context - reused
+                kv.kv_cache_hit_rate = reused / context if context else 0.0
+                self.reused_total += reused
+                self.alloc_total += context
+                self.alloc_new += context - reused
+                self.missed_total += context - reused
+            for request_id, active in self.active.items():  # forwardAsync
+                if request_id in self.cancelled:
+                    continue
+                if not active.scheduled:
+                    blocks.store_context_blocks(request_id)  # context ran in this iteration
+                else:
+                    blocks.store_new_block(request_id)
+                active.scheduled = True
+            finished = []
+            for request_id, active in self.active.items():  # forwardSync
+                if request_id in self.cancelled:
+                    finished.append(request_id)  # terminated: its blocks are released (and stored)
+                    continue
+                if active.produced < len(active.generated):
+                    blocks.add_token(request_id, active.generated[active.produced])
+                    active.produced += 1
+                if active.request.streaming:
+                    self.ready.append(active.planned[active.produced - 1])
+                if active.produced == len(active.generated):
+                    if not active.request.streaming:
+                        self.ready.append(active.planned[0])
+                    finished.append(request_id)
+            for request_id in finished:
+                blocks.release(request_id)
+                del self.active[request_id]
             self.iteration_stats.append(IterationStats(self._kv_stats() if kv_cache_stats else None))
+            self.events.queue.flush()
 
         def _kv_stats(self):
             return KvCacheStats(
@@ -620,6 +696,8 @@ def make_module(*, salt_supported: bool = True, primary_blocks: int = 64, second
 
         def await_responses(self, timeout=None):
             _duration("timeout", timeout)
+            while self.auto_run and self.active:  # the executor's own loop; tests set auto_run False to step
+                self.step()
             with self.lock:
                 out = [r for r in self.ready if r.request_id not in self.cancelled]
                 self.ready.clear()
@@ -651,16 +729,22 @@ def make_module(*, salt_supported: bool = True, primary_blocks: int = 64, second
         def shutdown(self):
             self.shut = True
 
-        # test helpers: what the real pool would report on an offload / onboard / eviction
+        # test helpers: what the real pool would report on an offload / onboard / eviction, as if an iteration
+        # ran (kvCacheManager.cpp getFreeBlock / offloadBlock / onboardBlock: KVCacheUpdatedData(...)
+        # .cacheLevelUpdated; freeChildren: one removal per block, descendants first)
         def offload(self, block_hash):
+            self.tree[block_hash].level = 1
             self._event(KVCacheUpdatedData(block_hash, KVCacheEventDiffInt(0, 1), None))
+            self.events.queue.flush()
 
         def onboard(self, block_hash):
+            self.tree[block_hash].level = 0
             self._event(KVCacheUpdatedData(block_hash, KVCacheEventDiffInt(1, 0), None))
+            self.events.queue.flush()
 
         def evict(self, block_hash):
-            self.tree.pop(block_hash, None)
-            self._event(KVCacheRemovedData([block_hash]))
+            self.blocks.evict(block_hash)
+            self.events.queue.flush()
 
     for obj in (CommunicationMode, OrchestratorConfig, ParallelConfig, ModelType, KvCacheConfig, ExecutorConfig, KvCacheRetentionConfig, SamplingConfig, OutputConfig, Request,
                 Response, Result, KvCacheStats, IterationStats, Executor, GuidedDecodingParams, GuidedDecodingConfig):

@@ -7,6 +7,7 @@ import types
 import pytest
 
 from engines.trtllm.bindings import BindingError, load_executor_bindings, probe_cache_salt
+from engines.trtllm.block_key import trt_root_hash
 from engines.trtllm.kv_ledger import TenantBlockLedger
 from tests.engines.triton import fake_trtllm
 
@@ -81,18 +82,24 @@ def stored(parent, block_hash, tokens, level=0):
     return kv.KVCacheStoredData(parent, [kv.KVCacheStoredBlockData(block_hash, [kv.UniqueToken(t) for t in tokens], level, 35)])
 
 
-def test_ledger_attributes_roots_by_tokens_and_children_by_parent():
+def root(tokens, salt=None):
+    """The block_hash TensorRT-LLM gives this first block under ``salt`` (engines/trtllm/block_key.py)."""
+    return trt_root_hash(tokens, salt)
+
+
+def test_ledger_attributes_roots_by_their_salted_hash_and_children_by_parent():
     ledger = TenantBlockLedger(tokens_per_block=2)
     ledger.apply_one(kv.KVCacheCreatedData([10, 40]))
-    ledger.note_request("a", [1, 2, 3, 4, 5])
-    ledger.note_request("b", [1, 2, 9, 9])  # same first block, queued after a
-    ledger.apply_one(stored(None, 11, [1, 2]))  # first stored root with tokens 1,2 -> a (FIFO)
-    ledger.apply_one(stored(11, 12, [3, 4]))  # child inherits a
-    ledger.apply_one(stored(None, 21, [1, 2]))  # second root with the same tokens (another salt) -> b
-    ledger.apply_one(stored(21, 22, [9, 9]))
+    ledger.note_request("a", [1, 2, 3, 4, 5], salt="salt-a")
+    ledger.note_request("b", [1, 2, 9, 9], salt="salt-b")  # same first block, another salt
+    ledger.apply_one(stored(None, root([1, 2], "salt-b"), [1, 2]))  # b's root first: matched by hash, not by order
+    ledger.apply_one(stored(root([1, 2], "salt-b"), 22, [9, 9]))
+    ledger.apply_one(stored(None, root([1, 2], "salt-a"), [1, 2]))
+    ledger.apply_one(stored(root([1, 2], "salt-a"), 12, [3, 4]))  # child inherits a
     ledger.apply_one(stored(999, 30, [7, 7]))  # unknown parent: unattributed
+    ledger.apply_one(stored(None, root([1, 2], "salt-c"), [1, 2]))  # nobody noted salt-c: unattributed
     assert ledger.tenants() == {"a": [2, 0], "b": [2, 0]}
-    assert ledger.tier_blocks() == [5, 0]
+    assert ledger.tier_blocks() == [6, 0]
     assert ledger.level_capacity == [10, 40]
 
     ledger.apply_one(kv.KVCacheUpdatedData(12, kv.KVCacheEventDiffInt(0, 1)))
@@ -100,23 +107,34 @@ def test_ledger_attributes_roots_by_tokens_and_children_by_parent():
     assert ledger.tenants()["a"] == [1, 1] and ledger.offloaded == 1
     ledger.apply_one(kv.KVCacheUpdatedData(12, kv.KVCacheEventDiffInt(1, 0)))
     assert ledger.onboarded == 1 and ledger.tenants()["a"] == [2, 0]
-    ledger.apply_one(kv.KVCacheRemovedData([21, 22, 404]))
+    ledger.apply_one(kv.KVCacheRemovedData([root([1, 2], "salt-b"), 22, 404]))
     assert ledger.evicted == 2 and "b" not in ledger.tenants()
-    assert ledger.tier_blocks() == [3, 0]
+    assert ledger.tier_blocks() == [4, 0]
 
 
-def test_ledger_forgets_requests_that_stored_nothing_and_stays_bounded():
+def test_ledger_shared_roots_go_to_the_oldest_pending_tenant_and_stay_bounded():
     ledger = TenantBlockLedger(tokens_per_block=2, max_pending=3)
-    ledger.note_request("a", [1, 2])
+    ledger.note_request("a", [1, 2])  # no salt (shared isolation): same hash for every tenant
     ledger.forget_request("a", [1, 2])  # its root was reused: no stored event will come
     ledger.note_request("b", [1, 2])
-    ledger.apply_one(stored(None, 5, [1, 2]))
+    ledger.apply_one(stored(None, root([1, 2]), [1, 2]))
     assert ledger.tenants() == {"b": [1, 0]}
     for i in range(10):
         ledger.note_request("c", [100 + i, 0])
     assert ledger._pending_total == 3
-    ledger.note_request("d", [1])  # shorter than a block: never stored, never expected
+    ledger.note_request("d", [1])  # shorter than a block: never matched
     assert ledger._pending_total == 3
+
+
+def test_a_root_event_later_than_its_request_is_still_attributed_to_its_salt():
+    # Before: forget_request dropped the expectation and a late root went to the next pending request
+    # with the same first block, whatever its salt.
+    ledger = TenantBlockLedger(tokens_per_block=2)
+    ledger.note_request("a", [1, 2, 3], salt="salt-a")
+    ledger.forget_request("a", [1, 2, 3], salt="salt-a")  # finished; its events are still in flight
+    ledger.note_request("b", [1, 2, 4], salt="salt-b")
+    ledger.apply_one(stored(None, root([1, 2], "salt-a"), [1, 2]))
+    assert ledger.tenants() == {"a": [1, 0]}
 
 
 # --- what the stricter double refuses or does silently (issue 19), each as the real bindings ----
@@ -201,26 +219,60 @@ def test_event_manager_exists_even_with_a_zero_event_buffer(tmp_path):
     assert manager.get_latest_events(timeout_ms=0.0) == []
 
 
-def test_stored_blocks_of_one_request_arrive_in_one_event(tmp_path):
+def test_stored_blocks_of_one_store_call_arrive_in_one_event(tmp_path):
     module, executor = _executor(tmp_path)
     manager = executor.get_kv_cache_event_manager()
     manager.get_latest_events()
     executor.enqueue_request(module.Request(input_token_ids=list(range(100)), max_tokens=1))
-    [event] = manager.get_latest_events()
-    assert event.data.parent_hash is None and len(event.data.blocks) == 3  # kvCacheEventManager.cpp enqueueStoredEvent
+    executor.await_responses()
+    # kvCacheEventManager.cpp enqueueStoredEvent: one event per storeBlocks call. storeContextBlocks
+    # stores the full blocks of the first 99 tokens; releaseBlocks (max_tokens reached in the same
+    # iteration) the partial block holding tokens 96..99 under the third.
+    context, release = manager.get_latest_events()
+    assert context.data.parent_hash is None and [len(b.tokens) for b in context.data.blocks] == [32, 32, 32]
+    assert release.data.parent_hash == context.data.blocks[-1].block_hash
+    assert [[t.token_id for t in b.tokens] for b in release.data.blocks] == [[96, 97, 98, 99]]
+    assert release.event_id == context.event_id + 1
+
+
+def test_the_double_stores_blocks_when_tensorrt_llm_does(tmp_path):
+    # Before: the double stored every full prompt block at enqueue. TensorRT-LLM stores nothing at
+    # enqueue; at the end of the context phase the full blocks of promptLen - 1 tokens (storeContextBlocks);
+    # the block holding the last prompt token once generation fills it (storeNewBlock) or at release
+    # (releaseBlocks, partial too). Events of one iteration leave at its end (flushIterationEvents).
+    module, executor = _executor(tmp_path)
+    manager = executor.get_kv_cache_event_manager()
+    manager.get_latest_events()
+    executor.auto_run = False
+    prompt = list(range(64))  # exactly two blocks of 32
+    executor.enqueue_request(module.Request(input_token_ids=prompt, max_tokens=3))
+    assert manager.get_latest_events() == []  # enqueue stores nothing
+
+    def stored_tokens():
+        return [[[t.token_id for t in b.tokens] for b in e.data.blocks] for e in manager.get_latest_events()]
+
+    executor.step()  # context: tokens 0..62 hold one full block; first token generated (65 tokens)
+    assert stored_tokens() == [[prompt[:32]]]
+    executor.step()  # before its token: 65 tokens, 64 usable: the second prompt block is now full
+    assert stored_tokens() == [[prompt[32:]]]
+    executor.step()  # third token, the request ends: 67 tokens, 66 usable -> a partial block of 2
+    [[partial]] = stored_tokens()
+    generated = executor.await_responses()[0].result.output_token_ids[0]
+    assert partial == generated[:2]
+    assert executor.active == {} and all(b.refs == 0 for b in executor.tree.values())
 
 
 def test_ledger_attributes_a_batched_stored_event():
     ledger = TenantBlockLedger(tokens_per_block=2)
-    ledger.note_request("a", [1, 2, 3, 4, 5, 6])
-    ledger.note_request("b", [7, 8, 9, 9])
+    ledger.note_request("a", [1, 2, 3, 4, 5, 6], salt="sa")
+    ledger.note_request("b", [7, 8, 9, 9], salt="sb")
     batch = kv.KVCacheStoredData(None, [kv.KVCacheStoredBlockData(h, [kv.UniqueToken(t) for t in toks], 0, 35)
-                                        for h, toks in ((11, [1, 2]), (12, [3, 4]), (13, [5, 6]))])
+                                        for h, toks in ((root([1, 2], "sa"), [1, 2]), (12, [3, 4]), (13, [5, 6]))])
     ledger.apply_one(batch)
     ledger.apply_one(kv.KVCacheStoredData(12, [kv.KVCacheStoredBlockData(14, [kv.UniqueToken(0), kv.UniqueToken(0)], 0, 35)]))
-    # a block under an unknown parent is never matched as a root, even when its tokens equal a root's
-    ledger.apply_one(stored(999, 30, [7, 8]))
-    ledger.apply_one(kv.KVCacheStoredData(None, [kv.KVCacheStoredBlockData(21, [kv.UniqueToken(7), kv.UniqueToken(8)], 0, 35),
+    # a block under an unknown parent is never matched as a root, even when it is one's hash and tokens
+    ledger.apply_one(stored(999, root([7, 8], "sb"), [7, 8]))
+    ledger.apply_one(kv.KVCacheStoredData(None, [kv.KVCacheStoredBlockData(root([7, 8], "sb"), [kv.UniqueToken(7), kv.UniqueToken(8)], 0, 35),
                                                  kv.KVCacheStoredBlockData(22, [kv.UniqueToken(9), kv.UniqueToken(9)], 0, 35)]))
     assert ledger.tenants() == {"a": [4, 0], "b": [2, 0]}
-    assert ledger.tier_blocks() == [7, 0]
+    assert ledger.tier_blocks() == [6, 0]

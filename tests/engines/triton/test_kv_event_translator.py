@@ -6,11 +6,14 @@ its own (like the real one, unrelated to kvgate's): the gateway must see kvgate 
 
 from __future__ import annotations
 
+from datetime import timedelta
+
 import numpy as np
 
 import engines.contract as contract
 from engines.contract import EngineRequest, PoolStatsReport, SamplingParams, encode_request
 from engines.kv_events import GPU, HOST, apply_report
+from engines.trtllm.block_key import trt_root_hash
 from engines.trtllm.kv_event_translator import KvEventTranslator
 from retention.hashing import block_hashes
 from retention.types import RetentionPlan
@@ -47,13 +50,17 @@ def test_stored_offloaded_and_removed_blocks_arrive_as_kvgate_hashes(harness):
     assert mirror == {a[0]: GPU, a[1]: GPU, b[0]: GPU, b[1]: GPU}
     assert not set(mirror) & set(harness.executor.tree)  # never TensorRT-LLM's own hashes
 
+    # TensorRT-LLM hashes in storing order: two full blocks and the partial one stored at release
+    # (kvgate reports full blocks only)
     trt_a = [h for h, blk in harness.model.ledger._blocks.items() if blk.tenant == "tenant-a"]
-    harness.executor.offload(trt_a[-1])
-    harness.executor.evict(trt_a[0])
+    trt_b = [h for h, blk in harness.model.ledger._blocks.items() if blk.tenant == "tenant-b"]
+    assert len(trt_a) == len(trt_b) == 3
+    harness.executor.offload(trt_a[1])
+    harness.executor.evict(trt_b[1])  # and its partial child (freeChildren)
     later = poll(harness, first.next_seq)
     assert later.snapshot is None and [e.kind for e in later.events] == ["moved", "removed"]
     apply_report(mirror, later)
-    assert mirror == {a[1]: HOST, b[0]: GPU, b[1]: GPU}
+    assert mirror == {a[0]: GPU, a[1]: HOST, b[0]: GPU}
     # a second poller starting now gets the same state from a snapshot
     assert poll(harness, 0).snapshot == mirror
 
@@ -94,9 +101,84 @@ def test_unknown_roots_and_parents_are_not_reported_and_gaps_force_a_resync():
     t.apply([_Event(2, _Stored(77, [_Block(12, [5, 6, 7, 8])]))])  # parent never seen
     assert t.log.report(0).snapshot == {}
     t.note_request("s", [1, 2, 3, 4, 5, 6, 7, 8, 9])
-    t.apply([_Event(3, _Stored(None, [_Block(21, [1, 2, 3, 4]), _Block(22, [5, 6, 7, 8])]))])
+    t.apply([_Event(3, _Stored(None, [_Block(21, [1, 2, 3, 4]), _Block(22, [5, 6, 7, 8])]))])  # not s's root hash
+    assert t.log.report(0).snapshot == {} and t.unmatched_roots == 2
+    t.apply([_Event(4, _Stored(None, [_Block(trt_root_hash([1, 2, 3, 4], "s"), [1, 2, 3, 4]), _Block(22, [5, 6, 7, 8])]))])
     expected = block_hashes([1, 2, 3, 4, 5, 6, 7, 8], 4, salt="s")
     cursor = t.log.next_seq
     assert t.log.report(0).snapshot == {expected[0]: GPU, expected[1]: GPU}
-    t.apply([_Event(5, _Stored(22, [_Block(23, [9, 10, 11, 12])]))])  # event 4 was lost
+    t.apply([_Event(6, _Stored(22, [_Block(23, [9, 10, 11, 12])]))])  # event 5 was lost
     assert t.log.report(cursor).snapshot is not None
+
+
+# --- attribution of roots to salts (TensorRT-LLM mixes cacheSaltID into the root's block hash) ----
+
+HEADER = tuple(range(900, 932))  # one full block every tenant's prompt starts with (a chat-template header)
+A = HEADER + tuple(range(1000, 1040))  # 72 tokens: two full blocks for kvgate
+B = HEADER + tuple(range(2000, 2040))
+
+
+def submit(h, ids, salt, tenant):
+    """Hand a request to the model without pumping: it waits for the next iteration."""
+    tensors = encode_request(EngineRequest(input_ids=ids, max_new_tokens=4, end_id=None, streaming=False,
+                                           sampling=SamplingParams(), retention=RetentionPlan(), cache_salt=salt,
+                                           tenant_id=tenant))
+    h.model.execute([h.pb.InferenceRequest(tensors)])
+
+
+def salted(ids, salt):
+    return set(block_hashes(ids, 32, salt=salt))
+
+
+def test_a_reused_root_never_lends_its_salt_to_another_tenants_chain(harness):
+    # Before: the reused request stayed pending with the header's tokens (a reused root emits no stored
+    # event) and tenant-b's fresh root, same header, was filed under salt a.
+    send(harness, A, "a", "tenant-a")
+    harness.executor.auto_run = False
+    submit(harness, A, "a", "tenant-a")  # reuses a's root: no stored event for it
+    submit(harness, B, "b", "tenant-b")  # same first block, other salt: a fresh root, stored
+    while harness.executor.active:
+        harness.executor.step()
+    harness.model.pump(timedelta(0))
+    mirror: dict[int, int] = {}
+    apply_report(mirror, poll(harness, 0))
+    assert set(mirror) == salted(A, "a") | salted(B, "b")
+    tenants = harness.model.ledger.tenants()
+    assert tenants == {"tenant-a": [3, 0], "tenant-b": [3, 0]}  # two full blocks + the partial one each
+
+
+def test_events_later_than_their_request_are_translated_under_their_own_salt(tmp_path, monkeypatch):
+    # The event manager's worker hands an iteration's events over after its responses (event_lag):
+    # the model has forgotten the finished request when they arrive. Before: the late root went to the
+    # next pending request with the same header — tenant-b's — and a's chain was filed under salt b.
+    h = make_harness(tmp_path, monkeypatch, event_lag=2)
+    try:
+        send(h, A, "a", "tenant-a")
+        assert h.model.kv_events.log.report(0).snapshot == {}  # not arrived yet
+        submit(h, B, "b", "tenant-b")
+        mirror: dict[int, int] = {}
+        for _ in range(4):  # each stats poll drains the event manager once
+            report = poll(h, 0)
+        apply_report(mirror, report)
+        assert set(mirror) == salted(A, "a") | salted(B, "b")
+        assert h.model.ledger.tenants() == {"tenant-a": [3, 0], "tenant-b": [3, 0]}
+    finally:
+        h.model.finalize()
+
+
+def test_a_build_whose_block_hash_differs_is_reported_once_and_misattributes_nothing(tmp_path, monkeypatch, caplog):
+    from tests.engines.triton import fake_block_manager
+
+    real = fake_block_manager.block_key_hash
+    monkeypatch.setattr(fake_block_manager, "block_key_hash", lambda tokens, parent, salt: real(tokens, parent, salt) ^ 1)
+    h = make_harness(tmp_path, monkeypatch)
+    try:
+        for i in range(33):
+            send(h, tuple(range(3000 + 40 * i, 3000 + 40 * i + 40)), "a", "tenant-a")
+        poll(h, 0)
+        assert poll(h, 0).snapshot == {}  # nothing reported rather than anything under a guessed salt
+        assert h.model.ledger.tenants() == {}
+        errors = [r for r in caplog.records if "block hash differs" in r.getMessage()]
+        assert len(errors) == 1
+    finally:
+        h.model.finalize()

@@ -115,9 +115,11 @@ def test_non_streaming_answer_and_kv_metrics(harness):
     assert first[contract.SEQUENCE_LENGTH.name].tolist() == [4]
     assert first[contract.KV_REUSED.name].tolist() == [0]
     [(second, _)] = outputs(harness.send(request(salt="s1")))
-    assert second[contract.KV_REUSED.name].tolist() == [2]  # two full 32-token blocks
+    # two full 32-token blocks, and the third (tokens 64..78 of the partial block stored at the first
+    # request's release) by partial reuse (enable_partial_reuse; kvCacheManager.cpp loadOrAllocateBlocks)
+    assert second[contract.KV_REUSED.name].tolist() == [3]
     assert second[contract.KV_TOTAL.name].tolist() == [3]
-    assert second[contract.KV_NEW.name].tolist() == [1]
+    assert second[contract.KV_NEW.name].tolist() == [0]
     assert second[contract.KV_ONBOARDED.name].tolist() == [0]  # not reported per request by TRT-LLM 1.2
 
 
@@ -126,7 +128,7 @@ def test_salts_isolate_tenants(harness):
     [(other, _)] = outputs(harness.send(request(salt="tenant-b")))
     assert other[contract.KV_REUSED.name].tolist() == [0]
     [(same, _)] = outputs(harness.send(request(salt="tenant-a")))
-    assert same[contract.KV_REUSED.name].tolist() == [2]
+    assert same[contract.KV_REUSED.name].tolist() == [3]  # two full blocks + the partial third
 
 
 def test_streaming_sends_deltas_and_strips_the_end_token(harness):
@@ -165,18 +167,21 @@ def test_stats_call_reports_pool_and_per_tenant_blocks_per_tier(harness):
     [(tensors, flags)] = outputs(stats_sender)
     report = PoolStatsReport.from_json(tensors[contract.KV_CACHE_STATS.name][0])
     assert flags == FINAL
-    assert report.tenants == {"tenant-a": [2, 0], "tenant-b": [2, 0]}
+    # tenant-a: 80 prompt + 4 generated tokens: 2 context blocks + the partial third stored at release;
+    # tenant-b: 64 + 4: the first block at context end, the second (holding the last prompt token,
+    # filled by generation) and a partial third at release (kvCacheManager.cpp releaseBlocks)
+    assert report.tenants == {"tenant-a": [3, 0], "tenant-b": [3, 0]}
     assert report.secondary_offload_min_priority == 35
     assert report.tokens_per_block == 32
     assert report.primary.max_blocks == 64 and report.secondary.max_blocks == 256
-    assert report.reused_blocks == 2
+    assert report.reused_blocks == 3  # tenant-a's second request: two full blocks + one partially
 
     a_blocks = [h for h, b in harness.model.ledger._blocks.items() if b.tenant == "tenant-a"]
-    harness.executor.offload(a_blocks[-1])
-    harness.executor.evict(a_blocks[0])
+    harness.executor.offload(a_blocks[1])
+    harness.executor.evict(a_blocks[2])  # a leaf
     [(tensors, _)] = outputs(harness.send({contract.KV_STATS.name: np.array([True])}))
     report = PoolStatsReport.from_json(tensors[contract.KV_CACHE_STATS.name][0])
-    assert report.tenants == {"tenant-a": [0, 1], "tenant-b": [2, 0]}
+    assert report.tenants == {"tenant-a": [1, 1], "tenant-b": [3, 0]}
     assert report.secondary.used_blocks == 1 and report.secondary.free_blocks == 255
     assert (report.offloaded_blocks, report.evicted_blocks, report.onboarded_blocks) == (1, 1, 0)
 
@@ -227,7 +232,7 @@ def test_multi_gpu_spec_runs_the_executor_in_orchestrator_mode(tmp_path, monkeyp
         report = PoolStatsReport.from_json(tensors[contract.KV_CACHE_STATS.name][0])
         assert flags == FINAL and report.tenants == {}
         assert report.secondary.max_blocks == 0 and report.primary.max_blocks == 64  # primary from IterationStats
-        assert h.model.ledger._pending == {}  # nothing queued for events that never come
+        assert h.model.ledger._roots == {}  # nothing queued for events that never come
     finally:
         h.model.finalize()
 
@@ -339,7 +344,7 @@ def test_stats_before_any_iteration_and_between_iterations(harness):
     for _ in range(2):  # the second call sees an empty deque and keeps the last KvCacheStats
         [(tensors, _)] = outputs(harness.send({contract.KV_STATS.name: np.array([True])}))
         report = PoolStatsReport.from_json(tensors[contract.KV_CACHE_STATS.name][0])
-        assert report.primary.used_blocks == 2 and report.alloc_total_blocks == 3
+        assert report.primary.used_blocks == 3 and report.alloc_total_blocks == 3
 
 
 def test_stats_without_kv_cache_stats_fall_back_to_events(tmp_path, monkeypatch):
@@ -349,7 +354,7 @@ def test_stats_without_kv_cache_stats_fall_back_to_events(tmp_path, monkeypatch)
         [(tensors, flags)] = outputs(h.send({contract.KV_STATS.name: np.array([True])}))
         report = PoolStatsReport.from_json(tensors[contract.KV_CACHE_STATS.name][0])
         assert flags == FINAL
-        assert report.primary.max_blocks == 64 and report.primary.used_blocks == 2  # the ledger's counts
-        assert report.tenants == {"tenant-a": [2, 0]}
+        assert report.primary.max_blocks == 64 and report.primary.used_blocks == 3  # the ledger's counts
+        assert report.tenants == {"tenant-a": [3, 0]}
     finally:
         h.model.finalize()
