@@ -24,9 +24,9 @@ has no input for them: ``ignore_eos`` (the LLM API's ``SamplingParams.ignore_eos
 ``tensorrt_llm/executor/base_worker.py`` turns into ``end_id=-1``), ``num_top_log_probs``
 with the outputs ``top_log_probs`` / ``top_log_probs_token_ids`` (OpenAI ``top_logprobs``),
 and a sparse logit bias ``logit_bias_token_ids`` / ``logit_bias_values`` (the stock
-``embedding_bias`` is a dense vocabulary-sized FP32 tensor: ~200 KB per request for
-SmolLM2, ~500 KB for Llama 3; the Triton model densifies the sparse form into the
-executor's ``Request.embedding_bias``).
+``embedding_bias`` is a dense vocabulary-sized tensor: ~200 KB per request for SmolLM2,
+~500 KB for Llama 3 in FP32; the Triton model densifies the sparse form into the executor's
+``Request.embedding_bias``, ``[1, vocab_size]`` in the engine's logits dtype).
 
 Sampling semantics (both implementations; the GPU engine is the product, so the order and
 the counting are TensorRT-LLM's, ``cpp/tensorrt_llm/kernels/penaltyKernels.cu``

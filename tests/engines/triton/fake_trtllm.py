@@ -25,6 +25,13 @@ trtGptModelInflightBatching.cpp), regularizes top-k/top-p so an unset pair means
 (executor/kvCacheRetentionConfig.cpp), batches stored blocks in one event
 (batch_manager/kvCacheEventManager.cpp ``enqueueStoredEvent``), returns only the iteration
 stats since the last call, and exposes an event manager even with a zero event buffer.
+Sampling/request rules: ``normalize_log_probs`` defaults to true and then a greedy token's log
+probability is 0.0 (executorConfig.cpp, samplingTopKKernels.cu ``topKStage2Sampling``); an
+``embedding_bias`` of the wrong dtype or shape fails the request as
+batch_manager/createNewDecoderRequests.cpp does (an error Response); ``min_tokens`` with end id
+-1 fails loudly where the real penalty kernel would write out of bounds. ``batch_apply_penalty``
+and ``sampled_log_prob`` re-implement the kernels' logit processing and log probabilities
+(penaltyKernels.cu, samplingTopKKernels.cu) for tests that compare the reference sampler.
 Exceptions are what nanobind makes of the C++ ones (nanobind src/nb_internals.cpp
 ``default_exception_translator``): ``std::invalid_argument`` → ValueError, any other
 ``std::exception`` (``TLLM_CHECK`` throws ``TllmException``, a ``std::runtime_error``) → RuntimeError.
