@@ -60,7 +60,8 @@ def executor_config_kwargs(params: Any, kv_cache_config: Any) -> dict[str, Any]:
         "max_num_tokens": params.max_num_tokens,
         # The contract's log probabilities are of the whole processed distribution (engines/contract.py).
         # The binding's default is true (nanobind/executor/executorConfig.cpp ExecutorConfig init:
-        # nb::arg("normalize_log_probs") = true; flipped on main only after the release/1.2 branch);
+        # nb::arg("normalize_log_probs") = true, and py::arg(...) = true in the pybind twin, in every
+        # snapshot of the index; a later flip on main would not change 1.2.1);
         # CreateNewDecoderRequests copies it into every request's SamplingConfig and
         # samplingTopKKernels.cu topKStage2Sampling then reports log P within the top-k set:
         # 0.0 for every greedy (top-k 1) token. Always sent, so neither default decides.
