@@ -91,8 +91,10 @@ def refuse_unsafe_combinations(request: EngineRequest) -> None:
     ``ignore_eos`` with ``min_tokens``: ``ignore_eos`` is sent as ``end_id=-1`` and the penalty
     kernel's min-length mask writes ``outLogitsPtr[endIds[batchSlot]]`` with no bound check
     (cpp/tensorrt_llm/kernels/penaltyKernels.cu ``batchApplyPenalty``, read at NVIDIA/TensorRT-LLM
-    249d93d5; the 1.2.1 tag could not be read, so a guard there is not shown) — a write before the
-    row's logits. Refused until a 1.2.x kernel is shown to guard ``endIds > -1``.
+    249d93d5 and in a 2023 snapshot 3c44cb97) — a write before the row's logits. Another snapshot in
+    the code index (one that also passes ``finished`` to the kernel) adds ``&& endIds[batchSlot] > -1``,
+    but which release first has it could not be established and the 1.2.1 tag could not be read:
+    refused until the 1.2.x kernel is shown to carry that guard.
     """
     if request.ignore_eos and request.sampling.min_tokens:
         raise ContractError(
