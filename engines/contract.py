@@ -55,7 +55,8 @@ Log probabilities (``output_log_probs``, ``top_log_probs``) are of that *process
 distribution: ``log_softmax`` over the whole vocabulary of the logits after steps 1-5,
 before any top-k / top-p cut and never renormalised within it (what TensorRT-LLM returns
 with ``ExecutorConfig(normalize_log_probs=False)``: ``samplingTopKKernels.cu``
-``topKStage2Sampling``, "NOT normalized (same way as OpenAI does)"; the Triton model sets
+``topKStage2Sampling``, "NOT normalized (same way as OpenAI does)"; the top-p kernel,
+``samplingTopPKernels.cu`` ``epilogue``, always writes that unnormalised value); the Triton model sets
 it because the 1.2 binding's default is true, which reports log P within the top-k set —
 0.0 for every greedy token). A greedy request's log probabilities are therefore those of
 the model after bias and penalties; with no extension they are the model's own. The top
