@@ -24,20 +24,44 @@ has no input for them: ``ignore_eos`` (the LLM API's ``SamplingParams.ignore_eos
 ``tensorrt_llm/executor/base_worker.py`` turns into ``end_id=-1``), ``num_top_log_probs``
 with the outputs ``top_log_probs`` / ``top_log_probs_token_ids`` (OpenAI ``top_logprobs``),
 and a sparse logit bias ``logit_bias_token_ids`` / ``logit_bias_values`` (the stock
-``embedding_bias`` is a dense vocabulary-sized FP32 tensor: ~200 KB per request for
-SmolLM2, ~500 KB for Llama 3; the Triton model densifies the sparse form into the
-executor's ``Request.embedding_bias``).
+``embedding_bias`` is a dense vocabulary-sized tensor: ~200 KB per request for SmolLM2,
+~500 KB for Llama 3 in FP32; the Triton model densifies the sparse form into the executor's
+``Request.embedding_bias``, ``[1, vocab_size]`` in the engine's logits dtype).
 
-Sampling semantics (both implementations): ``repetition_penalty`` (> 0, 1 = off) divides
-positive and multiplies negative logits of every token present in prompt or output;
-``presence_penalty`` / ``frequency_penalty`` (OpenAI's, in [-2, 2]) subtract a constant /
-a per-occurrence amount from tokens already generated; the logit bias is added first;
-``min_tokens`` masks the end token(s) until that many tokens were generated;
-``ignore_eos`` never ends a request on an end token (it still runs to
-``request_output_len``, a guide's completion, or ``stop``). Log probabilities are the
-model's: ``log_softmax`` of the raw logits of the step, before bias, penalties,
-temperature and guide (what vLLM returns by default), for the chosen token and the
-``num_top_log_probs`` most likely ones (descending).
+Sampling semantics (both implementations; the GPU engine is the product, so the order and
+the counting are TensorRT-LLM's, ``cpp/tensorrt_llm/kernels/penaltyKernels.cu``
+``batchApplyPenalty``; the reference sampler is tested against a re-implementation of it).
+A step's logits are processed in this order:
+
+1. the guide's mask (tokens the grammar forbids → -inf) — before everything else, so it
+   commutes with the rest;
+2. ``+`` the logit bias;
+3. ``/`` temperature — only when sampling (temperature 0 is greedy and divides by nothing);
+4. for every token that occurs in the prompt **or** the output so far (occurrences counted
+   over both): ``repetition_penalty`` (> 0, 1 = off) divides a positive / multiplies a
+   negative logit, then ``presence_penalty`` subtracts a constant, then
+   ``frequency_penalty`` subtracts ``value × occurrences``;
+5. ``min_tokens``: the end token is masked while fewer than ``min_tokens`` were generated.
+
+Where that differs from OpenAI's wording: OpenAI applies presence/frequency penalties to
+tokens "that appear in the text so far" of the *completion* and before temperature; here
+prompt tokens count too and the penalties are subtracted from temperature-scaled logits.
+``presence_penalty`` / ``frequency_penalty`` are OpenAI's range, [-2, 2].
+``ignore_eos`` never ends a request on an end token (it runs to ``request_output_len`` or
+``stop``); with a guide it is refused (``ignore_eos`` + ``guided_decoding_guide_type``: the
+GPU engine would never end a completed guide, see :func:`check_combinations`).
+
+Log probabilities (``output_log_probs``, ``top_log_probs``) are of that *processed*
+distribution: ``log_softmax`` over the whole vocabulary of the logits after steps 1-5,
+before any top-k / top-p cut and never renormalised within it (what TensorRT-LLM returns
+with ``ExecutorConfig(normalize_log_probs=False)``: ``samplingTopKKernels.cu``
+``topKStage2Sampling``, "NOT normalized (same way as OpenAI does)"; the top-p kernel,
+``samplingTopPKernels.cu`` ``epilogue``, always writes that unnormalised value); the Triton model sets
+it because the 1.2 binding's default is true, which reports log P within the top-k set —
+0.0 for every greedy token). A greedy request's log probabilities are therefore those of
+the model after bias and penalties; with no extension they are the model's own. The top
+alternatives (``num_top_log_probs``, reference engine only) are the most likely tokens of
+the same distribution, descending.
 
 Shapes: the model is configured with ``max_batch_size: 0``, so tensors carry exactly
 the shapes below; a leading batch dimension of 1 (as sent by clients written for the
@@ -452,7 +476,7 @@ def parse_request(
         repetition_penalty=repetition, presence_penalty=presence, frequency_penalty=frequency,
         min_tokens=min_tokens, logit_bias=parse_logit_bias(tensors, vocab_size),
     )
-    return EngineRequest(
+    request = EngineRequest(
         input_ids=tuple(int(t) for t in ids),
         max_new_tokens=max_new,
         end_id=end_id,
@@ -467,6 +491,24 @@ def parse_request(
         num_top_log_probs=num_top,
         guide=parse_guide(tensors),
     )
+    check_combinations(request)
+    return request
+
+
+def check_combinations(request: EngineRequest) -> None:
+    """Refuse field combinations no implementation can honour the same way (both engines call it).
+
+    ``ignore_eos`` with a guide: TensorRT-LLM's guided decoder only narrows the allowed tokens
+    to the stop tokens once the grammar completes (``GuidedDecodingConfig(stop_token_ids=)``,
+    xgrammar's matcher), and with ``end_id=-1`` (how ``ignore_eos`` is sent) no stop token ends
+    the request: it would run to ``request_output_len``. Refused on every engine so the
+    contract stays one.
+    """
+    if request.ignore_eos and request.guide is not None:
+        raise ContractError(
+            "ignore_eos cannot be combined with guided_decoding_guide_type (a guided request ends when its "
+            "grammar completes, which ignore_eos would prevent)", tensor=IGNORE_EOS.name,
+        )
 
 
 def _finite(tensors: Mapping[str, np.ndarray], spec: TensorSpec, default: float) -> float:

@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from engines.contract import EngineRequest, KvMetrics, PoolStatsReport, TierStats, TokenLogProbs
+from engines.contract import EngineRequest, KvMetrics, PoolStatsReport, TierStats, TokenLogProbs, check_combinations
 from engines.kv_events import KvEventLog, PoolEventFeed
 from engines.reference.config import SMALL_STEP_ROWS, ReferenceEngineConfig
 from engines.reference.kv_cache import PagedKvCache
@@ -137,12 +137,15 @@ class ReferenceEngine:
 
     # Requests -----------------------------------------------------------------------------
     def compile_guide(self, request: EngineRequest) -> Any:
-        """The request's compiled grammar (cached per guide), None without a guide; ContractError if it does not compile."""
+        """The request's compiled grammar (cached per guide), None without a guide; ContractError if it does not compile
+        or the request combines fields the contract refuses (engines.contract.check_combinations)."""
+        check_combinations(request)
         return None if request.guide is None else self.grammars.compile(request.guide)
 
     def submit(self, request_id: str, request: EngineRequest, sink: Sink, *, compiled: Any = None) -> None:
         # No end_id (absent or -1) or ignore_eos: run to request_output_len, as TensorRT-LLM
         # does with end_id -1 (tensorrt_llm/executor/base_worker.py: end_id=-1 if ignore_eos).
+        check_combinations(request)  # the contract's refusals hold for in-process callers too
         end_ids = frozenset({request.end_id}) if request.end_id is not None and not request.ignore_eos else frozenset()
         if request.guide is not None and compiled is None:
             compiled = self.compile_guide(request)
@@ -325,7 +328,7 @@ class ReferenceEngine:
         token = sampled.token
         if seq.matcher is not None:
             # The bitmask allowed only tokens the grammar accepts; a stop token it accepts
-            # completes the guide, which ends the request whatever ignore_eos says.
+            # completes the guide and ends the request (ignore_eos with a guide is refused).
             if not seq.matcher.accept_token(token):
                 self._finish(seq, None, now, error=f"guided decoding: the grammar refused token {token}")
                 return

@@ -6,15 +6,19 @@ is greedy; ``top_k`` 0 means no top-k cut; ``top_p`` 1.0 means no nucleus cut. A
 request with a seed owns a ``torch.Generator`` seeded once, so its sampled sequence is
 reproducible whatever else shares the batch.
 
-Order of operations on a row's logits (engines/contract.py states the semantics)::
+Order of operations on a row's logits is TensorRT-LLM's (engines/contract.py states the
+semantics; ``cpp/tensorrt_llm/kernels/penaltyKernels.cu`` ``batchApplyPenalty`` is the source,
+tests/engines/reference/test_sampling_order.py re-implements it and compares)::
 
-    raw logits ──▶ log_softmax → chosen/top log probabilities (only rows that asked)
-        │
-        ├─ + logit bias ─▶ repetition penalty (prompt+output) ─▶ presence/frequency (output)
+    raw logits
+        ├─ guide: xgrammar bitmask → -inf for tokens the grammar forbids (commutes with the rest)
+        ├─ + logit bias ─▶ × 1/(temperature + 1e-6) (sampling only, as the kernel)
+        ├─ tokens seen in prompt+output: repetition ─▶ presence ─▶ frequency × occurrences
         ├─ min_tokens: end ids → -inf while fewer than min_tokens were generated
-        ├─ guide: xgrammar bitmask → -inf for tokens the grammar forbids
         ▼
-    greedy argmax | temperature → top-k → top-p → multinomial
+    processed logits ──▶ log_softmax → chosen/top log probabilities (only rows that asked)
+        ▼
+    greedy argmax | top-k → top-p → multinomial
 
 Rows with none of the extensions take the old path (one batched argmax), so the plain
 decode step pays nothing for them. Rows that need processing are processed together:
@@ -64,14 +68,12 @@ def make_generator(params: SamplingParams) -> torch.Generator | None:
 
 def _needs_processing(row: SamplingRow) -> bool:
     s = row.request.sampling
-    return bool(s.logit_bias or s.penalized or row.matcher is not None
+    return bool(s.temperature > 0.0 or s.logit_bias or s.penalized or row.matcher is not None
                 or (s.min_tokens and row.generated < s.min_tokens and row.end_ids))
 
 
 def sample(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> list[Sampled]:
     """One token (and its log probabilities, when asked) per row of ``logits`` ``[N, vocab]``."""
-    logprob_rows = [i for i, r in enumerate(rows) if r.request.return_log_probs]
-    raw_logprobs = torch.log_softmax(logits[logprob_rows].float(), dim=-1) if logprob_rows else None
     special = [i for i, r in enumerate(rows) if _needs_processing(r)]
     scores = logits
     if special:
@@ -80,6 +82,9 @@ def sample(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> list[Sampled]:
         processed = scores[special]  # advanced indexing: a copy of just those rows
         _process(processed, [rows[i] for i in special])
         scores[special] = processed
+    logprob_rows = [i for i, r in enumerate(rows) if r.request.return_log_probs]
+    # Log probabilities of the processed distribution, before any top-k/top-p cut (the contract).
+    log_probs = torch.log_softmax(scores[logprob_rows].float(), dim=-1) if logprob_rows else None
     chosen = scores.argmax(dim=-1).tolist()
     for index, row in enumerate(rows):
         p = row.request.sampling
@@ -89,10 +94,10 @@ def sample(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> list[Sampled]:
     position = {row_index: k for k, row_index in enumerate(logprob_rows)}
     for index, row in enumerate(rows):
         token = int(chosen[index])
-        if raw_logprobs is None or index not in position:
+        if log_probs is None or index not in position:
             out.append(Sampled(token))
             continue
-        lp = raw_logprobs[position[index]]
+        lp = log_probs[position[index]]
         top: tuple[tuple[int, float], ...] = ()
         n = row.request.num_top_log_probs
         if n:
@@ -102,27 +107,40 @@ def sample(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> list[Sampled]:
     return out
 
 
+def process_row(line: torch.Tensor, s: SamplingParams, tokens: Sequence[int], generated: int,
+                end_ids: frozenset[int]) -> None:
+    """Bias, temperature, penalties and min_tokens on one row of FP32 logits, in place, in
+    ``batchApplyPenalty``'s order (penaltyKernels.cu): bias → temperature → repetition →
+    presence → frequency, occurrences counted over ``tokens`` (prompt and output), then the
+    min-length mask of the end ids."""
+    vocab = line.shape[-1]
+    if s.logit_bias:
+        ids = torch.tensor([t for t, _ in s.logit_bias], dtype=torch.int64)
+        line.index_add_(0, ids, torch.tensor([v for _, v in s.logit_bias], dtype=line.dtype))
+    if s.temperature > 0.0 and s.temperature != 1.0:
+        # The kernel multiplies by 1 / (temperature + 1e-6); greedy requests send no temperature.
+        line.mul_(1.0 / (s.temperature + 1e-6))
+    if s.penalized and tokens:
+        seen = torch.tensor([t for t in tokens if 0 <= t < vocab], dtype=torch.int64)
+        counts = torch.bincount(seen, minlength=vocab)[:vocab].to(line.dtype)
+        occurred = counts > 0
+        if s.repetition_penalty != 1.0:
+            line.copy_(torch.where(occurred & (line < 0), line * s.repetition_penalty,
+                                   torch.where(occurred, line / s.repetition_penalty, line)))
+        if s.presence_penalty:
+            line.sub_(s.presence_penalty * occurred.to(line.dtype))
+        if s.frequency_penalty:
+            line.sub_(s.frequency_penalty * counts)
+    if s.min_tokens and generated < s.min_tokens and end_ids:
+        line[torch.tensor(sorted(end_ids), dtype=torch.int64)] = float("-inf")
+
+
 def _process(scores: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
-    """Apply bias, penalties, min_tokens and guides to ``scores`` ``[len(rows), vocab]`` in place."""
+    """Apply guides, bias, temperature, penalties and min_tokens to ``scores`` ``[len(rows), vocab]`` in place."""
     vocab = scores.shape[-1]
     guided: list[int] = []
     for k, row in enumerate(rows):
-        s = row.request.sampling
-        line = scores[k]
-        if s.logit_bias:
-            ids = torch.tensor([t for t, _ in s.logit_bias], dtype=torch.int64)
-            line.index_add_(0, ids, torch.tensor([v for _, v in s.logit_bias], dtype=line.dtype))
-        if s.repetition_penalty != 1.0:
-            seen = torch.tensor(sorted(set(row.tokens)), dtype=torch.int64)
-            picked = line[seen]
-            line[seen] = torch.where(picked > 0, picked / s.repetition_penalty, picked * s.repetition_penalty)
-        if s.presence_penalty or s.frequency_penalty:
-            output = row.tokens[row.prompt_len:]
-            if output:
-                counts = torch.bincount(torch.tensor(output, dtype=torch.int64), minlength=vocab).to(line.dtype)
-                line -= s.frequency_penalty * counts + s.presence_penalty * (counts > 0).to(line.dtype)
-        if s.min_tokens and row.generated < s.min_tokens and row.end_ids:
-            line[torch.tensor(sorted(row.end_ids), dtype=torch.int64)] = float("-inf")
+        process_row(scores[k], row.request.sampling, row.tokens, row.generated, row.end_ids)
         if row.matcher is not None:
             guided.append(k)
     if guided:
@@ -132,8 +150,9 @@ def _process(scores: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
         grammar.apply_bitmask(scores, bitmask, guided)
 
 
-def _sample(logits: torch.Tensor, p: SamplingParams, generator: torch.Generator | None) -> int:
-    scores = logits.float() / p.temperature
+def _sample(scores: torch.Tensor, p: SamplingParams, generator: torch.Generator | None) -> int:
+    """Draw from processed (temperature-scaled) logits after the top-k and top-p cuts."""
+    scores = scores.float()
     if p.top_k > 0 and p.top_k < scores.shape[-1]:
         kth = torch.topk(scores, p.top_k).values[-1]
         scores = scores.masked_fill(scores < kth, float("-inf"))
@@ -146,14 +165,3 @@ def _sample(logits: torch.Tensor, p: SamplingParams, generator: torch.Generator 
         sorted_probs = sorted_probs.masked_fill(drop, 0.0)
         probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
     return int(torch.multinomial(probs, 1, generator=generator).item())
-
-
-def sample_rows(
-    logits: torch.Tensor, params: Sequence[SamplingParams], generators: Sequence[torch.Generator | None]
-) -> list[int]:
-    """Plain sampling without extensions (kept for callers that have no sequences)."""
-    chosen = logits.argmax(dim=-1).tolist()
-    for row, (p, generator) in enumerate(zip(params, generators)):
-        if p.temperature > 0.0:
-            chosen[row] = _sample(logits[row], p, generator)
-    return chosen

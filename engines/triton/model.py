@@ -98,8 +98,14 @@ class TritonPythonModel:
             engine_config.check_reuse(
                 facts, enable_block_reuse=self.params.enable_block_reuse, tokens_per_block=self.params.tokens_per_block
             )
+            # Token ids and logit biases are sized by the spec's vocabulary: it must be the engine's.
+            engine_config.check_vocabulary(facts, vocab_size=self.params.vocab_size)
         except engine_config.EngineConfigError as exc:
             raise pb_utils.TritonModelException(f"kvgate_llm: {exc}") from exc
+        # embedding_bias in the engine's logits dtype and vocabulary (createNewDecoderRequests.cpp).
+        self.bias_layout = engine_config.bias_layout(facts)
+        if self.bias_layout.refusal is not None:
+            log.error("kvgate_llm: requests with a logit bias will be refused: %s", self.bias_layout.refusal)
         self.salt_supported = bindings.probe_cache_salt(self.trtllm)
         if not self.salt_supported:
             log.error(
@@ -108,12 +114,20 @@ class TritonPythonModel:
             )
         # Guided decoding needs the tokenizer in the executor (GuidedDecodingConfig); the stock
         # models read it from the `tokenizer_dir` parameter (tensorrt_llm/config.pbtxt), as here.
-        # Optional: without it guided requests are refused by name (request_extensions.py).
-        tokenizer_dir = model_config.get("parameters", {}).get("tokenizer_dir", {}).get("string_value", "")
+        # The renderer writes it from the spec (engines/triton/params.py); a pool rendered with
+        # none refuses guided requests by name (request_extensions.py).
+        tokenizer_dir = self.params.tokenizer_dir
         guided_config = None
-        if tokenizer_dir and not tokenizer_dir.startswith("${"):
+        if tokenizer_dir:
             stops = [self.params.end_id] if self.params.end_id is not None else []
-            guided_config = request_extensions.guided_decoding_config(self.trtllm, tokenizer_dir, stops)
+            try:
+                guided_config = request_extensions.guided_decoding_config(self.trtllm, tokenizer_dir, stops)
+            except (OSError, ValueError, KeyError) as exc:
+                raise pb_utils.TritonModelException(
+                    f"kvgate_llm: tokenizer_dir {tokenizer_dir!r} has no usable tokenizer.json ({exc}); guided "
+                    "decoding needs it (the engine builder saves it under /engines/tokenizers/<spec>)") from exc
+        else:
+            log.error("kvgate_llm: no tokenizer_dir: guided requests (response_format, forced tool calls) will be refused")
         self.guided_supported = guided_config is not None
         self.executor = executor_args.make_executor(self.trtllm, self.params, guided_decoding_config=guided_config)
         if not self.executor.can_enqueue_requests():  # executor.cpp: can_enqueue_requests()
@@ -194,7 +208,7 @@ class TritonPythonModel:
         )
         trt_request = executor_args.build_request(
             self.trtllm, parsed, default_end_id=self.params.end_id, salt_supported=self.salt_supported,
-            vocab_size=self.params.vocab_size, guided_supported=self.guided_supported,
+            bias_layout=self.bias_layout, guided_supported=self.guided_supported,
         )
         end_id = parsed.end_id if parsed.end_id is not None else self.params.end_id
         if parsed.ignore_eos:

@@ -63,9 +63,11 @@ class ServingParams:
     # worker process per rank), so a single Triton model instance drives all GPUs.
     world_size: int
     executor_worker_path: str
+    # GuidedDecodingConfig (XGRAMMAR) is built from <tokenizer_dir>/tokenizer.json; None: guides refused
+    tokenizer_dir: str | None = None
 
     @classmethod
-    def from_spec(cls, spec: EngineSpec, *, engine_dir: str) -> ServingParams:
+    def from_spec(cls, spec: EngineSpec, *, engine_dir: str, tokenizer_dir: str | None = None) -> ServingParams:
         if spec.backend != "tensorrt_llm" or spec.tensorrt_llm is None:
             raise ParamsError(f"spec {spec.name!r} is not a TensorRT-LLM spec; the Triton model serves only those")
         b, kv, t = spec.build, spec.kv_cache, spec.triton
@@ -95,6 +97,7 @@ class ServingParams:
             response_poll_ms=t.response_poll_ms,
             world_size=b.world_size,
             executor_worker_path=t.executor_worker_path,
+            tokenizer_dir=tokenizer_dir,
         )
 
     def to_parameters(self) -> dict[str, str]:
@@ -177,4 +180,7 @@ PARAMETER_KEYS: dict[str, str] = {
     "response_poll_ms": "kvgate_response_poll_ms",
     "world_size": "kvgate_world_size",
     "executor_worker_path": "executor_worker_path",  # stock (model_state.cc GetExecutorWorkerPath, tensorrt_llm/1/model.py)
+    # stock: the tensorrt_llm model's `tokenizer_dir` (TensorRT-LLM triton_backend/all_models/inflight_batcher_llm/
+    # tensorrt_llm/config.pbtxt; tensorrt_llm/1/model.py builds GuidedDecodingConfig from it)
+    "tokenizer_dir": "tokenizer_dir",
 }

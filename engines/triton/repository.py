@@ -88,8 +88,14 @@ def config_template() -> str:
     return (resources.files("engines") / "templates" / "config.pbtxt.tmpl").read_text(encoding="utf-8")
 
 
-def render_config(spec: EngineSpec, *, engine_dir: str) -> str:
-    params = ServingParams.from_spec(spec, engine_dir=engine_dir)
+def tokenizer_dir_for(spec: EngineSpec, engines_root: str) -> str:
+    """Where the engine builder leaves a spec's tokenizer (build/engine_builder.sh, Helm's builder job:
+    ``/engines/tokenizers/<spec>``; the gateway reads the same folder through KVGATE_TOKENIZER_ROOT)."""
+    return f"{engines_root.rstrip('/')}/tokenizers/{spec.name}"
+
+
+def render_config(spec: EngineSpec, *, engine_dir: str, tokenizer_dir: str | None = None) -> str:
+    params = ServingParams.from_spec(spec, engine_dir=engine_dir, tokenizer_dir=tokenizer_dir)
     values = ConfigValues(
         model_name=spec.triton.model_name,
         spec_name=spec.name,
@@ -125,7 +131,8 @@ def render_repository(specs: list[EngineSpec], output: Path, *, engines_root: st
     rendered = []
     for spec in specs:
         engine_dir = f"{engines_root.rstrip('/')}/{spec.name}/engine"
-        text = render_config(spec, engine_dir=engine_dir)
+        # The tokenizer makes guided decoding possible (GuidedDecodingConfig in model.py).
+        text = render_config(spec, engine_dir=engine_dir, tokenizer_dir=tokenizer_dir_for(spec, engines_root))
         model_dir = output / spec.triton.model_name
         (model_dir / "1").mkdir(parents=True, exist_ok=True)
         config_path = model_dir / "config.pbtxt"

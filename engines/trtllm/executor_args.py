@@ -20,9 +20,10 @@ from datetime import timedelta
 from types import ModuleType
 from typing import Any
 
-from engines.contract import EngineRequest
+from engines.contract import DECODE_DURATION, DECODE_PRIORITY, RANGE_DURATIONS, ContractError, EngineRequest
 from engines.trtllm import request_extensions
 from engines.trtllm.bindings import BindingError
+from engines.trtllm.engine_config import BiasLayout
 from retention.types import DEFAULT_PRIORITY, RetentionPlan
 
 
@@ -57,6 +58,14 @@ def executor_config_kwargs(params: Any, kv_cache_config: Any) -> dict[str, Any]:
         "iter_stats_max_iterations": params.iter_stats_max_iterations,
         "max_batch_size": params.max_batch_size,
         "max_num_tokens": params.max_num_tokens,
+        # The contract's log probabilities are of the whole processed distribution (engines/contract.py).
+        # The binding's default is true (nanobind/executor/executorConfig.cpp ExecutorConfig init:
+        # nb::arg("normalize_log_probs") = true, and py::arg(...) = true in the pybind twin, in every
+        # snapshot of the index; a later flip on main would not change 1.2.1);
+        # CreateNewDecoderRequests copies it into every request's SamplingConfig and
+        # samplingTopKKernels.cu topKStage2Sampling then reports log P within the top-k set:
+        # 0.0 for every greedy (top-k 1) token. Always sent, so neither default decides.
+        "normalize_log_probs": False,
     }
     if params.max_queue_size is not None:
         kwargs["max_queue_size"] = params.max_queue_size
@@ -112,6 +121,7 @@ def retention_config(trtllm: ModuleType, plan: RetentionPlan) -> Any | None:
     """
     if not plan.ranges and plan.decode_priority == DEFAULT_PRIORITY and plan.decode_duration_ms is None:
         return None
+    check_retention_gaps(plan)
     token_range = trtllm.KvCacheRetentionConfig.TokenRangeRetentionConfig
     ranges = [
         token_range(token_start=r.start, token_end=r.end, priority=r.priority, duration_ms=_duration(r.duration_ms))
@@ -122,6 +132,30 @@ def retention_config(trtllm: ModuleType, plan: RetentionPlan) -> Any | None:
         decode_retention_priority=plan.decode_priority,
         decode_duration_ms=_duration(plan.decode_duration_ms),
     )
+
+
+def check_retention_gaps(plan: RetentionPlan) -> None:
+    """What the 1.2 bindings would accept silently, refused by name before they see it.
+
+    Checked by TensorRT-LLM (cpp/tensorrt_llm/executor/kvCacheRetentionConfig.cpp, read at
+    3585984b): a range's priority in [kMinRetentionPriority, kMaxRetentionPriority] = [0, 100]
+    (``TLLM_CHECK_WITH_INFO`` in the ``TokenRangeRetentionConfig`` constructor → RuntimeError
+    "Invalid priority value. Must be between 0 and 100"), and in the ``KvCacheRetentionConfig``
+    constructor, after sorting by start, ``std::invalid_argument`` (→ ValueError) for an open end
+    that is not last, a negative start, an empty range and overlapping ranges. Not checked at
+    construction: the decode priority (a plain ``RetentionPriority``, no check in the constructor
+    or the nanobind/pybind ``init``) and the durations' sign — so kvgate checks those here.
+    """
+    if not 0 <= plan.decode_priority <= 100:
+        raise ContractError(f"retention_decode_priority must be within [0, 100], got {plan.decode_priority} "
+                            "(TensorRT-LLM does not check it)", tensor=DECODE_PRIORITY.name)
+    if plan.decode_duration_ms is not None and plan.decode_duration_ms < 0:
+        raise ContractError(f"retention_decode_duration_ms must be >= 0, got {plan.decode_duration_ms}",
+                            tensor=DECODE_DURATION.name)
+    for index, rng in enumerate(plan.ranges):
+        if rng.duration_ms is not None and rng.duration_ms < 0:
+            raise ContractError(f"retention range {index}: duration must be >= 0, got {rng.duration_ms}",
+                                tensor=RANGE_DURATIONS.name)
 
 
 def cache_salt_id(salt: str) -> int:
@@ -167,10 +201,11 @@ def sampling_config(trtllm: ModuleType, request: EngineRequest) -> Any:
 
 
 def build_request(trtllm: ModuleType, request: EngineRequest, *, default_end_id: int | None, salt_supported: bool,
-                  vocab_size: int = 0, guided_supported: bool = False) -> Any:
+                  bias_layout: BiasLayout | None = None, guided_supported: bool = False) -> Any:
     """The executor ``Request`` for a validated :class:`EngineRequest` (request.cpp ``Request`` init).
 
-    Raises :class:`request_extensions.ExtensionUnsupportedError` for what this executor cannot do.
+    Raises :class:`request_extensions.ExtensionUnsupportedError` for what this executor cannot do and
+    :class:`engines.contract.ContractError` for combinations it cannot be sent safely.
     """
     end_id = request.end_id if request.end_id is not None else default_end_id
     kwargs: dict[str, Any] = {
@@ -187,7 +222,7 @@ def build_request(trtllm: ModuleType, request: EngineRequest, *, default_end_id:
         kwargs["end_id"] = end_id
     # ignore_eos (end_id -1), logit bias (embedding_bias), guide: engines/trtllm/request_extensions.py
     kwargs.update(request_extensions.request_extension_kwargs(
-        trtllm, request, vocab_size=vocab_size, guided_supported=guided_supported))
+        trtllm, request, bias_layout=bias_layout, guided_supported=guided_supported))
     retention = retention_config(trtllm, request.retention)
     if retention is not None:
         kwargs["kv_cache_retention_config"] = retention

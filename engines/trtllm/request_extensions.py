@@ -35,7 +35,8 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-from engines.contract import EngineRequest, SamplingParams
+from engines.contract import IGNORE_EOS, ContractError, EngineRequest, SamplingParams
+from engines.trtllm.engine_config import BiasLayout
 
 GUIDE_TYPE_NAMES = {"json": "JSON", "json_schema": "JSON_SCHEMA", "regex": "REGEX", "ebnf_grammar": "EBNF_GRAMMAR"}
 
@@ -66,16 +67,40 @@ def output_config_kwargs(request: EngineRequest) -> dict[str, Any]:
     return {"return_log_probs": True} if request.return_log_probs else {}
 
 
-def embedding_bias(request: EngineRequest, vocab_size: int) -> Any | None:
-    """The dense ``[vocab_size]`` FP32 bias tensor for the request's sparse logit bias."""
+def embedding_bias(request: EngineRequest, layout: BiasLayout | None) -> Any | None:
+    """The dense ``[1, vocab_size]`` bias tensor, in the engine's logits dtype, for the request's
+    sparse logit bias (``layout`` from the engine's config.json: engine_config.bias_layout, which
+    cites createNewDecoderRequests.cpp getEmbeddingBias / initializeEmbeddingBias)."""
     if not request.sampling.logit_bias:
         return None
+    if layout is None or layout.refusal is not None:
+        reason = layout.refusal if layout is not None else "the pool's engine layout is unknown"
+        raise ExtensionUnsupportedError(f"logit_bias_token_ids: this pool cannot apply a logit bias: {reason}")
     import torch  # in the Triton container; only needed for a request with a bias
 
-    bias = torch.zeros(vocab_size, dtype=torch.float32)
+    # On the CPU: getEmbeddingBias requires host memory to convert, and the executor copies it itself.
+    bias = torch.zeros((1, layout.vocab_size), dtype=getattr(torch, layout.logits_dtype))
     for token, value in request.sampling.logit_bias:
-        bias[token] = value
+        bias[0, token] = value
     return bias
+
+
+def refuse_unsafe_combinations(request: EngineRequest) -> None:
+    """What the 1.2 executor cannot be sent safely (a ContractError: the gateway answers 400).
+
+    ``ignore_eos`` with ``min_tokens``: ``ignore_eos`` is sent as ``end_id=-1`` and the penalty
+    kernel's min-length mask writes ``outLogitsPtr[endIds[batchSlot]]`` with no bound check
+    (cpp/tensorrt_llm/kernels/penaltyKernels.cu ``batchApplyPenalty``, read at NVIDIA/TensorRT-LLM
+    249d93d5 and in a 2023 snapshot 3c44cb97) — a write before the row's logits. Another snapshot in
+    the code index (one that also passes ``finished`` to the kernel) adds ``&& endIds[batchSlot] > -1``,
+    but which release first has it could not be established and the 1.2.1 tag could not be read:
+    refused until the 1.2.x kernel is shown to carry that guard.
+    """
+    if request.ignore_eos and request.sampling.min_tokens:
+        raise ContractError(
+            "ignore_eos cannot be combined with min_tokens on a TensorRT-LLM pool (ignore_eos is end id -1, "
+            "which the 1.2 penalty kernel's min_tokens mask would index out of bounds)", tensor=IGNORE_EOS.name,
+        )
 
 
 def guided_decoding_params(trtllm: ModuleType, request: EngineRequest, *, guided_supported: bool) -> Any | None:
@@ -91,13 +116,14 @@ def guided_decoding_params(trtllm: ModuleType, request: EngineRequest, *, guided
     return trtllm.GuidedDecodingParams(guide_type=guide_type, guide=guide.text or None)
 
 
-def request_extension_kwargs(trtllm: ModuleType, request: EngineRequest, *, vocab_size: int,
+def request_extension_kwargs(trtllm: ModuleType, request: EngineRequest, *, bias_layout: BiasLayout | None,
                              guided_supported: bool) -> dict[str, Any]:
     """Extra ``Request`` keywords (``end_id`` is overridden to -1 for ignore_eos)."""
+    refuse_unsafe_combinations(request)
     kwargs: dict[str, Any] = {}
     if request.ignore_eos:
         kwargs["end_id"] = -1
-    bias = embedding_bias(request, vocab_size)
+    bias = embedding_bias(request, bias_layout)
     if bias is not None:
         kwargs["embedding_bias"] = bias
     params = guided_decoding_params(trtllm, request, guided_supported=guided_supported)

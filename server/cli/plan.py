@@ -18,6 +18,7 @@ lives in ``engines/capacity`` (pure); this module parses options and draws the t
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 from typing import Annotated
@@ -84,6 +85,7 @@ def register(app: typer.Typer) -> None:
         from engines.capacity.arithmetic import PlanError, PlanInputs, host_cache_size_for_blocks, plan
         from engines.capacity.hardware import Hardware, HardwareError, bundled_gpus, load_gpu
         from engines.capacity.shapes import ShapeError, bundled_shape_names, load_shape
+        from engines.capacity.spec_choice import no_spec_reason, spec_choice
         from engines.spec import SpecError
 
         if list_known:
@@ -118,18 +120,37 @@ def register(app: typer.Typer) -> None:
             inputs = PlanInputs(kv_dtype=kv_dtype, weight_dtype=weights, tokens_per_block=tokens_per_block,
                                 free_gpu_memory_fraction=fraction, runtime_reserve_bytes=int(reserve_gib * GIB),
                                 context_length=parse_tokens(context, "--context"), sequences=sequences)
-            hardware = Hardware(gpu_type, gpus or world, tp, pp, per_rank_host)
-            result = plan(shape, hardware, inputs)
-            if host_blocks is not None:
-                size = host_cache_size_for_blocks(host_blocks, result.block_bytes_per_rank)
-                result = plan(shape, Hardware(gpu_type, gpus or world, tp, pp, size), inputs)
+            def sized(plan_inputs: PlanInputs):  # noqa: ANN202 - CapacityPlan
+                planned = plan(shape, Hardware(gpu_type, gpus or world, tp, pp, per_rank_host), plan_inputs)
+                if host_blocks is not None:
+                    size = host_cache_size_for_blocks(host_blocks, planned.block_bytes_per_rank)
+                    planned = plan(shape, Hardware(gpu_type, gpus or world, tp, pp, size), plan_inputs)
+                return planned
+
+            result = sized(inputs)
+            # The spec values printed must validate (engines/spec.py): plan the nearest valid
+            # dtypes when the user's cannot be a kvgate TensorRT-LLM spec, and say why.
+            choice = spec_choice(kv_dtype, weights, gpu_type)
+            valid = None
+            if choice is not None:
+                valid = result if choice.reason is None else sized(
+                    dataclasses.replace(inputs, kv_dtype=choice.kv_dtype, weight_dtype=choice.weight_dtype))
         except (CliError, ShapeError, HardwareError, PlanError, SpecError) as exc:
             typer.echo(f"error: {exc}", err=True)
             raise typer.Exit(2) from None
         if as_json:
-            typer.echo(json.dumps(result.to_dict(), indent=2))
+            doc = result.to_dict()
+            # registration + spec always describe one deployable engine (None when none is valid)
+            doc["registration"] = valid.registration() if valid is not None else None
+            doc["spec"] = valid.spec_values() if valid is not None else None
+            doc["spec_choice"] = {
+                "kv_dtype": choice.kv_dtype if choice else None, "weights": choice.weight_dtype if choice else None,
+                "changed": bool(choice and choice.reason) or choice is None,
+                "reason": (choice.reason if choice else no_spec_reason(gpu_type)),
+            }
+            typer.echo(json.dumps(doc, indent=2))
         else:
-            print_plan(result)
+            print_plan(result, valid, choice, no_spec_reason(gpu_type))
 
 
 def spec_defaults(ref: str) -> dict[str, object]:
@@ -153,7 +174,7 @@ def spec_defaults(ref: str) -> dict[str, object]:
     return out
 
 
-def print_plan(p) -> None:  # noqa: ANN001 - CapacityPlan
+def print_plan(p, valid=None, choice=None, no_spec: str = "") -> None:  # noqa: ANN001 - CapacityPlan, SpecChoice
     from rich.console import Console
     from rich.table import Table
 
@@ -195,6 +216,14 @@ def print_plan(p) -> None:  # noqa: ANN001 - CapacityPlan
     console.print(table)
     for note in p.notes:
         console.print(f"note: {note}")
-    # Plain echo: these lines are meant to be copied, so no wrapping.
-    typer.echo("pool registration (admin API / registry.yaml): " + json.dumps(p.registration()))
-    typer.echo("spec values: " + json.dumps(p.spec_values()))
+    # Plain echo: these lines are meant to be copied, so no wrapping. They always describe an engine
+    # spec that validates: the user's dtypes when they can, else the nearest valid ones.
+    if valid is None:
+        typer.echo(f"no engine spec: {no_spec}")
+        return
+    if choice is not None and choice.reason is not None:
+        typer.echo(f"note: {choice.reason}.")
+        typer.echo(f"nearest valid choice: {choice.flags} — {valid.primary_blocks:,} primary blocks per replica, "
+                   f"{valid.concurrent_sequences:,} sequences at {valid.context_length:,} tokens")
+    typer.echo("pool registration (admin API / registry.yaml): " + json.dumps(valid.registration()))
+    typer.echo("spec values: " + json.dumps(valid.spec_values()))

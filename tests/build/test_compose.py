@@ -296,3 +296,24 @@ def test_registry_apply_one_shot_runs_the_real_command_on_the_mounted_example():
     assert resolve(service["environment"]["KVGATE_DATABASE_URL"]) == resolve(SERVICES["gateway"]["environment"]["KVGATE_DATABASE_URL"])
     assert service["depends_on"]["migrate"] == {"condition": "service_completed_successfully"}
     assert service["restart"] == "no"
+
+
+def test_the_gpu_profile_renders_a_repository_with_guided_decoding(tmp_path):
+    """engine-builder runs build/engine_builder.sh: its `kvgate build repo` (real CLI here) must point the
+    model's tokenizer_dir at the folder the same script saves the tokenizer to, on the volume Triton mounts."""
+    from google.protobuf import text_format
+    from tritonclient.grpc import model_config_pb2
+
+    script = (ROOT / "build/engine_builder.sh").read_text()
+    [repo_line] = [line for line in script.splitlines() if line.strip().startswith("kvgate build repo")]
+    argv = repo_line.split()[1:]
+    spec = SERVICES["engine-builder"]["environment"]["KVGATE_ENGINE_SPECS"]
+    argv = [resolve(spec) if a == '"${specs[@]}"' else a for a in argv]
+    argv[argv.index("--output") + 1] = str(tmp_path)
+    result = CliRunner().invoke(create_cli(), argv)
+    assert result.exit_code == 0, result.output
+    config = text_format.Parse((tmp_path / "kvgate_llm" / "config.pbtxt").read_text(), model_config_pb2.ModelConfig())
+    name = resolve(spec)
+    assert config.parameters["tokenizer_dir"].string_value == f"/engines/tokenizers/{name}"
+    assert "save_pretrained('/engines/tokenizers/$spec')" in script
+    assert "engines:/engines:ro" in SERVICES["triton"]["volumes"]

@@ -543,6 +543,29 @@ def test_triton_pods_serve_the_spec_after_the_builder(renders):
     assert {"name": "KVGATE_TOKENIZER_ROOT", "value": "/engines/tokenizers"} in gw["env"]
 
 
+def test_the_triton_pod_renders_a_repository_with_guided_decoding(renders, tmp_path):
+    """The init container's real `kvgate build repo` writes tokenizer_dir where the builder job saves the
+    tokenizer (build/engine_builder.sh), so GuidedDecodingConfig is built on a GPU pool."""
+    from google.protobuf import text_format
+    from tritonclient.grpc import model_config_pb2
+    from typer.testing import CliRunner
+
+    r = renders["gpu-8b-4-replicas"]
+    spec = load_bundled_spec("llama-3.1-8b-instruct-fp8kv")
+    pod = workload(r, "llama8b")["spec"]["template"]["spec"]
+    _, repo = pod["initContainers"]
+    argv = list(repo["command"][1:])
+    argv[argv.index("--output") + 1] = str(tmp_path)
+    result = CliRunner().invoke(create_cli(), argv)
+    assert result.exit_code == 0, result.output
+    config = text_format.Parse((tmp_path / "kvgate_llm" / "config.pbtxt").read_text(), model_config_pb2.ModelConfig())
+    tokenizer_dir = config.parameters["tokenizer_dir"].string_value
+    assert tokenizer_dir == f"/engines/tokenizers/{spec.name}"
+    builder = (ROOT / "build/engine_builder.sh").read_text()
+    assert "save_pretrained('/engines/tokenizers/$spec')" in builder  # what the builder job runs
+    assert {"name": "engines", "mountPath": "/engines", "readOnly": True} in pod["containers"][0]["volumeMounts"]
+
+
 def test_builder_job_name_follows_the_spec_file(chart, renders):
     r = renders["gpu-8b-4-replicas"]
     (job,) = [j for j in r.of_kind("Job") if j["metadata"]["labels"]["app.kubernetes.io/component"] == "engine-builder"]

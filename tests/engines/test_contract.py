@@ -72,9 +72,10 @@ from engines.contract import (  # noqa: E402
 def test_extensions_round_trip() -> None:
     sampling = SamplingParams(0.5, 0.75, 5, 3, repetition_penalty=1.25, presence_penalty=-0.5, frequency_penalty=1.5,
                               min_tokens=4, logit_bias=((7, 5.0), (9, -100.0)))
-    request = _request(sampling=sampling, ignore_eos=True, return_log_probs=True, num_top_log_probs=3,
-                       guide=Guide("json_schema", '{"type": "object"}'))
+    request = _request(sampling=sampling, ignore_eos=True, return_log_probs=True, num_top_log_probs=3)
     assert parse_request(encode_request(request), **LIMITS) == request
+    guided = _request(sampling=sampling, return_log_probs=True, guide=Guide("json_schema", '{"type": "object"}'))
+    assert parse_request(encode_request(guided), **LIMITS) == guided
     assert parse_request(encode_request(_request(guide=Guide("json"))), **LIMITS).guide == Guide("json")
 
 

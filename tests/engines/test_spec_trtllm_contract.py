@@ -79,6 +79,8 @@ EXECUTOR_8B = {
     "iter_stats_max_iterations": 1000,  # executorConfig.cpp; stats call reads IterationStats.kv_cache_stats
     "max_batch_size": 64,  # executorConfig.cpp
     "max_num_tokens": 8192,  # executorConfig.cpp
+    # executorConfig.cpp: nb::arg("normalize_log_probs") = true in 1.2; the contract's log probabilities are unnormalised
+    "normalize_log_probs": False,
 }
 EXECUTOR_70B = {**EXECUTOR_8B, "max_batch_size": 128, "max_num_tokens": 16384}
 

@@ -105,3 +105,51 @@ def test_spec_without_a_bundled_shape_or_unknown_spec_exits_2() -> None:
     assert result.exit_code == 2 and "no bundled shape has the spec's model" in result.output
     result = run("--spec", "no-such-spec", "--gpu", "h200")
     assert result.exit_code == 2 and "no bundled spec" in result.output
+
+
+def _merged(base: str, values: dict) -> dict:
+    from engines.spec import load_bundled_spec
+
+    data = load_bundled_spec(base).model_dump(mode="json", exclude_none=True)
+    for section, fields in values.items():
+        data[section].update(fields)
+    return data
+
+
+@pytest.mark.parametrize(("args", "base", "changed"), [
+    (["llama-3.1-70b", "--gpu", "h200", "--tp", "8", "--kv-dtype", "fp8"], "llama-3.1-70b-instruct-fp8-tp8", True),
+    (["llama-3.1-70b", "--gpu", "h200", "--tp", "8"], "llama-3.1-70b-instruct-fp8-tp8", True),  # default weights bf16
+    (["llama-3.1-70b", "--gpu", "h100", "--tp", "8", "--kv-dtype", "fp16"], "llama-3.1-70b-instruct-fp8-tp8", True),
+    (["llama-3.1-70b", "--gpu", "h200", "--tp", "8", "--weights", "fp8"], "llama-3.1-70b-instruct-fp8-tp8", False),
+    (["llama-3.1-8b", "--gpu", "l40s", "--host-cache-size", "16GiB"], "llama-3.1-8b-instruct-fp8kv", True),
+    (["--spec", "llama-3.1-8b-instruct-fp8kv", "--gpu", "h100"], "llama-3.1-8b-instruct-fp8kv", False),
+])
+def test_every_spec_plan_prints_validates(args: list[str], base: str, changed: bool) -> None:
+    """The validator (engines/spec.py) accepts the spec values of both outputs; a refused choice is named."""
+    from engines.spec import parse_spec
+
+    result = run(*args, "--json")
+    assert result.exit_code == 0, result.output
+    doc = json.loads(result.output)
+    spec = parse_spec(_merged(base, doc["spec"]), source="kvgate plan --json")
+    assert (spec.quantization.kv_cache, spec.quantization.weights) == ("fp8", "fp8")
+    assert doc["spec_choice"]["changed"] is changed and (doc["spec_choice"]["reason"] is not None) is changed
+    if "--kv-dtype" not in args or "fp8" in args[args.index("--kv-dtype") + 1]:
+        if changed:
+            assert "fp8-kv-needs-fp8-weights" in doc["spec_choice"]["reason"]
+    table = run(*args)
+    assert table.exit_code == 0, table.output
+    [line] = [x for x in table.output.splitlines() if x.startswith("spec values: ")]
+    parse_spec(_merged(base, json.loads(line.removeprefix("spec values: "))), source="kvgate plan")
+    assert ("nearest valid choice: --kv-dtype fp8 --weights fp8" in table.output) is changed
+    [registration] = [x for x in table.output.splitlines() if x.startswith("pool registration")]
+    assert json.loads(registration.split(": ", 1)[1]) == doc["registration"]
+
+
+def test_a_gpu_without_fp8_prints_no_spec() -> None:
+    result = run("llama-3.1-8b", "--gpu", "a100", "--kv-dtype", "fp16", "--json")
+    assert result.exit_code == 0, result.output
+    doc = json.loads(result.output)
+    assert doc["spec"] is None and doc["registration"] is None and "no FP8" in doc["spec_choice"]["reason"]
+    table = run("llama-3.1-8b", "--gpu", "a100", "--kv-dtype", "fp16")
+    assert "no engine spec:" in table.output and "spec values:" not in table.output

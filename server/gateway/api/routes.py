@@ -150,6 +150,11 @@ async def chat_completions(body: ChatCompletionRequest, tenant: Tenant, services
     messages = _messages(body)
     job = await _job(services, tenant, body, "chat", lambda p: p.chat(messages))
     job.tools, job.guide = _structure(body)
+    if job.guide is not None and job.ignore_eos:
+        # The engine contract refuses the pair (engines/contract.py check_combinations): a guided request
+        # ends when its grammar completes, which ignore_eos would prevent on the GPU engine.
+        raise ServingError(400, "invalid_request", "ignore_eos cannot be combined with response_format or a forced "
+                           "tool call (the output would never end when its structure completes)", param="ignore_eos")
     if body.logprobs:
         job.logprobs = body.top_logprobs or 0
     return await services.runner.run(job)

@@ -143,3 +143,12 @@ def test_log_probs_over_grpc_unary_streaming_and_stream(fp8_server, tokenizer):
     assert ids == ids_merged and len(probs) == len(ids) == 4
     assert [p.logprob for p in probs] == pytest.approx([p.logprob for p in probs_merged], abs=1e-5)
     assert all(len(p.top) == 2 and p.top[0][0] == t for p, t in zip(probs, ids))  # greedy: chosen = most likely
+
+
+async def test_ignore_eos_with_a_guide_is_refused_as_on_the_gpu_engine(engine, tokenizer):
+    """One contract: TensorRT-LLM would never end a completed guide under end_id -1, so neither engine takes it."""
+    request = dataclasses.replace(make_request(chat_ids(tokenizer, "x"), 4), ignore_eos=True, guide=Guide("json"))
+    with pytest.raises(ContractError) as caught:
+        await _collect(engine, "eos-guide", request)
+    assert caught.value.tensor == "ignore_eos" and "guided_decoding_guide_type" in str(caught.value)
+    assert engine.in_flight() == 0

@@ -42,9 +42,18 @@ class Harness:
         return request.sender
 
 
+def write_tokenizer(directory: Path, vocab: tuple[str, ...] = ("{", "}", '"', ":", "a", "1")) -> Path:
+    """A minimal Hugging Face ``tokenizer.json`` (the fields request_extensions.guided_decoding_config reads)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / "tokenizer.json"
+    path.write_text(json.dumps({"model": {"type": "BPE", "vocab": {t: i for i, t in enumerate(vocab)}, "merges": []},
+                                "added_tokens": [{"id": len(vocab), "content": "<|eot_id|>", "special": True}]}))
+    return path
+
+
 def make_harness(tmp_path, monkeypatch, *, salt_supported=True, spec_name=SPEC, version="1.2.1", spec=None,
                  engine: dict | None = None, kv_cache_stats=True, write_engine=True,
-                 parameters=None, event_lag=0):
+                 parameters=None, event_lag=0, tokenizer=True):
     """The model over a rendered repository and an engine directory holding a trtllm-build ``config.json``.
 
     ``engine`` overrides fields of that config.json (``fake_trtllm.write_engine_config``), e.g.
@@ -60,8 +69,11 @@ def make_harness(tmp_path, monkeypatch, *, salt_supported=True, spec_name=SPEC, 
     if write_engine:
         fake_trtllm.write_engine_config(
             engines_root / spec.name / "engine",
-            **{"tokens_per_block": spec.build.tokens_per_block, "tp_size": spec.build.tensor_parallel, **(engine or {})},
+            **{"tokens_per_block": spec.build.tokens_per_block, "tp_size": spec.build.tensor_parallel,
+               "vocab_size": spec.triton.vocab_size, **(engine or {})},
         )
+    if tokenizer:  # what the engine builder saves under /engines/tokenizers/<spec> (build/engine_builder.sh)
+        write_tokenizer(engines_root / "tokenizers" / spec.name)
     [rendered] = render_repository([spec], tmp_path / "repo", engines_root=str(engines_root))
     config = text_format.Parse(rendered.config_path.read_text(), model_config_pb2.ModelConfig())
     for key, value in (parameters or {}).items():  # what an operator adds to config.pbtxt

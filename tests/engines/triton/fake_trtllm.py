@@ -27,6 +27,13 @@ KV cache manager does (``fake_block_manager.py``: storeContextBlocks / storeNewB
 releaseBlocks, one stored event per store call, events flushed per iteration and handed over
 late by the event manager's worker), returns only the iteration stats since the last call,
 and exposes an event manager even with a zero event buffer.
+Sampling/request rules: ``normalize_log_probs`` defaults to true and then a greedy token's log
+probability is 0.0 (executorConfig.cpp, samplingTopKKernels.cu ``topKStage2Sampling``); an
+``embedding_bias`` of the wrong dtype or shape fails the request as
+batch_manager/createNewDecoderRequests.cpp does (an error Response); ``min_tokens`` with end id
+-1 fails loudly where the real penalty kernel would write out of bounds. ``batch_apply_penalty``
+and ``sampled_log_prob`` re-implement the kernels' logit processing and log probabilities
+(penaltyKernels.cu, samplingTopKKernels.cu) for tests that compare the reference sampler.
 Exceptions are what nanobind makes of the C++ ones (nanobind src/nb_internals.cpp
 ``default_exception_translator``): ``std::invalid_argument`` → ValueError, any other
 ``std::exception`` (``TLLM_CHECK`` throws ``TllmException``, a ``std::runtime_error``) → RuntimeError.
@@ -86,10 +93,79 @@ def regularize_top_k_top_p(top_k: int, top_p: float) -> tuple[int, float]:
     return top_k, top_p
 
 
+FLT_MAX = 3.4028234663852886e38  # penaltyKernels.cu MASK_VAL for float logits (-FLT_MAX)
+
+
+def batch_apply_penalty(logits: Any, *, prompt: list[int], output: list[int], bias: Any = None,
+                        temperature: float | None = None, repetition_penalty: float | None = None,
+                        presence_penalty: float | None = None, frequency_penalty: float | None = None,
+                        min_length: int = 0, end_id: int | None = None) -> Any:
+    """One row (beam 1) of cpp/tensorrt_llm/kernels/penaltyKernels.cu ``batchApplyPenalty``, in numpy.
+
+    Read at NVIDIA/TensorRT-LLM 249d93d5 (a 2024-25 main snapshot; the 1.2.1 tag could not be
+    read, the kernel has not changed shape across the snapshots in the index). Per token of
+    the vocabulary: ``logit + bias``, then ``× 1/(temperature + 1e-6)`` when the temperature is
+    not 1 (``DefaultDecodingParams::getTemperature``), then — only for tokens whose occurrence
+    count is > 0, counted over the prompt in the context phase and every generated token since
+    — repetition (``logit < 0 ? logit × p : logit / p``), presence (``- p``), frequency
+    (``- p × count``). Then, while ``currentStep - inputLen < minLength``, the end id's logit
+    becomes ``-FLT_MAX``: ``outLogitsPtr[endIds[batchSlot]]``, unguarded — with end id -1 (how
+    ``ignore_eos`` is sent) that is a write before the row, which this re-implementation refuses.
+    """
+    import numpy as np
+
+    out = np.asarray(logits, dtype=np.float32).astype(np.float64)
+    vocab = out.shape[-1]
+    if bias is not None:
+        out = out + np.asarray(bias, dtype=np.float64)
+    if temperature is not None and abs(temperature - 1.0) >= 1e-9:
+        out = out * (1.0 / (temperature + 1e-6))
+    defaults = (repetition_penalty in (None, 1.0), presence_penalty in (None, 0.0), frequency_penalty in (None, 0.0))
+    if not all(defaults):  # accumulateVocab
+        counts = np.zeros(vocab, dtype=np.int64)
+        for token in list(prompt) + list(output):
+            if token < vocab:  # "if (penaltyIndex < vocabSize)"
+                counts[token] += 1
+        seen = counts > 0
+        if repetition_penalty is not None:
+            out = np.where(seen & (out < 0), out * repetition_penalty, np.where(seen, out / repetition_penalty, out))
+        if presence_penalty is not None:
+            out = np.where(seen, out - presence_penalty, out)
+        if frequency_penalty is not None:
+            out = np.where(seen, out - frequency_penalty * counts, out)
+    if min_length > 0 and len(output) < min_length:
+        if end_id is None or end_id < 0:
+            raise RuntimeError(f"penaltyKernels.cu batchApplyPenalty: min length writes logits[endIds[slot]] "
+                               f"unguarded; end id {end_id} is out of bounds")
+        out[end_id] = -FLT_MAX
+    return out
+
+
+def sampled_log_prob(processed: Any, token: int, *, top_k: int, normalize_log_probs: bool) -> float:
+    """The log probability ``topKStage2Sampling`` (cpp/tensorrt_llm/kernels/samplingTopKKernels.cu,
+    03961722) writes for ``token`` when output log probs are asked: the sampling layer first turns
+    the processed logits into probabilities over the whole vocabulary (layers/samplingLayer.cpp:
+    ``invokeAddBiasSoftMax`` when ``mOutputLogProbs``, ``probsComputed``), then
+    ``normalizeLogProbs ? log(p) - log(sum of the top-k p) : log(p)`` — "NOT normalized (same way
+    as OpenAI does)" vs "log P(i | i is in top-k)". Greedy is top_k 1: normalised, always 0."""
+    import numpy as np
+
+    row = np.asarray(processed, dtype=np.float64)
+    shifted = row - row.max()
+    probs = np.exp(shifted) / np.exp(shifted).sum()
+    log_p = float(np.log(probs[token]))
+    if not normalize_log_probs:
+        return log_p
+    top = np.sort(probs)[::-1][:max(top_k, 1)]
+    return log_p - float(np.log(top.sum()))
+
+
 def write_engine_config(engine_dir: str | Path, *, tokens_per_block: int = 32, paged_context_fmha: bool = True,
                         context_fmha: bool = True, quant_algo: str | None = "FP8", kv_cache_quant_algo: str | None = "FP8",
-                        tp_size: int = 1) -> Path:
-    """The fields of a trtllm-build ``config.json`` that runtime/gptJsonConfig.cpp reads and this double uses."""
+                        tp_size: int = 1, vocab_size: int = 128256, logits_dtype: str | None = "float32") -> Path:
+    """The fields of a trtllm-build ``config.json`` that runtime/gptJsonConfig.cpp reads and this double uses.
+
+    ``logits_dtype`` None leaves the key out (gptJsonConfig.cpp createModelConfig then takes "float32")."""
     path = Path(engine_dir) / "config.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps({
@@ -98,6 +174,8 @@ def write_engine_config(engine_dir: str | Path, *, tokens_per_block: int = 32, p
             "architecture": "LlamaForCausalLM",
             "mapping": {"tp_size": tp_size, "pp_size": 1},
             "quantization": {"quant_algo": quant_algo, "kv_cache_quant_algo": kv_cache_quant_algo},
+            "vocab_size": vocab_size,
+            **({} if logits_dtype is None else {"logits_dtype": logits_dtype}),
         },
         "build_config": {"plugin_config": {
             "context_fmha": context_fmha, "use_paged_context_fmha": paged_context_fmha,
@@ -199,6 +277,7 @@ def make_module(*, salt_supported: bool = True, primary_blocks: int = 64, second
             for key in ("max_batch_size", "max_num_tokens", "max_queue_size"):
                 _int(key, kwargs.get(key), optional=True, lo=1)
             _int("iter_stats_max_iterations", kwargs.get("iter_stats_max_iterations", 1000), lo=0)
+            _bool("normalize_log_probs", kwargs.get("normalize_log_probs", True))
             self.__dict__.update(kwargs)
             calls.append(("ExecutorConfig", dict(kwargs)))
 
@@ -246,7 +325,10 @@ def make_module(*, salt_supported: bool = True, primary_blocks: int = 64, second
                 isinstance(r, TokenRangeRetentionConfig) for r in token_range_retention_configs
             ):
                 raise TypeError("token_range_retention_configs: expected list[TokenRangeRetentionConfig]")
-            _int("decode_retention_priority", decode_retention_priority, lo=0, hi=100)
+            # RetentionPriority = SizeType32, and neither the binding (request.cpp: a plain nb::init) nor the
+            # C++ constructor (kvCacheRetentionConfig.cpp, 3585984b) range-checks the decode priority: 101 is
+            # accepted here (kvgate checks it itself: executor_args.retention_config).
+            _int("decode_retention_priority", decode_retention_priority, lo=-(2**31), hi=2**31 - 1)
             _duration("decode_duration_ms", decode_duration_ms)
             # cpp/tensorrt_llm/executor/kvCacheRetentionConfig.cpp (KvCacheRetentionConfig ctor, NVIDIA/
             # TensorRT-LLM fbbc05dd): ranges sorted by start, then each throws std::invalid_argument
@@ -525,6 +607,54 @@ def make_module(*, salt_supported: bool = True, primary_blocks: int = 64, second
         plugin = json.loads(path.read_text())["build_config"]["plugin_config"]
         return bool(plugin["use_paged_context_fmha"]), int(plugin["tokens_per_block"])
 
+    def _read_logits(model_path):
+        # runtime/gptJsonConfig.cpp createModelConfig: pretrained_config.vocab_size (required),
+        # logits_dtype (default "float32"; only float32/float16, else "Unsupported logits data type");
+        # runtime/modelConfig.h getVocabSizePadded(worldSize) rounds up to the world size (tp * pp * cp).
+        pretrained = json.loads((Path(model_path) / "config.json").read_text())["pretrained_config"]
+        logits_dtype = pretrained.get("logits_dtype", "float32")
+        if logits_dtype not in ("float32", "float16"):
+            raise RuntimeError("[TensorRT-LLM][ERROR] Unsupported logits data type")
+        mapping = pretrained.get("mapping", {})
+        world = mapping.get("tp_size", 1) * mapping.get("pp_size", 1) * mapping.get("cp_size", 1)
+        vocab = int(pretrained["vocab_size"])
+        return logits_dtype, vocab, (vocab + world - 1) // world * world
+
+    def _decoder_request_error(executor, request):
+        """What batch_manager/createNewDecoderRequests.cpp throws for this request (an error Response:
+        the executor reports a failure of the decoder setup to the request, not to the caller of
+        enqueue_request), or None."""
+        bias = request.embedding_bias
+        if bias is not None:
+            dtype = str(bias.dtype).removeprefix("torch.")
+            if dtype != executor.logits_dtype:
+                # getEmbeddingBias: FP32 for FP16 logits is converted (CPU tensors of shape [1, V] only),
+                # anything else is TLLM_THROW.
+                if not (dtype == "float32" and executor.logits_dtype == "float16"):
+                    return "[TensorRT-LLM][ERROR] Embedding bias data type must be same as model logits type."
+                executor.warnings.append("Embedding bias data type must be same as model logits type, will copy the "
+                                         "tensor from float to half")
+                if bias.device.type != "cpu":
+                    return "[TensorRT-LLM][ERROR] Embedding bias tensor needs to be in CPU memory for casting"
+            # initializeEmbeddingBias: TLLM_CHECK(nbDims == 2), TLLM_CHECK(d[0] == 1), d[1] == getVocabSize()
+            if bias.dim() != 2:
+                return "[TensorRT-LLM][ERROR] Assertion failed: embeddingBiasTensor->getShape().nbDims == 2"
+            if bias.shape[0] != 1:
+                return "[TensorRT-LLM][ERROR] Assertion failed: embeddingBiasTensor->getShape().d[0] == 1"
+            if bias.shape[1] != executor.vocab_size:
+                return ("[TensorRT-LLM][ERROR] The embedding bias shape is not as expected. Expected last dimension "
+                        f"to be same as vocab size: {executor.vocab_size}.")
+            # BufferManager::copy into the request's row of the joint buffer (vocabSizePadded wide)
+            if executor.vocab_size != executor.vocab_size_padded:
+                return "[TensorRT-LLM][ERROR] Incompatible buffer sizes"
+        sampling = request.sampling_config
+        if sampling is not None and sampling.min_tokens and request.end_id is not None and request.end_id < 0:
+            # penaltyKernels.cu batchApplyPenalty writes outLogitsPtr[endIds[batchSlot]] unguarded: with end
+            # id -1 the real kernel writes out of bounds (undefined behaviour); the double refuses loudly.
+            return ("double: penaltyKernels.cu min-length mask would write logits[-1] (end_id -1 with min_tokens): "
+                    "undefined behaviour on a GPU")
+        return None
+
     class Executor:
         def __init__(self, model_path, model_type, executor_config):
             if not isinstance(model_type, ModelType):
@@ -533,6 +663,7 @@ def make_module(*, salt_supported: bool = True, primary_blocks: int = 64, second
                 raise TypeError("executor_config: expected ExecutorConfig")
             self.model_path, self.model_type, self.config = model_path, model_type, executor_config
             self.paged_context_fmha, self.tokens_per_block = _read_engine(model_path)
+            self.logits_dtype, self.vocab_size, self.vocab_size_padded = _read_logits(model_path)
             kv_config = getattr(executor_config, "kv_cache_config", None)
             if kv_config is None:  # executor.h KvCacheConfig defaults
                 kv_config = types.SimpleNamespace(onboard_blocks=True, enable_block_reuse=True, event_buffer_max_size=0,
@@ -555,6 +686,8 @@ def make_module(*, salt_supported: bool = True, primary_blocks: int = 64, second
                 self.block_reuse = False
             self.has_local_model = not orchestrator  # executorImpl.cpp: the orchestrator holds no mModel
             self.iter_stats_max_iterations = getattr(executor_config, "iter_stats_max_iterations", 1000)
+            # executorConfig.cpp (nanobind) ExecutorConfig init: nb::arg("normalize_log_probs") = true
+            self.normalize_log_probs = getattr(executor_config, "normalize_log_probs", True)
             self.lock = threading.Lock()
             self.ready: deque = deque()
             self.requests: dict[int, Any] = {}
@@ -608,19 +741,29 @@ def make_module(*, salt_supported: bool = True, primary_blocks: int = 64, second
 
         def _run(self, request_id, request):
             """Plan the request's tokens and responses; blocks are matched, stored and released by ``step``."""
+            error = _decoder_request_error(self, request)
+            if error is not None:
+                self.ready.append(Response(request_id, None, error))
+                return
             # KvCacheMetrics are filled in when the request is scheduled (KVCacheManager::addSequence).
             metrics = RequestPerfMetrics(KvCacheMetrics())
             ids = request.input_token_ids
             sampling = request.sampling_config  # None: every field unset -> (0, 0.0) -> greedy
             # Greedy decoding gives the deterministic tokens; sampling (what regularizeTopKTopP leaves
             # non-greedy) gives different ones, so a test can tell the two apart from the output.
-            shift = 0 if sampling is None or sampling.greedy else 1 + (sampling.seed or 0)
+            greedy = sampling is None or sampling.greedy
+            shift = 0 if greedy else 1 + (sampling.seed or 0)
             generated = [(t * 7 + 3 + shift) % 1000 + 10 for t in ids][: request.max_tokens]
             if request.end_id is not None and request.end_id >= 0 and len(generated) < request.max_tokens:
                 generated.append(request.end_id)
             # Simulated log probabilities: -0.5 - 0.01 * token, returned only with return_log_probs.
+            # ExecutorConfig.normalize_log_probs (binding default true, executorConfig.cpp) is copied
+            # into each request (batch_manager/createNewDecoderRequests.cpp: samplingConfig.normalizeLogProbs
+            # = mIsNormalizeLogProbs) and topKStage2Sampling (samplingTopKKernels.cu) then returns log P
+            # within the top-k set: for a greedy (top-k 1) request exactly 0.0 per token (sampled_log_prob).
             asked = request.output_config.return_log_probs
-            lps = [-0.5 - 0.01 * t for t in generated]
+            normalized_greedy = greedy and self.normalize_log_probs
+            lps = [0.0 if normalized_greedy else -0.5 - 0.01 * t for t in generated]
             planned = []
             if request.streaming:
                 for i, token in enumerate(generated):

@@ -115,6 +115,8 @@ def expected_parameters(name: str) -> dict[str, str]:
         "kvgate_response_poll_ms": "5",
         # tensorrtllm_backend all_models/inflight_batcher_llm/tensorrt_llm/1/model.py (get_parallel_config)
         "executor_worker_path": "/opt/tritonserver/backends/tensorrtllm/trtllmExecutorWorker",
+        # stock tensorrt_llm model key: GuidedDecodingConfig is built from its tokenizer.json
+        "tokenizer_dir": f"/engines/tokenizers/{name}",
         **per_spec,  # the KV / limit values above, each from the spec
     }
 
@@ -128,7 +130,8 @@ def parse(text: str) -> model_config_pb2.ModelConfig:
 
 @pytest.mark.parametrize("name", NAMES)
 def test_config_pbtxt(name):
-    config = parse(render_config(load_bundled_spec(name), engine_dir=f"/engines/{name}/engine"))
+    config = parse(render_config(load_bundled_spec(name), engine_dir=f"/engines/{name}/engine",
+                                 tokenizer_dir=f"/engines/tokenizers/{name}"))
     assert config.name == "kvgate_llm"
     assert config.backend == "python"  # python_backend README: backend: "python"
     assert config.max_batch_size == 0  # engines/contract.py: shapes carry no batch dimension
@@ -200,7 +203,10 @@ def test_render_repository(tmp_path):
     [model] = render_repository(specs, tmp_path, engines_root="/engines/")
     assert model.config_path == tmp_path / "kvgate_llm" / "config.pbtxt"
     assert model.model_path.read_bytes() == model_source()
-    assert parse(model.config_path.read_text()).parameters["engine_dir"].string_value == f"/engines/{NAMES[0]}/engine"
+    parameters = parse(model.config_path.read_text()).parameters
+    assert parameters["engine_dir"].string_value == f"/engines/{NAMES[0]}/engine"
+    # Guided decoding: the tokenizer the engine builder saves (build/engine_builder.sh, Helm's builder job).
+    assert parameters["tokenizer_dir"].string_value == f"/engines/tokenizers/{NAMES[0]}"
     with pytest.raises(TemplateError, match="same Triton model name"):
         render_repository([load_bundled_spec(n) for n in NAMES], tmp_path / "two", engines_root="/engines")
 

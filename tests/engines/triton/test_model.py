@@ -274,7 +274,9 @@ def test_executor_is_built_from_the_config_pbtxt_parameters(harness):
         "enable_block_reuse": True, "free_gpu_memory_fraction": 0.85, "onboard_blocks": True, "enable_partial_reuse": True,
     }
     [executor_call] = [kwargs for name, kwargs in harness.trt.calls if name == "ExecutorConfig"]
-    assert sorted(executor_call) == ["iter_stats_max_iterations", "kv_cache_config", "max_batch_size", "max_beam_width", "max_num_tokens"]
+    assert sorted(executor_call) == ["guided_decoding_config", "iter_stats_max_iterations", "kv_cache_config", "max_batch_size",
+                                     "max_beam_width", "max_num_tokens", "normalize_log_probs"]
+    assert executor_call["normalize_log_probs"] is False  # the contract's log probabilities (engines/contract.py)
     harness.model.finalize()
     assert executor.shut
 

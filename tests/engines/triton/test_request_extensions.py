@@ -61,13 +61,18 @@ def test_ignore_eos_sends_end_id_minus_one_and_logit_bias_a_dense_embedding_bias
     assert recorded_request(harness).end_id == -1  # executor/base_worker.py: end_id=-1 if ignore_eos
     outputs(harness.send(request(sampling=SamplingParams(logit_bias=((5, 2.0), (9, -100.0))))))
     bias = recorded_request(harness).embedding_bias
-    assert tuple(bias.shape) == (harness.model.params.vocab_size,)
-    assert float(bias[5]) == 2.0 and float(bias[9]) == -100.0 and float(bias.abs().sum()) == 102.0
+    # createNewDecoderRequests.cpp initializeEmbeddingBias: [1, vocab_size] in the logits dtype
+    assert tuple(bias.shape) == (1, harness.model.params.vocab_size) and str(bias.dtype) == "torch.float32"
+    assert float(bias[0, 5]) == 2.0 and float(bias[0, 9]) == -100.0 and float(bias.abs().sum()) == 102.0
 
 
-def test_guides_are_refused_without_a_tokenizer(harness):
-    message = error_of(harness.send(request(guide=Guide("json_schema", '{"type": "object"}'))))
-    assert "guided_decoding_guide_type" in message and "tokenizer_dir" in message
+def test_guides_are_refused_without_a_tokenizer(tmp_path, monkeypatch):
+    h = make_harness(tmp_path, monkeypatch, parameters={"tokenizer_dir": ""})  # an operator cleared it
+    try:
+        message = error_of(h.send(request(guide=Guide("json_schema", '{"type": "object"}'))))
+        assert "guided_decoding_guide_type" in message and "tokenizer_dir" in message
+    finally:
+        h.model.finalize()
 
 
 def test_guided_decoding_config_and_params_with_a_tokenizer(tmp_path, monkeypatch):

@@ -245,6 +245,8 @@ def _nested(depth: int) -> dict:
         ({"logit_bias": {"999999": 1}}, 400, "invalid_request"),
         ({"min_tokens": 2, "ignore_eos": True, "top_k": 5, "repetition_penalty": 1.1}, 200, None),
         ({"min_tokens": 3}, 400, "invalid_request"),  # above max_tokens 2
+        # a guide never ends under ignore_eos on the GPU engine: refused on every pool (engines/contract.py)
+        ({"ignore_eos": True, "response_format": {"type": "json_object"}}, 400, "invalid_request"),
     ],
 )
 def test_fields_are_honoured_ignored_or_refused_by_name(stack: Stack, key: str, extra, status, code) -> None:
