@@ -8,7 +8,9 @@ Examples::
 Answers, per tenant and per segment: the most shared prefixes (tokens saved), the
 reuse-gap distribution, the KV bytes reuse would move over the host link per second
 against a budget, the share of one-shot blocks; recommends a host tier size (knee of the
-simulated hit-rate curve) and per-segment retention durations (reuse-gap percentile).
+simulated hit-rate curve) and per-segment retention durations (reuse-gap percentile), and
+says what retention adds over LRU at the curve's GPU capacity from replays of the candidate
+policies (the age-based figure beside them, a bound or an estimate).
 The analytics live in ``server/analysis/`` (DuckDB); this module reads options and draws.
 A bad trace or option exits 2 with a message naming the line or flag.
 """
