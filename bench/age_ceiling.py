@@ -21,8 +21,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.generalize import CHAT, FRACTIONS, load, workloads  # noqa: E402
-from bench.report import machine, workload_grid, write_section  # noqa: E402
+from bench.generalize import CHAT, FRACTIONS, SEED, load, workloads  # noqa: E402
+from bench.report import machine, seed_line, workload_grid, write_section  # noqa: E402
 
 from retention.simulation.hit_density import ceiling_kind  # noqa: E402  (bound for i.i.d. families, else estimate)
 
@@ -60,6 +60,9 @@ def run(name: str) -> dict:
 def section(results: list[dict], roles: dict[str, str], seconds: float) -> str:
     lines = [
         "## Age-based retention: the hit-density ceiling (bench/age_ceiling.py)",
+        "",
+        seed_line(SEED, "every generated family drawn with this seed, the workloads of `bench/generalize.py`; "
+                        "the public synthetic trace is read as it is"),
         "",
         "GPU only, 512-token blocks, capacity as a share of the workload's distinct blocks (the workloads of",
         "`bench/generalize.py`). **ceiling** = the most any policy that ranks idle blocks by age and class",
