@@ -21,11 +21,12 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.generalize import CHAT, FRACTIONS, load, workloads  # noqa: E402
-from bench.report import machine, workload_grid, write_section  # noqa: E402
+from bench.generalize import CHAT, FRACTIONS, SEED, load, workloads  # noqa: E402
+from bench.report import machine, seed_line, workload_grid, write_section  # noqa: E402
+
+from retention.simulation.hit_density import ceiling_kind  # noqa: E402  (bound for i.i.d. families, else estimate)
 
 PLOT = ROOT / "docs" / "img" / "age_ceiling.png"
-IID = ("chat", "chat-long")  # families whose think times are drawn independently: the ceiling is a bound
 
 
 def run(name: str) -> dict:
@@ -60,6 +61,9 @@ def section(results: list[dict], roles: dict[str, str], seconds: float) -> str:
     lines = [
         "## Age-based retention: the hit-density ceiling (bench/age_ceiling.py)",
         "",
+        seed_line(SEED, "every generated family drawn with this seed, the workloads of `bench/generalize.py`; "
+                        "the public synthetic trace is read as it is"),
+        "",
         "GPU only, 512-token blocks, capacity as a share of the workload's distinct blocks (the workloads of",
         "`bench/generalize.py`). **ceiling** = the most any policy that ranks idle blocks by age and class",
         "(shared prefix / private history) can hit: each class's (block-seconds, hits) curve over hold times,",
@@ -76,7 +80,7 @@ def section(results: list[dict], roles: dict[str, str], seconds: float) -> str:
     ]
     for result in results:
         name = result["name"]
-        label = f"**{name}**" if name in IID else f"*{name}*"
+        label = f"**{name}**" if ceiling_kind(name) == "bound" else f"*{name}*"
         for row in result["rows"]:
             ratio = row["ceiling"] / row["lru"] if row["lru"] else float("nan")
             lines.append(f"| {label} ({roles[name]}) | {row['fraction']:.0%} | {100 * row['lru']:.1f} | "
@@ -89,7 +93,7 @@ def section(results: list[dict], roles: dict[str, str], seconds: float) -> str:
             continue
         row = next(r for r in result["rows"] if r["fraction"] == 0.02)
         ratio = row["ceiling"] / row["lru"] if row["lru"] else float("nan")
-        kind = "bound" if result["name"] in IID else "estimate"
+        kind = ceiling_kind(result["name"])
         verdicts.append(f"{result['name']} {ratio:.2f}× ({kind})")
     lines += [
         "",
@@ -116,7 +120,7 @@ def plot(results: list[dict], roles: dict[str, str]) -> None:
     def draw(ax, result: dict) -> None:  # noqa: ANN001 - a matplotlib Axes
         by = {r["fraction"]: r for r in result["rows"]}
         ax.plot(xs, [100 * by[f]["lru"] for f in FRACTIONS], "o-", color="C0", label="lru")
-        ax.plot(xs, [100 * by[f]["ceiling"] for f in FRACTIONS], "^-" if result["name"] in IID else "^:",
+        ax.plot(xs, [100 * by[f]["ceiling"] for f in FRACTIONS], "^-" if ceiling_kind(result["name"]) == "bound" else "^:",
                 color="C3", label="age-based ceiling (dotted: estimate)")
         ax.plot(xs, [130 * by[f]["lru"] for f in FRACTIONS], color="C0", lw=0.6, ls="--", label="1.3 × lru")
         ax.plot(xs, [100 * by[f]["belady"] for f in FRACTIONS], "k--", lw=0.8, label="Belady")

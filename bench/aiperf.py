@@ -31,6 +31,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 MODEL = "smollm2-135m-instruct"
+SEED = 7  # AIPerf --random-seed: its synthetic prompts
 
 
 def aiperf_executable() -> Path:
@@ -69,7 +70,7 @@ def profile_command(*, url: str, key: str, tokenizer_dir: Path, artifacts: Path,
         # token counts from the server's usage, per chunk (stream_options.continuous_usage_stats): the
         # generated ids, not a re-tokenization of the text (special tokens are not in the text)
         "--use-server-token-count", "--per-chunk-usage",
-        "--random-seed", "7", "--output-artifact-dir", str(artifacts), "--ui-type", "none",
+        "--random-seed", str(SEED), "--output-artifact-dir", str(artifacts), "--ui-type", "none",
         "--no-server-metrics", "--no-gpu-telemetry",
     ]
 
@@ -93,13 +94,15 @@ def metric(export: dict, name: str, stat: str = "avg") -> float:
 
 
 def render(export: dict, *, requests: int, concurrency: int, input_tokens: int, output_tokens: int) -> str:
-    from bench.report import machine
+    from bench.report import machine, seed_line
 
     rows = [("time to first token", "time_to_first_token", "ms"), ("inter-token latency", "inter_token_latency", "ms"),
             ("request latency", "request_latency", "ms"), ("output sequence length", "output_sequence_length", "tokens"),
             ("input sequence length", "input_sequence_length", "tokens")]
     lines = [
         "## AIPerf against the chat endpoint (`bench/aiperf.py`)",
+        "",
+        seed_line(SEED, "AIPerf `--random-seed`: its synthetic prompts"),
         "",
         f"Machine: {machine()}; NVIDIA AIPerf 0.13.0 (`aiperf profile --endpoint-type chat --streaming`), "
         f"{requests} requests at concurrency {concurrency}, synthetic prompts of {input_tokens} tokens, output fixed at "

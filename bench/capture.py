@@ -25,7 +25,7 @@ import numpy as np
 from prometheus_client import CollectorRegistry
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench.report import machine, write_section  # noqa: E402
+from bench.report import machine, seed_line, write_section  # noqa: E402
 from server.analysis.report import AnalyzeOptions, build_report  # noqa: E402
 from server.gateway.observe.capture import TraceCaptures  # noqa: E402
 from tenants import captures, migrate, pools  # noqa: E402
@@ -33,10 +33,11 @@ from tenants.db import make_engine, make_session_factory  # noqa: E402
 
 SYNTHETIC = Path("/work/shared/traces/mooncake_synthetic_trace.jsonl")
 TPB, PROMPT, CALLS, RUNS = 16, 1024, 2000, 7
+SEED = 1  # the prompts' token ids
 
 
 def _prompts(n: int) -> list[tuple[int, ...]]:
-    rng = np.random.default_rng(1)
+    rng = np.random.default_rng(SEED)
     system = tuple(range(200))
     return [system + tuple(int(t) for t in rng.integers(1000, 30000, PROMPT - 200)) for _ in range(n)]
 
@@ -122,6 +123,8 @@ def main() -> None:
         large = large_trace(Path(tmp)) if SYNTHETIC.is_file() else {}
     timing = analyze_seconds() if SYNTHETIC.is_file() else {}
     body = f"""## Live trace capture and `kvgate analyze` (`bench/capture.py`)
+
+{seed_line(SEED, "numpy `default_rng`: the prompts' token ids")}
 
 {machine()}; {PROMPT}-token prompts (200 system tokens), {TPB}-token blocks; medians of {RUNS} runs of {CALLS:,} calls.
 

@@ -36,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 
-from bench.report import machine, write_section  # noqa: E402
+from bench.report import machine, seed_line, write_section  # noqa: E402
 from engines.contract import EngineRequest, SamplingParams  # noqa: E402
 from engines.reference.config import ReferenceEngineConfig  # noqa: E402
 from engines.reference.engine import ReferenceEngine  # noqa: E402
@@ -265,6 +265,8 @@ def target_table(throughput, ttft) -> list[str]:
 def render(args, throughput, ttft, quality, llama) -> str:
     lines = [
         "## Reference engine (`bench/engine.py`)",
+        "",
+        seed_line(None, "fixed prompt texts, greedy decoding"),
         "",
         f"SmolLM2-135M-Instruct Q4_1 GGUF, in-process `ReferenceEngine` (scheduler + retention pool + paged KV + forward), "
         f"`max_num_tokens` 512. Machine: {machine()}, torch CPU capability {torch.backends.cpu.get_cpu_capability()}, "

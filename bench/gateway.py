@@ -42,7 +42,7 @@ import httpx
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.report import machine, write_section  # noqa: E402
+from bench.report import machine, seed_line, write_section  # noqa: E402
 from engines.contract import EngineRequest, Guide, SamplingParams  # noqa: E402
 from retention.types import RetentionPlan  # noqa: E402
 from server.gateway.replicas.engine_client import EngineClient  # noqa: E402
@@ -267,6 +267,8 @@ def render(rows: list[dict], saturation: list[dict] | None = None, grammar_row: 
     lines = [
         "## Gateway overhead (`bench/gateway.py`)",
         "",
+        seed_line(None, "one fixed chat request; the engine returns 16 fixed tokens"),
+        "",
         f"Machine: {machine()}; load generator, gateway (1 uvicorn worker) and a fixed-token engine "
         "(`bench/fixed_engine.py`, 16 tokens) in separate processes on the same 2 cores. Direct = "
         "`tritonclient.grpc.aio` stream to the engine; gateway = OpenAI chat completion over HTTP through "
@@ -309,6 +311,8 @@ def render_structured(rows: list[dict], grammar_row: dict) -> str:
     plain = {r["concurrency"]: r for r in rows if "json_schema" not in r["mode"]}
     lines = [
         "## Structured outputs: gateway and engine cost (`bench/gateway.py --structured`)",
+        "",
+        seed_line(None, "fixed chat requests and schema; the engine returns fixed tokens"),
         "",
         f"Machine: {machine()} (shared; 1-minute load average {os.getloadavg()[0]:.1f} at the end). Non-streaming chat "
         "completions through `kvgate serve` to the fixed-token engine, alternating rounds, with and without "

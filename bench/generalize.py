@@ -27,7 +27,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.report import machine, workload_grid, write_section  # noqa: E402
+from bench.report import machine, seed_line, workload_grid, write_section  # noqa: E402
 
 TRACE = next(
     (p for p in (ROOT.parent / "shared" / "traces" / "mooncake_synthetic_trace.jsonl",  # /work/main → /work/shared
@@ -36,6 +36,7 @@ TRACE = next(
     ROOT.parent / "shared" / "traces" / "mooncake_synthetic_trace.jsonl",
 )
 PLOT = ROOT / "docs" / "img" / "generalize.png"
+SEED = 0  # every generated family is drawn with it
 FRACTIONS = (0.01, 0.02, 0.05, 0.10)
 HOSTS = (0, 4)
 CHAT = ("chat", "chat-long", "rag-chat", "synthetic")  # conversation families: the 2 % GPU-only check is 1.3 × lru
@@ -58,7 +59,7 @@ def load(name: str):  # noqa: ANN201
         with TRACE.open() as handle:
             return parse_trace(handle)
     family = next(f for f in families() if f.name == name)
-    return parse_trace([json.dumps(x) for x in family.generate(0)])
+    return parse_trace([json.dumps(x) for x in family.generate(SEED)])
 
 
 def run_workload(name: str) -> dict:
@@ -138,7 +139,10 @@ def section(results: list[dict], roles: dict[str, str], seconds: float) -> str:
     lines = [
         "## Retention that generalizes (bench/generalize.py)",
         "",
-        "Every workload family (retention/workloads/, seed 0) and the public synthetic trace, `--hold none`,",
+        seed_line(SEED, "every generated family of retention/workloads/ drawn with this seed; "
+                        "the public synthetic trace is read as it is"),
+        "",
+        f"Every workload family (retention/workloads/, seed {SEED}) and the public synthetic trace, `--hold none`,",
         "512-token blocks, GPU capacity as a share of the workload's distinct blocks, host tier 0 or 4× the GPU.",
         "Hit rate = prompt tokens served from cache (GPU + host) / prompt tokens, in %. `lru` has no host tier by",
         "definition (same value in both settings); `trtllm-default` without a host tier is `lru`. `adaptive` is",

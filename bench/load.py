@@ -35,7 +35,7 @@ import httpx
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.report import machine, write_section  # noqa: E402
+from bench.report import machine, seed_line, write_section  # noqa: E402
 from engines.tokenizer import load_gguf_tokenizer  # noqa: E402
 from server.gateway.api.prompting import prepare_chat  # noqa: E402
 from tests.reliability.harness import GatewayProcess, Registry  # noqa: E402
@@ -58,6 +58,7 @@ class LoadReport:
     max_tokens: int
     replicas: int = 1
     admission: str = "local"
+    seed: int = 8  # random.Random: each request's question and the clients' pauses
     completed: int = 0
     errors: list[str] = field(default_factory=list)
     wrong_text: int = 0  # streams whose text is not what the engine generated for them
@@ -151,6 +152,7 @@ async def run_load(*, engine_port: int, workdir: Path, requests: int = 200, tena
     gateways = [GatewayProcess(registry.url, PEPPER, workdir / f"gateway{i}", extra_env=env) for i in range(replicas)]
     report.replicas = replicas
     report.admission = "redis" if redis_url else "local"
+    report.seed = seed
     rng = random.Random(seed)
     try:
         for gateway in gateways:
@@ -233,6 +235,8 @@ def render(report: LoadReport) -> str:
                        f"{r.engine_requests.get(s, 0)} engine requests" for s in sorted(r.limits))
     return "\n".join([
         "## Load (`bench/load.py`)",
+        "",
+        seed_line(r.seed, "`random.Random`: each request's question and the clients' pauses"),
         "",
         f"Machine: {machine()}, shared. {r.requests} concurrent streaming chat completions from {r.tenants} "
         f"tenants (salted), {r.max_tokens} output tokens each, through {r.replicas} `kvgate serve` process(es) "

@@ -23,7 +23,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.report import machine, write_section  # noqa: E402
+from bench.report import machine, seed_line, write_section  # noqa: E402
 from retention.hashing import block_hashes  # noqa: E402
 from retention.trace import distinct_blocks, parse_trace, request_tokens  # noqa: E402
 from retention.types import DEFAULT_PLAN  # noqa: E402
@@ -78,6 +78,8 @@ def main() -> None:
     full = estimates[1.0]
     lines = [
         "## Online miss-ratio curves: cost per request (`bench/mrc.py`)",
+        "",
+        seed_line(None, "the public synthetic trace as it is; shadow samples are fixed slices of the hash space"),
         "",
         f"Synthetic trace, {len(requests):,} requests, pool {primary} GPU + {4 * primary} host blocks of {BLOCK} tokens "
         f"(2 % / 8 % of distinct blocks); six shadow points per pool (GPU 0.5/1/2/4x, host 0/2x). {machine()}. "

@@ -30,13 +30,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 
-from bench.report import machine, write_section  # noqa: E402
+from bench.report import machine, seed_line, write_section  # noqa: E402
 from engines.reference.kv_cache import KvDtype, KvGeometry, PagedKvCache  # noqa: E402
 from engines.reference.linear import DenseLinear, PackedLinear, RowAdaptiveLinear, native_bf16  # noqa: E402
 from engines.reference.loader import load_model  # noqa: E402
 from engines.reference.model import DecodeGroup, LlamaModel, PrefillSpan, StepBatch  # noqa: E402
 
 DECODE_ROWS, DECODE_CONTEXT, PREFILL_TOKENS = 8, 300, 512
+SEED = 0  # the token ids of the measured steps
 
 
 def with_multi(weights, make):  # noqa: ANN001, ANN201
@@ -60,7 +61,7 @@ def steps(model: LlamaModel):  # noqa: ANN201
     geometry = KvGeometry(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, 16)
     blocks = (DECODE_ROWS * DECODE_CONTEXT + PREFILL_TOKENS) // 16 + 8
     cache = PagedKvCache(geometry, KvDtype.FP8_E4M3, primary_blocks=blocks, compute_dtype=model.dtype)
-    gen = torch.Generator().manual_seed(0)
+    gen = torch.Generator().manual_seed(SEED)
     slots = torch.arange(PREFILL_TOKENS)
     prefill = StepBatch(
         token_ids=torch.randint(0, cfg.vocab_size, (PREFILL_TOKENS,), generator=gen), positions=slots.clone(),
@@ -114,6 +115,8 @@ def main() -> None:
     med = {n: {k: statistics.median(v) for k, v in t.items()} for n, t in times.items()}
     lines = [
         "## Multi-row GEMMs of the `q4` engine on this CPU (`bench/multirow.py`)",
+        "",
+        seed_line(SEED, "`torch.Generator().manual_seed`: the token ids of the measured steps"),
         "",
         f"Machine: {machine()}, torch CPU capability {torch.backends.cpu.get_cpu_capability()}, native bf16: "
         f"{'yes' if native_bf16() else 'no'}; shipped multi-row kernel: {kernel}. One model, two copies of the "

@@ -23,7 +23,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.report import write_section  # noqa: E402
+from bench.report import seed_line, write_section  # noqa: E402
 from retention.pool import BlockPool, PoolConfig  # noqa: E402
 from retention.trace import distinct_blocks, parse_trace, request_tokens  # noqa: E402
 from retention.types import DEFAULT_PLAN  # noqa: E402
@@ -84,6 +84,8 @@ def main() -> None:
     machine = f"{platform.machine()}, {os.cpu_count()} cores shared with other work, Python {platform.python_version()}"
     body = [
         "## Block pool operations (bench/pool_ops.py)",
+        "",
+        seed_line(None, "the public synthetic trace as it is; tokens synthesised from its hash ids"),
         "",
         f"Replay of `mooncake_synthetic_trace.jsonl` ({len(requests):,} requests, {distinct:,} distinct 512-token blocks),",
         "`--hold none`, pool calls only (token synthesis excluded), process CPU time, median of "

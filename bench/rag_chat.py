@@ -35,7 +35,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.report import machine, write_section  # noqa: E402
+from bench.report import machine, seed_line, write_section  # noqa: E402
 from engines.capacity.arithmetic import PlanInputs, plan  # noqa: E402
 from engines.capacity.hardware import GIB, Hardware, load_gpu  # noqa: E402
 from engines.capacity.shapes import load_shape  # noqa: E402
@@ -45,6 +45,7 @@ from retention.simulation.simulator import SimConfig, run_simulation  # noqa: E4
 from retention.trace import parse_trace  # noqa: E402
 
 MODEL, GPU, GPUS, TP, HOST_PER_REPLICA = "qwen2.5-72b", "h200-141gb", 8, 8, 256 * GIB
+SEED = 17  # rag_chat_trace: sessions, documents, think times
 TOKENS_PER_BLOCK = 32
 FULL_CORPUS = 8000  # documents at full scale (16.4M tokens, ~2.7× the GPU KV)
 LOADS = (("light", 0.5), ("medium", 1.0), ("heavy", 2.0))
@@ -109,7 +110,7 @@ def run(scale: int, duration: float) -> tuple[str, dict]:
     for label, pressure in LOADS:
         full_rate = full_scale_rate(base, cap.primary_tokens, pressure)
         spec = RagChatSpec(duration_s=duration, sessions_per_s=full_rate / scale, corpus_docs=FULL_CORPUS // scale)
-        lines = rag_chat_trace(spec, seed=17)
+        lines = rag_chat_trace(spec, seed=SEED)
         requests = parse_trace([json.dumps(line) for line in lines], block_size=spec.block_size)
         total_requests += len(requests)
         recompute, host_share = replay(requests, POLICIES, cap.secondary_blocks // scale)
@@ -125,6 +126,8 @@ def run(scale: int, duration: float) -> tuple[str, dict]:
     lines = [
         "## RAG chat by model: prefill recomputed (bench/rag_chat.py)",
         "",
+        seed_line(SEED, "`rag_chat_trace(spec, seed=...)`: sessions, documents, think times"),
+        "",
         "**Ours are simulated**: the same block-pool model the engine uses (`kvgate simulate`,",
         "`retention/`), replaying a synthetic trace — no GPU, no timing. The design notes' figures",
         "were measured on GPUs with other engines; the shapes match, the methods do not.",
@@ -139,7 +142,7 @@ def run(scale: int, duration: float) -> tuple[str, dict]:
         f"{base.context_tokens:,} tokens of retrieved context ({base.docs_per_session} documents of "
         f"{base.tokens_per_doc:,} tokens, Zipf {base.popularity_skew:g} over {FULL_CORPUS:,} documents), "
         f"{base.user_tokens}-token user turns, {base.answer_tokens}-token answers, {base.turns} turns per session, "
-        f"{base.turn_gap_s:g} s mean think time; {duration:g} s of arrivals, seed 17, `--hold none`.",
+        f"{base.turn_gap_s:g} s mean think time; {duration:g} s of arrivals, seed {SEED}, `--hold none`.",
         f"Load: sessions in flight × their peak prompt ({base.prompt_tokens(base.turns):,} tokens) = 0.5×, 1×, 2× "
         "the GPU KV tokens. Simulated at 1/" f"{scale} scale (GPU and host blocks, session rate and corpus ÷ {scale}; "
         "see the script's docstring). Recomputed = prompt tokens not served from GPU or host cache / prompt tokens; "

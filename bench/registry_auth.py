@@ -27,7 +27,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from bench.report import write_section  # noqa: E402
+from bench.report import seed_line, write_section  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -129,6 +129,8 @@ def main() -> None:
         results["PostgreSQL 127.0.0.1"] = pg
     lines = [
         "## Tenant registry (`bench/registry_auth.py`)",
+        "",
+        seed_line(None, "keys and schema names come from `secrets`; no figure depends on their values"),
         "",
         f"{args.tenants} tenants with one key each; {args.lookups} lookups per case; one session, one thread. "
         f"Machine: {platform.machine()}, Python {platform.python_version()}, run {datetime.now(UTC):%Y-%m-%d}. "

@@ -16,6 +16,16 @@ def machine() -> str:
     return f"{platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}"
 
 
+def seed_line(seed: int | None, draws: str) -> str:
+    """The line under every section's title (and so in every bench's printed output): the
+    seed of the bench's random inputs and what it draws, or ``None`` with what makes the
+    inputs fixed. Same seed, same inputs: the counted figures (hit rates, token counts)
+    repeat exactly on a re-run; timings are measurements and vary with the machine."""
+    if seed is None:
+        return f"Seed: none — no figure depends on a random draw ({draws})."
+    return f"Seed: {seed} ({draws})."
+
+
 def write_section(name: str, body: str, path: Path = BENCHMARKS) -> None:
     """Replace (or append) the ``<!-- bench:name -->`` section of ``path``; nothing else changes."""
     start, end = f"<!-- bench:{name} -->", f"<!-- /bench:{name} -->"

@@ -108,7 +108,8 @@ def main() -> None:
             began = time.monotonic()
             with ThreadPoolExecutor(args.workers) as pool:
                 list(pool.map(run, units))
-            print(f"{done} requests in {time.monotonic() - began:.0f} s", file=sys.stderr)
+            print(f"{done} requests in {time.monotonic() - began:.0f} s; seed {args.seed} (random.Random: the "
+                  "conversations' order, documents and filler words)", file=sys.stderr)
             time.sleep(1.0)  # the writer thread flushes the last lines
             httpx.post(f"{stack.gateway.base_url}/admin/v1/pools/reference/captures/{cap['id']}/stop", headers=admin)
             end_ms = int(time.time() * 1000) + 1

@@ -40,7 +40,7 @@ import httpx
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.report import machine, write_section  # noqa: E402
+from bench.report import machine, seed_line, write_section  # noqa: E402
 
 MODEL = "smollm2-135m-instruct"
 POOL = "bench"
@@ -273,6 +273,8 @@ def render(summary: dict[str, dict], args) -> str:
     ratio = kv["cached_share"] / rr["cached_share"] if rr["cached_share"] else float("inf")
     lines = [
         "## Routing over replicas (`bench/routing.py`)",
+        "",
+        seed_line(None, "prompt texts built from tenant, conversation and turn numbers; greedy answers"),
         "",
         f"Machine: {machine()}. Three reference engines (`kvgate engine serve`, one torch thread each, "
         f"{args.primary_blocks} GPU blocks of {TPB} tokens, no host tier, one retention priority: LRU) are the replicas of one pool behind one "

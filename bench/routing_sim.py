@@ -24,7 +24,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.report import machine, write_section  # noqa: E402
+from bench.report import machine, seed_line, write_section  # noqa: E402
 from retention.simulation.cluster_sim import ClusterConfig, ClusterReport, compare_routers  # noqa: E402
 from retention.routing import CostModel  # noqa: E402
 from retention.simulation.sim_policies import make_policy  # noqa: E402
@@ -38,6 +38,7 @@ TRACE = next(
      if (p / "shared" / "traces" / "mooncake_synthetic_trace.jsonl").exists()),
     ROOT.parent / "shared" / "traces" / "mooncake_synthetic_trace.jsonl",
 )
+SEED = 1  # the noisy-neighbour traces
 REPLICAS = 4
 SHARE = 0.02
 HOLD = SimConfig(hold="tokens")
@@ -129,11 +130,11 @@ def main() -> None:
     variants = run(mooncake, "trtllm-default", cap, variant_rows)
 
     spec = NoisyNeighbourSpec()
-    noisy = parse_trace([json.dumps(x) for x in noisy_neighbour_trace(spec, seed=1)])
+    noisy = parse_trace([json.dumps(x) for x in noisy_neighbour_trace(spec, seed=SEED)])
     noisy_cap = round(distinct_blocks(noisy) * SHARE)
     noisy_report = run(noisy, "trtllm-default", noisy_cap)
     shared_spec = NoisyNeighbourSpec(premium_rps=4.0)
-    shared = parse_trace([json.dumps(x) for x in noisy_neighbour_trace(shared_spec, seed=1, include_noisy=False)])
+    shared = parse_trace([json.dumps(x) for x in noisy_neighbour_trace(shared_spec, seed=SEED, include_noisy=False)])
     shared_cap = round(distinct_blocks(shared) * SHARE)
     shared_report = run(shared, "trtllm-default", shared_cap)
     seconds = time.perf_counter() - started
@@ -142,6 +143,8 @@ def main() -> None:
     ok_gpu, text_gpu = verdict(gpu_only)
     lines = [
         "## Routing simulator (bench/routing_sim.py)",
+        "",
+        seed_line(SEED, "the noisy-neighbour traces; the random and softmax routers' source is `ClusterConfig.seed`, 0"),
         "",
         f"`kvgate simulate --replicas {REPLICAS} --router …` model (`retention/simulation/cluster_sim.py`): each replica is its",
         "own block pool, the router is the gateway's code (`retention/routing/`), kv-aware's precise index is fed",
@@ -179,7 +182,7 @@ def main() -> None:
         "",
         f"### Noisy neighbour ({REPLICAS} replicas × {noisy_cap:,} GPU blocks, 2 % of distinct, host 4×, trtllm-default)",
         "",
-        f"`retention/workloads.py` defaults, seed 1: premium {spec.turns}-turn chat sessions over one shared",
+        f"`retention/workloads.py` defaults, seed {SEED}: premium {spec.turns}-turn chat sessions over one shared",
         f"{spec.system_blocks}-block system prompt, plus a tenant flooding unique {spec.noisy_blocks}-block prompts at",
         f"{spec.flood_factor:.0f}× the premium rate ({len(noisy):,} requests). The flood is never reused, so the premium",
         "tenant's column is the one to read.",

@@ -30,7 +30,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.report import machine, write_section  # noqa: E402
+from bench.report import machine, seed_line, write_section  # noqa: E402
 from retention.adaptive import AdaptiveConfig, ReuseStats, adaptive_plan  # noqa: E402
 from retention.planner import RetentionClassSpec, SegmentRetention, Segments, plan_retention  # noqa: E402
 from retention.selection import AdaptiveSelector  # noqa: E402
@@ -118,6 +118,8 @@ def accuracy(requests, hashes, distinct: int, *, scaled_copies: int) -> str:  # 
               "|---|---|" + "---:|" * len(FRACTIONS)]
     lines = [
         "## Shadow pools: accuracy (bench/shadow.py)",
+        "",
+        seed_line(None, "the public synthetic trace as it is; samples are fixed slices of the hash space"),
         "",
         f"Synthetic trace ({len(requests):,} requests, {distinct:,} distinct blocks), `--hold none`. Estimate of a",
         "sampled shadow pool (retention/shadow/: the real BlockPool on the blocks whose hash falls in a slice of",
@@ -226,6 +228,8 @@ def cost(requests, hashes, distinct: int) -> str:  # noqa: ANN001
     blocks = [len(h) for h in hashes]
     lines = [
         "## Selection: cost per request (bench/shadow.py)",
+        "",
+        seed_line(None, "the public synthetic trace as it is; samples are fixed slices of the hash space"),
         "",
         f"Per-request wall time on the synthetic trace ({len(requests):,} requests, median {statistics.median(blocks):.0f} and",
         f"max {max(blocks)} full 512-token blocks each), hashes precomputed (the gateway hashes once for the",

@@ -28,7 +28,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.report import machine, write_section  # noqa: E402
+from bench.report import machine, seed_line, write_section  # noqa: E402
 from retention.simulation.oracle import oracle_factories  # noqa: E402
 from retention.simulation.sim_policies import ClassMapping, make_policy  # noqa: E402
 from retention.simulation.simulator import SimConfig, run_simulation, simulate  # noqa: E402
@@ -83,6 +83,8 @@ def mooncake_section(requests, distinct: int) -> tuple[str, list]:
     lru_share_2 = 100 * at_2.results["lru"].hit_rate / at_2.belady_gpu.hit_rate
     lines = [
         "## Simulator: Mooncake synthetic trace (bench/simulate.py)",
+        "",
+        seed_line(None, "the public synthetic trace as it is"),
         "",
         f"`kvgate simulate` model, `--hold none`, 512-token blocks; {len(requests):,} requests, "
         f"{distinct:,} distinct blocks. Hit rate = prompt tokens served from cache / prompt tokens. "
@@ -301,6 +303,9 @@ def noisy_section(seed: int = 1, gpu_blocks: int = 128) -> str:
     premium_requests = sum(1 for r in mixed if r.tenant == "premium")
     lines = [
         "## Noisy neighbour (bench/simulate.py, retention/workloads/noisy.py)",
+        "",
+        seed_line(seed, "`noisy_neighbour_trace(spec, seed=...)`: session starts, turns, think times, "
+                        "the flood's prompts"),
         "",
         f"Premium: {spec.turns}-turn chat sessions over a shared {spec.system_blocks}-block system prompt at "
         f"{spec.premium_rps} req/s ({premium_requests} requests); noisy: unique {spec.noisy_blocks}-block prompts at "

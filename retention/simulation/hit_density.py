@@ -48,8 +48,22 @@ from __future__ import annotations
 from bisect import bisect_right
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Literal
 
 from retention.simulation.belady import ChainRequest
+
+
+IID_FAMILIES = frozenset({"chat", "chat-long"})  # generators that draw every think time independently
+
+CeilingKind = Literal["bound", "estimate"]
+
+
+def ceiling_kind(family: str | None) -> CeilingKind:
+    """``"bound"`` where the ceiling's condition holds — the trace comes from a generated family
+    whose reuse gaps are i.i.d. draws (``IID_FAMILIES``) —, else ``"estimate"``: any other family,
+    and every trace whose origin is unknown (recorded traffic, a file), where a policy reading
+    more than age (frequency, the conversation's turn) can pass it."""
+    return "bound" if family in IID_FAMILIES else "estimate"
 
 
 @dataclass(frozen=True, slots=True)

@@ -29,6 +29,7 @@ class AnalyzeOptions:
     curve: bool = True
     duration_percentile: float = 90.0
     memory_limit: str = "1GB"  # DuckDB spills beyond it (to a temporary directory)
+    family: str | None = None  # generated family of the trace, if known: the age-based figure is then a bound or not
 
 
 Stage = Callable[[str], None]
@@ -85,7 +86,7 @@ def _build(path: Path, options: AnalyzeOptions, spill: Path, say: Stage, advance
         try:
             curve = recommend.host_curve(path, block_size=tables.block_size, gpu=options.gpu,
                                          multiples=options.host_multiples, max_requests=options.curve_requests,
-                                         progress=advance, on_total=set_total)
+                                         progress=advance, on_total=set_total, stage=say, family=options.family)
         except ValueError as exc:  # TraceError is a ValueError
             raise reuse.AnalyzeError(str(exc)) from None
         report["host_curve"] = curve

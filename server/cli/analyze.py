@@ -8,7 +8,9 @@ Examples::
 Answers, per tenant and per segment: the most shared prefixes (tokens saved), the
 reuse-gap distribution, the KV bytes reuse would move over the host link per second
 against a budget, the share of one-shot blocks; recommends a host tier size (knee of the
-simulated hit-rate curve) and per-segment retention durations (reuse-gap percentile).
+simulated hit-rate curve) and per-segment retention durations (reuse-gap percentile), and
+says what retention adds over LRU at the curve's GPU capacity from replays of the candidate
+policies (the age-based figure beside them, a bound or an estimate).
 The analytics live in ``server/analysis/`` (DuckDB); this module reads options and draws.
 A bad trace or option exits 2 with a message naming the line or flag.
 """
@@ -248,9 +250,13 @@ def _print_report(report: dict[str, Any]) -> None:
                          "this is a lower bound, try larger --host-multiples"))
         ret = curve["retention"]
         table = Table(title=f"retention headroom: GPU {ret['gpu_blocks']:,} blocks, GPU only")
-        for col in ("LRU", "age-based ceiling", "Belady (knows the future)"):
+        replayed = {name: rate for name, rate in ret["replayed"].items() if name != "trtllm-default"}
+        columns = ["LRU (trtllm-default)", *(f"{name} (replayed)" for name in replayed),
+                   f"age-based ({ret['age_ceiling_kind']})", "Belady (knows the future)"]
+        for col in columns:
             table.add_column(col, justify="right")
-        table.add_row(_pct(ret["lru"]), _pct(ret["age_ceiling"]), _pct(ret["belady"]))
+        table.add_row(_pct(ret["lru"]), *(_pct(rate) for rate in replayed.values()), _pct(ret["age_ceiling"]),
+                      _pct(ret["belady"]))
         console.print(table)
         console.print(ret["verdict"])
     table = Table(title="recommended retention durations (reuse-gap percentile)")

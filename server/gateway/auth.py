@@ -7,12 +7,22 @@ a flood of bad keys costs one database query per distinct key per TTL. ``clear()
 called after every admin mutation in this process, so revocations and suspensions made
 through this gateway's admin API apply at once; other replicas see them within ``ttl``.
 
+Single flight: when a key's entry is missing or expired, one registry query per key is in
+flight at a time; concurrent requests for the same key await that query instead of each
+sending their own (a popular key's expiry would otherwise send every request in that
+instant to the registry, one worker thread each). Its answer is cached once; its error
+reaches every waiter and caches nothing (each waiter falls back to the expired answer or
+a 503, as it would alone), so the next request starts a new flight. ``clear()`` detaches
+the flights in progress: their answers, read before the admin write, are not cached, and
+requests after it start new ones.
+
 ``last_used_at`` is written off the request path: used key ids are collected and
 flushed by :meth:`KeyAuthenticator.flush_last_used` (a background task calls it).
 """
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import time
 from collections import OrderedDict
@@ -47,6 +57,12 @@ def to_context(snapshot: AuthenticatedTenant) -> TenantContext:
     )
 
 
+def _retrieve(flight: asyncio.Future) -> None:
+    """Mark a flight's error as seen, so that one whose waiters all left is not logged as lost."""
+    if not flight.cancelled():
+        flight.exception()
+
+
 @dataclass(frozen=True, slots=True)
 class _Entry:
     expires: float
@@ -63,6 +79,8 @@ class KeyAuthenticator:
         self._clock = clock
         self._cache: OrderedDict[bytes, _Entry] = OrderedDict()
         self._used: set[int] = set()
+        self._flights: dict[bytes, asyncio.Future[AuthenticatedTenant | None]] = {}  # one lookup per key at a time
+        self._generation = 0  # bumped by clear(): a flight begun before it does not cache its answer
 
     def clear(self, tenant: str | None = None) -> None:
         """Forget cached answers: every one, or only those of ``tenant`` (slug or id).
@@ -70,6 +88,8 @@ class KeyAuthenticator:
         Why scoped: the cached answers are also what keeps tenants served while the
         registry is down; an admin write to one tenant must not take that away from all.
         """
+        self._generation += 1
+        self._flights.clear()  # requests from now on query afresh; waiters of old flights keep theirs
         if tenant is None:
             self._cache.clear()
             return
@@ -82,29 +102,48 @@ class KeyAuthenticator:
         with self._sessions() as session:
             return authenticate_key(session, plaintext=plaintext, pepper=self._pepper, now=datetime.now(UTC))
 
+    async def _fly(self, digest: bytes, plaintext: str) -> AuthenticatedTenant | None:
+        """The one registry query for ``digest``; caches its answer (not an error) unless
+        ``clear()`` ran meanwhile."""
+        generation = self._generation
+        try:
+            snapshot = await anyio.to_thread.run_sync(self._lookup, plaintext)
+        finally:
+            if self._flights.get(digest) is asyncio.current_task():
+                del self._flights[digest]
+        if generation == self._generation:
+            self._cache[digest] = _Entry(self._clock() + self._ttl, snapshot)
+            self._cache.move_to_end(digest)
+            while len(self._cache) > self._max:
+                self._cache.popitem(last=False)
+        return snapshot
+
+    async def _resolve(self, digest: bytes, plaintext: str) -> AuthenticatedTenant | None:
+        """Join the key's flight in progress, or start it. The flight is a task of its own
+        and is shielded: a waiter that goes away (client disconnect) cancels only its wait."""
+        flight = self._flights.get(digest)
+        if flight is None:
+            flight = asyncio.ensure_future(self._fly(digest, plaintext))
+            flight.add_done_callback(_retrieve)
+            self._flights[digest] = flight
+        return await asyncio.shield(flight)
+
     async def authenticate(self, authorization: str | None) -> TenantContext:
         """The tenant behind ``Authorization: Bearer kvg_...`` or a 401/403 :class:`ServingError`."""
         if not authorization or not authorization[:7].lower() == "bearer ":
             raise ServingError(401, "invalid_api_key", "missing API key: send 'Authorization: Bearer kvg_...'")
         plaintext = authorization[7:].strip()
         digest = hashlib.sha256(plaintext.encode("utf-8", "surrogatepass")).digest()
-        now = self._clock()
         entry = self._cache.get(digest)
-        if entry is None or entry.expires <= now:
+        if entry is None or entry.expires <= self._clock():
             try:
-                snapshot = await anyio.to_thread.run_sync(self._lookup, plaintext)
+                snapshot = await self._resolve(digest, plaintext)
             except SQLAlchemyError as exc:
                 if entry is not None and entry.snapshot is not None:
                     snapshot = entry.snapshot  # registry down: serve the last known answer
                 else:
                     raise ServingError(503, "registry_unavailable", "the tenant registry is unavailable; retry shortly",
                                        headers={"Retry-After": "1"}) from exc
-            else:
-                entry = _Entry(now + self._ttl, snapshot)
-                self._cache[digest] = entry
-                self._cache.move_to_end(digest)
-                while len(self._cache) > self._max:
-                    self._cache.popitem(last=False)
         else:
             snapshot = entry.snapshot
         if snapshot is None or snapshot.key_revoked or snapshot.key_expired:

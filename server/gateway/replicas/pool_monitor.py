@@ -2,7 +2,9 @@
 
 Each poll goes through :class:`server.gateway.replicas.routing.Routing`, which polls every replica
 of the pool (stats + KV events for the router, and the breaker's probe) and sums their
-reports: quotas stay per pool, a tenant's blocks summed over the pool's replicas.
+reports: quotas stay per pool, a tenant's blocks summed over the pool's replicas. The
+registry-vs-engine capacity check is per replica (the registration's block counts are per
+replica): each replica's own report against it, never the sum.
 
 The state machine is ``retention.quota.QuotaTracker`` (the simulator uses the same one):
 a tenant is *over quota* on a pool when the primary (GPU) blocks it holds exceed
@@ -18,7 +20,7 @@ import logging
 import time
 
 import anyio
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
 from engines.contract import PoolStatsReport
@@ -71,12 +73,20 @@ class PoolMonitor:
         """Registered vs engine-reported capacity from the latest poll (None before the first)."""
         return self._capacity.get(pool)
 
-    def apply(self, pool: PoolSnapshot, stats: PoolStatsReport, tenants: Iterable[TenantQuota]) -> None:
-        """Fold one stats report into the quota state (pure apart from self)."""
+    def apply(self, pool: PoolSnapshot, stats: PoolStatsReport, tenants: Iterable[TenantQuota],
+              replicas: Mapping[str, PoolStatsReport] | None = None) -> None:
+        """Fold one stats report into the quota state (pure apart from self).
+
+        ``stats``: the pool's report summed over its replicas in rotation (quotas are per
+        pool); ``replicas``: each of those replicas' own report, which the capacity check
+        compares with the per-replica registration. None: ``stats`` is the report of the
+        pool's only replica."""
         self._stats[pool.name] = stats
         quotas = {str(t.tenant_id): t for t in tenants}
         self._quotas[pool.name] = quotas
-        check = capacity_mismatch(pool, stats)
+        if replicas is None:
+            replicas = {pool.replicas[0].name if pool.replicas else pool.name: stats}
+        check = capacity_mismatch(pool, replicas)
         if check.mismatch and self._capacity.get(pool.name) != check:  # once per new disagreement, not per poll
             log.warning(check.message())
         self._capacity[pool.name] = check
@@ -103,7 +113,7 @@ class PoolMonitor:
             self.engine_up[pool.name] = stats is not None  # any replica answered its stats call
             if stats is None:
                 continue  # no replica answered: keep the last known state (engines restarting)
-            self.apply(pool, stats, tenants)
+            self.apply(pool, stats, tenants, self._routing.route(pool).replica_reports())
 
     def snapshots(self) -> list[PoolSnapshot]:
         out = []

@@ -335,7 +335,12 @@ class PoolRoute:
         there) — receives no new blocks, so neither its capacity nor the blocks tenants hold
         there count in quota arithmetic: both sides of ``held / (fraction × capacity)`` drop it
         together, and it counts again once a served request closes its breaker."""
-        return sum_reports(r.stats for r in self.replicas.values() if r.stats is not None and r.breaker.closed)
+        return sum_reports(self.replica_reports().values())
+
+    def replica_reports(self) -> dict[str, PoolStatsReport]:
+        """Each replica in rotation's own latest report, by name (what :meth:`pool_stats` sums);
+        capacity checks compare these, one by one, with the per-replica registration."""
+        return {r.name: r.stats for r in self.replicas.values() if r.stats is not None and r.breaker.closed}
 
 
 class Routing:

@@ -68,16 +68,16 @@ OVERSIZED = PoolSnapshot(1, "p", "m", "kvgate_llm", "reference-smollm2", 16, 204
 def test_capacity_mismatch_is_pure_and_names_each_difference() -> None:
     from server.gateway.replicas.capacity_check import capacity_mismatch
 
-    check = capacity_mismatch(OVERSIZED, stats())
+    check = capacity_mismatch(OVERSIZED, {"r0": stats()})
     assert check.mismatch and check.effective_primary == 100
     assert (check.reported_primary, check.reported_secondary, check.reported_tokens_per_block) == (100, 400, 16)
     assert "primary_blocks registered 2048, engine reports 100" in check.message()
     assert "secondary_blocks registered 4096, engine reports 400" in check.message()
     assert "tokens_per_block" not in check.message()
-    assert not capacity_mismatch(POOL, stats()).mismatch
+    assert not capacity_mismatch(POOL, {"r0": stats()}).mismatch
     # an engine that reports no blocks yet: compute with the registry's figure
     empty = PoolStatsReport(16, TierStats(0, 0, 0), TierStats(0, 0, 0))
-    assert capacity_mismatch(OVERSIZED, empty).effective_primary == 2048
+    assert capacity_mismatch(OVERSIZED, {"r0": empty}).effective_primary == 2048
 
 
 def test_quota_uses_the_engines_blocks_and_the_mismatch_is_logged_once(caplog) -> None:
@@ -108,3 +108,38 @@ def test_capacity_gauges() -> None:
     assert 'kvgate_pool_blocks{pool="p",state="max",tier="primary"} 100.0' in text
     m.apply(POOL, stats(), TENANTS)  # the operator fixed the registry
     assert 'kvgate_pool_capacity_mismatch{pool="p"} 0.0' in generate_latest(registry).decode()
+
+
+# --- two replicas: the registration is per replica ----------------------------------------------
+TWO = PoolSnapshot(1, "p", "m", "kvgate_llm", "reference-smollm2", 16, 100, 400, 35,
+                   (ReplicaSnapshot(1, "r0", "127.0.0.1:1", "active", 1), ReplicaSnapshot(2, "r1", "127.0.0.1:2", "active", 1)))
+
+
+def test_two_replicas_each_matching_the_registration_are_no_mismatch() -> None:
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from server.gateway.observe.metrics import GatewayMetrics
+    from server.gateway.replicas.routing import sum_reports
+
+    each = {"r0": stats(flood=10), "r1": stats(flood=15)}  # 100 GPU blocks each, as registered
+    m = monitor()
+    m.apply(TWO, sum_reports(each.values()), TENANTS, each)
+    check = m.capacity("p")
+    assert not check.mismatch and (check.reported_primary, check.reported_secondary) == (100, 400)
+    assert check.effective_primary == 200  # quotas are per pool: the replicas' blocks add up
+    assert m.quota_state("p", 2).over_quota is False  # 25 held <= 0.2 x 200
+    registry = CollectorRegistry()
+    GatewayMetrics(registry, m.snapshots)
+    assert 'kvgate_pool_capacity_mismatch{pool="p"} 0.0' in generate_latest(registry).decode()
+
+    small = PoolStatsReport(16, TierStats(64, 64, 0), TierStats(400, 400, 0))
+    check = capacity_mismatch_of({"r0": stats(), "r1": small})
+    assert check.mismatch and check.reported_primary == 64
+    assert "replica 'r1' primary_blocks registered 100, engine reports 64" in check.message()
+    assert "'r0'" not in check.message() and check.effective_primary == 164
+
+
+def capacity_mismatch_of(reports):  # noqa: ANN001, ANN201
+    from server.gateway.replicas.capacity_check import capacity_mismatch
+
+    return capacity_mismatch(TWO, reports)

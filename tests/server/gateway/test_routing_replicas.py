@@ -213,3 +213,15 @@ def test_metrics_carry_the_replica_label(fleet):
     for name in ("r0", "r1", "r2"):
         assert f'kvgate_replica_healthy{{pool="fleet",replica="{name}"}}' in text
     assert 'kvgate_replica_cached_tokens_total{pool="fleet",replica=' in text
+
+
+def test_replicas_that_each_match_the_registration_raise_no_capacity_mismatch(fleet):
+    """Three engines of 256 GPU blocks each behind a pool registered with 256 (per replica):
+    no mismatch, although the pool's summed capacity is 768."""
+    fleet.wait_until(lambda: fleet.metric("kvgate_pool_blocks", pool="fleet", tier="primary", state="max") == 3 * 256,
+                     what="every replica polled")
+    assert fleet.metric("kvgate_pool_registered_blocks", pool="fleet", tier="primary") == 256
+    assert 'kvgate_pool_capacity_mismatch{pool="fleet"} 0.0' in httpx.get(
+        f"{fleet.gateways[0].base_url}/metrics", timeout=30).text
+    check = fleet.gateways[0].app.state.gateway.monitor.capacity("fleet")
+    assert not check.mismatch and len(check.replicas) == 3 and check.effective_primary == 3 * 256
