@@ -150,6 +150,7 @@ async def chat_completions(body: ChatCompletionRequest, tenant: Tenant, services
     messages = _messages(body)
     job = await _job(services, tenant, body, "chat", lambda p: p.chat(messages))
     job.tools, job.guide = _structure(body)
+    job.hints = body.cache_hints()
     if body.logprobs:
         job.logprobs = body.top_logprobs or 0
     return await services.runner.run(job)
