@@ -553,7 +553,7 @@ class CompletionRunner:
                           input_ids=job.prompt.input_ids, system_end=job.prompt.system_end,
                           context_end=job.prompt.context_end, output_length=outcome.completion_tokens,
                           reused_blocks=kv.reused_blocks, onboarded_blocks=kv.onboarded_blocks, ttft=outcome.ttft,
-                          latency=latency, status=outcome.status)
+                          latency=latency, status=outcome.status, hints=job.hints)
 
     def _usage_body(self, job: CompletionJob, outcome: Outcome) -> dict:
         return {"prompt_tokens": job.prompt.total, "completion_tokens": outcome.completion_tokens,
