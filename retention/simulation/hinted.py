@@ -35,10 +35,11 @@ class HintedPolicy:
     ledger: HintLedger = field(default_factory=HintLedger)
     hinted_requests: int = 0  # requests whose plan a hint changed
     clipped_requests: int = 0  # requests whose hints the budget cut short
+    label: str | None = None  # the name in reports (default: the wrapped policy's + "+hints")
 
     @property
     def name(self) -> str:
-        return self.inner.name + SUFFIX  # type: ignore[attr-defined]
+        return self.label or self.inner.name + SUFFIX  # type: ignore[attr-defined]
 
     @property
     def uses_host(self) -> bool:
