@@ -124,12 +124,12 @@ def reading(raw: dict) -> str:
     hurt = all(rows["hints@0.5"]["hit_rate"] < rows["trtllm-default"]["hit_rate"] for rows in gpu_only)
     helped = all(rows["hints@0.5"]["hit_rate"] > rows["trtllm-default"]["hit_rate"] for rows in gpu_only)
     verdict = (
-        "On the GPU alone the hints cost hit rate at the class default share. Why: a hint keeps a block at its "
-        "priority for its whole TTL whether or not the client comes back, so an agent run's last steps stay at 60 "
-        "for 5 min after the run ended, ahead of live runs' blocks; 5 minutes of hinted conversation is far more "
-        "than 2 % of the GPU, and the hint budget (counted conservatively: every hinted block until its TTL runs "
-        "out) fills with those finished runs, so new runs' blocks go unhinted. A smaller `hint_quota_fraction` "
-        "bounds the cost; the host tier turns the pinned blocks' evictions into offloads instead of drops."
+        "On the GPU alone the hints cost hit rate at the class default share, and the larger the share the "
+        "larger the cost (`hints@1` is the worst row), so the cost is the pinning itself: a hint keeps a block at "
+        "its priority for its whole TTL whether or not the client comes back, so an agent run's last steps stay at "
+        "60 for 5 min after the run ended, ahead of live runs' blocks at 35, and 5 minutes of hinted conversation "
+        "is far more than 2 % of the GPU. A small `hint_quota_fraction` bounds the cost; with the host tier the "
+        "pinned blocks' neighbours are offloaded instead of dropped and the difference nearly vanishes."
         if hurt else
         "On the GPU alone the hints raise the hit rate at the class default share: the marked prefixes outlast "
         "the unhinted traffic that would have evicted them."
