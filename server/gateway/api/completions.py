@@ -471,6 +471,7 @@ class CompletionRunner:
         if hinting:  # the client's hints, within its class and its hint budget
             outcome.hinted = hinted_plan(job, plan, hashes, self._ledger(tenant.pool.name), now)
             plan = outcome.hinted.plan
+        self._count_hints(job, outcome.hinted)
         if self._guard is not None:  # SLO guard tripped or pilot control arm: host tier rolled back
             plan, outcome.arm = self._guard.apply(tenant, plan)
         if self._curves is not None:
@@ -515,6 +516,21 @@ class CompletionRunner:
             with anyio.CancelScope(shield=True):  # a client gone mid-answer still releases its slot
                 await self._finish(job, plan, outcome, started, lease)
         return JSONResponse(self._body(job, outcome), headers=self._replica_header(job) or None)
+
+    def _count_hints(self, job: CompletionJob, hinted: HintedPlan | None) -> None:
+        hints = job.hints
+        if not hints.breakpoints and hints.retention != "24h":
+            return  # nothing that could change a plan (no hint, "in_memory", a key alone)
+        tenant = job.tenant
+        if hinted is None or (not hinted.hashes and not hinted.clipped):
+            outcome = "ignored"  # the class does not honour hints, or the plan was demoted
+        elif hinted.clipped:
+            outcome = "clipped" if hinted.hashes else "no_room"
+        else:
+            outcome = "applied"
+        self._metrics.cache_hints.labels(tenant.slug, tenant.pool.name, outcome).inc()
+        if hinted is not None and hinted.hashes:
+            self._metrics.hinted_blocks.labels(tenant.slug, tenant.pool.name).inc(len(hinted.hashes))
 
     @staticmethod
     def _replica_header(job: CompletionJob) -> dict[str, str]:

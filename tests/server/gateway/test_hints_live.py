@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import secrets
 
+import httpx
 import openai
 import pytest
 
@@ -20,7 +21,7 @@ from retention.hashing import block_hashes
 from tenants import pools, retention_classes
 from tests.server.gateway.recording_proxy import start_proxy
 from tests.server.gateway.stack import ACTOR, MODEL, Stack, build_stack
-from tests.server.gateway.test_openai_e2e import system_prompt
+from tests.server.gateway.test_openai_e2e import metric, system_prompt
 
 pytestmark = pytest.mark.slow
 TPB = 16
@@ -115,5 +116,13 @@ async def test_a_hinted_prefix_outlives_a_flood_and_the_neighbours_hints_stop_at
         kept_again, _ = await ask(keeper, kept, prompt_cache_retention="24h")
         # Kept at 60 through the flood: every full block but the last is reused (one prompt token is always computed).
         assert kept_again.usage.prompt_tokens_details.cached_tokens >= (total // TPB - 1) * TPB
+        scrape = httpx.get(small.gateway.base_url + "/metrics").text
+        hints = "kvgate_cache_hint_requests_total"
+        assert metric(small, hints, scrape=scrape, tenant=f"keep-{x}", outcome="applied") == 2
+        # Every flood prompt was cut by the budget ("clipped" while the shared template prefix still fits).
+        assert metric(small, hints, scrape=scrape, tenant=f"noisy-{x}", outcome="applied") == 0
+        assert metric(small, hints, scrape=scrape, tenant=f"noisy-{x}", outcome="clipped") + metric(
+            small, hints, scrape=scrape, tenant=f"noisy-{x}", outcome="no_room") == 3
+        assert metric(small, "kvgate_cache_hinted_blocks_total", scrape=scrape, tenant=f"noisy-{x}") >= 12
     finally:
         await server.stop(0)
