@@ -59,12 +59,18 @@ async def test_hint_fields_are_accepted_and_change_the_plan_only_when_the_class_
             {"role": "user", "content": "And of Ghana?"},
         ]
 
-        async def plan_of(api: openai.AsyncOpenAI, **extra):  # type: ignore[no-untyped-def]
+        async def sent_tensors(api: openai.AsyncOpenAI, **extra):  # type: ignore[no-untyped-def]
             before = len(proxy.requests)
             await api.chat.completions.create(model=MODEL, messages=messages, max_tokens=2, temperature=0, **extra)
             sent = [r for r in proxy.requests[before:] if any(i.name == "input_ids" for i in r.inputs)]
             assert len(sent) == 1
-            return parse_retention(decode_inputs(sent[0]), prompt.total)
+            return decode_inputs(sent[0])
+
+        async def plan_of(api: openai.AsyncOpenAI, **extra):  # type: ignore[no-untyped-def]
+            return parse_retention(await sent_tensors(api, **extra), prompt.total)
+
+        def retention_bytes(tensors) -> dict[str, bytes]:  # type: ignore[no-untyped-def]
+            return {k: v.tobytes() for k, v in tensors.items() if k.startswith("retention_")}
 
         prompt = prepare_chat(load_gguf_tokenizer(), messages)
         base = plan_retention(CLASS, Segments(prompt.system_end, prompt.context_end, prompt.total),
@@ -74,6 +80,10 @@ async def test_hint_fields_are_accepted_and_change_the_plan_only_when_the_class_
         assert await plan_of(hinted, prompt_cache_retention="in_memory", prompt_cache_key="conv-1") == base
         assert await plan_of(hinted, prompt_cache_key="conv-1") == base
         assert await plan_of(plain, prompt_cache_retention="24h", prompt_cache_key="conv-1") == base  # class says no
+        # Byte for byte: the retention tensors the engine receives are the same with and without the fields.
+        unhinted = retention_bytes(await sent_tensors(plain))
+        assert unhinted and retention_bytes(await sent_tensors(plain, prompt_cache_retention="24h")) == unhinted
+        assert retention_bytes(await sent_tensors(hinted, prompt_cache_retention="in_memory")) == unhinted
 
         got = await plan_of(hinted, prompt_cache_retention="24h", prompt_cache_key="conv-1")
         tpb = stack.tokens_per_block
