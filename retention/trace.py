@@ -6,8 +6,10 @@ One JSON object per line: ``timestamp`` (ms), ``input_length``, ``output_length`
 and ``context_tokens`` (segment boundaries for the ``class`` policy), ``block_size``
 (tokens per hash id; a live capture writes its pool's ``tokens_per_block`` on every line,
 so a reader needs no flag: all lines that carry it must agree, and lines without it use
-the caller's block size, 512 by default). Other fields (a capture's observed outcome) are
-ignored here.
+the caller's block size, 512 by default), and the client's cache hints
+(``retention/hints.py``): ``cache_breakpoints`` (a list of ``[token_end, ttl_ms]``, at most
+four, strictly increasing ``token_end <= input_length``) and ``prompt_cache_retention``
+(``"in_memory"`` | ``"24h"``). Other fields (a capture's observed outcome) are ignored here.
 
 Token synthesis (so the pool's real hashing and token comparison run): the ``j``-th
 token of hash id ``h`` is ``(h * 2654435761 + j) mod 2^31``. Two different ids below
@@ -28,6 +30,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from retention.hints import Breakpoint, CacheHints
+from retention.types import RetentionPlanError
+
 _MULT = 2654435761
 _MASK = 2**31 - 1
 
@@ -47,6 +52,7 @@ class TraceRequest:
     system_tokens: int | None = None
     context_tokens: int | None = None
     block_size: int | None = None  # the line's own block_size field, if it had one
+    hints: CacheHints | None = None  # the client's cache hints, if the line carried any
 
 
 def _int_field(obj: dict, name: str, line: int, *, minimum: int) -> int:
@@ -118,10 +124,39 @@ def parse_trace(lines: Iterable[str], *, block_size: int | None = None) -> list[
         if (system or 0) > (context if context is not None else input_length) or (context or 0) > input_length:
             raise TraceError(f"line {number}: need system_tokens <= context_tokens <= input_length")
         out.append(TraceRequest(index, ts, input_length, output_length, tuple(ids), tenant, system, context,
-                                line_block))
+                                line_block, _hints(obj, number, input_length)))
     if seen_block_size is not None and any(r.block_size is None for r in out):
         raise TraceError(f"some lines carry block_size {seen_block_size[0]} and others none; "
                          "one trace has one block size")
+    return out
+
+
+def _hints(obj: dict, line: int, input_length: int) -> CacheHints | None:
+    points = obj.get("cache_breakpoints")
+    retention = obj.get("prompt_cache_retention")
+    if points is None and retention is None:
+        return None
+    if points is not None and (not isinstance(points, list) or not all(
+            isinstance(p, list) and len(p) == 2 and all(isinstance(x, int) and not isinstance(x, bool) for x in p)
+            for p in points)):
+        raise TraceError(f"line {line}: cache_breakpoints must be a list of [token_end, ttl_ms] integer pairs")
+    if any(p[0] > input_length for p in points or ()):
+        raise TraceError(f"line {line}: a cache breakpoint's token_end is past input_length {input_length}")
+    try:
+        return CacheHints(tuple(Breakpoint(end, ttl) for end, ttl in points or ()), retention=retention)
+    except RetentionPlanError as exc:
+        raise TraceError(f"line {line}: {exc}") from None
+
+
+def hint_fields(hints: CacheHints | None) -> dict:
+    """The trace-line fields for ``hints`` (empty without any): what :func:`parse_trace` reads back."""
+    out: dict = {}
+    if hints is None:
+        return out
+    if hints.breakpoints:
+        out["cache_breakpoints"] = [[b.token_end, b.ttl_ms] for b in hints.breakpoints]
+    if hints.retention is not None:
+        out["prompt_cache_retention"] = hints.retention
     return out
 
 

@@ -36,7 +36,7 @@ from sqlalchemy import (
     TypeDecorator,
     UniqueConstraint,
 )
-from sqlalchemy import text
+from sqlalchemy import false, text
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
 
 TENANT_STATUSES = ("active", "suspended")
@@ -221,6 +221,9 @@ class RetentionClass(Timestamped, Base):
             for check in (_priority_check(f"{seg}_priority"), _duration_check(f"{seg}_duration_ms"))
         ),
         CheckConstraint("mode IN ('static', 'adaptive')", name="mode_enum"),
+        CheckConstraint("hint_max_ttl_ms > 0", name="hint_max_ttl_ms_pos"),
+        _priority_check("hint_max_priority"),
+        CheckConstraint("hint_quota_fraction > 0 AND hint_quota_fraction <= 1", name="hint_quota_fraction_range"),
     )
 
     id: Mapped[int] = mapped_column(primary_key=True)
@@ -237,6 +240,13 @@ class RetentionClass(Timestamped, Base):
     # static: the segment priorities above; adaptive: per-block priorities from measured
     # reuse (retention/adaptive.py), the decode priority still from this class.
     mode: Mapped[str] = mapped_column(String(16), default="static", server_default="static")
+    # Client cache hints (retention/hint_plan.py): honoured at all, the longest duration and
+    # the one priority a hint may ask for, and the share of the tenant's KV quota hinted
+    # blocks may hold. Off by default: a class opts in.
+    hints_enabled: Mapped[bool] = mapped_column(Boolean, default=False, server_default=false())
+    hint_max_ttl_ms: Mapped[int] = mapped_column(BigInteger, default=3_600_000, server_default="3600000")
+    hint_max_priority: Mapped[int] = mapped_column(Integer, default=60, server_default="60")
+    hint_quota_fraction: Mapped[float] = mapped_column(Float, default=0.5, server_default="0.5")
 
 
 class Tenant(Timestamped, Base):

@@ -28,6 +28,11 @@ _VALIDATORS: dict[str, Any] = {
     "name": lambda x: v.name(x, field="name"),
     "description": lambda x: v.text(x, field="description", max_len=2000, allow_empty=True),
     "mode": lambda x: v.choice(x, field="mode", options=MODES),
+    # Client cache hints (retention/hint_plan.py): off unless the class opts in.
+    "hints_enabled": lambda x: v.boolean(x, field="hints_enabled"),
+    "hint_max_ttl_ms": lambda x: v.positive_duration(x, field="hint_max_ttl_ms"),
+    "hint_max_priority": lambda x: v.priority(x, field="hint_max_priority"),
+    "hint_quota_fraction": lambda x: v.fraction(x, field="hint_quota_fraction"),
 }
 for _seg in SEGMENT_FIELDS:
     _VALIDATORS[f"{_seg}_priority"] = lambda x, f=f"{_seg}_priority": v.priority(x, field=f)
@@ -60,8 +65,13 @@ def create_class(
     decode_priority: int = 35,
     decode_duration_ms: int | None = 30_000,
     mode: str = "static",
+    hints_enabled: bool = False,
+    hint_max_ttl_ms: int = 3_600_000,
+    hint_max_priority: int = 60,
+    hint_quota_fraction: float = 0.5,
 ) -> RetentionClass:
-    """Defaults: system prompts pinned high, context kept ~10 min, the last turn ~30 s."""
+    """Defaults: system prompts pinned high, context kept ~10 min, the last turn ~30 s;
+    client hints ignored (when enabled: at most 1 h, priority 60, half the tenant's quota)."""
     values = _validated(
         dict(
             name=name,
@@ -75,6 +85,10 @@ def create_class(
             decode_priority=decode_priority,
             decode_duration_ms=decode_duration_ms,
             mode=mode,
+            hints_enabled=hints_enabled,
+            hint_max_ttl_ms=hint_max_ttl_ms,
+            hint_max_priority=hint_max_priority,
+            hint_quota_fraction=hint_quota_fraction,
         )
     )
     with mutation(session, unique_field="name", entity="retention class"):

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from retention.hint_plan import HINTS_OFF, HintPolicy  # the class's rules for client cache hints
 from retention.planner import SegmentRetention  # one segment's retention, shared with the planner
 from retention.rollout.guard import SloBudget
 from tenants.models import Pool, PoolReplica, PoolSloBudget, RetentionClass, Tenant, primary_endpoint
@@ -95,6 +96,7 @@ class RetentionClassSnapshot:
     turn: SegmentRetention
     decode: SegmentRetention
     mode: str = "static"
+    hints: HintPolicy = HINTS_OFF
 
     @classmethod
     def of(cls, row: RetentionClass) -> RetentionClassSnapshot:
@@ -106,6 +108,8 @@ class RetentionClassSnapshot:
             turn=SegmentRetention(row.turn_priority, row.turn_duration_ms),
             decode=SegmentRetention(row.decode_priority, row.decode_duration_ms),
             mode=row.mode,
+            hints=HintPolicy(enabled=row.hints_enabled, max_ttl_ms=row.hint_max_ttl_ms,
+                             max_priority=row.hint_max_priority, quota_fraction=row.hint_quota_fraction),
         )
 
 

@@ -80,6 +80,20 @@ def fraction(value: Any, *, field: str) -> float:
     return float(value)
 
 
+def boolean(value: Any, *, field: str) -> bool:
+    if not isinstance(value, bool):
+        raise InvalidField(f"{field} must be true or false, got {value!r}", field=field)
+    return value
+
+
+def positive_duration(value: Any, *, field: str) -> int:
+    """A duration that must be given and expire (> 0 ms, INT32 like every engine duration)."""
+    checked = duration(value, field=field)
+    if checked is None or checked <= 0:
+        raise InvalidField(f"{field} must be an integer number of ms > 0, got {value!r}", field=field)
+    return checked
+
+
 def choice(value: Any, *, field: str, options: tuple[str, ...]) -> str:
     if value not in options:
         raise InvalidField(f"{field} must be one of {', '.join(options)}; got {value!r}", field=field)

@@ -29,6 +29,9 @@ def tier_on_eviction(priority: int, *, offload_min_priority: int, secondary_bloc
 
 
 def retention_view(pool: PoolSnapshot, cls: RetentionClassSnapshot) -> list[SegmentView]:
+    """One row per segment, plus a ``hints`` row when the class honours client cache hints:
+    the priority hinted tokens get (at most), the longest duration a hint may ask for, and
+    where hinted blocks go when evicted (``retention/hint_plan.py``)."""
     out = []
     for segment in SEGMENTS:
         seg = getattr(cls, segment)
@@ -44,4 +47,11 @@ def retention_view(pool: PoolSnapshot, cls: RetentionClassSnapshot) -> list[Segm
                 ),
             )
         )
+    if cls.hints.enabled:
+        out.append(SegmentView(
+            segment="hints", priority=cls.hints.max_priority, duration_ms=cls.hints.max_ttl_ms,
+            tier_on_eviction=tier_on_eviction(cls.hints.max_priority,
+                                              offload_min_priority=pool.secondary_offload_min_priority,
+                                              secondary_blocks=pool.secondary_blocks),
+        ))
     return out

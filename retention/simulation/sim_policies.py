@@ -18,6 +18,8 @@ shaped for it (host tier or not, offload threshold). Built-ins:
                         classes;
 * ``adaptive-bands`` — adaptive's bands alone, no selection (``retention/adaptive.py``);
 * ``protect``        — the ``protect`` candidate alone, no selection (``retention/protect.py``);
+* ``<any of these>+hints`` — the policy with the trace's client cache hints on top, within
+                        the class's hint rules (``retention/simulation/hinted.py``);
 * plug-ins passed to :func:`make_policy` in a ``registry``.
 
 Offline reference policies that need the whole request list (``oracle-reuse``,
@@ -32,6 +34,8 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from retention.adaptive import adaptive_policy
+from retention.hint_plan import HINTS_OFF, HintPolicy
+from retention.simulation.hinted import HintedPolicy
 from retention.protect import ProtectPolicy
 from retention.selection import AdaptiveSelectPolicy
 from retention.planner import QuotaState, RetentionClassSpec, SegmentRetention, Segments, plan_retention
@@ -96,6 +100,7 @@ class ClassMapping:
     prefix_groups: dict[int, str] = field(default_factory=dict)
     quotas: dict[str, float] = field(default_factory=dict)  # tenant -> share of GPU blocks
     quota_hysteresis: float = 0.1
+    hints: dict[str, HintPolicy] = field(default_factory=dict)  # class -> its client-hint rules (default: off)
 
     @classmethod
     def from_dict(cls, data: Any) -> ClassMapping:
@@ -106,7 +111,8 @@ class ClassMapping:
             classes:
               premium: {system: {priority: 90}, context: {priority: 60, duration_ms: 600000},
                         turn: {priority: 40, duration_ms: 30000}, decode: {priority: 35}}
-              standard: {...}
+              standard: {...,                # optional: client hints (retention/hint_plan.py)
+                         hints: {enabled: true, max_ttl_ms: 3600000, max_priority: 60, quota_fraction: 0.5}}
             tenants: {acme: premium}
             prefix_groups: {0: premium}      # requests whose first hash id is 0
             quotas: {noisy: 0.5}             # optional: share of GPU blocks (retention/quota.py)
@@ -123,9 +129,13 @@ class ClassMapping:
         if not isinstance(raw_classes, Mapping) or not raw_classes:
             raise ClassMappingError("classes must be a non-empty mapping of class name -> segments")
         classes: dict[str, RetentionClassSpec] = {}
+        hints: dict[str, HintPolicy] = {}
         for name, spec in raw_classes.items():
-            if not isinstance(spec, Mapping) or set(spec) != {"system", "context", "turn", "decode"}:
-                raise ClassMappingError(f"classes.{name} needs exactly system, context, turn and decode")
+            if not isinstance(spec, Mapping) or set(spec) - {"hints"} != {"system", "context", "turn", "decode"}:
+                raise ClassMappingError(f"classes.{name} needs exactly system, context, turn and decode (and "
+                                        "optional hints)")
+            if "hints" in spec:
+                hints[str(name)] = _hint_policy(spec["hints"], f"classes.{name}.hints")
             classes[str(name)] = RetentionClassSpec(
                 *(_segment(spec[s], f"classes.{name}.{s}") for s in ("system", "context", "turn", "decode"))
             )
@@ -150,14 +160,33 @@ class ClassMapping:
         hysteresis = data.get("quota_hysteresis", 0.1)
         if isinstance(hysteresis, bool) or not isinstance(hysteresis, (int, float)) or not 0 <= hysteresis < 1:
             raise ClassMappingError("quota_hysteresis must be within [0, 1)")
-        return cls(classes, str(default), threshold, tenants, groups, quotas, float(hysteresis))
+        return cls(classes, str(default), threshold, tenants, groups, quotas, float(hysteresis), hints)
+
+    def class_name_for(self, request: TraceRequest) -> str:
+        if request.hash_ids and request.hash_ids[0] in self.prefix_groups:
+            return self.prefix_groups[request.hash_ids[0]]
+        if request.tenant is not None and request.tenant in self.tenants:
+            return self.tenants[request.tenant]
+        return self.default
 
     def class_for(self, request: TraceRequest) -> RetentionClassSpec:
-        if request.hash_ids and request.hash_ids[0] in self.prefix_groups:
-            return self.classes[self.prefix_groups[request.hash_ids[0]]]
-        if request.tenant is not None and request.tenant in self.tenants:
-            return self.classes[self.tenants[request.tenant]]
-        return self.classes[self.default]
+        return self.classes[self.class_name_for(request)]
+
+    def hints_for(self, request: TraceRequest) -> HintPolicy:
+        """The request's class's hint rules (off when the class declares none)."""
+        return self.hints.get(self.class_name_for(request), HINTS_OFF)
+
+
+def _hint_policy(data: Any, where: str) -> HintPolicy:
+    if not isinstance(data, Mapping):
+        raise ClassMappingError(f"{where} must be a mapping")
+    unknown = set(data) - {"enabled", "max_ttl_ms", "max_priority", "quota_fraction"}
+    if unknown:
+        raise ClassMappingError(f"{where} has unknown keys {sorted(unknown)}")
+    try:
+        return HintPolicy(**{"enabled": True, **data})
+    except RetentionPlanError as exc:
+        raise ClassMappingError(f"{where}: {exc}") from None
 
 
 def trace_segments(request: TraceRequest, block_size: int) -> Segments:
@@ -228,13 +257,22 @@ def builtin_policy(name: str, *, mapping: ClassMapping | None = None, block_size
 
 
 def policy_names() -> tuple[str, ...]:
+    """The built-in names; each also as ``<name>+hints`` (the trace's cache hints on top)."""
     return ("lru", "trtllm-default", "class", "adaptive", "adaptive-bands", "protect")
 
 
 def make_policy(
     name: str, *, mapping: ClassMapping | None = None, block_size: int = 512, registry: Mapping[str, PolicyFactory] | None = None
 ) -> SimPolicy:
-    """Resolve a policy by name; ``registry`` supplies plug-ins (e.g. ``adaptive``)."""
+    """Resolve a policy by name; ``registry`` supplies plug-ins (e.g. ``adaptive``).
+
+    ``<name>+hints`` is ``<name>`` with the trace's client cache hints on top
+    (``retention/simulation/hinted.py``)."""
+    if name.endswith("+hints"):
+        inner = make_policy(name[: -len("+hints")], mapping=mapping, block_size=block_size, registry=registry)
+        if mapping is None:
+            return HintedPolicy(inner)
+        return HintedPolicy(inner, mapping.hints_for, dict(mapping.quotas))
     try:
         return builtin_policy(name, mapping=mapping, block_size=block_size)
     except KeyError:

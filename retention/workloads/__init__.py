@@ -13,6 +13,7 @@ parameters are documented on each spec dataclass.
 | ``rag`` | :mod:`~retention.workloads.rag` (Zipf documents, follow-ups) | report only |
 | ``agent`` | :mod:`~retention.workloads.agent` (tool loops, growing context) | report only |
 | ``api`` | :mod:`~retention.workloads.api` (single turn, 200 Zipf system prompts) | report only |
+| ``agent-hinted`` | :mod:`~retention.workloads.agent_hinted` (agent loops marking system + tools 1 h and the conversation 5 min, beside unhinted one-shot traffic; ``bench/hints.py``) | report only |
 | ``rag-chat`` | :mod:`~retention.workloads.rag_chat` (the design notes' RAG chat: 1.5K system, 8K retrieved, 6 turns; ``bench/rag_chat.py``) | report only |
 
 *Tune* families are the ones retention policies may be tuned on (``adaptive`` was built
@@ -28,6 +29,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from retention.workloads.agent import AgentSpec, agent_trace
+from retention.workloads.agent_hinted import HintedAgentSpec, hinted_agent_trace
 from retention.workloads.api import ApiSpec, api_trace
 from retention.workloads.chat import ChatSpec, chat_trace
 from retention.workloads.common import phased
@@ -68,12 +70,14 @@ def families() -> tuple[Family, ...]:
                "tool loops of 3–25 steps over 3 agent prompts, context grows 2–5 blocks a step"),
         Family("api", "report", lambda seed: api_trace(ApiSpec(), seed=seed),
                "single-turn requests behind 200 Zipf(1.1) system prompts of 2–16 blocks"),
+        Family("agent-hinted", "report", lambda seed: hinted_agent_trace(HintedAgentSpec(), seed=seed),
+               "agent tool loops with cache breakpoints (system + tools 1 h, conversation 5 min) beside unhinted one-shot prompts"),
         Family("rag-chat", "report", lambda seed: rag_chat_trace(RagChatSpec(), seed=seed),
                "1.5K shared system + 4 of 5,000 Zipf(1) documents (8K) + 6 turns, exponential think time (mean 45 s)"),
     )
 
 
 __all__ = [
-    "AgentSpec", "ApiSpec", "ChatSpec", "Family", "NoisyNeighbourSpec", "RagSpec", "agent_trace", "api_trace",
+    "AgentSpec", "ApiSpec", "ChatSpec", "Family", "HintedAgentSpec", "hinted_agent_trace", "NoisyNeighbourSpec", "RagSpec", "agent_trace", "api_trace",
     "chat_trace", "families", "noisy_neighbour_trace", "phased", "rag_trace",
 ]

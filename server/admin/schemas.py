@@ -11,7 +11,7 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Annotated, Generic, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 from tenants.validation import ENDPOINT_PATTERN
 
@@ -38,6 +38,9 @@ RetentionMode = Literal["static", "adaptive"]
 T = TypeVar("T")
 
 
+BOOLEAN_FIELDS = frozenset({"hints_enabled"})
+
+
 class Strict(BaseModel):
     """Request bodies: unknown fields are errors; no coercion of numbers (``true`` is not 1, ``"5"`` is not 5)."""
 
@@ -45,8 +48,13 @@ class Strict(BaseModel):
 
     @field_validator("*", mode="before")
     @classmethod
-    def _no_booleans(cls, value: object) -> object:
-        # JSON true/false would otherwise pass as 1/0 (a priority, a quota of 1.0).
+    def _no_booleans(cls, value: object, info: ValidationInfo) -> object:
+        # JSON true/false would otherwise pass as 1/0 (a priority, a quota of 1.0); a
+        # field that *is* a flag (named in BOOLEAN_FIELDS) takes only true/false.
+        if info.field_name in BOOLEAN_FIELDS:
+            if not isinstance(value, bool) and value is not None:
+                raise ValueError("must be true or false")
+            return value
         if isinstance(value, bool):
             raise ValueError("a boolean is not accepted here")
         return value
@@ -190,6 +198,10 @@ class RetentionClassCreate(Strict):
     decode_priority: Priority = 35
     decode_duration_ms: Duration = 30_000
     mode: RetentionMode = "static"
+    hints_enabled: bool = Field(False, description="honour client cache hints (cache_control, prompt_cache_retention)")
+    hint_max_ttl_ms: int = Field(3_600_000, gt=0, le=2**31 - 1, description="longest duration a hint may ask for")
+    hint_max_priority: Priority = Field(60, description="the priority hinted tokens get (at most)")
+    hint_quota_fraction: float = Field(0.5, gt=0, le=1, description="share of the tenant's KV quota hinted blocks may hold")
 
 
 class RetentionClassUpdate(Strict):
@@ -205,6 +217,10 @@ class RetentionClassUpdate(Strict):
     decode_priority: Priority | None = None
     decode_duration_ms: Duration = None
     mode: RetentionMode | None = None
+    hints_enabled: bool | None = None
+    hint_max_ttl_ms: int | None = Field(None, gt=0, le=2**31 - 1)
+    hint_max_priority: Priority | None = None
+    hint_quota_fraction: float | None = Field(None, gt=0, le=1)
 
 
 class RetentionClassPublic(Public):
@@ -220,6 +236,10 @@ class RetentionClassPublic(Public):
     decode_priority: int
     decode_duration_ms: int | None
     mode: str
+    hints_enabled: bool
+    hint_max_ttl_ms: int
+    hint_max_priority: int
+    hint_quota_fraction: float
     version: Version
     created_at: datetime
     updated_at: datetime

@@ -74,7 +74,8 @@ def register(app: typer.Typer) -> None:
         policy: Annotated[
             list[str] | None,
             typer.Option("--policy", "-p", help="lru | trtllm-default | class | adaptive (with selection) | adaptive-bands | protect, or the offline ceilings oracle-reuse | "
-                 "oracle-reuse-within-<S>s | oracle-next-use | oracle-popularity-<S>s (repeat; default lru + trtllm-default, + class with --classes)"),
+                 "oracle-reuse-within-<S>s | oracle-next-use | oracle-popularity-<S>s; any policy as <name>+hints replays the "
+                 "trace's cache hints on top (repeat; default lru + trtllm-default, + class with --classes)"),
         ] = None,
         capacity: Annotated[
             list[str] | None, typer.Option("--capacity", "-c", help="GPU capacity: blocks or % of distinct blocks (repeat)")

@@ -54,6 +54,7 @@ def to_context(snapshot: AuthenticatedTenant) -> TenantContext:
         key_id=snapshot.key_id,
         retention_mode=cls.mode,
         retention_class=cls.name,
+        hints=cls.hints,
     )
 
 

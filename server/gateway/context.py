@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from retention.hint_plan import HINTS_OFF, HintPolicy
 from retention.planner import RetentionClassSpec
 from server.gateway.admission import Limits
 from tenants.snapshots import PoolSnapshot
@@ -27,6 +28,7 @@ class TenantContext:
     key_id: int
     retention_mode: str = "static"  # static | adaptive (retention/adaptive.py)
     retention_class: str = ""  # the class's name (trace capture lines carry it)
+    hints: HintPolicy = HINTS_OFF  # the class's rules for client cache hints (retention/hint_plan.py)
 
     @property
     def engine_tenant_id(self) -> str:

@@ -9,7 +9,8 @@ Shape (every list optional; a list's absence means "this kind is not managed by 
          slo?: {ttft_p99_ms?, itl_p99_ms?, window_seconds?, min_requests?, cooldown_seconds?,
                 hysteresis?, enabled?, pilot_fraction?}}   # the whole SLO budget (tenants.slo)
     retention_classes: # RetentionClassCreate fields
-      - {name, description?, <segment>_priority?, <segment>_duration_ms?, ..., mode?}
+      - {name, description?, <segment>_priority?, <segment>_duration_ms?, ..., mode?,
+         hints_enabled?, hint_max_ttl_ms?, hint_max_priority?, hint_quota_fraction?}
     tenants:           # TenantCreate fields, pool and class by name, optional status
       - {slug, display_name?, pool, retention_class, isolation?, kv_quota_fraction?,
          rpm_limit?, tpm_limit?, max_concurrent_requests?, max_prompt_tokens?,
@@ -96,6 +97,10 @@ class RetentionClassSpec(_Item):
     decode_priority: StrictInt = 35
     decode_duration_ms: StrictInt | None = 30_000
     mode: StrictStr = "static"
+    hints_enabled: StrictBool = False
+    hint_max_ttl_ms: StrictInt = 3_600_000
+    hint_max_priority: StrictInt = 60
+    hint_quota_fraction: StrictFloat | StrictInt = 0.5
 
 
 class TenantSpec(_Item):

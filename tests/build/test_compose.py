@@ -238,6 +238,8 @@ def test_the_gateway_exposes_every_documented_metric():
                             latency=0.3, kv=KvMetrics(reused_blocks=1, new_blocks=1, total_blocks=2, onboarded_blocks=1),
                             demoted=False, inter_token=0.1)
     gateway.rate_limited.labels(tenant="acme", limit="rpm").inc()
+    gateway.cache_hints.labels(tenant="acme", pool="p", outcome="applied").inc()
+    gateway.hinted_blocks.labels(tenant="acme", pool="p").inc()
     guard = metrics_module.SloGuardMetrics(registry, lambda: {"p": False})
     guard.observe(pool="p", arm="host", ttft=0.1, inter_token=0.01, cache="miss")
     from retention.types import DEFAULT_PLAN

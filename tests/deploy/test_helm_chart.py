@@ -101,6 +101,8 @@ BAD_VALUES = {
     "a trace dir over /tmp": minimal(gateway={"traces": {"mountPath": "/tmp"}}),
     "a trace emptyDir limit that is no quantity": minimal(gateway={"traces": {"sizeLimit": "lots"}}),
     "a trace existingClaim without persistence": minimal(gateway={"traces": {"persistence": {"existingClaim": "traces"}}}),
+    "a hint quota share above 1": minimal(registry={"retention_classes": [{"name": "c", "hint_quota_fraction": 1.5}]}),
+    "a hint priority above 100": minimal(registry={"retention_classes": [{"name": "c", "hint_max_priority": 101}]}),
     "an unknown trace key": minimal(gateway={"traces": {"persistence": {"enabled": True, "readOnly": False}}}),
 }
 

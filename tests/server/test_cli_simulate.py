@@ -155,3 +155,23 @@ def test_replica_options_exit_2_on_bad_input(tmp_path: Path) -> None:
         result = CliRunner().invoke(create_cli(), base + extra)
         assert result.exit_code == 2, (extra, result.output)
         assert message in result.output, (extra, result.output)
+
+
+def test_hinted_lines_replay_with_plus_hints(tmp_path: Path) -> None:
+    """gold's prefix is marked for 1 h: with hints it survives the noisy tenant's flood on a 5-block GPU."""
+    lines = []
+    for i in range(24):
+        gold = i % 3 == 0
+        ids = [0, 1, 2, 100 + i] if gold else [1000 + 10 * i + k for k in range(4)]
+        line = {"timestamp": i * 10, "input_length": 16, "output_length": 2, "hash_ids": ids,
+                "tenant": "gold" if gold else "noisy"}
+        if gold:
+            line["cache_breakpoints"] = [[12, 3_600_000]]
+        lines.append(line)
+    trace = tmp_path / "h.jsonl"
+    trace.write_text("\n".join(json.dumps(x) for x in lines) + "\n")
+    result = CliRunner().invoke(create_cli(), ["simulate", str(trace), "--block-size", "4", "-c", "5", "--host", "0",
+                                               "-p", "lru", "-p", "lru+hints", "--json"])
+    assert result.exit_code == 0, result.output
+    policies = json.loads(result.output)["capacities"][0]["policies"]
+    assert policies["lru+hints"]["tenants"]["gold"]["hit_rate"] > policies["lru"]["tenants"]["gold"]["hit_rate"]

@@ -113,3 +113,38 @@ def test_trace_start_list_stop_from_the_shell(tmp_path: Path, monkeypatch: pytes
     assert json.loads(run("trace", "stop", "gpu-a", str(started["id"])))["state"] == "stopped"
     audit = json.loads(run("admin", "audit", "--entity-type", "trace_capture"))
     assert [e["action"] for e in audit["items"]] == ["trace_capture.stop", "trace_capture.create"]
+
+
+def test_a_captured_line_carries_the_clients_hints_and_replays_them(tmp_path: Path) -> None:
+    from prometheus_client import CollectorRegistry
+
+    from retention.hints import Breakpoint, CacheHints
+    from retention.trace import parse_trace
+    from server.gateway.observe.capture import TraceCaptures
+    from tenants.captures import ActiveCapture
+
+    captures = TraceCaptures(session_factory=None, directory=tmp_path, registry=CollectorRegistry())
+    capture = ActiveCapture(id=7, pool="p", tenant_id=None, sample_rate=1.0, max_bytes=1 << 20, key=b"k" * 16)
+    captures._active = {"p": capture}
+    captures._sync({"p": capture})
+    ids = tuple(range(1, 81))
+    hints = CacheHints((Breakpoint(32, 3_600_000), Breakpoint(80, 300_000), Breakpoint(99, 300_000)),
+                       cache_key="conversation-1", retention="24h")
+    common = dict(tenant_id=1, tenant="acme", retention_class="chat", pool="p", tokens_per_block=16, salt="s",
+                  input_ids=ids, system_end=32, context_end=64, output_length=3, reused_blocks=0, onboarded_blocks=0,
+                  ttft=0.01, latency=0.1, status="ok")
+    assert captures.offer(**common, hints=hints)
+    assert captures.offer(**common)
+    while not captures._queue.empty():
+        kind, item = captures._queue.get_nowait()
+        if kind == "line":
+            captures._write(item)
+    captures._close(captures._files[7])
+    text = next((tmp_path / "p").glob("capture-000007-*.jsonl")).read_text()
+    first, second = (json.loads(x) for x in text.splitlines())
+    assert first["cache_breakpoints"] == [[32, 3_600_000], [80, 300_000]]  # the one past the prompt is not replayable
+    assert first["prompt_cache_retention"] == "24h"
+    assert "conversation-1" not in text  # the key is a client string: never written
+    assert "cache_breakpoints" not in second and "prompt_cache_retention" not in second
+    replayed = parse_trace(text.splitlines())
+    assert replayed[0].hints == CacheHints((Breakpoint(32, 3_600_000), Breakpoint(80, 300_000)), retention="24h")

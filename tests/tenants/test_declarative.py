@@ -219,3 +219,16 @@ def test_yaml_errors_name_the_line() -> None:
     with pytest.raises(InvalidField) as err:
         declarative.load_registry("pools:\n  - name: [\n")
     assert err.value.code == "invalid_yaml" and "line" in err.value.message
+
+
+def test_hint_fields_are_declared_applied_and_validated(session) -> None:  # type: ignore[no-untyped-def]
+    hinted = copy.deepcopy(FILE)
+    hinted["retention_classes"][0].update(hints_enabled=True, hint_max_ttl_ms=3_600_000, hint_max_priority=70)
+    _apply(session, hinted)
+    row = session.scalar(select(RetentionClass).where(RetentionClass.name == "chat"))
+    assert (row.hints_enabled, row.hint_max_priority, row.hint_quota_fraction) == (True, 70, 0.5)
+    assert _apply(session, hinted).empty
+    hinted["retention_classes"][0]["hint_quota_fraction"] = 0.0
+    with pytest.raises(InvalidField) as err:
+        _apply(session, hinted)
+    assert "hint_quota_fraction" in str(err.value)

@@ -242,3 +242,53 @@ def test_postgres_0004_slo_budgets_up_and_down() -> None:
     finally:
         engine.dispose()
         drop_pg_schema(schema)
+
+
+# --- 0006: retention class hint fields, with data ------------------------------------------------
+
+
+def _hint_fields_round_trip(engine) -> None:  # type: ignore[no-untyped-def]
+    with engine.begin() as conn:
+        migrate.upgrade(connection=conn, revision="0002")
+        _seed_0002(conn)
+        migrate.upgrade(connection=conn, revision="0006")
+    with engine.connect() as conn:  # the existing class ignores hints until an operator enables them
+        row = conn.execute(text("SELECT hints_enabled, hint_max_ttl_ms, hint_max_priority, hint_quota_fraction "
+                                "FROM retention_classes WHERE id = 1")).one()
+        assert (bool(row[0]), row[1], row[2], row[3]) == (False, 3_600_000, 60, 0.5)
+        for bad in ("hint_max_priority = 101", "hint_quota_fraction = 0", "hint_max_ttl_ms = 0"):
+            with pytest.raises(Exception), conn.begin():  # the database itself refuses it
+                conn.execute(text(f"UPDATE retention_classes SET {bad} WHERE id = 1"))
+    with engine.begin() as conn:
+        conn.execute(text("UPDATE retention_classes SET hints_enabled = TRUE, hint_max_priority = 70 WHERE id = 1"))
+    with engine.begin() as conn:
+        migrate.downgrade(connection=conn, revision="0005")
+    with engine.connect() as conn:
+        columns = {c["name"] for c in inspect(conn).get_columns("retention_classes")}
+        assert not {c for c in columns if c.startswith("hint")}
+        assert conn.execute(text("SELECT name FROM retention_classes")).scalar_one() == "gold"
+    with engine.begin() as conn:
+        migrate.upgrade(connection=conn)
+    with engine.connect() as conn:
+        assert conn.execute(text("SELECT hint_max_priority FROM retention_classes")).scalar_one() == 60
+
+
+def test_sqlite_0006_hint_fields_up_and_down(tmp_path: Path) -> None:
+    engine = make_engine(f"sqlite:///{tmp_path / 'm6.db'}")
+    try:
+        _hint_fields_round_trip(engine)
+    finally:
+        engine.dispose()
+
+
+@pytest.mark.postgres
+def test_postgres_0006_hint_fields_up_and_down() -> None:
+    if not postgres_reachable():
+        pytest.skip("PostgreSQL at 127.0.0.1:5432 is unreachable")
+    schema = new_pg_schema()
+    engine = pg_engine(schema)
+    try:
+        _hint_fields_round_trip(engine)
+    finally:
+        engine.dispose()
+        drop_pg_schema(schema)

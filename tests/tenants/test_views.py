@@ -39,3 +39,18 @@ def test_view_covers_every_segment_in_order() -> None:
         ("turn", 49, 30_000, "dropped"),
         ("decode", 10, None, "dropped"),
     ]
+
+
+def test_a_class_honouring_hints_shows_where_hinted_blocks_go() -> None:
+    from retention.hint_plan import HintPolicy
+
+    pool = PoolSnapshot(1, "p", "m", "kvgate_llm", "", 32, 100, 50, 50, (ReplicaSnapshot(1, "r0", "h:1", "active", 1),))
+    seg = SegmentRetention(20, None)
+    off = RetentionClassSnapshot(1, "c", seg, seg, seg, seg)
+    assert [v.segment for v in retention_view(pool, off)] == ["system", "context", "turn", "decode"]
+    on = RetentionClassSnapshot(1, "c", seg, seg, seg, seg,
+                                hints=HintPolicy(enabled=True, max_ttl_ms=3_600_000, max_priority=60))
+    hints = retention_view(pool, on)[-1]
+    assert (hints.segment, hints.priority, hints.duration_ms, hints.tier_on_eviction) == ("hints", 60, 3_600_000, "host")
+    low = RetentionClassSnapshot(1, "c", seg, seg, seg, seg, hints=HintPolicy(enabled=True, max_priority=49))
+    assert retention_view(pool, low)[-1].tier_on_eviction == "dropped"

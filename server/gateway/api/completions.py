@@ -31,6 +31,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from engines.contract import EngineRequest, Guide, KvMetrics, SamplingParams, TokenLogProbs
 from engines.tokenizer import ChatTokenizer
 from retention.hashing import block_hashes
+from retention.hint_quota import HintedPlan, HintLedger, plan_with_hints
 from retention.hints import CacheHints
 from retention.planner import QuotaState, Segments, plan_retention
 from retention.selection import AdaptiveSelector
@@ -93,6 +94,7 @@ class Outcome:
     sent_log_probs: int = 0  # how many of log_probs went out in stream frames
     held: list[str] = field(default_factory=list)  # text kept back from the content (tool calls)
     tool_calls: list[ToolCall] = field(default_factory=list)
+    hinted: HintedPlan | None = None  # the client's hints as planned (recorded again at release)
 
     @property
     def text(self) -> str:
@@ -152,7 +154,8 @@ def build_plan(job: CompletionJob, selector: AdaptiveSelector | None = None, now
     whichever wins on its sampled shadow pools, from block hashes computed exactly as the
     engine's pool computes them (pool ``tokens_per_block``, the salt the engine will see);
     the request is then recorded in the selector. Over quota, either way: everything at
-    priority 0, and the selector is not touched.
+    priority 0, and the selector is not touched. Client hints go on top of this plan
+    (:func:`hinted_plan`), never into it.
     """
     prompt, tenant = job.prompt, job.tenant
     threshold = tenant.pool.secondary_offload_min_priority
@@ -165,6 +168,28 @@ def build_plan(job: CompletionJob, selector: AdaptiveSelector | None = None, now
         hashes = request_hashes(job)
     return selector.plan(tenant=tenant.engine_tenant_id, hashes=hashes, num_tokens=prompt.total, tokens_per_block=tpb,
                          static=static, now=now, decode_priority=tenant.retention.decode.priority)
+
+
+def hints_apply(job: CompletionJob) -> bool:
+    """Whether the request's hints can change its plan (the class honours hints, and they say something)."""
+    return job.tenant.hints.enabled and (bool(job.hints.breakpoints) or job.hints.retention == "24h")
+
+
+def hinted_plan(job: CompletionJob, plan: RetentionPlan, hashes: list[int] | None, ledger: HintLedger,
+                now: float) -> HintedPlan:
+    """``plan`` (static or adaptive, after quota) with the client's hints on top, within the
+    tenant's class (:mod:`retention.hint_plan`) and its hint budget: ``hint_quota_fraction``
+    of its KV quota of the pool's GPU blocks, counted by ``ledger`` (:mod:`retention.hint_quota`).
+    The same plan object when no hint applies (the engine request is then byte-identical)."""
+    if not hints_apply(job):
+        return HintedPlan(plan)
+    tenant = job.tenant
+    if hashes is None:
+        hashes = request_hashes(job)
+    budget = tenant.hints.budget_blocks(tenant.kv_quota_fraction, tenant.pool.primary_blocks)
+    return plan_with_hints(plan, job.hints, tenant.hints, total=job.prompt.total,
+                           tokens_per_block=tenant.pool.tokens_per_block, hashes=hashes, ledger=ledger,
+                           tenant=tenant.engine_tenant_id, budget_blocks=budget, now=now)
 
 
 def engine_request(job: CompletionJob, plan: RetentionPlan) -> EngineRequest:
@@ -416,6 +441,13 @@ class CompletionRunner:
         self._clock = clock
         self._guard = guard
         self._capture = capture
+        self._ledgers: dict[str, HintLedger] = {}  # pool -> live hinted blocks per tenant
+
+    def _ledger(self, pool: str) -> HintLedger:
+        ledger = self._ledgers.get(pool)
+        if ledger is None:
+            ledger = self._ledgers[pool] = HintLedger()
+        return ledger
 
     async def run(self, job: CompletionJob):
         tenant = job.tenant
@@ -431,10 +463,15 @@ class CompletionRunner:
         selector = self._selector_for(job.tenant.pool) if self._selector_for is not None else None
         now = self._clock()
         adaptive = selector is not None and tenant.retention_mode == "adaptive" and not job.quota.over_quota
-        hashes = request_hashes(job) if adaptive or self._curves is not None else None
+        hinting = hints_apply(job)
+        hashes = request_hashes(job) if adaptive or hinting or self._curves is not None else None
         plan = build_plan(job, selector, now, hashes)
         started = time.perf_counter()
         outcome = Outcome()
+        if hinting:  # the client's hints, within its class and its hint budget
+            outcome.hinted = hinted_plan(job, plan, hashes, self._ledger(tenant.pool.name), now)
+            plan = outcome.hinted.plan
+        self._count_hints(job, outcome.hinted)
         if self._guard is not None:  # SLO guard tripped or pilot control arm: host tier rolled back
             plan, outcome.arm = self._guard.apply(tenant, plan)
         if self._curves is not None:
@@ -480,6 +517,21 @@ class CompletionRunner:
                 await self._finish(job, plan, outcome, started, lease)
         return JSONResponse(self._body(job, outcome), headers=self._replica_header(job) or None)
 
+    def _count_hints(self, job: CompletionJob, hinted: HintedPlan | None) -> None:
+        hints = job.hints
+        if not hints.breakpoints and hints.retention != "24h":
+            return  # nothing that could change a plan (no hint, "in_memory", a key alone)
+        tenant = job.tenant
+        if hinted is None or (not hinted.hashes and not hinted.clipped):
+            outcome = "ignored"  # the class does not honour hints, or the plan was demoted
+        elif hinted.clipped:
+            outcome = "clipped" if hinted.hashes else "no_room"
+        else:
+            outcome = "applied"
+        self._metrics.cache_hints.labels(tenant.slug, tenant.pool.name, outcome).inc()
+        if hinted is not None and hinted.hashes:
+            self._metrics.hinted_blocks.labels(tenant.slug, tenant.pool.name).inc(len(hinted.hashes))
+
     @staticmethod
     def _replica_header(job: CompletionJob) -> dict[str, str]:
         """Like x-gateway-destination-endpoint of the Gateway API Inference Extension
@@ -492,6 +544,11 @@ class CompletionRunner:
     async def _finish(self, job, plan, outcome: Outcome, started: float, lease) -> None:
         await self._admission.release(lease, completion_tokens=outcome.completion_tokens)
         tenant = job.tenant
+        hinted = outcome.hinted
+        if hinted is not None and hinted.hashes:
+            # TensorRT-LLM starts a block's duration when the request releases it: count from now.
+            self._ledger(tenant.pool.name).record(tenant.engine_tenant_id, hinted.hashes, hinted.durations_ms,
+                                                  self._clock())
         latency = time.perf_counter() - started
         # Mean inter-token latency: observable only when tokens were streamed one by one.
         inter_token = None
@@ -512,7 +569,7 @@ class CompletionRunner:
                           input_ids=job.prompt.input_ids, system_end=job.prompt.system_end,
                           context_end=job.prompt.context_end, output_length=outcome.completion_tokens,
                           reused_blocks=kv.reused_blocks, onboarded_blocks=kv.onboarded_blocks, ttft=outcome.ttft,
-                          latency=latency, status=outcome.status)
+                          latency=latency, status=outcome.status, hints=job.hints)
 
     def _usage_body(self, job: CompletionJob, outcome: Outcome) -> dict:
         return {"prompt_tokens": job.prompt.total, "completion_tokens": outcome.completion_tokens,

@@ -16,6 +16,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from retention.hints import CacheHints
+
 MAX_MESSAGES = 1024
 MAX_TEXT_CHARS = 1_000_000
 MAX_STOP_STRINGS = 4
@@ -161,10 +163,13 @@ class ChatCompletionRequest(_SamplingFields):
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     response_format: ResponseFormat | None = None
     parallel_tool_calls: bool | None = None
+    # client cache intent (retention/hint_plan.py): honoured within the tenant's retention class
+    prompt_cache_retention: Literal["in_memory", "24h"] | None = None
+    # carried on the hints (CacheHints.cache_key); nothing keys on it yet, so it never crosses tenants
+    prompt_cache_key: Annotated[str, Field(max_length=1024)] | None = None
     # accepted and ignored (README: "OpenAI request fields")
     metadata: dict[str, str] | None = None
     store: Literal[False] | None = None
-    prompt_cache_key: Annotated[str, Field(max_length=1024)] | None = None
     safety_identifier: Annotated[str, Field(max_length=256)] | None = None
 
     @model_validator(mode="after")
@@ -185,6 +190,10 @@ class ChatCompletionRequest(_SamplingFields):
 
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    def cache_hints(self) -> CacheHints:
+        """The request's cache intent, dialect-neutral (``CompletionJob.hints``)."""
+        return CacheHints(cache_key=self.prompt_cache_key, retention=self.prompt_cache_retention)
 
 
 class CompletionRequest(_SamplingFields):

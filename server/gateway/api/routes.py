@@ -155,6 +155,7 @@ async def chat_completions(body: ChatCompletionRequest, tenant: Tenant, services
         # ends when its grammar completes, which ignore_eos would prevent on the GPU engine.
         raise ServingError(400, "invalid_request", "ignore_eos cannot be combined with response_format or a forced "
                            "tool call (the output would never end when its structure completes)", param="ignore_eos")
+    job.hints = body.cache_hints()
     if body.logprobs:
         job.logprobs = body.top_logprobs or 0
     return await services.runner.run(job)

@@ -5,7 +5,10 @@ Opt-in per pool through the admin API (``tenants.captures``). One line per sampl
     {"timestamp": 1764596000123, "input_length": 1234, "output_length": 64, "hash_ids": [...],
      "block_size": 32, "tenant": "acme", "retention_class": "chat", "system_tokens": 410,
      "context_tokens": 1100, "cached_gpu_tokens": 384, "cached_host_tokens": 64,
-     "ttft_ms": 41.2, "latency_ms": 803.5, "status": "ok"}
+     "ttft_ms": 41.2, "latency_ms": 803.5, "status": "ok",
+     "cache_breakpoints": [[410, 3600000], [1234, 300000]], "prompt_cache_retention": "24h"}
+
+The last two appear only when the client sent cache hints (``retention/trace.py``).
 
 ``timestamp`` is Unix time in ms at arrival; ``hash_ids`` has one id per ``block_size``
 (the pool's ``tokens_per_block``) prompt tokens, the last one for the partial tail block,
@@ -64,6 +67,8 @@ import numpy as np
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from retention.hashing import block_hashes, chain_hash, pack_tokens, root_hash
+from retention.hints import CacheHints
+from retention.trace import hint_fields
 from tenants.captures import ActiveCapture, active_captures
 
 log = logging.getLogger("kvgate.capture")
@@ -126,6 +131,7 @@ class CaptureRecord:
     ttft_ms: float | None
     latency_ms: float
     status: str
+    hints: CacheHints | None = None  # what the client asked to keep (breakpoints, retention)
 
 
 @dataclass(slots=True)
@@ -148,6 +154,15 @@ class CaptureMetrics:
                            ["pool"], registry=registry)
         self.full = Gauge("kvgate_trace_capture_full", "1 when the active capture's file reached max_bytes",
                           ["pool"], registry=registry)
+
+
+def _replayable(hints: CacheHints | None, total: int) -> CacheHints | None:
+    """The hints a trace line can carry: breakpoints inside the prompt (``retention/trace.py``
+    refuses one past ``input_length``), the retention, no key; None when nothing is left."""
+    if hints is None:
+        return None
+    kept = CacheHints(tuple(b for b in hints.breakpoints if b.token_end <= total), retention=hints.retention)
+    return None if kept.empty else kept
 
 
 @dataclass(slots=True)
@@ -199,7 +214,8 @@ class TraceCaptures:
 
     def offer(self, *, tenant_id: int, tenant: str, retention_class: str, pool: str, tokens_per_block: int,
               salt: str | None, input_ids: tuple[int, ...], system_end: int, context_end: int, output_length: int,
-              reused_blocks: int, onboarded_blocks: int, ttft: float | None, latency: float, status: str) -> bool:
+              reused_blocks: int, onboarded_blocks: int, ttft: float | None, latency: float, status: str,
+              hints: CacheHints | None = None) -> bool:
         """Queue one finished request if its pool is captured and it is sampled; never blocks."""
         capture = self._active.get(pool)
         if capture is None or (capture.tenant_id is not None and capture.tenant_id != tenant_id):
@@ -213,6 +229,7 @@ class TraceCaptures:
             capture.id, int((time.time() - latency) * 1000), tenant, retention_class, input_ids, system_end,
             context_end, output_length, salt, tokens_per_block, cached - host, host,
             None if ttft is None else round(ttft * 1000, 3), round(latency * 1000, 3), status,
+            _replayable(hints, total),
         )
         try:
             self._queue.put_nowait(("line", record))
@@ -291,6 +308,9 @@ class TraceCaptures:
             "retention_class": r.retention_class, "system_tokens": r.system_end, "context_tokens": r.context_end,
             "cached_gpu_tokens": r.cached_gpu_tokens, "cached_host_tokens": r.cached_host_tokens,
             "ttft_ms": r.ttft_ms, "latency_ms": r.latency_ms, "status": r.status,
+            # The client's hints as it sent them (the class's caps are the replay's business);
+            # never prompt_cache_key: a client string, and nothing the simulator needs.
+            **hint_fields(r.hints),
         }
         data = (json.dumps(line, separators=(",", ":")) + "\n").encode()
         if f.size + len(data) > f.capture.max_bytes:

@@ -172,6 +172,13 @@ class GatewayMetrics:
         self.kv_onboarded = Counter("kvgate_kv_blocks_onboarded", "KV blocks onboarded from the host tier", tp, registry=registry)
         self.rate_limited = Counter("kvgate_rate_limited", "Requests refused by admission", ["tenant", "limit"], registry=registry)
         self.quota_demotions = Counter("kvgate_quota_demotions", "Requests planned with quota demotion", tp, registry=registry)
+        # Client cache hints (retention/hint_plan.py): applied in full, cut by the tenant's hint
+        # budget ("clipped", the plan changed for part of the hint; "no_room", not at all), or
+        # left out: the class does not honour hints, the plan was demoted, or no full block ("ignored").
+        self.cache_hints = Counter("kvgate_cache_hint_requests", "Requests carrying cache hints by outcome",
+                                   tp + ["outcome"], registry=registry)
+        self.hinted_blocks = Counter("kvgate_cache_hinted_blocks", "Prompt blocks planned under a client hint", tp,
+                                     registry=registry)
         pr = ["pool", "replica"]
         self.replica_requests = Counter("kvgate_replica_requests", "Engine attempts per replica by outcome "
                                         "(ok, retried, error, rejected, cancelled)", pr + ["status"], registry=registry)

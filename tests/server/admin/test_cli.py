@@ -207,3 +207,12 @@ def test_admin_apply_on_postgres(monkeypatch, tmp_path) -> None:  # type: ignore
         assert audit["total"] == 5 and {e["actor"] for e in audit["items"]} == {"helm:kvgate"}
     finally:
         drop_pg_schema(schema)
+
+
+def test_classes_take_the_hint_fields(run) -> None:  # type: ignore[no-untyped-def]
+    run("db", "upgrade")
+    cls = json.loads(run("admin", "classes", "create", "agents", "--set", "hints_enabled=true",
+                         "--set", "hint_max_ttl_ms=3600000", "--set", "hint_max_priority=70").output)
+    assert (cls["hints_enabled"], cls["hint_max_priority"], cls["hint_quota_fraction"]) == (True, 70, 0.5)
+    bad = run("admin", "classes", "update", "agents", "--version", "1", "--set", "hint_quota_fraction=2", code=2)
+    assert "hint_quota_fraction" in bad.output + (bad.stderr or "")

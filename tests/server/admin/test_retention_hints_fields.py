@@ -1,0 +1,49 @@
+"""Retention classes carry the client-hint rules: off by default, bounded, editable everywhere."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests.server.admin.conftest import AUTH
+
+A = "/admin/v1"
+
+
+def test_hints_are_off_by_default_and_a_class_opts_in(client) -> None:  # type: ignore[no-untyped-def]
+    plain = client.post(f"{A}/retention-classes", json={"name": "plain"}, headers=AUTH)
+    assert plain.status_code == 201, plain.text
+    body = plain.json()
+    assert (body["hints_enabled"], body["hint_max_ttl_ms"], body["hint_max_priority"], body["hint_quota_fraction"]) == (
+        False, 3_600_000, 60, 0.5)
+    changed = client.patch(f"{A}/retention-classes/plain", headers=AUTH, json={
+        "version": body["version"], "hints_enabled": True, "hint_max_ttl_ms": 300_000, "hint_max_priority": 45,
+        "hint_quota_fraction": 0.25})
+    assert changed.status_code == 200, changed.text
+    got = changed.json()
+    assert (got["hints_enabled"], got["hint_max_ttl_ms"], got["hint_max_priority"], got["hint_quota_fraction"]) == (
+        True, 300_000, 45, 0.25)
+
+
+@pytest.mark.parametrize("field,value", [
+    ("hints_enabled", 1), ("hints_enabled", "yes"), ("hint_max_ttl_ms", 0), ("hint_max_ttl_ms", True),
+    ("hint_max_priority", 101), ("hint_quota_fraction", 0), ("hint_quota_fraction", 1.5),
+])
+def test_bad_hint_fields_are_422_naming_the_field(client, field, value) -> None:  # type: ignore[no-untyped-def]
+    response = client.post(f"{A}/retention-classes", json={"name": "odd", field: value}, headers=AUTH)
+    assert response.status_code == 422, response.text
+    assert response.json()["error"]["field"] == field
+
+
+def test_service_validation_refuses_what_the_schema_would(session) -> None:  # type: ignore[no-untyped-def]
+    from tenants import retention_classes
+    from tenants.errors import InvalidField
+    from tests.tenants.factories import now
+
+    with pytest.raises(InvalidField) as err:
+        retention_classes.create_class(session, actor="t", now=now(), name="x", hint_max_ttl_ms=None)
+    assert err.value.field == "hint_max_ttl_ms"
+    with pytest.raises(InvalidField) as err:
+        retention_classes.create_class(session, actor="t", now=now(), name="x", hints_enabled=1)
+    assert err.value.field == "hints_enabled"
