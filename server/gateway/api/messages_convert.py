@@ -14,6 +14,8 @@ guide from the same functions the OpenAI path uses.
     user: tool_result blocks                 →  one ``tool`` message each, in order
     assistant: text + tool_use blocks        →  assistant message with ``tool_calls``
     tool_choice auto|any|tool|none           →  ToolPlan auto | forced (all) | forced (one) | none
+    output_config.format (json_schema)       →  the JSON-schema guide (OpenAI's response_format)
+    cache_control (top level)                →  a breakpoint after the last message
 
 **Cache breakpoints.** ``cache_control`` on a block marks the prefix up to and including
 that block, in the order tools → system → messages. kvgate resolves it at message
@@ -74,9 +76,10 @@ def invalid(field: str, message: str) -> ServingError:
 
 
 def refuse_unservable(body: MessagesInput) -> None:
-    if body.thinking is not None and body.thinking.get("type") != "disabled":
+    # "adaptive" lets the model decide whether to think; this model never does, so it is served as is.
+    if body.thinking is not None and body.thinking.get("type") not in ("disabled", "adaptive"):
         raise invalid("thinking", "extended thinking is not supported by this gateway")
-    for name in ("mcp_servers", "container", "context_management"):
+    for name in ("mcp_servers", "container", "context_management", "diagnostics"):
         if getattr(body, name) is not None:
             raise invalid(name, "not supported by this gateway")
 
@@ -92,7 +95,7 @@ class _Breakpoints:
         control = block.get("cache_control")
         if control is None:
             return
-        where = f"{field}.cache_control"
+        where = f"{field}.cache_control" if field else "cache_control"
         if not isinstance(control, dict) or control.get("type") != "ephemeral":
             raise invalid(where, "must be {\"type\": \"ephemeral\"} with an optional \"ttl\"")
         if set(control) - {"type", "ttl"}:
@@ -125,10 +128,19 @@ def convert(body: MessagesInput) -> Conversation:
             _assistant(blocks, f"messages.{i}", out, points)
         else:
             _user(blocks, f"messages.{i}", out, points)
+    # Top-level cache_control: Anthropic puts it on the last cacheable block, i.e. after everything else.
+    points.take({"cache_control": body.cache_control} if body.cache_control is not None else {}, "", len(out))
     if body.messages[-1].role == "assistant":
         raise invalid(f"messages.{len(body.messages) - 1}", "a final assistant message (prefill) is not supported; "
                       "end with a user message")
     plan, guide = _tool_plan(body, functions)
+    output = getattr(body, "output_config", None)  # count_tokens bodies have none
+    if output is not None and output.format is not None:
+        check_schema(output.format.schema_, "output_config.format.schema")
+        if guide is not None:
+            raise invalid("output_config.format", "cannot be combined with a tool_choice that forces a tool call")
+        # property order is kept: it is the order the model writes the fields in (as for response_format)
+        guide = Guide("json_schema", json.dumps(output.format.schema_, separators=(",", ":")))
     if functions or any("tool_calls" in m for m in out):
         out = render_messages(out, functions)
     return Conversation(out, functions, plan, guide, tuple(points.marks), tuple(points.ttls))
@@ -287,7 +299,7 @@ def _tool_plan(body: MessagesInput, functions: list[dict]) -> tuple[ToolPlan | N
     kind = choice.type if choice is not None else "auto"
     parallel = not (choice is not None and choice.disable_parallel_tool_use)
     if kind == "tool":
-        if choice is None or choice.name not in by_name:
+        if choice.name not in by_name:
             raise invalid("tool_choice.name", f"must name one of the tools, got {choice.name if choice else None!r}")
         return ToolPlan(by_name, "forced", parallel=False), forced_call_guide([by_name[choice.name]])
     if kind == "any":

@@ -6,8 +6,9 @@ blocks stay plain JSON objects here and are checked one by one in
 ``server.gateway.api.messages_convert``, so that what cannot be served (images, documents,
 server tools, thinking blocks) is refused with a message naming the block and its type
 rather than with a union-mismatch error. Fields Anthropic defines that kvgate cannot serve
-(``thinking`` other than disabled, ``mcp_servers``, ``container``, ``context_management``)
-are declared only to be refused by name.
+(``thinking`` of type ``enabled``, ``mcp_servers``, ``container``, ``context_management``,
+``diagnostics``) are declared only to be refused by name; the README's field table lists
+each field as honoured, ignored or refused.
 """
 
 from __future__ import annotations
@@ -36,6 +37,18 @@ class ToolChoice(BaseModel):
     disable_parallel_tool_use: bool | None = None
 
 
+class OutputFormat(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    type: Literal["json_schema"]
+    schema_: dict[str, Any] = Field(alias="schema")
+
+
+class OutputConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    format: OutputFormat | None = None  # honoured: the same JSON-schema guide as OpenAI's response_format
+    effort: Literal["low", "medium", "high", "xhigh", "max"] | None = None  # accepted, ignored: no thinking
+
+
 class Metadata(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
     user_id: Annotated[str, Field(max_length=256)] | None = None  # accepted, not used: the API key names the tenant
@@ -50,11 +63,13 @@ class MessagesInput(BaseModel):
     system: Annotated[str, Field(max_length=MAX_TEXT_CHARS)] | Annotated[list[Block], Field(max_length=1024)] | None = None
     tools: Annotated[list[Block], Field(max_length=MAX_TOOLS)] | None = None
     tool_choice: ToolChoice | None = None
+    cache_control: dict[str, Any] | None = None  # automatic caching: a breakpoint on the last block
     # Declared only to be refused by name (messages_convert.refuse_unservable).
     thinking: dict[str, Any] | None = None
     mcp_servers: list[Any] | None = None
     container: Any = None
     context_management: Any = None
+    diagnostics: Any = None
 
 
 class MessagesRequest(MessagesInput):
@@ -66,7 +81,13 @@ class MessagesRequest(MessagesInput):
                               Field(max_length=MAX_STOP_SEQUENCES)] | None = None
     stream: bool = False
     metadata: Metadata | None = None
-    service_tier: Literal["auto", "standard_only"] | None = None  # accepted, ignored: one tier
+    output_config: OutputConfig | None = None
+    # accepted, ignored: one tier, one speed, one region; the API key names the tenant
+    service_tier: Literal["auto", "standard_only"] | None = None
+    speed: Literal["standard", "fast"] | None = None
+    inference_geo: Annotated[str, Field(max_length=64)] | None = None
+    user_profile_id: Annotated[str, Field(max_length=256)] | None = None
+    workspace_id: Annotated[str, Field(max_length=256)] | None = None
 
 
 class CountTokensRequest(MessagesInput):
