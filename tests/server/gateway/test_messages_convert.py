@@ -154,3 +154,33 @@ def test_stop_reasons_and_the_message_object() -> None:
     assert body["id"].startswith("msg_") and body["stop_reason"] == "tool_use" and body["stop_sequence"] is None
     assert body["content"] == [{"type": "text", "text": "Sure."},
                                {"type": "tool_use", "id": "toolu_abc", "name": "get_weather", "input": {"city": "Oslo"}}]
+
+
+def test_the_2026_fields_top_level_cache_control_output_config_thinking() -> None:
+    # top-level cache_control: a breakpoint after the last message, counted among the four, ordered last
+    auto = convert(request(cache_control={"type": "ephemeral", "ttl": "1h"}))
+    assert auto.marks == (len(auto.messages),) and auto.ttls == (TTL_1H_MS,)
+    system = [{"type": "text", "text": "s", "cache_control": EPHEMERAL}]
+    refused("cache_control.ttl", system=system, cache_control={"type": "ephemeral", "ttl": "1h"})
+    refused("cache_control", system=system * 4, cache_control=EPHEMERAL)
+    # output_config.format: the same JSON-schema guide as response_format; not with a forced tool
+    schema = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+    shaped = convert(request(output_config={"format": {"type": "json_schema", "schema": schema}, "effort": "low"}))
+    assert shaped.guide.kind == "json_schema" and json.loads(shaped.guide.text) == schema and shaped.tools is None
+    refused("output_config.format", tools=[WEATHER], tool_choice={"type": "any"},
+            output_config={"format": {"type": "json_schema", "schema": schema}})
+    # thinking: adaptive lets the model decide (this one never thinks); an explicit budget is refused
+    assert convert(request(thinking={"type": "adaptive"})).guide is None
+    refused("diagnostics", diagnostics={"previous_message_id": "msg_1"})
+
+
+def test_errors_map_to_anthropics_types_and_statuses() -> None:
+    from server.gateway.api.messages_render import error_response
+
+    for status, (expected, kind) in {400: (400, "invalid_request_error"), 401: (401, "authentication_error"),
+                                     403: (403, "permission_error"), 404: (404, "not_found_error"),
+                                     413: (413, "request_too_large"), 429: (429, "rate_limit_error"),
+                                     503: (529, "overloaded_error"), 504: (504, "timeout_error")}.items():
+        response = error_response(ServingError(status, "code", "why", headers={"Retry-After": "1"}))
+        assert response.status_code == expected and response.headers["retry-after"] == "1"
+        assert json.loads(response.body) == {"type": "error", "error": {"type": kind, "message": "why"}}

@@ -3,6 +3,7 @@ SDK, langchain-anthropic's ChatAnthropic) against the live stack and the referen
 
 from __future__ import annotations
 
+import json
 import secrets
 
 import anthropic
@@ -130,6 +131,38 @@ def test_cache_control_usage_on_the_first_and_second_call(stack: Stack, key: str
     assert second.cache_creation_input_tokens < first.cache_creation_input_tokens
 
 
+def test_a_breakpoint_on_the_last_turn_is_read_by_the_next_turn(stack: Stack, key: str) -> None:
+    api = client(stack, key)
+    marked = {"type": "ephemeral"}
+    first_turn = [{"role": "user", "content": [{"type": "text", "text": system_prompt(secrets.token_hex(4)),
+                                                "cache_control": marked}]}]
+    first = api.messages.create(model=MODEL, max_tokens=8, extra_body=GREEDY, messages=first_turn)
+    prompt = first.usage.input_tokens + first.usage.cache_creation_input_tokens + first.usage.cache_read_input_tokens
+    assert first.usage.cache_creation_input_tokens > 0
+    second = api.messages.create(model=MODEL, max_tokens=8, extra_body=GREEDY, messages=[
+        *first_turn, {"role": "assistant", "content": first.content[0].text},
+        {"role": "user", "content": [{"type": "text", "text": "And in French?", "cache_control": marked}]}])
+    # the whole first prompt is a prefix of the second: every full block of it is read back
+    assert second.usage.cache_read_input_tokens >= (prompt // 16) * 16
+    assert second.usage.cache_creation_input_tokens > 0  # the new turn, written under its breakpoint
+
+
+def test_output_config_format_constrains_the_answer_to_the_schema(stack: Stack, key: str) -> None:
+    schema = {"type": "object", "properties": {"country": {"type": "string", "maxLength": 20},
+                                               "capital": {"type": "string", "maxLength": 20}},
+              "required": ["country", "capital"], "additionalProperties": False}
+    reply = client(stack, key).messages.create(
+        model=MODEL, max_tokens=64, extra_body=GREEDY, messages=[{"role": "user", "content": "Italy's capital?"}],
+        output_config={"format": {"type": "json_schema", "schema": schema}})
+    jsonschema.validate(json.loads(reply.content[0].text), schema)
+
+
+def test_a_body_over_the_limit_is_413_in_anthropics_shape(stack: Stack, key: str) -> None:
+    big = {"model": MODEL, "max_tokens": 4, "messages": [{"role": "user", "content": "x" * (5 * 1024 * 1024)}]}
+    response = httpx.post(stack.gateway.base_url + "/v1/messages", headers={"x-api-key": key}, json=big, timeout=60)
+    assert response.status_code == 413 and response.json()["error"]["type"] == "request_too_large"
+
+
 def test_count_tokens_counts_the_prompt_with_its_tools(stack: Stack, key: str) -> None:
     api = client(stack, key)
     bare = api.messages.count_tokens(model=MODEL, messages=QUESTION).input_tokens
@@ -189,3 +222,27 @@ def test_langchain_chat_anthropic_invoke_and_bind_tools(stack: Stack, key: str) 
     [call] = message.tool_calls
     assert call["name"] == "GetWeather"
     GetWeather.model_validate(call["args"])
+
+
+def test_engine_lost_mid_stream_is_an_error_event_then_529_overloaded(stack: Stack) -> None:
+    # Last in this module: it kills the stack's engine (and restarts it).
+    key = stack.add_tenant("down-" + secrets.token_hex(3))
+    body = {"model": MODEL, "max_tokens": 200, "stream": True, "messages": QUESTION,
+            "system": "Write a very long essay about every capital city of Europe."}
+    try:
+        with httpx.stream("POST", stack.gateway.base_url + "/v1/messages", json=body, timeout=120,
+                          headers={"x-api-key": key}) as response:
+            assert response.status_code == 200
+            frames = []
+            for line in response.iter_lines():
+                if line.startswith("event: "):
+                    frames.append(line.removeprefix("event: "))
+                    if frames.count("content_block_delta") == 2:
+                        stack.engine.kill()
+        assert frames[-1] == "error" and "message_stop" not in frames
+        with pytest.raises(anthropic.OverloadedError) as down:
+            client(stack, key).messages.create(model=MODEL, max_tokens=2, messages=QUESTION)
+        assert down.value.status_code == 529 and down.value.body["error"]["type"] == "overloaded_error"
+    finally:
+        stack.engine.start()
+    assert client(stack, key).messages.create(model=MODEL, max_tokens=2, messages=QUESTION).usage.output_tokens >= 1
