@@ -93,6 +93,7 @@ class Outcome:
     finish_reason: str | None = None  # "stop" | "length" | "tool_calls" (neutral; dialects rename)
     stop_sequence: str | None = None  # the stop string that ended the text, if one did
     kv: KvMetrics | None = None
+    first_kv: KvMetrics | None = None  # a stream's first engine response's KV metrics, before any delta
     ttft: float | None = None
     status: str = "ok"
     arm: str | None = None  # SLO guard / pilot arm the plan was made for (server.gateway.observe.slo_guard)
@@ -486,7 +487,7 @@ class CompletionRunner:
             if primed.first_at is not None and request.streaming:
                 outcome.ttft = primed.first_at - started
             if primed.first is not None:  # what the prompt reused is known now (a dialect may say so first)
-                outcome.kv = primed.first.kv
+                outcome.first_kv = primed.first.kv
             headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **self._replica_header(job)}
 
             async def end() -> None:
@@ -576,8 +577,10 @@ async def _deltas(job: CompletionJob, request: EngineRequest, chunks: AsyncItera
         await generate.aclose()
 
 
-def cached_tokens(job: CompletionJob, outcome: Outcome) -> int:
-    """Prompt tokens served from KV: reused blocks × tokens per block (at most the prompt)."""
-    if outcome.kv is None:
+def cached_tokens(job: CompletionJob, outcome: Outcome, kv: KvMetrics | None = None) -> int:
+    """Prompt tokens served from KV: reused blocks × tokens per block (at most the prompt),
+    from ``kv`` if given, else from the outcome's latest engine response."""
+    kv = kv if kv is not None else outcome.kv
+    if kv is None:
         return 0
-    return min(job.prompt.total, outcome.kv.reused_blocks * job.tenant.pool.tokens_per_block)
+    return min(job.prompt.total, kv.reused_blocks * job.tenant.pool.tokens_per_block)

@@ -124,6 +124,8 @@ def convert(body: MessagesInput) -> Conversation:
         out.append({"role": "system", "content": system or ""})  # render_messages appends the tools to it
     for i, message in enumerate(body.messages):
         blocks = [{"type": "text", "text": message.content}] if isinstance(message.content, str) else message.content
+        if not blocks:
+            raise invalid(f"messages.{i}.content", "must not be empty")
         if message.role == "assistant":
             _assistant(blocks, f"messages.{i}", out, points)
         else:

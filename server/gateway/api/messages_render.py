@@ -79,7 +79,8 @@ def cache_creation(hints: CacheHints, read: int) -> tuple[int, int]:
 
 def usage(job: CompletionJob, outcome: Outcome) -> dict:
     total = job.prompt.total
-    read = cached_tokens(job, outcome)
+    # a stream's message_start comes before the first delta: the first response's metrics say it
+    read = cached_tokens(job, outcome, outcome.kv if outcome.kv is not None else outcome.first_kv)
     five, hour = cache_creation(job.hints, read)
     return {"input_tokens": total - read - five - hour, "cache_creation_input_tokens": five + hour,
             "cache_read_input_tokens": read, "output_tokens": outcome.completion_tokens,

@@ -129,6 +129,12 @@ def test_cache_control_usage_on_the_first_and_second_call(stack: Stack, key: str
     # what was read is no longer created: the system prompt's tokens split between the two
     assert second.cache_creation_input_tokens + second.cache_read_input_tokens >= first.cache_creation_input_tokens
     assert second.cache_creation_input_tokens < first.cache_creation_input_tokens
+    # streamed, message_start already carries the split (from the engine's first response)
+    with api.messages.stream(model=MODEL, max_tokens=4, extra_body=GREEDY, system=system, messages=ask) as stream:
+        start = next(e for e in stream if e.type == "message_start").message.usage
+        final = stream.get_final_message().usage
+    assert start.cache_read_input_tokens == final.cache_read_input_tokens >= second.cache_read_input_tokens
+    assert start.input_tokens + start.cache_creation_input_tokens + start.cache_read_input_tokens == counted
 
 
 def test_a_breakpoint_on_the_last_turn_is_read_by_the_next_turn(stack: Stack, key: str) -> None:
@@ -202,6 +208,23 @@ def test_validation_errors_have_each_dialects_shape(stack: Stack, key: str) -> N
     assert unknown.status_code == 400 and unknown.json()["error"]["message"].endswith("frequency_penalty")
     missing = httpx.post(base + "/v1/messages/count_tokens", json={"model": MODEL, "messages": QUESTION})
     assert missing.status_code == 401 and missing.json()["error"]["type"] == "authentication_error"
+    malformed = [{"model": MODEL, "max_tokens": "3", "messages": QUESTION}, {"model": MODEL, "max_tokens": 3},
+                 {"model": MODEL, "max_tokens": 3, "messages": "hi"}, {"model": MODEL, "max_tokens": 3, "messages": [5]},
+                 {"model": MODEL, "max_tokens": 3, "messages": [{"role": "user", "content": 5}]},
+                 {"model": MODEL, "max_tokens": 3, "messages": [{"role": "user", "content": [5]}]},
+                 {"model": MODEL, "max_tokens": 3, "messages": QUESTION, "tools": [5]},
+                 {"model": MODEL, "max_tokens": 3, "messages": QUESTION, "tools": [{"name": 5, "input_schema": {}}]},
+                 {"model": MODEL, "max_tokens": 3, "messages": QUESTION, "tool_choice": {"type": "bogus"}},
+                 {"model": MODEL, "max_tokens": 3, "messages": QUESTION, "system": [{"type": "image"}]},
+                 {"model": MODEL, "max_tokens": 3, "messages": QUESTION, "temperature": 1.5},
+                 {"model": MODEL, "max_tokens": 3, "messages": QUESTION, "stop_sequences": [""]}, [], "text"]
+    for body in malformed:
+        response = httpx.post(base + "/v1/messages", headers={"x-api-key": key}, json=body)
+        assert response.status_code == 400, (body, response.text)
+        assert response.json()["type"] == "error" and response.json()["error"]["type"] == "invalid_request_error"
+    garbled = httpx.post(base + "/v1/messages", headers={"x-api-key": key, "content-type": "application/json"},
+                         content=b"{not json")
+    assert garbled.status_code == 400 and garbled.json()["error"]["type"] == "invalid_request_error"
     openai = httpx.post(base + "/v1/chat/completions", headers={"authorization": f"Bearer {key}"},
                         json={"model": MODEL, "messages": QUESTION, "max_tokens": 0})
     assert openai.status_code == 400 and openai.json()["error"]["code"] == "invalid_request"  # unchanged
