@@ -193,3 +193,11 @@ def test_errors_map_to_anthropics_types_and_statuses() -> None:
         response = error_response(ServingError(status, "code", "why", headers={"Retry-After": "1"}))
         assert response.status_code == expected and response.headers["retry-after"] == "1"
         assert json.loads(response.body) == {"type": "error", "error": {"type": kind, "message": "why"}}
+
+
+def test_the_stop_matcher_names_the_stop_string_that_cut_the_text() -> None:
+    from server.gateway.api.completions import StopMatcher
+
+    matcher = StopMatcher(("b", "cd"))
+    assert matcher.push("xxc") == "xx" and matcher.matched is None  # "c" held: it may start "cd"
+    assert matcher.push("db") == "" and matcher.stopped and matcher.matched == "cd"  # the earliest match wins
