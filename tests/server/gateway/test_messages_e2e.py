@@ -241,6 +241,8 @@ def test_langchain_chat_anthropic_invoke_and_bind_tools(stack: Stack, key: str) 
                          max_retries=0, timeout=120)
     answer = chat.invoke([("user", "What is the capital of France? Answer in one word.")])
     assert "Paris" in answer.content and answer.usage_metadata["output_tokens"] > 0
+    streamed = "".join(chunk.text for chunk in chat.stream([("user", "What is the capital of France? Answer in one word.")]))
+    assert streamed == answer.content
     message = chat.bind_tools([GetWeather], tool_choice="GetWeather").invoke([("user", "Is it raining in Oslo?")])
     [call] = message.tool_calls
     assert call["name"] == "GetWeather"
