@@ -12,10 +12,13 @@ The engine is ``bench/fixed_engine.py`` (a trivial model speaking the real contr
 returns 16 fixed tokens at once), each party in its own process; gateway CPU time is read
 from ``/proc/<pid>/stat``. Figures go to the ``bench:gateway`` section of docs/benchmarks.md.
 
-    python bench/gateway.py [--requests 400] [--no-write] [--structured]
+    python bench/gateway.py [--requests 400] [--no-write] [--structured | --messages]
 
 ``--structured`` measures only plain vs ``response_format`` json_schema requests side by
 side (ratios) and writes ``bench:gateway_structured``, leaving ``bench:gateway`` alone.
+``--messages`` measures the same prompt as an OpenAI chat completion and as an Anthropic
+``/v1/messages`` request side by side (what the dialect adds on top of the one request
+core) and writes ``bench:gateway_messages``.
 
 With `wrk` installed (Debian package `wrk`) it also measures saturation throughput.
 """
@@ -120,23 +123,33 @@ SCHEMA_FORMAT = {"type": "json_schema", "json_schema": {"name": "Trip", "strict"
                    "activities": {"type": "array", "items": {"type": "string"}}}}}}
 
 
+# The same prompt as MESSAGES in Anthropic's shape (system at the top level).
+ANTHROPIC_BODY = {"model": "fixed", "system": MESSAGES[0]["content"], "messages": MESSAGES[1:], "max_tokens": 16,
+                  "temperature": 0}
+
+
 async def run_gateway(http: httpx.AsyncClient, key: str, n: int, concurrency: int, stream: bool,
-                      extra: dict | None = None) -> list[float]:
+                      extra: dict | None = None, dialect: str = "chat") -> list[float]:
     latencies: list[float] = []
     sem = asyncio.Semaphore(concurrency)
-    body = {"model": "fixed", "messages": MESSAGES, "max_tokens": 16, "temperature": 0, "stream": stream, **(extra or {})}
-    headers = {"Authorization": f"Bearer {key}"}
+    if dialect == "messages":
+        path, headers = "/v1/messages", {"x-api-key": key, "anthropic-version": "2023-06-01"}
+        body = {**ANTHROPIC_BODY, "stream": stream, **(extra or {})}
+    else:
+        path, headers = "/v1/chat/completions", {"Authorization": f"Bearer {key}"}
+        body = {"model": "fixed", "messages": MESSAGES, "max_tokens": 16, "temperature": 0, "stream": stream,
+                **(extra or {})}
 
     async def one() -> None:
         async with sem:
             start = time.perf_counter()
             if stream:
-                async with http.stream("POST", "/v1/chat/completions", json=body, headers=headers) as response:
+                async with http.stream("POST", path, json=body, headers=headers) as response:
                     assert response.status_code == 200, await response.aread()
                     async for _ in response.aiter_bytes():
                         pass
             else:
-                response = await http.post("/v1/chat/completions", json=body, headers=headers)
+                response = await http.post(path, json=body, headers=headers)
                 assert response.status_code == 200, response.text
             latencies.append(time.perf_counter() - start)
 
@@ -197,6 +210,67 @@ async def measure(args, key: str, engine_port: int, gateway_port: int, gateway_p
         await http.aclose()
         await client.close()
     return rows
+
+
+async def measure_dialects(args, key: str, gateway_port: int, gateway_pid: int) -> list[dict]:
+    """The same prompt as a chat completion and as a Messages request, alternating rounds:
+    gateway latency and CPU per request of each, side by side."""
+    limits = httpx.Limits(max_connections=64, max_keepalive_connections=64)
+    http = httpx.AsyncClient(base_url=f"http://127.0.0.1:{gateway_port}", limits=limits, timeout=60)
+    rows = []
+    try:
+        for stream in (False, True):
+            for dialect in ("chat", "messages"):
+                await run_gateway(http, key, 40, 8, stream, dialect=dialect)  # warm-up
+            for concurrency in (1, 32):
+                latencies: dict[str, list[float]] = {"chat": [], "messages": []}
+                cpu = {"chat": 0.0, "messages": 0.0}
+                rounds = 6
+                per_round = max(1, args.requests // rounds)
+                for i in range(rounds):
+                    order = ("chat", "messages") if i % 2 == 0 else ("messages", "chat")
+                    for dialect in order:
+                        before = cpu_seconds(gateway_pid)
+                        latencies[dialect] += await run_gateway(http, key, per_round, concurrency, stream,
+                                                                dialect=dialect)
+                        cpu[dialect] += cpu_seconds(gateway_pid) - before
+                row = {"mode": "stream (16 chunks)" if stream else "non-stream", "concurrency": concurrency,
+                       "requests": len(latencies["chat"])}
+                for dialect in ("chat", "messages"):
+                    row[f"{dialect}_p50_ms"] = 1000 * pct(latencies[dialect], 0.5)
+                    row[f"{dialect}_p99_ms"] = 1000 * pct(latencies[dialect], 0.99)
+                    row[f"{dialect}_cpu_ms_per_request"] = 1000 * cpu[dialect] / len(latencies[dialect])
+                row["cpu_ratio"] = row["messages_cpu_ms_per_request"] / row["chat_cpu_ms_per_request"]
+                rows.append(row)
+                print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()}))
+    finally:
+        await http.aclose()
+    return rows
+
+
+def render_messages(rows: list[dict]) -> str:
+    """The ``bench:gateway_messages`` section: chat completion vs Anthropic Messages, one run."""
+    lines = [
+        "## Anthropic Messages vs chat completion: gateway cost (`bench/gateway.py --messages`)",
+        "",
+        f"Machine: {machine()} (shared; 1-minute load average {os.getloadavg()[0]:.1f} at the end). The same prompt "
+        "(system + user, 16 output tokens from the fixed-token engine) as an OpenAI chat completion and as an "
+        "Anthropic `/v1/messages` request through `kvgate serve`, alternating rounds (order flipped every round). Both "
+        "run the one request core (auth, admission, template, tokenization, planning, gRPC, detokenization, metrics, "
+        "usage); the Messages dialect adds its conversion and its own rendering (content blocks, usage split, named "
+        "SSE events). Absolute figures drift with the machine's load; the ratio is the measurement.",
+        "",
+        "| mode | clients | chat p50 / p99 ms | messages p50 / p99 ms | chat CPU ms/req | messages CPU ms/req | "
+        "messages / chat CPU |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        lines.append(f"| {r['mode']} | {r['concurrency']} | {r['chat_p50_ms']:.2f} / {r['chat_p99_ms']:.2f} | "
+                     f"{r['messages_p50_ms']:.2f} / {r['messages_p99_ms']:.2f} | {r['chat_cpu_ms_per_request']:.2f} | "
+                     f"{r['messages_cpu_ms_per_request']:.2f} | {r['cpu_ratio']:.2f} × |")
+    lines += ["", "Target: a dialect costs no more than its rendering, i.e. within ~10 % of the chat completion's "
+              "gateway CPU for the same prompt (the core is shared, so anything more is the dialect's own work)."]
+    return "\n".join(lines)
 
 
 def wrk_throughput(key: str, gateway_port: int, gateway_pid: int, stream: bool, seconds: int = 10) -> dict | None:
@@ -342,6 +416,8 @@ def main() -> None:
     parser.add_argument("--no-write", action="store_true", help="print only; leave docs/benchmarks.md alone")
     parser.add_argument("--structured", action="store_true",
                         help="only plain vs json_schema requests (section bench:gateway_structured)")
+    parser.add_argument("--messages", action="store_true",
+                        help="only chat completion vs Anthropic /v1/messages (section bench:gateway_messages)")
     args = parser.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="kvgate-bench-"))
     engine_port, gateway_port = free_port(), free_port()
@@ -358,7 +434,10 @@ def main() -> None:
     try:
         wait_http(f"http://127.0.0.1:{gateway_port}/healthz")
         time.sleep(2.5)  # the fixed engine loads the tokenizer to pick its tokens
-        if args.structured:
+        if args.messages:
+            rows = asyncio.run(measure_dialects(args, key, gateway_port, gateway.pid))
+            saturation = []
+        elif args.structured:
             rows = asyncio.run(measure(args, key, engine_port, gateway_port, gateway.pid,
                                        modes=((False, None), (False, {"response_format": SCHEMA_FORMAT}))))
             saturation = []
@@ -370,10 +449,13 @@ def main() -> None:
         engine.terminate()
         gateway.wait(10)
         engine.wait(10)
-    grammar_row = grammar_costs()
-    print(json.dumps({k: round(v, 4) for k, v in grammar_row.items()}))
-    name, text = (("gateway_structured", render_structured(rows, grammar_row)) if args.structured
-                  else ("gateway", render(rows, saturation, grammar_row)))
+    if args.messages:
+        name, text = "gateway_messages", render_messages(rows)
+    else:
+        grammar_row = grammar_costs()
+        print(json.dumps({k: round(v, 4) for k, v in grammar_row.items()}))
+        name, text = (("gateway_structured", render_structured(rows, grammar_row)) if args.structured
+                      else ("gateway", render(rows, saturation, grammar_row)))
     print(text)
     if not args.no_write:
         write_section(name, text)

@@ -1,6 +1,7 @@
 """Installs the serving gateway into the app built by ``server.app.create_app``.
 
-Adds the OpenAI-compatible routes, their error shape, ``/metrics``, ``/readyz``, a
+Adds the OpenAI-compatible routes and the Anthropic Messages routes, each with its own
+error shape (by path: under ``/v1/messages`` errors are Anthropic's, elsewhere OpenAI's), ``/metrics``, ``/readyz``, a
 request-body size limit, and the gateway's background loops in the app's lifespan.
 The admin API stays a mounted sub-app with its own error shape; after every successful
 admin mutation the auth cache is cleared, so a revoked key or a suspended tenant is
@@ -24,8 +25,11 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from server.errors import CODE_BY_STATUS as ADMIN_CODES
 from server.errors import error_response as admin_error_response
 from server.gateway.drain import InFlight
-from server.gateway.errors import ServingError, error_response, handle_serving_error, validation_error
+from server.gateway.errors import ServingError, error_response, validation_error
 from server.gateway.replicas.pool_monitor import TenantQuota
+from server.gateway.api import messages_render
+from server.gateway.api.messages import PATH_PREFIX as MESSAGES_PREFIX
+from server.gateway.api.messages import router as messages_router
 from server.gateway.api.routes import router
 from server.gateway.services import GatewayServices
 from tenants.auth import list_active_tenants_for_pool, list_pool_snapshots
@@ -61,7 +65,7 @@ class BodyLimit:
         if path.startswith(ADMIN_PREFIX):
             body = {"error": {"code": "payload_too_large", "message": message, "field": None}}
             return JSONResponse(body, status_code=413)
-        return error_response(ServingError(413, "payload_too_large", message))
+        return serving_error_response(path, ServingError(413, "payload_too_large", message))
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
@@ -85,6 +89,13 @@ class BodyLimit:
             await self.app(scope, limited_receive, send)
         except _TooLarge:
             await self._reject(scope["path"])(scope, receive, send)
+
+
+def serving_error_response(path: str, exc: ServingError) -> Response:
+    """The serving API's error in the shape of the dialect that owns ``path``."""
+    if path == MESSAGES_PREFIX or path.startswith(MESSAGES_PREFIX + "/"):
+        return messages_render.error_response(exc)
+    return error_response(exc)
 
 
 class _TooLarge(Exception):
@@ -132,9 +143,13 @@ def install_gateway(app: FastAPI, services: GatewayServices) -> FastAPI:
         admin_app.state.engine_reports = services.monitor.capacity
         admin_app.state.slo_guard = services.slo_guards
     app.include_router(router)
+    app.include_router(messages_router)
 
     async def on_validation(request: Request, exc: RequestValidationError):
-        return error_response(validation_error(exc))
+        return serving_error_response(request.url.path, validation_error(exc))
+
+    async def on_serving_error(request: Request, exc: ServingError):
+        return serving_error_response(request.url.path, exc)
 
     async def on_http_error(request: Request, exc: StarletteHTTPException):
         if request.url.path.startswith(ADMIN_PREFIX):
@@ -145,10 +160,11 @@ def install_gateway(app: FastAPI, services: GatewayServices) -> FastAPI:
         # FastAPI answers undecodable bodies, unknown routes and wrong methods with
         # HTTPException; give them the serving API's error shape too.
         code = {400: "invalid_json", 404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
-        return error_response(ServingError(exc.status_code, code, str(exc.detail), headers=dict(exc.headers or {})))
+        return serving_error_response(request.url.path, ServingError(exc.status_code, code, str(exc.detail),
+                                                                     headers=dict(exc.headers or {})))
 
     app.add_exception_handler(StarletteHTTPException, on_http_error)
-    app.add_exception_handler(ServingError, handle_serving_error)
+    app.add_exception_handler(ServingError, on_serving_error)
     app.add_exception_handler(RequestValidationError, on_validation)
 
     metrics_token = getattr(app.state.settings, "metrics_token", None)

@@ -1,6 +1,13 @@
-"""One serving request from admission to the last byte: the gateway's hot path.
+"""One serving request from admission to the last byte: the gateway's hot path, one for every dialect.
 
-``run_completion`` returns either a JSON body or an SSE stream. Invariants:
+:meth:`CompletionRunner.run` takes a :class:`CompletionJob` (already converted from the
+client's dialect) and a :class:`Dialect` that renders the result, and returns either a
+JSON body or an SSE stream. The core owns admission, planning, routing, the engine call,
+metrics and usage; a dialect only renders (``server.gateway.api.openai_render``,
+``server.gateway.api.messages_render``). What the core hands a dialect is neutral: the
+:class:`Outcome` (text pieces, tool calls, finish reason, stop string, KV metrics) and, when
+streaming, an async iterator of text deltas that raises :class:`ServingError` if the engine
+fails after the stream started. Invariants:
 
 * the admission lease is released exactly once, whatever happens (client gone,
   engine error, stop string), and for a stream even when its body never starts
@@ -12,18 +19,18 @@
 * a streamed response starts (status 200, headers) only once the engine's first response
   is in hand: the replica is then final (no retry after it), so ``x-kvgate-replica`` names
   the one that serves the stream, and a failure before it (no replica, refusal, first-token
-  deadline) is an HTTP error with an OpenAI error body, as for non-streamed requests.
-  Failures after it can only be reported in the stream (an ``error`` event).
+  deadline) is an HTTP error with the dialect's error body, as for non-streamed requests.
+  Failures after it can only be reported in the stream (the dialect's ``error`` event).
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
 import secrets
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import anyio
 from fastapi.responses import JSONResponse, StreamingResponse
@@ -39,9 +46,9 @@ from retention.types import RetentionPlan
 from server.gateway.admission import Admission, AdmissionError, retry_after_header
 from server.gateway.context import TenantContext
 from server.gateway.replicas.engine_client import EngineChunk, EngineClient, EngineRejected, EngineTimeout, EngineUnavailable
-from server.gateway.errors import ServingError, error_body
+from server.gateway.errors import ServingError
 from server.gateway.observe.metrics import GatewayMetrics
-from server.gateway.api.logprobs import TokenTexts, chat_entries, completion_block
+from server.gateway.api.logprobs import TokenTexts
 from server.gateway.observe.miss_ratio import MissRatioCurves
 from server.gateway.replicas.routing import RoutedEngine
 from server.gateway.api.prompting import PreparedPrompt
@@ -84,8 +91,10 @@ class CompletionJob:
 class Outcome:
     pieces: list[str] = field(default_factory=list)  # the completion's text deltas, in order
     completion_tokens: int = 0
-    finish_reason: str | None = None
+    finish_reason: str | None = None  # "stop" | "length" | "tool_calls" (neutral; dialects rename)
+    stop_sequence: str | None = None  # the stop string that ended the text, if one did
     kv: KvMetrics | None = None
+    first_kv: KvMetrics | None = None  # a stream's first engine response's KV metrics, before any delta
     ttft: float | None = None
     status: str = "ok"
     arm: str | None = None  # SLO guard / pilot arm the plan was made for (server.gateway.observe.slo_guard)
@@ -106,6 +115,21 @@ UsageSink = Callable[[int, int, int], None]  # (tenant_id, prompt_tokens, comple
 CaptureSink = Callable[..., bool]  # server.gateway.observe.capture.TraceCaptures.offer (keyword arguments)
 
 
+class Dialect(Protocol):
+    """How one API renders what the core produced (errors before a stream starts are
+    rendered by the app's exception handler for the dialect's paths)."""
+
+    def body(self, job: CompletionJob, outcome: Outcome) -> dict:
+        """The JSON answer of a finished, non-streamed request."""
+        ...
+
+    def stream(self, job: CompletionJob, outcome: Outcome, deltas: AsyncIterator[str]) -> AsyncIterator[bytes]:
+        """The SSE body: ``deltas`` are the text deltas (``outcome`` fills as they come);
+        it raises :class:`ServingError` when the engine fails mid-stream, which the dialect
+        renders as its error event and then ends."""
+        ...
+
+
 class StopMatcher:
     """Incremental text with stop strings: emits only text that cannot start a stop string."""
 
@@ -114,15 +138,17 @@ class StopMatcher:
         self._hold = max((len(s) for s in stops), default=1) - 1
         self._buffer = ""
         self.stopped = False
+        self.matched: str | None = None  # the stop string found, once stopped
 
     def push(self, text: str) -> str:
         if self.stopped:
             return ""
         self._buffer += text
         if self._stops:
-            cut = min((i for i in (self._buffer.find(s) for s in self._stops) if i >= 0), default=-1)
+            cut, stop = min(((i, s) for s in self._stops if (i := self._buffer.find(s)) >= 0), default=(-1, None))
             if cut >= 0:
                 self.stopped = True
+                self.matched = stop
                 out, self._buffer = self._buffer[:cut], ""
                 return out
         if len(self._buffer) <= self._hold:
@@ -219,17 +245,18 @@ class PrimedChunks:
     :meth:`aclose` closes the underlying stream whether or not it was ever iterated.
     """
 
-    __slots__ = ("_chunks", "_first", "first_at")
+    __slots__ = ("_chunks", "_first", "first_at", "first")
 
     def __init__(self, chunks: AsyncIterator[EngineChunk]) -> None:
         self._chunks = chunks
         self._first: EngineChunk | None = None
+        self.first: EngineChunk | None = None  # the first chunk, kept after it was replayed
         self.first_at: float | None = None  # perf_counter() when the first chunk arrived, if it held tokens
 
     async def prime(self) -> None:
         """Wait for the first chunk; raises what the engine raises before it."""
         try:
-            self._first = await anext(self._chunks)
+            self._first = self.first = await anext(self._chunks)
         except StopAsyncIteration:
             return
         if self._first.token_ids:  # TTFT, as _generate would have measured it
@@ -341,6 +368,7 @@ async def _generate(job: CompletionJob, request: EngineRequest, chunks: AsyncIte
                 yield delta
             if matcher.stopped:
                 outcome.finish_reason = "stop"
+                outcome.stop_sequence = matcher.matched
                 return  # closes the engine stream: the engine cancels and frees the blocks
     tail = matcher.flush() if matcher is not None else ""
     if tail:
@@ -392,6 +420,7 @@ async def _generate_extended(job: CompletionJob, request: EngineRequest, chunks:
                 yield delta
             if matcher is not None and matcher.stopped:
                 outcome.finish_reason = "stop"
+                outcome.stop_sequence = matcher.matched
                 break
     tail = matcher.flush() if matcher is not None and not matcher.stopped else ""
     delta = route(tail) if tail else ""
@@ -449,7 +478,7 @@ class CompletionRunner:
             ledger = self._ledgers[pool] = HintLedger()
         return ledger
 
-    async def run(self, job: CompletionJob):
+    async def run(self, job: CompletionJob, dialect: Dialect):
         tenant = job.tenant
         try:
             lease = await self._admission.acquire(
@@ -494,6 +523,8 @@ class CompletionRunner:
                 raise
             if primed.first_at is not None and request.streaming:
                 outcome.ttft = primed.first_at - started
+            if primed.first is not None:  # what the prompt reused is known now (a dialect may say so first)
+                outcome.first_kv = primed.first.kv
             headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **self._replica_header(job)}
 
             async def end() -> None:
@@ -504,7 +535,7 @@ class CompletionRunner:
                 await self._finish(job, plan, outcome, started, lease)
 
             end_stream = run_once_shielded(end)
-            return ClosingStreamingResponse(self._sse(job, request, primed, outcome, started, end_stream),
+            return ClosingStreamingResponse(self._stream(job, dialect, request, primed, outcome, started, end_stream),
                                             on_close=end_stream, media_type="text/event-stream", headers=headers)
         try:
             async for _ in _generate(job, request, chunks, outcome, started):
@@ -515,7 +546,7 @@ class CompletionRunner:
         finally:
             with anyio.CancelScope(shield=True):  # a client gone mid-answer still releases its slot
                 await self._finish(job, plan, outcome, started, lease)
-        return JSONResponse(self._body(job, outcome), headers=self._replica_header(job) or None)
+        return JSONResponse(dialect.body(job, outcome), headers=self._replica_header(job) or None)
 
     def _count_hints(self, job: CompletionJob, hinted: HintedPlan | None) -> None:
         hints = job.hints
@@ -571,102 +602,15 @@ class CompletionRunner:
                           reused_blocks=kv.reused_blocks, onboarded_blocks=kv.onboarded_blocks, ttft=outcome.ttft,
                           latency=latency, status=outcome.status, hints=job.hints)
 
-    def _usage_body(self, job: CompletionJob, outcome: Outcome) -> dict:
-        return {"prompt_tokens": job.prompt.total, "completion_tokens": outcome.completion_tokens,
-                "total_tokens": job.prompt.total + outcome.completion_tokens,
-                "prompt_tokens_details": {"cached_tokens": _cached_tokens(job, outcome)}}
 
-    def _body(self, job: CompletionJob, outcome: Outcome) -> dict:
-        ident, created = _ident(job), int(time.time())
-        if job.kind == "chat":
-            message: dict = {"role": "assistant", "content": outcome.text}
-            if outcome.tool_calls:
-                message["content"] = outcome.text or None
-                message["tool_calls"] = [call.to_openai() for call in outcome.tool_calls]
-            choice = {"index": 0, "message": message, "finish_reason": outcome.finish_reason,
-                      "logprobs": _chat_logprobs(job, outcome, len(outcome.log_probs))}
-            obj = "chat.completion"
-        else:
-            choice = {"index": 0, "text": outcome.text, "finish_reason": outcome.finish_reason,
-                      "logprobs": _text_logprobs(job, outcome, len(outcome.log_probs), 0)}
-            obj = "text_completion"
-        return {"id": ident, "object": obj, "created": created, "model": job.model, "choices": [choice],
-                "usage": self._usage_body(job, outcome)}
-
-    async def _sse(self, job: CompletionJob, request: EngineRequest, chunks: PrimedChunks,
-                   outcome: Outcome, started: float, end: Callable[[], Awaitable[None]]) -> AsyncIterator[bytes]:
-        """The SSE body; ``end`` (idempotent: closes ``chunks``, releases the admission slot,
-        records the outcome) runs when it ends, and from the response if it never starts."""
-        ident, created = _ident(job), int(time.time())
-        chat = job.kind == "chat"
-        obj = "chat.completion.chunk" if chat else "text_completion"
-        continuous = job.include_usage and job.continuous_usage
-        text_offset = 0
-
-        def frame(delta_text: str | None, finish: str | None, *, role: bool = False, tool_calls: list | None = None,
-                  logprobs: dict | None = None) -> bytes:
-            if chat:
-                delta: dict = {}
-                if role:
-                    delta["role"] = "assistant"
-                if delta_text:
-                    delta["content"] = delta_text
-                if tool_calls:
-                    delta["tool_calls"] = tool_calls
-                choice = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": logprobs}
-            else:
-                choice = {"index": 0, "text": delta_text or "", "finish_reason": finish, "logprobs": logprobs}
-            payload = {"id": ident, "object": obj, "created": created, "model": job.model, "choices": [choice]}
-            if job.include_usage:
-                # vLLM's continuous_usage_stats: running usage in every chunk; otherwise null until the last
-                payload["usage"] = self._usage_body(job, outcome) if continuous else None
-            return b"data: " + json.dumps(payload, separators=(",", ":")).encode() + b"\n\n"
-
-        def pending_logprobs() -> dict | None:
-            nonlocal text_offset
-            if job.logprobs is None:
-                return None
-            upto = len(outcome.log_probs)
-            start, outcome.sent_log_probs = outcome.sent_log_probs, upto
-            if chat:
-                return _chat_logprobs(job, outcome, upto, start)
-            block = _text_logprobs(job, outcome, upto, start, text_offset)
-            text_offset += sum(len(t) for t in block["tokens"]) if block else 0
-            return block
-
-        # Why: one frame per token is the streaming hot path; only the text changes, so the
-        # rest of the frame is rendered once (byte-identical to ``frame(text, None)``).
-        simple = job.logprobs is None and not continuous
-        head, tail = frame("\x00", None).split(b'"\\u0000"')
-
+    async def _stream(self, job: CompletionJob, dialect: Dialect, request: EngineRequest, chunks: PrimedChunks,
+                      outcome: Outcome, started: float, end: Callable[[], Awaitable[None]]) -> AsyncIterator[bytes]:
+        """The SSE body the dialect renders; ``end`` (idempotent: closes ``chunks``, releases
+        the admission slot, records the outcome) runs when it ends, and from the response if
+        it never starts."""
         try:
-            if chat:
-                yield frame(None, None, role=True)
-            try:
-                async for delta in _generate(job, request, chunks, outcome, started):
-                    if simple:
-                        # what json.dumps does for a str with its defaults, minus two calls
-                        yield head + _json_str(delta).encode() + tail
-                    else:
-                        yield frame(delta, None, logprobs=pending_logprobs())
-            except (EngineUnavailable, EngineRejected) as exc:
-                outcome.status = "engine_error"
-                err = _engine_error(exc)
-                yield b"data: " + json.dumps(error_body(err.status, err.code, err.message)).encode() + b"\n\n"
-                return
-            closing = b""
-            if job.logprobs is not None and outcome.sent_log_probs < len(outcome.log_probs):
-                closing += frame(None, None, logprobs=pending_logprobs())  # tokens whose text was held back
-            if outcome.tool_calls:
-                closing += frame(None, None, tool_calls=[c.to_openai(i) for i, c in enumerate(outcome.tool_calls)])
-            # The closing frames are ready together: one body message (one socket write)
-            # instead of up to three, same bytes.
-            closing += frame(None, outcome.finish_reason)
-            if job.include_usage:
-                usage = {"id": ident, "object": obj, "created": created, "model": job.model, "choices": [],
-                         "usage": self._usage_body(job, outcome)}
-                closing += b"data: " + json.dumps(usage, separators=(",", ":")).encode() + b"\n\n"
-            yield closing + b"data: [DONE]\n\n"
+            async for frame in dialect.stream(job, outcome, _deltas(job, request, chunks, outcome, started)):
+                yield frame
         except BaseException:
             if outcome.status == "ok":
                 outcome.status = "client_gone"
@@ -675,28 +619,25 @@ class CompletionRunner:
             await end()
 
 
-def _chat_logprobs(job: CompletionJob, outcome: Outcome, upto: int, start: int = 0) -> dict | None:
-    if job.logprobs is None or job.token_texts is None:
-        return None
-    return {"content": chat_entries(job.token_texts, outcome.token_ids[start:upto], outcome.log_probs[start:upto]),
-            "refusal": None}
+async def _deltas(job: CompletionJob, request: EngineRequest, chunks: AsyncIterator[EngineChunk], outcome: Outcome,
+                  started: float) -> AsyncIterator[str]:
+    """:func:`_generate` for a dialect's stream: an engine failure becomes the
+    :class:`ServingError` the dialect renders (and the outcome's status)."""
+    generate = _generate(job, request, chunks, outcome, started)
+    try:
+        async for delta in generate:
+            yield delta
+    except (EngineUnavailable, EngineRejected) as exc:
+        outcome.status = "engine_error"
+        raise _engine_error(exc) from exc
+    finally:
+        await generate.aclose()
 
 
-def _text_logprobs(job: CompletionJob, outcome: Outcome, upto: int, start: int = 0, offset: int = 0) -> dict | None:
-    if job.logprobs is None or job.token_texts is None:
-        return None
-    return completion_block(job.token_texts, outcome.token_ids[start:upto], outcome.log_probs[start:upto],
-                            offset=offset, with_top=job.logprobs > 0)
-
-
-_json_str = json.encoder.encode_basestring_ascii  # json.dumps(str) == _json_str(str) (ensure_ascii)
-
-
-def _ident(job: CompletionJob) -> str:
-    return ("chatcmpl-" if job.kind == "chat" else "cmpl-") + secrets.token_hex(12)
-
-
-def _cached_tokens(job: CompletionJob, outcome: Outcome) -> int:
-    if outcome.kv is None:
+def cached_tokens(job: CompletionJob, outcome: Outcome, kv: KvMetrics | None = None) -> int:
+    """Prompt tokens served from KV: reused blocks × tokens per block (at most the prompt),
+    from ``kv`` if given, else from the outcome's latest engine response."""
+    kv = kv if kv is not None else outcome.kv
+    if kv is None:
         return 0
-    return min(job.prompt.total, outcome.kv.reused_blocks * job.tenant.pool.tokens_per_block)
+    return min(job.prompt.total, kv.reused_blocks * job.tenant.pool.tokens_per_block)

@@ -14,6 +14,13 @@ makes a segment's tokens a function of its text alone: the same system prompt al
 yields the same token ids, so it always hits the same cached blocks.
 
 For ``/v1/completions`` (a raw prompt, no roles) the whole prompt is context.
+
+A dialect may also ask for *marks*: the token offset where the first ``k`` messages end
+(Anthropic's ``cache_control`` breakpoints, ``server.gateway.api.messages_convert``). Each
+mark is found the same way (the rendering of ``messages[:k]`` must be a text prefix of the
+full rendering, else the mark falls back to the previous boundary) and becomes one more
+cut between separately tokenized pieces. Cuts sit at message boundaries, where chat
+templates put special tokens, so the token ids equal those of the same prompt without marks.
 """
 
 from __future__ import annotations
@@ -31,6 +38,8 @@ class PreparedPrompt:
     input_ids: tuple[int, ...]
     system_end: int
     context_end: int
+    marks: tuple[int, ...] = ()  # token offsets of the asked message ends, in the order asked
+
 
     @property
     def total(self) -> int:
@@ -69,16 +78,17 @@ class ChatPrompter:
             prefix = self._default_system[role] = _default_system_prefix(self.tokenizer, role)
         return len(prefix) if prefix and full.startswith(prefix) else 0
 
-    def chat(self, messages: Sequence[Mapping[str, Any]]) -> PreparedPrompt:
-        return prepare_chat(self.tokenizer, messages, default_system_chars=self.default_system_chars)
+    def chat(self, messages: Sequence[Mapping[str, Any]], marks: Sequence[int] = ()) -> PreparedPrompt:
+        return prepare_chat(self.tokenizer, messages, default_system_chars=self.default_system_chars, marks=marks)
 
     def completion(self, prompt: str) -> PreparedPrompt:
         return prepare_completion(self.tokenizer, prompt)
 
 
 def prepare_chat(tokenizer: ChatTokenizer, messages: Sequence[Mapping[str, Any]], *,
-                 default_system_chars=None) -> PreparedPrompt:
-    """Render ``messages`` with the chat template and mark the segment boundaries."""
+                 default_system_chars=None, marks: Sequence[int] = ()) -> PreparedPrompt:
+    """Render ``messages`` with the chat template and mark the segment boundaries (and,
+    for each ``k`` in ``marks``, where the first ``k`` messages end)."""
     full = tokenizer.render_chat(messages, add_generation_prompt=True)
     leading_system = 0
     while leading_system < len(messages) and messages[leading_system].get("role") in ("system", "developer"):
@@ -104,14 +114,24 @@ def prepare_chat(tokenizer: ChatTokenizer, messages: Sequence[Mapping[str, Any]]
         context_chars = system_chars
     else:
         context_chars = _prefix_chars(tokenizer, full, messages[:context_upto], system_chars)
-    pieces = (full[:system_chars], full[system_chars:context_chars], full[context_chars:])
-    ids: list[int] = []
-    ends: list[int] = []
-    for piece in pieces:
-        if piece:
-            ids.extend(tokenizer.encode(piece))
-        ends.append(len(ids))
-    return PreparedPrompt(tuple(ids), ends[0], ends[1])
+    if not marks:
+        pieces = (full[:system_chars], full[system_chars:context_chars], full[context_chars:])
+        ids: list[int] = []
+        ends: list[int] = []
+        for piece in pieces:
+            if piece:
+                ids.extend(tokenizer.encode(piece))
+            ends.append(len(ids))
+        return PreparedPrompt(tuple(ids), ends[0], ends[1])
+    mark_chars = [_prefix_chars(tokenizer, full, messages[:k], 0) if k > 0 else 0 for k in marks]
+    cuts = sorted({0, system_chars, context_chars, *mark_chars, len(full)})
+    ids = []
+    token_at = {0: 0}
+    for start, end in zip(cuts, cuts[1:]):
+        ids.extend(tokenizer.encode(full[start:end]))
+        token_at[end] = len(ids)
+    return PreparedPrompt(tuple(ids), token_at[system_chars], token_at[context_chars],
+                          tuple(token_at[c] for c in mark_chars))
 
 
 def _default_system_prefix(tokenizer: ChatTokenizer, role: str) -> str:

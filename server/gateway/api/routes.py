@@ -8,12 +8,13 @@ from fastapi import APIRouter, Depends, Header, Request
 
 import json
 
-from engines.contract import MAX_GUIDE_BYTES, MAX_GUIDE_DEPTH, Guide, SamplingParams, json_depth
+from engines.contract import Guide, SamplingParams
 from server.gateway.api.completions import CompletionJob
+from server.gateway.api.openai_render import OPENAI
 from server.gateway.context import TenantContext
 from server.gateway.errors import ServingError
 from server.gateway.api.openai_schemas import ChatCompletionRequest, CompletionRequest, NamedToolChoice
-from server.gateway.api.tools import ToolPlan, forced_call_guide, render_messages
+from server.gateway.api.tools import ToolPlan, check_schema, forced_call_guide, render_messages
 from server.gateway.services import GatewayServices
 
 router = APIRouter(prefix="/v1", tags=["serving"])
@@ -36,7 +37,7 @@ async def current_tenant(services: Gateway, authorization: Annotated[str | None,
 Tenant = Annotated[TenantContext, Depends(current_tenant)]
 
 
-def _check_model(tenant: TenantContext, model: str) -> None:
+def check_model(tenant: TenantContext, model: str) -> None:
     if model != tenant.pool.model_name:
         raise ServingError(404, "model_not_found",
                            f"model '{model}' is not available to this API key; use '{tenant.pool.model_name}'",
@@ -44,7 +45,7 @@ def _check_model(tenant: TenantContext, model: str) -> None:
 
 
 async def _job(services: GatewayServices, tenant: TenantContext, body, kind: str, prompt_for) -> CompletionJob:
-    _check_model(tenant, body.model)
+    check_model(tenant, body.model)
     prompter = await services.engines.prompter(tenant.pool)
     tokenizer = prompter.tokenizer
     try:
@@ -109,27 +110,15 @@ def _structure(body: ChatCompletionRequest) -> tuple[ToolPlan | None, Guide | No
         else:
             plan = ToolPlan(functions, choice, parallel=body.parallel_tool_calls is not False)
     for name, function in functions.items():
-        _check_schema(function.get("parameters"), "tools")
+        check_schema(function.get("parameters"), "tools")
     fmt = body.response_format
     if fmt is not None and fmt.json_schema is not None:
-        _check_schema(fmt.json_schema.schema_, "response_format")
+        check_schema(fmt.json_schema.schema_, "response_format")
     if guide is None and fmt is not None and fmt.type != "text":
         schema = {"type": "object"} if fmt.type == "json_object" else (fmt.json_schema.schema_ or {"type": "object"})  # type: ignore[union-attr]
         # property order is kept: it is the order the model writes the fields in
         guide = Guide("json_schema", json.dumps(schema, separators=(",", ":")))
     return plan, guide
-
-
-def _check_schema(schema: dict | None, param: str) -> None:
-    """A schema the engine will compile into a grammar: bounded nesting and size (else 400 naming ``param``)."""
-    if schema is None:
-        return
-    if json_depth(schema) > MAX_GUIDE_DEPTH:
-        raise ServingError(400, "invalid_request", f"{param}: the JSON schema nests deeper than {MAX_GUIDE_DEPTH} levels",
-                           param=param)
-    if len(json.dumps(schema)) > MAX_GUIDE_BYTES // 2:
-        raise ServingError(400, "invalid_request", f"{param}: the JSON schema is larger than {MAX_GUIDE_BYTES // 2} bytes",
-                           param=param)
 
 
 def _messages(body: ChatCompletionRequest) -> list[dict]:
@@ -158,7 +147,7 @@ async def chat_completions(body: ChatCompletionRequest, tenant: Tenant, services
     job.hints = body.cache_hints()
     if body.logprobs:
         job.logprobs = body.top_logprobs or 0
-    return await services.runner.run(job)
+    return await services.runner.run(job, OPENAI)
 
 
 @router.post("/completions")
@@ -166,6 +155,6 @@ async def completions(body: CompletionRequest, tenant: Tenant, services: Gateway
     assert isinstance(body.prompt, str)
     job = await _job(services, tenant, body, "text", lambda p: p.completion(body.prompt))  # type: ignore[arg-type]
     job.logprobs = body.logprobs
-    return await services.runner.run(job)
+    return await services.runner.run(job, OPENAI)
 
 

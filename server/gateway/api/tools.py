@@ -43,7 +43,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from engines.contract import Guide
+from engines.contract import MAX_GUIDE_BYTES, MAX_GUIDE_DEPTH, Guide, json_depth
+from server.gateway.errors import ServingError
 
 CALL_OPEN = "<tool_call>"
 CALL_CLOSE = "</tool_call>"
@@ -216,3 +217,15 @@ class CallSplitter:
     def flush(self) -> str:
         out, self._pending = self._pending, ""
         return out
+
+
+def check_schema(schema: dict | None, param: str) -> None:
+    """A schema the engine will compile into a grammar: bounded nesting and size (else 400 naming ``param``)."""
+    if schema is None:
+        return
+    if json_depth(schema) > MAX_GUIDE_DEPTH:
+        raise ServingError(400, "invalid_request", f"{param}: the JSON schema nests deeper than {MAX_GUIDE_DEPTH} levels",
+                           param=param)
+    if len(json.dumps(schema)) > MAX_GUIDE_BYTES // 2:
+        raise ServingError(400, "invalid_request", f"{param}: the JSON schema is larger than {MAX_GUIDE_BYTES // 2} bytes",
+                           param=param)

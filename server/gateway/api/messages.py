@@ -1,0 +1,92 @@
+"""Anthropic Messages routes: ``POST /v1/messages`` and ``POST /v1/messages/count_tokens``.
+
+A thin dialect over the one request core: the body is converted to the chat request the
+OpenAI path would build (``messages_convert``), run by the same
+:class:`~server.gateway.api.completions.CompletionRunner` (admission, planning, routing,
+engine call, metrics, usage), and rendered in Anthropic's shapes (``messages_render``).
+Same tenants, API keys and limits as the OpenAI routes.
+
+Headers: the API key comes from ``x-api-key`` (Anthropic's header) or ``Authorization:
+Bearer`` (what the OpenAI routes take; ``x-api-key`` wins when both are sent).
+``anthropic-version`` is accepted and not required: Anthropic refuses a request without
+it, kvgate serves one version of the API and is lenient so that plain HTTP clients work.
+``anthropic-beta`` is ignored (no beta feature is served).
+"""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from fastapi import APIRouter, Depends, Header
+
+from engines.contract import SamplingParams
+from server.gateway.api.completions import CompletionJob
+from server.gateway.api.messages_convert import Conversation, cache_hints, convert
+from server.gateway.api.messages_render import MESSAGES
+from server.gateway.api.messages_schemas import CountTokensRequest, MessagesInput, MessagesRequest
+from server.gateway.api.prompting import PreparedPrompt
+from server.gateway.api.routes import Gateway, check_model
+from server.gateway.context import TenantContext
+from server.gateway.errors import ServingError
+from server.gateway.services import GatewayServices
+
+PATH_PREFIX = "/v1/messages"  # the app renders errors under it in Anthropic's shape
+router = APIRouter(prefix=PATH_PREFIX, tags=["anthropic"])
+
+
+async def messages_tenant(services: Gateway, x_api_key: Annotated[str | None, Header()] = None,
+                          authorization: Annotated[str | None, Header()] = None) -> TenantContext:
+    if services.draining:
+        raise ServingError(503, "shutting_down", "this gateway is shutting down; retry on another replica",
+                           headers={"Retry-After": "1", "Connection": "close"})
+    if x_api_key is not None:
+        authorization = "Bearer " + x_api_key
+    if not authorization:
+        raise ServingError(401, "invalid_api_key", "missing API key: send 'x-api-key: kvg_...' "
+                           "(or 'Authorization: Bearer kvg_...')")
+    return await services.auth.authenticate(authorization)
+
+
+Tenant = Annotated[TenantContext, Depends(messages_tenant)]
+
+
+async def _prompt(services: GatewayServices, tenant: TenantContext, body: MessagesInput,
+                  conversation: Conversation):
+    check_model(tenant, body.model)
+    prompter = await services.engines.prompter(tenant.pool)
+    try:
+        prompt = prompter.chat(conversation.messages, conversation.marks)
+    except ValueError as exc:  # the model's chat template refused the conversation
+        raise ServingError(400, "invalid_messages", f"messages: {exc}", param="messages") from exc
+    if prompt.total == 0:
+        raise ServingError(400, "empty_prompt", "messages: the prompt is empty", param="messages")
+    return prompter, prompt
+
+
+def _job(services: GatewayServices, tenant: TenantContext, body: MessagesRequest, conversation: Conversation,
+         prompter, prompt: PreparedPrompt) -> CompletionJob:
+    sampling = SamplingParams(
+        temperature=1.0 if body.temperature is None else body.temperature,  # Anthropic's default
+        top_p=1.0 if body.top_p is None else body.top_p, top_k=body.top_k or 0,
+    )
+    return CompletionJob(
+        tenant=tenant, kind="chat", model=body.model, prompt=prompt, max_new_tokens=body.max_tokens,
+        sampling=sampling, stop=tuple(body.stop_sequences or ()), stream=body.stream, include_usage=False,
+        tokenizer=prompter.tokenizer, engine=services.routing.engine(services.engines.seen(tenant.pool)),
+        quota=services.monitor.quota_state(tenant.pool.name, tenant.tenant_id), token_texts=prompter.token_texts,
+        guide=conversation.guide, tools=conversation.tools, hints=cache_hints(conversation, prompt),
+    )
+
+
+@router.post("")
+async def create_message(body: MessagesRequest, tenant: Tenant, services: Gateway):
+    conversation = convert(body)
+    prompter, prompt = await _prompt(services, tenant, body, conversation)
+    return await services.runner.run(_job(services, tenant, body, conversation, prompter, prompt), MESSAGES)
+
+
+@router.post("/count_tokens")
+async def count_tokens(body: CountTokensRequest, tenant: Tenant, services: Gateway) -> dict:
+    """The prompt's length in the model's tokens, tool definitions included (no admission, no engine)."""
+    _, prompt = await _prompt(services, tenant, body, convert(body))
+    return {"input_tokens": prompt.total}

@@ -1,0 +1,94 @@
+"""Request bodies of the Anthropic Messages dialect (``/v1/messages``, ``/v1/messages/count_tokens``).
+
+The top level is strict, as on the OpenAI routes: a field kvgate does not declare is a 400
+naming it, so a typo never silently changes behaviour. Content blocks, tools and system
+blocks stay plain JSON objects here and are checked one by one in
+``server.gateway.api.messages_convert``, so that what cannot be served (images, documents,
+server tools, thinking blocks) is refused with a message naming the block and its type
+rather than with a union-mismatch error. Fields Anthropic defines that kvgate cannot serve
+(``thinking`` of type ``enabled``, ``mcp_servers``, ``container``, ``context_management``,
+``diagnostics``) are declared only to be refused by name; the README's field table lists
+each field as honoured, ignored or refused.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from server.gateway.api.openai_schemas import MAX_MESSAGES, MAX_TEXT_CHARS, MAX_TOOLS
+
+MAX_STOP_SEQUENCES = 4  # as on the OpenAI routes (the stop matcher holds back the longest one)
+
+Block = dict[str, Any]
+
+
+class MessageParam(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    role: Literal["user", "assistant"]
+    content: Annotated[str, Field(max_length=MAX_TEXT_CHARS)] | Annotated[list[Block], Field(max_length=1024)]
+
+
+class ToolChoice(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    type: Literal["auto", "any", "tool", "none"]
+    name: Annotated[str, Field(max_length=128)] | None = None
+    disable_parallel_tool_use: bool | None = None
+
+
+class OutputFormat(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    type: Literal["json_schema"]
+    schema_: dict[str, Any] = Field(alias="schema")
+
+
+class OutputConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    format: OutputFormat | None = None  # honoured: the same JSON-schema guide as OpenAI's response_format
+    effort: Literal["low", "medium", "high", "xhigh", "max"] | None = None  # accepted, ignored: no thinking
+
+
+class Metadata(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    user_id: Annotated[str, Field(max_length=256)] | None = None  # accepted, not used: the API key names the tenant
+
+
+class MessagesInput(BaseModel):
+    """What both routes read: the conversation that becomes the prompt."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+    model: Annotated[str, Field(min_length=1, max_length=256)]
+    messages: Annotated[list[MessageParam], Field(min_length=1, max_length=MAX_MESSAGES)]
+    system: Annotated[str, Field(max_length=MAX_TEXT_CHARS)] | Annotated[list[Block], Field(max_length=1024)] | None = None
+    tools: Annotated[list[Block], Field(max_length=MAX_TOOLS)] | None = None
+    tool_choice: ToolChoice | None = None
+    cache_control: dict[str, Any] | None = None  # automatic caching: a breakpoint on the last block
+    # Declared only to be refused by name (messages_convert.refuse_unservable).
+    thinking: dict[str, Any] | None = None
+    mcp_servers: list[Any] | None = None
+    container: Any = None
+    context_management: Any = None
+    diagnostics: Any = None
+
+
+class MessagesRequest(MessagesInput):
+    max_tokens: Annotated[int, Field(ge=1, le=1_000_000)]  # required, as Anthropic requires it
+    temperature: Annotated[float, Field(ge=0.0, le=1.0)] | None = None  # Anthropic's range
+    top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
+    top_k: Annotated[int, Field(ge=0, le=1_000_000)] | None = None
+    stop_sequences: Annotated[list[Annotated[str, Field(min_length=1, max_length=256)]],
+                              Field(max_length=MAX_STOP_SEQUENCES)] | None = None
+    stream: bool = False
+    metadata: Metadata | None = None
+    output_config: OutputConfig | None = None
+    # accepted, ignored: one tier, one speed, one region; the API key names the tenant
+    service_tier: Literal["auto", "standard_only"] | None = None
+    speed: Literal["standard", "fast"] | None = None
+    inference_geo: Annotated[str, Field(max_length=64)] | None = None
+    user_profile_id: Annotated[str, Field(max_length=256)] | None = None
+    workspace_id: Annotated[str, Field(max_length=256)] | None = None
+
+
+class CountTokensRequest(MessagesInput):
+    """``/v1/messages/count_tokens`` takes the conversation only."""

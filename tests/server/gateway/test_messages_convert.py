@@ -1,0 +1,203 @@
+"""The Anthropic dialect's conversion, breakpoints and usage split, on the real tokenizer and template."""
+
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace
+
+import pytest
+
+from engines.contract import KvMetrics
+from engines.tokenizer import load_gguf_tokenizer
+from retention.hints import TTL_1H_MS, TTL_5M_MS, Breakpoint, CacheHints
+from server.gateway.api.completions import Outcome
+from server.gateway.api.messages_convert import cache_hints, convert
+from server.gateway.api.messages_render import MESSAGES, cache_creation, stop_reason, usage
+from server.gateway.api.messages_schemas import MessagesRequest
+from server.gateway.api.prompting import ChatPrompter, PreparedPrompt
+from server.gateway.api.tools import CALL_OPEN, ToolCall
+from server.gateway.errors import ServingError
+
+WEATHER = {"name": "get_weather", "description": "Weather in a city",
+           "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}
+EPHEMERAL = {"type": "ephemeral"}
+
+
+@pytest.fixture(scope="module")
+def prompter() -> ChatPrompter:
+    return ChatPrompter(load_gguf_tokenizer())
+
+
+def request(**fields) -> MessagesRequest:
+    body = {"model": "m", "max_tokens": 16, "messages": [{"role": "user", "content": "Hi"}], **fields}
+    return MessagesRequest.model_validate(body)
+
+
+def refused(field: str, **fields) -> str:
+    with pytest.raises(ServingError) as caught:
+        convert(request(**fields))
+    assert caught.value.status == 400 and caught.value.param == field, caught.value.message
+    return caught.value.message
+
+
+def test_a_conversation_with_tools_becomes_the_chat_paths_messages(prompter) -> None:
+    conv = convert(request(
+        system=[{"type": "text", "text": "Be brief."}, {"type": "text", "text": "Use tools."}], tools=[WEATHER],
+        messages=[{"role": "user", "content": "Weather in Oslo?"},
+                  {"role": "assistant", "content": [{"type": "text", "text": "Checking."},
+                                                    {"type": "tool_use", "id": "toolu_1", "name": "get_weather",
+                                                     "input": {"city": "Oslo"}}]},
+                  {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1", "content": "3 C"},
+                                               {"type": "text", "text": "Warm enough?"}]}]))
+    roles = [m["role"] for m in conv.messages]
+    assert roles == ["system", "user", "assistant", "tool", "user"]
+    assert conv.messages[0]["content"].startswith("Be brief.\nUse tools.\n\n# Tools")
+    assert f'{CALL_OPEN}\n{{"name": "get_weather", "arguments": {{"city": "Oslo"}}}}' in conv.messages[2]["content"]
+    assert conv.messages[3]["content"] == "3 C" and conv.messages[4]["content"] == "Warm enough?"
+    assert conv.tools is not None and conv.tools.mode == "auto" and conv.tools.parallel and conv.guide is None
+    assert conv.functions == [{"name": "get_weather", "description": "Weather in a city",
+                               "parameters": WEATHER["input_schema"]}]
+    assert prompter.chat(conv.messages).total > 0
+
+
+def test_tool_choice_maps_to_the_same_tool_plans_as_the_openai_path() -> None:
+    forced = convert(request(tools=[WEATHER], tool_choice={"type": "tool", "name": "get_weather"}))
+    assert forced.tools.mode == "forced" and json.loads(forced.guide.text)["properties"]["name"] == {"const": "get_weather"}
+    anyone = convert(request(tools=[WEATHER, {**WEATHER, "name": "other"}], tool_choice={"type": "any"}))
+    assert anyone.tools.mode == "forced" and "anyOf" in json.loads(anyone.guide.text)
+    single = convert(request(tools=[WEATHER], tool_choice={"type": "auto", "disable_parallel_tool_use": True}))
+    assert single.tools.mode == "auto" and not single.tools.parallel
+    assert convert(request(tools=[WEATHER], tool_choice={"type": "none"})).tools.mode == "none"
+
+
+@pytest.mark.parametrize("fields, field", [
+    ({"messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]}, "messages.0.content.0.type"),
+    ({"messages": [{"role": "user", "content": [{"type": "document", "source": {}}]}]}, "messages.0.content.0.type"),
+    ({"messages": [{"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t",
+                                                 "content": [{"type": "image"}]}]}]}, "messages.0.content.0.content.0.type"),
+    ({"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]}, "messages.1"),
+    ({"messages": [{"role": "user", "content": []}]}, "messages.0.content"),
+    ({"messages": [{"role": "user", "content": [{"text": "no type"}]}]}, "messages.0.content.0.type"),
+    ({"messages": [{"role": "user", "content": [{"type": "text", "text": 5}]}]}, "messages.0.content.0.text"),
+    ({"messages": [{"role": "user", "content": [{"type": "tool_use", "id": "t", "name": "f", "input": {}}]}]},
+     "messages.0.content.0.type"),
+    ({"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": [
+        {"type": "tool_use", "id": "t", "name": "f", "input": "x"}]}, {"role": "user", "content": "r"}]},
+     "messages.1.content.0.input"),
+    ({"system": [{"type": "text", "text": "s", "cache_control": "yes"}]}, "system.0.cache_control"),
+    ({"tools": [{"type": "web_search_20250305", "name": "web_search"}]}, "tools.0.type"),
+    ({"tools": [{"name": "x"}]}, "tools.0.input_schema"),
+    ({"tools": [WEATHER, WEATHER]}, "tools.1.name"),
+    ({"tools": [WEATHER], "tool_choice": {"type": "tool", "name": "nope"}}, "tool_choice.name"),
+    ({"tool_choice": {"type": "any"}}, "tool_choice"),
+    ({"thinking": {"type": "enabled", "budget_tokens": 1024}}, "thinking"),
+    ({"mcp_servers": []}, "mcp_servers"),
+    ({"system": [{"type": "text", "text": "a", "cache_control": {"type": "persistent"}}]}, "system.0.cache_control"),
+    ({"system": [{"type": "text", "text": "a", "cache_control": {"type": "ephemeral", "ttl": "2h"}}]},
+     "system.0.cache_control.ttl"),
+])
+def test_what_cannot_be_served_is_refused_by_name(fields, field) -> None:
+    assert refused(field, **fields).startswith(field + ":")
+
+
+def test_at_most_four_breakpoints_and_no_1h_after_5m() -> None:
+    blocks = [{"type": "text", "text": f"s{i}", "cache_control": EPHEMERAL} for i in range(5)]
+    assert "maximum of 4" in refused("system.4.cache_control", system=blocks)
+    assert len(convert(request(system=blocks[:4])).marks) == 4
+    mixed = [{"type": "text", "text": "a", "cache_control": {"type": "ephemeral", "ttl": "5m"}},
+             {"type": "text", "text": "b", "cache_control": {"type": "ephemeral", "ttl": "1h"}}]
+    refused("system.1.cache_control.ttl", system=mixed)
+    ok = convert(request(system=mixed[::-1]))
+    assert ok.ttls == (TTL_1H_MS, TTL_5M_MS)
+
+
+def test_breakpoints_end_where_their_message_ends(prompter) -> None:
+    body = request(
+        tools=[{**WEATHER, "cache_control": {"type": "ephemeral", "ttl": "1h"}}],
+        system=[{"type": "text", "text": "You are terse.", "cache_control": EPHEMERAL}],
+        messages=[{"role": "user", "content": "Long document " * 30},
+                  {"role": "assistant", "content": "Read it."},
+                  {"role": "user", "content": [{"type": "text", "text": "First question?", "cache_control": EPHEMERAL},
+                                               {"type": "text", "text": "Second part."}]}])
+    conv = convert(body)
+    assert conv.marks == (1, 1, 4)
+    prompt = prompter.chat(conv.messages, conv.marks)
+    plain = prompter.chat(conv.messages)
+    assert prompt.input_ids == plain.input_ids  # cuts at message ends leave the token ids alone
+    assert (prompt.system_end, prompt.context_end) == (plain.system_end, plain.context_end)
+    hints = cache_hints(conv, prompt)
+    # the tools' and the system block's breakpoints share the system message's end: one, with the longer TTL
+    assert hints.breakpoints == (Breakpoint(prompt.system_end, TTL_1H_MS), Breakpoint(prompt.marks[2], TTL_5M_MS))
+    tokenizer = prompter.tokenizer
+    head = tokenizer.decode(prompt.input_ids[:prompt.marks[2]], skip_special_tokens=False)
+    rest = tokenizer.decode(prompt.input_ids[prompt.marks[2]:], skip_special_tokens=False)
+    assert head.endswith("Second part.<|im_end|>\n")  # rounded up to the end of the block's message
+    assert rest.startswith("<|im_start|>assistant")
+
+
+def test_usage_splits_the_prompt_into_read_created_and_the_rest() -> None:
+    hints = CacheHints((Breakpoint(40, TTL_1H_MS), Breakpoint(100, TTL_5M_MS)))
+    assert cache_creation(hints, 0) == (60, 40)
+    assert cache_creation(hints, 32) == (60, 8)
+    assert cache_creation(hints, 64) == (36, 0)
+    assert cache_creation(hints, 112) == (0, 0)
+    assert cache_creation(CacheHints(), 16) == (0, 0)
+    job = SimpleNamespace(prompt=PreparedPrompt(tuple(range(130)), 10, 20), hints=hints,
+                          tenant=SimpleNamespace(pool=SimpleNamespace(tokens_per_block=16)), model="m")
+    outcome = Outcome(completion_tokens=5, kv=KvMetrics(reused_blocks=2))
+    got = usage(job, outcome)
+    assert got == {"input_tokens": 30, "cache_creation_input_tokens": 68, "cache_read_input_tokens": 32,
+                   "output_tokens": 5, "cache_creation": {"ephemeral_5m_input_tokens": 60, "ephemeral_1h_input_tokens": 8}}
+    assert got["input_tokens"] + got["cache_creation_input_tokens"] + got["cache_read_input_tokens"] == 130
+
+
+def test_stop_reasons_and_the_message_object() -> None:
+    assert stop_reason(Outcome(finish_reason="length")) == "max_tokens"
+    assert stop_reason(Outcome(finish_reason="stop")) == "end_turn"
+    assert stop_reason(Outcome(finish_reason="stop", stop_sequence="\n\n")) == "stop_sequence"
+    call = ToolCall("call_abc", "get_weather", '{"city": "Oslo"}')
+    outcome = Outcome(pieces=["Sure."], finish_reason="tool_calls", tool_calls=[call], completion_tokens=9)
+    job = SimpleNamespace(prompt=PreparedPrompt((1, 2, 3), 0, 0), hints=CacheHints(),
+                          tenant=SimpleNamespace(pool=SimpleNamespace(tokens_per_block=16)), model="m")
+    body = MESSAGES.body(job, outcome)
+    assert body["id"].startswith("msg_") and body["stop_reason"] == "tool_use" and body["stop_sequence"] is None
+    assert body["content"] == [{"type": "text", "text": "Sure."},
+                               {"type": "tool_use", "id": "toolu_abc", "name": "get_weather", "input": {"city": "Oslo"}}]
+
+
+def test_the_2026_fields_top_level_cache_control_output_config_thinking() -> None:
+    # top-level cache_control: a breakpoint after the last message, counted among the four, ordered last
+    auto = convert(request(cache_control={"type": "ephemeral", "ttl": "1h"}))
+    assert auto.marks == (len(auto.messages),) and auto.ttls == (TTL_1H_MS,)
+    system = [{"type": "text", "text": "s", "cache_control": EPHEMERAL}]
+    refused("cache_control.ttl", system=system, cache_control={"type": "ephemeral", "ttl": "1h"})
+    refused("cache_control", system=system * 4, cache_control=EPHEMERAL)
+    # output_config.format: the same JSON-schema guide as response_format; not with a forced tool
+    schema = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+    shaped = convert(request(output_config={"format": {"type": "json_schema", "schema": schema}, "effort": "low"}))
+    assert shaped.guide.kind == "json_schema" and json.loads(shaped.guide.text) == schema and shaped.tools is None
+    refused("output_config.format", tools=[WEATHER], tool_choice={"type": "any"},
+            output_config={"format": {"type": "json_schema", "schema": schema}})
+    # thinking: adaptive lets the model decide (this one never thinks); an explicit budget is refused
+    assert convert(request(thinking={"type": "adaptive"})).guide is None
+    refused("diagnostics", diagnostics={"previous_message_id": "msg_1"})
+
+
+def test_errors_map_to_anthropics_types_and_statuses() -> None:
+    from server.gateway.api.messages_render import error_response
+
+    for status, (expected, kind) in {400: (400, "invalid_request_error"), 401: (401, "authentication_error"),
+                                     403: (403, "permission_error"), 404: (404, "not_found_error"),
+                                     413: (413, "request_too_large"), 429: (429, "rate_limit_error"),
+                                     503: (529, "overloaded_error"), 504: (504, "timeout_error")}.items():
+        response = error_response(ServingError(status, "code", "why", headers={"Retry-After": "1"}))
+        assert response.status_code == expected and response.headers["retry-after"] == "1"
+        assert json.loads(response.body) == {"type": "error", "error": {"type": kind, "message": "why"}}
+
+
+def test_the_stop_matcher_names_the_stop_string_that_cut_the_text() -> None:
+    from server.gateway.api.completions import StopMatcher
+
+    matcher = StopMatcher(("b", "cd"))
+    assert matcher.push("xxc") == "xx" and matcher.matched is None  # "c" held: it may start "cd"
+    assert matcher.push("db") == "" and matcher.stopped and matcher.matched == "cd"  # the earliest match wins
