@@ -7,7 +7,7 @@ Deterministic (seed 0 for every generated family; the public synthetic trace as 
 
 Policies: ``lru`` (35 everywhere, GPU only), ``trtllm-default`` (35 everywhere, host tier,
 threshold 30; with no host tier it *is* lru), ``adaptive`` (with selection:
-retention/selection.py; candidates static, bands and, GPU only, protect), ``adaptive-bands`` (the bands alone, for reference) and Belady
+retention/policy/selection.py; candidates static, bands and, GPU only, protect), ``adaptive-bands`` (the bands alone, for reference) and Belady
 (GPU only, and GPU + host blocks as one tier: a ceiling, not a policy). Families and their
 roles (tune / report only) are in retention/workloads/__init__.py.
 
@@ -142,8 +142,8 @@ def section(results: list[dict], roles: dict[str, str], seconds: float) -> str:
         "512-token blocks, GPU capacity as a share of the workload's distinct blocks, host tier 0 or 4× the GPU.",
         "Hit rate = prompt tokens served from cache (GPU + host) / prompt tokens, in %. `lru` has no host tier by",
         "definition (same value in both settings); `trtllm-default` without a host tier is `lru`. `adaptive` is",
-        "adaptive with selection (retention/selection.py: the static class — here TensorRT-LLM defaults —,",
-        "adaptive's host-aware bands or, GPU only, `protect` (retention/protect.py: a live subset of conversations",
+        "adaptive with selection (retention/policy/selection.py: the static class — here TensorRT-LLM defaults —,",
+        "adaptive's host-aware bands or, GPU only, `protect` (retention/policy/protect.py: a live subset of conversations",
         "that fits the GPU kept above the rest), whichever wins on 5 % shadows, raised to ≥ 64 shadow blocks), `bands` the",
         "bands alone. `ratio` = adaptive / best of lru and trtllm-default; `final` = the candidate the pool",
         "follows at the end (switches). Belady: GPU (+ host) blocks as one tier, a ceiling. Roles: **tune** =",

@@ -235,7 +235,7 @@ class RetentionClass(Timestamped, Base):
     decode_priority: Mapped[int] = mapped_column(Integer)
     decode_duration_ms: Mapped[int | None] = mapped_column(BigInteger)
     # static: the segment priorities above; adaptive: per-block priorities from measured
-    # reuse (retention/adaptive.py), the decode priority still from this class.
+    # reuse (retention/policy/adaptive.py), the decode priority still from this class.
     mode: Mapped[str] = mapped_column(String(16), default="static", server_default="static")
 
 

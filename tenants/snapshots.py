@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from retention.planner import SegmentRetention  # one segment's retention, shared with the planner
+from retention.policy.planner import SegmentRetention  # one segment's retention, shared with the planner
 from retention.rollout.guard import SloBudget
 from tenants.models import Pool, PoolReplica, PoolSloBudget, RetentionClass, Tenant, primary_endpoint
 

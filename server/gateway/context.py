@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from retention.planner import RetentionClassSpec
+from retention.policy.planner import RetentionClassSpec
 from server.gateway.admission import Limits
 from tenants.snapshots import PoolSnapshot
 
@@ -25,7 +25,7 @@ class TenantContext:
     pool: PoolSnapshot
     retention: RetentionClassSpec
     key_id: int
-    retention_mode: str = "static"  # static | adaptive (retention/adaptive.py)
+    retention_mode: str = "static"  # static | adaptive (retention/policy/adaptive.py)
     retention_class: str = ""  # the class's name (trace capture lines carry it)
 
     @property

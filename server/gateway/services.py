@@ -16,8 +16,8 @@ from pathlib import Path
 
 from prometheus_client import CollectorRegistry
 
-from retention.adaptive import AdaptiveConfig
-from retention.selection import AdaptiveSelector
+from retention.policy.adaptive import AdaptiveConfig
+from retention.policy.selection import AdaptiveSelector
 from server.gateway.admission import Admission
 from server.gateway.auth import KeyAuthenticator
 from server.gateway.observe.capture import TraceCaptures

@@ -31,9 +31,9 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from engines.contract import EngineRequest, Guide, KvMetrics, SamplingParams, TokenLogProbs
 from engines.tokenizer import ChatTokenizer
 from retention.hashing import block_hashes
-from retention.hints import CacheHints
-from retention.planner import QuotaState, Segments, plan_retention
-from retention.selection import AdaptiveSelector
+from retention.policy.hints import CacheHints
+from retention.policy.planner import QuotaState, Segments, plan_retention
+from retention.policy.selection import AdaptiveSelector
 from retention.types import RetentionPlan
 from server.gateway.admission import Admission, AdmissionError, retry_after_header
 from server.gateway.context import TenantContext
@@ -72,7 +72,7 @@ class CompletionJob:
     logprobs: int | None = None  # None: not asked; else how many alternatives per token
     token_texts: TokenTexts | None = None
     continuous_usage: bool = False
-    hints: CacheHints = field(default_factory=CacheHints)  # client cache intent (retention.hints), any dialect
+    hints: CacheHints = field(default_factory=CacheHints)  # client cache intent (retention.policy.hints), any dialect
 
     @property
     def parses_tools(self) -> bool:
@@ -147,7 +147,7 @@ def build_plan(job: CompletionJob, selector: AdaptiveSelector | None = None, now
     """The request's retention plan.
 
     ``static`` classes: segment priorities from the class. ``adaptive`` classes: the pool's
-    :class:`~retention.selection.AdaptiveSelector` (the same code the simulator's
+    :class:`~retention.policy.selection.AdaptiveSelector` (the same code the simulator's
     ``adaptive`` policy runs) picks between the class's plan and adaptive's per-block bands,
     whichever wins on its sampled shadow pools, from block hashes computed exactly as the
     engine's pool computes them (pool ``tokens_per_block``, the salt the engine will see);

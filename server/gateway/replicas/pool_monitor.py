@@ -4,7 +4,7 @@ Each poll goes through :class:`server.gateway.replicas.routing.Routing`, which p
 of the pool (stats + KV events for the router, and the breaker's probe) and sums their
 reports: quotas stay per pool, a tenant's blocks summed over the pool's replicas.
 
-The state machine is ``retention.quota.QuotaTracker`` (the simulator uses the same one):
+The state machine is ``retention.policy.quota.QuotaTracker`` (the simulator uses the same one):
 a tenant is *over quota* on a pool when the primary (GPU) blocks it holds exceed
 ``kv_quota_fraction × primary_blocks``, and stays demoted until it is back at or under
 90 % of that. Trackers are keyed by the engine's tenant id (``str(tenant.id)``). The
@@ -22,8 +22,8 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from engines.contract import PoolStatsReport
-from retention.planner import QuotaState
-from retention.quota import QuotaTracker
+from retention.policy.planner import QuotaState
+from retention.policy.quota import QuotaTracker
 from tenants.snapshots import PoolSnapshot
 from server.gateway.replicas.capacity_check import CapacityCheck, capacity_mismatch
 from server.gateway.replicas.engines import EngineDirectory
