@@ -11,7 +11,7 @@ retention/policy/selection.py; candidates static, bands and, GPU only, protect),
 (GPU only, and GPU + host blocks as one tier: a ceiling, not a policy). Families and their
 roles (tune / report only) are in retention/workloads/__init__.py.
 
-Done-when checks (issue 16), printed and written: in every setting adaptive ≥ 0.98 × the
+Target checks, printed and written: in every setting adaptive ≥ 0.98 × the
 best of lru / trtllm-default; on the chat families adaptive ≥ 1.3 × lru at 2 % GPU only.
 """
 
@@ -118,7 +118,7 @@ def pct(x: float) -> str:
 
 
 def check(result: dict) -> list[str]:
-    """Shortfalls against the done-when criteria, one line each."""
+    """Shortfalls against the targets, one line each."""
     out = []
     for row in result["rows"]:
         best = max(row["lru"], row["trtllm-default"])
@@ -185,7 +185,7 @@ def section(results: list[dict], roles: dict[str, str], seconds: float) -> str:
         "",
     ]
     if shortfalls:
-        lines += ["Shortfalls against issue 16's done-when:", ""] + [f"* {s}" for s in shortfalls]
+        lines += ["Shortfalls against the targets:", ""] + [f"* {s}" for s in shortfalls]
     else:
         lines.append("No shortfall: every setting meets 0.98 × the best baseline and every chat family 1.3 × lru at 2 %.")
     settings = [(result["name"], row) for result in results for row in result["rows"]]

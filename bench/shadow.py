@@ -4,7 +4,7 @@ Usage: ``OMP_NUM_THREADS=1 .venv/bin/python bench/shadow.py [--no-write] [--sect
 
 Writes ``bench:shadow_accuracy`` and ``bench:selection_cost`` in docs/benchmarks.md.
 
-1. Accuracy (issue 15's criterion: a 1 % sample within 2 points of a full replay at each
+1. Accuracy (the target: a 1 % sample within 2 points of a full replay at each
    capacity): the public synthetic trace, GPU 1/2/5/10 % of its distinct blocks, GPU only
    (TensorRT-LLM defaults = LRU) and with a 4× host tier; samples of 1, 5 and 10 % of the
    hash space, five disjoint slices each (``HashSample(rate, start)``), error of each

@@ -181,7 +181,7 @@ def mooncake_section(requests, distinct: int) -> tuple[str, list]:
         "in the `generalize` section).",
         "",
         f"Reading: `adaptive` is {'above' if gain_lo > 0 else 'at or above'} `lru` at every GPU-only capacity, by {gain_lo:.1f}–{gain_hi:.1f} points",
-        f"({share_2:.1f} % of Belady at 2 %, lru {lru_share_2:.1f} %), but far from 60 % of Belady at 2 % (issue 7). The oracle rows say why that",
+        f"({share_2:.1f} % of Belady at 2 %, lru {lru_share_2:.1f} %), but far from the target of 60 % of Belady at 2 %. The oracle rows say why that",
         "target is out of reach for an online policy on this trace.",
         "",
         "* The trace: 2,211 of its 3,993 requests open a new prompt; 1,803 of those prompts never",

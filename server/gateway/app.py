@@ -26,7 +26,7 @@ from server.errors import error_response as admin_error_response
 from server.gateway.drain import InFlight
 from server.gateway.errors import ServingError, error_response, handle_serving_error, validation_error
 from server.gateway.replicas.pool_monitor import TenantQuota
-from server.gateway.api.routes import router
+from server.gateway.routes import router
 from server.gateway.services import GatewayServices
 from tenants.auth import list_active_tenants_for_pool, list_pool_snapshots
 from tenants.snapshots import PoolSnapshot

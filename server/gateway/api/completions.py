@@ -65,7 +65,7 @@ class CompletionJob:
     tokenizer: ChatTokenizer
     engine: RoutedEngine | EngineClient  # anything with EngineClient.generate's signature
     quota: QuotaState = field(default_factory=QuotaState)
-    # issue 18: guided decoding, tools, log probabilities, extensions
+    # guided decoding, tools, log probabilities, extensions
     guide: Guide | None = None
     tools: ToolPlan | None = None
     ignore_eos: bool = False

@@ -25,7 +25,7 @@ from engines.contract import PoolStatsReport
 from retention.policy.planner import QuotaState
 from retention.policy.quota import QuotaTracker
 from tenants.snapshots import PoolSnapshot
-from server.gateway.replicas.capacity_check import CapacityCheck, capacity_mismatch
+from server.gateway.observe.capacity_check import CapacityCheck, capacity_mismatch
 from server.gateway.replicas.engines import EngineDirectory
 from server.gateway.observe.metrics import PoolSnapshot
 from server.gateway.replicas.routing import Routing

@@ -66,7 +66,7 @@ OVERSIZED = PoolSnapshot(1, "p", "m", "kvgate_llm", "reference-smollm2", 16, 204
 
 
 def test_capacity_mismatch_is_pure_and_names_each_difference() -> None:
-    from server.gateway.replicas.capacity_check import capacity_mismatch
+    from server.gateway.observe.capacity_check import capacity_mismatch
 
     check = capacity_mismatch(OVERSIZED, stats())
     assert check.mismatch and check.effective_primary == 100
