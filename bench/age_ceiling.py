@@ -7,7 +7,7 @@ capacity 1/2/5/10 % of the workload's distinct blocks, the workloads and seeds o
 ``bench/generalize.py``. The ceiling (retention/simulation/hit_density.py) is what any policy that
 ranks idle blocks by their age and class (shared prefix / private history) could hit at
 most, where reuse gaps are i.i.d. — true of the generated chat families by construction;
-elsewhere an estimate. Issue 16 asks adaptive for 1.3 × lru at 2 % GPU on the chat
+elsewhere an estimate. The target is adaptive at 1.3 × lru at 2 % GPU on the chat
 families: where the ceiling is below that, no online policy of that kind can meet it.
 """
 
@@ -100,7 +100,7 @@ def section(results: list[dict], roles: dict[str, str], seconds: float) -> str:
         "![age-based ceiling](img/age_ceiling.png)",
         "",
         "Reading. At 2 % GPU only, the ceiling over lru is " + ", ".join(verdicts) + ". On the generated",
-        "chat families it is below the 1.3× issue 16 asks for: no policy that knows only the past (how long ago",
+        "chat families it is below the 1.3× target: no policy that knows only the past (how long ago",
         "a block was used, and whether it is a shared prefix) can reach 1.3× lru there, selection included",
         "(a policy reading the turn index could pass it a little: the generators draw session lengths from",
         "1/2/4/8/16 turns, an artifact nothing in kvgate reads).",

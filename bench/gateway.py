@@ -116,7 +116,7 @@ async def run_direct(client: EngineClient, request: EngineRequest, n: int, concu
     return latencies
 
 
-# A structured-output request (issue 18): what the official SDK's parse(response_format=Model) sends.
+# A structured-output request: what the official SDK's parse(response_format=Model) sends.
 SCHEMA_FORMAT = {"type": "json_schema", "json_schema": {"name": "Trip", "strict": True, "schema": {
     "type": "object", "additionalProperties": False, "required": ["destination", "days", "activities"],
     "properties": {"destination": {"type": "string"}, "days": {"type": "integer"},

@@ -7,11 +7,11 @@ Deterministic (seed 0 for every generated family; the public synthetic trace as 
 
 Policies: ``lru`` (35 everywhere, GPU only), ``trtllm-default`` (35 everywhere, host tier,
 threshold 30; with no host tier it *is* lru), ``adaptive`` (with selection:
-retention/selection.py; candidates static, bands and, GPU only, protect), ``adaptive-bands`` (the bands alone, for reference) and Belady
+retention/policy/selection.py; candidates static, bands and, GPU only, protect), ``adaptive-bands`` (the bands alone, for reference) and Belady
 (GPU only, and GPU + host blocks as one tier: a ceiling, not a policy). Families and their
 roles (tune / report only) are in retention/workloads/__init__.py.
 
-Done-when checks (issue 16), printed and written: in every setting adaptive ≥ 0.98 × the
+Target checks, printed and written: in every setting adaptive ≥ 0.98 × the
 best of lru / trtllm-default; on the chat families adaptive ≥ 1.3 × lru at 2 % GPU only.
 """
 
@@ -119,7 +119,7 @@ def pct(x: float) -> str:
 
 
 def check(result: dict) -> list[str]:
-    """Shortfalls against the done-when criteria, one line each."""
+    """Shortfalls against the targets, one line each."""
     out = []
     for row in result["rows"]:
         best = max(row["lru"], row["trtllm-default"])
@@ -146,8 +146,8 @@ def section(results: list[dict], roles: dict[str, str], seconds: float) -> str:
         "512-token blocks, GPU capacity as a share of the workload's distinct blocks, host tier 0 or 4× the GPU.",
         "Hit rate = prompt tokens served from cache (GPU + host) / prompt tokens, in %. `lru` has no host tier by",
         "definition (same value in both settings); `trtllm-default` without a host tier is `lru`. `adaptive` is",
-        "adaptive with selection (retention/selection.py: the static class — here TensorRT-LLM defaults —,",
-        "adaptive's host-aware bands or, GPU only, `protect` (retention/protect.py: a live subset of conversations",
+        "adaptive with selection (retention/policy/selection.py: the static class — here TensorRT-LLM defaults —,",
+        "adaptive's host-aware bands or, GPU only, `protect` (retention/policy/protect.py: a live subset of conversations",
         "that fits the GPU kept above the rest), whichever wins on 5 % shadows, raised to ≥ 64 shadow blocks), `bands` the",
         "bands alone. `ratio` = adaptive / best of lru and trtllm-default; `final` = the candidate the pool",
         "follows at the end (switches). Belady: GPU (+ host) blocks as one tier, a ceiling. Roles: **tune** =",
@@ -189,7 +189,7 @@ def section(results: list[dict], roles: dict[str, str], seconds: float) -> str:
         "",
     ]
     if shortfalls:
-        lines += ["Shortfalls against issue 16's done-when:", ""] + [f"* {s}" for s in shortfalls]
+        lines += ["Shortfalls against the targets:", ""] + [f"* {s}" for s in shortfalls]
     else:
         lines.append("No shortfall: every setting meets 0.98 × the best baseline and every chat family 1.3 × lru at 2 %.")
     settings = [(result["name"], row) for result in results for row in result["rows"]]

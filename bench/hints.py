@@ -30,7 +30,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench.report import machine, write_section  # noqa: E402
-from retention.hint_plan import HintPolicy  # noqa: E402
+from retention.policy.hint_plan import HintPolicy  # noqa: E402
 from retention.simulation.hinted import HintedPolicy  # noqa: E402
 from retention.simulation.sim_policies import make_policy  # noqa: E402
 from retention.simulation.simulator import SimConfig, run_simulation  # noqa: E402

@@ -88,7 +88,7 @@ def pct(x: float) -> str:
 def run(scale: int, duration: float) -> tuple[str, dict]:
     cap = capacity_plan()
     # The other reading of "a 256 GB host tier": 256 GiB per rank, as TensorRT-LLM reads
-    # host_cache_size (the bundled 70B spec did so before issue 19 made the unit explicit): 2 TiB per node.
+    # host_cache_size (the bundled 70B spec did so before its unit was made explicit): 2 TiB per node.
     big_host = plan(load_shape(MODEL), Hardware(load_gpu(GPU), GPUS, TP, 1, HOST_PER_REPLICA),
                     PlanInputs(kv_dtype="fp8", weight_dtype="fp8", tokens_per_block=TOKENS_PER_BLOCK,
                                free_gpu_memory_fraction=0.9, runtime_reserve_bytes=4 * GIB)).secondary_blocks

@@ -296,7 +296,7 @@ def render(summary: dict[str, dict], args) -> str:
         "",
         f"kv-aware / round-robin: cached-token share × {ratio:.2f}, TTFT p50 × "
         f"{kv['ttft_p50_s'] / rr['ttft_p50_s']:.2f}, TTFT p90 × {kv['ttft_p90_s'] / rr['ttft_p90_s']:.2f}. "
-        "Issue 13's bar: share ≥ 2× and a lower TTFT p50, from the same run.",
+        "The target: share ≥ 2× and a lower TTFT p50, from the same run.",
     ]
     return "\n".join(lines)
 

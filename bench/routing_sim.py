@@ -5,7 +5,7 @@ Usage: ``OMP_NUM_THREADS=1 .venv/bin/python bench/routing_sim.py [--no-write]``
 Writes the ``bench:routing_sim`` section of docs/benchmarks.md. Deterministic: the same
 code and traces give the same figures (only the replay time is wall-clock).
 
-Issue 13's done-when, measured here: the Mooncake synthetic trace, 4 replicas of 2 % GPU
+The routing target, measured here: the Mooncake synthetic trace, 4 replicas of 2 % GPU
 capacity each (2 % of the trace's distinct blocks, as ``kvgate simulate -c 2%`` computes
 it), ``--hold tokens``: kv-aware >= 90 % of the hit rate of one pool with 4× the capacity,
 >= 2× round-robin's, load imbalance (max / mean prefill tokens computed per replica)
@@ -158,7 +158,7 @@ def main() -> None:
         "",
         *table(host),
         "",
-        f"Done-when (issue 13): {text_host}.",
+        f"Target: {text_host}.",
         "",
         "Policy `lru` (GPU only, no host tier):",
         "",
@@ -216,7 +216,7 @@ def main() -> None:
         write_section("routing_sim", body)
         print("wrote docs/benchmarks.md section bench:routing_sim")
     if not (ok_host and ok_gpu):
-        print("done-when not met (see the verdict lines)", file=sys.stderr)
+        print("target not met (see the verdict lines)", file=sys.stderr)
 
 
 if __name__ == "__main__":

@@ -4,7 +4,7 @@ Usage: ``OMP_NUM_THREADS=1 .venv/bin/python bench/shadow.py [--no-write] [--sect
 
 Writes ``bench:shadow_accuracy`` and ``bench:selection_cost`` in docs/benchmarks.md.
 
-1. Accuracy (issue 15's criterion: a 1 % sample within 2 points of a full replay at each
+1. Accuracy (the target: a 1 % sample within 2 points of a full replay at each
    capacity): the public synthetic trace, GPU 1/2/5/10 % of its distinct blocks, GPU only
    (TensorRT-LLM defaults = LRU) and with a 4× host tier; samples of 1, 5 and 10 % of the
    hash space, five disjoint slices each (``HashSample(rate, start)``), error of each
@@ -31,9 +31,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench.report import machine, seed_line, write_section  # noqa: E402
-from retention.adaptive import AdaptiveConfig, ReuseStats, adaptive_plan  # noqa: E402
-from retention.planner import RetentionClassSpec, SegmentRetention, Segments, plan_retention  # noqa: E402
-from retention.selection import AdaptiveSelector  # noqa: E402
+from retention.policy.adaptive import AdaptiveConfig, ReuseStats, adaptive_plan  # noqa: E402
+from retention.policy.planner import RetentionClassSpec, SegmentRetention, Segments, plan_retention  # noqa: E402
+from retention.policy.selection import AdaptiveSelector  # noqa: E402
 from retention.shadow import HashSample, MissRatioCurve, ShadowPool  # noqa: E402
 from retention.shadow.duel import DuelConfig  # noqa: E402
 from retention.simulation.sim_policies import make_policy  # noqa: E402
@@ -208,7 +208,7 @@ def cost(requests, hashes, distinct: int) -> str:  # noqa: ANN001
         runs[f"adaptive with selection, {rate:.0%} shadows"] = timed(select_step)
         shadow = selector.duel.shadows[0].pool.config
         sizes[rate] = (shadow.primary_blocks, shadow.secondary_blocks, len(selector.duel.shadows))
-    # A GPU-only pool duels three candidates (static, bands, protect: retention/selection.py).
+    # A GPU-only pool duels three candidates (static, bands, protect: retention/policy/selection.py).
     gpu_only = AdaptiveSelector(gpu, 0, 30, duel_config=DuelConfig(rate=0.01, min_shadow_blocks=0))
 
     def gpu_only_step(request, h) -> None:  # noqa: ANN001

@@ -12,7 +12,7 @@ exists (triton-inference-server/tensorrtllm_backend
 ``KvCacheRetentionConfig``; ``cache_salt``, ``tenant_id``,
 ``kv_cache_onboarded_blocks`` and the stats call are kvgate additions.
 
-Sampling extensions, log probabilities and guided decoding (issue 18) use the stock names
+Sampling extensions, log probabilities and guided decoding use the stock names
 of TensorRT-LLM's ``triton_backend/all_models/inflight_batcher_llm/tensorrt_llm/config.pbtxt``
 (NVIDIA/TensorRT-LLM 0c8de69a): ``repetition_penalty``, ``presence_penalty``,
 ``frequency_penalty`` (FP32), ``min_tokens`` (INT32), ``return_log_probs`` (BOOL),

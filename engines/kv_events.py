@@ -34,7 +34,7 @@ from itertools import islice
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
-from retention.events import KvEvent, RemovedEvent, StoredEvent, UpdatedEvent
+from retention.pool.events import KvEvent, RemovedEvent, StoredEvent, UpdatedEvent
 
 STORED = "stored"  # blocks became cached in `tier` (GPU = 0, host = 1)
 REMOVED = "removed"  # blocks left the cache (both tiers)

@@ -7,7 +7,7 @@ and ``context_tokens`` (segment boundaries for the ``class`` policy), ``block_si
 (tokens per hash id; a live capture writes its pool's ``tokens_per_block`` on every line,
 so a reader needs no flag: all lines that carry it must agree, and lines without it use
 the caller's block size, 512 by default), and the client's cache hints
-(``retention/hints.py``): ``cache_breakpoints`` (a list of ``[token_end, ttl_ms]``, at most
+(``retention/policy/hints.py``): ``cache_breakpoints`` (a list of ``[token_end, ttl_ms]``, at most
 four, strictly increasing ``token_end <= input_length``) and ``prompt_cache_retention``
 (``"in_memory"`` | ``"24h"``). Other fields (a capture's observed outcome) are ignored here.
 
@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from retention.hints import Breakpoint, CacheHints
+from retention.policy.hints import Breakpoint, CacheHints
 from retention.types import RetentionPlanError
 
 _MULT = 2654435761

@@ -238,9 +238,9 @@ class RetentionClass(Timestamped, Base):
     decode_priority: Mapped[int] = mapped_column(Integer)
     decode_duration_ms: Mapped[int | None] = mapped_column(BigInteger)
     # static: the segment priorities above; adaptive: per-block priorities from measured
-    # reuse (retention/adaptive.py), the decode priority still from this class.
+    # reuse (retention/policy/adaptive.py), the decode priority still from this class.
     mode: Mapped[str] = mapped_column(String(16), default="static", server_default="static")
-    # Client cache hints (retention/hint_plan.py): honoured at all, the longest duration and
+    # Client cache hints (retention/policy/hint_plan.py): honoured at all, the longest duration and
     # the one priority a hint may ask for, and the share of the tenant's KV quota hinted
     # blocks may hold. Off by default: a class opts in.
     hints_enabled: Mapped[bool] = mapped_column(Boolean, default=False, server_default=false())

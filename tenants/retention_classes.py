@@ -28,7 +28,7 @@ _VALIDATORS: dict[str, Any] = {
     "name": lambda x: v.name(x, field="name"),
     "description": lambda x: v.text(x, field="description", max_len=2000, allow_empty=True),
     "mode": lambda x: v.choice(x, field="mode", options=MODES),
-    # Client cache hints (retention/hint_plan.py): off unless the class opts in.
+    # Client cache hints (retention/policy/hint_plan.py): off unless the class opts in.
     "hints_enabled": lambda x: v.boolean(x, field="hints_enabled"),
     "hint_max_ttl_ms": lambda x: v.positive_duration(x, field="hint_max_ttl_ms"),
     "hint_max_priority": lambda x: v.priority(x, field="hint_max_priority"),

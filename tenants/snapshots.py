@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from retention.hint_plan import HINTS_OFF, HintPolicy  # the class's rules for client cache hints
-from retention.planner import SegmentRetention  # one segment's retention, shared with the planner
+from retention.policy.hint_plan import HINTS_OFF, HintPolicy  # the class's rules for client cache hints
+from retention.policy.planner import SegmentRetention  # one segment's retention, shared with the planner
 from retention.rollout.guard import SloBudget
 from tenants.models import Pool, PoolReplica, PoolSloBudget, RetentionClass, Tenant, primary_endpoint
 

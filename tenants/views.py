@@ -31,7 +31,7 @@ def tier_on_eviction(priority: int, *, offload_min_priority: int, secondary_bloc
 def retention_view(pool: PoolSnapshot, cls: RetentionClassSnapshot) -> list[SegmentView]:
     """One row per segment, plus a ``hints`` row when the class honours client cache hints:
     the priority hinted tokens get (at most), the longest duration a hint may ask for, and
-    where hinted blocks go when evicted (``retention/hint_plan.py``)."""
+    where hinted blocks go when evicted (``retention/policy/hint_plan.py``)."""
     out = []
     for segment in SEGMENTS:
         seg = getattr(cls, segment)

@@ -196,7 +196,7 @@ def sampling_config(trtllm: ModuleType, request: EngineRequest) -> Any:
         kwargs["top_p"] = s.top_p  # contract: within (0, 1]; 1.0 = no nucleus cut
     if s.seed is not None:
         kwargs["seed"] = s.seed
-    kwargs.update(request_extensions.sampling_extension_kwargs(s))  # penalties, min_tokens (issue 18)
+    kwargs.update(request_extensions.sampling_extension_kwargs(s))  # penalties, min_tokens
     return trtllm.SamplingConfig(**kwargs)
 
 

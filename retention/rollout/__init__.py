@@ -6,7 +6,7 @@
 * :mod:`retention.rollout.pilot` — which tenants of a pool get the host tier in pilot mode
   (a stable hash split) and both arms' latency and hit quality side by side.
 
-The plan transformation that rolls the tier back is ``retention.planner.roll_back_host_tier``.
+The plan transformation that rolls the tier back is ``retention.policy.planner.roll_back_host_tier``.
 """
 
 from retention.rollout.guard import GuardError, GuardState, GuardTransition, Observation, SloBudget, SloGuard

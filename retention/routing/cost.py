@@ -27,7 +27,7 @@ Where it comes from:
   ``balance_rel`` × the least load, whichever is larger. Inside the band cache affinity
   decides; beyond it every block of excess load weighs like a block of prefill.
 * kvgate additions: host-tier hits are credited below GPU hits (``host_credit``, default
-  0.75, the figure issue 13 gives for Dynamo's host tier: an onboard is a copy, not free);
+  0.75 for a block on Dynamo's host tier: an onboard is a copy, not free);
   blocks that requests in flight on r are computing now are credited (``pending_credit``);
   the registry weight divides a replica's prefill and load (weight 2 = twice the engine);
   recent prefill work is a load signal (``recent_weight``).

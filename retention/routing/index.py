@@ -5,7 +5,7 @@ the replica hold, and in which tier?* (:meth:`BlockIndex.match`). Hashes are kvg
 (``retention.hashing.block_hashes``), never an engine's internal hash, so a salted tenant's
 chain (root mixed with its salt) can never match another tenant's blocks.
 
-``PreciseIndex`` — fed by the replica's KV events (``retention/events.py``, shaped like
+``PreciseIndex`` — fed by the replica's KV events (``retention/pool/events.py``, shaped like
 TensorRT-LLM's ``KVCacheEvent``): *stored* (hashes, tier), *removed* (hashes), *updated*
 with a cache-level change (GPU→host offload, host→GPU onboard); *created* means the
 engine (re)started, so the index is cleared. The reference engine forwards its
@@ -35,7 +35,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from retention.events import CreatedEvent, KvEvent, RemovedEvent, StoredEvent, UpdatedEvent
+from retention.pool.events import CreatedEvent, KvEvent, RemovedEvent, StoredEvent, UpdatedEvent
 from retention.routing.types import PrefixMatch, RoutingError
 from retention.types import Tier
 

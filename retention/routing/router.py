@@ -35,7 +35,7 @@ import random
 from collections.abc import Callable, Hashable, Iterable, Sequence
 from typing import Literal
 
-from retention.events import KvEvent
+from retention.pool.events import KvEvent
 from retention.routing.cost import CostModel, choose, rendezvous
 from retention.routing.index import ApproximateIndex, BlockIndex, CapacityModel, PreciseIndex
 from retention.routing.load import LoadTracker

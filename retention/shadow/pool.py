@@ -50,7 +50,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from retention.pool import BlockPool, PoolConfig
-from retention.pool_types import per_block_retention
+from retention.pool.types import per_block_retention
 from retention.shadow.sampling import HashSample
 from retention.types import DEFAULT_PLAN, RetentionPlan, merged_ranges
 

@@ -3,9 +3,9 @@
 The wrapped policy plans first (``lru``, ``trtllm-default``, ``class``, ``adaptive``, ...);
 then the request's hints (the trace line's ``cache_breakpoints`` / ``prompt_cache_retention``,
 ``retention/trace.py``) go on top through the very code the gateway runs
-(:func:`retention.hint_quota.plan_with_hints`): within the request's class's hint rules and
+(:func:`retention.policy.hint_quota.plan_with_hints`): within the request's class's hint rules and
 its hint budget (the class's ``quota_fraction`` of the tenant's quota share of the GPU
-blocks, counted by a :class:`~retention.hint_quota.HintLedger`). Lines without hints are
+blocks, counted by a :class:`~retention.policy.hint_quota.HintLedger`). Lines without hints are
 planned by the wrapped policy alone, so ``X`` and ``X+hints`` differ only where hints are.
 
 Rules: with ``--classes`` each class's ``hints`` entry (absent = hints off, as in the
@@ -18,8 +18,8 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
-from retention.hint_plan import HintPolicy
-from retention.hint_quota import HintLedger, plan_with_hints
+from retention.policy.hint_plan import HintPolicy
+from retention.policy.hint_quota import HintLedger, plan_with_hints
 from retention.trace import TraceRequest
 from retention.types import RetentionPlan
 

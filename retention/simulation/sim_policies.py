@@ -11,13 +11,13 @@ shaped for it (host tier or not, offload threshold). Built-ins:
 * ``class``          — retention classes from a mapping of tenants / prefix groups to
                         system/context/turn/decode priorities and durations, through the
                         same planner the gateway uses;
-* ``adaptive``       — adaptive retention with selection (``retention/selection.py``): the
+* ``adaptive``       — adaptive retention with selection (``retention/policy/selection.py``): the
                         tenant's static class (``trtllm-default`` without ``--classes``),
                         adaptive's bands or (GPU-only pools) ``protect``, whichever wins on
                         sampled shadow pools; the same code the gateway runs for ``adaptive``
                         classes;
-* ``adaptive-bands`` — adaptive's bands alone, no selection (``retention/adaptive.py``);
-* ``protect``        — the ``protect`` candidate alone, no selection (``retention/protect.py``);
+* ``adaptive-bands`` — adaptive's bands alone, no selection (``retention/policy/adaptive.py``);
+* ``protect``        — the ``protect`` candidate alone, no selection (``retention/policy/protect.py``);
 * ``<any of these>+hints`` — the policy with the trace's client cache hints on top, within
                         the class's hint rules (``retention/simulation/hinted.py``);
 * plug-ins passed to :func:`make_policy` in a ``registry``.
@@ -33,14 +33,14 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from retention.adaptive import adaptive_policy
-from retention.hint_plan import HINTS_OFF, HintPolicy
+from retention.policy.adaptive import adaptive_policy
+from retention.policy.hint_plan import HINTS_OFF, HintPolicy
 from retention.simulation.hinted import HintedPolicy
-from retention.protect import ProtectPolicy
-from retention.selection import AdaptiveSelectPolicy
-from retention.planner import QuotaState, RetentionClassSpec, SegmentRetention, Segments, plan_retention
+from retention.policy.protect import ProtectPolicy
+from retention.policy.selection import AdaptiveSelectPolicy
+from retention.policy.planner import QuotaState, RetentionClassSpec, SegmentRetention, Segments, plan_retention
 from retention.pool import Allocation, BlockPool
-from retention.quota import QuotaTracker
+from retention.policy.quota import QuotaTracker
 from retention.trace import TraceRequest
 from retention.types import DEFAULT_PLAN, TRTLLM_DEFAULT_OFFLOAD_MIN_PRIORITY, RetentionPlan, RetentionPlanError
 
@@ -111,11 +111,11 @@ class ClassMapping:
             classes:
               premium: {system: {priority: 90}, context: {priority: 60, duration_ms: 600000},
                         turn: {priority: 40, duration_ms: 30000}, decode: {priority: 35}}
-              standard: {...,                # optional: client hints (retention/hint_plan.py)
+              standard: {...,                # optional: client hints (retention/policy/hint_plan.py)
                          hints: {enabled: true, max_ttl_ms: 3600000, max_priority: 60, quota_fraction: 0.5}}
             tenants: {acme: premium}
             prefix_groups: {0: premium}      # requests whose first hash id is 0
-            quotas: {noisy: 0.5}             # optional: share of GPU blocks (retention/quota.py)
+            quotas: {noisy: 0.5}             # optional: share of GPU blocks (retention/policy/quota.py)
             quota_hysteresis: 0.1
         """
         if not isinstance(data, Mapping):

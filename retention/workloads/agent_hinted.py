@@ -18,7 +18,7 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass, field
 
-from retention.hints import TTL_1H_MS, TTL_5M_MS
+from retention.policy.hints import TTL_1H_MS, TTL_5M_MS
 from retention.workloads.agent import AgentSpec, agent_trace
 from retention.workloads.common import IdSpace, finish, lognormal, partial, prompt_line
 

@@ -23,6 +23,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from retention.simulation.capacity import CapacityError, parse_capacity
+
 MIN_GAIN = 0.005  # half a point of hit rate
 MIN_BEND = 0.05  # the knee must lie this far above the chord (both axes scaled to [0, 1])
 MIN_REUSES = 20
@@ -194,9 +196,7 @@ def verdict(lru: float, replayed: dict[str, float], ceiling: float, kind: str) -
 
 def _capacity(text: str, distinct: int) -> int:
     """``--gpu`` as ``kvgate simulate -c`` reads it (one parser for both commands)."""
-    from server.cli.simulate import CliError, parse_capacity
-
     try:
         return parse_capacity(text, distinct)
-    except CliError as exc:
+    except CapacityError as exc:
         raise ValueError(f"--gpu: {exc}") from None

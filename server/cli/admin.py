@@ -7,102 +7,29 @@ Output is JSON on stdout; errors are the admin error shape on stderr with exit c
 
 from __future__ import annotations
 
-import getpass
 import importlib
-import json
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
-from datetime import UTC, datetime
 from typing import Annotated, Any
 
 import typer
 
-Sets = Annotated[list[str] | None, typer.Option("--set", help="field=value (value parsed as JSON, else a string)")]
-Limit = Annotated[int, typer.Option(help="page size 1..500")]
-Offset = Annotated[int, typer.Option(help="rows to skip")]
-PoolArg = Annotated[str, typer.Argument(metavar="POOL", help="pool id or name")]
-ReplicaName = Annotated[str, typer.Argument(metavar="NAME", help="replica name")]
-OptVersion = Annotated[int | None, typer.Option(help="optional: fail unless this is the current version")]
-
-
-def _parse_sets(items: list[str] | None) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for item in items or []:
-        key, sep, raw = item.partition("=")
-        if not sep or not key:
-            _fail(2, "invalid_value", f"--set expects field=value, got {item!r}", "--set")
-        try:
-            out[key] = json.loads(raw)
-        except json.JSONDecodeError:
-            out[key] = raw
-    return out
-
-
-class _Lazy:
-    """A module imported on first attribute access (keeps ``kvgate --help`` fast)."""
-
-    def __init__(self, path: str) -> None:
-        self._path = path
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(importlib.import_module(self._path), name)
-
-
-def _body(schema: Any, **values: Any) -> Any:
-    """Validate CLI input exactly as the API validates a JSON request body."""
-    return schema.model_validate_json(json.dumps(values))
-
-
-def _fail(exit_code: int, code: str, message: str, field: str | None = None) -> None:
-    typer.echo(json.dumps({"error": {"code": code, "message": message, "field": field}}), err=True)
-    raise typer.Exit(exit_code)
-
-
-def _print(value: Any) -> None:
-    typer.echo(json.dumps(value, indent=2, default=str))
-
-
-@contextmanager
-def _session() -> Iterator[Any]:
-    """A registry session from settings; registry/validation errors become CLI errors."""
-    from pydantic import ValidationError
-    from sqlalchemy.exc import OperationalError
-
-    from server.settings import Settings
-    from tenants.db import make_engine, make_session_factory
-    from tenants.errors import RegistryError
-
-    engine = make_engine(Settings().database_url)
-    try:
-        with make_session_factory(engine)() as session:
-            yield session
-    except RegistryError as exc:
-        _fail(1, exc.code, exc.message, exc.field)
-    except ValidationError as exc:
-        first = exc.errors()[0]
-        field = ".".join(str(p) for p in first["loc"]) or None
-        _fail(2, "invalid_value", f"{field}: {first['msg']}", field)
-    except OperationalError as exc:
-        _fail(1, "database_unavailable", f"database error: {type(exc.orig).__name__}: {exc.orig}")
-    finally:
-        engine.dispose()
-
-
-def _actor() -> str:
-    try:
-        return f"cli:{getpass.getuser()}"
-    except Exception:  # noqa: BLE001 - no user database entry in some containers
-        return "cli:unknown"
-
-
-def _now() -> datetime:
-    return datetime.now(UTC)
-
-
-def _page(schema: Any, result: Any, convert: Callable[[Any], Any] | None = None) -> dict[str, Any]:
-    items = [convert(r) if convert else schema.model_validate(r).model_dump(mode="json") for r in result.items]
-    return {"items": items, "total": result.total, "limit": result.limit, "offset": result.offset}
-
+from server.cli import slo  # its own module: the SLO guard's budget
+from server.cli.options import (
+    Lazy,
+    Limit,
+    Offset,
+    OptVersion,
+    PoolArg,
+    ReplicaName,
+    Sets,
+    cli_actor,
+    fail,
+    page_of,
+    parse_sets,
+    print_json,
+    registry_session,
+    utc_now,
+    validate_body,
+)
 
 def _crud(
     parent: typer.Typer,
@@ -135,40 +62,40 @@ def _crud(
 
     @group.command("list")
     def list_(limit: Limit = 50, offset: Offset = 0) -> None:
-        with _session() as s:
-            _print(_page(sc("Public"), svc(list_fn)(s, limit=limit, offset=offset)))
+        with registry_session() as s:
+            print_json(page_of(sc("Public"), svc(list_fn)(s, limit=limit, offset=offset)))
 
     @group.command()
     def show(ref: str) -> None:
-        with _session() as s:
-            _print(sc("Public").model_validate(svc(get_fn)(s, ref=ref)).model_dump(mode="json"))
+        with registry_session() as s:
+            print_json(sc("Public").model_validate(svc(get_fn)(s, ref=ref)).model_dump(mode="json"))
 
     @group.command(help=f"Create; required --set fields: {', '.join(required) or 'none'} (plus NAME).")
     def create(name_: Annotated[str, typer.Argument(metavar="NAME")], set_: Sets = None) -> None:
-        with _session() as s:
-            body = _body(sc("Create"), name=name_, **_parse_sets(set_))
-            row = svc(create_fn)(s, actor=_actor(), now=_now(), **body.model_dump())
-            _print(sc("Public").model_validate(row).model_dump(mode="json"))
+        with registry_session() as s:
+            body = validate_body(sc("Create"), name=name_, **parse_sets(set_))
+            row = svc(create_fn)(s, actor=cli_actor(), now=utc_now(), **body.model_dump())
+            print_json(sc("Public").model_validate(row).model_dump(mode="json"))
 
     @group.command()
     def update(ref: str, version: Annotated[int, typer.Option(help="current version")], set_: Sets = None) -> None:
-        with _session() as s:
-            body = _body(sc("Update"), version=version, **_parse_sets(set_))
+        with registry_session() as s:
+            body = validate_body(sc("Update"), version=version, **parse_sets(set_))
             row = svc(update_fn)(
                 s,
-                actor=_actor(),
-                now=_now(),
+                actor=cli_actor(),
+                now=utc_now(),
                 ref=ref,
                 version=version,
                 changes=body.model_dump(exclude_unset=True, exclude={"version"}),
             )
-            _print(sc("Public").model_validate(row).model_dump(mode="json"))
+            print_json(sc("Public").model_validate(row).model_dump(mode="json"))
 
     @group.command()
     def delete(ref: str) -> None:
-        with _session() as s:
-            svc(delete_fn)(s, actor=_actor(), now=_now(), ref=ref)
-            _print({"deleted": ref})
+        with registry_session() as s:
+            svc(delete_fn)(s, actor=cli_actor(), now=utc_now(), ref=ref)
+            print_json({"deleted": ref})
 
     return group
 
@@ -207,7 +134,6 @@ def register(app: typer.Typer) -> None:
     _register_replicas(admin)
     _register_tenants(admin)
     _register_keys(admin)
-    from server.cli import slo  # its own module: the SLO guard's budget
 
     slo.register(admin)
 
@@ -233,23 +159,23 @@ def register(app: typer.Typer) -> None:
         from tenants.declarative import apply_registry, load_registry
         from tenants.errors import InvalidField
 
-        who = _actor() if actor is None else actor
+        who = cli_actor() if actor is None else actor
         if not who.strip() or len(who) > 128:
-            _fail(2, "invalid_value", "--actor must be 1-128 characters", "--actor")
+            fail(2, "invalid_value", "--actor must be 1-128 characters", "--actor")
         try:
             text = sys.stdin.read() if file == "-" else Path(file).read_text(encoding="utf-8")
         except (OSError, UnicodeDecodeError) as exc:
-            _fail(2, "invalid_file", f"cannot read {file}: {exc}", "--file")
+            fail(2, "invalid_file", f"cannot read {file}: {exc}", "--file")
         try:
             doc = load_registry(text, source=file)
         except InvalidField as exc:
-            _fail(2, exc.code, exc.message, exc.field)
+            fail(2, exc.code, exc.message, exc.field)
         _require_current_schema()
-        with _session() as s:
+        with registry_session() as s:
             try:
-                plan = apply_registry(s, doc, actor=who, now=_now(), prune=prune, dry_run=dry_run)
+                plan = apply_registry(s, doc, actor=who, now=utc_now(), prune=prune, dry_run=dry_run)
             except InvalidField as exc:
-                _fail(2, exc.code, exc.message, exc.field)
+                fail(2, exc.code, exc.message, exc.field)
             typer.echo(plan.render())
             if dry_run:
                 typer.echo("dry run: nothing written")
@@ -268,9 +194,9 @@ def register(app: typer.Typer) -> None:
         from server.admin import schemas as sc
         from tenants import audit as audit_log
 
-        with _session() as s:
-            _print(
-                _page(
+        with registry_session() as s:
+            print_json(
+                page_of(
                     sc.AuditEventPublic,
                     audit_log.list_events(
                         s, limit=limit, offset=offset, entity_type=entity_type, entity_id=entity_id, action=action
@@ -280,23 +206,23 @@ def register(app: typer.Typer) -> None:
 
 
 def _register_replicas(admin: typer.Typer) -> None:
-    sc = _Lazy("server.admin.schemas")
-    svc = _Lazy("tenants.replicas")
+    sc = Lazy("server.admin.schemas")
+    svc = Lazy("tenants.replicas")
 
     group = typer.Typer(no_args_is_help=True, help="A pool's engine replicas (endpoints).")
     admin.add_typer(group, name="replicas")
 
     def out(row: Any) -> None:
-        _print(sc.ReplicaPublic.model_validate(row).model_dump(mode="json"))
+        print_json(sc.ReplicaPublic.model_validate(row).model_dump(mode="json"))
 
     @group.command("list")
     def list_(pool: PoolArg) -> None:
-        with _session() as s:
-            _print([sc.ReplicaPublic.model_validate(r).model_dump(mode="json") for r in svc.list_replicas(s, pool=pool)])
+        with registry_session() as s:
+            print_json([sc.ReplicaPublic.model_validate(r).model_dump(mode="json") for r in svc.list_replicas(s, pool=pool)])
 
     @group.command()
     def show(pool: PoolArg, name: ReplicaName) -> None:
-        with _session() as s:
+        with registry_session() as s:
             out(svc.get_replica(s, pool=pool, name=name))
 
     @group.command()
@@ -308,24 +234,24 @@ def _register_replicas(admin: typer.Typer) -> None:
         state: Annotated[str, typer.Option(help="active|draining|disabled")] = "active",
     ) -> None:
         """Add a replica to POOL."""
-        with _session() as s:
-            body = _body(sc.ReplicaCreate, name=name, endpoint=endpoint, weight=weight, state=state)
-            out(svc.add_replica(s, actor=_actor(), now=_now(), pool=pool, **body.model_dump()))
+        with registry_session() as s:
+            body = validate_body(sc.ReplicaCreate, name=name, endpoint=endpoint, weight=weight, state=state)
+            out(svc.add_replica(s, actor=cli_actor(), now=utc_now(), pool=pool, **body.model_dump()))
 
     @group.command(help="Change endpoint, weight and/or state: --set endpoint=h:p --set weight=2.")
     def update(
         pool: PoolArg, name: ReplicaName, version: Annotated[int, typer.Option(help="current version")], set_: Sets = None
     ) -> None:
-        with _session() as s:
-            body = _body(sc.ReplicaUpdate, version=version, **_parse_sets(set_))
+        with registry_session() as s:
+            body = validate_body(sc.ReplicaUpdate, version=version, **parse_sets(set_))
             changes = body.model_dump(exclude_unset=True, exclude={"version"})
-            out(svc.update_replica(s, actor=_actor(), now=_now(), pool=pool, name=name, version=version,
+            out(svc.update_replica(s, actor=cli_actor(), now=utc_now(), pool=pool, name=name, version=version,
                                    changes=changes))
 
     def state_command(command: str, state: str, doc: str) -> None:
         def change(pool: PoolArg, name: ReplicaName, version: OptVersion = None) -> None:
-            with _session() as s:
-                out(svc.set_state(s, actor=_actor(), now=_now(), pool=pool, name=name, state=state, version=version))
+            with registry_session() as s:
+                out(svc.set_state(s, actor=cli_actor(), now=utc_now(), pool=pool, name=name, state=state, version=version))
 
         change.__doc__ = doc
         group.command(command)(change)
@@ -337,9 +263,9 @@ def _register_replicas(admin: typer.Typer) -> None:
     @group.command()
     def remove(pool: PoolArg, name: ReplicaName) -> None:
         """Remove a replica (a pool's last replica cannot be removed)."""
-        with _session() as s:
-            svc.remove_replica(s, actor=_actor(), now=_now(), pool=pool, name=name)
-            _print({"removed": name, "pool": pool})
+        with registry_session() as s:
+            svc.remove_replica(s, actor=cli_actor(), now=utc_now(), pool=pool, name=name)
+            print_json({"removed": name, "pool": pool})
 
 
 def _require_current_schema() -> None:
@@ -352,9 +278,9 @@ def _require_current_schema() -> None:
     try:
         current, head = migrate.current(url=Settings().database_url), migrate.head()
     except SQLAlchemyError as exc:
-        _fail(1, "database_unavailable", f"database error: {type(exc).__name__}: {exc}")
+        fail(1, "database_unavailable", f"database error: {type(exc).__name__}: {exc}")
     if current != head:
-        _fail(1, "schema_not_current", f"the registry schema is at {current or 'base'}, this kvgate needs {head}: "
+        fail(1, "schema_not_current", f"the registry schema is at {current or 'base'}, this kvgate needs {head}: "
               "run `kvgate db upgrade` first")
 
 
@@ -365,8 +291,8 @@ def _tenant_json(session: Any, tenant: Any) -> dict[str, Any]:
 
 
 def _register_tenants(admin: typer.Typer) -> None:
-    sc = _Lazy("server.admin.schemas")
-    svc = _Lazy("tenants.tenant")
+    sc = Lazy("server.admin.schemas")
+    svc = Lazy("tenants.tenant")
 
     group = typer.Typer(no_args_is_help=True, help="Tenants.")
     admin.add_typer(group, name="tenants")
@@ -379,16 +305,16 @@ def _register_tenants(admin: typer.Typer) -> None:
     ) -> None:
         from server.admin.tenants import tenant_publics
 
-        with _session() as s:
+        with registry_session() as s:
             result = svc.list_tenants(s, limit=limit, offset=offset, status=status)
             items = [p.model_dump(mode="json") for p in tenant_publics(s, list(result.items))]
-            _print({"items": items, "total": result.total, "limit": result.limit, "offset": result.offset})
+            print_json({"items": items, "total": result.total, "limit": result.limit, "offset": result.offset})
 
     @group.command()
     def show(ref: str) -> None:
         """A tenant with its computed retention view (host vs dropped per segment)."""
-        with _session() as s:
-            _print(_tenant_json(s, svc.get_tenant(s, ref=ref)))
+        with registry_session() as s:
+            print_json(_tenant_json(s, svc.get_tenant(s, ref=ref)))
 
     @group.command(help="Create a tenant; other fields (isolation, limits, kv_quota_fraction) via --set.")
     def create(
@@ -398,52 +324,52 @@ def _register_tenants(admin: typer.Typer) -> None:
         display_name: Annotated[str | None, typer.Option()] = None,
         set_: Sets = None,
     ) -> None:
-        with _session() as s:
-            body = _body(
+        with registry_session() as s:
+            body = validate_body(
                 sc.TenantCreate,
                 slug=slug,
                 display_name=display_name or slug,
                 pool=pool,
                 retention_class=retention_class,
-                **_parse_sets(set_),
+                **parse_sets(set_),
             )
-            _print(_tenant_json(s, svc.create_tenant(s, actor=_actor(), now=_now(), **body.model_dump())))
+            print_json(_tenant_json(s, svc.create_tenant(s, actor=cli_actor(), now=utc_now(), **body.model_dump())))
 
     @group.command()
     def update(ref: str, version: Annotated[int, typer.Option(help="current version")], set_: Sets = None) -> None:
-        with _session() as s:
-            body = _body(sc.TenantUpdate, version=version, **_parse_sets(set_))
+        with registry_session() as s:
+            body = validate_body(sc.TenantUpdate, version=version, **parse_sets(set_))
             tenant = svc.update_tenant(
                 s,
-                actor=_actor(),
-                now=_now(),
+                actor=cli_actor(),
+                now=utc_now(),
                 ref=ref,
                 version=version,
                 changes=body.model_dump(exclude_unset=True, exclude={"version"}),
             )
-            _print(_tenant_json(s, tenant))
+            print_json(_tenant_json(s, tenant))
 
     @group.command()
     def suspend(ref: str) -> None:
-        with _session() as s:
-            _print(_tenant_json(s, svc.suspend_tenant(s, actor=_actor(), now=_now(), ref=ref)))
+        with registry_session() as s:
+            print_json(_tenant_json(s, svc.suspend_tenant(s, actor=cli_actor(), now=utc_now(), ref=ref)))
 
     @group.command()
     def resume(ref: str) -> None:
-        with _session() as s:
-            _print(_tenant_json(s, svc.resume_tenant(s, actor=_actor(), now=_now(), ref=ref)))
+        with registry_session() as s:
+            print_json(_tenant_json(s, svc.resume_tenant(s, actor=cli_actor(), now=utc_now(), ref=ref)))
 
     @group.command()
     def delete(ref: str) -> None:
-        with _session() as s:
-            svc.delete_tenant(s, actor=_actor(), now=_now(), ref=ref)
-            _print({"deleted": ref})
+        with registry_session() as s:
+            svc.delete_tenant(s, actor=cli_actor(), now=utc_now(), ref=ref)
+            print_json({"deleted": ref})
 
 
 def _register_keys(admin: typer.Typer) -> None:
-    sc = _Lazy("server.admin.schemas")
-    svc = _Lazy("tenants.keys")
-    settings_module = _Lazy("server.settings")
+    sc = Lazy("server.admin.schemas")
+    svc = Lazy("tenants.keys")
+    settings_module = Lazy("server.settings")
 
     group = typer.Typer(no_args_is_help=True, help="A tenant's API keys.")
     admin.add_typer(group, name="keys")
@@ -458,21 +384,21 @@ def _register_keys(admin: typer.Typer) -> None:
         settings = settings_module.Settings()
         pepper = settings.effective_key_pepper()
         if not pepper:
-            _fail(1, "no_pepper", "set KVGATE_KEY_PEPPER (or KVGATE_DEV=1 for the dev pepper)", "pepper")
-        with _session() as s:
-            body = _body(sc.ApiKeyCreate, name=name, expires_at=expires_at)
+            fail(1, "no_pepper", "set KVGATE_KEY_PEPPER (or KVGATE_DEV=1 for the dev pepper)", "pepper")
+        with registry_session() as s:
+            body = validate_body(sc.ApiKeyCreate, name=name, expires_at=expires_at)
             row, plaintext = svc.create_key(
-                s, actor=_actor(), now=_now(), tenant=tenant, name=body.name, expires_at=body.expires_at, pepper=pepper
+                s, actor=cli_actor(), now=utc_now(), tenant=tenant, name=body.name, expires_at=body.expires_at, pepper=pepper
             )
-            _print({**sc.ApiKeyPublic.model_validate(row).model_dump(mode="json"), "key": plaintext})
+            print_json({**sc.ApiKeyPublic.model_validate(row).model_dump(mode="json"), "key": plaintext})
 
     @group.command("list")
     def list_(tenant: str, limit: Limit = 50, offset: Offset = 0) -> None:
-        with _session() as s:
-            _print(_page(sc.ApiKeyPublic, svc.list_keys(s, tenant=tenant, limit=limit, offset=offset)))
+        with registry_session() as s:
+            print_json(page_of(sc.ApiKeyPublic, svc.list_keys(s, tenant=tenant, limit=limit, offset=offset)))
 
     @group.command()
     def revoke(tenant: str, key_id: int) -> None:
-        with _session() as s:
-            row = svc.revoke_key(s, actor=_actor(), now=_now(), tenant=tenant, key_id=key_id)
-            _print(sc.ApiKeyPublic.model_validate(row).model_dump(mode="json"))
+        with registry_session() as s:
+            row = svc.revoke_key(s, actor=cli_actor(), now=utc_now(), tenant=tenant, key_id=key_id)
+            print_json(sc.ApiKeyPublic.model_validate(row).model_dump(mode="json"))

@@ -20,49 +20,13 @@ one pool with N× the capacity.
 from __future__ import annotations
 
 import json
-import math
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated
 
 import typer
 
-
-class CliError(ValueError):
-    pass
-
-
-def parse_capacity(text: str, distinct_pool_blocks: int) -> int:
-    """``"439"`` → 439 blocks; ``"1%"`` → 1 % of the distinct blocks (at least 1)."""
-    raw = text.strip()
-    try:
-        if raw.endswith("%"):
-            share = float(raw[:-1])
-            if not math.isfinite(share) or share <= 0:
-                raise ValueError
-            return max(1, round(distinct_pool_blocks * share / 100.0))
-        value = int(raw)
-    except ValueError:
-        raise CliError(f"capacity {text!r} must be a positive block count or a percentage like 2%") from None
-    if value < 1:
-        raise CliError(f"capacity {text!r} must be >= 1 block")
-    return value
-
-
-def parse_host(text: str) -> Any:
-    """``"4x"`` → 4 × GPU; ``"1756"`` → fixed blocks; ``"0"`` → no host tier."""
-    raw = text.strip().lower()
-    try:
-        if raw.endswith("x"):
-            factor = float(raw[:-1])
-            if not math.isfinite(factor) or factor < 0:
-                raise ValueError
-            return lambda gpu: round(gpu * factor)
-        blocks = int(raw)
-        if blocks < 0:
-            raise ValueError
-    except ValueError:
-        raise CliError(f"--host {text!r} must be a block count or a multiple like 4x") from None
-    return lambda gpu: blocks
+from retention.simulation.capacity import parse_capacity, parse_host
+from server.cli.options import CliError
 
 
 def register(app: typer.Typer) -> None:
@@ -109,6 +73,7 @@ def register(app: typer.Typer) -> None:
         from retention.simulation.sim_policies import ClassMapping, ClassMappingError, make_policy
         from retention.simulation.simulator import SimConfig, run_simulation
         from retention.trace import TraceError, distinct_blocks, parse_trace, trace_block_size
+        from server.cli.simulate_replicas import cluster_configs, run_replicas  # heavy: kept out of --help
 
         try:
             if not trace.is_file():
@@ -117,8 +82,6 @@ def register(app: typer.Typer) -> None:
                 raise CliError("--hold must be 'none' or 'tokens'")
             if limit is not None and limit < 1:
                 raise CliError("--limit must be >= 1")
-            from server.cli.simulate_replicas import cluster_configs
-
             clusters = cluster_configs(
                 replicas, router, index=index, ttl=ttl, cost=cost, temperature=temperature, seed=seed
             )
@@ -159,8 +122,6 @@ def register(app: typer.Typer) -> None:
             raise typer.Exit(2) from None
 
         if clusters:
-            from server.cli.simulate_replicas import run_replicas
-
             run_replicas(
                 requests, names, clusters, gpu_caps, host_blocks=host_blocks, config=config, mapping=mapping,
                 block_size=block_size, as_json=as_json, progress=progress, trace=str(trace), distinct=distinct,

@@ -19,7 +19,7 @@ from retention.simulation.cluster_sim import ClusterConfig, ClusterReport, compa
 from retention.routing import ROUTER_NAMES, CostModel, RoutingError
 from retention.simulation.simulator import SimConfig
 from retention.trace import TraceRequest
-from server.cli.simulate import CliError
+from server.cli.options import CliError
 
 
 def cluster_configs(

@@ -11,22 +11,22 @@ from typing import Any
 
 import typer
 
-from server.cli.admin import OptVersion, PoolArg, Sets, _actor, _body, _Lazy, _now, _parse_sets, _print, _session
+from server.cli.options import Lazy, OptVersion, PoolArg, Sets, cli_actor, parse_sets, print_json, registry_session, utc_now, validate_body
 
 
 def register(admin: typer.Typer) -> None:
-    api = _Lazy("server.admin.slo")
-    svc = _Lazy("tenants.slo")
+    api = Lazy("server.admin.slo")
+    svc = Lazy("tenants.slo")
     group = typer.Typer(no_args_is_help=True, help="A pool's SLO budget (p99 TTFT / inter-token latency guard).")
     admin.add_typer(group, name="slo")
 
     def out(row: Any) -> None:
-        _print(api.SloBudgetPublic.model_validate(row).model_dump(mode="json"))
+        print_json(api.SloBudgetPublic.model_validate(row).model_dump(mode="json"))
 
     @group.command()
     def show(pool: PoolArg) -> None:
         """Show POOL's budget."""
-        with _session() as s:
+        with registry_session() as s:
             out(svc.get_budget(s, pool=pool))
 
     @group.command("set", help=(
@@ -34,14 +34,14 @@ def register(admin: typer.Typer) -> None:
         "--set itl_p99_ms=60 --set window_seconds=60 --set min_requests=20 --set cooldown_seconds=300 "
         "--set hysteresis=0.2 --set enabled=true --set pilot_fraction=1.0"))
     def set_(pool: PoolArg, set_: Sets = None, version: OptVersion = None) -> None:
-        with _session() as s:
-            body = _body(api.SloBudgetSet, **_parse_sets(set_), version=version)
-            out(svc.set_budget(s, actor=_actor(), now=_now(), pool=pool, values=body.model_dump(exclude={"version"}),
+        with registry_session() as s:
+            body = validate_body(api.SloBudgetSet, **parse_sets(set_), version=version)
+            out(svc.set_budget(s, actor=cli_actor(), now=utc_now(), pool=pool, values=body.model_dump(exclude={"version"}),
                                version=body.version))
 
     @group.command()
     def delete(pool: PoolArg) -> None:
         """Remove POOL's budget (the guard is off; a tripped guard restores the tier)."""
-        with _session() as s:
-            svc.delete_budget(s, actor=_actor(), now=_now(), pool=pool)
-            _print({"deleted": "slo", "pool": pool})
+        with registry_session() as s:
+            svc.delete_budget(s, actor=cli_actor(), now=utc_now(), pool=pool)
+            print_json({"deleted": "slo", "pool": pool})

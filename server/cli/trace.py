@@ -21,12 +21,13 @@ from typing import Annotated
 
 import typer
 
+from server.cli.options import PoolArg, cli_actor, fail, print_json, registry_session, utc_now, validate_body
+
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "B": 1, "K": 10**3, "KB": 10**3, "KIB": 2**10, "M": 10**6, "MB": 10**6, "MIB": 2**20,
           "G": 10**9, "GB": 10**9, "GIB": 2**30, "T": 10**12, "TB": 10**12, "TIB": 2**40}
 
 
-PoolArg = Annotated[str, typer.Argument(metavar="POOL", help="pool id or name")]
 CaptureId = Annotated[int, typer.Argument(metavar="ID", help="capture id")]
 
 
@@ -116,36 +117,33 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         """Start capturing POOL's requests (every gateway picks it up within seconds)."""
         from server.admin.captures import CaptureCreate
-        from server.cli.admin import _actor, _body, _fail, _now, _print, _session
         from tenants import captures
 
         try:
             size = parse_size(max_bytes)
         except ExportError as exc:
-            _fail(2, "invalid_value", str(exc), "max_bytes")
-        with _session() as s:
-            body = _body(CaptureCreate, sample_rate=sample_rate, max_bytes=size, tenant=tenant)
-            row = captures.start_capture(s, actor=_actor(), now=_now(), pool=pool, **body.model_dump())
-            _print(captures.capture_public(row, s))
+            fail(2, "invalid_value", str(exc), "max_bytes")
+        with registry_session() as s:
+            body = validate_body(CaptureCreate, sample_rate=sample_rate, max_bytes=size, tenant=tenant)
+            row = captures.start_capture(s, actor=cli_actor(), now=utc_now(), pool=pool, **body.model_dump())
+            print_json(captures.capture_public(row, s))
 
     @group.command()
     def stop(pool: PoolArg, capture_id: Annotated[int, typer.Argument(metavar="ID", help="capture id")]) -> None:
         """Stop a capture."""
-        from server.cli.admin import _actor, _now, _print, _session
         from tenants import captures
 
-        with _session() as s:
-            _print(captures.capture_public(captures.stop_capture(s, actor=_actor(), now=_now(), pool=pool,
+        with registry_session() as s:
+            print_json(captures.capture_public(captures.stop_capture(s, actor=cli_actor(), now=utc_now(), pool=pool,
                                                                  capture_id=capture_id), s))
 
     @group.command("list")
     def list_(pool: PoolArg) -> None:
         """The pool's captures, newest first."""
-        from server.cli.admin import _print, _session
         from tenants import captures
 
-        with _session() as s:
-            _print([captures.capture_public(r, s) for r in captures.list_captures(s, pool=pool)])
+        with registry_session() as s:
+            print_json([captures.capture_public(r, s) for r in captures.list_captures(s, pool=pool)])
 
     @group.command()
     def export(

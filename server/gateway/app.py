@@ -28,9 +28,9 @@ from server.gateway.drain import InFlight
 from server.gateway.errors import ServingError, error_response, validation_error
 from server.gateway.replicas.pool_monitor import TenantQuota
 from server.gateway.api import messages_render
-from server.gateway.api.messages import PATH_PREFIX as MESSAGES_PREFIX
-from server.gateway.api.messages import router as messages_router
-from server.gateway.api.routes import router
+from server.gateway.messages_routes import PATH_PREFIX as MESSAGES_PREFIX
+from server.gateway.messages_routes import router as messages_router
+from server.gateway.routes import router
 from server.gateway.services import GatewayServices
 from tenants.auth import list_active_tenants_for_pool, list_pool_snapshots
 from tenants.snapshots import PoolSnapshot

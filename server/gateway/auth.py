@@ -34,7 +34,7 @@ import anyio
 from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import Session
 
-from retention.planner import RetentionClassSpec
+from retention.policy.planner import RetentionClassSpec
 from server.gateway.admission import Limits
 from server.gateway.context import TenantContext
 from server.gateway.errors import ServingError

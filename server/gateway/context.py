@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from retention.hint_plan import HINTS_OFF, HintPolicy
-from retention.planner import RetentionClassSpec
+from retention.policy.hint_plan import HINTS_OFF, HintPolicy
+from retention.policy.planner import RetentionClassSpec
 from server.gateway.admission import Limits
 from tenants.snapshots import PoolSnapshot
 
@@ -26,9 +26,9 @@ class TenantContext:
     pool: PoolSnapshot
     retention: RetentionClassSpec
     key_id: int
-    retention_mode: str = "static"  # static | adaptive (retention/adaptive.py)
+    retention_mode: str = "static"  # static | adaptive (retention/policy/adaptive.py)
     retention_class: str = ""  # the class's name (trace capture lines carry it)
-    hints: HintPolicy = HINTS_OFF  # the class's rules for client cache hints (retention/hint_plan.py)
+    hints: HintPolicy = HINTS_OFF  # the class's rules for client cache hints (retention/policy/hint_plan.py)
 
     @property
     def engine_tenant_id(self) -> str:

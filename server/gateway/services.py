@@ -16,12 +16,13 @@ from pathlib import Path
 
 from prometheus_client import CollectorRegistry
 
-from retention.adaptive import AdaptiveConfig
-from retention.selection import AdaptiveSelector
+from retention.policy.adaptive import AdaptiveConfig
+from retention.policy.selection import AdaptiveSelector
 from server.gateway.admission import Admission
 from server.gateway.auth import KeyAuthenticator
 from server.gateway.observe.capture import TraceCaptures
 from server.gateway.api.completions import CompletionRunner
+from server.gateway.api.prompting import ChatPrompter
 from server.gateway.replicas.engines import EngineDirectory
 from server.gateway.observe.metrics import GatewayMetrics
 from server.gateway.observe.miss_ratio import MissRatioCollector, MissRatioCurves
@@ -47,7 +48,7 @@ class LoopIntervals:
 class GatewayServices:
     auth: KeyAuthenticator
     admission: Admission
-    engines: EngineDirectory
+    engines: EngineDirectory[ChatPrompter]
     usage: UsageRecorder
     monitor: PoolMonitor
     registry: CollectorRegistry
@@ -119,7 +120,7 @@ def build_gateway_services(*, session_factory, pepper: str, tokenizer_for, admis
                            intervals: LoopIntervals | None = None, adaptive_max_entries: int = 100_000,
                            mrc_sample_rate: float = 0.01, trace_dir: Path | None = None,
                            routing: RoutingConfig | None = None) -> GatewayServices:
-    engines = EngineDirectory(tokenizer_for)
+    engines: EngineDirectory[ChatPrompter] = EngineDirectory(lambda pool: ChatPrompter(tokenizer_for(pool)))
     selectors: dict[str, AdaptiveSelector] = {}
 
     def selector_for(pool: PoolSnapshot) -> AdaptiveSelector:

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from retention.adaptive import AdaptiveConfig, ReuseStats, adaptive_plan, priority_for
+from retention.policy.adaptive import AdaptiveConfig, ReuseStats, adaptive_plan, priority_for
 from retention.hashing import block_hashes
 from retention.simulation.sim_policies import make_policy
 from retention.simulation.simulator import simulate

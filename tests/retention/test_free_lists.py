@@ -4,8 +4,8 @@ import random
 
 import pytest
 
-from retention.blocks import Block
-from retention.free_lists import FreeList, TierFreeLists
+from retention.pool.blocks import Block
+from retention.pool.free_lists import FreeList, TierFreeLists
 from retention.types import Tier
 
 

@@ -6,10 +6,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from retention.hint_plan import HintPolicy, HintSpan, apply_hints, hint_spans
-from retention.hint_quota import HintLedger, plan_with_hints
-from retention.hints import TTL_1H_MS, TTL_5M_MS, Breakpoint, CacheHints
-from retention.planner import QuotaState, RetentionClassSpec, SegmentRetention, Segments, plan_retention
+from retention.policy.hint_plan import HintPolicy, HintSpan, apply_hints, hint_spans
+from retention.policy.hint_quota import HintLedger, plan_with_hints
+from retention.policy.hints import TTL_1H_MS, TTL_5M_MS, Breakpoint, CacheHints
+from retention.policy.planner import QuotaState, RetentionClassSpec, SegmentRetention, Segments, plan_retention
 from retention.types import RetentionPlan, RetentionPlanError, TokenRange
 
 CLASS = RetentionClassSpec(SegmentRetention(90, None), SegmentRetention(60, 600_000), SegmentRetention(35, 30_000),

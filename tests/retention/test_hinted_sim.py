@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from retention.hints import TTL_1H_MS, Breakpoint, CacheHints
+from retention.policy.hints import TTL_1H_MS, Breakpoint, CacheHints
 from retention.simulation.sim_policies import ClassMapping, ClassMappingError, make_policy
 from retention.simulation.simulator import SimConfig, simulate
 from retention.trace import TraceError, hint_fields, parse_trace

@@ -4,7 +4,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from retention.planner import (
+from retention.policy.planner import (
     QuotaState,
     RetentionClassSpec,
     SegmentRetention,
@@ -75,7 +75,7 @@ def test_offload_threshold_is_inclusive() -> None:
 
 
 def test_demote_matches_over_quota_planning() -> None:
-    from retention.planner import demote
+    from retention.policy.planner import demote
 
     normal = plan_retention(PREMIUM, Segments(100, 300, 350), offload_min_priority=30)
     over = plan_retention(PREMIUM, Segments(100, 300, 350), offload_min_priority=30, quota=QuotaState(over_quota=True))

@@ -7,8 +7,8 @@ import random
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from retention.blocks import Block
-from retention.events import RemovedEvent, StoredEvent, UpdatedEvent, replay
+from retention.pool.blocks import Block
+from retention.pool.events import RemovedEvent, StoredEvent, UpdatedEvent, replay
 from retention.pool import BlockPool, PoolConfig
 from retention.types import RetentionPlan, Tier, TokenRange
 

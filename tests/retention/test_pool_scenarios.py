@@ -1,4 +1,4 @@
-"""One scenario per documented pool behaviour (DESIGN §4, retention/pool.py docstring)."""
+"""One scenario per documented pool behaviour (DESIGN §4, retention/pool/block_pool.py docstring)."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ import hashlib
 
 import pytest
 
-import retention.pool as pool_module
-from retention.events import RemovedEvent, StoredEvent, UpdatedEvent, replay
+import retention.pool.block_pool as pool_module
+from retention.pool.events import RemovedEvent, StoredEvent, UpdatedEvent, replay
 from retention.pool import BlockCopy, BlockPool, PoolConfig, PoolError
 from retention.types import DEFAULT_PLAN, RetentionPlan, Tier, TokenRange
 

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from retention.protect import ConversationTracker, ProtectConfig, ProtectPolicy, protect_plan, protect_priorities
+from retention.policy.protect import ConversationTracker, ProtectConfig, ProtectPolicy, protect_plan, protect_priorities
 from retention.simulation.sim_policies import make_policy
 from retention.simulation.simulator import SimConfig, simulate
 from retention.trace import parse_trace

@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import pytest
 
-from retention.quota import QuotaError, QuotaTracker
+from retention.policy.quota import QuotaError, QuotaTracker
 
 
 def test_demotes_above_high_and_restores_only_below_low() -> None:
@@ -52,7 +52,7 @@ def test_invalid_configuration_is_named(kwargs, message) -> None:
 
 def test_demotion_stops_once_back_under_quota_in_the_pool() -> None:
     """End to end with the pool and planner: demoted while over, undemoted once under."""
-    from retention.planner import RetentionClassSpec, SegmentRetention, Segments, plan_retention
+    from retention.policy.planner import RetentionClassSpec, SegmentRetention, Segments, plan_retention
     from retention.pool import BlockPool, PoolConfig
 
     pool = BlockPool(PoolConfig(primary_blocks=10, tokens_per_block=4))

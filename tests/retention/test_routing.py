@@ -7,7 +7,7 @@ from collections import Counter
 
 import pytest
 
-from retention.events import CreatedEvent, RemovedEvent, StoredBlock, StoredEvent, UpdatedEvent
+from retention.pool.events import CreatedEvent, RemovedEvent, StoredBlock, StoredEvent, UpdatedEvent
 from retention.hashing import block_hashes
 from retention.pool import BlockPool, PoolConfig
 from retention.routing import (

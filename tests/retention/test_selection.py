@@ -6,9 +6,9 @@ import json
 
 import pytest
 
-from retention.adaptive import AdaptiveConfig, priority_for
+from retention.policy.adaptive import AdaptiveConfig, priority_for
 from retention.pool import BlockPool, PoolConfig
-from retention.selection import AdaptiveSelectPolicy, AdaptiveSelector
+from retention.policy.selection import AdaptiveSelectPolicy, AdaptiveSelector
 from retention.simulation.sim_policies import ClassMapping, make_policy
 from retention.simulation.simulator import SimConfig, simulate
 from retention.trace import parse_trace

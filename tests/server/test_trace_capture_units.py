@@ -118,7 +118,7 @@ def test_trace_start_list_stop_from_the_shell(tmp_path: Path, monkeypatch: pytes
 def test_a_captured_line_carries_the_clients_hints_and_replays_them(tmp_path: Path) -> None:
     from prometheus_client import CollectorRegistry
 
-    from retention.hints import Breakpoint, CacheHints
+    from retention.policy.hints import Breakpoint, CacheHints
     from retention.trace import parse_trace
     from server.gateway.observe.capture import TraceCaptures
     from tenants.captures import ActiveCapture

@@ -42,7 +42,7 @@ def test_view_covers_every_segment_in_order() -> None:
 
 
 def test_a_class_honouring_hints_shows_where_hinted_blocks_go() -> None:
-    from retention.hint_plan import HintPolicy
+    from retention.policy.hint_plan import HintPolicy
 
     pool = PoolSnapshot(1, "p", "m", "kvgate_llm", "", 32, 100, 50, 50, (ReplicaSnapshot(1, "r0", "h:1", "active", 1),))
     seg = SegmentRetention(20, None)

@@ -38,10 +38,10 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from engines.contract import EngineRequest, Guide, KvMetrics, SamplingParams, TokenLogProbs
 from engines.tokenizer import ChatTokenizer
 from retention.hashing import block_hashes
-from retention.hint_quota import HintedPlan, HintLedger, plan_with_hints
-from retention.hints import CacheHints
-from retention.planner import QuotaState, Segments, plan_retention
-from retention.selection import AdaptiveSelector
+from retention.policy.hint_quota import HintedPlan, HintLedger, plan_with_hints
+from retention.policy.hints import CacheHints
+from retention.policy.planner import QuotaState, Segments, plan_retention
+from retention.policy.selection import AdaptiveSelector
 from retention.types import RetentionPlan
 from server.gateway.admission import Admission, AdmissionError, retry_after_header
 from server.gateway.context import TenantContext
@@ -73,14 +73,14 @@ class CompletionJob:
     tokenizer: ChatTokenizer
     engine: RoutedEngine | EngineClient  # anything with EngineClient.generate's signature
     quota: QuotaState = field(default_factory=QuotaState)
-    # issue 18: guided decoding, tools, log probabilities, extensions
+    # guided decoding, tools, log probabilities, extensions
     guide: Guide | None = None
     tools: ToolPlan | None = None
     ignore_eos: bool = False
     logprobs: int | None = None  # None: not asked; else how many alternatives per token
     token_texts: TokenTexts | None = None
     continuous_usage: bool = False
-    hints: CacheHints = field(default_factory=CacheHints)  # client cache intent (retention.hints), any dialect
+    hints: CacheHints = field(default_factory=CacheHints)  # client cache intent (retention.policy.hints), any dialect
 
     @property
     def parses_tools(self) -> bool:
@@ -175,7 +175,7 @@ def build_plan(job: CompletionJob, selector: AdaptiveSelector | None = None, now
     """The request's retention plan.
 
     ``static`` classes: segment priorities from the class. ``adaptive`` classes: the pool's
-    :class:`~retention.selection.AdaptiveSelector` (the same code the simulator's
+    :class:`~retention.policy.selection.AdaptiveSelector` (the same code the simulator's
     ``adaptive`` policy runs) picks between the class's plan and adaptive's per-block bands,
     whichever wins on its sampled shadow pools, from block hashes computed exactly as the
     engine's pool computes them (pool ``tokens_per_block``, the salt the engine will see);
@@ -204,8 +204,8 @@ def hints_apply(job: CompletionJob) -> bool:
 def hinted_plan(job: CompletionJob, plan: RetentionPlan, hashes: list[int] | None, ledger: HintLedger,
                 now: float) -> HintedPlan:
     """``plan`` (static or adaptive, after quota) with the client's hints on top, within the
-    tenant's class (:mod:`retention.hint_plan`) and its hint budget: ``hint_quota_fraction``
-    of its KV quota of the pool's GPU blocks, counted by ``ledger`` (:mod:`retention.hint_quota`).
+    tenant's class (:mod:`retention.policy.hint_plan`) and its hint budget: ``hint_quota_fraction``
+    of its KV quota of the pool's GPU blocks, counted by ``ledger`` (:mod:`retention.policy.hint_quota`).
     The same plan object when no hint applies (the engine request is then byte-identical)."""
     if not hints_apply(job):
         return HintedPlan(plan)

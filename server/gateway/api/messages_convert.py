@@ -24,7 +24,7 @@ system blocks: the end of the system message, which holds both). A block inside 
 is thus rounded *up* to its message's end; exact per-block offsets would need a cut
 inside a message's text, which changes its tokenization. The token offsets come from
 ``ChatPrompter.chat(..., marks=)``; :func:`cache_hints` turns them into
-:class:`~retention.hints.CacheHints` (breakpoints that land on the same offset merge, keeping
+:class:`~retention.policy.hints.CacheHints` (breakpoints that land on the same offset merge, keeping
 the longest TTL). Rules checked here, as Anthropic states them: at most four blocks with
 ``cache_control``; ``ttl`` is ``"5m"`` (default) or ``"1h"``; a longer TTL must not follow a
 shorter one in that order (``1h`` after ``5m`` is refused).
@@ -42,7 +42,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from engines.contract import Guide
-from retention.hints import MAX_BREAKPOINTS, TTL_1H_MS, TTL_5M_MS, Breakpoint, CacheHints
+from retention.policy.hints import MAX_BREAKPOINTS, TTL_1H_MS, TTL_5M_MS, Breakpoint, CacheHints
 from server.gateway.api.messages_schemas import MessagesInput
 from server.gateway.api.prompting import PreparedPrompt
 from server.gateway.api.tools import ToolPlan, check_schema, forced_call_guide, render_messages

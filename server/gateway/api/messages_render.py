@@ -36,7 +36,7 @@ from collections.abc import AsyncIterator
 
 from fastapi.responses import JSONResponse
 
-from retention.hints import TTL_1H_MS, CacheHints
+from retention.policy.hints import TTL_1H_MS, CacheHints
 from server.gateway.api.completions import CompletionJob, Outcome, cached_tokens
 from server.gateway.errors import ServingError
 

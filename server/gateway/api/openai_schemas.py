@@ -16,7 +16,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from retention.hints import CacheHints
+from retention.policy.hints import CacheHints
 
 MAX_MESSAGES = 1024
 MAX_TEXT_CHARS = 1_000_000
@@ -163,7 +163,7 @@ class ChatCompletionRequest(_SamplingFields):
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     response_format: ResponseFormat | None = None
     parallel_tool_calls: bool | None = None
-    # client cache intent (retention/hint_plan.py): honoured within the tenant's retention class
+    # client cache intent (retention/policy/hint_plan.py): honoured within the tenant's retention class
     prompt_cache_retention: Literal["in_memory", "24h"] | None = None
     # carried on the hints (CacheHints.cache_key); nothing keys on it yet, so it never crosses tenants
     prompt_cache_key: Annotated[str, Field(max_length=1024)] | None = None

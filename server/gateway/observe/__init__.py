@@ -1,1 +1,1 @@
-"""What the gateway measures: Prometheus metrics, miss-ratio curves, live trace capture, SLO guards."""
+"""What the gateway measures: Prometheus metrics, registry-vs-engine capacity, miss-ratio curves, live trace capture, SLO guards."""

@@ -67,7 +67,7 @@ import numpy as np
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from retention.hashing import block_hashes, chain_hash, pack_tokens, root_hash
-from retention.hints import CacheHints
+from retention.policy.hints import CacheHints
 from retention.trace import hint_fields
 from tenants.captures import ActiveCapture, active_captures
 

@@ -18,7 +18,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from engines.contract import KvMetrics, PoolStatsReport
-from server.gateway.replicas.capacity_check import CapacityCheck
+from server.gateway.observe.capacity_check import CapacityCheck
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 _ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.035, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1.0, 2.5)
@@ -160,7 +160,7 @@ class GatewayMetrics:
         self.prompt_tokens = Counter("kvgate_prompt_tokens", "Prompt tokens admitted", tp, registry=registry)
         self.completion_tokens = Counter("kvgate_completion_tokens", "Completion tokens generated", tp, registry=registry)
         self.ttft = Histogram("kvgate_ttft_seconds", "Time to first token (streamed requests)", tp, buckets=_LATENCY_BUCKETS, registry=registry)
-        # Hit quality, not hit counts (issue 15): the same TTFT split by where the prompt's
+        # Hit quality, not hit counts: the same TTFT split by where the prompt's
         # cached prefix came from (see cache_outcome).
         self.ttft_by_cache = Histogram("kvgate_ttft_by_cache_seconds", "Time to first token by cache outcome (streamed requests)",
                                        tp + ["cache"], buckets=_LATENCY_BUCKETS, registry=registry)
@@ -172,7 +172,7 @@ class GatewayMetrics:
         self.kv_onboarded = Counter("kvgate_kv_blocks_onboarded", "KV blocks onboarded from the host tier", tp, registry=registry)
         self.rate_limited = Counter("kvgate_rate_limited", "Requests refused by admission", ["tenant", "limit"], registry=registry)
         self.quota_demotions = Counter("kvgate_quota_demotions", "Requests planned with quota demotion", tp, registry=registry)
-        # Client cache hints (retention/hint_plan.py): applied in full, cut by the tenant's hint
+        # Client cache hints (retention/policy/hint_plan.py): applied in full, cut by the tenant's hint
         # budget ("clipped", the plan changed for part of the hint; "no_room", not at all), or
         # left out: the class does not honour hints, the plan was demoted, or no full block ("ignored").
         self.cache_hints = Counter("kvgate_cache_hint_requests", "Requests carrying cache hints by outcome",

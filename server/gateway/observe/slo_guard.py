@@ -2,7 +2,7 @@
 
 * **plans** — :meth:`SloGuards.apply` runs on every request after the plan is built: the
   tenant's pilot arm (``retention.rollout.pilot``) and the pool's guard decide whether
-  the plan keeps the host tier or is rolled back (``retention.planner.roll_back_host_tier``:
+  the plan keeps the host tier or is rolled back (``retention.policy.planner.roll_back_host_tier``:
   every new block below the pool's offload threshold, so evicted blocks are dropped);
 * **observations** — :meth:`SloGuards.observe` records each finished request's TTFT and
   mean inter-token latency (O(1));
@@ -27,7 +27,7 @@ import anyio
 from prometheus_client import CollectorRegistry
 
 from engines.contract import KvMetrics
-from retention.planner import roll_back_host_tier
+from retention.policy.planner import roll_back_host_tier
 from retention.rollout.guard import ARM_HOST, ARM_ROLLBACK, GuardTransition, Observation, SloBudget, SloGuard
 from retention.rollout.pilot import PilotReport, pilot_arm
 from retention.types import RetentionPlan

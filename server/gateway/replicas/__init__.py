@@ -1,1 +1,1 @@
-"""A pool's engine replicas: gRPC clients, routing, stats polling, registry-vs-engine capacity."""
+"""A pool's engine replicas: gRPC clients, routing, stats polling, the prompter per engine spec."""

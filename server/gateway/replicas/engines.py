@@ -1,26 +1,28 @@
-"""Tokenizers per pool (by engine spec), created on first use and reused; known pools.
+"""Prompters per pool (by engine spec), created on first use and reused; known pools.
 
-Engine clients live with the pool's replicas (``server/gateway/replicas/routing.py``). Tokenizers
-are resolved by engine spec through an injected ``tokenizer_for`` (the reference pool
-uses the GGUF's own tokenizer; a GPU pool's spec names its tokenizer).
+Engine clients live with the pool's replicas (``server/gateway/replicas/routing.py``). A
+pool's prompter (its tokenizer behind the chat template, ``server/gateway/api/prompting.py``)
+is built by an injected ``prompter_for`` (the reference pool uses the GGUF's own tokenizer;
+a GPU pool's spec names its tokenizer), so this layer never imports the API layer above it.
 """
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
+from typing import Generic, TypeVar
 
 import anyio
 
-from engines.tokenizer import ChatTokenizer
 from tenants.snapshots import PoolSnapshot
-from server.gateway.api.prompting import ChatPrompter
+
+Prompter = TypeVar("Prompter")
 
 
-class EngineDirectory:
-    def __init__(self, tokenizer_for: Callable[[PoolSnapshot], ChatTokenizer]) -> None:
-        self._tokenizer_for = tokenizer_for
-        self._prompters: dict[str, ChatPrompter] = {}
+class EngineDirectory(Generic[Prompter]):
+    def __init__(self, prompter_for: Callable[[PoolSnapshot], Prompter]) -> None:
+        self._prompter_for = prompter_for
+        self._prompters: dict[str, Prompter] = {}
         self._loading: dict[str, asyncio.Lock] = {}
         self.pools: dict[str, PoolSnapshot] = {}  # pools seen by requests or registered at start-up
 
@@ -32,8 +34,8 @@ class EngineDirectory:
         self.pools.setdefault(pool.name, pool)
         return pool
 
-    async def prompter(self, pool: PoolSnapshot) -> ChatPrompter:
-        """The pool's tokenizer; the first call per spec loads it in a worker thread.
+    async def prompter(self, pool: PoolSnapshot) -> Prompter:
+        """The pool's prompter; the first call per spec loads it (its tokenizer) in a worker thread.
 
         Why a thread and a lock: loading a GGUF tokenizer takes seconds and must neither
         stall the event loop nor run twice when the first requests arrive together.
@@ -45,8 +47,8 @@ class EngineDirectory:
         async with lock:
             prompter = self._prompters.get(pool.engine_spec)
             if prompter is None:
-                tokenizer = await anyio.to_thread.run_sync(self._tokenizer_for, pool)
-                prompter = self._prompters[pool.engine_spec] = ChatPrompter(tokenizer)
+                prompter = await anyio.to_thread.run_sync(self._prompter_for, pool)
+                self._prompters[pool.engine_spec] = prompter
         return prompter
 
     async def close(self) -> None:

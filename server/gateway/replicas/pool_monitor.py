@@ -6,7 +6,7 @@ reports: quotas stay per pool, a tenant's blocks summed over the pool's replicas
 registry-vs-engine capacity check is per replica (the registration's block counts are per
 replica): each replica's own report against it, never the sum.
 
-The state machine is ``retention.quota.QuotaTracker`` (the simulator uses the same one):
+The state machine is ``retention.policy.quota.QuotaTracker`` (the simulator uses the same one):
 a tenant is *over quota* on a pool when the primary (GPU) blocks it holds exceed
 ``kv_quota_fraction × primary_blocks``, and stays demoted until it is back at or under
 90 % of that. Trackers are keyed by the engine's tenant id (``str(tenant.id)``). The
@@ -24,10 +24,10 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
 from engines.contract import PoolStatsReport
-from retention.planner import QuotaState
-from retention.quota import QuotaTracker
+from retention.policy.planner import QuotaState
+from retention.policy.quota import QuotaTracker
 from tenants.snapshots import PoolSnapshot
-from server.gateway.replicas.capacity_check import CapacityCheck, capacity_mismatch
+from server.gateway.observe.capacity_check import CapacityCheck, capacity_mismatch
 from server.gateway.replicas.engines import EngineDirectory
 from server.gateway.observe.metrics import PoolSnapshot
 from server.gateway.replicas.routing import Routing

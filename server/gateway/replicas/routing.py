@@ -46,7 +46,7 @@ from dataclasses import dataclass, field, replace
 
 from engines.contract import EngineRequest, PoolStatsReport, TierStats
 from engines.kv_events import MOVED, REMOVED, STORED, KvEventsReport
-from retention.events import CreatedEvent, KvEvent, RemovedEvent, StoredBlock, StoredEvent, UpdatedEvent
+from retention.pool.events import CreatedEvent, KvEvent, RemovedEvent, StoredBlock, StoredEvent, UpdatedEvent
 from retention.hashing import block_hashes
 from retention.routing import (
     ApproximateIndex,
@@ -131,7 +131,7 @@ class Replica:
 
 
 def report_as_pool_events(report: KvEventsReport) -> list[KvEvent]:
-    """A replica's event report as ``retention.events`` for the router's precise index.
+    """A replica's event report as ``retention.pool.events`` for the router's precise index.
 
     A snapshot becomes a *created* event (the index clears) followed by one *stored* event
     per cached block; records keep their sequence numbers as event ids so that the index's

@@ -5,7 +5,7 @@ Revises: 0001
 Create Date: 2026-11-29
 
 ``adaptive`` classes get per-block priorities from the gateway's measured reuse
-statistics (retention/adaptive.py) instead of fixed segment priorities. Existing
+statistics (retention/policy/adaptive.py) instead of fixed segment priorities. Existing
 classes stay ``static``. On SQLite the column (with its named CHECK) is added and dropped
 with native ALTER TABLE: batch mode would recreate the table, which the tenants'
 foreign key forbids while rows exist.

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from retention.planner import RetentionClassSpec, SegmentRetention, Segments, plan_retention, roll_back_host_tier
+from retention.policy.planner import RetentionClassSpec, SegmentRetention, Segments, plan_retention, roll_back_host_tier
 from retention.pool import BlockPool, PoolConfig
 from retention.types import RetentionPlan, RetentionPlanError, TokenRange
 

@@ -7,9 +7,9 @@ import secrets
 import pytest
 
 from engines.contract import SamplingParams
-from retention.adaptive import AdaptiveConfig
-from retention.planner import QuotaState, RetentionClassSpec, SegmentRetention
-from retention.selection import AdaptiveSelector
+from retention.policy.adaptive import AdaptiveConfig
+from retention.policy.planner import QuotaState, RetentionClassSpec, SegmentRetention
+from retention.policy.selection import AdaptiveSelector
 from retention.shadow.duel import DuelConfig
 from server.gateway.admission import Limits
 from server.gateway.api.completions import CompletionJob, build_plan

@@ -13,7 +13,7 @@ from sqlalchemy import select
 from engines.contract import parse_retention
 from engines.reference.kserve import decode_inputs
 from engines.tokenizer import load_gguf_tokenizer
-from retention.planner import RetentionClassSpec, SegmentRetention, Segments, plan_retention
+from retention.policy.planner import RetentionClassSpec, SegmentRetention, Segments, plan_retention
 from server.gateway.api.prompting import prepare_chat
 from tenants import pools
 from tenants.models import Tenant

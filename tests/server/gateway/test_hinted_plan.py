@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import dataclasses
 
-from retention.hint_plan import HintPolicy
-from retention.hint_quota import HintLedger
-from retention.hints import TTL_1H_MS, Breakpoint, CacheHints
-from retention.selection import AdaptiveSelector
+from retention.policy.hint_plan import HintPolicy
+from retention.policy.hint_quota import HintLedger
+from retention.policy.hints import TTL_1H_MS, Breakpoint, CacheHints
+from retention.policy.selection import AdaptiveSelector
 from server.gateway.api.completions import build_plan, hinted_plan, request_hashes
 from tests.server.gateway.test_adaptive_plan import POOL, TPB, job, unique_prompt
 

@@ -9,7 +9,7 @@ import pytest
 
 from engines.contract import KvMetrics
 from engines.tokenizer import load_gguf_tokenizer
-from retention.hints import TTL_1H_MS, TTL_5M_MS, Breakpoint, CacheHints
+from retention.policy.hints import TTL_1H_MS, TTL_5M_MS, Breakpoint, CacheHints
 from server.gateway.api.completions import Outcome
 from server.gateway.api.messages_convert import cache_hints, convert
 from server.gateway.api.messages_render import MESSAGES, cache_creation, stop_reason, usage

@@ -11,7 +11,7 @@ import pytest
 from engines.contract import parse_retention
 from engines.reference.kserve import decode_inputs
 from engines.tokenizer import load_gguf_tokenizer
-from retention.planner import RetentionClassSpec, SegmentRetention, Segments, plan_retention
+from retention.policy.planner import RetentionClassSpec, SegmentRetention, Segments, plan_retention
 from retention.types import TokenRange
 from server.gateway.api.prompting import prepare_chat
 from tenants import pools, retention_classes

@@ -66,7 +66,7 @@ OVERSIZED = PoolSnapshot(1, "p", "m", "kvgate_llm", "reference-smollm2", 16, 204
 
 
 def test_capacity_mismatch_is_pure_and_names_each_difference() -> None:
-    from server.gateway.replicas.capacity_check import capacity_mismatch
+    from server.gateway.observe.capacity_check import capacity_mismatch
 
     check = capacity_mismatch(OVERSIZED, {"r0": stats()})
     assert check.mismatch and check.effective_primary == 100
@@ -140,6 +140,6 @@ def test_two_replicas_each_matching_the_registration_are_no_mismatch() -> None:
 
 
 def capacity_mismatch_of(reports):  # noqa: ANN001, ANN201
-    from server.gateway.replicas.capacity_check import capacity_mismatch
+    from server.gateway.observe.capacity_check import capacity_mismatch
 
     return capacity_mismatch(TWO, reports)

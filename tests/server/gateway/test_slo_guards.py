@@ -13,7 +13,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from sqlalchemy import select
 
 from engines.contract import KvMetrics
-from retention.planner import RetentionClassSpec, SegmentRetention, Segments, plan_retention
+from retention.policy.planner import RetentionClassSpec, SegmentRetention, Segments, plan_retention
 from retention.rollout.pilot import pilot_arm
 from server.gateway.admission import Limits
 from server.gateway.context import TenantContext

@@ -26,7 +26,7 @@ priority. kvgate keeps content-free slots in a separate ``empty`` list consumed 
 
 from __future__ import annotations
 
-from retention.blocks import Block
+from retention.pool.blocks import Block
 from retention.types import MAX_PRIORITY, MIN_PRIORITY
 
 

@@ -1,7 +1,7 @@
 """``adaptive`` with selection: the tenant's static class, adaptive's bands or ``protect``, whichever wins.
 
 One :class:`AdaptiveSelector` per pool holds the adaptive reuse statistics
-(``retention/adaptive.py``) and a :class:`~retention.shadow.duel.PolicyDuel` between the
+(``retention/policy/adaptive.py``) and a :class:`~retention.shadow.duel.PolicyDuel` between the
 candidates on sampled shadows of the pool's own shape. Per request it computes the plan of
 the candidate the request's tenant follows (every candidate's plan when the request has
 sampled blocks, to feed the shadows), then records the request in the statistics. The
@@ -17,7 +17,7 @@ Candidates (``names``):
 * ``bands`` — adaptive's bands, host-tier aware when the pool has a host tier
   (``adaptive_plan(..., host_tier=True)``);
 * ``protect`` — GPU-only pools: a live subset of conversations that fits the GPU above the
-  rest, for as long as the median revisit gap (``retention/protect.py``). Not offered with a
+  rest, for as long as the median revisit gap (``retention/policy/protect.py``). Not offered with a
   host tier: offload keeps a block's priority and clears its duration (``getFreeBlock`` in
   ``evictionPolicy.cpp``, see ``retention/pool.py``), so the protected band would pin
   finished conversations in host memory for good.
@@ -33,8 +33,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from retention.adaptive import AdaptiveConfig, ReuseStats, adaptive_plan
-from retention.protect import ConversationTracker, ProtectConfig, protect_plan
+from retention.policy.adaptive import AdaptiveConfig, ReuseStats, adaptive_plan
+from retention.policy.protect import ConversationTracker, ProtectConfig, protect_plan
 from retention.shadow.duel import DuelConfig, PolicyDuel
 from retention.types import DEFAULT_PLAN, RetentionPlan
 

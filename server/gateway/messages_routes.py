@@ -25,7 +25,7 @@ from server.gateway.api.messages_convert import Conversation, cache_hints, conve
 from server.gateway.api.messages_render import MESSAGES
 from server.gateway.api.messages_schemas import CountTokensRequest, MessagesInput, MessagesRequest
 from server.gateway.api.prompting import PreparedPrompt
-from server.gateway.api.routes import Gateway, check_model
+from server.gateway.routes import Gateway, check_model
 from server.gateway.context import TenantContext
 from server.gateway.errors import ServingError
 from server.gateway.services import GatewayServices

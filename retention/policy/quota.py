@@ -22,7 +22,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from retention.planner import QuotaState
+from retention.policy.planner import QuotaState
 
 
 class QuotaError(ValueError):

@@ -1,10 +1,10 @@
 """Client cache hints → retention ranges, bounded by the tenant's class.
 
-:class:`~retention.hints.CacheHints` (what a client said) becomes token ranges with a
+:class:`~retention.policy.hints.CacheHints` (what a client said) becomes token ranges with a
 priority and a duration laid over the plan the class (or adaptive selection) already made.
 The class decides everything a client may not: whether hints count at all, the longest
 duration, the one priority hinted tokens get, and the share of the tenant's KV quota
-hinted blocks may hold (that budget is :mod:`retention.hint_quota`'s; here it arrives as
+hinted blocks may hold (that budget is :mod:`retention.policy.hint_quota`'s; here it arrives as
 ``allowed_tokens``).
 
 Mapping (``HintPolicy`` = the class's hint fields)::
@@ -38,7 +38,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from retention.hints import TTL_1H_MS, CacheHints
+from retention.policy.hints import TTL_1H_MS, CacheHints
 from retention.types import (
     RetentionPlan,
     RetentionPlanError,
@@ -109,7 +109,7 @@ def hint_spans(hints: CacheHints, policy: HintPolicy, total: int) -> tuple[HintS
 
 
 def clip_spans(spans: tuple[HintSpan, ...], allowed_tokens: int) -> tuple[HintSpan, ...]:
-    """``spans`` cut to ``[0, allowed_tokens)`` (the quota share's cut, see :mod:`retention.hint_quota`)."""
+    """``spans`` cut to ``[0, allowed_tokens)`` (the quota share's cut, see :mod:`retention.policy.hint_quota`)."""
     out = []
     for span in spans:
         end = min(span.end, allowed_tokens)

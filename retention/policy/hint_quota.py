@@ -23,8 +23,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from retention.hint_plan import HintPolicy, apply_hints, clip_spans, hint_spans
-from retention.hints import CacheHints
+from retention.policy.hint_plan import HintPolicy, apply_hints, clip_spans, hint_spans
+from retention.policy.hints import CacheHints
 from retention.types import RetentionPlan
 
 

@@ -30,31 +30,35 @@ Layout of one request (B = tokens_per_block)::
     matched  | reused (GPU)| reused(host→GPU onboard)  |   new            |  new        |
     priority | plan range holding the block's first token                | decode      |
 
+Split by concern (the way vLLM v1 keeps ``KVCacheManager`` apart from ``BlockPool``): this
+module is the manager (prefix lookup, check-then-commit allocation, storing a finished
+sequence's blocks in the radix tree); ``tiers.py`` owns the blocks, their free lists and
+every move (claim, evict by drop or offload, onboard, release, expire); ``recorder.py``
+the events, counters and per-tenant counts; ``invariants.py`` the whole-pool check.
+
 Time: every mutating call takes ``now`` in seconds (any monotonic origin); durations are
 milliseconds. Nothing reads a clock.
 """
 
 from __future__ import annotations
 
-import heapq
-from collections import deque
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 from hashlib import sha256
 
 import numpy as np
 
-from retention.blocks import Block
-from retention.events import CreatedEvent, KvEvent, RemovedEvent, StoredBlock, StoredEvent, UpdatedEvent
-from retention.free_lists import TierFreeLists
 from retention.hashing import _U32, _U64, chain_hash, pack_tokens, root_hash
-from retention.invariants import check_pool_invariants
-from retention.pool_types import Allocation, BlockCopy, PoolConfig, PoolError, per_block_retention
-from retention.stats import PoolCounters, PoolStats
+from retention.pool.blocks import Block
+from retention.pool.events import KvEvent, StoredBlock, StoredEvent
+from retention.pool.invariants import check_pool_invariants
+from retention.pool.recorder import PoolRecorder
+from retention.pool.stats import PoolStats
+from retention.pool.tiers import Tiers
+from retention.pool.types import Allocation, BlockCopy, PoolConfig, PoolError, per_block_retention
 from retention.types import DEFAULT_PLAN, DEFAULT_PRIORITY, RetentionPlan, Tier
 
-# The API's value types live in retention/pool_types.py; importing them from here keeps working.
-__all__ = ["Allocation", "BlockCopy", "BlockPool", "PoolConfig", "PoolError"]
+__all__ = ["BlockPool"]
 
 P, S = Tier.PRIMARY, Tier.SECONDARY
 
@@ -77,7 +81,7 @@ class BlockPool:
     """Two-tier KV block pool with priorities, durations, offload/onboard, events, stats.
 
     Invariants (``check_invariants``): each tier's blocks are EMPTY, CACHED or IN USE
-    (see ``retention/blocks.py``); the free lists hold exactly the EMPTY blocks and the
+    (see ``retention/pool/blocks.py``); the free lists hold exactly the EMPTY blocks and the
     CACHED tier-leaves; every tree block is reachable from the root through ``parent``;
     a host block is never referenced and has only host children; no call changes any
     state when it returns ``None``.
@@ -86,29 +90,9 @@ class BlockPool:
     def __init__(self, config: PoolConfig) -> None:
         self._config = config
         self._bpt = config.tokens_per_block
-        self._blocks: tuple[list[Block], list[Block]] = (
-            [Block(P, i) for i in range(config.primary_blocks)],
-            [Block(S, i) for i in range(config.secondary_blocks)],
-        )
-        self._free = (TierFreeLists(), TierFreeLists())
-        for tier in (P, S):
-            for block in self._blocks[tier]:
-                self._free[tier].add_empty(block)
-        self._num_free_primary = config.primary_blocks  # blocks with ref_count == 0
-        self._offload_min = config.secondary_offload_min_priority
-        self._has_host = config.secondary_blocks > 0
-        self._cached: dict[int, Block] = {}
+        self._rec = PoolRecorder(config)
+        self._tiers = Tiers(config, self._rec)
         self._seqs: dict[Hashable, _Sequence] = {}
-        self._seq_counter = 0
-        self._expiry: list[tuple[float, int, Block]] = []
-        self._expiry_counter = 0
-        self._counters = PoolCounters()
-        self._tenants: dict[str, list[int]] = {}
-        maxlen = config.event_buffer_max_size
-        self._events_on = maxlen != 0
-        self._events: deque[KvEvent] = deque(maxlen=maxlen)
-        self._event_id = 0
-        self._emit(lambda i: CreatedEvent(i, (config.primary_blocks, config.secondary_blocks)))
 
     # ------------------------------------------------------------------ queries
     @property
@@ -117,7 +101,7 @@ class BlockPool:
 
     def num_free_blocks(self, tier: Tier = P) -> int:
         """Blocks with no reference: for the host tier, every block (host blocks are never referenced)."""
-        return self._num_free_primary if tier == P else self._config.secondary_blocks
+        return self._tiers.num_free_primary if tier == P else self._config.secondary_blocks
 
     def lookup(self, tokens: Sequence[int], *, salt: str | None, extra_key: bytes = b"") -> tuple[int, int, int]:
         """(matched blocks, of which primary, of which secondary) that ``allocate`` would reuse now.
@@ -174,26 +158,27 @@ class BlockPool:
         total = self._num_blocks(n + reserve_tokens)
         if not self._fits(path, total):
             return None
-        self._refresh(now)
+        tiers = self._tiers
+        tiers.refresh(now)
         bpt = self._bpt
         seq = _Sequence(request_id, tenant, salt_root, extra_key, plan, n, packed, hashes)
         copies: list[BlockCopy] = []
-        counters = self._counters
+        counters = self._rec.counters
         per_block = per_block_retention(plan, self._num_blocks(n), bpt)
         # Claim the whole matched path first so no victim search can pick a block of it.
         for index, block in enumerate(path):
-            self._claim_reused(block, per_block[index])
+            tiers.claim_reused(block, per_block[index])
         onboarded = 0
         for block in path:
             if block.tier == S:
-                self._onboard(block, copies)
+                tiers.onboard(block, copies)
                 onboarded += 1
             seq.blocks.append(block)
         counters.reused_blocks += len(path)
         counters.reused_secondary_blocks += onboarded
         counters.reused_primary_blocks += len(path) - onboarded
         counters.missed_blocks += self._num_blocks(n) - len(path)
-        take = self._take_primary
+        take, count = tiers.take_primary, self._rec.count
         blocks = seq.blocks
         for index in range(len(path), total):
             if index * bpt >= n:
@@ -201,13 +186,13 @@ class BlockPool:
             else:
                 rng = per_block[index]
                 priority, duration = (DEFAULT_PRIORITY, None) if rng is None else rng
-            block = take(copies)  # inlined ``_take_new``
+            block = take(copies)  # inlined ``Tiers.take_new``
             block.priority = priority
             block.duration_ms = duration
             block.ref_count = 1
             if tenant is not None:
                 block.tenant = tenant
-                self._count(block, P, +1)
+                count(block, P, +1)
             blocks.append(block)
         self._seqs[request_id] = seq
         return Allocation(
@@ -227,16 +212,15 @@ class BlockPool:
         there is no room.
         """
         seq = self._seq(request_id)
+        tiers = self._tiers
         needed = self._num_blocks(num_tokens) - len(seq.blocks)
         if needed > 0:
-            if needed > self._num_free_primary:
+            if needed > tiers.num_free_primary:
                 return None
-            self._refresh(now)
+            tiers.refresh(now)
         copies: list[BlockCopy] = []
         for _ in range(max(needed, 0)):
-            seq.blocks.append(
-                self._take_new(seq.plan.decode_priority, seq.plan.decode_duration_ms, seq.tenant, copies)
-            )
+            seq.blocks.append(tiers.take_new(seq.plan.decode_priority, seq.plan.decode_duration_ms, seq.tenant, copies))
         return tuple(b.slot for b in seq.blocks), tuple(copies)
 
     # ------------------------------------------------------------------ release
@@ -261,53 +245,34 @@ class BlockPool:
         computed = n - 1 if num_computed_tokens is None else num_computed_tokens
         computed = max(0, min(computed, n, len(seq.blocks) * self._bpt))
         del self._seqs[request_id]
-        self._refresh(now)
+        tiers = self._tiers
+        tiers.refresh(now)
         if self._config.enable_block_reuse:
             self._store(seq, packed, computed // self._bpt)
-        self._release_refs(seq.blocks, now)
-        self._release_refs(seq.orphans, now)
+        tiers.release_refs(seq.blocks, now)
+        tiers.release_refs(seq.orphans, now)
 
     # ------------------------------------------------------------------ events, stats
     def take_events(self) -> list[KvEvent]:
         """Drain and return the queued events, oldest first."""
-        events = list(self._events)
-        self._events.clear()
-        return events
+        return self._rec.take_events()
 
     def stats(self) -> PoolStats:
         """A snapshot: ``KvCacheStats`` fields, tier occupancy, cumulative traffic counters.
 
         Invariant: ``used_num_blocks + free_num_blocks == max_num_blocks``.
         """
-        c = self._counters
-        cfg = self._config
-        in_use = cfg.primary_blocks - self._num_free_primary
-        host_cached = cfg.secondary_blocks - self._free[S].empty.size
-        return PoolStats(
-            tokens_per_block=self._bpt,
-            max_num_blocks=cfg.primary_blocks,
-            free_num_blocks=self._num_free_primary,
-            used_num_blocks=in_use,
-            secondary_max_blocks=cfg.secondary_blocks,
-            secondary_free_blocks=self._free[S].empty.size,
-            secondary_used_blocks=host_cached,
-            cached_primary_blocks=len(self._cached) - host_cached,
-            alloc_total_blocks=c.alloc_total_blocks,
-            alloc_new_blocks=c.alloc_new_blocks,
-            reused_blocks=c.reused_blocks,
-            reused_primary_blocks=c.reused_primary_blocks,
-            reused_secondary_blocks=c.reused_secondary_blocks,
-            missed_blocks=c.missed_blocks,
-            offloaded_blocks=c.offloaded_blocks,
-            onboarded_blocks=c.onboarded_blocks,
-            evicted_primary_blocks=c.evicted_primary_blocks,
-            evicted_secondary_blocks=c.evicted_secondary_blocks,
-            expired_blocks=c.expired_blocks,
+        tiers = self._tiers
+        return self._rec.stats(
+            self._config,
+            num_free_primary=tiers.num_free_primary,
+            host_empty=tiers.free[S].empty.size,
+            num_cached=len(tiers.cached),
         )
 
     def tenant_blocks(self) -> dict[str, tuple[int, int]]:
         """tenant -> (primary, secondary) blocks it holds, in use or cached (owner = who allocated it)."""
-        return {t: (c[0], c[1]) for t, c in self._tenants.items() if c[0] or c[1]}
+        return self._rec.tenant_blocks()
 
     def active_requests(self) -> int:
         """Requests holding blocks (allocated and not yet released)."""
@@ -322,7 +287,7 @@ class BlockPool:
         width = self._bpt * 4
         full = n // self._bpt
         limit = (n - 1) // self._bpt if self._config.enable_block_reuse else 0
-        cached = self._cached
+        cached = self._tiers.cached
         path: list[Block] = []
         hashes: list[int] = []
         parent: Block | None = None
@@ -354,7 +319,7 @@ class BlockPool:
     def _fits(self, path: list[Block], total: int) -> bool:
         onboard = sum(1 for b in path if b.tier == S)
         free_on_path = sum(1 for b in path if b.tier == P and b.ref_count == 0)
-        return onboard + total - len(path) <= self._num_free_primary - free_on_path
+        return onboard + total - len(path) <= self._tiers.num_free_primary - free_on_path
 
     def _seq(self, request_id: Hashable) -> _Sequence:
         try:
@@ -362,165 +327,20 @@ class BlockPool:
         except KeyError:
             raise PoolError(f"unknown request {request_id!r}") from None
 
-    # ------------------------------------------------------------------ internals: claiming
-    def _claim_reused(self, block: Block, rng: tuple[int, int | None] | None) -> None:
-        """``LRUEvictionPolicy::claimBlock`` for a matched block: override priority, replace duration."""
-        if block.free_list is not None:
-            self._free[block.tier].remove(block)
-        if block.tier == P and block.ref_count == 0:
-            self._num_free_primary -= 1
-        if rng is not None and rng[0] != block.priority:
-            old = block.priority
-            block.priority = rng[0]
-            self._emit(lambda i: UpdatedEvent(i, block.block_hash, priority=(old, rng[0])))
-        block.duration_ms = None if rng is None else rng[1]
-        block.expires_at = None
-        # Host blocks are referenced too until onboarded, so no victim search in this
-        # call can treat them (or their ancestors) as free.
-        block.ref_count += 1
-
-    def _onboard(self, block: Block, copies: list[BlockCopy]) -> None:
-        """``WindowBlockManager::onboardBlock``: copy a host block into a free GPU slot, swap slots."""
-        target = self._take_primary(copies)
-        copies.append(BlockCopy(S, block.slot, P, target.slot))
-        host_slot = block.slot
-        block.tier, block.slot = P, target.slot
-        target.tier, target.slot = S, host_slot
-        self._free[S].add_empty(target)
-        if block.parent is not None and block.parent.tier == P:
-            block.parent.num_primary_children += 1
-        self._count(block, S, -1)
-        self._count(block, P, +1)
-        self._counters.onboarded_blocks += 1
-        if self._events_on:
-            self._emit(lambda i: UpdatedEvent(i, block.block_hash, cache_level=(S, P)))
-
-    def _take_new(self, priority: int, duration: int | None, tenant: str | None, copies: list[BlockCopy]) -> Block:
-        block = self._take_primary(copies)
-        block.priority = priority
-        block.duration_ms = duration
-        block.ref_count = 1
-        block.tenant = tenant
-        self._count(block, P, +1)
-        return block
-
-    def _take_primary(self, copies: list[BlockCopy]) -> Block:
-        """``WindowBlockManager::getFreeBlock``: an empty GPU block, offloading or dropping a victim.
-
-        Returns an EMPTY primary block outside every list (the caller claims it).
-        """
-        victim = self._free[P].pop_victim()
-        assert victim is not None, "caller checked room"
-        self._num_free_primary -= 1
-        counters = self._counters
-        counters.alloc_total_blocks += 1
-        if victim.block_hash is None:
-            counters.alloc_new_blocks += 1
-            return victim
-        host = None
-        if victim.priority >= self._offload_min and self._has_host:
-            # The host victim may be the victim's own child; the temporary reference keeps
-            # the victim from being re-listed as a GPU leaf when that child is detached.
-            victim.ref_count = 1
-            host = self._take_host()
-            victim.ref_count = 0
-        if host is None:
-            self._drop_subtree(victim)
-            counters.evicted_primary_blocks += 1
-            return victim
-        # Offload: copy out first, then swap slots so the tree node moves to the host tier.
-        gpu_slot = victim.slot
-        copies.append(BlockCopy(P, gpu_slot, S, host.slot))
-        victim.tier, victim.slot = S, host.slot
-        host.tier, host.slot = P, gpu_slot
-        victim.duration_ms = None  # offload keeps the priority, clears the duration
-        victim.expires_at = None
-        if victim.tenant is not None:
-            counts = self._tenants[victim.tenant]
-            counts[0] -= 1
-            counts[1] += 1
-        counters.offloaded_blocks += 1
-        if self._events_on:
-            self._emit(lambda i: UpdatedEvent(i, victim.block_hash, cache_level=(P, S)))
-        parent = victim.parent
-        if parent is not None:
-            parent.num_primary_children -= 1
-            if parent.num_primary_children == 0 and parent.ref_count == 0 and parent.free_list is None:
-                self._free[P].add_cached(parent, ordered=True)
-        self._seq_counter += 1
-        victim.release_seq = self._seq_counter
-        if not victim.children:
-            self._free[S].add_cached(victim, ordered=False)
-        return host
-
-    def _take_host(self) -> Block | None:
-        """A free host block (host priority then LRU, whatever the incoming block), emptied."""
-        victim = self._free[S].pop_victim()
-        if victim is None:
-            return None
-        if victim.block_hash is not None:
-            victim_hash = victim.block_hash
-            self._detach(victim, relink_parent=True)
-            if self._events_on:
-                self._emit(lambda i: RemovedEvent(i, (victim_hash,)))
-            self._counters.evicted_secondary_blocks += 1
-        return victim
-
-    # ------------------------------------------------------------------ internals: tree
-    def _drop_subtree(self, victim: Block) -> None:
-        """Remove a dropped GPU victim and its (host) descendants from the tree (``freeChildren``)."""
-        if not victim.children:  # the common case: a plain leaf
-            victim_hash = victim.block_hash
-            self._detach(victim, relink_parent=True)
-            if self._events_on:
-                self._emit(lambda i: RemovedEvent(i, (victim_hash,)))  # type: ignore[arg-type]
-            return
-        removed: list[int] = []
-        for node in reversed(victim.descendants()):
-            if node.free_list is not None:
-                self._free[S].remove(node)
-            removed.append(node.block_hash)  # type: ignore[arg-type]
-            self._detach(node, relink_parent=False)
-            self._free[S].add_empty(node)
-            self._counters.evicted_secondary_blocks += 1
-        removed.append(victim.block_hash)  # type: ignore[arg-type]
-        self._detach(victim, relink_parent=True)
-        if self._events_on:
-            self._emit(lambda i: RemovedEvent(i, tuple(removed)))
-
-    def _detach(self, block: Block, *, relink_parent: bool) -> None:
-        """Take a childless block out of the tree; it becomes content-free."""
-        parent = block.parent
-        del self._cached[block.block_hash]  # type: ignore[arg-type]
-        if parent is not None:
-            del parent.children[block.block_hash]  # type: ignore[index, arg-type]
-            if block.tier == P:
-                parent.num_primary_children -= 1
-            if relink_parent and parent.ref_count == 0 and parent.free_list is None and parent.is_tier_leaf():
-                self._free[parent.tier].add_cached(parent, ordered=True)
-        if block.tenant is not None:
-            self._tenants[block.tenant][block.tier] -= 1
-            block.tenant = None
-        block.block_hash = None
-        block.tokens = None
-        block.parent = None
-        block.children = None
-        block.priority = DEFAULT_PRIORITY
-        block.duration_ms = None
-        block.expires_at = None
-
+    # ------------------------------------------------------------------ internals: storing
     def _store(self, seq: _Sequence, packed: bytes, num_full: int) -> None:
         """``WindowBlockManager::storeBlocks``: insert the sequence's unstored full blocks."""
         width = self._bpt * 4
         parent: Block | None = None
         stored: list[Block] = []
         hashes = seq.hashes
+        cached = self._tiers.cached
         h = seq.salt_root
         for i in range(num_full):
             chunk = packed[i * width : (i + 1) * width]
             h = hashes[i] if i < len(hashes) else chain_hash(h, chunk, seq.extra_key)
             block = seq.blocks[i]
-            existing = self._cached.get(h)
+            existing = cached.get(h)
             if existing is not None:
                 if existing is block:
                     parent = block
@@ -529,11 +349,7 @@ class BlockPool:
                     break  # hash collision, or a host twin: stop (never hang GPU blocks below host)
                 # A twin with the same KV was stored meanwhile: the sequence adopts it (takes a
                 # reference, so reference counts stay monotone along chains) and frees its own copy.
-                if existing.free_list is not None:
-                    self._free[P].remove(existing)
-                if existing.ref_count == 0:
-                    self._num_free_primary -= 1
-                existing.ref_count += 1
+                self._tiers.adopt(existing)
                 seq.orphans.append(block)
                 seq.blocks[i] = existing
                 parent = existing
@@ -548,12 +364,12 @@ class BlockPool:
                     parent.children = {}
                 parent.children[h] = block
                 parent.num_primary_children += 1
-            self._cached[h] = block
+            cached[h] = block
             stored.append(block)
             parent = block
         if stored:
             first_parent = stored[0].parent
-            self._emit(
+            self._rec.emit(
                 lambda i: StoredEvent(
                     i,
                     None if first_parent is None else first_parent.block_hash,
@@ -564,84 +380,23 @@ class BlockPool:
                 )
             )
 
-    def _release_refs(self, blocks: list[Block], now: float) -> None:
-        """Drop one reference per block, leaf first (``releaseBlocks`` walks in reverse)."""
-        free = self._free[P]
-        for block in reversed(blocks):
-            block.ref_count -= 1
-            if block.ref_count:
-                continue
-            self._num_free_primary += 1
-            if block.block_hash is None:
-                self._count(block, P, -1)
-                block.tenant = None
-                block.priority = DEFAULT_PRIORITY
-                block.duration_ms = None
-                block.expires_at = None
-                free.add_empty(block)
-                continue
-            self._seq_counter += 1
-            block.release_seq = self._seq_counter
-            if block.duration_ms is not None and block.priority != DEFAULT_PRIORITY:
-                block.expires_at = now + block.duration_ms / 1000.0
-                self._expiry_counter += 1
-                heapq.heappush(self._expiry, (block.expires_at, self._expiry_counter, block))
-            if block.num_primary_children == 0:
-                free.add_cached(block, ordered=False)
-
-    def _refresh(self, now: float) -> None:
-        """``LRUEvictionPolicy::refresh``: free blocks whose duration ran out return to priority 35."""
-        heap = self._expiry
-        while heap and heap[0][0] <= now:
-            expires_at, _, block = heapq.heappop(heap)
-            if block.expires_at != expires_at or block.ref_count or not block.in_tree or block.tier != P:
-                continue  # stale entry: the block was reused, moved or dropped since
-            in_list = block.free_list is not None
-            if in_list:
-                self._free[P].remove(block)
-            old = block.priority
-            block.priority = DEFAULT_PRIORITY
-            block.duration_ms = None
-            block.expires_at = None
-            self._seq_counter += 1
-            block.release_seq = self._seq_counter
-            if in_list:
-                self._free[P].add_cached(block, ordered=False)
-            self._counters.expired_blocks += 1
-            if old != DEFAULT_PRIORITY:
-                self._emit(lambda i: UpdatedEvent(i, block.block_hash, priority=(old, DEFAULT_PRIORITY)))
-
-    # ------------------------------------------------------------------ internals: bookkeeping
-    def _count(self, block: Block, tier: Tier, delta: int) -> None:
-        tenant = block.tenant
-        if tenant is not None:
-            counts = self._tenants.get(tenant)
-            if counts is None:
-                counts = self._tenants[tenant] = [0, 0]
-            counts[tier] += delta
-
-    def _emit(self, make) -> None:  # make: event_id -> KvEvent (built only when events are on)
-        if self._events_on:
-            self._event_id += 1
-            self._events.append(make(self._event_id))
-
     # ------------------------------------------------------------------ test support
     def peek_victim(self, tier: Tier = P) -> Block | None:
         """The block the next allocation in ``tier`` would take (tests, simulator)."""
-        return self._free[tier].peek_victim()
+        return self._tiers.free[tier].peek_victim()
 
     def all_blocks(self) -> list[Block]:
         """Every block object of both tiers (tests)."""
-        return self._blocks[0] + self._blocks[1]
+        return self._tiers.blocks[0] + self._tiers.blocks[1]
 
     def free_order(self, tier: Tier = P) -> list[Block]:
         """Free blocks of ``tier`` in the order they would be taken if nothing changed (tests)."""
-        return self._free[tier].victim_order()
+        return self._tiers.free[tier].victim_order()
 
     def cached_blocks(self) -> dict[int, Block]:
         """Read-only view for tests: block hash -> tree block."""
-        return self._cached
+        return self._tiers.cached
 
     def check_invariants(self) -> None:
-        """O(pool size) consistency check used by the property tests (``retention/invariants.py``)."""
-        check_pool_invariants(self)
+        """O(pool size) consistency check used by the property tests (``retention/pool/invariants.py``)."""
+        check_pool_invariants(self._tiers, self._config)

@@ -58,7 +58,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from retention.adaptive import reservoir_add
+from retention.policy.adaptive import reservoir_add
 from retention.types import DEFAULT_PRIORITY, MAX_PRIORITY, RetentionPlan, merged_ranges
 
 PROTECTED_PRIORITY = 45

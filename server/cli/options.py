@@ -1,0 +1,110 @@
+"""The CLI's shared option types and helpers: what every registry command family uses.
+
+Option types (``Annotated`` aliases typer reads), the ``--set field=value`` parser, a
+registry session that turns registry and validation errors into the admin error shape on
+stderr (exit 1: registry rule, exit 2: invalid input), and the audit actor ``cli:<os user>``.
+Command modules (``admin``, ``slo``, ``trace``) import from here and never from each other.
+"""
+
+from __future__ import annotations
+
+import getpass
+import importlib
+import json
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from datetime import UTC, datetime
+from typing import Annotated, Any
+
+import typer
+
+
+class CliError(ValueError):
+    """Invalid command-line input; the command prints it and exits with code 2."""
+
+
+Sets = Annotated[list[str] | None, typer.Option("--set", help="field=value (value parsed as JSON, else a string)")]
+Limit = Annotated[int, typer.Option(help="page size 1..500")]
+Offset = Annotated[int, typer.Option(help="rows to skip")]
+PoolArg = Annotated[str, typer.Argument(metavar="POOL", help="pool id or name")]
+ReplicaName = Annotated[str, typer.Argument(metavar="NAME", help="replica name")]
+OptVersion = Annotated[int | None, typer.Option(help="optional: fail unless this is the current version")]
+
+
+def parse_sets(items: list[str] | None) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for item in items or []:
+        key, sep, raw = item.partition("=")
+        if not sep or not key:
+            fail(2, "invalid_value", f"--set expects field=value, got {item!r}", "--set")
+        try:
+            out[key] = json.loads(raw)
+        except json.JSONDecodeError:
+            out[key] = raw
+    return out
+
+
+class Lazy:
+    """A module imported on first attribute access (keeps ``kvgate --help`` fast)."""
+
+    def __init__(self, path: str) -> None:
+        self._path = path
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(importlib.import_module(self._path), name)
+
+
+def validate_body(schema: Any, **values: Any) -> Any:
+    """Validate CLI input exactly as the API validates a JSON request body."""
+    return schema.model_validate_json(json.dumps(values))
+
+
+def fail(exit_code: int, code: str, message: str, field: str | None = None) -> None:
+    typer.echo(json.dumps({"error": {"code": code, "message": message, "field": field}}), err=True)
+    raise typer.Exit(exit_code)
+
+
+def print_json(value: Any) -> None:
+    typer.echo(json.dumps(value, indent=2, default=str))
+
+
+@contextmanager
+def registry_session() -> Iterator[Any]:
+    """A registry session from settings; registry/validation errors become CLI errors."""
+    from pydantic import ValidationError
+    from sqlalchemy.exc import OperationalError
+
+    from server.settings import Settings
+    from tenants.db import make_engine, make_session_factory
+    from tenants.errors import RegistryError
+
+    engine = make_engine(Settings().database_url)
+    try:
+        with make_session_factory(engine)() as session:
+            yield session
+    except RegistryError as exc:
+        fail(1, exc.code, exc.message, exc.field)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        field = ".".join(str(p) for p in first["loc"]) or None
+        fail(2, "invalid_value", f"{field}: {first['msg']}", field)
+    except OperationalError as exc:
+        fail(1, "database_unavailable", f"database error: {type(exc.orig).__name__}: {exc.orig}")
+    finally:
+        engine.dispose()
+
+
+def cli_actor() -> str:
+    try:
+        return f"cli:{getpass.getuser()}"
+    except Exception:  # noqa: BLE001 - no user database entry in some containers
+        return "cli:unknown"
+
+
+def utc_now() -> datetime:
+    return datetime.now(UTC)
+
+
+def page_of(schema: Any, result: Any, convert: Callable[[Any], Any] | None = None) -> dict[str, Any]:
+    items = [convert(r) if convert else schema.model_validate(r).model_dump(mode="json") for r in result.items]
+    return {"items": items, "total": result.total, "limit": result.limit, "offset": result.offset}
