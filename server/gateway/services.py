@@ -27,6 +27,7 @@ from server.gateway.observe.metrics import GatewayMetrics
 from server.gateway.observe.miss_ratio import MissRatioCollector, MissRatioCurves
 from server.gateway.replicas.pool_monitor import PoolMonitor
 from server.gateway.observe.slo_guard import SloGuards
+from server.gateway.response_store import DEFAULT_MAX_BYTES, DEFAULT_TTL_S, ResponseStore
 from server.gateway.replicas.routing import Routing, RoutingConfig
 from server.gateway.usage import UsageRecorder
 from tenants.snapshots import PoolSnapshot
@@ -58,6 +59,7 @@ class GatewayServices:
     slo_guards: SloGuards | None = None  # per-pool SLO guards (server.gateway.observe.slo_guard)
     intervals: LoopIntervals = field(default_factory=LoopIntervals)
     captures: TraceCaptures | None = None  # live trace capture (server.gateway.observe.capture)
+    responses: ResponseStore | None = None  # stored Responses-API responses (server.gateway.response_store)
     draining: bool = False  # set by the SIGTERM drain (server.gateway.drain): new requests get 503
     in_flight: int = 0  # serving requests not yet fully answered (server.gateway.drain.InFlight)
     _tasks: list[asyncio.Task] = field(default_factory=list)
@@ -118,7 +120,8 @@ def build_gateway_services(*, session_factory, pepper: str, tokenizer_for, admis
                            registry: CollectorRegistry, pools_and_tenants, auth_ttl: float = 5.0,
                            intervals: LoopIntervals | None = None, adaptive_max_entries: int = 100_000,
                            mrc_sample_rate: float = 0.01, trace_dir: Path | None = None,
-                           routing: RoutingConfig | None = None) -> GatewayServices:
+                           routing: RoutingConfig | None = None, responses_ttl_s: float = DEFAULT_TTL_S,
+                           responses_max_bytes: int = DEFAULT_MAX_BYTES) -> GatewayServices:
     engines = EngineDirectory(tokenizer_for)
     selectors: dict[str, AdaptiveSelector] = {}
 
@@ -150,5 +153,6 @@ def build_gateway_services(*, session_factory, pepper: str, tokenizer_for, admis
                                 capture=captures.offer if captures is not None else None),
         routing=router,
         selectors=selectors, slo_guards=guards, captures=captures,
+        responses=ResponseStore(session_factory, ttl_s=responses_ttl_s, max_bytes=responses_max_bytes),
         intervals=intervals or LoopIntervals(),
     )
