@@ -150,3 +150,85 @@ def test_conversation_hints() -> None:
                               conversation=True).breakpoints == (Breakpoint(100, 120_000),)
     assert conversation_hints(request(prompt_cache_retention="24h"), total=7, context=context,
                               conversation=True).breakpoints == (Breakpoint(7, TTL_24H_MS),)
+
+
+def _events(frames: list[bytes]) -> list[dict]:
+    out = []
+    for frame in b"".join(frames).decode().strip().split("\n\n"):
+        name, data = frame.split("\n")
+        event = json.loads(data.removeprefix("data: "))
+        assert name == "event: " + event["type"]
+        out.append(event)
+    return out
+
+
+def _job(tokens_per_block: int = 16):  # what the renderer reads of a job
+    pool = SimpleNamespace(tokens_per_block=tokens_per_block)
+    return SimpleNamespace(prompt=SimpleNamespace(total=40), tenant=SimpleNamespace(pool=pool), logprobs=None,
+                           token_texts=None)
+
+
+async def _collect(dialect: ResponsesDialect, job, outcome, deltas) -> list[dict]:  # type: ignore[no-untyped-def]
+    return _events([frame async for frame in dialect.stream(job, outcome, deltas)])
+
+
+async def test_a_mid_stream_engine_failure_is_an_error_then_response_failed() -> None:
+    from server.gateway.api.completions import Outcome
+
+    async def deltas():  # type: ignore[no-untyped-def]
+        yield "Par"
+        raise ServingError(503, "engine_unavailable", "the model's engine is unavailable; retry shortly")
+
+    stored: list[dict] = []
+
+    async def store(response: dict) -> bool:
+        stored.append(response)
+        return True
+
+    events = await _collect(ResponsesDialect(request(), previous_response_id=None, store=store), _job(), Outcome(),
+                            deltas())
+    assert [e["type"] for e in events] == ["response.created", "response.in_progress", "response.output_item.added",
+                                           "response.content_part.added", "response.output_text.delta", "error",
+                                           "response.failed"]
+    assert [e["sequence_number"] for e in events] == list(range(7))
+    assert events[-2]["code"] == "engine_unavailable"
+    assert events[-1]["response"]["status"] == "failed" and events[-1]["response"]["error"]["code"] == \
+        "engine_unavailable"
+    assert stored == []  # a failed response is not stored
+
+
+async def test_stream_of_text_then_tool_calls_is_stored_before_completed() -> None:
+    from server.gateway.api.completions import Outcome
+    from server.gateway.api.tools import ToolCall
+
+    outcome = Outcome(completion_tokens=12, finish_reason="tool_calls")
+    order: list[str] = []
+
+    async def deltas():  # type: ignore[no-untyped-def]
+        for piece in ("Let me ", "check."):
+            outcome.pieces.append(piece)
+            yield piece
+        outcome.tool_calls = [ToolCall("call_1", "get_weather", '{"city":"Oslo"}'),
+                              ToolCall("call_2", "get_weather", '{"city":"Rome"}')]
+
+    async def store(response: dict) -> bool:
+        order.append("stored")
+        assert [item["type"] for item in response["output"]] == ["message", "function_call"]  # max_tool_calls
+        return False  # e.g. the byte cap was reached meanwhile
+
+    body = request(tools=[WEATHER], max_tool_calls=1)
+    events = await _collect(ResponsesDialect(body, previous_response_id="resp_prev", store=store), _job(), outcome,
+                            deltas())
+    kinds = [e["type"] for e in events]
+    assert kinds == ["response.created", "response.in_progress", "response.output_item.added",
+                     "response.content_part.added", "response.output_text.delta", "response.output_text.delta",
+                     "response.output_text.done", "response.content_part.done", "response.output_item.done",
+                     "response.output_item.added", "response.function_call_arguments.delta",
+                     "response.function_call_arguments.done", "response.output_item.done", "response.completed"]
+    assert order == ["stored"]
+    final = events[-1]["response"]
+    assert final["store"] is False and final["previous_response_id"] == "resp_prev"
+    assert [item["type"] for item in final["output"]] == ["message", "function_call"]
+    assert events[6]["text"] == "Let me check." and events[11]["arguments"] == '{"city":"Oslo"}'
+    assert final["usage"] == {"input_tokens": 40, "input_tokens_details": {"cached_tokens": 0}, "output_tokens": 12,
+                              "output_tokens_details": {"reasoning_tokens": 0}, "total_tokens": 52}

@@ -241,3 +241,41 @@ def test_agents_runner_with_a_function_tool_on_both_models(stack: Stack, key: st
                                 max_turns=1)
         assert isinstance(again.final_output, str) and again.final_output, name
         assert [item.type for item in again.new_items] == ["message_output_item"], name
+
+
+def test_logprobs_when_included(stack: Stack, key: str) -> None:
+    api = client(stack, key)
+    reply = api.responses.create(model=MODEL, input=QUESTION, temperature=0, max_output_tokens=6, store=False,
+                                 include=["message.output_text.logprobs"], top_logprobs=2)
+    [part] = reply.output[0].content
+    assert len(part.logprobs) == reply.usage.output_tokens
+    assert "".join(entry.token for entry in part.logprobs) == part.text
+    assert all(len(entry.top_logprobs) == 2 and entry.logprob <= 0 for entry in part.logprobs)
+    assert all(entry.top_logprobs[0].logprob >= entry.logprob for entry in part.logprobs)  # greedy: the top one
+
+
+def test_stored_responses_outlive_the_gateway(stack: Stack, key: str, tmp_path) -> None:
+    """A second gateway on the same registry (what a restart is) reads, continues and deletes them."""
+    from server.serving import build_serving_app
+    from server.settings import Settings
+    from tests.server.gateway.stack import PEPPER, GatewayServer, free_port
+
+    api = client(stack, key)
+    first = api.responses.create(model=MODEL, input=QUESTION, temperature=0, max_output_tokens=8)
+    url = stack.session_factory.kw["bind"].url.render_as_string(hide_password=False)
+    app = build_serving_app(Settings(database_url=url, admin_tokens=["ci:" + "x" * 40], key_pepper=PEPPER,
+                                     trace_dir=tmp_path / "traces"))
+    other = GatewayServer(app, free_port())
+    other.start()
+    try:
+        again = openai.OpenAI(api_key=key, base_url=other.base_url + "/v1", max_retries=0, timeout=120)
+        got = again.responses.retrieve(first.id)
+        assert got.output_text == first.output_text and got.usage.input_tokens == first.usage.input_tokens
+        follow = again.responses.create(model=MODEL, input="And of Italy?", previous_response_id=first.id,
+                                        temperature=0, max_output_tokens=8)
+        assert follow.usage.input_tokens > first.usage.input_tokens + first.usage.output_tokens
+        again.responses.delete(first.id)
+    finally:
+        other.stop()
+    with pytest.raises(openai.NotFoundError):  # deleted through the other gateway: gone here too
+        api.responses.retrieve(first.id)
