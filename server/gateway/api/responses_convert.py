@@ -99,6 +99,11 @@ def refuse_unservable(body: ResponsesRequest) -> None:
             raise unsupported(f"include.{i}", f"{value!r} is not served; only {OUTPUT_LOGPROBS!r} is")
 
 
+def _name(value: Any) -> str | None:
+    """A ``type`` / ``name`` field as a string, else None (a list or object never reaches a dict lookup)."""
+    return value if isinstance(value, str) else None
+
+
 def new_id(prefix: str) -> str:
     return f"{prefix}_{secrets.token_hex(24)}"
 
@@ -113,7 +118,7 @@ def _text_of(content: Any, field: str) -> str:
         where = f"{field}.{j}"
         if not isinstance(part, dict):
             raise invalid(where, "must be a content part object")
-        kind = part.get("type")
+        kind = _name(part.get("type"))
         if kind in _UNSERVABLE_PARTS:
             raise unsupported(f"{where}.type", f"'{kind}' parts are not supported by this gateway "
                               f"({_UNSERVABLE_PARTS[kind]}: the model reads text only)")
@@ -142,14 +147,14 @@ def normalize_items(body_input: str | list[dict]) -> list[dict]:
         field = f"input.{i}"
         if not isinstance(item, dict):
             raise invalid(field, "must be an item object")
-        kind = item.get("type", "message" if "role" in item else None)
+        kind = _name(item.get("type", "message" if "role" in item else None))
         if kind not in _ITEM_KEYS:
             if kind == "reasoning":
                 raise unsupported(f"{field}.type", "reasoning items are not supported (this model does not reason)")
             if kind == "item_reference":
                 raise unsupported(f"{field}.type", "item references are not supported; send the item itself or "
                                   "use previous_response_id")
-            if isinstance(kind, str) and kind.endswith("_call") or kind in ("local_shell_call_output",
+            if kind is not None and kind.endswith("_call") or kind in ("local_shell_call_output",
                                                                           "computer_call_output"):
                 raise unsupported(f"{field}.type", f"'{kind}' items belong to built-in tools, which this gateway "
                                   "does not run")
@@ -230,9 +235,9 @@ def _functions(tools: list[dict]) -> list[dict]:
         field = f"tools.{i}"
         if not isinstance(tool, dict):
             raise invalid(field, "must be a tool object")
-        kind = tool.get("type")
+        kind = _name(tool.get("type"))
         if kind != "function":
-            if kind in BUILT_IN_TOOLS or isinstance(kind, str) and kind.startswith(("web_search", "computer")):
+            if kind in BUILT_IN_TOOLS or kind is not None and kind.startswith(("web_search", "computer")):
                 raise unsupported(f"{field}.type", f"built-in tool '{kind}' is not supported by this gateway; "
                                   "only function tools are")
             raise invalid(f"{field}.type", f"unknown tool type {kind!r}")
@@ -265,13 +270,13 @@ def _tool_plan(body: ResponsesRequest, functions: list[dict]) -> tuple[ToolPlan 
     choice = body.tool_choice
     by_name = {f["name"]: f for f in functions}
     if isinstance(choice, dict):
-        kind = choice.get("type")
+        kind = _name(choice.get("type"))
         if kind != "function":
             if kind in BUILT_IN_TOOLS or kind in ("file_search", "web_search_preview", "computer_use_preview"):
                 raise unsupported("tool_choice.type", f"built-in tool '{kind}' is not supported by this gateway")
             raise unsupported("tool_choice.type", f"{kind!r} is not supported; use none, auto, required or "
                               "{\"type\": \"function\", \"name\": ...}")
-        name = choice.get("name")
+        name = _name(choice.get("name"))
         if name not in by_name:
             raise invalid("tool_choice.name", f"must name one of the function tools, got {name!r}")
         return ToolPlan(by_name, "forced", parallel=False), forced_call_guide([by_name[name]])
@@ -290,7 +295,7 @@ def _format_guide(body: ResponsesRequest) -> Guide | None:
     fmt = body.text.format if body.text is not None else None
     if fmt is None:
         return None
-    kind = fmt.get("type")
+    kind = _name(fmt.get("type"))
     if kind == "text":
         if set(fmt) != {"type"}:
             raise invalid("text.format", "a text format has no other fields")

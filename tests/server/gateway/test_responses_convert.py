@@ -232,3 +232,17 @@ async def test_stream_of_text_then_tool_calls_is_stored_before_completed() -> No
     assert events[6]["text"] == "Let me check." and events[11]["arguments"] == '{"city":"Oslo"}'
     assert final["usage"] == {"input_tokens": 40, "input_tokens_details": {"cached_tokens": 0}, "output_tokens": 12,
                               "output_tokens_details": {"reasoning_tokens": 0}, "total_tokens": 52}
+
+
+@pytest.mark.parametrize(("param", "fields"), [
+    ("input.0.type", {"input": [{"type": ["message"], "role": "user", "content": "x"}]}),
+    ("input.0.content.0.type", {"input": [{"role": "user", "content": [{"type": {"a": 1}, "text": "x"}]}]}),
+    ("tools.0.type", {"tools": [{"type": ["function"], "name": "f"}]}),
+    ("tool_choice.type", {"tools": [WEATHER], "tool_choice": {"type": ["function"]}}),
+    ("tool_choice.name", {"tools": [WEATHER], "tool_choice": {"type": "function", "name": ["get_weather"]}}),
+    ("text.format.type", {"text": {"format": {"type": ["json_object"]}}}),
+    ("input.0.content", {"input": [{"role": "user", "content": 7}]}),
+    ("input.0.arguments", {"input": [{"type": "function_call", "call_id": "c", "name": "f", "arguments": {}}]}),
+])
+def test_malformed_json_is_a_400_not_a_500(param: str, fields: dict) -> None:
+    refused(param, **fields)
