@@ -6,8 +6,8 @@ Invariants:
   tenant's response is "not found" (code ``response_not_found``), exactly like a missing one,
   so an id reveals nothing across tenants.
 * An expired response (``expires_at <= now``) is "not found" too; expired rows of a tenant
-  are deleted whenever that tenant stores a new one (no background sweeper needed for
-  correctness, only for space).
+  are deleted whenever that tenant stores a new one, and every tenant's by
+  :func:`purge_expired` (the gateway's sweep, for the space of tenants that stopped storing).
 * A tenant's stored bytes (``size_bytes`` of its live rows) never exceed ``max_bytes`` by a
   store: :func:`store_response` refuses (``StoreFull``, code ``response_store_full``) and
   stores nothing. :func:`check_room` lets the edge refuse before it spends an engine call.
@@ -138,3 +138,18 @@ def list_input_items(session: Session, *, tenant_id: int, response_id: str, now:
             raise InvalidField(f"after: no input item {after[:80]!r} in this response", field="after")
         items = items[ids.index(after) + 1:]
     return InputItemsPage(items[:limit], len(items) > limit)
+
+
+def purge_expired(session: Session, *, now: datetime, limit: int = 1000) -> int:
+    """Delete up to ``limit`` expired rows of any tenant (one transaction); how many went.
+
+    Idempotent and safe to run from several gateways at once (a row deleted by another is
+    simply not counted)."""
+    with mutation(session, entity="response"):
+        ids = session.scalars(select(StoredResponse.id).where(StoredResponse.expires_at <= now)
+                              .order_by(StoredResponse.expires_at).limit(limit)).all()
+        if not ids:
+            return 0
+        result = session.execute(delete(StoredResponse).where(StoredResponse.id.in_(ids),
+                                                              StoredResponse.expires_at <= now))
+    return int(result.rowcount or 0)

@@ -85,6 +85,10 @@ class ResponseStore:
             return False
         return True
 
+    async def purge_expired(self) -> int:
+        """One sweep of expired rows (every tenant's); the gateway runs it in a background loop."""
+        return await self._call(stored.purge_expired)
+
     async def get(self, *, tenant_id: int, response_id: str) -> dict:
         row = await self._call(stored.get_response, tenant_id=tenant_id, response_id=response_id)
         return {**row.body, "output": row.output_items}

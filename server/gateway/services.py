@@ -2,7 +2,7 @@
 
 Built once per app by the factory (``server.app.create_app``) and kept on
 ``app.state.gateway``; tests build their own. Background loops: usage flush, key
-``last_used`` flush, pool stats polling (quota state + pool metrics). Each loop
+``last_used`` flush, pool stats polling (quota state + pool metrics), the sweep of expired stored responses. Each loop
 survives its own errors and stops with the app.
 """
 
@@ -42,6 +42,7 @@ class LoopIntervals:
     pool_poll: float = 1.0
     slo_guard: float = 1.0
     capture_refresh: float = 2.0
+    responses_purge: float = 600.0  # expired stored responses (tenants.responses.purge_expired)
 
 
 @dataclass(slots=True)
@@ -90,6 +91,9 @@ class GatewayServices:
             asyncio.create_task(self._loop(self.intervals.last_used_flush, self.auth.flush_last_used, "last-used flush")),
             asyncio.create_task(self._loop(self.intervals.pool_poll, self.monitor.refresh, "pool poll")),
         ]
+        if self.responses is not None:
+            self._tasks.append(asyncio.create_task(
+                self._loop(self.intervals.responses_purge, self.responses.purge_expired, "responses purge")))
         if self.slo_guards is not None:
             self._tasks.append(asyncio.create_task(self._loop(self.intervals.slo_guard, self.slo_guards.tick, "SLO guard")))
         if self.captures is not None:

@@ -123,3 +123,15 @@ def test_input_item_pages(session, two_tenants) -> None:  # type: ignore[no-unty
     for bad in ({"limit": 0}, {"limit": 101}, {"order": "up"}, {"after": "msg_zz"}):
         with pytest.raises(InvalidField):
             ids(**bad)
+
+
+def test_the_sweep_purges_every_tenants_expired_rows(session, two_tenants) -> None:  # type: ignore[no-untyped-def]
+    acme, globex = two_tenants
+    _store(session, acme, "resp_a1")
+    _store(session, globex, "resp_g1")
+    _store(session, acme, "resp_a2", now=T0 + timedelta(days=1))
+    assert responses.purge_expired(session, now=T0 + TTL - timedelta(seconds=1)) == 0
+    assert responses.purge_expired(session, now=T0 + TTL, limit=1) == 1
+    assert responses.purge_expired(session, now=T0 + TTL) == 1
+    assert session.scalars(select(StoredResponse.id)).all() == ["resp_a2"]
+    assert responses.get_response(session, tenant_id=acme, response_id="resp_a2", now=T0 + TTL)
