@@ -4,6 +4,7 @@ live stack and the reference engine; stored responses in the registry's database
 
 from __future__ import annotations
 
+import contextlib
 import json
 import secrets
 from datetime import UTC, datetime, timedelta
@@ -254,20 +255,29 @@ def test_logprobs_when_included(stack: Stack, key: str) -> None:
     assert all(entry.top_logprobs[0].logprob >= entry.logprob for entry in part.logprobs)  # greedy: the top one
 
 
-def test_stored_responses_outlive_the_gateway(stack: Stack, key: str, tmp_path) -> None:
-    """A second gateway on the same registry (what a restart is) reads, continues and deletes them."""
+@contextlib.contextmanager
+def second_gateway(stack: Stack, tmp_path, **settings):  # type: ignore[no-untyped-def]
+    """Another gateway process's app on the same registry and engine (what a restart gives)."""
     from server.serving import build_serving_app
     from server.settings import Settings
     from tests.server.gateway.stack import PEPPER, GatewayServer, free_port
 
-    api = client(stack, key)
-    first = api.responses.create(model=MODEL, input=QUESTION, temperature=0, max_output_tokens=8)
     url = stack.session_factory.kw["bind"].url.render_as_string(hide_password=False)
     app = build_serving_app(Settings(database_url=url, admin_tokens=["ci:" + "x" * 40], key_pepper=PEPPER,
-                                     trace_dir=tmp_path / "traces"))
-    other = GatewayServer(app, free_port())
-    other.start()
+                                     trace_dir=tmp_path / "traces", **settings))
+    server = GatewayServer(app, free_port())
+    server.start()
     try:
+        yield server
+    finally:
+        server.stop()
+
+
+def test_stored_responses_outlive_the_gateway(stack: Stack, key: str, tmp_path) -> None:
+    """A second gateway on the same registry (what a restart is) reads, continues and deletes them."""
+    api = client(stack, key)
+    first = api.responses.create(model=MODEL, input=QUESTION, temperature=0, max_output_tokens=8)
+    with second_gateway(stack, tmp_path) as other:
         again = openai.OpenAI(api_key=key, base_url=other.base_url + "/v1", max_retries=0, timeout=120)
         got = again.responses.retrieve(first.id)
         assert got.output_text == first.output_text and got.usage.input_tokens == first.usage.input_tokens
@@ -275,7 +285,21 @@ def test_stored_responses_outlive_the_gateway(stack: Stack, key: str, tmp_path) 
                                         temperature=0, max_output_tokens=8)
         assert follow.usage.input_tokens > first.usage.input_tokens + first.usage.output_tokens
         again.responses.delete(first.id)
-    finally:
-        other.stop()
     with pytest.raises(openai.NotFoundError):  # deleted through the other gateway: gone here too
         api.responses.retrieve(first.id)
+
+
+def test_the_byte_cap_refuses_or_does_not_store(stack: Stack, key: str, tmp_path) -> None:
+    with second_gateway(stack, tmp_path, responses_max_bytes=1) as tiny:
+        api = openai.OpenAI(api_key=key, base_url=tiny.base_url + "/v1", max_retries=0, timeout=120)
+        with pytest.raises(openai.BadRequestError) as caught:  # refused before the engine runs
+            api.responses.create(model=MODEL, input=QUESTION, max_output_tokens=4)
+        assert caught.value.body["code"] == "response_store_full" and caught.value.body["param"] == "store"
+        assert api.responses.create(model=MODEL, input=QUESTION, max_output_tokens=4, store=False).output_text
+    # room for the input, not for the whole response: answered, not stored, and it says so
+    with second_gateway(stack, tmp_path, responses_max_bytes=600) as small:
+        api = openai.OpenAI(api_key=key, base_url=small.base_url + "/v1", max_retries=0, timeout=120)
+        reply = api.responses.create(model=MODEL, input=QUESTION, max_output_tokens=4)
+        assert reply.output_text and reply.store is False
+        with pytest.raises(openai.NotFoundError):
+            api.responses.retrieve(reply.id)
