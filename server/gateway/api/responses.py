@@ -99,7 +99,7 @@ async def retrieve_response(response_id: str, tenant: Tenant, services: Gateway)
 @router.delete("/{response_id}")
 async def delete_response(response_id: str, tenant: Tenant, services: Gateway) -> dict:
     await _store(services).delete(tenant_id=tenant.tenant_id, response_id=response_id)
-    return {"id": response_id, "object": "response.deleted", "deleted": True}
+    return {"id": response_id, "object": "response", "deleted": True}  # OpenAI's answer
 
 
 @router.get("/{response_id}/input_items")
