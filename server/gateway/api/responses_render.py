@@ -16,7 +16,7 @@ blocks × tokens per block, as on the chat path), ``output_tokens``,
 **Stream** (``event: <type>`` + ``data: <json>``, every event with a rising
 ``sequence_number``): ``response.created``, ``response.in_progress``; for text
 ``response.output_item.added`` (message), ``response.content_part.added``,
-``response.output_text.delta`` per delta, ``response.output_text.done``,
+``response.output_text.delta`` per delta (with the log probs of its tokens when asked), ``response.output_text.done``,
 ``response.content_part.done``, ``response.output_item.done``; per tool call (parsed at the
 end, as on the other dialects) ``response.output_item.added`` (function_call),
 ``response.function_call_arguments.delta`` (all arguments at once),
@@ -148,6 +148,14 @@ class ResponsesDialect:
             sequence += 1
             return b"event: " + kind.encode() + b"\ndata: " + json.dumps(data, separators=(",", ":")).encode() + b"\n\n"
 
+        def pending(job: CompletionJob, outcome: Outcome) -> list[dict]:
+            """The log probs of the tokens decoded since the last delta (text held back keeps its own)."""
+            if job.logprobs is None or job.token_texts is None:
+                return []
+            start, outcome.sent_log_probs = outcome.sent_log_probs, len(outcome.log_probs)
+            return chat_entries(job.token_texts, outcome.token_ids[start:outcome.sent_log_probs],
+                                outcome.log_probs[start:outcome.sent_log_probs])
+
         yield event("response.created", {"response": self.response("in_progress", [])}) + \
             event("response.in_progress", {"response": self.response("in_progress", [])})
         message_id = new_id("msg")
@@ -161,7 +169,7 @@ class ResponsesDialect:
                     yield event("response.output_item.added", {"output_index": 0, "item": {
                         "id": message_id, "type": "message", "status": "in_progress", "role": "assistant",
                         "content": []}}) + event("response.content_part.added", {**where, "part": empty_part})
-                yield event("response.output_text.delta", {**where, "delta": delta, "logprobs": []})
+                yield event("response.output_text.delta", {**where, "delta": delta, "logprobs": pending(job, outcome)})
         except ServingError as err:  # the engine failed mid-stream
             error = {"code": err.code, "message": err.message}
             yield event("error", {**error, "param": err.param}) + \

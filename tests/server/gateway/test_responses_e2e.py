@@ -253,6 +253,14 @@ def test_logprobs_when_included(stack: Stack, key: str) -> None:
     assert "".join(entry.token for entry in part.logprobs) == part.text
     assert all(len(entry.top_logprobs) == 2 and entry.logprob <= 0 for entry in part.logprobs)
     assert all(entry.top_logprobs[0].logprob >= entry.logprob for entry in part.logprobs)  # greedy: the top one
+    events = list(api.responses.create(model=MODEL, input=QUESTION, temperature=0, max_output_tokens=6, store=False,
+                                       include=["message.output_text.logprobs"], top_logprobs=2, stream=True))
+    streamed = [entry for e in events if e.type == "response.output_text.delta" for entry in e.logprobs]
+    done = next(e for e in events if e.type == "response.output_text.done")
+    assert [x.model_dump() for x in streamed] == [x.model_dump() for x in done.logprobs]  # the same request's
+    # Another request: the same tokens; the figures may differ in the last digits (a prompt read from
+    # cached KV blocks is not bit-identical to one computed afresh).
+    assert [x.token for x in streamed] == [x.token for x in part.logprobs]
 
 
 @contextlib.contextmanager
