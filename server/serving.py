@@ -70,5 +70,6 @@ def build_serving_app(settings: Settings, *, session_factory: sessionmaker[Sessi
         mrc_sample_rate=settings.mrc_sample_rate,
         trace_dir=settings.trace_dir,
         routing=routing or routing_config(settings),
+        responses_ttl_s=settings.responses_ttl_s, responses_max_bytes=settings.responses_max_bytes,
     )
     return install_gateway(app, services)

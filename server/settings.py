@@ -96,6 +96,10 @@ class Settings(BaseSettings):
     # of rotation for breaker_open_s, doubling on each further failure up to breaker_max_open_s.
     breaker_open_s: float = Field(default=0.5, gt=0.0)
     breaker_max_open_s: float = Field(default=10.0, gt=0.0)
+    # Stored responses of the Responses API (/v1/responses, tenants/responses.py): how long one
+    # is kept (OpenAI keeps them 30 days) and how many bytes one tenant may hold.
+    responses_ttl_s: float = Field(default=30 * 24 * 3600.0, gt=0.0)
+    responses_max_bytes: int = Field(default=64 * 2**20, ge=1)
 
     @model_validator(mode="after")
     def _breaker_bounds(self) -> "Settings":

@@ -360,3 +360,32 @@ class TraceCapture(Timestamped, Base):
     key: Mapped[str] = mapped_column(String(64))
     started_at: Mapped[datetime] = mapped_column(default=utcnow)
     stopped_at: Mapped[datetime | None] = mapped_column()
+
+
+class StoredResponse(Base):
+    """A stored OpenAI Responses-API response (``store: true``), readable by its tenant only.
+
+    ``input_items`` are this request's input items (each with its ``id``), ``output_items``
+    the response's output items; a continuation (``previous_response_id``) rebuilds its
+    prompt from the chain of these. ``body`` is the response object without ``output``.
+    ``previous_response_id`` is not a foreign key: an ancestor may expire or be deleted
+    before its descendants, and a continuation then fails with "not found", as OpenAI's does.
+    ``size_bytes`` is what the row counts against the tenant's byte cap (its JSON's length).
+    """
+
+    __tablename__ = "stored_responses"
+    __table_args__ = (
+        CheckConstraint("size_bytes >= 0", name="size_bytes_nonneg"),
+        Index("ix_stored_responses_tenant_expires", "tenant_id", "expires_at"),
+    )
+
+    id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    tenant_id: Mapped[int] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"))
+    previous_response_id: Mapped[str | None] = mapped_column(String(64))
+    model: Mapped[str] = mapped_column(String(256))
+    input_items: Mapped[list[Any]] = mapped_column(JSON)
+    output_items: Mapped[list[Any]] = mapped_column(JSON)
+    body: Mapped[dict[str, Any]] = mapped_column(JSON)
+    size_bytes: Mapped[int] = mapped_column(BigInteger)
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+    expires_at: Mapped[datetime] = mapped_column()

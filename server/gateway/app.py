@@ -31,6 +31,7 @@ from server.gateway.api import messages_render
 from server.gateway.messages_routes import PATH_PREFIX as MESSAGES_PREFIX
 from server.gateway.messages_routes import router as messages_router
 from server.gateway.routes import router
+from server.gateway.responses_routes import router as responses_router
 from server.gateway.services import GatewayServices
 from tenants.auth import list_active_tenants_for_pool, list_pool_snapshots
 from tenants.snapshots import PoolSnapshot
@@ -144,6 +145,7 @@ def install_gateway(app: FastAPI, services: GatewayServices) -> FastAPI:
         admin_app.state.slo_guard = services.slo_guards
     app.include_router(router)
     app.include_router(messages_router)
+    app.include_router(responses_router)
 
     async def on_validation(request: Request, exc: RequestValidationError):
         return serving_error_response(request.url.path, validation_error(exc))
