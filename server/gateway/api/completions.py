@@ -579,7 +579,7 @@ class CompletionRunner:
         if hinted is not None and hinted.hashes:
             # TensorRT-LLM starts a block's duration when the request releases it: count from now.
             self._ledger(tenant.pool.name).record(tenant.engine_tenant_id, hinted.hashes, hinted.durations_ms,
-                                                  self._clock())
+                                                  self._clock(), windows_ms=hinted.windows_ms)
         latency = time.perf_counter() - started
         # Mean inter-token latency: observable only when tokens were streamed one by one.
         inter_token = None
