@@ -60,5 +60,5 @@ def test_tenant_and_pool_kv_come_from_the_engine(stack: Stack) -> None:
 def test_kv_reads_need_an_admin_and_a_known_ref(stack: Stack) -> None:
     assert httpx.get(stack.gateway.base_url + "/admin/v1/pools/reference/kv").status_code == 401
     missing = admin(stack, "/tenants/no-such-tenant/kv")
-    assert missing.status_code == 404 and missing.json()["error"]["code"] == "not_found"
+    assert missing.status_code == 404 and missing.json()["error"]["code"] == "tenant_not_found"
     assert admin(stack, "/pools/no-such-pool/kv").status_code == 404
