@@ -26,7 +26,7 @@ from pathlib import Path
 import httpx
 
 MODEL = "smollm2-135m-instruct"
-TPB, PRIMARY, SECONDARY = 16, 96, 192
+TPB, PRIMARY, SECONDARY = 16, 96, 32
 TOPICS = ("drills", "hammers", "saws", "ladders", "paint", "glue", "screws", "tiles")
 
 
@@ -106,8 +106,12 @@ def browser():
 
 
 def shoot(driver, path: Path) -> None:
+    # Why the device metrics: a headless window is capped at its screen's height; the override is not.
+    driver.execute_cdp_cmd("Emulation.setDeviceMetricsOverride", {"width": 1360, "height": 700, "deviceScaleFactor": 1,
+                                                                  "mobile": False})
     height = driver.execute_script("return document.documentElement.scrollHeight")
-    driver.set_window_size(1360, max(700, min(2400, height + 40)))
+    driver.execute_cdp_cmd("Emulation.setDeviceMetricsOverride", {"width": 1360, "height": max(700, min(2400, height)),
+                                                                  "deviceScaleFactor": 1, "mobile": False})
     time.sleep(0.3)
     driver.save_screenshot(str(path))
     print(f"wrote {path}")
@@ -116,7 +120,7 @@ def shoot(driver, path: Path) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path("docs/img"))
-    parser.add_argument("--rounds", type=int, default=12, help="requests per tenant")
+    parser.add_argument("--rounds", type=int, default=16, help="requests per tenant")
     args = parser.parse_args(argv)
     if shutil.which("chromium") is None or shutil.which("chromedriver") is None:
         print("console_screens: needs chromium and chromedriver (Debian: chromium, chromium-driver)", file=sys.stderr)
@@ -152,7 +156,8 @@ def main(argv: list[str] | None = None) -> int:
             driver.find_element(By.CSS_SELECTOR, "#create-key input[name=name]").send_keys("staging")
             driver.find_element(By.CSS_SELECTOR, "#create-key button[type=submit]").click()
             time.sleep(0.5)
-            driver.set_window_size(1360, 700)
+            driver.execute_cdp_cmd("Emulation.setDeviceMetricsOverride", {"width": 1360, "height": 640,
+                                                                          "deviceScaleFactor": 1, "mobile": False})
             driver.save_screenshot(str(args.out / "console-new-key.png"))
             print(f"wrote {args.out / 'console-new-key.png'}")
         finally:

@@ -316,7 +316,7 @@ def build(*, api_app: Any, idle_s: float, max_age_s: float) -> FastAPI:
         try:
             await ask(request, session, "POST", f"/tenants/{_q(slug)}/keys/{key_id}/revoke")
         except ApiFailure as exc:
-            if exc.status == 404:
+            if exc.status in (403, 404):  # not this credential's tenant or key: the API's refusal, as is
                 return failed(request, session, exc)
             return back(session, f"/tenants/{_q(slug)}", "error", f"Key not revoked: {exc}")
         return back(session, f"/tenants/{_q(slug)}", "ok", f"Key {key_id} revoked.")
