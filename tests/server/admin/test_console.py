@@ -168,3 +168,12 @@ def test_sessions_expire_when_idle_or_old_and_are_bounded() -> None:
     store.create(credential="c", name="c", role="viewer", tenants=None)
     assert len(store) == 2 and store.get(first) is None  # the least recently used went first
     assert not session.check_csrf(None) and not session.check_csrf("") and session.check_csrf(session.csrf)
+
+
+def test_a_refused_write_shows_the_api_status(browser: TestClient) -> None:
+    seed(browser)
+    key = browser.post("/admin/v1/tenants/acme/keys", headers=AUTH, json={"name": "k"}).json()
+    csrf = sign_in(browser)
+    r = browser.post(f"/console/tenants/nobody/keys/{key['id']}/revoke", data={"csrf": csrf})
+    assert r.status_code == 404 and "tenant_not_found" in r.text
+    assert browser.get("/admin/v1/tenants/acme/keys", headers=AUTH).json()["items"][0]["revoked_at"] is None
