@@ -177,3 +177,18 @@ def test_a_refused_write_shows_the_api_status(browser: TestClient) -> None:
     r = browser.post(f"/console/tenants/nobody/keys/{key['id']}/revoke", data={"csrf": csrf})
     assert r.status_code == 404 and "tenant_not_found" in r.text
     assert browser.get("/admin/v1/tenants/acme/keys", headers=AUTH).json()["items"][0]["revoked_at"] is None
+
+
+def test_console_files_ship_as_package_data() -> None:
+    """Every template and static file of the console is covered by pyproject's package-data globs."""
+    import fnmatch
+    import tomllib
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[3]
+    patterns = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]["server"]
+    console = root / "server" / "admin" / "console"
+    files = [p.relative_to(root / "server").as_posix() for folder in ("templates", "static")
+             for p in (console / folder).rglob("*") if p.is_file()]
+    assert "admin/console/static/htmx.min.js" in files and "admin/console/templates/base.html" in files
+    assert [f for f in files if not any(fnmatch.fnmatch(f, pat) for pat in patterns)] == []
