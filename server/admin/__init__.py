@@ -13,7 +13,7 @@ from datetime import datetime
 from fastapi import FastAPI
 from sqlalchemy.orm import Session, sessionmaker
 
-from server.admin import audit, captures, keys, pools, retention_classes, slo, tenants
+from server.admin import audit, captures, keys, kv, pools, retention_classes, slo, tenants
 from server.admin.schemas import ERROR_RESPONSES
 from server.errors import install_error_handlers
 from server.settings import Settings
@@ -38,6 +38,6 @@ def create_admin_app(
     # Resolved once: actor ids and tokens; the tokens never leave app.state.
     app.state.admin_credentials = tuple(settings.admin_credentials())
     install_error_handlers(app)
-    for module in (pools, slo, captures, retention_classes, tenants, keys, audit):
+    for module in (pools, slo, captures, kv, retention_classes, tenants, keys, audit):
         app.include_router(module.router, responses=ERROR_RESPONSES)
     return app

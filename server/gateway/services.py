@@ -62,6 +62,7 @@ class GatewayServices:
     intervals: LoopIntervals = field(default_factory=LoopIntervals)
     captures: TraceCaptures | None = None  # live trace capture (server.gateway.observe.capture)
     responses: ResponseStore | None = None  # stored Responses-API responses (server.gateway.response_store)
+    curves: MissRatioCurves | None = None  # online miss-ratio curves (None when sampling is off)
     draining: bool = False  # set by the SIGTERM drain (server.gateway.drain): new requests get 503
     in_flight: int = 0  # serving requests not yet fully answered (server.gateway.drain.InFlight)
     _tasks: list[asyncio.Task] = field(default_factory=list)
@@ -157,7 +158,7 @@ def build_gateway_services(*, session_factory, pepper: str, tokenizer_for, admis
                                 guard=guards, curves=curves,
                                 capture=captures.offer if captures is not None else None),
         routing=router,
-        selectors=selectors, slo_guards=guards, captures=captures,
+        selectors=selectors, slo_guards=guards, captures=captures, curves=curves if curves.enabled else None,
         responses=ResponseStore(session_factory, ttl_s=responses_ttl_s, max_bytes=responses_max_bytes),
         intervals=intervals or LoopIntervals(),
     )
