@@ -47,11 +47,12 @@ class ParsedKey:
         return f"ParsedKey(prefix={self.prefix!r}, secret=<redacted>)"
 
 
-def parse_key(plaintext: str) -> ParsedKey | None:
-    """Split ``kvg_<prefix>_<secret>``; None for anything not shaped like a key."""
+def parse_key(plaintext: str, *, scheme: str = KEY_SCHEME) -> ParsedKey | None:
+    """Split ``<scheme>_<prefix>_<secret>`` (``kvg`` keys, ``kva`` admin credentials); None
+    for anything not shaped like one."""
     if not isinstance(plaintext, str) or len(plaintext) > 512:
         return None
-    head = f"{KEY_SCHEME}_"
+    head = f"{scheme}_"
     if not plaintext.startswith(head):
         return None
     rest = plaintext[len(head) :]
@@ -67,10 +68,14 @@ def hash_secret(secret: str, *, pepper: str) -> str:
     return hmac.new(pepper.encode(), secret.encode(), hashlib.sha256).hexdigest()
 
 
-def _new_key() -> tuple[str, str, str]:
-    prefix = "".join(secrets.choice(_PREFIX_ALPHABET) for _ in range(PREFIX_LEN))
+def new_prefix() -> str:
+    return "".join(secrets.choice(_PREFIX_ALPHABET) for _ in range(PREFIX_LEN))
+
+
+def _new_key(scheme: str = KEY_SCHEME) -> tuple[str, str, str]:
+    prefix = new_prefix()
     secret = secrets.token_urlsafe(32)
-    return prefix, secret, f"{KEY_SCHEME}_{prefix}_{secret}"
+    return prefix, secret, f"{scheme}_{prefix}_{secret}"
 
 
 def audit_view(key: ApiKey) -> dict[str, object]:
