@@ -123,3 +123,27 @@ def authorize(identity: AdminIdentity, *, method: str, path: str, path_params: d
         raise ApiError(403, "forbidden", f"a tenant-scoped credential may not {method} {path}")
     if scoped and rule.scope == TENANT:
         get_tenant(session, ref=path_params.get("ref", ""), within=identity.tenant_ids)
+
+
+MATRIX_ROLES = ("platform-admin", "operator", "tenant-admin", "viewer")
+
+
+def matrix_cell(rule: Rule, role: str) -> str:
+    """The docs' cell for ``role`` under ``rule``: ``yes``; ``403``; ``own`` (the caller's tenants:
+    another tenant answers 404 exactly as a missing one, lists hold only its tenants; an
+    unscoped viewer owns them all); ``unscoped`` (an unscoped viewer yes, a scoped one 403)."""
+    if role not in rule.roles:
+        return "403"
+    if role in ("platform-admin", "operator") or rule.scope == SELF:
+        return "yes"
+    if rule.scope == GLOBAL:
+        return "403" if role == "tenant-admin" else "unscoped"
+    return "own"
+
+
+def matrix_rows() -> list[str]:
+    """The markdown rows of docs/architecture.md's role matrix, in ``RULES`` order."""
+    rows = ["| route | " + " | ".join(MATRIX_ROLES) + " |", "|---|" + "---|" * len(MATRIX_ROLES)]
+    for (method, path), rule in RULES.items():
+        rows.append(f"| `{method} {path}` | " + " | ".join(matrix_cell(rule, r) for r in MATRIX_ROLES) + " |")
+    return rows
