@@ -57,7 +57,7 @@ class CredentialCreated(CredentialPublic):
     secret: str = Field(description="the plaintext kva_<prefix>_<secret>; shown once, never retrievable again")
 
 
-def _public(session: Session, row: AdminCredential, scope: list[str] | None = None) -> CredentialPublic:
+def credential_public(session: Session, row: AdminCredential, scope: list[str] | None = None) -> CredentialPublic:
     tenants = scope if scope is not None else (service.scope_of(session, row.id) if row.scoped else None)
     return CredentialPublic(id=row.id, name=row.name, role=row.role, tenants=tenants, prefix=row.prefix,  # type: ignore[arg-type]
                             expires_at=row.expires_at, created_at=row.created_at, last_used_at=row.last_used_at,
@@ -77,19 +77,19 @@ def create_credential(body: CredentialCreate, session: SessionDep, actor: AdminA
     row, scope, secret = service.create_credential(
         session, actor=actor, now=now, name=body.name, role=body.role, tenants=body.tenants,
         expires_at=body.expires_at, pepper=settings.effective_key_pepper())
-    return CredentialCreated(**_public(session, row, scope).model_dump(), secret=secret)
+    return CredentialCreated(**credential_public(session, row, scope).model_dump(), secret=secret)
 
 
 @router.get("/credentials", response_model=PageOf[CredentialPublic])
 def list_credentials(session: SessionDep, _actor: AdminActor, page: Paging) -> PageOf[CredentialPublic]:
     result = service.list_credentials(session, limit=page.limit, offset=page.offset)
-    return PageOf[CredentialPublic](items=[_public(session, r) for r in result.items], total=result.total,
+    return PageOf[CredentialPublic](items=[credential_public(session, r) for r in result.items], total=result.total,
                                     limit=result.limit, offset=result.offset)
 
 
 @router.get("/credentials/{credential_id}", response_model=CredentialPublic)
 def get_credential(credential_id: CredentialId, session: SessionDep, _actor: AdminActor) -> CredentialPublic:
-    return _public(session, service.get_credential(session, credential_id=credential_id))
+    return credential_public(session, service.get_credential(session, credential_id=credential_id))
 
 
 @router.delete("/credentials/{credential_id}", status_code=status.HTTP_204_NO_CONTENT)
@@ -106,4 +106,4 @@ def rotate_credential(credential_id: CredentialId, body: CredentialRotate, sessi
     row, secret = service.rotate_credential(session, actor=actor, now=now, credential_id=credential_id,
                                             overlap_seconds=body.overlap_seconds,
                                             pepper=settings.effective_key_pepper())
-    return CredentialCreated(**_public(session, row).model_dump(), secret=secret)
+    return CredentialCreated(**credential_public(session, row).model_dump(), secret=secret)
