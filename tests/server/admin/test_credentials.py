@@ -235,3 +235,35 @@ def test_unknown_and_malformed_credentials_are_401(client: TestClient) -> None:
     for presented in (f"kva_{prefix}_{'A' * 43}", "kva_zzzzzzzz_" + "B" * 43, "kva_", secret[:-1], secret + "x"):
         r = client.get("/admin/v1/whoami", headers=bearer(presented))
         assert r.status_code == 401, presented
+
+
+def test_missing_and_foreign_tenants_take_the_same_queries(db, client: TestClient) -> None:  # type: ignore[no-untyped-def]
+    """No timing oracle: for a scoped caller a foreign tenant and a missing one run the very
+    same SQL statements (counted, not timed) and get bodies that differ only by the name asked."""
+    from sqlalchemy import event
+
+    seed(client)
+    add_tenant(client, "globex")
+    me = bearer(credential(client, "acme-ops", "tenant-admin", ["acme"])["secret"])
+    statements: list[str] = []
+
+    def record(_conn, _cursor, statement, _params, _context, _many) -> None:  # type: ignore[no-untyped-def]
+        statements.append(statement)
+
+    event.listen(db.engine, "before_cursor_execute", record)
+    try:
+        runs = {}
+        for ref in ("globex", "ghostx"):  # same length: the parameters differ only in the name
+            for path in (f"/admin/v1/tenants/{ref}", f"/admin/v1/tenants/{ref}/keys"):
+                statements.clear()
+                client.get("/admin/v1/whoami", headers=me)  # settles last_used_at, so both runs skip its write
+                statements.clear()
+                r = client.get(path, headers=me)
+                runs[(ref, path.replace(ref, "*"))] = (r.status_code, r.json(), list(statements))
+    finally:
+        event.remove(db.engine, "before_cursor_execute", record)
+    for path in ("/admin/v1/tenants/*", "/admin/v1/tenants/*/keys"):
+        foreign, missing = runs[("globex", path)], runs[("ghostx", path)]
+        assert foreign[0] == missing[0] == 404
+        assert foreign[1]["error"]["message"].replace("globex", "ghostx") == missing[1]["error"]["message"]
+        assert foreign[2] == missing[2] and foreign[2], path
