@@ -100,6 +100,7 @@ RULES: dict[tuple[str, str], Rule] = {
     ("GET", "/tenants/{ref}/retention"): TENANT_READ,
     ("GET", "/tenants/{ref}/usage"): TENANT_READ,
     ("GET", "/tenants/{ref}/captures"): TENANT_READ,
+    ("GET", "/tenants/{ref}/kv"): TENANT_READ,
     # a tenant's API keys
     ("POST", "/tenants/{ref}/keys"): Rule(KEY_WRITERS, TENANT),
     ("GET", "/tenants/{ref}/keys"): Rule(KEY_READERS, TENANT),

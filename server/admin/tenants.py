@@ -5,7 +5,8 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Annotated
 
-from fastapi import APIRouter, Query, status
+from fastapi import APIRouter, Query, Request, status
+from pydantic import BaseModel
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
@@ -173,3 +174,27 @@ def list_tenant_captures(ref: str, session: SessionDep, _actor: AdminActor) -> l
     tenant = tenant_service.get_tenant(session, ref=ref)
     return [CapturePublic(**captures.capture_public(r, session)) for r in captures.list_tenant_captures(session,
                                                                                                     tenant=tenant.id)]
+
+
+class TenantKvPublic(BaseModel):
+    tenant: str
+    pool: str
+    primary_blocks: int | None
+    secondary_blocks: int | None
+    demoted: bool | None
+    pool_cache_hit_rate: float | None
+    reused_blocks: int
+    new_blocks: int
+    hit_rate: float | None
+
+
+@router.get("/{ref}/kv", response_model=TenantKvPublic)
+def get_kv(ref: str, request: Request, session: SessionDep, _actor: AdminActor) -> TenantKvPublic:
+    """The tenant's KV blocks per tier, quota demotion and hit rate, as this gateway process sees
+    them (``server.gateway.services.GatewayServices.tenant_kv``); 404 ``no_gateway`` without one."""
+    tenant = tenant_service.get_tenant(session, ref=ref)
+    source = getattr(request.app.state, "tenant_kv", None)
+    if source is None:
+        raise ApiError(404, "no_gateway", "this process serves no gateway, so it has no KV figures")
+    pool, _cls = tenant_service.placement(session, tenant=tenant)
+    return TenantKvPublic(tenant=tenant.slug, pool=pool.name, **source(pool.name, tenant.id, tenant.slug))

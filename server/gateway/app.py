@@ -142,6 +142,7 @@ def install_gateway(app: FastAPI, services: GatewayServices) -> FastAPI:
         # and /pools/{ref}/slo/state and /restore reach this process's SLO guards (server/admin/slo.py).
         admin_app.state.engine_reports = services.monitor.capacity
         admin_app.state.slo_guard = services.slo_guards
+        admin_app.state.tenant_kv = services.tenant_kv  # GET /tenants/{ref}/kv (server/admin/tenants.py)
     app.include_router(router)
     app.include_router(messages_router)
 

@@ -63,6 +63,28 @@ class GatewayServices:
     in_flight: int = 0  # serving requests not yet fully answered (server.gateway.drain.InFlight)
     _tasks: list[asyncio.Task] = field(default_factory=list)
 
+    def tenant_kv(self, pool: str, tenant_id: int, slug: str) -> dict[str, object]:
+        """One tenant's KV figures in this gateway process, for ``GET /admin/v1/tenants/{ref}/kv``.
+
+        Blocks held per tier and the demotion state come from the pool's latest stats poll
+        (None before one answered); reused/new blocks are this gateway's per-request counters
+        since it started (``kvgate_kv_blocks_reused|new``), their ratio the tenant's hit rate.
+        """
+        stats = self.monitor.stats(pool)
+        held = stats.tenants.get(str(tenant_id), [0, 0]) if stats is not None else None
+        labels = {"tenant": slug, "pool": pool}
+        reused = int(self.registry.get_sample_value("kvgate_kv_blocks_reused_total", labels) or 0)
+        new = int(self.registry.get_sample_value("kvgate_kv_blocks_new_total", labels) or 0)
+        return {
+            "primary_blocks": held[0] if held is not None else None,
+            "secondary_blocks": held[1] if held is not None else None,
+            "demoted": self.monitor.quota_state(pool, tenant_id).over_quota if stats is not None else None,
+            "pool_cache_hit_rate": stats.cache_hit_rate if stats is not None else None,
+            "reused_blocks": reused,
+            "new_blocks": new,
+            "hit_rate": reused / (reused + new) if reused + new else None,
+        }
+
     async def _loop(self, interval: float, step, name: str) -> None:
         while True:
             await asyncio.sleep(interval)

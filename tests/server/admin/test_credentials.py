@@ -267,3 +267,39 @@ def test_missing_and_foreign_tenants_take_the_same_queries(db, client: TestClien
         assert foreign[0] == missing[0] == 404
         assert foreign[1]["error"]["message"].replace("globex", "ghostx") == missing[1]["error"]["message"]
         assert foreign[2] == missing[2] and foreign[2], path
+
+
+def test_tenant_admin_reads_its_kv_figures_from_the_gateway(db, settings, client: TestClient) -> None:  # type: ignore[no-untyped-def]
+    """What the gateway process knows of the tenant's KV: the pool monitor's latest poll (fed a
+    report through its own ``apply``) and the per-request counters; a bare admin app has none."""
+    from engines.contract import KvMetrics, PoolStatsReport, TierStats
+    from server.gateway.replicas.pool_monitor import TenantQuota
+    from tenants.auth import list_pool_snapshots
+
+    seed(client)
+    add_tenant(client, "globex")
+    secret = credential(client, "acme-ops", "tenant-admin", ["acme"])["secret"]
+    r = client.get("/admin/v1/tenants/acme/kv", headers=bearer(secret))
+    assert r.status_code == 404 and r.json()["error"]["code"] == "no_gateway"
+
+    app = build_serving_app(settings, session_factory=db.factory, registry=CollectorRegistry())
+    with TestClient(app) as gateway:
+        me = bearer(secret)
+        r = gateway.get("/admin/v1/tenants/acme/kv", headers=me)
+        assert r.status_code == 200 and r.json()["primary_blocks"] is None and r.json()["hit_rate"] is None
+        services = app.state.gateway
+        acme, globex = (gateway.get(f"/admin/v1/tenants/{s}", headers=AUTH).json()["id"] for s in ("acme", "globex"))
+        with db.factory() as s:
+            pool = list_pool_snapshots(s)[0]
+        report = PoolStatsReport(tokens_per_block=32, primary=TierStats(128, 28, 100), secondary=TierStats(256, 200, 56),
+                                 cache_hit_rate=0.4, tenants={str(acme): [70, 6], str(globex): [30, 50]})
+        services.monitor.apply(pool, report, [TenantQuota(acme, "acme", 0.5), TenantQuota(globex, "globex", 0.5)])
+        for slug, reused, new in (("acme", 3, 1), ("globex", 0, 9)):
+            services.metrics.observe_request(tenant=slug, pool="gpu-a", status="ok", prompt_tokens=10,
+                                             completion_tokens=1, ttft=0.1, latency=0.2,
+                                             kv=KvMetrics(reused_blocks=reused, new_blocks=new), demoted=False)
+        figures = gateway.get("/admin/v1/tenants/acme/kv", headers=me).json()
+        assert figures == {"tenant": "acme", "pool": "gpu-a", "primary_blocks": 70, "secondary_blocks": 6,
+                           "demoted": True, "pool_cache_hit_rate": 0.4, "reused_blocks": 3, "new_blocks": 1,
+                           "hit_rate": 0.75}
+        assert gateway.get("/admin/v1/tenants/globex/kv", headers=me).status_code == 404
