@@ -19,7 +19,7 @@ from __future__ import annotations
 import hmac
 import secrets
 from dataclasses import dataclass
-from datetime import UTC, datetime, timedelta
+from datetime import datetime, timedelta
 
 from sqlalchemy import or_, select, update
 from sqlalchemy.orm import Session
@@ -85,8 +85,8 @@ def create_credential(
     name = v.text(name, field="name", max_len=128)
     role = v.choice(role, field="role", options=ADMIN_ROLES)
     _check_scope(role, tenants)
-    if expires_at is not None and (expires_at.tzinfo is None or expires_at <= now):
-        raise InvalidField("expires_at must be a timezone-aware time in the future", field="expires_at")
+    if expires_at is not None:
+        expires_at = v.future_utc(expires_at, now=now, field="expires_at")
     prefix = _free_prefix(session)
     secret = secrets.token_urlsafe(32)
     with mutation(session, unique_field="name", entity="admin credential"):
@@ -95,7 +95,7 @@ def create_credential(
         row = AdminCredential(
             name=name, role=role, scoped=tenants is not None, prefix=prefix,
             secret_hash=hash_secret(secret, pepper=pepper), created_by=actor[:128], created_at=now,
-            expires_at=expires_at.astimezone(UTC) if expires_at else None,
+            expires_at=expires_at,
         )
         session.add(row)
         session.flush()

@@ -17,7 +17,7 @@ import logging
 import secrets
 import string
 from dataclasses import dataclass
-from datetime import UTC, datetime
+from datetime import datetime
 
 from sqlalchemy import select, update
 from sqlalchemy.orm import Session
@@ -96,10 +96,8 @@ def create_key(
     if not pepper:
         raise InvalidField("the key pepper is not configured", field="pepper")
     name = v.text(name, field="name", max_len=128, allow_empty=True)
-    if expires_at is not None and (expires_at.tzinfo is None or expires_at <= now):
-        raise InvalidField("expires_at must be a timezone-aware time in the future", field="expires_at")
     if expires_at is not None:
-        expires_at = expires_at.astimezone(UTC)
+        expires_at = v.future_utc(expires_at, now=now, field="expires_at")
     for _attempt in range(5):  # prefix collisions are ~1 in 2.8e12; retry, never reuse
         prefix, secret, plaintext = _new_key()
         if session.scalars(select(ApiKey.id).where(ApiKey.prefix == prefix)).first() is None:

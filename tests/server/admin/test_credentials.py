@@ -303,3 +303,41 @@ def test_tenant_admin_reads_its_kv_figures_from_the_gateway(db, settings, client
                            "demoted": True, "pool_cache_hit_rate": 0.4, "reused_blocks": 3, "new_blocks": 1,
                            "hit_rate": 0.75}
         assert gateway.get("/admin/v1/tenants/globex/kv", headers=me).status_code == 404
+
+
+@pytest.mark.parametrize("body", [
+    {"name": "x", "role": "viewer", "expires_at": "9999-12-31T23:59:59-05:00"},
+    {"name": "x", "role": "viewer", "expires_at": "2020-01-01T00:00:00Z"},
+    {"name": "x", "role": "viewer", "expires_at": "2030-01-01T00:00:00"},
+    {"name": "x\u0000y", "role": "viewer"},
+    {"name": "   ", "role": "viewer"},
+    {"name": "x", "role": "viewer", "tenants": []},
+    {"name": "x", "role": "viewer", "tenants": ["acme", "acme"], "extra": 1},
+    {"name": "x" * 129, "role": "viewer"},
+])
+def test_bad_credential_bodies_are_4xx(client: TestClient, body: dict) -> None:
+    seed(client)
+    r = client.post("/admin/v1/credentials", headers=AUTH, json=body)
+    assert 400 <= r.status_code < 500, r.text
+    assert set(r.json()["error"]) == {"code", "message", "field"}
+
+
+def test_bad_rotations_are_4xx(client: TestClient) -> None:
+    seed(client)
+    cid = credential(client, "v", "viewer")["id"]
+    for body in ({"overlap_seconds": -1}, {"overlap_seconds": 10**12}, {"overlap_seconds": "60"}, {}):
+        r = client.post(f"/admin/v1/credentials/{cid}/rotate", headers=AUTH, json=body)
+        assert r.status_code == 422, (body, r.text)
+    for path in ("/admin/v1/credentials/0", "/admin/v1/credentials/99999", "/admin/v1/credentials/abc"):
+        assert client.get(path, headers=AUTH).status_code in (404, 422)
+    assert client.delete("/admin/v1/credentials/99999", headers=AUTH).status_code == 404
+    dup = client.post("/admin/v1/credentials", headers=AUTH, json={"name": "v", "role": "viewer"})
+    assert dup.status_code == 409 and dup.json()["error"]["code"] == "duplicate"
+
+
+def test_an_expiry_utc_cannot_hold_is_422_for_keys_too(client: TestClient) -> None:
+    """Year 9999 at a negative offset is past UTC's range: refused, not a 500 (was an OverflowError)."""
+    seed(client)
+    r = client.post("/admin/v1/tenants/acme/keys", headers=AUTH,
+                    json={"name": "k", "expires_at": "9999-12-31T23:59:59-05:00"})
+    assert r.status_code == 422 and r.json()["error"]["field"] == "expires_at", r.text
