@@ -77,8 +77,11 @@ class ErrorBody(BaseModel):
 
 
 ERROR_RESPONSES: dict[int | str, dict] = {
-    401: {"model": ErrorBody, "description": "missing or invalid admin token"},
-    404: {"model": ErrorBody, "description": "no such pool/replica/class/tenant/key"},
+    401: {"model": ErrorBody, "description": "missing, invalid, revoked or expired admin credential"},
+    403: {"model": ErrorBody, "description": "the caller's role or tenant scope does not allow this "
+                                             "(forbidden, no_rule, limit_above_cap, limit_not_capped, field_not_permitted)"},
+    404: {"model": ErrorBody, "description": "no such pool/replica/class/tenant/key/credential (a tenant outside "
+                                             "a scoped caller's scope is answered exactly as a missing one)"},
     409: {"model": ErrorBody, "description": "duplicate name, stale version, still in use, or a pool's last replica"},
     422: {"model": ErrorBody, "description": "invalid field (named in error.field)"},
     503: {"model": ErrorBody, "description": "registry database unavailable"},

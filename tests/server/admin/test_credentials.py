@@ -3,6 +3,7 @@ on a real registry (SQLite, and PostgreSQL when reachable)."""
 
 from __future__ import annotations
 
+import time
 from datetime import UTC, datetime, timedelta
 
 import pytest
@@ -224,6 +225,13 @@ def test_revocation_holds_at_once_on_two_gateways_sharing_a_registry(db, setting
             r = gateway.get("/admin/v1/tenants/acme/keys", headers=me)
             assert r.status_code == 401, r.text
         assert b.delete(f"/admin/v1/credentials/{created['id']}", headers=AUTH).status_code == 204  # idempotent
+        # Expiry: these gateways read the wall clock, so the credential expires in a few seconds.
+        expires = datetime.now(UTC) + timedelta(seconds=4)
+        brief = bearer(credential(b, "brief", "viewer", expires_at=expires.isoformat())["secret"])
+        if datetime.now(UTC) < expires - timedelta(seconds=1):  # both answered before the expiry
+            assert [g.get("/admin/v1/whoami", headers=brief).status_code for g in (a, b)] == [200, 200]
+        time.sleep(max(0.0, (expires - datetime.now(UTC)).total_seconds()) + 0.05)
+        assert [g.get("/admin/v1/whoami", headers=brief).status_code for g in (a, b)] == [401, 401]
         r = b.post(f"/admin/v1/credentials/{created['id']}/rotate", headers=AUTH, json={"overlap_seconds": 0})
         assert r.status_code == 409 and r.json()["error"]["code"] == "credential_revoked"
 

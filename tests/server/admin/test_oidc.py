@@ -159,3 +159,23 @@ def test_jwks_from_a_url(db, keys) -> None:  # type: ignore[no-untyped-def]
     finally:
         server.shutdown()
         server.server_close()
+
+
+def test_oidc_settings_are_checked_and_read_from_the_environment(monkeypatch, tmp_path: Path) -> None:
+    from pydantic import ValidationError
+
+    from server.settings import Settings
+
+    with pytest.raises(ValidationError, match="oidc_jwks_file or oidc_jwks_url"):
+        Settings(oidc_issuer=ISSUER, oidc_audience=AUDIENCE)
+    with pytest.raises(ValidationError, match="oidc_audience"):
+        Settings(oidc_issuer=ISSUER, oidc_jwks_url="http://127.0.0.1:1/jwks")
+    with pytest.raises(ValidationError):
+        Settings(oidc_role_map={"x": "root"})
+    monkeypatch.setenv("KVGATE_OIDC_ISSUER", ISSUER)
+    monkeypatch.setenv("KVGATE_OIDC_AUDIENCE", AUDIENCE)
+    monkeypatch.setenv("KVGATE_OIDC_JWKS_FILE", str(tmp_path / "jwks.json"))
+    monkeypatch.setenv("KVGATE_OIDC_ROLE_MAP", '{"kv-ops": "operator"}')
+    settings = Settings()
+    assert settings.oidc_enabled and settings.oidc_role_map == {"kv-ops": "operator"}
+    assert not Settings(_env_file=None, oidc_issuer=None).oidc_enabled
