@@ -126,6 +126,38 @@ def run_setting(name: str, requests: int, replicas: int, gpu: int, host: int, ra
     return out
 
 
+# How the band was chosen: each knob of the band varied on the tune families only, at four settings.
+VARIANT_SETTINGS = ((4, 0.02, 4, 1), (4, 0.02, 4, 4), (8, 0.02, 4, 1), (2, 0.02, 0, 1))
+VARIANTS = (
+    ("defaults (band: 1 request, ×1.5)", {}),
+    ("balance_request_share 2", {"balance_request_share": 2.0}),
+    ("balance_request_share 4", {"balance_request_share": 4.0}),
+    ("balance_rel 2", {"balance_rel": 2.0}),
+    ("recent_weight 0.1", {"recent_weight": 0.1}),
+    ("affinity_credit 0 (key breaks ties only)", {"affinity_credit": 0.0}),
+)
+
+
+def run_variants(name: str, requests: int, replicas: int, gpu: int, host: int, rate: int) -> dict:
+    """kv-aware with each cost variant, and the ceiling, for one tune setting."""
+    from retention.routing import CostModel
+    from retention.simulation.cluster_sim import ClusterConfig, compare_routers
+    from retention.simulation.sim_policies import make_policy
+    from retention.simulation.simulator import SimConfig
+
+    trace = load(name, requests)
+    if rate != 1:
+        trace = [dataclasses.replace(r, timestamp_ms=r.timestamp_ms / rate) for r in trace]
+    report = compare_routers(
+        trace, lambda: make_policy("trtllm-default" if host else "lru"),
+        [ClusterConfig(replicas, "kv-aware", cost=CostModel(**knobs)) for _, knobs in VARIANTS],
+        labels=[label for label, _ in VARIANTS], primary_blocks=gpu, secondary_blocks=host * gpu,
+        config=SimConfig(hold="tokens"),
+    )
+    return {"ceiling": report.ceiling.hit_rate, **{label: {"hit": r.total.hit_rate, "imbalance": r.load_imbalance}
+                                                  for label, r in report.results.items()}}
+
+
 def judge(row: dict) -> dict:
     """The three targets for kv-aware in one setting, and the cache-only diagnostic."""
     kv, ceiling = row["kv-aware"], row["ceiling"]
@@ -150,7 +182,29 @@ def where(row: dict) -> str:
     return f"{row['replicas']}×{row['share']:.0%} h{row['host']} r×{row['rate']}"
 
 
-def section(rows: list[dict], roles: dict[str, str], seconds: float, requests: int) -> str:
+def variant_lines(variants: list[dict]) -> list[str]:
+    if not variants:
+        return []
+    out = [
+        "",
+        "How the band was chosen — kv-aware cost variants on the **tune** families only (share of the ceiling %, "
+        "load imbalance in brackets; each row changes one knob from the defaults):",
+        "",
+        "| variant | " + " | ".join(f"{v['family']} {where(v)}" for v in variants) + " | settings meeting ≥ 90 % and ≤ 1.3 |",
+        "|---|" + "---:|" * (len(variants) + 1),
+    ]
+    for label, _ in VARIANTS:
+        cells, met = [], 0
+        for v in variants:
+            share = v[label]["hit"] / v["ceiling"] if v["ceiling"] else 1.0
+            met += share >= 0.9 and v[label]["imbalance"] <= 1.3
+            cells.append(f"{pct(share)} ({v[label]['imbalance']:.2f})")
+        out.append(f"| {label} | " + " | ".join(cells) + f" | {met} of {len(variants)} |")
+    return out
+
+
+def section(rows: list[dict], roles: dict[str, str], seconds: float, requests: int,
+            variants: list[dict] | None = None) -> str:
     fams = list(dict.fromkeys(r["family"] for r in rows))
     lines = [
         "## Routing that generalizes (bench/routing_families.py)",
@@ -214,6 +268,7 @@ def section(rows: list[dict], roles: dict[str, str], seconds: float, requests: i
     for r in head:
         lines.append(f"| {r['family']} | {roles[r['family']]} | {pct(r['ceiling'])} | " + " | ".join(
             f"{pct(r[k]['hit'])} ({r[k]['imbalance']:.2f})" for k in ROUTERS) + " |")
+    lines += variant_lines(variants or [])
     lines += [
         "",
         "![kv-aware share of the ceiling against load imbalance, every setting, per family]"
@@ -266,6 +321,20 @@ def replay(roles: dict[str, str], args: argparse.Namespace) -> tuple[list[dict],
     return rows, time.perf_counter() - started
 
 
+def replay_variants(roles: dict[str, str], args: argparse.Namespace) -> list[dict]:
+    """The cost variants at ``VARIANT_SETTINGS`` on the tune families."""
+    grid = [{"family": f, "replicas": n, "share": s, "host": h, "rate": k, "gpu_blocks": gpu_blocks(f, args.requests, s)}
+            for f, role in roles.items() if role == "tune" for n, s, h, k in VARIANT_SETTINGS]
+    started = time.perf_counter()
+    with ProcessPoolExecutor(max_workers=args.workers) as pool:
+        futures = {pool.submit(run_variants, g["family"], args.requests, g["replicas"], g["gpu_blocks"], g["host"],
+                               g["rate"]): i for i, g in enumerate(grid)}
+        for done, future in enumerate(as_completed(futures), start=1):
+            grid[futures[future]].update(future.result())
+            print(f"[variants {done}/{len(grid)} {time.perf_counter() - started:.0f}s]", flush=True)
+    return grid
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--no-write", action="store_true", help="print only")
@@ -274,9 +343,13 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=REQUESTS)
     parser.add_argument("--json", type=Path, help="also write every setting's figures here")
     parser.add_argument("--from-json", type=Path, help="render from a --json file instead of replaying")
+    parser.add_argument("--variants-json", type=Path, help="the cost variants' figures (written, or read with --from-json)")
+    parser.add_argument("--variants-only", action="store_true", help="only the cost variants (with --variants-json)")
     args = parser.parse_args()
     roles = workloads()
-    started = time.perf_counter()
+    if args.variants_only:
+        args.variants_json.write_text(json.dumps(replay_variants(roles, args)))
+        return
     if args.from_json:
         saved = json.loads(args.from_json.read_text())
         rows, seconds = saved["rows"], saved["seconds"]
@@ -284,7 +357,13 @@ def main() -> None:
         rows, seconds = replay(roles, args)
     if args.json:
         args.json.write_text(json.dumps({"rows": rows, "seconds": seconds}))
-    body = section(rows, roles, seconds, args.requests)
+    if args.variants_json and args.variants_json.exists() and args.from_json:
+        variants = json.loads(args.variants_json.read_text())
+    else:
+        variants = replay_variants(roles, args)
+        if args.variants_json:
+            args.variants_json.write_text(json.dumps(variants))
+    body = section(rows, roles, seconds, args.requests, variants)
     print(body)
     if not args.no_write:
         plot(rows, roles)
