@@ -48,7 +48,7 @@ test-reliability: setup
 
 # Each script prints its figures and rewrites only its own section of docs/benchmarks.md
 # (load: docs/reliability.md). Run on a quiet machine; the engine bench takes ~10 minutes.
-BENCHES := pool_ops simulate routing_sim rag_chat generalize age_ceiling hints shadow mrc registry_auth gateway engine multirow routing capture load aiperf
+BENCHES := pool_ops simulate routing_sim routing_families rag_chat generalize age_ceiling hints shadow mrc registry_auth gateway engine multirow routing capture load aiperf
 
 bench: setup $(AIPERF_STAMP)
 	for b in $(BENCHES); do OMP_NUM_THREADS=1 $(PY) bench/$$b.py || exit 1; done

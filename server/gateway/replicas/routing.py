@@ -57,6 +57,7 @@ from retention.routing import (
     Router,
     RouteRequest,
     RoutingError,
+    affinity_key,
     make_router,
 )
 from retention.types import Tier
@@ -417,13 +418,18 @@ class RoutedEngine:
         self._routing = routing
         self._route = route
         self.replica: str | None = None  # the replica of the last attempt (response header)
+        self.affinity: int | None = None  # the request's affinity key (prompt_cache_key), see keyed()
+
+    def keyed(self, tenant_id: int, cache_key: str | None) -> None:
+        """Route by the client's ``prompt_cache_key``, salted with the tenant (``retention/routing/affinity.py``)."""
+        self.affinity = None if cache_key is None else affinity_key(f"tenant:{tenant_id}", cache_key)
 
     async def generate(self, request: EngineRequest, *, request_id: str,
                        timeout: float | None = None) -> AsyncIterator[EngineChunk]:
         route, clock = self._route, self._routing._clock
         tpb = route.pool.tokens_per_block
         routed = RouteRequest(request_id, tuple(block_hashes(request.input_ids, tpb, salt=request.cache_salt)),
-                              len(request.input_ids), request.max_new_tokens)
+                              len(request.input_ids), request.max_new_tokens, affinity_key=self.affinity)
         wait = self._routing.config.first_response_wait(request)
         retries = self._routing.config.retries
         tried: set[int] = set()
