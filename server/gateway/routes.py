@@ -15,7 +15,6 @@ from server.gateway.context import TenantContext
 from server.gateway.errors import ServingError
 from server.gateway.api.openai_schemas import ChatCompletionRequest, CompletionRequest, NamedToolChoice
 from server.gateway.api.tools import ToolPlan, check_schema, forced_call_guide, render_messages
-from server.gateway.replicas.routing import RoutedEngine
 from server.gateway.services import GatewayServices
 
 router = APIRouter(prefix="/v1", tags=["serving"])
@@ -146,8 +145,6 @@ async def chat_completions(body: ChatCompletionRequest, tenant: Tenant, services
         raise ServingError(400, "invalid_request", "ignore_eos cannot be combined with response_format or a forced "
                            "tool call (the output would never end when its structure completes)", param="ignore_eos")
     job.hints = body.cache_hints()
-    if isinstance(job.engine, RoutedEngine):  # the key groups requests on one replica (retention/routing/affinity.py)
-        job.engine.keyed(tenant.tenant_id, job.hints.cache_key)
     if body.logprobs:
         job.logprobs = body.top_logprobs or 0
     return await services.runner.run(job, OPENAI)

@@ -507,6 +507,9 @@ class CompletionRunner:
             # The plan the request really runs with (quota, adaptive bands, SLO rollback) goes to the shadows.
             self._curves.observe(tenant.pool, hashes, plan, now=now, num_tokens=job.prompt.total,
                                  tenant=tenant.engine_tenant_id)
+        if isinstance(job.engine, RoutedEngine) and job.hints.cache_key is not None:
+            # Any dialect's prompt_cache_key groups its requests on one replica (retention/routing/affinity.py).
+            job.engine.keyed(tenant.tenant_id, job.hints.cache_key)
         request, chunks = _open(job, plan)
         if job.stream:
             primed = PrimedChunks(chunks)
