@@ -11,7 +11,7 @@ backend that answers 16 fixed tokens at once (a stream: 16 chunks):
   selection, two replicas routed kv-aware); the miss-ratio curves run at their default
   sample rate in both;
 * **LiteLLM** (the proxy, pinned in ``requirements-litellm.lock``, virtualenv
-  ``.venv-litellm`` from ``make .venv-litellm/.installed``) in front of an OpenAI-compatible
+  ``.venv-litellm``, made by ``make bench-gateway_litellm``) in front of an OpenAI-compatible
   server answering the same 16 tokens (:func:`openai_backend`, started by this script).
 
 Gateway CPU is the sum of ``/proc/<pid>/task/*/schedstat`` run time over the gateway's
@@ -39,6 +39,7 @@ import asyncio
 import json
 import os
 import secrets
+import shutil
 import statistics
 import subprocess
 import sys
@@ -266,8 +267,11 @@ async def measure(args, parties: dict[str, tuple[Load, int]]) -> list[dict]:
                 row = {"prompt": prompt, "mode": "stream" if stream else "non-stream", "clients": concurrency}
                 for name in names:
                     row[f"{name}_ms"] = 1000 * statistics.median(per_round[name])
+                if "baseline" in per_round:  # before / after, production tenant, same rounds
+                    row["before_after"] = statistics.median(
+                        [b / a for b, a in zip(per_round["baseline"], per_round["production"])])
                 for name in names:
-                    if name != "litellm":
+                    if name in ("default", "production"):
                         ratios = [lite / own for lite, own in zip(per_round["litellm"], per_round[name])]
                         row[f"ratio_{name}"] = statistics.median(ratios)
                         row[f"ratio_{name}_range"] = (min(ratios), max(ratios))
@@ -356,6 +360,14 @@ def render(args, rows: list[dict], long_tokens: dict[str, int], prefill_s: float
             share = f" {100 * r['production_ms'] / 1000 / prefill_s:.2f} % |" if prefill_s else ""
             lines.append(f"| {r['mode']} | {r['clients']} | {per_k['litellm']:.2f} | {per_k['default']:.2f} | "
                          f"{per_k['production']:.2f} |{share}")
+    if rows and "before_after" in rows[0]:
+        lines += ["", "Before / after this branch's hot-path changes (a second kvgate gateway from the parent commit's "
+                  "source on the same production tenant and backends, in the same rotation; parent's CPU over this "
+                  "one's, median of per-round ratios):", "",
+                  "| prompt | mode | clients | parent ms/req | this ms/req | parent / this |", "|---|---|---:|---:|---:|---:|"]
+        for r in rows:
+            lines.append(f"| {r['prompt']} | {r['mode']} | {r['clients']} | {r['baseline_ms']:.2f} | "
+                         f"{r['production_ms']:.2f} | {r['before_after']:.2f} × |")
     lines += ["", "Target: ≥ 10 × less gateway CPU per request than LiteLLM in all four short-prompt modes, "
               "production configuration."]
     return "\n".join(lines)
@@ -389,6 +401,9 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=30, help="requests per party per round")
     parser.add_argument("--no-write", action="store_true", help="print only; leave docs/benchmarks.md alone")
     parser.add_argument("--no-prefill", action="store_true", help="skip the reference engine's prefill measurement")
+    parser.add_argument("--baseline", type=Path, metavar="DIR",
+                        help="also run a second kvgate gateway from the source tree DIR (e.g. `git archive` of the "
+                             "parent commit) on the production tenant: before/after in the same rounds")
     parser.add_argument("--profile", type=int, default=0, metavar="SECONDS",
                         help="py-spy the kvgate gateway (production tenant) instead of measuring")
     args = parser.parse_args()
@@ -397,7 +412,7 @@ def main() -> None:
         return
     litellm_bin = LITELLM_VENV / "bin" / "litellm"
     if not args.profile and not litellm_bin.exists():
-        sys.exit(f"{litellm_bin} is missing: make .venv-litellm/.installed")
+        sys.exit(f"{litellm_bin} is missing: make bench-gateway_litellm builds it")
     tmp = Path(tempfile.mkdtemp(prefix="kvgate-bench-litellm-"))
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
     ports = {name: free_port() for name in ("e0", "e1", "e2", "backend", "kvgate", "litellm")}
@@ -420,6 +435,17 @@ def main() -> None:
                   KVGATE_LOG_LEVEL="warning")
     kvgate = start([sys.executable, "-m", "server.cli", "serve", "--no-engine", "--no-seed-demo",
                     "--port", str(ports["kvgate"])], env=gw_env, cwd=tmp)
+    baseline = None
+    if args.baseline:
+        base_tmp = tmp / "baseline"
+        base_tmp.mkdir()
+        for path in tmp.glob("registry.db*"):  # with the SQLite journal files (WAL)
+            shutil.copy(path, base_tmp / path.name)
+        ports["baseline"] = free_port()
+        baseline = start([sys.executable, "-m", "server.cli", "serve", "--no-engine", "--no-seed-demo",
+                          "--port", str(ports["baseline"])], cwd=base_tmp,
+                         env=dict(gw_env, PYTHONPATH=str(args.baseline.resolve()),
+                                  KVGATE_DATABASE_URL=f"sqlite:///{base_tmp / 'registry.db'}"))
     master = "sk-bench-" + secrets.token_hex(16)
     litellm = None
     version = "?"
@@ -458,7 +484,11 @@ def main() -> None:
             print(py_spy_top(kvgate.pid, args.profile, drive))
             return
         parties["litellm"] = (Load(f"http://127.0.0.1:{ports['litellm']}", master, "fixed", long_parts), litellm.pid)
-        parties = {name: parties[name] for name in ("litellm", "default", "production")}
+        if baseline is not None:
+            wait_http(f"http://127.0.0.1:{ports['baseline']}/healthz", timeout=240)
+            parties["baseline"] = (Load(f"http://127.0.0.1:{ports['baseline']}", keys["production"], "fixedprod",
+                                        long_parts), baseline.pid)
+        parties = {name: parties[name] for name in ("litellm", "default", "production", "baseline") if name in parties}
         rows = asyncio.run(measure(args, parties))
         long_tokens = parties["production"][0].prompt_tokens
     finally:
