@@ -209,7 +209,9 @@ class Load:
     """One party's requests: same body shape, same load generator, for every gateway."""
 
     def __init__(self, base_url: str, key: str, model: str, long_parts: tuple[str, str] | None) -> None:
-        limits = httpx.Limits(max_connections=64, max_keepalive_connections=64)
+        # Idle connections are dropped before the servers' keep-alive timeout (uvicorn: 5 s),
+        # so a round never reuses one the server is closing while other parties run.
+        limits = httpx.Limits(max_connections=64, max_keepalive_connections=64, keepalive_expiry=1.0)
         self.http = httpx.AsyncClient(base_url=base_url, limits=limits, timeout=120,
                                       headers={"Authorization": f"Bearer {key}"})
         self.model = model

@@ -15,7 +15,7 @@ Invariants:
   channel);
 * bounded: at most ``max_entries`` entries and ``max_chars`` characters of keys in all,
   least recently used first out; texts shorter than ``min_chars`` are not kept (their
-  tokenization costs less than the bookkeeping).
+  tokenization costs about what the lookup does).
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ class PrefixTokens:
     __slots__ = ("_encode", "_entries", "_chars", "max_entries", "max_chars", "min_chars", "hits", "misses")
 
     def __init__(self, encode: Callable[[str], list[int]], *, max_entries: int = 1024,
-                 max_chars: int = 16_000_000, min_chars: int = 512) -> None:
+                 max_chars: int = 16_000_000, min_chars: int = 64) -> None:
         self._encode = encode
         self._entries: OrderedDict[tuple[str, str], tuple[int, ...]] = OrderedDict()
         self._chars = 0
