@@ -42,6 +42,21 @@ def assert_openai_error(response) -> dict:  # httpx or schemathesis response
     return body["error"]
 
 
+ANTHROPIC_ERROR_TYPES = {"invalid_request_error", "authentication_error", "permission_error", "not_found_error",
+                         "request_too_large", "rate_limit_error", "api_error", "overloaded_error", "timeout_error"}
+
+
+def assert_serving_error(response) -> dict:
+    """A serving error in its dialect's shape: Anthropic's under /v1/messages, OpenAI's elsewhere."""
+    if "/v1/messages" not in str(response.request.url):
+        return assert_openai_error(response)
+    assert 400 <= response.status_code < 500, (response.status_code, response.text[:300])
+    body = response.json()
+    assert set(body) == {"type", "error"} and body["type"] == "error", body
+    assert body["error"]["type"] in ANTHROPIC_ERROR_TYPES and body["error"]["message"], body
+    return body["error"]
+
+
 def assert_admin_error(response) -> dict:
     assert 400 <= response.status_code < 500, (response.status_code, response.text[:300])
     body = response.json()
@@ -207,12 +222,12 @@ def test_schemathesis_serving_api_never_5xx(stack: Stack, tenant_key: str, examp
         # get past routing and admission into the hot path (engine, SSE) instead of a 404.
         if mode is GenerationMode.POSITIVE and isinstance(case.body, dict):
             case.body["model"] = MODEL
-            for name in ("max_tokens", "max_completion_tokens"):
+            for name in ("max_tokens", "max_completion_tokens", "max_output_tokens"):
                 if isinstance(case.body.get(name), int):
                     case.body[name] = min(case.body[name], 4)
 
     counts = _fuzz(schema, stack.gateway.base_url, {"Authorization": f"Bearer {tenant_key}"}, examples,
-                   assert_openai_error, prepare)
+                   assert_serving_error, prepare)
     figures.record(f"hostile input: schemathesis serving API ({examples} examples/op/mode)", **counts,
                    responses_5xx=0)
 
