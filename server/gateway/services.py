@@ -91,6 +91,14 @@ class GatewayServices:
             asyncio.create_task(self._loop(self.intervals.last_used_flush, self.auth.flush_last_used, "last-used flush")),
             asyncio.create_task(self._loop(self.intervals.pool_poll, self.monitor.refresh, "pool poll")),
         ]
+        retry_releases = getattr(self.admission, "retry_releases", None)
+        if retry_releases is not None:  # Redis admission: slots owed back after a Redis outage
+
+            async def give_back() -> None:
+                with contextlib.suppress(Exception):  # still away: the next round tries again
+                    await retry_releases()
+
+            self._tasks.append(asyncio.create_task(self._loop(1.0, give_back, "admission releases")))
         if self.slo_guards is not None:
             self._tasks.append(asyncio.create_task(self._loop(self.intervals.slo_guard, self.slo_guards.tick, "SLO guard")))
         if self.captures is not None:

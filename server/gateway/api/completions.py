@@ -489,8 +489,8 @@ class CompletionRunner:
             )
         except AdmissionError as exc:
             self._metrics.rate_limited.labels(tenant.slug, exc.limit).inc()
-            headers = {"Retry-After": retry_after_header(exc)} if exc.status == 429 else None
-            code = "rate_limit_exceeded" if exc.status == 429 else "limit_exceeded"
+            headers = {"Retry-After": retry_after_header(exc)} if exc.status in (429, 503) else None
+            code = exc.code or ("rate_limit_exceeded" if exc.status == 429 else "limit_exceeded")
             raise ServingError(exc.status, code, str(exc), param=exc.limit, headers=headers) from exc
         selector = self._selector_for(job.tenant.pool) if self._selector_for is not None else None
         now = self._clock()

@@ -152,3 +152,34 @@ async def test_redis_replicas_share_limits() -> None:
     await first._redis.delete(*keys)
     await first.close()
     await second.close()
+
+
+async def test_redis_away_fails_closed_and_owed_releases_return_the_slot() -> None:
+    """Redis behind a TCP link we cut: acquire refuses with 503 (never admits uncounted), a
+    release during the cut is kept and given back once Redis answers (not after the lease TTL)."""
+    if not _redis_up():
+        pytest.skip("Redis at 127.0.0.1:6379 is not reachable")
+    from tests.reliability.proxies import TcpCut
+
+    link = TcpCut(6379).start()
+    adm = RedisAdmission(f"redis://127.0.0.1:{link.port}/0", namespace=f"kvgate-test-{secrets.token_hex(4)}")
+    direct = RedisAdmission(REDIS_URL, namespace=adm._ns)
+    limits = Limits(max_concurrent=1)
+    try:
+        held = await adm.acquire("t", limits, prompt_tokens=1, max_output_tokens=1)
+        link.cut()
+        with pytest.raises(AdmissionError) as refused:
+            await adm.acquire("t", Limits(max_concurrent=5), prompt_tokens=1, max_output_tokens=1)
+        assert (refused.value.status, refused.value.code, refused.value.retry_after) == (503, "admission_unavailable", 1.0)
+        await adm.release(held, completion_tokens=1)  # Redis away: owed, not lost
+        assert adm.owed_releases >= 1
+        assert await direct.in_flight("t") == 1  # still held in Redis
+        link.restore()
+        await adm.retry_releases()
+        assert adm.owed_releases == 0 and await direct.in_flight("t") == 0
+        again = await adm.acquire("t", limits, prompt_tokens=1, max_output_tokens=1)  # the slot is back
+        await adm.release(again, completion_tokens=0)
+    finally:
+        link.close()
+        await adm.close()
+        await direct.close()
