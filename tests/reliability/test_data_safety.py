@@ -151,6 +151,7 @@ def test_sigkill_loses_no_answered_usage_and_replay_never_double_counts(
             gateway.wait_ready()
             stop = threading.Event()
             mine = [0]
+            endings: list[str] = []
 
             def client(i: int) -> None:
                 stream = i % 2 == 0
@@ -170,8 +171,10 @@ def test_sigkill_loses_no_answered_usage_and_replay_never_double_counts(
                             else:
                                 r = http.post("/v1/chat/completions", json=body, headers=headers)
                                 usage, ok = r.json()["usage"], r.status_code == 200
-                        except (httpx.HTTPError, ValueError):
-                            ok = False
+                        except (httpx.HTTPError, ValueError, KeyError) as exc:
+                            ok, why = False, repr(exc)[:200]
+                        else:
+                            why = f"{result.status if stream else r.status_code} {result.error if stream else r.text[:200]}"
                         with lock:
                             if ok:
                                 answered[0] += 1
@@ -180,17 +183,22 @@ def test_sigkill_loses_no_answered_usage_and_replay_never_double_counts(
                                 mine[0] += 1
                             else:
                                 cut[0] += 1
+                                endings.append(why)
                                 return  # the gateway is gone
 
             threads = [threading.Thread(target=client, args=(i,)) for i in range(4)]
             for t in threads:
                 t.start()
-            time.sleep(USAGE_FLUSH_S + (secrets.randbelow(1000) / 1000) * 2 * USAGE_FLUSH_S)  # anywhere in a cycle
+            deadline = time.monotonic() + 120
+            while mine[0] < 8 and time.monotonic() < deadline:  # answers flowing (a loaded machine is slow)
+                time.sleep(0.05)
+            time.sleep((secrets.randbelow(1000) / 1000) * 2 * USAGE_FLUSH_S)  # then anywhere in a flush cycle
             gateway.signal(signal.SIGKILL)
             gateway.wait(10)
             stop.set()
             for t in threads:
                 t.join(30)
+            assert mine[0] > 0, endings  # the clients were answered before the kill
             rounds.append({"answered": mine[0], "journal_segments_left": len(list(journal.glob("usage-*.jsonl")))})
         # The next start replays what the last one left; a graceful stop flushes the rest.
         gateway = GatewayProcess(url, PEPPER, tmp_path / "gw-final", extra_env=env)
