@@ -303,13 +303,19 @@ class RedisAdmission:
         await self._release(keys=[keys[1], keys[2]], args=[lease.tokens_per_minute or 0, completion_tokens, lease.lease_id])
 
     async def retry_releases(self) -> int:
-        """Send the releases Redis missed; raises (keeping the rest) if it is still away."""
+        """Send the releases Redis missed; raises (keeping the unsent ones) if it is still away.
+
+        Why the swap: several requests may call this at once; each owed release is taken
+        by exactly one of them."""
+        owed, self._unreleased = self._unreleased, []
         sent = 0
-        while self._unreleased:
-            lease, completion_tokens = self._unreleased[0]
-            await self._send_release(lease, completion_tokens)
-            self._unreleased.pop(0)
-            sent += 1
+        try:
+            for lease, completion_tokens in owed:
+                await self._send_release(lease, completion_tokens)
+                sent += 1
+        except BaseException:
+            self._unreleased[:0] = owed[sent:]
+            raise
         return sent
 
     @property

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import secrets
 
 import pytest
@@ -172,10 +173,14 @@ async def test_redis_away_fails_closed_and_owed_releases_return_the_slot() -> No
             await adm.acquire("t", Limits(max_concurrent=5), prompt_tokens=1, max_output_tokens=1)
         assert (refused.value.status, refused.value.code, refused.value.retry_after) == (503, "admission_unavailable", 1.0)
         await adm.release(held, completion_tokens=1)  # Redis away: owed, not lost
-        assert adm.owed_releases >= 1
+        for _ in range(3):  # more refusals while away: each leaves an owed (idempotent) release
+            with pytest.raises(AdmissionError):
+                await adm.acquire("t", limits, prompt_tokens=1, max_output_tokens=1)
+        assert adm.owed_releases >= 4
         assert await direct.in_flight("t") == 1  # still held in Redis
         link.restore()
-        await adm.retry_releases()
+        # Several requests give owed slots back at once: each is sent once, none is dropped.
+        await asyncio.gather(*(adm.retry_releases() for _ in range(4)))
         assert adm.owed_releases == 0 and await direct.in_flight("t") == 0
         again = await adm.acquire("t", limits, prompt_tokens=1, max_output_tokens=1)  # the slot is back
         await adm.release(again, completion_tokens=0)
