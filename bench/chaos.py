@@ -74,7 +74,6 @@ class ChaosReport:
     not_generated: list[str] = field(default_factory=list)  # complete streams no engine call explains
     engine_calls: int = 0
     engine_calls_on_killed_replica: int = 0
-    retried_after_replica_kill_completed: int = 0
     limits: dict[str, int] = field(default_factory=dict)
     engine_max_in_flight: dict[str, int] = field(default_factory=dict)
     lowered_limit: dict[str, int] = field(default_factory=dict)
@@ -326,7 +325,6 @@ async def run_chaos(*, reference_port: int, workdir: Path, streams: int = 1000, 
                 fleet.pg_link.restore()
                 mark("PostgreSQL restored")
 
-        calls_before = len(shared.calls)
         sem = asyncio.Semaphore(concurrency)
         connections = httpx.Limits(max_connections=concurrency + 32, max_keepalive_connections=concurrency + 32)
         plan = [(i, slugs[i % len(slugs)], rng.randrange(2), rng.randrange(len(QUESTIONS))) for i in range(streams)]
@@ -351,7 +349,7 @@ async def run_chaos(*, reference_port: int, workdir: Path, streams: int = 1000, 
         report.truncated_without_error = report.outcomes.get("truncated", 0)
         report.cut_streams = report.outcomes.get("cut", 0)
         tokenizer = load_gguf_tokenizer()
-        calls = shared.calls[calls_before:]
+        calls = [c for _, proxy, _ in fleet.proxies.values() for c in proxy.calls]  # fresh proxies: this run's
         report.engine_calls = len(calls)
         killed_proxy = fleet.proxies["r1"][1]
         report.engine_calls_on_killed_replica = sum(1 for c in killed_proxy.calls if not c.final)
@@ -380,6 +378,71 @@ async def run_chaos(*, reference_port: int, workdir: Path, streams: int = 1000, 
                                   .join(Tenant, Tenant.id == Usage.tenant_id)
                                   .where(Tenant.slug.in_(slugs))).one()
         report.usage_recorded = [int(row[0]), int(row[1]), int(row[2])]
+        return report
+    finally:
+        for g in fleet.gateways:
+            await asyncio.to_thread(g.stop)
+        for proc in fleet.fixed.values():
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait(10)
+        for server, _, _ in fleet.proxies.values():
+            await server.stop(0)
+        fleet.redis_link.close()
+        fleet.pg_link.close()
+        fleet.db.drop()
+
+
+@dataclass
+class SoakReport:
+    seconds: float
+    concurrency: int
+    streams: dict[str, int] = field(default_factory=dict)  # how each stream ended
+    samples: list[dict] = field(default_factory=list)  # t, per gateway RSS MiB and open fds
+
+    def growth(self, what: str) -> list[float]:
+        """Per gateway: last sample minus the first sample after warm-up (the second)."""
+        first, last = self.samples[min(1, len(self.samples) - 1)], self.samples[-1]
+        return [round(b - a, 1) for a, b in zip(first[what], last[what], strict=True)]
+
+
+def _fds(pid: int) -> int:
+    return len(list(Path(f"/proc/{pid}/fd").iterdir()))
+
+
+async def run_soak(*, reference_port: int, workdir: Path, seconds: float = 600.0, concurrency: int = 64,
+                   sample_every_s: float = 10.0) -> SoakReport:
+    """Steady streaming load through both gateways for ``seconds``, no faults; RSS and
+    open file descriptors of each gateway sampled every ``sample_every_s``."""
+    report = SoakReport(seconds, concurrency)
+    fleet = await _build(workdir, reference_port)
+    rng = random.Random(5)
+    slugs = list(fleet.keys)
+    results: list = []
+    chaos = ChaosReport(0, concurrency, [])
+    t0 = time.monotonic()
+    end = t0 + seconds
+    try:
+        async def sample() -> None:
+            while time.monotonic() < end:
+                report.samples.append({"t": round(time.monotonic() - t0, 1),
+                                       "rss_mib": [round(g.rss_bytes() / 2**20, 1) for g in fleet.gateways],
+                                       "fds": [_fds(g.proc.pid) for g in fleet.gateways]})
+                await asyncio.sleep(sample_every_s)
+
+        async def worker(w: int) -> None:
+            i = w
+            while time.monotonic() < end:
+                await _one_stream(http, fleet, i, slugs[i % len(slugs)], 0, rng.randrange(len(QUESTIONS)), chaos,
+                                  rng, end + 30, 10.0, results)
+                i += concurrency
+
+        connections = httpx.Limits(max_connections=concurrency + 8, max_keepalive_connections=concurrency + 8)
+        async with httpx.AsyncClient(limits=connections) as http:
+            sampler = asyncio.create_task(sample())
+            await asyncio.gather(*(worker(w) for w in range(concurrency)))
+            await sampler
+        report.streams = dict(Counter(kind for _, _, _, kind, _ in results))
         return report
     finally:
         for g in fleet.gateways:

@@ -11,7 +11,8 @@ key refused by both gateways and the lowered limit in force within the stated bo
 usage: every complete stream recorded, nothing counted twice.
 
 The fast subset (``reliability``): 100 streams, a replica SIGKILL and a gateway SIGKILL
-(with the usage journal's replay). The full run (``reliability_full``): every fault.
+(with the usage journal's replay). The full run (``reliability_full``): every fault, 1,000
+streams, and a 10-minute soak with the gateways' RSS and open file descriptors sampled.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import asyncio
 
 import pytest
 
-from bench.chaos import ALL_FAULTS, run_chaos
+from bench.chaos import ALL_FAULTS, run_chaos, run_soak
 from tests.reliability.test_faults import _redis_reachable
 from tests.server.gateway.stack import Stack
 from tests.tenants.fixtures import postgres_reachable
@@ -65,3 +66,17 @@ def test_chaos_full(stack: Stack, tmp_path, figures) -> None:
     assert report.lowered_limit and report.engine_max_after_lowering <= next(iter(report.lowered_limit.values()))
     assert len(report.revoked_refused_after_s) == 2
     assert all(s <= report.limit_bound_s for s in report.revoked_refused_after_s), report.revoked_refused_after_s
+
+
+@needs
+@pytest.mark.reliability_full
+def test_soak_ten_minutes_rss_and_fds_stay_flat(stack: Stack, tmp_path, figures) -> None:
+    """10 minutes of steady streaming load through both gateways: every stream complete,
+    and per gateway RSS and open file descriptors do not grow after the first sample."""
+    report = asyncio.run(run_soak(reference_port=stack.engine.port, workdir=tmp_path, seconds=600.0,
+                                  concurrency=64))
+    figures.record("chaos: soak 10 minutes", streams=report.streams, rss_growth_mib=report.growth("rss_mib"),
+                   fd_growth=report.growth("fds"), first=report.samples[0], last=report.samples[-1])
+    assert set(report.streams) == {"complete"}, report.streams
+    assert all(g < 64 for g in report.growth("rss_mib")), report.samples
+    assert all(g < 32 for g in report.growth("fds")), report.samples
