@@ -215,9 +215,10 @@ async def _one_stream(http: httpx.AsyncClient, fleet: _Fleet, i: int, slug: str,
 
 async def run_chaos(*, reference_port: int, workdir: Path, streams: int = 1000, concurrency: int = 1000,
                     faults: tuple[str, ...] = ALL_FAULTS, gateway_kill: bool = False, seed: int = 11,
-                    time_budget_s: float = 240.0, first_token_s: float = 10.0) -> ChaosReport:
+                    time_budget_s: float = 240.0, first_token_s: float = 10.0, spread_s: float = 60.0) -> ChaosReport:
     """One bounded run; see the module docstring. ``gateway_kill``: SIGKILL (not SIGTERM) a gateway
-    mid-run and check the usage journal's replay at the end."""
+    mid-run and check the usage journal's replay at the end. Streams start at random moments
+    over the first ``spread_s`` seconds, so the faults land on traffic."""
     from tenants import keys as keys_mod, tenant as tenant_mod, replicas as replicas_mod
     from tenants.models import Tenant, Usage
     from sqlalchemy import func, select
@@ -330,7 +331,7 @@ async def run_chaos(*, reference_port: int, workdir: Path, streams: int = 1000, 
         plan = [(i, slugs[i % len(slugs)], rng.randrange(2), rng.randrange(len(QUESTIONS))) for i in range(streams)]
 
         async def paced(i, slug, key_index, question) -> None:
-            await asyncio.sleep(rng.random() * min(20.0, time_budget_s / 4))  # spread over the fault window
+            await asyncio.sleep(rng.random() * spread_s)  # spread over the fault window
             async with sem:
                 await _one_stream(http, fleet, i, slug, key_index, question, report, rng, deadline, first_token_s,
                                   results)
@@ -482,7 +483,8 @@ async def _main(args) -> ChaosReport:
     await asyncio.to_thread(engine.start)
     try:
         return await run_chaos(reference_port=engine.port, workdir=workdir, streams=args.streams,
-                               concurrency=args.concurrency, time_budget_s=args.time_budget)
+                               concurrency=args.concurrency, time_budget_s=args.time_budget,
+                               spread_s=args.spread)
     finally:
         engine.kill()
 
@@ -492,6 +494,7 @@ def main() -> None:
     parser.add_argument("--streams", type=int, default=1000)
     parser.add_argument("--concurrency", type=int, default=1000)
     parser.add_argument("--time-budget", type=float, default=240.0)
+    parser.add_argument("--spread", type=float, default=60.0, help="streams start over this many seconds")
     parser.add_argument("--no-write", action="store_true")
     args = parser.parse_args()
     report = asyncio.run(_main(args))

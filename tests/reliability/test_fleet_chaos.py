@@ -50,7 +50,7 @@ def check(report, *, gateway_kill: bool) -> None:
 def test_chaos_fast_subset(stack: Stack, tmp_path, figures) -> None:
     report = asyncio.run(run_chaos(
         reference_port=stack.engine.port, workdir=tmp_path, streams=100, concurrency=100,
-        faults=("replica_kill",), gateway_kill=True, time_budget_s=60.0))
+        faults=("replica_kill",), gateway_kill=True, time_budget_s=60.0, spread_s=15.0))
     figures.record("chaos: fast subset (100 streams, replica SIGKILL, gateway SIGKILL)", **report.as_dict())
     check(report, gateway_kill=True)
 
@@ -60,7 +60,7 @@ def test_chaos_fast_subset(stack: Stack, tmp_path, figures) -> None:
 def test_chaos_full(stack: Stack, tmp_path, figures) -> None:
     report = asyncio.run(run_chaos(
         reference_port=stack.engine.port, workdir=tmp_path, streams=1000, concurrency=1000, faults=ALL_FAULTS,
-        time_budget_s=240.0))
+        time_budget_s=240.0, spread_s=60.0))
     figures.record("chaos: full (1,000 streams, every fault)", **report.as_dict())
     check(report, gateway_kill=False)
     assert report.lowered_limit and report.engine_max_after_lowering <= next(iter(report.lowered_limit.values()))
