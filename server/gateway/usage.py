@@ -17,6 +17,7 @@ their ids: nothing answered is lost, nothing is counted twice.
 
 from __future__ import annotations
 
+import logging
 from collections import defaultdict
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -28,6 +29,8 @@ from sqlalchemy.orm import Session
 
 from server.gateway.usage_journal import Segment, UsageJournal, encode, new_flush_id
 from tenants.usage import UsageRow, minute_bucket, record_usage
+
+log = logging.getLogger("kvgate.gateway.usage")
 
 
 @dataclass(slots=True)
@@ -61,9 +64,23 @@ class UsageRecorder:
         counts[2] += completion_tokens
         if self._journal is None:
             return None
-        if self._segment is None:
-            self._segment = self._journal.new_segment()
-        return self._journal.append(self._segment, encode(tenant_id, minute, prompt_tokens, completion_tokens))
+        try:
+            if self._segment is None:
+                self._segment = self._journal.new_segment()
+            written = self._journal.append(self._segment, encode(tenant_id, minute, prompt_tokens, completion_tokens))
+        except OSError:
+            log.exception("usage journal unavailable; this request's usage is counted in memory only")
+            return None
+        return self._durable(written)
+
+    @staticmethod
+    async def _durable(written: Awaitable[None]) -> None:
+        # Why not raise: the answer is complete and its usage counted in memory (flushed as
+        # before); a journal that cannot be written must not turn answers into errors.
+        try:
+            await written
+        except OSError:
+            log.error("usage journal write failed; this request's usage is counted in memory only")
 
     def _seal(self) -> None:
         # Why no await in here: counts and journal lines join the open batch on the event

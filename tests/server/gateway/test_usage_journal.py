@@ -163,3 +163,19 @@ def test_registry_fingerprint_ignores_credentials_and_tells_schemas_apart(tmp_pa
     assert a != registry_fingerprint("postgresql://u:p@db:5432/kv2")
     assert a != registry_fingerprint("postgresql://u:p@db:5432/kv?options=-csearch_path%3Dx")
     assert registry_fingerprint("sqlite:///./kvgate.db") != registry_fingerprint(f"sqlite:///{tmp_path}/kvgate.db")
+
+
+def test_an_unwritable_journal_never_fails_the_answer(tmp_path) -> None:
+    _, factory, tid = registry(tmp_path)
+    blocked = tmp_path / "not-a-dir"
+    blocked.write_text("a file where the journal directory should be")
+
+    async def scenario() -> None:
+        rec = UsageRecorder(factory, clock=lambda: NOW, journal=UsageJournal(tmp_path / "journal", registry="reg"))
+        rec._journal.directory = blocked  # the volume went away after the start
+        assert rec.record(tid, 5, 1) is None  # counted in memory, no error for the request
+        await rec.flush()
+        assert totals(factory) == (1, 5, 1)
+        rec.close()
+
+    asyncio.run(scenario())
