@@ -4,7 +4,7 @@ Two ``kvgate serve`` gateways share Redis admission and a PostgreSQL registry (e
 behind a TCP link that can be cut: ``tests/reliability/proxies.py`` ``TcpCut``); one pool
 of three engine replicas: the CPU reference engine (``kvgate engine serve``) and two
 ``bench/fixed_engine.py`` processes (the same KServe v2 contract, KV stats included,
-answering instantly), each behind a counting proxy that sees every call's tenant, prompt
+6 tokens paced 60 ms apart), each behind a counting proxy that sees every call's tenant, prompt
 and generated tokens (the proxies share their counters, so per-tenant concurrency is
 counted across the pool). Four salted tenants with different concurrency limits. The
 clients stream short answers, spread over both gateways, bounded in count and time, and
@@ -104,9 +104,13 @@ class _Fleet:
     tenant_ids: dict[str, str]  # engine tenant id -> slug
 
 
+FIXED_TOKEN_DELAY_MS = 60  # 6 tokens in ~0.4 s: a kill catches streams before and after their first token
+
+
 def _start_fixed(port: int, log: Path) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, str(ROOT / "bench" / "fixed_engine.py"), "--port", str(port),
-                             "--tokens", "6"], stdout=open(log, "ab"), stderr=subprocess.STDOUT, cwd=ROOT)
+                             "--tokens", "6", "--token-delay-ms", str(FIXED_TOKEN_DELAY_MS)],
+                            stdout=open(log, "ab"), stderr=subprocess.STDOUT, cwd=ROOT)
 
 
 async def _build(workdir: Path, reference_port: int) -> _Fleet:
