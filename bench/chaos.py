@@ -85,6 +85,7 @@ class ChaosReport:
     usage_recorded: list[int] = field(default_factory=list)
     usage_engine_completion_tokens: int = 0  # what the engines generated for the complete streams
     cut_streams: int = 0  # streams a gateway SIGKILL cut (no terminal event possible)
+    journal_segments_left: int = 0  # usage journal files not applied at the end (must be 0)
     rss_mib: dict[str, list[float]] = field(default_factory=dict)
 
     def as_dict(self) -> dict:
@@ -372,10 +373,13 @@ async def run_chaos(*, reference_port: int, workdir: Path, streams: int = 1000, 
         # Usage: stop both gateways gracefully (flush), then a fresh start replays any journal left.
         for g in fleet.gateways:
             await asyncio.to_thread(g.stop)
-        for g in fleet.gateways:
-            await asyncio.to_thread(g.start)
-            await asyncio.to_thread(g.wait_ready)
-            await asyncio.to_thread(g.stop)
+        for i, g in enumerate(fleet.gateways):
+            if list((workdir / f"journal{i}").glob("usage-*.jsonl")):  # left unapplied: a start replays it
+                await asyncio.to_thread(g.start)
+                await asyncio.to_thread(g.wait_ready)
+                await asyncio.to_thread(g.stop)
+        report.journal_segments_left = sum(len(list((workdir / f"journal{i}").glob("usage-*.jsonl")))
+                                           for i in range(len(fleet.gateways)))
         with fleet.registry.factory() as session:
             row = session.execute(select(func.coalesce(func.sum(Usage.requests), 0),
                                          func.coalesce(func.sum(Usage.prompt_tokens), 0),

@@ -43,6 +43,7 @@ def check(report, *, gateway_kill: bool) -> None:
     ended_otherwise = sum(v for k, v in report.outcomes.items() if k != "complete")
     assert recorded[0] <= answered[0] + ended_otherwise + report.revoked_key_probes_answered, ("double counted", answered, recorded, report.outcomes)
     assert report.usage_engine_completion_tokens == answered[2]
+    assert report.journal_segments_left == 0
 
 
 @needs
