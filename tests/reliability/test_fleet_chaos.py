@@ -41,7 +41,10 @@ def check(report, *, gateway_kill: bool) -> None:
     answered, recorded = report.usage_answered, report.usage_recorded
     assert all(r >= a for r, a in zip(recorded, answered, strict=True)), ("usage lost", answered, recorded)
     ended_otherwise = sum(v for k, v in report.outcomes.items() if k != "complete")
-    assert recorded[0] <= answered[0] + ended_otherwise + report.revoked_key_probes_answered, ("double counted", answered, recorded, report.outcomes)
+    # Usage is recorded per admitted request, also one the engine then never started (503
+    # engine_unavailable, 504 engine_timeout, retried by the client): those count on top.
+    assert recorded[0] <= answered[0] + ended_otherwise + report.revoked_key_probes_answered \
+        + report.admitted_then_refused, ("double counted", answered, recorded, report.outcomes)
     assert report.usage_engine_completion_tokens == answered[2]
     assert report.journal_segments_left == 0
 
