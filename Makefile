@@ -11,10 +11,19 @@ STAMP  := $(VENV)/.kvgate-installed
 # NVIDIA AIPerf (a test and bench client) in a venv of its own: its pins clash with kvgate's.
 AIPERF_VENV  := .venv-aiperf
 AIPERF_STAMP := $(AIPERF_VENV)/.installed
+# LiteLLM, only for bench/gateway_litellm.py (kvgate against LiteLLM side by side), in a venv of
+# its own (its proxy pins clash with kvgate's); never part of make test.
+LITELLM_VENV  := .venv-litellm
+LITELLM_STAMP := $(LITELLM_VENV)/.installed
 
 .PHONY: setup serve test test-reliability bench clean
 
 setup: $(STAMP)
+
+$(LITELLM_STAMP): requirements-litellm.lock
+	test -x $(LITELLM_VENV)/bin/python || $(PYTHON) -m venv $(LITELLM_VENV)
+	$(LITELLM_VENV)/bin/python -m pip --disable-pip-version-check -q install --no-compile -r requirements-litellm.lock
+	touch $@
 
 $(AIPERF_STAMP): requirements-aiperf.lock
 	test -x $(AIPERF_VENV)/bin/python || $(PYTHON) -m venv $(AIPERF_VENV)
@@ -49,10 +58,13 @@ test-reliability: setup
 
 # Each script prints its figures and rewrites only its own section of docs/benchmarks.md
 # (load: docs/reliability.md). Run on a quiet machine; the engine bench takes ~10 minutes.
-BENCHES := pool_ops simulate routing_sim rag_chat generalize age_ceiling hints shadow mrc registry_auth gateway engine multirow routing capture load usage_journal aiperf
+BENCHES := pool_ops simulate routing_sim routing_families rag_chat generalize age_ceiling hints shadow mrc registry_auth gateway gateway_litellm engine multirow routing capture load usage_journal aiperf
 
-bench: setup $(AIPERF_STAMP)
+bench: setup $(AIPERF_STAMP) $(LITELLM_STAMP)
 	for b in $(BENCHES); do OMP_NUM_THREADS=1 $(PY) bench/$$b.py || exit 1; done
+
+bench-gateway_litellm: setup $(LITELLM_STAMP)
+	OMP_NUM_THREADS=1 $(PY) bench/gateway_litellm.py
 
 bench-%: setup
 	OMP_NUM_THREADS=1 $(PY) bench/$*.py

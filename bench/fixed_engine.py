@@ -31,9 +31,12 @@ from engines.reference.kserve import decode_inputs, encode_outputs
 
 
 class FixedModel(service_pb2_grpc.GRPCInferenceServiceServicer):
-    def __init__(self, tokens: list[int], token_delay_s: float = 0.0) -> None:
+    def __init__(self, tokens: list[int], token_delay_s: float = 0.0, primary_blocks: int = 1024,
+                 secondary_blocks: int = 0) -> None:
         self.tokens = tokens
         self.token_delay_s = token_delay_s
+        self.primary_blocks = primary_blocks
+        self.secondary_blocks = secondary_blocks
 
     async def ServerLive(self, request, context):
         return service_pb2.ServerLiveResponse(live=True)
@@ -47,7 +50,8 @@ class FixedModel(service_pb2_grpc.GRPCInferenceServiceServicer):
     def _responses(self, request):
         tensors = decode_inputs(request)
         if is_stats_request(tensors):
-            report = PoolStatsReport(16, TierStats(1024, 1024, 0), TierStats(0, 0, 0))
+            report = PoolStatsReport(16, TierStats(self.primary_blocks, self.primary_blocks, 0),
+                                     TierStats(self.secondary_blocks, self.secondary_blocks, 0))
             response = service_pb2.ModelInferResponse(model_name=request.model_name, id=request.id)
             encode_outputs(response, {KV_CACHE_STATS.name: np.array([report.to_json().encode()], np.object_)})
             return [response]
@@ -75,9 +79,11 @@ class FixedModel(service_pb2_grpc.GRPCInferenceServiceServicer):
                 yield service_pb2.ModelStreamInferResponse(infer_response=response)
 
 
-async def serve(port: int, tokens: list[int], token_delay_s: float = 0.0) -> None:
+async def serve(port: int, tokens: list[int], token_delay_s: float = 0.0, primary_blocks: int = 1024,
+                secondary_blocks: int = 0) -> None:
     server = grpc.aio.server()
-    service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(FixedModel(tokens, token_delay_s), server)
+    service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(
+        FixedModel(tokens, token_delay_s, primary_blocks, secondary_blocks), server)
     server.add_insecure_port(f"127.0.0.1:{port}")
     await server.start()
     await server.wait_for_termination()
@@ -88,12 +94,14 @@ def main() -> None:
     parser.add_argument("--port", type=int, default=9001)
     parser.add_argument("--tokens", type=int, default=16)
     parser.add_argument("--token-delay-ms", type=float, default=0.0)
+    parser.add_argument("--primary-blocks", type=int, default=1024, help="the primary tier the stats call reports")
+    parser.add_argument("--secondary-blocks", type=int, default=0, help="the host tier the stats call reports")
     args = parser.parse_args()
     from engines.tokenizer import load_gguf_tokenizer
 
     text = " The quick brown fox jumps over the lazy dog and keeps running far away" * 8
     tokens = load_gguf_tokenizer().encode(text)[: args.tokens]
-    asyncio.run(serve(args.port, tokens, args.token_delay_ms / 1000))
+    asyncio.run(serve(args.port, tokens, args.token_delay_ms / 1000, args.primary_blocks, args.secondary_blocks))
 
 
 if __name__ == "__main__":

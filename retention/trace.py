@@ -9,7 +9,9 @@ so a reader needs no flag: all lines that carry it must agree, and lines without
 the caller's block size, 512 by default), and the client's cache hints
 (``retention/policy/hints.py``): ``cache_breakpoints`` (a list of ``[token_end, ttl_ms]``, at most
 four, strictly increasing ``token_end <= input_length``) and ``prompt_cache_retention``
-(``"in_memory"`` | ``"24h"``). Other fields (a capture's observed outcome) are ignored here.
+(``"in_memory"`` | ``"24h"``), and ``prompt_cache_key`` (a string: the client's key for
+requests that belong together, ``CacheHints.cache_key``; the cluster simulator routes by it).
+Other fields (a capture's observed outcome) are ignored here.
 
 Token synthesis (so the pool's real hashing and token comparison run): the ``j``-th
 token of hash id ``h`` is ``(h * 2654435761 + j) mod 2^31``. Two different ids below
@@ -134,8 +136,11 @@ def parse_trace(lines: Iterable[str], *, block_size: int | None = None) -> list[
 def _hints(obj: dict, line: int, input_length: int) -> CacheHints | None:
     points = obj.get("cache_breakpoints")
     retention = obj.get("prompt_cache_retention")
-    if points is None and retention is None:
+    key = obj.get("prompt_cache_key")
+    if points is None and retention is None and key is None:
         return None
+    if key is not None and not isinstance(key, str):
+        raise TraceError(f"line {line}: prompt_cache_key must be a string")
     if points is not None and (not isinstance(points, list) or not all(
             isinstance(p, list) and len(p) == 2 and all(isinstance(x, int) and not isinstance(x, bool) for x in p)
             for p in points)):
@@ -143,7 +148,7 @@ def _hints(obj: dict, line: int, input_length: int) -> CacheHints | None:
     if any(p[0] > input_length for p in points or ()):
         raise TraceError(f"line {line}: a cache breakpoint's token_end is past input_length {input_length}")
     try:
-        return CacheHints(tuple(Breakpoint(end, ttl) for end, ttl in points or ()), retention=retention)
+        return CacheHints(tuple(Breakpoint(end, ttl) for end, ttl in points or ()), cache_key=key, retention=retention)
     except RetentionPlanError as exc:
         raise TraceError(f"line {line}: {exc}") from None
 

@@ -21,6 +21,7 @@ from sqlalchemy import Engine
 from sqlalchemy.orm import Session, sessionmaker
 
 from server.admin import ADMIN_PREFIX, create_admin_app
+from server.admin.console import CONSOLE_PREFIX, create_console_app
 from server.settings import Settings
 from tenants.db import make_engine, make_session_factory
 
@@ -40,7 +41,7 @@ def create_app(
     an engine is made from ``settings.database_url`` and disposed at shutdown.
 
     State: ``app.state.settings``, ``.engine`` (may be None), ``.session_factory``, ``.clock``,
-    ``.admin_app`` (the mounted sub-app).
+    ``.admin_app`` (the mounted sub-app), ``.console_app`` (the web console at ``/console``).
     """
     settings.check_serving_secrets()
     owned_engine: Engine | None = None
@@ -65,6 +66,9 @@ def create_app(
     admin_app = create_admin_app(settings=settings, session_factory=session_factory, clock=clock)
     app.state.admin_app = admin_app
     app.mount(ADMIN_PREFIX, admin_app)
+    # The web console calls the admin API through this app (so through its middleware), never the registry.
+    app.state.console_app = create_console_app(api_app=app)
+    app.mount(CONSOLE_PREFIX, app.state.console_app)
 
     @app.get("/healthz", include_in_schema=False)
     def healthz() -> dict[str, str]:

@@ -22,7 +22,7 @@ from tenants.errors import RegistryError
 
 log = logging.getLogger("kvgate.admin")
 
-STATUS_BY_KIND = {"invalid": 422, "not_found": 404, "conflict": 409}
+STATUS_BY_KIND = {"invalid": 422, "not_found": 404, "forbidden": 403, "conflict": 409}
 CODE_BY_STATUS = {
     400: "bad_request",
     401: "unauthorized",

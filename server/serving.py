@@ -73,5 +73,6 @@ def build_serving_app(settings: Settings, *, session_factory: sessionmaker[Sessi
         routing=routing or routing_config(settings),
         usage_journal_dir=settings.usage_journal_dir if settings.usage_journal else None,
         registry_id=registry_fingerprint(settings.database_url),
+        responses_ttl_s=settings.responses_ttl_s, responses_max_bytes=settings.responses_max_bytes,
     )
     return install_gateway(app, services)

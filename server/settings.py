@@ -102,6 +102,24 @@ class Settings(BaseSettings):
     # of rotation for breaker_open_s, doubling on each further failure up to breaker_max_open_s.
     breaker_open_s: float = Field(default=0.5, gt=0.0)
     breaker_max_open_s: float = Field(default=10.0, gt=0.0)
+    # Stored responses of the Responses API (/v1/responses, tenants/responses.py): how long one
+    # is kept (OpenAI keeps them 30 days) and how many bytes one tenant may hold.
+    responses_ttl_s: float = Field(default=30 * 24 * 3600.0, gt=0.0)
+    responses_max_bytes: int = Field(default=64 * 2**20, ge=1)
+    # Optional OIDC for the admin API (server/admin/oidc.py): signed JWTs (RS256/ES256) from an
+    # identity provider, keys from a JWKS file or URL; issuer and audience must match. The
+    # roles claim's values map to kvgate roles through oidc_role_map (JSON object, e.g.
+    # {"kvgate-ops": "operator"}); the tenants claim lists the slugs a tenant-admin or viewer
+    # is scoped to. Off unless an issuer and a JWKS source are set.
+    oidc_issuer: str | None = None
+    oidc_audience: str | None = None
+    oidc_jwks_file: Path | None = None
+    oidc_jwks_url: str | None = None
+    oidc_roles_claim: str = "roles"
+    oidc_role_map: dict[str, Literal["platform-admin", "operator", "tenant-admin", "viewer"]] = Field(
+        default_factory=dict)
+    oidc_tenants_claim: str = "kvgate_tenants"
+    oidc_name_claim: str = "sub"
 
     @model_validator(mode="after")
     def _breaker_bounds(self) -> "Settings":
@@ -109,6 +127,18 @@ class Settings(BaseSettings):
             raise ValueError(f"breaker_max_open_s ({self.breaker_max_open_s}) must be >= breaker_open_s "
                              f"({self.breaker_open_s})")
         return self
+
+    @model_validator(mode="after")
+    def _oidc_complete(self) -> "Settings":
+        if self.oidc_issuer and not (self.oidc_jwks_file or self.oidc_jwks_url):
+            raise ValueError("oidc_issuer needs oidc_jwks_file or oidc_jwks_url")
+        if self.oidc_issuer and not self.oidc_audience:
+            raise ValueError("oidc_issuer needs oidc_audience")
+        return self
+
+    @property
+    def oidc_enabled(self) -> bool:
+        return bool(self.oidc_issuer)
 
     @field_validator("admin_tokens", mode="before")
     @classmethod

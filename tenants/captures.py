@@ -112,6 +112,13 @@ def list_captures(session: Session, *, pool: int | str) -> list[TraceCapture]:
     ))
 
 
+def list_tenant_captures(session: Session, *, tenant: int) -> list[TraceCapture]:
+    """Captures limited to ``tenant``'s requests, newest first."""
+    return list(session.scalars(
+        select(TraceCapture).where(TraceCapture.tenant_id == tenant).order_by(TraceCapture.id.desc())
+    ))
+
+
 def stop_capture(session: Session, *, actor: str, now: datetime, pool: int | str, capture_id: int | str) -> TraceCapture:
     """Stop a capture (gateways stop writing at their next refresh); a no-op when stopped."""
     with mutation(session, entity="capture"):

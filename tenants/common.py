@@ -8,7 +8,7 @@ errors, never raw driver exceptions.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Collection, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import datetime
@@ -120,12 +120,15 @@ def is_id(ref: int | str) -> bool:
 
 
 def get_by_ref(
-    session: Session, model: type[T], ref: int | str, *, name_attr: str, what: str, field: str | None = None
+    session: Session, model: type[T], ref: int | str, *, name_attr: str, what: str, field: str | None = None,
+    within: Collection[int] | None = None,
 ) -> T:
     """Load ``model`` by numeric id or by its unique name.
 
     Not found raises ``NotFound`` for a path reference (``field is None``), or
-    ``InvalidField(field)`` when the reference came from a request body (422).
+    ``InvalidField(field)`` when the reference came from a request body (422). A row whose
+    id is not in ``within`` (when given: a caller's scope) is not found, by the same path
+    and error, so an answer never tells a foreign row from a missing one.
     """
     row: T | None
     if is_id(ref) and int(ref) <= 2**31 - 1:
@@ -133,6 +136,8 @@ def get_by_ref(
     elif isinstance(ref, str) and NAME_RE.match(ref):
         row = session.scalars(select(model).where(getattr(model, name_attr) == ref)).one_or_none()
     else:
+        row = None
+    if row is not None and within is not None and row.id not in within:  # type: ignore[attr-defined]
         row = None
     if row is None:
         message = f"{what} {str(ref)[:80]!r} does not exist"

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 
 class RegistryError(Exception):
-    """Base class. ``kind`` is one of: invalid, not_found, conflict, stale, in_use, unavailable."""
+    """Base class. ``kind`` is one of: invalid, not_found, forbidden, conflict, stale, in_use, unavailable."""
 
     kind = "invalid"
     default_code = "invalid"
@@ -30,6 +30,13 @@ class InvalidField(RegistryError):
 class NotFound(RegistryError):
     kind = "not_found"
     default_code = "not_found"
+
+
+class Forbidden(RegistryError):
+    """The caller's role or scope does not allow this change (e.g. a limit above its cap)."""
+
+    kind = "forbidden"
+    default_code = "forbidden"
 
 
 class Duplicate(RegistryError):

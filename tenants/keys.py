@@ -17,7 +17,7 @@ import logging
 import secrets
 import string
 from dataclasses import dataclass
-from datetime import UTC, datetime
+from datetime import datetime
 
 from sqlalchemy import select, update
 from sqlalchemy.orm import Session
@@ -47,11 +47,12 @@ class ParsedKey:
         return f"ParsedKey(prefix={self.prefix!r}, secret=<redacted>)"
 
 
-def parse_key(plaintext: str) -> ParsedKey | None:
-    """Split ``kvg_<prefix>_<secret>``; None for anything not shaped like a key."""
+def parse_key(plaintext: str, *, scheme: str = KEY_SCHEME) -> ParsedKey | None:
+    """Split ``<scheme>_<prefix>_<secret>`` (``kvg`` keys, ``kva`` admin credentials); None
+    for anything not shaped like one."""
     if not isinstance(plaintext, str) or len(plaintext) > 512:
         return None
-    head = f"{KEY_SCHEME}_"
+    head = f"{scheme}_"
     if not plaintext.startswith(head):
         return None
     rest = plaintext[len(head) :]
@@ -67,10 +68,14 @@ def hash_secret(secret: str, *, pepper: str) -> str:
     return hmac.new(pepper.encode(), secret.encode(), hashlib.sha256).hexdigest()
 
 
-def _new_key() -> tuple[str, str, str]:
-    prefix = "".join(secrets.choice(_PREFIX_ALPHABET) for _ in range(PREFIX_LEN))
+def new_prefix() -> str:
+    return "".join(secrets.choice(_PREFIX_ALPHABET) for _ in range(PREFIX_LEN))
+
+
+def _new_key(scheme: str = KEY_SCHEME) -> tuple[str, str, str]:
+    prefix = new_prefix()
     secret = secrets.token_urlsafe(32)
-    return prefix, secret, f"{KEY_SCHEME}_{prefix}_{secret}"
+    return prefix, secret, f"{scheme}_{prefix}_{secret}"
 
 
 def audit_view(key: ApiKey) -> dict[str, object]:
@@ -91,10 +96,8 @@ def create_key(
     if not pepper:
         raise InvalidField("the key pepper is not configured", field="pepper")
     name = v.text(name, field="name", max_len=128, allow_empty=True)
-    if expires_at is not None and (expires_at.tzinfo is None or expires_at <= now):
-        raise InvalidField("expires_at must be a timezone-aware time in the future", field="expires_at")
     if expires_at is not None:
-        expires_at = expires_at.astimezone(UTC)
+        expires_at = v.future_utc(expires_at, now=now, field="expires_at")
     for _attempt in range(5):  # prefix collisions are ~1 in 2.8e12; retry, never reuse
         prefix, secret, plaintext = _new_key()
         if session.scalars(select(ApiKey.id).where(ApiKey.prefix == prefix)).first() is None:

@@ -43,6 +43,10 @@ TENANT_STATUSES = ("active", "suspended")
 REPLICA_STATES = ("active", "draining", "disabled")
 CAPTURE_STATES = ("active", "stopped")
 ISOLATIONS = ("shared", "salted", "dedicated")
+ADMIN_ROLES = ("platform-admin", "operator", "tenant-admin", "viewer")
+# Limits a tenant-admin may change itself, each within the cap the platform admin set.
+CAPPED_LIMITS = ("rpm_limit", "tpm_limit", "max_concurrent_requests", "max_prompt_tokens", "max_output_tokens",
+                 "kv_quota_fraction")
 SEGMENTS = ("system", "context", "turn")
 
 # Deterministic constraint names: Alembic can drop/alter them on every backend.
@@ -277,6 +281,9 @@ class Tenant(Timestamped, Base):
     max_prompt_tokens: Mapped[int] = mapped_column(Integer)
     max_output_tokens: Mapped[int] = mapped_column(Integer)
     kv_quota_fraction: Mapped[float] = mapped_column(Float)
+    # {limit field: highest value a tenant-admin may set} (fields of CAPPED_LIMITS); a limit
+    # without a cap cannot be changed by a tenant-admin. Set by platform admins only.
+    limit_caps: Mapped[dict[str, Any] | None] = mapped_column(JSON)
 
 
 class ApiKey(Base):
@@ -293,6 +300,45 @@ class ApiKey(Base):
     last_used_at: Mapped[datetime | None] = mapped_column()
     expires_at: Mapped[datetime | None] = mapped_column()
     revoked_at: Mapped[datetime | None] = mapped_column()
+
+
+class AdminCredential(Base):
+    """An admin credential ``kva_<prefix>_<secret>`` with a role; stores HMAC-SHA256(pepper, secret) only.
+
+    Invariants: ``role`` in ``ADMIN_ROLES``; a ``tenant-admin`` has at least one tenant in
+    ``admin_credential_tenants`` (kept by the service); a rotation keeps the prefix, moves the
+    old hash to ``previous_secret_hash`` and accepts it while ``now < previous_valid_until``.
+    """
+
+    __tablename__ = "admin_credentials"
+    __table_args__ = (CheckConstraint(
+        "role IN ('platform-admin', 'operator', 'tenant-admin', 'viewer')", name="role_enum"),)
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    name: Mapped[str] = mapped_column(String(128), unique=True)
+    role: Mapped[str] = mapped_column(String(16))
+    # True when the credential is limited to the tenants in admin_credential_tenants.
+    scoped: Mapped[bool] = mapped_column(Boolean, default=False)
+    prefix: Mapped[str] = mapped_column(String(16), unique=True)
+    secret_hash: Mapped[str] = mapped_column(String(64))
+    previous_secret_hash: Mapped[str | None] = mapped_column(String(64))
+    previous_valid_until: Mapped[datetime | None] = mapped_column()
+    created_by: Mapped[str] = mapped_column(String(128))
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+    last_used_at: Mapped[datetime | None] = mapped_column()
+    expires_at: Mapped[datetime | None] = mapped_column()
+    revoked_at: Mapped[datetime | None] = mapped_column()
+
+
+class AdminCredentialTenant(Base):
+    """One tenant in an admin credential's scope (deleting the tenant drops it from every scope)."""
+
+    __tablename__ = "admin_credential_tenants"
+
+    credential_id: Mapped[int] = mapped_column(ForeignKey("admin_credentials.id", ondelete="CASCADE"),
+                                               primary_key=True)
+    tenant_id: Mapped[int] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"), primary_key=True,
+                                           index=True)
 
 
 class AuditEvent(Base):
@@ -360,3 +406,32 @@ class TraceCapture(Timestamped, Base):
     key: Mapped[str] = mapped_column(String(64))
     started_at: Mapped[datetime] = mapped_column(default=utcnow)
     stopped_at: Mapped[datetime | None] = mapped_column()
+
+
+class StoredResponse(Base):
+    """A stored OpenAI Responses-API response (``store: true``), readable by its tenant only.
+
+    ``input_items`` are this request's input items (each with its ``id``), ``output_items``
+    the response's output items; a continuation (``previous_response_id``) rebuilds its
+    prompt from the chain of these. ``body`` is the response object without ``output``.
+    ``previous_response_id`` is not a foreign key: an ancestor may expire or be deleted
+    before its descendants, and a continuation then fails with "not found", as OpenAI's does.
+    ``size_bytes`` is what the row counts against the tenant's byte cap (its JSON's length).
+    """
+
+    __tablename__ = "stored_responses"
+    __table_args__ = (
+        CheckConstraint("size_bytes >= 0", name="size_bytes_nonneg"),
+        Index("ix_stored_responses_tenant_expires", "tenant_id", "expires_at"),
+    )
+
+    id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    tenant_id: Mapped[int] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"))
+    previous_response_id: Mapped[str | None] = mapped_column(String(64))
+    model: Mapped[str] = mapped_column(String(256))
+    input_items: Mapped[list[Any]] = mapped_column(JSON)
+    output_items: Mapped[list[Any]] = mapped_column(JSON)
+    body: Mapped[dict[str, Any]] = mapped_column(JSON)
+    size_bytes: Mapped[int] = mapped_column(BigInteger)
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+    expires_at: Mapped[datetime] = mapped_column()

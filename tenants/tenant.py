@@ -15,7 +15,7 @@ Invariants:
 from __future__ import annotations
 
 import secrets
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from datetime import datetime
 from typing import Any
 
@@ -25,8 +25,8 @@ from sqlalchemy.orm import Session
 from tenants import audit
 from tenants import validation as v
 from tenants.common import Page, check_version, get_by_ref, mutation, paginate, snapshot, versioned_update
-from tenants.errors import Conflict, InvalidField
-from tenants.models import Pool, RetentionClass, Tenant
+from tenants.errors import Conflict, Forbidden, InvalidField
+from tenants.models import CAPPED_LIMITS, Pool, RetentionClass, Tenant
 from tenants.pools import get_pool
 from tenants.retention_classes import get_class
 
@@ -45,9 +45,40 @@ _VALIDATORS: dict[str, Any] = {
     "isolation": lambda x: v.isolation(x),
     "kv_quota_fraction": lambda x: v.fraction(x, field="kv_quota_fraction"),
     **{key: (lambda x, f=key: v.integer(x, field=f, minimum=1)) for key in DEFAULT_LIMITS},
+    "limit_caps": lambda x: _caps(x),
 }
 # ``pool`` and ``retention_class`` (id or name) are resolved separately.
 UPDATABLE = frozenset(_VALIDATORS) | {"pool", "retention_class"}
+
+
+def _caps(value: Any) -> dict[str, Any] | None:
+    """``{limit: cap}`` for fields of ``CAPPED_LIMITS``; None entries dropped; empty -> None."""
+    if value is None:
+        return None
+    if not isinstance(value, Mapping):
+        raise InvalidField("limit_caps must be an object", field="limit_caps")
+    out: dict[str, Any] = {}
+    for key, cap in value.items():
+        if key not in CAPPED_LIMITS:
+            raise InvalidField(f"no cap can be set on {key!r}", field=f"limit_caps.{key}")
+        if cap is not None:
+            out[key] = _VALIDATORS[key](cap)
+    return out or None
+
+
+def check_within_caps(tenant: Tenant, changes: Mapping[str, Any]) -> None:
+    """Refuse (403) what a tenant-admin may not change: anything but a capped limit, or a
+    limit above its cap. Lowering a capped limit is always allowed."""
+    caps = tenant.limit_caps or {}
+    for key, value in changes.items():
+        if key not in CAPPED_LIMITS:
+            raise Forbidden(f"a tenant-admin may change only its limits, not {key!r}", field=key,
+                            code="field_not_permitted")
+        if key not in caps:
+            raise Forbidden(f"{key} has no cap; only a platform admin may change it", field=key,
+                            code="limit_not_capped")
+        if value > caps[key]:
+            raise Forbidden(f"{key} {value} is above its cap {caps[key]}", field=key, code="limit_above_cap")
 
 
 def new_cache_salt() -> str:
@@ -103,6 +134,7 @@ def create_tenant(
     max_concurrent_requests: int = DEFAULT_LIMITS["max_concurrent_requests"],
     max_prompt_tokens: int = DEFAULT_LIMITS["max_prompt_tokens"],
     max_output_tokens: int = DEFAULT_LIMITS["max_output_tokens"],
+    limit_caps: Mapping[str, Any] | None = None,
 ) -> Tenant:
     """Create an active tenant; ``pool``/``retention_class`` are ids or names (unknown → 422 on that field)."""
     slug = v.name(slug, field="slug")
@@ -116,6 +148,7 @@ def create_tenant(
             max_concurrent_requests=max_concurrent_requests,
             max_prompt_tokens=max_prompt_tokens,
             max_output_tokens=max_output_tokens,
+            limit_caps=limit_caps,
         )
     )
     with mutation(session, unique_field="slug", entity="tenant"):
@@ -139,14 +172,20 @@ def create_tenant(
     return tenant
 
 
-def get_tenant(session: Session, *, ref: int | str) -> Tenant:
-    return get_by_ref(session, Tenant, ref, name_attr="slug", what="tenant")
+def get_tenant(session: Session, *, ref: int | str, within: Collection[int] | None = None) -> Tenant:
+    """The tenant ``ref`` names; with ``within`` (a caller's scope) one outside it is not found,
+    by the same query and the same error as one that does not exist."""
+    return get_by_ref(session, Tenant, ref, name_attr="slug", what="tenant", within=within)
 
 
 def list_tenants(
-    session: Session, *, limit: int = 50, offset: int = 0, status: str | None = None, pool: int | str | None = None
+    session: Session, *, limit: int = 50, offset: int = 0, status: str | None = None, pool: int | str | None = None,
+    within: Collection[int] | None = None,
 ) -> Page[Tenant]:
+    """A page of tenants; with ``within`` only those (``total`` counts only those)."""
     stmt = select(Tenant)
+    if within is not None:
+        stmt = stmt.where(Tenant.id.in_(sorted(within)))
     if status is not None:
         stmt = stmt.where(Tenant.status == v.status(status))
     if pool is not None:
@@ -157,15 +196,23 @@ def list_tenants(
 
 
 def update_tenant(
-    session: Session, *, actor: str, now: datetime, ref: int | str, version: int, changes: Mapping[str, Any]
+    session: Session, *, actor: str, now: datetime, ref: int | str, version: int, changes: Mapping[str, Any],
+    within_caps: bool = False,
 ) -> Tenant:
-    """Apply ``changes`` (any of ``UPDATABLE``) if ``version`` is current, else ``StaleVersion``."""
+    """Apply ``changes`` (any of ``UPDATABLE``) if ``version`` is current, else ``StaleVersion``.
+
+    ``within_caps`` (a tenant-admin's change): ``check_within_caps`` on the row read in the
+    same transaction, so a cap lowered concurrently is not raced past.
+    """
     changes = dict(changes)
     pool_ref = changes.pop("pool", None)
     class_ref = changes.pop("retention_class", None)
     values = _validated(changes)
     with mutation(session, entity="tenant"):
         tenant = get_tenant(session, ref=ref)
+        if within_caps:
+            check_within_caps(tenant, {**values, **({"pool": pool_ref} if pool_ref is not None else {}),
+                                       **({"retention_class": class_ref} if class_ref is not None else {})})
         check_version(tenant, version)
         if pool_ref is not None:
             values["pool_id"] = get_by_ref(session, Pool, pool_ref, name_attr="name", what="pool", field="pool").id

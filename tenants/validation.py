@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import re
+from datetime import UTC, datetime
 from typing import Any
 
 from retention.types import RetentionPlanError, check_duration, check_priority
@@ -119,3 +120,15 @@ def endpoint(value: Any, *, field: str) -> str:
 
 def replica_state(value: Any, *, field: str = "state") -> str:
     return choice(value, field=field, options=REPLICA_STATES)
+
+
+def future_utc(value: datetime, *, now: datetime, field: str) -> datetime:
+    """A timezone-aware time after ``now``, in UTC; one UTC cannot hold (year 9999 with a
+    negative offset) is refused rather than overflowing."""
+    try:
+        utc = value.astimezone(UTC) if value.tzinfo is not None else None
+    except OverflowError:
+        utc = None
+    if utc is None or utc <= now:
+        raise InvalidField(f"{field} must be a timezone-aware time in the future (UTC-representable)", field=field)
+    return utc

@@ -14,57 +14,132 @@ blocks the engine holds, and keeping it under the budget keeps the real figure u
 Keys are (tenant, salted block hash): one tenant's entries never count against, or match,
 another's, whatever its isolation. Pure: the caller passes ``now`` (seconds, any monotonic
 clock) and calls :meth:`HintLedger.record` when it plans and again when the request ends
-(TensorRT-LLM starts a duration when the block is released). Memory: at most the budget's
-worth of entries per tenant, since :meth:`allowance` never lets more in.
+(TensorRT-LLM starts a duration when the block is released).
+
+**The hold is measured, the TTL is the client's bound.** A TTL says how long a client *may*
+come back, not when it will: an agent run's last conversation is marked 5 min like every
+step before it and never returns. Held at the hinted priority for the whole TTL, such dead
+blocks crowd live ones out of a small GPU (and fill the budget, so live runs lose their
+hints). So the ledger measures, per tenant, how long hinted blocks actually wait before
+they are used again (gaps observed within the client's window, so they are not censored by
+the hold itself) and holds the hinted priority for ``min(TTL, GAP_MARGIN × the gaps'
+GAP_QUANTILE quantile)`` once it has ``MIN_GAP_SAMPLES`` gaps (the whole TTL before that).
+After the hold the block falls back to 35 (TensorRT-LLM's expiry) and stays cached as any
+other block would. Memory: per tenant the entries inside the client's window (at most
+``MAX_TRACKED``; the oldest unpinned go first) and ``GAP_SAMPLES`` gaps.
 """
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from retention.policy.hint_plan import HintPolicy, apply_hints, clip_spans, hint_spans
+from retention.policy.hint_plan import HintPolicy, HintSpan, apply_hints, clip_spans, hint_spans
 from retention.policy.hints import CacheHints
 from retention.types import RetentionPlan
 
 
+GAP_SAMPLES = 256  # recent reuse gaps kept per tenant
+MIN_GAP_SAMPLES = 16  # below this the hold is the client's TTL
+GAP_QUANTILE = 0.9
+GAP_MARGIN = 2.0
+MIN_HOLD_MS = 1_000
+MAX_TRACKED = 65_536  # entries per tenant inside the client's window
+
+
+@dataclass(slots=True)
+class _Entry:
+    pinned_until: float  # the hinted priority's duration ends (what the engine was told)
+    window_until: float  # the client's TTL ends: a use before it is a measured gap
+    seen: float  # last use or release
+
+
+@dataclass(slots=True)
+class _TenantHints:
+    entries: dict[int, _Entry] = field(default_factory=dict)  # insertion order = least recently recorded first
+    gaps: deque[float] = field(default_factory=lambda: deque(maxlen=GAP_SAMPLES))
+
+
 @dataclass(slots=True)
 class HintLedger:
-    """Per tenant: salted block hash -> when its hinted duration runs out (seconds)."""
+    """Per tenant: salted block hash -> its hinted hold, the client's window, its last use; and
+    the measured reuse gaps of hinted blocks."""
 
-    _live: dict[str, dict[int, float]] = field(default_factory=dict)
+    _tenants: dict[str, _TenantHints] = field(default_factory=dict)
+
+    def _forget_closed(self, hints: _TenantHints, now: float) -> None:
+        closed = [h for h, e in hints.entries.items() if e.window_until <= now and e.pinned_until <= now]
+        for h in closed:
+            del hints.entries[h]
 
     def live_blocks(self, tenant: str, now: float) -> int:
-        """Hinted blocks of ``tenant`` whose duration has not run out; forgets the others."""
-        entries = self._live.get(tenant)
-        if not entries:
+        """Hinted blocks of ``tenant`` still held at the hinted priority; forgets closed windows."""
+        hints = self._tenants.get(tenant)
+        if hints is None:
             return 0
-        expired = [h for h, until in entries.items() if until <= now]
-        for h in expired:
-            del entries[h]
-        return len(entries)
+        self._forget_closed(hints, now)
+        return sum(1 for e in hints.entries.values() if e.pinned_until > now)
 
     def allowance(self, tenant: str, hashes: Sequence[int], budget_blocks: int, now: float) -> int:
         """How many leading blocks of ``hashes`` may be hinted without the tenant's live
         hinted blocks exceeding ``budget_blocks`` (blocks already live cost nothing)."""
         live = self.live_blocks(tenant, now)
-        entries = self._live.get(tenant, {})
+        entries = self._tenants[tenant].entries if tenant in self._tenants else {}
         allowed = 0
         for h in hashes:
-            if h not in entries:
+            entry = entries.get(h)
+            if entry is None or entry.pinned_until <= now:
                 if live >= budget_blocks:
                     break
                 live += 1
             allowed += 1
         return allowed
 
-    def record(self, tenant: str, hashes: Sequence[int], durations_ms: Sequence[int], now: float) -> None:
-        """Mark ``hashes`` hinted until ``now + duration`` (each keeps its latest end)."""
-        entries = self._live.setdefault(tenant, {})
-        for h, duration in zip(hashes, durations_ms):
-            until = now + duration / 1000.0
-            if entries.get(h, -1.0) < until:
-                entries[h] = until
+    def hold_ms(self, tenant: str, ttl_ms: int) -> int:
+        """How long to hold a block hinted for ``ttl_ms`` at the hinted priority (module docstring)."""
+        hints = self._tenants.get(tenant)
+        if hints is None or len(hints.gaps) < MIN_GAP_SAMPLES:
+            return ttl_ms
+        ordered = sorted(hints.gaps)
+        gap = ordered[min(len(ordered) - 1, int(GAP_QUANTILE * len(ordered)))]
+        return min(ttl_ms, max(MIN_HOLD_MS, int(GAP_MARGIN * gap * 1000)))
+
+    def observe_use(self, tenant: str, hashes: Sequence[int], now: float) -> None:
+        """A new request uses ``hashes`` (at plan time): each block still inside its client
+        window yields a measured gap since it was last seen (used or released)."""
+        hints = self._tenants.get(tenant)
+        if hints is None:
+            return
+        for h in hashes:
+            entry = hints.entries.get(h)
+            if entry is not None and entry.window_until > now:
+                hints.gaps.append(now - entry.seen)
+
+    def record(self, tenant: str, hashes: Sequence[int], durations_ms: Sequence[int], now: float, *,
+               windows_ms: Sequence[int] | None = None) -> None:
+        """Mark ``hashes`` held until ``now + duration`` (the latest use decides, as in the
+        engine) and inside the client's window until ``now + window`` (default: the duration;
+        the later end is kept); each is seen now."""
+        hints = self._tenants.setdefault(tenant, _TenantHints())
+        entries = hints.entries
+        windows = durations_ms if windows_ms is None else windows_ms
+        for h, duration, window in zip(hashes, durations_ms, windows):
+            entry = entries.pop(h, None)
+            if entry is None:
+                entry = _Entry(now + duration / 1000.0, now + window / 1000.0, now)
+            else:
+                # The latest use sets the hold, as the engine does: a reused block takes the new
+                # request's priority and duration when it is released (an explicit priority on
+                # reuse overrides the old one, kvCacheManager.cpp; docs/architecture.md).
+                entry.pinned_until = now + duration / 1000.0
+                entry.window_until = max(entry.window_until, now + window / 1000.0)
+                entry.seen = now
+            entries[h] = entry  # re-inserted: the dict's order is the recording order
+        if len(entries) > MAX_TRACKED:
+            self._forget_closed(hints, now)
+            for h in [h for h, e in entries.items() if e.pinned_until <= now][:len(entries) - MAX_TRACKED]:
+                del entries[h]
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,8 +148,9 @@ class HintedPlan:
 
     plan: RetentionPlan
     hashes: tuple[int, ...] = ()
-    durations_ms: tuple[int, ...] = ()
+    durations_ms: tuple[int, ...] = ()  # the measured holds the engine was told
     clipped: bool = False  # the quota share cut the hinted tokens short
+    windows_ms: tuple[int, ...] = ()  # the client's TTLs (capped by the class) of the same blocks
 
 
 def plan_with_hints(plan: RetentionPlan, hints: CacheHints, policy: HintPolicy, *, total: int, tokens_per_block: int,
@@ -105,7 +181,11 @@ def plan_with_hints(plan: RetentionPlan, hints: CacheHints, policy: HintPolicy, 
     if not spans:
         return HintedPlan(plan, clipped=clipped)
     kept = blocks[:allowed]
-    durations = tuple(next(s.duration_ms for s in spans if s.start <= b * tokens_per_block < s.end) for b in kept)
+    windows = tuple(next(s.duration_ms for s in spans if s.start <= b * tokens_per_block < s.end) for b in kept)
     kept_hashes = tuple(hashes[b] for b in kept)
-    ledger.record(tenant, kept_hashes, durations, now)
-    return HintedPlan(apply_hints(plan, spans, policy, total), kept_hashes, durations, clipped)
+    ledger.observe_use(tenant, kept_hashes, now)
+    # The measured hold replaces the TTL as the blocks' duration; the window stays the TTL.
+    held = tuple(HintSpan(s.start, s.end, ledger.hold_ms(tenant, s.duration_ms)) for s in spans)
+    durations = tuple(next(s.duration_ms for s in held if s.start <= b * tokens_per_block < s.end) for b in kept)
+    ledger.record(tenant, kept_hashes, durations, now, windows_ms=windows)
+    return HintedPlan(apply_hints(plan, held, policy, total), kept_hashes, durations, clipped, windows)

@@ -8,6 +8,7 @@ because the engine always computes the last prompt token; all terms in blocks)::
                    + recent_weight × recent_prefill(r)) / weight(r)
     threshold   = max(min_r level + balance_request_share × prompt / B,  balance_rel × min_r level)
     cost(r)     = overlap_weight × prefill(r) / weight(r) + max(0, level(r) − threshold)
+                  − affinity_credit × [r is the request's home]
 
 ``queued_prefill``: tokens routed to r and not yet prefilled; ``decode``: KV blocks held by
 r's running requests plus this request's; ``recent_prefill``: prefill tokens dispatched to
@@ -30,14 +31,20 @@ Where it comes from:
   0.75 for a block on Dynamo's host tier: an onboard is a copy, not free);
   blocks that requests in flight on r are computing now are credited (``pending_credit``);
   the registry weight divides a replica's prefill and load (weight 2 = twice the engine);
-  recent prefill work is a load signal (``recent_weight``).
+  recent prefill work is a load signal (``recent_weight``); a request carrying an affinity
+  key (``prompt_cache_key``, ``affinity.py``) credits its key's home replica
+  (``affinity_credit`` blocks), so requests sharing a key meet before they share a cached
+  prefix, unless the home's load is beyond the band.
 
 Why the defaults differ from Dynamo's (measured, docs/benchmarks.md "Routing simulator"):
 with Dynamo's cost (T = 0, weight 1) on the Mooncake trace, 4 replicas at 2 %, the
 instantaneous load differences between replicas outweigh most prefix hits, so
 conversations scatter and the hit rate stays near 60 % of the one-big-pool ceiling; with
 the band, and recent prefill work instead of active blocks as the main load signal, it is
-95 %, with the busiest replica computing 4 % more prefill than the mean.
+95 %, with the busiest replica computing 4 % more prefill than the mean. Over every workload
+family, replica count, capacity and arrival rate (``bench/routing_families.py``) they meet the
+targets (≥ 90 % of the ceiling, ≥ the best baseline, imbalance ≤ 1.3) in most but not all
+settings, and no single band does better everywhere (docs/architecture.md, "Routing").
 
 Choice: with ``temperature`` 0 the lowest cost wins; ties go to the highest rendezvous
 hash of (request's session key, replica), then the lowest id, so every gateway replica
@@ -71,9 +78,11 @@ class CostModel:
     balance_request_share: float = 1.0
     balance_rel: float = 1.5
     temperature: float = 0.0
+    affinity_credit: float = 1.0
 
     def __post_init__(self) -> None:
-        for name in ("overlap_weight", "decode_weight", "recent_weight", "balance_request_share", "temperature"):
+        for name in ("overlap_weight", "decode_weight", "recent_weight", "balance_request_share", "temperature",
+                     "affinity_credit"):
             value = getattr(self, name)
             if isinstance(value, bool) or not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
                 raise RoutingError(f"{name} must be a finite number >= 0, got {value!r}")
@@ -100,11 +109,13 @@ class CostModel:
         prompt_tokens: int,
         output_tokens: int,
         tokens_per_block: int,
+        home: ReplicaId | None = None,
     ) -> tuple[ReplicaScore, ...]:
         """Every candidate's cost terms; ``candidates`` = (replica, match, load, weight).
 
         One call over the whole set because the load term is measured against the
-        least-loaded candidate (module docstring).
+        least-loaded candidate (module docstring). ``home``: the replica of the request's
+        affinity key, if it has one (its cost is ``affinity_credit`` lower).
         """
         bpt = tokens_per_block
         usable = max(0, (prompt_tokens - 1) // bpt)
@@ -126,7 +137,8 @@ class CostModel:
         return tuple(
             ReplicaScore(
                 replica, match, prefill, queued, decode, max(0.0, level - threshold),
-                self.overlap_weight * prefill / weight + max(0.0, level - threshold),
+                self.overlap_weight * prefill / weight + max(0.0, level - threshold)
+                - (self.affinity_credit if replica == home else 0.0),
             )
             for replica, match, prefill, queued, decode, level, weight in rows
         )

@@ -17,14 +17,15 @@ simply not passed).
 * ``round-robin``  — smooth weighted round-robin (nginx's: each turn every candidate gains
   its weight, the largest wins and pays the total);
 * ``session``      — sticky: weighted rendezvous hashing of the session key (default the
-  request's first block hash, so one conversation — and one tenant's shared system
+  request's affinity key if it has one, else its first block hash, so one conversation — and one tenant's shared system
   prompt — lands on one replica while the replica set is stable);
 * ``kv-aware``     — the cost of ``cost.py`` over per-replica indexes (``index.py``):
   precise where the replica sends KV events, approximate (what the router sent there)
   otherwise. SGLang's cache-aware router and AIBrix switch to pure load balancing when
   load is imbalanced (SGLang: shortest queue; AIBrix: load > mean + 2σ); here load is a
   term of the same cost, so the switch is continuous (``overlap_weight`` sets it), as in
-  Dynamo, but measured above a band (``cost.py``).
+  Dynamo, but measured above a band (``cost.py``). A request's affinity key
+  (``prompt_cache_key``, ``affinity.py``) credits its home replica and breaks ties.
 
 Pure: no clock, no I/O; state is per router instance (one per pool in the gateway).
 """
@@ -36,6 +37,7 @@ from collections.abc import Callable, Hashable, Iterable, Sequence
 from typing import Literal
 
 from retention.pool.events import KvEvent
+from retention.routing.affinity import home_replica
 from retention.routing.cost import CostModel, choose, rendezvous
 from retention.routing.index import ApproximateIndex, BlockIndex, CapacityModel, PreciseIndex
 from retention.routing.load import LoadTracker
@@ -57,6 +59,8 @@ ROUTER_NAMES: tuple[str, ...] = ("random", "round-robin", "session", "kv-aware")
 def _session_key(request: RouteRequest) -> int | None:
     if request.session_key is not None:
         return request.session_key
+    if request.affinity_key is not None:
+        return request.affinity_key
     if request.hashes:
         return int(request.hashes[0])
     return None
@@ -242,6 +246,7 @@ class KvAwareRouter(Router):
             [(c.replica, self.match(c.replica, request.hashes, now=now), self.load(c.replica, c, now=now), c.weight)
              for c in candidates],
             prompt_tokens=request.prompt_tokens, output_tokens=request.output_tokens, tokens_per_block=bpt,
+            home=None if request.affinity_key is None else home_replica(request.affinity_key, candidates),
         )
         key = _session_key(request)
         best = choose(

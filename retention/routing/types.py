@@ -71,7 +71,10 @@ class RouteRequest:
     salted tenant's chain never meets another tenant's. ``prompt_tokens``: prompt length.
     ``output_tokens``: expected output (max tokens), for the KV blocks the request will hold.
     ``session_key``: optional conversation key for the ``session`` router (default: the
-    first block hash, else the request id).
+    affinity key, else the first block hash, else the request id).
+    ``affinity_key``: the client's key for requests that belong together
+    (``affinity.affinity_key(tenant, prompt_cache_key)``): kv-aware credits its home replica
+    and breaks ties by it; ``session`` sticks to it.
     """
 
     request_id: Hashable
@@ -79,6 +82,7 @@ class RouteRequest:
     prompt_tokens: int
     output_tokens: int = 0
     session_key: int | None = None
+    affinity_key: int | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.hashes, tuple):
@@ -97,10 +101,11 @@ class RouteRequest:
         output_tokens: int = 0,
         extra_key: bytes = b"",
         session_key: int | None = None,
+        affinity_key: int | None = None,
     ) -> RouteRequest:
         """Hash ``prompt`` exactly as the engine's pool will (same salt, same extra key)."""
         hashes = block_hashes(prompt, tokens_per_block, salt=salt, extra_key=extra_key)
-        return cls(request_id, tuple(hashes), len(prompt), output_tokens, session_key)
+        return cls(request_id, tuple(hashes), len(prompt), output_tokens, session_key, affinity_key)
 
 
 @dataclass(frozen=True, slots=True)

@@ -40,6 +40,7 @@ from retention.routing import (
     CostModel,
     Router,
     RouteRequest,
+    affinity_key,
     approximate_indexes,
     make_router,
 )
@@ -58,6 +59,8 @@ class ClusterConfig:
     ``index``: how kv-aware learns what a replica holds (``precise`` = pool events,
     ``approximate`` = its own decisions in a two-tier LRU of the pool's size, optionally
     aged by ``ttl_s``). ``seed`` seeds the router's random source (``random``, softmax).
+    ``affinity``: route by the lines' ``prompt_cache_key`` (salted with the line's tenant,
+    as the gateway salts it with the tenant's id); off, the key is ignored.
     """
 
     replicas: int
@@ -66,6 +69,7 @@ class ClusterConfig:
     index: IndexMode = "precise"
     ttl_s: float | None = None
     seed: int = 0
+    affinity: bool = True
 
     def __post_init__(self) -> None:
         if self.replicas < 1:
@@ -176,7 +180,9 @@ def simulate_cluster(
     def route(request: TraceRequest, now: float) -> int:
         nonlocal predicted
         h = hashes[request.index]
-        rr = RouteRequest(request.index, tuple(h), request.input_length, request.output_length)
+        key = request.hints.cache_key if cluster.affinity and request.hints is not None else None
+        rr = RouteRequest(request.index, tuple(h), request.input_length, request.output_length,
+                          affinity_key=None if key is None else affinity_key(request.tenant, key))
         decision = router.route(rr, candidates, now=now)
         router.on_dispatch(rr, decision, now=now)
         predicted += decision.match.blocks

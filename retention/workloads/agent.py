@@ -61,9 +61,11 @@ def agent_trace(spec: AgentSpec = AgentSpec(), *, seed: int = 0) -> list[dict]:
     systems = [list(range(a * spec.system_blocks, (a + 1) * spec.system_blocks)) for a in range(spec.agents)]
     pick_agent = Zipf(spec.agents, spec.agent_zipf)
     lines: list[dict] = []
+    conversation = 0  # its number is the conversation's prompt_cache_key
     start = rng.expovariate(spec.runs_per_s)
     while start < spec.duration_s:
         system = systems[pick_agent.draw(rng)]
+        conversation += 1
         context = system + ids.fresh(rng.randint(*spec.task_blocks))
         at = start
         for _ in range(rng.randint(*spec.steps)):
@@ -71,7 +73,7 @@ def agent_trace(spec: AgentSpec = AgentSpec(), *, seed: int = 0) -> list[dict]:
                 break
             lines.append(prompt_line(
                 at, context, block_size=bs, tail_tokens=partial(rng, bs), output_tokens=spec.output_tokens,
-                tenant=spec.tenant, system_blocks=len(system), context_blocks=len(context) - 1,
+                tenant=spec.tenant, cache_key=f"agent-{conversation}", system_blocks=len(system), context_blocks=len(context) - 1,
             ))
             context = context + ids.fresh(spec.call_blocks + rng.randint(*spec.output_blocks))
             if rng.random() < spec.human_wait:

@@ -58,9 +58,11 @@ def chat_trace(spec: ChatSpec = ChatSpec(), *, seed: int = 0) -> list[dict]:
     systems = [list(range(p * spec.system_blocks, (p + 1) * spec.system_blocks)) for p in range(spec.system_prompts)]
     pick_system = Zipf(spec.system_prompts, spec.system_zipf)
     lines: list[dict] = []
+    conversation = 0  # its number is the conversation's prompt_cache_key
     start = rng.expovariate(spec.sessions_per_s)
     while start < spec.duration_s:
         system = systems[pick_system.draw(rng)]
+        conversation += 1
         turns = weighted_choice(rng, spec.turn_choices, spec.turn_weights)
         history: list[int] = []
         at = start
@@ -71,7 +73,7 @@ def chat_trace(spec: ChatSpec = ChatSpec(), *, seed: int = 0) -> list[dict]:
             prompt = system + history + user
             lines.append(prompt_line(
                 at, prompt, block_size=bs, tail_tokens=partial(rng, bs), output_tokens=spec.output_tokens,
-                tenant=spec.tenant, system_blocks=len(system), context_blocks=len(system) + len(history),
+                tenant=spec.tenant, cache_key=f"chat-{conversation}", system_blocks=len(system), context_blocks=len(system) + len(history),
             ))
             history = history + user + ids.fresh(rng.randint(*spec.answer_blocks))
             at += lognormal(rng, spec.think_median_s, spec.think_sigma)

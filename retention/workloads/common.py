@@ -42,8 +42,13 @@ def prompt_line(
     tenant: str | None = None,
     system_blocks: int | None = None,
     context_blocks: int | None = None,
+    cache_key: str | None = None,
 ) -> dict:
-    """One Mooncake line: ``ids`` full blocks except the last, which holds ``tail_tokens`` (1..B)."""
+    """One Mooncake line: ``ids`` full blocks except the last, which holds ``tail_tokens`` (1..B).
+
+    ``cache_key``: the conversation's ``prompt_cache_key`` (what a client sends to keep a
+    conversation's requests together; the router's affinity key).
+    """
     if not 1 <= tail_tokens <= block_size:
         raise ValueError("tail_tokens must be within [1, block_size]")
     line: dict = {
@@ -58,6 +63,8 @@ def prompt_line(
         line["system_tokens"] = system_blocks * block_size
     if context_blocks is not None:
         line["context_tokens"] = context_blocks * block_size
+    if cache_key is not None:
+        line["prompt_cache_key"] = cache_key
     return line
 
 

@@ -13,7 +13,8 @@ from datetime import datetime
 from fastapi import FastAPI
 from sqlalchemy.orm import Session, sessionmaker
 
-from server.admin import audit, captures, keys, pools, retention_classes, slo, tenants
+from server.admin import audit, captures, credentials, keys, kv, pools, retention_classes, slo, tenants
+from server.admin.oidc import OidcVerifier
 from server.admin.schemas import ERROR_RESPONSES
 from server.errors import install_error_handlers
 from server.settings import Settings
@@ -27,7 +28,8 @@ def create_admin_app(
     app = FastAPI(
         title="kvgate admin API",
         version="1",
-        description="Tenant registry: pools, retention classes, tenants, API keys, audit, usage.",
+        description="Tenant registry: pools, retention classes, tenants, API keys, audit, usage; admin "
+        "credentials with roles (platform-admin, operator, tenant-admin, viewer).",
         docs_url="/docs",
         redoc_url=None,
         openapi_url="/openapi.json",
@@ -37,7 +39,8 @@ def create_admin_app(
     app.state.clock = clock
     # Resolved once: actor ids and tokens; the tokens never leave app.state.
     app.state.admin_credentials = tuple(settings.admin_credentials())
+    app.state.oidc = OidcVerifier(settings) if settings.oidc_enabled else None
     install_error_handlers(app)
-    for module in (pools, slo, captures, retention_classes, tenants, keys, audit):
+    for module in (credentials, pools, slo, captures, kv, retention_classes, tenants, keys, audit):
         app.include_router(module.router, responses=ERROR_RESPONSES)
     return app

@@ -77,8 +77,11 @@ class ErrorBody(BaseModel):
 
 
 ERROR_RESPONSES: dict[int | str, dict] = {
-    401: {"model": ErrorBody, "description": "missing or invalid admin token"},
-    404: {"model": ErrorBody, "description": "no such pool/replica/class/tenant/key"},
+    401: {"model": ErrorBody, "description": "missing, invalid, revoked or expired admin credential"},
+    403: {"model": ErrorBody, "description": "the caller's role or tenant scope does not allow this "
+                                             "(forbidden, no_rule, limit_above_cap, limit_not_capped, field_not_permitted)"},
+    404: {"model": ErrorBody, "description": "no such pool/replica/class/tenant/key/credential (a tenant outside "
+                                             "a scoped caller's scope is answered exactly as a missing one)"},
     409: {"model": ErrorBody, "description": "duplicate name, stale version, still in use, or a pool's last replica"},
     422: {"model": ErrorBody, "description": "invalid field (named in error.field)"},
     503: {"model": ErrorBody, "description": "registry database unavailable"},
@@ -248,6 +251,17 @@ class RetentionClassPublic(Public):
 # --- tenants ----------------------------------------------------------------------------------
 
 
+class LimitCaps(Strict):
+    """The highest value a tenant-admin may set per limit; a limit without a cap is fixed for it."""
+
+    kv_quota_fraction: float | None = Field(None, gt=0, le=1)
+    rpm_limit: PositiveInt | None = None
+    tpm_limit: PositiveInt | None = None
+    max_concurrent_requests: PositiveInt | None = None
+    max_prompt_tokens: PositiveInt | None = None
+    max_output_tokens: PositiveInt | None = None
+
+
 class TenantCreate(Strict):
     slug: Name
     display_name: str = Field(min_length=1, max_length=256)
@@ -260,6 +274,7 @@ class TenantCreate(Strict):
     max_concurrent_requests: PositiveInt = 16
     max_prompt_tokens: PositiveInt = 8192
     max_output_tokens: PositiveInt = 1024
+    limit_caps: LimitCaps | None = Field(None, description="caps for a tenant-admin's own limit changes")
 
 
 class TenantUpdate(Strict):
@@ -274,6 +289,7 @@ class TenantUpdate(Strict):
     max_concurrent_requests: PositiveInt | None = None
     max_prompt_tokens: PositiveInt | None = None
     max_output_tokens: PositiveInt | None = None
+    limit_caps: LimitCaps | None = Field(None, description="platform-admin only; null clears every cap")
 
 
 class StatusChange(Strict):
@@ -296,6 +312,7 @@ class TenantPublic(Public):
     max_concurrent_requests: int
     max_prompt_tokens: int
     max_output_tokens: int
+    limit_caps: dict[str, float | int] | None = None
     version: Version
     created_at: datetime
     updated_at: datetime

@@ -5,11 +5,13 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Annotated
 
-from fastapi import APIRouter, Query, status
+from fastapi import APIRouter, Query, Request, status
+from pydantic import BaseModel
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from server.admin.deps import AdminActor, NowDep, Paging, SessionDep
+from server.admin.captures import CapturePublic
+from server.admin.deps import AdminActor, IdentityDep, NowDep, Paging, SessionDep
 from server.admin.schemas import (
     PageOf,
     RetentionViewPublic,
@@ -24,6 +26,7 @@ from server.admin.schemas import (
     UsageTotalsPublic,
 )
 from server.errors import ApiError
+from tenants import captures
 from tenants import tenant as tenant_service
 from tenants.models import Pool, RetentionClass, Tenant
 from tenants.snapshots import PoolSnapshot, RetentionClassSnapshot
@@ -69,12 +72,14 @@ def create_tenant(body: TenantCreate, session: SessionDep, actor: AdminActor, no
 @router.get("", response_model=PageOf[TenantPublic])
 def list_tenants(
     session: SessionDep,
-    _actor: AdminActor,
+    identity: IdentityDep,
     page: Paging,
     status_: Annotated[str | None, Query(alias="status", pattern="^(active|suspended)$")] = None,
     pool: Annotated[str | None, Query(description="pool id or name")] = None,
 ) -> PageOf[TenantPublic]:
-    result = tenant_service.list_tenants(session, limit=page.limit, offset=page.offset, status=status_, pool=pool)
+    """A scoped caller sees only its tenants (``total`` counts only those)."""
+    result = tenant_service.list_tenants(session, limit=page.limit, offset=page.offset, status=status_, pool=pool,
+                                         within=identity.tenant_ids)
     return PageOf[TenantPublic](
         items=tenant_publics(session, list(result.items)), total=result.total, limit=result.limit, offset=result.offset
     )
@@ -86,12 +91,16 @@ def get_tenant(ref: str, session: SessionDep, _actor: AdminActor) -> TenantDetai
 
 
 @router.patch("/{ref}", response_model=TenantDetail)
-def update_tenant(ref: str, body: TenantUpdate, session: SessionDep, actor: AdminActor, now: NowDep) -> TenantDetail:
+def update_tenant(
+    ref: str, body: TenantUpdate, session: SessionDep, identity: IdentityDep, now: NowDep
+) -> TenantDetail:
+    """A tenant-admin may change only limits that have a cap, up to the cap (403 otherwise)."""
     changes = body.model_dump(exclude_unset=True, exclude={"version"})
     for reference in ("pool", "retention_class"):
         if reference in changes and changes[reference] is None:
             changes.pop(reference)
-    tenant = tenant_service.update_tenant(session, actor=actor, now=now, ref=ref, version=body.version, changes=changes)
+    tenant = tenant_service.update_tenant(session, actor=identity.actor, now=now, ref=ref, version=body.version,
+                                          changes=changes, within_caps=identity.role == "tenant-admin")
     return tenant_detail(session, tenant)
 
 
@@ -157,3 +166,12 @@ def get_usage(
         limit=rows.limit,
         offset=rows.offset,
     )
+
+
+@router.get("/{ref}/captures", response_model=list[CapturePublic])
+def list_tenant_captures(ref: str, session: SessionDep, _actor: AdminActor) -> list[CapturePublic]:
+    """Captures that record only this tenant's requests (state and bounds), newest first."""
+    tenant = tenant_service.get_tenant(session, ref=ref)
+    return [CapturePublic(**captures.capture_public(r, session)) for r in captures.list_tenant_captures(session,
+                                                                                                    tenant=tenant.id)]
+

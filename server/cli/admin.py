@@ -12,7 +12,7 @@ from typing import Annotated, Any
 
 import typer
 
-from server.cli import slo  # its own module: the SLO guard's budget
+from server.cli import credentials, slo  # their own modules: admin credentials, the SLO guard's budget
 from server.cli.options import (
     Lazy,
     Limit,
@@ -136,6 +136,7 @@ def register(app: typer.Typer) -> None:
     _register_keys(admin)
 
     slo.register(admin)
+    credentials.register(admin)
 
     @admin.command("apply")
     def apply_(

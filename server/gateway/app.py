@@ -25,12 +25,14 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from server.errors import CODE_BY_STATUS as ADMIN_CODES
 from server.errors import error_response as admin_error_response
 from server.gateway.drain import InFlight
+from server.gateway.kv_view import KvView
 from server.gateway.errors import ServingError, error_response, validation_error
 from server.gateway.replicas.pool_monitor import TenantQuota
 from server.gateway.api import messages_render
 from server.gateway.messages_routes import PATH_PREFIX as MESSAGES_PREFIX
 from server.gateway.messages_routes import router as messages_router
 from server.gateway.routes import router
+from server.gateway.responses_routes import router as responses_router
 from server.gateway.services import GatewayServices
 from tenants.auth import list_active_tenants_for_pool, list_pool_snapshots
 from tenants.snapshots import PoolSnapshot
@@ -142,8 +144,12 @@ def install_gateway(app: FastAPI, services: GatewayServices) -> FastAPI:
         # and /pools/{ref}/slo/state and /restore reach this process's SLO guards (server/admin/slo.py).
         admin_app.state.engine_reports = services.monitor.capacity
         admin_app.state.slo_guard = services.slo_guards
+        # /tenants/{ref}/kv and /pools/{ref}/kv read this process's KV figures (server/admin/kv.py).
+        admin_app.state.kv_view = KvView(monitor=services.monitor, metrics=services.metrics,
+                                         routing=services.routing, curves=services.curves)
     app.include_router(router)
     app.include_router(messages_router)
+    app.include_router(responses_router)
 
     async def on_validation(request: Request, exc: RequestValidationError):
         return serving_error_response(request.url.path, validation_error(exc))

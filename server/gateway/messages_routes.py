@@ -55,7 +55,7 @@ async def _prompt(services: GatewayServices, tenant: TenantContext, body: Messag
     check_model(tenant, body.model)
     prompter = await services.engines.prompter(tenant.pool)
     try:
-        prompt = prompter.chat(conversation.messages, conversation.marks)
+        prompt = prompter.chat(conversation.messages, conversation.marks, scope=tenant.engine_tenant_id)
     except ValueError as exc:  # the model's chat template refused the conversation
         raise ServingError(400, "invalid_messages", f"messages: {exc}", param="messages") from exc
     if prompt.total == 0:

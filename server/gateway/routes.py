@@ -137,7 +137,7 @@ def _messages(body: ChatCompletionRequest) -> list[dict]:
 @router.post("/chat/completions")
 async def chat_completions(body: ChatCompletionRequest, tenant: Tenant, services: Gateway):
     messages = _messages(body)
-    job = await _job(services, tenant, body, "chat", lambda p: p.chat(messages))
+    job = await _job(services, tenant, body, "chat", lambda p: p.chat(messages, scope=tenant.engine_tenant_id))
     job.tools, job.guide = _structure(body)
     if job.guide is not None and job.ignore_eos:
         # The engine contract refuses the pair (engines/contract.py check_combinations): a guided request

@@ -2,7 +2,7 @@
 
 Built once per app by the factory (``server.app.create_app``) and kept on
 ``app.state.gateway``; tests build their own. Background loops: usage flush, key
-``last_used`` flush, pool stats polling (quota state + pool metrics). Each loop
+``last_used`` flush, pool stats polling (quota state + pool metrics), the sweep of expired stored responses. Each loop
 survives its own errors and stops with the app.
 """
 
@@ -28,6 +28,7 @@ from server.gateway.observe.metrics import GatewayMetrics
 from server.gateway.observe.miss_ratio import MissRatioCollector, MissRatioCurves
 from server.gateway.replicas.pool_monitor import PoolMonitor
 from server.gateway.observe.slo_guard import SloGuards
+from server.gateway.response_store import DEFAULT_MAX_BYTES, DEFAULT_TTL_S, ResponseStore
 from server.gateway.replicas.routing import Routing, RoutingConfig
 from server.gateway.usage import UsageRecorder
 from server.gateway.usage_journal import UsageJournal
@@ -43,6 +44,7 @@ class LoopIntervals:
     pool_poll: float = 1.0
     slo_guard: float = 1.0
     capture_refresh: float = 2.0
+    responses_purge: float = 600.0  # expired stored responses (tenants.responses.purge_expired)
 
 
 @dataclass(slots=True)
@@ -60,6 +62,8 @@ class GatewayServices:
     slo_guards: SloGuards | None = None  # per-pool SLO guards (server.gateway.observe.slo_guard)
     intervals: LoopIntervals = field(default_factory=LoopIntervals)
     captures: TraceCaptures | None = None  # live trace capture (server.gateway.observe.capture)
+    responses: ResponseStore | None = None  # stored Responses-API responses (server.gateway.response_store)
+    curves: MissRatioCurves | None = None  # online miss-ratio curves (None when sampling is off)
     draining: bool = False  # set by the SIGTERM drain (server.gateway.drain): new requests get 503
     in_flight: int = 0  # serving requests not yet fully answered (server.gateway.drain.InFlight)
     _tasks: list[asyncio.Task] = field(default_factory=list)
@@ -99,6 +103,9 @@ class GatewayServices:
                     await retry_releases()
 
             self._tasks.append(asyncio.create_task(self._loop(1.0, give_back, "admission releases")))
+        if self.responses is not None:
+            self._tasks.append(asyncio.create_task(
+                self._loop(self.intervals.responses_purge, self.responses.purge_expired, "responses purge")))
         if self.slo_guards is not None:
             self._tasks.append(asyncio.create_task(self._loop(self.intervals.slo_guard, self.slo_guards.tick, "SLO guard")))
         if self.captures is not None:
@@ -130,7 +137,8 @@ def build_gateway_services(*, session_factory, pepper: str, tokenizer_for, admis
                            registry: CollectorRegistry, pools_and_tenants, auth_ttl: float = 5.0,
                            intervals: LoopIntervals | None = None, adaptive_max_entries: int = 100_000,
                            mrc_sample_rate: float = 0.01, trace_dir: Path | None = None,
-                           routing: RoutingConfig | None = None,
+                           routing: RoutingConfig | None = None, responses_ttl_s: float = DEFAULT_TTL_S,
+                           responses_max_bytes: int = DEFAULT_MAX_BYTES,
                            usage_journal_dir: Path | None = None, registry_id: str = "registry") -> GatewayServices:
     engines: EngineDirectory[ChatPrompter] = EngineDirectory(lambda pool: ChatPrompter(tokenizer_for(pool)))
     selectors: dict[str, AdaptiveSelector] = {}
@@ -164,6 +172,7 @@ def build_gateway_services(*, session_factory, pepper: str, tokenizer_for, admis
                                 guard=guards, curves=curves,
                                 capture=captures.offer if captures is not None else None),
         routing=router,
-        selectors=selectors, slo_guards=guards, captures=captures,
+        selectors=selectors, slo_guards=guards, captures=captures, curves=curves if curves.enabled else None,
+        responses=ResponseStore(session_factory, ttl_s=responses_ttl_s, max_bytes=responses_max_bytes),
         intervals=intervals or LoopIntervals(),
     )

@@ -115,6 +115,8 @@ class TenantSpec(_Item):
     max_concurrent_requests: StrictInt = tenant.DEFAULT_LIMITS["max_concurrent_requests"]
     max_prompt_tokens: StrictInt = tenant.DEFAULT_LIMITS["max_prompt_tokens"]
     max_output_tokens: StrictInt = tenant.DEFAULT_LIMITS["max_output_tokens"]
+    # The highest value a tenant-admin may set per limit (tenants.tenant.check_within_caps).
+    limit_caps: dict[StrictStr, StrictInt | StrictFloat] | None = None
     status: StrictStr | None = None
 
 

@@ -7,6 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from retention.policy.hint_plan import HintPolicy, HintSpan, apply_hints, hint_spans
+from retention.policy import hint_quota
 from retention.policy.hint_quota import HintLedger, plan_with_hints
 from retention.policy.hints import TTL_1H_MS, TTL_5M_MS, Breakpoint, CacheHints
 from retention.policy.planner import QuotaState, RetentionClassSpec, SegmentRetention, Segments, plan_retention
@@ -142,3 +143,43 @@ def test_hints_only_ever_strengthen_within_the_cap(parts, cut, ttls, cap, max_tt
         assert before <= after <= max(before, cap)
         if after > before:
             assert duration is not None and duration <= max_ttl
+
+
+def _plan_at(ledger: HintLedger, now: float, hashes: list[int], hints: CacheHints = AGENT):
+    return plan_with_hints(base(), hints, ON, total=128, tokens_per_block=16, hashes=hashes, ledger=ledger,
+                           tenant="t", budget_blocks=1000, now=now)
+
+
+def test_the_hold_is_the_ttl_until_enough_reuse_gaps_are_measured_then_follows_them():
+    ledger = HintLedger()
+    hashes = [1000 + i for i in range(8)]
+    first = _plan_at(ledger, 0.0, hashes)
+    assert set(first.durations_ms) == {TTL_1H_MS, TTL_5M_MS}  # nothing measured yet: the client's TTLs
+    assert first.windows_ms == first.durations_ms
+    now = 0.0
+    for _ in range(3):  # 7 hinted blocks come back every 4 s: 21 gaps of 4 s each
+        now += 4.0
+        out = _plan_at(ledger, now, hashes)
+    hold = int(hint_quota.GAP_MARGIN * 4.0 * 1000)
+    assert set(out.durations_ms) == {hold}  # min(TTL, 2 x the measured gap) for both breakpoints
+    assert set(out.windows_ms) == {TTL_1H_MS, TTL_5M_MS}  # the window stays the client's
+    assert TokenRange(96, 112, 60, hold) in out.plan.ranges  # the engine is told the hold (the class keeps 60/600 s)
+    assert ledger.hold_ms("t", 1_000) == 1_000  # never longer than what the client asked
+    assert ledger.hold_ms("u", TTL_5M_MS) == TTL_5M_MS  # another tenant's gaps are its own
+
+
+def test_a_dead_hinted_block_stops_counting_against_the_budget_after_the_hold_not_the_ttl():
+    ledger = HintLedger()
+    hashes = [2000 + i for i in range(8)]
+    now = 0.0
+    for _ in range(4):
+        now += 2.0
+        _plan_at(ledger, now, hashes)
+    assert ledger.live_blocks("t", now) == 7
+    # The run ends: nothing comes back. After 2 x 2 s the blocks are no longer held at the
+    # hinted priority (the engine reverts them to 35), although the 5 min window is open.
+    assert ledger.live_blocks("t", now + 4.5) == 0
+    # Gaps are measured within the client's window, so a late return is still counted (no censoring).
+    late = now + 30.0
+    _plan_at(ledger, late, hashes)
+    assert max(ledger._tenants["t"].gaps) == pytest.approx(30.0)

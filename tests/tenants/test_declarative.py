@@ -232,3 +232,19 @@ def test_hint_fields_are_declared_applied_and_validated(session) -> None:  # typ
     with pytest.raises(InvalidField) as err:
         _apply(session, hinted)
     assert "hint_quota_fraction" in str(err.value)
+
+
+def test_limit_caps_are_declared_applied_and_validated(session) -> None:  # type: ignore[no-untyped-def]
+    capped = copy.deepcopy(FILE)
+    capped["tenants"][0]["limit_caps"] = {"rpm_limit": 500, "kv_quota_fraction": 0.6}
+    _apply(session, capped)
+    acme = session.scalar(select(Tenant).where(Tenant.slug == "acme"))
+    assert acme.limit_caps == {"rpm_limit": 500, "kv_quota_fraction": 0.6}
+    assert _apply(session, capped).empty
+    capped["tenants"][0]["limit_caps"] = {"rpm_limit": 800}
+    plan = _apply(session, capped)
+    assert [(c.kind, c.action) for c in plan.changes] == [("tenant", "update")]
+    capped["tenants"][0]["limit_caps"] = {"cache_salt": 1}
+    with pytest.raises(InvalidField) as err:
+        _apply(session, capped)
+    assert "cache_salt" in str(err.value)

@@ -292,3 +292,59 @@ def test_postgres_0006_hint_fields_up_and_down() -> None:
     finally:
         engine.dispose()
         drop_pg_schema(schema)
+
+
+# --- 0007: stored_responses, with data ----------------------------------------------------------
+
+
+def _stored_responses_round_trip(engine) -> None:  # type: ignore[no-untyped-def]
+    with engine.begin() as conn:
+        migrate.upgrade(connection=conn, revision="0002")
+        _seed_0002(conn)
+        migrate.upgrade(connection=conn, revision="0007")
+    with engine.begin() as conn:
+        conn.execute(text(
+            "INSERT INTO stored_responses (id, tenant_id, previous_response_id, model, input_items, output_items, "
+            f"body, size_bytes, created_at, expires_at) VALUES ('resp_1', 1, NULL, 'm', '[]', '[]', '{{}}', 6, "
+            f"'{_T}', '{_T}')"
+        ))
+    with engine.connect() as conn:  # the database itself refuses a negative size and an unknown tenant
+        for values in ("'resp_2', 1, NULL, 'm', '[]', '[]', '{}', -1", "'resp_3', 99, NULL, 'm', '[]', '[]', '{}', 1"):
+            with pytest.raises(Exception), conn.begin():
+                conn.execute(text(
+                    "INSERT INTO stored_responses (id, tenant_id, previous_response_id, model, input_items, "
+                    f"output_items, body, size_bytes, created_at, expires_at) VALUES ({values}, '{_T}', '{_T}')"
+                ))
+    with engine.begin() as conn:  # a deleted tenant takes its stored responses with it
+        conn.execute(text("DELETE FROM tenants WHERE id = 1"))
+        assert conn.execute(text("SELECT count(*) FROM stored_responses")).scalar_one() == 0
+    with engine.begin() as conn:
+        migrate.downgrade(connection=conn, revision="0006")
+    with engine.connect() as conn:
+        assert "stored_responses" not in inspect(conn).get_table_names()
+        assert conn.execute(text("SELECT count(*) FROM pools")).scalar_one() == 2  # pools untouched
+    with engine.begin() as conn:
+        migrate.upgrade(connection=conn)
+    with engine.connect() as conn:
+        assert conn.execute(text("SELECT count(*) FROM stored_responses")).scalar_one() == 0
+
+
+def test_sqlite_0007_stored_responses_up_and_down(tmp_path: Path) -> None:
+    engine = make_engine(f"sqlite:///{tmp_path / 'm7.db'}")
+    try:
+        _stored_responses_round_trip(engine)
+    finally:
+        engine.dispose()
+
+
+@pytest.mark.postgres
+def test_postgres_0007_stored_responses_up_and_down() -> None:
+    if not postgres_reachable():
+        pytest.skip("PostgreSQL at 127.0.0.1:5432 is unreachable")
+    schema = new_pg_schema()
+    engine = pg_engine(schema)
+    try:
+        _stored_responses_round_trip(engine)
+    finally:
+        engine.dispose()
+        drop_pg_schema(schema)

@@ -234,9 +234,13 @@ def engine_request(job: CompletionJob, plan: RetentionPlan) -> EngineRequest:
     )
 
 
-def _open(job: CompletionJob, plan: RetentionPlan) -> tuple[EngineRequest, AsyncIterator[EngineChunk]]:
-    """The engine request and its (not yet started) stream of chunks."""
+def _open(job: CompletionJob, plan: RetentionPlan,
+          hashes: list[int] | None = None) -> tuple[EngineRequest, AsyncIterator[EngineChunk]]:
+    """The engine request and its (not yet started) stream of chunks. ``hashes`` (from
+    :func:`request_hashes`) go on to the router, which would otherwise hash the prompt again."""
     request = engine_request(job, plan)
+    if hashes is not None and isinstance(job.engine, RoutedEngine):
+        return request, job.engine.generate(request, request_id=secrets.token_hex(8), hashes=hashes)
     return request, job.engine.generate(request, request_id=secrets.token_hex(8))
 
 
@@ -496,7 +500,9 @@ class CompletionRunner:
         now = self._clock()
         adaptive = selector is not None and tenant.retention_mode == "adaptive" and not job.quota.over_quota
         hinting = hints_apply(job)
-        hashes = request_hashes(job) if adaptive or hinting or self._curves is not None else None
+        # Hashed once per request: the router needs them too (passed on by _open).
+        routed = isinstance(job.engine, RoutedEngine)
+        hashes = request_hashes(job) if routed or adaptive or hinting or self._curves is not None else None
         plan = build_plan(job, selector, now, hashes)
         started = time.perf_counter()
         outcome = Outcome()
@@ -510,7 +516,10 @@ class CompletionRunner:
             # The plan the request really runs with (quota, adaptive bands, SLO rollback) goes to the shadows.
             self._curves.observe(tenant.pool, hashes, plan, now=now, num_tokens=job.prompt.total,
                                  tenant=tenant.engine_tenant_id)
-        request, chunks = _open(job, plan)
+        if isinstance(job.engine, RoutedEngine) and job.hints.cache_key is not None:
+            # Any dialect's prompt_cache_key groups its requests on one replica (retention/routing/affinity.py).
+            job.engine.keyed(tenant.tenant_id, job.hints.cache_key)
+        request, chunks = _open(job, plan, hashes)
         if job.stream:
             primed = PrimedChunks(chunks)
             try:
@@ -582,7 +591,7 @@ class CompletionRunner:
         if hinted is not None and hinted.hashes:
             # TensorRT-LLM starts a block's duration when the request releases it: count from now.
             self._ledger(tenant.pool.name).record(tenant.engine_tenant_id, hinted.hashes, hinted.durations_ms,
-                                                  self._clock())
+                                                  self._clock(), windows_ms=hinted.windows_ms)
         latency = time.perf_counter() - started
         # Mean inter-token latency: observable only when tokens were streamed one by one.
         inter_token = None

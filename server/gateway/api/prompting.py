@@ -25,12 +25,14 @@ templates put special tokens, so the token ids equal those of the same prompt wi
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 from engines.tokenizer import ChatTokenizer
 from server.gateway.api.logprobs import TokenTexts
+from server.gateway.api.prefix_cache import PrefixTokens
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,6 +72,7 @@ class ChatPrompter:
         self.tokenizer = tokenizer
         self.token_texts = TokenTexts(tokenizer)  # token id -> text/bytes for log probabilities
         self._default_system: dict[str, str] = {}  # first message's role -> template's default system text
+        self.prefixes = PrefixTokens(tokenizer.encode)  # per tenant: system segments tokenized before
 
     def default_system_chars(self, full: str, messages: Sequence[Mapping[str, Any]]) -> int:
         role = str(messages[0].get("role", "user")) if messages else "user"
@@ -78,17 +81,27 @@ class ChatPrompter:
             prefix = self._default_system[role] = _default_system_prefix(self.tokenizer, role)
         return len(prefix) if prefix and full.startswith(prefix) else 0
 
-    def chat(self, messages: Sequence[Mapping[str, Any]], marks: Sequence[int] = ()) -> PreparedPrompt:
-        return prepare_chat(self.tokenizer, messages, default_system_chars=self.default_system_chars, marks=marks)
+    def chat(self, messages: Sequence[Mapping[str, Any]], marks: Sequence[int] = (), *,
+             scope: str | None = None) -> PreparedPrompt:
+        """``scope`` (the tenant): its system segment's tokens come from :attr:`prefixes`
+        when it sent the same text before; without one, everything is tokenized afresh."""
+        encode_system = None if scope is None else partial(self.prefixes.encode, scope)
+        return prepare_chat(self.tokenizer, messages, default_system_chars=self.default_system_chars, marks=marks,
+                            encode_system=encode_system)
 
     def completion(self, prompt: str) -> PreparedPrompt:
         return prepare_completion(self.tokenizer, prompt)
 
 
 def prepare_chat(tokenizer: ChatTokenizer, messages: Sequence[Mapping[str, Any]], *,
-                 default_system_chars=None, marks: Sequence[int] = ()) -> PreparedPrompt:
+                 default_system_chars=None, marks: Sequence[int] = (),
+                 encode_system: Callable[[str], Sequence[int]] | None = None) -> PreparedPrompt:
     """Render ``messages`` with the chat template and mark the segment boundaries (and,
-    for each ``k`` in ``marks``, where the first ``k`` messages end)."""
+    for each ``k`` in ``marks``, where the first ``k`` messages end).
+
+    ``encode_system``: tokenizes the first piece (the system segment, or the text before
+    the first mark) in place of ``tokenizer.encode``; it must return what ``encode`` would
+    (a cache of it, :class:`~server.gateway.api.prefix_cache.PrefixTokens`)."""
     full = tokenizer.render_chat(messages, add_generation_prompt=True)
     leading_system = 0
     while leading_system < len(messages) and messages[leading_system].get("role") in ("system", "developer"):
@@ -118,9 +131,9 @@ def prepare_chat(tokenizer: ChatTokenizer, messages: Sequence[Mapping[str, Any]]
         pieces = (full[:system_chars], full[system_chars:context_chars], full[context_chars:])
         ids: list[int] = []
         ends: list[int] = []
-        for piece in pieces:
+        for index, piece in enumerate(pieces):
             if piece:
-                ids.extend(tokenizer.encode(piece))
+                ids.extend(encode_system(piece) if index == 0 and encode_system is not None else tokenizer.encode(piece))
             ends.append(len(ids))
         return PreparedPrompt(tuple(ids), ends[0], ends[1])
     mark_chars = [_prefix_chars(tokenizer, full, messages[:k], 0) if k > 0 else 0 for k in marks]
@@ -128,7 +141,8 @@ def prepare_chat(tokenizer: ChatTokenizer, messages: Sequence[Mapping[str, Any]]
     ids = []
     token_at = {0: 0}
     for start, end in zip(cuts, cuts[1:]):
-        ids.extend(tokenizer.encode(full[start:end]))
+        piece = full[start:end]
+        ids.extend(encode_system(piece) if start == 0 and encode_system is not None else tokenizer.encode(piece))
         token_at[end] = len(ids)
     return PreparedPrompt(tuple(ids), token_at[system_chars], token_at[context_chars],
                           tuple(token_at[c] for c in mark_chars))

@@ -187,6 +187,9 @@ class GatewayMetrics:
         self.replica_cached_tokens = Counter("kvgate_replica_cached_tokens", "Prompt tokens the replica served from "
                                              "its KV cache", pr, registry=registry)
         self._children: dict[tuple[int, tuple[str, ...]], object] = {}
+        # (tenant slug, pool) -> [requests with KV metrics, reused, new, onboarded blocks]: the same
+        # sums as the kvgate_kv_blocks_* counters, readable per tenant by the admin API (kv_view.py).
+        self.tenant_kv: dict[tuple[str, str], list[int]] = {}
         if snapshots is not None:
             registry.register(PoolStatsCollector(snapshots, engine_up))
 
@@ -236,6 +239,13 @@ class GatewayMetrics:
             child(self.inter_token, tenant, pool).observe(inter_token)
         child(self.latency, tenant, pool).observe(latency)
         if kv is not None:
+            totals = self.tenant_kv.get((tenant, pool))
+            if totals is None:
+                totals = self.tenant_kv[(tenant, pool)] = [0, 0, 0, 0]
+            totals[0] += 1
+            totals[1] += kv.reused_blocks
+            totals[2] += kv.new_blocks
+            totals[3] += kv.onboarded_blocks
             child(self.kv_reused, tenant, pool).inc(kv.reused_blocks)
             child(self.kv_new, tenant, pool).inc(kv.new_blocks)
             child(self.kv_onboarded, tenant, pool).inc(kv.onboarded_blocks)

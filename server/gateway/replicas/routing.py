@@ -41,7 +41,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Callable, Iterable
+from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from dataclasses import dataclass, field, replace
 
 from engines.contract import EngineRequest, PoolStatsReport, TierStats
@@ -57,6 +57,7 @@ from retention.routing import (
     Router,
     RouteRequest,
     RoutingError,
+    affinity_key,
     make_router,
 )
 from retention.types import Tier
@@ -417,13 +418,24 @@ class RoutedEngine:
         self._routing = routing
         self._route = route
         self.replica: str | None = None  # the replica of the last attempt (response header)
+        self.affinity: int | None = None  # the request's affinity key (prompt_cache_key), see keyed()
 
-    async def generate(self, request: EngineRequest, *, request_id: str,
-                       timeout: float | None = None) -> AsyncIterator[EngineChunk]:
+    def keyed(self, tenant_id: int, cache_key: str | None) -> None:
+        """Route by the client's ``prompt_cache_key``, salted with the tenant (``retention/routing/affinity.py``)."""
+        self.affinity = None if cache_key is None else affinity_key(f"tenant:{tenant_id}", cache_key)
+
+    async def generate(self, request: EngineRequest, *, request_id: str, timeout: float | None = None,
+                       hashes: Sequence[int] | None = None) -> AsyncIterator[EngineChunk]:
+        """``hashes``: the prompt's block hashes when the caller already computed them (one
+        hashing per request); they must be ``block_hashes(request.input_ids, pool
+        tokens_per_block, salt=request.cache_salt)``. A list of the wrong length (another
+        block size) is recomputed here."""
         route, clock = self._route, self._routing._clock
         tpb = route.pool.tokens_per_block
-        routed = RouteRequest(request_id, tuple(block_hashes(request.input_ids, tpb, salt=request.cache_salt)),
-                              len(request.input_ids), request.max_new_tokens)
+        if hashes is None or len(hashes) != len(request.input_ids) // tpb:
+            hashes = block_hashes(request.input_ids, tpb, salt=request.cache_salt)
+        routed = RouteRequest(request_id, tuple(hashes), len(request.input_ids), request.max_new_tokens,
+                              affinity_key=self.affinity)
         wait = self._routing.config.first_response_wait(request)
         retries = self._routing.config.retries
         tried: set[int] = set()

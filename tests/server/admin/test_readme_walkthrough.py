@@ -24,10 +24,10 @@ import pytest
 ROOT = Path(__file__).resolve().parents[3]
 
 
-def _walkthrough() -> str:
+def _walkthrough(name: str = "walkthrough") -> str:
     readme = (ROOT / "README.md").read_text()
-    block = re.search(r"<!-- walkthrough:start -->\s*```bash\n(.*?)```\s*<!-- walkthrough:end -->", readme, re.S)
-    assert block, "README lost its walk-through block"
+    block = re.search(rf"<!-- {name}:start -->\s*```bash\n(.*?)```\s*<!-- {name}:end -->", readme, re.S)
+    assert block, f"README lost its {name} block"
     return block.group(1)
 
 
@@ -37,7 +37,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.mark.skipif(shutil.which("curl") is None, reason="curl not installed")
+@pytest.mark.skipif(shutil.which("curl") is None or shutil.which("jq") is None, reason="curl or jq not installed")
 def test_readme_walkthrough_verbatim(tmp_path: Path) -> None:
     port = _free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVGATE_")}
@@ -59,7 +59,8 @@ def test_readme_walkthrough_verbatim(tmp_path: Path) -> None:
                 if server.poll() is not None:
                     pytest.fail(f"server exited: {server.stdout.read() if server.stdout else ''}")
                 time.sleep(0.1)
-        script = _walkthrough().replace("127.0.0.1:8000", f"127.0.0.1:{port}")
+        # The roles walk-through continues the first in the same shell (it uses $A, $KVGATE_ADMIN, acme).
+        script = (_walkthrough() + _walkthrough("roles-walkthrough")).replace("127.0.0.1:8000", f"127.0.0.1:{port}")
         done = subprocess.run(
             ["bash", "-euo", "pipefail", "-c", script],
             cwd=tmp_path,
@@ -70,7 +71,7 @@ def test_readme_walkthrough_verbatim(tmp_path: Path) -> None:
         )
         assert done.returncode == 0, done.stdout + done.stderr
         outputs = [json.loads(line) for line in done.stdout.splitlines() if line.strip()]
-        pool, added, drained, replicas, cls, tenant, view, key, audit = outputs
+        pool, added, drained, replicas, cls, tenant, view, key, audit, *roles = outputs
         assert (pool["name"], cls["name"], tenant["slug"]) == ("gpu-a", "chat-gold", "acme")
         assert (added["name"], drained["name"], drained["state"]) == ("r1", "r0", "draining")
         assert [(r["name"], r["state"]) for r in replicas] == [("r0", "draining"), ("r1", "active")]
@@ -85,6 +86,15 @@ def test_readme_walkthrough_verbatim(tmp_path: Path) -> None:
             "pool_replica.create",
             "pool.create",
         ]
+        whoami, own_key, own_keys, foreign, listed, capped, raised, above, refused = roles
+        assert whoami == {"name": "acme-ops", "role": "tenant-admin", "tenants": ["acme"]}
+        assert own_key["key"].startswith("kvg_") and [k["name"] for k in own_keys["items"]] == ["first-key", "ci"]
+        assert foreign == {"error": {"code": "tenant_not_found", "message": "tenant 'demo' does not exist",
+                                     "field": None}}
+        assert [t["slug"] for t in listed["items"]] == ["acme"] and listed["total"] == 1
+        assert capped["limit_caps"] == {"rpm_limit": 1200} and raised["rpm_limit"] == 1200
+        assert above["error"]["code"] == "limit_above_cap"
+        assert refused == 401
     finally:
         server.terminate()
         try:

@@ -225,3 +225,35 @@ def test_replicas_that_each_match_the_registration_raise_no_capacity_mismatch(fl
         f"{fleet.gateways[0].base_url}/metrics", timeout=30).text
     check = fleet.gateways[0].app.state.gateway.monitor.capacity("fleet")
     assert not check.mismatch and len(check.replicas) == 3 and check.effective_primary == 3 * 256
+
+
+def test_a_request_hashes_its_prompt_once(fleet, monkeypatch):
+    """Planning, the miss-ratio curves and the router share one hashing of the prompt: the
+    router routes by the hashes the completion core computed (request_hashes), and still
+    routes a follow-up to the replica holding its prefix."""
+    from server.gateway.api import completions
+    from server.gateway.replicas import routing
+
+    calls: list[str] = []
+
+    def counting(module):
+        real = module.block_hashes
+
+        def wrapped(*args, **kwargs):
+            calls.append(module.__name__)
+            return real(*args, **kwargs)
+        return wrapped
+
+    monkeypatch.setattr(completions, "block_hashes", counting(completions))
+    monkeypatch.setattr(routing, "block_hashes", counting(routing))
+    fleet.add_tenant("once")
+    first = opening("ledger", "How many entries were booked today?")
+    r1 = fleet.chat("once", first)
+    assert r1.status_code == 200, r1.text
+    assert calls == ["server.gateway.api.completions"]
+    assert fleet.wait_indexed(fleet.prompt_hashes("once", first), 2) == r1.headers[REPLICA]
+    second = follow_up(first, r1.json()["choices"][0]["message"]["content"], "And yesterday?")
+    r2 = fleet.chat("once", second)
+    assert r2.status_code == 200, r2.text
+    assert r2.headers[REPLICA] == r1.headers[REPLICA]
+    assert len(calls) == 2

@@ -1,0 +1,77 @@
+"""OIDC bearer tokens for the admin API: a signed JWT from an identity provider -> a role and scope.
+
+Verification is PyJWT's (``jwt.decode``): the signature with a key from the configured JWKS
+(file, or URL fetched and cached by ``jwt.PyJWKClient``), only RS256/ES256 (never ``none``
+or an HMAC algorithm a public key could be abused for), ``iss`` and ``aud`` equal to the
+settings, ``exp`` required and in the future. Claims map to a role through
+``oidc_role_map``; when several values map, the most powerful role wins. A tenant-admin
+with no tenants in its claim is refused; platform-admin and operator are never scoped.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import jwt
+
+from server.settings import Settings
+from tenants.models import ADMIN_ROLES
+
+log = logging.getLogger("kvgate.admin.oidc")
+ALGORITHMS = ["RS256", "ES256"]
+
+
+@dataclass(frozen=True, slots=True)
+class OidcClaims:
+    """What a verified token says: ``tenants`` are slugs as the provider sent them (None = unscoped)."""
+
+    name: str
+    role: str
+    tenants: tuple[str, ...] | None
+
+
+def looks_like_jwt(token: str) -> bool:
+    return token.count(".") == 2 and token.startswith("eyJ")
+
+
+class OidcVerifier:
+    def __init__(self, settings: Settings) -> None:
+        self._settings = settings
+        self._client = jwt.PyJWKClient(settings.oidc_jwks_url, lifespan=300) if settings.oidc_jwks_url else None
+        self._keys = (jwt.PyJWKSet.from_json(settings.oidc_jwks_file.read_text())
+                      if settings.oidc_jwks_file is not None and self._client is None else None)
+
+    def _key(self, token: str) -> object:
+        if self._client is not None:
+            return self._client.get_signing_key_from_jwt(token).key
+        assert self._keys is not None
+        kid = jwt.get_unverified_header(token).get("kid")
+        if kid is None and len(self._keys.keys) == 1:
+            return self._keys.keys[0].key
+        return self._keys[kid].key
+
+    def verify(self, token: str) -> OidcClaims | None:
+        """The mapped claims of a valid token, or None (bad signature, wrong issuer/audience, expired,
+        no mapped role, a tenant-admin without tenants)."""
+        s = self._settings
+        try:
+            claims = jwt.decode(token, self._key(token), algorithms=ALGORITHMS, audience=s.oidc_audience,
+                                issuer=s.oidc_issuer, options={"require": ["exp", "iss", "aud"]})
+        except (jwt.PyJWTError, KeyError) as exc:
+            log.info("OIDC token refused: %s", type(exc).__name__)
+            return None
+        values = claims.get(s.oidc_roles_claim)
+        values = [values] if isinstance(values, str) else values if isinstance(values, list) else []
+        mapped = {s.oidc_role_map[v] for v in values if isinstance(v, str) and v in s.oidc_role_map}
+        role = next((r for r in ADMIN_ROLES if r in mapped), None)
+        name = claims.get(s.oidc_name_claim)
+        if role is None or not isinstance(name, str) or not name:
+            return None
+        raw = claims.get(s.oidc_tenants_claim)
+        tenants = tuple(t for t in raw if isinstance(t, str)) if isinstance(raw, list) else None
+        if role in ("platform-admin", "operator"):
+            tenants = None
+        if role == "tenant-admin" and not tenants:
+            return None
+        return OidcClaims(name=f"oidc:{name}"[:128], role=role, tenants=tenants)

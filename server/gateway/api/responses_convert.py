@@ -1,0 +1,340 @@
+"""OpenAI Responses request → the core's chat request (messages, tools, guide, cache hints).
+
+The same move as the Anthropic dialect (``messages_convert``): a Responses body becomes
+the template-ready message list the chat path builds (``tools.render_messages``: tool
+definitions in the system message, Hermes ``<tool_call>`` blocks), plus a
+:class:`~server.gateway.api.tools.ToolPlan` and guide from the same functions.
+
+    Responses                                       chat request
+    instructions                                 →  the first system message
+    input: "text"                                →  one user message
+    message item (role, content string or parts) →  a message of that role (parts joined)
+      parts input_text | output_text | text      →  their text; refusal → its text
+    function_call item (call_id, name, arguments)→  a tool call on the assistant message
+                                                    it follows (else a new, empty one)
+    function_call_output item (call_id, output)  →  a ``tool`` message
+    tools [{type: function, name, parameters}]   →  functions [{name, description, parameters}]
+    tool_choice none|auto|required|{function}    →  ToolPlan none | auto | forced (all) | forced (one)
+    text.format json_schema | json_object        →  the JSON-schema guide (chat's response_format)
+
+**Stored conversations.** Input items are *normalized* (:func:`normalize_items`: each gets an
+``id``, message content becomes a list of parts) before they are stored, and a continuation
+(``previous_response_id``) converts ``ancestors' input + output items + its own input``
+with the same :func:`to_messages`, so it yields exactly the messages — hence the tokens —
+of a request that sends the whole history itself. ``instructions`` are not carried over
+from earlier responses (OpenAI's rule): each request's own instructions lead its prompt.
+
+**Conversation retention.** A stored response (``store`` true) or a continuation marks its
+whole prompt as a conversation prefix: one :class:`~retention.policy.hints.Breakpoint` at the
+prompt's end (:func:`conversation_hints`), which the next turn extends.
+
+Invariant: everything a request says is honoured, ignored on purpose (the README's field
+table), or refused with a :class:`ServingError` 400 whose message names the field
+(``input.2.content.0.type``).
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+from dataclasses import dataclass
+from typing import Any
+
+from engines.contract import Guide
+from retention.policy.hints import TTL_1H_MS, TTL_24H_MS, Breakpoint, CacheHints
+from retention.policy.planner import SegmentRetention
+from server.gateway.api.responses_schemas import OUTPUT_LOGPROBS, ResponsesRequest
+from server.gateway.api.tools import ToolPlan, check_schema, forced_call_guide, render_messages
+from server.gateway.errors import ServingError
+
+# Built-in (hosted) tools OpenAI runs itself; kvgate runs none of them.
+BUILT_IN_TOOLS = ("web_search", "web_search_preview", "web_search_2025_08_26", "web_search_preview_2025_03_11",
+                  "file_search", "code_interpreter", "computer", "computer_use", "computer_use_preview",
+                  "image_generation", "mcp", "local_shell", "shell", "apply_patch", "custom", "tool_search")
+_TEXT_PARTS = ("input_text", "output_text", "text")
+_UNSERVABLE_PARTS = {"input_image": "images", "input_file": "files", "input_audio": "audio"}
+_MESSAGE_ROLES = ("user", "system", "developer", "assistant")
+_ITEM_KEYS = {  # keys each item type may carry (id/status are echoed back by clients and ignored)
+    "message": {"type", "role", "content", "id", "status", "phase"},
+    "function_call": {"type", "call_id", "name", "arguments", "id", "status", "namespace"},
+    "function_call_output": {"type", "call_id", "output", "id", "status"},
+}
+
+
+@dataclass(frozen=True, slots=True)
+class Conversation:
+    """The chat request a Responses body converts to."""
+
+    messages: list[dict]  # template-ready {role, content}
+    functions: list[dict]  # OpenAI-shaped function definitions, in request order
+    tools: ToolPlan | None
+    guide: Guide | None
+
+
+def invalid(field: str, message: str) -> ServingError:
+    return ServingError(400, "invalid_request", f"{field}: {message}", param=field)
+
+
+def unsupported(field: str, message: str) -> ServingError:
+    return ServingError(400, "unsupported_parameter", f"{field}: {message}", param=field)
+
+
+def refuse_unservable(body: ResponsesRequest) -> None:
+    if body.background:
+        raise unsupported("background", "background responses are not supported by this gateway; "
+                          "send the request and wait for it (or stream it)")
+    for name in ("conversation", "prompt", "context_management", "prompt_cache_options"):
+        if getattr(body, name) is not None:
+            raise unsupported(name, "not supported by this gateway")
+    if body.reasoning is not None:
+        effort = body.reasoning.get("effort")
+        if effort not in (None, "none") or body.reasoning.get("summary") not in (None,):
+            raise unsupported("reasoning", "this model does not reason: only effort \"none\" (or no reasoning) "
+                              "is served")
+    if body.truncation == "auto":
+        raise unsupported("truncation", "\"auto\" would drop items from the conversation; only \"disabled\" is "
+                          "served (a prompt over the limit is refused)")
+    for i, value in enumerate(body.include or ()):
+        if value != OUTPUT_LOGPROBS:
+            raise unsupported(f"include.{i}", f"{value!r} is not served; only {OUTPUT_LOGPROBS!r} is")
+
+
+def _name(value: Any) -> str | None:
+    """A ``type`` / ``name`` field as a string, else None (a list or object never reaches a dict lookup)."""
+    return value if isinstance(value, str) else None
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}_{secrets.token_hex(24)}"
+
+
+def _text_of(content: Any, field: str) -> str:
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise invalid(field, "must be a string or a list of content parts")
+    texts = []
+    for j, part in enumerate(content):
+        where = f"{field}.{j}"
+        if not isinstance(part, dict):
+            raise invalid(where, "must be a content part object")
+        kind = _name(part.get("type"))
+        if kind in _UNSERVABLE_PARTS:
+            raise unsupported(f"{where}.type", f"'{kind}' parts are not supported by this gateway "
+                              f"({_UNSERVABLE_PARTS[kind]}: the model reads text only)")
+        if kind == "refusal":
+            text = part.get("refusal")
+        elif kind in _TEXT_PARTS:
+            text = part.get("text")
+        else:
+            raise invalid(f"{where}.type", f"expected input_text or output_text, got {kind!r}")
+        if not isinstance(text, str):
+            raise invalid(f"{where}.text", "must be a string")
+        texts.append(text)
+    return "".join(texts)
+
+
+def normalize_items(body_input: str | list[dict]) -> list[dict]:
+    """The request's input as stored items: each with an ``id``, a message's content as parts.
+
+    Refuses (400, naming the item) what cannot be served or is malformed, so that only
+    items :func:`to_messages` converts are ever stored."""
+    if isinstance(body_input, str):
+        return [{"id": new_id("msg"), "type": "message", "role": "user", "status": "completed",
+                 "content": [{"type": "input_text", "text": body_input}]}]
+    out: list[dict] = []
+    for i, item in enumerate(body_input):
+        field = f"input.{i}"
+        if not isinstance(item, dict):
+            raise invalid(field, "must be an item object")
+        kind = _name(item.get("type", "message" if "role" in item else None))
+        if kind not in _ITEM_KEYS:
+            if kind == "reasoning":
+                raise unsupported(f"{field}.type", "reasoning items are not supported (this model does not reason)")
+            if kind == "item_reference":
+                raise unsupported(f"{field}.type", "item references are not supported; send the item itself or "
+                                  "use previous_response_id")
+            if kind is not None and kind.endswith("_call") or kind in ("local_shell_call_output",
+                                                                          "computer_call_output"):
+                raise unsupported(f"{field}.type", f"'{kind}' items belong to built-in tools, which this gateway "
+                                  "does not run")
+            raise invalid(f"{field}.type", f"unknown item type {kind!r}")
+        extra = set(item) - _ITEM_KEYS[kind]
+        if extra:
+            raise invalid(field, f"unknown field(s) {sorted(extra)} for a {kind} item")
+        ident = item.get("id")
+        if ident is not None and (not isinstance(ident, str) or not 0 < len(ident) <= 64):
+            raise invalid(f"{field}.id", "must be a string of at most 64 characters")
+        if kind == "message":
+            role = item.get("role")
+            if role not in _MESSAGE_ROLES:
+                raise invalid(f"{field}.role", f"must be one of {list(_MESSAGE_ROLES)}")
+            text = _text_of(item.get("content"), f"{field}.content")
+            part = "output_text" if role == "assistant" else "input_text"
+            stored = {"id": ident or new_id("msg"), "type": "message", "role": role, "status": "completed",
+                      "content": [{"type": part, "text": text, **({"annotations": []} if role == "assistant" else {})}]}
+        elif kind == "function_call":
+            for key in ("call_id", "name", "arguments"):
+                if not isinstance(item.get(key), str) or (key != "arguments" and not item[key]):
+                    raise invalid(f"{field}.{key}", "must be a non-empty string" if key != "arguments" else
+                                  "must be a string (the arguments' JSON)")
+            stored = {"id": ident or new_id("fc"), "type": "function_call", "call_id": item["call_id"],
+                      "name": item["name"], "arguments": item["arguments"], "status": "completed"}
+        else:
+            if not isinstance(item.get("call_id"), str) or not item["call_id"]:
+                raise invalid(f"{field}.call_id", "must be a non-empty string")
+            output = _text_of(item.get("output"), f"{field}.output")
+            stored = {"id": ident or new_id("fco"), "type": "function_call_output", "call_id": item["call_id"],
+                      "output": output, "status": "completed"}
+        out.append(stored)
+    return out
+
+
+def to_messages(items: list[dict]) -> list[dict]:
+    """Normalized items → chat messages (``tool_calls`` on assistant messages, ``tool`` messages)."""
+    out: list[dict] = []
+    for item in items:
+        kind = item["type"]
+        if kind == "message":
+            out.append({"role": item["role"], "content": "".join(p.get("text", "") for p in item["content"])})
+        elif kind == "function_call":
+            call = {"name": item["name"], "arguments": item["arguments"]}
+            last = out[-1] if out else None
+            if last is not None and last["role"] == "assistant":
+                last.setdefault("tool_calls", []).append(call)
+            else:
+                out.append({"role": "assistant", "content": "", "tool_calls": [call]})
+        else:
+            out.append({"role": "tool", "content": item["output"]})
+    return out
+
+
+def convert(body: ResponsesRequest, items: list[dict]) -> Conversation:
+    """The chat request for ``body`` over ``items`` (the stored chain's items + this request's)."""
+    functions = _functions(body.tools or [])
+    messages = to_messages(items)
+    if body.instructions is not None:
+        messages.insert(0, {"role": "system", "content": body.instructions})
+    if not messages:
+        raise invalid("input", "the input is empty")
+    plan, guide = _tool_plan(body, functions)
+    fmt = _format_guide(body)
+    if fmt is not None:
+        if guide is not None:
+            raise invalid("text.format", "cannot be combined with a tool_choice that forces a tool call")
+        guide = fmt
+    if functions or any("tool_calls" in m for m in messages):
+        messages = render_messages(messages, functions)
+    return Conversation(messages, functions, plan, guide)
+
+
+def _functions(tools: list[dict]) -> list[dict]:
+    functions: list[dict] = []
+    seen: set[str] = set()
+    for i, tool in enumerate(tools):
+        field = f"tools.{i}"
+        if not isinstance(tool, dict):
+            raise invalid(field, "must be a tool object")
+        kind = _name(tool.get("type"))
+        if kind != "function":
+            if kind in BUILT_IN_TOOLS or kind is not None and kind.startswith(("web_search", "computer")):
+                raise unsupported(f"{field}.type", f"built-in tool '{kind}' is not supported by this gateway; "
+                                  "only function tools are")
+            raise invalid(f"{field}.type", f"unknown tool type {kind!r}")
+        extra = set(tool) - {"type", "name", "description", "parameters", "strict", "defer_loading"}
+        if extra:
+            raise invalid(field, f"unknown field(s) {sorted(extra)}")
+        name = tool.get("name")
+        if not isinstance(name, str) or not name or len(name) > 64:
+            raise invalid(f"{field}.name", "must be a non-empty string of at most 64 characters")
+        if name in seen:
+            raise invalid(f"{field}.name", f"tool names must be unique; '{name}' repeats")
+        seen.add(name)
+        function: dict[str, Any] = {"name": name}
+        description = tool.get("description")
+        if description is not None:
+            if not isinstance(description, str):
+                raise invalid(f"{field}.description", "must be a string")
+            function["description"] = description
+        parameters = tool.get("parameters")
+        if parameters is not None:
+            if not isinstance(parameters, dict):
+                raise invalid(f"{field}.parameters", "must be a JSON schema object")
+            check_schema(parameters, f"{field}.parameters")
+            function["parameters"] = parameters
+        functions.append(function)
+    return functions
+
+
+def _tool_plan(body: ResponsesRequest, functions: list[dict]) -> tuple[ToolPlan | None, Guide | None]:
+    choice = body.tool_choice
+    by_name = {f["name"]: f for f in functions}
+    if isinstance(choice, dict):
+        kind = _name(choice.get("type"))
+        if kind != "function":
+            if kind in BUILT_IN_TOOLS or kind in ("file_search", "web_search_preview", "computer_use_preview"):
+                raise unsupported("tool_choice.type", f"built-in tool '{kind}' is not supported by this gateway")
+            raise unsupported("tool_choice.type", f"{kind!r} is not supported; use none, auto, required or "
+                              "{\"type\": \"function\", \"name\": ...}")
+        name = _name(choice.get("name"))
+        if name not in by_name:
+            raise invalid("tool_choice.name", f"must name one of the function tools, got {name!r}")
+        return ToolPlan(by_name, "forced", parallel=False), forced_call_guide([by_name[name]])
+    if choice not in (None, "none", "auto", "required"):
+        raise invalid("tool_choice", "must be none, auto, required or {\"type\": \"function\", \"name\": ...}")
+    if not functions:
+        if choice == "required":
+            raise invalid("tool_choice", "'required' needs tools")
+        return None, None
+    if choice == "required":
+        return ToolPlan(by_name, "forced", parallel=False), forced_call_guide(functions)
+    return ToolPlan(by_name, choice or "auto", parallel=body.parallel_tool_calls is not False), None
+
+
+def _format_guide(body: ResponsesRequest) -> Guide | None:
+    fmt = body.text.format if body.text is not None else None
+    if fmt is None:
+        return None
+    kind = _name(fmt.get("type"))
+    if kind == "text":
+        if set(fmt) != {"type"}:
+            raise invalid("text.format", "a text format has no other fields")
+        return None
+    if kind == "json_object":
+        if set(fmt) != {"type"}:
+            raise invalid("text.format", "a json_object format has no other fields")
+        return Guide("json_schema", json.dumps({"type": "object"}, separators=(",", ":")))
+    if kind != "json_schema":
+        raise invalid("text.format.type", "must be text, json_object or json_schema")
+    extra = set(fmt) - {"type", "name", "schema", "strict", "description"}
+    if extra:
+        raise invalid("text.format", f"unknown field(s) {sorted(extra)}")
+    name = fmt.get("name")
+    if not isinstance(name, str) or not name or len(name) > 64:
+        raise invalid("text.format.name", "must be a non-empty string of at most 64 characters")
+    schema = fmt.get("schema")
+    if not isinstance(schema, dict):
+        raise invalid("text.format.schema", "must be a JSON schema object")
+    check_schema(schema, "text.format.schema")
+    # property order is kept: it is the order the model writes the fields in (as for response_format)
+    return Guide("json_schema", json.dumps(schema, separators=(",", ":")))
+
+
+def conversation_ttl_ms(context: SegmentRetention, retention: str | None) -> int:
+    """How long a conversation prefix is asked to live: 24 h when the client asks for
+    ``prompt_cache_retention: "24h"``, else the class's context duration when it has one,
+    else an hour. A request, not a grant: the planner bounds it by the class."""
+    if retention == "24h":
+        return TTL_24H_MS
+    if context.duration_ms:
+        return context.duration_ms
+    return TTL_1H_MS
+
+
+def conversation_hints(body: ResponsesRequest, *, total: int, context: SegmentRetention,
+                       conversation: bool) -> CacheHints:
+    """The request's cache hints: ``prompt_cache_key`` / ``prompt_cache_retention`` as on the
+    chat path and, for a conversation (stored or continued), a breakpoint at the prompt's end."""
+    points = (Breakpoint(total, conversation_ttl_ms(context, body.prompt_cache_retention)),) \
+        if conversation and total > 0 else ()
+    return CacheHints(breakpoints=points, cache_key=body.prompt_cache_key, retention=body.prompt_cache_retention)

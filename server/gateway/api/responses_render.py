@@ -1,0 +1,205 @@
+"""The OpenAI Responses dialect's rendering: response objects and their stream events.
+
+A :class:`~server.gateway.api.completions.Dialect` over the one request core, one instance
+per request (:class:`ResponsesDialect` carries the response's id, its echo of the request
+and the store callback). The neutral outcome maps as::
+
+    text                   → a ``message`` output item with one ``output_text`` part
+    tool calls             → one ``function_call`` output item each (after the message)
+    finish "length"        → status "incomplete", incomplete_details.reason "max_output_tokens"
+    otherwise              → status "completed"
+
+**Usage**: ``input_tokens`` (the prompt), ``input_tokens_details.cached_tokens`` (reused
+blocks × tokens per block, as on the chat path), ``output_tokens``,
+``output_tokens_details.reasoning_tokens`` (always 0: the model does not reason).
+
+**Stream** (``event: <type>`` + ``data: <json>``, every event with a rising
+``sequence_number``): ``response.created``, ``response.in_progress``; for text
+``response.output_item.added`` (message), ``response.content_part.added``,
+``response.output_text.delta`` per delta (with the log probs of its tokens when asked), ``response.output_text.done``,
+``response.content_part.done``, ``response.output_item.done``; per tool call (parsed at the
+end, as on the other dialects) ``response.output_item.added`` (function_call),
+``response.function_call_arguments.delta`` (all arguments at once),
+``response.function_call_arguments.done``, ``response.output_item.done``; then
+``response.completed`` (or ``response.incomplete``). An engine failure mid-stream is an
+``error`` event then ``response.failed``, and the stream ends.
+
+**Storing** happens before the final event (``response.completed``) or, unstreamed, before
+the body is sent: a response the client sees as stored is readable at once.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+from server.gateway.api.completions import CompletionJob, Outcome, cached_tokens
+from server.gateway.api.logprobs import chat_entries
+from server.gateway.api.responses_convert import new_id
+from server.gateway.api.responses_schemas import ResponsesRequest
+from server.gateway.errors import ServingError
+
+StoreCallback = Callable[[dict], Awaitable[bool]]  # the finished response object → stored?
+
+
+def usage(job: CompletionJob, outcome: Outcome) -> dict:
+    total = job.prompt.total
+    return {"input_tokens": total, "input_tokens_details": {"cached_tokens": cached_tokens(job, outcome)},
+            "output_tokens": outcome.completion_tokens, "output_tokens_details": {"reasoning_tokens": 0},
+            "total_tokens": total + outcome.completion_tokens}
+
+
+def _tool_echo(body: ResponsesRequest) -> list[dict]:
+    return [{"type": "function", "name": t.get("name"), "description": t.get("description"),
+             "parameters": t.get("parameters"), "strict": t.get("strict", True)} for t in body.tools or ()]
+
+
+def _format_echo(body: ResponsesRequest) -> dict:
+    fmt = body.text.format if body.text is not None and body.text.format is not None else {"type": "text"}
+    return {"format": fmt, "verbosity": (body.text.verbosity if body.text is not None else None) or "medium"}
+
+
+class ResponsesDialect:
+    """Renders one ``/v1/responses`` answer; ``store`` (when the response is to be stored)
+    is awaited with the finished response object before the client gets it."""
+
+    __slots__ = ("request", "id", "created_at", "previous_response_id", "store", "result")
+
+    def __init__(self, body: ResponsesRequest, *, previous_response_id: str | None,
+                 store: StoreCallback | None) -> None:
+        self.request = body
+        self.id = new_id("resp")
+        self.created_at = int(time.time())
+        self.previous_response_id = previous_response_id
+        self.store = store
+        self.result: dict | None = None  # the finished response object
+
+    def response(self, status: str, output: list[dict], job: CompletionJob | None = None,
+                 outcome: Outcome | None = None, *, error: dict | None = None) -> dict:
+        body = self.request
+        finished = outcome is not None and status in ("completed", "incomplete")
+        return {
+            "id": self.id, "object": "response", "created_at": self.created_at, "status": status,
+            "background": False, "error": error,
+            "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
+            "instructions": body.instructions, "max_output_tokens": body.max_output_tokens,
+            "max_tool_calls": body.max_tool_calls, "model": body.model, "output": output,
+            "parallel_tool_calls": body.parallel_tool_calls is not False,
+            "previous_response_id": self.previous_response_id,
+            "prompt_cache_key": body.prompt_cache_key, "prompt_cache_retention": body.prompt_cache_retention,
+            "reasoning": {"effort": None, "summary": None}, "safety_identifier": body.safety_identifier,
+            "service_tier": "default", "store": self.store is not None,
+            "temperature": 1.0 if body.temperature is None else body.temperature, "text": _format_echo(body),
+            "tool_choice": body.tool_choice or "auto", "tools": _tool_echo(body),
+            "top_logprobs": body.top_logprobs or 0, "top_p": 1.0 if body.top_p is None else body.top_p,
+            "truncation": "disabled",
+            "usage": usage(job, outcome) if finished and job is not None else None,
+            "user": body.user, "metadata": body.metadata or {},
+        }
+
+    @staticmethod
+    def status(outcome: Outcome) -> str:
+        return "incomplete" if outcome.finish_reason == "length" else "completed"
+
+    def _logprobs(self, job: CompletionJob, outcome: Outcome) -> list[dict]:
+        if job.logprobs is None or job.token_texts is None:
+            return []
+        return chat_entries(job.token_texts, outcome.token_ids, outcome.log_probs)
+
+    def _calls(self, outcome: Outcome) -> list[dict]:
+        calls = outcome.tool_calls
+        if self.request.max_tool_calls is not None:
+            calls = calls[: self.request.max_tool_calls]
+        return [{"id": new_id("fc"), "type": "function_call", "status": "completed", "call_id": call.id,
+                 "name": call.name, "arguments": call.arguments} for call in calls]
+
+    def _message(self, ident: str, text: str, status: str, logprobs: list[dict]) -> dict:
+        return {"id": ident, "type": "message", "status": status, "role": "assistant",
+                "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs}]}
+
+    def output(self, job: CompletionJob, outcome: Outcome, message_id: str | None = None) -> list[dict]:
+        items: list[dict] = []
+        if outcome.text or not outcome.tool_calls:
+            items.append(self._message(message_id or new_id("msg"), outcome.text, self.status(outcome),
+                                       self._logprobs(job, outcome)))
+        return items + self._calls(outcome)
+
+    def body(self, job: CompletionJob, outcome: Outcome) -> dict:
+        """Unstreamed: the response object; the route then calls :meth:`finalize` (the store)."""
+        self.result = self.response(self.status(outcome), self.output(job, outcome), job, outcome)
+        return self.result
+
+    async def finalize(self) -> dict:
+        """Store the finished response (when asked) and return it as the client gets it:
+        ``store`` says whether it really was stored (false when the byte cap was reached)."""
+        assert self.result is not None
+        if self.store is not None:
+            self.result = {**self.result, "store": await self.store(self.result)}
+        return self.result
+
+    async def stream(self, job: CompletionJob, outcome: Outcome, deltas: AsyncIterator[str]) -> AsyncIterator[bytes]:
+        sequence = 0
+
+        def event(kind: str, payload: dict[str, Any]) -> bytes:
+            nonlocal sequence
+            data = {"type": kind, "sequence_number": sequence, **payload}
+            sequence += 1
+            return b"event: " + kind.encode() + b"\ndata: " + json.dumps(data, separators=(",", ":")).encode() + b"\n\n"
+
+        def pending(job: CompletionJob, outcome: Outcome) -> list[dict]:
+            """The log probs of the tokens decoded since the last delta (text held back keeps its own)."""
+            if job.logprobs is None or job.token_texts is None:
+                return []
+            start, outcome.sent_log_probs = outcome.sent_log_probs, len(outcome.log_probs)
+            return chat_entries(job.token_texts, outcome.token_ids[start:outcome.sent_log_probs],
+                                outcome.log_probs[start:outcome.sent_log_probs])
+
+        yield event("response.created", {"response": self.response("in_progress", [])}) + \
+            event("response.in_progress", {"response": self.response("in_progress", [])})
+        message_id = new_id("msg")
+        opened = False
+        where = {"item_id": message_id, "output_index": 0, "content_index": 0}
+        empty_part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
+        try:
+            async for delta in deltas:
+                if not opened:
+                    opened = True
+                    yield event("response.output_item.added", {"output_index": 0, "item": {
+                        "id": message_id, "type": "message", "status": "in_progress", "role": "assistant",
+                        "content": []}}) + event("response.content_part.added", {**where, "part": empty_part})
+                yield event("response.output_text.delta", {**where, "delta": delta, "logprobs": pending(job, outcome)})
+        except ServingError as err:  # the engine failed mid-stream
+            error = {"code": err.code, "message": err.message}
+            yield event("error", {**error, "param": err.param}) + \
+                event("response.failed", {"response": self.response("failed", [], error=error)})
+            return
+        output = self.output(job, outcome, message_id)
+        closing = b""
+        index = 0
+        if output and output[0]["type"] == "message":
+            message = output[0]
+            part = message["content"][0]
+            if not opened:  # no text delta came: the (empty) message still opens
+                closing += event("response.output_item.added", {"output_index": 0, "item": {
+                    "id": message_id, "type": "message", "status": "in_progress", "role": "assistant",
+                    "content": []}}) + event("response.content_part.added", {**where, "part": empty_part})
+            closing += event("response.output_text.done", {**where, "text": part["text"], "logprobs": part["logprobs"]})
+            closing += event("response.content_part.done", {**where, "part": part})
+            closing += event("response.output_item.done", {"output_index": 0, "item": message})
+            index = 1
+        for item in output[index:]:
+            added = {**item, "status": "in_progress", "arguments": ""}
+            at = {"item_id": item["id"], "output_index": index}
+            closing += event("response.output_item.added", {"output_index": index, "item": added})
+            closing += event("response.function_call_arguments.delta", {**at, "delta": item["arguments"]})
+            closing += event("response.function_call_arguments.done", {**at, "name": item["name"],
+                                                                       "arguments": item["arguments"]})
+            closing += event("response.output_item.done", {"output_index": index, "item": item})
+            index += 1
+        yield closing  # before the store: the client sees the items while the row is written
+        self.result = self.response(self.status(outcome), output, job, outcome)
+        final = await self.finalize()
+        kind = "response.completed" if final["status"] == "completed" else "response.incomplete"
+        yield event(kind, {"response": final})

@@ -1,0 +1,69 @@
+"""Request bodies of the OpenAI Responses dialect (``POST /v1/responses``).
+
+The top level is strict, as on the other routes: a field kvgate does not declare is a 400
+``unsupported_parameter`` naming it. Input items, tools and ``tool_choice`` objects stay
+plain JSON here and are checked one by one in ``server.gateway.api.responses_convert``, so
+that what cannot be served (built-in tools, images, files, reasoning items) is refused with
+a message naming the item and its type rather than a union-mismatch error. Fields OpenAI
+defines that kvgate cannot serve (``background: true``, ``conversation``, ``prompt``,
+``reasoning`` effort other than ``none``, ``truncation: "auto"``) are declared only to be
+refused by name; the README's field table lists each field as honoured, ignored or refused.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from server.gateway.api.openai_schemas import MAX_MESSAGES, MAX_TEXT_CHARS, MAX_TOOLS
+
+Item = dict[str, Any]
+OUTPUT_LOGPROBS = "message.output_text.logprobs"  # the one ``include`` value that changes the answer
+
+
+class TextConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    format: dict[str, Any] | None = None  # text | json_object | json_schema (checked in responses_convert)
+    verbosity: Literal["low", "medium", "high"] | None = None  # accepted, ignored: the model has one verbosity
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    include_obfuscation: bool | None = None  # accepted, ignored: no obfuscation padding is sent
+
+
+class ResponsesRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    model: Annotated[str, Field(min_length=1, max_length=256)]
+    input: Annotated[str, Field(max_length=MAX_TEXT_CHARS)] | Annotated[list[Item], Field(max_length=MAX_MESSAGES)]
+    instructions: Annotated[str, Field(max_length=MAX_TEXT_CHARS)] | None = None
+    tools: Annotated[list[Item], Field(max_length=MAX_TOOLS)] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    max_tool_calls: Annotated[int, Field(ge=1, le=MAX_TOOLS)] | None = None
+    text: TextConfig | None = None
+    max_output_tokens: Annotated[int, Field(ge=1, le=1_000_000)] | None = None
+    temperature: Annotated[float, Field(ge=0.0, le=2.0)] | None = None
+    top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
+    top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
+    include: Annotated[list[str], Field(max_length=16)] | None = None
+    metadata: Annotated[dict[str, Annotated[str, Field(max_length=512)]], Field(max_length=16)] | None = None
+    prompt_cache_key: Annotated[str, Field(max_length=1024)] | None = None
+    prompt_cache_retention: Literal["in_memory", "24h"] | None = None
+    store: bool | None = None  # None: true, as OpenAI's default
+    previous_response_id: Annotated[str, Field(min_length=1, max_length=64)] | None = None
+    truncation: Literal["auto", "disabled"] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    # accepted, ignored: the API key names the tenant; one service tier
+    user: Annotated[str, Field(max_length=256)] | None = None
+    safety_identifier: Annotated[str, Field(max_length=256)] | None = None
+    service_tier: Literal["auto", "default", "flex", "scale", "priority"] | None = None
+    # declared only to be refused by name (responses_convert.refuse_unservable)
+    background: bool | None = None
+    conversation: Any = None
+    prompt: Any = None
+    reasoning: dict[str, Any] | None = None
+    context_management: Any = None
+    prompt_cache_options: Any = None

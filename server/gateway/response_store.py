@@ -1,0 +1,105 @@
+"""The gateway's handle on stored responses (``tenants.responses``): async, per tenant, typed errors.
+
+Every call runs the registry's sync service function in a worker thread (as the auth and
+usage paths do) and turns registry errors into the serving API's: not found (missing,
+expired, deleted, another tenant's) → 404 ``response_not_found``; a full store → 400
+``response_store_full``; a bad page parameter → 400 naming it. The TTL and the per-tenant
+byte cap come from the settings (``responses_ttl_s``, ``responses_max_bytes``).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from datetime import UTC, datetime, timedelta
+from typing import Literal
+
+import anyio
+
+from server.gateway.errors import ServingError
+from tenants import responses as stored
+from tenants.errors import NotFound, RegistryError
+
+log = logging.getLogger("kvgate.gateway.responses")
+
+DEFAULT_TTL_S = 30 * 24 * 3600.0  # OpenAI keeps stored responses 30 days
+DEFAULT_MAX_BYTES = 64 * 2**20
+
+
+def _serving(exc: RegistryError) -> ServingError:
+    if isinstance(exc, NotFound):
+        return ServingError(404, exc.code, exc.message, param=exc.field)
+    return ServingError(400, exc.code, exc.message, param=exc.field)
+
+
+class ResponseStore:
+    def __init__(self, session_factory, *, ttl_s: float = DEFAULT_TTL_S, max_bytes: int = DEFAULT_MAX_BYTES,
+                 clock: Callable[[], datetime] = lambda: datetime.now(UTC)) -> None:
+        if ttl_s <= 0 or max_bytes < 1:
+            raise ValueError("responses TTL and byte cap must be positive")
+        self._factory = session_factory
+        self.ttl = timedelta(seconds=ttl_s)
+        self.max_bytes = max_bytes
+        self._clock = clock
+
+    async def _call(self, fn, **kwargs):
+        def work():
+            with self._factory() as session:
+                return fn(session, now=self._clock(), **kwargs)
+
+        try:
+            return await anyio.to_thread.run_sync(work)
+        except RegistryError as exc:
+            raise _serving(exc) from exc
+
+    async def chain_items(self, *, tenant_id: int, response_id: str) -> list[dict]:
+        """The input and output items of ``response_id``'s chain, oldest first (404 if any link is gone)."""
+        try:
+            rows = await self._call(stored.response_chain, tenant_id=tenant_id, response_id=response_id)
+        except ServingError as exc:
+            exc.param = "previous_response_id"
+            raise
+        items: list[dict] = []
+        for row in rows:
+            items.extend(row.input_items)
+            items.extend(row.output_items)
+        return items
+
+    async def check_room(self, *, tenant_id: int, incoming: int) -> None:
+        await self._call(stored.check_room, tenant_id=tenant_id, incoming=incoming, max_bytes=self.max_bytes)
+
+    async def store(self, *, tenant_id: int, response: dict, input_items: list[dict]) -> bool:
+        """Store a finished response; False (nothing stored) when the tenant's cap is reached
+        meanwhile or the registry fails: the answer is still delivered, with ``store: false``."""
+        body = {k: v for k, v in response.items() if k != "output"}
+        try:
+            await self._call(stored.store_response, tenant_id=tenant_id, response_id=response["id"],
+                             previous_response_id=response.get("previous_response_id"), model=response["model"],
+                             input_items=input_items, output_items=response["output"], body=body, ttl=self.ttl,
+                             max_bytes=self.max_bytes)
+        except ServingError as exc:
+            log.warning("response %s not stored: %s", response["id"], exc.message)
+            return False
+        except Exception:  # the registry is down: the answer still goes out
+            log.exception("response %s not stored", response["id"])
+            return False
+        return True
+
+    async def purge_expired(self) -> int:
+        """One sweep of expired rows (every tenant's); the gateway runs it in a background loop."""
+        return await self._call(stored.purge_expired)
+
+    async def get(self, *, tenant_id: int, response_id: str) -> dict:
+        row = await self._call(stored.get_response, tenant_id=tenant_id, response_id=response_id)
+        return {**row.body, "output": row.output_items}
+
+    async def delete(self, *, tenant_id: int, response_id: str) -> None:
+        await self._call(stored.delete_response, tenant_id=tenant_id, response_id=response_id)
+
+    async def input_items(self, *, tenant_id: int, response_id: str, limit: int,
+                          order: Literal["asc", "desc"], after: str | None) -> dict:
+        page = await self._call(stored.list_input_items, tenant_id=tenant_id, response_id=response_id, limit=limit,
+                                order=order, after=after)
+        data = page.items
+        return {"object": "list", "data": data, "first_id": data[0]["id"] if data else None,
+                "last_id": data[-1]["id"] if data else None, "has_more": page.has_more}

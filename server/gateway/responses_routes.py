@@ -1,0 +1,113 @@
+"""OpenAI Responses routes: ``POST /v1/responses`` and the stored responses
+(``GET`` / ``DELETE /v1/responses/{id}``, ``GET /v1/responses/{id}/input_items``).
+
+A thin dialect over the one request core: the body (and, with ``previous_response_id``,
+the stored chain before it) is converted to the chat request the OpenAI chat path would
+build (``responses_convert``), run by the same
+:class:`~server.gateway.api.completions.CompletionRunner`, and rendered in the Responses
+shapes (``responses_render``). Same tenants, API keys, limits and OpenAI error shape as the
+chat routes. Stored responses live in the registry's database (``tenants.responses``,
+through :class:`~server.gateway.response_store.ResponseStore`), so they outlive a gateway
+restart and every gateway of the deployment sees them.
+
+``store`` defaults to true, as OpenAI's does. Before the engine runs, a stored request
+whose input alone would take the tenant past its byte cap is refused (400
+``response_store_full``); if the cap is reached while it runs, the answer is still
+delivered, not stored, and says ``store: false``.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from fastapi import APIRouter, Query
+from fastapi.responses import JSONResponse
+
+from engines.contract import SamplingParams
+from server.gateway.api.completions import REPLICA_HEADER, CompletionJob
+from server.gateway.api.responses_convert import conversation_hints, convert, normalize_items, refuse_unservable
+from server.gateway.api.responses_render import ResponsesDialect
+from server.gateway.api.responses_schemas import OUTPUT_LOGPROBS, ResponsesRequest
+from server.gateway.routes import Gateway, Tenant, check_model
+from server.gateway.errors import ServingError
+from server.gateway.response_store import ResponseStore
+from tenants.responses import row_size
+
+router = APIRouter(prefix="/v1/responses", tags=["responses"])
+
+
+def _store(services) -> ResponseStore:
+    if services.responses is None:
+        raise ServingError(503, "responses_store_unavailable", "this gateway has no response store")
+    return services.responses
+
+
+@router.post("")
+async def create_response(body: ResponsesRequest, tenant: Tenant, services: Gateway):
+    refuse_unservable(body)
+    check_model(tenant, body.model)
+    items = normalize_items(body.input)
+    store = body.store is not False
+    history: list[dict] = []
+    if body.previous_response_id is not None:
+        history = await _store(services).chain_items(tenant_id=tenant.tenant_id,
+                                                     response_id=body.previous_response_id)
+    conversation = convert(body, history + items)
+    prompter = await services.engines.prompter(tenant.pool)
+    try:
+        prompt = prompter.chat(conversation.messages)
+    except ValueError as exc:  # the model's chat template refused the conversation
+        raise ServingError(400, "invalid_input", f"input: {exc}", param="input") from exc
+    if prompt.total == 0:
+        raise ServingError(400, "empty_prompt", "input: the prompt is empty", param="input")
+    callback = None
+    if store:
+        responses = _store(services)
+        await responses.check_room(tenant_id=tenant.tenant_id,
+                                   incoming=row_size(input_items=items, output_items=[], body={}))
+
+        async def callback(response: dict) -> bool:
+            return await responses.store(tenant_id=tenant.tenant_id, response=response, input_items=items)
+
+    sampling = SamplingParams(temperature=1.0 if body.temperature is None else body.temperature,
+                              top_p=1.0 if body.top_p is None else body.top_p)
+    max_new = body.max_output_tokens or tenant.limits.max_output_tokens or 256
+    hints = conversation_hints(body, total=prompt.total, context=tenant.retention.context,
+                               conversation=store or body.previous_response_id is not None)
+    job = CompletionJob(
+        tenant=tenant, kind="chat", model=body.model, prompt=prompt, max_new_tokens=max_new, sampling=sampling,
+        stop=(), stream=body.stream, include_usage=False, tokenizer=prompter.tokenizer,
+        engine=services.routing.engine(services.engines.seen(tenant.pool)),
+        quota=services.monitor.quota_state(tenant.pool.name, tenant.tenant_id), token_texts=prompter.token_texts,
+        guide=conversation.guide, tools=conversation.tools, hints=hints,
+        logprobs=(body.top_logprobs or 0) if OUTPUT_LOGPROBS in (body.include or ()) else None,
+    )
+    dialect = ResponsesDialect(body, previous_response_id=body.previous_response_id, store=callback)
+    answer = await services.runner.run(job, dialect)
+    if body.stream:
+        return answer
+    final = await dialect.finalize()
+    replica = answer.headers.get(REPLICA_HEADER)
+    return JSONResponse(final, headers={REPLICA_HEADER: replica} if replica else None)
+
+
+@router.get("/{response_id}")
+async def retrieve_response(response_id: str, tenant: Tenant, services: Gateway) -> dict:
+    return await _store(services).get(tenant_id=tenant.tenant_id, response_id=response_id)
+
+
+@router.delete("/{response_id}")
+async def delete_response(response_id: str, tenant: Tenant, services: Gateway) -> dict:
+    await _store(services).delete(tenant_id=tenant.tenant_id, response_id=response_id)
+    return {"id": response_id, "object": "response", "deleted": True}  # OpenAI's answer
+
+
+@router.get("/{response_id}/input_items")
+async def list_input_items(response_id: str, tenant: Tenant, services: Gateway,
+                           limit: Annotated[int, Query(ge=1, le=100)] = 20,
+                           order: Literal["asc", "desc"] = "desc",
+                           after: Annotated[str | None, Query(max_length=64)] = None,
+                           include: Annotated[list[str] | None, Query()] = None) -> dict:
+    """One page of the response's own input items (``include`` is accepted and ignored)."""
+    return await _store(services).input_items(tenant_id=tenant.tenant_id, response_id=response_id, limit=limit,
+                                              order=order, after=after)

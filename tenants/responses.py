@@ -1,0 +1,155 @@
+"""Stored responses of the OpenAI Responses API: per tenant, with a TTL and a byte cap.
+
+Invariants:
+
+* A response is only ever read, listed, chained or deleted through its tenant's id: another
+  tenant's response is "not found" (code ``response_not_found``), exactly like a missing one,
+  so an id reveals nothing across tenants.
+* An expired response (``expires_at <= now``) is "not found" too; expired rows of a tenant
+  are deleted whenever that tenant stores a new one, and every tenant's by
+  :func:`purge_expired` (the gateway's sweep, for the space of tenants that stopped storing).
+* A tenant's stored bytes (``size_bytes`` of its live rows) never exceed ``max_bytes`` by a
+  store: :func:`store_response` refuses (``StoreFull``, code ``response_store_full``) and
+  stores nothing. :func:`check_room` lets the edge refuse before it spends an engine call.
+* ``input_items`` keep the request's items in order, each with a unique ``id``; pages of
+  :func:`list_input_items` are cut by that id (OpenAI's ``after`` cursor).
+
+Rows are data, not configuration: no audit events.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from typing import Any, Literal
+
+from sqlalchemy import delete, func, select
+from sqlalchemy.orm import Session
+
+from tenants.common import mutation
+from tenants.errors import Conflict, InvalidField, NotFound
+from tenants.models import StoredResponse
+
+MAX_CHAIN = 1024  # previous_response_id links followed at most (a cycle cannot form; this bounds a long one)
+MAX_PAGE = 100  # OpenAI's limit for input_items pages
+
+
+class StoreFull(Conflict):
+    """Storing would take the tenant past its byte cap."""
+
+    default_code = "response_store_full"
+
+
+@dataclass(frozen=True, slots=True)
+class InputItemsPage:
+    items: list[dict[str, Any]]
+    has_more: bool
+
+
+def _not_found(response_id: str) -> NotFound:
+    return NotFound(f"no response with id {response_id[:80]!r}", field="response_id", code="response_not_found")
+
+
+def row_size(*, input_items: list, output_items: list, body: dict) -> int:
+    """Bytes a row counts against the cap: the length of its JSON parts."""
+    return sum(len(json.dumps(part, separators=(",", ":"), ensure_ascii=False).encode())
+               for part in (input_items, output_items, body))
+
+
+def stored_bytes(session: Session, *, tenant_id: int, now: datetime) -> int:
+    """The tenant's live stored bytes."""
+    total = session.scalar(select(func.coalesce(func.sum(StoredResponse.size_bytes), 0)).where(
+        StoredResponse.tenant_id == tenant_id, StoredResponse.expires_at > now))
+    return int(total or 0)
+
+
+def check_room(session: Session, *, tenant_id: int, now: datetime, incoming: int, max_bytes: int) -> None:
+    """Raise :class:`StoreFull` if ``incoming`` more bytes would take the tenant past ``max_bytes``."""
+    used = stored_bytes(session, tenant_id=tenant_id, now=now)
+    if used + incoming > max_bytes:
+        raise StoreFull(f"the tenant's stored responses hold {used} bytes; storing {incoming} more would pass the "
+                        f"cap of {max_bytes} bytes: delete stored responses or send store: false", field="store")
+
+
+def store_response(session: Session, *, tenant_id: int, response_id: str, previous_response_id: str | None,
+                   model: str, input_items: list, output_items: list, body: dict, now: datetime, ttl: timedelta,
+                   max_bytes: int) -> StoredResponse:
+    """Store one response (one transaction); expired rows of the tenant are purged first."""
+    if ttl <= timedelta(0):
+        raise InvalidField("ttl must be positive", field="ttl")
+    size = row_size(input_items=input_items, output_items=output_items, body=body)
+    with mutation(session, unique_field="id", entity="response"):
+        session.execute(delete(StoredResponse).where(StoredResponse.tenant_id == tenant_id,
+                                                     StoredResponse.expires_at <= now))
+        check_room(session, tenant_id=tenant_id, now=now, incoming=size, max_bytes=max_bytes)
+        row = StoredResponse(id=response_id, tenant_id=tenant_id, previous_response_id=previous_response_id,
+                             model=model, input_items=input_items, output_items=output_items, body=body,
+                             size_bytes=size, created_at=now, expires_at=now + ttl)
+        session.add(row)
+    return row
+
+
+def get_response(session: Session, *, tenant_id: int, response_id: str, now: datetime) -> StoredResponse:
+    row = session.get(StoredResponse, response_id) if isinstance(response_id, str) and len(response_id) <= 64 else None
+    if row is None or row.tenant_id != tenant_id or row.expires_at <= now:
+        raise _not_found(str(response_id))
+    return row
+
+
+def delete_response(session: Session, *, tenant_id: int, response_id: str, now: datetime) -> None:
+    with mutation(session, entity="response"):
+        row = get_response(session, tenant_id=tenant_id, response_id=response_id, now=now)
+        session.delete(row)
+
+
+def response_chain(session: Session, *, tenant_id: int, response_id: str, now: datetime) -> list[StoredResponse]:
+    """The stored responses from the root of ``response_id``'s chain to it, oldest first.
+
+    Any missing, expired or foreign link is "not found" (the conversation cannot be rebuilt)."""
+    chain: list[StoredResponse] = []
+    seen: set[str] = set()
+    current: str | None = response_id
+    while current is not None:
+        if current in seen or len(chain) >= MAX_CHAIN:
+            raise InvalidField(f"the chain of {response_id[:80]!r} is longer than {MAX_CHAIN} responses",
+                               field="previous_response_id")
+        seen.add(current)
+        row = get_response(session, tenant_id=tenant_id, response_id=current, now=now)
+        chain.append(row)
+        current = row.previous_response_id
+    chain.reverse()
+    return chain
+
+
+def list_input_items(session: Session, *, tenant_id: int, response_id: str, now: datetime, limit: int = 20,
+                     order: Literal["asc", "desc"] = "desc", after: str | None = None) -> InputItemsPage:
+    """One page of a response's input items (OpenAI's ``GET /responses/{id}/input_items``)."""
+    if isinstance(limit, bool) or not isinstance(limit, int) or not 1 <= limit <= MAX_PAGE:
+        raise InvalidField(f"limit must be an integer in [1, {MAX_PAGE}]", field="limit")
+    if order not in ("asc", "desc"):
+        raise InvalidField("order must be 'asc' or 'desc'", field="order")
+    items = list(get_response(session, tenant_id=tenant_id, response_id=response_id, now=now).input_items)
+    if order == "desc":
+        items.reverse()
+    if after is not None:
+        ids = [item.get("id") for item in items]
+        if after not in ids:
+            raise InvalidField(f"after: no input item {after[:80]!r} in this response", field="after")
+        items = items[ids.index(after) + 1:]
+    return InputItemsPage(items[:limit], len(items) > limit)
+
+
+def purge_expired(session: Session, *, now: datetime, limit: int = 1000) -> int:
+    """Delete up to ``limit`` expired rows of any tenant (one transaction); how many went.
+
+    Idempotent and safe to run from several gateways at once (a row deleted by another is
+    simply not counted)."""
+    with mutation(session, entity="response"):
+        ids = session.scalars(select(StoredResponse.id).where(StoredResponse.expires_at <= now)
+                              .order_by(StoredResponse.expires_at).limit(limit)).all()
+        if not ids:
+            return 0
+        result = session.execute(delete(StoredResponse).where(StoredResponse.id.in_(ids),
+                                                              StoredResponse.expires_at <= now))
+    return int(result.rowcount or 0)

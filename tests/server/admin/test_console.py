@@ -1,0 +1,194 @@
+"""The web console's security and flows over real HTTP to a real app (no browser; see test_console_browser.py).
+
+The app is ``create_app`` over a real registry (SQLite, and PostgreSQL when reachable);
+the console reaches it only through the admin API.
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+from fastapi.testclient import TestClient
+
+from server.admin.console.sessions import SessionStore
+from server.app import create_app
+from tests.server.admin.conftest import ADMIN_TOKEN, AUTH, OTHER_TOKEN, seed
+
+CSRF = re.compile(r'name="csrf" value="([^"]+)"')
+
+
+@pytest.fixture
+def browser(db, settings):
+    app = create_app(settings, session_factory=db.factory)
+    with TestClient(app, base_url="http://testserver") as c:
+        yield c
+
+
+def sign_in(c: TestClient, token: str = ADMIN_TOKEN) -> str:
+    """Signs in; returns the session's CSRF token."""
+    page = c.get("/console/signin")
+    r = c.post("/console/signin", data={"csrf": CSRF.search(page.text).group(1), "token": token}, follow_redirects=False)
+    assert r.status_code == 303, r.text
+    return CSRF.search(c.get("/console/tenants").text).group(1)
+
+
+def test_pages_carry_security_headers(browser: TestClient) -> None:
+    r = browser.get("/console/signin")
+    assert r.status_code == 200
+    csp = r.headers["content-security-policy"]
+    assert "script-src 'self'" in csp and "style-src 'self'" in csp and "unsafe" not in csp
+    assert "frame-ancestors 'none'" in csp and "form-action 'self'" in csp
+    assert r.headers["x-frame-options"] == "DENY" and r.headers["x-content-type-options"] == "nosniff"
+    assert r.headers["cache-control"] == "no-store" and r.headers["referrer-policy"] == "no-referrer"
+    assert "<script>" not in r.text and " style=" not in r.text  # nothing inline for the CSP to refuse
+    js = browser.get("/console/static/htmx.min.js")
+    assert js.status_code == 200 and js.text.startswith("/*! htmx.org 2.") and "Zero-Clause BSD" in js.text[:400]
+
+
+def test_sign_in_sets_a_server_side_session(browser: TestClient) -> None:
+    page = browser.get("/console/signin")
+    r = browser.post("/console/signin", data={"csrf": CSRF.search(page.text).group(1), "token": ADMIN_TOKEN},
+                     follow_redirects=False)
+    cookie = r.headers["set-cookie"]
+    assert "kvgate_console=" in cookie and "HttpOnly" in cookie and "SameSite=strict" in cookie
+    assert "Path=/console" in cookie and "Secure" not in cookie  # plain http here; https sets Secure
+    assert ADMIN_TOKEN not in cookie
+    assert browser.get("/console/tenants").status_code == 200
+
+
+def test_https_sets_secure_cookies(db, settings) -> None:
+    with TestClient(create_app(settings, session_factory=db.factory), base_url="https://testserver") as c:
+        page = c.get("/console/signin")
+        assert "Secure" in page.headers["set-cookie"]
+        r = c.post("/console/signin", data={"csrf": CSRF.search(page.text).group(1), "token": ADMIN_TOKEN},
+                   follow_redirects=False)
+        assert "Secure" in r.headers["set-cookie"] and "SameSite=strict" in r.headers["set-cookie"]
+
+
+def test_sign_in_refuses_bad_credentials_and_forged_forms(browser: TestClient) -> None:
+    page = browser.get("/console/signin")
+    token = CSRF.search(page.text).group(1)
+    r = browser.post("/console/signin", data={"csrf": token, "token": "not-an-admin-token"})
+    assert r.status_code == 401 and "refused" in r.text and "kvgate_console=" not in r.headers.get("set-cookie", "")
+    # Without the sign-in form's token (its double-submit cookie), nothing is tried.
+    r = browser.post("/console/signin", data={"token": ADMIN_TOKEN})
+    assert r.status_code == 403
+    assert browser.get("/console/tenants", follow_redirects=False).headers["location"] == "/console/signin"
+
+
+def test_every_post_needs_the_session_csrf_token(browser: TestClient) -> None:
+    seed(browser)
+    key = browser.post("/admin/v1/tenants/acme/keys", headers=AUTH, json={"name": "k"}).json()
+    csrf = sign_in(browser)
+    forged = [
+        ("/console/tenants", {"slug": "evil", "display_name": "Evil", "pool": "gpu-a", "retention_class": "gold"}),
+        ("/console/tenants/acme/keys", {"name": "evil"}),
+        (f"/console/tenants/acme/keys/{key['id']}/revoke", {}),
+        ("/console/pools/gpu-a/replicas/r0/state", {"state": "disabled", "version": "1"}),
+        ("/console/pools/gpu-a/captures", {}),
+        ("/console/signout", {}),
+    ]
+    for path, form in forged:
+        for extra in ({}, {"csrf": "x" * len(csrf)}):
+            r = browser.post(path, data={**form, **extra}, follow_redirects=False)
+            assert r.status_code == 403, (path, extra, r.status_code)
+    assert browser.get("/admin/v1/tenants/evil", headers=AUTH).status_code == 404
+    assert browser.get("/admin/v1/tenants/acme/keys", headers=AUTH).json()["total"] == 1
+    assert browser.get("/admin/v1/tenants/acme/keys", headers=AUTH).json()["items"][0]["revoked_at"] is None
+    assert browser.get("/admin/v1/pools/gpu-a/replicas/r0", headers=AUTH).json()["state"] == "active"
+    # With the token but from another origin: refused too.
+    r = browser.post(f"/console/tenants/acme/keys/{key['id']}/revoke", data={"csrf": csrf},
+                     headers={"Origin": "http://evil.example"}, follow_redirects=False)
+    assert r.status_code == 403
+    # With the token, same origin: done, by the API, as the signed-in credential.
+    r = browser.post(f"/console/tenants/acme/keys/{key['id']}/revoke", data={"csrf": csrf},
+                     headers={"Origin": "http://testserver"}, follow_redirects=False)
+    assert r.status_code == 303
+    assert browser.get("/admin/v1/tenants/acme/keys", headers=AUTH).json()["items"][0]["revoked_at"] is not None
+    events = browser.get("/admin/v1/audit", headers=AUTH, params={"entity_type": "api_key", "limit": 1}).json()
+    assert events["items"][0]["actor"] == "admin:ops"
+
+
+def test_created_key_is_shown_once(browser: TestClient) -> None:
+    seed(browser)
+    csrf = sign_in(browser)
+    r = browser.post("/console/tenants/acme/keys", data={"csrf": csrf, "name": "web"})
+    assert r.status_code == 201 and r.headers["cache-control"] == "no-store"
+    secret = re.search(r'id="new-key-secret">([^<]+)<', r.text).group(1)
+    assert secret.startswith("kvg_")
+    assert secret not in browser.get("/console/tenants/acme").text
+    assert "kvg_" not in browser.get("/console/tenants/acme").text
+
+
+def test_api_errors_are_shown_not_500(browser: TestClient) -> None:
+    seed(browser)
+    csrf = sign_in(browser)
+    r = browser.post("/console/tenants", data={"csrf": csrf, "slug": "acme", "display_name": "Again", "pool": "gpu-a",
+                                               "retention_class": "gold"})
+    assert r.status_code == 200 and "Tenant not created" in r.text and "409" in r.text
+    r = browser.post("/console/tenants", data={"csrf": csrf, "slug": "x", "display_name": "X", "pool": "gpu-a",
+                                               "retention_class": "gold", "rpm_limit": "many"})
+    assert "rpm_limit must be a number" in r.text
+    assert browser.get("/console/tenants/nobody").status_code == 404
+    assert browser.get("/console/pools/nowhere").status_code == 404
+    # Without a gateway there are no live figures: the page says so.
+    assert "no gateway" in browser.get("/console/tenants/acme").text
+
+
+def test_a_credential_the_api_drops_ends_the_session(db, settings) -> None:
+    app = create_app(settings, session_factory=db.factory)
+    with TestClient(app) as c:
+        sign_in(c, OTHER_TOKEN)
+        assert c.get("/console/tenants").status_code == 200
+        # The API stops accepting the token (as a revoked or expired credential would be).
+        app.state.admin_app.state.admin_credentials = tuple(
+            (actor, token) for actor, token in app.state.admin_app.state.admin_credentials if token != OTHER_TOKEN)
+        r = c.get("/console/tenants", follow_redirects=False)
+        assert r.status_code == 303 and r.headers["location"] == "/console/signin?expired=1"
+        assert len(app.state.console_app.state.sessions) == 0
+
+
+def test_sessions_expire_when_idle_or_old_and_are_bounded() -> None:
+    now = [0.0]
+    store = SessionStore(idle_s=10, max_age_s=30, max_sessions=2, clock=lambda: now[0])
+    sid, session = store.create(credential="c", name="n", role="viewer", tenants=None)
+    assert store.get(sid) is session and store.get("forged") is None
+    now[0] = 9.0
+    assert store.get(sid) is session  # used: idle timer restarts
+    now[0] = 25.0
+    assert store.get(sid) is None  # idle 16 s > 10 s
+    sid, _ = store.create(credential="c", name="n", role="viewer", tenants=None)
+    for t in (35.0, 44.0, 53.0, 62.0):
+        now[0] = t
+        alive = store.get(sid) is not None
+        assert alive == (t - 25.0 <= 30)  # never past max_age, however busy
+    first, _ = store.create(credential="a", name="a", role="viewer", tenants=None)
+    store.create(credential="b", name="b", role="viewer", tenants=None)
+    store.create(credential="c", name="c", role="viewer", tenants=None)
+    assert len(store) == 2 and store.get(first) is None  # the least recently used went first
+    assert not session.check_csrf(None) and not session.check_csrf("") and session.check_csrf(session.csrf)
+
+
+def test_a_refused_write_shows_the_api_status(browser: TestClient) -> None:
+    seed(browser)
+    key = browser.post("/admin/v1/tenants/acme/keys", headers=AUTH, json={"name": "k"}).json()
+    csrf = sign_in(browser)
+    r = browser.post(f"/console/tenants/nobody/keys/{key['id']}/revoke", data={"csrf": csrf})
+    assert r.status_code == 404 and "tenant_not_found" in r.text
+    assert browser.get("/admin/v1/tenants/acme/keys", headers=AUTH).json()["items"][0]["revoked_at"] is None
+
+
+def test_console_files_ship_as_package_data() -> None:
+    """Every template and static file of the console is covered by pyproject's package-data globs."""
+    import fnmatch
+    import tomllib
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[3]
+    patterns = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]["server"]
+    console = root / "server" / "admin" / "console"
+    files = [p.relative_to(root / "server").as_posix() for folder in ("templates", "static")
+             for p in (console / folder).rglob("*") if p.is_file()]
+    assert "admin/console/static/htmx.min.js" in files and "admin/console/templates/base.html" in files
+    assert [f for f in files if not any(fnmatch.fnmatch(f, pat) for pat in patterns)] == []

@@ -1,0 +1,248 @@
+"""The Responses dialect's conversion and rendering on the real tokenizer and template: items,
+tools, formats, refusals by name, conversation hints, and a stored chain's prompt."""
+
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace
+
+import pytest
+
+from engines.tokenizer import load_gguf_tokenizer
+from retention.policy.hints import TTL_1H_MS, TTL_24H_MS, Breakpoint
+from retention.policy.planner import SegmentRetention
+from server.gateway.api.responses_convert import conversation_hints, convert, normalize_items, refuse_unservable
+from server.gateway.api.responses_render import ResponsesDialect
+from server.gateway.api.responses_schemas import ResponsesRequest
+from server.gateway.api.prompting import ChatPrompter
+from server.gateway.api.tools import CALL_OPEN
+from server.gateway.errors import ServingError
+
+WEATHER = {"type": "function", "name": "get_weather", "description": "Weather in a city",
+           "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}
+
+
+@pytest.fixture(scope="module")
+def prompter() -> ChatPrompter:
+    return ChatPrompter(load_gguf_tokenizer())
+
+
+def request(**fields) -> ResponsesRequest:
+    return ResponsesRequest.model_validate({"model": "m", "input": "Hi", **fields})
+
+
+def refused(param: str, **fields) -> ServingError:
+    body = request(**fields)
+    with pytest.raises(ServingError) as caught:
+        refuse_unservable(body)
+        convert(body, normalize_items(body.input))
+    assert caught.value.status == 400 and caught.value.param == param, caught.value.message
+    return caught.value
+
+
+def test_a_string_input_is_one_user_message_after_the_instructions() -> None:
+    body = request(instructions="Be brief.")
+    conversation = convert(body, normalize_items(body.input))
+    assert conversation.messages == [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+    assert conversation.tools is None and conversation.guide is None
+
+
+def test_items_become_chat_messages_with_tool_calls() -> None:
+    items = normalize_items([
+        {"role": "developer", "content": "Use tools."},
+        {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "Rain "},
+                                                         {"type": "input_text", "text": "in Oslo?"}]},
+        {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "Checking."}]},
+        {"type": "function_call", "call_id": "call_1", "name": "get_weather", "arguments": '{"city":"Oslo"}'},
+        {"type": "function_call_output", "call_id": "call_1", "output": "Light rain"},
+    ])
+    assert all(item["id"] for item in items) and len({item["id"] for item in items}) == 5
+    conversation = convert(request(tools=[WEATHER]), items)
+    roles = [m["role"] for m in conversation.messages]
+    assert roles == ["developer", "user", "assistant", "tool"]  # the call joins the assistant message it follows
+    assert conversation.messages[1]["content"] == "Rain in Oslo?"
+    assert conversation.messages[2]["content"].startswith("Checking.\n" + CALL_OPEN)
+    assert '"get_weather"' in conversation.messages[0]["content"]  # tool definitions in the system message
+    assert conversation.tools is not None and conversation.tools.mode == "auto"
+
+
+def test_tool_choice_and_formats_become_guides() -> None:
+    forced = convert(request(tools=[WEATHER], tool_choice={"type": "function", "name": "get_weather"}),
+                     normalize_items("Hi"))
+    assert forced.tools.mode == "forced" and '"const":"get_weather"' in forced.guide.text
+    required = convert(request(tools=[WEATHER], tool_choice="required"), normalize_items("Hi"))
+    assert required.tools.mode == "forced"
+    assert convert(request(tools=[WEATHER], tool_choice="none"), normalize_items("Hi")).tools.parses is False
+    schema = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+    fmt = convert(request(text={"format": {"type": "json_schema", "name": "c", "schema": schema, "strict": True}}),
+                  normalize_items("Hi"))
+    assert json.loads(fmt.guide.text) == schema
+    assert json.loads(convert(request(text={"format": {"type": "json_object"}}), normalize_items("Hi")).guide.text) \
+        == {"type": "object"}
+    assert convert(request(text={"format": {"type": "text"}}), normalize_items("Hi")).guide is None
+
+
+@pytest.mark.parametrize(("param", "fields"), [
+    ("tools.0.type", {"tools": [{"type": "web_search"}]}),
+    ("tools.0.type", {"tools": [{"type": "file_search", "vector_store_ids": ["vs_1"]}]}),
+    ("tools.0.type", {"tools": [{"type": "code_interpreter", "container": {"type": "auto"}}]}),
+    ("tools.0.type", {"tools": [{"type": "computer_use_preview"}]}),
+    ("tool_choice.type", {"tool_choice": {"type": "web_search_preview"}}),
+    ("background", {"background": True}),
+    ("conversation", {"conversation": "conv_1"}),
+    ("prompt", {"prompt": {"id": "pmpt_1"}}),
+    ("reasoning", {"reasoning": {"effort": "medium"}}),
+    ("truncation", {"truncation": "auto"}),
+    ("include.0", {"include": ["reasoning.encrypted_content"]}),
+    ("input.0.content.0.type", {"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}),
+    ("input.0.content.0.type", {"input": [{"role": "user", "content": [{"type": "input_file", "file_id": "f"}]}]}),
+    ("input.0.type", {"input": [{"type": "reasoning", "summary": []}]}),
+    ("input.0.type", {"input": [{"type": "web_search_call", "id": "ws_1"}]}),
+    ("input.0.role", {"input": [{"role": "robot", "content": "x"}]}),
+    ("tool_choice", {"tool_choice": "required"}),
+    ("tool_choice.name", {"tools": [WEATHER], "tool_choice": {"type": "function", "name": "other"}}),
+    ("text.format", {"tools": [WEATHER], "tool_choice": "required", "text": {"format": {"type": "json_object"}}}),
+    ("text.format.schema", {"text": {"format": {"type": "json_schema", "name": "x"}}}),
+])
+def test_what_cannot_be_served_is_refused_by_name(param: str, fields: dict) -> None:
+    error = refused(param, **fields)
+    assert param.split(".")[0] in error.message
+
+
+def test_reasoning_effort_none_is_served() -> None:
+    refuse_unservable(request(reasoning={"effort": "none"}))
+
+
+def test_a_continuation_rebuilds_the_same_tokens_as_the_whole_history(prompter: ChatPrompter) -> None:
+    """What a continuation converts (stored input items + stored output items + new input) gives
+    the input_ids of the same conversation sent whole, the way the SDK sends it back."""
+    turn1 = request(instructions="Be brief.", tools=[WEATHER], input="Rain in Oslo?")
+    stored_in = normalize_items(turn1.input)
+    dialect = ResponsesDialect(turn1, previous_response_id=None, store=None)
+    from server.gateway.api.completions import Outcome
+    from server.gateway.api.tools import ToolCall
+
+    outcome = Outcome(pieces=["Let me check."], completion_tokens=9, finish_reason="tool_calls",
+                      tool_calls=[ToolCall("call_abc", "get_weather", '{"city": "Oslo"}')])
+    stored_out = dialect.output(SimpleNamespace(logprobs=None), outcome)  # type: ignore[arg-type]
+    new = [{"type": "function_call_output", "call_id": "call_abc", "output": "Light rain"},
+           {"role": "user", "content": "Thanks. And tomorrow?"}]
+    turn2 = request(instructions="Be brief.", tools=[WEATHER], input=new)
+    chained = convert(turn2, stored_in + stored_out + normalize_items(turn2.input))
+    whole_body = request(instructions="Be brief.", tools=[WEATHER],
+                         input=[{"role": "user", "content": "Rain in Oslo?"}, *stored_out, *new])
+    whole = convert(whole_body, normalize_items(whole_body.input))
+    assert chained.messages == whole.messages
+    ids = prompter.chat(chained.messages).input_ids
+    assert ids == prompter.chat(whole.messages).input_ids
+    assert len(ids) > prompter.chat(convert(turn1, stored_in).messages).total
+
+
+def test_conversation_hints() -> None:
+    context = SegmentRetention(60, None)
+    plain = conversation_hints(request(), total=100, context=context, conversation=False)
+    assert plain.empty
+    keyed = conversation_hints(request(prompt_cache_key="k", prompt_cache_retention="in_memory"), total=100,
+                               context=context, conversation=True)
+    assert keyed.cache_key == "k" and keyed.retention == "in_memory"
+    assert keyed.breakpoints == (Breakpoint(100, TTL_1H_MS),)
+    assert conversation_hints(request(), total=100, context=SegmentRetention(60, 120_000),
+                              conversation=True).breakpoints == (Breakpoint(100, 120_000),)
+    assert conversation_hints(request(prompt_cache_retention="24h"), total=7, context=context,
+                              conversation=True).breakpoints == (Breakpoint(7, TTL_24H_MS),)
+
+
+def _events(frames: list[bytes]) -> list[dict]:
+    out = []
+    for frame in b"".join(frames).decode().strip().split("\n\n"):
+        name, data = frame.split("\n")
+        event = json.loads(data.removeprefix("data: "))
+        assert name == "event: " + event["type"]
+        out.append(event)
+    return out
+
+
+def _job(tokens_per_block: int = 16):  # what the renderer reads of a job
+    pool = SimpleNamespace(tokens_per_block=tokens_per_block)
+    return SimpleNamespace(prompt=SimpleNamespace(total=40), tenant=SimpleNamespace(pool=pool), logprobs=None,
+                           token_texts=None)
+
+
+async def _collect(dialect: ResponsesDialect, job, outcome, deltas) -> list[dict]:  # type: ignore[no-untyped-def]
+    return _events([frame async for frame in dialect.stream(job, outcome, deltas)])
+
+
+async def test_a_mid_stream_engine_failure_is_an_error_then_response_failed() -> None:
+    from server.gateway.api.completions import Outcome
+
+    async def deltas():  # type: ignore[no-untyped-def]
+        yield "Par"
+        raise ServingError(503, "engine_unavailable", "the model's engine is unavailable; retry shortly")
+
+    stored: list[dict] = []
+
+    async def store(response: dict) -> bool:
+        stored.append(response)
+        return True
+
+    events = await _collect(ResponsesDialect(request(), previous_response_id=None, store=store), _job(), Outcome(),
+                            deltas())
+    assert [e["type"] for e in events] == ["response.created", "response.in_progress", "response.output_item.added",
+                                           "response.content_part.added", "response.output_text.delta", "error",
+                                           "response.failed"]
+    assert [e["sequence_number"] for e in events] == list(range(7))
+    assert events[-2]["code"] == "engine_unavailable"
+    assert events[-1]["response"]["status"] == "failed" and events[-1]["response"]["error"]["code"] == \
+        "engine_unavailable"
+    assert stored == []  # a failed response is not stored
+
+
+async def test_stream_of_text_then_tool_calls_is_stored_before_completed() -> None:
+    from server.gateway.api.completions import Outcome
+    from server.gateway.api.tools import ToolCall
+
+    outcome = Outcome(completion_tokens=12, finish_reason="tool_calls")
+    order: list[str] = []
+
+    async def deltas():  # type: ignore[no-untyped-def]
+        for piece in ("Let me ", "check."):
+            outcome.pieces.append(piece)
+            yield piece
+        outcome.tool_calls = [ToolCall("call_1", "get_weather", '{"city":"Oslo"}'),
+                              ToolCall("call_2", "get_weather", '{"city":"Rome"}')]
+
+    async def store(response: dict) -> bool:
+        order.append("stored")
+        assert [item["type"] for item in response["output"]] == ["message", "function_call"]  # max_tool_calls
+        return False  # e.g. the byte cap was reached meanwhile
+
+    body = request(tools=[WEATHER], max_tool_calls=1)
+    events = await _collect(ResponsesDialect(body, previous_response_id="resp_prev", store=store), _job(), outcome,
+                            deltas())
+    kinds = [e["type"] for e in events]
+    assert kinds == ["response.created", "response.in_progress", "response.output_item.added",
+                     "response.content_part.added", "response.output_text.delta", "response.output_text.delta",
+                     "response.output_text.done", "response.content_part.done", "response.output_item.done",
+                     "response.output_item.added", "response.function_call_arguments.delta",
+                     "response.function_call_arguments.done", "response.output_item.done", "response.completed"]
+    assert order == ["stored"]
+    final = events[-1]["response"]
+    assert final["store"] is False and final["previous_response_id"] == "resp_prev"
+    assert [item["type"] for item in final["output"]] == ["message", "function_call"]
+    assert events[6]["text"] == "Let me check." and events[11]["arguments"] == '{"city":"Oslo"}'
+    assert final["usage"] == {"input_tokens": 40, "input_tokens_details": {"cached_tokens": 0}, "output_tokens": 12,
+                              "output_tokens_details": {"reasoning_tokens": 0}, "total_tokens": 52}
+
+
+@pytest.mark.parametrize(("param", "fields"), [
+    ("input.0.type", {"input": [{"type": ["message"], "role": "user", "content": "x"}]}),
+    ("input.0.content.0.type", {"input": [{"role": "user", "content": [{"type": {"a": 1}, "text": "x"}]}]}),
+    ("tools.0.type", {"tools": [{"type": ["function"], "name": "f"}]}),
+    ("tool_choice.type", {"tools": [WEATHER], "tool_choice": {"type": ["function"]}}),
+    ("tool_choice.name", {"tools": [WEATHER], "tool_choice": {"type": "function", "name": ["get_weather"]}}),
+    ("text.format.type", {"text": {"format": {"type": ["json_object"]}}}),
+    ("input.0.content", {"input": [{"role": "user", "content": 7}]}),
+    ("input.0.arguments", {"input": [{"type": "function_call", "call_id": "c", "name": "f", "arguments": {}}]}),
+])
+def test_malformed_json_is_a_400_not_a_500(param: str, fields: dict) -> None:
+    refused(param, **fields)

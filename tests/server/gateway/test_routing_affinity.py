@@ -1,0 +1,63 @@
+"""``prompt_cache_key`` through a real gateway over two real reference engines.
+
+Requests that share a key but no prefix land on the key's home replica (tenant-salted
+rendezvous, ``retention/routing/affinity.py``); two keys with different homes split.
+Which replica served is read from the ``x-kvgate-replica`` header.
+"""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+
+from retention.routing import Candidate, affinity_key, home_replica
+from tenants import tenant
+from tests.server.gateway.fleet import MODEL, start_fleet
+
+REPLICA = "x-kvgate-replica"
+
+
+@pytest.fixture(scope="module")
+def fleet(tmp_path_factory, bundle):
+    built = start_fleet(tmp_path_factory.mktemp("affinity"), bundle, replicas_count=2)
+    yield built
+    built.close()
+
+
+def chat(fleet, slug: str, word: str, key: str | None) -> httpx.Response:
+    # the system text starts with its own word, so no two prompts share a first block
+    body = {"model": MODEL, "max_tokens": 2, "temperature": 0, "messages": [
+        {"role": "system", "content": f"{word} {word} {word}: answer about {word} in one short sentence."},
+        {"role": "user", "content": f"Tell me about {word}."}]}
+    if key is not None:
+        body["prompt_cache_key"] = key
+    return httpx.post(f"{fleet.gateways[0].base_url}/v1/chat/completions", json=body,
+                      headers={"Authorization": f"Bearer {fleet.keys[slug]}"}, timeout=300)
+
+
+def test_requests_sharing_a_key_meet_on_its_home_replica(fleet):
+    fleet.add_tenant("keyed")
+    with fleet.session_factory() as session:
+        tenant_id = tenant.get_tenant(session, ref="keyed").id
+    route = fleet.route()
+    fleet.wait_until(lambda: len(route.candidates(set())) == 2, what="two replicas in rotation")
+    candidates = [Candidate(c.replica, c.weight) for c in route.candidates(set())]
+    names = {r.id: r.name for r in route.replicas.values()}
+
+    def home(key: str) -> str:
+        return names[home_replica(affinity_key(f"tenant:{tenant_id}", key), candidates)]
+
+    keys = [f"conversation-{i}" for i in range(64)]
+    first = keys[0]
+    other = next(k for k in keys if home(k) != home(first))
+    words = iter(["harbour", "lantern", "granite", "meadow", "copper", "violet", "thunder", "orchard"])
+    served: dict[str, list[str]] = {first: [], other: []}
+    for _ in range(3):  # interleaved, so neither replica's load leaves the band
+        for key in (first, other):
+            response = chat(fleet, "keyed", next(words), key)
+            assert response.status_code == 200, response.text
+            served[key].append(response.headers[REPLICA])
+    assert served[first] == [home(first)] * 3
+    assert served[other] == [home(other)] * 3
+    # the same key in another tenant is another key: its home is drawn independently
+    assert affinity_key(f"tenant:{tenant_id}", first) != affinity_key(f"tenant:{tenant_id + 1}", first)

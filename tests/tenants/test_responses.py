@@ -1,0 +1,137 @@
+"""Stored responses (tenants.responses) on SQLite and PostgreSQL: per tenant, TTL, byte cap, chains, pages."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime, timedelta
+
+import pytest
+from sqlalchemy import func, select
+
+from tenants import responses
+from tenants.errors import InvalidField, NotFound
+from tenants.models import AuditEvent, StoredResponse
+from tests.tenants.factories import make_placement, make_tenant
+
+T0 = datetime(2026, 12, 2, 12, 0, tzinfo=UTC)
+TTL = timedelta(days=30)
+
+
+def _items(*texts: str) -> list[dict]:
+    return [{"id": f"msg_{t}", "type": "message", "role": "user", "content": [{"type": "input_text", "text": t}]}
+            for t in texts]
+
+
+def _store(session, tenant_id: int, ident: str, *, previous: str | None = None, now: datetime = T0,
+           max_bytes: int = 10**6, texts: tuple[str, ...] = ("hi",)):  # type: ignore[no-untyped-def]
+    output = [{"id": f"out_{ident}", "type": "message", "role": "assistant",
+               "content": [{"type": "output_text", "text": f"answer {ident}", "annotations": []}]}]
+    return responses.store_response(session, tenant_id=tenant_id, response_id=ident, previous_response_id=previous,
+                                    model="m", input_items=_items(*texts), output_items=output,
+                                    body={"id": ident, "status": "completed"}, now=now, ttl=TTL, max_bytes=max_bytes)
+
+
+@pytest.fixture
+def two_tenants(session):  # type: ignore[no-untyped-def]
+    first = make_placement(session)
+    second = make_tenant(session, "globex")
+    return first.id, second.id
+
+
+def test_a_response_is_read_only_by_its_tenant(session, two_tenants) -> None:  # type: ignore[no-untyped-def]
+    acme, globex = two_tenants
+    _store(session, acme, "resp_a")
+    row = responses.get_response(session, tenant_id=acme, response_id="resp_a", now=T0)
+    assert row.output_items[0]["content"][0]["text"] == "answer resp_a"
+    for call in (responses.get_response, responses.delete_response, responses.list_input_items,
+                 responses.response_chain):
+        with pytest.raises(NotFound) as caught:
+            call(session, tenant_id=globex, response_id="resp_a", now=T0)
+        assert caught.value.code == "response_not_found"
+        with pytest.raises(NotFound) as missing:  # the same answer as for an id that never existed
+            call(session, tenant_id=globex, response_id="resp_nope", now=T0)
+        assert missing.value.message.replace("resp_nope", "resp_a") == caught.value.message
+    assert session.scalar(select(func.count()).select_from(AuditEvent).where(
+        AuditEvent.entity_type == "response")) == 0  # data, not configuration
+
+
+def test_expired_and_deleted_responses_are_gone(session, two_tenants) -> None:  # type: ignore[no-untyped-def]
+    acme, _ = two_tenants
+    _store(session, acme, "resp_old")
+    _store(session, acme, "resp_del")
+    later = T0 + TTL
+    with pytest.raises(NotFound):
+        responses.get_response(session, tenant_id=acme, response_id="resp_old", now=later)
+    assert responses.get_response(session, tenant_id=acme, response_id="resp_old", now=later - timedelta(seconds=1))
+    responses.delete_response(session, tenant_id=acme, response_id="resp_del", now=T0)
+    with pytest.raises(NotFound):
+        responses.get_response(session, tenant_id=acme, response_id="resp_del", now=T0)
+    with pytest.raises(NotFound):
+        responses.delete_response(session, tenant_id=acme, response_id="resp_del", now=T0)
+    # the next store of the tenant purges its expired rows
+    _store(session, acme, "resp_new", now=later)
+    assert session.scalars(select(StoredResponse.id)).all() == ["resp_new"]
+
+
+def test_the_byte_cap_refuses_and_stores_nothing(session, two_tenants) -> None:  # type: ignore[no-untyped-def]
+    acme, globex = two_tenants
+    first = _store(session, acme, "resp_1")
+    assert first.size_bytes == responses.row_size(input_items=first.input_items, output_items=first.output_items,
+                                                   body=first.body)
+    cap = first.size_bytes * 2 + 10
+    _store(session, acme, "resp_2", max_bytes=cap)
+    assert responses.stored_bytes(session, tenant_id=acme, now=T0) == 2 * first.size_bytes
+    with pytest.raises(responses.StoreFull) as caught:
+        _store(session, acme, "resp_3", max_bytes=cap)
+    assert caught.value.code == "response_store_full" and caught.value.field == "store"
+    with pytest.raises(NotFound):
+        responses.get_response(session, tenant_id=acme, response_id="resp_3", now=T0)
+    with pytest.raises(responses.StoreFull):
+        responses.check_room(session, tenant_id=acme, now=T0, incoming=11, max_bytes=cap)
+    _store(session, globex, "resp_g", max_bytes=cap)  # the cap is per tenant
+    # expired rows no longer count
+    assert responses.stored_bytes(session, tenant_id=acme, now=T0 + TTL) == 0
+    _store(session, acme, "resp_4", max_bytes=cap, now=T0 + TTL)
+
+
+def test_chains_oldest_first_and_broken_links(session, two_tenants) -> None:  # type: ignore[no-untyped-def]
+    acme, globex = two_tenants
+    _store(session, acme, "resp_1")
+    _store(session, acme, "resp_2", previous="resp_1")
+    _store(session, acme, "resp_3", previous="resp_2")
+    chain = responses.response_chain(session, tenant_id=acme, response_id="resp_3", now=T0)
+    assert [row.id for row in chain] == ["resp_1", "resp_2", "resp_3"]
+    responses.delete_response(session, tenant_id=acme, response_id="resp_2", now=T0)
+    with pytest.raises(NotFound):
+        responses.response_chain(session, tenant_id=acme, response_id="resp_3", now=T0)
+    _store(session, globex, "resp_g", previous="resp_1")  # a link to another tenant's response is broken too
+    with pytest.raises(NotFound):
+        responses.response_chain(session, tenant_id=globex, response_id="resp_g", now=T0)
+
+
+def test_input_item_pages(session, two_tenants) -> None:  # type: ignore[no-untyped-def]
+    acme, _ = two_tenants
+    _store(session, acme, "resp_p", texts=("a", "b", "c"))
+
+    def ids(**kw) -> tuple[list[str], bool]:  # type: ignore[no-untyped-def]
+        page = responses.list_input_items(session, tenant_id=acme, response_id="resp_p", now=T0, **kw)
+        return [item["id"] for item in page.items], page.has_more
+
+    assert ids() == (["msg_c", "msg_b", "msg_a"], False)
+    assert ids(order="asc", limit=2) == (["msg_a", "msg_b"], True)
+    assert ids(order="asc", limit=2, after="msg_b") == (["msg_c"], False)
+    assert ids(after="msg_c") == (["msg_b", "msg_a"], False)
+    for bad in ({"limit": 0}, {"limit": 101}, {"order": "up"}, {"after": "msg_zz"}):
+        with pytest.raises(InvalidField):
+            ids(**bad)
+
+
+def test_the_sweep_purges_every_tenants_expired_rows(session, two_tenants) -> None:  # type: ignore[no-untyped-def]
+    acme, globex = two_tenants
+    _store(session, acme, "resp_a1")
+    _store(session, globex, "resp_g1")
+    _store(session, acme, "resp_a2", now=T0 + timedelta(days=1))
+    assert responses.purge_expired(session, now=T0 + TTL - timedelta(seconds=1)) == 0
+    assert responses.purge_expired(session, now=T0 + TTL, limit=1) == 1
+    assert responses.purge_expired(session, now=T0 + TTL) == 1
+    assert session.scalars(select(StoredResponse.id)).all() == ["resp_a2"]
+    assert responses.get_response(session, tenant_id=acme, response_id="resp_a2", now=T0 + TTL)
