@@ -54,10 +54,11 @@ test: setup $(AIPERF_STAMP)
 test-reliability: setup
 	OMP_NUM_THREADS=1 KVGATE_RELIABILITY_WRITE=1 $(PY) -m pytest -q -m "reliability or reliability_full" tests/reliability
 	OMP_NUM_THREADS=1 $(PY) bench/load.py
+	OMP_NUM_THREADS=1 $(PY) bench/chaos.py
 
 # Each script prints its figures and rewrites only its own section of docs/benchmarks.md
 # (load: docs/reliability.md). Run on a quiet machine; the engine bench takes ~10 minutes.
-BENCHES := pool_ops simulate routing_sim routing_families rag_chat generalize age_ceiling hints shadow mrc registry_auth gateway gateway_litellm engine multirow routing capture load aiperf
+BENCHES := pool_ops simulate routing_sim routing_families rag_chat generalize age_ceiling hints shadow mrc registry_auth gateway gateway_litellm engine multirow routing capture load usage_journal aiperf
 
 bench: setup $(AIPERF_STAMP) $(LITELLM_STAMP)
 	for b in $(BENCHES); do OMP_NUM_THREADS=1 $(PY) bench/$$b.py || exit 1; done

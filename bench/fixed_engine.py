@@ -2,9 +2,11 @@
 
 It speaks the real ``kvgate_llm`` contract (requests are decoded and validated with the
 same code as the reference engine) but "generates" a fixed token sequence instantly,
-so what a benchmark measures is the gateway, not the model. Not used by any test.
+so what a benchmark measures is the gateway, not the model. ``--token-delay-ms`` paces a
+streamed answer (a pause before each token), so faults can catch requests in flight
+(``bench/chaos.py``).
 
-    python bench/fixed_engine.py --port 9001 --tokens 16
+    python bench/fixed_engine.py --port 9001 --tokens 16 [--token-delay-ms 0]
 """
 
 from __future__ import annotations
@@ -29,8 +31,10 @@ from engines.reference.kserve import decode_inputs, encode_outputs
 
 
 class FixedModel(service_pb2_grpc.GRPCInferenceServiceServicer):
-    def __init__(self, tokens: list[int], primary_blocks: int = 1024, secondary_blocks: int = 0) -> None:
+    def __init__(self, tokens: list[int], token_delay_s: float = 0.0, primary_blocks: int = 1024,
+                 secondary_blocks: int = 0) -> None:
         self.tokens = tokens
+        self.token_delay_s = token_delay_s
         self.primary_blocks = primary_blocks
         self.secondary_blocks = secondary_blocks
 
@@ -70,13 +74,16 @@ class FixedModel(service_pb2_grpc.GRPCInferenceServiceServicer):
     async def ModelStreamInfer(self, request_iterator, context):
         async for request in request_iterator:
             for response in self._responses(request):
+                if self.token_delay_s:
+                    await asyncio.sleep(self.token_delay_s)
                 yield service_pb2.ModelStreamInferResponse(infer_response=response)
 
 
-async def serve(port: int, tokens: list[int], primary_blocks: int = 1024, secondary_blocks: int = 0) -> None:
+async def serve(port: int, tokens: list[int], token_delay_s: float = 0.0, primary_blocks: int = 1024,
+                secondary_blocks: int = 0) -> None:
     server = grpc.aio.server()
-    service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(FixedModel(tokens, primary_blocks, secondary_blocks),
-                                                                server)
+    service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(
+        FixedModel(tokens, token_delay_s, primary_blocks, secondary_blocks), server)
     server.add_insecure_port(f"127.0.0.1:{port}")
     await server.start()
     await server.wait_for_termination()
@@ -86,6 +93,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--port", type=int, default=9001)
     parser.add_argument("--tokens", type=int, default=16)
+    parser.add_argument("--token-delay-ms", type=float, default=0.0)
     parser.add_argument("--primary-blocks", type=int, default=1024, help="the primary tier the stats call reports")
     parser.add_argument("--secondary-blocks", type=int, default=0, help="the host tier the stats call reports")
     args = parser.parse_args()
@@ -93,7 +101,7 @@ def main() -> None:
 
     text = " The quick brown fox jumps over the lazy dog and keeps running far away" * 8
     tokens = load_gguf_tokenizer().encode(text)[: args.tokens]
-    asyncio.run(serve(args.port, tokens, args.primary_blocks, args.secondary_blocks))
+    asyncio.run(serve(args.port, tokens, args.token_delay_ms / 1000, args.primary_blocks, args.secondary_blocks))
 
 
 if __name__ == "__main__":

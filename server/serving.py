@@ -21,6 +21,7 @@ from tenants.snapshots import PoolSnapshot
 from server.gateway.errors import ServingError
 from server.gateway.replicas.routing import RoutingConfig
 from server.gateway.services import LoopIntervals, build_gateway_services
+from server.gateway.usage_journal import registry_fingerprint
 from server.settings import Settings
 from tenants.db import make_engine, make_session_factory
 
@@ -70,6 +71,8 @@ def build_serving_app(settings: Settings, *, session_factory: sessionmaker[Sessi
         mrc_sample_rate=settings.mrc_sample_rate,
         trace_dir=settings.trace_dir,
         routing=routing or routing_config(settings),
+        usage_journal_dir=settings.usage_journal_dir if settings.usage_journal else None,
+        registry_id=registry_fingerprint(settings.database_url),
         responses_ttl_s=settings.responses_ttl_s, responses_max_bytes=settings.responses_max_bytes,
     )
     return install_gateway(app, services)

@@ -79,6 +79,12 @@ class Settings(BaseSettings):
     log_level: str = "info"
     # Live trace captures (admin API /pools/{ref}/captures) write here: <trace_dir>/<pool>/capture-*.jsonl
     trace_dir: Path = Path("kvgate-traces")
+    # Usage journal (server/gateway/usage_journal.py): every answered request's usage is fsynced
+    # here before the answer ends and replayed into the registry by the next start, so a
+    # SIGKILL loses no billing. Gateways may share the directory (segments are flock-owned);
+    # keep it on a volume that outlives the process. Off: a crash loses up to one flush interval.
+    usage_journal: bool = True
+    usage_journal_dir: Path = Path("kvgate-usage-journal")
     # Replica routing (server/gateway/replicas/routing.py, retention/routing/cost.py).
     router: Literal["kv-aware", "round-robin", "session", "random"] = "kv-aware"
     router_overlap_weight: float = Field(default=1.0, ge=0.0)

@@ -16,6 +16,17 @@ scored by expiry, so a crashed replica's leases lapse).
 
 Invariants: a refused request changes no bucket; every granted :class:`Lease` is
 released exactly once (``release`` is idempotent).
+
+Redis away (connection refused or reset, or no answer within ``REDIS_TIMEOUT_S``): admission
+*fails closed*. ``acquire`` refuses with 503 ``admission_unavailable`` (``Retry-After: 1``),
+so no gateway admits anything it cannot count across the fleet and per-tenant concurrency
+at the engines never exceeds the limit in force; requests already admitted run to their
+end. A ``release`` that cannot reach Redis is kept and retried before the next decision
+(and by :meth:`RedisAdmission.retry_releases`), so the slot is given back once Redis
+returns instead of lapsing only after ``LEASE_TTL_SECONDS``. Why not degrade to per-gateway
+shares: a gateway does not know how many peers are alive or what they hold, so any local
+share is either unsafe (peers double-admit) or a guess; 5xx for seconds is the honest answer,
+and the clients' retry handles it.
 """
 
 from __future__ import annotations
@@ -28,6 +39,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 LEASE_TTL_SECONDS = 900  # upper bound on one request's life; a lost lease lapses after this
+REDIS_TIMEOUT_S = 2.0  # connect and per-command: a Redis that does not answer counts as away
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,11 +54,13 @@ class Limits:
 class AdmissionError(Exception):
     """Refused admission. ``status`` 429 (retry later) or 400 (never admissible)."""
 
-    def __init__(self, message: str, *, limit: str, status: int, retry_after: float | None = None) -> None:
+    def __init__(self, message: str, *, limit: str, status: int, retry_after: float | None = None,
+                 code: str | None = None) -> None:
         super().__init__(message)
         self.limit = limit
         self.status = status
         self.retry_after = retry_after
+        self.code = code  # the OpenAI error code, when not the status' default
 
 
 def check_sizes(limits: Limits, *, prompt_tokens: int, max_output_tokens: int) -> None:
@@ -238,9 +252,13 @@ class RedisAdmission:
 
     def __init__(self, url: str, *, namespace: str = "kvgate") -> None:
         import redis.asyncio as redis_asyncio
+        from redis.exceptions import RedisError
 
-        self._redis = redis_asyncio.from_url(url)
+        self._redis = redis_asyncio.from_url(url, socket_connect_timeout=REDIS_TIMEOUT_S,
+                                             socket_timeout=REDIS_TIMEOUT_S)
         self._ns = namespace
+        self._unreleased: list[tuple[Lease, int]] = []  # releases Redis did not take yet
+        self._down = (RedisError, OSError, asyncio.TimeoutError)  # what "Redis is away" looks like
         self._acquire = self._redis.register_script(_ACQUIRE)
         self._release = self._redis.register_script(_RELEASE)
 
@@ -251,11 +269,19 @@ class RedisAdmission:
     async def acquire(self, tenant: str, limits: Limits, *, prompt_tokens: int, max_output_tokens: int) -> Lease:
         check_sizes(limits, prompt_tokens=prompt_tokens, max_output_tokens=max_output_tokens)
         lease = Lease(tenant, secrets.token_hex(8), limits.tokens_per_minute)
-        code, retry_ms = await self._acquire(
-            keys=self._keys(tenant),
-            args=[limits.requests_per_minute or 0, limits.tokens_per_minute or 0, limits.max_concurrent or 0,
-                  prompt_tokens, lease.lease_id, LEASE_TTL_SECONDS],
-        )
+        try:
+            await self.retry_releases()  # slots owed back first: a decision must see them free
+            code, retry_ms = await self._acquire(
+                keys=self._keys(tenant),
+                args=[limits.requests_per_minute or 0, limits.tokens_per_minute or 0, limits.max_concurrent or 0,
+                      prompt_tokens, lease.lease_id, LEASE_TTL_SECONDS],
+            )
+        except self._down as exc:
+            # Fail closed: a lease Redis may or may not have stored is released later (ZREM is idempotent).
+            self._unreleased.append((lease, 0))
+            raise AdmissionError("admission is unavailable (its store cannot be reached); retry shortly",
+                                 limit="admission", status=503, retry_after=1.0,
+                                 code="admission_unavailable") from exc
         if int(code) != 0:
             name = _CODES[int(code)]
             value = getattr(limits, name)
@@ -267,8 +293,34 @@ class RedisAdmission:
         if lease.released:
             return
         lease.released = True
+        try:
+            await self._send_release(lease, completion_tokens)
+        except self._down:
+            self._unreleased.append((lease, completion_tokens))  # given back when Redis answers again
+
+    async def _send_release(self, lease: Lease, completion_tokens: int) -> None:
         keys = self._keys(lease.tenant)
         await self._release(keys=[keys[1], keys[2]], args=[lease.tokens_per_minute or 0, completion_tokens, lease.lease_id])
+
+    async def retry_releases(self) -> int:
+        """Send the releases Redis missed; raises (keeping the unsent ones) if it is still away.
+
+        Why the swap: several requests may call this at once; each owed release is taken
+        by exactly one of them."""
+        owed, self._unreleased = self._unreleased, []
+        sent = 0
+        try:
+            for lease, completion_tokens in owed:
+                await self._send_release(lease, completion_tokens)
+                sent += 1
+        except BaseException:
+            self._unreleased[:0] = owed[sent:]
+            raise
+        return sent
+
+    @property
+    def owed_releases(self) -> int:
+        return len(self._unreleased)
 
     async def in_flight(self, tenant: str) -> int:
         return int(await self._redis.zcard(self._keys(tenant)[2]))

@@ -31,6 +31,7 @@ from server.gateway.observe.slo_guard import SloGuards
 from server.gateway.response_store import DEFAULT_MAX_BYTES, DEFAULT_TTL_S, ResponseStore
 from server.gateway.replicas.routing import Routing, RoutingConfig
 from server.gateway.usage import UsageRecorder
+from server.gateway.usage_journal import UsageJournal
 from tenants.snapshots import PoolSnapshot
 
 log = logging.getLogger("kvgate.gateway")
@@ -89,10 +90,19 @@ class GatewayServices:
     def start(self) -> None:
         self._tasks = [
             asyncio.create_task(self.warm_up()),
+            asyncio.create_task(self.usage.flush()),  # what a dead gateway's journal left, at once
             asyncio.create_task(self._loop(self.intervals.usage_flush, self.usage.flush, "usage flush")),
             asyncio.create_task(self._loop(self.intervals.last_used_flush, self.auth.flush_last_used, "last-used flush")),
             asyncio.create_task(self._loop(self.intervals.pool_poll, self.monitor.refresh, "pool poll")),
         ]
+        retry_releases = getattr(self.admission, "retry_releases", None)
+        if retry_releases is not None:  # Redis admission: slots owed back after a Redis outage
+
+            async def give_back() -> None:
+                with contextlib.suppress(Exception):  # still away: the next round tries again
+                    await retry_releases()
+
+            self._tasks.append(asyncio.create_task(self._loop(1.0, give_back, "admission releases")))
         if self.responses is not None:
             self._tasks.append(asyncio.create_task(
                 self._loop(self.intervals.responses_purge, self.responses.purge_expired, "responses purge")))
@@ -112,6 +122,7 @@ class GatewayServices:
         self._tasks = []
         with contextlib.suppress(Exception):
             await self.usage.flush()
+        self.usage.close()
         with contextlib.suppress(Exception):
             await self.auth.flush_last_used()
         if self.captures is not None:
@@ -127,7 +138,8 @@ def build_gateway_services(*, session_factory, pepper: str, tokenizer_for, admis
                            intervals: LoopIntervals | None = None, adaptive_max_entries: int = 100_000,
                            mrc_sample_rate: float = 0.01, trace_dir: Path | None = None,
                            routing: RoutingConfig | None = None, responses_ttl_s: float = DEFAULT_TTL_S,
-                           responses_max_bytes: int = DEFAULT_MAX_BYTES) -> GatewayServices:
+                           responses_max_bytes: int = DEFAULT_MAX_BYTES,
+                           usage_journal_dir: Path | None = None, registry_id: str = "registry") -> GatewayServices:
     engines: EngineDirectory[ChatPrompter] = EngineDirectory(lambda pool: ChatPrompter(tokenizer_for(pool)))
     selectors: dict[str, AdaptiveSelector] = {}
 
@@ -148,7 +160,9 @@ def build_gateway_services(*, session_factory, pepper: str, tokenizer_for, admis
     curves = MissRatioCurves(mrc_sample_rate)
     if curves.enabled:
         registry.register(MissRatioCollector(curves, monitor.tenant_slugs))
-    usage = UsageRecorder(session_factory)
+    # The journal's directory: answered requests' usage survives a SIGKILL (server.gateway.usage_journal).
+    journal = UsageJournal(usage_journal_dir, registry=registry_id) if usage_journal_dir is not None else None
+    usage = UsageRecorder(session_factory, journal=journal)
     guards = SloGuards(session_factory=session_factory, pools=lambda: list(engines.pools.values()), registry=registry)
     captures = TraceCaptures(session_factory, trace_dir, registry) if trace_dir is not None else None
     return GatewayServices(

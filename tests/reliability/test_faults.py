@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import secrets
 import signal
 import threading
@@ -335,3 +336,104 @@ def test_database_outage_serves_cached_keys_refuses_writes_and_loses_nothing(sta
             gateway.stop()
         link.close()
         db.drop()
+
+
+# Redis outage ----------------------------------------------------------------------------------
+def _redis_reachable() -> bool:
+    import socket
+
+    try:
+        with socket.create_connection(("127.0.0.1", 6379), timeout=0.5):
+            return True
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(not _redis_reachable(), reason="no Redis at 127.0.0.1:6379")
+@pytest.mark.reliability
+def test_redis_cut_fails_closed_and_concurrency_holds_across_two_gateways(stack: Stack, tmp_path, figures) -> None:
+    """Two ``kvgate serve`` share Redis admission through a link we cut for 5 s while 8 clients
+    stream through both: admission fails closed (503 ``admission_unavailable``, never a 500),
+    streams admitted before the cut finish, the tenant never has more requests at the engine
+    than its limit, and after the restore requests are admitted again and no lease is left."""
+    import redis
+
+    proxy, proxy_port, stop_proxy = run_counting_proxy_in_thread(f"127.0.0.1:{stack.engine.port}")
+    link = TcpCut(6379).start()
+    registry = Registry(f"sqlite:///{tmp_path / 'registry.db'}", pepper=PEPPER)
+    registry.add_pool("reference", f"127.0.0.1:{proxy_port}")
+    registry.add_class()
+    slug = "redis-cut-" + secrets.token_hex(3)
+    limit = 3
+    key = registry.add_tenant(slug, pool="reference", max_concurrent_requests=limit)
+    env = {"KVGATE_REDIS_URL": f"redis://127.0.0.1:{link.port}/0"}
+    gateways = [GatewayProcess(registry.url, PEPPER, tmp_path / f"gw{i}", extra_env=env) for i in range(2)]
+    stop = threading.Event()
+    lock = threading.Lock()
+    outcomes: list[tuple[float, int, str, bool]] = []  # (time, status, error code, stream complete)
+    try:
+        for g in gateways:
+            g.start()
+        for g in gateways:
+            g.wait_ready()
+
+        def client(i: int) -> None:
+            gateway = gateways[i % 2]
+            body = chat_body([{"role": "user", "content": f"Count to ten, voice {i}."}], max_tokens=12)
+            with httpx.Client(base_url=gateway.base_url, timeout=60) as http:
+                while not stop.is_set():
+                    result = StreamResult(0)
+                    parser = SseParser(result)
+                    with http.stream("POST", "/v1/chat/completions", headers=auth(key), json=body) as r:
+                        result.status = r.status_code
+                        if r.status_code == 200:
+                            for line in r.iter_lines():
+                                parser.line(line)
+                            code = ""
+                        else:
+                            raw = r.read()
+                            try:
+                                code = json.loads(raw)["error"]["code"]
+                            except (ValueError, KeyError, TypeError):
+                                code = f"unparsable: {raw[:120]!r}"
+                    with lock:
+                        outcomes.append((time.monotonic(), result.status, code, result.complete))
+                    if r.status_code != 200:
+                        time.sleep(0.2)
+
+        threads = [threading.Thread(target=client, args=(i,)) for i in range(8)]
+        for t in threads:
+            t.start()
+        time.sleep(3)
+        link.cut()
+        cut_at = time.monotonic()
+        time.sleep(5)
+        link.restore()
+        restored_at = time.monotonic()
+        time.sleep(5)
+        stop.set()
+        for t in threads:
+            t.join(60)
+        statuses = {(s, c) for _, s, c, _ in outcomes}
+        assert statuses <= {(200, ""), (429, "rate_limit_exceeded"), (503, "admission_unavailable")}, statuses
+        during = [(s, c) for at, s, c, _ in outcomes if cut_at + 0.5 < at < restored_at]
+        assert (503, "admission_unavailable") in during
+        assert all(ok for _, s, _, ok in outcomes if s == 200), "a stream admitted before the cut did not finish"
+        after = [s for at, s, _, _ in outcomes if at > restored_at + 2]
+        assert 200 in after, "admission did not come back after Redis did"
+        engine_max = max(proxy.max_in_flight.values())
+        assert engine_max <= limit, proxy.max_in_flight
+        leases = redis.Redis.from_url("redis://127.0.0.1:6379/0")
+        wait_for(lambda: leases.zcard(f"kvgate:adm:{{{slug}}}:leases") == 0, 10, "every lease to be given back")
+        figures.record("faults: Redis cut 5 s, two gateways", limit=limit, engine_max_in_flight=engine_max,
+                       answered_200=sum(1 for _, s, _, _ in outcomes if s == 200),
+                       refused_503_admission_unavailable=sum(1 for _, s, _, _ in outcomes if s == 503),
+                       refused_429=sum(1 for _, s, _, _ in outcomes if s == 429),
+                       answered_200_during_cut=sum(1 for at, s, _, _ in outcomes if cut_at < at < restored_at and s == 200),
+                       leases_left_after=0)
+    finally:
+        stop.set()
+        for g in gateways:
+            g.stop()
+        link.close()
+        stop_proxy()

@@ -15,7 +15,8 @@ fails after the stream started. Invariants:
 * leaving early (client disconnect, stop string) closes the engine stream, which
   cancels the engine request and frees its blocks;
 * usage and metrics are recorded once per admitted request, with the tokens actually
-  generated;
+  generated, and the usage is durable before the answer's end reaches the client (a JSON
+  body is built after it; a stream's closing frames are held until it);
 * a streamed response starts (status 200, headers) only once the engine's first response
   is in hand: the replica is then final (no retry after it), so ``x-kvgate-replica`` names
   the one that serves the stream, and a failure before it (no replica, refusal, first-token
@@ -111,7 +112,9 @@ class Outcome:
 
 
 REPLICA_HEADER = "x-kvgate-replica"
-UsageSink = Callable[[int, int, int], None]  # (tenant_id, prompt_tokens, completion_tokens)
+# (tenant_id, prompt_tokens, completion_tokens) -> None, or an awaitable done once the usage is
+# durable (server.gateway.usage.UsageRecorder with its journal)
+UsageSink = Callable[[int, int, int], Awaitable[None] | None]
 CaptureSink = Callable[..., bool]  # server.gateway.observe.capture.TraceCaptures.offer (keyword arguments)
 
 
@@ -490,8 +493,8 @@ class CompletionRunner:
             )
         except AdmissionError as exc:
             self._metrics.rate_limited.labels(tenant.slug, exc.limit).inc()
-            headers = {"Retry-After": retry_after_header(exc)} if exc.status == 429 else None
-            code = "rate_limit_exceeded" if exc.status == 429 else "limit_exceeded"
+            headers = {"Retry-After": retry_after_header(exc)} if exc.status in (429, 503) else None
+            code = exc.code or ("rate_limit_exceeded" if exc.status == 429 else "limit_exceeded")
             raise ServingError(exc.status, code, str(exc), param=exc.limit, headers=headers) from exc
         selector = self._selector_for(job.tenant.pool) if self._selector_for is not None else None
         now = self._clock()
@@ -601,7 +604,9 @@ class CompletionRunner:
         )
         if self._guard is not None:
             self._guard.observe(tenant.pool.name, outcome.arm, ttft=outcome.ttft, inter_token=inter_token, kv=outcome.kv)
-        self._usage(tenant.tenant_id, job.prompt.total, outcome.completion_tokens)
+        durable = self._usage(tenant.tenant_id, job.prompt.total, outcome.completion_tokens)
+        if durable is not None:
+            await durable
         if self._capture is not None and outcome.kv is not None:  # the engine ran it: a trace line (if sampled)
             kv = outcome.kv
             self._capture(tenant_id=tenant.tenant_id, tenant=tenant.slug, retention_class=tenant.retention_class,
@@ -616,9 +621,19 @@ class CompletionRunner:
                       outcome: Outcome, started: float, end: Callable[[], Awaitable[None]]) -> AsyncIterator[bytes]:
         """The SSE body the dialect renders; ``end`` (idempotent: closes ``chunks``, releases
         the admission slot, records the outcome) runs when it ends, and from the response if
-        it never starts."""
+        it never starts. Once generation is over, the closing frames (finish reason, usage,
+        ``[DONE]``, or the error event) are held until ``end`` has run: the usage is durable
+        (journal fsynced) before the client sees the end of its answer; content frames are
+        never held."""
+        trailer: list[bytes] = []
         try:
             async for frame in dialect.stream(job, outcome, _deltas(job, request, chunks, outcome, started)):
+                if outcome.finish_reason is None and outcome.status == "ok":
+                    yield frame
+                else:  # generation over: the closing frames wait until the usage is durable
+                    trailer.append(frame)
+            await end()
+            for frame in trailer:
                 yield frame
         except BaseException:
             if outcome.status == "ok":

@@ -149,7 +149,8 @@ def build_stack(tmp: Path, *, engine_args: list[str], tokens_per_block: int, pri
                                        system_priority=90, context_priority=60, turn_priority=40,
                                        decode_priority=20)
     app_settings = Settings(database_url=url, admin_tokens=[f"ci:{admin_token}"], key_pepper=PEPPER, dev=False,
-                            **{"trace_dir": tmp / "traces", **(settings or {})})
+                            **{"trace_dir": tmp / "traces", "usage_journal_dir": tmp / "usage-journal",
+                               **(settings or {})})
     app = build_serving_app(app_settings, session_factory=factory, auth_ttl=0.5,
                             intervals=LoopIntervals(usage_flush=0.5, last_used_flush=1.0, pool_poll=0.3,
                                                     capture_refresh=0.3))

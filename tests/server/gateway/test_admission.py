@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import secrets
 
 import pytest
@@ -152,3 +153,38 @@ async def test_redis_replicas_share_limits() -> None:
     await first._redis.delete(*keys)
     await first.close()
     await second.close()
+
+
+async def test_redis_away_fails_closed_and_owed_releases_return_the_slot() -> None:
+    """Redis behind a TCP link we cut: acquire refuses with 503 (never admits uncounted), a
+    release during the cut is kept and given back once Redis answers (not after the lease TTL)."""
+    if not _redis_up():
+        pytest.skip("Redis at 127.0.0.1:6379 is not reachable")
+    from tests.reliability.proxies import TcpCut
+
+    link = TcpCut(6379).start()
+    adm = RedisAdmission(f"redis://127.0.0.1:{link.port}/0", namespace=f"kvgate-test-{secrets.token_hex(4)}")
+    direct = RedisAdmission(REDIS_URL, namespace=adm._ns)
+    limits = Limits(max_concurrent=1)
+    try:
+        held = await adm.acquire("t", limits, prompt_tokens=1, max_output_tokens=1)
+        link.cut()
+        with pytest.raises(AdmissionError) as refused:
+            await adm.acquire("t", Limits(max_concurrent=5), prompt_tokens=1, max_output_tokens=1)
+        assert (refused.value.status, refused.value.code, refused.value.retry_after) == (503, "admission_unavailable", 1.0)
+        await adm.release(held, completion_tokens=1)  # Redis away: owed, not lost
+        for _ in range(3):  # more refusals while away: each leaves an owed (idempotent) release
+            with pytest.raises(AdmissionError):
+                await adm.acquire("t", limits, prompt_tokens=1, max_output_tokens=1)
+        assert adm.owed_releases >= 4
+        assert await direct.in_flight("t") == 1  # still held in Redis
+        link.restore()
+        # Several requests give owed slots back at once: each is sent once, none is dropped.
+        await asyncio.gather(*(adm.retry_releases() for _ in range(4)))
+        assert adm.owed_releases == 0 and await direct.in_flight("t") == 0
+        again = await adm.acquire("t", limits, prompt_tokens=1, max_output_tokens=1)  # the slot is back
+        await adm.release(again, completion_tokens=0)
+    finally:
+        link.close()
+        await adm.close()
+        await direct.close()

@@ -1,0 +1,521 @@
+"""Chaos: a small fleet of real processes under streaming load while faults land on it.
+
+Two ``kvgate serve`` gateways share Redis admission and a PostgreSQL registry (each
+behind a TCP link that can be cut: ``tests/reliability/proxies.py`` ``TcpCut``); one pool
+of three engine replicas: the CPU reference engine (``kvgate engine serve``) and two
+``bench/fixed_engine.py`` processes (the same KServe v2 contract, KV stats included,
+6 tokens paced 60 ms apart), each behind a counting proxy that sees every call's tenant, prompt
+and generated tokens (the proxies share their counters, so per-tenant concurrency is
+counted across the pool). Four salted tenants with different concurrency limits. The
+clients stream short answers, spread over both gateways, bounded in count and time, and
+retry a refusal (429, 503) after a jittered pause.
+
+Faults, each at a recorded moment: SIGKILL a fixed replica; drain then remove the reference one; SIGTERM a
+gateway and start it again (or SIGKILL it, with the usage journal check); cut Redis; cut
+PostgreSQL; lower a tenant's concurrency limit and revoke one of its keys.
+
+    python bench/chaos.py [--streams 1000] [--concurrency 1000] [--no-write]
+
+Figures go to the ``bench:chaos`` section of docs/reliability.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import secrets
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from bench.report import machine, write_section  # noqa: E402
+from engines.tokenizer import load_gguf_tokenizer  # noqa: E402
+from tests.reliability.harness import GatewayProcess, PostgresDatabase, Registry, postgres_port  # noqa: E402
+from tests.reliability.proxies import CountingProxy, TcpCut, start_counting_proxy  # noqa: E402
+from tests.reliability.sse import SseParser, StreamResult, chat_body  # noqa: E402
+from tests.server.gateway.stack import MODEL, PEPPER, free_port  # noqa: E402
+
+DOC = ROOT / "docs" / "reliability.md"
+ACTOR = "bench:chaos"
+POOL = "chaos"
+LIMITS = (4, 8, 16, 32)
+QUESTIONS = ["Name one primary colour.", "What is two plus two?", "Say hello politely.", "Name a fruit."]
+ALL_FAULTS = ("replica_kill", "replica_drain_remove", "gateway_sigterm", "redis_cut", "postgres_cut",
+              "limit_and_revoke")
+
+
+@dataclass
+class ChaosReport:
+    streams: int
+    concurrency: int
+    faults: list[str]
+    started: str = ""
+    wall_s: float = 0.0
+    outcomes: dict[str, int] = field(default_factory=dict)  # how each stream ended
+    refusals: dict[str, int] = field(default_factory=dict)  # retried answers, by status and code
+    fault_times_s: dict[str, float] = field(default_factory=dict)  # seconds after the load started
+    double_ended: int = 0  # a stream with two endings (finish and error, two [DONE], ...)
+    malformed_frames: int = 0
+    truncated_without_error: int = 0
+    hung: int = 0  # no first byte within the first-token deadline
+    not_generated: list[str] = field(default_factory=list)  # complete streams no engine call explains
+    engine_calls: int = 0
+    engine_calls_on_killed_replica: int = 0
+    limits: dict[str, int] = field(default_factory=dict)
+    engine_max_in_flight: dict[str, int] = field(default_factory=dict)
+    lowered_limit: dict[str, int] = field(default_factory=dict)
+    engine_max_after_lowering: int = 0
+    revoked_refused_after_s: list[float] = field(default_factory=list)  # per gateway
+    revoked_key_probes_answered: int = 0  # probes answered (200) before the revocation reached a gateway
+    limit_bound_s: float = 0.0
+    usage_answered: list[int] = field(default_factory=list)  # requests, prompt, completion (complete streams)
+    admitted_then_refused: int = 0  # 503 engine_unavailable / 504 engine_timeout: admitted, so recorded in usage
+    usage_recorded: list[int] = field(default_factory=list)
+    usage_engine_completion_tokens: int = 0  # what the engines generated for the complete streams
+    cut_streams: int = 0  # streams a gateway SIGKILL cut (no terminal event possible)
+    journal_segments_left: int = 0  # usage journal files not applied at the end (must be 0)
+    rss_mib: dict[str, list[float]] = field(default_factory=dict)
+
+    def as_dict(self) -> dict:
+        return {k: getattr(self, k) for k in self.__dataclass_fields__}
+
+
+@dataclass
+class _Fleet:
+    db: PostgresDatabase
+    pg_link: TcpCut
+    redis_link: TcpCut
+    registry: Registry
+    gateways: list[GatewayProcess]
+    fixed: dict[str, subprocess.Popen]
+    proxies: dict[str, tuple[object, CountingProxy, int]]
+    keys: dict[str, list[str]]
+    tenant_ids: dict[str, str]  # engine tenant id -> slug
+
+
+FIXED_TOKEN_DELAY_MS = 60  # 6 tokens in ~0.4 s: a kill catches streams before and after their first token
+
+
+def _start_fixed(port: int, log: Path) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, str(ROOT / "bench" / "fixed_engine.py"), "--port", str(port),
+                             "--tokens", "6", "--token-delay-ms", str(FIXED_TOKEN_DELAY_MS)],
+                            stdout=open(log, "ab"), stderr=subprocess.STDOUT, cwd=ROOT)
+
+
+async def _build(workdir: Path, reference_port: int) -> _Fleet:
+    from tenants import pools
+    from tenants.models import Tenant
+
+    db = PostgresDatabase().create()
+    pg_link = TcpCut(postgres_port()).start()
+    redis_link = TcpCut(6379).start()
+    fixed, ports = {}, {}
+    for name in ("r1", "r2"):
+        ports[name] = free_port()
+        fixed[name] = _start_fixed(ports[name], workdir / f"{name}.log")
+    proxies = {}
+    shared = None
+    for name, port in (("r0", reference_port), *ports.items()):
+        server, proxy, bound = await start_counting_proxy(f"127.0.0.1:{port}")
+        if shared is None:
+            shared = proxy
+        else:  # one view of the pool: per-tenant counts across every replica
+            for attr in ("in_flight", "max_in_flight", "started", "finished", "responses"):
+                setattr(proxy, attr, getattr(shared, attr))
+        proxies[name] = (server, proxy, bound)
+    registry = Registry(db.url, pepper=PEPPER)
+    now = datetime.now(UTC)
+    with registry.factory() as session:
+        pools.create_pool(session, actor=ACTOR, now=now, name=POOL, model_name=MODEL,
+                          replicas=[{"name": n, "endpoint": f"127.0.0.1:{p[2]}"} for n, p in proxies.items()],
+                          engine_spec="reference-smollm2", tokens_per_block=16, primary_blocks=512,
+                          secondary_blocks=512, secondary_offload_min_priority=30)
+    registry.add_class()
+    run = secrets.token_hex(2)
+    keys: dict[str, list[str]] = {}
+    for t, limit in enumerate(LIMITS):
+        slug = f"chaos-{t}-{run}"
+        keys[slug] = [registry.add_tenant(slug, pool=POOL, isolation="salted", max_concurrent_requests=limit,
+                                          rpm_limit=1_000_000, tpm_limit=100_000_000)]
+        keys[slug].append(registry.add_key(slug))
+    with registry.factory() as session:
+        tenant_ids = {str(r.id): r.slug for r in session.query(Tenant).all()}
+    gateways = []
+    for i in range(2):
+        env = {"KVGATE_REDIS_URL": f"redis://127.0.0.1:{redis_link.port}/0",
+               "KVGATE_USAGE_JOURNAL_DIR": str(workdir / f"journal{i}"), "KVGATE_DRAIN_TIMEOUT": "20",
+               "KVGATE_FIRST_TOKEN_TIMEOUT_S": "10"}
+        gateways.append(GatewayProcess(db.url_via(pg_link.port), PEPPER, workdir / f"gw{i}", extra_env=env))
+    for g in gateways:
+        await asyncio.to_thread(g.start)
+    for g in gateways:
+        await asyncio.to_thread(g.wait_ready)
+    return _Fleet(db, pg_link, redis_link, registry, gateways, fixed, proxies, keys, tenant_ids)
+
+
+async def _one_stream(http: httpx.AsyncClient, fleet: _Fleet, i: int, slug: str, key_index: int, question: int,
+                      report: ChaosReport, rng: random.Random, deadline: float, first_token_s: float,
+                      results: list) -> None:
+    body = chat_body([{"role": "user", "content": QUESTIONS[question]}], max_tokens=6)
+    while time.monotonic() < deadline:
+        gateway = fleet.gateways[(i + rng.randrange(2)) % 2]
+        result = StreamResult(0)
+        parser = SseParser(result)
+        key = fleet.keys[slug][key_index]
+        ends = 0
+        try:
+            async with http.stream("POST", gateway.base_url + "/v1/chat/completions", json=body,
+                                   headers={"Authorization": f"Bearer {key}"},
+                                   timeout=httpx.Timeout(60.0, read=first_token_s + 30)) as r:
+                result.status = r.status_code
+                if r.status_code != 200:
+                    raw = await r.aread()
+                    try:
+                        code = json.loads(raw)["error"]["code"]
+                    except (ValueError, KeyError, TypeError):
+                        code = "unparsable"
+                    name = f"{r.status_code} {code}"
+                    report.refusals[name] = report.refusals.get(name, 0) + 1
+                    if r.status_code == 401 and key_index == 1:  # the revoked key: the other one from now on
+                        key_index = 0
+                    await asyncio.sleep(0.1 + rng.random() * 0.5)
+                    continue
+                async for line in r.aiter_lines():
+                    parser.line(line)
+                    if line == "data: [DONE]" or (line.startswith("data: ") and '"error"' in line[:16]):
+                        ends += 1
+        except httpx.ReadTimeout:
+            results.append((i, slug, question, "hung", result))
+            return
+        except httpx.HTTPError:
+            if result.status == 200:  # started, then the gateway vanished (SIGKILL): nothing more can come
+                results.append((i, slug, question, "cut", result))
+                return
+            await asyncio.sleep(0.1 + rng.random() * 0.5)  # could not connect: that gateway is restarting
+            continue
+        if ends > 1:
+            report.double_ended += 1
+        report.malformed_frames += result.malformed
+        if result.complete:
+            results.append((i, slug, question, "complete", result))
+        elif result.error is not None:
+            results.append((i, slug, question, f"error {result.error.get('code')}", result))
+        else:
+            results.append((i, slug, question, "truncated", result))
+        return
+    results.append((i, slug, question, "gave_up", StreamResult(0)))
+
+
+async def run_chaos(*, reference_port: int, workdir: Path, streams: int = 1000, concurrency: int = 1000,
+                    faults: tuple[str, ...] = ALL_FAULTS, gateway_kill: bool = False, seed: int = 11,
+                    time_budget_s: float = 240.0, first_token_s: float = 10.0, spread_s: float = 60.0) -> ChaosReport:
+    """One bounded run; see the module docstring. ``gateway_kill``: SIGKILL (not SIGTERM) a gateway
+    mid-run and check the usage journal's replay at the end. Streams start at random moments
+    over the first ``spread_s`` seconds, so the faults land on traffic."""
+    from tenants import keys as keys_mod, tenant as tenant_mod, replicas as replicas_mod
+    from tenants.models import Tenant, Usage
+    from sqlalchemy import func, select
+
+    report = ChaosReport(streams, concurrency, list(faults) + (["gateway_sigkill"] if gateway_kill else []),
+                         started=datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC"))
+    rng = random.Random(seed)
+    fleet = await _build(workdir, reference_port)
+    shared = next(iter(fleet.proxies.values()))[1]
+    slugs = list(fleet.keys)
+    report.limits = dict(zip(slugs, LIMITS, strict=True))
+    t0 = time.monotonic()
+    deadline = t0 + time_budget_s
+    results: list = []
+    limit_in_force: dict[str, int] = dict(report.limits)
+    max_after_lowering = [0]
+    lowered_at = [None]
+    try:
+        report.rss_mib["before"] = [round(g.rss_bytes() / 2**20, 1) for g in fleet.gateways]
+
+        def mark(name: str) -> None:
+            report.fault_times_s[name] = round(time.monotonic() - t0, 2)
+
+        def registry_write(fn, **kwargs) -> None:
+            with fleet.registry.factory() as session:
+                fn(session, actor=ACTOR, now=datetime.now(UTC), **kwargs)
+
+        async def watch_lowered() -> None:
+            while time.monotonic() < deadline:
+                if lowered_at[0] is not None and time.monotonic() > lowered_at[0] + report.limit_bound_s:
+                    tid = next(k for k, v in fleet.tenant_ids.items() if v == slugs[3])
+                    max_after_lowering[0] = max(max_after_lowering[0], shared.in_flight.get(tid, 0))
+                await asyncio.sleep(0.02)
+
+        async def inject() -> None:
+            await asyncio.sleep(1.5)
+            if "replica_kill" in faults:
+                fleet.fixed["r1"].send_signal(signal.SIGKILL)
+                mark("replica_kill (SIGKILL r1)")
+            await asyncio.sleep(1.0)
+            if "replica_drain_remove" in faults:
+                # Why the reference engine: a fixed replica must survive to carry the load (the
+                # reference engine alone, batch 16 on a shared CPU, cannot serve 1,000 streams).
+                await asyncio.to_thread(registry_write, replicas_mod.drain_replica, pool=POOL, name="r0")
+                mark("replica r0 (reference) draining")
+            if gateway_kill:
+                fleet.gateways[1].signal(signal.SIGKILL)
+                await asyncio.to_thread(fleet.gateways[1].wait, 10)
+                mark("gateway 1 SIGKILL")
+                await asyncio.to_thread(fleet.gateways[1].start)
+                mark("gateway 1 restarted")
+            elif "gateway_sigterm" in faults:
+                fleet.gateways[1].signal(signal.SIGTERM)
+                mark("gateway 1 SIGTERM")
+                await asyncio.to_thread(fleet.gateways[1].wait, 40)
+                mark("gateway 1 exited")
+                await asyncio.to_thread(fleet.gateways[1].start)
+                mark("gateway 1 restarted")
+            if "replica_drain_remove" in faults:
+                await asyncio.sleep(1.0)
+                await asyncio.to_thread(registry_write, replicas_mod.remove_replica, pool=POOL, name="r0")
+                mark("replica r0 (reference) removed")
+            if "limit_and_revoke" in faults:
+                slug = slugs[3]
+                with fleet.registry.factory() as session:
+                    row = session.scalars(select(Tenant).where(Tenant.slug == slug)).one()
+                    version = row.version
+                new_limit = 4
+                await asyncio.to_thread(registry_write, tenant_mod.update_tenant, ref=slug, version=version,
+                                        changes={"max_concurrent_requests": new_limit})
+                with fleet.registry.factory() as session:
+                    key_ids = [k.id for k in keys_mod.list_keys(session, tenant=slug, limit=10, offset=0).items]
+                await asyncio.to_thread(registry_write, keys_mod.revoke_key, tenant=slug, key_id=max(key_ids))
+                changed = time.monotonic()
+                mark("limit lowered and key revoked")
+                report.lowered_limit = {slug: new_limit}
+                limit_in_force[slug] = new_limit
+                report.limit_bound_s = 6.0  # auth TTL of `kvgate serve` (5 s) + one request's life
+                lowered_at[0] = changed
+                revoked = fleet.keys[slug][1]
+                async with httpx.AsyncClient(timeout=10) as probe:
+                    for g in fleet.gateways:
+                        while time.monotonic() - changed < 30:
+                            try:
+                                r = await probe.post(g.base_url + "/v1/chat/completions",
+                                                     headers={"Authorization": f"Bearer {revoked}"},
+                                                     json=chat_body([{"role": "user", "content": "hi"}],
+                                                                    max_tokens=1, stream=False))
+                                if r.status_code == 401:
+                                    break
+                                if r.status_code == 200:
+                                    report.revoked_key_probes_answered += 1
+                            except httpx.HTTPError:
+                                pass
+                            await asyncio.sleep(0.1)
+                        report.revoked_refused_after_s.append(round(time.monotonic() - changed, 2))
+            if "redis_cut" in faults:
+                fleet.redis_link.cut()
+                mark("Redis cut")
+                await asyncio.sleep(5)
+                fleet.redis_link.restore()
+                mark("Redis restored")
+            if "postgres_cut" in faults:
+                fleet.pg_link.cut()
+                mark("PostgreSQL cut")
+                await asyncio.sleep(10)
+                fleet.pg_link.restore()
+                mark("PostgreSQL restored")
+
+        sem = asyncio.Semaphore(concurrency)
+        connections = httpx.Limits(max_connections=concurrency + 32, max_keepalive_connections=concurrency + 32)
+        plan = [(i, slugs[i % len(slugs)], rng.randrange(2), rng.randrange(len(QUESTIONS))) for i in range(streams)]
+
+        async def paced(i, slug, key_index, question) -> None:
+            await asyncio.sleep(rng.random() * spread_s)  # spread over the fault window
+            async with sem:
+                await _one_stream(http, fleet, i, slug, key_index, question, report, rng, deadline, first_token_s,
+                                  results)
+
+        watcher = asyncio.create_task(watch_lowered())
+        async with httpx.AsyncClient(limits=connections) as http:
+            injector = asyncio.create_task(inject())
+            await asyncio.gather(*(paced(*p) for p in plan))
+            await injector
+        watcher.cancel()
+        report.wall_s = round(time.monotonic() - t0, 1)
+        report.rss_mib["after"] = [round(g.rss_bytes() / 2**20, 1) for g in fleet.gateways]
+        # How each stream ended, and whether a complete one is exactly what an engine generated.
+        report.outcomes = dict(Counter(kind for _, _, _, kind, _ in results))
+        report.hung = report.outcomes.get("hung", 0)
+        report.truncated_without_error = report.outcomes.get("truncated", 0)
+        report.cut_streams = report.outcomes.get("cut", 0)
+        tokenizer = load_gguf_tokenizer()
+        calls = [c for _, proxy, _ in fleet.proxies.values() for c in proxy.calls]  # fresh proxies: this run's
+        report.engine_calls = len(calls)
+        killed_proxy = fleet.proxies["r1"][1]
+        report.engine_calls_on_killed_replica = sum(1 for c in killed_proxy.calls if not c.final)
+        engine_side = Counter((fleet.tenant_ids.get(c.tenant_id, c.tenant_id), tokenizer.decode(c.output_ids),
+                               len(c.output_ids)) for c in calls if c.final)
+        client_side = Counter((slug, r.text, r.usage["completion_tokens"])
+                              for _, slug, _, kind, r in results if kind == "complete")
+        report.not_generated = [str(k) for k in (client_side - engine_side)][:5]
+        answered = [r for _, _, _, kind, r in results if kind == "complete"]
+        report.usage_answered = [len(answered), sum(r.usage["prompt_tokens"] for r in answered),
+                                 sum(r.usage["completion_tokens"] for r in answered)]
+        report.usage_engine_completion_tokens = sum(n * count for (_, _, n), count in (client_side & engine_side).items())
+        report.engine_max_in_flight = {fleet.tenant_ids.get(k, k): v for k, v in shared.max_in_flight.items()}
+        report.engine_max_after_lowering = max_after_lowering[0]
+        report.admitted_then_refused = sum(v for k, v in report.refusals.items()
+                                           if k in ("503 engine_unavailable", "504 engine_timeout"))
+        # Usage: stop both gateways gracefully (flush), then a fresh start replays any journal left.
+        for g in fleet.gateways:
+            await asyncio.to_thread(g.stop)
+        for i, g in enumerate(fleet.gateways):
+            if list((workdir / f"journal{i}").glob("usage-*.jsonl")):  # left unapplied: a start replays it
+                await asyncio.to_thread(g.start)
+                await asyncio.to_thread(g.wait_ready)
+                await asyncio.to_thread(g.stop)
+        report.journal_segments_left = sum(len(list((workdir / f"journal{i}").glob("usage-*.jsonl")))
+                                           for i in range(len(fleet.gateways)))
+        with fleet.registry.factory() as session:
+            row = session.execute(select(func.coalesce(func.sum(Usage.requests), 0),
+                                         func.coalesce(func.sum(Usage.prompt_tokens), 0),
+                                         func.coalesce(func.sum(Usage.completion_tokens), 0))
+                                  .join(Tenant, Tenant.id == Usage.tenant_id)
+                                  .where(Tenant.slug.in_(slugs))).one()
+        report.usage_recorded = [int(row[0]), int(row[1]), int(row[2])]
+        return report
+    finally:
+        for g in fleet.gateways:
+            await asyncio.to_thread(g.stop)
+        for proc in fleet.fixed.values():
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait(10)
+        for server, _, _ in fleet.proxies.values():
+            await server.stop(0)
+        fleet.redis_link.close()
+        fleet.pg_link.close()
+        fleet.db.drop()
+
+
+@dataclass
+class SoakReport:
+    seconds: float
+    concurrency: int
+    streams: dict[str, int] = field(default_factory=dict)  # how each stream ended
+    samples: list[dict] = field(default_factory=list)  # t, per gateway RSS MiB and open fds
+
+    def growth(self, what: str) -> list[float]:
+        """Per gateway: last sample minus the first sample after warm-up (the second)."""
+        first, last = self.samples[min(1, len(self.samples) - 1)], self.samples[-1]
+        return [round(b - a, 1) for a, b in zip(first[what], last[what], strict=True)]
+
+
+def _fds(pid: int) -> int:
+    return len(list(Path(f"/proc/{pid}/fd").iterdir()))
+
+
+async def run_soak(*, reference_port: int, workdir: Path, seconds: float = 600.0, concurrency: int = 64,
+                   sample_every_s: float = 10.0) -> SoakReport:
+    """Steady streaming load through both gateways for ``seconds``, no faults; RSS and
+    open file descriptors of each gateway sampled every ``sample_every_s``."""
+    report = SoakReport(seconds, concurrency)
+    fleet = await _build(workdir, reference_port)
+    rng = random.Random(5)
+    slugs = list(fleet.keys)
+    results: list = []
+    chaos = ChaosReport(0, concurrency, [])
+    t0 = time.monotonic()
+    end = t0 + seconds
+    try:
+        async def sample() -> None:
+            while time.monotonic() < end:
+                report.samples.append({"t": round(time.monotonic() - t0, 1),
+                                       "rss_mib": [round(g.rss_bytes() / 2**20, 1) for g in fleet.gateways],
+                                       "fds": [_fds(g.proc.pid) for g in fleet.gateways]})
+                await asyncio.sleep(sample_every_s)
+
+        async def worker(w: int) -> None:
+            i = w
+            while time.monotonic() < end:
+                await _one_stream(http, fleet, i, slugs[i % len(slugs)], 0, rng.randrange(len(QUESTIONS)), chaos,
+                                  rng, end + 30, 10.0, results)
+                i += concurrency
+
+        connections = httpx.Limits(max_connections=concurrency + 8, max_keepalive_connections=concurrency + 8)
+        async with httpx.AsyncClient(limits=connections) as http:
+            sampler = asyncio.create_task(sample())
+            await asyncio.gather(*(worker(w) for w in range(concurrency)))
+            await sampler
+        report.streams = dict(Counter(kind for _, _, _, kind, _ in results))
+        return report
+    finally:
+        for g in fleet.gateways:
+            await asyncio.to_thread(g.stop)
+        for proc in fleet.fixed.values():
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait(10)
+        for server, _, _ in fleet.proxies.values():
+            await server.stop(0)
+        fleet.redis_link.close()
+        fleet.pg_link.close()
+        fleet.db.drop()
+
+
+def render(report: ChaosReport) -> str:
+    d = report.as_dict()
+    lines = ["## Chaos run (`bench/chaos.py`)", "",
+             f"Run {report.started}; machine: {machine()}. {report.streams} streams (max {report.concurrency} "
+             f"concurrent, 6 output tokens) over 2 `kvgate serve` (Redis admission, PostgreSQL registry), "
+             "3 replicas (reference engine + 2 fixed engines), 4 salted tenants.", "",
+             "| figure | value |", "|---|---|"]
+    for name, value in d.items():
+        if name in ("streams", "concurrency", "started"):
+            continue
+        shown = json.dumps(value) if isinstance(value, (dict, list)) else value
+        lines.append(f"| {name} | {shown} |")
+    return "\n".join(lines) + "\n"
+
+
+async def _main(args) -> ChaosReport:
+    from tests.reliability.conftest import ENGINE_ARGS
+    from tests.server.gateway.stack import EngineProcess
+
+    workdir = Path(tempfile.mkdtemp(prefix="kvgate-chaos-"))
+    engine = EngineProcess(free_port(), ENGINE_ARGS, workdir / "engine.log")
+    await asyncio.to_thread(engine.start)
+    try:
+        return await run_chaos(reference_port=engine.port, workdir=workdir, streams=args.streams,
+                               concurrency=args.concurrency, time_budget_s=args.time_budget,
+                               spread_s=args.spread)
+    finally:
+        engine.kill()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--streams", type=int, default=1000)
+    parser.add_argument("--concurrency", type=int, default=1000)
+    parser.add_argument("--time-budget", type=float, default=240.0)
+    parser.add_argument("--spread", type=float, default=60.0, help="streams start over this many seconds")
+    parser.add_argument("--no-write", action="store_true")
+    args = parser.parse_args()
+    report = asyncio.run(_main(args))
+    body = render(report)
+    print(body)
+    if not args.no_write:
+        write_section("chaos", body, path=DOC)
+
+
+if __name__ == "__main__":
+    main()

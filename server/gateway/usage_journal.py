@@ -1,0 +1,232 @@
+"""An append-only, fsynced local journal of answered requests' usage (survives SIGKILL).
+
+Layout: one *segment* file per usage batch, ``<dir>/usage-<registry>-<flush_id>.jsonl``
+(``registry``: a fingerprint of the registry database, so gateways of different registries
+sharing a directory never replay each other's segments), one JSON line
+per answered request (``{"t": tenant_id, "m": unix minute, "p": prompt, "c": completion}``).
+The segment's file name carries the ``flush_id`` its batch is written to the registry with
+(``tenants.usage.record_usage``, applied at most once), so replaying a segment after a
+crash can never double count: a batch the dead gateway already committed is refused by its
+id, one it had not is applied once.
+
+Invariants:
+
+* a segment is *owned* by the process holding an exclusive ``flock`` on it, from its
+  creation (or adoption at start) until it is applied and unlinked; a gateway adopts only
+  segments whose lock it can take, i.e. whose owner died. Several gateways may therefore
+  share one directory (a restarted pod replays what a dead one left), and a live
+  segment is never replayed behind its owner's back;
+* :meth:`UsageJournal.append` returns once the line is on disk (``write`` + ``fsync``;
+  a new segment also fsyncs the directory so its name survives). Appends are group
+  committed: every line that arrives while one ``fsync`` runs goes into the next one, so
+  the cost is one ``fsync`` per group, not per request;
+* a torn or unreadable line (a write the kill interrupted, whose ``fsync`` therefore never
+  returned and whose request was not acknowledged as recorded) is skipped at replay.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import fcntl
+import hashlib
+import json
+import logging
+import os
+import secrets
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+
+import anyio
+from sqlalchemy import make_url
+
+from tenants.usage import UsageRow
+
+log = logging.getLogger("kvgate.gateway.usage")
+PREFIX, SUFFIX = "usage-", ".jsonl"
+
+
+def registry_fingerprint(database_url: str) -> str:
+    """Names one registry whatever the credentials: dialect, host, port, database (SQLite: the file), options."""
+    url = make_url(database_url)
+    database = url.database or ""
+    if url.get_backend_name() == "sqlite" and database and database != ":memory:":
+        database = str(Path(database).resolve())
+    query = sorted((k, str(v)) for k, v in url.query.items())  # e.g. a search_path option: another schema
+    ident = f"{url.get_backend_name()}|{url.host or ''}|{url.port or ''}|{database}|{query}"
+    return hashlib.sha256(ident.encode()).hexdigest()[:12]
+
+
+def new_flush_id() -> str:
+    return f"gw-{secrets.token_hex(12)}"
+
+
+@dataclass(slots=True, eq=False)
+class Segment:
+    """One batch's file: its flush id, its locked descriptor, lines not yet on disk."""
+
+    flush_id: str
+    path: Path
+    fd: int
+    synced_dir: bool = False
+    buffer: list[bytes] = field(default_factory=list)
+    writing: bool = False  # a group commit is writing this segment's lines now
+    discarded: bool = False
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)  # also drops the flock
+            self.fd = -1
+
+
+def encode(tenant_id: int, minute: datetime, prompt_tokens: int, completion_tokens: int) -> bytes:
+    m = int(minute.timestamp()) // 60
+    return json.dumps({"t": tenant_id, "m": m, "p": prompt_tokens, "c": completion_tokens},
+                      separators=(",", ":")).encode() + b"\n"
+
+
+def decode(data: bytes) -> list[UsageRow]:
+    """The rows of a segment's bytes; lines that are not complete, valid records are skipped."""
+    rows = []
+    lines = data.split(b"\n")
+    lines.pop()  # after the last newline: empty, or a line the kill tore
+    for line in lines:
+        if not line:
+            continue
+        try:
+            r = json.loads(line)
+            row = UsageRow(int(r["t"]), datetime.fromtimestamp(int(r["m"]) * 60, UTC), 1, int(r["p"]), int(r["c"]))
+        except (ValueError, KeyError, TypeError):
+            log.warning("usage journal: skipped an unreadable line")
+            continue
+        if row.prompt_tokens < 0 or row.completion_tokens < 0:
+            continue
+        rows.append(row)
+    return rows
+
+
+class UsageJournal:
+    """Segments under ``directory``; see the module docstring for the invariants."""
+
+    def __init__(self, directory: Path, *, registry: str, fsync: bool = True) -> None:
+        self.directory = Path(directory)
+        self._prefix = f"{PREFIX}{registry}-"
+        self._fsync = fsync
+        self._committing: asyncio.Task | None = None
+        self._waiters: list[asyncio.Future] = []
+        self._dirty: list[Segment] = []  # segments with buffered lines, in first-append order
+        self.fsyncs = 0  # group commits done (for the benchmark)
+
+    # Start: adopt what dead gateways left ----------------------------------------------------
+    def adopt_orphans(self) -> list[tuple[Segment, list[UsageRow]]]:
+        """Lock and read every segment whose owner is gone; empty ones are removed at once."""
+        self.directory.mkdir(parents=True, exist_ok=True)
+        adopted = []
+        for path in sorted(self.directory.glob(f"{self._prefix}*{SUFFIX}")):
+            try:
+                fd = os.open(path, os.O_RDWR)
+            except FileNotFoundError:  # applied and removed by its owner meanwhile
+                continue
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                os.close(fd)  # a live gateway's segment
+                continue
+            if not path.exists():  # unlinked between our open and our lock: already applied
+                os.close(fd)
+                continue
+            segment = Segment(path.name[len(self._prefix):-len(SUFFIX)], path, fd, synced_dir=True)
+            with open(fd, "rb", closefd=False) as f:
+                rows = decode(f.read())
+            if rows:
+                adopted.append((segment, rows))
+            else:
+                self.discard(segment)
+        return adopted
+
+    # Writing ---------------------------------------------------------------------------------
+    def new_segment(self) -> Segment:
+        flush_id = new_flush_id()
+        path = self.directory / f"{self._prefix}{flush_id}{SUFFIX}"
+        self.directory.mkdir(parents=True, exist_ok=True)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_APPEND, 0o600)
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # new file: nobody else can hold it
+        return Segment(flush_id, path, fd)
+
+    def append(self, segment: Segment, line: bytes) -> asyncio.Future:
+        """Queue ``line`` for ``segment`` now; the future completes once it is durable (group commit)."""
+        if not segment.buffer:
+            self._dirty.append(segment)
+        segment.buffer.append(line)
+        waiter = asyncio.get_running_loop().create_future()
+        self._waiters.append(waiter)
+        if self._committing is None or self._committing.done():
+            self._committing = asyncio.get_running_loop().create_task(self._commit_loop())
+        return waiter
+
+    async def _commit_loop(self) -> None:
+        while self._waiters:
+            waiters, self._waiters = self._waiters, []
+            groups = self._take_buffers()
+            error: BaseException | None = None
+            try:
+                await anyio.to_thread.run_sync(self._write_groups, groups)
+                self.fsyncs += 1
+            except BaseException as exc:  # noqa: BLE001 - every waiter must learn the outcome
+                error = exc
+            finally:
+                for segment, _ in groups:
+                    segment.writing = False
+                    if segment.discarded:
+                        segment.close()
+            for waiter in waiters:
+                if not waiter.done():
+                    if error is None:
+                        waiter.set_result(None)
+                    else:
+                        waiter.set_exception(OSError(f"usage journal write failed: {error!r}"))
+
+    def _take_buffers(self) -> list[tuple[Segment, bytes]]:
+        groups = []
+        for segment in self._dirty:
+            if segment.buffer:
+                groups.append((segment, b"".join(segment.buffer)))
+                segment.buffer = []
+                segment.writing = True
+        self._dirty = []
+        return groups
+
+    def _write_groups(self, groups: list[tuple[Segment, bytes]]) -> None:
+        for segment, data in groups:
+            if segment.fd < 0:
+                continue
+            view = memoryview(data)
+            while view:
+                written = os.write(segment.fd, view)
+                view = view[written:]
+            if self._fsync:
+                os.fsync(segment.fd)
+                if not segment.synced_dir:  # the new file's name must survive too
+                    dir_fd = os.open(self.directory, os.O_RDONLY)
+                    try:
+                        os.fsync(dir_fd)
+                    finally:
+                        os.close(dir_fd)
+                    segment.synced_dir = True
+
+    # Done: the batch is in the registry ------------------------------------------------------
+    def discard(self, segment: Segment) -> None:
+        """Remove an applied segment (its lock is dropped once no write to it is running)."""
+        segment.discarded = True
+        try:
+            segment.path.unlink()
+        except FileNotFoundError:
+            pass
+        if not segment.writing:
+            segment.close()
+
+    def close(self, segments: list[Segment]) -> None:
+        """Release the locks (the files stay, for the next start to replay)."""
+        for segment in segments:
+            if not segment.writing:
+                segment.close()
