@@ -38,15 +38,14 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 from engines.contract import Guide
 from retention.policy.hints import MAX_BREAKPOINTS, TTL_1H_MS, TTL_5M_MS, Breakpoint, CacheHints
 from server.gateway.api.messages_schemas import MessagesInput
 from server.gateway.api.prompting import PreparedPrompt
+from server.gateway.api.conversion import Conversation, invalid
 from server.gateway.api.tools import ToolPlan, check_schema, forced_call_guide, render_messages
-from server.gateway.errors import ServingError
 
 _TTLS = {None: TTL_5M_MS, "5m": TTL_5M_MS, "1h": TTL_1H_MS}
 # Content block types Anthropic defines that kvgate cannot serve (a text-only model, no server tools).
@@ -57,22 +56,6 @@ _UNSERVABLE_BLOCKS = {
     "web_fetch_tool_result": "server tools", "code_execution_tool_result": "server tools",
     "mcp_tool_use": "MCP tools", "mcp_tool_result": "MCP tools", "container_upload": "containers",
 }
-
-
-@dataclass(frozen=True, slots=True)
-class Conversation:
-    """The chat request an Anthropic body converts to."""
-
-    messages: list[dict]  # template-ready {role, content}
-    functions: list[dict]  # OpenAI-shaped function definitions, in request order
-    tools: ToolPlan | None
-    guide: Guide | None
-    marks: tuple[int, ...]  # per breakpoint, in request order: how many messages its prefix spans
-    ttls: tuple[int, ...]  # per breakpoint: TTL in ms
-
-
-def invalid(field: str, message: str) -> ServingError:
-    return ServingError(400, "invalid_request", f"{field}: {message}", param=field)
 
 
 def refuse_unservable(body: MessagesInput) -> None:

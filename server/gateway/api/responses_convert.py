@@ -37,13 +37,13 @@ from __future__ import annotations
 
 import json
 import secrets
-from dataclasses import dataclass
 from typing import Any
 
 from engines.contract import Guide
 from retention.policy.hints import TTL_1H_MS, TTL_24H_MS, Breakpoint, CacheHints
 from retention.policy.planner import SegmentRetention
 from server.gateway.api.responses_schemas import OUTPUT_LOGPROBS, ResponsesRequest
+from server.gateway.api.conversion import Conversation, invalid
 from server.gateway.api.tools import ToolPlan, check_schema, forced_call_guide, render_messages
 from server.gateway.errors import ServingError
 
@@ -59,20 +59,6 @@ _ITEM_KEYS = {  # keys each item type may carry (id/status are echoed back by cl
     "function_call": {"type", "call_id", "name", "arguments", "id", "status", "namespace"},
     "function_call_output": {"type", "call_id", "output", "id", "status"},
 }
-
-
-@dataclass(frozen=True, slots=True)
-class Conversation:
-    """The chat request a Responses body converts to."""
-
-    messages: list[dict]  # template-ready {role, content}
-    functions: list[dict]  # OpenAI-shaped function definitions, in request order
-    tools: ToolPlan | None
-    guide: Guide | None
-
-
-def invalid(field: str, message: str) -> ServingError:
-    return ServingError(400, "invalid_request", f"{field}: {message}", param=field)
 
 
 def unsupported(field: str, message: str) -> ServingError:
