@@ -25,13 +25,13 @@ import numpy as np
 from prometheus_client import CollectorRegistry
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench.report import machine, seed_line, write_section  # noqa: E402
+from bench.report import machine, seed_line, synthetic_trace, write_section  # noqa: E402
 from server.analysis.report import AnalyzeOptions, build_report  # noqa: E402
 from server.gateway.observe.capture import TraceCaptures  # noqa: E402
 from tenants import captures, migrate, pools  # noqa: E402
 from tenants.db import make_engine, make_session_factory  # noqa: E402
 
-SYNTHETIC = Path("/work/shared/traces/mooncake_synthetic_trace.jsonl")
+SYNTHETIC = synthetic_trace()
 TPB, PROMPT, CALLS, RUNS = 16, 1024, 2000, 7
 SEED = 1  # the prompts' token ids
 

@@ -27,14 +27,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.report import machine, seed_line, workload_grid, write_section  # noqa: E402
+from bench.report import machine, seed_line, synthetic_trace, workload_grid, write_section  # noqa: E402
 
-TRACE = next(
-    (p for p in (ROOT.parent / "shared" / "traces" / "mooncake_synthetic_trace.jsonl",  # /work/main → /work/shared
-                 ROOT.parents[1] / "shared" / "traces" / "mooncake_synthetic_trace.jsonl")  # a worktree in /work/wt
-     if p.exists()),
-    ROOT.parent / "shared" / "traces" / "mooncake_synthetic_trace.jsonl",
-)
+TRACE = synthetic_trace()
 PLOT = ROOT / "docs" / "img" / "generalize.png"
 SEED = 0  # every generated family is drawn with it
 FRACTIONS = (0.01, 0.02, 0.05, 0.10)

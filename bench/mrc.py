@@ -14,7 +14,6 @@ Run: ``OMP_NUM_THREADS=1 .venv/bin/python bench/mrc.py`` (writes docs/benchmarks
 
 from __future__ import annotations
 
-import os
 import statistics
 import sys
 import time
@@ -23,14 +22,14 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.report import machine, seed_line, write_section  # noqa: E402
+from bench.report import machine, seed_line, synthetic_trace, write_section  # noqa: E402
 from retention.hashing import block_hashes  # noqa: E402
 from retention.trace import distinct_blocks, parse_trace, request_tokens  # noqa: E402
 from retention.types import DEFAULT_PLAN  # noqa: E402
 from server.gateway.observe.miss_ratio import PoolCurve  # noqa: E402
 from tenants.snapshots import PoolSnapshot, ReplicaSnapshot  # noqa: E402
 
-TRACE = Path(os.environ.get("KVGATE_TRACE", ROOT.parent / "shared" / "traces" / "mooncake_synthetic_trace.jsonl"))
+TRACE = synthetic_trace()
 BLOCK = 512
 RATES = (0.01, 0.05, 0.2, 1.0)
 

@@ -23,12 +23,12 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.report import seed_line, write_section  # noqa: E402
+from bench.report import seed_line, synthetic_trace, write_section  # noqa: E402
 from retention.pool import BlockPool, PoolConfig  # noqa: E402
 from retention.trace import distinct_blocks, parse_trace, request_tokens  # noqa: E402
 from retention.types import DEFAULT_PLAN  # noqa: E402
 
-TRACE = ROOT.parent / "shared" / "traces" / "mooncake_synthetic_trace.jsonl"
+TRACE = synthetic_trace()
 SECTION = "pool_ops"
 
 

@@ -9,6 +9,18 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 BENCHMARKS = Path(__file__).resolve().parent.parent / "docs" / "benchmarks.md"
+_TRACE_NAME = Path("shared") / "traces" / "mooncake_synthetic_trace.jsonl"
+
+
+def synthetic_trace() -> Path:
+    """The public Mooncake synthetic trace: ``KVGATE_TRACE`` if set, else ``shared/traces/`` beside
+    the checkout (or beside its parent folder), else that first path (a missing file is reported
+    by the bench that opens it)."""
+    if "KVGATE_TRACE" in os.environ:
+        return Path(os.environ["KVGATE_TRACE"])
+    checkout = Path(__file__).resolve().parents[1]
+    candidates = [checkout.parent / _TRACE_NAME, checkout.parents[1] / _TRACE_NAME]
+    return next((c for c in candidates if c.exists()), candidates[0])
 HEADER = "# kvgate benchmarks\n\nEvery section is written by the bench script it names; rerun it to refresh.\n"
 
 

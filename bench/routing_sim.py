@@ -24,7 +24,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.report import machine, seed_line, write_section  # noqa: E402
+from bench.report import machine, seed_line, synthetic_trace, write_section  # noqa: E402
 from retention.simulation.cluster_sim import ClusterConfig, ClusterReport, compare_routers  # noqa: E402
 from retention.routing import CostModel  # noqa: E402
 from retention.simulation.sim_policies import make_policy  # noqa: E402
@@ -33,11 +33,7 @@ from retention.trace import distinct_blocks, parse_trace  # noqa: E402
 from retention.workloads import NoisyNeighbourSpec, noisy_neighbour_trace  # noqa: E402
 
 # The shared trace sits next to the checkout (/work/main → /work/shared, a worktree one level deeper).
-TRACE = next(
-    (p / "shared" / "traces" / "mooncake_synthetic_trace.jsonl" for p in (ROOT.parent, ROOT.parent.parent)
-     if (p / "shared" / "traces" / "mooncake_synthetic_trace.jsonl").exists()),
-    ROOT.parent / "shared" / "traces" / "mooncake_synthetic_trace.jsonl",
-)
+TRACE = synthetic_trace()
 SEED = 1  # the noisy-neighbour traces
 REPLICAS = 4
 SHARE = 0.02

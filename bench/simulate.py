@@ -35,7 +35,7 @@ from retention.simulation.simulator import SimConfig, run_simulation, simulate  
 from retention.trace import distinct_blocks, parse_trace  # noqa: E402
 from retention.workloads import NoisyNeighbourSpec, noisy_neighbour_trace  # noqa: E402
 
-from bench.generalize import TRACE  # noqa: E402  (/work/shared, also from a worktree)
+from bench.generalize import TRACE  # noqa: E402
 PLOT = ROOT / "docs" / "img" / "simulator_hit_rate.png"
 FRACTIONS = (0.01, 0.02, 0.05, 0.10)
 HORIZONS_S = (10.0, 30.0, 100.0, 300.0)  # oracle-reuse-within horizons
