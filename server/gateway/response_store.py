@@ -10,6 +10,7 @@ byte cap come from the settings (``responses_ttl_s``, ``responses_max_bytes``).
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
 from typing import Literal
@@ -32,6 +33,15 @@ def _serving(exc: RegistryError) -> ServingError:
     return ServingError(400, exc.code, exc.message, param=exc.field)
 
 
+@dataclass(frozen=True, slots=True)
+class StoredChain:
+    """A stored conversation up to one response: every turn's items, oldest first, and the
+    id of the response it started with (the conversation's routing key)."""
+
+    items: list[dict]
+    root_id: str
+
+
 class ResponseStore:
     def __init__(self, session_factory, *, ttl_s: float = DEFAULT_TTL_S, max_bytes: int = DEFAULT_MAX_BYTES,
                  clock: Callable[[], datetime] = lambda: datetime.now(UTC)) -> None:
@@ -52,8 +62,9 @@ class ResponseStore:
         except RegistryError as exc:
             raise _serving(exc) from exc
 
-    async def chain_items(self, *, tenant_id: int, response_id: str) -> list[dict]:
-        """The input and output items of ``response_id``'s chain, oldest first (404 if any link is gone)."""
+    async def chain(self, *, tenant_id: int, response_id: str) -> StoredChain:
+        """``response_id``'s chain: its input and output items, oldest first, and its root's id
+        (404 if any link is gone)."""
         try:
             rows = await self._call(stored.response_chain, tenant_id=tenant_id, response_id=response_id)
         except ServingError as exc:
@@ -63,7 +74,7 @@ class ResponseStore:
         for row in rows:
             items.extend(row.input_items)
             items.extend(row.output_items)
-        return items
+        return StoredChain(items=items, root_id=rows[0].id)
 
     async def check_room(self, *, tenant_id: int, incoming: int) -> None:
         await self._call(stored.check_room, tenant_id=tenant_id, incoming=incoming, max_bytes=self.max_bytes)

@@ -49,9 +49,10 @@ async def create_response(body: ResponsesRequest, tenant: Tenant, services: Gate
     items = normalize_items(body.input)
     store = body.store is not False
     history: list[dict] = []
+    root_id: str | None = None  # the stored conversation's first response (its routing key)
     if body.previous_response_id is not None:
-        history = await _store(services).chain_items(tenant_id=tenant.tenant_id,
-                                                     response_id=body.previous_response_id)
+        chain = await _store(services).chain(tenant_id=tenant.tenant_id, response_id=body.previous_response_id)
+        history, root_id = chain.items, chain.root_id
     conversation = convert(body, history + items)
     prompter = await services.engines.prompter(tenant.pool)
     try:
@@ -72,8 +73,11 @@ async def create_response(body: ResponsesRequest, tenant: Tenant, services: Gate
     sampling = SamplingParams(temperature=1.0 if body.temperature is None else body.temperature,
                               top_p=1.0 if body.top_p is None else body.top_p)
     max_new = body.max_output_tokens or tenant.limits.max_output_tokens or 256
+    dialect = ResponsesDialect(body, previous_response_id=body.previous_response_id, store=callback)
+    if root_id is None and store:
+        root_id = dialect.id  # a new stored conversation starts here: its first turn is routed by its own id
     hints = conversation_hints(body, total=prompt.total, context=tenant.retention.context,
-                               conversation=store or body.previous_response_id is not None)
+                               conversation=store or body.previous_response_id is not None, root_id=root_id)
     job = CompletionJob(
         tenant=tenant, kind="chat", model=body.model, prompt=prompt, max_new_tokens=max_new, sampling=sampling,
         stop=(), stream=body.stream, include_usage=False, tokenizer=prompter.tokenizer,
@@ -82,7 +86,6 @@ async def create_response(body: ResponsesRequest, tenant: Tenant, services: Gate
         guide=conversation.guide, tools=conversation.tools, hints=hints,
         logprobs=(body.top_logprobs or 0) if OUTPUT_LOGPROBS in (body.include or ()) else None,
     )
-    dialect = ResponsesDialect(body, previous_response_id=body.previous_response_id, store=callback)
     answer = await services.runner.run(job, dialect)
     if body.stream:
         return answer

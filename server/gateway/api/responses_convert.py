@@ -317,10 +317,21 @@ def conversation_ttl_ms(context: SegmentRetention, retention: str | None) -> int
     return TTL_1H_MS
 
 
+def conversation_key(root_id: str | None) -> str | None:
+    """The affinity key of a stored conversation: its root response's id. Every turn of one
+    conversation carries it, so the router sends them to one home replica (and the turns of
+    different conversations spread), even where the cached prefix is gone. Namespaced so
+    that it cannot equal a client's own ``prompt_cache_key`` by accident."""
+    return None if root_id is None else f"kvgate-conversation:{root_id}"
+
+
 def conversation_hints(body: ResponsesRequest, *, total: int, context: SegmentRetention,
-                       conversation: bool) -> CacheHints:
-    """The request's cache hints: ``prompt_cache_key`` / ``prompt_cache_retention`` as on the
-    chat path and, for a conversation (stored or continued), a breakpoint at the prompt's end."""
+                       conversation: bool, root_id: str | None = None) -> CacheHints:
+    """The request's cache hints: ``prompt_cache_retention`` as on the chat path and, for a
+    conversation (stored or continued), a breakpoint at the prompt's end. The affinity key is
+    the client's ``prompt_cache_key`` when it sends one, else the conversation's root
+    (``conversation_key``): the client's own grouping wins."""
     points = (Breakpoint(total, conversation_ttl_ms(context, body.prompt_cache_retention)),) \
         if conversation and total > 0 else ()
-    return CacheHints(breakpoints=points, cache_key=body.prompt_cache_key, retention=body.prompt_cache_retention)
+    key = body.prompt_cache_key if body.prompt_cache_key is not None else conversation_key(root_id)
+    return CacheHints(breakpoints=points, cache_key=key, retention=body.prompt_cache_retention)

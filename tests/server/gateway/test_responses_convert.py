@@ -152,6 +152,16 @@ def test_conversation_hints() -> None:
                               conversation=True).breakpoints == (Breakpoint(7, TTL_24H_MS),)
 
 
+def test_a_conversation_routes_by_its_root_unless_the_client_keys_it() -> None:
+    context = SegmentRetention(60, None)
+    rooted = conversation_hints(request(), total=10, context=context, conversation=True, root_id="resp_a")
+    assert rooted.cache_key == "kvgate-conversation:resp_a"
+    # the client's own prompt_cache_key is its grouping, and wins over the conversation's root
+    assert conversation_hints(request(prompt_cache_key="team"), total=10, context=context, conversation=True,
+                              root_id="resp_a").cache_key == "team"
+    assert conversation_hints(request(), total=10, context=context, conversation=False).cache_key is None
+
+
 def _events(frames: list[bytes]) -> list[dict]:
     out = []
     for frame in b"".join(frames).decode().strip().split("\n\n"):

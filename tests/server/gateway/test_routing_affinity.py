@@ -61,3 +61,41 @@ def test_requests_sharing_a_key_meet_on_its_home_replica(fleet):
     assert served[other] == [home(other)] * 3
     # the same key in another tenant is another key: its home is drawn independently
     assert affinity_key(f"tenant:{tenant_id}", first) != affinity_key(f"tenant:{tenant_id + 1}", first)
+
+
+def respond(fleet, slug: str, text: str, previous: str | None = None) -> httpx.Response:
+    body = {"model": MODEL, "max_output_tokens": 2, "temperature": 0, "input": text}
+    if previous is not None:
+        body["previous_response_id"] = previous
+    return httpx.post(f"{fleet.gateways[0].base_url}/v1/responses", json=body,
+                      headers={"Authorization": f"Bearer {fleet.keys[slug]}"}, timeout=300)
+
+
+def test_a_stored_conversation_is_routed_by_its_root(fleet):
+    """Every turn of a stored Responses conversation (no prompt_cache_key) lands on the home
+    replica of its first response's id: the first turn is routed by its own new id, the
+    continuations by their chain's root, so conversations spread by id, not by who is idle."""
+    fleet.add_tenant("conversing")
+    with fleet.session_factory() as session:
+        tenant_id = tenant.get_tenant(session, ref="conversing").id
+    route = fleet.route()
+    fleet.wait_until(lambda: len(route.candidates(set())) == 2, what="two replicas in rotation")
+    candidates = [Candidate(c.replica, c.weight) for c in route.candidates(set())]
+    names = {r.id: r.name for r in route.replicas.values()}
+
+    def home(root: str) -> str:
+        return names[home_replica(affinity_key(f"tenant:{tenant_id}", f"kvgate-conversation:{root}"), candidates)]
+
+    words = ["harbour", "lantern", "granite", "meadow", "copper", "violet"]
+    roots: list[str] = []
+    served: list[tuple[str, str]] = []  # (root, replica)
+    for word in words:  # one conversation per word, its first turns interleaved with the others'
+        first = respond(fleet, "conversing", f"{word} {word} {word}: say one thing about {word}.")
+        assert first.status_code == 200, first.text
+        roots.append(first.json()["id"])
+        served.append((roots[-1], first.headers[REPLICA]))
+    for root, word in zip(roots, words):
+        turn = respond(fleet, "conversing", f"And more about {word}?", previous=root)
+        assert turn.status_code == 200, turn.text
+        served.append((root, turn.headers[REPLICA]))
+    assert [replica for _, replica in served] == [home(root) for root, _ in served]
