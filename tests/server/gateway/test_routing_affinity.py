@@ -35,10 +35,11 @@ def chat(fleet, slug: str, word: str, key: str | None) -> httpx.Response:
                       headers={"Authorization": f"Bearer {fleet.keys[slug]}"}, timeout=300)
 
 
-def test_requests_sharing_a_key_meet_on_its_home_replica(fleet):
-    fleet.add_tenant("keyed")
+def homes(fleet, slug: str):  # type: ignore[no-untyped-def]
+    """A new tenant's id and its key → home replica name map, once both replicas are in rotation."""
+    fleet.add_tenant(slug)
     with fleet.session_factory() as session:
-        tenant_id = tenant.get_tenant(session, ref="keyed").id
+        tenant_id = tenant.get_tenant(session, ref=slug).id
     route = fleet.route()
     fleet.wait_until(lambda: len(route.candidates(set())) == 2, what="two replicas in rotation")
     candidates = [Candidate(c.replica, c.weight) for c in route.candidates(set())]
@@ -46,6 +47,11 @@ def test_requests_sharing_a_key_meet_on_its_home_replica(fleet):
 
     def home(key: str) -> str:
         return names[home_replica(affinity_key(f"tenant:{tenant_id}", key), candidates)]
+    return tenant_id, home
+
+
+def test_requests_sharing_a_key_meet_on_its_home_replica(fleet):
+    tenant_id, home = homes(fleet, "keyed")
 
     keys = [f"conversation-{i}" for i in range(64)]
     first = keys[0]
@@ -75,16 +81,10 @@ def test_a_stored_conversation_is_routed_by_its_root(fleet):
     """Every turn of a stored Responses conversation (no prompt_cache_key) lands on the home
     replica of its first response's id: the first turn is routed by its own new id, the
     continuations by their chain's root, so conversations spread by id, not by who is idle."""
-    fleet.add_tenant("conversing")
-    with fleet.session_factory() as session:
-        tenant_id = tenant.get_tenant(session, ref="conversing").id
-    route = fleet.route()
-    fleet.wait_until(lambda: len(route.candidates(set())) == 2, what="two replicas in rotation")
-    candidates = [Candidate(c.replica, c.weight) for c in route.candidates(set())]
-    names = {r.id: r.name for r in route.replicas.values()}
+    _, key_home = homes(fleet, "conversing")
 
     def home(root: str) -> str:
-        return names[home_replica(affinity_key(f"tenant:{tenant_id}", f"kvgate-conversation:{root}"), candidates)]
+        return key_home(f"kvgate-conversation:{root}")
 
     words = ["harbour", "lantern", "granite", "meadow", "copper", "violet"]
     roots: list[str] = []
