@@ -57,23 +57,29 @@ def roles() -> dict[str, str]:
     return out
 
 
-def load(name: str):  # noqa: ANN201 - (requests, deletions)
+def load(name: str, limit: int | None = None):  # noqa: ANN201 - (requests, deletions)
+    """The family's requests (the first ``limit``) and its deletions up to the last of them."""
     from retention.trace import parse_trace_events
     from retention.workloads import families
 
     if name == "synthetic":
         with synthetic_trace().open() as handle:
-            return parse_trace_events(handle)
-    family = next(f for f in families() if f.name == name)
-    return parse_trace_events([json.dumps(x) for x in family.generate(SEED)])
+            requests, deletions = parse_trace_events(handle)
+    else:
+        family = next(f for f in families() if f.name == name)
+        requests, deletions = parse_trace_events([json.dumps(x) for x in family.generate(SEED)])
+    if limit is not None and limit < len(requests):
+        requests = requests[:limit]
+        deletions = [d for d in deletions if d.timestamp_ms <= requests[-1].timestamp_ms]
+    return requests, deletions
 
 
-def run_family(name: str, fractions: tuple[float, ...], hosts: tuple[int, ...]) -> dict:
+def run_family(name: str, fractions: tuple[float, ...], hosts: tuple[int, ...], limit: int | None = None) -> dict:
     from retention.simulation.sim_policies import make_policy
     from retention.simulation.simulator import run_simulation
     from retention.trace import distinct_blocks
 
-    requests, deletions = load(name)
+    requests, deletions = load(name, limit)
     distinct = distinct_blocks(requests)
     out: dict = {"name": name, "requests": len(requests), "deletions": len(deletions),
                  "responses": sum(r.response_id is not None for r in requests),
@@ -173,14 +179,14 @@ def checks(results: list[dict]) -> tuple[list[str], dict]:
 
 
 def run(workers: int, fractions: tuple[float, ...], hosts: tuple[int, ...], only: list[str] | None,
-        grid: bool) -> tuple[str, dict]:
+        grid: bool, limit: int | None = None) -> tuple[str, dict]:
     role = roles()
     names = [n for n in role if only is None or n in only]
     order = {n: i for i, n in enumerate(["agent-loop", "chat"] + sorted(role))}
     names.sort(key=lambda n: order[n])
     started = time.perf_counter()
     with ProcessPoolExecutor(max_workers=workers) as pool:
-        futures = [pool.submit(run_family, n, fractions, hosts) for n in names]
+        futures = [pool.submit(run_family, n, fractions, hosts, limit) for n in names]
         grid_future = pool.submit(run_grid) if grid else None
         results = [f.result() for f in futures]
         grid_rows = grid_future.result() if grid_future is not None else []
@@ -232,13 +238,15 @@ def main() -> None:
     parser.add_argument("--hosts", default=",".join(str(h) for h in HOSTS), help="host multiples of the GPU, comma-separated")
     parser.add_argument("--only", default=None, help="families, comma-separated")
     parser.add_argument("--no-grid", action="store_true", help="skip the knob grid on chat")
+    parser.add_argument("--limit", type=int, default=None, help="the first N requests of each family (a quick look)")
     args = parser.parse_args()
     fractions = tuple(float(x) for x in args.fractions.split(","))
     hosts = tuple(int(x) for x in args.hosts.split(","))
-    section, raw = run(args.workers, fractions, hosts, args.only.split(",") if args.only else None, not args.no_grid)
+    section, raw = run(args.workers, fractions, hosts, args.only.split(",") if args.only else None, not args.no_grid,
+                       args.limit)
     print(section)
     print(json.dumps(raw, indent=2, default=str), file=sys.stderr)
-    if not args.no_write:
+    if not args.no_write and args.limit is None:
         write_section("conversation", section)
 
 
