@@ -24,6 +24,7 @@ from fastapi import APIRouter, Query
 from fastapi.responses import JSONResponse
 
 from engines.contract import SamplingParams
+from retention.policy.conversation import ConversationRequest
 from server.gateway.api.completions import REPLICA_HEADER, CompletionJob
 from server.gateway.api.responses_convert import conversation_hints, convert, normalize_items, refuse_unservable
 from server.gateway.api.responses_render import ResponsesDialect
@@ -74,6 +75,7 @@ async def create_response(body: ResponsesRequest, tenant: Tenant, services: Gate
     max_new = body.max_output_tokens or tenant.limits.max_output_tokens or 256
     hints = conversation_hints(body, total=prompt.total, context=tenant.retention.context,
                                conversation=store or body.previous_response_id is not None)
+    dialect = ResponsesDialect(body, previous_response_id=body.previous_response_id, store=callback)
     job = CompletionJob(
         tenant=tenant, kind="chat", model=body.model, prompt=prompt, max_new_tokens=max_new, sampling=sampling,
         stop=(), stream=body.stream, include_usage=False, tokenizer=prompter.tokenizer,
@@ -81,8 +83,8 @@ async def create_response(body: ResponsesRequest, tenant: Tenant, services: Gate
         quota=services.monitor.quota_state(tenant.pool.name, tenant.tenant_id), token_texts=prompter.token_texts,
         guide=conversation.guide, tools=conversation.tools, hints=hints,
         logprobs=(body.top_logprobs or 0) if OUTPUT_LOGPROBS in (body.include or ()) else None,
+        conversation=ConversationRequest(dialect.id, body.previous_response_id, store, conversation.tools is not None),
     )
-    dialect = ResponsesDialect(body, previous_response_id=body.previous_response_id, store=callback)
     answer = await services.runner.run(job, dialect)
     if body.stream:
         return answer
@@ -99,6 +101,8 @@ async def retrieve_response(response_id: str, tenant: Tenant, services: Gateway)
 @router.delete("/{response_id}")
 async def delete_response(response_id: str, tenant: Tenant, services: Gateway) -> dict:
     await _store(services).delete(tenant_id=tenant.tenant_id, response_id=response_id)
+    # The conversation hold is no longer measured or renewed (what the engine holds runs out on its own).
+    services.runner.holds.deleted(tenant.pool.name, tenant.engine_tenant_id, response_id)
     return {"id": response_id, "object": "response", "deleted": True}  # OpenAI's answer
 
 
