@@ -87,18 +87,38 @@ def run_family(name: str, fractions: tuple[float, ...], hosts: tuple[int, ...], 
     started = time.perf_counter()
     for host in hosts:
         names = list(AGE_BASED) + list(CONV) + (["trtllm-default", "trtllm-default+conv"] if host else [])
+        factories = [lambda n=n: make_policy(n) for n in names]
+        if out["responses"] or out["tools"]:
+            factories.append(_whole_quota)
+        made: list = []  # every policy instance, in creation order (names per capacity)
         gpus = [max(1, round(f * distinct)) for f in fractions]
-        reports = run_simulation(requests, [lambda n=n: make_policy(n) for n in names], gpus,
+        reports = run_simulation(requests, [lambda f=f: made.append(f()) or made[-1] for f in factories], gpus,
                                  host_blocks=lambda g, h=host: g * h, deletions=deletions)
-        for fraction, report in zip(fractions, reports):
+        for index, (fraction, report) in enumerate(zip(fractions, reports)):
+            policies = made[index * len(factories):(index + 1) * len(factories)]
             out["settings"].append({
                 "fraction": fraction, "host": host, "gpu_blocks": report.primary_blocks,
                 "hit": {n: r.hit_rate for n, r in report.results.items()},
                 "belady": (report.belady_total or report.belady_gpu).hit_rate,
                 "age_ceiling": report.age_ceiling_gpu,
+                "held": {p.name: (p.held_requests, p.clipped_requests) for p in policies if hasattr(p, "held_requests")},
             })
     out["seconds"] = time.perf_counter() - started
     return out
+
+
+DIAGNOSTIC = "lru+conv, whole quota (diagnostic)"
+
+
+def _whole_quota():  # noqa: ANN202 - a SimPolicy
+    """``lru+conv`` in a class whose holds may fill the tenant's whole quota (``hint_quota_fraction``
+    1.0): not a candidate, a measurement of what the default share's budget costs."""
+    from retention.policy.hint_plan import HintPolicy
+    from retention.simulation.conversational import ConversationPolicy
+    from retention.simulation.sim_policies import make_policy
+
+    rules = HintPolicy(enabled=True, quota_fraction=1.0)
+    return ConversationPolicy(make_policy("lru"), rules=lambda request: rules, label=DIAGNOSTIC)
 
 
 def run_grid(name: str = "chat", fraction: float = 0.02) -> list[dict]:
@@ -119,6 +139,14 @@ def run_grid(name: str = "chat", fraction: float = 0.02) -> list[dict]:
             row[base] = simulate(requests, policy, primary_blocks=gpu, secondary_blocks=0, deletions=deletions).hit_rate
         rows.append(row)
     return rows
+
+
+def held_note(result: dict) -> str:
+    """Requests the hold changed and those the hint budget cut short, per conv policy (first setting)."""
+    held = result["settings"][0]["held"] if result["settings"] else {}
+    if not any(h for h, _ in held.values()):
+        return ""
+    return "; held / cut short by the budget: " + ", ".join(f"{n} {h:,} / {c:,}" for n, (h, c) in held.items())
 
 
 def pct(x: float) -> str:
@@ -178,6 +206,33 @@ def checks(results: list[dict]) -> tuple[list[str], dict]:
     return lines, verdict
 
 
+def reading(results: list[dict]) -> list[str]:
+    """Why, from the figures: each conv policy against its own base where conversations are, and the diagnostic."""
+    parts = []
+    for result in results:
+        for s in result["settings"]:
+            hit = s["hit"]
+            if DIAGNOSTIC not in hit:
+                continue
+            deltas = ", ".join(f"{c} {100 * (hit[c] - hit[c.removesuffix('+conv')]):+.2f}" for c in CONV)
+            cut = s["held"].get("lru+conv", (0, 0))
+            parts.append(
+                f"{result['name']} (GPU {100 * s['fraction']:g} %, host {s['host']}×): against their own base {deltas} "
+                f"points; lru+conv changed {cut[0]:,} plans and the budget cut {cut[1]:,} holds short or off; with the whole quota "
+                f"allowed lru+conv reaches {pct(hit[DIAGNOSTIC])} ({hit[DIAGNOSTIC] / hit['lru']:.3f} × lru)")
+    if not parts:
+        return []
+    return ["Reading: " + "; ".join(parts) + ". Where every request is a conversation of one kind, a hold of "
+            "the same length for all is LRU's own order (held = used within the hold), so a hold can only "
+            "reorder where the budget cuts it: a cut-short prefix keeps its tail at 35 while blocks of conversations "
+            "that already ended stay held, and TensorRT-LLM's expiry puts a block whose hold ran out back at the "
+            "most recent end of priority 35 (`LRUEvictionPolicy::refresh`, modelled by the pool), so an ended "
+            "conversation's blocks outlive LRU by the hold. A delete cannot shorten a hold already sent. Only "
+            "where held conversations compete with requests that are not held (one-shot traffic, another kind) "
+            "can the hold change the order usefully; the agent-loop and chat families have no such traffic, "
+            "and that case is not measured here."]
+
+
 def run(workers: int, fractions: tuple[float, ...], hosts: tuple[int, ...], only: list[str] | None,
         grid: bool, limit: int | None = None) -> tuple[str, dict]:
     role = roles()
@@ -207,11 +262,13 @@ def run(workers: int, fractions: tuple[float, ...], hosts: tuple[int, ...], only
         "Generated tokens are not cached in the simulator, so the decode hold costs budget and earns nothing here.",
         "",
         *(f"- {r['name']}: {r['requests']:,} requests, {r['responses']:,} with a response id, {r['tools']:,} offering "
-          f"tools, {r['deletions']:,} deletions ({r['seconds']:.0f} s)" for r in results),
+          f"tools, {r['deletions']:,} deletions ({r['seconds']:.0f} s)" + held_note(r) for r in results),
         "",
         *table(results, role),
         "",
         *check_lines,
+        "",
+        *reading(results),
         "",
     ]
     if grid_rows:
