@@ -177,6 +177,12 @@ class ConversationPlan:
     held_blocks: int = 0  # prompt blocks held
     decode_held: bool = False
     clipped: bool = False  # the budget cut the hold short
+    recorded: tuple[int, ...] = ()  # the budget keys held (prompt hashes, then generated blocks' keys)
+
+    def released(self, ledger: ConversationLedger, tenant: str, now: float) -> None:
+        """The request ended: TensorRT-LLM starts a duration at release, so count the hold from ``now``."""
+        if self.recorded:
+            ledger.holds.record(tenant, self.recorded, [self.hold_ms] * len(self.recorded), now)
 
 
 def decode_keys(hashes: Sequence[int], output_blocks: int) -> tuple[int, ...]:
@@ -221,6 +227,7 @@ def plan_conversation(plan: RetentionPlan, request: ConversationRequest, caps: H
     decode = not clipped and bool(outputs) and ledger.holds.allowance(tenant, outputs, budget_blocks, now) == len(outputs)
     if decode and caps.max_priority >= held.decode_priority:
         ledger.holds.record(tenant, outputs, [hold] * len(outputs), now)
+        kept = kept + outputs
         # The hint rule for the generated blocks: a higher priority takes the hold; at equal
         # priority the longer duration wins (None, never expiring, is longest).
         duration: int | None = hold
@@ -229,7 +236,7 @@ def plan_conversation(plan: RetentionPlan, request: ConversationRequest, caps: H
         held = RetentionPlan(held.ranges, caps.max_priority, duration, demoted=held.demoted)
     else:
         decode = False
-    return ConversationPlan(held, kind, hold, allowed, decode, clipped)
+    return ConversationPlan(held, kind, hold, allowed, decode, clipped, kept)
 
 
 __all__ = ["ConversationLedger", "ConversationPlan", "ConversationRequest", "GapKind", "decode_keys",

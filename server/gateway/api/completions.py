@@ -39,8 +39,8 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from engines.contract import EngineRequest, Guide, KvMetrics, SamplingParams, TokenLogProbs
 from engines.tokenizer import ChatTokenizer
 from retention.hashing import block_hashes
+from retention.policy.conversation import ConversationPlan, ConversationRequest
 from retention.policy.hint_quota import HintedPlan, HintLedger, plan_with_hints
-from retention.policy.conversation import ConversationRequest
 from retention.policy.hints import CacheHints
 from retention.policy.planner import QuotaState, Segments, plan_retention
 from retention.policy.selection import AdaptiveSelector
@@ -108,6 +108,7 @@ class Outcome:
     held: list[str] = field(default_factory=list)  # text kept back from the content (tool calls)
     tool_calls: list[ToolCall] = field(default_factory=list)
     hinted: HintedPlan | None = None  # the client's hints as planned (recorded again at release)
+    conversation_hold: ConversationPlan | None = None  # the conversation hold as planned (recorded again at release)
 
     @property
     def text(self) -> str:
@@ -516,7 +517,8 @@ class CompletionRunner:
             plan = outcome.hinted.plan
         self._count_hints(job, outcome.hinted)
         if holding and hashes is not None:  # tools offered / a stored conversation: held for the measured gap
-            plan = self.holds.plan(job, plan, hashes, self._ledger(tenant.pool.name), now).plan
+            outcome.conversation_hold = self.holds.plan(job, plan, hashes, self._ledger(tenant.pool.name), now)
+            plan = outcome.conversation_hold.plan
         if self._guard is not None:  # SLO guard tripped or pilot control arm: host tier rolled back
             plan, outcome.arm = self._guard.apply(tenant, plan)
         if self._curves is not None:
@@ -599,6 +601,7 @@ class CompletionRunner:
             # TensorRT-LLM starts a block's duration when the request releases it: count from now.
             self._ledger(tenant.pool.name).record(tenant.engine_tenant_id, hinted.hashes, hinted.durations_ms,
                                                   self._clock(), windows_ms=hinted.windows_ms)
+        self.holds.released(job, outcome.conversation_hold, self._clock())
         latency = time.perf_counter() - started
         # Mean inter-token latency: observable only when tokens were streamed one by one.
         inter_token = None

@@ -61,6 +61,12 @@ class ConversationHolds:
                                  tenant=tenant.engine_tenant_id, budget_blocks=budget, now=now,
                                  store_ttl_ms=self.store_ttl_ms)
 
+    def released(self, job: CompletionJob, held: ConversationPlan | None, now: float) -> None:
+        """The request ended: its hold is counted from now (durations start at release)."""
+        ledger = self._ledgers.get(job.tenant.pool.name)
+        if held is not None and ledger is not None:
+            held.released(ledger, job.tenant.engine_tenant_id, now)
+
     def deleted(self, pool: str, tenant: str, response_id: str) -> bool:
         """A stored response was deleted: its conversation is no longer measured or renewed."""
         ledger = self._ledgers.get(pool)

@@ -45,6 +45,8 @@ def test_a_measured_tool_loop_is_held_in_the_shared_budget_and_a_delete_stops_me
     assert out.hold_ms == 2_000 and out.plan.retention_at(0) == (60, 2_000)
     assert (out.plan.decode_priority, out.plan.decode_duration_ms) == (60, 2_000)
     assert hints.live_blocks("7", now) == 5 + 2  # the hint ledger counts the held prompt and generated blocks
+    holds.released(job(tools=True), out, now + 10.0)  # the engine starts the duration at release
+    assert hints.live_blocks("7", now + 11.0) == 7 and hints.live_blocks("7", now + 12.001) == 0
     ledger = holds.ledger("p", hints)
     gaps = ledger.gap_count("7", "tool")
     assert holds.deleted("p", "7", f"resp_{MIN_GAP_SAMPLES}b") and not holds.deleted("q", "7", "resp_0b")
