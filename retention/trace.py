@@ -11,7 +11,19 @@ the caller's block size, 512 by default), and the client's cache hints
 four, strictly increasing ``token_end <= input_length``) and ``prompt_cache_retention``
 (``"in_memory"`` | ``"24h"``), and ``prompt_cache_key`` (a string: the client's key for
 requests that belong together, ``CacheHints.cache_key``; the cluster simulator routes by it).
+Conversation fields (OpenAI Responses; ``retention/policy/conversation.py``): ``response_id``
+(a string: the response this request produces), ``previous_response_id`` (the stored response
+it continues), ``store`` (bool, default false: the response is stored, so it can be continued)
+and ``offers_tools`` (bool, default false: the request offers tools, in any API, so it is
+likely to end in a tool call whose result comes back soon).
 Other fields (a capture's observed outcome) are ignored here.
+
+**Events** are lines with an ``op`` field instead of a prompt; one op exists::
+
+    {"timestamp": 120000.0, "op": "delete_response", "response_id": "resp-7", "tenant": "acme"}
+
+(``DELETE /v1/responses/{id}``; ``tenant`` optional as on request lines). :func:`parse_trace`
+validates and skips them; :func:`parse_trace_events` returns them beside the requests.
 
 Token synthesis (so the pool's real hashing and token comparison run): the ``j``-th
 token of hash id ``h`` is ``(h * 2654435761 + j) mod 2^31``. Two different ids below
@@ -55,6 +67,22 @@ class TraceRequest:
     context_tokens: int | None = None
     block_size: int | None = None  # the line's own block_size field, if it had one
     hints: CacheHints | None = None  # the client's cache hints, if the line carried any
+    response_id: str | None = None  # the (Responses API) response this request produces
+    previous_response_id: str | None = None  # the stored response it continues
+    store: bool = False  # its response is stored (may be continued)
+    offers_tools: bool = False  # it offers tools (any API)
+
+
+@dataclass(frozen=True, slots=True)
+class ResponseDeletion:
+    """A ``delete_response`` event: the client deleted a stored response at ``timestamp_ms``."""
+
+    timestamp_ms: float
+    response_id: str
+    tenant: str | None = None
+
+
+DELETE_RESPONSE = "delete_response"
 
 
 def _int_field(obj: dict, name: str, line: int, *, minimum: int) -> int:
@@ -68,12 +96,20 @@ def parse_trace(lines: Iterable[str], *, block_size: int | None = None) -> list[
     """Parse and validate JSONL lines; returns requests sorted by timestamp (stable).
 
     ``block_size=None``: each line's ``block_size`` field, else 512 (Mooncake). An explicit
-    ``block_size`` that a line contradicts is an error, as are lines that disagree.
+    ``block_size`` that a line contradicts is an error, as are lines that disagree. Event
+    lines (``op``) are validated and left out (:func:`parse_trace_events` returns them).
     """
+    return parse_trace_events(lines, block_size=block_size)[0]
+
+
+def parse_trace_events(lines: Iterable[str], *, block_size: int | None = None
+                       ) -> tuple[list[TraceRequest], list[ResponseDeletion]]:
+    """:func:`parse_trace`, and the trace's ``delete_response`` events sorted by timestamp (stable)."""
     if block_size is not None and block_size < 1:
         raise TraceError("block_size must be >= 1")
     seen_block_size: tuple[int, int] | None = None  # (value, first line carrying it)
     raw: list[tuple[float, int, dict]] = []
+    deletions: list[ResponseDeletion] = []
     for number, text in enumerate(lines, start=1):
         text = text.strip()
         if not text:
@@ -87,7 +123,11 @@ def parse_trace(lines: Iterable[str], *, block_size: int | None = None) -> list[
         ts = obj.get("timestamp")
         if isinstance(ts, bool) or not isinstance(ts, (int, float)) or not math.isfinite(ts) or ts < 0:
             raise TraceError(f"line {number}: timestamp must be a number >= 0 (ms), got {ts!r}")
+        if "op" in obj:
+            deletions.append(_event(obj, float(ts), number))
+            continue
         raw.append((float(ts), number, obj))
+    deletions.sort(key=lambda d: d.timestamp_ms)
     raw.sort(key=lambda item: (item[0], item[1]))
     out: list[TraceRequest] = []
     for index, (ts, number, obj) in enumerate(raw):
@@ -126,11 +166,47 @@ def parse_trace(lines: Iterable[str], *, block_size: int | None = None) -> list[
         if (system or 0) > (context if context is not None else input_length) or (context or 0) > input_length:
             raise TraceError(f"line {number}: need system_tokens <= context_tokens <= input_length")
         out.append(TraceRequest(index, ts, input_length, output_length, tuple(ids), tenant, system, context,
-                                line_block, _hints(obj, number, input_length)))
+                                line_block, _hints(obj, number, input_length), *_conversation(obj, number)))
     if seen_block_size is not None and any(r.block_size is None for r in out):
         raise TraceError(f"some lines carry block_size {seen_block_size[0]} and others none; "
                          "one trace has one block size")
-    return out
+    return out, deletions
+
+
+def _optional_id(obj: dict, name: str, line: int) -> str | None:
+    value = obj.get(name)
+    if value is not None and (not isinstance(value, str) or not value):
+        raise TraceError(f"line {line}: {name} must be a non-empty string")
+    return value
+
+
+def _flag(obj: dict, name: str, line: int) -> bool:
+    value = obj.get(name, False)
+    if not isinstance(value, bool):
+        raise TraceError(f"line {line}: {name} must be a boolean, got {value!r}")
+    return value
+
+
+def _conversation(obj: dict, line: int) -> tuple[str | None, str | None, bool, bool]:
+    response, previous = _optional_id(obj, "response_id", line), _optional_id(obj, "previous_response_id", line)
+    if response is not None and response == previous:
+        raise TraceError(f"line {line}: a response cannot continue itself ({response!r})")
+    return response, previous, _flag(obj, "store", line), _flag(obj, "offers_tools", line)
+
+
+def _event(obj: dict, ts: float, line: int) -> ResponseDeletion:
+    if obj["op"] != DELETE_RESPONSE:
+        raise TraceError(f"line {line}: unknown op {obj['op']!r} (known: {DELETE_RESPONSE!r})")
+    unknown = set(obj) - {"timestamp", "op", "response_id", "tenant"}
+    if unknown:
+        raise TraceError(f"line {line}: a {DELETE_RESPONSE} line has unknown fields {sorted(unknown)}")
+    response = _optional_id(obj, "response_id", line)
+    if response is None:
+        raise TraceError(f"line {line}: a {DELETE_RESPONSE} line needs a response_id")
+    tenant = obj.get("tenant")
+    if tenant is not None and (not isinstance(tenant, str) or not tenant):
+        raise TraceError(f"line {line}: tenant must be a non-empty string")
+    return ResponseDeletion(ts, response, tenant)
 
 
 def _hints(obj: dict, line: int, input_length: int) -> CacheHints | None:

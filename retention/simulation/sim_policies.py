@@ -20,6 +20,10 @@ shaped for it (host tier or not, offload threshold). Built-ins:
 * ``protect``        — the ``protect`` candidate alone, no selection (``retention/policy/protect.py``);
 * ``<any of these>+hints`` — the policy with the trace's client cache hints on top, within
                         the class's hint rules (``retention/simulation/hinted.py``);
+* ``<any of these>+conv`` — the policy with the conversation and tool-loop hold on top
+                        (requests offering tools or storing their response held for the
+                        tenant's measured gap, within the class's hint rules;
+                        ``retention/simulation/conversational.py``);
 * plug-ins passed to :func:`make_policy` in a ``registry``.
 
 Offline reference policies that need the whole request list (``oracle-reuse``,
@@ -35,6 +39,7 @@ from typing import Any, Protocol
 
 from retention.policy.adaptive import adaptive_policy
 from retention.policy.hint_plan import HINTS_OFF, HintPolicy
+from retention.simulation.conversational import ConversationPolicy
 from retention.simulation.hinted import HintedPolicy
 from retention.policy.protect import ProtectPolicy
 from retention.policy.selection import AdaptiveSelectPolicy
@@ -257,7 +262,8 @@ def builtin_policy(name: str, *, mapping: ClassMapping | None = None, block_size
 
 
 def policy_names() -> tuple[str, ...]:
-    """The built-in names; each also as ``<name>+hints`` (the trace's cache hints on top)."""
+    """The built-in names; each also as ``<name>+hints`` (the trace's cache hints on top) and
+    ``<name>+conv`` (the conversation and tool-loop hold on top)."""
     return ("lru", "trtllm-default", "class", "adaptive", "adaptive-bands", "protect")
 
 
@@ -267,7 +273,13 @@ def make_policy(
     """Resolve a policy by name; ``registry`` supplies plug-ins (e.g. ``adaptive``).
 
     ``<name>+hints`` is ``<name>`` with the trace's client cache hints on top
-    (``retention/simulation/hinted.py``)."""
+    (``retention/simulation/hinted.py``); ``<name>+conv`` with the conversation and tool-loop
+    hold (``retention/simulation/conversational.py``)."""
+    if name.endswith("+conv"):
+        inner = make_policy(name[: -len("+conv")], mapping=mapping, block_size=block_size, registry=registry)
+        if mapping is None:
+            return ConversationPolicy(inner)
+        return ConversationPolicy(inner, mapping.hints_for, dict(mapping.quotas))
     if name.endswith("+hints"):
         inner = make_policy(name[: -len("+hints")], mapping=mapping, block_size=block_size, registry=registry)
         if mapping is None:

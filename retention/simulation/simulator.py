@@ -21,6 +21,11 @@ onboarded), recomputed prefill tokens, offloaded / onboarded / evicted blocks, a
 per-tenant table; plus Belady's optimum (``retention/simulation/belady.py``) at the GPU capacity
 and, when a host tier exists, at GPU + host capacity, and the most an age-based policy could
 reach on the GPU (``retention/simulation/hit_density.py``, capped by Belady).
+
+Deletions (``delete_response`` events, ``retention/trace.py``) are delivered in timestamp order,
+before any request at the same or a later time, to a policy that has ``on_delete`` (e.g.
+``+conv``): only to the policy, never to the pool, since TensorRT-LLM cannot revoke a
+retention it was given at enqueue.
 """
 
 from __future__ import annotations
@@ -36,7 +41,7 @@ from retention.pool import BlockPool, PoolConfig
 from retention.simulation.belady import BeladyResult, ChainRequest, belady, chain_request
 from retention.simulation.hit_density import AgeHulls
 from retention.simulation.sim_policies import SimPolicy
-from retention.trace import TraceRequest, request_tokens
+from retention.trace import ResponseDeletion, TraceRequest, request_tokens
 
 Hold = Literal["none", "tokens"]
 Progress = Callable[[int], None]
@@ -170,8 +175,9 @@ def simulate(
     config: SimConfig = SimConfig(),
     hashes: Sequence[list[int]] | None = None,
     progress: Progress | None = None,
+    deletions: Sequence[ResponseDeletion] = (),
 ) -> PolicyResult:
-    """Replay ``requests`` through a fresh pool shaped for ``policy``."""
+    """Replay ``requests`` (and ``deletions``, to the policy) through a fresh pool shaped for ``policy``."""
     secondary = secondary_blocks if policy.uses_host else 0
     pool = BlockPool(
         PoolConfig(
@@ -196,10 +202,12 @@ def simulate(
         h = hashes[request.index] if request.index < len(hashes) else no_hashes
         return admit_request(pool, policy, request, h, config, now, reserve)
 
+    deliver = _deliverer(policy, deletions)
     done = 0
     if config.hold == "none":
         for request in requests:
             now = request.timestamp_ms / 1000.0
+            deliver(now)
             tokens, alloc = try_admit(request, now, 0)
             if alloc is None:
                 account(request, 0, 0, True)
@@ -210,7 +218,7 @@ def simulate(
             if progress is not None and done % 64 == 0:
                 progress(64)
     else:
-        _replay_holding(requests, pool, config, try_admit, account, result, progress)
+        _replay_holding(requests, pool, config, try_admit, account, result, progress, deliver)
     if progress is not None and config.hold == "none" and done % 64:
         progress(done % 64)
     stats = pool.stats()
@@ -221,7 +229,23 @@ def simulate(
     return result
 
 
-def _replay_holding(requests, pool, config, try_admit, account, result, progress) -> None:  # noqa: ANN001
+def _deliverer(policy: SimPolicy, deletions: Sequence[ResponseDeletion]) -> Callable[[float], None]:
+    """``deliver(now)``: hands the policy every deletion up to ``now`` not yet delivered."""
+    on_delete = getattr(policy, "on_delete", None)
+    ordered = sorted(deletions, key=lambda d: d.timestamp_ms)
+    position = 0
+
+    def deliver(now: float) -> None:
+        nonlocal position
+        while position < len(ordered) and ordered[position].timestamp_ms / 1000.0 <= now:
+            if on_delete is not None:
+                on_delete(ordered[position], now=now)
+            position += 1
+
+    return deliver
+
+
+def _replay_holding(requests, pool, config, try_admit, account, result, progress, deliver) -> None:  # noqa: ANN001
     """``--hold tokens``: FIFO admission, blocks held for the modelled service time."""
     running: list[tuple[float, int, object]] = []  # (finish time, request index, tokens)
     waiting: deque[TraceRequest] = deque()
@@ -257,6 +281,7 @@ def _replay_holding(requests, pool, config, try_admit, account, result, progress
     for request in requests:
         now = request.timestamp_ms / 1000.0
         finish_until(now)
+        deliver(now)
         waiting.append(request)
         admit_waiting(now)
     finish_until(None)
@@ -297,6 +322,7 @@ def run_simulation(
     host_blocks: Callable[[int], int],
     config: SimConfig = SimConfig(),
     progress: Progress | None = None,
+    deletions: Sequence[ResponseDeletion] = (),
 ) -> list[CapacityReport]:
     """Every policy at every GPU capacity (host = ``host_blocks(gpu)``), with Belady ceilings.
 
@@ -315,7 +341,7 @@ def run_simulation(
             policy = factory()
             results[policy.name] = simulate(
                 requests, policy, primary_blocks=capacity, secondary_blocks=host, config=config, hashes=hashes,
-                progress=progress,
+                progress=progress, deletions=deletions,
             )
         any_host = any(r.secondary_blocks for r in results.values())
         optimum = belady(chains, capacity, config.tokens_per_block)

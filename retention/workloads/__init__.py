@@ -7,13 +7,14 @@ parameters are documented on each spec dataclass.
 | family | module | role |
 |---|---|---|
 | ``synthetic`` | the public Mooncake trace (``../shared/traces``; read by the bench) | tune |
-| ``chat`` | :mod:`~retention.workloads.chat` (median think 20 s, σ 1, up to 16 turns) | tune |
+| ``chat`` | :mod:`~retention.workloads.chat` (median think 20 s, σ 1, up to 16 turns; stored Responses conversations, half deleted after the last turn) | tune |
 | ``noisy-neighbour`` | :mod:`~retention.workloads.noisy` (premium chat + 10× flood) | tune |
 | ``chat-long`` | chat with slow, heavy-tailed think times (median 60 s, σ 1.5), longer turns | report only |
 | ``rag`` | :mod:`~retention.workloads.rag` (Zipf documents, follow-ups) | report only |
 | ``agent`` | :mod:`~retention.workloads.agent` (tool loops, growing context) | report only |
 | ``api`` | :mod:`~retention.workloads.api` (single turn, 200 Zipf system prompts) | report only |
 | ``agent-hinted`` | :mod:`~retention.workloads.agent_hinted` (agent loops marking system + tools 1 h and the conversation 5 min, beside unhinted one-shot traffic; ``bench/hints.py``) | report only |
+| ``agent-loop`` | :mod:`~retention.workloads.agent` as Responses runs (each step continues the previous stored response and offers tools; half the runs deleted when they end, the rest abandoned; ``bench/conversation.py``) | report only |
 | ``rag-chat`` | :mod:`~retention.workloads.rag_chat` (the design notes' RAG chat: 1.5K system, 8K retrieved, 6 turns; ``bench/rag_chat.py``) | report only |
 
 *Tune* families are the ones retention policies may be tuned on (``adaptive`` was built
@@ -44,6 +45,10 @@ CHAT_LONG = ChatSpec(
     think_median_s=60.0, think_sigma=1.5, user_blocks=(1, 4), answer_blocks=(1, 3),
 )
 
+# The chat family's requests are ChatSpec()'s; the Responses fields and deletions only add to them.
+CHAT = ChatSpec(responses=True, delete_share=0.5)
+AGENT_LOOP = AgentSpec(responses=True, delete_share=0.5)
+
 
 @dataclass(frozen=True, slots=True)
 class Family:
@@ -58,8 +63,9 @@ class Family:
 def families() -> tuple[Family, ...]:
     """The generated families (the public synthetic trace is read from its file by the bench)."""
     return (
-        Family("chat", "tune", lambda seed: chat_trace(ChatSpec(), seed=seed),
-               "multi-turn chat, 4 system prompts, 1–16 turns, lognormal think time (median 20 s, σ 1)"),
+        Family("chat", "tune", lambda seed: chat_trace(CHAT, seed=seed),
+               "multi-turn chat, 4 system prompts, 1–16 turns, lognormal think time (median 20 s, σ 1); "
+               "stored Responses conversations, half deleted after their last turn"),
         Family("noisy-neighbour", "tune", lambda seed: noisy_neighbour_trace(NoisyNeighbourSpec(), seed=seed),
                "premium 6-turn chat next to a tenant flooding unique prompts at 10× its rate"),
         Family("chat-long", "report", lambda seed: chat_trace(CHAT_LONG, seed=seed),
@@ -72,6 +78,9 @@ def families() -> tuple[Family, ...]:
                "single-turn requests behind 200 Zipf(1.1) system prompts of 2–16 blocks"),
         Family("agent-hinted", "report", lambda seed: hinted_agent_trace(HintedAgentSpec(), seed=seed),
                "agent tool loops with cache breakpoints (system + tools 1 h, conversation 5 min) beside unhinted one-shot prompts"),
+        Family("agent-loop", "report", lambda seed: agent_trace(AGENT_LOOP, seed=seed),
+               "the agent family as Responses runs: each step continues the previous stored response and offers "
+               "tools; half the runs deleted when they end, the rest abandoned"),
         Family("rag-chat", "report", lambda seed: rag_chat_trace(RagChatSpec(), seed=seed),
                "1.5K shared system + 4 of 5,000 Zipf(1) documents (8K) + 6 turns, exponential think time (mean 45 s)"),
     )

@@ -11,6 +11,12 @@ runs for a lognormal time (median ``tool_median_s``); with probability ``human_w
 instead waits for a human (lognormal, median ``human_median_s``). Each step appends the
 model's tool call (``call_blocks``) and the tool's output (``output_blocks``, uniform), so
 prompts grow long and every step reuses the previous one's whole prompt.
+
+With ``responses`` the runs are OpenAI Responses agent runs (the ``agent-loop`` family): step
+*i* stores its response (``resp-agent-<run>-<i>``), continues step *i-1*'s and offers tools;
+when a run ends its client deletes all its responses with probability ``delete_share``
+(after a lognormal ``delete_median_s``), else abandons them to the store's expiry. The
+deletions draw from their own random source, so the requests are the same either way.
 """
 
 from __future__ import annotations
@@ -18,7 +24,7 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
-from retention.workloads.common import IdSpace, Zipf, finish, lognormal, partial, prompt_line
+from retention.workloads.common import IdSpace, Zipf, deletions, finish, lognormal, partial, prompt_line, respond
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,8 +46,13 @@ class AgentSpec:
     human_sigma: float = 1.0
     output_tokens: int = 128
     tenant: str | None = None
+    responses: bool = False  # Responses-style runs: response ids, stored chains, tools offered
+    delete_share: float = 0.0  # of runs whose client deletes their responses when they end
+    delete_median_s: float = 5.0  # run end -> deletion (lognormal, sigma 1)
 
     def __post_init__(self) -> None:
+        if not 0.0 <= self.delete_share <= 1.0 or self.delete_median_s <= 0:
+            raise ValueError("delete_share within [0, 1], delete_median_s > 0")
         if self.duration_s <= 0 or self.runs_per_s <= 0 or self.tool_median_s <= 0 or self.human_median_s <= 0:
             raise ValueError("duration, run rate and wait medians must be > 0")
         if self.block_size < 4 or self.agents < 1 or self.system_blocks < 0 or self.call_blocks < 0:
@@ -61,6 +72,7 @@ def agent_trace(spec: AgentSpec = AgentSpec(), *, seed: int = 0) -> list[dict]:
     systems = [list(range(a * spec.system_blocks, (a + 1) * spec.system_blocks)) for a in range(spec.agents)]
     pick_agent = Zipf(spec.agents, spec.agent_zipf)
     lines: list[dict] = []
+    ends = random.Random(f"{seed}-deletes")  # its own source: the requests never depend on it
     conversation = 0  # its number is the conversation's prompt_cache_key
     start = rng.expovariate(spec.runs_per_s)
     while start < spec.duration_s:
@@ -68,17 +80,26 @@ def agent_trace(spec: AgentSpec = AgentSpec(), *, seed: int = 0) -> list[dict]:
         conversation += 1
         context = system + ids.fresh(rng.randint(*spec.task_blocks))
         at = start
-        for _ in range(rng.randint(*spec.steps)):
+        run: list[str] = []  # the run's response ids
+        last = at
+        for step in range(rng.randint(*spec.steps)):
             if at >= spec.duration_s:
                 break
-            lines.append(prompt_line(
+            line = prompt_line(
                 at, context, block_size=bs, tail_tokens=partial(rng, bs), output_tokens=spec.output_tokens,
                 tenant=spec.tenant, cache_key=f"agent-{conversation}", system_blocks=len(system), context_blocks=len(context) - 1,
-            ))
+            )
+            if spec.responses:
+                run.append(f"resp-agent-{conversation}-{step}")
+                respond(line, run[-1], run[-2] if len(run) > 1 else None, tools=True)
+            lines.append(line)
+            last = at
             context = context + ids.fresh(spec.call_blocks + rng.randint(*spec.output_blocks))
             if rng.random() < spec.human_wait:
                 at += lognormal(rng, spec.human_median_s, spec.human_sigma)
             else:
                 at += lognormal(rng, spec.tool_median_s, spec.tool_sigma)
+        if run and ends.random() < spec.delete_share:
+            lines += deletions(last + lognormal(ends, spec.delete_median_s, 1.0), run, spec.tenant)
         start += rng.expovariate(spec.runs_per_s)
     return finish(lines)

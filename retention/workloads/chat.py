@@ -11,6 +11,12 @@ and between turns the user thinks for a lognormal time (median ``think_median_s`
 A user message is ``user_blocks`` blocks (uniform in the range), an answer
 ``answer_blocks``; both become history, so turn t+1 reuses turn t's whole prompt but its
 last, partial block. Lines carry ``system_tokens`` and ``context_tokens``.
+
+With ``responses`` every turn stores its response (``resp-chat-<session>-<turn>``) and
+continues the previous turn's (OpenAI Responses ``previous_response_id``, no tools); after a
+session's last turn its client deletes its responses with probability ``delete_share``
+(after a lognormal ``delete_median_s``), else leaves them to expire. The deletions draw from
+their own random source, so the requests are the same either way.
 """
 
 from __future__ import annotations
@@ -18,7 +24,17 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
-from retention.workloads.common import IdSpace, Zipf, finish, lognormal, partial, prompt_line, weighted_choice
+from retention.workloads.common import (
+    IdSpace,
+    Zipf,
+    deletions,
+    finish,
+    lognormal,
+    partial,
+    prompt_line,
+    respond,
+    weighted_choice,
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,8 +53,13 @@ class ChatSpec:
     answer_blocks: tuple[int, int] = (1, 2)
     output_tokens: int = 256
     tenant: str | None = None
+    responses: bool = False  # stored Responses conversations: response ids and previous_response_id chains
+    delete_share: float = 0.0  # of sessions whose client deletes their responses after the last turn
+    delete_median_s: float = 60.0  # last turn -> deletion (lognormal, sigma 1)
 
     def __post_init__(self) -> None:
+        if not 0.0 <= self.delete_share <= 1.0 or self.delete_median_s <= 0:
+            raise ValueError("delete_share within [0, 1], delete_median_s > 0")
         if self.duration_s <= 0 or self.sessions_per_s <= 0 or self.think_median_s <= 0 or self.think_sigma < 0:
             raise ValueError("duration, session rate and think median must be > 0, think_sigma >= 0")
         if self.block_size < 4 or self.system_prompts < 1 or self.system_blocks < 0:
@@ -58,6 +79,7 @@ def chat_trace(spec: ChatSpec = ChatSpec(), *, seed: int = 0) -> list[dict]:
     systems = [list(range(p * spec.system_blocks, (p + 1) * spec.system_blocks)) for p in range(spec.system_prompts)]
     pick_system = Zipf(spec.system_prompts, spec.system_zipf)
     lines: list[dict] = []
+    ends = random.Random(f"{seed}-deletes")  # its own source: the requests never depend on it
     conversation = 0  # its number is the conversation's prompt_cache_key
     start = rng.expovariate(spec.sessions_per_s)
     while start < spec.duration_s:
@@ -66,16 +88,25 @@ def chat_trace(spec: ChatSpec = ChatSpec(), *, seed: int = 0) -> list[dict]:
         turns = weighted_choice(rng, spec.turn_choices, spec.turn_weights)
         history: list[int] = []
         at = start
-        for _ in range(turns):
+        session: list[str] = []  # the session's response ids
+        last = at
+        for turn in range(turns):
             if at >= spec.duration_s:
                 break
             user = ids.fresh(max(1, rng.randint(*spec.user_blocks)))
             prompt = system + history + user
-            lines.append(prompt_line(
+            line = prompt_line(
                 at, prompt, block_size=bs, tail_tokens=partial(rng, bs), output_tokens=spec.output_tokens,
                 tenant=spec.tenant, cache_key=f"chat-{conversation}", system_blocks=len(system), context_blocks=len(system) + len(history),
-            ))
+            )
+            if spec.responses:
+                session.append(f"resp-chat-{conversation}-{turn}")
+                respond(line, session[-1], session[-2] if len(session) > 1 else None, tools=False)
+            lines.append(line)
+            last = at
             history = history + user + ids.fresh(rng.randint(*spec.answer_blocks))
             at += lognormal(rng, spec.think_median_s, spec.think_sigma)
+        if session and ends.random() < spec.delete_share:
+            lines += deletions(last + lognormal(ends, spec.delete_median_s, 1.0), session, spec.tenant)
         start += rng.expovariate(spec.sessions_per_s)
     return finish(lines)

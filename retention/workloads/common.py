@@ -68,6 +68,28 @@ def prompt_line(
     return line
 
 
+def respond(line: dict, response_id: str, previous: str | None, *, tools: bool) -> dict:
+    """``line`` as an OpenAI Responses request: it produces the stored response ``response_id``,
+    continues ``previous`` (if any) and offers tools or not (``retention/trace.py``)."""
+    line["response_id"] = response_id
+    if previous is not None:
+        line["previous_response_id"] = previous
+    line["store"] = True
+    line["offers_tools"] = tools
+    return line
+
+
+def deletions(at_s: float, response_ids: Sequence[str], tenant: str | None = None) -> list[dict]:
+    """``delete_response`` event lines for ``response_ids`` at ``at_s`` (``retention/trace.py``)."""
+    out = []
+    for response_id in response_ids:
+        line: dict = {"timestamp": round(at_s * 1000.0, 3), "op": "delete_response", "response_id": response_id}
+        if tenant is not None:
+            line["tenant"] = tenant
+        out.append(line)
+    return out
+
+
 def partial(rng: random.Random, block_size: int) -> int:
     """Tokens in a prompt's last block: the new message fills part of it (B/4 .. B)."""
     return block_size // 4 + rng.randrange(block_size - block_size // 4) + 1 if block_size >= 4 else block_size
@@ -111,13 +133,14 @@ def phased(first: list[dict], second: list[dict], *, gap_s: float = 1.0) -> list
     offset past every id of ``first`` so the phases share no blocks.
     """
     end_ms = max((line["timestamp"] for line in first), default=0.0)
-    offset = 1 + max((max(line["hash_ids"]) for line in first if line["hash_ids"]), default=-1)
+    offset = 1 + max((max(line["hash_ids"]) for line in first if line.get("hash_ids")), default=-1)
     shifted = []
     for line in second:
         moved = dict(line)
         moved["timestamp"] = round(line["timestamp"] + end_ms + gap_s * 1000.0, 3)
-        moved["hash_ids"] = [h + offset for h in line["hash_ids"]]
-        if max(moved["hash_ids"], default=0) > MAX_ID:
+        if "hash_ids" in line:  # event lines (``op``) carry none
+            moved["hash_ids"] = [h + offset for h in line["hash_ids"]]
+        if max(moved.get("hash_ids", ()), default=0) > MAX_ID:
             raise ValueError("trace hash ids exhausted (2^31)")
         shifted.append(moved)
     return [dict(line) for line in first] + shifted

@@ -39,7 +39,7 @@ def register(app: typer.Typer) -> None:
             list[str] | None,
             typer.Option("--policy", "-p", help="lru | trtllm-default | class | adaptive (with selection) | adaptive-bands | protect, or the offline ceilings oracle-reuse | "
                  "oracle-reuse-within-<S>s | oracle-next-use | oracle-popularity-<S>s; any policy as <name>+hints replays the "
-                 "trace's cache hints on top (repeat; default lru + trtllm-default, + class with --classes)"),
+                 "trace's cache hints on top, as <name>+conv holds conversations and tool loops for their measured gaps (repeat; default lru + trtllm-default, + class with --classes)"),
         ] = None,
         capacity: Annotated[
             list[str] | None, typer.Option("--capacity", "-c", help="GPU capacity: blocks or % of distinct blocks (repeat)")
@@ -72,7 +72,7 @@ def register(app: typer.Typer) -> None:
         from retention.simulation.oracle import is_oracle_name, oracle_factories, parse_oracle_name
         from retention.simulation.sim_policies import ClassMapping, ClassMappingError, make_policy
         from retention.simulation.simulator import SimConfig, run_simulation
-        from retention.trace import TraceError, distinct_blocks, parse_trace, trace_block_size
+        from retention.trace import TraceError, distinct_blocks, parse_trace_events, trace_block_size
         from server.cli.simulate_replicas import cluster_configs, run_replicas  # heavy: kept out of --help
 
         try:
@@ -103,7 +103,7 @@ def register(app: typer.Typer) -> None:
                 else:
                     make_policy(name, mapping=mapping, block_size=block_size or 512, registry=registry)
             with trace.open() as handle:
-                requests = parse_trace(handle, block_size=block_size)
+                requests, deletions = parse_trace_events(handle, block_size=block_size)
             block_size = block_size or trace_block_size(requests)
             pool_block = tokens_per_block or block_size
             config = SimConfig(
@@ -144,10 +144,11 @@ def register(app: typer.Typer) -> None:
                 task = bar.add_task("replay", total=total)
                 reports = run_simulation(
                     requests, factories, gpu_caps, host_blocks=host_blocks, config=config,
-                    progress=lambda n: bar.advance(task, n),
+                    progress=lambda n: bar.advance(task, n), deletions=deletions,
                 )
         else:
-            reports = run_simulation(requests, factories, gpu_caps, host_blocks=host_blocks, config=config)
+            reports = run_simulation(requests, factories, gpu_caps, host_blocks=host_blocks, config=config,
+                                     deletions=deletions)
 
         document = {
             "trace": str(trace),

@@ -24,6 +24,7 @@ from fastapi import APIRouter, Query
 from fastapi.responses import JSONResponse
 
 from engines.contract import SamplingParams
+from retention.policy.conversation import ConversationRequest
 from server.gateway.api.completions import REPLICA_HEADER, CompletionJob
 from server.gateway.api.responses_convert import conversation_hints, convert, normalize_items, refuse_unservable
 from server.gateway.api.responses_render import ResponsesDialect
@@ -85,6 +86,7 @@ async def create_response(body: ResponsesRequest, tenant: Tenant, services: Gate
         quota=services.monitor.quota_state(tenant.pool.name, tenant.tenant_id), token_texts=prompter.token_texts,
         guide=conversation.guide, tools=conversation.tools, hints=hints,
         logprobs=(body.top_logprobs or 0) if OUTPUT_LOGPROBS in (body.include or ()) else None,
+        conversation=ConversationRequest(dialect.id, body.previous_response_id, store, conversation.tools is not None),
     )
     answer = await services.runner.run(job, dialect)
     if body.stream:
@@ -102,6 +104,8 @@ async def retrieve_response(response_id: str, tenant: Tenant, services: Gateway)
 @router.delete("/{response_id}")
 async def delete_response(response_id: str, tenant: Tenant, services: Gateway) -> dict:
     await _store(services).delete(tenant_id=tenant.tenant_id, response_id=response_id)
+    # The conversation hold is no longer measured or renewed (what the engine holds runs out on its own).
+    services.runner.holds.deleted(tenant.pool.name, tenant.engine_tenant_id, response_id)
     return {"id": response_id, "object": "response", "deleted": True}  # OpenAI's answer
 
 

@@ -39,6 +39,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from engines.contract import EngineRequest, Guide, KvMetrics, SamplingParams, TokenLogProbs
 from engines.tokenizer import ChatTokenizer
 from retention.hashing import block_hashes
+from retention.policy.conversation import ConversationPlan, ConversationRequest
 from retention.policy.hint_quota import HintedPlan, HintLedger, plan_with_hints
 from retention.policy.hints import CacheHints
 from retention.policy.planner import QuotaState, Segments, plan_retention
@@ -54,6 +55,7 @@ from server.gateway.observe.miss_ratio import MissRatioCurves
 from server.gateway.replicas.routing import RoutedEngine
 from server.gateway.api.prompting import PreparedPrompt
 from server.gateway.observe.slo_guard import SloGuards
+from server.gateway.api.conversation_hold import ConversationHolds
 from server.gateway.api.tools import CallSplitter, ToolCall, ToolPlan, parse_forced, parse_tool_calls
 from tenants.snapshots import PoolSnapshot
 
@@ -82,6 +84,7 @@ class CompletionJob:
     token_texts: TokenTexts | None = None
     continuous_usage: bool = False
     hints: CacheHints = field(default_factory=CacheHints)  # client cache intent (retention.policy.hints), any dialect
+    conversation: ConversationRequest | None = None  # Responses: response id, previous, store (conversation_hold.py)
 
     @property
     def parses_tools(self) -> bool:
@@ -105,6 +108,7 @@ class Outcome:
     held: list[str] = field(default_factory=list)  # text kept back from the content (tool calls)
     tool_calls: list[ToolCall] = field(default_factory=list)
     hinted: HintedPlan | None = None  # the client's hints as planned (recorded again at release)
+    conversation_hold: ConversationPlan | None = None  # the conversation hold as planned (recorded again at release)
 
     @property
     def text(self) -> str:
@@ -478,6 +482,7 @@ class CompletionRunner:
         self._guard = guard
         self._capture = capture
         self._ledgers: dict[str, HintLedger] = {}  # pool -> live hinted blocks per tenant
+        self.holds = ConversationHolds()  # conversation and tool-loop holds (same budget as hints)
 
     def _ledger(self, pool: str) -> HintLedger:
         ledger = self._ledgers.get(pool)
@@ -500,9 +505,10 @@ class CompletionRunner:
         now = self._clock()
         adaptive = selector is not None and tenant.retention_mode == "adaptive" and not job.quota.over_quota
         hinting = hints_apply(job)
+        holding = self.holds.applies(job)
         # Hashed once per request: the router needs them too (passed on by _open).
         routed = isinstance(job.engine, RoutedEngine)
-        hashes = request_hashes(job) if routed or adaptive or hinting or self._curves is not None else None
+        hashes = request_hashes(job) if routed or adaptive or hinting or holding or self._curves is not None else None
         plan = build_plan(job, selector, now, hashes)
         started = time.perf_counter()
         outcome = Outcome()
@@ -510,6 +516,9 @@ class CompletionRunner:
             outcome.hinted = hinted_plan(job, plan, hashes, self._ledger(tenant.pool.name), now)
             plan = outcome.hinted.plan
         self._count_hints(job, outcome.hinted)
+        if holding and hashes is not None:  # tools offered / a stored conversation: held for the measured gap
+            outcome.conversation_hold = self.holds.plan(job, plan, hashes, self._ledger(tenant.pool.name), now)
+            plan = outcome.conversation_hold.plan
         if self._guard is not None:  # SLO guard tripped or pilot control arm: host tier rolled back
             plan, outcome.arm = self._guard.apply(tenant, plan)
         if self._curves is not None:
@@ -592,6 +601,7 @@ class CompletionRunner:
             # TensorRT-LLM starts a block's duration when the request releases it: count from now.
             self._ledger(tenant.pool.name).record(tenant.engine_tenant_id, hinted.hashes, hinted.durations_ms,
                                                   self._clock(), windows_ms=hinted.windows_ms)
+        self.holds.released(job, outcome.conversation_hold, self._clock())
         latency = time.perf_counter() - started
         # Mean inter-token latency: observable only when tokens were streamed one by one.
         inter_token = None

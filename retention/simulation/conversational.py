@@ -1,0 +1,84 @@
+"""``<policy>+conv``: any simulator policy with the conversation and tool-loop hold on top.
+
+The wrapped policy plans first; then every request that offers tools or stores its
+response goes through the very code the gateway runs
+(:func:`retention.policy.conversation.plan_conversation`): held at the class's hint priority
+for the tenant's measured tool or turn gap, within the class's hint rules and its hint
+budget (the class's ``quota_fraction`` of the tenant's quota share of the GPU blocks).
+Requests without those fields are planned by the wrapped policy alone, so ``X`` and
+``X+conv`` differ only where conversations are.
+
+Deletions (the trace's ``delete_response`` events) reach the policy's ledger through
+:meth:`ConversationPolicy.on_delete`, never the pool: the engine cannot revoke a duration
+it was given at enqueue, so neither can the simulated pool. Generated blocks are not cached
+in the simulator (a trace line's output has no hash ids), so the decode retention costs
+budget here and earns nothing: the simulated gain is the prompt's alone.
+
+Rules: with ``--classes`` each class's ``hints`` entry (absent = off); without,
+:data:`~retention.simulation.hinted.SIM_HINTS` (at most 1 h, at priority 60, held blocks at
+most half of the tenant's share, which is the whole pool).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+
+from retention.policy.conversation import ConversationLedger, ConversationRequest, plan_conversation
+from retention.policy.hint_plan import HintPolicy
+from retention.simulation.hinted import SIM_HINTS
+from retention.trace import ResponseDeletion, TraceRequest
+from retention.types import RetentionPlan
+
+SUFFIX = "+conv"
+STORE_TTL_MS = 30 * 24 * 3600 * 1000  # the response store's default (OpenAI keeps stored responses 30 days)
+
+
+def conversation_request(request: TraceRequest) -> ConversationRequest:
+    return ConversationRequest(request.response_id, request.previous_response_id, request.store, request.offers_tools)
+
+
+@dataclass(slots=True)
+class ConversationPolicy:
+    inner: object  # a SimPolicy (retention.simulation.sim_policies)
+    rules: Callable[[TraceRequest], HintPolicy] | None = None  # None: SIM_HINTS for every request
+    quotas: Mapping[str, float] = field(default_factory=dict)  # tenant -> share of GPU blocks (default 1.0)
+    ledger: ConversationLedger = field(default_factory=ConversationLedger)
+    store_ttl_ms: int = STORE_TTL_MS
+    held_requests: int = 0  # requests whose plan the hold changed
+    clipped_requests: int = 0  # requests whose hold the budget cut short
+    label: str | None = None
+
+    @property
+    def name(self) -> str:
+        return self.label or self.inner.name + SUFFIX  # type: ignore[attr-defined]
+
+    @property
+    def uses_host(self) -> bool:
+        return self.inner.uses_host  # type: ignore[attr-defined]
+
+    @property
+    def offload_min_priority(self) -> int:
+        return self.inner.offload_min_priority  # type: ignore[attr-defined]
+
+    def plan(self, request, hashes, *, now, pool) -> RetentionPlan:  # noqa: ANN001 - SimPolicy protocol
+        plan = self.inner.plan(request, hashes, now=now, pool=pool)  # type: ignore[attr-defined]
+        conv = conversation_request(request)
+        if conv == ConversationRequest():
+            return plan
+        rules = SIM_HINTS if self.rules is None else self.rules(request)
+        cfg = pool.config
+        budget = rules.budget_blocks(self.quotas.get(request.tenant or "", 1.0), cfg.primary_blocks)
+        out = plan_conversation(plan, conv, rules, total=request.input_length, output_tokens=request.output_length,
+                                tokens_per_block=cfg.tokens_per_block, hashes=hashes, ledger=self.ledger,
+                                tenant=request.tenant or "", budget_blocks=budget, now=now,
+                                store_ttl_ms=self.store_ttl_ms)
+        self.held_requests += out.plan is not plan
+        self.clipped_requests += out.clipped
+        return out.plan
+
+    def observe(self, request, hashes, allocation, *, now, pool) -> None:  # noqa: ANN001 - SimPolicy protocol
+        self.inner.observe(request, hashes, allocation, now=now, pool=pool)  # type: ignore[attr-defined]
+
+    def on_delete(self, deletion: ResponseDeletion, *, now: float) -> None:
+        self.ledger.delete(deletion.tenant or "", deletion.response_id)

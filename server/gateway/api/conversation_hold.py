@@ -1,0 +1,73 @@
+"""The request core's conversation and tool-loop hold: the pure policy, one ledger per pool.
+
+A request that offers tools (any dialect) or stores its Responses answer is held at its
+class's hint priority for the tenant's measured gap (:mod:`retention.policy.conversation`),
+prompt and decode retention, within the class's hint caps and the *same* hint budget as the
+client's cache hints (one :class:`~retention.policy.hint_quota.HintLedger` per pool counts
+both, so together they never exceed ``hint_quota_fraction``). ``DELETE /v1/responses/{id}``
+tells the ledger, which stops measuring and renewing that conversation; what the engine was
+already told runs out on its own clock (TensorRT-LLM takes durations at enqueue only).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from retention.policy.conversation import ConversationLedger, ConversationPlan, ConversationRequest, plan_conversation
+from retention.policy.hint_quota import HintLedger
+from retention.types import RetentionPlan
+
+# A job is server.gateway.api.completions.CompletionJob (not imported: completions imports this module).
+CompletionJob = Any
+
+STORE_TTL_MS = 30 * 24 * 3600 * 1000  # the response store's default TTL (server.gateway.response_store)
+
+
+def conversation_of(job: CompletionJob) -> ConversationRequest:
+    """What the job says about its conversation: the dialect's (Responses), else tools offered or not."""
+    offers = job.tools is not None
+    if job.conversation is not None:
+        return ConversationRequest(job.conversation.response_id, job.conversation.previous_response_id,
+                                   job.conversation.store, job.conversation.offers_tools or offers)
+    return ConversationRequest(offers_tools=offers)
+
+
+@dataclass(slots=True)
+class ConversationHolds:
+    """Per pool: the conversation ledger, sharing the pool's hint ledger (one budget)."""
+
+    store_ttl_ms: int = STORE_TTL_MS
+    _ledgers: dict[str, ConversationLedger] = field(default_factory=dict)
+
+    def ledger(self, pool: str, hints: HintLedger) -> ConversationLedger:
+        ledger = self._ledgers.get(pool)
+        if ledger is None:
+            ledger = self._ledgers[pool] = ConversationLedger(holds=hints)
+        return ledger
+
+    def applies(self, job: CompletionJob) -> bool:
+        """Whether the job may be held: its class allows hints and it offers tools or is a stored conversation."""
+        conv = conversation_of(job)
+        return job.tenant.hints.enabled and (conv.kind is not None or conv.previous_response_id is not None)
+
+    def plan(self, job: CompletionJob, plan: RetentionPlan, hashes: list[int], hints: HintLedger,
+             now: float) -> ConversationPlan:
+        tenant = job.tenant
+        budget = tenant.hints.budget_blocks(tenant.kv_quota_fraction, tenant.pool.primary_blocks)
+        return plan_conversation(plan, conversation_of(job), tenant.hints, total=job.prompt.total,
+                                 output_tokens=job.max_new_tokens, tokens_per_block=tenant.pool.tokens_per_block,
+                                 hashes=hashes, ledger=self.ledger(tenant.pool.name, hints),
+                                 tenant=tenant.engine_tenant_id, budget_blocks=budget, now=now,
+                                 store_ttl_ms=self.store_ttl_ms)
+
+    def released(self, job: CompletionJob, held: ConversationPlan | None, now: float) -> None:
+        """The request ended: its hold is counted from now (durations start at release)."""
+        ledger = self._ledgers.get(job.tenant.pool.name)
+        if held is not None and ledger is not None:
+            held.released(ledger, job.tenant.engine_tenant_id, now)
+
+    def deleted(self, pool: str, tenant: str, response_id: str) -> bool:
+        """A stored response was deleted: its conversation is no longer measured or renewed."""
+        ledger = self._ledgers.get(pool)
+        return ledger is not None and ledger.delete(tenant, response_id)

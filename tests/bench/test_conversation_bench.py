@@ -1,0 +1,27 @@
+"""The conversation bench's section regenerates: same seed, same table; written between its markers."""
+
+from __future__ import annotations
+
+import pytest
+
+from bench.conversation import run
+from bench.report import write_section
+
+pytestmark = pytest.mark.slow
+
+
+def table(section: str) -> list[str]:
+    return [line for line in section.splitlines() if line.startswith("| agent-loop")]
+
+
+def test_the_conversation_section_repeats_and_is_written_in_place(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    first, raw = run(1, (0.02,), (0,), ["agent-loop"], grid=False, limit=400)
+    second, _ = run(1, (0.02,), (0,), ["agent-loop"], grid=False, limit=400)
+    assert table(first) == table(second) and len(table(first)) == 8  # 6 policies, best age-based, Belady
+    assert "Seed: 0 " in first.splitlines()[2]
+    assert raw["verdict"]["target"] is not None  # the agent-loop check is computed from the figures
+    doc = tmp_path / "benchmarks.md"
+    doc.write_text("# kvgate benchmarks\n\n<!-- bench:conversation -->\nSTALE-FIGURES\n<!-- /bench:conversation -->\n\ntail\n")
+    write_section("conversation", first, doc)
+    text = doc.read_text()
+    assert "STALE-FIGURES" not in text and text.endswith("tail\n") and "| agent-loop (report)" in text

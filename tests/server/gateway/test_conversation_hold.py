@@ -1,0 +1,53 @@
+"""The request core's conversation hold: tools offered in any dialect, stored Responses chains,
+one budget with the client's hints, a DELETE stops measuring and renewing."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+from retention.policy.conversation import ConversationRequest
+from retention.policy.hint_plan import HINTS_OFF, HintPolicy
+from retention.policy.hint_quota import MIN_GAP_SAMPLES, HintLedger
+from retention.types import DEFAULT_PLAN
+from server.gateway.api.conversation_hold import ConversationHolds, conversation_of
+
+TPB = 16
+CAPS = HintPolicy(enabled=True, max_ttl_ms=600_000, max_priority=60, quota_fraction=0.5)
+
+
+def job(*, tools: bool = False, conversation: ConversationRequest | None = None, hints: HintPolicy = CAPS):  # noqa: ANN201
+    pool = SimpleNamespace(name="p", primary_blocks=400, tokens_per_block=TPB)
+    tenant = SimpleNamespace(hints=hints, kv_quota_fraction=1.0, pool=pool, engine_tenant_id="7")
+    return SimpleNamespace(tenant=tenant, tools=object() if tools else None, conversation=conversation,
+                           prompt=SimpleNamespace(total=5 * TPB + 2), max_new_tokens=32)
+
+
+def test_tools_in_any_dialect_and_stored_responses_are_conversations() -> None:
+    assert conversation_of(job(tools=True)) == ConversationRequest(offers_tools=True)
+    assert conversation_of(job()).kind is None
+    stored = ConversationRequest("resp_1", None, True, False)
+    assert conversation_of(job(conversation=stored, tools=True)).offers_tools
+    holds = ConversationHolds()
+    assert holds.applies(job(tools=True)) and holds.applies(job(conversation=stored))
+    assert not holds.applies(job()) and not holds.applies(job(tools=True, hints=HINTS_OFF))
+
+
+def test_a_measured_tool_loop_is_held_in_the_shared_budget_and_a_delete_stops_measuring() -> None:
+    holds, hints = ConversationHolds(), HintLedger()
+    now = 0.0
+    for i in range(MIN_GAP_SAMPLES + 1):  # Responses runs: a tool step and its continuation 2 s later
+        first = ConversationRequest(f"resp_{i}a", None, True, True)
+        holds.plan(job(conversation=first), DEFAULT_PLAN, [100 * i + b for b in range(5)], hints, now)
+        then = ConversationRequest(f"resp_{i}b", f"resp_{i}a", True, True)
+        holds.plan(job(conversation=then), DEFAULT_PLAN, [100 * i + b for b in range(5)], hints, now + 2.0)
+        now += 100.0
+    out = holds.plan(job(tools=True), DEFAULT_PLAN, [9000 + b for b in range(5)], hints, now)  # chat completions + tools
+    assert out.hold_ms == 2_000 and out.plan.retention_at(0) == (60, 2_000)
+    assert (out.plan.decode_priority, out.plan.decode_duration_ms) == (60, 2_000)
+    assert hints.live_blocks("7", now) == 5 + 2  # the hint ledger counts the held prompt and generated blocks
+    holds.released(job(tools=True), out, now + 10.0)  # the engine starts the duration at release
+    assert hints.live_blocks("7", now + 11.0) == 7 and hints.live_blocks("7", now + 12.001) == 0
+    ledger = holds.ledger("p", hints)
+    gaps = ledger.gap_count("7", "tool")
+    assert holds.deleted("p", "7", f"resp_{MIN_GAP_SAMPLES}b") and not holds.deleted("q", "7", "resp_0b")
+    assert ledger.continued("7", f"resp_{MIN_GAP_SAMPLES}b", now + 1.0) is None and ledger.gap_count("7", "tool") == gaps

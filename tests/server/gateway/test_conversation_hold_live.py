@@ -1,0 +1,84 @@
+"""The conversation hold end to end: Responses chains with tools over HTTP, against the reference engine
+through a recording proxy (what the engine receives), then a DELETE the ledger hears of."""
+
+from __future__ import annotations
+
+import secrets
+
+import httpx
+import openai
+import pytest
+
+from engines.contract import parse_retention
+from engines.reference.kserve import decode_inputs
+from retention.policy.hint_quota import MIN_GAP_SAMPLES
+from tenants import pools, retention_classes
+from tests.server.gateway.conftest import TOKENS_PER_BLOCK
+from tests.server.gateway.recording_proxy import start_proxy
+from tests.server.gateway.stack import ACTOR, MODEL, Stack
+from tests.server.gateway.test_responses_e2e import WEATHER
+
+pytestmark = pytest.mark.slow
+HOLD_PRIORITY = 55  # the class's hint_max_priority: above its own 35 everywhere
+MAX_TTL_MS = 600_000
+
+
+async def test_a_measured_tool_loop_is_held_at_enqueue_and_a_delete_is_heard(stack: Stack) -> None:
+    server, proxy, port = await start_proxy(f"127.0.0.1:{stack.engine.port}")
+    try:
+        x = secrets.token_hex(3)
+        with stack.session_factory() as session:
+            pools.create_pool(session, actor=ACTOR, now=stack.now(), name=f"conv-{x}", model_name=MODEL,
+                              triton_url=f"127.0.0.1:{port}", engine_spec="reference-smollm2",
+                              tokens_per_block=TOKENS_PER_BLOCK, primary_blocks=256, secondary_blocks=512,
+                              secondary_offload_min_priority=30)
+        with stack.session_factory() as session:
+            retention_classes.create_class(session, actor=ACTOR, now=stack.now(), name=f"conv-{x}",
+                                           system_priority=35, context_priority=35, turn_priority=35,
+                                           decode_priority=35, hints_enabled=True, hint_max_ttl_ms=MAX_TTL_MS,
+                                           hint_max_priority=HOLD_PRIORITY, hint_quota_fraction=1.0)
+        key = stack.add_tenant(f"conv-{x}", pool=f"conv-{x}", retention_class=f"conv-{x}", kv_quota_fraction=1.0)
+        api = openai.AsyncOpenAI(api_key=key, base_url=stack.gateway.base_url + "/v1", max_retries=0, timeout=120)
+
+        async def sent_for(call):  # type: ignore[no-untyped-def]
+            before = len(proxy.requests)
+            reply = await call
+            (sent,) = [r for r in proxy.requests[before:] if any(i.name == "input_ids" for i in r.inputs)]
+            return reply, sent
+
+        # Before any gap is measured nothing is held: the class's plan goes out as is. (Not stored: a stored
+        # conversation also gets the Responses dialect's own conversation hint.)
+        first, sent = await sent_for(api.responses.create(model=MODEL, input=f"Weather in Oslo? {x}", tools=[WEATHER],
+                                                          max_output_tokens=1, temperature=0, store=False))
+        plan = parse_retention(decode_inputs(sent), first.usage.input_tokens)
+        assert plan.decode_priority == 35 and all(r.priority == 35 for r in plan.ranges)
+        first = await api.responses.create(model=MODEL, input=f"Weather in Oslo? {x}", tools=[WEATHER],
+                                           max_output_tokens=1, temperature=0)
+        previous = first.id
+        for i in range(MIN_GAP_SAMPLES):  # one stored chain: each step continues the last (a measured tool gap)
+            reply = await api.responses.create(model=MODEL, input=f"step {i}", tools=[WEATHER], max_output_tokens=1,
+                                               temperature=0, previous_response_id=previous)
+            previous = reply.id
+        # Now a request offering tools (here through chat completions: any dialect) is held, prompt and decode.
+        chat, sent = await sent_for(api.chat.completions.create(
+            model=MODEL, max_tokens=1, temperature=0, messages=[{"role": "user", "content": f"Rain in Bergen? {x}"}],
+            tools=[{"type": "function", "function": {k: WEATHER[k] for k in ("name", "description", "parameters")}}]))
+        total = chat.usage.prompt_tokens
+        plan = parse_retention(decode_inputs(sent), total)
+        priority, duration = plan.retention_at(0)
+        assert priority == HOLD_PRIORITY and duration is not None and 1_000 <= duration <= MAX_TTL_MS
+        assert (plan.decode_priority, plan.decode_duration_ms) == (HOLD_PRIORITY, duration)
+        assert plan.retention_at((total // TOKENS_PER_BLOCK) * TOKENS_PER_BLOCK)[0] == 35  # the partial tail: not held
+        # A plain request (no tools, not stored) is not held.
+        plain, sent = await sent_for(api.chat.completions.create(model=MODEL, max_tokens=1, temperature=0,
+                                                                 messages=[{"role": "user", "content": f"Hi {x}"}]))
+        plan = parse_retention(decode_inputs(sent), plain.usage.prompt_tokens)
+        assert plan.decode_priority == 35 and all(r.priority == 35 for r in plan.ranges)
+        # DELETE answers as OpenAI does and the stored response is gone; the ledger no longer measures its chain.
+        deleted = httpx.delete(f"{stack.gateway.base_url}/v1/responses/{previous}",
+                               headers={"Authorization": f"Bearer {key}"})
+        assert deleted.status_code == 200 and deleted.json()["deleted"] is True
+        with pytest.raises(openai.NotFoundError):
+            await api.responses.retrieve(previous)
+    finally:
+        await server.stop(0)
