@@ -19,6 +19,7 @@ simply not passed).
 * ``session``      — sticky: weighted rendezvous hashing of the session key (default the
   request's affinity key if it has one, else its first block hash, so one conversation — and one tenant's shared system
   prompt — lands on one replica while the replica set is stable);
+* ``kv-adaptive``  — kv-aware whose load band follows the measured imbalance (``tuning.py``);
 * ``kv-aware``     — the cost of ``cost.py`` over per-replica indexes (``index.py``):
   precise where the replica sends KV events, approximate (what the router sent there)
   otherwise. SGLang's cache-aware router and AIBrix switch to pure load balancing when
@@ -34,7 +35,7 @@ from __future__ import annotations
 
 import random
 from collections.abc import Callable, Hashable, Iterable, Sequence
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from retention.pool.events import KvEvent
 from retention.routing.affinity import home_replica
@@ -52,11 +53,15 @@ from retention.routing.types import (
     RoutingError,
 )
 
-RouterName = Literal["random", "round-robin", "session", "kv-aware"]
-ROUTER_NAMES: tuple[str, ...] = ("random", "round-robin", "session", "kv-aware")
+if TYPE_CHECKING:
+    from retention.routing.tuning import BandTuning
+
+RouterName = Literal["random", "round-robin", "session", "kv-aware", "kv-adaptive"]
+ROUTER_NAMES: tuple[str, ...] = ("random", "round-robin", "session", "kv-aware", "kv-adaptive")
 
 
-def _session_key(request: RouteRequest) -> int | None:
+def session_key(request: RouteRequest) -> int | None:
+    """The request's stickiness key: session key, else affinity key, else first block hash."""
     if request.session_key is not None:
         return request.session_key
     if request.affinity_key is not None:
@@ -159,7 +164,7 @@ class SessionRouter(Router):
     name = "session"
 
     def _choose(self, request: RouteRequest, candidates: Sequence[Candidate], now: float) -> Decision:
-        key = _session_key(request)
+        key = session_key(request)
         if key is None:  # nothing to stick to (prompt shorter than a block): least running
             best = min(candidates, key=lambda c: (self.load(c.replica, c).running / c.weight, c.replica))
         else:
@@ -241,14 +246,18 @@ class KvAwareRouter(Router):
 
     # ---------------------------------------------------------------- choice
     def _choose(self, request: RouteRequest, candidates: Sequence[Candidate], now: float) -> Decision:
-        cost, bpt = self.cost, self.tokens_per_block
+        return self._decide(request, candidates, now, self.cost)
+
+    def _decide(self, request: RouteRequest, candidates: Sequence[Candidate], now: float, cost: CostModel) -> Decision:
+        """The lowest ``cost`` among ``candidates`` (ties: rendezvous of the session key)."""
+        bpt = self.tokens_per_block
         scores = cost.scores(
             [(c.replica, self.match(c.replica, request.hashes, now=now), self.load(c.replica, c, now=now), c.weight)
              for c in candidates],
             prompt_tokens=request.prompt_tokens, output_tokens=request.output_tokens, tokens_per_block=bpt,
             home=None if request.affinity_key is None else home_replica(request.affinity_key, candidates),
         )
-        key = _session_key(request)
+        key = session_key(request)
         best = choose(
             scores, tie_key=0 if key is None else key, weights={c.replica: c.weight for c in candidates},
             temperature=cost.temperature, rng=self.rng,
@@ -291,10 +300,12 @@ def make_router(
     index_factory: IndexFactory | None = None,
     rng: random.Random | None = None,
     half_life_s: float = 60.0,
+    tuning: BandTuning | None = None,
 ) -> Router:
-    """A router by name (``random | round-robin | session | kv-aware``).
+    """A router by name (``random | round-robin | session | kv-aware | kv-adaptive``).
 
-    ``half_life_s``: decay of the recent-prefill load signal (``LoadTracker``).
+    ``half_life_s``: decay of the recent-prefill load signal (``LoadTracker``). ``tuning``:
+    the self-tuning band's knobs (``kv-adaptive`` only; default ``BandTuning()``).
     """
     common = {"tokens_per_block": tokens_per_block, "rng": rng, "half_life_s": half_life_s}
     if name == "random":
@@ -305,6 +316,10 @@ def make_router(
         return SessionRouter(**common)
     if name == "kv-aware":
         return KvAwareRouter(cost=cost, index_factory=index_factory, **common)
+    if name == "kv-adaptive":
+        from retention.routing.tuning import BandTuning, SelfTuningRouter  # tuning.py builds on this module
+
+        return SelfTuningRouter(cost=cost, tuning=tuning or BandTuning(), index_factory=index_factory, **common)
     raise RoutingError(f"unknown router {name!r}; choose one of {', '.join(ROUTER_NAMES)}")
 
 
@@ -315,5 +330,5 @@ def approximate_indexes(capacity: CapacityModel) -> IndexFactory:
 
 __all__ = [
     "NO_MATCH", "ROUTER_NAMES", "KvAwareRouter", "RandomRouter", "RoundRobinRouter", "Router", "RouterName",
-    "SessionRouter", "approximate_indexes", "make_router",
+    "SessionRouter", "approximate_indexes", "make_router", "session_key",
 ]
