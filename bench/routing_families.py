@@ -157,10 +157,8 @@ CANDIDATE = ("kv-aware, balance_rel 2", {"balance_rel": 2.0})  # the best fixed 
 ADAPTIVE = "kv-adaptive"  # the self-tuning band (retention/routing/tuning.py), its default knobs
 # The self-tuning band's knobs tried on the tune families only (every tune setting); the first is the default.
 TUNINGS = (
-    ("target 1.2 ±0.05, warm-up 4 per replica", {}),
-    ("target 1.1 ±0.05", {"target": 1.1}),
-    ("target 1.25 ±0.03", {"target": 1.25, "hysteresis": 0.03}),
-    ("warm-up 16 per replica", {"warmup_per_replica": 16}),
+    ("step ×2, max scale 64, warm-up 4 per replica", {}),
+    ("gentler: step ×√2, max scale 8", {"step": 2 ** 0.5, "max_scale": 8.0}),
 )
 EXTRAS = {CANDIDATE[0]: ("kv-aware", CANDIDATE[1], {}), ADAPTIVE: ("kv-adaptive", {}, {})}
 
