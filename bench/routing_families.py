@@ -404,9 +404,14 @@ def reading(rows: list[dict], roles: dict[str, str]) -> list[str]:
         worse = [f"{f} ({a} vs {b})" for f, (a, b) in per.items() if b < a]
         base_r = sum(met(judge(r)) for r in report)
         mine_r = sum(met(judge(r, ADAPTIVE)) for r in report)
+        tune = [r for r in rows if roles[r["family"]] == "tune"]
         out.append(
-            f"* **Report families (held out): {ADAPTIVE} {mine_r}, kv-aware {base_r} of {len(report)}.** "
-            + (f"It loses settings on {', '.join(worse)}." if worse else "It loses no family.")
+            f"* **Report families (held out): {ADAPTIVE} {mine_r}, kv-aware {base_r} of {len(report)} settings; "
+            f"tune families: {sum(met(judge(r, ADAPTIVE)) for r in tune)} and {sum(met(judge(r)) for r in tune)} of "
+            f"{len(tune)}.** "
+            + (f"It loses settings on {', '.join(worse)} (kv-aware vs {ADAPTIVE}), so the gateway keeps kv-aware "
+               f"as its default and {ADAPTIVE} stays selectable (`router: {ADAPTIVE}`)." if worse or mine_r <= base_r
+               else f"It loses no family, so it is the gateway's default router.")
         )
     gains = sorted(r["kv-aware"]["hit"] - r["kv-aware, no key"]["hit"] for r in rows
                    if r["kv-aware"] is not r["kv-aware, no key"] and r.get("keyed"))

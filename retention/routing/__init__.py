@@ -4,8 +4,9 @@
 home replica), ``index`` (per-replica block
 indexes: precise from KV events, approximate from routing decisions), ``load``
 (in-flight load per replica), ``cost`` (expected prefill after reuse + load, softmax
-choice), ``router`` (one interface: random, round-robin, session, kv-aware) and ``tuning``
-(``kv-adaptive``: kv-aware whose load band follows the measured imbalance). Callers:
+choice), ``router`` (one interface: random, round-robin, session, kv-aware), ``tuning``
+(``kv-adaptive``: kv-aware whose load band follows the measured imbalance) and ``factory``
+(``make_router``: every router by name). Callers:
 the gateway (``server/gateway/replicas/routing.py``) and ``retention/simulation/cluster_sim.py``. See
 docs/architecture.md, "Routing".
 """
@@ -14,15 +15,14 @@ from retention.routing.affinity import affinity_key, home_replica
 from retention.routing.cost import CostModel, choose, rendezvous
 from retention.routing.index import ApproximateIndex, BlockIndex, CapacityModel, PreciseIndex
 from retention.routing.load import LoadTracker
+from retention.routing.factory import ROUTER_NAMES, make_router
 from retention.routing.router import (
-    ROUTER_NAMES,
     KvAwareRouter,
     RandomRouter,
     RoundRobinRouter,
     Router,
     SessionRouter,
     approximate_indexes,
-    make_router,
 )
 from retention.routing.tuning import BandController, BandTuning, SelfTuningRouter
 from retention.routing.types import (

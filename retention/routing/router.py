@@ -19,14 +19,14 @@ simply not passed).
 * ``session``      — sticky: weighted rendezvous hashing of the session key (default the
   request's affinity key if it has one, else its first block hash, so one conversation — and one tenant's shared system
   prompt — lands on one replica while the replica set is stable);
-* ``kv-adaptive``  — kv-aware whose load band follows the measured imbalance (``tuning.py``);
 * ``kv-aware``     — the cost of ``cost.py`` over per-replica indexes (``index.py``):
   precise where the replica sends KV events, approximate (what the router sent there)
   otherwise. SGLang's cache-aware router and AIBrix switch to pure load balancing when
   load is imbalanced (SGLang: shortest queue; AIBrix: load > mean + 2σ); here load is a
   term of the same cost, so the switch is continuous (``overlap_weight`` sets it), as in
   Dynamo, but measured above a band (``cost.py``). A request's affinity key
-  (``prompt_cache_key``, ``affinity.py``) credits its home replica and breaks ties.
+  (``prompt_cache_key``, ``affinity.py``) credits its home replica and breaks ties;
+* ``kv-adaptive``  — kv-aware whose load band follows the measured imbalance (``tuning.py``).
 
 Pure: no clock, no I/O; state is per router instance (one per pool in the gateway).
 """
@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import random
 from collections.abc import Callable, Hashable, Iterable, Sequence
-from typing import TYPE_CHECKING, Literal
 
 from retention.pool.events import KvEvent
 from retention.routing.affinity import home_replica
@@ -53,11 +52,6 @@ from retention.routing.types import (
     RoutingError,
 )
 
-if TYPE_CHECKING:
-    from retention.routing.tuning import BandTuning
-
-RouterName = Literal["random", "round-robin", "session", "kv-aware", "kv-adaptive"]
-ROUTER_NAMES: tuple[str, ...] = ("random", "round-robin", "session", "kv-aware", "kv-adaptive")
 
 
 def session_key(request: RouteRequest) -> int | None:
@@ -292,43 +286,12 @@ class KvAwareRouter(Router):
                 pending.pop(h, None)
 
 
-def make_router(
-    name: str,
-    *,
-    tokens_per_block: int,
-    cost: CostModel = CostModel(),
-    index_factory: IndexFactory | None = None,
-    rng: random.Random | None = None,
-    half_life_s: float = 60.0,
-    tuning: BandTuning | None = None,
-) -> Router:
-    """A router by name (``random | round-robin | session | kv-aware | kv-adaptive``).
-
-    ``half_life_s``: decay of the recent-prefill load signal (``LoadTracker``). ``tuning``:
-    the self-tuning band's knobs (``kv-adaptive`` only; default ``BandTuning()``).
-    """
-    common = {"tokens_per_block": tokens_per_block, "rng": rng, "half_life_s": half_life_s}
-    if name == "random":
-        return RandomRouter(**common)
-    if name == "round-robin":
-        return RoundRobinRouter(**common)
-    if name == "session":
-        return SessionRouter(**common)
-    if name == "kv-aware":
-        return KvAwareRouter(cost=cost, index_factory=index_factory, **common)
-    if name == "kv-adaptive":
-        from retention.routing.tuning import BandTuning, SelfTuningRouter  # tuning.py builds on this module
-
-        return SelfTuningRouter(cost=cost, tuning=tuning or BandTuning(), index_factory=index_factory, **common)
-    raise RoutingError(f"unknown router {name!r}; choose one of {', '.join(ROUTER_NAMES)}")
-
-
 def approximate_indexes(capacity: CapacityModel) -> IndexFactory:
     """An ``index_factory`` giving every replica an :class:`ApproximateIndex` of ``capacity``."""
     return lambda _replica: ApproximateIndex(capacity)
 
 
 __all__ = [
-    "NO_MATCH", "ROUTER_NAMES", "KvAwareRouter", "RandomRouter", "RoundRobinRouter", "Router", "RouterName",
-    "SessionRouter", "approximate_indexes", "make_router", "session_key",
+    "NO_MATCH", "IndexFactory", "KvAwareRouter", "RandomRouter", "RoundRobinRouter", "Router",
+    "SessionRouter", "approximate_indexes", "session_key",
 ]
