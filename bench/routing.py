@@ -282,6 +282,7 @@ def summarise(results: dict[str, dict]) -> dict[str, dict]:
 
 
 KEYED = " + key"  # a configuration name ending in it sends prompt_cache_key
+DEFAULT_ROUNDS, DEFAULT_REQUESTS = 2, 4 * 3 * 5  # the defaults below: rounds, tenants × conversations × turns
 CONFIGS = "round-robin,kv-aware,kv-aware + key"
 
 
@@ -328,6 +329,11 @@ def render(summary: dict[str, dict], args) -> str:
                          f"{kv['ttft_p90_s'] / plain['ttft_p90_s']:.2f}.")
         lines.append("")
     lines.append("The target: kv-aware's share ≥ 2× round-robin's and a lower TTFT p50, from the same run.")
+    full = DEFAULT_ROUNDS * DEFAULT_REQUESTS
+    if args.rounds * args.tenants * args.conversations * args.turns < full:
+        lines += ["", f"**Reduced run**: {rr['requests']} requests per configuration instead of the default {full} "
+                  f"(the machine was shared with other jobs), one round each: too few to judge the target or to "
+                  "read TTFT beyond its direction; the cached-token shares are exact counts of this run."]
     return "\n".join(lines)
 
 
