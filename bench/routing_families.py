@@ -1,7 +1,7 @@
 """Routing that generalizes: every workload family × replicas × GPU × host × arrival rate.
 
 Usage: ``OMP_NUM_THREADS=1 .venv/bin/python bench/routing_families.py [--no-write] [--workers N]
-[--only fam,fam] [--requests N]``
+[--only fam,fam] [--requests N] [--cache FILE] [--tune-only --tune-json FILE]``
 
 Writes the ``bench:routing_families`` section of docs/benchmarks.md and
 docs/img/routing_families.png. Deterministic: every generated family is drawn with seed
@@ -12,16 +12,22 @@ Grid: 2 / 4 / 8 replicas × 1 / 2 / 5 % GPU per replica (of the cut trace's dist
 at least the largest request) × host 0 (policy ``lru``) / 4× (``trtllm-default``) ×
 arrival rate ×1 / ×2 / ×4 (timestamps divided), ``--hold tokens``. Routers: ``random``,
 ``round-robin``, ``session``, Dynamo's cost, kv-aware (defaults, honouring the traces'
-``prompt_cache_key``), and two diagnostics: kv-aware without the key, and kv-aware with no
-load term at all ("cache only": what affinity alone reaches, at whatever imbalance).
+``prompt_cache_key``), ``kv-adaptive`` (the self-tuning band, retention/routing/tuning.py),
+and two diagnostics: kv-aware without the key, and kv-aware with no load term at all
+("cache only": what affinity alone reaches, at whatever imbalance).
 Ceiling: one pool with N× the GPU and host blocks.
 
-Targets, in every setting: kv-aware ≥ 90 % of the ceiling, ≥ the best baseline (random,
+Targets, in every setting: ≥ 90 % of the ceiling, ≥ the best baseline (random,
 round-robin, session, Dynamo), load imbalance (max / mean prefill tokens computed per
 replica) ≤ 1.3. Where one is missed the cache-only diagnostic says why: if it is itself
 below 90 % of the ceiling no placement by prefix reaches the ceiling (the split pools hold
 the shared prefixes once each and lose what one big pool shares); if it reaches 90 % only
 above 1.3 imbalance, the target needs more imbalance than allowed.
+
+kv-adaptive's own knobs (``TUNINGS``) are compared on the tune families only
+(``--tune-only``, which needs their grid in ``--cache``); the report families are replayed
+with the chosen knobs only. ``--cache`` keeps every finished setting (and each extra
+router's, in ``<cache>.extras.jsonl``) so a long run can be resumed or split.
 """
 
 from __future__ import annotations
@@ -571,6 +577,8 @@ def main() -> None:
     parser.add_argument("--tune-only", action="store_true",
                         help="only the self-tuning band's knobs on the tune families (needs the grid: --cache)")
     parser.add_argument("--tune-json", type=Path, help="the self-tuning band's knob table (written, or read)")
+    parser.add_argument("--extra-seconds", type=float, default=0.0,
+                        help="wall seconds of passes run separately into --cache (tuning, extra routers), added to the total")
     args = parser.parse_args()
     roles = workloads()
     if args.variants_only:
@@ -597,6 +605,7 @@ def main() -> None:
         variants = replay_variants(roles, args)
         if args.variants_json:
             args.variants_json.write_text(json.dumps(variants))
+    seconds += args.extra_seconds
     tuned = json.loads(args.tune_json.read_text()) if args.tune_json and args.tune_json.exists() else None
     body = section(rows, roles, seconds, args.requests, variants, tuned)
     print(body)
