@@ -168,3 +168,13 @@ def test_follows_the_cache_where_the_fixed_band_gives_reuse_away() -> None:
     fixed, adaptive = results["kv-aware"], results["kv-adaptive"]
     assert adaptive.total.hit_rate > fixed.total.hit_rate + 0.01
     assert adaptive.load_imbalance <= 1.3
+
+
+def test_kv_adaptive_is_a_router_name() -> None:
+    from retention.routing import ROUTER_NAMES
+
+    assert "kv-adaptive" in ROUTER_NAMES
+    r = make_router("kv-adaptive", tokens_per_block=TPB, tuning=BandTuning(target=1.1))
+    assert isinstance(r, SelfTuningRouter) and r.band.tuning.target == 1.1
+    decision = r.route(RouteRequest(0, (1, 2, 3), 3 * TPB + 1, 4), [Candidate(0), Candidate(1)], now=0.0)
+    assert decision.router == "kv-adaptive"
