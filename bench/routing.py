@@ -332,7 +332,7 @@ def render(summary: dict[str, dict], args) -> str:
     full = DEFAULT_ROUNDS * DEFAULT_REQUESTS
     if args.rounds * args.tenants * args.conversations * args.turns < full:
         lines += ["", f"**Reduced run**: {rr['requests']} requests per configuration instead of the default {full} "
-                  f"(the machine was shared with other jobs), one round each: too few to judge the target or to "
+                  f"(the machine was shared with other jobs), {args.rounds} round(s) each: too few to judge the target or to "
                   "read TTFT beyond its direction; the cached-token shares are exact counts of this run."]
     return "\n".join(lines)
 
