@@ -1,7 +1,7 @@
 """Routing that generalizes: every workload family × replicas × GPU × host × arrival rate.
 
 Usage: ``OMP_NUM_THREADS=1 .venv/bin/python bench/routing_families.py [--no-write] [--workers N]
-[--only fam,fam] [--requests N]``
+[--only fam,fam] [--requests N] [--cache FILE] [--tune-only --tune-json FILE]``
 
 Writes the ``bench:routing_families`` section of docs/benchmarks.md and
 docs/img/routing_families.png. Deterministic: every generated family is drawn with seed
@@ -12,16 +12,22 @@ Grid: 2 / 4 / 8 replicas × 1 / 2 / 5 % GPU per replica (of the cut trace's dist
 at least the largest request) × host 0 (policy ``lru``) / 4× (``trtllm-default``) ×
 arrival rate ×1 / ×2 / ×4 (timestamps divided), ``--hold tokens``. Routers: ``random``,
 ``round-robin``, ``session``, Dynamo's cost, kv-aware (defaults, honouring the traces'
-``prompt_cache_key``), and two diagnostics: kv-aware without the key, and kv-aware with no
-load term at all ("cache only": what affinity alone reaches, at whatever imbalance).
+``prompt_cache_key``), ``kv-adaptive`` (the self-tuning band, retention/routing/tuning.py),
+and two diagnostics: kv-aware without the key, and kv-aware with no load term at all
+("cache only": what affinity alone reaches, at whatever imbalance).
 Ceiling: one pool with N× the GPU and host blocks.
 
-Targets, in every setting: kv-aware ≥ 90 % of the ceiling, ≥ the best baseline (random,
+Targets, in every setting: ≥ 90 % of the ceiling, ≥ the best baseline (random,
 round-robin, session, Dynamo), load imbalance (max / mean prefill tokens computed per
 replica) ≤ 1.3. Where one is missed the cache-only diagnostic says why: if it is itself
 below 90 % of the ceiling no placement by prefix reaches the ceiling (the split pools hold
 the shared prefixes once each and lose what one big pool shares); if it reaches 90 % only
 above 1.3 imbalance, the target needs more imbalance than allowed.
+
+kv-adaptive's own knobs (``TUNINGS``) are compared on the tune families only
+(``--tune-only``, which needs their grid in ``--cache``); the report families are replayed
+with the chosen knobs only. ``--cache`` keeps every finished setting (and each extra
+router's, in ``<cache>.extras.jsonl``) so a long run can be resumed or split.
 """
 
 from __future__ import annotations
@@ -153,12 +159,20 @@ def run_variants(name: str, requests: int, replicas: int, gpu: int, host: int, r
                                                   for label, r in report.results.items()}}
 
 
-CANDIDATE = ("kv-aware, balance_rel 2", {"balance_rel": 2.0})  # the best variant on the tune families
+CANDIDATE = ("kv-aware, balance_rel 2", {"balance_rel": 2.0})  # the best fixed variant on the tune families
+ADAPTIVE = "kv-adaptive"  # the self-tuning band (retention/routing/tuning.py), its default knobs
+# The self-tuning band's knobs tried on the tune families only (every tune setting); the first is the default.
+TUNINGS = (
+    ("step ×2, max scale 64, warm-up 4 per replica", {}),
+    ("gentler: step ×√2, max scale 8", {"step": 2 ** 0.5, "max_scale": 8.0}),
+)
+EXTRAS = {CANDIDATE[0]: ("kv-aware", CANDIDATE[1], {}), ADAPTIVE: ("kv-adaptive", {}, {})}
 
 
-def run_candidate(name: str, requests: int, replicas: int, gpu: int, host: int, rate: int) -> dict:
-    """kv-aware with the candidate cost, for one setting (its ceiling is the grid's)."""
-    from retention.routing import CostModel
+def run_extra(router: str, cost: dict, tuning: dict, name: str, requests: int, replicas: int, gpu: int, host: int,
+              rate: int) -> dict:
+    """One router (cost knobs, band tuning knobs) for one setting (its ceiling is the grid's)."""
+    from retention.routing import BandTuning, CostModel
     from retention.simulation.cluster_sim import ClusterConfig, simulate_cluster
     from retention.simulation.sim_policies import make_policy
     from retention.simulation.simulator import SimConfig
@@ -167,7 +181,7 @@ def run_candidate(name: str, requests: int, replicas: int, gpu: int, host: int, 
     if rate != 1:
         trace = [dataclasses.replace(r, timestamp_ms=r.timestamp_ms / rate) for r in trace]
     r = simulate_cluster(trace, lambda: make_policy("trtllm-default" if host else "lru"),
-                         cluster=ClusterConfig(replicas, "kv-aware", cost=CostModel(**CANDIDATE[1])),
+                         cluster=ClusterConfig(replicas, router, cost=CostModel(**cost), tuning=BandTuning(**tuning)),
                          primary_blocks=gpu, secondary_blocks=host * gpu, config=SimConfig(hold="tokens"))
     return {"hit": r.total.hit_rate, "imbalance": r.load_imbalance}
 
@@ -178,6 +192,8 @@ def judge(row: dict, label: str = "kv-aware") -> dict:
     best = max(BASELINES, key=lambda b: row[b]["hit"])
     share = kv["hit"] / ceiling if ceiling else 1.0
     cache_only = row["cache only"]["hit"] / ceiling if ceiling else 1.0
+    others = [(k, r) for k, r in row.items() if isinstance(r, dict) and "hit" in r and k != label
+              and not k.startswith("tuning:") and (row.get("keyed", True) or k != "kv-aware, no key")]
     return {
         "share": share, "best": best, "vs_best": kv["hit"] / row[best]["hit"] if row[best]["hit"] else 1.0,
         "ok_share": share >= 0.9 or kv["hit"] >= ceiling - 0.005,
@@ -185,6 +201,10 @@ def judge(row: dict, label: str = "kv-aware") -> dict:
         "ok_best": kv["hit"] >= row[best]["hit"] - 0.005,
         "ok_imbalance": kv["imbalance"] <= 1.3,
         "cache_only_share": cache_only, "cache_only_imbalance": row["cache only"]["imbalance"],
+        # the other placements replayed in this setting that reach 90 % (within 1.3 imbalance / at any)
+        "fair": sorted(((r["hit"] / ceiling, k) for k, r in others if r["hit"] / ceiling >= 0.9 and r["imbalance"] <= 1.3),
+                       reverse=True) if ceiling else [],
+        "reached": any(r["hit"] / ceiling >= 0.9 for _, r in others) if ceiling else True,
     }
 
 
@@ -217,9 +237,107 @@ def variant_lines(variants: list[dict]) -> list[str]:
     return out
 
 
+def met(j: dict) -> bool:
+    return j["ok_share"] and j["ok_best"] and j["ok_imbalance"]
+
+
+def why(row: dict, j: dict, label: str) -> str:
+    """Why ``label`` misses a target in ``row``, by the ceiling diagnostics (cache only)."""
+    out = []
+    if not j["ok_share"]:
+        kind = short_cause(j)
+        if kind == "unreachable":
+            out.append(f"{pct(j['share'])} % of ceiling; cache only reaches {pct(j['cache_only_share'])} %: "
+                       "no placement replayed reaches 90 %")
+        elif kind == "needs imbalance":
+            out.append(f"{pct(j['share'])} % of ceiling; cache only {pct(j['cache_only_share'])} % needs "
+                       f"imbalance {j['cache_only_imbalance']:.2f}")
+        elif j["cache_only_share"] >= 0.9 and j["cache_only_imbalance"] <= 1.3:
+            out.append(f"{pct(j['share'])} % of ceiling; cache only {pct(j['cache_only_share'])} % at "
+                       f"imbalance {j['cache_only_imbalance']:.2f}: the band gives away reuse")
+        else:
+            share, other = j["fair"][0]
+            out.append(f"{pct(j['share'])} % of ceiling; {other} {pct(share)} % within 1.3: the band gives away reuse")
+    if not j["ok_best"]:
+        out.append(f"{j['vs_best']:.2f}× {j['best']}")
+    if not j["ok_imbalance"]:
+        out.append(f"imbalance {row[label]['imbalance']:.2f}")
+    return "; ".join(out)
+
+
+def short_cause(j: dict) -> str:
+    """Why a setting is below 90 % of the ceiling: ``band`` if cache only or another router replayed
+    there reaches 90 % within 1.3 imbalance, ``needs imbalance`` if one reaches it only beyond,
+    ``unreachable`` if none does."""
+    if (j["cache_only_share"] >= 0.9 and j["cache_only_imbalance"] <= 1.3) or j["fair"]:
+        return "band"
+    if j["cache_only_share"] >= 0.9 or j["reached"]:
+        return "needs imbalance"
+    return "unreachable"
+
+
+def causes(rows: list[dict], label: str) -> dict[str, int]:
+    """Misses of ``label`` by cause (a setting may miss more than one target)."""
+    js = [(r, judge(r, label)) for r in rows]
+    short = [j for _, j in js if not j["ok_share"]]
+    lost = [(r, j) for r, j in js if not j["ok_best"]]
+    return {
+        "all three": sum(met(j) for _, j in js),
+        "short": len(short),
+        "unreachable": sum(short_cause(j) == "unreachable" for j in short),
+        "needs imbalance": sum(short_cause(j) == "needs imbalance" for j in short),
+        "band": sum(short_cause(j) == "band" for j in short),
+        "lost": len(lost),
+        "to session": sum(j["best"] == "session" for _, j in lost),
+        "to session within 1.3": sum(j["best"] == "session" and r["session"]["imbalance"] <= 1.3 for r, j in lost),
+        "imbalance": sum(not j["ok_imbalance"] for _, j in js),
+    }
+
+
+def family_table(rows: list[dict], roles: dict[str, str], label: str, against: str = "kv-aware") -> list[str]:
+    """Per family: settings where ``against`` and ``label`` meet all three, and ``label``'s figures."""
+    out = [
+        f"| family | role | {against}: all three | {label}: all three | ≥ 90 % | ≥ best baseline | ≤ 1.3 | "
+        "of ceiling (min / median) | worst imbalance |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for fam in dict.fromkeys(r["family"] for r in rows):
+        mine = [r for r in rows if r["family"] == fam]
+        base = [judge(r, against) for r in mine]
+        cand = [judge(r, label) for r in mine]
+        shares = sorted(j["share"] for j in cand)
+        out.append(
+            f"| {fam} | {roles[fam]} | {sum(met(j) for j in base)} | {sum(met(j) for j in cand)} | "
+            f"{sum(j['ok_share'] for j in cand)} | {sum(j['ok_best'] for j in cand)} | "
+            f"{sum(j['ok_imbalance'] for j in cand)} | {pct(shares[0])} / {pct(shares[len(shares) // 2])} % | "
+            f"{max(r[label]['imbalance'] for r in mine):.2f} |"
+        )
+    return out
+
+
+def tuning_lines(tuned: list[dict] | None) -> list[str]:
+    if not tuned:
+        return []
+    fams = list(tuned[0]["counts"])
+    out = [
+        "",
+        f"How the self-tuning band's own knobs were chosen — {ADAPTIVE} variants on the **tune** families only, "
+        f"every tune setting ({tuned[0]['settings']}); settings meeting all three targets (the first row is the "
+        "default, the knobs of `BandTuning`):",
+        "",
+        "| variant | " + " | ".join(fams) + " | total | worst imbalance |",
+        "|---|" + "---:|" * (len(fams) + 2),
+    ]
+    for t in tuned:
+        out.append(f"| {t['variant']} | " + " | ".join(str(t["counts"][f]) for f in fams)
+                   + f" | {t['total']} of {t['settings']} | {t['worst_imbalance']:.2f} |")
+    return out
+
+
 def section(rows: list[dict], roles: dict[str, str], seconds: float, requests: int,
-            variants: list[dict] | None = None) -> str:
+            variants: list[dict] | None = None, tuned: list[dict] | None = None) -> str:
     fams = list(dict.fromkeys(r["family"] for r in rows))
+    adaptive = ADAPTIVE in rows[0]
     lines = [
         "## Routing that generalizes (bench/routing_families.py)",
         "",
@@ -230,124 +348,97 @@ def section(rows: list[dict], roles: dict[str, str], seconds: float, requests: i
         "replica (of the cut trace's distinct blocks, at least its largest request) × host 0 (`lru`) / 4× "
         f"(`trtllm-default`) × arrival rate ×{'/×'.join(map(str, RATES))}, `--hold tokens`: "
         f"{len(rows)} settings in {seconds:.0f} s ({machine()}; settings whose GPU blocks coincide share a replay). "
-        "Targets in every setting: kv-aware ≥ 90 % of one pool with N× capacity, ≥ the best of random / "
-        "round-robin / session / Dynamo's cost (within half a point), load imbalance ≤ 1.3. *cache only* = "
-        "kv-aware with no load term: what affinity alone reaches, at any imbalance.",
+        "Targets in every setting: ≥ 90 % of one pool with N× capacity, ≥ the best of random / "
+        "round-robin / session / Dynamo's cost (within half a point), load imbalance ≤ 1.3. *kv-aware* = the fixed "
+        f"cost defaults; *{ADAPTIVE}* = the self-tuning band (retention/routing/tuning.py). *cache only* = "
+        "kv-aware with no load term: what affinity alone reaches, at any imbalance. Roles: *tune* = the families "
+        "knobs were chosen on; *report* = held out, never used to pick a parameter.",
         "",
         "| family | role | settings | ≥ 90 % of ceiling | ≥ best baseline | imbalance ≤ 1.3 | all three | "
         "kv-aware of ceiling (min / median) | worst imbalance | key gain (median, points) | cache only of ceiling (min) |",
         "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
-    fails: list[str] = []
     for fam in fams:
         mine = [r for r in rows if r["family"] == fam]
         js = [judge(r) for r in mine]
         shares = sorted(j["share"] for j in js)
         gains = sorted(r["kv-aware"]["hit"] - r["kv-aware, no key"]["hit"] for r in mine)
         n = len(mine)
-        all3 = sum(j["ok_share"] and j["ok_best"] and j["ok_imbalance"] for j in js)
         lines.append(
             f"| {fam} | {roles[fam]} | {n} | {sum(j['ok_share'] for j in js)} | {sum(j['ok_best'] for j in js)} | "
-            f"{sum(j['ok_imbalance'] for j in js)} | {all3} | {pct(shares[0])} / {pct(shares[n // 2])} % | "
+            f"{sum(j['ok_imbalance'] for j in js)} | {sum(met(j) for j in js)} | {pct(shares[0])} / {pct(shares[n // 2])} % | "
             f"{max(r['kv-aware']['imbalance'] for r in mine):.2f} | {100 * gains[n // 2]:+.1f} | "
             f"{pct(min(j['cache_only_share'] for j in js))} % |"
         )
-        for r, j in zip(mine, js, strict=True):
-            if j["ok_share"] and j["ok_best"] and j["ok_imbalance"]:
-                continue
-            why = []
-            if not j["ok_share"]:
-                if j["cache_only_share"] < 0.9:
-                    why.append(f"{pct(j['share'])} % of ceiling; cache only reaches {pct(j['cache_only_share'])} %: "
-                               "no prefix placement reaches 90 %")
-                elif j["cache_only_imbalance"] > 1.3:
-                    why.append(f"{pct(j['share'])} % of ceiling; cache only {pct(j['cache_only_share'])} % needs "
-                               f"imbalance {j['cache_only_imbalance']:.2f}")
-                else:
-                    why.append(f"{pct(j['share'])} % of ceiling; cache only {pct(j['cache_only_share'])} % at "
-                               f"imbalance {j['cache_only_imbalance']:.2f}: the band gives away reuse")
-            if not j["ok_best"]:
-                why.append(f"{j['vs_best']:.2f}× {j['best']}")
-            if not j["ok_imbalance"]:
-                why.append(f"imbalance {r['kv-aware']['imbalance']:.2f}")
-            fails.append(f"{fam} ({roles[fam]}) {where(r)}: " + "; ".join(why))
+    if adaptive:
+        lines += ["", f"**{ADAPTIVE}** against the fixed kv-aware defaults, over the whole grid (settings meeting all "
+                  "three targets; its share of the ceiling min / median; worst imbalance):", ""]
+        lines += family_table(rows, roles, ADAPTIVE)
     if CANDIDATE[0] in rows[0]:
-        lines += [
-            "",
-            f"The best variant on the tune families (table below), **{CANDIDATE[0]}**, over the whole grid "
-            "(settings meeting all three targets; share of the ceiling min / median; worst imbalance):",
-            "",
-            "| family | role | defaults: all three | balance_rel 2: all three | ≥ 90 % | ≥ best baseline | ≤ 1.3 | "
-            "of ceiling (min / median) | worst imbalance |",
-            "|---|---|---:|---:|---:|---:|---:|---:|---:|",
-        ]
-        for fam in fams:
-            mine = [r for r in rows if r["family"] == fam]
-            base = [judge(r) for r in mine]
-            cand = [judge(r, CANDIDATE[0]) for r in mine]
-            shares = sorted(j["share"] for j in cand)
-            lines.append(
-                f"| {fam} | {roles[fam]} | {sum(j['ok_share'] and j['ok_best'] and j['ok_imbalance'] for j in base)} | "
-                f"{sum(j['ok_share'] and j['ok_best'] and j['ok_imbalance'] for j in cand)} | "
-                f"{sum(j['ok_share'] for j in cand)} | {sum(j['ok_best'] for j in cand)} | "
-                f"{sum(j['ok_imbalance'] for j in cand)} | {pct(shares[0])} / {pct(shares[len(shares) // 2])} % | "
-                f"{max(r[CANDIDATE[0]]['imbalance'] for r in mine):.2f} |"
-            )
+        lines += ["", f"The best fixed variant on the tune families, **{CANDIDATE[0]}**, over the whole grid:", ""]
+        lines += family_table(rows, roles, CANDIDATE[0])
     head = [r for r in rows if r["replicas"] == 4 and r["share"] == 0.02 and r["host"] == 4 and r["rate"] == 1]
+    columns = [*ROUTERS[:5], *([ADAPTIVE] if adaptive else []), *ROUTERS[5:]]
     lines += [
         "",
         "4 replicas × 2 % GPU, host 4×, rate ×1 (hit rate %, load imbalance in brackets):",
         "",
-        "| family | role | ceiling | " + " | ".join(ROUTERS) + " |",
-        "|---|---|---:|" + "---:|" * len(ROUTERS),
+        "| family | role | ceiling | " + " | ".join(columns) + " |",
+        "|---|---|---:|" + "---:|" * len(columns),
     ]
     for r in head:
         lines.append(f"| {r['family']} | {roles[r['family']]} | {pct(r['ceiling'])} | " + " | ".join(
-            f"{pct(r[k]['hit'])} ({r[k]['imbalance']:.2f})" for k in ROUTERS) + " |")
+            f"{pct(r[k]['hit'])} ({r[k]['imbalance']:.2f})" for k in columns) + " |")
     lines += variant_lines(variants or [])
+    lines += tuning_lines(tuned)
+    label = ADAPTIVE if adaptive else "kv-aware"
+    fails = [f"{r['family']} ({roles[r['family']]}) {where(r)}: {why(r, j, label)}"
+             for r in rows for j in [judge(r, label)] if not met(j)]
     lines += [
         "",
-        "![kv-aware share of the ceiling against load imbalance, every setting, per family]"
-        "(img/routing_families.png)",
+        f"![{label} (and kv-aware, Dynamo, session, cache only): share of the ceiling against load imbalance, "
+        "every setting, per family](img/routing_families.png)",
         "",
-        f"Settings missing a target ({len(fails)} of {len(rows)}; `R×G% hH r×K` = R replicas, G % GPU each, "
-        "host H×, arrival rate ×K):",
+        f"Settings where {label} misses a target ({len(fails)} of {len(rows)}; `R×G% hH r×K` = R replicas, G % GPU "
+        "each, host H×, arrival rate ×K; the cause from the ceiling diagnostics):",
         "",
     ]
     lines += [f"* {f}" for f in fails] or ["* none"]
-    lines += ["", "Reading:", ""] + reading(rows)
+    lines += ["", "Reading:", ""] + reading(rows, roles)
     return "\n".join(lines)
 
 
-def reading(rows: list[dict]) -> list[str]:
+def reading(rows: list[dict], roles: dict[str, str]) -> list[str]:
     """The section's conclusions, counted from the rows (so they stay true on a re-run)."""
-    js = [(r, judge(r)) for r in rows]
-    ok = sum(j["ok_share"] and j["ok_best"] and j["ok_imbalance"] for _, j in js)
-    short = [(r, j) for r, j in js if not j["ok_share"]]
-    unreachable = sum(j["cache_only_share"] < 0.9 for _, j in short)
-    needs = sum(j["cache_only_share"] >= 0.9 and j["cache_only_imbalance"] > 1.3 for _, j in short)
-    lost = [(r, j) for r, j in js if not j["ok_best"]]
-    to_session = [(r, j) for r, j in lost if j["best"] == "session"]
-    fair = sum(r["session"]["imbalance"] <= 1.3 for r, _ in to_session)
-    out = [
-        f"* **The fixed defaults meet all three targets in {ok} of {len(rows)} settings.** Of the {len(short)} "
-        f"settings below 90 % of the ceiling, {unreachable} are below it for every prefix placement (cache only "
-        f"< 90 %: split pools each hold their own copy of the shared prefixes, and one pool with N× capacity "
-        f"keeps more), {needs} reach 90 % only beyond 1.3 imbalance, and {len(short) - unreachable - needs} are "
-        "lost by the band (cache only reaches 90 % within 1.3): there a wider band would do.",
-        f"* **The best baseline it loses to is session stickiness** ({len(to_session)} of {len(lost)} losses), "
-        f"and in {fair} of those session stays within 1.3 imbalance: on single-turn families (api, rag) and short "
-        "cuts the band moves a prefix's followers off its replica before the prefix pays back, where pinning "
-        "by the first block would have kept them.",
-    ]
-    if CANDIDATE[0] in rows[0]:
-        cand = sum(judge(r, CANDIDATE[0])["ok_share"] and judge(r, CANDIDATE[0])["ok_best"]
-                   and judge(r, CANDIDATE[0])["ok_imbalance"] for r in rows)
+    out = []
+    labels = ["kv-aware", *([ADAPTIVE] if ADAPTIVE in rows[0] else [])]
+    for label in labels:
+        c = causes(rows, label)
         out.append(
-            f"* **No fixed band meets the targets everywhere.** The best variant on the tune families "
-            f"({CANDIDATE[0]}) meets them in {cand} of {len(rows)} settings, more than the defaults overall, but "
-            "fewer on noisy-neighbour, agent-hinted and rag-chat (its wider band lets imbalance pass 1.3 there). "
-            "The band that fits depends on the workload, which is the case for a self-tuning band."
+            f"* **{label} meets all three targets in {c['all three']} of {len(rows)} settings.** Of the {c['short']} "
+            f"settings below 90 % of the ceiling, {c['unreachable']} are below it for every placement replayed (cache "
+            f"only and every other router < 90 %: split pools each hold their own copy of the shared prefixes, and "
+            f"one pool with N× capacity keeps more), {c['needs imbalance']} reach 90 % only beyond 1.3 imbalance, and "
+            f"{c['band']} are lost by the band (cache only or another router reaches 90 % within 1.3). It loses to the best baseline in {c['lost']} "
+            f"({c['to session']} to session stickiness, {c['to session within 1.3']} of those with session within "
+            f"1.3 imbalance); imbalance above 1.3 in {c['imbalance']}."
+        )
+    if ADAPTIVE in rows[0]:
+        report = [r for r in rows if roles[r["family"]] == "report"]
+        fams = list(dict.fromkeys(r["family"] for r in rows))
+        per = {f: (sum(met(judge(r)) for r in rows if r["family"] == f),
+                   sum(met(judge(r, ADAPTIVE)) for r in rows if r["family"] == f)) for f in fams}
+        worse = [f"{f} ({a} vs {b})" for f, (a, b) in per.items() if b < a]
+        base_r = sum(met(judge(r)) for r in report)
+        mine_r = sum(met(judge(r, ADAPTIVE)) for r in report)
+        tune = [r for r in rows if roles[r["family"]] == "tune"]
+        out.append(
+            f"* **Report families (held out): {ADAPTIVE} {mine_r}, kv-aware {base_r} of {len(report)} settings; "
+            f"tune families: {sum(met(judge(r, ADAPTIVE)) for r in tune)} and {sum(met(judge(r)) for r in tune)} of "
+            f"{len(tune)}.** "
+            + (f"It loses settings on {', '.join(worse)} (kv-aware vs {ADAPTIVE}), so the gateway keeps kv-aware "
+               f"as its default and {ADAPTIVE} stays selectable (`router: {ADAPTIVE}`)." if worse or mine_r <= base_r
+               else f"It loses no family, so it is the gateway's default router.")
         )
     gains = sorted(r["kv-aware"]["hit"] - r["kv-aware, no key"]["hit"] for r in rows
                    if r["kv-aware"] is not r["kv-aware, no key"] and r.get("keyed"))
@@ -375,8 +466,11 @@ def plot(rows: list[dict], roles: dict[str, str]) -> None:
     results = [{"name": f, "rows": [r for r in rows if r["family"] == f]} for f in fams]
 
     def draw(ax, result) -> None:  # noqa: ANN001
-        for label, color, marker in (("kv-aware", "C0", "o"), ("dynamo", "C1", "^"), ("session", "C2", "s"),
-                                     ("cache only", "C7", ".")):
+        shown = (("kv-aware", "C0", "o"), ("dynamo", "C1", "^"), ("session", "C2", "s"), ("cache only", "C7", "."),
+                 (ADAPTIVE, "C3", "x"))
+        for label, color, marker in shown:
+            if label not in result["rows"][0]:
+                continue
             xs = [r[label]["imbalance"] for r in result["rows"]]
             ys = [100 * r[label]["hit"] / r["ceiling"] if r["ceiling"] else 100.0 for r in result["rows"]]
             ax.scatter(xs, ys, s=10, c=color, marker=marker, label=label, alpha=0.7)
@@ -389,21 +483,40 @@ def plot(rows: list[dict], roles: dict[str, str]) -> None:
                   ylabel="hit rate, % of one pool with N× capacity")
 
 
+def cached(path: Path | None) -> dict[tuple, dict]:
+    """Settings already replayed (``--cache``: one JSON line per setting), keyed like ``replay``."""
+    if path is None or not path.exists():
+        return {}
+    out = {}
+    for line in path.read_text().splitlines():
+        entry = json.loads(line)
+        out[tuple(entry["key"])] = entry["result"]
+    return out
+
+
 def replay(roles: dict[str, str], args: argparse.Namespace) -> tuple[list[dict], float]:
-    """Every grid point; settings whose GPU blocks coincide (the floor at the largest request) share a replay."""
+    """Every grid point; settings whose GPU blocks coincide (the floor at the largest request) share a replay.
+
+    With ``--cache`` each finished setting is appended there and a re-run replays only the missing
+    ones (the seconds reported are then this run's only).
+    """
     fams = [f for f in roles if not args.only or f in args.only.split(",")]
     grid = [{"family": f, "replicas": n, "share": s, "host": h, "rate": k, "gpu_blocks": gpu_blocks(f, args.requests, s)}
             for f in fams for n in REPLICAS for s in SHARES for h in HOSTS for k in RATES]
     keys = list(dict.fromkeys((g["family"], g["replicas"], g["gpu_blocks"], g["host"], g["rate"]) for g in grid))
     started = time.perf_counter()
-    results: dict[tuple, dict] = {}
+    results: dict[tuple, dict] = cached(args.cache)
+    todo = [key for key in keys if key not in results]
     with ProcessPoolExecutor(max_workers=args.workers) as pool:
-        futures = {pool.submit(run_setting, f, args.requests, n, gpu, h, k): (f, n, gpu, h, k) for f, n, gpu, h, k in keys}
+        futures = {pool.submit(run_setting, f, args.requests, n, gpu, h, k): (f, n, gpu, h, k) for f, n, gpu, h, k in todo}
         for done, future in enumerate(as_completed(futures), start=1):
             key = futures[future]
             results[key] = future.result()
+            if args.cache is not None:
+                with args.cache.open("a") as handle:
+                    handle.write(json.dumps({"key": list(key), "result": results[key]}) + "\n")
             f, n, gpu, h, k = key
-            print(f"[{done}/{len(keys)} {time.perf_counter() - started:.0f}s] {f} {n} replicas × {gpu} GPU blocks, "
+            print(f"[{done}/{len(todo)} {time.perf_counter() - started:.0f}s] {f} {n} replicas × {gpu} GPU blocks, "
                   f"host {h}×, rate ×{k}", flush=True)
     rows = [{**g, **results[(g["family"], g["replicas"], g["gpu_blocks"], g["host"], g["rate"])]} for g in grid]
     return rows, time.perf_counter() - started
@@ -423,19 +536,50 @@ def replay_variants(roles: dict[str, str], args: argparse.Namespace) -> list[dic
     return grid
 
 
-def replay_candidate(rows: list[dict], args: argparse.Namespace) -> None:
-    """Add the candidate cost's figures to every row (settings sharing GPU blocks share a replay)."""
+def replay_extras(rows: list[dict], args: argparse.Namespace, extras: dict[str, tuple[str, dict, dict]]) -> None:
+    """Add each extra router's figures to every row (settings sharing GPU blocks share a replay).
+
+    With ``--cache`` the results go to ``<cache>.extras.jsonl`` too, keyed by label and setting.
+    """
     keys = list(dict.fromkeys((r["family"], r["replicas"], r["gpu_blocks"], r["host"], r["rate"]) for r in rows))
+    store = None if args.cache is None else args.cache.with_suffix(".extras.jsonl")
+    saved = {tuple(k): v for k, v in cached(store).items()}
+    todo = [(label, key) for label in extras for key in keys if (label, *key) not in saved]
     started = time.perf_counter()
-    results: dict[tuple, dict] = {}
     with ProcessPoolExecutor(max_workers=args.workers) as pool:
-        futures = {pool.submit(run_candidate, f, args.requests, n, gpu, h, k): (f, n, gpu, h, k)
-                   for f, n, gpu, h, k in keys}
+        futures = {pool.submit(run_extra, *extras[label], *key[:1], args.requests, *key[1:]): (label, key)
+                   for label, key in todo}
         for done, future in enumerate(as_completed(futures), start=1):
-            results[futures[future]] = future.result()
-            print(f"[candidate {done}/{len(keys)} {time.perf_counter() - started:.0f}s]", flush=True)
+            label, key = futures[future]
+            saved[(label, *key)] = future.result()
+            if store is not None:
+                with store.open("a") as handle:
+                    handle.write(json.dumps({"key": [label, *key], "result": saved[(label, *key)]}) + "\n")
+            print(f"[{label} {done}/{len(todo)} {time.perf_counter() - started:.0f}s]", flush=True)
     for r in rows:
-        r[CANDIDATE[0]] = results[(r["family"], r["replicas"], r["gpu_blocks"], r["host"], r["rate"])]
+        for label in extras:
+            r[label] = saved[(label, r["family"], r["replicas"], r["gpu_blocks"], r["host"], r["rate"])]
+
+
+def all_three(row: dict, label: str) -> bool:
+    j = judge(row, label)
+    return j["ok_share"] and j["ok_best"] and j["ok_imbalance"]
+
+
+def tune_adaptive(rows: list[dict], roles: dict[str, str], args: argparse.Namespace) -> list[dict]:
+    """Every ``TUNINGS`` variant over every **tune** setting; returns per variant and family the settings meeting all three."""
+    tune = [r for r in rows if roles[r["family"]] == "tune"]
+    extras = {f"tuning: {label}": ("kv-adaptive", {}, knobs) for label, knobs in TUNINGS}
+    replay_extras(tune, args, extras)
+    fams = list(dict.fromkeys(r["family"] for r in tune))
+    out = []
+    for label, _ in TUNINGS:
+        key = f"tuning: {label}"
+        counts = {f: sum(all_three(r, key) for r in tune if r["family"] == f) for f in fams}
+        out.append({"variant": label, "counts": counts, "total": sum(counts.values()), "settings": len(tune),
+                    "worst_imbalance": max(r[key]["imbalance"] for r in tune)})
+        print(out[-1], flush=True)
+    return out
 
 
 def main() -> None:
@@ -445,11 +589,17 @@ def main() -> None:
     parser.add_argument("--only", default="", help="comma-separated families (default: all)")
     parser.add_argument("--requests", type=int, default=REQUESTS)
     parser.add_argument("--json", type=Path, help="also write every setting's figures here")
+    parser.add_argument("--cache", type=Path, help="append each replayed setting here; replay only settings missing")
     parser.add_argument("--from-json", type=Path, help="render from a --json file instead of replaying")
     parser.add_argument("--variants-json", type=Path, help="the cost variants' figures (written, or read with --from-json)")
     parser.add_argument("--candidate", action=argparse.BooleanOptionalAction, default=True,
                         help="also replay kv-aware with the candidate cost over the whole grid")
     parser.add_argument("--variants-only", action="store_true", help="only the cost variants (with --variants-json)")
+    parser.add_argument("--tune-only", action="store_true",
+                        help="only the self-tuning band's knobs on the tune families (needs the grid: --cache)")
+    parser.add_argument("--tune-json", type=Path, help="the self-tuning band's knob table (written, or read)")
+    parser.add_argument("--extra-seconds", type=float, default=0.0,
+                        help="wall seconds of passes run separately into --cache (tuning, extra routers), added to the total")
     args = parser.parse_args()
     roles = workloads()
     if args.variants_only:
@@ -460,9 +610,13 @@ def main() -> None:
         rows, seconds = saved["rows"], saved["seconds"]
     else:
         rows, seconds = replay(roles, args)
-    if args.candidate and CANDIDATE[0] not in rows[0]:
+    if args.tune_only:
+        (args.tune_json or Path("/dev/stdout")).write_text(json.dumps(tune_adaptive(rows, roles, args)))
+        return
+    extras = {k: v for k, v in EXTRAS.items() if args.candidate or k != CANDIDATE[0]}
+    if any(k not in rows[0] for k in extras):
         began = time.perf_counter()
-        replay_candidate(rows, args)
+        replay_extras(rows, args, extras)
         seconds += time.perf_counter() - began
     if args.json:
         args.json.write_text(json.dumps({"rows": rows, "seconds": seconds}))
@@ -472,7 +626,9 @@ def main() -> None:
         variants = replay_variants(roles, args)
         if args.variants_json:
             args.variants_json.write_text(json.dumps(variants))
-    body = section(rows, roles, seconds, args.requests, variants)
+    seconds += args.extra_seconds
+    tuned = json.loads(args.tune_json.read_text()) if args.tune_json and args.tune_json.exists() else None
+    body = section(rows, roles, seconds, args.requests, variants, tuned)
     print(body)
     if not args.no_write:
         plot(rows, roles)

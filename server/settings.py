@@ -86,7 +86,7 @@ class Settings(BaseSettings):
     usage_journal: bool = True
     usage_journal_dir: Path = Path("kvgate-usage-journal")
     # Replica routing (server/gateway/replicas/routing.py, retention/routing/cost.py).
-    router: Literal["kv-aware", "round-robin", "session", "random"] = "kv-aware"
+    router: Literal["kv-aware", "kv-adaptive", "round-robin", "session", "random"] = "kv-aware"
     router_overlap_weight: float = Field(default=1.0, ge=0.0)
     router_temperature: float = Field(default=0.0, ge=0.0)
     # First-token deadline per attempt (server/gateway/replicas/routing.py, RoutingConfig): a replica

@@ -4,7 +4,9 @@
 home replica), ``index`` (per-replica block
 indexes: precise from KV events, approximate from routing decisions), ``load``
 (in-flight load per replica), ``cost`` (expected prefill after reuse + load, softmax
-choice) and ``router`` (one interface: random, round-robin, session, kv-aware). Callers:
+choice), ``router`` (one interface: random, round-robin, session, kv-aware), ``tuning``
+(``kv-adaptive``: kv-aware whose load band follows the measured imbalance) and ``factory``
+(``make_router``: every router by name). Callers:
 the gateway (``server/gateway/replicas/routing.py``) and ``retention/simulation/cluster_sim.py``. See
 docs/architecture.md, "Routing".
 """
@@ -13,16 +15,16 @@ from retention.routing.affinity import affinity_key, home_replica
 from retention.routing.cost import CostModel, choose, rendezvous
 from retention.routing.index import ApproximateIndex, BlockIndex, CapacityModel, PreciseIndex
 from retention.routing.load import LoadTracker
+from retention.routing.factory import ROUTER_NAMES, make_router
 from retention.routing.router import (
-    ROUTER_NAMES,
     KvAwareRouter,
     RandomRouter,
     RoundRobinRouter,
     Router,
     SessionRouter,
     approximate_indexes,
-    make_router,
 )
+from retention.routing.tuning import BandController, BandTuning, SelfTuningRouter
 from retention.routing.types import (
     NO_MATCH,
     Candidate,
@@ -36,8 +38,8 @@ from retention.routing.types import (
 )
 
 __all__ = [
-    "NO_MATCH", "ROUTER_NAMES", "ApproximateIndex", "BlockIndex", "Candidate", "CapacityModel", "CostModel",
+    "NO_MATCH", "ROUTER_NAMES", "ApproximateIndex", "BandController", "BandTuning", "BlockIndex", "Candidate", "CapacityModel", "CostModel",
     "Decision", "KvAwareRouter", "LoadTracker", "PreciseIndex", "PrefixMatch",
     "RandomRouter", "ReplicaId", "ReplicaLoad", "ReplicaScore", "RoundRobinRouter", "RouteRequest", "Router",
-    "RoutingError", "SessionRouter", "affinity_key", "approximate_indexes", "home_replica", "choose", "make_router", "rendezvous",
+    "RoutingError", "SelfTuningRouter", "SessionRouter", "affinity_key", "approximate_indexes", "home_replica", "choose", "make_router", "rendezvous",
 ]

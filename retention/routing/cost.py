@@ -7,7 +7,7 @@ because the engine always computes the last prompt token; all terms in blocks)::
     level(r)    = (overlap_weight × queued_prefill(r) + decode_weight × decode(r)
                    + recent_weight × recent_prefill(r)) / weight(r)
     threshold   = max(min_r level + balance_request_share × prompt / B,  balance_rel × min_r level)
-    cost(r)     = overlap_weight × prefill(r) / weight(r) + max(0, level(r) − threshold)
+    cost(r)     = overlap_weight × prefill(r) / weight(r) + load_weight × max(0, level(r) − threshold)
                   − affinity_credit × [r is the request's home]
 
 ``queued_prefill``: tokens routed to r and not yet prefilled; ``decode``: KV blocks held by
@@ -79,10 +79,11 @@ class CostModel:
     balance_rel: float = 1.5
     temperature: float = 0.0
     affinity_credit: float = 1.0
+    load_weight: float = 1.0  # weight of load beyond the band (the self-tuning band raises it, tuning.py)
 
     def __post_init__(self) -> None:
         for name in ("overlap_weight", "decode_weight", "recent_weight", "balance_request_share", "temperature",
-                     "affinity_credit"):
+                     "affinity_credit", "load_weight"):
             value = getattr(self, name)
             if isinstance(value, bool) or not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
                 raise RoutingError(f"{name} must be a finite number >= 0, got {value!r}")
@@ -137,7 +138,7 @@ class CostModel:
         return tuple(
             ReplicaScore(
                 replica, match, prefill, queued, decode, max(0.0, level - threshold),
-                self.overlap_weight * prefill / weight + max(0.0, level - threshold)
+                self.overlap_weight * prefill / weight + self.load_weight * max(0.0, level - threshold)
                 - (self.affinity_credit if replica == home else 0.0),
             )
             for replica, match, prefill, queued, decode, level, weight in rows

@@ -25,7 +25,8 @@ simply not passed).
   load is imbalanced (SGLang: shortest queue; AIBrix: load > mean + 2σ); here load is a
   term of the same cost, so the switch is continuous (``overlap_weight`` sets it), as in
   Dynamo, but measured above a band (``cost.py``). A request's affinity key
-  (``prompt_cache_key``, ``affinity.py``) credits its home replica and breaks ties.
+  (``prompt_cache_key``, ``affinity.py``) credits its home replica and breaks ties;
+* ``kv-adaptive``  — kv-aware whose load band follows the measured imbalance (``tuning.py``).
 
 Pure: no clock, no I/O; state is per router instance (one per pool in the gateway).
 """
@@ -34,7 +35,6 @@ from __future__ import annotations
 
 import random
 from collections.abc import Callable, Hashable, Iterable, Sequence
-from typing import Literal
 
 from retention.pool.events import KvEvent
 from retention.routing.affinity import home_replica
@@ -52,11 +52,10 @@ from retention.routing.types import (
     RoutingError,
 )
 
-RouterName = Literal["random", "round-robin", "session", "kv-aware"]
-ROUTER_NAMES: tuple[str, ...] = ("random", "round-robin", "session", "kv-aware")
 
 
-def _session_key(request: RouteRequest) -> int | None:
+def session_key(request: RouteRequest) -> int | None:
+    """The request's stickiness key: session key, else affinity key, else first block hash."""
     if request.session_key is not None:
         return request.session_key
     if request.affinity_key is not None:
@@ -159,7 +158,7 @@ class SessionRouter(Router):
     name = "session"
 
     def _choose(self, request: RouteRequest, candidates: Sequence[Candidate], now: float) -> Decision:
-        key = _session_key(request)
+        key = session_key(request)
         if key is None:  # nothing to stick to (prompt shorter than a block): least running
             best = min(candidates, key=lambda c: (self.load(c.replica, c).running / c.weight, c.replica))
         else:
@@ -241,14 +240,18 @@ class KvAwareRouter(Router):
 
     # ---------------------------------------------------------------- choice
     def _choose(self, request: RouteRequest, candidates: Sequence[Candidate], now: float) -> Decision:
-        cost, bpt = self.cost, self.tokens_per_block
+        return self._decide(request, candidates, now, self.cost)
+
+    def _decide(self, request: RouteRequest, candidates: Sequence[Candidate], now: float, cost: CostModel) -> Decision:
+        """The lowest ``cost`` among ``candidates`` (ties: rendezvous of the session key)."""
+        bpt = self.tokens_per_block
         scores = cost.scores(
             [(c.replica, self.match(c.replica, request.hashes, now=now), self.load(c.replica, c, now=now), c.weight)
              for c in candidates],
             prompt_tokens=request.prompt_tokens, output_tokens=request.output_tokens, tokens_per_block=bpt,
             home=None if request.affinity_key is None else home_replica(request.affinity_key, candidates),
         )
-        key = _session_key(request)
+        key = session_key(request)
         best = choose(
             scores, tie_key=0 if key is None else key, weights={c.replica: c.weight for c in candidates},
             temperature=cost.temperature, rng=self.rng,
@@ -283,37 +286,12 @@ class KvAwareRouter(Router):
                 pending.pop(h, None)
 
 
-def make_router(
-    name: str,
-    *,
-    tokens_per_block: int,
-    cost: CostModel = CostModel(),
-    index_factory: IndexFactory | None = None,
-    rng: random.Random | None = None,
-    half_life_s: float = 60.0,
-) -> Router:
-    """A router by name (``random | round-robin | session | kv-aware``).
-
-    ``half_life_s``: decay of the recent-prefill load signal (``LoadTracker``).
-    """
-    common = {"tokens_per_block": tokens_per_block, "rng": rng, "half_life_s": half_life_s}
-    if name == "random":
-        return RandomRouter(**common)
-    if name == "round-robin":
-        return RoundRobinRouter(**common)
-    if name == "session":
-        return SessionRouter(**common)
-    if name == "kv-aware":
-        return KvAwareRouter(cost=cost, index_factory=index_factory, **common)
-    raise RoutingError(f"unknown router {name!r}; choose one of {', '.join(ROUTER_NAMES)}")
-
-
 def approximate_indexes(capacity: CapacityModel) -> IndexFactory:
     """An ``index_factory`` giving every replica an :class:`ApproximateIndex` of ``capacity``."""
     return lambda _replica: ApproximateIndex(capacity)
 
 
 __all__ = [
-    "NO_MATCH", "ROUTER_NAMES", "KvAwareRouter", "RandomRouter", "RoundRobinRouter", "Router", "RouterName",
-    "SessionRouter", "approximate_indexes", "make_router",
+    "NO_MATCH", "IndexFactory", "KvAwareRouter", "RandomRouter", "RoundRobinRouter", "Router",
+    "SessionRouter", "approximate_indexes", "session_key",
 ]

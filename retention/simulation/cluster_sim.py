@@ -35,6 +35,7 @@ from typing import Literal
 
 from retention.pool import BlockPool, PoolConfig
 from retention.routing import (
+    BandTuning,
     Candidate,
     CapacityModel,
     CostModel,
@@ -60,7 +61,8 @@ class ClusterConfig:
     ``approximate`` = its own decisions in a two-tier LRU of the pool's size, optionally
     aged by ``ttl_s``). ``seed`` seeds the router's random source (``random``, softmax).
     ``affinity``: route by the lines' ``prompt_cache_key`` (salted with the line's tenant,
-    as the gateway salts it with the tenant's id); off, the key is ignored.
+    as the gateway salts it with the tenant's id); off, the key is ignored. ``tuning``: the
+    self-tuning band's knobs (router ``kv-adaptive`` only).
     """
 
     replicas: int
@@ -70,6 +72,7 @@ class ClusterConfig:
     ttl_s: float | None = None
     seed: int = 0
     affinity: bool = True
+    tuning: BandTuning = BandTuning()
 
     def __post_init__(self) -> None:
         if self.replicas < 1:
@@ -128,7 +131,7 @@ def _build_router(cluster: ClusterConfig, config: SimConfig, primary: int, secon
         factory = approximate_indexes(CapacityModel(primary, secondary, cluster.ttl_s))
     return make_router(
         cluster.router, tokens_per_block=config.tokens_per_block, cost=cluster.cost, index_factory=factory,
-        rng=random.Random(cluster.seed),
+        rng=random.Random(cluster.seed), tuning=cluster.tuning,
     )
 
 
@@ -147,7 +150,7 @@ def simulate_cluster(
     policies = [policy_factory() for _ in range(cluster.replicas)]
     name = policies[0].name
     secondary = secondary_blocks if policies[0].uses_host else 0
-    events_on = cluster.router == "kv-aware" and cluster.index == "precise"
+    events_on = cluster.router in ("kv-aware", "kv-adaptive") and cluster.index == "precise"
     pools = [
         BlockPool(
             PoolConfig(

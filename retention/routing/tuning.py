@@ -1,0 +1,176 @@
+"""Self-tuning band: kv-aware routing whose load band follows the measured load imbalance.
+
+The kv-aware cost (``cost.py``) follows the cache inside a load band and balances beyond
+it. Which band is right depends on the workload (docs/benchmarks.md, "Routing that
+generalizes"): a narrow band moves a prefix's followers off its replica before the prefix
+pays back (single-turn families, where pinning by the first block wins); a wide one lets
+long agent sessions pile up (imbalance beyond 1.3). ``kv-adaptive`` measures what the band
+buys and moves it::
+
+    scale s (state, starts at 1: the fixed defaults)
+    band(s):   balance_request_share × s,   1 + (balance_rel − 1) × s
+    measured:  imbalance I = max / mean over candidates of the prefill tokens dispatched to
+               each replica (÷ weight), decayed with a half-life of ``half_life`` dispatches
+    every ``window`` dispatches (after ``warmup_per_replica`` × replicas):
+        I > target + hysteresis  →  s ← max(s / step, min_scale)     tighter: balance
+        I < target − hysteresis  →  s ← min(s × step, max_scale)     wider: follow the cache
+
+At ``max_scale`` the band is wide enough that the cost is the cache-only one (ties by the
+session key's rendezvous, i.e. session stickiness); at ``min_scale`` it balances harder
+than the defaults. The target sits below the 1.3 the benchmarks hold routing to, so the
+controller keeps a margin for what it only learns afterwards.
+
+Hard limit (``hard_rel``, optional): whatever the scale, a replica whose load level is above
+``max(floor + hard_request_share × prompt, hard_rel × floor)`` (the band's formula, ``floor``
+= the least-loaded candidate's level) is never chosen; the least-loaded candidate always
+qualifies, so a choice always exists.
+
+Invariants: pure (no clock, no I/O; the measure counts dispatches, not seconds), so the
+same request sequence gives the same choices and the same scale; the scale stays within
+[min_scale, max_scale]; prefill is the router's own prediction (prompt − predicted reuse),
+the same figure ``LoadTracker`` counts. Knobs chosen on the tune families only
+(docs/architecture.md, "Routing").
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+
+from retention.routing.cost import CostModel
+from retention.routing.router import IndexFactory, KvAwareRouter
+from retention.routing.types import NO_MATCH, Candidate, Decision, ReplicaId, RouteRequest, RoutingError
+
+
+@dataclass(frozen=True, slots=True)
+class BandTuning:
+    """Knobs of the self-tuning band (module docstring); validated on construction."""
+
+    target: float = 1.2
+    hysteresis: float = 0.05
+    window: int = 8
+    warmup_per_replica: int = 4
+    step: float = 2.0
+    min_scale: float = 0.25
+    max_scale: float = 64.0
+    half_life: float = 256.0
+    hard_rel: float | None = None
+    hard_request_share: float = 4.0
+
+    def __post_init__(self) -> None:
+        numbers = ("target", "hysteresis", "step", "min_scale", "max_scale", "half_life", "hard_request_share")
+        for name in numbers:
+            value = getattr(self, name)
+            if isinstance(value, bool) or not (isinstance(value, (int, float)) and math.isfinite(value)):
+                raise RoutingError(f"{name} must be a finite number, got {value!r}")
+        if self.target < 1 or self.hysteresis < 0 or self.step <= 1 or self.half_life <= 0:
+            raise RoutingError("need target >= 1, hysteresis >= 0, step > 1, half_life > 0")
+        if not 0 < self.min_scale <= 1 <= self.max_scale:
+            raise RoutingError("need 0 < min_scale <= 1 <= max_scale")
+        for name in ("window", "warmup_per_replica"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise RoutingError(f"{name} must be an integer >= 1, got {value!r}")
+        if self.hard_rel is not None and not (math.isfinite(self.hard_rel) and self.hard_rel >= 1):
+            raise RoutingError(f"hard_rel must be a finite number >= 1 or None, got {self.hard_rel!r}")
+
+
+def scaled(cost: CostModel, scale: float) -> CostModel:
+    """``cost`` with its band scaled by ``scale`` (share × s, relative slack × s; below 1 the load
+    beyond the band also weighs 1 / s times as much)."""
+    return replace(cost, balance_request_share=cost.balance_request_share * scale,
+                   balance_rel=1.0 + (cost.balance_rel - 1.0) * scale,
+                   load_weight=cost.load_weight / min(1.0, scale))
+
+
+class BandController:
+    """The measure and the scale (module docstring); fed by the router's hooks."""
+
+    __slots__ = ("_decay", "_since", "dispatches", "prefill", "scale", "tuning", "weights")
+
+    def __init__(self, tuning: BandTuning) -> None:
+        self.tuning = tuning
+        self.scale = 1.0
+        self.dispatches = 0
+        self._since = 0  # dispatches since the last adjustment
+        self._decay = 0.5 ** (1.0 / tuning.half_life)
+        self.prefill: dict[ReplicaId, float] = {}  # decayed prefill tokens ÷ weight
+        self.weights: dict[ReplicaId, int] = {}  # the last route's candidates
+
+    def imbalance(self) -> float:
+        """max / mean of the decayed prefill over the last candidates (1.0 if none yet)."""
+        values = [self.prefill.get(r, 0.0) for r in self.weights]
+        mean = sum(values) / len(values) if values else 0.0
+        return max(values) / mean if mean > 0 else 1.0
+
+    def record(self, replica: ReplicaId, prefill_tokens: float) -> None:
+        """One dispatch: decay every replica's figure, add this one, maybe move the scale."""
+        d = self._decay
+        for r in self.prefill:
+            self.prefill[r] *= d
+        self.prefill[replica] = self.prefill.get(replica, 0.0) + prefill_tokens / self.weights.get(replica, 1)
+        self.dispatches += 1
+        self._since += 1
+        t = self.tuning
+        if self.dispatches < t.warmup_per_replica * max(1, len(self.weights)) or self._since < t.window:
+            return
+        self._since = 0
+        measured = self.imbalance()
+        if measured > t.target + t.hysteresis:
+            self.scale = max(self.scale / t.step, t.min_scale)
+        elif measured < t.target - t.hysteresis:
+            self.scale = min(self.scale * t.step, t.max_scale)
+
+
+class SelfTuningRouter(KvAwareRouter):
+    """kv-aware with the self-tuning band (module docstring). Name: ``kv-adaptive``."""
+
+    name = "kv-adaptive"
+
+    def __init__(
+        self,
+        *,
+        tokens_per_block: int,
+        cost: CostModel = CostModel(),
+        tuning: BandTuning = BandTuning(),
+        index_factory: IndexFactory | None = None,
+        rng: random.Random | None = None,
+        half_life_s: float = 60.0,
+    ) -> None:
+        super().__init__(tokens_per_block=tokens_per_block, cost=cost, index_factory=index_factory, rng=rng,
+                         half_life_s=half_life_s)
+        self.band = BandController(tuning)
+        self._scaled = (1.0, cost)  # (scale, cost at that scale): rebuilt only when the scale moves
+        self._hard = None if tuning.hard_rel is None else replace(
+            cost, balance_request_share=tuning.hard_request_share, balance_rel=tuning.hard_rel)
+
+    def within_hard_limit(self, request: RouteRequest, candidates: Sequence[Candidate], now: float) -> list[Candidate]:
+        """The candidates whose load level is inside the hard limit (all of them without one)."""
+        if self._hard is None:
+            return list(candidates)
+        limit = self._hard.scores(
+            [(c.replica, NO_MATCH, self.load(c.replica, c, now=now), c.weight) for c in candidates],
+            prompt_tokens=request.prompt_tokens, output_tokens=request.output_tokens,
+            tokens_per_block=self.tokens_per_block,
+        )
+        inside = {s.replica for s in limit if s.excess_load <= 0}
+        return [c for c in candidates if c.replica in inside]
+
+    def _choose(self, request: RouteRequest, candidates: Sequence[Candidate], now: float) -> Decision:
+        self.band.weights = {c.replica: c.weight for c in candidates}
+        scale = self.band.scale
+        if self._scaled[0] != scale:
+            self._scaled = (scale, scaled(self.cost, scale))
+        return self._decide(request, self.within_hard_limit(request, candidates, now), now, self._scaled[1])
+
+    def on_dispatch(self, request: RouteRequest, decision: Decision, *, now: float) -> None:
+        super().on_dispatch(request, decision, now=now)
+        bpt = self.tokens_per_block
+        match = decision.match
+        reused = min(match.blocks + match.pending_blocks, max(0, (request.prompt_tokens - 1) // bpt))
+        self.band.record(decision.replica, request.prompt_tokens - reused * bpt)
+
+
+__all__ = ["BandController", "BandTuning", "SelfTuningRouter", "scaled"]
