@@ -35,6 +35,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
+from types import SimpleNamespace
 
 import httpx
 
@@ -44,7 +45,8 @@ sys.path.insert(0, str(ROOT))
 from bench.report import machine, write_section  # noqa: E402
 from engines.tokenizer import load_gguf_tokenizer  # noqa: E402
 from tests.reliability.harness import GatewayProcess, PostgresDatabase, Registry, postgres_port  # noqa: E402
-from tests.reliability.proxies import CountingProxy, TcpCut, start_counting_proxy  # noqa: E402
+from tests.reliability.proxies import TcpCut  # noqa: E402
+from tests.reliability.proxy_fleet import ProxyFleet  # noqa: E402
 from tests.reliability.sse import SseParser, StreamResult, chat_body  # noqa: E402
 from tests.server.gateway.stack import MODEL, PEPPER, free_port  # noqa: E402
 
@@ -88,9 +90,17 @@ class ChaosReport:
     cut_streams: int = 0  # streams a gateway SIGKILL cut (no terminal event possible)
     journal_segments_left: int = 0  # usage journal files not applied at the end (must be 0)
     rss_mib: dict[str, list[float]] = field(default_factory=dict)
+    # Where the time went (measurements, not assertions): the client process' CPU and its event
+    # loop's lag, every process' CPU, 503/429s per 10 s of the run, the engines' own answer time.
+    harness_cpu_s: float = 0.0
+    harness_loop_lag_s: dict[str, float] = field(default_factory=dict)
+    process_cpu_s: dict[str, float] = field(default_factory=dict)
+    refusal_timeline: dict[str, dict[str, int]] = field(default_factory=dict)
+    engine_first_response_s: dict[str, float] = field(default_factory=dict)  # proxy: arrival -> first token
+    t0: float = 0.0  # time.monotonic() when the load started (not reported)
 
     def as_dict(self) -> dict:
-        return {k: getattr(self, k) for k in self.__dataclass_fields__}
+        return {k: getattr(self, k) for k in self.__dataclass_fields__ if k != "t0"}
 
 
 @dataclass
@@ -101,9 +111,19 @@ class _Fleet:
     registry: Registry
     gateways: list[GatewayProcess]
     fixed: dict[str, subprocess.Popen]
-    proxies: dict[str, tuple[object, CountingProxy, int]]
+    proxies: ProxyFleet  # the counting proxies, one per replica, in a process of their own
     keys: dict[str, list[str]]
     tenant_ids: dict[str, str]  # engine tenant id -> slug
+
+
+MAX_ATTEMPTS = 60  # per stream: refusals and failed connects before it gives up
+
+
+def _retry_after(headers) -> float:
+    try:
+        return min(30.0, max(0.1, float(headers.get("retry-after", "1"))))
+    except ValueError:
+        return 1.0
 
 
 FIXED_TOKEN_DELAY_MS = 60  # 6 tokens in ~0.4 s: a kill catches streams before and after their first token
@@ -126,21 +146,14 @@ async def _build(workdir: Path, reference_port: int) -> _Fleet:
     for name in ("r1", "r2"):
         ports[name] = free_port()
         fixed[name] = _start_fixed(ports[name], workdir / f"{name}.log")
-    proxies = {}
-    shared = None
-    for name, port in (("r0", reference_port), *ports.items()):
-        server, proxy, bound = await start_counting_proxy(f"127.0.0.1:{port}")
-        if shared is None:
-            shared = proxy
-        else:  # one view of the pool: per-tenant counts across every replica
-            for attr in ("in_flight", "max_in_flight", "started", "finished", "responses"):
-                setattr(proxy, attr, getattr(shared, attr))
-        proxies[name] = (server, proxy, bound)
+    proxies = await asyncio.to_thread(ProxyFleet.start, {name: f"127.0.0.1:{port}" for name, port in
+                                                          (("r0", reference_port), *ports.items())},
+                                      workdir / "proxies.log")
     registry = Registry(db.url, pepper=PEPPER)
     now = datetime.now(UTC)
     with registry.factory() as session:
         pools.create_pool(session, actor=ACTOR, now=now, name=POOL, model_name=MODEL,
-                          replicas=[{"name": n, "endpoint": f"127.0.0.1:{p[2]}"} for n, p in proxies.items()],
+                          replicas=[{"name": n, "endpoint": f"127.0.0.1:{p}"} for n, p in proxies.ports.items()],
                           engine_spec="reference-smollm2", tokens_per_block=16, primary_blocks=512,
                           secondary_blocks=512, secondary_offload_min_priority=30)
     registry.add_class()
@@ -170,6 +183,7 @@ async def _one_stream(http: httpx.AsyncClient, fleet: _Fleet, i: int, slug: str,
                       report: ChaosReport, rng: random.Random, deadline: float, first_token_s: float,
                       results: list) -> None:
     body = chat_body([{"role": "user", "content": QUESTIONS[question]}], max_tokens=6)
+    attempts = 0
     while time.monotonic() < deadline:
         gateway = fleet.gateways[(i + rng.randrange(2)) % 2]
         result = StreamResult(0)
@@ -189,9 +203,18 @@ async def _one_stream(http: httpx.AsyncClient, fleet: _Fleet, i: int, slug: str,
                         code = "unparsable"
                     name = f"{r.status_code} {code}"
                     report.refusals[name] = report.refusals.get(name, 0) + 1
+                    bucket = report.refusal_timeline.setdefault(str(int((time.monotonic() - report.t0) // 10 * 10)), {})
+                    bucket[name] = bucket.get(name, 0) + 1
                     if r.status_code == 401 and key_index == 1:  # the revoked key: the other one from now on
                         key_index = 0
-                    await asyncio.sleep(0.1 + rng.random() * 0.5)
+                    attempts += 1
+                    if attempts >= MAX_ATTEMPTS:
+                        break
+                    # As a well-behaved client: wait what Retry-After asks, stretched by a random
+                    # 0-100 % so the refused do not come back in one wave (a 0.1-0.6 s pause that
+                    # ignored it made 1,000 clients a retry storm: measured 2,646 × 429 and
+                    # 2,545 × 503 in one run).
+                    await asyncio.sleep(_retry_after(r.headers) * (1 + rng.random()))
                     continue
                 async for line in r.aiter_lines():
                     parser.line(line)
@@ -204,7 +227,10 @@ async def _one_stream(http: httpx.AsyncClient, fleet: _Fleet, i: int, slug: str,
             if result.status == 200:  # started, then the gateway vanished (SIGKILL): nothing more can come
                 results.append((i, slug, question, "cut", result))
                 return
-            await asyncio.sleep(0.1 + rng.random() * 0.5)  # could not connect: that gateway is restarting
+            attempts += 1
+            if attempts >= MAX_ATTEMPTS:
+                break
+            await asyncio.sleep(0.5 + rng.random() * 0.5)  # could not connect: that gateway is restarting
             continue
         if ends > 1:
             report.double_ended += 1
@@ -233,14 +259,15 @@ async def run_chaos(*, reference_port: int, workdir: Path, streams: int = 1000, 
                          started=datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC"))
     rng = random.Random(seed)
     fleet = await _build(workdir, reference_port)
-    shared = next(iter(fleet.proxies.values()))[1]
     slugs = list(fleet.keys)
     report.limits = dict(zip(slugs, LIMITS, strict=True))
     t0 = time.monotonic()
+    report.t0 = t0
+    cpu0 = _self_cpu()
     deadline = t0 + time_budget_s
     results: list = []
+    lags: list[float] = []
     limit_in_force: dict[str, int] = dict(report.limits)
-    max_after_lowering = [0]
     lowered_at = [None]
     try:
         report.rss_mib["before"] = [round(g.rss_bytes() / 2**20, 1) for g in fleet.gateways]
@@ -251,13 +278,6 @@ async def run_chaos(*, reference_port: int, workdir: Path, streams: int = 1000, 
         def registry_write(fn, **kwargs) -> None:
             with fleet.registry.factory() as session:
                 fn(session, actor=ACTOR, now=datetime.now(UTC), **kwargs)
-
-        async def watch_lowered() -> None:
-            while time.monotonic() < deadline:
-                if lowered_at[0] is not None and time.monotonic() > lowered_at[0] + report.limit_bound_s:
-                    tid = next(k for k, v in fleet.tenant_ids.items() if v == slugs[3])
-                    max_after_lowering[0] = max(max_after_lowering[0], shared.in_flight.get(tid, 0))
-                await asyncio.sleep(0.02)
 
         async def inject() -> None:
             await asyncio.sleep(1.5)
@@ -344,13 +364,29 @@ async def run_chaos(*, reference_port: int, workdir: Path, streams: int = 1000, 
                 await _one_stream(http, fleet, i, slug, key_index, question, report, rng, deadline, first_token_s,
                                   results)
 
-        watcher = asyncio.create_task(watch_lowered())
+        async def sample_lag() -> None:  # how late the client loop wakes from a 50 ms sleep
+            while True:
+                before = time.monotonic()
+                await asyncio.sleep(0.05)
+                lags.append(time.monotonic() - before - 0.05)
+
+        lagger = asyncio.create_task(sample_lag())
         async with httpx.AsyncClient(limits=connections) as http:
             injector = asyncio.create_task(inject())
             await asyncio.gather(*(paced(*p) for p in plan))
             await injector
-        watcher.cancel()
+        lagger.cancel()
         report.wall_s = round(time.monotonic() - t0, 1)
+        report.harness_cpu_s = round(_self_cpu() - cpu0, 1)
+        lags.sort()
+        if lags:
+            report.harness_loop_lag_s = {"p50": round(lags[len(lags) // 2], 3), "p99": round(lags[int(len(lags) * 0.99)], 3),
+                                         "max": round(lags[-1], 3), "samples_over_1s": sum(1 for x in lags if x > 1.0)}
+        for i, g in enumerate(fleet.gateways):
+            report.process_cpu_s[f"gateway{i} (current process)"] = _proc_cpu(g.proc.pid)
+        for name, proc in fleet.fixed.items():
+            if proc.poll() is None:
+                report.process_cpu_s[f"fixed {name}"] = _proc_cpu(proc.pid)
         report.rss_mib["after"] = [round(g.rss_bytes() / 2**20, 1) for g in fleet.gateways]
         # How each stream ended, and whether a complete one is exactly what an engine generated.
         report.outcomes = dict(Counter(kind for _, _, _, kind, _ in results))
@@ -358,10 +394,14 @@ async def run_chaos(*, reference_port: int, workdir: Path, streams: int = 1000, 
         report.truncated_without_error = report.outcomes.get("truncated", 0)
         report.cut_streams = report.outcomes.get("cut", 0)
         tokenizer = load_gguf_tokenizer()
-        calls = [c for _, proxy, _ in fleet.proxies.values() for c in proxy.calls]  # fresh proxies: this run's
+        calls = [SimpleNamespace(**c) for c in (await asyncio.to_thread(fleet.proxies.ask, "calls"))["calls"]]
         report.engine_calls = len(calls)
-        killed_proxy = fleet.proxies["r1"][1]
-        report.engine_calls_on_killed_replica = sum(1 for c in killed_proxy.calls if not c.final)
+        waits = sorted(c.first_response - c.arrived for c in calls if c.first_response is not None)
+        if waits:
+            report.engine_first_response_s = {"p50": round(waits[len(waits) // 2], 3),
+                                              "p99": round(waits[int(len(waits) * 0.99)], 3), "max": round(waits[-1], 3),
+                                              "never": sum(1 for c in calls if c.first_response is None)}
+        report.engine_calls_on_killed_replica = sum(1 for c in calls if c.replica == "r1" and not c.final)
         engine_side = Counter((fleet.tenant_ids.get(c.tenant_id, c.tenant_id), tokenizer.decode(c.output_ids),
                                len(c.output_ids)) for c in calls if c.final)
         client_side = Counter((slug, r.text, r.usage["completion_tokens"])
@@ -371,8 +411,12 @@ async def run_chaos(*, reference_port: int, workdir: Path, streams: int = 1000, 
         report.usage_answered = [len(answered), sum(r.usage["prompt_tokens"] for r in answered),
                                  sum(r.usage["completion_tokens"] for r in answered)]
         report.usage_engine_completion_tokens = sum(n * count for (_, _, n), count in (client_side & engine_side).items())
-        report.engine_max_in_flight = {fleet.tenant_ids.get(k, k): v for k, v in shared.max_in_flight.items()}
-        report.engine_max_after_lowering = max_after_lowering[0]
+        max_in_flight = (await asyncio.to_thread(fleet.proxies.ask, "max_in_flight"))["max_in_flight"]
+        report.engine_max_in_flight = {fleet.tenant_ids.get(k, k): v for k, v in max_in_flight.items()}
+        if lowered_at[0] is not None:
+            tid = next(k for k, v in fleet.tenant_ids.items() if v == slugs[3])
+            report.engine_max_after_lowering = _max_at_arrivals(
+                [c for c in calls if c.tenant_id == tid], after=lowered_at[0] + report.limit_bound_s)
         report.admitted_then_refused = sum(v for k, v in report.refusals.items()
                                            if k in ("503 engine_unavailable", "504 engine_timeout"))
         # Usage: stop both gateways gracefully (flush), then a fresh start replays any journal left.
@@ -400,8 +444,7 @@ async def run_chaos(*, reference_port: int, workdir: Path, streams: int = 1000, 
             if proc.poll() is None:
                 proc.kill()
             proc.wait(10)
-        for server, _, _ in fleet.proxies.values():
-            await server.stop(0)
+        await asyncio.to_thread(fleet.proxies.stop)
         fleet.redis_link.close()
         fleet.pg_link.close()
         fleet.db.drop()
@@ -418,6 +461,36 @@ class SoakReport:
         """Per gateway: last sample minus the first sample after warm-up (the second)."""
         first, last = self.samples[min(1, len(self.samples) - 1)], self.samples[-1]
         return [round(b - a, 1) for a, b in zip(first[what], last[what], strict=True)]
+
+
+def _max_at_arrivals(calls: list, *, after: float) -> int:
+    """The most calls of one tenant in flight at the engines at the arrival of any call that
+    arrived after ``after`` (the call itself included). What the lowered limit governs: a
+    gateway that applies it admits a request only while fewer than the limit are running;
+    requests admitted under the old limit are not preempted and may still be running."""
+    worst = 0
+    for call in calls:
+        if call.arrived <= after:
+            continue
+        running = sum(1 for c in calls
+                      if c.arrived <= call.arrived and (c.ended is None or c.ended > call.arrived))
+        worst = max(worst, running)
+    return worst
+
+
+def _self_cpu() -> float:
+    import resource
+
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
+def _proc_cpu(pid: int) -> float:
+    """User + system CPU seconds of a live process (``/proc/<pid>/stat`` fields 14 and 15)."""
+    import os
+
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return round((int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK"), 1)
 
 
 def _fds(pid: int) -> int:
@@ -465,8 +538,7 @@ async def run_soak(*, reference_port: int, workdir: Path, seconds: float = 600.0
             if proc.poll() is None:
                 proc.kill()
             proc.wait(10)
-        for server, _, _ in fleet.proxies.values():
-            await server.stop(0)
+        await asyncio.to_thread(fleet.proxies.stop)
         fleet.redis_link.close()
         fleet.pg_link.close()
         fleet.db.drop()
