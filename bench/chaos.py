@@ -82,6 +82,7 @@ class ChaosReport:
     engine_max_after_lowering: int = 0
     revoked_refused_after_s: list[float] = field(default_factory=list)  # per gateway
     revoked_key_probes_answered: int = 0  # probes answered (200) before the revocation reached a gateway
+    revoked_key_probe_answers: dict[str, int] = field(default_factory=dict)  # the other answers before the 401
     limit_bound_s: float = 0.0
     usage_answered: list[int] = field(default_factory=list)  # requests, prompt, completion (complete streams)
     admitted_then_refused: int = 0  # 503 engine_unavailable / 504 engine_timeout: admitted, so recorded in usage
@@ -98,6 +99,8 @@ class ChaosReport:
     refusal_timeline: dict[str, dict[str, int]] = field(default_factory=dict)
     engine_first_response_s: dict[str, float] = field(default_factory=dict)  # proxy: arrival -> first token
     t0: float = 0.0  # time.monotonic() when the load started (not reported)
+    # The soak after the chaos (``soak_s`` > 0): the same fleet, steady moderate load, no faults.
+    soak: dict = field(default_factory=dict)
 
     def as_dict(self) -> dict:
         return {k: getattr(self, k) for k in self.__dataclass_fields__ if k != "t0"}
@@ -247,10 +250,18 @@ async def _one_stream(http: httpx.AsyncClient, fleet: _Fleet, i: int, slug: str,
 
 async def run_chaos(*, reference_port: int, workdir: Path, streams: int = 1000, concurrency: int = 1000,
                     faults: tuple[str, ...] = ALL_FAULTS, gateway_kill: bool = False, seed: int = 11,
-                    time_budget_s: float = 240.0, first_token_s: float = 10.0, spread_s: float = 60.0) -> ChaosReport:
+                    time_budget_s: float = 240.0, first_token_s: float = 10.0, spread_s: float = 60.0,
+                    soak_s: float = 0.0, soak_concurrency: int = 16, soak_warmup_s: float = 60.0,
+                    reference_pid: int | None = None) -> ChaosReport:
     """One bounded run; see the module docstring. ``gateway_kill``: SIGKILL (not SIGTERM) a gateway
     mid-run and check the usage journal's replay at the end. Streams start at random moments
-    over the first ``spread_s`` seconds, so the faults land on traffic."""
+    over the first ``spread_s`` seconds, so the faults land on traffic.
+
+    ``soak_s`` > 0: after the chaos load, the same fleet (what the faults left of it) carries
+    ``soak_concurrency`` clients streaming back to back for ``soak_s`` seconds; RSS and open
+    file descriptors of every process (gateways, engines, the proxy process, this one) are
+    sampled every 10 s, and growth is measured from the first sample after ``soak_warmup_s``
+    to the last (``report.soak``). Soak streams count in the usage check like any other."""
     from tenants import keys as keys_mod, tenant as tenant_mod, replicas as replicas_mod
     from tenants.models import Tenant, Usage
     from sqlalchemy import func, select
@@ -324,23 +335,40 @@ async def run_chaos(*, reference_port: int, workdir: Path, streams: int = 1000, 
                 limit_in_force[slug] = new_limit
                 report.limit_bound_s = 6.0  # auth TTL of `kvgate serve` (5 s) + one request's life
                 lowered_at[0] = changed
-                revoked = fleet.keys[slug][1]
-                async with httpx.AsyncClient(timeout=10) as probe:
-                    for g in fleet.gateways:
+                async def probe(g: GatewayProcess) -> float:
+                    """Probe one gateway with the revoked key (10 per second) from the change until
+                    ``limit_bound_s`` + 2 s have passed and it has refused one; return the moment
+                    (seconds after the change) from which every probe *sent* was refused with 401.
+                    Why sending time: a probe is decided at or after it is sent, so a probe sent
+                    after that moment and refused proves the revocation was in force, however
+                    long the answer then took to come back on a loaded machine."""
+                    seen: list[tuple[float, int]] = []
+                    async with httpx.AsyncClient(timeout=10) as client:
                         while time.monotonic() - changed < 30:
+                            if seen and seen[-1][1] == 401 and time.monotonic() - changed > report.limit_bound_s + 2:
+                                break
+                            sent = time.monotonic() - changed
                             try:
-                                r = await probe.post(g.base_url + "/v1/chat/completions",
-                                                     headers={"Authorization": f"Bearer {revoked}"},
-                                                     json=chat_body([{"role": "user", "content": "hi"}],
-                                                                    max_tokens=1, stream=False))
-                                if r.status_code == 401:
-                                    break
-                                if r.status_code == 200:
-                                    report.revoked_key_probes_answered += 1
+                                r = await client.post(g.base_url + "/v1/chat/completions",
+                                                      headers={"Authorization": f"Bearer {revoked}"},
+                                                      json=chat_body([{"role": "user", "content": "hi"}],
+                                                                     max_tokens=1, stream=False))
+                                status = r.status_code
                             except httpx.HTTPError:
-                                pass
+                                status = 0
+                            seen.append((sent, status))
+                            if status == 200:
+                                report.revoked_key_probes_answered += 1
+                            if status != 401:
+                                name = str(status) if status else "transport error"
+                                report.revoked_key_probe_answers[name] = report.revoked_key_probe_answers.get(name, 0) + 1
                             await asyncio.sleep(0.1)
-                        report.revoked_refused_after_s.append(round(time.monotonic() - changed, 2))
+                    accepted = [t for t, status in seen if status != 401]
+                    refused_from = [t for t, status in seen if status == 401 and (not accepted or t > accepted[-1])]
+                    return round(refused_from[0], 2) if refused_from else 30.0
+
+                revoked = fleet.keys[slug][1]
+                report.revoked_refused_after_s = list(await asyncio.gather(*(probe(g) for g in fleet.gateways)))
             if "redis_cut" in faults:
                 fleet.redis_link.cut()
                 mark("Redis cut")
@@ -375,6 +403,10 @@ async def run_chaos(*, reference_port: int, workdir: Path, streams: int = 1000, 
             injector = asyncio.create_task(inject())
             await asyncio.gather(*(paced(*p) for p in plan))
             await injector
+            if soak_s > 0:
+                report.soak = await _soak(http, fleet, report, results, rng, seconds=soak_s,
+                                          concurrency=soak_concurrency, warmup_s=soak_warmup_s,
+                                          first_token_s=first_token_s, reference_pid=reference_pid)
         lagger.cancel()
         report.wall_s = round(time.monotonic() - t0, 1)
         report.harness_cpu_s = round(_self_cpu() - cpu0, 1)
@@ -389,7 +421,7 @@ async def run_chaos(*, reference_port: int, workdir: Path, streams: int = 1000, 
                 report.process_cpu_s[f"fixed {name}"] = _proc_cpu(proc.pid)
         report.rss_mib["after"] = [round(g.rss_bytes() / 2**20, 1) for g in fleet.gateways]
         # How each stream ended, and whether a complete one is exactly what an engine generated.
-        report.outcomes = dict(Counter(kind for _, _, _, kind, _ in results))
+        report.outcomes = dict(Counter(kind for i, _, _, kind, _ in results if i < streams))  # the soak's: report.soak
         report.hung = report.outcomes.get("hung", 0)
         report.truncated_without_error = report.outcomes.get("truncated", 0)
         report.cut_streams = report.outcomes.get("cut", 0)
@@ -450,17 +482,64 @@ async def run_chaos(*, reference_port: int, workdir: Path, streams: int = 1000, 
         fleet.db.drop()
 
 
-@dataclass
-class SoakReport:
-    seconds: float
-    concurrency: int
-    streams: dict[str, int] = field(default_factory=dict)  # how each stream ended
-    samples: list[dict] = field(default_factory=list)  # t, per gateway RSS MiB and open fds
+def _processes(fleet: _Fleet, reference_pid: int | None) -> dict[str, int]:
+    import os
 
-    def growth(self, what: str) -> list[float]:
-        """Per gateway: last sample minus the first sample after warm-up (the second)."""
-        first, last = self.samples[min(1, len(self.samples) - 1)], self.samples[-1]
-        return [round(b - a, 1) for a, b in zip(first[what], last[what], strict=True)]
+    named = {f"gateway{i}": g.proc.pid for i, g in enumerate(fleet.gateways) if g.proc and g.proc.poll() is None}
+    named.update({f"fixed {n}": p.pid for n, p in fleet.fixed.items() if p.poll() is None})
+    if reference_pid is not None:
+        named["reference engine"] = reference_pid
+    named["proxy process (harness)"] = fleet.proxies.proc.pid
+    named["clients (harness)"] = os.getpid()
+    return named
+
+
+def _rss_mib(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return round(int(line.split()[1]) / 1024, 1)
+    return 0.0
+
+
+async def _soak(http: httpx.AsyncClient, fleet: _Fleet, report: ChaosReport, results: list, rng: random.Random, *,
+                seconds: float, concurrency: int, warmup_s: float, first_token_s: float,
+                reference_pid: int | None) -> dict:
+    """Steady streaming after the chaos; see :func:`run_chaos`. Returns the soak's figures."""
+    slugs = list(fleet.keys)
+    start = time.monotonic()
+    end = start + seconds
+    first_soak = len(results)
+    samples: list[dict] = []
+    procs = _processes(fleet, reference_pid)
+
+    async def sample() -> None:
+        while True:
+            samples.append({"t": round(time.monotonic() - start, 1),
+                            "rss_mib": {n: _rss_mib(pid) for n, pid in procs.items()},
+                            "fds": {n: _fds(pid) for n, pid in procs.items()}})
+            if time.monotonic() >= end:
+                return
+            await asyncio.sleep(min(10.0, max(0.0, end - time.monotonic())))
+
+    async def worker(w: int) -> None:
+        i = report.streams + w
+        while time.monotonic() < end:
+            await _one_stream(http, fleet, i, slugs[w % len(slugs)], 0, rng.randrange(len(QUESTIONS)), report,
+                              rng, end + 60, first_token_s, results)
+            i += concurrency
+
+    sampler = asyncio.create_task(sample())
+    await asyncio.gather(*(worker(w) for w in range(concurrency)))
+    await sampler
+    base = next((x for x in samples if x["t"] >= warmup_s), samples[0])
+    last = samples[-1]
+    return {"seconds": seconds, "concurrency": concurrency, "warmup_s": warmup_s,
+            "streams": dict(Counter(kind for _, _, _, kind, _ in results[first_soak:])),
+            "rss_mib_at_warmup": base["rss_mib"], "rss_mib_last": last["rss_mib"],
+            "rss_growth_mib": {n: round(last["rss_mib"][n] - base["rss_mib"][n], 1) for n in procs},
+            "fds_at_warmup": base["fds"], "fds_last": last["fds"],
+            "fd_growth": {n: last["fds"][n] - base["fds"][n] for n in procs},
+            "samples": len(samples)}
 
 
 def _max_at_arrivals(calls: list, *, after: float) -> int:
@@ -497,53 +576,6 @@ def _fds(pid: int) -> int:
     return len(list(Path(f"/proc/{pid}/fd").iterdir()))
 
 
-async def run_soak(*, reference_port: int, workdir: Path, seconds: float = 600.0, concurrency: int = 64,
-                   sample_every_s: float = 10.0) -> SoakReport:
-    """Steady streaming load through both gateways for ``seconds``, no faults; RSS and
-    open file descriptors of each gateway sampled every ``sample_every_s``."""
-    report = SoakReport(seconds, concurrency)
-    fleet = await _build(workdir, reference_port)
-    rng = random.Random(5)
-    slugs = list(fleet.keys)
-    results: list = []
-    chaos = ChaosReport(0, concurrency, [])
-    t0 = time.monotonic()
-    end = t0 + seconds
-    try:
-        async def sample() -> None:
-            while time.monotonic() < end:
-                report.samples.append({"t": round(time.monotonic() - t0, 1),
-                                       "rss_mib": [round(g.rss_bytes() / 2**20, 1) for g in fleet.gateways],
-                                       "fds": [_fds(g.proc.pid) for g in fleet.gateways]})
-                await asyncio.sleep(sample_every_s)
-
-        async def worker(w: int) -> None:
-            i = w
-            while time.monotonic() < end:
-                await _one_stream(http, fleet, i, slugs[i % len(slugs)], 0, rng.randrange(len(QUESTIONS)), chaos,
-                                  rng, end + 30, 10.0, results)
-                i += concurrency
-
-        connections = httpx.Limits(max_connections=concurrency + 8, max_keepalive_connections=concurrency + 8)
-        async with httpx.AsyncClient(limits=connections) as http:
-            sampler = asyncio.create_task(sample())
-            await asyncio.gather(*(worker(w) for w in range(concurrency)))
-            await sampler
-        report.streams = dict(Counter(kind for _, _, _, kind, _ in results))
-        return report
-    finally:
-        for g in fleet.gateways:
-            await asyncio.to_thread(g.stop)
-        for proc in fleet.fixed.values():
-            if proc.poll() is None:
-                proc.kill()
-            proc.wait(10)
-        await asyncio.to_thread(fleet.proxies.stop)
-        fleet.redis_link.close()
-        fleet.pg_link.close()
-        fleet.db.drop()
-
-
 def render(report: ChaosReport) -> str:
     d = report.as_dict()
     lines = ["## Chaos run (`bench/chaos.py`)", "",
@@ -569,7 +601,7 @@ async def _main(args) -> ChaosReport:
     try:
         return await run_chaos(reference_port=engine.port, workdir=workdir, streams=args.streams,
                                concurrency=args.concurrency, time_budget_s=args.time_budget,
-                               spread_s=args.spread)
+                               spread_s=args.spread, soak_s=args.soak, reference_pid=engine.proc.pid)
     finally:
         engine.kill()
 
@@ -580,6 +612,7 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, default=1000)
     parser.add_argument("--time-budget", type=float, default=240.0)
     parser.add_argument("--spread", type=float, default=60.0, help="streams start over this many seconds")
+    parser.add_argument("--soak", type=float, default=0.0, help="then this many seconds of steady load (0: none)")
     parser.add_argument("--no-write", action="store_true")
     args = parser.parse_args()
     report = asyncio.run(_main(args))
