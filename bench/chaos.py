@@ -101,6 +101,9 @@ class ChaosReport:
     t0: float = 0.0  # time.monotonic() when the load started (not reported)
     # The soak after the chaos (``soak_s`` > 0): the same fleet, steady moderate load, no faults.
     soak: dict = field(default_factory=dict)
+    # Admin writes through a gateway across the PostgreSQL cut: each refused with a clear error
+    # (503 database_unavailable) or committed with exactly one audit event.
+    admin_writes_during_pg_cut: dict = field(default_factory=dict)
 
     def as_dict(self) -> dict:
         return {k: getattr(self, k) for k in self.__dataclass_fields__ if k != "t0"}
@@ -263,7 +266,7 @@ async def run_chaos(*, reference_port: int, workdir: Path, streams: int = 1000, 
     sampled every 10 s, and growth is measured from the first sample after ``soak_warmup_s``
     to the last (``report.soak``). Soak streams count in the usage check like any other."""
     from tenants import keys as keys_mod, tenant as tenant_mod, replicas as replicas_mod
-    from tenants.models import Tenant, Usage
+    from tenants.models import AuditEvent, Tenant, Usage
     from sqlalchemy import func, select
 
     report = ChaosReport(streams, concurrency, list(faults) + (["gateway_sigkill"] if gateway_kill else []),
@@ -280,6 +283,7 @@ async def run_chaos(*, reference_port: int, workdir: Path, streams: int = 1000, 
     lags: list[float] = []
     limit_in_force: dict[str, int] = dict(report.limits)
     lowered_at = [None]
+    admin_answers: list[tuple[int | None, int, str]] = []  # (value written or None, status, error code)
     try:
         report.rss_mib["before"] = [round(g.rss_bytes() / 2**20, 1) for g in fleet.gateways]
 
@@ -336,35 +340,43 @@ async def run_chaos(*, reference_port: int, workdir: Path, streams: int = 1000, 
                 report.limit_bound_s = 6.0  # auth TTL of `kvgate serve` (5 s) + one request's life
                 lowered_at[0] = changed
                 async def probe(g: GatewayProcess) -> float:
-                    """Probe one gateway with the revoked key (10 per second) from the change until
-                    ``limit_bound_s`` + 2 s have passed and it has refused one; return the moment
-                    (seconds after the change) from which every probe *sent* was refused with 401.
-                    Why sending time: a probe is decided at or after it is sent, so a probe sent
-                    after that moment and refused proves the revocation was in force, however
-                    long the answer then took to come back on a loaded machine."""
+                    """Probe one gateway with the revoked key, one probe sent every 0.1 s whatever
+                    the earlier ones are doing, from the change until ``limit_bound_s`` + 2 s have
+                    passed and one was refused; return the moment (seconds after the change) from
+                    which every probe *sent* that was answered was refused with 401. Why sending
+                    time: a probe is decided at or after it is sent, so a probe sent after that
+                    moment and refused proves the revocation in force, however long its answer
+                    took on a loaded machine. A probe with no answer (transport error) proves
+                    nothing either way: counted, not used."""
                     seen: list[tuple[float, int]] = []
+
+                    async def one(client: httpx.AsyncClient) -> None:
+                        sent = time.monotonic() - changed
+                        try:
+                            r = await client.post(g.base_url + "/v1/chat/completions",
+                                                  headers={"Authorization": f"Bearer {revoked}"},
+                                                  json=chat_body([{"role": "user", "content": "hi"}],
+                                                                 max_tokens=1, stream=False))
+                            status = r.status_code
+                        except httpx.HTTPError:
+                            status = 0
+                        seen.append((sent, status))
+                        if status == 200:
+                            report.revoked_key_probes_answered += 1
+                        if status != 401:
+                            name = str(status) if status else "transport error"
+                            report.revoked_key_probe_answers[name] = report.revoked_key_probe_answers.get(name, 0) + 1
+
                     async with httpx.AsyncClient(timeout=10) as client:
+                        tasks = []
                         while time.monotonic() - changed < 30:
-                            if seen and seen[-1][1] == 401 and time.monotonic() - changed > report.limit_bound_s + 2:
+                            if any(st == 401 for _, st in seen) and time.monotonic() - changed > report.limit_bound_s + 2:
                                 break
-                            sent = time.monotonic() - changed
-                            try:
-                                r = await client.post(g.base_url + "/v1/chat/completions",
-                                                      headers={"Authorization": f"Bearer {revoked}"},
-                                                      json=chat_body([{"role": "user", "content": "hi"}],
-                                                                     max_tokens=1, stream=False))
-                                status = r.status_code
-                            except httpx.HTTPError:
-                                status = 0
-                            seen.append((sent, status))
-                            if status == 200:
-                                report.revoked_key_probes_answered += 1
-                            if status != 401:
-                                name = str(status) if status else "transport error"
-                                report.revoked_key_probe_answers[name] = report.revoked_key_probe_answers.get(name, 0) + 1
+                            tasks.append(asyncio.create_task(one(client)))
                             await asyncio.sleep(0.1)
-                    accepted = [t for t, status in seen if status != 401]
-                    refused_from = [t for t, status in seen if status == 401 and (not accepted or t > accepted[-1])]
+                        await asyncio.gather(*tasks)
+                    accepted = [t for t, status in seen if status not in (0, 401)]
+                    refused_from = sorted(t for t, status in seen if status == 401 and (not accepted or t > max(accepted)))
                     return round(refused_from[0], 2) if refused_from else 30.0
 
                 revoked = fleet.keys[slug][1]
@@ -378,9 +390,32 @@ async def run_chaos(*, reference_port: int, workdir: Path, streams: int = 1000, 
             if "postgres_cut" in faults:
                 fleet.pg_link.cut()
                 mark("PostgreSQL cut")
+                writer = asyncio.create_task(admin_writer(time.monotonic() + 12))
                 await asyncio.sleep(10)
                 fleet.pg_link.restore()
                 mark("PostgreSQL restored")
+                await writer
+
+        async def admin_writer(until: float) -> None:
+            """Admin writes through gateway 0 across the PostgreSQL cut and 2 s past the restore:
+            read the version, PATCH tenant 0's rpm_limit to a fresh value; every answer kept."""
+            slug = slugs[0]
+            base = fleet.gateways[0].base_url + "/admin/v1/tenants/" + slug
+            headers = {"Authorization": f"Bearer {fleet.gateways[0].admin_token}"}
+            value = ADMIN_WRITE_BASE
+            async with httpx.AsyncClient(timeout=10, headers=headers) as admin:
+                while time.monotonic() < until:
+                    try:
+                        got = await admin.get(base)
+                        if got.status_code != 200:
+                            admin_answers.append((None, got.status_code, _admin_code(got)))
+                        else:
+                            value += 1
+                            r = await admin.patch(base, json={"version": got.json()["version"], "rpm_limit": value})
+                            admin_answers.append((value, r.status_code, "" if r.status_code == 200 else _admin_code(r)))
+                    except httpx.HTTPError:
+                        admin_answers.append((None, 0, "transport error"))
+                    await asyncio.sleep(0.2)
 
         sem = asyncio.Semaphore(concurrency)
         connections = httpx.Limits(max_connections=concurrency + 32, max_keepalive_connections=concurrency + 32)
@@ -468,6 +503,22 @@ async def run_chaos(*, reference_port: int, workdir: Path, streams: int = 1000, 
                                   .join(Tenant, Tenant.id == Usage.tenant_id)
                                   .where(Tenant.slug.in_(slugs))).one()
         report.usage_recorded = [int(row[0]), int(row[1]), int(row[2])]
+        if admin_answers:
+            with fleet.registry.factory() as session:
+                tid = session.scalars(select(Tenant.id).where(Tenant.slug == slugs[0])).one()
+                events = session.scalars(select(AuditEvent).where(AuditEvent.action == "tenant.update",
+                                                                  AuditEvent.entity_id == str(tid))).all()
+            audited = [(e.after or {}).get("rpm_limit") for e in events]
+            audited = [v for v in audited if isinstance(v, int) and v > ADMIN_WRITE_BASE]
+            acknowledged = [v for v, status, _ in admin_answers if status == 200]
+            report.admin_writes_during_pg_cut = {
+                "answers": dict(Counter(f"{status} {code}".strip() for _, status, code in admin_answers)),
+                "acknowledged": len(acknowledged), "audited": len(audited),
+                "acknowledged_without_audit": len(set(acknowledged) - set(audited)),
+                "audited_twice": len(audited) - len(set(audited)),
+                "audited_but_refused": len(set(audited) - set(acknowledged)),
+                "unclear_refusals": sum(1 for _, status, code in admin_answers
+                                        if status != 200 and (status, code) != (503, "database_unavailable"))}
         return report
     finally:
         for g in fleet.gateways:
@@ -540,6 +591,16 @@ async def _soak(http: httpx.AsyncClient, fleet: _Fleet, report: ChaosReport, res
             "fds_at_warmup": base["fds"], "fds_last": last["fds"],
             "fd_growth": {n: last["fds"][n] - base["fds"][n] for n in procs},
             "samples": len(samples)}
+
+
+ADMIN_WRITE_BASE = 5_000_000  # rpm_limit values the admin writer sets: above it, so its audit events are known
+
+
+def _admin_code(response: httpx.Response) -> str:
+    try:
+        return str(response.json()["error"]["code"])
+    except (ValueError, KeyError, TypeError):
+        return "unparsable"
 
 
 def _max_at_arrivals(calls: list, *, after: float) -> int:

@@ -48,6 +48,10 @@ def check(report, *, gateway_kill: bool) -> None:
         + report.admitted_then_refused, ("double counted", answered, recorded, report.outcomes)
     assert report.usage_engine_completion_tokens == answered[2]
     assert report.journal_segments_left == 0
+    admin = report.admin_writes_during_pg_cut
+    if admin:  # every admin write during the PostgreSQL cut: refused clearly, or committed with its audit event
+        assert admin["unclear_refusals"] == 0, admin
+        assert admin["acknowledged_without_audit"] == 0 and admin["audited_twice"] == 0, admin
 
 
 @needs
