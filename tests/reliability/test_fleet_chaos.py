@@ -66,6 +66,7 @@ def test_chaos_fast_subset(stack: Stack, tmp_path, figures) -> None:
 
 @needs
 @pytest.mark.reliability_full
+@pytest.mark.timeout(1200)  # the 240 s budget plus fleet start and teardown, on a shared machine
 def test_chaos_full(stack: Stack, tmp_path, figures) -> None:
     report = asyncio.run(run_chaos(
         reference_port=stack.engine.port, workdir=tmp_path, streams=1000, concurrency=1000, faults=ALL_FAULTS,
@@ -86,6 +87,7 @@ SOAK_FD_GROWTH = 16
 
 @needs
 @pytest.mark.reliability_full
+@pytest.mark.timeout(2400)  # 10 minutes of soak plus the chaos before it, on a shared machine
 def test_soak_ten_minutes_after_the_chaos_rss_and_fds_stay_flat(stack: Stack, tmp_path, figures) -> None:
     """300 streams under every fault, then 10 minutes of steady streaming (16 clients) on what
     the faults left of the fleet: every soak stream complete, usage still exact, and per
