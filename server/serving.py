@@ -63,7 +63,7 @@ def build_serving_app(settings: Settings, *, session_factory: sessionmaker[Sessi
         session_factory = make_session_factory(engine)
     app = create_app(settings, engine=engine, session_factory=session_factory)
     if admission is None:
-        admission = RedisAdmission(settings.redis_url) if settings.redis_url else LocalAdmission()
+        admission = RedisAdmission(settings.redis_url, lease_ttl_s=settings.admission_lease_ttl_s) if settings.redis_url else LocalAdmission()
     services = build_gateway_services(
         session_factory=session_factory, pepper=settings.effective_key_pepper(), tokenizer_for=tokenizer_for,
         admission=admission, registry=registry or CollectorRegistry(),

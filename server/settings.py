@@ -71,6 +71,10 @@ class Settings(BaseSettings):
     host: str = "127.0.0.1"
     port: int = Field(default=8000, ge=1, le=65535)
     redis_url: str | None = None
+    # Redis admission (server/gateway/admission.py): a concurrency lease lapses this long after
+    # its gateway's last heartbeat (renewed every third of it while the request is live), so a
+    # SIGKILLed gateway's slots are free again within this bound.
+    admission_lease_ttl_s: float = Field(default=30.0, gt=0.0)
     # When set, /metrics requires "Authorization: Bearer <token>" (it names every tenant).
     metrics_token: str | None = Field(default=None, repr=False)
     # Online miss-ratio curves (server/gateway/observe/miss_ratio.py): the share of the block-hash

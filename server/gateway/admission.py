@@ -14,6 +14,17 @@ negative, down to ``-capacity``, which delays the next admissions instead of let
 long generation slip through). Concurrency is a set of leases (Redis: a sorted set
 scored by expiry, so a crashed replica's leases lapse).
 
+Lease renewal (Redis): a lease is granted for ``lease_ttl_s`` (default
+``LEASE_TTL_SECONDS``, 30 s) and renewed every ``lease_ttl_s / 3`` while its request is
+live (one heartbeat per gateway moves every live lease's expiry to Redis' now +
+``lease_ttl_s``). So a request may run for any length of time, and a SIGKILLed gateway's
+slots return at most ``lease_ttl_s`` after its last heartbeat (the next decision on that
+tenant drops expired leases). Renewal only moves leases that exist (``ZADD XX``): a lease
+released meanwhile is never brought back. A Redis outage longer than ``lease_ttl_s``
+minus one renewal interval can let live leases lapse (they are not re-added; until the
+requests end the tenant may be admitted above its limit once Redis is back); that is the
+trade-off for a short bound on a dead gateway's slots.
+
 Invariants: a refused request changes no bucket; every granted :class:`Lease` is
 released exactly once (``release`` is idempotent).
 
@@ -38,7 +49,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Protocol
 
-LEASE_TTL_SECONDS = 900  # upper bound on one request's life; a lost lease lapses after this
+LEASE_TTL_SECONDS = 30.0  # a lease not renewed for this long lapses (its gateway died)
 REDIS_TIMEOUT_S = 2.0  # connect and per-command: a Redis that does not answer counts as away
 
 
@@ -221,7 +232,7 @@ if tpm > 0 then
 end
 if conc > 0 then
   redis.call('ZADD', KEYS[3], now + tonumber(ARGV[6]), ARGV[5])
-  redis.call('EXPIRE', KEYS[3], tonumber(ARGV[6]))
+  redis.call('EXPIRE', KEYS[3], math.ceil(tonumber(ARGV[6])))
 end
 return {0, 0}
 """
@@ -244,23 +255,48 @@ end
 return 0
 """
 
+# KEYS: 1 lease zset; ARGV: 1 lease ttl, 2.. lease ids. Moves the expiry of the ids still in the
+# set to now + ttl (XX: a released lease is never re-added); returns how many were renewed.
+_RENEW = """
+local t = redis.call('TIME')
+local expiry = tonumber(t[1]) + tonumber(t[2]) / 1e6 + tonumber(ARGV[1])
+local renewed = 0
+for i = 2, #ARGV do
+  renewed = renewed + redis.call('ZADD', KEYS[1], 'XX', 'CH', expiry, ARGV[i])
+end
+if redis.call('ZCARD', KEYS[1]) > 0 then redis.call('EXPIRE', KEYS[1], math.ceil(tonumber(ARGV[1]))) end
+return renewed
+"""
+
 _CODES = {1: "max_concurrent", 2: "requests_per_minute", 3: "tokens_per_minute"}
 
 
 class RedisAdmission:
-    """Shared limits across gateway replicas; one round trip per decision."""
+    """Shared limits across gateway replicas; one round trip per decision.
 
-    def __init__(self, url: str, *, namespace: str = "kvgate") -> None:
+    Invariant: every lease this gateway holds in Redis is in ``_live`` until its release is
+    sent (or owed), and :meth:`renew_leases` (the heartbeat, every ``lease_ttl_s / 3``)
+    keeps each of them at most ``lease_ttl_s`` from expiry while Redis answers."""
+
+    def __init__(self, url: str, *, namespace: str = "kvgate", lease_ttl_s: float = LEASE_TTL_SECONDS) -> None:
         import redis.asyncio as redis_asyncio
         from redis.exceptions import RedisError
 
         self._redis = redis_asyncio.from_url(url, socket_connect_timeout=REDIS_TIMEOUT_S,
                                              socket_timeout=REDIS_TIMEOUT_S)
         self._ns = namespace
+        self.lease_ttl_s = lease_ttl_s
+        self._live: dict[str, Lease] = {}  # lease id -> granted and not yet released: renewed by the heartbeat
         self._unreleased: list[tuple[Lease, int]] = []  # releases Redis did not take yet
         self._down = (RedisError, OSError, asyncio.TimeoutError)  # what "Redis is away" looks like
         self._acquire = self._redis.register_script(_ACQUIRE)
         self._release = self._redis.register_script(_RELEASE)
+        self._renew = self._redis.register_script(_RENEW)
+
+    @property
+    def renew_every_s(self) -> float:
+        """Heartbeat period: a third of the TTL, so two missed beats still leave the lease alive."""
+        return self.lease_ttl_s / 3
 
     def _keys(self, tenant: str) -> list[str]:
         base = f"{self._ns}:adm:{{{tenant}}}"  # hash tag: one slot per tenant in Redis Cluster
@@ -274,7 +310,7 @@ class RedisAdmission:
             code, retry_ms = await self._acquire(
                 keys=self._keys(tenant),
                 args=[limits.requests_per_minute or 0, limits.tokens_per_minute or 0, limits.max_concurrent or 0,
-                      prompt_tokens, lease.lease_id, LEASE_TTL_SECONDS],
+                      prompt_tokens, lease.lease_id, self.lease_ttl_s],
             )
         except self._down as exc:
             # Fail closed: a lease Redis may or may not have stored is released later (ZREM is idempotent).
@@ -287,12 +323,14 @@ class RedisAdmission:
             value = getattr(limits, name)
             raise AdmissionError(f"{name} limit of {value} reached", limit=name, status=429,
                                  retry_after=max(0.001, int(retry_ms) / 1000.0))
+        self._live[lease.lease_id] = lease
         return lease
 
     async def release(self, lease: Lease, *, completion_tokens: int) -> None:
         if lease.released:
             return
         lease.released = True
+        self._live.pop(lease.lease_id, None)
         try:
             await self._send_release(lease, completion_tokens)
         except self._down:
@@ -317,6 +355,21 @@ class RedisAdmission:
             self._unreleased[:0] = owed[sent:]
             raise
         return sent
+
+    async def renew_leases(self) -> int:
+        """The heartbeat: move every live lease's expiry to now + ``lease_ttl_s`` (one script
+        call per tenant). Returns how many Redis renewed; raises if Redis is away."""
+        by_tenant: dict[str, list[str]] = {}
+        for lease in list(self._live.values()):
+            by_tenant.setdefault(lease.tenant, []).append(lease.lease_id)
+        renewed = 0
+        for tenant, ids in by_tenant.items():
+            renewed += int(await self._renew(keys=[self._keys(tenant)[2]], args=[self.lease_ttl_s, *ids]))
+        return renewed
+
+    @property
+    def live_leases(self) -> int:
+        return len(self._live)
 
     @property
     def owed_releases(self) -> int:

@@ -107,13 +107,17 @@ class KeyAuthenticator:
         """The one registry query for ``digest``; caches its answer (not an error) unless
         ``clear()`` ran meanwhile."""
         generation = self._generation
+        # Why the expiry counts from before the read: counted from the answer, a lookup slowed
+        # by a loaded machine (a worker thread waiting for the GIL or a connection) kept a
+        # snapshot read before a revocation for its whole duration on top of the TTL.
+        read_from = self._clock()
         try:
             snapshot = await anyio.to_thread.run_sync(self._lookup, plaintext)
         finally:
             if self._flights.get(digest) is asyncio.current_task():
                 del self._flights[digest]
         if generation == self._generation:
-            self._cache[digest] = _Entry(self._clock() + self._ttl, snapshot)
+            self._cache[digest] = _Entry(read_from + self._ttl, snapshot)
             self._cache.move_to_end(digest)
             while len(self._cache) > self._max:
                 self._cache.popitem(last=False)

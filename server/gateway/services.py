@@ -103,6 +103,15 @@ class GatewayServices:
                     await retry_releases()
 
             self._tasks.append(asyncio.create_task(self._loop(1.0, give_back, "admission releases")))
+        renew_leases = getattr(self.admission, "renew_leases", None)
+        if renew_leases is not None:  # Redis admission: live requests' leases kept from lapsing
+
+            async def heartbeat() -> None:
+                with contextlib.suppress(Exception):  # Redis away: the next beat tries again
+                    await renew_leases()
+
+            self._tasks.append(asyncio.create_task(
+                self._loop(self.admission.renew_every_s, heartbeat, "admission lease renewal")))
         if self.responses is not None:
             self._tasks.append(asyncio.create_task(
                 self._loop(self.intervals.responses_purge, self.responses.purge_expired, "responses purge")))

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import socket
 import threading
+import time
 from array import array
 from collections import defaultdict
 from collections.abc import Callable
@@ -61,6 +62,9 @@ class EngineCall:
     input_ids: tuple[int, ...]
     output_ids: list[int] = field(default_factory=list)
     final: bool = False
+    arrived: float = 0.0  # time.monotonic() at the proxy (one clock for every process on the host)
+    first_response: float | None = None  # when the engine's first response passed the proxy
+    ended: float | None = None  # when the call stopped counting as in flight
 
 
 def _is_final(response) -> bool:
@@ -103,7 +107,7 @@ class CountingProxy(RecordingProxy):
                     self.in_flight[tenant_id] += 1
                     self.max_in_flight[tenant_id] = max(self.max_in_flight[tenant_id], self.in_flight[tenant_id])
                     open_.add(tenant_id)
-                    call = EngineCall(tenant_id, _input_ids(request) or ())
+                    call = EngineCall(tenant_id, _input_ids(request) or (), arrived=time.monotonic())
                     calls.append(call)
                     self.calls.append(call)
                 yield request
@@ -111,6 +115,9 @@ class CountingProxy(RecordingProxy):
         def close(tenant_id: str) -> None:
             if tenant_id in open_:
                 open_.discard(tenant_id)
+                for call in calls:
+                    if call.tenant_id == tenant_id and call.ended is None:
+                        call.ended = time.monotonic()
                 self.in_flight[tenant_id] -= 1
                 self.finished[tenant_id] += 1
 
@@ -118,6 +125,8 @@ class CountingProxy(RecordingProxy):
             async for response in self._stub.ModelStreamInfer(forward()):
                 if tenants:
                     self.responses[tenants[-1]] += 1
+                    if calls[-1].first_response is None:
+                        calls[-1].first_response = time.monotonic()
                     calls[-1].output_ids.extend(_output_ids(response))
                     if _is_final(response):
                         calls[-1].final = True

@@ -188,3 +188,44 @@ async def test_redis_away_fails_closed_and_owed_releases_return_the_slot() -> No
         link.close()
         await adm.close()
         await direct.close()
+
+
+async def test_redis_leases_are_renewed_while_live_and_lapse_when_their_gateway_stops_beating() -> None:
+    """The heartbeat moves a live lease's expiry forward (Redis' clock), never brings back a
+    released one, and the lease of a gateway that stopped beating (a SIGKILL) expires one
+    TTL after its last renewal: then another gateway gets the slot."""
+    if not _redis_up():
+        pytest.skip("Redis at 127.0.0.1:6379 is not reachable")
+    namespace = f"kvgate-test-{secrets.token_hex(4)}"
+    live = RedisAdmission(REDIS_URL, namespace=namespace, lease_ttl_s=30.0)
+    dead = RedisAdmission(REDIS_URL, namespace=namespace, lease_ttl_s=1.0)
+    zset = live._keys("t")[2]
+    one = Limits(max_concurrent=1)
+    try:
+        lease = await live.acquire("t", Limits(max_concurrent=2), prompt_tokens=1, max_output_tokens=1)
+        granted = await live._redis.zscore(zset, lease.lease_id)
+        await asyncio.sleep(0.01)
+        assert await live.renew_leases() == 1 and live.live_leases == 1
+        assert await live._redis.zscore(zset, lease.lease_id) > granted
+        await live.release(lease, completion_tokens=0)
+        assert await live.renew_leases() == 0 and await live._redis.zcard(zset) == 0  # not resurrected
+
+        held = await dead.acquire("t", one, prompt_tokens=1, max_output_tokens=1)  # then it "dies": no beats
+        expiry = await live._redis.zscore(zset, held.lease_id)
+        seconds, micros = await live._redis.time()
+        assert expiry <= seconds + micros / 1e6 + dead.lease_ttl_s  # within one TTL of now
+        with pytest.raises(AdmissionError):
+            await live.acquire("t", one, prompt_tokens=1, max_output_tokens=1)
+        while True:  # wait on Redis' clock, not ours, for the lease's expiry
+            seconds, micros = await live._redis.time()
+            if seconds + micros / 1e6 > expiry:
+                break
+            await asyncio.sleep(0.05)
+        taken = await live.acquire("t", one, prompt_tokens=1, max_output_tokens=1)  # the dead slot is free
+        await live.release(taken, completion_tokens=0)
+    finally:
+        keys = [k async for k in live._redis.scan_iter(f"{namespace}:*")]
+        if keys:
+            await live._redis.delete(*keys)
+        await live.close()
+        await dead.close()
