@@ -165,6 +165,14 @@ def _chunk(response: service_pb2.ModelInferResponse, streaming: bool, previous_k
     return EngineChunk(ids, scalars[0], kv, final, _log_probs(raw_log_probs) if raw_log_probs else None)
 
 
+def _merged(first: EngineChunk, then: EngineChunk) -> EngineChunk:
+    """``first`` followed by ``then`` of the same request, as one chunk."""
+    log_probs = first.log_probs
+    if then.log_probs is not None:
+        log_probs = (log_probs or ()) + then.log_probs
+    return EngineChunk(first.token_ids + then.token_ids, then.generated, then.kv, then.final, log_probs)
+
+
 def _classify(exc: BaseException) -> EngineError:
     if isinstance(exc, grpc.aio.AioRpcError):
         code, message = exc.code(), exc.details() or str(exc)
@@ -287,6 +295,11 @@ class EngineClient:
                     done = True  # the engine ended the request with this error
                     raise EngineRejected(message.error_message)
                 chunk = _chunk(message.infer_response, streaming, kv)
+                # Responses that arrived while the consumer was busy are merged into one chunk
+                # (a delta, as the contract allows): one frame downstream instead of several
+                # when the gateway is behind the engine; a chunk is never held back to wait.
+                while not chunk.final and (more := inbox.ready()) is not None:
+                    chunk = _merged(chunk, _chunk(more.infer_response, streaming, chunk.kv))
                 kv = chunk.kv
                 if chunk.final:
                     done = True

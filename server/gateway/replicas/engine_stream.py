@@ -58,6 +58,14 @@ class Inbox:
         if waiter is not None and not waiter.done():
             waiter.set_result(None)
 
+    def ready(self) -> service_pb2.ModelStreamInferResponse | None:
+        """The next response if one has already arrived and is not a failure (an exception or an
+        ``error_message``: :meth:`get` delivers those)."""
+        items = self._items
+        if items and not isinstance(items[0], BaseException) and not items[0].error_message:
+            return items.popleft()
+        return None
+
     async def get(self) -> service_pb2.ModelStreamInferResponse:
         items = self._items
         while not items:

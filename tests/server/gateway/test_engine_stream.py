@@ -143,3 +143,19 @@ async def test_a_dead_stream_fails_its_open_requests_and_the_next_request_opens_
     finally:
         await client.close()
     assert model.streams == 2
+
+
+async def test_responses_that_arrived_while_the_consumer_was_busy_come_as_one_chunk() -> None:
+    model = CountingModel(TOKENS)  # answers every token at once: all are there before they are read
+    async with serving(model) as port:
+        client = EngineClient(f"127.0.0.1:{port}", "kvgate_llm", streams=1)
+        try:
+            async with contextlib.aclosing(client.generate(request(), request_id="burst")) as chunks:
+                first = await anext(chunks)
+                await asyncio.sleep(0.3)  # a slow consumer (a client reading slowly)
+                rest = [chunk async for chunk in chunks]
+        finally:
+            await client.close()
+    assert first.token_ids + sum((c.token_ids for c in rest), ()) == tuple(TOKENS)
+    assert len(rest) <= 1 and (rest or [first])[-1].final and (rest or [first])[-1].generated == len(TOKENS)
+    assert model.stopped == []
