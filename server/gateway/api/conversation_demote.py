@@ -43,6 +43,7 @@ from server.gateway.api.responses_schemas import ResponsesRequest
 from server.gateway.errors import ServingError
 
 log = logging.getLogger(__name__)
+# ``services`` is a GatewayServices and ``tenant`` a TenantContext: typed Any, since services.py imports this module.
 _BODY_FIELDS = ("model", "instructions", "tools", "tool_choice")  # what shapes the rendered prompt
 
 
