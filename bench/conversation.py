@@ -18,7 +18,10 @@ family is drawn with seed 0 (``bench/generalize.py``'s), the public synthetic tr
   default), whose best per setting is "best age-based"; conversation-aware ``lru+conv`` and
   ``adaptive+conv`` (``retention/simulation/conversational.py``: requests offering tools or
   storing their response held at priority 60 for the tenant's measured median gap, within a
-  class allowing 1 h and half of the pool); Belady (GPU) as the ceiling.
+  class allowing 1 h and half of the pool); ``lru+conv+demote`` and ``adaptive+conv+demote``
+  (the same, and every delete replayed through the pool as the gateway's demote request:
+  ``retention/policy/demote.py``; its requests and computed tokens are counted apart, never in
+  the hit rate); Belady (GPU) as the ceiling.
 * Columns: hit rate (prompt tokens served from cache), ×LRU, % of Belady.
 
 The hold's knob (quantile × margin of the measured gaps) was chosen on ``chat`` (tune) only;
@@ -45,6 +48,7 @@ FRACTIONS = (0.02,)
 HOSTS = (0,)
 AGE_BASED = ("lru", "adaptive-bands", "protect", "adaptive")
 CONV = ("lru+conv", "adaptive+conv")
+DEMOTE = ("lru+conv+demote", "adaptive+conv+demote")  # the same, each delete replayed as a demote request
 TARGET_FAMILY, TARGET_RATIO = "agent-loop", 1.3
 GRID = ((0.9, 2.0), (0.5, 1.0), (0.5, 0.5), (0.25, 1.0))  # (quantile, margin) tried on chat
 CHOSEN = (GAP_QUANTILE, GAP_MARGIN)  # the rule the policy runs
@@ -88,7 +92,7 @@ def run_family(name: str, fractions: tuple[float, ...], hosts: tuple[int, ...], 
                  "tools": sum(r.offers_tools for r in requests), "settings": []}
     started = time.perf_counter()
     for host in hosts:
-        names = list(AGE_BASED) + list(CONV) + (["trtllm-default", "trtllm-default+conv"] if host else [])
+        names = list(AGE_BASED) + list(CONV) + list(DEMOTE) + (["trtllm-default", "trtllm-default+conv"] if host else [])
         factories = [lambda n=n: make_policy(n) for n in names]
         if out["responses"] or out["tools"]:
             factories.append(_whole_quota)
@@ -104,6 +108,8 @@ def run_family(name: str, fractions: tuple[float, ...], hosts: tuple[int, ...], 
                 "belady": (report.belady_total or report.belady_gpu).hit_rate,
                 "age_ceiling": report.age_ceiling_gpu,
                 "held": {p.name: (p.held_requests, p.clipped_requests) for p in policies if hasattr(p, "held_requests")},
+                "demote": {n: (r.demote_requests, r.demote_computed_tokens, r.demote_uncached, r.demote_skipped)
+                           for n, r in report.results.items() if n in DEMOTE},
             })
     out["seconds"] = time.perf_counter() - started
     return out
@@ -229,10 +235,39 @@ def reading(results: list[dict]) -> list[str]:
             "reorder where the budget cuts it: a cut-short prefix keeps its tail at 35 while blocks of conversations "
             "that already ended stay held, and TensorRT-LLM's expiry puts a block whose hold ran out back at the "
             "most recent end of priority 35 (`LRUEvictionPolicy::refresh`, modelled by the pool), so an ended "
-            "conversation's blocks outlive LRU by the hold. A delete cannot shorten a hold already sent. Only "
+            "conversation's blocks outlive LRU by the hold. A delete cannot revoke a hold already sent; a demote request re-claims what is still cached of it at priority 0 (+demote rows). Only "
             "where held conversations compete with requests that are not held (one-shot traffic, another kind) "
             "can the hold change the order usefully; the agent-loop and chat families have no such traffic, "
             "and that case is not measured here."]
+
+
+def demote_lines(results: list[dict]) -> list[str]:
+    """Demote on delete against the hold alone, per family and setting where deletes exist; elsewhere
+    whether every +demote row equals its +conv row."""
+    parts, same = [], []
+    for result in results:
+        for s in result["settings"]:
+            hit = s["hit"]
+            if not result["deletions"]:
+                same.append(all(hit[d] == hit[d.removesuffix("+demote")] for d in DEMOTE))
+                continue
+            cells = []
+            for d in DEMOTE:
+                base = d.removesuffix("+demote")
+                sent, computed, uncached, skipped = s["demote"][d]
+                cells.append(f"{d} {pct(hit[d])} vs {base} {pct(hit[base])} ({100 * (hit[d] - hit[base]):+.2f} points; "
+                             f"{sent:,} demote requests, {computed:,} computed prompt tokens, {uncached:,} deletes with "
+                             f"nothing of their own cached, {skipped:,} without room)")
+            parts.append(f"{result['name']} (GPU {100 * s['fraction']:g} %, host {s['host']}×): " + "; ".join(cells))
+    lines = []
+    if parts:
+        lines.append("**Demote on delete** (of "
+                     f"{sum(r['deletions'] for r in results if r['deletions']):,} deletes, one request per deleted chain "
+                     "at most: a response whose blocks all sit in a later live response demotes nothing): "
+                     + "; ".join(parts) + ".")
+    if same:
+        lines.append(f"Families without deletes: +demote equals +conv in {sum(same)} of {len(same)} settings.")
+    return lines
 
 
 def run(workers: int, fractions: tuple[float, ...], hosts: tuple[int, ...], only: list[str] | None,
@@ -257,9 +292,14 @@ def run(workers: int, fractions: tuple[float, ...], hosts: tuple[int, ...], only
         "`bench/conversation.py`: requests that offer tools or store their response (OpenAI Responses) held at "
         "priority 60 for the tenant's measured median gap (tool-call gaps and chat-turn gaps apart, measured from "
         "`previous_response_id` chains), prompt and decode retention, within a class allowing 1 h and half of "
-        "the pool (`retention/policy/conversation.py`); deletions reach only the ledger (TensorRT-LLM cannot revoke "
-        "a duration given at enqueue, so the simulated pool cannot either). `X+conv` = policy X with the hold on "
-        "top; on families without Responses fields it plans exactly as X. Best age-based = the best of lru, "
+        "the pool (`retention/policy/conversation.py`); for `X+conv` deletions reach only the ledger (TensorRT-LLM "
+        "cannot revoke a duration given at enqueue, so the simulated pool cannot either). `X+conv` = policy X with the "
+        "hold on top; on families without Responses fields it plans exactly as X. `X+conv+demote` = the same, and a "
+        "delete becomes a demote request replayed through the pool (`retention/policy/demote.py`): the deleted "
+        "prompt cut to its cached blocks + 1 token, one token generated, with priority 0 and no expiry from the "
+        "first block no other live stored response of the tenant holds (TensorRT-LLM re-sets a matched block's "
+        "priority and duration from the reusing request: `WindowBlockManager::loadOrAllocateBlocks` → "
+        "`LRUEvictionPolicy::claimBlock`); demote requests are counted apart, never in the hit rate. Best age-based = the best of lru, "
         "adaptive-bands, protect and adaptive in that setting. Belady knows the future (a ceiling, not a policy). "
         "Generated tokens are not cached in the simulator, so the decode hold costs budget and earns nothing here.",
         "",
@@ -269,6 +309,8 @@ def run(workers: int, fractions: tuple[float, ...], hosts: tuple[int, ...], only
         *table(results, role),
         "",
         *check_lines,
+        "",
+        *demote_lines(results),
         "",
         *reading(results),
         "",

@@ -9,8 +9,13 @@ Requests without those fields are planned by the wrapped policy alone, so ``X`` 
 ``X+conv`` differ only where conversations are.
 
 Deletions (the trace's ``delete_response`` events) reach the policy's ledger through
-:meth:`ConversationPolicy.on_delete`, never the pool: the engine cannot revoke a duration
-it was given at enqueue, so neither can the simulated pool. Generated blocks are not cached
+:meth:`ConversationPolicy.on_delete`: the engine cannot revoke a duration it was given at
+enqueue, so neither can the simulated pool. With ``demote`` (``X+conv+demote``) a delete
+also becomes a *demote request* (:mod:`retention.policy.demote`): the simulator replays the
+deleted response's prompt through the same pool with :meth:`ConversationPolicy.demote_request`'s
+plan (the wrapped policy's plan for that request up to the prefix other live stored
+responses share, priority 0 with no expiry past it), as the gateway would send it; it is
+counted apart, never in the hit rate. Generated blocks are not cached
 in the simulator (a trace line's output has no hash ids), so the decode retention costs
 budget here and earns nothing: the simulated gain is the prompt's alone.
 
@@ -25,12 +30,15 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 from retention.policy.conversation import ConversationLedger, ConversationRequest, plan_conversation
+from retention.policy.demote import DemoteLedger, demote_plan
 from retention.policy.hint_plan import HintPolicy
 from retention.simulation.hinted import SIM_HINTS
 from retention.trace import ResponseDeletion, TraceRequest
 from retention.types import RetentionPlan
 
 SUFFIX = "+conv"
+DEMOTE_SUFFIX = "+demote"
+MAX_STORED = 65_536  # stored requests kept for demotes (the oldest are forgotten)
 STORE_TTL_MS = 30 * 24 * 3600 * 1000  # the response store's default (OpenAI keeps stored responses 30 days)
 
 
@@ -48,10 +56,14 @@ class ConversationPolicy:
     held_requests: int = 0  # requests whose plan the hold changed
     clipped_requests: int = 0  # requests whose hold the budget cut short
     label: str | None = None
+    demote: bool = False  # a delete becomes a demote request (module docstring)
+    demotes: DemoteLedger = field(default_factory=DemoteLedger)
+    # (tenant, response id) -> (the stored request, its hashes, the wrapped policy's plan for it)
+    _stored: dict[tuple[str, str], tuple[TraceRequest, tuple[int, ...], RetentionPlan]] = field(default_factory=dict)
 
     @property
     def name(self) -> str:
-        return self.label or self.inner.name + SUFFIX  # type: ignore[attr-defined]
+        return self.label or self.inner.name + SUFFIX + (DEMOTE_SUFFIX if self.demote else "")  # type: ignore[attr-defined]
 
     @property
     def uses_host(self) -> bool:
@@ -68,6 +80,15 @@ class ConversationPolicy:
             return plan
         rules = SIM_HINTS if self.rules is None else self.rules(request)
         cfg = pool.config
+        if self.demote and request.store and request.response_id is not None and rules.enabled:
+            tenant = request.tenant or ""
+            full = tuple(hashes[:min(len(hashes), request.input_length // cfg.tokens_per_block)])
+            self.demotes.stored(tenant, request.response_id, full)
+            key = (tenant, request.response_id)
+            self._stored.pop(key, None)
+            self._stored[key] = (request, full, plan)
+            if len(self._stored) > MAX_STORED:
+                del self._stored[next(iter(self._stored))]
         budget = rules.budget_blocks(self.quotas.get(request.tenant or "", 1.0), cfg.primary_blocks)
         out = plan_conversation(plan, conv, rules, total=request.input_length, output_tokens=request.output_length,
                                 tokens_per_block=cfg.tokens_per_block, hashes=hashes, ledger=self.ledger,
@@ -82,3 +103,17 @@ class ConversationPolicy:
 
     def on_delete(self, deletion: ResponseDeletion, *, now: float) -> None:
         self.ledger.delete(deletion.tenant or "", deletion.response_id)
+
+    def demote_request(self, deletion: ResponseDeletion, *, now: float, tokens_per_block: int
+                       ) -> tuple[TraceRequest, RetentionPlan] | None:
+        """After :meth:`on_delete`: the request to replay for this delete, or None (demote off, the
+        response unknown, or every block of it still in another live stored response)."""
+        if not self.demote:
+            return None
+        tenant = deletion.tenant or ""
+        start = self.demotes.delete(tenant, deletion.response_id)
+        stored = self._stored.pop((tenant, deletion.response_id), None)
+        if start is None or stored is None:
+            return None
+        request, _, plan = stored
+        return request, demote_plan(plan, start * tokens_per_block)

@@ -24,6 +24,9 @@ shaped for it (host tier or not, offload threshold). Built-ins:
                         (requests offering tools or storing their response held for the
                         tenant's measured gap, within the class's hint rules;
                         ``retention/simulation/conversational.py``);
+* ``<any of these>+conv+demote`` — the same, and every delete replayed as a demote request
+                        (the deleted conversation's own blocks re-claimed at priority 0;
+                        ``retention/policy/demote.py``);
 * plug-ins passed to :func:`make_policy` in a ``registry``.
 
 Offline reference policies that need the whole request list (``oracle-reuse``,
@@ -275,6 +278,10 @@ def make_policy(
     ``<name>+hints`` is ``<name>`` with the trace's client cache hints on top
     (``retention/simulation/hinted.py``); ``<name>+conv`` with the conversation and tool-loop
     hold (``retention/simulation/conversational.py``)."""
+    if name.endswith("+conv+demote"):
+        conv = make_policy(name[: -len("+demote")], mapping=mapping, block_size=block_size, registry=registry)
+        conv.demote = True  # type: ignore[attr-defined]
+        return conv
     if name.endswith("+conv"):
         inner = make_policy(name[: -len("+conv")], mapping=mapping, block_size=block_size, registry=registry)
         if mapping is None:

@@ -24,8 +24,11 @@ reach on the GPU (``retention/simulation/hit_density.py``, capped by Belady).
 
 Deletions (``delete_response`` events, ``retention/trace.py``) are delivered in timestamp order,
 before any request at the same or a later time, to a policy that has ``on_delete`` (e.g.
-``+conv``): only to the policy, never to the pool, since TensorRT-LLM cannot revoke a
-retention it was given at enqueue.
+``+conv``): to the policy, never straight to the pool, since TensorRT-LLM cannot revoke a
+retention it was given at enqueue. A policy that answers a delete with a *demote request*
+(``demote_request``, ``+conv+demote``) has it replayed through the pool at the delete's time,
+as the engine would see it (allocate the prompt with the demote plan, release it): counted
+apart (``demote_requests``, ``demote_computed_tokens``), never in the hit rate.
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Literal
 
 from retention.hashing import block_hashes
+from retention.policy.demote import demote_length
 from retention.pool import BlockPool, PoolConfig
 from retention.simulation.belady import BeladyResult, ChainRequest, belady, chain_request
 from retention.simulation.hit_density import AgeHulls
@@ -94,6 +98,10 @@ class PolicyResult:
     evicted_secondary_blocks: int = 0
     delayed_requests: int = 0
     total_wait_s: float = 0.0
+    demote_requests: int = 0  # demote requests replayed (never in the hit rate)
+    demote_computed_tokens: int = 0  # their prompt tokens not found cached (prefilled again)
+    demote_skipped: int = 0  # demote requests that found no room
+    demote_uncached: int = 0  # deletes whose own range was no longer cached (no request sent)
     tenants: dict[str, TenantResult] = field(default_factory=dict)
 
     @property
@@ -202,7 +210,7 @@ def simulate(
         h = hashes[request.index] if request.index < len(hashes) else no_hashes
         return admit_request(pool, policy, request, h, config, now, reserve)
 
-    deliver = _deliverer(policy, deletions)
+    deliver = _deliverer(policy, deletions, pool, config, result)
     done = 0
     if config.hold == "none":
         for request in requests:
@@ -229,20 +237,50 @@ def simulate(
     return result
 
 
-def _deliverer(policy: SimPolicy, deletions: Sequence[ResponseDeletion]) -> Callable[[float], None]:
-    """``deliver(now)``: hands the policy every deletion up to ``now`` not yet delivered."""
+def _deliverer(policy: SimPolicy, deletions: Sequence[ResponseDeletion], pool: BlockPool, config: SimConfig,
+               result: PolicyResult) -> Callable[[float], None]:
+    """``deliver(now)``: hands the policy every deletion up to ``now`` not yet delivered, and replays
+    the demote request it answers with (if any) through ``pool``."""
     on_delete = getattr(policy, "on_delete", None)
+    demote_request = getattr(policy, "demote_request", None)
     ordered = sorted(deletions, key=lambda d: d.timestamp_ms)
     position = 0
 
     def deliver(now: float) -> None:
         nonlocal position
         while position < len(ordered) and ordered[position].timestamp_ms / 1000.0 <= now:
-            if on_delete is not None:
-                on_delete(ordered[position], now=now)
+            deletion = ordered[position]
             position += 1
+            if on_delete is not None:
+                on_delete(deletion, now=now)
+            demote = None if demote_request is None else demote_request(
+                deletion, now=now, tokens_per_block=config.tokens_per_block)
+            if demote is not None:
+                _replay_demote(pool, demote[0], demote[1], config, result, ("demote", position), now)
 
     return deliver
+
+
+def _replay_demote(pool: BlockPool, request: TraceRequest, plan, config: SimConfig,  # noqa: ANN001 - RetentionPlan
+                   result: PolicyResult, key: tuple[str, int], now: float) -> None:
+    """One demote request: the deleted prompt cut to its cached blocks + 1 token (``demote_length``),
+    one token to generate, released at once; skipped when nothing of its own range is cached."""
+    tokens = request_tokens(request, config.trace_block_size)
+    start = plan.ranges[-1].start
+    length = demote_length(pool.lookup(tokens, salt=_salt(request, config))[0], start, config.tokens_per_block,
+                           len(tokens))
+    if length is None:
+        result.demote_uncached += 1
+        return
+    tokens = tokens[:length]
+    alloc = pool.allocate(key, tokens, salt=_salt(request, config), tenant=request.tenant, plan=plan, now=now,
+                          reserve_tokens=1)
+    if alloc is None:
+        result.demote_skipped += 1
+        return
+    result.demote_requests += 1
+    result.demote_computed_tokens += len(tokens) - alloc.num_cached_tokens
+    pool.release(key, tokens, now=now, num_computed_tokens=len(tokens))
 
 
 def _replay_holding(requests, pool, config, try_admit, account, result, progress, deliver) -> None:  # noqa: ANN001

@@ -26,6 +26,7 @@ from fastapi.responses import JSONResponse
 from engines.contract import SamplingParams
 from retention.policy.conversation import ConversationRequest
 from server.gateway.api.completions import REPLICA_HEADER, CompletionJob
+from server.gateway.api.conversation_demote import rebuild_prompt
 from server.gateway.api.responses_convert import conversation_hints, convert, normalize_items, refuse_unservable
 from server.gateway.api.responses_render import ResponsesDialect
 from server.gateway.api.responses_schemas import OUTPUT_LOGPROBS, ResponsesRequest
@@ -103,9 +104,16 @@ async def retrieve_response(response_id: str, tenant: Tenant, services: Gateway)
 
 @router.delete("/{response_id}")
 async def delete_response(response_id: str, tenant: Tenant, services: Gateway) -> dict:
-    await _store(services).delete(tenant_id=tenant.tenant_id, response_id=response_id)
-    # The conversation hold is no longer measured or renewed (what the engine holds runs out on its own).
-    services.runner.holds.deleted(tenant.pool.name, tenant.engine_tenant_id, response_id)
+    store = _store(services)
+    # Demote on delete (conversation_demote.py): the prompt is rebuilt from the chain before it is gone.
+    deleted = await rebuild_prompt(services, tenant, response_id) if tenant.hints.enabled else None
+    await store.delete(tenant_id=tenant.tenant_id, response_id=response_id)
+    # The conversation hold is no longer measured or renewed (what the engine holds runs out on its own) ...
+    holds = services.runner.holds
+    holds.deleted(tenant.pool.name, tenant.engine_tenant_id, response_id)
+    start = holds.demote_start(tenant.pool.name, tenant.engine_tenant_id, response_id)
+    if deleted is not None and start is not None:  # ... but what is still cached of it goes back to priority 0
+        services.demotes.spawn(services, tenant, deleted, start)
     return {"id": response_id, "object": "response", "deleted": True}  # OpenAI's answer
 
 

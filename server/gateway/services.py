@@ -18,6 +18,7 @@ from prometheus_client import CollectorRegistry
 
 from retention.policy.adaptive import AdaptiveConfig
 from retention.policy.selection import AdaptiveSelector
+from server.gateway.api.conversation_demote import Demotes
 from server.gateway.admission import Admission
 from server.gateway.auth import KeyAuthenticator
 from server.gateway.observe.capture import TraceCaptures
@@ -66,6 +67,7 @@ class GatewayServices:
     curves: MissRatioCurves | None = None  # online miss-ratio curves (None when sampling is off)
     draining: bool = False  # set by the SIGTERM drain (server.gateway.drain): new requests get 503
     in_flight: int = 0  # serving requests not yet fully answered (server.gateway.drain.InFlight)
+    demotes: Demotes = field(default_factory=Demotes)  # demote-on-delete requests in flight (conversation_demote.py)
     _tasks: list[asyncio.Task] = field(default_factory=list)
 
     async def _loop(self, interval: float, step, name: str) -> None:

@@ -6,7 +6,10 @@ prompt and decode retention, within the class's hint caps and the *same* hint bu
 client's cache hints (one :class:`~retention.policy.hint_quota.HintLedger` per pool counts
 both, so together they never exceed ``hint_quota_fraction``). ``DELETE /v1/responses/{id}``
 tells the ledger, which stops measuring and renewing that conversation; what the engine was
-already told runs out on its own clock (TensorRT-LLM takes durations at enqueue only).
+already told runs out on its own clock (TensorRT-LLM takes durations at enqueue only); a
+demote request may then re-claim what is still cached of it at priority 0
+(:mod:`server.gateway.api.conversation_demote`): the per-pool :class:`DemoteLedger` here
+knows which prompt blocks other live stored responses of the tenant still hold.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from retention.policy.conversation import ConversationLedger, ConversationPlan, ConversationRequest, plan_conversation
+from retention.policy.demote import DemoteLedger
 from retention.policy.hint_quota import HintLedger
 from retention.types import RetentionPlan
 
@@ -39,6 +43,7 @@ class ConversationHolds:
 
     store_ttl_ms: int = STORE_TTL_MS
     _ledgers: dict[str, ConversationLedger] = field(default_factory=dict)
+    _demotes: dict[str, DemoteLedger] = field(default_factory=dict)  # pool -> live stored prompts' blocks
 
     def ledger(self, pool: str, hints: HintLedger) -> ConversationLedger:
         ledger = self._ledgers.get(pool)
@@ -54,6 +59,11 @@ class ConversationHolds:
     def plan(self, job: CompletionJob, plan: RetentionPlan, hashes: list[int], hints: HintLedger,
              now: float) -> ConversationPlan:
         tenant = job.tenant
+        conv = conversation_of(job)
+        if conv.store and conv.response_id is not None:
+            full = hashes[:min(len(hashes), job.prompt.total // tenant.pool.tokens_per_block)]
+            self._demotes.setdefault(tenant.pool.name, DemoteLedger()).stored(
+                tenant.engine_tenant_id, conv.response_id, full)
         budget = tenant.hints.budget_blocks(tenant.kv_quota_fraction, tenant.pool.primary_blocks)
         return plan_conversation(plan, conversation_of(job), tenant.hints, total=job.prompt.total,
                                  output_tokens=job.max_new_tokens, tokens_per_block=tenant.pool.tokens_per_block,
@@ -71,3 +81,9 @@ class ConversationHolds:
         """A stored response was deleted: its conversation is no longer measured or renewed."""
         ledger = self._ledgers.get(pool)
         return ledger is not None and ledger.delete(tenant, response_id)
+
+    def demote_start(self, pool: str, tenant: str, response_id: str) -> int | None:
+        """After a delete: the first prompt block no other live stored response of the tenant
+        holds (None: unknown here, or nothing of its own)."""
+        demotes = self._demotes.get(pool)
+        return None if demotes is None else demotes.delete(tenant, response_id)

@@ -172,6 +172,9 @@ class GatewayMetrics:
         self.kv_onboarded = Counter("kvgate_kv_blocks_onboarded", "KV blocks onboarded from the host tier", tp, registry=registry)
         self.rate_limited = Counter("kvgate_rate_limited", "Requests refused by admission", ["tenant", "limit"], registry=registry)
         self.quota_demotions = Counter("kvgate_quota_demotions", "Requests planned with quota demotion", tp, registry=registry)
+        self.conversation_demotes = Counter(
+            "kvgate_conversation_demotes", "Demote requests after a stored response's delete, by outcome (sent, failed, "
+            "uncached, no_cache_view); not tenant usage", tp + ["outcome"], registry=registry)
         # Client cache hints (retention/policy/hint_plan.py): applied in full, cut by the tenant's hint
         # budget ("clipped", the plan changed for part of the hint; "no_room", not at all), or
         # left out: the class does not honour hints, the plan was demoted, or no full block ("ignored").

@@ -1,0 +1,134 @@
+"""Demote on delete: a deleted conversation's own blocks released at priority 0 by one reuse.
+
+TensorRT-LLM cannot revoke a retention given at enqueue, but a request that *reuses* cached
+blocks re-sets them: ``WindowBlockManager::loadOrAllocateBlocks``
+(``cpp/tensorrt_llm/batch_manager/kvCacheManager.cpp``) claims every matched block with the
+request's per-block retention (``mEvictionPolicy->claimBlock(matchingBlock,
+perBlockRetentions[bi].retentionPriority, perBlockRetentions[bi].durationMs)``), and
+``LRUEvictionPolicy::claimBlock`` (``cpp/tensorrt_llm/batch_manager/evictionPolicy.cpp``)
+overrides the priority when one is given (lower ones too: "New priority values always
+override the previous value") and replaces the duration; on release the block goes to the
+free queue of that priority (``releaseBlock`` → ``addToFreeBlockQueue``), and a block with
+no duration never expires back to 35. So one request carrying the deleted conversation's
+prompt, with ``TokenRangeRetentionConfig(start, None, 0, None)`` over the conversation's own
+tokens, puts them first in line for eviction when it ends. The prompt is cut to its cached
+full blocks plus one token (:func:`demote_length`): an evicted tail is not prefilled again
+just to be thrown away, so the cost is one computed prompt token and one generated token.
+
+Which tokens are the conversation's own: the blocks no *other* live stored response of the
+tenant contains. :class:`DemoteLedger` counts, per tenant, how many live stored responses
+hold each full prompt block (chained hashes, so a block's count is at least its
+descendants'); on a delete the counts drop, and the demote range starts at the first block
+whose count reaches 0. Deleting a chain's responses oldest first therefore demotes nothing
+until the last one (each earlier prompt is inside a later, still live one), and then the
+whole chain past the prefix it shares with other conversations (the system and tools
+segment, a forked history). Blocks before the range keep the tenant's normal plan: a block
+no range covers would keep its priority but lose its duration (``KvCacheRetentionConfig::
+getPerBlockRetentionPriorityDuration`` gives it ``(nullopt, nullopt)``), which would pin a
+held shared prefix with no expiry, so the demote plan carries the normal plan's ranges there.
+
+Pure: no clock, no I/O. Memory per tenant: at most ``MAX_TRACKED`` responses (the oldest
+are forgotten, their counts dropped).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from retention.types import MIN_PRIORITY, RetentionPlan, TokenRange
+
+MAX_TRACKED = 65_536  # stored responses tracked per tenant
+DEMOTE_PRIORITY = MIN_PRIORITY  # 0: the first free queue ``getFreeBlock`` takes from
+
+
+@dataclass(slots=True)
+class _TenantBlocks:
+    responses: dict[str, tuple[int, ...]] = field(default_factory=dict)  # insertion order = oldest first
+    counts: dict[int, int] = field(default_factory=dict)  # block hash -> live responses holding it
+
+    def drop(self, hashes: tuple[int, ...]) -> None:
+        counts = self.counts
+        for h in hashes:
+            left = counts[h] - 1
+            if left:
+                counts[h] = left
+            else:
+                del counts[h]
+
+
+@dataclass(slots=True)
+class DemoteLedger:
+    """Per tenant: the prompt blocks of every live stored response, counted per block."""
+
+    _tenants: dict[str, _TenantBlocks] = field(default_factory=dict)
+
+    def stored(self, tenant: str, response_id: str, hashes: Sequence[int]) -> None:
+        """A stored response's prompt (its full blocks' hashes, root first) is live."""
+        state = self._tenants.setdefault(tenant, _TenantBlocks())
+        old = state.responses.pop(response_id, None)
+        if old is not None:
+            state.drop(old)
+        kept = tuple(hashes)
+        state.responses[response_id] = kept
+        for h in kept:
+            state.counts[h] = state.counts.get(h, 0) + 1
+        if len(state.responses) > MAX_TRACKED:
+            oldest = next(iter(state.responses))
+            state.drop(state.responses.pop(oldest))
+
+    def delete(self, tenant: str, response_id: str) -> int | None:
+        """The response is deleted: the index of its first block no live response holds.
+
+        ``None`` when the ledger does not know it or every block is still held elsewhere
+        (nothing to demote); otherwise a block index below ``len(hashes)``.
+        """
+        state = self._tenants.get(tenant)
+        hashes = None if state is None else state.responses.pop(response_id, None)
+        if hashes is None:
+            return None
+        state.drop(hashes)
+        counts = state.counts
+        for index, h in enumerate(hashes):
+            if h not in counts:
+                return index
+        return None
+
+    def live(self, tenant: str) -> int:
+        state = self._tenants.get(tenant)
+        return 0 if state is None else len(state.responses)
+
+
+def demote_length(cached_blocks: int, start_token: int, tokens_per_block: int, prompt_tokens: int) -> int | None:
+    """How much of the deleted prompt to send: its cached full blocks and one token more.
+
+    ``None`` when no cached block lies past ``start_token`` (nothing of the conversation's own
+    is cached, so a demote would only prefill it again, evicting others to hold it). Cutting
+    the prompt to the cached prefix keeps the cost at one computed prompt token (plus the one
+    generated): ``cached_blocks`` comes from what the caller sees of the cache (the pool's
+    lookup in the simulator, the KV events' view in the gateway).
+    """
+    cached = min(cached_blocks * tokens_per_block, prompt_tokens - 1)
+    if cached <= start_token:
+        return None
+    return cached + 1
+
+
+def demote_plan(normal: RetentionPlan, start_token: int) -> RetentionPlan:
+    """``normal`` before ``start_token``, priority 0 with no expiry from there on (decode too).
+
+    The normal plan's ranges are cut at ``start_token`` so the shared prefix is re-claimed
+    exactly as an ordinary request of the tenant would claim it.
+    """
+    if start_token < 0:
+        raise ValueError("start_token must be >= 0")
+    head = []
+    for rng in normal.ranges:
+        if rng.start >= start_token:
+            break
+        end = start_token if rng.end is None else min(rng.end, start_token)
+        head.append(TokenRange(rng.start, end, rng.priority, rng.duration_ms))
+    return RetentionPlan((*head, TokenRange(start_token, None, DEMOTE_PRIORITY, None)), DEMOTE_PRIORITY, None)
+
+
+__all__ = ["DEMOTE_PRIORITY", "DemoteLedger", "demote_length", "demote_plan"]

@@ -1,0 +1,138 @@
+"""Demote on delete: after ``DELETE /v1/responses/{id}``, one engine request re-claims the deleted
+conversation's own cached blocks at priority 0 (:mod:`retention.policy.demote`).
+
+TensorRT-LLM cannot revoke a retention given at enqueue, but a request that reuses cached
+blocks re-sets them (``WindowBlockManager::loadOrAllocateBlocks`` claims each matched block
+with the request's per-block retention; ``LRUEvictionPolicy::claimBlock`` overrides the
+priority, lower ones too, and replaces the duration). So the gateway rebuilds the deleted
+response's prompt from the store *before* deleting it (the stored chain's items without the
+response's own output, its instructions and tools, rendered as the Responses route renders
+them), and after the delete sends::
+
+    input_ids       the prompt cut to its cached full blocks + 1 token (demote_length)
+    max_new_tokens  1
+    retention       the tenant's normal plan before the first block no other live stored
+                    response of the tenant holds (DemoteLedger), then
+                    TokenRangeRetentionConfig(start, None, priority 0, no duration),
+                    decode priority 0
+
+The cached depth comes from the pool router's KV-event indexes (the deepest replica; a
+router without indexes gives no depth, and then nothing is sent: an uncut demote would
+prefill an evicted tail only to discard it, which the simulator measured as a loss).
+Only for a class with hints enabled (the same switch as the conversation hold). Fire and
+forget: the DELETE answers at once; a demote is not tenant usage (no admission, no billing)
+and is counted in ``kvgate_conversation_demotes_total`` by outcome.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+import time
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from engines.contract import SamplingParams
+from retention.hashing import block_hashes
+from retention.policy.demote import demote_length, demote_plan
+from server.gateway.api.completions import CompletionJob, build_plan, engine_request
+from server.gateway.api.prompting import PreparedPrompt
+from server.gateway.api.responses_convert import convert
+from server.gateway.api.responses_schemas import ResponsesRequest
+from server.gateway.errors import ServingError
+
+log = logging.getLogger(__name__)
+# ``services`` is a GatewayServices and ``tenant`` a TenantContext: typed Any, since services.py imports this module.
+_BODY_FIELDS = ("model", "instructions", "tools", "tool_choice")  # what shapes the rendered prompt
+
+
+@dataclass(frozen=True, slots=True)
+class DeletedPrompt:
+    """The deleted response's prompt as the engine saw it, and its full blocks' hashes."""
+
+    model: str
+    prompt: PreparedPrompt
+    tokenizer: Any  # ChatTokenizer
+    hashes: tuple[int, ...]
+
+
+async def rebuild_prompt(services: Any, tenant: Any, response_id: str) -> DeletedPrompt | None:
+    """Read before the delete: None when the response is unknown (the delete answers 404) or
+    its prompt cannot be rendered again."""
+    store = services.responses
+    try:
+        stored = await store.get(tenant_id=tenant.tenant_id, response_id=response_id)
+        chain = await store.chain(tenant_id=tenant.tenant_id, response_id=response_id)
+        output = len(stored.get("output") or ())
+        items = chain.items[:len(chain.items) - output]
+        body = ResponsesRequest.model_validate({**{k: stored[k] for k in _BODY_FIELDS if stored.get(k) is not None},
+                                                "input": items})
+        prompter = await services.engines.prompter(tenant.pool)
+        prompt = prompter.chat(convert(body, items).messages)
+    except (ServingError, ValueError, KeyError) as exc:  # pydantic's ValidationError is a ValueError
+        log.info("no demote for %s: %s", response_id, exc)
+        return None
+    tpb = tenant.pool.tokens_per_block
+    return DeletedPrompt(body.model, prompt, prompter.tokenizer,
+                         tuple(block_hashes(prompt.input_ids, tpb, salt=tenant.engine_salt)))
+
+
+def cached_blocks(services: Any, tenant: Any, hashes: tuple[int, ...], now: float) -> int | None:
+    """The deepest cached prefix of ``hashes`` over the pool's replicas (KV-event indexes), or
+    None when the pool's router keeps no index."""
+    route = services.routing.route(tenant.pool)
+    match = getattr(route.router, "match", None)
+    if match is None or not route.replicas:
+        return None
+    return max(m.gpu_blocks + m.host_blocks for m in (match(r, hashes, now=now) for r in route.replicas))
+
+
+async def send_demote(services: Any, tenant: Any, deleted: DeletedPrompt, start_block: int) -> str:
+    """One demote request, drained; returns the outcome counted in the metric."""
+    now = time.monotonic()  # the routing indexes' clock (Routing's default)
+    prompt, tpb = deleted.prompt, tenant.pool.tokens_per_block
+    depth = cached_blocks(services, tenant, deleted.hashes, now)
+    if depth is None:
+        return "no_cache_view"
+    length = demote_length(depth, start_block * tpb, tpb, prompt.total)
+    if length is None:
+        return "uncached"
+    cut = replace(prompt, input_ids=prompt.input_ids[:length], system_end=min(prompt.system_end, length),
+                  context_end=min(prompt.context_end, length), marks=())
+    job = CompletionJob(
+        tenant=tenant, kind="chat", model=deleted.model,
+        prompt=cut, max_new_tokens=1, sampling=SamplingParams(temperature=0.0), stop=(), stream=False,
+        include_usage=False, tokenizer=deleted.tokenizer, engine=services.routing.engine(services.engines.seen(tenant.pool)),
+        quota=services.monitor.quota_state(tenant.pool.name, tenant.tenant_id),
+    )
+    request = engine_request(job, demote_plan(build_plan(job), start_block * tpb))
+    try:
+        async for _ in job.engine.generate(request, request_id="demote-" + secrets.token_hex(6),
+                                           hashes=list(deleted.hashes[:length // tpb])):
+            pass
+    except Exception as exc:  # noqa: BLE001 - fire and forget: the delete has answered already
+        log.warning("demote after deleting a stored response failed: %s", exc)
+        return "failed"
+    return "sent"
+
+
+@dataclass(slots=True)
+class Demotes:
+    """The demote tasks in flight (kept so they are not collected before they finish)."""
+
+    _tasks: set[asyncio.Task] = field(default_factory=set)
+
+    def spawn(self, services: Any, tenant: Any, deleted: DeletedPrompt, start_block: int) -> None:
+        async def run() -> None:
+            outcome = await send_demote(services, tenant, deleted, start_block)
+            services.metrics.conversation_demotes.labels(tenant.slug, tenant.pool.name, outcome).inc()
+
+        task = asyncio.get_running_loop().create_task(run())
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def settle(self) -> None:
+        """Wait for the demotes in flight (tests, shutdown)."""
+        while self._tasks:
+            await asyncio.gather(*list(self._tasks), return_exceptions=True)

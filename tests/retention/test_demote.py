@@ -1,0 +1,103 @@
+"""Demote on delete: the ledger's shared-prefix rule, the plan, the cut prompt, the pool and the simulator."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from retention.policy.demote import DemoteLedger, demote_length, demote_plan
+from retention.pool import BlockPool, PoolConfig
+from retention.simulation.sim_policies import make_policy
+from retention.simulation.simulator import SimConfig, simulate
+from retention.trace import parse_trace_events
+from retention.types import RetentionPlan, TokenRange
+
+B = 4
+CONFIG = SimConfig(tokens_per_block=B, trace_block_size=B)
+
+
+def test_a_delete_demotes_only_blocks_no_other_live_response_holds() -> None:
+    ledger = DemoteLedger()
+    ledger.stored("t", "a1", [1, 2, 10])  # system (1, 2) + conversation a
+    ledger.stored("t", "a2", [1, 2, 10, 11])  # a's next step
+    ledger.stored("t", "b1", [1, 2, 20])  # conversation b shares the system blocks
+    assert ledger.delete("t", "a1") is None  # every block still inside a2
+    assert ledger.delete("t", "a2") == 2  # past the prefix b shares
+    assert ledger.delete("t", "a2") is None  # unknown now
+    assert ledger.delete("t", "b1") == 0  # nobody else holds the system blocks any more
+    assert ledger.live("t") == 0
+    assert ledger.delete("other", "b1") is None
+
+
+def test_tenants_do_not_share_counts() -> None:
+    ledger = DemoteLedger()
+    ledger.stored("x", "r", [1, 2, 3])
+    ledger.stored("y", "r", [1, 2, 3])
+    assert ledger.delete("x", "r") == 0
+
+
+def test_demote_plan_keeps_the_normal_plan_before_the_range_and_zero_after() -> None:
+    normal = RetentionPlan((TokenRange(0, 8, 60, 5000), TokenRange(8, None, 40, None)), 60, 5000)
+    got = demote_plan(normal, 12)
+    assert got.ranges == (TokenRange(0, 8, 60, 5000), TokenRange(8, 12, 40, None), TokenRange(12, None, 0, None))
+    assert (got.decode_priority, got.decode_duration_ms) == (0, None)
+    assert demote_plan(RetentionPlan(), 0).ranges == (TokenRange(0, None, 0, None),)
+    with pytest.raises(ValueError):
+        demote_plan(normal, -1)
+
+
+@pytest.mark.parametrize("cached, start, prompt, want", [
+    (3, 8, 20, 13),  # 3 cached blocks (12 tokens) past the start at 8: send 12 + 1
+    (2, 8, 20, None),  # nothing of its own cached
+    (5, 0, 20, 20),  # all cached: the whole prompt (the last token is never matched)
+    (0, 0, 20, None),
+])
+def test_demote_length_is_the_cached_prefix_plus_one(cached: int, start: int, prompt: int, want: int | None) -> None:
+    assert demote_length(cached, start, B, prompt) == want
+
+
+def test_a_held_block_reclaimed_at_priority_zero_is_evicted_first() -> None:
+    """``claimBlock`` overrides a matched block's priority even downwards and replaces its duration."""
+    pool = BlockPool(PoolConfig(primary_blocks=4, tokens_per_block=B))
+    shared, own = list(range(0, B)), list(range(100, 100 + B))
+    held = RetentionPlan((TokenRange(0, None, 60, 3_600_000),))
+
+    def run(rid: str, tokens: list[int], plan: RetentionPlan) -> None:
+        assert pool.allocate(rid, tokens, salt=None, tenant="t", plan=plan, now=0.0) is not None
+        pool.release(rid, tokens, now=0.0, num_computed_tokens=len(tokens))
+
+    run("conv", shared + own + [7], held)
+    run("demote", shared + own + [7], demote_plan(held, B))
+    blocks = sorted(pool.cached_blocks().values(), key=lambda b: b.parent is not None)
+    assert [(b.priority, b.duration_ms) for b in blocks] == [(60, 3_600_000), (0, None)]
+    run("other", list(range(200, 200 + 2 * B)) + [7], RetentionPlan())  # needs 3 blocks: one victim
+    assert pool.lookup(shared + own + [7], salt=None)[0] == 1  # the demoted block went, the shared one stayed
+
+
+def _trace() -> tuple[list, list]:
+    def line(at: float, ids: list[int], rid: str, prev: str | None = None) -> str:
+        obj = {"timestamp": at, "input_length": len(ids) * B + 1, "output_length": 1, "hash_ids": ids + [900 + int(at)],
+               "response_id": rid, "store": True, "offers_tools": True}
+        if prev:
+            obj["previous_response_id"] = prev
+        return json.dumps(obj)
+
+    lines = [line(0, [1, 2, 10], "a1"), line(1000, [1, 2, 10, 11], "a2", "a1"), line(2000, [1, 2, 20], "b1"),
+             json.dumps({"timestamp": 3000, "op": "delete_response", "response_id": "a1"}),
+             json.dumps({"timestamp": 3000, "op": "delete_response", "response_id": "a2"}),
+             line(4000, [1, 2, 20, 21], "b2", "b1")]
+    return parse_trace_events(lines, block_size=B)
+
+
+def test_the_simulator_replays_one_demote_per_deleted_chain_counted_apart() -> None:
+    requests, deletions = _trace()
+    base = simulate(requests, make_policy("lru+conv", block_size=B), primary_blocks=64, secondary_blocks=0,
+                    config=CONFIG, deletions=deletions)
+    demoted = simulate(requests, make_policy("lru+conv+demote", block_size=B), primary_blocks=64, secondary_blocks=0,
+                       config=CONFIG, deletions=deletions)
+    assert demoted.policy == "lru+conv+demote"
+    assert (base.demote_requests, demoted.demote_requests) == (0, 1)
+    assert demoted.demote_computed_tokens == 1  # the cut prompt: cached blocks + one token
+    assert (demoted.requests, demoted.prompt_tokens) == (base.requests, base.prompt_tokens)  # never in the hit rate
+    assert demoted.hit_tokens == base.hit_tokens  # room for everything: the demote changes no hit

@@ -1,0 +1,80 @@
+"""Demote on delete end to end: a stored response over HTTP, then its DELETE leads to one engine request
+(seen through the recording proxy) that re-claims the conversation's own cached blocks at priority 0."""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+
+import httpx
+import openai
+import pytest
+
+from engines.contract import parse_retention
+from engines.reference.kserve import decode_inputs
+from tenants import pools, retention_classes
+from tests.server.gateway.conftest import TOKENS_PER_BLOCK
+from tests.server.gateway.recording_proxy import start_proxy
+from tests.server.gateway.stack import ACTOR, MODEL, Stack
+
+pytestmark = pytest.mark.slow
+WAIT_STEPS = 300  # × 0.1 s: bounded waits for the gateway's background work (KV-event poll, the demote task)
+
+
+def _engine_requests(proxy) -> list:  # type: ignore[no-untyped-def]
+    return [r for r in proxy.requests if any(i.name == "input_ids" for i in r.inputs)]
+
+
+async def test_a_delete_sends_one_demote_request_at_priority_zero_for_the_conversations_range(stack: Stack) -> None:
+    server, proxy, port = await start_proxy(f"127.0.0.1:{stack.engine.port}")
+    try:
+        x = secrets.token_hex(3)
+        with stack.session_factory() as session:
+            pools.create_pool(session, actor=ACTOR, now=stack.now(), name=f"demote-{x}", model_name=MODEL,
+                              triton_url=f"127.0.0.1:{port}", engine_spec="reference-smollm2",
+                              tokens_per_block=TOKENS_PER_BLOCK, primary_blocks=256, secondary_blocks=0,
+                              secondary_offload_min_priority=30)
+        with stack.session_factory() as session:
+            retention_classes.create_class(session, actor=ACTOR, now=stack.now(), name=f"demote-{x}",
+                                           system_priority=35, context_priority=35, turn_priority=35,
+                                           decode_priority=35, hints_enabled=True, hint_max_ttl_ms=600_000,
+                                           hint_max_priority=55, hint_quota_fraction=1.0)
+        key = stack.add_tenant(f"demote-{x}", pool=f"demote-{x}", retention_class=f"demote-{x}", kv_quota_fraction=1.0)
+        api = openai.AsyncOpenAI(api_key=key, base_url=stack.gateway.base_url + "/v1", max_retries=0, timeout=120)
+        text = " ".join(f"fact {i} about the fjords of {x}." for i in range(12))  # several blocks of its own
+        reply = await api.responses.create(model=MODEL, input=text, max_output_tokens=1, temperature=0)
+        (original,) = _engine_requests(proxy)
+        prompt = [int(t) for t in decode_inputs(original)["input_ids"].reshape(-1)]
+        full = len(prompt) // TOKENS_PER_BLOCK
+        assert full >= 4
+        # The gateway cuts a demote to what its router's KV-event index says is cached: wait for the poll.
+        route = stack.gateway.app.state.gateway.routing.pools[f"demote-{x}"]
+        for _ in range(WAIT_STEPS):
+            if any(len(route.router.index(r)) >= full for r in route.replicas):
+                break
+            await asyncio.sleep(0.1)
+        deleted = httpx.delete(f"{stack.gateway.base_url}/v1/responses/{reply.id}",
+                               headers={"Authorization": f"Bearer {key}"})
+        assert deleted.status_code == 200 and deleted.json()["deleted"] is True
+        for _ in range(WAIT_STEPS):
+            if len(_engine_requests(proxy)) > 1:
+                break
+            await asyncio.sleep(0.1)
+        demotes = _engine_requests(proxy)[1:]
+        assert len(demotes) == 1
+        tensors = decode_inputs(demotes[0])
+        sent = [int(t) for t in tensors["input_ids"].reshape(-1)]
+        assert sent == prompt[:len(sent)] and len(sent) == full * TOKENS_PER_BLOCK + 1  # cached blocks + 1 token
+        assert int(tensors["request_output_len"].reshape(-1)[0]) == 1
+        plan = parse_retention(tensors, len(sent))
+        last = plan.ranges[-1]
+        assert (last.priority, last.end, last.duration_ms) == (0, None, None)
+        assert last.start < len(sent) - 1  # the conversation's own blocks are in the demoted range
+        assert plan.decode_priority == 0
+        # Deleting it again: 404, and no second demote.
+        again = httpx.delete(f"{stack.gateway.base_url}/v1/responses/{reply.id}",
+                             headers={"Authorization": f"Bearer {key}"})
+        assert again.status_code == 404
+        assert len(_engine_requests(proxy)) == 2
+    finally:
+        await server.stop(0)
