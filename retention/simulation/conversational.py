@@ -20,19 +20,17 @@ in the simulator (a trace line's output has no hash ids), so the decode retentio
 budget here and earns nothing: the simulated gain is the prompt's alone.
 
 Rules: with ``--classes`` each class's ``hints`` entry (absent = off); without,
-:data:`~retention.simulation.hinted.SIM_HINTS` (at most 1 h, at priority 60, held blocks at
+:data:`~retention.simulation.layered.SIM_HINTS` (at most 1 h, at priority 60, held blocks at
 most half of the tenant's share, which is the whole pool).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 from retention.policy.conversation import ConversationLedger, ConversationRequest, plan_conversation
 from retention.policy.demote import DemoteLedger, demote_plan
-from retention.policy.hint_plan import HintPolicy
-from retention.simulation.hinted import SIM_HINTS
+from retention.simulation.layered import LayeredPolicy
 from retention.trace import ResponseDeletion, TraceRequest
 from retention.types import RetentionPlan
 
@@ -47,10 +45,7 @@ def conversation_request(request: TraceRequest) -> ConversationRequest:
 
 
 @dataclass(slots=True)
-class ConversationPolicy:
-    inner: object  # a SimPolicy (retention.simulation.sim_policies)
-    rules: Callable[[TraceRequest], HintPolicy] | None = None  # None: SIM_HINTS for every request
-    quotas: Mapping[str, float] = field(default_factory=dict)  # tenant -> share of GPU blocks (default 1.0)
+class ConversationPolicy(LayeredPolicy):
     ledger: ConversationLedger = field(default_factory=ConversationLedger)
     store_ttl_ms: int = STORE_TTL_MS
     held_requests: int = 0  # requests whose plan the hold changed
@@ -65,20 +60,12 @@ class ConversationPolicy:
     def name(self) -> str:
         return self.label or self.inner.name + SUFFIX + (DEMOTE_SUFFIX if self.demote else "")  # type: ignore[attr-defined]
 
-    @property
-    def uses_host(self) -> bool:
-        return self.inner.uses_host  # type: ignore[attr-defined]
-
-    @property
-    def offload_min_priority(self) -> int:
-        return self.inner.offload_min_priority  # type: ignore[attr-defined]
-
     def plan(self, request, hashes, *, now, pool) -> RetentionPlan:  # noqa: ANN001 - SimPolicy protocol
         plan = self.inner.plan(request, hashes, now=now, pool=pool)  # type: ignore[attr-defined]
         conv = conversation_request(request)
         if conv == ConversationRequest():
             return plan
-        rules = SIM_HINTS if self.rules is None else self.rules(request)
+        rules = self.rules_for(request)
         cfg = pool.config
         if self.demote and request.store and request.response_id is not None and rules.enabled:
             tenant = request.tenant or ""
@@ -89,7 +76,7 @@ class ConversationPolicy:
             self._stored[key] = (request, full, plan)
             if len(self._stored) > MAX_STORED:
                 del self._stored[next(iter(self._stored))]
-        budget = rules.budget_blocks(self.quotas.get(request.tenant or "", 1.0), cfg.primary_blocks)
+        budget = self.budget_blocks(rules, request, cfg.primary_blocks)
         out = plan_conversation(plan, conv, rules, total=request.input_length, output_tokens=request.output_length,
                                 tokens_per_block=cfg.tokens_per_block, hashes=hashes, ledger=self.ledger,
                                 tenant=request.tenant or "", budget_blocks=budget, now=now,
@@ -97,9 +84,6 @@ class ConversationPolicy:
         self.held_requests += out.plan is not plan
         self.clipped_requests += out.clipped
         return out.plan
-
-    def observe(self, request, hashes, allocation, *, now, pool) -> None:  # noqa: ANN001 - SimPolicy protocol
-        self.inner.observe(request, hashes, allocation, now=now, pool=pool)  # type: ignore[attr-defined]
 
     def on_delete(self, deletion: ResponseDeletion, *, now: float) -> None:
         self.ledger.delete(deletion.tenant or "", deletion.response_id)
