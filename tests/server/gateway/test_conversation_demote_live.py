@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import asyncio
-import secrets
 
 import httpx
 import openai
@@ -12,13 +11,13 @@ import pytest
 
 from engines.contract import parse_retention
 from engines.reference.kserve import decode_inputs
-from tenants import pools, retention_classes
 from tests.server.gateway.conftest import TOKENS_PER_BLOCK
+from tests.server.gateway.hinted_tenant import add_hinted_tenant
 from tests.server.gateway.recording_proxy import start_proxy
-from tests.server.gateway.stack import ACTOR, MODEL, Stack
+from tests.server.gateway.stack import MODEL, Stack
 
 pytestmark = pytest.mark.slow
-WAIT_STEPS = 300  # × 0.1 s: bounded waits for the gateway's background work (KV-event poll, the demote task)
+WAIT_STEPS = 600  # × 0.1 s: bounded waits for the gateway's background work (KV-event poll, the demote task)
 
 
 def _engine_requests(proxy) -> list:  # type: ignore[no-untyped-def]
@@ -28,18 +27,7 @@ def _engine_requests(proxy) -> list:  # type: ignore[no-untyped-def]
 async def test_a_delete_sends_one_demote_request_at_priority_zero_for_the_conversations_range(stack: Stack) -> None:
     server, proxy, port = await start_proxy(f"127.0.0.1:{stack.engine.port}")
     try:
-        x = secrets.token_hex(3)
-        with stack.session_factory() as session:
-            pools.create_pool(session, actor=ACTOR, now=stack.now(), name=f"demote-{x}", model_name=MODEL,
-                              triton_url=f"127.0.0.1:{port}", engine_spec="reference-smollm2",
-                              tokens_per_block=TOKENS_PER_BLOCK, primary_blocks=256, secondary_blocks=0,
-                              secondary_offload_min_priority=30)
-        with stack.session_factory() as session:
-            retention_classes.create_class(session, actor=ACTOR, now=stack.now(), name=f"demote-{x}",
-                                           system_priority=35, context_priority=35, turn_priority=35,
-                                           decode_priority=35, hints_enabled=True, hint_max_ttl_ms=600_000,
-                                           hint_max_priority=55, hint_quota_fraction=1.0)
-        key = stack.add_tenant(f"demote-{x}", pool=f"demote-{x}", retention_class=f"demote-{x}", kv_quota_fraction=1.0)
+        x, key = add_hinted_tenant(stack, "demote", port, secondary_blocks=0, max_ttl_ms=5_000, max_priority=55)
         api = openai.AsyncOpenAI(api_key=key, base_url=stack.gateway.base_url + "/v1", max_retries=0, timeout=120)
         text = " ".join(f"fact {i} about the fjords of {x}." for i in range(12))  # several blocks of its own
         reply = await api.responses.create(model=MODEL, input=text, max_output_tokens=1, temperature=0)
@@ -53,6 +41,8 @@ async def test_a_delete_sends_one_demote_request_at_priority_zero_for_the_conver
             if any(len(route.router.index(r)) >= full for r in route.replicas):
                 break
             await asyncio.sleep(0.1)
+        else:
+            pytest.fail(f"the router's KV-event index never showed the prompt's {full} blocks")
         deleted = httpx.delete(f"{stack.gateway.base_url}/v1/responses/{reply.id}",
                                headers={"Authorization": f"Bearer {key}"})
         assert deleted.status_code == 200 and deleted.json()["deleted"] is True
@@ -60,6 +50,8 @@ async def test_a_delete_sends_one_demote_request_at_priority_zero_for_the_conver
             if len(_engine_requests(proxy)) > 1:
                 break
             await asyncio.sleep(0.1)
+        else:
+            pytest.fail("no demote request reached the engine")
         demotes = _engine_requests(proxy)[1:]
         assert len(demotes) == 1
         tensors = decode_inputs(demotes[0])

@@ -3,7 +3,6 @@ through a recording proxy (what the engine receives), then a DELETE the ledger h
 
 from __future__ import annotations
 
-import secrets
 
 import httpx
 import openai
@@ -12,10 +11,10 @@ import pytest
 from engines.contract import parse_retention
 from engines.reference.kserve import decode_inputs
 from retention.policy.hint_quota import MIN_GAP_SAMPLES
-from tenants import pools, retention_classes
 from tests.server.gateway.conftest import TOKENS_PER_BLOCK
+from tests.server.gateway.hinted_tenant import add_hinted_tenant
 from tests.server.gateway.recording_proxy import start_proxy
-from tests.server.gateway.stack import ACTOR, MODEL, Stack
+from tests.server.gateway.stack import MODEL, Stack
 from tests.server.gateway.test_responses_e2e import WEATHER
 
 pytestmark = pytest.mark.slow
@@ -26,18 +25,8 @@ MAX_TTL_MS = 5_000  # short: the engine is shared with the rest of the suite, an
 async def test_a_measured_tool_loop_is_held_at_enqueue_and_a_delete_is_heard(stack: Stack) -> None:
     server, proxy, port = await start_proxy(f"127.0.0.1:{stack.engine.port}")
     try:
-        x = secrets.token_hex(3)
-        with stack.session_factory() as session:
-            pools.create_pool(session, actor=ACTOR, now=stack.now(), name=f"conv-{x}", model_name=MODEL,
-                              triton_url=f"127.0.0.1:{port}", engine_spec="reference-smollm2",
-                              tokens_per_block=TOKENS_PER_BLOCK, primary_blocks=256, secondary_blocks=512,
-                              secondary_offload_min_priority=30)
-        with stack.session_factory() as session:
-            retention_classes.create_class(session, actor=ACTOR, now=stack.now(), name=f"conv-{x}",
-                                           system_priority=35, context_priority=35, turn_priority=35,
-                                           decode_priority=35, hints_enabled=True, hint_max_ttl_ms=MAX_TTL_MS,
-                                           hint_max_priority=HOLD_PRIORITY, hint_quota_fraction=1.0)
-        key = stack.add_tenant(f"conv-{x}", pool=f"conv-{x}", retention_class=f"conv-{x}", kv_quota_fraction=1.0)
+        x, key = add_hinted_tenant(stack, "conv", port, secondary_blocks=512, max_ttl_ms=MAX_TTL_MS,
+                                   max_priority=HOLD_PRIORITY)
         api = openai.AsyncOpenAI(api_key=key, base_url=stack.gateway.base_url + "/v1", max_retries=0, timeout=120)
 
         async def sent_for(call):  # type: ignore[no-untyped-def]
