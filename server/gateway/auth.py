@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import math
 import time
 from collections import OrderedDict
 from collections.abc import Callable
@@ -150,9 +151,12 @@ class KeyAuthenticator:
                 else:
                     raise ServingError(503, "registry_unavailable", "the tenant registry is unavailable; retry shortly",
                                        headers={"Retry-After": "1"}) from exc
-            fresh = self._cache.get(digest)
-            # Not cached (a clear() during the read): fresh for no time, admission asks again.
-            fresh_until = fresh.expires if fresh is not None and fresh.snapshot is snapshot else self._clock()
+                # Admission keeps it too: renewing could only ask the same registry again.
+                fresh_until = math.inf
+            else:
+                fresh = self._cache.get(digest)
+                # Not cached (a clear() during the read): fresh for no time, admission asks again.
+                fresh_until = fresh.expires if fresh is not None and fresh.snapshot is snapshot else self._clock()
         else:
             snapshot, fresh_until = entry.snapshot, entry.expires
         if snapshot is None or snapshot.key_revoked or snapshot.key_expired:

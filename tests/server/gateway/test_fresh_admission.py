@@ -14,6 +14,7 @@ import secrets
 from pathlib import Path
 
 import pytest
+from sqlalchemy import text
 
 from server.gateway.admission import AdmissionError, Lease, Limits, RedisAdmission
 from server.gateway.auth import KeyAuthenticator
@@ -152,3 +153,17 @@ async def test_a_key_revoked_before_admission_past_the_ttl_is_refused(fleet) -> 
         await admit(fleet.admissions[0], context, prompt_tokens=4, max_output_tokens=4)
     assert info.value.status == 401
     assert await fleet.admissions[0].in_flight("acme") == 0
+
+
+async def test_registry_down_admission_keeps_the_last_known_answer_auth_served(fleet) -> None:
+    """As authentication does while the registry is unreachable; renewing would only ask it again."""
+    header = f"Bearer {fleet.key}"
+    await fleet.auths[0].authenticate(header)  # cached
+    fleet.clock.t += TTL
+    with fleet.factory() as session:  # the registry fails for real: no such table
+        session.execute(text("ALTER TABLE api_keys RENAME TO api_keys_away"))
+        session.commit()
+    context = await fleet.auths[0].authenticate(header)  # expired entry, registry down: last known answer
+    fleet.clock.t += TTL
+    lease = await admit(fleet.admissions[0], context, prompt_tokens=4, max_output_tokens=4)
+    assert lease.tenant == "acme" and await fleet.admissions[0].in_flight("acme") == 1
