@@ -42,6 +42,7 @@ import httpx
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench.chaos_limits import LeaseSampler, breakdown, max_after_drained, max_at_arrivals  # noqa: E402
 from bench.report import machine, write_section  # noqa: E402
 from engines.tokenizer import load_gguf_tokenizer  # noqa: E402
 from tests.reliability.harness import GatewayProcess, PostgresDatabase, Registry, postgres_port  # noqa: E402
@@ -79,8 +80,14 @@ class ChaosReport:
     limits: dict[str, int] = field(default_factory=dict)
     engine_max_in_flight: dict[str, int] = field(default_factory=dict)
     lowered_limit: dict[str, int] = field(default_factory=dict)
+    # Lowered limit (bench/chaos_limits.py): the criteria are Redis' count when a lease granted
+    # after the bound appears, and the engines' once the calls that reached them before it ended.
     engine_max_after_lowering: int = 0
+    engine_max_after_lowering_at: dict = field(default_factory=dict)
+    engine_max_after_old_drained: int = 0
+    redis_leases_after_lowering: dict = field(default_factory=dict)
     revoked_refused_after_s: list[float] = field(default_factory=list)  # per gateway
+    revoked_accepted_last_sent_s: list[float] = field(default_factory=list)  # per gateway: latest probe let through
     revoked_key_probes_answered: int = 0  # probes answered (200) before the revocation reached a gateway
     revoked_key_probe_answers: dict[str, int] = field(default_factory=dict)  # the other answers before the 401
     limit_bound_s: float = 0.0
@@ -283,6 +290,7 @@ async def run_chaos(*, reference_port: int, workdir: Path, streams: int = 1000, 
     lags: list[float] = []
     limit_in_force: dict[str, int] = dict(report.limits)
     lowered_at = [None]
+    sampler: list = [None]
     admin_answers: list[tuple[int | None, int, str]] = []  # (value written or None, status, error code)
     try:
         report.rss_mib["before"] = [round(g.rss_bytes() / 2**20, 1) for g in fleet.gateways]
@@ -337,8 +345,9 @@ async def run_chaos(*, reference_port: int, workdir: Path, streams: int = 1000, 
                 mark("limit lowered and key revoked")
                 report.lowered_limit = {slug: new_limit}
                 limit_in_force[slug] = new_limit
-                report.limit_bound_s = 6.0  # auth TTL of `kvgate serve` (5 s) + one request's life
+                report.limit_bound_s = 5.0  # auth TTL of `kvgate serve` (server/gateway/fresh_admission.py)
                 lowered_at[0] = changed
+                sampler[0] = LeaseSampler(slug, changed).start()
                 async def probe(g: GatewayProcess) -> float:
                     """Probe one gateway with the revoked key, one probe sent every 0.1 s whatever
                     the earlier ones are doing, from the change until ``limit_bound_s`` + 2 s have
@@ -378,11 +387,14 @@ async def run_chaos(*, reference_port: int, workdir: Path, streams: int = 1000, 
                         await asyncio.gather(*tasks)
                     accepted = [t for t, status in seen if status not in (0, 401)]
                     refused_from = sorted(t for t, status in seen if status == 401 and (not accepted or t > max(accepted)))
+                    last_accepted.append(round(max(accepted), 2) if accepted else 0.0)
                     return round(refused_from[0], 2) if refused_from else 30.0
 
                 revoked = fleet.keys[slug][1]
                 probe_latencies: list[float] = []
+                last_accepted: list[float] = []
                 report.revoked_refused_after_s = list(await asyncio.gather(*(probe(g) for g in fleet.gateways)))
+                report.revoked_accepted_last_sent_s = last_accepted
                 probe_latencies.sort()
                 report.revoked_key_probe_answers["answer_s_p50_max"] = [round(probe_latencies[len(probe_latencies) // 2], 2),
                                                                         round(probe_latencies[-1], 2)]
@@ -487,8 +499,14 @@ async def run_chaos(*, reference_port: int, workdir: Path, streams: int = 1000, 
         report.engine_max_in_flight = {fleet.tenant_ids.get(k, k): v for k, v in max_in_flight.items()}
         if lowered_at[0] is not None:
             tid = next(k for k, v in fleet.tenant_ids.items() if v == slugs[3])
-            report.engine_max_after_lowering = _max_at_arrivals(
+            report.engine_max_after_lowering = max_at_arrivals(
                 [c for c in calls if c.tenant_id == tid], after=lowered_at[0] + report.limit_bound_s)
+            lowered = [c for c in calls if c.tenant_id == tid]
+            report.engine_max_after_lowering_at = breakdown(lowered, changed=lowered_at[0],
+                                                            bound_s=report.limit_bound_s)
+            report.engine_max_after_old_drained = max_after_drained(lowered, bound=lowered_at[0] + report.limit_bound_s)
+            if sampler[0] is not None:
+                report.redis_leases_after_lowering = sampler[0].stop(bound_s=report.limit_bound_s)
         report.admitted_then_refused = sum(v for k, v in report.refusals.items()
                                            if k in ("503 engine_unavailable", "504 engine_timeout"))
         # Usage: stop both gateways gracefully (flush), then a fresh start replays any journal left.
@@ -606,21 +624,6 @@ def _admin_code(response: httpx.Response) -> str:
         return str(response.json()["error"]["code"])
     except (ValueError, KeyError, TypeError):
         return "unparsable"
-
-
-def _max_at_arrivals(calls: list, *, after: float) -> int:
-    """The most calls of one tenant in flight at the engines at the arrival of any call that
-    arrived after ``after`` (the call itself included). What the lowered limit governs: a
-    gateway that applies it admits a request only while fewer than the limit are running;
-    requests admitted under the old limit are not preempted and may still be running."""
-    worst = 0
-    for call in calls:
-        if call.arrived <= after:
-            continue
-        running = sum(1 for c in calls
-                      if c.arrived <= call.arrived and (c.ended is None or c.ended > call.arrived))
-        worst = max(worst, running)
-    return worst
 
 
 def _self_cpu() -> float:

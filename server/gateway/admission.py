@@ -61,6 +61,11 @@ class Limits:
     max_prompt_tokens: int | None = None
     max_output_tokens: int | None = None
 
+    def lowers_concurrency(self, before: Limits) -> bool:
+        """Whether these limits allow fewer concurrent requests than ``before`` (None: unlimited)."""
+        return self.max_concurrent is not None and (before.max_concurrent is None
+                                                    or self.max_concurrent < before.max_concurrent)
+
 
 class AdmissionError(Exception):
     """Refused admission. ``status`` 429 (retry later) or 400 (never admissible)."""

@@ -24,10 +24,11 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import math
 import time
 from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 
 import anyio
@@ -139,6 +140,7 @@ class KeyAuthenticator:
             raise ServingError(401, "invalid_api_key", "missing API key: send 'Authorization: Bearer kvg_...'")
         plaintext = authorization[7:].strip()
         digest = hashlib.sha256(plaintext.encode("utf-8", "surrogatepass")).digest()
+        generation = self._generation
         entry = self._cache.get(digest)
         if entry is None or entry.expires <= self._clock():
             try:
@@ -149,14 +151,29 @@ class KeyAuthenticator:
                 else:
                     raise ServingError(503, "registry_unavailable", "the tenant registry is unavailable; retry shortly",
                                        headers={"Retry-After": "1"}) from exc
+                # Admission keeps it too: renewing could only ask the same registry again.
+                fresh_until = math.inf
+            else:
+                fresh = self._cache.get(digest)
+                # Not cached (a clear() during the read): fresh for no time, admission asks again.
+                fresh_until = fresh.expires if fresh is not None and fresh.snapshot is snapshot else self._clock()
         else:
-            snapshot = entry.snapshot
+            snapshot, fresh_until = entry.snapshot, entry.expires
         if snapshot is None or snapshot.key_revoked or snapshot.key_expired:
             raise ServingError(401, "invalid_api_key", "invalid, revoked or expired API key")
         if snapshot.status != "active":
             raise ServingError(403, "tenant_suspended", f"tenant '{snapshot.slug}' is suspended")
         self._used.add(snapshot.key_id)
-        return to_context(snapshot)
+
+        async def renew() -> TenantContext | None:
+            """Why at admission: the limits a request is admitted under must be at most one TTL
+            old when admission decides, not when auth ran; on a loaded gateway the two can be
+            seconds apart, and a lowered limit would otherwise admit under the old one late."""
+            if self._clock() < fresh_until and self._generation == generation:
+                return None
+            return await self.authenticate(authorization)
+
+        return replace(to_context(snapshot), renew=renew)
 
     def _touch(self, ids: list[int]) -> None:
         with self._sessions() as session:

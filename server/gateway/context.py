@@ -1,12 +1,16 @@
 """What the gateway knows about an authenticated request's tenant and pool.
 
 A frozen snapshot taken from the registry at authentication time (and cached with the
-key for the auth TTL), so a request never touches the database after auth.
+key for the auth TTL), so a request rarely touches the database after auth: only when its
+snapshot has outlived the auth TTL by the time admission decides (``renew``), so that a
+lowered limit or a revoked key binds every admission decided more than one TTL after the
+registry write, however long the request took to get from auth to admission.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
 
 from retention.policy.hint_plan import HINTS_OFF, HintPolicy
 from retention.policy.planner import RetentionClassSpec
@@ -29,6 +33,17 @@ class TenantContext:
     retention_mode: str = "static"  # static | adaptive (retention/policy/adaptive.py)
     retention_class: str = ""  # the class's name (trace capture lines carry it)
     hints: HintPolicy = HINTS_OFF  # the class's rules for client cache hints (retention/policy/hint_plan.py)
+    # None while this context is still within the auth TTL of the registry read it came from
+    # (and no admin write on this gateway cleared the cache since); else the same key
+    # authenticated now (a 401/403/503 ServingError when that fails). None also when no
+    # authenticator made this context (tests).
+    renew: Callable[[], Awaitable[TenantContext | None]] | None = field(default=None, compare=False, repr=False)
+
+    async def renewed(self) -> TenantContext:
+        """This context, or the same key authenticated now when this one is past the auth TTL."""
+        if self.renew is None:
+            return self
+        return await self.renew() or self
 
     @property
     def engine_tenant_id(self) -> str:

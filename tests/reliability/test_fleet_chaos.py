@@ -73,9 +73,15 @@ def test_chaos_full(stack: Stack, tmp_path, figures) -> None:
         time_budget_s=240.0, spread_s=60.0))
     figures.record("chaos: full (1,000 streams, every fault)", **report.as_dict())
     check(report, gateway_kill=False)
-    assert report.lowered_limit and report.engine_max_after_lowering <= next(iter(report.lowered_limit.values()))
-    assert len(report.revoked_refused_after_s) == 2
-    assert all(s <= report.limit_bound_s for s in report.revoked_refused_after_s), report.revoked_refused_after_s
+    # The lowered limit binds admissions decided one auth TTL after the change (bench/chaos_limits.py):
+    # counted in Redis at every grant after the bound and at the engines once older calls ended.
+    new_limit = next(iter(report.lowered_limit.values()))
+    leases = report.redis_leases_after_lowering
+    assert leases["granted_after_bound"] > 0, leases
+    assert leases["max_held_when_granted_after_bound"] <= new_limit, (leases, report.engine_max_after_lowering_at)
+    assert report.engine_max_after_old_drained <= new_limit, report.engine_max_after_lowering_at
+    assert len(report.revoked_accepted_last_sent_s) == 2
+    assert all(s <= report.limit_bound_s for s in report.revoked_accepted_last_sent_s), report.revoked_accepted_last_sent_s
 
 
 # Growth bounds of the soak, per product process (gateways, engines), from the first sample

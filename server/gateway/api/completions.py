@@ -49,6 +49,7 @@ from server.gateway.admission import Admission, AdmissionError, retry_after_head
 from server.gateway.context import TenantContext
 from server.gateway.replicas.engine_client import EngineChunk, EngineClient, EngineRejected, EngineTimeout, EngineUnavailable
 from server.gateway.errors import ServingError
+from server.gateway.fresh_admission import admit
 from server.gateway.observe.metrics import GatewayMetrics
 from server.gateway.api.logprobs import TokenTexts
 from server.gateway.observe.miss_ratio import MissRatioCurves
@@ -493,9 +494,8 @@ class CompletionRunner:
     async def run(self, job: CompletionJob, dialect: Dialect):
         tenant = job.tenant
         try:
-            lease = await self._admission.acquire(
-                tenant.slug, tenant.limits, prompt_tokens=job.prompt.total, max_output_tokens=job.max_new_tokens
-            )
+            lease = await admit(self._admission, tenant, prompt_tokens=job.prompt.total,
+                                max_output_tokens=job.max_new_tokens)
         except AdmissionError as exc:
             self._metrics.rate_limited.labels(tenant.slug, exc.limit).inc()
             headers = {"Retry-After": retry_after_header(exc)} if exc.status in (429, 503) else None
