@@ -123,7 +123,7 @@ def test_replicas_compare_routers_against_the_ceiling(tmp_path: Path) -> None:
     (run,) = doc["runs"]
     assert doc["replicas"] == 2 and run["primary_blocks_per_replica"] == 8 and run["secondary_blocks_per_replica"] == 16
     assert run["ceiling"]["primary_blocks"] == 16 and run["ceiling"]["secondary_blocks"] == 32
-    assert set(run["routers"]) == {"random", "round-robin", "session", "kv-aware"}
+    assert set(run["routers"]) == {"random", "round-robin", "session", "kv-aware", "kv-adaptive"}
     for name, r in run["routers"].items():
         assert sum(rep["requests"] for rep in r["replicas"]) == 24, name
         assert r["load_imbalance"] >= 1.0

@@ -4,13 +4,16 @@
 from __future__ import annotations
 
 import asyncio
+import time
 
 import httpx
 import openai
 import pytest
 
 from engines.contract import parse_retention
+from retention.hashing import block_hashes
 from engines.reference.kserve import decode_inputs
+from tenants import tenant
 from tests.server.gateway.conftest import TOKENS_PER_BLOCK
 from tests.server.gateway.hinted_tenant import add_hinted_tenant
 from tests.server.gateway.recording_proxy import start_proxy
@@ -35,10 +38,19 @@ async def test_a_delete_sends_one_demote_request_at_priority_zero_for_the_conver
         prompt = [int(t) for t in decode_inputs(original)["input_ids"].reshape(-1)]
         full = len(prompt) // TOKENS_PER_BLOCK
         assert full >= 4
-        # The gateway cuts a demote to what its router's KV-event index says is cached: wait for the poll.
+        # The gateway cuts a demote to what its router's KV-event index says is cached: wait until the index
+        # holds this prompt's own blocks (the engine is shared with the suite, so the index holds others' too).
         route = stack.gateway.app.state.gateway.routing.pools[f"demote-{x}"]
+        with stack.session_factory() as session:
+            row = tenant.get_tenant(session, ref=f"demote-{x}")
+            salt = None if row.isolation == "shared" else row.cache_salt
+        hashes = tuple(block_hashes(prompt, TOKENS_PER_BLOCK, salt=salt))
+
+        def depth() -> int:
+            return max(m.gpu_blocks + m.host_blocks
+                       for m in (route.router.match(r, hashes, now=time.monotonic()) for r in route.replicas))
         for _ in range(WAIT_STEPS):
-            if any(len(route.router.index(r)) >= full for r in route.replicas):
+            if depth() >= full:
                 break
             await asyncio.sleep(0.1)
         else:
