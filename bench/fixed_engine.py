@@ -4,9 +4,7 @@ It speaks the real ``kvgate_llm`` contract (requests are decoded and validated w
 same code as the reference engine) but "generates" a fixed token sequence instantly,
 so what a benchmark measures is the gateway, not the model. ``--token-delay-ms`` paces a
 streamed answer (a pause before each token), so faults can catch requests in flight
-(``bench/chaos.py``). As the reference engine, one ``ModelStreamInfer`` stream carries many
-requests (the gateway shares one per replica): responses carry their request's ``id``,
-paced requests run concurrently, and ``stop`` ends the in-flight request with the same id.
+(``bench/chaos.py``).
 
     python bench/fixed_engine.py --port 9001 --tokens 16 [--token-delay-ms 0]
 """
@@ -22,8 +20,6 @@ from tritonclient.grpc import service_pb2, service_pb2_grpc
 
 from engines.contract import (
     KV_CACHE_STATS,
-    STOP,
-    ContractError,
     KvMetrics,
     PoolStatsReport,
     TierStats,
@@ -53,11 +49,6 @@ class FixedModel(service_pb2_grpc.GRPCInferenceServiceServicer):
 
     def _responses(self, request):
         tensors = decode_inputs(request)
-        if _is_stop(tensors):
-            response = service_pb2.ModelInferResponse(model_name=request.model_name, id=request.id)
-            encode_outputs(response, encode_response([], 0, KvMetrics()))
-            response.parameters["triton_final_response"].bool_param = True
-            return [response]
         if is_stats_request(tensors):
             report = PoolStatsReport(16, TierStats(self.primary_blocks, self.primary_blocks, 0),
                                      TierStats(self.secondary_blocks, self.secondary_blocks, 0))
@@ -80,52 +71,12 @@ class FixedModel(service_pb2_grpc.GRPCInferenceServiceServicer):
     async def ModelInfer(self, request, context):
         return self._responses(request)[-1]
 
-    def _stream_responses(self, request) -> list:
-        try:
-            return [service_pb2.ModelStreamInferResponse(infer_response=r) for r in self._responses(request)]
-        except ContractError as exc:  # as Triton: the error names the request it belongs to
-            failed = service_pb2.ModelInferResponse(model_name=request.model_name, id=request.id)
-            failed.parameters["triton_final_response"].bool_param = True
-            return [service_pb2.ModelStreamInferResponse(error_message=str(exc), infer_response=failed)]
-
     async def ModelStreamInfer(self, request_iterator, context):
-        if not self.token_delay_s:  # instant answers: in order, no task per request
-            async for request in request_iterator:
-                for response in self._stream_responses(request):
-                    yield response
-            return
-        queue: asyncio.Queue = asyncio.Queue()
-        paced: dict[str, asyncio.Task] = {}
-
-        async def pace(request) -> None:
-            for response in self._stream_responses(request):
-                await asyncio.sleep(self.token_delay_s)
-                queue.put_nowait(response)
-            paced.pop(request.id, None)
-
-        async def read() -> None:
-            async for request in request_iterator:
-                if _is_stop(decode_inputs(request)) and request.id in paced:
-                    paced.pop(request.id).cancel()
-                    queue.put_nowait(self._stream_responses(request)[0])
-                    continue
-                paced[request.id] = asyncio.create_task(pace(request))
-            while paced:  # half-closed: finish what was asked
-                await asyncio.gather(*list(paced.values()), return_exceptions=True)
-            queue.put_nowait(None)
-
-        reader = asyncio.create_task(read())
-        try:
-            while (item := await queue.get()) is not None:
-                yield item
-        finally:
-            reader.cancel()
-            for task in paced.values():
-                task.cancel()
-
-
-def _is_stop(tensors) -> bool:
-    return STOP.name in tensors and bool(np.asarray(tensors[STOP.name]).reshape(-1)[:1].any())
+        async for request in request_iterator:
+            for response in self._responses(request):
+                if self.token_delay_s:
+                    await asyncio.sleep(self.token_delay_s)
+                yield service_pb2.ModelStreamInferResponse(infer_response=response)
 
 
 async def serve(port: int, tokens: list[int], token_delay_s: float = 0.0, primary_blocks: int = 1024,

@@ -16,8 +16,7 @@ backend that answers 16 fixed tokens at once (a stream: 16 chunks):
 
 Gateway CPU is the sum of ``/proc/<pid>/task/*/schedstat`` run time over the gateway's
 process and its children (nanoseconds; ``/proc/<pid>/stat`` ticks are 10 ms, too coarse
-for a 30-request round), differenced thread by thread (an exited thread's time would
-otherwise vanish from the total: negative rounds). A round's ratio is LiteLLM's CPU per request over kvgate's in
+for a 30-request round). A round's ratio is LiteLLM's CPU per request over kvgate's in
 that round; figures are medians of per-round values.
 
 Prompts: *short* (the 33-token system + user chat of ``bench/gateway.py``) and *long* (a
@@ -175,26 +174,16 @@ def _tree(pid: int) -> list[int]:
     return pids
 
 
-def thread_cpu(pid: int) -> dict[tuple[int, str], int]:
-    """Run time (ns, schedstat) of every live thread of ``pid`` and its descendants, by thread."""
-    times = {}
+def cpu_seconds(pid: int) -> float:
+    """Run time of every live thread of ``pid`` and its descendants (schedstat, ns)."""
+    total = 0
     for p in _tree(pid):
         try:
             for task in os.listdir(f"/proc/{p}/task"):
-                times[(p, task)] = int(Path(f"/proc/{p}/task/{task}/schedstat").read_text().split()[0])
+                total += int(Path(f"/proc/{p}/task/{task}/schedstat").read_text().split()[0])
         except (FileNotFoundError, ProcessLookupError):
             pass
-    return times
-
-
-def cpu_seconds_since(before: dict[tuple[int, str], int], pid: int) -> float:
-    """CPU seconds of ``pid``'s tree since the ``before`` snapshot, summed per thread.
-
-    Why per thread: a thread that exits (an idle worker thread, after 10 s) takes its run time
-    with it, so a difference of totals can even be negative; here an exited thread only loses
-    what it ran since ``before``, and a new thread counts from zero."""
-    after = thread_cpu(pid)
-    return sum(ns - before.get(key, 0) for key, ns in after.items()) / 1e9
+    return total / 1e9
 
 
 # -- prompts and load ----------------------------------------------------------------------
@@ -274,9 +263,9 @@ async def measure(args, parties: dict[str, tuple[Load, int]]) -> list[dict]:
                     order = names[r % len(names):] + names[:r % len(names)]
                     for name in order:
                         load, pid = parties[name]
-                        before = thread_cpu(pid)
+                        before = cpu_seconds(pid)
                         await load.run(prompt, args.requests, concurrency, stream)
-                        per_round[name].append(cpu_seconds_since(before, pid) / args.requests)
+                        per_round[name].append((cpu_seconds(pid) - before) / args.requests)
                 row = {"prompt": prompt, "mode": "stream" if stream else "non-stream", "clients": concurrency}
                 for name in names:
                     row[f"{name}_ms"] = 1000 * statistics.median(per_round[name])
@@ -343,7 +332,7 @@ def render(args, rows: list[dict], long_tokens: dict[str, int], prefill_s: float
         "routed kv-aware); the miss-ratio curves run at their default 1 % sample in both. Rounds of "
         f"{args.requests} requests rotate LiteLLM / kvgate default / kvgate production ({args.rounds} rounds per row, "
         "same load generator and body); gateway CPU is the run time of the gateway's process tree from "
-        "`/proc/<pid>/task/*/schedstat`, differenced thread by thread. Figures are medians of per-round values; × = LiteLLM's CPU over kvgate's "
+        "`/proc/<pid>/task/*/schedstat`. Figures are medians of per-round values; × = LiteLLM's CPU over kvgate's "
         "in the same round (median, range over rounds in brackets).",
         "",
         "| prompt | mode | clients | LiteLLM CPU ms/req | kvgate default ms/req | × default | "

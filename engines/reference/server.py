@@ -10,8 +10,7 @@ Calls:
 * ``ModelStreamInfer`` (bidirectional, decoupled like the TensorRT-LLM backend):
   requests are served concurrently; ``streaming`` true gives one response per token
   plus a last one carrying ``triton_final_response = true`` (Triton's decoupled
-  marker); a bad request yields an ``error_message`` response (carrying the request's
-  ``id``, as Triton's) and the stream goes on; many requests may share one stream;
+  marker); a bad request yields an ``error_message`` response and the stream goes on;
   a half-closed stream still gets every response; a cancelled stream cancels its
   requests (their blocks are released).
 * ``stop`` true cancels the in-flight request(s) with the same request ``id``, as the
@@ -113,13 +112,7 @@ class KvgateInferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
                 async for response in self._serve(request):
                     queue.put_nowait(service_pb2.ModelStreamInferResponse(infer_response=response))
             except _RequestFailed as failure:
-                # As Triton (src/grpc/stream_infer_handler.cc, StreamInferResponseComplete): a failed
-                # response carries its request's id and the final flag, so a client with many
-                # requests on one stream knows which one failed.
-                failed = service_pb2.ModelInferResponse(model_name=request.model_name, id=request.id)
-                failed.parameters["triton_final_response"].bool_param = True
-                queue.put_nowait(service_pb2.ModelStreamInferResponse(error_message=failure.message,
-                                                                      infer_response=failed))
+                queue.put_nowait(service_pb2.ModelStreamInferResponse(error_message=failure.message))
 
         async def read_requests() -> None:
             async for request in request_iterator:

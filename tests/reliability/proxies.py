@@ -92,9 +92,9 @@ class CountingProxy(RecordingProxy):
         self.calls: list[EngineCall] = []  # every generation call, in arrival order
 
     async def ModelStreamInfer(self, request_iterator, context):
-        # The gateway shares one stream among many requests: responses are matched to their
-        # request by id; a ``stop`` request (no tenant) only ends its id's call.
-        open_: dict[str, tuple[str, EngineCall]] = {}  # request id -> (tenant, call)
+        tenants: list[str] = []
+        open_: set[str] = set()
+        calls: list[EngineCall] = []
 
         async def forward():
             async for request in request_iterator:
@@ -102,38 +102,39 @@ class CountingProxy(RecordingProxy):
                     self.requests.append(request)
                 tenant_id = _tenant_of(request)
                 if tenant_id is not None:
+                    tenants.append(tenant_id)
                     self.started[tenant_id] += 1
                     self.in_flight[tenant_id] += 1
                     self.max_in_flight[tenant_id] = max(self.max_in_flight[tenant_id], self.in_flight[tenant_id])
+                    open_.add(tenant_id)
                     call = EngineCall(tenant_id, _input_ids(request) or (), arrived=time.monotonic())
-                    open_[request.id] = (tenant_id, call)
+                    calls.append(call)
                     self.calls.append(call)
                 yield request
 
-        def close(request_id: str) -> None:
-            entry = open_.pop(request_id, None)
-            if entry is not None:
-                entry[1].ended = time.monotonic()
-                self.in_flight[entry[0]] -= 1
-                self.finished[entry[0]] += 1
+        def close(tenant_id: str) -> None:
+            if tenant_id in open_:
+                open_.discard(tenant_id)
+                for call in calls:
+                    if call.tenant_id == tenant_id and call.ended is None:
+                        call.ended = time.monotonic()
+                self.in_flight[tenant_id] -= 1
+                self.finished[tenant_id] += 1
 
         try:
             async for response in self._stub.ModelStreamInfer(forward()):
-                request_id = response.infer_response.id
-                entry = open_.get(request_id)
-                if entry is not None:
-                    tenant_id, call = entry
-                    self.responses[tenant_id] += 1
-                    if call.first_response is None:
-                        call.first_response = time.monotonic()
-                    call.output_ids.extend(_output_ids(response))
+                if tenants:
+                    self.responses[tenants[-1]] += 1
+                    if calls[-1].first_response is None:
+                        calls[-1].first_response = time.monotonic()
+                    calls[-1].output_ids.extend(_output_ids(response))
                     if _is_final(response):
-                        call.final = True
-                        close(request_id)
+                        calls[-1].final = True
+                        close(tenants[-1])
                 yield response
         finally:
-            for request_id in list(open_):
-                close(request_id)
+            for tenant_id in list(open_):
+                close(tenant_id)
 
 
 async def start_counting_proxy(upstream: str, *, port: int = 0) -> tuple[grpc.aio.Server, CountingProxy, int]:

@@ -5,16 +5,12 @@ code drives TensorRT-LLM behind Triton and the CPU reference engine. One channel
 pool, reused by every request; reconnect backoff is capped at one second so that the
 first request after an engine restart succeeds (gRPC's default backoff grows to 120 s).
 
-Requests go over one long-lived ``ModelStreamInfer`` stream per client, shared by every
-request to the replica and correlated by request id (``engine_stream.py``).
-
 Invariants: :meth:`EngineClient.generate` yields chunks until the engine's final
 response and then stops; if the consumer stops early (client gone, stop string hit),
-closing the generator stops the request at the engine (a ``stop`` request with its id on
-the shared stream), which frees the request's blocks; so does cancelling a task awaiting the
-next chunk (the router's first-token deadline): the ``CancelledError`` runs the same
-``finally``. Transport failures surface as :class:`EngineUnavailable` (for every request
-open on the stream), engine-side refusals as :class:`EngineRejected`; nothing else escapes.
+closing the generator cancels the gRPC call, which the engine treats as a cancel and
+frees the request's blocks; so does cancelling a task awaiting the next chunk (the router's
+first-token deadline): the ``CancelledError`` runs the same ``finally``. Transport failures surface as :class:`EngineUnavailable`,
+engine-side refusals as :class:`EngineRejected`; nothing else escapes.
 """
 
 from __future__ import annotations
@@ -52,7 +48,6 @@ from engines.contract import (
     TokenLogProbs,
     encode_request,
 )
-from server.gateway.replicas.engine_stream import EngineStream, stop_request
 
 STREAM_INFER_METHOD = "/inference.GRPCInferenceService/ModelStreamInfer"
 _DATATYPES = {spec.name: spec.datatype for spec in INPUTS}
@@ -165,14 +160,6 @@ def _chunk(response: service_pb2.ModelInferResponse, streaming: bool, previous_k
     return EngineChunk(ids, scalars[0], kv, final, _log_probs(raw_log_probs) if raw_log_probs else None)
 
 
-def _merged(first: EngineChunk, then: EngineChunk) -> EngineChunk:
-    """``first`` followed by ``then`` of the same request, as one chunk."""
-    log_probs = first.log_probs
-    if then.log_probs is not None:
-        log_probs = (log_probs or ()) + then.log_probs
-    return EngineChunk(first.token_ids + then.token_ids, then.generated, then.kv, then.final, log_probs)
-
-
 def _classify(exc: BaseException) -> EngineError:
     if isinstance(exc, grpc.aio.AioRpcError):
         code, message = exc.code(), exc.details() or str(exc)
@@ -189,39 +176,31 @@ def _classify(exc: BaseException) -> EngineError:
     return EngineUnavailable(f"engine unavailable: {exc}")
 
 
-# Shared streams per client; a request takes the one with the fewest open requests. Why more
-# than one: a stream's reader has one read outstanding at a time, so each response costs a
-# wake-up of gRPC's poller; with several streams, responses of concurrent requests complete
-# together (measured with bench/fixed_engine.py, 32 concurrent streamed requests: one stream
-# cost more CPU per request than a call per request, four cost less). An idle stream costs nothing.
-STREAMS = 4
-
-
-def _load(stream: EngineStream) -> int:
-    return stream.open_requests
-
-
 class EngineClient:
     """One pool's engine model over KServe v2 gRPC."""
 
-    def __init__(self, url: str, model: str, *, streams: int = STREAMS) -> None:
+    def __init__(self, url: str, model: str) -> None:
         self.url = url
         self.model = model
         self._client = InferenceServerClient(url, channel_args=_CHANNEL_ARGS)
-        # Generation uses one bidirectional ModelStreamInfer call on the same channel, kept
-        # open and shared by every request (engine_stream.py), with prebuilt protobufs: per
-        # streamed token that is one pass over the outputs instead of one
-        # InferResult.as_numpy lookup per output.
-        method = self._client._channel.stream_stream(
+        # Generation calls ModelStreamInfer on the same channel with prebuilt protobufs:
+        # per streamed token that is one pass over the outputs instead of one
+        # InferResult.as_numpy lookup per output. The method is bidirectional, but the
+        # gateway only ever sends one request and then half-closes, so it is called as
+        # unary-stream: initial metadata, the request and the half-close go out in one
+        # batch (the bidi form costs a request-iterator task and three gRPC batches, 0.1-0.2
+        # ms of CPU per request); the server sees the same messages in the same order.
+        # Triton keeps a half-closed stream open until its in-flight requests have sent
+        # every response (triton-inference-server/server src/grpc/stream_infer_handler.cc,
+        # ModelStreamInferHandler::Process: "If done reading and no in-flight requests then
+        # can finish the entire stream"), as does the reference engine (tested).
+        self._stream_infer = self._client._channel.unary_stream(
             STREAM_INFER_METHOD,
             request_serializer=service_pb2.ModelInferRequest.SerializeToString,
             response_deserializer=service_pb2.ModelStreamInferResponse.FromString,
         )
-        self._streams = [EngineStream(method, _classify, EngineUnavailable) for _ in range(streams)]
 
     async def close(self) -> None:
-        for stream in self._streams:
-            await stream.close()
         await self._client.close()
 
     async def ready(self, timeout: float = 2.0) -> bool:
@@ -266,48 +245,29 @@ class EngineClient:
 
     async def generate(self, request: EngineRequest, *, request_id: str, timeout: float | None = None,
                        connect_timeout: float = 2.0) -> AsyncIterator[EngineChunk]:
-        """Stream ``request`` over the shared ``ModelStreamInfer``; see the module invariants.
-
-        ``timeout`` bounds the whole request (the engine's answer, not the consumer's time
-        between chunks); expiry stops the request and raises :class:`EngineUnavailable`."""
+        """Stream ``request`` through ``ModelStreamInfer``; see the module invariants."""
         proto = _request_proto(self.model, request_id, encode_request(request))
-        stream = min(self._streams, key=_load)
-        if not stream.live:
-            await self._connected(connect_timeout)
-            stream = min(self._streams, key=_load)  # others may have submitted meanwhile
-        inbox = stream.submit(request_id, proto)
-        done = False
+        await self._connected(connect_timeout)
+
+        call = self._stream_infer(proto, timeout=timeout)
+        finished = False
         streaming = request.streaming
         kv = None
-        deadline = None if timeout is None else asyncio.get_running_loop().time() + timeout
         try:
-            while True:
-                if deadline is None:
-                    message = await inbox.get()
-                else:
-                    try:
-                        async with asyncio.timeout_at(deadline):
-                            message = await inbox.get()
-                    except TimeoutError:
-                        raise EngineUnavailable(f"engine unavailable (DEADLINE_EXCEEDED): no answer within "
-                                                f"{timeout:g} s") from None
+            async for message in call:
                 if message.error_message:
-                    done = True  # the engine ended the request with this error
                     raise EngineRejected(message.error_message)
                 chunk = _chunk(message.infer_response, streaming, kv)
-                # Responses that arrived while the consumer was busy are merged into one chunk
-                # (a delta, as the contract allows): one frame downstream instead of several
-                # when the gateway is behind the engine; a chunk is never held back to wait.
-                while not chunk.final and (more := inbox.ready()) is not None:
-                    chunk = _merged(chunk, _chunk(more.infer_response, streaming, chunk.kv))
                 kv = chunk.kv
-                if chunk.final:
-                    done = True
-                    yield chunk
-                    return
                 yield chunk
+                if chunk.final:
+                    finished = True
+                    return
+            raise EngineUnavailable("engine closed the stream before its final response")
+        except EngineError:
+            raise
+        except (grpc.RpcError, InferenceServerException) as exc:
+            raise _classify(exc) from exc
         finally:
-            if done:
-                stream.release(request_id)
-            else:
-                stream.abandon(request_id, stop_request(self.model, request_id))
+            if not finished:
+                call.cancel()

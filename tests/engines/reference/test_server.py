@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 
 import grpc
@@ -166,58 +165,6 @@ async def test_stream_error_response_then_stream_keeps_serving(fp8_server, token
         await client.close()
     assert len(errors) == 1 and "input_ids" in errors[0]
     assert finals == ["good"]
-
-
-async def test_interleaved_requests_on_one_stream_are_told_apart_by_id(fp8_server, tokenizer):
-    """How the gateway uses the stream (one per replica, shared): requests interleave, every
-    response (an error too, as Triton's) carries its request's id, and ``stop`` with an id
-    ends only that request."""
-    from tritonclient.grpc import service_pb2, service_pb2_grpc
-
-    def proto(tensors, request_id):
-        request = service_pb2.ModelInferRequest(model_name=MODEL, id=request_id)
-        for item in to_inputs(tensors):
-            request.inputs.append(item._get_tensor())
-            request.raw_input_contents.append(item._get_content())
-        return request
-
-    long = make_request(chat_ids(tokenizer, "Tell a long story."), 40, streaming=True, end_id=-1)
-    short = make_request(chat_ids(tokenizer, "Say hi."), 3, streaming=True, end_id=-1)
-    bad = {**encode_request(short), "input_ids": np.array([], np.int32)}
-    stop = {"stop": np.array([True], np.bool_)}
-    outbox: asyncio.Queue = asyncio.Queue()
-    for item in (proto(encode_request(long), "long"), proto(encode_request(short), "short"), proto(bad, "bad")):
-        outbox.put_nowait(item)
-
-    async def requests():
-        while (item := await outbox.get()) is not None:
-            yield item
-
-    tokens: dict[str, list[int]] = {"long": [], "short": []}
-    finals, errors = [], {}
-    async with grpc.aio.insecure_channel(fp8_server.url) as channel:
-        call = service_pb2_grpc.GRPCInferenceServiceStub(channel).ModelStreamInfer(requests())
-        async for message in call:
-            response = message.infer_response
-            if message.error_message:
-                errors[response.id] = message.error_message
-                continue
-            if response.id in tokens:
-                names = [o.name for o in response.outputs]
-                if "output_ids" in names:
-                    tokens[response.id] += np.frombuffer(response.raw_output_contents[names.index("output_ids")],
-                                                         "<i4").tolist()
-                if response.id == "long" and len(tokens["long"]) == 2:
-                    outbox.put_nowait(proto(stop, "long"))
-            if response.parameters["triton_final_response"].bool_param:
-                finals.append(response.id)
-            if "short" in finals and finals.count("long") >= 1 and errors:
-                outbox.put_nowait(None)
-                break
-        call.cancel()
-    assert set(errors) == {"bad"} and "input_ids" in errors["bad"]
-    assert tokens["short"] == infer(fp8_server.url, dataclasses.replace(short, streaming=False)).tokens
-    assert 2 <= len(tokens["long"]) < 40  # stopped early by its id, the others untouched
 
 
 async def test_raw_and_typed_contents_are_both_read(fp8_server, tokenizer):
