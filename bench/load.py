@@ -66,6 +66,7 @@ class LoadReport:
     mismatches: list[str] = field(default_factory=list)
     incomplete: int = 0
     refusals_429: int = 0
+    retried_5xx: int = 0  # 503/504 answers carrying Retry-After (engine busy past its deadline), retried
     limits: dict[str, int] = field(default_factory=dict)
     engine_max_in_flight: dict[str, int] = field(default_factory=dict)
     engine_requests: dict[str, int] = field(default_factory=dict)
@@ -112,6 +113,13 @@ async def _stream(http: httpx.AsyncClient, url: str, key: str, body: dict, repor
                     return result
                 report.refusals_429 += 1
                 await asyncio.sleep(rng.uniform(0.3, 1.2))
+                continue
+            if response.status_code in (503, 504) and response.headers.get("retry-after") \
+                    and report.retried_5xx < 10 * report.requests:
+                # A well-behaved client waits Retry-After (stretched by up to 100 %) and retries.
+                report.retried_5xx += 1
+                await response.aread()
+                await asyncio.sleep(float(response.headers["retry-after"]) * rng.uniform(1.0, 2.0))
                 continue
             if response.status_code != 200:
                 report.errors.append(f"{response.status_code} {(await response.aread())[:200]!r}")
@@ -250,6 +258,7 @@ def render(report: LoadReport) -> str:
         f"| streams whose greedy text differs from the prompt's solo run (engine batch numerics) | "
         f"{r.differs_from_solo} |",
         f"| 429 max_concurrent refusals (retried) | {r.refusals_429} |",
+        f"| 503/504 with Retry-After (engine past its first-token deadline; retried) | {r.retried_5xx} |",
         f"| gateway RSS before / after the burst (all replicas) | {r.rss_before_mib:.1f} MiB / {r.rss_after_mib:.1f} MiB |",
         f"| burst wall time | {r.wall_s:.1f} s |",
         f"| TTFT p50 / p99 (incl. queueing at the limit) | {r.ttft_p50_s:.2f} s / {r.ttft_p99_s:.2f} s |",

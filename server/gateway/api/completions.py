@@ -14,7 +14,8 @@ fails after the stream started. Invariants:
   (:class:`ClosingStreamingResponse`);
 * leaving early (client disconnect, stop string) closes the engine stream, which
   cancels the engine request and frees its blocks;
-* usage and metrics are recorded once per admitted request, with the tokens actually
+* metrics are recorded once per admitted request; usage once per admitted request the
+  engine served (a 503/504 before any token is not billed), with the tokens actually
   generated, and the usage is durable before the answer's end reaches the client (a JSON
   body is built after it; a stream's closing frames are held until it);
 * a streamed response starts (status 200, headers) only once the engine's first response
@@ -614,9 +615,13 @@ class CompletionRunner:
         )
         if self._guard is not None:
             self._guard.observe(tenant.pool.name, outcome.arm, ttft=outcome.ttft, inter_token=inter_token, kv=outcome.kv)
-        durable = self._usage(tenant.tenant_id, job.prompt.total, outcome.completion_tokens)
-        if durable is not None:
-            await durable
+        # Billing: a request the engine never served (no token, then 503 engine_unavailable or
+        # 504 engine_timeout; the client is told to retry) is not usage. One that failed after
+        # generating is billed what it generated.
+        if outcome.status != "engine_error" or outcome.completion_tokens:
+            durable = self._usage(tenant.tenant_id, job.prompt.total, outcome.completion_tokens)
+            if durable is not None:
+                await durable
         if self._capture is not None and outcome.kv is not None:  # the engine ran it: a trace line (if sampled)
             kv = outcome.kv
             self._capture(tenant_id=tenant.tenant_id, tenant=tenant.slug, retention_class=tenant.retention_class,

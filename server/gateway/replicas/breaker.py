@@ -28,6 +28,11 @@ Invariants:
   dispatched before the breaker last opened is the same incident, not a new failure.
 * A breaker that only saw connection failures behaves as before: the first successful
   stats probe after ``retry_at`` closes it.
+* A timeout of an attempt dispatched *before* the replica last served a first token is
+  overload, not a hang: the replica made progress while the attempt waited in its queue, so
+  the breaker of a closed replica stays closed (the attempt itself is still cancelled and
+  retried elsewhere or answered 504). Without this, one slow first token on a loaded pool's
+  last replica refused every request of the pool for the open period.
 """
 
 from __future__ import annotations
@@ -44,6 +49,7 @@ class Breaker:
     retry_at: float = 0.0  # open: when a probe (or, suspect, a trial) may go
     suspect: bool = False  # a timeout since the replica last served
     opened_at: float = float("-inf")  # when the breaker last (re)opened
+    served_at: float = float("-inf")  # when a request last received its first token here
 
     @property
     def closed(self) -> bool:
@@ -65,7 +71,10 @@ class Breaker:
         """An attempt dispatched at ``dispatched_at`` got no first token in time.
 
         Marks the breaker suspect. Returns True when this opened a closed breaker. An attempt
-        dispatched before the breaker last opened adds nothing (that incident is counted)."""
+        dispatched before the breaker last opened adds nothing (that incident is counted); one
+        dispatched before a closed replica last served is overload and changes nothing."""
+        if self.state == CLOSED and dispatched_at < self.served_at:
+            return False
         self.suspect = True
         if self.state != CLOSED and dispatched_at < self.opened_at:
             return False
@@ -79,10 +88,11 @@ class Breaker:
         self.state, self.failures, self.retry_at = CLOSED, 0, 0.0
         return True
 
-    def served(self) -> bool:
-        """A request received its first token from the replica: it serves. True when this
-        closed an open or half-open breaker."""
+    def served(self, now: float = float("-inf")) -> bool:
+        """A request received its first token from the replica at ``now``: it serves. True when
+        this closed an open or half-open breaker."""
         reopened = self.state != CLOSED
+        self.served_at = max(self.served_at, now)
         self.state, self.failures, self.retry_at, self.suspect = CLOSED, 0, 0.0, False
         return reopened
 

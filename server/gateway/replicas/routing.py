@@ -292,7 +292,7 @@ class PoolRoute:
 
     def mark_served(self, replica: Replica) -> None:
         """A request received its first token from ``replica``."""
-        if replica.breaker.served():
+        if replica.breaker.served(self._clock()):
             log.warning("replica %s/%s back in rotation (served a request)", self.name, replica.name)
 
     async def poll(self, replica: Replica) -> None:

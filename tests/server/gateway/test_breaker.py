@@ -76,6 +76,17 @@ def test_a_trial_without_a_verdict_frees_the_trial_and_a_connection_failure_keep
     assert b.state == OPEN
 
 
+def test_a_timeout_of_an_attempt_queued_while_the_replica_kept_serving_is_overload_not_a_hang() -> None:
+    b = Breaker()
+    b.served(12.0)  # another request got its first token after this attempt was sent at 11.0
+    assert b.time_out(21.0, 11.0, OPEN_S, MAX_S) is False
+    assert b.closed and not b.suspect and b.failures == 0 and not b.avoid(21.0)
+    # an attempt sent after the last first token the replica gave: nothing served since, a hang
+    assert b.time_out(23.0, 12.5, OPEN_S, MAX_S) is True and b.suspect and b.state == OPEN
+    # once open, a served-before attempt's timeout is the same incident, not overload relief
+    assert b.time_out(23.5, 11.5, OPEN_S, MAX_S) is False and b.state == OPEN and b.failures == 1
+
+
 def test_a_request_served_by_a_replica_that_only_looked_unreachable_closes_it() -> None:
     b = Breaker()
     b.fail(10.0, OPEN_S, MAX_S)

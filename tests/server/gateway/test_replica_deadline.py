@@ -195,3 +195,45 @@ def test_a_hung_replica_waits_the_deadline_once_per_growing_open_period_and_retu
         routing.config = saved
         route.config = saved
         routing.use_router(saved.router)
+
+
+def usage_of(fleet, slug: str) -> tuple[int, int]:
+    """(requests, prompt tokens) the registry holds for ``slug`` (flushed every 0.5 s here)."""
+    from sqlalchemy import func, select
+
+    from tenants.models import Tenant, Usage
+    with fleet.session_factory() as session:
+        row = session.execute(select(func.coalesce(func.sum(Usage.requests), 0),
+                                     func.coalesce(func.sum(Usage.prompt_tokens), 0))
+                              .join(Tenant, Tenant.id == Usage.tenant_id).where(Tenant.slug == slug)).one()
+    return int(row[0]), int(row[1])
+
+
+def test_a_request_no_replica_served_is_not_billed(fleet):
+    """A 504 engine_timeout (every replica hung, nothing generated) is no usage; the served
+    requests around it are. The second served request's usage is recorded after the 504's
+    would have been, and batches flush in order, so once it is in, the 504's would be too."""
+    fleet.add_tenant("billed")
+    messages = [{"role": "user", "content": "Bill me once."}]
+    first = fleet.chat("billed", messages, max_tokens=2)
+    assert first.status_code == 200, first.text
+    prompt = first.json()["usage"]["prompt_tokens"]
+    fleet.wait_until(lambda: usage_of(fleet, "billed")[0] == 1, timeout=30, what="first usage flushed")
+    for name in ("r0", "r1"):
+        fleet.hang(name)
+    refused = fleet.chat("billed", [{"role": "user", "content": "Anyone home?"}], max_tokens=2)
+    assert refused.status_code == 504, refused.text
+    for name in ("r0", "r1"):
+        fleet.hang(name, 0)
+    fleet.wait_until(lambda: all(fleet.engine_in_flight(n) == 0 for n in ("r0", "r1")), what="engines idle")
+
+    def served_again() -> bool:  # breakers reopen only through a served trial (breaker.py)
+        breakers = [fleet.replica(n).breaker for n in ("r0", "r1")]
+        if any(b.trial_due(time.monotonic()) for b in breakers):
+            fleet.chat("dl", [{"role": "user", "content": "Are you back?"}], max_tokens=2)
+        return any(b.closed for b in breakers)
+    fleet.wait_until(served_again, what="a replica back in rotation")
+    second = fleet.chat("billed", messages, max_tokens=2)
+    assert second.status_code == 200, second.text
+    fleet.wait_until(lambda: usage_of(fleet, "billed")[0] >= 2, timeout=30, what="second usage flushed")
+    assert usage_of(fleet, "billed") == (2, prompt + second.json()["usage"]["prompt_tokens"])
