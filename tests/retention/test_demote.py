@@ -6,7 +6,9 @@ import json
 
 import pytest
 
-from retention.policy.demote import DemoteLedger, demote_length, demote_plan
+import random
+
+from retention.policy.demote import DemoteLedger, demote_length, demote_plan, demote_start, shared_blocks
 from retention.pool import BlockPool, PoolConfig
 from retention.simulation.sim_policies import make_policy
 from retention.simulation.simulator import SimConfig, simulate
@@ -28,6 +30,35 @@ def test_a_delete_demotes_only_blocks_no_other_live_response_holds() -> None:
     assert ledger.delete("t", "b1") == 0  # nobody else holds the system blocks any more
     assert ledger.live("t") == 0
     assert ledger.delete("other", "b1") is None
+
+
+def test_the_start_from_the_stored_prompts_is_the_ledgers_and_a_protected_head_is_never_demoted() -> None:
+    a1, a2, b1 = (1, 2, 10), (1, 2, 10, 11), (1, 2, 20)
+    assert shared_blocks(a2, b1) == 2 and shared_blocks(a1, a2) == 3 and shared_blocks((), a1) == 0
+    assert demote_start(a1, [a2, b1]) is None  # every block still inside a2
+    assert demote_start(a2, [b1]) == 2  # past the prefix b shares
+    assert demote_start(b1, []) == 0 and demote_start(b1, [], protected_blocks=2) == 2
+    assert demote_start(b1, [], protected_blocks=3) is None  # all of it protected
+    with pytest.raises(ValueError):
+        demote_start(b1, [], protected_blocks=-1)
+
+
+def test_demote_start_agrees_with_the_ledger_on_random_forking_conversations() -> None:
+    rng = random.Random(7)  # seed: the forks and delete order below
+    for _ in range(200):
+        prompts: dict[str, tuple[int, ...]] = {}
+        ledger = DemoteLedger()
+        for i in range(rng.randint(1, 8)):  # each prompt forks an earlier one at a random depth (chained ids)
+            base = prompts[rng.choice(list(prompts))] if prompts and rng.random() < 0.8 else ()
+            cut = base[:rng.randint(0, len(base))]
+            prompts[f"r{i}"] = cut + tuple(hash((cut, i, j)) for j in range(rng.randint(0 if cut else 1, 4)))
+            ledger.stored("t", f"r{i}", prompts[f"r{i}"])
+        order = list(prompts)
+        rng.shuffle(order)
+        live = dict(prompts)
+        for rid in order:
+            deleted = live.pop(rid)
+            assert demote_start(deleted, live.values()) == ledger.delete("t", rid)
 
 
 def test_tenants_do_not_share_counts() -> None:

@@ -12,15 +12,24 @@ them), and after the delete sends::
     input_ids       the prompt cut to its cached full blocks + 1 token (demote_length)
     max_new_tokens  1
     retention       the tenant's normal plan before the first block no other live stored
-                    response of the tenant holds (DemoteLedger), then
+                    response of the conversation holds (and past the system segment), then
                     TokenRangeRetentionConfig(start, None, priority 0, no duration),
                     decode priority 0
 
 The cached depth comes from the pool router's KV-event indexes (the deepest replica; a
 router without indexes gives no depth, and then nothing is sent: an uncut demote would
 prefill an evicted tail only to discard it, which the simulator measured as a loss).
-Only for a class with hints enabled (the same switch as the conversation hold). Fire and
-forget: the DELETE answers at once; a demote is not tenant usage (no admission, no billing)
+Which blocks are still held is read from the response store, not from this process's memory,
+so a gateway restarted since the conversation was stored, or another gateway sharing the
+registry, demotes the same blocks: every stored row keeps its conversation's ``root_id`` and
+its prompt's block hashes, and the range starts past the longest prefix the deleted prompt
+shares with any other live row of the conversation (:func:`retention.policy.demote.demote_start`).
+Other conversations of the tenant are not read (that would be every stored row); what they can
+share with this one is the system segment (same instructions and tools), which is never
+demoted. Rows stored before the store kept block hashes fall back to the process's
+:class:`~retention.policy.demote.DemoteLedger`; a conversation with a live row whose blocks are
+unknown is not demoted. Only for a class with ``conversation_hold_enabled`` (the switch of the
+conversation hold). Fire and forget: the DELETE answers at once; a demote is not tenant usage (no admission, no billing)
 and is counted in ``kvgate_conversation_demotes_total`` by outcome.
 """
 
@@ -35,7 +44,7 @@ from typing import Any
 
 from engines.contract import SamplingParams
 from retention.hashing import block_hashes
-from retention.policy.demote import demote_length, demote_plan
+from retention.policy.demote import demote_length, demote_plan, demote_start
 from server.gateway.api.completions import CompletionJob, build_plan, engine_request
 from server.gateway.api.prompting import PreparedPrompt
 from server.gateway.api.responses_convert import convert
@@ -49,12 +58,21 @@ _BODY_FIELDS = ("model", "instructions", "tools", "tool_choice")  # what shapes 
 
 @dataclass(frozen=True, slots=True)
 class DeletedPrompt:
-    """The deleted response's prompt as the engine saw it, and its full blocks' hashes."""
+    """The deleted response's prompt as the engine saw it, its full blocks' hashes, and the
+    prompt blocks of the other live rows of its conversation (None: the store does not know
+    them, the row predates stored block hashes)."""
 
     model: str
     prompt: PreparedPrompt
     tokenizer: Any  # ChatTokenizer
     hashes: tuple[int, ...]
+    live: tuple[tuple[int, ...], ...] | None = None
+
+    def start_block(self, tokens_per_block: int, local: int | None) -> int | None:
+        """The first block to demote: from the store's rows, else ``local`` (the process's ledger)."""
+        if self.live is None:
+            return local
+        return demote_start(self.hashes, self.live, protected_blocks=self.prompt.system_end // tokens_per_block)
 
 
 async def rebuild_prompt(services: Any, tenant: Any, response_id: str) -> DeletedPrompt | None:
@@ -70,12 +88,16 @@ async def rebuild_prompt(services: Any, tenant: Any, response_id: str) -> Delete
                                                 "input": items})
         prompter = await services.engines.prompter(tenant.pool)
         prompt = prompter.chat(convert(body, items).messages)
+        rows = await store.conversation_prompts(tenant_id=tenant.tenant_id, response_id=response_id)
     except (ServingError, ValueError, KeyError) as exc:  # pydantic's ValidationError is a ValueError
         log.info("no demote for %s: %s", response_id, exc)
         return None
-    tpb = tenant.pool.tokens_per_block
-    return DeletedPrompt(body.model, prompt, prompter.tokenizer,
-                         tuple(block_hashes(prompt.input_ids, tpb, salt=tenant.engine_salt)))
+    hashes = tuple(block_hashes(prompt.input_ids, tenant.pool.tokens_per_block, salt=tenant.engine_salt))
+    live = None
+    if rows.own is not None:
+        # A live row of the conversation whose blocks are unknown may hold any of them: counted as holding all.
+        live = (*rows.others, hashes) if rows.unknown else tuple(rows.others)
+    return DeletedPrompt(body.model, prompt, prompter.tokenizer, hashes, live)
 
 
 def cached_blocks(services: Any, tenant: Any, hashes: tuple[int, ...], now: float) -> int | None:
