@@ -14,7 +14,7 @@ Invariants:
 * ``input_items`` keep the request's items in order, each with a unique ``id``; pages of
   :func:`list_input_items` are cut by that id (OpenAI's ``after`` cursor).
 * ``root_id`` names the response a stored conversation started with, for every row of it
-  (forks included), so :func:`conversation_prompts` finds a conversation's live rows with one
+  (forks included), so :func:`conversation_rows` finds a conversation's live rows with one
   indexed query, on whichever gateway the delete lands; ``prompt_blocks`` (the prompt's full
   blocks' salted hashes) count against the byte cap like the row's JSON.
 
@@ -46,12 +46,12 @@ class StoreFull(Conflict):
 
 
 @dataclass(frozen=True, slots=True)
-class ConversationPrompts:
-    """A stored response's prompt blocks and those of the *other* live rows of its conversation."""
+class ConversationRow:
+    """One live stored response of a conversation, as a delete needs it."""
 
-    own: tuple[int, ...] | None  # None: stored before prompt blocks were kept
-    others: list[tuple[int, ...]]
-    unknown: int  # other live rows of the conversation without prompt blocks
+    id: str
+    previous_response_id: str | None
+    prompt_blocks: tuple[int, ...] | None  # None: stored before prompt blocks were kept
 
 
 @dataclass(frozen=True, slots=True)
@@ -143,23 +143,22 @@ def response_chain(session: Session, *, tenant_id: int, response_id: str, now: d
     return chain
 
 
-def conversation_prompts(session: Session, *, tenant_id: int, response_id: str, now: datetime
-                         ) -> ConversationPrompts:
-    """``response_id``'s prompt blocks and those of every other live row with its ``root_id``
-    (its ancestors, descendants and forks), read from the database alone: a gateway that never
+def conversation_rows(session: Session, *, tenant_id: int, response_id: str, now: datetime
+                      ) -> list[ConversationRow]:
+    """Every live row of ``response_id``'s conversation (its ``root_id``: ancestors, descendants,
+    forks), itself included, oldest first, read from the database alone: a gateway that never
     saw the conversation (restarted, or another one sharing the registry) gets the same answer.
 
-    A row stored without a ``root_id`` has no known relatives (``others`` empty). Not found
-    like :func:`get_response`."""
+    A row stored without a ``root_id`` is its own conversation. Not found like :func:`get_response`."""
     row = get_response(session, tenant_id=tenant_id, response_id=response_id, now=now)
-    own = None if row.prompt_blocks is None else tuple(int(h) for h in row.prompt_blocks)
     if row.root_id is None:
-        return ConversationPrompts(own, [], 0)
-    blocks = session.scalars(select(StoredResponse.prompt_blocks).where(
-        StoredResponse.tenant_id == tenant_id, StoredResponse.root_id == row.root_id,
-        StoredResponse.id != row.id, StoredResponse.expires_at > now)).all()
-    others = [tuple(int(h) for h in b) for b in blocks if b is not None]
-    return ConversationPrompts(own, others, len(blocks) - len(others))
+        rows = [row]
+    else:
+        rows = list(session.scalars(select(StoredResponse).where(
+            StoredResponse.tenant_id == tenant_id, StoredResponse.root_id == row.root_id,
+            StoredResponse.expires_at > now).order_by(StoredResponse.created_at, StoredResponse.id)))
+    return [ConversationRow(r.id, r.previous_response_id,
+                            None if r.prompt_blocks is None else tuple(int(h) for h in r.prompt_blocks)) for r in rows]
 
 
 def list_input_items(session: Session, *, tenant_id: int, response_id: str, now: datetime, limit: int = 20,

@@ -84,7 +84,7 @@ class ResponseStore:
         """Store a finished response; False (nothing stored) when the tenant's cap is reached
         meanwhile or the registry fails: the answer is still delivered, with ``store: false``.
         ``root_id`` and ``prompt_blocks`` let a delete on any gateway find what the conversation's
-        other live responses hold (``tenants.responses.conversation_prompts``)."""
+        other live responses hold (``tenants.responses.conversation_rows``)."""
         body = {k: v for k, v in response.items() if k != "output"}
         try:
             await self._call(stored.store_response, tenant_id=tenant_id, response_id=response["id"],
@@ -107,9 +107,9 @@ class ResponseStore:
         row = await self._call(stored.get_response, tenant_id=tenant_id, response_id=response_id)
         return {**row.body, "output": row.output_items}
 
-    async def conversation_prompts(self, *, tenant_id: int, response_id: str) -> stored.ConversationPrompts:
-        """The response's stored prompt blocks and its conversation's other live ones (404 if gone)."""
-        return await self._call(stored.conversation_prompts, tenant_id=tenant_id, response_id=response_id)
+    async def conversation_rows(self, *, tenant_id: int, response_id: str) -> list[stored.ConversationRow]:
+        """The live rows of the response's conversation, itself included (404 if it is gone)."""
+        return await self._call(stored.conversation_rows, tenant_id=tenant_id, response_id=response_id)
 
     async def delete(self, *, tenant_id: int, response_id: str) -> None:
         await self._call(stored.delete_response, tenant_id=tenant_id, response_id=response_id)

@@ -27,7 +27,7 @@ from engines.contract import SamplingParams
 from retention.hashing import block_hashes
 from retention.policy.conversation import ConversationRequest
 from server.gateway.api.completions import REPLICA_HEADER, CompletionJob
-from server.gateway.api.conversation_demote import rebuild_prompt
+from server.gateway.api.conversation_demote import doomed_prompts
 from server.gateway.api.responses_convert import conversation_hints, convert, normalize_items, refuse_unservable
 from server.gateway.api.responses_render import ResponsesDialect
 from server.gateway.api.responses_schemas import OUTPUT_LOGPROBS, ResponsesRequest
@@ -113,15 +113,16 @@ async def delete_response(response_id: str, tenant: Tenant, services: Gateway) -
     store = _store(services)
     # Demote on delete (conversation_demote.py): the prompt and what the conversation's other live
     # responses hold are read from the store before the row is gone.
-    deleted = await rebuild_prompt(services, tenant, response_id) if tenant.conversation_hold else None
+    doomed = await doomed_prompts(services, tenant, response_id) if tenant.conversation_hold else []
     await store.delete(tenant_id=tenant.tenant_id, response_id=response_id)
     # The conversation hold is no longer measured or renewed (what the engine holds runs out on its own) ...
     holds = services.holds
     holds.deleted(tenant.pool.name, tenant.engine_tenant_id, response_id)
     local = holds.demote_start(tenant.pool.name, tenant.engine_tenant_id, response_id)
-    start = None if deleted is None else deleted.start_block(tenant.pool.tokens_per_block, local)
-    if start is not None:  # ... but what is still cached of it goes back to priority 0
-        services.demotes.spawn(services, tenant, deleted, start)
+    for prompt in doomed:  # ... but what is still cached of it (and of its orphans) goes back to priority 0
+        start = prompt.start_block(tenant.pool.tokens_per_block, local)
+        if start is not None:
+            services.demotes.spawn(services, tenant, prompt, start)
     return {"id": response_id, "object": "response", "deleted": True}  # OpenAI's answer
 
 

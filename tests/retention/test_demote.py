@@ -8,7 +8,7 @@ import pytest
 
 import random
 
-from retention.policy.demote import DemoteLedger, demote_length, demote_plan, demote_start, shared_blocks
+from retention.policy.demote import DemoteLedger, demote_length, demote_plan, demote_start, orphaned, shared_blocks
 from retention.pool import BlockPool, PoolConfig
 from retention.simulation.sim_policies import make_policy
 from retention.simulation.simulator import SimConfig, simulate
@@ -132,3 +132,15 @@ def test_the_simulator_replays_one_demote_per_deleted_chain_counted_apart() -> N
     assert demoted.demote_computed_tokens == 1  # the cut prompt: cached blocks + one token
     assert (demoted.requests, demoted.prompt_tokens) == (base.requests, base.prompt_tokens)  # never in the hit rate
     assert demoted.hit_tokens == base.hit_tokens  # room for everything: the demote changes no hit
+
+
+def test_a_delete_orphans_its_descendants_and_names_their_leaves() -> None:
+    #   r1 ─ r2 ─ r3 ─ r4        (a chain)
+    #         └─ f1             (a fork off r2)
+    #   r1 ─ g1                 (a fork off r1)
+    parents = {"r1": None, "r2": "r1", "r3": "r2", "f1": "r2", "r4": "r3", "g1": "r1"}
+    assert orphaned(parents, "r2") == ({"r2", "r3", "r4", "f1"}, ["f1", "r4"])
+    assert orphaned(parents, "r4") == ({"r4"}, ["r4"])
+    assert orphaned(parents, "r1") == (set(parents), ["f1", "r4", "g1"])
+    assert orphaned(parents, "gone") == ({"gone"}, ["gone"])  # not among the live rows: itself only
+    assert orphaned({"a": "b", "b": "a"}, "c") == ({"c"}, ["c"])  # no loop on a cycle

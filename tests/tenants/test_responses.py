@@ -159,12 +159,15 @@ def test_a_conversations_live_prompt_blocks_are_read_back_by_root(session, two_t
     put(globex, "g1", "r1", [big, 2, 3])  # another tenant's row under the same root id: never read
     put(acme, "old", None, [big])  # stored before roots were kept: no relatives
     later = T0 + timedelta(minutes=1)
-    got = responses.conversation_prompts(session, tenant_id=acme, response_id="r2", now=later)
-    assert got.own == (big, 2, 3) and sorted(got.others) == [(big, 2), (big, 5)] and got.unknown == 1
-    assert responses.conversation_prompts(session, tenant_id=acme, response_id="old", now=later) == \
-        responses.ConversationPrompts((big,), [], 0)
+
+    def rows(tenant_id: int, ident: str) -> list[tuple]:  # type: ignore[type-arg]
+        return [(r.id, r.previous_response_id, r.prompt_blocks)
+                for r in responses.conversation_rows(session, tenant_id=tenant_id, response_id=ident, now=later)]
+
+    conversation = [("r1", None, (big, 2)), ("r2", None, (big, 2, 3)), ("r3", None, (big, 5)), ("r4", None, None)]
+    assert rows(acme, "r2") == conversation  # oldest first, the expired r5 and the others' rows left out
+    assert rows(acme, "old") == [("old", None, (big,))]
     responses.delete_response(session, tenant_id=acme, response_id="r1", now=later)
-    got = responses.conversation_prompts(session, tenant_id=acme, response_id="r3", now=later)
-    assert sorted(got.others) == [(big, 2, 3)] and got.unknown == 1
+    assert rows(acme, "r3") == conversation[1:]
     with pytest.raises(NotFound):
-        responses.conversation_prompts(session, tenant_id=globex, response_id="r3", now=later)
+        rows(globex, "r3")
