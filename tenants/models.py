@@ -251,6 +251,9 @@ class RetentionClass(Timestamped, Base):
     hint_max_ttl_ms: Mapped[int] = mapped_column(BigInteger, default=3_600_000, server_default="3600000")
     hint_max_priority: Mapped[int] = mapped_column(Integer, default=60, server_default="60")
     hint_quota_fraction: Mapped[float] = mapped_column(Float, default=0.5, server_default="0.5")
+    # The conversation and tool-loop hold (retention/policy/conversation.py) and the demote on
+    # delete: its own switch, bounded by the hint caps above. Off by default: a class opts in.
+    conversation_hold_enabled: Mapped[bool] = mapped_column(Boolean, default=False, server_default=false())
 
 
 class Tenant(Timestamped, Base):
@@ -416,13 +419,18 @@ class StoredResponse(Base):
     prompt from the chain of these. ``body`` is the response object without ``output``.
     ``previous_response_id`` is not a foreign key: an ancestor may expire or be deleted
     before its descendants, and a continuation then fails with "not found", as OpenAI's does.
-    ``size_bytes`` is what the row counts against the tenant's byte cap (its JSON's length).
+    ``size_bytes`` is what the row counts against the tenant's byte cap (its JSON's length,
+    the prompt blocks included). ``root_id`` is the id of the response its conversation started
+    with (its own for a first turn) and ``prompt_blocks`` the salted hashes of its prompt's full
+    blocks as the engine saw them: a delete on any gateway finds from these which blocks other
+    live responses of the conversation still hold (NULL in rows stored before they existed).
     """
 
     __tablename__ = "stored_responses"
     __table_args__ = (
         CheckConstraint("size_bytes >= 0", name="size_bytes_nonneg"),
         Index("ix_stored_responses_tenant_expires", "tenant_id", "expires_at"),
+        Index("ix_stored_responses_tenant_root", "tenant_id", "root_id"),
     )
 
     id: Mapped[str] = mapped_column(String(64), primary_key=True)
@@ -435,3 +443,5 @@ class StoredResponse(Base):
     size_bytes: Mapped[int] = mapped_column(BigInteger)
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
     expires_at: Mapped[datetime] = mapped_column()
+    root_id: Mapped[str | None] = mapped_column(String(64))
+    prompt_blocks: Mapped[list[int] | None] = mapped_column(JSON)

@@ -13,6 +13,10 @@ Invariants:
   stores nothing. :func:`check_room` lets the edge refuse before it spends an engine call.
 * ``input_items`` keep the request's items in order, each with a unique ``id``; pages of
   :func:`list_input_items` are cut by that id (OpenAI's ``after`` cursor).
+* ``root_id`` names the response a stored conversation started with, for every row of it
+  (forks included), so :func:`conversation_rows` finds a conversation's live rows with one
+  indexed query, on whichever gateway the delete lands; ``prompt_blocks`` (the prompt's full
+  blocks' salted hashes) count against the byte cap like the row's JSON.
 
 Rows are data, not configuration: no audit events.
 """
@@ -42,6 +46,15 @@ class StoreFull(Conflict):
 
 
 @dataclass(frozen=True, slots=True)
+class ConversationRow:
+    """One live stored response of a conversation, as a delete needs it."""
+
+    id: str
+    previous_response_id: str | None
+    prompt_blocks: tuple[int, ...] | None  # None: stored before prompt blocks were kept
+
+
+@dataclass(frozen=True, slots=True)
 class InputItemsPage:
     items: list[dict[str, Any]]
     has_more: bool
@@ -51,10 +64,11 @@ def _not_found(response_id: str) -> NotFound:
     return NotFound(f"no response with id {response_id[:80]!r}", field="response_id", code="response_not_found")
 
 
-def row_size(*, input_items: list, output_items: list, body: dict) -> int:
+def row_size(*, input_items: list, output_items: list, body: dict, prompt_blocks: list | None = None) -> int:
     """Bytes a row counts against the cap: the length of its JSON parts."""
-    return sum(len(json.dumps(part, separators=(",", ":"), ensure_ascii=False).encode())
-               for part in (input_items, output_items, body))
+    parts = (input_items, output_items, body) if prompt_blocks is None else (input_items, output_items, body,
+                                                                             prompt_blocks)
+    return sum(len(json.dumps(part, separators=(",", ":"), ensure_ascii=False).encode()) for part in parts)
 
 
 def stored_bytes(session: Session, *, tenant_id: int, now: datetime) -> int:
@@ -74,18 +88,25 @@ def check_room(session: Session, *, tenant_id: int, now: datetime, incoming: int
 
 def store_response(session: Session, *, tenant_id: int, response_id: str, previous_response_id: str | None,
                    model: str, input_items: list, output_items: list, body: dict, now: datetime, ttl: timedelta,
-                   max_bytes: int) -> StoredResponse:
-    """Store one response (one transaction); expired rows of the tenant are purged first."""
+                   max_bytes: int, root_id: str | None = None,
+                   prompt_blocks: list[int] | None = None) -> StoredResponse:
+    """Store one response (one transaction); expired rows of the tenant are purged first.
+
+    ``root_id``: the response its conversation started with (its own id for a first turn);
+    ``prompt_blocks``: its prompt's full blocks' hashes, root first (see the module docstring)."""
     if ttl <= timedelta(0):
         raise InvalidField("ttl must be positive", field="ttl")
-    size = row_size(input_items=input_items, output_items=output_items, body=body)
+    if prompt_blocks is not None:
+        prompt_blocks = [int(h) for h in prompt_blocks]
+    size = row_size(input_items=input_items, output_items=output_items, body=body, prompt_blocks=prompt_blocks)
     with mutation(session, unique_field="id", entity="response"):
         session.execute(delete(StoredResponse).where(StoredResponse.tenant_id == tenant_id,
                                                      StoredResponse.expires_at <= now))
         check_room(session, tenant_id=tenant_id, now=now, incoming=size, max_bytes=max_bytes)
         row = StoredResponse(id=response_id, tenant_id=tenant_id, previous_response_id=previous_response_id,
                              model=model, input_items=input_items, output_items=output_items, body=body,
-                             size_bytes=size, created_at=now, expires_at=now + ttl)
+                             size_bytes=size, created_at=now, expires_at=now + ttl, root_id=root_id,
+                             prompt_blocks=prompt_blocks)
         session.add(row)
     return row
 
@@ -120,6 +141,24 @@ def response_chain(session: Session, *, tenant_id: int, response_id: str, now: d
         current = row.previous_response_id
     chain.reverse()
     return chain
+
+
+def conversation_rows(session: Session, *, tenant_id: int, response_id: str, now: datetime
+                      ) -> list[ConversationRow]:
+    """Every live row of ``response_id``'s conversation (its ``root_id``: ancestors, descendants,
+    forks), itself included, oldest first, read from the database alone: a gateway that never
+    saw the conversation (restarted, or another one sharing the registry) gets the same answer.
+
+    A row stored without a ``root_id`` is its own conversation. Not found like :func:`get_response`."""
+    row = get_response(session, tenant_id=tenant_id, response_id=response_id, now=now)
+    if row.root_id is None:
+        rows = [row]
+    else:
+        rows = list(session.scalars(select(StoredResponse).where(
+            StoredResponse.tenant_id == tenant_id, StoredResponse.root_id == row.root_id,
+            StoredResponse.expires_at > now).order_by(StoredResponse.created_at, StoredResponse.id)))
+    return [ConversationRow(r.id, r.previous_response_id,
+                            None if r.prompt_blocks is None else tuple(int(h) for h in r.prompt_blocks)) for r in rows]
 
 
 def list_input_items(session: Session, *, tenant_id: int, response_id: str, now: datetime, limit: int = 20,

@@ -33,6 +33,8 @@ _VALIDATORS: dict[str, Any] = {
     "hint_max_ttl_ms": lambda x: v.positive_duration(x, field="hint_max_ttl_ms"),
     "hint_max_priority": lambda x: v.priority(x, field="hint_max_priority"),
     "hint_quota_fraction": lambda x: v.fraction(x, field="hint_quota_fraction"),
+    # The conversation and tool-loop hold (retention/policy/conversation.py), within the hint caps.
+    "conversation_hold_enabled": lambda x: v.boolean(x, field="conversation_hold_enabled"),
 }
 for _seg in SEGMENT_FIELDS:
     _VALIDATORS[f"{_seg}_priority"] = lambda x, f=f"{_seg}_priority": v.priority(x, field=f)
@@ -69,9 +71,11 @@ def create_class(
     hint_max_ttl_ms: int = 3_600_000,
     hint_max_priority: int = 60,
     hint_quota_fraction: float = 0.5,
+    conversation_hold_enabled: bool = False,
 ) -> RetentionClass:
     """Defaults: system prompts pinned high, context kept ~10 min, the last turn ~30 s;
-    client hints ignored (when enabled: at most 1 h, priority 60, half the tenant's quota)."""
+    client hints ignored (when enabled: at most 1 h, priority 60, half the tenant's quota);
+    no conversation or tool-loop hold (when enabled: within the same hint caps)."""
     values = _validated(
         dict(
             name=name,
@@ -89,6 +93,7 @@ def create_class(
             hint_max_ttl_ms=hint_max_ttl_ms,
             hint_max_priority=hint_max_priority,
             hint_quota_fraction=hint_quota_fraction,
+            conversation_hold_enabled=conversation_hold_enabled,
         )
     )
     with mutation(session, unique_field="name", entity="retention class"):

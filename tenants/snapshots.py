@@ -97,6 +97,7 @@ class RetentionClassSnapshot:
     decode: SegmentRetention
     mode: str = "static"
     hints: HintPolicy = HINTS_OFF
+    conversation_hold: bool = False  # tool loops and stored conversations held (within the hint caps)
 
     @classmethod
     def of(cls, row: RetentionClass) -> RetentionClassSnapshot:
@@ -110,6 +111,7 @@ class RetentionClassSnapshot:
             mode=row.mode,
             hints=HintPolicy(enabled=row.hints_enabled, max_ttl_ms=row.hint_max_ttl_ms,
                              max_priority=row.hint_max_priority, quota_fraction=row.hint_quota_fraction),
+            conversation_hold=row.conversation_hold_enabled,
         )
 
 

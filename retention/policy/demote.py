@@ -27,13 +27,31 @@ no range covers would keep its priority but lose its duration (``KvCacheRetentio
 getPerBlockRetentionPriorityDuration`` gives it ``(nullopt, nullopt)``), which would pin a
 held shared prefix with no expiry, so the demote plan carries the normal plan's ranges there.
 
+The same rule without a ledger (:func:`demote_start`): given the deleted prompt's hashes and
+the prompts of the other live stored responses that may share it (a gateway reads them from
+the response store, so a restarted gateway, or another one sharing the registry, demotes the
+same blocks), the range starts past the longest prefix any of them shares. With chained
+hashes "another prompt holds block i" is "it agrees on the first i + 1 hashes", so this is
+the ledger's first block with count 0. The caller may also protect a leading segment it
+cannot see the other holders of (the gateway: the system segment, which every conversation
+with the same instructions and tools shares, stored or not).
+
+A delete also orphans the deleted response's *descendants*: a continuation rebuilds its
+prompt from the whole stored chain, so once a link is gone no descendant can be continued
+(the store answers "not found", as OpenAI's does) and the blocks they hold are dead too.
+:func:`orphaned` names them from the conversation's parent links; the caller demotes the
+orphaned leaves' prompts (each covers its ancestors' blocks), held only by what the rows
+outside the orphaned subtree hold. Deleting a chain oldest first then demotes it at once,
+where counting descendants as holders (the ledger) would never demote it: the last delete
+could no longer rebuild its prompt from the broken chain.
+
 Pure: no clock, no I/O. Memory per tenant: at most ``MAX_TRACKED`` responses (the oldest
 are forgotten, their counts dropped).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from retention.types import MIN_PRIORITY, RetentionPlan, TokenRange
@@ -99,6 +117,65 @@ class DemoteLedger:
         return 0 if state is None else len(state.responses)
 
 
+def orphaned(parents: Mapping[str, str | None], deleted: str) -> tuple[set[str], list[str]]:
+    """The responses a delete leaves without a continuable chain, and the leaves among them.
+
+    ``parents`` maps each live response of the conversation to its ``previous_response_id``
+    (insertion order kept for the leaves). Returns ``deleted`` and every response whose chain
+    of parents reaches it, and those of them no other of them continues (in ``parents``'
+    order; ``[deleted]`` when it has no live descendant). A response whose chain leaves the
+    conversation's live rows without reaching ``deleted`` is not orphaned by this delete.
+    """
+    dead: dict[str, bool] = {deleted: True}
+
+    def reaches(rid: str) -> bool:
+        path = []
+        current: str | None = rid
+        while current is not None and current not in dead:
+            path.append(current)
+            current = parents.get(current)
+            if current in path:  # a cycle cannot be stored; never loop on one
+                current = None
+        verdict = current is not None and dead[current]
+        for r in path:
+            dead[r] = verdict
+        return verdict
+
+    subtree = {rid for rid in parents if reaches(rid)} | {deleted}
+    parented = {parents.get(rid) for rid in subtree}
+    leaves = [rid for rid in parents if rid in subtree and rid not in parented]
+    if deleted not in parents and deleted not in parented:
+        leaves.append(deleted)
+    return subtree, leaves
+
+
+def shared_blocks(prompt: Sequence[int], other: Sequence[int]) -> int:
+    """How many leading blocks two prompts share (chained hashes: equal at ``i`` means equal up to ``i``)."""
+    n = 0
+    for a, b in zip(prompt, other):
+        if a != b:
+            break
+        n += 1
+    return n
+
+
+def demote_start(deleted: Sequence[int], live: Iterable[Sequence[int]], *, protected_blocks: int = 0) -> int | None:
+    """The index of ``deleted``'s first block that no prompt of ``live`` holds, at or past
+    ``protected_blocks``; None when there is none (everything is still held or protected).
+
+    Invariant: every block before the returned index is held by some live prompt or
+    protected, and the returned block and all after it are held by none (chained hashes).
+    """
+    if protected_blocks < 0:
+        raise ValueError("protected_blocks must be >= 0")
+    start = protected_blocks
+    for other in live:
+        start = max(start, shared_blocks(deleted, other))
+        if start >= len(deleted):
+            return None
+    return start if start < len(deleted) else None
+
+
 def demote_length(cached_blocks: int, start_token: int, tokens_per_block: int, prompt_tokens: int) -> int | None:
     """How much of the deleted prompt to send: its cached full blocks and one token more.
 
@@ -131,4 +208,4 @@ def demote_plan(normal: RetentionPlan, start_token: int) -> RetentionPlan:
     return RetentionPlan((*head, TokenRange(start_token, None, DEMOTE_PRIORITY, None)), DEMOTE_PRIORITY, None)
 
 
-__all__ = ["DEMOTE_PRIORITY", "DemoteLedger", "demote_length", "demote_plan"]
+__all__ = ["DEMOTE_PRIORITY", "DemoteLedger", "demote_length", "demote_plan", "demote_start", "orphaned", "shared_blocks"]

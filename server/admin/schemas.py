@@ -38,7 +38,7 @@ RetentionMode = Literal["static", "adaptive"]
 T = TypeVar("T")
 
 
-BOOLEAN_FIELDS = frozenset({"hints_enabled"})
+BOOLEAN_FIELDS = frozenset({"hints_enabled", "conversation_hold_enabled"})
 
 
 class Strict(BaseModel):
@@ -205,6 +205,9 @@ class RetentionClassCreate(Strict):
     hint_max_ttl_ms: int = Field(3_600_000, gt=0, le=2**31 - 1, description="longest duration a hint may ask for")
     hint_max_priority: Priority = Field(60, description="the priority hinted tokens get (at most)")
     hint_quota_fraction: float = Field(0.5, gt=0, le=1, description="share of the tenant's KV quota hinted blocks may hold")
+    conversation_hold_enabled: bool = Field(
+        False, description="hold tool loops and stored Responses conversations for their measured gap (within the "
+        "hint caps), and demote a deleted stored conversation's blocks")
 
 
 class RetentionClassUpdate(Strict):
@@ -224,6 +227,7 @@ class RetentionClassUpdate(Strict):
     hint_max_ttl_ms: int | None = Field(None, gt=0, le=2**31 - 1)
     hint_max_priority: Priority | None = None
     hint_quota_fraction: float | None = Field(None, gt=0, le=1)
+    conversation_hold_enabled: bool | None = None
 
 
 class RetentionClassPublic(Public):
@@ -243,6 +247,7 @@ class RetentionClassPublic(Public):
     hint_max_ttl_ms: int
     hint_max_priority: int
     hint_quota_fraction: float
+    conversation_hold_enabled: bool
     version: Version
     created_at: datetime
     updated_at: datetime

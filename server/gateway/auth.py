@@ -56,6 +56,7 @@ def to_context(snapshot: AuthenticatedTenant) -> TenantContext:
         retention_mode=cls.mode,
         retention_class=cls.name,
         hints=cls.hints,
+        conversation_hold=cls.conversation_hold,
     )
 
 

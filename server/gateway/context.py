@@ -33,6 +33,9 @@ class TenantContext:
     retention_mode: str = "static"  # static | adaptive (retention/policy/adaptive.py)
     retention_class: str = ""  # the class's name (trace capture lines carry it)
     hints: HintPolicy = HINTS_OFF  # the class's rules for client cache hints (retention/policy/hint_plan.py)
+    # The class's own switch for the conversation and tool-loop hold and the demote on delete
+    # (server/gateway/api/conversation_hold.py); bounded by the hint caps above, not by ``hints.enabled``.
+    conversation_hold: bool = False
     # None while this context is still within the auth TTL of the registry read it came from
     # (and no admin write on this gateway cleared the cache since); else the same key
     # authenticated now (a 401/403/503 ServingError when that fails). None also when no

@@ -79,15 +79,18 @@ class ResponseStore:
     async def check_room(self, *, tenant_id: int, incoming: int) -> None:
         await self._call(stored.check_room, tenant_id=tenant_id, incoming=incoming, max_bytes=self.max_bytes)
 
-    async def store(self, *, tenant_id: int, response: dict, input_items: list[dict]) -> bool:
+    async def store(self, *, tenant_id: int, response: dict, input_items: list[dict], root_id: str | None = None,
+                    prompt_blocks: list[int] | None = None) -> bool:
         """Store a finished response; False (nothing stored) when the tenant's cap is reached
-        meanwhile or the registry fails: the answer is still delivered, with ``store: false``."""
+        meanwhile or the registry fails: the answer is still delivered, with ``store: false``.
+        ``root_id`` and ``prompt_blocks`` let a delete on any gateway find what the conversation's
+        other live responses hold (``tenants.responses.conversation_rows``)."""
         body = {k: v for k, v in response.items() if k != "output"}
         try:
             await self._call(stored.store_response, tenant_id=tenant_id, response_id=response["id"],
                              previous_response_id=response.get("previous_response_id"), model=response["model"],
                              input_items=input_items, output_items=response["output"], body=body, ttl=self.ttl,
-                             max_bytes=self.max_bytes)
+                             max_bytes=self.max_bytes, root_id=root_id, prompt_blocks=prompt_blocks)
         except ServingError as exc:
             log.warning("response %s not stored: %s", response["id"], exc.message)
             return False
@@ -103,6 +106,10 @@ class ResponseStore:
     async def get(self, *, tenant_id: int, response_id: str) -> dict:
         row = await self._call(stored.get_response, tenant_id=tenant_id, response_id=response_id)
         return {**row.body, "output": row.output_items}
+
+    async def conversation_rows(self, *, tenant_id: int, response_id: str) -> list[stored.ConversationRow]:
+        """The live rows of the response's conversation, itself included (404 if it is gone)."""
+        return await self._call(stored.conversation_rows, tenant_id=tenant_id, response_id=response_id)
 
     async def delete(self, *, tenant_id: int, response_id: str) -> None:
         await self._call(stored.delete_response, tenant_id=tenant_id, response_id=response_id)

@@ -24,9 +24,10 @@ from fastapi import APIRouter, Query
 from fastapi.responses import JSONResponse
 
 from engines.contract import SamplingParams
+from retention.hashing import block_hashes
 from retention.policy.conversation import ConversationRequest
 from server.gateway.api.completions import REPLICA_HEADER, CompletionJob
-from server.gateway.api.conversation_demote import rebuild_prompt
+from server.gateway.api.conversation_demote import doomed_prompts
 from server.gateway.api.responses_convert import conversation_hints, convert, normalize_items, refuse_unservable
 from server.gateway.api.responses_render import ResponsesDialect
 from server.gateway.api.responses_schemas import OUTPUT_LOGPROBS, ResponsesRequest
@@ -66,11 +67,16 @@ async def create_response(body: ResponsesRequest, tenant: Tenant, services: Gate
     callback = None
     if store:
         responses = _store(services)
+        # The prompt's full blocks as the engine sees them, kept with the row: a delete on any gateway
+        # reads from them which blocks the conversation's other live responses hold (conversation_demote.py).
+        blocks = block_hashes(prompt.input_ids, tenant.pool.tokens_per_block, salt=tenant.engine_salt)
         await responses.check_room(tenant_id=tenant.tenant_id,
-                                   incoming=row_size(input_items=items, output_items=[], body={}))
+                                   incoming=row_size(input_items=items, output_items=[], body={}, prompt_blocks=blocks))
 
         async def callback(response: dict) -> bool:
-            return await responses.store(tenant_id=tenant.tenant_id, response=response, input_items=items)
+            # root_id is read when the answer is stored: by then it names this conversation's first response.
+            return await responses.store(tenant_id=tenant.tenant_id, response=response, input_items=items,
+                                         root_id=root_id, prompt_blocks=blocks)
 
     sampling = SamplingParams(temperature=1.0 if body.temperature is None else body.temperature,
                               top_p=1.0 if body.top_p is None else body.top_p)
@@ -105,15 +111,18 @@ async def retrieve_response(response_id: str, tenant: Tenant, services: Gateway)
 @router.delete("/{response_id}")
 async def delete_response(response_id: str, tenant: Tenant, services: Gateway) -> dict:
     store = _store(services)
-    # Demote on delete (conversation_demote.py): the prompt is rebuilt from the chain before it is gone.
-    deleted = await rebuild_prompt(services, tenant, response_id) if tenant.hints.enabled else None
+    # Demote on delete (conversation_demote.py): the prompt and what the conversation's other live
+    # responses hold are read from the store before the row is gone.
+    doomed = await doomed_prompts(services, tenant, response_id) if tenant.conversation_hold else []
     await store.delete(tenant_id=tenant.tenant_id, response_id=response_id)
     # The conversation hold is no longer measured or renewed (what the engine holds runs out on its own) ...
-    holds = services.runner.holds
+    holds = services.holds
     holds.deleted(tenant.pool.name, tenant.engine_tenant_id, response_id)
-    start = holds.demote_start(tenant.pool.name, tenant.engine_tenant_id, response_id)
-    if deleted is not None and start is not None:  # ... but what is still cached of it goes back to priority 0
-        services.demotes.spawn(services, tenant, deleted, start)
+    local = holds.demote_start(tenant.pool.name, tenant.engine_tenant_id, response_id)
+    for prompt in doomed:  # ... but what is still cached of it (and of its orphans) goes back to priority 0
+        start = prompt.start_block(tenant.pool.tokens_per_block, local)
+        if start is not None:
+            services.demotes.spawn(services, tenant, prompt, start)
     return {"id": response_id, "object": "response", "deleted": True}  # OpenAI's answer
 
 

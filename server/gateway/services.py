@@ -19,6 +19,7 @@ from prometheus_client import CollectorRegistry
 from retention.policy.adaptive import AdaptiveConfig
 from retention.policy.selection import AdaptiveSelector
 from server.gateway.api.conversation_demote import Demotes
+from server.gateway.api.conversation_hold import ConversationHolds
 from server.gateway.admission import Admission
 from server.gateway.auth import KeyAuthenticator
 from server.gateway.observe.capture import TraceCaptures
@@ -68,7 +69,16 @@ class GatewayServices:
     draining: bool = False  # set by the SIGTERM drain (server.gateway.drain): new requests get 503
     in_flight: int = 0  # serving requests not yet fully answered (server.gateway.drain.InFlight)
     demotes: Demotes = field(default_factory=Demotes)  # demote-on-delete requests in flight (conversation_demote.py)
+    # The conversation and tool-loop holds (conversation_hold.py), injected by the factory into the
+    # runner too; None: the runner's own (services built by hand in tests).
+    holds: ConversationHolds | None = None
     _tasks: list[asyncio.Task] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if self.holds is None:
+            self.holds = self.runner.holds
+        elif self.holds is not self.runner.holds:
+            raise ValueError("the runner must plan with the services' conversation holds")
 
     async def _loop(self, interval: float, step, name: str) -> None:
         while True:
@@ -176,14 +186,15 @@ def build_gateway_services(*, session_factory, pepper: str, tokenizer_for, admis
     usage = UsageRecorder(session_factory, journal=journal)
     guards = SloGuards(session_factory=session_factory, pools=lambda: list(engines.pools.values()), registry=registry)
     captures = TraceCaptures(session_factory, trace_dir, registry) if trace_dir is not None else None
+    holds = ConversationHolds()  # one per process: the runner plans with it, the DELETE route tells it
     return GatewayServices(
         auth=KeyAuthenticator(session_factory, pepper=pepper, ttl=auth_ttl),
         admission=admission, engines=engines, usage=usage, monitor=monitor, registry=registry, metrics=metrics,
         runner=CompletionRunner(admission=admission, metrics=metrics, usage=usage.record, selector_for=selector_for,
                                 guard=guards, curves=curves,
-                                capture=captures.offer if captures is not None else None),
+                                capture=captures.offer if captures is not None else None, holds=holds),
         routing=router,
         selectors=selectors, slo_guards=guards, captures=captures, curves=curves if curves.enabled else None,
         responses=ResponseStore(session_factory, ttl_s=responses_ttl_s, max_bytes=responses_max_bytes),
-        intervals=intervals or LoopIntervals(),
+        intervals=intervals or LoopIntervals(), holds=holds,
     )

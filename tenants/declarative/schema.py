@@ -10,7 +10,8 @@ Shape (every list optional; a list's absence means "this kind is not managed by 
                 hysteresis?, enabled?, pilot_fraction?}}   # the whole SLO budget (tenants.slo)
     retention_classes: # RetentionClassCreate fields
       - {name, description?, <segment>_priority?, <segment>_duration_ms?, ..., mode?,
-         hints_enabled?, hint_max_ttl_ms?, hint_max_priority?, hint_quota_fraction?}
+         hints_enabled?, hint_max_ttl_ms?, hint_max_priority?, hint_quota_fraction?,
+         conversation_hold_enabled?}
     tenants:           # TenantCreate fields, pool and class by name, optional status
       - {slug, display_name?, pool, retention_class, isolation?, kv_quota_fraction?,
          rpm_limit?, tpm_limit?, max_concurrent_requests?, max_prompt_tokens?,
@@ -101,6 +102,7 @@ class RetentionClassSpec(_Item):
     hint_max_ttl_ms: StrictInt = 3_600_000
     hint_max_priority: StrictInt = 60
     hint_quota_fraction: StrictFloat | StrictInt = 0.5
+    conversation_hold_enabled: StrictBool = False
 
 
 class TenantSpec(_Item):

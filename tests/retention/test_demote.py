@@ -6,7 +6,9 @@ import json
 
 import pytest
 
-from retention.policy.demote import DemoteLedger, demote_length, demote_plan
+import random
+
+from retention.policy.demote import DemoteLedger, demote_length, demote_plan, demote_start, orphaned, shared_blocks
 from retention.pool import BlockPool, PoolConfig
 from retention.simulation.sim_policies import make_policy
 from retention.simulation.simulator import SimConfig, simulate
@@ -28,6 +30,35 @@ def test_a_delete_demotes_only_blocks_no_other_live_response_holds() -> None:
     assert ledger.delete("t", "b1") == 0  # nobody else holds the system blocks any more
     assert ledger.live("t") == 0
     assert ledger.delete("other", "b1") is None
+
+
+def test_the_start_from_the_stored_prompts_is_the_ledgers_and_a_protected_head_is_never_demoted() -> None:
+    a1, a2, b1 = (1, 2, 10), (1, 2, 10, 11), (1, 2, 20)
+    assert shared_blocks(a2, b1) == 2 and shared_blocks(a1, a2) == 3 and shared_blocks((), a1) == 0
+    assert demote_start(a1, [a2, b1]) is None  # every block still inside a2
+    assert demote_start(a2, [b1]) == 2  # past the prefix b shares
+    assert demote_start(b1, []) == 0 and demote_start(b1, [], protected_blocks=2) == 2
+    assert demote_start(b1, [], protected_blocks=3) is None  # all of it protected
+    with pytest.raises(ValueError):
+        demote_start(b1, [], protected_blocks=-1)
+
+
+def test_demote_start_agrees_with_the_ledger_on_random_forking_conversations() -> None:
+    rng = random.Random(7)  # seed: the forks and delete order below
+    for _ in range(200):
+        prompts: dict[str, tuple[int, ...]] = {}
+        ledger = DemoteLedger()
+        for i in range(rng.randint(1, 8)):  # each prompt forks an earlier one at a random depth (chained ids)
+            base = prompts[rng.choice(list(prompts))] if prompts and rng.random() < 0.8 else ()
+            cut = base[:rng.randint(0, len(base))]
+            prompts[f"r{i}"] = cut + tuple(hash((cut, i, j)) for j in range(rng.randint(0 if cut else 1, 4)))
+            ledger.stored("t", f"r{i}", prompts[f"r{i}"])
+        order = list(prompts)
+        rng.shuffle(order)
+        live = dict(prompts)
+        for rid in order:
+            deleted = live.pop(rid)
+            assert demote_start(deleted, live.values()) == ledger.delete("t", rid)
 
 
 def test_tenants_do_not_share_counts() -> None:
@@ -101,3 +132,15 @@ def test_the_simulator_replays_one_demote_per_deleted_chain_counted_apart() -> N
     assert demoted.demote_computed_tokens == 1  # the cut prompt: cached blocks + one token
     assert (demoted.requests, demoted.prompt_tokens) == (base.requests, base.prompt_tokens)  # never in the hit rate
     assert demoted.hit_tokens == base.hit_tokens  # room for everything: the demote changes no hit
+
+
+def test_a_delete_orphans_its_descendants_and_names_their_leaves() -> None:
+    #   r1 ─ r2 ─ r3 ─ r4        (a chain)
+    #         └─ f1             (a fork off r2)
+    #   r1 ─ g1                 (a fork off r1)
+    parents = {"r1": None, "r2": "r1", "r3": "r2", "f1": "r2", "r4": "r3", "g1": "r1"}
+    assert orphaned(parents, "r2") == ({"r2", "r3", "r4", "f1"}, ["f1", "r4"])
+    assert orphaned(parents, "r4") == ({"r4"}, ["r4"])
+    assert orphaned(parents, "r1") == (set(parents), ["f1", "r4", "g1"])
+    assert orphaned(parents, "gone") == ({"gone"}, ["gone"])  # not among the live rows: itself only
+    assert orphaned({"a": "b", "b": "a"}, "c") == ({"c"}, ["c"])  # no loop on a cycle

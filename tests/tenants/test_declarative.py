@@ -234,6 +234,19 @@ def test_hint_fields_are_declared_applied_and_validated(session) -> None:  # typ
     assert "hint_quota_fraction" in str(err.value)
 
 
+def test_the_conversation_hold_switch_is_declared_and_applied(session) -> None:  # type: ignore[no-untyped-def]
+    held = copy.deepcopy(FILE)
+    held["retention_classes"][0]["conversation_hold_enabled"] = True
+    _apply(session, held)
+    row = session.scalar(select(RetentionClass).where(RetentionClass.name == "chat"))
+    assert (row.conversation_hold_enabled, row.hints_enabled) == (True, False)
+    assert _apply(session, held).empty
+    held["retention_classes"][0]["conversation_hold_enabled"] = "yes"
+    with pytest.raises(InvalidField) as err:
+        _apply(session, held)
+    assert "conversation_hold_enabled" in str(err.value)
+
+
 def test_limit_caps_are_declared_applied_and_validated(session) -> None:  # type: ignore[no-untyped-def]
     capped = copy.deepcopy(FILE)
     capped["tenants"][0]["limit_caps"] = {"rpm_limit": 500, "kv_quota_fraction": 0.6}

@@ -348,3 +348,57 @@ def test_postgres_0007_stored_responses_up_and_down() -> None:
     finally:
         engine.dispose()
         drop_pg_schema(schema)
+
+
+# --- 0009: the conversation hold switch; stored responses' root and prompt blocks, with data ------
+
+
+def _conversation_hold_round_trip(engine) -> None:  # type: ignore[no-untyped-def]
+    with engine.begin() as conn:
+        migrate.upgrade(connection=conn, revision="0002")
+        _seed_0002(conn)
+        migrate.upgrade(connection=conn, revision="0008")
+        conn.execute(text("UPDATE retention_classes SET hints_enabled = TRUE WHERE id = 1"))
+        conn.execute(text(
+            "INSERT INTO stored_responses (id, tenant_id, previous_response_id, model, input_items, output_items, "
+            f"body, size_bytes, created_at, expires_at) VALUES ('resp_1', 1, NULL, 'm', '[]', '[]', '{{}}', 6, "
+            f"'{_T}', '{_T}')"))
+        migrate.upgrade(connection=conn, revision="0009")
+    with engine.connect() as conn:  # a class with hints on holds no conversation until an operator says so
+        assert not conn.execute(text("SELECT conversation_hold_enabled FROM retention_classes")).scalar_one()
+        assert tuple(conn.execute(text("SELECT root_id, prompt_blocks FROM stored_responses")).one()) == (None, None)
+        assert "ix_stored_responses_tenant_root" in {i["name"] for i in inspect(conn).get_indexes("stored_responses")}
+    with engine.begin() as conn:
+        conn.execute(text("UPDATE retention_classes SET conversation_hold_enabled = TRUE WHERE id = 1"))
+        conn.execute(text("UPDATE stored_responses SET root_id = 'resp_1', prompt_blocks = '[18446744073709551615]'"))
+    with engine.begin() as conn:
+        migrate.downgrade(connection=conn, revision="0008")
+    with engine.connect() as conn:
+        assert "conversation_hold_enabled" not in {c["name"] for c in inspect(conn).get_columns("retention_classes")}
+        assert not {"root_id", "prompt_blocks"} & {c["name"] for c in inspect(conn).get_columns("stored_responses")}
+        assert conn.execute(text("SELECT id FROM stored_responses")).scalar_one() == "resp_1"  # the row stays
+    with engine.begin() as conn:
+        migrate.upgrade(connection=conn)
+    with engine.connect() as conn:
+        assert not conn.execute(text("SELECT conversation_hold_enabled FROM retention_classes")).scalar_one()
+
+
+def test_sqlite_0009_conversation_hold_up_and_down(tmp_path: Path) -> None:
+    engine = make_engine(f"sqlite:///{tmp_path / 'm9.db'}")
+    try:
+        _conversation_hold_round_trip(engine)
+    finally:
+        engine.dispose()
+
+
+@pytest.mark.postgres
+def test_postgres_0009_conversation_hold_up_and_down() -> None:
+    if not postgres_reachable():
+        pytest.skip("PostgreSQL at 127.0.0.1:5432 is unreachable")
+    schema = new_pg_schema()
+    engine = pg_engine(schema)
+    try:
+        _conversation_hold_round_trip(engine)
+    finally:
+        engine.dispose()
+        drop_pg_schema(schema)

@@ -135,3 +135,39 @@ def test_the_sweep_purges_every_tenants_expired_rows(session, two_tenants) -> No
     assert responses.purge_expired(session, now=T0 + TTL) == 1
     assert session.scalars(select(StoredResponse.id)).all() == ["resp_a2"]
     assert responses.get_response(session, tenant_id=acme, response_id="resp_a2", now=T0 + TTL)
+
+
+def test_a_conversations_live_prompt_blocks_are_read_back_by_root(session, two_tenants) -> None:  # type: ignore[no-untyped-def]
+    acme, globex = two_tenants
+    big = 2**64 - 1  # block hashes are unsigned 64-bit: they survive the JSON column on both backends
+
+    def put(tenant_id: int, ident: str, root: str | None, blocks: list[int] | None, **kw):  # type: ignore[no-untyped-def]
+        output = [{"id": f"out_{ident}", "type": "message", "role": "assistant", "content": []}]
+        return responses.store_response(session, tenant_id=tenant_id, response_id=ident, previous_response_id=None,
+                                        model="m", input_items=_items("hi"), output_items=output, body={"id": ident},
+                                        now=kw.get("now", T0), ttl=kw.get("ttl", TTL), max_bytes=10**6,
+                                        root_id=root, prompt_blocks=blocks)
+
+    first = put(acme, "r1", "r1", [big, 2])
+    assert first.size_bytes == responses.row_size(input_items=_items("hi"), output_items=first.output_items,
+                                                   body={"id": "r1"}, prompt_blocks=[big, 2])  # blocks count too
+    put(acme, "r2", "r1", [big, 2, 3])  # the next turn
+    put(acme, "r3", "r1", [big, 5])  # a fork
+    put(acme, "r4", "r1", None)  # a row whose blocks are unknown
+    put(acme, "r5", "r1", [big, 2, 3, 4], ttl=timedelta(seconds=1))  # expired by T0 + 1 min
+    put(acme, "s1", "s1", [big, 9])  # another conversation of the tenant: not read
+    put(globex, "g1", "r1", [big, 2, 3])  # another tenant's row under the same root id: never read
+    put(acme, "old", None, [big])  # stored before roots were kept: no relatives
+    later = T0 + timedelta(minutes=1)
+
+    def rows(tenant_id: int, ident: str) -> list[tuple]:  # type: ignore[type-arg]
+        return [(r.id, r.previous_response_id, r.prompt_blocks)
+                for r in responses.conversation_rows(session, tenant_id=tenant_id, response_id=ident, now=later)]
+
+    conversation = [("r1", None, (big, 2)), ("r2", None, (big, 2, 3)), ("r3", None, (big, 5)), ("r4", None, None)]
+    assert rows(acme, "r2") == conversation  # oldest first, the expired r5 and the others' rows left out
+    assert rows(acme, "old") == [("old", None, (big,))]
+    responses.delete_response(session, tenant_id=acme, response_id="r1", now=later)
+    assert rows(acme, "r3") == conversation[1:]
+    with pytest.raises(NotFound):
+        rows(globex, "r3")

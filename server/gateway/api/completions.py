@@ -474,7 +474,7 @@ class CompletionRunner:
                  selector_for: Callable[[PoolSnapshot], AdaptiveSelector] | None = None,
                  curves: MissRatioCurves | None = None,
                  clock: Callable[[], float] = time.monotonic, guard: SloGuards | None = None,
-                 capture: CaptureSink | None = None) -> None:
+                 capture: CaptureSink | None = None, holds: ConversationHolds | None = None) -> None:
         self._admission = admission
         self._metrics = metrics
         self._usage = usage
@@ -484,7 +484,9 @@ class CompletionRunner:
         self._guard = guard
         self._capture = capture
         self._ledgers: dict[str, HintLedger] = {}  # pool -> live hinted blocks per tenant
-        self.holds = ConversationHolds()  # conversation and tool-loop holds (same budget as hints)
+        # Conversation and tool-loop holds (same budget as hints): the app factory's (services.holds),
+        # which the Responses DELETE route reads too; a runner built alone (tests) gets its own.
+        self.holds = holds if holds is not None else ConversationHolds()
 
     def _ledger(self, pool: str) -> HintLedger:
         ledger = self._ledgers.get(pool)

@@ -12,15 +12,31 @@ them), and after the delete sends::
     input_ids       the prompt cut to its cached full blocks + 1 token (demote_length)
     max_new_tokens  1
     retention       the tenant's normal plan before the first block no other live stored
-                    response of the tenant holds (DemoteLedger), then
+                    response of the conversation holds (and past the system segment), then
                     TokenRangeRetentionConfig(start, None, priority 0, no duration),
                     decode priority 0
 
 The cached depth comes from the pool router's KV-event indexes (the deepest replica; a
 router without indexes gives no depth, and then nothing is sent: an uncut demote would
 prefill an evicted tail only to discard it, which the simulator measured as a loss).
-Only for a class with hints enabled (the same switch as the conversation hold). Fire and
-forget: the DELETE answers at once; a demote is not tenant usage (no admission, no billing)
+What is still held, and what the delete orphans, is read from the response store, not from
+this process's memory, so a gateway restarted since the conversation was stored, or another
+gateway sharing the registry, demotes the same blocks. Every stored row keeps its
+conversation's ``root_id`` and its prompt's block hashes; a delete reads the conversation's
+live rows and (:mod:`retention.policy.demote`):
+
+* ``orphaned``: the deleted response and its descendants can no longer be continued (a
+  continuation rebuilds the whole chain, and a link is gone), so each orphaned *leaf*'s prompt
+  (at most ``MAX_LEAVES``, the newest) is rebuilt before the delete and demoted;
+* ``demote_start``: each from past the longest prefix it shares with a live row outside the
+  orphaned subtree (a row whose blocks are unknown counts as holding all of them), and
+  never inside the system segment: other conversations of the tenant are not read (that
+  would be every stored row) and what they can share with this one is that segment (same
+  instructions and tools).
+
+A row stored before the store kept block hashes falls back to the process's
+:class:`~retention.policy.demote.DemoteLedger` (the deleted response alone). Only for a class
+with ``conversation_hold_enabled`` (the switch of the conversation hold). Fire and forget: the DELETE answers at once; a demote is not tenant usage (no admission, no billing)
 and is counted in ``kvgate_conversation_demotes_total`` by outcome.
 """
 
@@ -35,7 +51,7 @@ from typing import Any
 
 from engines.contract import SamplingParams
 from retention.hashing import block_hashes
-from retention.policy.demote import demote_length, demote_plan
+from retention.policy.demote import demote_length, demote_plan, demote_start, orphaned
 from server.gateway.api.completions import CompletionJob, build_plan, engine_request
 from server.gateway.api.prompting import PreparedPrompt
 from server.gateway.api.responses_convert import convert
@@ -45,37 +61,71 @@ from server.gateway.errors import ServingError
 log = logging.getLogger(__name__)
 # ``services`` is a GatewayServices and ``tenant`` a TenantContext: typed Any, since services.py imports this module.
 _BODY_FIELDS = ("model", "instructions", "tools", "tool_choice")  # what shapes the rendered prompt
+MAX_LEAVES = 8  # orphaned leaves demoted per delete (the newest): one engine request each
 
 
 @dataclass(frozen=True, slots=True)
 class DeletedPrompt:
-    """The deleted response's prompt as the engine saw it, and its full blocks' hashes."""
+    """A prompt to demote (the deleted response's, or an orphaned descendant's) as the engine saw
+    it, its full blocks' hashes, and the prompt blocks that live rows of the conversation still
+    hold (None: the store does not know them, the row predates stored block hashes)."""
 
     model: str
     prompt: PreparedPrompt
     tokenizer: Any  # ChatTokenizer
     hashes: tuple[int, ...]
+    live: tuple[tuple[int, ...], ...] | None = None
+
+    def start_block(self, tokens_per_block: int, local: int | None) -> int | None:
+        """The first block to demote: from the store's rows, else ``local`` (the process's ledger)."""
+        if self.live is None:
+            return local
+        return demote_start(self.hashes, self.live, protected_blocks=self.prompt.system_end // tokens_per_block)
 
 
-async def rebuild_prompt(services: Any, tenant: Any, response_id: str) -> DeletedPrompt | None:
-    """Read before the delete: None when the response is unknown (the delete answers 404) or
-    its prompt cannot be rendered again."""
+async def _rebuild(services: Any, tenant: Any, response_id: str) -> tuple[str, PreparedPrompt, Any]:
+    """The response's prompt as its request rendered it: the stored chain's items without its own
+    output, with its instructions and tools (raises when the chain is broken or will not render)."""
     store = services.responses
+    stored = await store.get(tenant_id=tenant.tenant_id, response_id=response_id)
+    chain = await store.chain(tenant_id=tenant.tenant_id, response_id=response_id)
+    output = len(stored.get("output") or ())
+    items = chain.items[:len(chain.items) - output]
+    body = ResponsesRequest.model_validate({**{k: stored[k] for k in _BODY_FIELDS if stored.get(k) is not None},
+                                            "input": items})
+    prompter = await services.engines.prompter(tenant.pool)
+    return body.model, prompter.chat(convert(body, items).messages), prompter.tokenizer
+
+
+async def doomed_prompts(services: Any, tenant: Any, response_id: str) -> list[DeletedPrompt]:
+    """Read before the delete: the prompts it leaves dead (the module docstring); empty when the
+    response is unknown (the delete answers 404) or nothing can be rendered again."""
     try:
-        stored = await store.get(tenant_id=tenant.tenant_id, response_id=response_id)
-        chain = await store.chain(tenant_id=tenant.tenant_id, response_id=response_id)
-        output = len(stored.get("output") or ())
-        items = chain.items[:len(chain.items) - output]
-        body = ResponsesRequest.model_validate({**{k: stored[k] for k in _BODY_FIELDS if stored.get(k) is not None},
-                                                "input": items})
-        prompter = await services.engines.prompter(tenant.pool)
-        prompt = prompter.chat(convert(body, items).messages)
-    except (ServingError, ValueError, KeyError) as exc:  # pydantic's ValidationError is a ValueError
-        log.info("no demote for %s: %s", response_id, exc)
-        return None
-    tpb = tenant.pool.tokens_per_block
-    return DeletedPrompt(body.model, prompt, prompter.tokenizer,
-                         tuple(block_hashes(prompt.input_ids, tpb, salt=tenant.engine_salt)))
+        rows = await services.responses.conversation_rows(tenant_id=tenant.tenant_id, response_id=response_id)
+    except ServingError:
+        return []
+    own = next((r for r in rows if r.id == response_id), None)
+    unknown = 0
+    if own is None or own.prompt_blocks is None:  # stored before block hashes were kept: this process's ledger
+        leaves, live = [response_id], None
+    else:
+        dead, leaves = orphaned({r.id: r.previous_response_id for r in rows}, response_id)
+        leaves = leaves[-MAX_LEAVES:]
+        held = [r.prompt_blocks for r in rows if r.id not in dead]
+        # A live row whose blocks are unknown may hold any of them: it counts as holding everything.
+        live = tuple(h for h in held if h is not None)
+        unknown = len(held) - len(live)
+    out = []
+    for leaf in leaves:
+        try:
+            model, prompt, tokenizer = await _rebuild(services, tenant, leaf)
+        except (ServingError, ValueError, KeyError) as exc:  # pydantic's ValidationError is a ValueError
+            log.info("no demote for %s: %s", leaf, exc)
+            continue
+        hashes = tuple(block_hashes(prompt.input_ids, tenant.pool.tokens_per_block, salt=tenant.engine_salt))
+        out.append(DeletedPrompt(model, prompt, tokenizer, hashes,
+                                 None if live is None else (*live, hashes) if unknown else live))
+    return out
 
 
 def cached_blocks(services: Any, tenant: Any, hashes: tuple[int, ...], now: float) -> int | None:

@@ -14,7 +14,7 @@ knows which prompt blocks other live stored responses of the tenant still hold.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from retention.policy.conversation import ConversationLedger, ConversationPlan, ConversationRequest, plan_conversation
@@ -52,9 +52,10 @@ class ConversationHolds:
         return ledger
 
     def applies(self, job: CompletionJob) -> bool:
-        """Whether the job may be held: its class allows hints and it offers tools or is a stored conversation."""
+        """Whether the job may be held: its class's conversation-hold switch is on (whatever its hint
+        switch says) and it offers tools or is a stored conversation."""
         conv = conversation_of(job)
-        return job.tenant.hints.enabled and (conv.kind is not None or conv.previous_response_id is not None)
+        return job.tenant.conversation_hold and (conv.kind is not None or conv.previous_response_id is not None)
 
     def plan(self, job: CompletionJob, plan: RetentionPlan, hashes: list[int], hints: HintLedger,
              now: float) -> ConversationPlan:
@@ -65,7 +66,9 @@ class ConversationHolds:
             self._demotes.setdefault(tenant.pool.name, DemoteLedger()).stored(
                 tenant.engine_tenant_id, conv.response_id, full)
         budget = tenant.hints.budget_blocks(tenant.kv_quota_fraction, tenant.pool.primary_blocks)
-        return plan_conversation(plan, conversation_of(job), tenant.hints, total=job.prompt.total,
+        # The class's own switch, within its hint caps: the policy reads ``enabled`` from the caps.
+        caps = replace(tenant.hints, enabled=tenant.conversation_hold)
+        return plan_conversation(plan, conversation_of(job), caps, total=job.prompt.total,
                                  output_tokens=job.max_new_tokens, tokens_per_block=tenant.pool.tokens_per_block,
                                  hashes=hashes, ledger=self.ledger(tenant.pool.name, hints),
                                  tenant=tenant.engine_tenant_id, budget_blocks=budget, now=now,

@@ -214,5 +214,9 @@ def test_classes_take_the_hint_fields(run) -> None:  # type: ignore[no-untyped-d
     cls = json.loads(run("admin", "classes", "create", "agents", "--set", "hints_enabled=true",
                          "--set", "hint_max_ttl_ms=3600000", "--set", "hint_max_priority=70").output)
     assert (cls["hints_enabled"], cls["hint_max_priority"], cls["hint_quota_fraction"]) == (True, 70, 0.5)
+    assert cls["conversation_hold_enabled"] is False  # its own switch
+    held = json.loads(run("admin", "classes", "update", "agents", "--version", str(cls["version"]), "--set",
+                          "conversation_hold_enabled=true").output)
+    assert held["conversation_hold_enabled"] is True
     bad = run("admin", "classes", "update", "agents", "--version", "1", "--set", "hint_quota_fraction=2", code=2)
     assert "hint_quota_fraction" in bad.output + (bad.stderr or "")

@@ -47,3 +47,34 @@ def test_service_validation_refuses_what_the_schema_would(session) -> None:  # t
     with pytest.raises(InvalidField) as err:
         retention_classes.create_class(session, actor="t", now=now(), name="x", hints_enabled=1)
     assert err.value.field == "hints_enabled"
+
+
+def test_the_conversation_hold_has_its_own_switch_off_by_default(client) -> None:  # type: ignore[no-untyped-def]
+    hinted = client.post(f"{A}/retention-classes", json={"name": "hinted", "hints_enabled": True}, headers=AUTH)
+    assert hinted.status_code == 201, hinted.text
+    assert hinted.json()["conversation_hold_enabled"] is False  # hints on do not turn the hold on
+    held = client.patch(f"{A}/retention-classes/hinted", headers=AUTH,
+                        json={"version": hinted.json()["version"], "conversation_hold_enabled": True})
+    assert held.status_code == 200, held.text
+    assert (held.json()["conversation_hold_enabled"], held.json()["hints_enabled"]) == (True, True)
+    shown = client.get(f"{A}/retention-classes/hinted", headers=AUTH).json()
+    assert shown["conversation_hold_enabled"] is True
+    alone = client.post(f"{A}/retention-classes", json={"name": "held", "conversation_hold_enabled": True},
+                        headers=AUTH)
+    assert alone.status_code == 201 and (alone.json()["conversation_hold_enabled"], alone.json()["hints_enabled"]) == (
+        True, False)
+    for value in (1, "yes", None):  # a flag takes true or false only (null is not "no change" for it)
+        bad = client.patch(f"{A}/retention-classes/held", headers=AUTH,
+                           json={"version": alone.json()["version"], "conversation_hold_enabled": value})
+        assert bad.status_code == 422, bad.text
+        assert bad.json()["error"]["field"] == "conversation_hold_enabled"
+
+
+def test_the_service_refuses_a_non_boolean_switch(session) -> None:  # type: ignore[no-untyped-def]
+    from tenants import retention_classes
+    from tenants.errors import InvalidField
+    from tests.tenants.factories import now
+
+    with pytest.raises(InvalidField) as err:
+        retention_classes.create_class(session, actor="t", now=now(), name="x", conversation_hold_enabled="on")
+    assert err.value.field == "conversation_hold_enabled"

@@ -1,5 +1,6 @@
-"""A tenant whose pool points at a recording proxy and whose class allows hints: the live
-hold and demote tests look at what the gateway sends the engine for it."""
+"""A tenant whose pool points at a recording proxy and whose class allows hints (and, unless
+told otherwise, the conversation hold): the live hold and demote tests look at what the
+gateway sends the engine for it."""
 
 from __future__ import annotations
 
@@ -11,10 +12,11 @@ from tests.server.gateway.stack import ACTOR, MODEL, Stack
 
 
 def add_hinted_tenant(stack: Stack, prefix: str, port: int, *, secondary_blocks: int, max_ttl_ms: int,
-                      max_priority: int) -> tuple[str, str]:
+                      max_priority: int, conversation_hold: bool = True) -> tuple[str, str]:
     """(a fresh suffix, the new tenant's API key): pool and class named ``<prefix>-<suffix>``,
-    every priority of the class 35, hints on with the whole quota. Keep ``max_ttl_ms`` short:
-    the engine is shared with the rest of the suite and a duration cannot be revoked."""
+    every priority of the class 35, hints on with the whole quota, the conversation hold as
+    ``conversation_hold`` says. Keep ``max_ttl_ms`` short: the engine is shared with the rest
+    of the suite and a duration cannot be revoked."""
     x = secrets.token_hex(3)
     name = f"{prefix}-{x}"
     with stack.session_factory() as session:
@@ -26,5 +28,6 @@ def add_hinted_tenant(stack: Stack, prefix: str, port: int, *, secondary_blocks:
         retention_classes.create_class(session, actor=ACTOR, now=stack.now(), name=name,
                                        system_priority=35, context_priority=35, turn_priority=35,
                                        decode_priority=35, hints_enabled=True, hint_max_ttl_ms=max_ttl_ms,
-                                       hint_max_priority=max_priority, hint_quota_fraction=1.0)
+                                       hint_max_priority=max_priority, hint_quota_fraction=1.0,
+                                       conversation_hold_enabled=conversation_hold)
     return x, stack.add_tenant(name, pool=name, retention_class=name, kv_quota_fraction=1.0)

@@ -110,6 +110,7 @@ class Stack:
     tokens_per_block: int
     keys: dict[str, str] = field(default_factory=dict)
     trace_dir: Path | None = None  # live trace captures (server/gateway/observe/capture.py) write here
+    settings: Settings | None = None  # the gateway's (a test may start a second gateway on the same registry)
 
     def now(self) -> datetime:
         return datetime.now(UTC)
@@ -156,4 +157,5 @@ def build_stack(tmp: Path, *, engine_args: list[str], tokens_per_block: int, pri
                                                     capture_refresh=0.3))
     gateway = GatewayServer(app, free_port())
     gateway.start()
-    return Stack(engine, gateway, factory, admin_token, tokens_per_block, trace_dir=tmp / "traces")
+    return Stack(engine, gateway, factory, admin_token, tokens_per_block, trace_dir=tmp / "traces",
+                 settings=app_settings)

@@ -6,7 +6,7 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 from retention.policy.conversation import ConversationRequest
-from retention.policy.hint_plan import HINTS_OFF, HintPolicy
+from retention.policy.hint_plan import HintPolicy
 from retention.policy.hint_quota import MIN_GAP_SAMPLES, HintLedger
 from retention.types import DEFAULT_PLAN
 from server.gateway.api.conversation_hold import ConversationHolds, conversation_of
@@ -15,9 +15,11 @@ TPB = 16
 CAPS = HintPolicy(enabled=True, max_ttl_ms=600_000, max_priority=60, quota_fraction=0.5)
 
 
-def job(*, tools: bool = False, conversation: ConversationRequest | None = None, hints: HintPolicy = CAPS):  # noqa: ANN201
+def job(*, tools: bool = False, conversation: ConversationRequest | None = None, hints: HintPolicy = CAPS,  # noqa: ANN201
+        hold: bool = True):
     pool = SimpleNamespace(name="p", primary_blocks=400, tokens_per_block=TPB)
-    tenant = SimpleNamespace(hints=hints, kv_quota_fraction=1.0, pool=pool, engine_tenant_id="7")
+    tenant = SimpleNamespace(hints=hints, conversation_hold=hold, kv_quota_fraction=1.0, pool=pool,
+                             engine_tenant_id="7")
     return SimpleNamespace(tenant=tenant, tools=object() if tools else None, conversation=conversation,
                            prompt=SimpleNamespace(total=5 * TPB + 2), max_new_tokens=32)
 
@@ -29,7 +31,7 @@ def test_tools_in_any_dialect_and_stored_responses_are_conversations() -> None:
     assert conversation_of(job(conversation=stored, tools=True)).offers_tools
     holds = ConversationHolds()
     assert holds.applies(job(tools=True)) and holds.applies(job(conversation=stored))
-    assert not holds.applies(job()) and not holds.applies(job(tools=True, hints=HINTS_OFF))
+    assert not holds.applies(job()) and not holds.applies(job(tools=True, hold=False))
 
 
 def test_a_measured_tool_loop_is_held_in_the_shared_budget_and_a_delete_stops_measuring() -> None:
@@ -51,3 +53,21 @@ def test_a_measured_tool_loop_is_held_in_the_shared_budget_and_a_delete_stops_me
     gaps = ledger.gap_count("7", "tool")
     assert holds.deleted("p", "7", f"resp_{MIN_GAP_SAMPLES}b") and not holds.deleted("q", "7", "resp_0b")
     assert ledger.continued("7", f"resp_{MIN_GAP_SAMPLES}b", now + 1.0) is None and ledger.gap_count("7", "tool") == gaps
+
+
+def test_the_class_switch_decides_not_the_hint_switch_and_the_hint_caps_still_bound_the_hold() -> None:
+    """Hints on without the switch: never held; the switch on with hints off: held within the hint caps."""
+    caps_off = HintPolicy(enabled=False, max_ttl_ms=1_500, max_priority=45, quota_fraction=0.5)
+    for hints, hold, held in ((CAPS, False, False), (caps_off, True, True)):
+        holds, ledger = ConversationHolds(), HintLedger()
+        assert holds.applies(job(tools=True, hints=hints, hold=hold)) is held
+        now = 0.0
+        for i in range(MIN_GAP_SAMPLES + 1):
+            first = ConversationRequest(f"r{i}a", None, True, True)
+            holds.plan(job(conversation=first, hints=hints, hold=hold), DEFAULT_PLAN, [100 * i], ledger, now)
+            then = ConversationRequest(f"r{i}b", f"r{i}a", True, True)
+            holds.plan(job(conversation=then, hints=hints, hold=hold), DEFAULT_PLAN, [100 * i], ledger, now + 2.0)
+            now += 100.0
+        if held:
+            out = holds.plan(job(tools=True, hints=hints, hold=hold), DEFAULT_PLAN, list(range(5)), ledger, now)
+            assert out.hold_ms == 1_500 and out.plan.retention_at(0) == (45, 1_500)  # the class's hint caps

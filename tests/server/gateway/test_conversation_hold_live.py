@@ -3,6 +3,7 @@ through a recording proxy (what the engine receives), then a DELETE the ledger h
 
 from __future__ import annotations
 
+import asyncio
 
 import httpx
 import openai
@@ -69,5 +70,40 @@ async def test_a_measured_tool_loop_is_held_at_enqueue_and_a_delete_is_heard(sta
         assert deleted.status_code == 200 and deleted.json()["deleted"] is True
         with pytest.raises(openai.NotFoundError):
             await api.responses.retrieve(previous)
+    finally:
+        await server.stop(0)
+
+
+async def test_a_class_with_hints_but_without_the_conversation_switch_holds_no_tool_loop(stack: Stack) -> None:
+    """The same measured tool loop as above, for a class whose hints are on and whose conversation
+    hold is off: the request offering tools goes out with the class's own plan."""
+    server, proxy, port = await start_proxy(f"127.0.0.1:{stack.engine.port}")
+    try:
+        x, key = add_hinted_tenant(stack, "noconv", port, secondary_blocks=512, max_ttl_ms=MAX_TTL_MS,
+                                   max_priority=HOLD_PRIORITY, conversation_hold=False)
+        api = openai.AsyncOpenAI(api_key=key, base_url=stack.gateway.base_url + "/v1", max_retries=0, timeout=120)
+        previous = (await api.responses.create(model=MODEL, input=f"Weather in Oslo? {x}", tools=[WEATHER],
+                                               max_output_tokens=1, temperature=0)).id
+        for i in range(MIN_GAP_SAMPLES):  # gaps enough for a hold, had the class allowed one
+            previous = (await api.responses.create(model=MODEL, input=f"step {i}", tools=[WEATHER],
+                                                   max_output_tokens=1, temperature=0,
+                                                   previous_response_id=previous)).id
+        before = len(proxy.requests)
+        chat = await api.chat.completions.create(
+            model=MODEL, max_tokens=1, temperature=0, messages=[{"role": "user", "content": f"Rain in Bergen? {x}"}],
+            tools=[{"type": "function", "function": {k: WEATHER[k] for k in ("name", "description", "parameters")}}])
+        (sent,) = [r for r in proxy.requests[before:] if any(i.name == "input_ids" for i in r.inputs)]
+        plan = parse_retention(decode_inputs(sent), chat.usage.prompt_tokens)
+        assert plan.decode_priority == 35 and all(r.priority == 35 for r in plan.ranges)
+        # Nor does its DELETE send a demote (the same switch): the stored response goes, nothing else.
+        deleted = httpx.delete(f"{stack.gateway.base_url}/v1/responses/{previous}",
+                               headers={"Authorization": f"Bearer {key}"})
+        assert deleted.status_code == 200
+        await asyncio.sleep(1.0)  # a demote would be spawned by the DELETE and sent within this
+        assert [r for r in proxy.requests[before:] if any(i.name == "input_ids" for i in r.inputs)] == [sent]
+        registry = stack.gateway.app.state.gateway.registry
+        assert all(registry.get_sample_value("kvgate_conversation_demotes_total",
+                                             {"tenant": f"noconv-{x}", "pool": f"noconv-{x}", "outcome": o}) is None
+                   for o in ("sent", "failed", "uncached", "no_cache_view"))
     finally:
         await server.stop(0)
