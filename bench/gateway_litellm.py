@@ -253,7 +253,7 @@ class Load:
 async def measure(args, parties: dict[str, tuple[Load, int]]) -> list[dict]:
     rows = []
     names = list(parties)
-    for prompt in ("short", "long"):
+    for prompt in args.prompts:
         for stream in (False, True):
             for concurrency in (1, 32):
                 for load, _ in parties.values():  # warm-up: tokenizer, caches, connections
@@ -403,6 +403,8 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=30, help="requests per party per round")
     parser.add_argument("--no-write", action="store_true", help="print only; leave docs/benchmarks.md alone")
     parser.add_argument("--no-prefill", action="store_true", help="skip the reference engine's prefill measurement")
+    parser.add_argument("--prompts", nargs="+", choices=("short", "long"), default=["short", "long"],
+                        help="which prompts to measure (default: both)")
     parser.add_argument("--baseline", type=Path, metavar="DIR",
                         help="also run a second kvgate gateway from the source tree DIR (e.g. `git archive` of the "
                              "parent commit) on the production tenant: before/after in the same rounds")
@@ -502,7 +504,7 @@ def main() -> None:
             except subprocess.TimeoutExpired:
                 proc.kill()
     prefill_s = None
-    if not args.no_prefill:
+    if not args.no_prefill and "long" in args.prompts:
         from engines.tokenizer import load_gguf_tokenizer
         from server.gateway.api.prompting import prepare_chat
 
