@@ -28,8 +28,10 @@ measured once in-process after the gateways have stopped).
     python bench/gateway_litellm.py [--rounds 8] [--requests 30] [--no-write] [--profile SECONDS]
 
 ``--profile`` instead samples the kvgate gateway with py-spy (from ``.venv-litellm``) under
-the production configuration's non-streaming and streaming load and prints the top
-self-time entries. Writes the ``bench:gateway_litellm`` section of docs/benchmarks.md.
+the production configuration's non-streaming and streaming load (with ``--baseline``, the
+baseline gateway first, then this one) and writes the top self-time entries to the
+``bench:gateway_profile`` section. Otherwise writes the ``bench:gateway_litellm`` section of
+docs/benchmarks.md. ``--prompts short`` measures the short prompt only.
 """
 
 from __future__ import annotations
@@ -375,8 +377,8 @@ def render(args, rows: list[dict], long_tokens: dict[str, int], prefill_s: float
     return "\n".join(lines)
 
 
-def py_spy_top(pid: int, seconds: int, drive) -> str:
-    """py-spy's top self-time functions of ``pid`` while ``drive()`` loads it."""
+def py_spy_top(pid: int, seconds: int, drive, n: int = 25) -> list[tuple[float, str]]:
+    """py-spy's top ``n`` self-time frames of ``pid`` (share of samples, frame) while ``drive()`` loads it."""
     spy = LITELLM_VENV / "bin" / "py-spy"
     out = Path(tempfile.mkdtemp()) / "profile.txt"
     proc = subprocess.Popen([str(spy), "record", "--pid", str(pid), "--duration", str(seconds), "--rate", "250",
@@ -392,8 +394,36 @@ def py_spy_top(pid: int, seconds: int, drive) -> str:
         frame = stack.split(";")[-1]
         self_time[frame] = self_time.get(frame, 0) + int(count)
         total += int(count)
-    top = sorted(self_time.items(), key=lambda kv: -kv[1])[:25]
-    return "\n".join(f"{100 * n / total:5.1f} %  {frame}" for frame, n in top)
+    top = sorted(self_time.items(), key=lambda kv: -kv[1])[:n]
+    return [(100 * count / total, frame) for frame, count in top]
+
+
+def render_profile(seconds: int, tops: dict[str, list[tuple[float, str]]], n: int = 16) -> str:
+    """The ``bench:gateway_profile`` section: top self-time frames, before / after side by side."""
+    labels = list(tops)
+    lines = [
+        f"## Gateway hot path: where the CPU goes (`bench/gateway_litellm.py --profile {seconds}"
+        + (" --baseline DIR`)" if len(labels) > 1 else "`)"),
+        "",
+        f"Machine: {machine()} (shared; 1-minute load average {os.getloadavg()[0]:.1f} at the end). py-spy (from "
+        f"`.venv-litellm`) sampling the kvgate gateway at 250 Hz for {seconds} s while the production tenant "
+        "(adaptive class with selection, 2 replicas kv-aware, miss-ratio curves at their default rate) gets the short "
+        "prompt, batches of 40 non-streaming then 40 streaming requests at 8 clients; share of samples by the "
+        "innermost Python frame (self time; time in C extensions is charged to the Python frame that called them). "
+        + ("*before*: a gateway from the source tree given with `--baseline` (the parent commit), profiled first, "
+           "then *after*: this tree, on the same tenant and backends. " if len(labels) > 1 else "")
+        + "The machine is shared, so shares move by a point or two between runs.",
+        "",
+        "| " + " | ".join(f"{label}: share | frame" for label in labels) + " |",
+        "|" + "---:|---|" * len(labels),
+    ]
+    for i in range(n):
+        cells = []
+        for label in labels:
+            row = tops[label][i] if i < len(tops[label]) else None
+            cells.append(f"{row[0]:.1f} % | `{row[1]}`" if row else " | ")
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
 
 
 def main() -> None:
@@ -475,17 +505,28 @@ def main() -> None:
         parties = {"default": (Load(kv, keys["default"], "fixed", long_parts), kvgate.pid),
                    "production": (Load(kv, keys["production"], "fixedprod", long_parts), kvgate.pid)}
         if args.profile:
-            load = parties["production"][0]
+            targets = {"after": (parties["production"][0], kvgate.pid)}
+            if baseline is not None:
+                wait_http(f"http://127.0.0.1:{ports['baseline']}/healthz", timeout=240)
+                targets = {"before": (Load(f"http://127.0.0.1:{ports['baseline']}", keys["production"], "fixedprod",
+                                           long_parts), baseline.pid), **targets}
+            tops = {}
+            for label, (load, pid) in targets.items():
+                def drive(load: Load = load) -> None:
+                    async def go() -> None:
+                        await load.run("short", 16, 8, False)  # warm-up, outside the samples' window
+                        deadline = time.monotonic() + args.profile - 3
+                        while time.monotonic() < deadline:
+                            await load.run("short", 40, 8, False)
+                            await load.run("short", 40, 8, True)
+                    asyncio.run(go())
 
-            def drive() -> None:
-                async def go() -> None:
-                    deadline = time.monotonic() + args.profile - 3
-                    while time.monotonic() < deadline:
-                        await load.run("short", 40, 8, False)
-                        await load.run("short", 40, 8, True)
-                asyncio.run(go())
-
-            print(py_spy_top(kvgate.pid, args.profile, drive))
+                tops[label] = py_spy_top(pid, args.profile, drive)
+            profile_text = render_profile(args.profile, tops)
+            print(profile_text)
+            if not args.no_write:
+                write_section("gateway_profile", profile_text)
+                print("wrote docs/benchmarks.md section bench:gateway_profile")
             return
         parties["litellm"] = (Load(f"http://127.0.0.1:{ports['litellm']}", master, "fixed", long_parts), litellm.pid)
         if baseline is not None:
