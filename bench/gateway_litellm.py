@@ -377,8 +377,9 @@ def render(args, rows: list[dict], long_tokens: dict[str, int], prefill_s: float
     return "\n".join(lines)
 
 
-def py_spy_top(pid: int, seconds: int, drive, n: int = 25) -> list[tuple[float, str]]:
-    """py-spy's top ``n`` self-time frames of ``pid`` (share of samples, frame) while ``drive()`` loads it."""
+def py_spy_top(pid: int, seconds: int, drive, n: int = 25) -> tuple[list[tuple[float, str]], dict[str, float]]:
+    """py-spy's top ``n`` self-time frames of ``pid`` (share of samples, frame) while ``drive()``
+    loads it, and the share of every :func:`frame_group`."""
     spy = LITELLM_VENV / "bin" / "py-spy"
     out = Path(tempfile.mkdtemp()) / "profile.txt"
     proc = subprocess.Popen([str(spy), "record", "--pid", str(pid), "--duration", str(seconds), "--rate", "250",
@@ -395,11 +396,36 @@ def py_spy_top(pid: int, seconds: int, drive, n: int = 25) -> list[tuple[float, 
         self_time[frame] = self_time.get(frame, 0) + int(count)
         total += int(count)
     top = sorted(self_time.items(), key=lambda kv: -kv[1])[:n]
-    return [(100 * count / total, frame) for frame, count in top]
+    groups: dict[str, float] = {}
+    for frame, count in self_time.items():
+        group = frame_group(frame)
+        groups[group] = groups.get(group, 0.0) + 100 * count / total
+    return [(100 * count / total, frame) for frame, count in top], groups
 
 
-def render_profile(seconds: int, tops: dict[str, list[tuple[float, str]]], n: int = 16) -> str:
-    """The ``bench:gateway_profile`` section: top self-time frames, before / after side by side."""
+FRAME_GROUPS = (  # (group, path prefixes of a frame's file), first match wins
+    ("gRPC client (grpc.aio, tritonclient)", ("grpc/", "tritonclient/")),
+    ("threads (gRPC poller; usage journal writer)", ("threading.py", "server/gateway/usage_journal.py", "queue.py")),
+    ("event loop (asyncio / uvloop)", ("asyncio/",)),
+    ("HTTP server (uvicorn)", ("uvicorn/",)),
+    ("web framework (FastAPI, Starlette, anyio, pydantic)", ("fastapi/", "starlette/", "anyio/", "pydantic")),
+    ("kvgate (server/, engines/, retention/, tenants/)", ("server/", "engines/", "retention/", "tenants/")),
+)
+
+
+def frame_group(frame: str) -> str:
+    """The :data:`FRAME_GROUPS` group of a py-spy frame ``name (path:line)``; else ``other``."""
+    path = frame.rpartition(" (")[2]
+    for group, prefixes in FRAME_GROUPS:
+        if path.startswith(prefixes):
+            return group
+    return "other (SQLAlchemy, json, stdlib)"
+
+
+def render_profile(seconds: int, tops: dict[str, list[tuple[float, str]]], n: int = 16,
+                   groups: dict[str, dict[str, float]] | None = None) -> str:
+    """The ``bench:gateway_profile`` section: top self-time frames, before / after side by side,
+    then the share of each group of frames (:data:`FRAME_GROUPS`)."""
     labels = list(tops)
     lines = [
         f"## Gateway hot path: where the CPU goes (`bench/gateway_litellm.py --profile {seconds}"
@@ -423,6 +449,12 @@ def render_profile(seconds: int, tops: dict[str, list[tuple[float, str]]], n: in
             row = tops[label][i] if i < len(tops[label]) else None
             cells.append(f"{row[0]:.1f} % | `{row[1]}`" if row else " | ")
         lines.append("| " + " | ".join(cells) + " |")
+    if groups:
+        names = [g for g, _ in FRAME_GROUPS] + ["other (SQLAlchemy, json, stdlib)"]
+        lines += ["", "Self time by group of frames (every sample):", "",
+                  "| group | " + " | ".join(labels) + " |", "|---|" + "---:|" * len(labels)]
+        for name in names:
+            lines.append(f"| {name} | " + " | ".join(f"{groups[label].get(name, 0.0):.1f} %" for label in labels) + " |")
     return "\n".join(lines)
 
 
@@ -510,7 +542,7 @@ def main() -> None:
                 wait_http(f"http://127.0.0.1:{ports['baseline']}/healthz", timeout=240)
                 targets = {"before": (Load(f"http://127.0.0.1:{ports['baseline']}", keys["production"], "fixedprod",
                                            long_parts), baseline.pid), **targets}
-            tops = {}
+            tops, groups = {}, {}
             for label, (load, pid) in targets.items():
                 def drive(load: Load = load) -> None:
                     async def go() -> None:
@@ -521,8 +553,8 @@ def main() -> None:
                             await load.run("short", 40, 8, True)
                     asyncio.run(go())
 
-                tops[label] = py_spy_top(pid, args.profile, drive)
-            profile_text = render_profile(args.profile, tops)
+                tops[label], groups[label] = py_spy_top(pid, args.profile, drive)
+            profile_text = render_profile(args.profile, tops, groups=groups)
             print(profile_text)
             if not args.no_write:
                 write_section("gateway_profile", profile_text)
