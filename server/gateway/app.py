@@ -27,6 +27,7 @@ from server.errors import error_response as admin_error_response
 from server.gateway.drain import InFlight
 from server.gateway.kv_view import KvView
 from server.gateway.errors import ServingError, error_response, validation_error
+from server.gateway.fast_path import HotRoutes
 from server.gateway.replicas.pool_monitor import TenantQuota
 from server.gateway.api import messages_render
 from server.gateway.messages_routes import PATH_PREFIX as MESSAGES_PREFIX
@@ -220,6 +221,10 @@ def install_gateway(app: FastAPI, services: GatewayServices) -> FastAPI:
                 await services.stop()
 
     app.router.lifespan_context = lifespan
+    # Innermost of the user middleware (the first added): the limits, the in-flight count and
+    # the server-error middleware wrap the hot routes' fast path as they wrap the routes.
+    app.add_middleware(HotRoutes, services=services, exception_handlers={
+        StarletteHTTPException: on_http_error, ServingError: on_serving_error, RequestValidationError: on_validation})
     app.add_middleware(AdminMutationHook, services=services)
     app.add_middleware(BodyLimit)
     app.add_middleware(InFlight, services=services)

@@ -90,17 +90,24 @@ class OpenAIDialect:
         simple = job.logprobs is None and not continuous
         head, tail = frame("\x00", None).split(b'"\\u0000"')
 
-        if chat:
-            yield frame(None, None, role=True)
+        # The role frame goes out with the first frame after it (one socket write less),
+        # unless text may be held back for long (tool calls): then at once, as alone.
+        opening = frame(None, None, role=True) if chat else b""
+        if opening and (not simple or job.parses_tools):
+            yield opening
+            opening = b""
         try:
             async for delta in deltas:
                 if simple:
                     # what json.dumps does for a str with its defaults, minus two calls
-                    yield head + _json_str(delta).encode() + tail
+                    out = head + _json_str(delta).encode() + tail
+                    if opening:
+                        out, opening = opening + out, b""
+                    yield out
                 else:
                     yield frame(delta, None, logprobs=pending_logprobs())
         except ServingError as err:  # the engine failed mid-stream
-            yield b"data: " + json.dumps(error_body(err.status, err.code, err.message)).encode() + b"\n\n"
+            yield opening + b"data: " + json.dumps(error_body(err.status, err.code, err.message)).encode() + b"\n\n"
             return
         closing = b""
         if job.logprobs is not None and outcome.sent_log_probs < len(outcome.log_probs):
@@ -110,6 +117,7 @@ class OpenAIDialect:
         # The closing frames are ready together: one body message (one socket write)
         # instead of up to three, same bytes.
         closing += frame(None, outcome.finish_reason)
+        closing = opening + closing
         if job.include_usage:
             last = {"id": ident, "object": obj, "created": created, "model": job.model, "choices": [],
                     "usage": usage(job, outcome)}

@@ -10,7 +10,7 @@ import pytest
 from starlette.requests import ClientDisconnect
 from starlette.responses import StreamingResponse
 
-from server.gateway.api.completions import ClosingStreamingResponse, run_once_shielded
+from server.gateway.api.completions import ClosingStreamingResponse, LastFrame, run_once_shielded
 
 
 class Body:
@@ -112,6 +112,45 @@ def test_a_complete_stream_is_cleaned_up_once() -> None:
         await ClosingStreamingResponse(frames(), on_close=on_close)(scope("2.3"), receive, send)
 
     asyncio.run(main())
+    assert calls == ["finally", "on_close"]
+
+
+@pytest.mark.parametrize("last", [True, False])
+def test_a_last_frame_ends_the_body_in_its_own_message(last) -> None:
+    """A body ending with :class:`LastFrame` needs no empty closing message (one socket
+    write less); the body still runs to its end (its ``finally``) before the cleanup."""
+    calls = []
+
+    async def frames():
+        try:
+            yield b"data: 1\n\n"
+            yield LastFrame(b"data: [DONE]\n\n") if last else b"data: [DONE]\n\n"
+        finally:
+            calls.append("finally")
+
+    async def on_close() -> None:
+        calls.append("on_close")
+
+    sent: list[dict] = []
+
+    async def main() -> None:
+        never = asyncio.Event()
+
+        async def receive() -> dict:
+            await never.wait()
+            return {"type": "http.disconnect"}
+
+        async def send(message) -> None:
+            sent.append(message)
+
+        await ClosingStreamingResponse(frames(), on_close=on_close)(scope("2.3"), receive, send)
+
+    asyncio.run(main())
+    bodies = [(m["body"], m["more_body"]) for m in sent[1:]]
+    if last:
+        assert bodies == [(b"data: 1\n\n", True), (b"data: [DONE]\n\n", False)]
+    else:
+        assert bodies == [(b"data: 1\n\n", True), (b"data: [DONE]\n\n", True), (b"", False)]
     assert calls == ["finally", "on_close"]
 
 
