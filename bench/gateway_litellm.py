@@ -14,9 +14,9 @@ backend that answers 16 fixed tokens at once (a stream: 16 chunks):
   ``.venv-litellm``, made by ``make bench-gateway_litellm``) in front of an OpenAI-compatible
   server answering the same 16 tokens (:func:`openai_backend`, started by this script).
 
-Gateway CPU is the sum of ``/proc/<pid>/task/*/schedstat`` run time over the gateway's
-process and its children (nanoseconds; ``/proc/<pid>/stat`` ticks are 10 ms, too coarse
-for a 30-request round). A round's ratio is LiteLLM's CPU per request over kvgate's in
+Gateway CPU is the growth of ``/proc/<pid>/task/*/schedstat`` run time, thread by thread,
+over the gateway's process and its children (nanoseconds; ``/proc/<pid>/stat`` ticks are
+10 ms, too coarse for a 30-request round; :func:`cpu_seconds_between`). A round's ratio is LiteLLM's CPU per request over kvgate's in
 that round; figures are medians of per-round values.
 
 Prompts: *short* (the 33-token system + user chat of ``bench/gateway.py``) and *long* (a
@@ -176,16 +176,25 @@ def _tree(pid: int) -> list[int]:
     return pids
 
 
-def cpu_seconds(pid: int) -> float:
-    """Run time of every live thread of ``pid`` and its descendants (schedstat, ns)."""
-    total = 0
+def cpu_snapshot(pid: int) -> dict[tuple[int, int], int]:
+    """Run time (schedstat, ns) of every live thread of ``pid`` and its descendants, by (pid, tid)."""
+    times: dict[tuple[int, int], int] = {}
     for p in _tree(pid):
         try:
             for task in os.listdir(f"/proc/{p}/task"):
-                total += int(Path(f"/proc/{p}/task/{task}/schedstat").read_text().split()[0])
+                times[(p, int(task))] = int(Path(f"/proc/{p}/task/{task}/schedstat").read_text().split()[0])
         except (FileNotFoundError, ProcessLookupError):
             pass
-    return total / 1e9
+    return times
+
+
+def cpu_seconds_between(before: dict[tuple[int, int], int], after: dict[tuple[int, int], int]) -> float:
+    """CPU spent between two snapshots, thread by thread: a thread alive in both counts its
+    growth, a new one all of its time; one that exited in between counts nothing (its time
+    since ``before`` is not readable any more; the threads that exit are idle pool workers
+    reaped after their idle timeout). Summing live threads' totals instead went negative
+    whenever a thread exited during a round."""
+    return sum(t - before.get(key, 0) for key, t in after.items()) / 1e9
 
 
 # -- prompts and load ----------------------------------------------------------------------
@@ -265,9 +274,9 @@ async def measure(args, parties: dict[str, tuple[Load, int]]) -> list[dict]:
                     order = names[r % len(names):] + names[:r % len(names)]
                     for name in order:
                         load, pid = parties[name]
-                        before = cpu_seconds(pid)
+                        before = cpu_snapshot(pid)
                         await load.run(prompt, args.requests, concurrency, stream)
-                        per_round[name].append((cpu_seconds(pid) - before) / args.requests)
+                        per_round[name].append(cpu_seconds_between(before, cpu_snapshot(pid)) / args.requests)
                 row = {"prompt": prompt, "mode": "stream" if stream else "non-stream", "clients": concurrency}
                 for name in names:
                     row[f"{name}_ms"] = 1000 * statistics.median(per_round[name])
