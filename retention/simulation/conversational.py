@@ -28,7 +28,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from retention.policy.conversation import ConversationLedger, ConversationRequest, plan_conversation
+from retention.policy.conversation import ConversationLedger, ConversationPlan, ConversationRequest, plan_conversation
 from retention.policy.demote import DemoteLedger, demote_plan
 from retention.simulation.layered import LayeredPolicy
 from retention.trace import ResponseDeletion, TraceRequest
@@ -55,6 +55,7 @@ class ConversationPolicy(LayeredPolicy):
     demotes: DemoteLedger = field(default_factory=DemoteLedger)
     # (tenant, response id) -> (the stored request, its hashes, the wrapped policy's plan for it)
     _stored: dict[tuple[str, str], tuple[TraceRequest, tuple[int, ...], RetentionPlan]] = field(default_factory=dict)
+    _planned: dict[int, ConversationPlan | None] = field(default_factory=dict)  # request index -> its plan, until observed
 
     @property
     def name(self) -> str:
@@ -64,6 +65,7 @@ class ConversationPolicy(LayeredPolicy):
         plan = self.inner.plan(request, hashes, now=now, pool=pool)  # type: ignore[attr-defined]
         conv = conversation_request(request)
         if conv == ConversationRequest():
+            self._planned[request.index] = None
             return plan
         rules = self.rules_for(request)
         cfg = pool.config
@@ -83,7 +85,22 @@ class ConversationPolicy(LayeredPolicy):
                                 store_ttl_ms=self.store_ttl_ms)
         self.held_requests += out.plan is not plan
         self.clipped_requests += out.clipped
+        self._planned[request.index] = out
         return out.plan
+
+    def observe(self, request, hashes, allocation, *, now, pool) -> None:  # noqa: ANN001 - SimPolicy protocol
+        """The wrapped policy observes; a served request reports its cached share to the hold duel,
+        as the gateway does from the usage's ``cached_tokens``."""
+        LayeredPolicy.observe(self, request, hashes, allocation, now=now, pool=pool)
+        if request.index not in self._planned:
+            return
+        planned = self._planned.pop(request.index)
+        if allocation is None:
+            return  # rejected: never served, no usage
+        if planned is None:
+            self.ledger.served(None, False, allocation.num_cached_tokens, request.input_length)
+        else:
+            planned.completed(self.ledger, allocation.num_cached_tokens, request.input_length)
 
     def on_delete(self, deletion: ResponseDeletion, *, now: float) -> None:
         self.ledger.delete(deletion.tenant or "", deletion.response_id)

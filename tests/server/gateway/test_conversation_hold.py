@@ -33,7 +33,7 @@ def test_tools_in_any_dialect_and_stored_responses_are_conversations() -> None:
 
 
 def test_a_measured_tool_loop_is_held_in_the_shared_budget_and_a_delete_stops_measuring() -> None:
-    holds, hints = ConversationHolds(), HintLedger()
+    holds, hints = ConversationHolds(duel=None), HintLedger()
     now = 0.0
     for i in range(MIN_GAP_SAMPLES + 1):  # Responses runs: a tool step and its continuation 2 s later
         first = ConversationRequest(f"resp_{i}a", None, True, True)
@@ -51,3 +51,17 @@ def test_a_measured_tool_loop_is_held_in_the_shared_budget_and_a_delete_stops_me
     gaps = ledger.gap_count("7", "tool")
     assert holds.deleted("p", "7", f"resp_{MIN_GAP_SAMPLES}b") and not holds.deleted("q", "7", "resp_0b")
     assert ledger.continued("7", f"resp_{MIN_GAP_SAMPLES}b", now + 1.0) is None and ledger.gap_count("7", "tool") == gaps
+
+
+def test_a_served_continuation_feeds_the_pools_hold_duel_with_its_cached_tokens() -> None:
+    holds, hints = ConversationHolds(), HintLedger()
+    duel = holds.ledger("p", hints).duel
+    root = next(f"resp_{i}" for i in range(1_000) if duel.group("7", f"resp_{i}") == "never")
+    first = job(conversation=ConversationRequest(root, None, True, True))
+    holds.served(first, holds.plan(first, DEFAULT_PLAN, list(range(5)), hints, 0.0), 0)  # not a continuation
+    assert duel.scores["never"].prompt == 0
+    then = job(conversation=ConversationRequest(root + "b", root, True, True))
+    held = holds.plan(then, DEFAULT_PLAN, list(range(5)), hints, 2.0)
+    assert held.group == "never" and held.continuation and held.hold_ms == 0
+    holds.served(then, held, 4 * TPB)
+    assert duel.scores["never"].cached == 4 * TPB and duel.scores["never"].prompt == 5 * TPB + 2
