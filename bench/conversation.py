@@ -12,8 +12,10 @@ family is drawn with seed 0 (``bench/generalize.py``'s), the public synthetic tr
   other family (no conversation fields: there ``X+conv`` plans exactly as ``X``).
 * Capacity: every family at GPU 2 % of the trace's distinct 512-token blocks (``--fractions``),
   host 0 (``--hosts``); the conversation families (``agent-loop``, ``chat``, ``agent-mixed``,
-  :data:`WIDE`) also at GPU 1 %, 2 % and 5 % with host 0 and 4× (``--wide-fractions``,
-  ``--wide-hosts``; with a host tier ``trtllm-default`` and ``trtllm-default+conv`` are added).
+  :data:`WIDE`) also at GPU 1 % and 5 % with host 0, and at GPU 2 % with host 4×
+  (``--wide-fractions`` at the first host multiple, ``--wide-hosts`` at the first GPU share: a
+  cross, not the product, to bound the run time; with a host tier ``trtllm-default`` and
+  ``trtllm-default+conv`` are added).
 * Policies (``kvgate simulate`` names): ``lru``; ``trtllm-default`` (at host 0 it *is* lru:
   every block at 35, nowhere to offload, so its row is lru's); the age-based policies
   ``adaptive-bands``, ``protect`` and ``adaptive`` (selection among them, the gateway's
@@ -369,16 +371,21 @@ def demote_lines(results: list[dict]) -> list[str]:
 def run(workers: int, fractions: tuple[float, ...], hosts: tuple[int, ...], only: list[str] | None,
         grid: bool, limit: int | None = None, wide: tuple[tuple[float, ...], tuple[int, ...]] | None = None
         ) -> tuple[str, dict]:
-    """Every family at (fractions × hosts); the WIDE families also at ``wide`` (fractions, hosts)."""
+    """Every family at (fractions × hosts); the WIDE families also at ``wide``'s fractions (first host)
+    and hosts (first fraction)."""
     role = roles()
     names = [n for n in role if only is None or n in only]
-    order = {n: i for i, n in enumerate(["agent-loop", "agent-mixed", "chat"] + sorted(role))}
+    first = ["agent-loop", "agent-mixed", "chat"]
+    order = {n: i for i, n in enumerate(first + sorted(n for n in role if n not in first))}
     names.sort(key=lambda n: order[n])
     tasks = []  # (family, fractions, host): one per host, so two workers share the big families
     for n in names:
         if wide is not None and n in WIDE:
-            first = [(n, fractions, h) for h in hosts]
-            tasks += first + [(n, tuple(f for f in wide[0] if not (h in hosts and f in fractions)), h) for h in wide[1]]
+            # a cross, not a product (run time): the wide GPU shares at the first host multiple, the wide
+            # host multiples at the first GPU share
+            tasks += [(n, fractions, h) for h in hosts]
+            tasks.append((n, tuple(f for f in wide[0] if f not in fractions), hosts[0]))
+            tasks += [(n, fractions, h) for h in wide[1] if h not in hosts]
         else:
             tasks += [(n, fractions, h) for h in hosts]
     tasks = [t for t in tasks if t[1]]
