@@ -109,11 +109,14 @@ def run_family(name: str, fractions: tuple[float, ...], hosts: tuple[int, ...], 
                  "tools": sum(r.offers_tools for r in requests),
                  "messages": sum(r.output_kind == "message" for r in requests), "settings": []}
     started = time.perf_counter()
+    conversational = bool(out["responses"] or out["tools"])
+    out["copied"] = not conversational
     for host in hosts:
-        names = (list(AGE_BASED) + list(CANDIDATES)
-                 + (["trtllm-default", "trtllm-default+conv"] if host else []))
+        names = list(AGE_BASED) + (["trtllm-default"] if host else [])
+        if conversational:  # elsewhere every X+... plans exactly as X (run time: not replayed, copied below)
+            names += list(CANDIDATES) + (["trtllm-default+conv"] if host else [])
         factories = [lambda n=n: make_policy(n) for n in names]
-        if out["responses"] or out["tools"]:
+        if conversational:
             factories += [_no_duel, _end_ungated, _whole_quota]
         made: list = []  # every policy instance, in creation order (names per capacity)
         gpus = [max(1, round(f * distinct)) for f in fractions]
@@ -123,7 +126,7 @@ def run_family(name: str, fractions: tuple[float, ...], hosts: tuple[int, ...], 
             policies = made[index * len(factories):(index + 1) * len(factories)]
             out["settings"].append({
                 "fraction": fraction, "host": host, "gpu_blocks": report.primary_blocks,
-                "hit": {n: r.hit_rate for n, r in report.results.items()},
+                "hit": _with_copies({n: r.hit_rate for n, r in report.results.items()}, conversational),
                 "belady": (report.belady_total or report.belady_gpu).hit_rate,
                 "age_ceiling": report.age_ceiling_gpu,
                 "held": {p.name: (p.held_requests, p.clipped_requests) for p in policies if hasattr(p, "held_requests")},
@@ -134,6 +137,18 @@ def run_family(name: str, fractions: tuple[float, ...], hosts: tuple[int, ...], 
                            for n, r in report.results.items() if n in DEMOTE or n in END or n == END_UNGATED},
             })
     out["seconds"] = time.perf_counter() - started
+    return out
+
+
+def _with_copies(hit: dict[str, float], conversational: bool) -> dict[str, float]:
+    """Without conversation fields ``X+conv``, ``+demote`` and ``+end`` plan exactly as X (no request has a
+    field to act on; ``tests/retention/test_conversation_sim.py`` replays it): their figures are X's."""
+    if conversational:
+        return hit
+    out = dict(hit)
+    for name in (*CANDIDATES, "trtllm-default+conv"):
+        if base_of(name) in hit:
+            out[name] = hit[base_of(name)]
     return out
 
 
@@ -368,9 +383,21 @@ def demote_lines(results: list[dict]) -> list[str]:
             "ends in a message, where allowed): " + "; ".join(parts) + "."] if parts else []
 
 
+def _cached_family(cache: Path | None, name: str, fractions: tuple[float, ...], host: int, limit: int | None) -> dict:
+    """``run_family`` for one host, kept in ``cache`` (a directory) so an interrupted run resumes; the
+    cache knows nothing of code changes: empty it when the policies change."""
+    path = None if cache is None else cache / f"{name}-{'-'.join(map(str, fractions))}-h{host}-l{limit}-s{SEED}.json"
+    if path is not None and path.exists():
+        return json.loads(path.read_text())
+    result = run_family(name, fractions, (host,), limit)
+    if path is not None:
+        path.write_text(json.dumps(result))
+    return result
+
+
 def run(workers: int, fractions: tuple[float, ...], hosts: tuple[int, ...], only: list[str] | None,
-        grid: bool, limit: int | None = None, wide: tuple[tuple[float, ...], tuple[int, ...]] | None = None
-        ) -> tuple[str, dict]:
+        grid: bool, limit: int | None = None, wide: tuple[tuple[float, ...], tuple[int, ...]] | None = None,
+        cache: Path | None = None) -> tuple[str, dict]:
     """Every family at (fractions × hosts); the WIDE families also at ``wide``'s fractions (first host)
     and hosts (first fraction)."""
     role = roles()
@@ -392,7 +419,7 @@ def run(workers: int, fractions: tuple[float, ...], hosts: tuple[int, ...], only
     started = time.perf_counter()
     parts: dict[str, list[dict]] = {n: [] for n in names}
     with ProcessPoolExecutor(max_workers=workers) as pool:
-        futures = {pool.submit(run_family, n, f, (h,), limit): (n, f, h) for n, f, h in tasks}
+        futures = {pool.submit(_cached_family, cache, n, f, h, limit): (n, f, h) for n, f, h in tasks}
         grid_future = pool.submit(run_grid) if grid else None
         for done, future in enumerate(as_completed(futures), start=1):
             n, f, h = futures[future]
@@ -423,7 +450,9 @@ def run(workers: int, fractions: tuple[float, ...], hosts: tuple[int, ...], only
         "the pool (`retention/policy/conversation.py`), while the hold's set duel holds the conversation "
         "(`retention/policy/hold_duel.py`); for `X+conv` deletions reach only the ledger (TensorRT-LLM "
         "cannot revoke a duration given at enqueue, so the simulated pool cannot either). `X+conv` = policy X with the "
-        "hold on top; on families without Responses fields it plans exactly as X. `X+conv+demote` = the same, and a "
+        "hold on top; on families without Responses fields it plans exactly as X, so there its rows (and +demote's, "
+        "+end's) are X's figures, not replayed again (run time; `tests/retention/test_conversation_sim.py` replays "
+        "the equality). `X+conv+demote` = the same, and a "
         "delete becomes a demote request replayed through the pool (`retention/policy/demote.py`): the deleted "
         "prompt cut to its cached blocks + 1 token, one token generated, with priority 0 and no expiry from the "
         "first block no other live stored response of the tenant holds (TensorRT-LLM re-sets a matched block's "
@@ -436,7 +465,8 @@ def run(workers: int, fractions: tuple[float, ...], hosts: tuple[int, ...], only
         "simulator, so the decode hold costs budget and earns nothing here.",
         "",
         *(f"- {r['name']}: {r['requests']:,} requests, {r['responses']:,} with a response id, {r['tools']:,} offering "
-          f"tools ({r['messages']:,} answered with a message), {r['deletions']:,} deletions ({r['seconds']:.0f} s)"
+          f"tools ({r['messages']:,} answered with a message), {r['deletions']:,} deletions ({r['seconds']:.0f} s"
+          + ("; X+… rows are X's" if r.get("copied") else "") + ")"
           + held_note(r) for r in results),
         "",
         *check_lines,
@@ -483,6 +513,8 @@ def main() -> None:
     parser.add_argument("--only", default=None, help="families, comma-separated")
     parser.add_argument("--no-grid", action="store_true", help="skip the knob grid on chat")
     parser.add_argument("--limit", type=int, default=None, help="the first N requests of each family (a quick look)")
+    parser.add_argument("--cache", type=Path, default=None,
+                        help="a directory keeping each (family, host) result, so an interrupted run resumes")
     parser.add_argument("--wide-fractions", default=",".join(str(f) for f in WIDE_FRACTIONS),
                         help="GPU shares for the conversation families (empty: none)")
     parser.add_argument("--wide-hosts", default=",".join(str(h) for h in WIDE_HOSTS),
@@ -494,7 +526,7 @@ def main() -> None:
     if args.wide_fractions:
         wide = (tuple(float(x) for x in args.wide_fractions.split(",")), tuple(int(x) for x in args.wide_hosts.split(",")))
     section, raw = run(args.workers, fractions, hosts, args.only.split(",") if args.only else None, not args.no_grid,
-                       args.limit, wide)
+                       args.limit, wide, args.cache)
     print(section)
     print(json.dumps(raw, indent=2, default=str), file=sys.stderr)
     if not args.no_write and args.limit is None:
