@@ -31,8 +31,8 @@ cache; here the leader sets share one pool and one priority order with the follo
 a leader's share includes its *private* gain: held ``always`` leaders outrank every unheld
 block, unheld ``never`` leaders are outranked by every held one. The contest measures "is
 it better to be held than not", not "is the pool better off if everybody is held", and it
-leans towards holding: on ``agent-loop`` (seed 0, GPU 2 %) the always-leaders find 77 % of
-their continuations' prompt cached against the never-leaders' 64 %, the followers hold, and
+leans towards holding: on ``agent-loop`` (seed 0, GPU 2 %) the always-leaders find 73 % of
+their continuations' prompt cached against the never-leaders' 62 %, the followers hold, and
 the pool ends about a point below plain LRU (``bench/conversation.py`` states the figures).
 Alternating the arm for the whole pool in time (epochs, an unbiased comparison) was tried
 and costs more than it finds: holding in some epochs and not in others put chat 2.4 points
