@@ -15,7 +15,10 @@ Conversation fields (OpenAI Responses; ``retention/policy/conversation.py``): ``
 (a string: the response this request produces), ``previous_response_id`` (the stored response
 it continues), ``store`` (bool, default false: the response is stored, so it can be continued)
 and ``offers_tools`` (bool, default false: the request offers tools, in any API, so it is
-likely to end in a tool call whose result comes back soon).
+likely to end in a tool call whose result comes back soon), and ``output_kind``
+(``"tool_call"`` | ``"message"``, optional: what the response turned out to be, known to the
+gateway when the request completes; a tool loop's step that answers with a message rather
+than a function call ends the run or waits for a human).
 Other fields (a capture's observed outcome) are ignored here.
 
 **Events** are lines with an ``op`` field instead of a prompt; one op exists::
@@ -71,6 +74,7 @@ class TraceRequest:
     previous_response_id: str | None = None  # the stored response it continues
     store: bool = False  # its response is stored (may be continued)
     offers_tools: bool = False  # it offers tools (any API)
+    output_kind: str | None = None  # "tool_call" | "message": what its response was (known at completion)
 
 
 @dataclass(frozen=True, slots=True)
@@ -166,7 +170,8 @@ def parse_trace_events(lines: Iterable[str], *, block_size: int | None = None
         if (system or 0) > (context if context is not None else input_length) or (context or 0) > input_length:
             raise TraceError(f"line {number}: need system_tokens <= context_tokens <= input_length")
         out.append(TraceRequest(index, ts, input_length, output_length, tuple(ids), tenant, system, context,
-                                line_block, _hints(obj, number, input_length), *_conversation(obj, number)))
+                                line_block, _hints(obj, number, input_length), *_conversation(obj, number),
+                                _output_kind(obj, number)))
     if seen_block_size is not None and any(r.block_size is None for r in out):
         raise TraceError(f"some lines carry block_size {seen_block_size[0]} and others none; "
                          "one trace has one block size")
@@ -192,6 +197,16 @@ def _conversation(obj: dict, line: int) -> tuple[str | None, str | None, bool, b
     if response is not None and response == previous:
         raise TraceError(f"line {line}: a response cannot continue itself ({response!r})")
     return response, previous, _flag(obj, "store", line), _flag(obj, "offers_tools", line)
+
+
+OUTPUT_KINDS = ("tool_call", "message")
+
+
+def _output_kind(obj: dict, line: int) -> str | None:
+    value = obj.get("output_kind")
+    if value is not None and value not in OUTPUT_KINDS:
+        raise TraceError(f"line {line}: output_kind must be one of {OUTPUT_KINDS}, got {value!r}")
+    return value
 
 
 def _event(obj: dict, ts: float, line: int) -> ResponseDeletion:

@@ -45,6 +45,14 @@ own clock, and the blocks fall back to priority 35. The ledger keeps counting th
 the budget until then, exactly as long as the engine holds them. The measured hold is what
 bounds the waste of a conversation nobody continues.
 
+**Only while it pays.** A hold is a bet that the held prefix is worth more than what it
+pushes out; on a pool of tool loops alone it is LRU's order plus the budget's cuts, and it
+lost (``bench/conversation.py``). So the ledger carries a :class:`~retention.policy.hold_duel.HoldDuel`:
+conversations fall by a salted hash of their root response id into an "always hold" leader
+set, a "never hold" one and followers, and the followers hold only while the always-leaders'
+continuations find more of their prompt cached (usage ``cached_tokens``) than the
+never-leaders' (``ledger.duel = None``: hold every request, the rule above alone).
+
 Pure: the caller passes ``now`` (seconds, any monotonic clock). Memory per tenant: at most
 ``MAX_RESPONSES`` stored responses (the oldest go first) and ``GAP_SAMPLES`` gaps per kind.
 """
@@ -58,6 +66,7 @@ from typing import Literal
 
 from retention.policy.hint_plan import HintPolicy, HintSpan, apply_hints
 from retention.policy.hint_quota import GAP_SAMPLES, MIN_GAP_SAMPLES, MIN_HOLD_MS, HintLedger
+from retention.policy.hold_duel import Group, HoldDuel
 from retention.types import RetentionPlan
 
 GapKind = Literal["tool", "turn"]
@@ -92,6 +101,7 @@ class _Stored:
     at: float  # when it was planned (the continuation's gap is measured from here)
     tools: bool
     live_until: float  # the store's expiry
+    root: str  # the first response of its chain (as far as this ledger saw it)
 
 
 @dataclass(slots=True)
@@ -111,6 +121,8 @@ class ConversationLedger:
     margin: float = GAP_MARGIN  # ... times this margin
     _tenants: dict[str, _TenantConversations] = field(default_factory=dict)
     deleted: int = 0  # deletions of responses the ledger knew
+    # Set dueling between holding and not (retention/policy/hold_duel.py); None: always hold.
+    duel: HoldDuel | None = field(default_factory=HoldDuel)
 
     def _tenant(self, tenant: str) -> _TenantConversations:
         return self._tenants.setdefault(tenant, _TenantConversations())
@@ -125,11 +137,24 @@ class ConversationLedger:
         state.gaps["tool" if stored.tools else "turn"].append(gap)
         return gap
 
-    def stored(self, tenant: str, response_id: str, *, tools: bool, now: float, store_ttl_ms: int) -> None:
-        """A stored response is produced now; it lives ``store_ttl_ms`` unless deleted."""
+    def served(self, group: Group | None, continuation: bool, cached_tokens: int, prompt_tokens: int) -> None:
+        """A request of the pool was served (any request: a plain one passes ``None, False``); the duel's signal."""
+        if self.duel is not None:
+            self.duel.observe(group, cached_tokens, prompt_tokens, continuation=continuation)
+
+    def root(self, tenant: str, response_id: str, now: float) -> str | None:
+        """The root of a live stored response's chain (None: unknown, deleted or expired)."""
+        state = self._tenants.get(tenant)
+        stored = None if state is None else state.responses.get(response_id)
+        return None if stored is None or stored.live_until <= now else stored.root
+
+    def stored(self, tenant: str, response_id: str, *, tools: bool, now: float, store_ttl_ms: int,
+               root: str | None = None) -> None:
+        """A stored response is produced now; it lives ``store_ttl_ms`` unless deleted. ``root``:
+        its chain's first response (itself when None)."""
         state = self._tenant(tenant)
         state.responses.pop(response_id, None)
-        state.responses[response_id] = _Stored(now, tools, now + store_ttl_ms / 1000.0)
+        state.responses[response_id] = _Stored(now, tools, now + store_ttl_ms / 1000.0, root or response_id)
         if len(state.responses) > MAX_RESPONSES:
             expired = [r for r, s in state.responses.items() if s.live_until <= now]
             for r in expired or [next(iter(state.responses))]:
@@ -178,11 +203,18 @@ class ConversationPlan:
     decode_held: bool = False
     clipped: bool = False  # the budget cut the hold short
     recorded: tuple[int, ...] = ()  # the budget keys held (prompt hashes, then generated blocks' keys)
+    group: Group | None = None  # the conversation's set in the hold duel (None: no duel)
+    continuation: bool = False  # it continues a live stored response: its cached share is the duel's signal
 
     def released(self, ledger: ConversationLedger, tenant: str, now: float) -> None:
         """The request ended: TensorRT-LLM starts a duration at release, so count the hold from ``now``."""
         if self.recorded:
             ledger.holds.record(tenant, self.recorded, [self.hold_ms] * len(self.recorded), now)
+
+    def completed(self, ledger: ConversationLedger, cached_tokens: int, prompt_tokens: int) -> None:
+        """The request was served with ``cached_tokens`` of its ``prompt_tokens`` from cache (usage
+        ``cached_tokens``): the hold duel's signal."""
+        ledger.served(self.group, self.continuation, cached_tokens, prompt_tokens)
 
 
 def decode_keys(hashes: Sequence[int], output_blocks: int) -> tuple[int, ...]:
@@ -199,27 +231,36 @@ def plan_conversation(plan: RetentionPlan, request: ConversationRequest, caps: H
 
     Records the request in ``ledger`` whatever comes of it (a continuation's gap, a stored
     response). Returns ``ConversationPlan(plan)`` (the same plan object) when no hold
-    applies: the class's hints off, a demoted plan, neither tools nor a stored response, or
-    no room in the budget.
+    applies: the class's hints off, a demoted plan, neither tools nor a stored response, the
+    hold duel's arm for the conversation's group is "never" (:mod:`retention.policy.hold_duel`),
+    or no room in the budget. The plan names the group and whether the request continues a
+    live stored response; :meth:`ConversationPlan.completed` feeds its cached share back.
     """
+    root = None
+    continuation = False
     if request.previous_response_id is not None:
-        ledger.continued(tenant, request.previous_response_id, now)
+        root = ledger.root(tenant, request.previous_response_id, now)
+        continuation = ledger.continued(tenant, request.previous_response_id, now) is not None
     if request.store and request.response_id is not None:
-        ledger.stored(tenant, request.response_id, tools=request.offers_tools, now=now, store_ttl_ms=store_ttl_ms)
+        root = root or request.response_id
+        ledger.stored(tenant, request.response_id, tools=request.offers_tools, now=now, store_ttl_ms=store_ttl_ms,
+                      root=root)
+    duel = ledger.duel
+    group = None if duel is None else duel.group(tenant, root)
     kind = request.kind
-    if kind is None or not caps.enabled or plan.demoted:
-        return ConversationPlan(plan)
+    if kind is None or not caps.enabled or plan.demoted or (duel is not None and not duel.holds(group)):
+        return ConversationPlan(plan, kind, group=group, continuation=continuation)
     cap = caps.max_ttl_ms
     if request.store and request.response_id is not None:
         cap = min(cap, store_ttl_ms)  # nobody can continue it once the store forgets it
     hold = ledger.hold_ms(tenant, kind, cap)
     if hold <= 0:
-        return ConversationPlan(plan, kind)
+        return ConversationPlan(plan, kind, group=group, continuation=continuation)
     full = min(len(hashes), total // tokens_per_block)
     allowed = ledger.holds.allowance(tenant, list(hashes[:full]), budget_blocks, now)
     clipped = allowed < full
     if allowed == 0:
-        return ConversationPlan(plan, kind, clipped=clipped)
+        return ConversationPlan(plan, kind, clipped=clipped, group=group, continuation=continuation)
     kept = tuple(hashes[:allowed])
     ledger.holds.record(tenant, kept, [hold] * allowed, now)
     held = apply_hints(plan, (HintSpan(0, allowed * tokens_per_block, hold),), caps, total)
@@ -236,7 +277,7 @@ def plan_conversation(plan: RetentionPlan, request: ConversationRequest, caps: H
         held = RetentionPlan(held.ranges, caps.max_priority, duration, demoted=held.demoted)
     else:
         decode = False
-    return ConversationPlan(held, kind, hold, allowed, decode, clipped, kept)
+    return ConversationPlan(held, kind, hold, allowed, decode, clipped, kept, group, continuation)
 
 
 __all__ = ["ConversationLedger", "ConversationPlan", "ConversationRequest", "GapKind", "decode_keys",

@@ -51,7 +51,7 @@ are forgotten, their counts dropped).
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from retention.types import MIN_PRIORITY, RetentionPlan, TokenRange
@@ -109,6 +109,25 @@ class DemoteLedger:
         counts = state.counts
         for index, h in enumerate(hashes):
             if h not in counts:
+                return index
+        return None
+
+    def chain_start(self, tenant: str, response_id: str, chain: Collection[str]) -> int | None:
+        """The index of ``response_id``'s first prompt block that no live stored response *outside*
+        ``chain`` (its own conversation's responses) holds; the response stays live.
+
+        For a run that ended (its last answer a message, not a tool call): its whole own
+        history is dead, though its earlier responses are still stored. ``None``: unknown, or
+        every block shared with another conversation. Cost: blocks × chain length.
+        """
+        state = self._tenants.get(tenant)
+        hashes = None if state is None else state.responses.get(response_id)
+        if hashes is None:
+            return None
+        members = [m for m in (state.responses.get(r) for r in set(chain) | {response_id}) if m is not None]
+        for index, h in enumerate(hashes):
+            inside = sum(1 for m in members if len(m) > index and m[index] == h)
+            if state.counts.get(h, 0) <= inside:
                 return index
         return None
 

@@ -15,7 +15,12 @@ also becomes a *demote request* (:mod:`retention.policy.demote`): the simulator 
 deleted response's prompt through the same pool with :meth:`ConversationPolicy.demote_request`'s
 plan (the wrapped policy's plan for that request up to the prefix other live stored
 responses share, priority 0 with no expiry past it), as the gateway would send it; it is
-counted apart, never in the hit rate. Generated blocks are not cached
+counted apart, never in the hit rate. With ``end_demote`` (``X+conv+end``) a request that
+offered tools and whose response is a message, not a function call (the trace's
+``output_kind``, known to the gateway at completion), ended its run: when it completes, the
+same kind of demote request re-claims its conversation's own blocks (those no other
+conversation's live stored response holds) at priority 0, through the hold duel (only where
+the duel holds the conversation's group). Generated blocks are not cached
 in the simulator (a trace line's output has no hash ids), so the decode retention costs
 budget here and earns nothing: the simulated gain is the prompt's alone.
 
@@ -28,7 +33,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from retention.policy.conversation import ConversationLedger, ConversationRequest, plan_conversation
+from retention.policy.conversation import ConversationLedger, ConversationPlan, ConversationRequest, plan_conversation
 from retention.policy.demote import DemoteLedger, demote_plan
 from retention.simulation.layered import LayeredPolicy
 from retention.trace import ResponseDeletion, TraceRequest
@@ -36,6 +41,7 @@ from retention.types import RetentionPlan
 
 SUFFIX = "+conv"
 DEMOTE_SUFFIX = "+demote"
+END_SUFFIX = "+end"
 MAX_STORED = 65_536  # stored requests kept for demotes (the oldest are forgotten)
 STORE_TTL_MS = 30 * 24 * 3600 * 1000  # the response store's default (OpenAI keeps stored responses 30 days)
 
@@ -49,25 +55,35 @@ class ConversationPolicy(LayeredPolicy):
     ledger: ConversationLedger = field(default_factory=ConversationLedger)
     store_ttl_ms: int = STORE_TTL_MS
     held_requests: int = 0  # requests whose plan the hold changed
+    end_demotes: int = 0  # runs ended in a message whose own blocks were demoted
     clipped_requests: int = 0  # requests whose hold the budget cut short
     label: str | None = None
     demote: bool = False  # a delete becomes a demote request (module docstring)
     demotes: DemoteLedger = field(default_factory=DemoteLedger)
+    # A tool-offering response that ends in a message (not a function call) ends its run: its
+    # conversation's own blocks are demoted at completion (module docstring). "duel": only where
+    # the hold duel holds the conversation's group; "always": whatever the duel says.
+    end_demote: str | None = None
+    _chains: dict[tuple[str, str], list[str]] = field(default_factory=dict)  # (tenant, root) -> its response ids
+    _ending: dict[int, tuple[TraceRequest, RetentionPlan, str]] = field(default_factory=dict)  # index -> (request, plan, root)
     # (tenant, response id) -> (the stored request, its hashes, the wrapped policy's plan for it)
     _stored: dict[tuple[str, str], tuple[TraceRequest, tuple[int, ...], RetentionPlan]] = field(default_factory=dict)
+    _planned: dict[int, ConversationPlan | None] = field(default_factory=dict)  # request index -> its plan, until observed
 
     @property
     def name(self) -> str:
-        return self.label or self.inner.name + SUFFIX + (DEMOTE_SUFFIX if self.demote else "")  # type: ignore[attr-defined]
+        return self.label or (self.inner.name + SUFFIX + (DEMOTE_SUFFIX if self.demote else "")  # type: ignore[attr-defined]
+                              + (END_SUFFIX if self.end_demote == "duel" else ""))
 
     def plan(self, request, hashes, *, now, pool) -> RetentionPlan:  # noqa: ANN001 - SimPolicy protocol
         plan = self.inner.plan(request, hashes, now=now, pool=pool)  # type: ignore[attr-defined]
         conv = conversation_request(request)
         if conv == ConversationRequest():
+            self._planned[request.index] = None
             return plan
         rules = self.rules_for(request)
         cfg = pool.config
-        if self.demote and request.store and request.response_id is not None and rules.enabled:
+        if (self.demote or self.end_demote) and request.store and request.response_id is not None and rules.enabled:
             tenant = request.tenant or ""
             full = tuple(hashes[:min(len(hashes), request.input_length // cfg.tokens_per_block)])
             self.demotes.stored(tenant, request.response_id, full)
@@ -83,7 +99,52 @@ class ConversationPolicy(LayeredPolicy):
                                 store_ttl_ms=self.store_ttl_ms)
         self.held_requests += out.plan is not plan
         self.clipped_requests += out.clipped
+        self._planned[request.index] = out
+        if self.end_demote and request.response_id is not None and request.store and rules.enabled:
+            self._track_end(request, plan, out, now)
         return out.plan
+
+    def _track_end(self, request: TraceRequest, plan: RetentionPlan, out: ConversationPlan, now: float) -> None:
+        tenant = request.tenant or ""
+        root = self.ledger.root(tenant, request.response_id, now) or request.response_id
+        chain = self._chains.setdefault((tenant, root), [])
+        chain.append(request.response_id)
+        if len(self._chains) > MAX_STORED:
+            del self._chains[next(iter(self._chains))]
+        duel = self.ledger.duel
+        gated = self.end_demote == "duel" and duel is not None and not duel.holds(out.group)
+        if request.offers_tools and request.output_kind == "message" and not gated:
+            self._ending[request.index] = (request, plan, root)
+
+    def completion_demote(self, request: TraceRequest, *, now: float, tokens_per_block: int
+                          ) -> tuple[TraceRequest, RetentionPlan] | None:
+        """After the request is released: the demote request for a run that ended in a message
+        (``end_demote``), or None. Its range starts at the first block no other conversation's
+        live stored response holds (the run's own earlier responses are still stored)."""
+        ending = self._ending.pop(request.index, None)
+        if ending is None:
+            return None
+        request, plan, root = ending
+        tenant = request.tenant or ""
+        start = self.demotes.chain_start(tenant, request.response_id, self._chains.get((tenant, root), ()))
+        if start is None:
+            return None
+        self.end_demotes += 1
+        return request, demote_plan(plan, start * tokens_per_block)
+
+    def observe(self, request, hashes, allocation, *, now, pool) -> None:  # noqa: ANN001 - SimPolicy protocol
+        """The wrapped policy observes; a served request reports its cached share to the hold duel,
+        as the gateway does from the usage's ``cached_tokens``."""
+        LayeredPolicy.observe(self, request, hashes, allocation, now=now, pool=pool)
+        if request.index not in self._planned:
+            return
+        planned = self._planned.pop(request.index)
+        if allocation is None:
+            return  # rejected: never served, no usage
+        if planned is None:
+            self.ledger.served(None, False, allocation.num_cached_tokens, request.input_length)
+        else:
+            planned.completed(self.ledger, allocation.num_cached_tokens, request.input_length)
 
     def on_delete(self, deletion: ResponseDeletion, *, now: float) -> None:
         self.ledger.delete(deletion.tenant or "", deletion.response_id)

@@ -27,6 +27,10 @@ shaped for it (host tier or not, offload threshold). Built-ins:
 * ``<any of these>+conv+demote`` — the same, and every delete replayed as a demote request
                         (the deleted conversation's own blocks re-claimed at priority 0;
                         ``retention/policy/demote.py``);
+* ``<any of these>+conv+end`` / ``+conv+demote+end`` — and a tool-offering request whose
+                        response is a message (``output_kind``: the run ended) answered at
+                        completion by a demote request for its conversation's own blocks,
+                        where the hold duel holds its conversation;
 * plug-ins passed to :func:`make_policy` in a ``registry``.
 
 Offline reference policies that need the whole request list (``oracle-reuse``,
@@ -278,6 +282,10 @@ def make_policy(
     ``<name>+hints`` is ``<name>`` with the trace's client cache hints on top
     (``retention/simulation/hinted.py``); ``<name>+conv`` with the conversation and tool-loop
     hold (``retention/simulation/conversational.py``)."""
+    if name.endswith("+conv+end") or name.endswith("+conv+demote+end"):
+        conv = make_policy(name[: -len("+end")], mapping=mapping, block_size=block_size, registry=registry)
+        conv.end_demote = "duel"  # type: ignore[attr-defined]
+        return conv
     if name.endswith("+conv+demote"):
         conv = make_policy(name[: -len("+demote")], mapping=mapping, block_size=block_size, registry=registry)
         conv.demote = True  # type: ignore[attr-defined]

@@ -28,7 +28,9 @@ before any request at the same or a later time, to a policy that has ``on_delete
 retention it was given at enqueue. A policy that answers a delete with a *demote request*
 (``demote_request``, ``+conv+demote``) has it replayed through the pool at the delete's time,
 as the engine would see it (allocate the prompt with the demote plan, release it): counted
-apart (``demote_requests``, ``demote_computed_tokens``), never in the hit rate.
+apart (``demote_requests``, ``demote_computed_tokens``), never in the hit rate. A policy with
+``completion_demote`` may answer a request's release the same way (``+conv+end``: a tool
+loop's run that ended in a message).
 """
 
 from __future__ import annotations
@@ -211,6 +213,15 @@ def simulate(
         return admit_request(pool, policy, request, h, config, now, reserve)
 
     deliver = _deliverer(policy, deletions, pool, config, result)
+    completion_demote = getattr(policy, "completion_demote", None)
+
+    def completed(request: TraceRequest, now: float) -> None:
+        """The request is released: a policy may answer its completion with a demote request."""
+        demote = None if completion_demote is None else completion_demote(
+            request, now=now, tokens_per_block=config.tokens_per_block)
+        if demote is not None:
+            _replay_demote(pool, demote[0], demote[1], config, result, ("end", request.index), now)
+
     done = 0
     if config.hold == "none":
         for request in requests:
@@ -222,11 +233,12 @@ def simulate(
             else:
                 account(request, alloc.reused_blocks, alloc.onboarded_blocks, False)
                 pool.release(request.index, tokens, now=now, num_computed_tokens=len(tokens))
+                completed(request, now)
             done += 1
             if progress is not None and done % 64 == 0:
                 progress(64)
     else:
-        _replay_holding(requests, pool, config, try_admit, account, result, progress, deliver)
+        _replay_holding(requests, pool, config, try_admit, account, result, progress, deliver, completed)
     if progress is not None and config.hold == "none" and done % 64:
         progress(done % 64)
     stats = pool.stats()
@@ -283,9 +295,11 @@ def _replay_demote(pool: BlockPool, request: TraceRequest, plan, config: SimConf
     pool.release(key, tokens, now=now, num_computed_tokens=len(tokens))
 
 
-def _replay_holding(requests, pool, config, try_admit, account, result, progress, deliver) -> None:  # noqa: ANN001
+def _replay_holding(requests, pool, config, try_admit, account, result, progress, deliver,  # noqa: ANN001
+                    completed) -> None:
     """``--hold tokens``: FIFO admission, blocks held for the modelled service time."""
     running: list[tuple[float, int, object]] = []  # (finish time, request index, tokens)
+    by_index = {request.index: request for request in requests}
     waiting: deque[TraceRequest] = deque()
 
     def admit_waiting(now: float) -> None:
@@ -314,6 +328,7 @@ def _replay_holding(requests, pool, config, try_admit, account, result, progress
         while running and (limit is None or running[0][0] <= limit):
             finish, index, tokens = heapq.heappop(running)
             pool.release(index, tokens, now=finish, num_computed_tokens=len(tokens))
+            completed(by_index[index], finish)
             admit_waiting(finish)
 
     for request in requests:

@@ -15,6 +15,7 @@ parameters are documented on each spec dataclass.
 | ``api`` | :mod:`~retention.workloads.api` (single turn, 200 Zipf system prompts) | report only |
 | ``agent-hinted`` | :mod:`~retention.workloads.agent_hinted` (agent loops marking system + tools 1 h and the conversation 5 min, beside unhinted one-shot traffic; ``bench/hints.py``) | report only |
 | ``agent-loop`` | :mod:`~retention.workloads.agent` as Responses runs (each step continues the previous stored response and offers tools; half the runs deleted when they end, the rest abandoned; ``bench/conversation.py``) | report only |
+| ``agent-mixed`` | :mod:`~retention.workloads.mixed` (agent-loop runs of one tenant beside another tenant's api one-shots, 1.5/s; ``bench/conversation.py``) | report only |
 | ``rag-chat`` | :mod:`~retention.workloads.rag_chat` (the design notes' RAG chat: 1.5K system, 8K retrieved, 6 turns; ``bench/rag_chat.py``) | report only |
 
 *Tune* families are the ones retention policies may be tuned on (``adaptive`` was built
@@ -34,6 +35,7 @@ from retention.workloads.agent_hinted import HintedAgentSpec, hinted_agent_trace
 from retention.workloads.api import ApiSpec, api_trace
 from retention.workloads.chat import ChatSpec, chat_trace
 from retention.workloads.common import phased
+from retention.workloads.mixed import MixedSpec, mixed_trace
 from retention.workloads.noisy import NoisyNeighbourSpec, noisy_neighbour_trace
 from retention.workloads.rag import RagSpec, rag_trace
 from retention.workloads.rag_chat import RagChatSpec, rag_chat_trace
@@ -81,12 +83,15 @@ def families() -> tuple[Family, ...]:
         Family("agent-loop", "report", lambda seed: agent_trace(AGENT_LOOP, seed=seed),
                "the agent family as Responses runs: each step continues the previous stored response and offers "
                "tools; half the runs deleted when they end, the rest abandoned"),
+        Family("agent-mixed", "report", lambda seed: mixed_trace(MixedSpec(), seed=seed),
+               "agent-loop runs (tenant agents) sharing the pool with api one-shots of another tenant (1.5/s, "
+               "200 Zipf system prompts)"),
         Family("rag-chat", "report", lambda seed: rag_chat_trace(RagChatSpec(), seed=seed),
                "1.5K shared system + 4 of 5,000 Zipf(1) documents (8K) + 6 turns, exponential think time (mean 45 s)"),
     )
 
 
 __all__ = [
-    "AgentSpec", "ApiSpec", "ChatSpec", "Family", "HintedAgentSpec", "hinted_agent_trace", "NoisyNeighbourSpec", "RagSpec", "agent_trace", "api_trace",
+    "AgentSpec", "ApiSpec", "ChatSpec", "Family", "HintedAgentSpec", "MixedSpec", "mixed_trace", "hinted_agent_trace", "NoisyNeighbourSpec", "RagSpec", "agent_trace", "api_trace",
     "chat_trace", "families", "noisy_neighbour_trace", "phased", "rag_trace",
 ]

@@ -14,7 +14,9 @@ prompts grow long and every step reuses the previous one's whole prompt.
 
 With ``responses`` the runs are OpenAI Responses agent runs (the ``agent-loop`` family): step
 *i* stores its response (``resp-agent-<run>-<i>``), continues step *i-1*'s and offers tools;
-when a run ends its client deletes all its responses with probability ``delete_share``
+each line says what its response was (``output_kind``): a function call, or a message when
+the run ends there or the next step waits for a human (the model asked). When a run ends
+its client deletes all its responses with probability ``delete_share``
 (after a lognormal ``delete_median_s``), else abandons them to the store's expiry. The
 deletions draw from their own random source, so the requests are the same either way.
 """
@@ -82,7 +84,8 @@ def agent_trace(spec: AgentSpec = AgentSpec(), *, seed: int = 0) -> list[dict]:
         at = start
         run: list[str] = []  # the run's response ids
         last = at
-        for step in range(rng.randint(*spec.steps)):
+        steps = rng.randint(*spec.steps)
+        for step in range(steps):
             if at >= spec.duration_s:
                 break
             line = prompt_line(
@@ -95,7 +98,10 @@ def agent_trace(spec: AgentSpec = AgentSpec(), *, seed: int = 0) -> list[dict]:
             lines.append(line)
             last = at
             context = context + ids.fresh(spec.call_blocks + rng.randint(*spec.output_blocks))
-            if rng.random() < spec.human_wait:
+            human = rng.random() < spec.human_wait
+            if spec.responses:  # the last step answers; a step before a human's turn asks (no tool call)
+                line["output_kind"] = "message" if human or step == steps - 1 else "tool_call"
+            if human:
                 at += lognormal(rng, spec.human_median_s, spec.human_sigma)
             else:
                 at += lognormal(rng, spec.tool_median_s, spec.tool_sigma)

@@ -17,10 +17,13 @@ def table(section: str) -> list[str]:
 def test_the_conversation_section_repeats_and_is_written_in_place(tmp_path) -> None:  # type: ignore[no-untyped-def]
     first, raw = run(1, (0.02,), (0,), ["agent-loop"], grid=False, limit=400)
     second, _ = run(1, (0.02,), (0,), ["agent-loop"], grid=False, limit=400)
-    # 4 age-based, 2 +conv, 2 +conv+demote, the whole-quota diagnostic, best age-based, Belady
-    assert table(first) == table(second) and len(table(first)) == 11
+    # 4 age-based, 2 +conv, 2 +conv+demote, 2 +conv+end, 3 diagnostics (no duel, end ungated, whole quota),
+    # best age-based, Belady
+    assert table(first) == table(second) and len(table(first)) == 15
     assert sum("+conv+demote |" in line for line in table(first)) == 2
-    assert "**Demote on delete**" in first  # agent-loop deletes: the demote counts are reported
+    assert sum("+conv+end |" in line for line in table(first)) == 2
+    assert "above this family's ceiling" in first
+    assert "**Demote requests**" in first  # agent-loop deletes and ends runs: the demote counts are reported
     assert "Seed: 0 " in first.splitlines()[2]
     assert raw["verdict"]["target"] is not None  # the agent-loop check is computed from the figures
     doc = tmp_path / "benchmarks.md"

@@ -40,12 +40,12 @@ def warm(ledger: ConversationLedger, gap: float, *, tools: bool = True, runs: in
 
 
 def test_no_hold_before_gaps_are_measured() -> None:
-    out = step(ConversationLedger(), "r1", None, 0.0)
+    out = step(ConversationLedger(duel=None), "r1", None, 0.0)
     assert out.plan is DEFAULT_PLAN and out.kind == "tool" and out.hold_ms == 0
 
 
 def test_a_tool_loop_is_held_for_its_measured_median_gap_prompt_and_decode() -> None:
-    ledger = ConversationLedger()
+    ledger = ConversationLedger(duel=None)
     now = warm(ledger, 3.0)
     assert ledger.gap_count("t", "tool") == MIN_GAP_SAMPLES + 1 and ledger.gap_count("t", "turn") == 0
     out = step(ledger, "r1", None, now)
@@ -55,7 +55,7 @@ def test_a_tool_loop_is_held_for_its_measured_median_gap_prompt_and_decode() -> 
 
 
 def test_turn_gaps_and_tool_gaps_are_measured_apart() -> None:
-    ledger = ConversationLedger()
+    ledger = ConversationLedger(duel=None)
     now = warm(ledger, 3.0)
     now = warm(ledger, 40.0, tools=False) + now
     assert step(ledger, "c1", None, now, tools=False).hold_ms == 40_000
@@ -64,7 +64,7 @@ def test_turn_gaps_and_tool_gaps_are_measured_apart() -> None:
 
 def test_the_hold_never_exceeds_the_class_caps() -> None:
     caps = HintPolicy(enabled=True, max_ttl_ms=10_000, max_priority=50)
-    ledger = ConversationLedger()
+    ledger = ConversationLedger(duel=None)
     now = warm(ledger, 600.0)  # gaps of 10 min, class allows 10 s
     out = step(ledger, "r1", None, now, caps=caps)
     assert out.hold_ms == 10_000
@@ -75,7 +75,7 @@ def test_the_hold_never_exceeds_the_class_caps() -> None:
 
 @pytest.mark.parametrize("caps", [HintPolicy(enabled=False), CAPS])
 def test_off_class_or_plain_request_or_demoted_plan_keeps_the_same_plan(caps: HintPolicy) -> None:
-    ledger = ConversationLedger()
+    ledger = ConversationLedger(duel=None)
     now = warm(ledger, 3.0)
     demoted = RetentionPlan((TokenRange(0, None, 10, None),), demoted=True)
     if not caps.enabled:
@@ -88,7 +88,7 @@ def test_off_class_or_plain_request_or_demoted_plan_keeps_the_same_plan(caps: Hi
 
 
 def test_a_hold_only_strengthens_the_base_plan() -> None:
-    ledger = ConversationLedger()
+    ledger = ConversationLedger(duel=None)
     now = warm(ledger, 3.0)
     base = RetentionPlan((TokenRange(0, BS, 90, None), TokenRange(BS, None, 35, 30_000)), 80, None)
     out = step(ledger, "r1", None, now, base=base)
@@ -98,7 +98,7 @@ def test_a_hold_only_strengthens_the_base_plan() -> None:
 
 
 def test_the_budget_clips_the_hold_and_then_no_decode_retention() -> None:
-    ledger = ConversationLedger()
+    ledger = ConversationLedger(duel=None)
     now = warm(ledger, 3.0)
     out = step(ledger, "r1", None, now, budget=3, first_hash=500)
     assert out.clipped and out.held_blocks == 3 and not out.decode_held
@@ -108,7 +108,7 @@ def test_the_budget_clips_the_hold_and_then_no_decode_retention() -> None:
 
 
 def test_a_delete_stops_renewal_but_cannot_shorten_what_the_engine_was_given() -> None:
-    ledger = ConversationLedger()
+    ledger = ConversationLedger(duel=None)
     now = warm(ledger, 3.0)
     first = step(ledger, "r1", None, now, first_hash=700)
     live = ledger.holds.live_blocks("t", now)
@@ -123,7 +123,7 @@ def test_a_delete_stops_renewal_but_cannot_shorten_what_the_engine_was_given() -
 
 
 def test_an_expired_stored_response_measures_no_gap() -> None:
-    ledger = ConversationLedger()
+    ledger = ConversationLedger(duel=None)
     plan_conversation(DEFAULT_PLAN, ConversationRequest("r1", None, True, False), CAPS, total=40, output_tokens=1,
                       tokens_per_block=BS, hashes=[1, 2], ledger=ledger, tenant="t", budget_blocks=10, now=0.0,
                       store_ttl_ms=5_000)
@@ -132,7 +132,7 @@ def test_an_expired_stored_response_measures_no_gap() -> None:
 
 
 def test_tenants_never_see_each_others_responses() -> None:
-    ledger = ConversationLedger()
+    ledger = ConversationLedger(duel=None)
     ledger.stored("a", "r1", tools=True, now=0.0, store_ttl_ms=STORE_TTL)
     assert ledger.continued("b", "r1", 1.0) is None and not ledger.delete("b", "r1")
     assert ledger.continued("a", "r1", 1.0) == 1.0
@@ -140,7 +140,7 @@ def test_tenants_never_see_each_others_responses() -> None:
 
 def test_same_inputs_same_plans() -> None:
     def replay() -> list[RetentionPlan]:
-        ledger = ConversationLedger()
+        ledger = ConversationLedger(duel=None)
         now = warm(ledger, 2.5)
         return [step(ledger, f"r{i}", f"r{i - 1}" if i else None, now + 2.0 * i, budget=7, first_hash=900).plan
                 for i in range(6)]

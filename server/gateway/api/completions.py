@@ -622,6 +622,8 @@ class CompletionRunner:
             self._ledger(tenant.pool.name).record(tenant.engine_tenant_id, hinted.hashes, hinted.durations_ms,
                                                   self._clock(), windows_ms=hinted.windows_ms)
         self.holds.released(job, outcome.conversation_hold, self._clock())
+        if outcome.kv is not None:  # the engine ran it: its usage's cached tokens score the hold duel
+            self.holds.served(job, outcome.conversation_hold, cached_tokens(job, outcome))
         latency = time.perf_counter() - started
         # Mean inter-token latency: observable only when tokens were streamed one by one.
         inter_token = None

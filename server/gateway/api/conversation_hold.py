@@ -10,6 +10,11 @@ already told runs out on its own clock (TensorRT-LLM takes durations at enqueue 
 demote request may then re-claim what is still cached of it at priority 0
 (:mod:`server.gateway.api.conversation_demote`): the per-pool :class:`DemoteLedger` here
 knows which prompt blocks other live stored responses of the tenant still hold.
+
+Whether the hold is in force is decided per pool by the ledger's set duel
+(:mod:`retention.policy.hold_duel`): the request core reports every served request's
+cached tokens (the usage's ``cached_tokens``) through :meth:`ConversationHolds.served`, and a
+continuation of a leader conversation scores its set.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ from typing import Any
 from retention.policy.conversation import ConversationLedger, ConversationPlan, ConversationRequest, plan_conversation
 from retention.policy.demote import DemoteLedger
 from retention.policy.hint_quota import HintLedger
+from retention.policy.hold_duel import HoldDuel, HoldDuelConfig
 from retention.types import RetentionPlan
 
 # A job is server.gateway.api.completions.CompletionJob (not imported: completions imports this module).
@@ -42,13 +48,15 @@ class ConversationHolds:
     """Per pool: the conversation ledger, sharing the pool's hint ledger (one budget)."""
 
     store_ttl_ms: int = STORE_TTL_MS
+    duel: HoldDuelConfig | None = HoldDuelConfig()  # None: every eligible request held (no duel)
     _ledgers: dict[str, ConversationLedger] = field(default_factory=dict)
     _demotes: dict[str, DemoteLedger] = field(default_factory=dict)  # pool -> live stored prompts' blocks
 
     def ledger(self, pool: str, hints: HintLedger) -> ConversationLedger:
         ledger = self._ledgers.get(pool)
         if ledger is None:
-            ledger = self._ledgers[pool] = ConversationLedger(holds=hints)
+            duel = None if self.duel is None else HoldDuel(self.duel)
+            ledger = self._ledgers[pool] = ConversationLedger(holds=hints, duel=duel)
         return ledger
 
     def applies(self, job: CompletionJob) -> bool:
@@ -79,6 +87,13 @@ class ConversationHolds:
         ledger = self._ledgers.get(job.tenant.pool.name)
         if held is not None and ledger is not None:
             held.released(ledger, job.tenant.engine_tenant_id, now)
+
+    def served(self, job: CompletionJob, held: ConversationPlan | None, cached_tokens: int) -> None:
+        """The engine served the job with ``cached_tokens`` of its prompt from cache: the duel's signal
+        (only a planned continuation of a leader conversation scores)."""
+        ledger = self._ledgers.get(job.tenant.pool.name)
+        if held is not None and ledger is not None:
+            held.completed(ledger, cached_tokens, job.prompt.total)
 
     def deleted(self, pool: str, tenant: str, response_id: str) -> bool:
         """A stored response was deleted: its conversation is no longer measured or renewed."""

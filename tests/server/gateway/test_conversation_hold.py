@@ -35,7 +35,7 @@ def test_tools_in_any_dialect_and_stored_responses_are_conversations() -> None:
 
 
 def test_a_measured_tool_loop_is_held_in_the_shared_budget_and_a_delete_stops_measuring() -> None:
-    holds, hints = ConversationHolds(), HintLedger()
+    holds, hints = ConversationHolds(duel=None), HintLedger()
     now = 0.0
     for i in range(MIN_GAP_SAMPLES + 1):  # Responses runs: a tool step and its continuation 2 s later
         first = ConversationRequest(f"resp_{i}a", None, True, True)
@@ -59,7 +59,7 @@ def test_the_class_switch_decides_not_the_hint_switch_and_the_hint_caps_still_bo
     """Hints on without the switch: never held; the switch on with hints off: held within the hint caps."""
     caps_off = HintPolicy(enabled=False, max_ttl_ms=1_500, max_priority=45, quota_fraction=0.5)
     for hints, hold, held in ((CAPS, False, False), (caps_off, True, True)):
-        holds, ledger = ConversationHolds(), HintLedger()
+        holds, ledger = ConversationHolds(duel=None), HintLedger()  # the switch alone (the duel: below)
         assert holds.applies(job(tools=True, hints=hints, hold=hold)) is held
         now = 0.0
         for i in range(MIN_GAP_SAMPLES + 1):
@@ -71,3 +71,17 @@ def test_the_class_switch_decides_not_the_hint_switch_and_the_hint_caps_still_bo
         if held:
             out = holds.plan(job(tools=True, hints=hints, hold=hold), DEFAULT_PLAN, list(range(5)), ledger, now)
             assert out.hold_ms == 1_500 and out.plan.retention_at(0) == (45, 1_500)  # the class's hint caps
+
+
+def test_a_served_continuation_feeds_the_pools_hold_duel_with_its_cached_tokens() -> None:
+    holds, hints = ConversationHolds(), HintLedger()
+    duel = holds.ledger("p", hints).duel
+    root = next(f"resp_{i}" for i in range(1_000) if duel.group("7", f"resp_{i}") == "never")
+    first = job(conversation=ConversationRequest(root, None, True, True))
+    holds.served(first, holds.plan(first, DEFAULT_PLAN, list(range(5)), hints, 0.0), 0)  # not a continuation
+    assert duel.scores["never"].prompt == 0
+    then = job(conversation=ConversationRequest(root + "b", root, True, True))
+    held = holds.plan(then, DEFAULT_PLAN, list(range(5)), hints, 2.0)
+    assert held.group == "never" and held.continuation and held.hold_ms == 0
+    holds.served(then, held, 4 * TPB)
+    assert duel.scores["never"].cached == 4 * TPB and duel.scores["never"].prompt == 5 * TPB + 2

@@ -1,0 +1,65 @@
+"""A tool loop's run that ends in a message: the output kind in the trace, and the completion-time demote."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+
+import pytest
+
+from retention.policy.demote import DemoteLedger
+from retention.simulation.sim_policies import make_policy
+from retention.simulation.simulator import SimConfig, simulate
+from retention.trace import TraceError, parse_trace_events
+from retention.workloads.agent import AgentSpec, agent_trace
+
+BS = 16
+SPEC = AgentSpec(duration_s=600.0, block_size=BS, runs_per_s=0.3, system_blocks=2, responses=True)
+
+
+def test_each_run_step_says_whether_it_called_a_tool_or_answered() -> None:
+    requests, _ = parse_trace_events([json.dumps(x) for x in agent_trace(SPEC, seed=1)], block_size=BS)
+    runs: dict[str, list] = {}
+    for r in requests:
+        runs.setdefault(r.response_id.rsplit("-", 1)[0], []).append(r)
+    assert all(r.output_kind in ("tool_call", "message") for r in requests)
+    ended = [steps for steps in runs.values() if steps[-1].timestamp_ms < 500_000]  # runs not cut by the trace's end
+    assert ended and all(steps[-1].output_kind == "message" for steps in ended)
+    assert sum(r.output_kind == "message" for r in requests) > len(ended)  # some steps ask a human, and the run goes on
+    plain = agent_trace(replace(SPEC, responses=False), seed=1)
+    assert all("output_kind" not in line for line in plain)
+
+
+def test_a_bad_output_kind_is_refused_by_name() -> None:
+    bad = json.dumps({"timestamp": 0, "input_length": BS, "output_length": 1, "hash_ids": [1], "output_kind": "done"})
+    with pytest.raises(TraceError, match="output_kind"):
+        parse_trace_events([bad], block_size=BS)
+
+
+def test_chain_start_skips_blocks_other_conversations_hold_not_the_runs_own() -> None:
+    ledger = DemoteLedger()
+    ledger.stored("t", "a1", [1, 2, 3])
+    ledger.stored("t", "a2", [1, 2, 3, 4, 5])  # the same run, a step later
+    ledger.stored("t", "b1", [1, 9])  # another conversation sharing block 1 (the system prompt)
+    assert ledger.chain_start("t", "a2", ["a1", "a2"]) == 1
+    assert ledger.chain_start("t", "a2", []) == 3  # without its chain, its earlier step's blocks look shared
+    assert ledger.chain_start("t", "b1", ["b1"]) == 1 and ledger.chain_start("t", "zz", ["zz"]) is None
+    assert ledger.live("t") == 3  # nothing is forgotten: the run's responses stay stored
+
+
+def test_an_ended_runs_own_blocks_are_demoted_at_completion_and_that_pays_on_a_tight_pool() -> None:
+    requests, deletions = parse_trace_events([json.dumps(x) for x in agent_trace(SPEC, seed=1)], block_size=BS)
+    config = SimConfig(tokens_per_block=BS, trace_block_size=BS)
+    ungated = make_policy("lru+conv+end")
+    ungated.end_demote = "always"  # every run ending in a message, whatever the duel says
+    results = {}
+    for name, policy in (("lru", make_policy("lru")), ("end", ungated)):
+        results[name] = simulate(requests, policy, primary_blocks=40, secondary_blocks=0, config=config,
+                                 deletions=deletions)
+    ended = sum(r.output_kind == "message" for r in requests)
+    assert 0 < ungated.end_demotes <= ended and results["end"].demote_requests > 0
+    assert results["end"].hit_rate > results["lru"].hit_rate
+    again = simulate(requests, make_policy("lru+conv+end"), primary_blocks=40, secondary_blocks=0, config=config,
+                     deletions=deletions)
+    assert again.hit_tokens == simulate(requests, make_policy("lru+conv+end"), primary_blocks=40, secondary_blocks=0,
+                                        config=config, deletions=deletions).hit_tokens  # deterministic
