@@ -171,16 +171,19 @@ CANDIDATE = ("kv-aware, balance_rel 2", {"balance_rel": 2.0})  # the best fixed 
 ADAPTIVE = "kv-adaptive"  # the self-tuning band (retention/routing/tuning.py), its default knobs
 # The self-tuning band's knobs tried on the tune families only (every tune setting); the first is the default.
 TUNINGS = (
-    ("step ×2, max scale 64, warm-up 4 per replica, forgive 3 dispatches", {"forgive": 3.0}),
-    ("forgive 0 (the plain controller, the previous default)", {"forgive": 0.0}),
+    ("step ×2, max scale 64, warm-up 4 per replica, forgive 0", {"forgive": 0.0}),
     ("forgive ½ dispatch", {"forgive": 0.5}),
     ("forgive 1 dispatch", {"forgive": 1.0}),
     ("forgive 2 dispatches", {"forgive": 2.0}),
+    ("forgive 3 dispatches", {"forgive": 3.0}),
     ("forgive 8 dispatches", {"forgive": 8.0}),
     ("forgive 0, warm-up 16 per replica", {"forgive": 0.0, "warmup_per_replica": 16}),
     ("gentler: step ×√2, max scale 8, forgive 0", {"step": 2 ** 0.5, "max_scale": 8.0, "forgive": 0.0}),
 )
-EXTRAS = {CANDIDATE[0]: ("kv-aware", CANDIDATE[1], {}), ADAPTIVE: ("kv-adaptive", {}, {})}
+# The tune families' best count (forgive 3), over the whole grid: not the default, it adds imbalance misses.
+FORGIVING = ("kv-adaptive, forgive 3", {"forgive": 3.0})
+EXTRAS = {CANDIDATE[0]: ("kv-aware", CANDIDATE[1], {}), ADAPTIVE: ("kv-adaptive", {}, {}),
+          FORGIVING[0]: ("kv-adaptive", {}, FORGIVING[1])}
 
 
 def run_extra(router: str, cost: dict, tuning: dict, name: str, requests: int, replicas: int, gpu: int, host: int,
@@ -388,6 +391,10 @@ def section(rows: list[dict], roles: dict[str, str], seconds: float, requests: i
         lines += ["", f"**{ADAPTIVE}** against the fixed kv-aware defaults, over the whole grid (settings meeting all "
                   "three targets; its share of the ceiling min / median; worst imbalance):", ""]
         lines += family_table(rows, roles, ADAPTIVE)
+    if FORGIVING[0] in rows[0]:
+        lines += ["", f"**{FORGIVING[0]}** (the most settings meeting all three on the tune families, with more "
+                  "imbalance misses there than the plain controller; not the default) over the whole grid:", ""]
+        lines += family_table(rows, roles, FORGIVING[0])
     if CANDIDATE[0] in rows[0]:
         lines += ["", f"The best fixed variant on the tune families, **{CANDIDATE[0]}**, over the whole grid:", ""]
         lines += family_table(rows, roles, CANDIDATE[0])

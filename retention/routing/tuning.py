@@ -24,7 +24,9 @@ pool has seen only a few dispatches per replica — the opening of a run, most o
 Tightening only on what is left after forgiving ``forgive`` such dispatches, and widening
 only on the raw measure, holds the scale where the evidence is too coarse to tell (it
 starts at 1, the fixed defaults); the two measures meet as the dispatches per replica grow.
-``forgive`` 0 is the plain controller.
+``forgive`` 0, the default, is the plain controller: on the tune families forgiving adds
+settings meeting all three targets (most at 3) but also misses of the imbalance target there
+(docs/architecture.md, "Routing"), so it is a knob, not the default.
 
 At ``max_scale`` the band is wide enough that the cost is the cache-only one (ties by the
 session key's rendezvous, i.e. session stickiness); at ``min_scale`` it balances harder
@@ -67,7 +69,7 @@ class BandTuning:
     min_scale: float = 0.25
     max_scale: float = 64.0
     half_life: float = 256.0
-    forgive: float = 3.0
+    forgive: float = 0.0
     hard_rel: float | None = None
     hard_request_share: float = 4.0
 
