@@ -9,11 +9,24 @@ buys and moves it::
 
     scale s (state, starts at 1: the fixed defaults)
     band(s):   balance_request_share × s,   1 + (balance_rel − 1) × s
-    measured:  imbalance I = max / mean over candidates of the prefill tokens dispatched to
-               each replica (÷ weight), decayed with a half-life of ``half_life`` dispatches
+    measured:  P_r = prefill tokens dispatched to replica r (÷ weight), p = the largest one
+               dispatch's (÷ weight), both decayed with a half-life of ``half_life`` dispatches;
+               I = max P / mean P (raw), I_f = max(1, (max P − forgive × p) / mean P)
     every ``window`` dispatches (after ``warmup_per_replica`` × replicas):
-        I > target + hysteresis  →  s ← max(s / step, min_scale)     tighter: balance
-        I < target − hysteresis  →  s ← min(s × step, max_scale)     wider: follow the cache
+        I_f > target + hysteresis  →  s ← max(s / step, min_scale)     tighter: balance
+        I   < target − hysteresis  →  s ← min(s × step, max_scale)     wider: follow the cache
+        otherwise                  →  s unchanged
+
+Why two measures: even a placement that always picks the least-loaded replica ends up to one
+dispatch above the mean (list scheduling: max ≤ mean + the largest item), so while the
+pool has seen only a few dispatches per replica — the opening of a run, most of all at
+8 replicas with long first prompts — the raw measure reads high whatever the band does.
+Tightening only on what is left after forgiving ``forgive`` such dispatches, and widening
+only on the raw measure, holds the scale where the evidence is too coarse to tell (it
+starts at 1, the fixed defaults); the two measures meet as the dispatches per replica grow.
+``forgive`` 0, the default, is the plain controller: on the tune families forgiving adds
+settings meeting all three targets (most at 3) but also misses of the imbalance target there
+(docs/architecture.md, "Routing"), so it is a knob, not the default.
 
 At ``max_scale`` the band is wide enough that the cost is the cache-only one (ties by the
 session key's rendezvous, i.e. session stickiness); at ``min_scale`` it balances harder
@@ -56,17 +69,19 @@ class BandTuning:
     min_scale: float = 0.25
     max_scale: float = 64.0
     half_life: float = 256.0
+    forgive: float = 0.0
     hard_rel: float | None = None
     hard_request_share: float = 4.0
 
     def __post_init__(self) -> None:
-        numbers = ("target", "hysteresis", "step", "min_scale", "max_scale", "half_life", "hard_request_share")
+        numbers = ("target", "hysteresis", "step", "min_scale", "max_scale", "half_life", "forgive",
+                   "hard_request_share")
         for name in numbers:
             value = getattr(self, name)
             if isinstance(value, bool) or not (isinstance(value, (int, float)) and math.isfinite(value)):
                 raise RoutingError(f"{name} must be a finite number, got {value!r}")
-        if self.target < 1 or self.hysteresis < 0 or self.step <= 1 or self.half_life <= 0:
-            raise RoutingError("need target >= 1, hysteresis >= 0, step > 1, half_life > 0")
+        if self.target < 1 or self.hysteresis < 0 or self.step <= 1 or self.half_life <= 0 or self.forgive < 0:
+            raise RoutingError("need target >= 1, hysteresis >= 0, step > 1, half_life > 0, forgive >= 0")
         if not 0 < self.min_scale <= 1 <= self.max_scale:
             raise RoutingError("need 0 < min_scale <= 1 <= max_scale")
         for name in ("window", "warmup_per_replica"):
@@ -88,7 +103,7 @@ def scaled(cost: CostModel, scale: float) -> CostModel:
 class BandController:
     """The measure and the scale (module docstring); fed by the router's hooks."""
 
-    __slots__ = ("_decay", "_since", "dispatches", "prefill", "scale", "tuning", "weights")
+    __slots__ = ("_decay", "_since", "dispatches", "peak", "prefill", "scale", "tuning", "weights")
 
     def __init__(self, tuning: BandTuning) -> None:
         self.tuning = tuning
@@ -97,30 +112,33 @@ class BandController:
         self._since = 0  # dispatches since the last adjustment
         self._decay = 0.5 ** (1.0 / tuning.half_life)
         self.prefill: dict[ReplicaId, float] = {}  # decayed prefill tokens ÷ weight
+        self.peak = 0.0  # decayed largest single dispatch's prefill ÷ weight
         self.weights: dict[ReplicaId, int] = {}  # the last route's candidates
 
-    def imbalance(self) -> float:
-        """max / mean of the decayed prefill over the last candidates (1.0 if none yet)."""
+    def imbalance(self, forgive: float = 0.0) -> float:
+        """max / mean of the decayed prefill over the last candidates, the max less ``forgive`` ×
+        the decayed largest dispatch (at least 1.0; 1.0 if none yet)."""
         values = [self.prefill.get(r, 0.0) for r in self.weights]
         mean = sum(values) / len(values) if values else 0.0
-        return max(values) / mean if mean > 0 else 1.0
+        return max(1.0, (max(values) - forgive * self.peak) / mean) if mean > 0 else 1.0
 
     def record(self, replica: ReplicaId, prefill_tokens: float) -> None:
         """One dispatch: decay every replica's figure, add this one, maybe move the scale."""
         d = self._decay
         for r in self.prefill:
             self.prefill[r] *= d
-        self.prefill[replica] = self.prefill.get(replica, 0.0) + prefill_tokens / self.weights.get(replica, 1)
+        share = prefill_tokens / self.weights.get(replica, 1)
+        self.prefill[replica] = self.prefill.get(replica, 0.0) + share
+        self.peak = max(self.peak * d, share)
         self.dispatches += 1
         self._since += 1
         t = self.tuning
         if self.dispatches < t.warmup_per_replica * max(1, len(self.weights)) or self._since < t.window:
             return
         self._since = 0
-        measured = self.imbalance()
-        if measured > t.target + t.hysteresis:
+        if self.imbalance(t.forgive) > t.target + t.hysteresis:
             self.scale = max(self.scale / t.step, t.min_scale)
-        elif measured < t.target - t.hysteresis:
+        elif self.imbalance() < t.target - t.hysteresis:
             self.scale = min(self.scale * t.step, t.max_scale)
 
 

@@ -18,7 +18,7 @@ from retention.routing import (
     approximate_indexes,
     make_router,
 )
-from retention.routing.tuning import scaled
+from retention.routing.tuning import BandController, scaled
 
 TPB = 4
 REPLICAS = 4
@@ -131,6 +131,40 @@ def test_never_routes_beyond_the_hard_limit() -> None:
         r.on_dispatch(req, decision, now=now)
 
 
+def greedy_opening(controller: BandController, sizes: list[int]) -> list[float]:
+    """Each dispatch to the replica with the least prefill so far (the most even placement there is);
+    returns the scale after each."""
+    totals = dict.fromkeys(controller.weights, 0)
+    scales = []
+    for size in sizes:
+        replica = min(totals, key=lambda r: (totals[r], r))
+        totals[replica] += size
+        controller.record(replica, size)
+        scales.append(controller.scale)
+    return scales
+
+
+def test_forgives_the_coarse_opening_but_not_a_pile_up() -> None:
+    """8 replicas, long and short first prompts placed as evenly as possible: the raw measure reads
+    above the target for want of dispatches (one long prompt is a large part of a replica's share), so the
+    plain controller tightens; forgiving one dispatch holds the fixed defaults. Everything on one replica
+    is tightened either way."""
+    sizes = [8000 if n % 3 == 0 else 1000 for n in range(40)]
+    opened = {}
+    for forgive in (0.0, 1.0):
+        c = BandController(BandTuning(window=1, warmup_per_replica=1, forgive=forgive))
+        c.weights = {r: 1 for r in range(8)}
+        opened[forgive] = greedy_opening(c, sizes)
+        assert c.imbalance() > 1.15  # the raw measure never reads even enough to widen
+    assert min(opened[0.0]) < 1.0
+    assert all(s >= 1.0 for s in opened[1.0])
+    piled = BandController(BandTuning(window=1, warmup_per_replica=1, forgive=1.0))
+    piled.weights = {r: 1 for r in range(8)}
+    for size in sizes:
+        piled.record(0, size)
+    assert piled.scale == piled.tuning.min_scale
+
+
 def test_scaled_band() -> None:
     base = CostModel()
     wide, tight = scaled(base, 4.0), scaled(base, 0.5)
@@ -139,7 +173,8 @@ def test_scaled_band() -> None:
 
 
 @pytest.mark.parametrize("knobs", [{"target": 0.9}, {"step": 1.0}, {"min_scale": 2.0}, {"max_scale": 0.5},
-                                   {"window": 0}, {"hard_rel": 0.5}, {"half_life": 0.0}])
+                                   {"window": 0}, {"hard_rel": 0.5}, {"half_life": 0.0},
+                                   {"forgive": -1.0}])
 def test_bad_knobs_are_refused(knobs: dict) -> None:
     with pytest.raises(RoutingError):
         BandTuning(**knobs)
