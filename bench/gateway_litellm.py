@@ -374,7 +374,7 @@ def render(args, rows: list[dict], long_tokens: dict[str, int], prefill_s: float
             lines.append(f"| {r['mode']} | {r['clients']} | {per_k['litellm']:.2f} | {per_k['default']:.2f} | "
                          f"{per_k['production']:.2f} |{share}")
     if rows and "before_after" in rows[0]:
-        lines += ["", "Before / after this branch's hot-path changes (a second kvgate gateway from the parent commit's "
+        lines += ["", "Before / after the measured commit's hot-path changes (a second kvgate gateway from its parent commit's "
                   "source on the same production tenant and backends, in the same rotation; parent's CPU over this "
                   "one's, median of per-round ratios):", "",
                   "| prompt | mode | clients | parent ms/req | this ms/req | parent / this |", "|---|---|---:|---:|---:|---:|"]
