@@ -150,7 +150,7 @@ async def test_a_delete_on_another_gateway_demotes_what_the_store_says_no_live_r
             """Wait for the count-th demote sent; its input_ids and retention."""
             for _ in range(WAIT_STEPS):
                 if registry.get_sample_value("kvgate_conversation_demotes_total",
-                                             {"tenant": name, "pool": name, "outcome": "sent"}) == count:
+                                             {"tenant": name, "pool": name, "trigger": "delete", "outcome": "sent"}) == count:
                     break
                 await asyncio.sleep(0.1)
             else:
