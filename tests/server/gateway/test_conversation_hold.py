@@ -96,7 +96,8 @@ def test_an_ended_run_is_demoted_only_where_the_duel_holds_its_conversation() ->
     assert holds.holds_conversation("p", "7", root["always"]) and not holds.holds_conversation("p", "7", root["never"])
     assert not holds.holds_conversation("p", "7", root["follower"])  # the followers start on "never"
     duel.current = 1  # the followers' arm is now "always"
-    assert holds.holds_conversation("p", "7", root["follower"]) and not holds.holds_conversation("p", "7", root["never"])
+    assert holds.holds_conversation("p", "7", root["follower"])
+    assert not holds.holds_conversation("p", "7", root["never"])
     unduelled = ConversationHolds(duel=None)
     unduelled.ledger("p", hints)
     assert unduelled.holds_conversation("p", "7", root["never"])

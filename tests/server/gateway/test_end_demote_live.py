@@ -82,7 +82,8 @@ async def test_a_tool_run_ended_in_a_message_sends_one_end_demote_and_a_tool_cal
         h1, h2 = _salted(stack, name, p1), _salted(stack, name, p2)
         tensors = decode_inputs(demotes[0])
         sent = [int(t) for t in tensors["input_ids"].reshape(-1)]
-        assert sent == p2[:len(sent)] and len(sent) <= len(p2) and int(tensors["request_output_len"].reshape(-1)[0]) == 1
+        assert sent == p2[:len(sent)] and len(sent) <= len(p2)
+        assert int(tensors["request_output_len"].reshape(-1)[0]) == 1
         plan = parse_retention(tensors, len(sent))
         tail = plan.ranges[-1]
         assert (tail.end, tail.priority, tail.duration_ms) == (None, 0, None) and plan.decode_priority == 0
