@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any, Literal
 
-from sqlalchemy import delete, func, select
+from sqlalchemy import delete, func, or_, select
 from sqlalchemy.orm import Session
 
 from tenants.common import mutation
@@ -159,6 +159,19 @@ def conversation_rows(session: Session, *, tenant_id: int, response_id: str, now
             StoredResponse.expires_at > now).order_by(StoredResponse.created_at, StoredResponse.id)))
     return [ConversationRow(r.id, r.previous_response_id,
                             None if r.prompt_blocks is None else tuple(int(h) for h in r.prompt_blocks)) for r in rows]
+
+
+def other_conversations(session: Session, *, tenant_id: int, root_id: str, now: datetime, limit: int
+                        ) -> list[tuple[str, tuple[int, ...] | None]]:
+    """``(root id, prompt blocks)`` of the tenant's newest ``limit`` live rows outside the conversation
+    ``root_id`` (a row stored without a root is its own conversation), newest first: what an ended
+    run's demote must not take from other conversations. Bounded, so an ended run never reads a
+    tenant's whole store."""
+    rows = session.execute(select(StoredResponse.id, StoredResponse.root_id, StoredResponse.prompt_blocks).where(
+        StoredResponse.tenant_id == tenant_id, StoredResponse.expires_at > now,
+        or_(StoredResponse.root_id.is_(None), StoredResponse.root_id != root_id),
+    ).order_by(StoredResponse.created_at.desc(), StoredResponse.id.desc()).limit(limit))
+    return [(root or rid, None if blocks is None else tuple(int(h) for h in blocks)) for rid, root, blocks in rows]
 
 
 def list_input_items(session: Session, *, tenant_id: int, response_id: str, now: datetime, limit: int = 20,

@@ -195,6 +195,23 @@ def demote_start(deleted: Sequence[int], live: Iterable[Sequence[int]], *, prote
     return start if start < len(deleted) else None
 
 
+def end_start(prompt: Sequence[int], rows: Iterable[tuple[str, Sequence[int] | None]], root: str, *,
+              protected_blocks: int = 0) -> int | None:
+    """After a run ended (its last answer a message, not a tool call; it stays stored): the index of
+    ``prompt``'s first block that no stored prompt of *another* conversation holds, at or past
+    ``protected_blocks``; None when there is none.
+
+    ``rows`` are ``(root id, prompt block hashes)`` of live stored responses of the tenant; those of
+    ``root`` (the run's own conversation, ``prompt``'s earlier steps and forks) do not protect
+    anything: the run is over, its whole history is dead though still stored. A row of another
+    conversation whose blocks are unknown (``None``) is taken to share the protected segment only,
+    as the delete path takes every conversation it does not read. The gateway's counterpart of
+    :meth:`DemoteLedger.chain_start` (the simulator's), from rows rather than counts.
+    """
+    return demote_start(prompt, (blocks for owner, blocks in rows if owner != root and blocks is not None),
+                        protected_blocks=protected_blocks)
+
+
 def demote_length(cached_blocks: int, start_token: int, tokens_per_block: int, prompt_tokens: int) -> int | None:
     """How much of the deleted prompt to send: its cached full blocks and one token more.
 
@@ -227,4 +244,5 @@ def demote_plan(normal: RetentionPlan, start_token: int) -> RetentionPlan:
     return RetentionPlan((*head, TokenRange(start_token, None, DEMOTE_PRIORITY, None)), DEMOTE_PRIORITY, None)
 
 
-__all__ = ["DEMOTE_PRIORITY", "DemoteLedger", "demote_length", "demote_plan", "demote_start", "orphaned", "shared_blocks"]
+__all__ = ["DEMOTE_PRIORITY", "DemoteLedger", "demote_length", "demote_plan", "demote_start", "end_start", "orphaned",
+           "shared_blocks"]

@@ -111,6 +111,11 @@ class ResponseStore:
         """The live rows of the response's conversation, itself included (404 if it is gone)."""
         return await self._call(stored.conversation_rows, tenant_id=tenant_id, response_id=response_id)
 
+    async def other_conversations(self, *, tenant_id: int, root_id: str, limit: int
+                                  ) -> list[tuple[str, tuple[int, ...] | None]]:
+        """(root id, prompt blocks) of the tenant's newest ``limit`` live rows of other conversations."""
+        return await self._call(stored.other_conversations, tenant_id=tenant_id, root_id=root_id, limit=limit)
+
     async def delete(self, *, tenant_id: int, response_id: str) -> None:
         await self._call(stored.delete_response, tenant_id=tenant_id, response_id=response_id)
 

@@ -27,7 +27,7 @@ from engines.contract import SamplingParams
 from retention.hashing import block_hashes
 from retention.policy.conversation import ConversationRequest
 from server.gateway.api.completions import REPLICA_HEADER, CompletionJob
-from server.gateway.api.conversation_demote import doomed_prompts
+from server.gateway.api.conversation_demote import DeletedPrompt, doomed_prompts
 from server.gateway.api.responses_convert import conversation_hints, convert, normalize_items, refuse_unservable
 from server.gateway.api.responses_render import ResponsesDialect
 from server.gateway.api.responses_schemas import OUTPUT_LOGPROBS, ResponsesRequest
@@ -43,6 +43,11 @@ def _store(services) -> ResponseStore:
     if services.responses is None:
         raise ServingError(503, "responses_store_unavailable", "this gateway has no response store")
     return services.responses
+
+
+def _ended_run(response: dict) -> bool:
+    """A tool-offering request answered with no function call: its run most likely ended."""
+    return not any(item.get("type") == "function_call" for item in response.get("output") or ())
 
 
 @router.post("")
@@ -75,8 +80,14 @@ async def create_response(body: ResponsesRequest, tenant: Tenant, services: Gate
 
         async def callback(response: dict) -> bool:
             # root_id is read when the answer is stored: by then it names this conversation's first response.
-            return await responses.store(tenant_id=tenant.tenant_id, response=response, input_items=items,
+            kept = await responses.store(tenant_id=tenant.tenant_id, response=response, input_items=items,
                                          root_id=root_id, prompt_blocks=blocks)
+            if kept and body.tools and _ended_run(response) and tenant.conversation_hold and root_id is not None \
+                    and services.holds.holds_conversation(tenant.pool.name, tenant.engine_tenant_id, root_id):
+                # The run ended in a message: its own blocks are demoted, in the background (conversation_demote.py).
+                services.demotes.spawn_end(services, tenant, DeletedPrompt(body.model, prompt, prompter.tokenizer,
+                                                                           tuple(blocks)), root_id)
+            return kept
 
     sampling = SamplingParams(temperature=1.0 if body.temperature is None else body.temperature,
                               top_p=1.0 if body.top_p is None else body.top_p)

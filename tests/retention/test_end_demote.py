@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import json
+import random
 from dataclasses import replace
 
 import pytest
 
-from retention.policy.demote import DemoteLedger
+from retention.policy.demote import DemoteLedger, end_start
 from retention.simulation.sim_policies import make_policy
 from retention.simulation.simulator import SimConfig, simulate
 from retention.trace import TraceError, parse_trace_events
@@ -63,3 +64,28 @@ def test_an_ended_runs_own_blocks_are_demoted_at_completion_and_that_pays_on_a_t
                      deletions=deletions)
     assert again.hit_tokens == simulate(requests, make_policy("lru+conv+end"), primary_blocks=40, secondary_blocks=0,
                                         config=config, deletions=deletions).hit_tokens  # deterministic
+
+
+def test_end_start_from_the_stored_rows_skips_other_conversations_not_the_runs_own() -> None:
+    rows = [("a", (1, 2, 3)), ("a", (1, 2, 3, 4, 5)), ("b", (1, 9))]  # a's run (two steps) and b sharing block 1
+    assert end_start((1, 2, 3, 4, 5), rows, "a") == 1  # the run's own earlier step protects nothing
+    assert end_start((1, 2, 3, 4, 5), [*rows, ("c", (1, 2, 3, 7))], "a") == 3  # another conversation shares 3 blocks
+    assert end_start((1, 2, 3, 4, 5), [*rows, ("c", (1, 2, 3, 4, 5))], "a") is None  # all of it held elsewhere
+    assert end_start((1, 2, 3, 4, 5), rows, "a", protected_blocks=2) == 2  # the system segment: never demoted
+    assert end_start((1, 2, 3, 4, 5), [("c", None)], "a") == 0  # unknown blocks: the protected segment only
+    assert end_start((1, 2), [], "a", protected_blocks=2) is None
+
+
+def test_end_start_agrees_with_the_ledgers_chain_start_on_random_conversations() -> None:
+    rng = random.Random(3)
+    for _ in range(200):
+        ledger, rows = DemoteLedger(), []
+        for i in range(rng.randint(1, 8)):
+            root = f"r{rng.randint(0, 3)}"
+            prompt = tuple(rng.choice((1, 2)) * 10 + j for j in range(rng.randint(1, 6)))  # two prefix families
+            chained = tuple(hash(prompt[:k + 1]) for k in range(len(prompt)))
+            ledger.stored("t", f"{root}/{i}", chained)
+            rows.append((root, f"{root}/{i}", chained))
+        root, rid, prompt = rng.choice(rows)
+        chain = [r for owner, r, _ in rows if owner == root]
+        assert end_start(prompt, [(o, h) for o, _, h in rows], root) == ledger.chain_start("t", rid, chain)

@@ -171,3 +171,9 @@ def test_a_conversations_live_prompt_blocks_are_read_back_by_root(session, two_t
     assert rows(acme, "r3") == conversation[1:]
     with pytest.raises(NotFound):
         rows(globex, "r3")
+    # An ended run's demote reads the tenant's other conversations (newest first, bounded), never its own.
+    others = responses.other_conversations(session, tenant_id=acme, root_id="r1", now=later, limit=10)
+    assert others == [("s1", (big, 9)), ("old", (big,))]  # same created_at: by id, newest first
+    assert responses.other_conversations(session, tenant_id=acme, root_id="r1", now=later, limit=1) == others[:1]
+    assert responses.other_conversations(session, tenant_id=globex, root_id="s1", now=later, limit=10) == [
+        ("r1", (big, 2, 3))]  # another tenant's rows are never read

@@ -173,8 +173,9 @@ class GatewayMetrics:
         self.rate_limited = Counter("kvgate_rate_limited", "Requests refused by admission", ["tenant", "limit"], registry=registry)
         self.quota_demotions = Counter("kvgate_quota_demotions", "Requests planned with quota demotion", tp, registry=registry)
         self.conversation_demotes = Counter(
-            "kvgate_conversation_demotes", "Demote requests after a stored response's delete, by outcome (sent, failed, "
-            "uncached, no_cache_view); not tenant usage", tp + ["outcome"], registry=registry)
+            "kvgate_conversation_demotes", "Demote requests after a stored response's delete (trigger delete) or a "
+            "tool run's end in a message (trigger end), by outcome (sent, failed, uncached, no_cache_view); not "
+            "tenant usage", tp + ["trigger", "outcome"], registry=registry)
         # Client cache hints (retention/policy/hint_plan.py): applied in full, cut by the tenant's hint
         # budget ("clipped", the plan changed for part of the hint; "no_room", not at all), or
         # left out: the class does not honour hints, the plan was demoted, or no full block ("ignored").

@@ -149,8 +149,8 @@ async def test_a_delete_on_another_gateway_demotes_what_the_store_says_no_live_r
         async def demoted(count: int):  # type: ignore[no-untyped-def]
             """Wait for the count-th demote sent; its input_ids and retention."""
             for _ in range(WAIT_STEPS):
-                if registry.get_sample_value("kvgate_conversation_demotes_total",
-                                             {"tenant": name, "pool": name, "outcome": "sent"}) == count:
+                labels = {"tenant": name, "pool": name, "trigger": "delete", "outcome": "sent"}
+                if registry.get_sample_value("kvgate_conversation_demotes_total", labels) == count:
                     break
                 await asyncio.sleep(0.1)
             else:
