@@ -20,7 +20,9 @@ offered tools and whose response is a message, not a function call (the trace's
 ``output_kind``, known to the gateway at completion), ended its run: when it completes, the
 same kind of demote request re-claims its conversation's own blocks (those no other
 conversation's live stored response holds) at priority 0, through the hold duel (only where
-the duel holds the conversation's group). Generated blocks are not cached
+the duel holds the conversation's group). ``X+end`` is that demote without the hold: ``X``'s
+plans unchanged (the ledger only follows the chains, under :data:`~retention.policy.hint_plan.HINTS_OFF`),
+and every run that ends in a message demoted, since there is no duel to gate it. Generated blocks are not cached
 in the simulator (a trace line's output has no hash ids), so the decode retention costs
 budget here and earns nothing: the simulated gain is the prompt's alone.
 
@@ -35,6 +37,7 @@ from dataclasses import dataclass, field
 
 from retention.policy.conversation import ConversationLedger, ConversationPlan, ConversationRequest, plan_conversation
 from retention.policy.demote import DemoteLedger, demote_plan
+from retention.policy.hint_plan import HINTS_OFF
 from retention.simulation.layered import LayeredPolicy
 from retention.trace import ResponseDeletion, TraceRequest
 from retention.types import RetentionPlan
@@ -64,6 +67,7 @@ class ConversationPolicy(LayeredPolicy):
     # conversation's own blocks are demoted at completion (module docstring). "duel": only where
     # the hold duel holds the conversation's group; "always": whatever the duel says.
     end_demote: str | None = None
+    hold: bool = True  # False (``X+end``): never hold, the wrapped policy's plan goes out unchanged
     _chains: dict[tuple[str, str], list[str]] = field(default_factory=dict)  # (tenant, root) -> its response ids
     _ending: dict[int, tuple[TraceRequest, RetentionPlan, str]] = field(default_factory=dict)  # index -> (request, plan, root)
     # (tenant, response id) -> (the stored request, its hashes, the wrapped policy's plan for it)
@@ -72,6 +76,8 @@ class ConversationPolicy(LayeredPolicy):
 
     @property
     def name(self) -> str:
+        if not self.hold:
+            return self.label or self.inner.name + END_SUFFIX  # type: ignore[attr-defined]
         return self.label or (self.inner.name + SUFFIX + (DEMOTE_SUFFIX if self.demote else "")  # type: ignore[attr-defined]
                               + (END_SUFFIX if self.end_demote == "duel" else ""))
 
@@ -93,7 +99,9 @@ class ConversationPolicy(LayeredPolicy):
             if len(self._stored) > MAX_STORED:
                 del self._stored[next(iter(self._stored))]
         budget = self.budget_blocks(rules, request, cfg.primary_blocks)
-        out = plan_conversation(plan, conv, rules, total=request.input_length, output_tokens=request.output_length,
+        # Without the hold the ledger still follows the chains (roots, stored responses) for the end demote.
+        out = plan_conversation(plan, conv, rules if self.hold else HINTS_OFF, total=request.input_length,
+                                output_tokens=request.output_length,
                                 tokens_per_block=cfg.tokens_per_block, hashes=hashes, ledger=self.ledger,
                                 tenant=request.tenant or "", budget_blocks=budget, now=now,
                                 store_ttl_ms=self.store_ttl_ms)

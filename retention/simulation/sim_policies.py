@@ -31,6 +31,9 @@ shaped for it (host tier or not, offload threshold). Built-ins:
                         response is a message (``output_kind``: the run ended) answered at
                         completion by a demote request for its conversation's own blocks,
                         where the hold duel holds its conversation;
+* ``<any of these>+end``  — that end-of-run demote without the hold: the policy's plans
+                        unchanged, and every run that ends in a message (no duel to gate it)
+                        answered by the demote of its own blocks;
 * plug-ins passed to :func:`make_policy` in a ``registry``.
 
 Offline reference policies that need the whole request list (``oracle-reuse``,
@@ -46,6 +49,7 @@ from typing import Any, Protocol
 
 from retention.policy.adaptive import adaptive_policy
 from retention.policy.hint_plan import HINTS_OFF, HintPolicy
+from retention.policy.conversation import ConversationLedger
 from retention.simulation.conversational import ConversationPolicy
 from retention.simulation.hinted import HintedPolicy
 from retention.policy.protect import ProtectPolicy
@@ -270,7 +274,8 @@ def builtin_policy(name: str, *, mapping: ClassMapping | None = None, block_size
 
 def policy_names() -> tuple[str, ...]:
     """The built-in names; each also as ``<name>+hints`` (the trace's cache hints on top) and
-    ``<name>+conv`` (the conversation and tool-loop hold on top)."""
+    ``<name>+conv`` (the conversation and tool-loop hold on top) and ``<name>+end`` (the
+    end-of-run demote alone)."""
     return ("lru", "trtllm-default", "class", "adaptive", "adaptive-bands", "protect")
 
 
@@ -281,11 +286,17 @@ def make_policy(
 
     ``<name>+hints`` is ``<name>`` with the trace's client cache hints on top
     (``retention/simulation/hinted.py``); ``<name>+conv`` with the conversation and tool-loop
-    hold (``retention/simulation/conversational.py``)."""
+    hold (``retention/simulation/conversational.py``); ``<name>+end`` with the end-of-run demote
+    and no hold."""
     if name.endswith("+conv+end") or name.endswith("+conv+demote+end"):
         conv = make_policy(name[: -len("+end")], mapping=mapping, block_size=block_size, registry=registry)
         conv.end_demote = "duel"  # type: ignore[attr-defined]
         return conv
+    if name.endswith("+end"):  # the end demote alone: no hold, so no duel gates it
+        inner = make_policy(name[: -len("+end")], mapping=mapping, block_size=block_size, registry=registry)
+        rules, quotas = (None, {}) if mapping is None else (mapping.hints_for, dict(mapping.quotas))
+        return ConversationPolicy(inner, rules, quotas, ledger=ConversationLedger(duel=None), end_demote="always",
+                                  hold=False)
     if name.endswith("+conv+demote"):
         conv = make_policy(name[: -len("+demote")], mapping=mapping, block_size=block_size, registry=registry)
         conv.demote = True  # type: ignore[attr-defined]

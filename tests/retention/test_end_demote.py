@@ -89,3 +89,44 @@ def test_end_start_agrees_with_the_ledgers_chain_start_on_random_conversations()
         root, rid, prompt = rng.choice(rows)
         chain = [r for owner, r, _ in rows if owner == root]
         assert end_start(prompt, [(o, h) for o, _, h in rows], root) == ledger.chain_start("t", rid, chain)
+
+
+class _Spy:
+    """A simulator policy as is, noting the requests whose completion it answered with a demote."""
+
+    def __init__(self, policy) -> None:  # noqa: ANN001 - a SimPolicy
+        self.policy, self.demoted = policy, []
+
+    def __getattr__(self, name: str):  # noqa: ANN204 - delegation
+        return getattr(self.policy, name)
+
+    def completion_demote(self, request, **kwargs):  # noqa: ANN001, ANN201 - the SimPolicy hook
+        out = self.policy.completion_demote(request, **kwargs)
+        if out is not None:
+            self.demoted.append(request)
+        return out
+
+
+@pytest.mark.parametrize("base", ["lru", "protect", "adaptive"])
+def test_end_alone_plans_as_its_base_where_no_responses_fields_are(base: str) -> None:
+    plain_spec = replace(SPEC, duration_s=200.0, responses=False)
+    requests, deletions = parse_trace_events([json.dumps(x) for x in agent_trace(plain_spec, seed=1)], block_size=BS)
+    config = SimConfig(tokens_per_block=BS, trace_block_size=BS)
+    plain = simulate(requests, make_policy(base), primary_blocks=40, secondary_blocks=0, config=config)
+    policy = make_policy(base + "+end")
+    ended = simulate(requests, policy, primary_blocks=40, secondary_blocks=0, config=config, deletions=deletions)
+    assert ended.policy == base + "+end" and policy.end_demotes == 0 and ended.demote_requests == 0
+    assert (ended.hit_tokens, ended.requests) == (plain.hit_tokens, plain.requests)
+
+
+def test_end_alone_demotes_only_runs_answered_with_a_message_and_never_holds() -> None:
+    requests, deletions = parse_trace_events([json.dumps(x) for x in agent_trace(SPEC, seed=1)], block_size=BS)
+    config = SimConfig(tokens_per_block=BS, trace_block_size=BS)
+    spy = _Spy(make_policy("lru+end"))
+    result = simulate(requests, spy, primary_blocks=40, secondary_blocks=0, config=config, deletions=deletions)
+    assert spy.demoted and all(r.offers_tools and r.output_kind == "message" for r in spy.demoted)
+    replayed = result.demote_requests + result.demote_skipped + result.demote_uncached
+    assert len(spy.demoted) == spy.end_demotes == replayed
+    assert spy.held_requests == 0 and spy.ledger.duel is None  # the base's plans go out unchanged: no hold, no duel
+    plain = simulate(requests, make_policy("lru"), primary_blocks=40, secondary_blocks=0, config=config)
+    assert result.hit_rate > plain.hit_rate  # the tight pool of the +conv+end test above: the demote alone pays too
