@@ -40,7 +40,8 @@ def register(app: typer.Typer) -> None:
             typer.Option("--policy", "-p", help="lru | trtllm-default | class | adaptive (with selection) | adaptive-bands | protect, or the offline ceilings oracle-reuse | "
                  "oracle-reuse-within-<S>s | oracle-next-use | oracle-popularity-<S>s; any policy as <name>+hints replays the "
                  "trace's cache hints on top, as <name>+conv holds conversations and tool loops for their measured gaps while its duel says it pays, "
-                 "<name>+conv+demote and <name>+conv+end add demote requests on delete and at a run's end (repeat; default lru + trtllm-default, + class with --classes)"),
+                 "<name>+conv+demote and <name>+conv+end add demote requests on delete and at a run's end, <name>+end the run's-end "
+                 "demote alone, without the hold (repeat; default lru + trtllm-default, + class with --classes)"),
         ] = None,
         capacity: Annotated[
             list[str] | None, typer.Option("--capacity", "-c", help="GPU capacity: blocks or % of distinct blocks (repeat)")
