@@ -142,7 +142,13 @@ def test_previous_response_id_over_three_turns(stack: Stack, key: str) -> None:
     whole = api.responses.create(model=MODEL, instructions=instructions, input=history[:-1], temperature=0,
                                  max_output_tokens=16, store=False)
     assert whole.usage.input_tokens == inputs[2]
-    assert whole.output_text == replies[2].output_text
+    # Token for token the same prompt: it reuses every block the third turn's prompt left (the engine
+    # reuses at most length - 1 tokens), which a prompt differing anywhere before its last block
+    # could not. The generated text is not compared: the third turn computed its prompt's tail,
+    # this request reuses it, and greedy decoding on the CPU engine's q4 weights can break a
+    # near-tie differently between the two (seen: "Madrid" / "Spain").
+    reusable = (inputs[2] - 1) // stack.tokens_per_block * stack.tokens_per_block
+    assert whole.usage.input_tokens_details.cached_tokens >= reusable, (whole.usage, inputs)
 
 
 def test_retrieve_input_items_delete_and_tenants(stack: Stack, key: str) -> None:
