@@ -72,9 +72,13 @@ def admin(stack: Stack, method: str, path: str, **kw) -> httpx.Response:
 
 
 def wait_for(driver, predicate, timeout: float = 60.0, message: str = ""):
+    from selenium.common.exceptions import StaleElementReferenceException
     from selenium.webdriver.support.ui import WebDriverWait
 
-    return WebDriverWait(driver, timeout, poll_frequency=0.25).until(lambda d: predicate(d), message)
+    # The live panels are swapped in place while a predicate reads them: an element found just
+    # before a swap is stale, and the next poll finds the new one.
+    return WebDriverWait(driver, timeout, poll_frequency=0.25,
+                         ignored_exceptions=(StaleElementReferenceException,)).until(lambda d: predicate(d), message)
 
 
 def by(driver, css: str):
