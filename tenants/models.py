@@ -254,6 +254,10 @@ class RetentionClass(Timestamped, Base):
     # The conversation and tool-loop hold (retention/policy/conversation.py) and the demote on
     # delete: its own switch, bounded by the hint caps above. Off by default: a class opts in.
     conversation_hold_enabled: Mapped[bool] = mapped_column(Boolean, default=False, server_default=false())
+    # The run's-end demote (server/gateway/api/conversation_demote.py): when a tool-offering
+    # stored response ends in a message, the conversation's own blocks go to priority 0. Its own
+    # switch, independent of the hold above and of its duel. Off by default: a class opts in.
+    conversation_end_demote_enabled: Mapped[bool] = mapped_column(Boolean, default=False, server_default=false())
 
 
 class Tenant(Timestamped, Base):

@@ -35,6 +35,8 @@ _VALIDATORS: dict[str, Any] = {
     "hint_quota_fraction": lambda x: v.fraction(x, field="hint_quota_fraction"),
     # The conversation and tool-loop hold (retention/policy/conversation.py), within the hint caps.
     "conversation_hold_enabled": lambda x: v.boolean(x, field="conversation_hold_enabled"),
+    # The run's-end demote (server/gateway/api/conversation_demote.py), independent of the hold.
+    "conversation_end_demote_enabled": lambda x: v.boolean(x, field="conversation_end_demote_enabled"),
 }
 for _seg in SEGMENT_FIELDS:
     _VALIDATORS[f"{_seg}_priority"] = lambda x, f=f"{_seg}_priority": v.priority(x, field=f)
@@ -72,10 +74,12 @@ def create_class(
     hint_max_priority: int = 60,
     hint_quota_fraction: float = 0.5,
     conversation_hold_enabled: bool = False,
+    conversation_end_demote_enabled: bool = False,
 ) -> RetentionClass:
     """Defaults: system prompts pinned high, context kept ~10 min, the last turn ~30 s;
     client hints ignored (when enabled: at most 1 h, priority 60, half the tenant's quota);
-    no conversation or tool-loop hold (when enabled: within the same hint caps)."""
+    no conversation or tool-loop hold (when enabled: within the same hint caps); no run's-end
+    demote (when enabled: whatever the hold's switch says)."""
     values = _validated(
         dict(
             name=name,
@@ -94,6 +98,7 @@ def create_class(
             hint_max_priority=hint_max_priority,
             hint_quota_fraction=hint_quota_fraction,
             conversation_hold_enabled=conversation_hold_enabled,
+            conversation_end_demote_enabled=conversation_end_demote_enabled,
         )
     )
     with mutation(session, unique_field="name", entity="retention class"):

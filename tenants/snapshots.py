@@ -98,6 +98,9 @@ class RetentionClassSnapshot:
     mode: str = "static"
     hints: HintPolicy = HINTS_OFF
     conversation_hold: bool = False  # tool loops and stored conversations held (within the hint caps)
+    # A tool-offering stored run that ends in a message demotes its conversation's own blocks to
+    # priority 0 (server/gateway/api/conversation_demote.py); independent of the hold and its duel.
+    conversation_end_demote: bool = False
 
     @classmethod
     def of(cls, row: RetentionClass) -> RetentionClassSnapshot:
@@ -112,6 +115,7 @@ class RetentionClassSnapshot:
             hints=HintPolicy(enabled=row.hints_enabled, max_ttl_ms=row.hint_max_ttl_ms,
                              max_priority=row.hint_max_priority, quota_fraction=row.hint_quota_fraction),
             conversation_hold=row.conversation_hold_enabled,
+            conversation_end_demote=row.conversation_end_demote_enabled,
         )
 
 

@@ -38,7 +38,7 @@ RetentionMode = Literal["static", "adaptive"]
 T = TypeVar("T")
 
 
-BOOLEAN_FIELDS = frozenset({"hints_enabled", "conversation_hold_enabled"})
+BOOLEAN_FIELDS = frozenset({"hints_enabled", "conversation_hold_enabled", "conversation_end_demote_enabled"})
 
 
 class Strict(BaseModel):
@@ -208,6 +208,10 @@ class RetentionClassCreate(Strict):
     conversation_hold_enabled: bool = Field(
         False, description="hold tool loops and stored Responses conversations for their measured gap (within the "
         "hint caps), and demote a deleted stored conversation's blocks")
+    conversation_end_demote_enabled: bool = Field(
+        False, description="when a stored Responses run that offered tools ends in a message, demote the "
+        "conversation's own blocks to priority 0 (independent of conversation_hold_enabled; the switch for agent "
+        "tool loops)")
 
 
 class RetentionClassUpdate(Strict):
@@ -228,6 +232,7 @@ class RetentionClassUpdate(Strict):
     hint_max_priority: Priority | None = None
     hint_quota_fraction: float | None = Field(None, gt=0, le=1)
     conversation_hold_enabled: bool | None = None
+    conversation_end_demote_enabled: bool | None = None
 
 
 class RetentionClassPublic(Public):
@@ -248,6 +253,7 @@ class RetentionClassPublic(Public):
     hint_max_priority: int
     hint_quota_fraction: float
     conversation_hold_enabled: bool
+    conversation_end_demote_enabled: bool
     version: Version
     created_at: datetime
     updated_at: datetime

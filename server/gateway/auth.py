@@ -57,6 +57,7 @@ def to_context(snapshot: AuthenticatedTenant) -> TenantContext:
         retention_class=cls.name,
         hints=cls.hints,
         conversation_hold=cls.conversation_hold,
+        conversation_end_demote=cls.conversation_end_demote,
     )
 
 

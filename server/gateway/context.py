@@ -36,6 +36,10 @@ class TenantContext:
     # The class's own switch for the conversation and tool-loop hold and the demote on delete
     # (server/gateway/api/conversation_hold.py); bounded by the hint caps above, not by ``hints.enabled``.
     conversation_hold: bool = False
+    # The class's switch for the run's-end demote (server/gateway/api/conversation_demote.py): a stored,
+    # tool-offering Responses run answered with a message demotes its conversation's own blocks. Independent
+    # of ``conversation_hold`` and of the hold's duel.
+    conversation_end_demote: bool = False
     # None while this context is still within the auth TTL of the registry read it came from
     # (and no admin write on this gateway cleared the cache since); else the same key
     # authenticated now (a 401/403/503 ServingError when that fails). None also when no

@@ -82,9 +82,9 @@ async def create_response(body: ResponsesRequest, tenant: Tenant, services: Gate
             # root_id is read when the answer is stored: by then it names this conversation's first response.
             kept = await responses.store(tenant_id=tenant.tenant_id, response=response, input_items=items,
                                          root_id=root_id, prompt_blocks=blocks)
-            if kept and body.tools and _ended_run(response) and tenant.conversation_hold and root_id is not None \
-                    and services.holds.holds_conversation(tenant.pool.name, tenant.engine_tenant_id, root_id):
-                # The run ended in a message: its own blocks are demoted, in the background (conversation_demote.py).
+            # The run ended in a message: its own blocks are demoted, in the background (conversation_demote.py),
+            # by the class's own switch alone: neither the hold's switch nor its duel gates it.
+            if kept and tenant.conversation_end_demote and body.tools and root_id is not None and _ended_run(response):
                 services.demotes.spawn_end(services, tenant, DeletedPrompt(body.model, prompt, prompter.tokenizer,
                                                                            tuple(blocks)), root_id)
             return kept

@@ -11,7 +11,7 @@ Shape (every list optional; a list's absence means "this kind is not managed by 
     retention_classes: # RetentionClassCreate fields
       - {name, description?, <segment>_priority?, <segment>_duration_ms?, ..., mode?,
          hints_enabled?, hint_max_ttl_ms?, hint_max_priority?, hint_quota_fraction?,
-         conversation_hold_enabled?}
+         conversation_hold_enabled?, conversation_end_demote_enabled?}
     tenants:           # TenantCreate fields, pool and class by name, optional status
       - {slug, display_name?, pool, retention_class, isolation?, kv_quota_fraction?,
          rpm_limit?, tpm_limit?, max_concurrent_requests?, max_prompt_tokens?,
@@ -103,6 +103,7 @@ class RetentionClassSpec(_Item):
     hint_max_priority: StrictInt = 60
     hint_quota_fraction: StrictFloat | StrictInt = 0.5
     conversation_hold_enabled: StrictBool = False
+    conversation_end_demote_enabled: StrictBool = False
 
 
 class TenantSpec(_Item):

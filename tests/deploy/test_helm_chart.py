@@ -103,6 +103,8 @@ BAD_VALUES = {
     "a trace existingClaim without persistence": minimal(gateway={"traces": {"persistence": {"existingClaim": "traces"}}}),
     "a hint quota share above 1": minimal(registry={"retention_classes": [{"name": "c", "hint_quota_fraction": 1.5}]}),
     "a hint priority above 100": minimal(registry={"retention_classes": [{"name": "c", "hint_max_priority": 101}]}),
+    "a non-boolean end demote switch": minimal(registry={"retention_classes": [
+        {"name": "c", "conversation_end_demote_enabled": "yes"}]}),
     "an unknown trace key": minimal(gateway={"traces": {"persistence": {"enabled": True, "readOnly": False}}}),
 }
 

@@ -247,6 +247,21 @@ def test_the_conversation_hold_switch_is_declared_and_applied(session) -> None: 
     assert "conversation_hold_enabled" in str(err.value)
 
 
+def test_the_end_demote_switch_is_declared_and_applied_apart_from_the_hold(session) -> None:  # type: ignore[no-untyped-def]
+    _apply(session, FILE)
+    ended = copy.deepcopy(FILE)
+    ended["retention_classes"][0]["conversation_end_demote_enabled"] = True
+    plan = _apply(session, ended)
+    assert "conversation_end_demote_enabled: false → true" in plan.render()
+    row = session.scalar(select(RetentionClass).where(RetentionClass.name == "chat"))
+    assert (row.conversation_end_demote_enabled, row.conversation_hold_enabled) == (True, False)
+    assert _apply(session, ended).empty
+    ended["retention_classes"][0]["conversation_end_demote_enabled"] = 1
+    with pytest.raises(InvalidField) as err:
+        _apply(session, ended)
+    assert "conversation_end_demote_enabled" in str(err.value)
+
+
 def test_limit_caps_are_declared_applied_and_validated(session) -> None:  # type: ignore[no-untyped-def]
     capped = copy.deepcopy(FILE)
     capped["tenants"][0]["limit_caps"] = {"rpm_limit": 500, "kv_quota_fraction": 0.6}

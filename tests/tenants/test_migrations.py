@@ -402,3 +402,60 @@ def test_postgres_0009_conversation_hold_up_and_down() -> None:
     finally:
         engine.dispose()
         drop_pg_schema(schema)
+
+
+# --- 0010: the run's-end demote switch, with data -------------------------------------------------
+
+
+def _end_demote_round_trip(engine) -> None:  # type: ignore[no-untyped-def]
+    with engine.begin() as conn:
+        migrate.upgrade(connection=conn, revision="0002")
+        _seed_0002(conn)
+        migrate.upgrade(connection=conn, revision="0009")
+        conn.execute(text("UPDATE retention_classes SET conversation_hold_enabled = TRUE WHERE id = 1"))
+        migrate.upgrade(connection=conn, revision="0010")
+    with engine.connect() as conn:  # a class with the hold on sends no end demote until an operator says so
+        row = conn.execute(text("SELECT conversation_hold_enabled, conversation_end_demote_enabled "
+                                "FROM retention_classes WHERE id = 1")).one()
+        assert (bool(row[0]), bool(row[1])) == (True, False)
+    with engine.begin() as conn:  # and the new column takes its default on an insert that leaves it out
+        conn.execute(text(
+            "INSERT INTO retention_classes (id, name, description, system_priority, context_priority, turn_priority, "
+            f"decode_priority, mode, created_at, updated_at, version) VALUES (2, 'silver', '', 10, 10, 10, 10, "
+            f"'static', '{_T}', '{_T}', 1)"))
+        conn.execute(text("UPDATE retention_classes SET conversation_end_demote_enabled = TRUE WHERE id = 1"))
+    with engine.connect() as conn:
+        rows = conn.execute(text("SELECT name, conversation_end_demote_enabled FROM retention_classes ORDER BY id"))
+        assert [(n, bool(e)) for n, e in rows] == [("gold", True), ("silver", False)]
+    with engine.begin() as conn:
+        migrate.downgrade(connection=conn, revision="0009")
+    with engine.connect() as conn:
+        assert "conversation_end_demote_enabled" not in {
+            c["name"] for c in inspect(conn).get_columns("retention_classes")}
+        row = conn.execute(text("SELECT name, conversation_hold_enabled FROM retention_classes WHERE id = 1")).one()
+        assert (row[0], bool(row[1])) == ("gold", True)  # the row and the hold's switch stay
+    with engine.begin() as conn:
+        migrate.upgrade(connection=conn)
+    with engine.connect() as conn:
+        assert not any(e for (e,) in conn.execute(text("SELECT conversation_end_demote_enabled FROM retention_classes")))
+
+
+def test_sqlite_0010_end_demote_up_and_down(tmp_path: Path) -> None:
+    engine = make_engine(f"sqlite:///{tmp_path / 'm10.db'}")
+    try:
+        _end_demote_round_trip(engine)
+    finally:
+        engine.dispose()
+
+
+@pytest.mark.postgres
+def test_postgres_0010_end_demote_up_and_down() -> None:
+    if not postgres_reachable():
+        pytest.skip("PostgreSQL at 127.0.0.1:5432 is unreachable")
+    schema = new_pg_schema()
+    engine = pg_engine(schema)
+    try:
+        _end_demote_round_trip(engine)
+    finally:
+        engine.dispose()
+        drop_pg_schema(schema)

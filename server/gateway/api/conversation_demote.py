@@ -36,20 +36,22 @@ live rows and (:mod:`retention.policy.demote`):
 
 A row stored before the store kept block hashes falls back to the process's
 :class:`~retention.policy.demote.DemoteLedger` (the deleted response alone). Only for a class
-with ``conversation_hold_enabled`` (the switch of the conversation hold). Fire and forget: the DELETE answers at once; a demote is not tenant usage (no admission, no billing)
+with ``conversation_hold_enabled`` (the switch of the conversation hold). Fire and forget: the
+DELETE answers at once; a demote is not tenant usage (no admission, no billing)
 and is counted in ``kvgate_conversation_demotes_total`` by trigger (``delete``) and outcome.
 
 **The end of a run.** A stored Responses request that offered tools and is answered with a
-message, not a function call, most likely ended its agent's run (the simulator's ``+conv+end``,
-:mod:`retention.simulation.conversational`: agent-loop 70.33 % → 75.54 % hit rate, seed 0).
-Its response stays stored, but the same kind of demote is sent for its own prompt (the
-engine saw it; nothing is rebuilt), in the background once the row is stored
+message, not a function call, most likely ended its agent's run (the simulator's ``X+end``,
+:mod:`retention.simulation.conversational`; its figures in ``bench/conversation.py``'s section
+of docs/benchmarks.md). Its response stays stored, but the same kind of demote is sent for its
+own prompt (the engine saw it; nothing is rebuilt), in the background once the row is stored
 (:meth:`Demotes.spawn_end`, trigger ``end``; it waits up to ``END_INDEX_WAIT_S`` for the
-KV-event index to show this turn's blocks, then cuts as above), where the class has ``conversation_hold_enabled``
-and the hold duel holds the conversation (:meth:`ConversationHolds.holds_conversation`, the
-simulator's rule). Its range (:func:`~retention.policy.demote.end_start`) starts past the
-system segment and past what any live stored row of *another* conversation of the tenant
-holds (the newest ``MAX_OTHER_ROWS`` of them; older ones, and rows without block hashes, are
+KV-event index to show this turn's blocks, then cuts as above), where the class has
+``conversation_end_demote_enabled``: its own switch, independent of ``conversation_hold_enabled``
+and of the hold's duel (with both on, every ended run is demoted; the simulator's ungated
+``+conv+end`` beat the duel-gated one). Its range (:func:`~retention.policy.demote.end_start`)
+starts past the system segment and past what any live stored row of *another* conversation of
+the tenant holds (the newest ``MAX_OTHER_ROWS`` of them; older ones, and rows without block hashes, are
 taken to share the system segment only, as the delete path takes them); the run's own
 earlier responses protect nothing, since the run is over.
 """

@@ -100,16 +100,6 @@ class ConversationHolds:
         ledger = self._ledgers.get(pool)
         return ledger is not None and ledger.delete(tenant, response_id)
 
-    def holds_conversation(self, pool: str, tenant: str, root: str) -> bool:
-        """Whether the pool's hold duel holds the conversation started by ``root`` now (no duel: held);
-        False when the pool's ledger never planned a request (the hold never applied there). The
-        end-of-run demote fires only where this holds, as the simulator's ``+conv+end`` does."""
-        ledger = self._ledgers.get(pool)
-        if ledger is None:
-            return False
-        duel = ledger.duel
-        return duel is None or duel.holds(duel.group(tenant, root))
-
     def demote_start(self, pool: str, tenant: str, response_id: str) -> int | None:
         """After a delete: the first prompt block no other live stored response of the tenant
         holds (None: unknown here, or nothing of its own)."""

@@ -218,5 +218,9 @@ def test_classes_take_the_hint_fields(run) -> None:  # type: ignore[no-untyped-d
     held = json.loads(run("admin", "classes", "update", "agents", "--version", str(cls["version"]), "--set",
                           "conversation_hold_enabled=true").output)
     assert held["conversation_hold_enabled"] is True
+    assert held["conversation_end_demote_enabled"] is False  # its own switch too
+    ended = json.loads(run("admin", "classes", "update", "agents", "--version", str(held["version"]), "--set",
+                           "conversation_end_demote_enabled=true").output)
+    assert (ended["conversation_end_demote_enabled"], ended["conversation_hold_enabled"]) == (True, True)
     bad = run("admin", "classes", "update", "agents", "--version", "1", "--set", "hint_quota_fraction=2", code=2)
     assert "hint_quota_fraction" in bad.output + (bad.stderr or "")

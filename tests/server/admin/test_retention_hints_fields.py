@@ -70,6 +70,30 @@ def test_the_conversation_hold_has_its_own_switch_off_by_default(client) -> None
         assert bad.json()["error"]["field"] == "conversation_hold_enabled"
 
 
+def test_the_end_demote_has_its_own_switch_off_by_default_apart_from_the_hold(client) -> None:  # type: ignore[no-untyped-def]
+    held = client.post(f"{A}/retention-classes", headers=AUTH,
+                       json={"name": "held", "hints_enabled": True, "conversation_hold_enabled": True})
+    assert held.status_code == 201, held.text
+    assert held.json()["conversation_end_demote_enabled"] is False  # the hold on does not turn the end demote on
+    ended = client.post(f"{A}/retention-classes", json={"name": "ended", "conversation_end_demote_enabled": True},
+                        headers=AUTH)
+    assert ended.status_code == 201, ended.text
+    assert (ended.json()["conversation_end_demote_enabled"], ended.json()["conversation_hold_enabled"],
+            ended.json()["hints_enabled"]) == (True, False, False)
+    off = client.patch(f"{A}/retention-classes/ended", headers=AUTH,
+                       json={"version": ended.json()["version"], "conversation_end_demote_enabled": False})
+    assert off.status_code == 200 and off.json()["conversation_end_demote_enabled"] is False, off.text
+    assert client.get(f"{A}/retention-classes/ended", headers=AUTH).json()["conversation_end_demote_enabled"] is False
+    for value in (1, "yes", None):  # a flag takes true or false only (null is not "no change" for it)
+        bad = client.patch(f"{A}/retention-classes/ended", headers=AUTH,
+                           json={"version": off.json()["version"], "conversation_end_demote_enabled": value})
+        assert bad.status_code == 422, bad.text
+        assert bad.json()["error"]["field"] == "conversation_end_demote_enabled"
+    bad = client.post(f"{A}/retention-classes", json={"name": "bad", "conversation_end_demote_enabled": "true"},
+                      headers=AUTH)
+    assert bad.status_code == 422 and bad.json()["error"]["field"] == "conversation_end_demote_enabled", bad.text
+
+
 def test_the_service_refuses_a_non_boolean_switch(session) -> None:  # type: ignore[no-untyped-def]
     from tenants import retention_classes
     from tenants.errors import InvalidField
@@ -78,3 +102,6 @@ def test_the_service_refuses_a_non_boolean_switch(session) -> None:  # type: ign
     with pytest.raises(InvalidField) as err:
         retention_classes.create_class(session, actor="t", now=now(), name="x", conversation_hold_enabled="on")
     assert err.value.field == "conversation_hold_enabled"
+    with pytest.raises(InvalidField) as err:
+        retention_classes.create_class(session, actor="t", now=now(), name="x", conversation_end_demote_enabled=0)
+    assert err.value.field == "conversation_end_demote_enabled"

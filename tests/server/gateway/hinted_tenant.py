@@ -1,6 +1,6 @@
 """A tenant whose pool points at a recording proxy and whose class allows hints (and, unless
-told otherwise, the conversation hold): the live hold and demote tests look at what the
-gateway sends the engine for it."""
+told otherwise, the conversation hold; the run's-end demote only when told): the live hold and
+demote tests look at what the gateway sends the engine for it."""
 
 from __future__ import annotations
 
@@ -12,11 +12,13 @@ from tests.server.gateway.stack import ACTOR, MODEL, Stack
 
 
 def add_hinted_tenant(stack: Stack, prefix: str, port: int, *, secondary_blocks: int, max_ttl_ms: int,
-                      max_priority: int, conversation_hold: bool = True) -> tuple[str, str]:
+                      max_priority: int, conversation_hold: bool = True,
+                      end_demote: bool = False) -> tuple[str, str]:
     """(a fresh suffix, the new tenant's API key): pool and class named ``<prefix>-<suffix>``,
     every priority of the class 35, hints on with the whole quota, the conversation hold as
-    ``conversation_hold`` says. Keep ``max_ttl_ms`` short: the engine is shared with the rest
-    of the suite and a duration cannot be revoked."""
+    ``conversation_hold`` says and the run's-end demote as ``end_demote`` says. Keep
+    ``max_ttl_ms`` short: the engine is shared with the rest of the suite and a duration cannot
+    be revoked."""
     x = secrets.token_hex(3)
     name = f"{prefix}-{x}"
     with stack.session_factory() as session:
@@ -29,5 +31,6 @@ def add_hinted_tenant(stack: Stack, prefix: str, port: int, *, secondary_blocks:
                                        system_priority=35, context_priority=35, turn_priority=35,
                                        decode_priority=35, hints_enabled=True, hint_max_ttl_ms=max_ttl_ms,
                                        hint_max_priority=max_priority, hint_quota_fraction=1.0,
-                                       conversation_hold_enabled=conversation_hold)
+                                       conversation_hold_enabled=conversation_hold,
+                                       conversation_end_demote_enabled=end_demote)
     return x, stack.add_tenant(name, pool=name, retention_class=name, kv_quota_fraction=1.0)

@@ -85,19 +85,3 @@ def test_a_served_continuation_feeds_the_pools_hold_duel_with_its_cached_tokens(
     assert held.group == "never" and held.continuation and held.hold_ms == 0
     holds.served(then, held, 4 * TPB)
     assert duel.scores["never"].cached == 4 * TPB and duel.scores["never"].prompt == 5 * TPB + 2
-
-
-def test_an_ended_run_is_demoted_only_where_the_duel_holds_its_conversation() -> None:
-    holds, hints = ConversationHolds(), HintLedger()
-    assert not holds.holds_conversation("p", "7", "resp_0")  # the pool never planned a hold
-    duel = holds.ledger("p", hints).duel
-    root = {g: next(f"resp_{i}" for i in range(1_000) if duel.group("7", f"resp_{i}") == g)
-            for g in ("always", "never", "follower")}
-    assert holds.holds_conversation("p", "7", root["always"]) and not holds.holds_conversation("p", "7", root["never"])
-    assert not holds.holds_conversation("p", "7", root["follower"])  # the followers start on "never"
-    duel.current = 1  # the followers' arm is now "always"
-    assert holds.holds_conversation("p", "7", root["follower"])
-    assert not holds.holds_conversation("p", "7", root["never"])
-    unduelled = ConversationHolds(duel=None)
-    unduelled.ledger("p", hints)
-    assert unduelled.holds_conversation("p", "7", root["never"])
