@@ -20,9 +20,11 @@ Grid: 2 / 4 / 8 replicas × 1 / 2 / 5 % GPU per replica (of the cut trace's dist
 at least the largest request) × host 0 (policy ``lru``) / 4× (``trtllm-default``) ×
 arrival rate ×1 / ×2 / ×4 (timestamps divided), ``--hold tokens``. Routers: ``random``,
 ``round-robin``, ``session``, Dynamo's cost, kv-aware (defaults, honouring the traces'
-``prompt_cache_key``), ``kv-adaptive`` (the self-tuning band, retention/routing/tuning.py),
-and two diagnostics: kv-aware without the key, and kv-aware with no load term at all
-("cache only": what affinity alone reaches, at whatever imbalance).
+``prompt_cache_key`` and keying a stored Responses conversation without one by its root
+response, as the gateway does), ``kv-adaptive`` (the self-tuning band, retention/routing/tuning.py),
+and two diagnostics: kv-aware without the client's key (a stored conversation still keyed by
+its root: what the gateway does for a Responses client that sends no key), and kv-aware with
+no load term at all ("cache only": what affinity alone reaches, at whatever imbalance).
 Ceiling: one pool with N× the GPU and host blocks.
 
 Targets, in every setting: ≥ 90 % of the ceiling, ≥ the best baseline (random,
@@ -94,7 +96,8 @@ def configs(replicas: int, keyed: bool) -> dict:
         "random": ClusterConfig(replicas, "random"),
         "round-robin": ClusterConfig(replicas, "round-robin"),
         "session": ClusterConfig(replicas, "session"),
-        "dynamo": ClusterConfig(replicas, "kv-aware", cost=CostModel.dynamo(), affinity=False),
+        # Dynamo's router knows neither OpenAI's prompt_cache_key nor stored conversations
+        "dynamo": ClusterConfig(replicas, "kv-aware", cost=CostModel.dynamo(), affinity=False, conversations=False),
         "kv-aware": ClusterConfig(replicas, "kv-aware"),
         "kv-aware, no key": ClusterConfig(replicas, "kv-aware", affinity=False),
         "cache only": ClusterConfig(replicas, "kv-aware", cost=CostModel(balance_request_share=1e9)),
