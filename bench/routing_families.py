@@ -435,7 +435,7 @@ def section(rows: list[dict], roles: dict[str, str], seconds: float, requests: i
              for r in rows for j in [judge(r, label)] if not met(j)]
     lines += [
         "",
-        f"![{label} (and kv-aware, Dynamo, session, cache only): share of the ceiling against load imbalance, "
+        f"![{label} (and kv-aware, Dynamo, session, cache only, the fading forgiveness): share of the ceiling against load imbalance, "
         "every setting, per family](img/routing_families.png)",
         "",
         f"Settings where {label} misses a target ({len(fails)} of {len(rows)}; `R×G% hH r×K` = R replicas, G % GPU "
@@ -533,7 +533,7 @@ def plot(rows: list[dict], roles: dict[str, str]) -> None:
 
     def draw(ax, result) -> None:  # noqa: ANN001
         shown = (("kv-aware", "C0", "o"), ("dynamo", "C1", "^"), ("session", "C2", "s"), ("cache only", "C7", "."),
-                 (ADAPTIVE, "C3", "x"))
+                 (ADAPTIVE, "C3", "x"), (FADING[0], "C4", "+"))
         for label, color, marker in shown:
             if label not in result["rows"][0]:
                 continue
