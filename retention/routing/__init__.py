@@ -1,7 +1,7 @@
 """Routing core (pure): which replica of a pool serves a request.
 
-``types`` (candidates, requests, matches, decisions), ``affinity`` (client keys →
-home replica), ``index`` (per-replica block
+``types`` (candidates, requests, matches, decisions), ``affinity`` (client keys and
+stored conversations' roots → home replica), ``index`` (per-replica block
 indexes: precise from KV events, approximate from routing decisions), ``load``
 (in-flight load per replica), ``cost`` (expected prefill after reuse + load, softmax
 choice), ``router`` (one interface: random, round-robin, session, kv-aware), ``tuning``
@@ -11,7 +11,7 @@ the gateway (``server/gateway/replicas/routing.py``) and ``retention/simulation/
 docs/architecture.md, "Routing".
 """
 
-from retention.routing.affinity import affinity_key, home_replica
+from retention.routing.affinity import ConversationRoots, affinity_key, conversation_key, home_replica
 from retention.routing.cost import CostModel, choose, rendezvous
 from retention.routing.index import ApproximateIndex, BlockIndex, CapacityModel, PreciseIndex
 from retention.routing.load import LoadTracker
@@ -38,8 +38,8 @@ from retention.routing.types import (
 )
 
 __all__ = [
-    "NO_MATCH", "ROUTER_NAMES", "ApproximateIndex", "BandController", "BandTuning", "BlockIndex", "Candidate", "CapacityModel", "CostModel",
+    "NO_MATCH", "ROUTER_NAMES", "ApproximateIndex", "BandController", "BandTuning", "BlockIndex", "Candidate", "CapacityModel", "ConversationRoots", "CostModel",
     "Decision", "KvAwareRouter", "LoadTracker", "PreciseIndex", "PrefixMatch",
     "RandomRouter", "ReplicaId", "ReplicaLoad", "ReplicaScore", "RoundRobinRouter", "RouteRequest", "Router",
-    "RoutingError", "SelfTuningRouter", "SessionRouter", "affinity_key", "approximate_indexes", "home_replica", "choose", "make_router", "rendezvous",
+    "RoutingError", "SelfTuningRouter", "SessionRouter", "affinity_key", "approximate_indexes", "conversation_key", "home_replica", "choose", "make_router", "rendezvous",
 ]

@@ -11,6 +11,18 @@ the kv-aware cost (``cost.py``)::
 The home gets ``CostModel.affinity_credit`` blocks off its cost and wins ties; the load
 band still overrules it (load above the band adds to the home's cost like to any other).
 
+A stored conversation (OpenAI Responses ``previous_response_id`` chains) without a client key
+is keyed by its root response's id, as the gateway keys it (``conversation_key`` in
+``server/gateway/api/responses_convert.py``: the client's ``prompt_cache_key`` wins, else
+``kvgate-conversation:<root id>``; ``server/gateway/responses_routes.py`` takes the root from
+the stored chain, or the request's own id when it starts a stored conversation).
+:class:`ConversationRoots` mirrors that rule for callers that see only request lines (the
+cluster simulator)::
+
+    roots = ConversationRoots()
+    text  = roots.key(tenant, cache_key=None, response_id="r2", previous_response_id="r1", store=True)
+    # "kvgate-conversation:r1" if r1 started the chain: every turn meets on one home replica
+
 Invariants:
 
 * the key depends only on (tenant, key string), never on process state, so every gateway
@@ -19,7 +31,9 @@ Invariants:
   length-prefixed so ``("ab", "c")`` and ``("a", "bc")`` differ);
 * the home is the candidate with the highest weighted rendezvous score, so removing a
   replica moves only the keys whose home it was, and a replica of weight 2 is home to about
-  twice the keys.
+  twice the keys;
+* every turn of one stored conversation gets the same key string (its root's), whatever the
+  turn, so long as each turn continues a response the roots have seen stored.
 """
 
 from __future__ import annotations
@@ -45,3 +59,47 @@ def home_replica(key: int, candidates: Sequence[Candidate]) -> ReplicaId:
     if not candidates:
         raise RoutingError("no candidate replicas")
     return max(candidates, key=lambda c: (rendezvous(key, c.replica, c.weight), -c.replica)).replica
+
+
+CONVERSATION_KEY_PREFIX = "kvgate-conversation:"
+
+
+def conversation_key(root_id: str | None) -> str | None:
+    """The affinity key string of a stored conversation: its root response's id, namespaced so
+    that it cannot equal a client's own ``prompt_cache_key`` by accident. The same string as the
+    gateway's ``conversation_key`` (``server/gateway/api/responses_convert.py``)."""
+    return None if root_id is None else f"{CONVERSATION_KEY_PREFIX}{root_id}"
+
+
+class ConversationRoots:
+    """The root of every stored response seen, per tenant: what the gateway's response store
+    answers for a chain (``server/gateway/response_store.py``, ``chain(...).root_id``).
+
+    A response continuing one the roots never saw stored (a trace cut mid-conversation, a
+    response stored before the replay) takes the id it continues as its root: the chain as far
+    as seen, so its later turns still share one key. State grows with the stored responses
+    seen (one entry each); deletions are not modelled (a deleted response is not continued).
+    """
+
+    __slots__ = ("_roots",)
+
+    def __init__(self) -> None:
+        self._roots: dict[tuple[str | None, str], str] = {}
+
+    def root(self, tenant: str | None, *, response_id: str | None, previous_response_id: str | None,
+             store: bool) -> str | None:
+        """The request's conversation root (None: not a conversation); records a stored response."""
+        if previous_response_id is not None:
+            root: str | None = self._roots.get((tenant, previous_response_id), previous_response_id)
+        else:
+            root = response_id if store else None  # a new stored conversation starts here
+        if store and response_id is not None and root is not None:
+            self._roots[(tenant, response_id)] = root
+        return root
+
+    def key(self, tenant: str | None, *, cache_key: str | None, response_id: str | None,
+            previous_response_id: str | None, store: bool) -> str | None:
+        """The request's affinity key string, the gateway's rule: the client's ``cache_key`` when
+        it sends one, else its conversation's root key, else None. Records the response either way."""
+        root = self.root(tenant, response_id=response_id, previous_response_id=previous_response_id, store=store)
+        return cache_key if cache_key is not None else conversation_key(root)

@@ -2,7 +2,8 @@
 
 Each replica is its own :class:`BlockPool` (same shape, same retention policy); a router
 from ``retention/routing/`` — the code the gateway runs — picks the replica of every
-request. The ``kv-aware`` router's indexes are fed the way the gateway feeds them: *precise*
+request, keyed as the gateway keys it (the line's ``prompt_cache_key``, else a stored
+conversation's root response, ``ClusterConfig.conversations``). The ``kv-aware`` router's indexes are fed the way the gateway feeds them: *precise*
 from each pool's own KV events (drained after every allocate / release, so the index sees
 offloads, onboards and evictions as they happen), or *approximate* from its own decisions.
 
@@ -38,6 +39,7 @@ from retention.routing import (
     BandTuning,
     Candidate,
     CapacityModel,
+    ConversationRoots,
     CostModel,
     Router,
     RouteRequest,
@@ -61,8 +63,11 @@ class ClusterConfig:
     ``approximate`` = its own decisions in a two-tier LRU of the pool's size, optionally
     aged by ``ttl_s``). ``seed`` seeds the router's random source (``random``, softmax).
     ``affinity``: route by the lines' ``prompt_cache_key`` (salted with the line's tenant,
-    as the gateway salts it with the tenant's id); off, the key is ignored. ``tuning``: the
-    self-tuning band's knobs (router ``kv-adaptive`` only).
+    as the gateway salts it with the tenant's id); off, the key is ignored. ``conversations``:
+    a stored Responses conversation without a client key is routed by its root response's id
+    (``previous_response_id`` chains, ``retention.routing.ConversationRoots``), as the gateway
+    routes it (``server/gateway/api/responses_convert.py``, ``conversation_key``); off, only
+    the client's key counts. ``tuning``: the self-tuning band's knobs (router ``kv-adaptive`` only).
     """
 
     replicas: int
@@ -72,6 +77,7 @@ class ClusterConfig:
     ttl_s: float | None = None
     seed: int = 0
     affinity: bool = True
+    conversations: bool = True
     tuning: BandTuning = BandTuning()
 
     def __post_init__(self) -> None:
@@ -168,6 +174,7 @@ def simulate_cluster(
     per_replica = [ReplicaResult(replica=i) for i in range(cluster.replicas)]
     bpt = config.tokens_per_block
     predicted = 0
+    roots = ConversationRoots()  # stored responses' roots, per tenant, as the gateway's store knows them
 
     def feed(replica: int, now: float) -> None:
         if events_on:
@@ -184,6 +191,9 @@ def simulate_cluster(
         nonlocal predicted
         h = hashes[request.index]
         key = request.hints.cache_key if cluster.affinity and request.hints is not None else None
+        if cluster.conversations:  # the gateway's rule: the client's key wins, else the conversation's root
+            key = roots.key(request.tenant, cache_key=key, response_id=request.response_id,
+                            previous_response_id=request.previous_response_id, store=request.store)
         rr = RouteRequest(request.index, tuple(h), request.input_length, request.output_length,
                           affinity_key=None if key is None else affinity_key(request.tenant, key))
         decision = router.route(rr, candidates, now=now)
