@@ -21,13 +21,28 @@ alone"). A tenant's score is its own hits in the shared shadows, where every ten
 the candidate; a tenant whose decayed references stay below ``tenant_min_refs`` follows the
 pool's choice.
 
+The mix gate. A tenant's own winner answers "how does this tenant do if *everyone* runs
+k", never "what does the pool lose if only this tenant runs k": the candidates' priority
+scales are not commensurable (the bands keep a reused block at 36 or 46, ``protect`` leaves
+an unprotected history at 35 and protects at 45), so a tenant on the bands outranks a
+neighbour on ``protect`` and the pool loses more than the tenant gains. Measured on
+``agent-mixed`` (agent runs beside another tenant's one-shot API traffic), 1 % GPU: the API
+tenant chose the bands, the agents ``protect`` or the static class, and the pool fell to
+33.9 % (lru 44.3 %, protect 45.5 %); the agents lost 16 points of their own hit rate for
+the API tenant's 17 on a fifth of the traffic. So one more shadow replays the *mix* — every
+request with its own tenant's winner — and tenants follow their own winners only while that
+shadow beats the pool's choice's shadow on all tenants' hits, by the same rule as a switch
+(``margin``, ``patience``, ``min_refs``; the pool's choice is the incumbent). Otherwise every
+tenant follows the pool's choice. The mix shadow starts with the second tenant (with one, the
+mix is the pool's choice), so single-tenant pools pay nothing for it.
+
 Cost per request: one pass over its hashes to find the kept ones; when any is kept, every
 candidate's plan and one shadow replay of the kept blocks per candidate (callers compute
 plans lazily: :meth:`PolicyDuel.kept` first). The rate is ``DuelConfig.rate`` (5 %), raised
 for small pools so each shadow holds at least ``min_shadow_blocks`` GPU blocks (a shadow of
 a few blocks cannot rank policies): at most ``max(rate, 64 / C)`` of a request's blocks are
-replayed per candidate. Memory: candidates × shadow size plus O(candidates) floats per
-tenant.
+replayed per candidate, and once more for the mix (``per_tenant``, two tenants or more).
+Memory: candidates (+ 1) shadows plus O(candidates) floats per tenant.
 """
 
 from __future__ import annotations
@@ -90,6 +105,11 @@ class PolicyDuel:
     shadows: list[ShadowPool] = field(init=False)
     pool_scope: _Scope = field(init=False)
     tenants: dict[str, _Scope] = field(default_factory=dict)
+    # per_tenant: the shadow of the mix (each request on its tenant's own winner) and its contest against the
+    # pool's choice (index 0 = the pool's choice, the incumbent; 1 = the mix); tenants follow their own winners
+    # only while the mix leads.
+    mix: ShadowPool | None = field(init=False)
+    mix_scope: _Scope = field(init=False)
     _decay: float = field(init=False)
 
     def __post_init__(self) -> None:
@@ -101,6 +121,8 @@ class PolicyDuel:
             for _ in self.names
         ]
         self.pool_scope = _Scope([0.0] * len(self.names))
+        self.mix = None  # started with the second tenant (record)
+        self.mix_scope = _Scope([0.0, 0.0])
         self._decay = 2.0 ** (-1.0 / self.config.half_life_refs)
 
     def kept(self, hashes: Sequence[int]) -> list[int]:
@@ -108,13 +130,23 @@ class PolicyDuel:
         return self.sample.indices(hashes)
 
     def choice(self, tenant: str | None = None) -> int:
-        """Index of the candidate the request follows now."""
+        """Index of the candidate the request follows now: its tenant's own winner while the mix leads."""
+        if self.mix_scope.current == 1:
+            return self._own(tenant)
+        return self.pool_scope.current
+
+    def _own(self, tenant: str | None) -> int:
+        """The tenant's own winner when it has the evidence (and ``per_tenant``), else the pool's choice."""
         cfg = self.config
         if cfg.per_tenant and tenant is not None:
             scope = self.tenants.get(tenant)
             if scope is not None and scope.refs >= cfg.tenant_min_refs:
                 return scope.current
         return self.pool_scope.current
+
+    def tenants_follow_own(self) -> bool:
+        """Whether the mix gate lets tenants follow their own winners now (see the module docstring)."""
+        return self.mix_scope.current == 1
 
     def chosen(self, tenant: str | None = None) -> str:
         return self.names[self.choice(tenant)]
@@ -126,11 +158,16 @@ class PolicyDuel:
             return
         if len(plans) != len(self.names):
             raise ValueError(f"need one plan per candidate ({len(self.names)}), got {len(plans)}")
+        uniform, own = self.pool_scope.current, self._own(tenant)  # as before this request's evidence
         hits = [
             shadow.observe(hashes, plan, now=now, num_tokens=num_tokens, tokens_per_block=tokens_per_block,
                            tenant=tenant, kept=kept).hits
             for shadow, plan in zip(self.shadows, plans, strict=True)
         ]
+        if self.mix is not None:
+            mixed = self.mix.observe(hashes, plans[own], now=now, num_tokens=num_tokens,
+                                     tokens_per_block=tokens_per_block, tenant=tenant, kept=kept).hits
+            self._update(self.mix_scope, [hits[uniform], mixed], len(kept))
         self._update(self.pool_scope, hits, len(kept))
         if self.config.per_tenant and tenant is not None:
             scope = self.tenants.get(tenant)
@@ -140,6 +177,8 @@ class PolicyDuel:
             if scope.refs < self.config.tenant_min_refs:
                 scope.current = self.pool_scope.current
             self._update(scope, hits, len(kept))
+            if self.mix is None and len(self.tenants) >= 2:
+                self.mix = ShadowPool(self.sample, self.primary_blocks, self.secondary_blocks, self.offload_min_priority)
 
     def _update(self, scope: _Scope, hits: list[int], refs: int) -> None:
         cfg = self.config

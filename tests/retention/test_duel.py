@@ -73,7 +73,7 @@ def test_no_switch_without_a_clear_margin() -> None:
     assert duel.chosen() == "static" and duel.switches() == 0
 
 
-def test_tenants_with_enough_evidence_follow_their_own_winner() -> None:
+def test_a_tenants_own_winner_is_not_followed_when_the_mix_earns_nothing() -> None:
     cfg = DuelConfig(rate=1.0, half_life_refs=300, min_refs=100, patience=30, tenant_min_refs=50)
     duel = PolicyDuel(("lru", "favour-a"), primary_blocks=40, config=cfg)
     rng = random.Random(2)
@@ -82,10 +82,56 @@ def test_tenants_with_enough_evidence_follow_their_own_winner() -> None:
         duel.record(hashes, duel.kept(hashes), [LRU, favour(tenant)], now=0.0, num_tokens=len(tokens),
                     tokens_per_block=B, tenant=tenant)
     assert duel.chosen("a") == "favour-a" == duel.chosen()
-    # b never hits under either candidate (its prompts are unique): no margin, it stays where the pool was
-    # when it gathered enough evidence, and a tenant never seen follows the pool.
-    assert duel.chosen("b") == "lru" and duel.chosen("new") == "favour-a"
+    # b never hits under either candidate (its prompts are unique): no margin, its own scope stays where the
+    # pool was when it gathered enough evidence (lru) ...
+    assert duel.tenants["b"].refs >= cfg.tenant_min_refs and duel.names[duel.tenants["b"].current] == "lru"
     assert duel.standings("b") == {"lru": 0.0, "favour-a": 0.0}
+    # ... but the mix (b on lru) earns the pool nothing over the pool's choice, so b follows the pool.
+    assert not duel.tenants_follow_own()
+    assert duel.chosen("b") == "favour-a" and duel.chosen("new") == "favour-a"
+
+
+def keep_only(owner: str):  # noqa: ANN201
+    """A candidate keeping ``owner``'s blocks at 90 and sinking everyone else's to 0."""
+    return lambda tenant: KEEP if tenant == owner else SINK
+
+
+def test_tenants_follow_their_own_winners_while_the_mix_beats_the_pools_choice() -> None:
+    """a and b each reuse 24 blocks, f floods; the pool (60 blocks) fits a and b together. Everyone on
+    keep-a (or keep-b) loses b's (a's) reuse to the flood; a on keep-a and b on keep-b keep both: the mix
+    shadow proves it and the tenants follow their own winners."""
+    cfg = DuelConfig(rate=1.0, half_life_refs=300, min_refs=100, patience=30, tenant_min_refs=50)
+    candidates = {"keep-a": keep_only("a"), "keep-b": keep_only("b")}
+    duel = PolicyDuel(tuple(candidates), primary_blocks=60, config=cfg)
+    rng = random.Random(3)
+    a_prompts = [[1000 * p + k for k in range(3 * B)] for p in range(8)]
+    b_prompts = [[500_000 + 1000 * p + k for k in range(3 * B)] for p in range(8)]
+    unique, now = 900_000, 0.0
+    traffic = []
+    for _ in range(700):
+        traffic += [("a", rng.choice(a_prompts) + [7]), ("b", rng.choice(b_prompts) + [7])]
+        for _ in range(2):
+            traffic.append(("f", list(range(unique, unique + 6 * B)) + [7]))
+            unique += 6 * B
+    for tenant, tokens in traffic:
+        hashes = block_hashes(tokens, B)
+        duel.record(hashes, duel.kept(hashes), [make(tenant) for make in candidates.values()], now=now,
+                    num_tokens=len(tokens), tokens_per_block=B, tenant=tenant)
+        now += 1.0
+    assert duel.tenants_follow_own()
+    assert (duel.chosen("a"), duel.chosen("b")) == ("keep-a", "keep-b")
+
+
+@pytest.mark.parametrize("per_tenant", [True, False])
+def test_the_mix_shadow_runs_only_with_per_tenant_selection_and_two_tenants(per_tenant: bool) -> None:
+    duel = PolicyDuel(("lru", "favour-a"), primary_blocks=40, config=DuelConfig(rate=1.0, per_tenant=per_tenant))
+    for tenant, tokens in phase(random.Random(4), "a", "b", 30, 0):
+        hashes = block_hashes(tokens, B)
+        if tenant == "b" and duel.mix is None:
+            assert duel.tenants.keys() <= {"a"}  # one tenant so far: its mix is the pool's choice, no shadow
+        duel.record(hashes, duel.kept(hashes), [LRU, favour(tenant)], now=0.0, num_tokens=len(tokens),
+                    tokens_per_block=B, tenant=tenant)
+    assert (duel.mix is not None) == per_tenant and not duel.tenants_follow_own()
 
 
 def test_record_checks_its_inputs() -> None:
