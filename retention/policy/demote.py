@@ -54,10 +54,30 @@ from __future__ import annotations
 from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from retention.types import MIN_PRIORITY, RetentionPlan, TokenRange
+from retention.types import DEFAULT_PRIORITY, MIN_PRIORITY, RetentionPlan, TokenRange
 
 MAX_TRACKED = 65_536  # stored responses tracked per tenant
 DEMOTE_PRIORITY = MIN_PRIORITY  # 0: the first free queue ``getFreeBlock`` takes from
+
+
+def demote_priority(secondary_blocks: int, offload_min_priority: int) -> int:
+    """The priority a demote gives a pool's blocks: first to leave the GPU, and to host if it can.
+
+    ``LRUEvictionPolicy::getFreeBlock`` (``evictionPolicy.cpp``) takes the head of the lowest
+    non-empty priority queue and offloads the victim to a free host block iff its priority is
+    at or above ``mSecondaryOffloadMinPriority``; below it the block is dropped. Without a host
+    tier that makes no difference, and 0 puts the demoted blocks before every other one. With a
+    host tier, 0 drops them, and a run that comes back after all (one that waited for a human,
+    or a deleted branch's shared history) recomputes what the host tier would have kept (``bench/conversation.py``, seed 0,
+    agent-loop at 2 % GPU + 4x host: adaptive with the run's-end demote 85.61 % at 0 against
+    adaptive's 87.74 % without it; 87.74 % at the threshold, 30 by default). So a
+    pool with a host tier demotes to its threshold when that is still below the default 35
+    (evicted before every unheld block, but offloaded); a threshold at or above 35 would lift
+    the blocks over unheld ones, so those pools demote to 0.
+    """
+    if secondary_blocks > 0 and offload_min_priority < DEFAULT_PRIORITY:
+        return offload_min_priority
+    return DEMOTE_PRIORITY
 
 
 @dataclass(slots=True)
@@ -227,8 +247,9 @@ def demote_length(cached_blocks: int, start_token: int, tokens_per_block: int, p
     return cached + 1
 
 
-def demote_plan(normal: RetentionPlan, start_token: int) -> RetentionPlan:
-    """``normal`` before ``start_token``, priority 0 with no expiry from there on (decode too).
+def demote_plan(normal: RetentionPlan, start_token: int, priority: int = DEMOTE_PRIORITY) -> RetentionPlan:
+    """``normal`` before ``start_token``, ``priority`` (0 unless the pool's :func:`demote_priority`
+    says otherwise) with no expiry from there on (decode too).
 
     The normal plan's ranges are cut at ``start_token`` so the shared prefix is re-claimed
     exactly as an ordinary request of the tenant would claim it.
@@ -241,8 +262,8 @@ def demote_plan(normal: RetentionPlan, start_token: int) -> RetentionPlan:
             break
         end = start_token if rng.end is None else min(rng.end, start_token)
         head.append(TokenRange(rng.start, end, rng.priority, rng.duration_ms))
-    return RetentionPlan((*head, TokenRange(start_token, None, DEMOTE_PRIORITY, None)), DEMOTE_PRIORITY, None)
+    return RetentionPlan((*head, TokenRange(start_token, None, priority, None)), priority, None)
 
 
-__all__ = ["DEMOTE_PRIORITY", "DemoteLedger", "demote_length", "demote_plan", "demote_start", "end_start", "orphaned",
-           "shared_blocks"]
+__all__ = ["DEMOTE_PRIORITY", "DemoteLedger", "demote_length", "demote_plan", "demote_priority", "demote_start",
+           "end_start", "orphaned", "shared_blocks"]

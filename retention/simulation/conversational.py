@@ -36,7 +36,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from retention.policy.conversation import ConversationLedger, ConversationPlan, ConversationRequest, plan_conversation
-from retention.policy.demote import DemoteLedger, demote_plan
+from retention.policy.demote import DEMOTE_PRIORITY, DemoteLedger, demote_plan
 from retention.policy.hint_plan import HINTS_OFF
 from retention.simulation.layered import LayeredPolicy
 from retention.trace import ResponseDeletion, TraceRequest
@@ -124,8 +124,8 @@ class ConversationPolicy(LayeredPolicy):
         if request.offers_tools and request.output_kind == "message" and not gated:
             self._ending[request.index] = (request, plan, root)
 
-    def completion_demote(self, request: TraceRequest, *, now: float, tokens_per_block: int
-                          ) -> tuple[TraceRequest, RetentionPlan] | None:
+    def completion_demote(self, request: TraceRequest, *, now: float, tokens_per_block: int,
+                          priority: int = DEMOTE_PRIORITY) -> tuple[TraceRequest, RetentionPlan] | None:
         """After the request is released: the demote request for a run that ended in a message
         (``end_demote``), or None. Its range starts at the first block no other conversation's
         live stored response holds (the run's own earlier responses are still stored)."""
@@ -138,7 +138,7 @@ class ConversationPolicy(LayeredPolicy):
         if start is None:
             return None
         self.end_demotes += 1
-        return request, demote_plan(plan, start * tokens_per_block)
+        return request, demote_plan(plan, start * tokens_per_block, priority)
 
     def observe(self, request, hashes, allocation, *, now, pool) -> None:  # noqa: ANN001 - SimPolicy protocol
         """The wrapped policy observes; a served request reports its cached share to the hold duel,
@@ -157,8 +157,8 @@ class ConversationPolicy(LayeredPolicy):
     def on_delete(self, deletion: ResponseDeletion, *, now: float) -> None:
         self.ledger.delete(deletion.tenant or "", deletion.response_id)
 
-    def demote_request(self, deletion: ResponseDeletion, *, now: float, tokens_per_block: int
-                       ) -> tuple[TraceRequest, RetentionPlan] | None:
+    def demote_request(self, deletion: ResponseDeletion, *, now: float, tokens_per_block: int,
+                       priority: int = DEMOTE_PRIORITY) -> tuple[TraceRequest, RetentionPlan] | None:
         """After :meth:`on_delete`: the request to replay for this delete, or None (demote off, the
         response unknown, or every block of it still in another live stored response)."""
         if not self.demote:
@@ -169,4 +169,4 @@ class ConversationPolicy(LayeredPolicy):
         if start is None or stored is None:
             return None
         request, _, plan = stored
-        return request, demote_plan(plan, start * tokens_per_block)
+        return request, demote_plan(plan, start * tokens_per_block, priority)

@@ -42,7 +42,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Literal
 
 from retention.hashing import block_hashes
-from retention.policy.demote import demote_length
+from retention.policy.demote import demote_length, demote_priority
 from retention.pool import BlockPool, PoolConfig
 from retention.simulation.belady import BeladyResult, ChainRequest, belady, chain_request
 from retention.simulation.hit_density import AgeHulls
@@ -214,11 +214,12 @@ def simulate(
 
     deliver = _deliverer(policy, deletions, pool, config, result)
     completion_demote = getattr(policy, "completion_demote", None)
+    demote_at = demote_priority(pool.config.secondary_blocks, pool.config.secondary_offload_min_priority)
 
     def completed(request: TraceRequest, now: float) -> None:
         """The request is released: a policy may answer its completion with a demote request."""
         demote = None if completion_demote is None else completion_demote(
-            request, now=now, tokens_per_block=config.tokens_per_block)
+            request, now=now, tokens_per_block=config.tokens_per_block, priority=demote_at)
         if demote is not None:
             _replay_demote(pool, demote[0], demote[1], config, result, ("end", request.index), now)
 
@@ -255,6 +256,7 @@ def _deliverer(policy: SimPolicy, deletions: Sequence[ResponseDeletion], pool: B
     the demote request it answers with (if any) through ``pool``."""
     on_delete = getattr(policy, "on_delete", None)
     demote_request = getattr(policy, "demote_request", None)
+    demote_at = demote_priority(pool.config.secondary_blocks, pool.config.secondary_offload_min_priority)
     ordered = sorted(deletions, key=lambda d: d.timestamp_ms)
     position = 0
 
@@ -266,7 +268,7 @@ def _deliverer(policy: SimPolicy, deletions: Sequence[ResponseDeletion], pool: B
             if on_delete is not None:
                 on_delete(deletion, now=now)
             demote = None if demote_request is None else demote_request(
-                deletion, now=now, tokens_per_block=config.tokens_per_block)
+                deletion, now=now, tokens_per_block=config.tokens_per_block, priority=demote_at)
             if demote is not None:
                 _replay_demote(pool, demote[0], demote[1], config, result, ("demote", position), now)
 

@@ -8,7 +8,8 @@ import pytest
 
 import random
 
-from retention.policy.demote import DemoteLedger, demote_length, demote_plan, demote_start, orphaned, shared_blocks
+from retention.policy.demote import (DemoteLedger, demote_length, demote_plan, demote_priority, demote_start, orphaned,
+                                     shared_blocks)
 from retention.pool import BlockPool, PoolConfig
 from retention.simulation.sim_policies import make_policy
 from retention.simulation.simulator import SimConfig, simulate
@@ -104,6 +105,38 @@ def test_a_held_block_reclaimed_at_priority_zero_is_evicted_first() -> None:
     assert [(b.priority, b.duration_ms) for b in blocks] == [(60, 3_600_000), (0, None)]
     run("other", list(range(200, 200 + 2 * B)) + [7], RetentionPlan())  # needs 3 blocks: one victim
     assert pool.lookup(shared + own + [7], salt=None)[0] == 1  # the demoted block went, the shared one stayed
+
+
+@pytest.mark.parametrize("host, threshold, want", [
+    (0, 30, 0),  # no host tier: first in line, dropped either way
+    (64, 30, 30),  # a host tier: first out of the GPU, but offloaded
+    (64, 0, 0),  # every priority offloads: 0 already does
+    (64, 40, 0),  # a threshold above the default 35 would lift the blocks over unheld ones
+    (64, 101, 0),  # never offloads
+])
+def test_a_pool_with_a_host_tier_demotes_to_its_offload_threshold(host: int, threshold: int, want: int) -> None:
+    assert demote_priority(host, threshold) == want
+
+
+@pytest.mark.parametrize("with_host_priority", [False, True])
+def test_a_demoted_block_goes_to_host_only_at_the_threshold(with_host_priority: bool) -> None:
+    """``getFreeBlock`` offloads a victim iff its priority is at or above the threshold and a
+    host block is free; below it the victim is dropped (evictionPolicy.cpp)."""
+    config = PoolConfig(primary_blocks=4, secondary_blocks=8, tokens_per_block=B, secondary_offload_min_priority=30)
+    pool = BlockPool(config)
+    shared, own = list(range(0, B)), list(range(100, 100 + B))
+    held = RetentionPlan((TokenRange(0, None, 60, 3_600_000),))
+    at = demote_priority(config.secondary_blocks, config.secondary_offload_min_priority) if with_host_priority else 0
+
+    def run(rid: str, tokens: list[int], plan: RetentionPlan) -> None:
+        assert pool.allocate(rid, tokens, salt=None, tenant="t", plan=plan, now=0.0) is not None
+        pool.release(rid, tokens, now=0.0, num_computed_tokens=len(tokens))
+
+    run("conv", shared + own + [7], held)
+    run("demote", shared + own + [7], demote_plan(held, B, at))
+    run("other", list(range(200, 200 + 2 * B)) + [7], RetentionPlan())  # needs 3 blocks: the demoted one leaves
+    matched, _, on_host = pool.lookup(shared + own + [7], salt=None)
+    assert (matched, on_host) == ((2, 1) if with_host_priority else (1, 0))  # kept on host at 30, gone at 0
 
 
 def _trace() -> tuple[list, list]:

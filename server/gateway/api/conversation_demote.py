@@ -1,5 +1,6 @@
 """Demote on delete: after ``DELETE /v1/responses/{id}``, one engine request re-claims the deleted
-conversation's own cached blocks at priority 0 (:mod:`retention.policy.demote`).
+conversation's own cached blocks at priority 0 — or, on a pool with a host tier, at its offload
+threshold (``demote_priority``: first out of the GPU, but to host) — (:mod:`retention.policy.demote`).
 
 TensorRT-LLM cannot revoke a retention given at enqueue, but a request that reuses cached
 blocks re-sets them (``WindowBlockManager::loadOrAllocateBlocks`` claims each matched block
@@ -13,8 +14,8 @@ them), and after the delete sends::
     max_new_tokens  1
     retention       the tenant's normal plan before the first block no other live stored
                     response of the conversation holds (and past the system segment), then
-                    TokenRangeRetentionConfig(start, None, priority 0, no duration),
-                    decode priority 0
+                    TokenRangeRetentionConfig(start, None, priority P, no duration),
+                    decode priority P (P = 0, or the pool's offload threshold with a host tier)
 
 The cached depth comes from the pool router's KV-event indexes (the deepest replica; a
 router without indexes gives no depth, and then nothing is sent: an uncut demote would
@@ -67,7 +68,7 @@ from typing import Any
 
 from engines.contract import SamplingParams
 from retention.hashing import block_hashes
-from retention.policy.demote import demote_length, demote_plan, demote_start, end_start, orphaned
+from retention.policy.demote import demote_length, demote_plan, demote_priority, demote_start, end_start, orphaned
 from server.gateway.api.completions import CompletionJob, build_plan, engine_request
 from server.gateway.api.prompting import PreparedPrompt
 from server.gateway.api.responses_convert import convert
@@ -175,7 +176,9 @@ async def send_demote(services: Any, tenant: Any, deleted: DeletedPrompt, start_
         include_usage=False, tokenizer=deleted.tokenizer, engine=services.routing.engine(services.engines.seen(tenant.pool)),
         quota=services.monitor.quota_state(tenant.pool.name, tenant.tenant_id),
     )
-    request = engine_request(job, demote_plan(build_plan(job), start_block * tpb))
+    pool = tenant.pool  # with a host tier the demoted blocks go there first (demote_priority)
+    at = demote_priority(pool.secondary_blocks, pool.secondary_offload_min_priority)
+    request = engine_request(job, demote_plan(build_plan(job), start_block * tpb, at))
     try:
         async for _ in job.engine.generate(request, request_id="demote-" + secrets.token_hex(6),
                                            hashes=list(deleted.hashes[:length // tpb])):

@@ -53,10 +53,16 @@ async def _wait_until_indexed(gateway: GatewayServer, pool: str, hashes: tuple[i
     pytest.fail(f"the router's KV-event index never showed the prompt's {full} blocks")
 
 
-async def test_a_delete_sends_one_demote_request_at_priority_zero_for_the_conversations_range(stack: Stack) -> None:
+@pytest.mark.parametrize("secondary_blocks, demoted_at", [
+    (0, 0),  # no host tier: priority 0, first out and dropped
+    (512, 30),  # a host tier: the pool's offload threshold (30), first out of the GPU but offloaded
+])
+async def test_a_delete_sends_one_demote_request_at_the_pools_demote_priority_for_the_conversations_range(
+        stack: Stack, secondary_blocks: int, demoted_at: int) -> None:
     server, proxy, port = await start_proxy(f"127.0.0.1:{stack.engine.port}")
     try:
-        x, key = add_hinted_tenant(stack, "demote", port, secondary_blocks=0, max_ttl_ms=5_000, max_priority=55)
+        x, key = add_hinted_tenant(stack, "demote", port, secondary_blocks=secondary_blocks, max_ttl_ms=5_000,
+                                   max_priority=55)
         api = openai.AsyncOpenAI(api_key=key, base_url=stack.gateway.base_url + "/v1", max_retries=0, timeout=120)
         text = " ".join(f"fact {i} about the fjords of {x}." for i in range(12))  # several blocks of its own
         reply = await api.responses.create(model=MODEL, input=text, max_output_tokens=1, temperature=0)
@@ -100,9 +106,9 @@ async def test_a_delete_sends_one_demote_request_at_priority_zero_for_the_conver
         assert int(tensors["request_output_len"].reshape(-1)[0]) == 1
         plan = parse_retention(tensors, len(sent))
         last = plan.ranges[-1]
-        assert (last.priority, last.end, last.duration_ms) == (0, None, None)
+        assert (last.priority, last.end, last.duration_ms) == (demoted_at, None, None)
         assert last.start < len(sent) - 1  # the conversation's own blocks are in the demoted range
-        assert plan.decode_priority == 0
+        assert plan.decode_priority == demoted_at
         # Deleting it again: 404, and no second demote.
         again = httpx.delete(f"{stack.gateway.base_url}/v1/responses/{reply.id}",
                              headers={"Authorization": f"Bearer {key}"})
