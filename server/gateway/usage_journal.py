@@ -108,14 +108,21 @@ def decode(data: bytes) -> list[UsageRow]:
 
 
 class _Writer:
-    """One daemon thread running the journal's writes, one at a time, in submission order.
+    """One daemon thread running the journal's group commits back to back.
 
-    Why not ``anyio.to_thread.run_sync``: at one request in flight every answer waits for
-    its own group commit, and anyio's hand-off (capacity limiter, a ``queue.Queue`` whose
-    ``Condition`` is Python code, worker bookkeeping) costs ~3 × the CPU of this one (a C
-    ``SimpleQueue`` and ``call_soon_threadsafe``; measured 25-31 µs against 77-125 µs a
-    round trip). The thread starts on first use and again if it ever died; it blocks in
-    ``SimpleQueue.get`` (no GIL held) while idle.
+    The event loop hands it work only when it is idle (:meth:`wake`); while it writes, new
+    lines queue in the journal's buffers and it takes them as the next group itself, without
+    a round trip through the loop. Each group's waiters are completed with one
+    ``call_soon_threadsafe`` per loop.
+
+    Why a thread of its own rather than ``anyio.to_thread.run_sync``: anyio's hand-off
+    (capacity limiter, a ``queue.Queue`` whose ``Condition`` is Python code, worker
+    bookkeeping) costs ~3 × the CPU of a C ``SimpleQueue`` and ``call_soon_threadsafe``.
+    Why the thread drains the buffers itself rather than a commit task on the loop per
+    group: per request at one client that task, its shielded future and their wake-ups
+    were a third of the journal's CPU on the loop (docs/benchmarks.md
+    ``bench:gateway_profile``). The thread starts on first use and again if it ever died; it
+    blocks in ``SimpleQueue.get`` (no GIL held) while idle.
     """
 
     __slots__ = ("_jobs", "_thread")
@@ -124,15 +131,15 @@ class _Writer:
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
 
-    def submit(self, fn: Callable[[object], None], arg: object) -> asyncio.Future:
-        """Run ``fn(arg)`` on the thread; the future (of the running loop) gets its outcome."""
-        loop = asyncio.get_running_loop()
-        future = loop.create_future()
+    def wake(self, drain: Callable[[], None]) -> None:
+        """Run ``drain()`` on the thread (it returns once nothing is left to write)."""
         if self._thread is None or not self._thread.is_alive():
             self._thread = threading.Thread(target=self._run, name="usage-journal", daemon=True)
             self._thread.start()
-        self._jobs.put((loop, future, fn, arg))
-        return future
+        self._jobs.put(drain)
+
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
 
     def stop(self) -> None:
         if self._thread is not None and self._thread.is_alive():
@@ -140,28 +147,18 @@ class _Writer:
         self._thread = None
 
     def _run(self) -> None:
-        while (job := self._jobs.get()) is not None:
-            loop, future, fn, arg = job
-            try:
-                fn(arg)
-            except BaseException as exc:  # noqa: BLE001 - handed to the waiting task
-                outcome, value = _set_exception, exc
+        while (drain := self._jobs.get()) is not None:
+            drain()
+
+
+def _complete(waiters: list[asyncio.Future], error: BaseException | None) -> None:
+    """On the waiters' loop: the group's outcome to every waiter still waiting."""
+    for waiter in waiters:
+        if not waiter.done():
+            if error is None:
+                waiter.set_result(None)
             else:
-                outcome, value = _set_result, None
-            try:
-                loop.call_soon_threadsafe(outcome, future, value)
-            except RuntimeError:  # the loop is closed: nobody waits any more
-                pass
-
-
-def _set_result(future: asyncio.Future, value: object) -> None:
-    if not future.done():
-        future.set_result(value)
-
-
-def _set_exception(future: asyncio.Future, exc: BaseException) -> None:
-    if not future.done():
-        future.set_exception(exc)
+                waiter.set_exception(OSError(f"usage journal write failed: {error!r}"))
 
 
 class UsageJournal:
@@ -172,7 +169,10 @@ class UsageJournal:
         self._prefix = f"{PREFIX}{registry}-"
         self._fsync = fsync
         self._writer = _Writer()
-        self._committing: asyncio.Task | None = None
+        # Shared by the loop (append, discard, close) and the writer thread (drain): the
+        # buffers, the waiters, whether the thread is draining, segments' writing flags.
+        self._lock = threading.Lock()
+        self._draining = False
         self._waiters: list[asyncio.Future] = []
         self._dirty: list[Segment] = []  # segments with buffered lines, in first-append order
         self.fsyncs = 0  # group commits done (for the benchmark)
@@ -215,47 +215,55 @@ class UsageJournal:
 
     def append(self, segment: Segment, line: bytes) -> asyncio.Future:
         """Queue ``line`` for ``segment`` now; the future completes once it is durable (group commit)."""
-        if not segment.buffer:
-            self._dirty.append(segment)
-        segment.buffer.append(line)
         waiter = asyncio.get_running_loop().create_future()
-        self._waiters.append(waiter)
-        if self._committing is None or self._committing.done():
-            self._committing = asyncio.get_running_loop().create_task(self._commit_loop())
+        with self._lock:
+            if not segment.buffer:
+                self._dirty.append(segment)
+            segment.buffer.append(line)
+            self._waiters.append(waiter)
+            idle = not self._draining or not self._writer.alive()  # a dead thread drains nothing
+            self._draining = True
+        if idle:
+            try:
+                self._writer.wake(self._drain)
+            except BaseException:
+                with self._lock:
+                    self._draining = False
+                raise
         return waiter
 
-    async def _commit_loop(self) -> None:
-        while self._waiters:
-            waiters, self._waiters = self._waiters, []
-            groups = self._take_buffers()
+    def _drain(self) -> None:
+        """On the writer thread: write and fsync group after group until nothing is buffered.
+
+        Every waiter learns its own group's outcome; a group's lines are on disk before its
+        waiters are completed. A failed group fails its waiters only: the next group is
+        tried afresh."""
+        while True:
+            with self._lock:
+                if not self._waiters:
+                    self._draining = False
+                    return
+                waiters, self._waiters = self._waiters, []
+                groups = self._take_buffers()
             error: BaseException | None = None
             try:
-                await self._write(groups)
+                self._write_groups(groups)
                 self.fsyncs += 1
             except BaseException as exc:  # noqa: BLE001 - every waiter must learn the outcome
                 error = exc
-            finally:
+            with self._lock:
                 for segment, _ in groups:
                     segment.writing = False
                     if segment.discarded:
                         segment.close()
+            loops: dict[asyncio.AbstractEventLoop, list[asyncio.Future]] = {}
             for waiter in waiters:
-                if not waiter.done():
-                    if error is None:
-                        waiter.set_result(None)
-                    else:
-                        waiter.set_exception(OSError(f"usage journal write failed: {error!r}"))
-
-    async def _write(self, groups: list[tuple[Segment, bytes]]) -> None:
-        """:meth:`_write_groups` on the writer thread. A cancellation waits for the write to
-        end before it goes on (as ``anyio.to_thread.run_sync`` did): the caller's ``finally``
-        may close the segments' descriptors, which the thread must be done with."""
-        written = self._writer.submit(self._write_groups, groups)
-        try:
-            await asyncio.shield(written)
-        except asyncio.CancelledError:
-            await asyncio.wait([written])
-            raise
+                loops.setdefault(waiter.get_loop(), []).append(waiter)
+            for loop, group in loops.items():
+                try:
+                    loop.call_soon_threadsafe(_complete, group, error)
+                except RuntimeError:  # the loop is closed: nobody waits any more
+                    pass
 
     def _take_buffers(self) -> list[tuple[Segment, bytes]]:
         groups = []
@@ -288,18 +296,20 @@ class UsageJournal:
     # Done: the batch is in the registry ------------------------------------------------------
     def discard(self, segment: Segment) -> None:
         """Remove an applied segment (its lock is dropped once no write to it is running)."""
-        segment.discarded = True
         try:
             segment.path.unlink()
         except FileNotFoundError:
             pass
-        if not segment.writing:
-            segment.close()
+        with self._lock:
+            segment.discarded = True
+            if not segment.writing:
+                segment.close()
 
     def close(self, segments: list[Segment]) -> None:
         """Release the locks (the files stay, for the next start to replay); stop the writer
         thread once its queued writes are done (a later append starts it again)."""
         self._writer.stop()
-        for segment in segments:
-            if not segment.writing:
-                segment.close()
+        with self._lock:
+            for segment in segments:
+                if not segment.writing:
+                    segment.close()

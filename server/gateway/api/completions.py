@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 import anyio
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse
 
 from engines.contract import EngineRequest, Guide, KvMetrics, SamplingParams, TokenLogProbs
 from engines.tokenizer import ChatTokenizer
@@ -56,6 +56,7 @@ from server.gateway.api.logprobs import TokenTexts
 from server.gateway.observe.miss_ratio import MissRatioCurves
 from server.gateway.replicas.routing import RoutedEngine
 from server.gateway.api.prompting import PreparedPrompt
+from server.gateway.api.streaming import ClosingStreamingResponse, LastFrame, run_once_shielded
 from server.gateway.observe.slo_guard import SloGuards
 from server.gateway.api.conversation_hold import ConversationHolds
 from server.gateway.api.tools import CallSplitter, ToolCall, ToolPlan, parse_forced, parse_tool_calls
@@ -287,74 +288,6 @@ class PrimedChunks:
 
     async def aclose(self) -> None:
         await self._chunks.aclose()
-
-
-def run_once_shielded(cleanup: Callable[[], Awaitable[None]]) -> Callable[[], Awaitable[None]]:
-    """``cleanup`` at most once, and always to its end.
-
-    Why shielded: the first caller may be a stream body that is being cancelled (the client
-    left right after the last frame). Unshielded, the cancellation would stop the cleanup at
-    its first ``await`` — the admission slot, the metrics, the usage and the trace line lost —
-    and the response's own later call would find it already done."""
-    done = False
-
-    async def once() -> None:
-        nonlocal done
-        if done:
-            return
-        done = True
-        with anyio.CancelScope(shield=True):
-            await cleanup()
-
-    return once
-
-
-class ClosingStreamingResponse(StreamingResponse):
-    """A :class:`StreamingResponse` whose ``on_close`` runs however sending it ends.
-
-    Why: Starlette (1.10, ``responses.StreamingResponse.__call__``) may end without ever
-    iterating the body: under ASGI spec 2.4 an ``OSError`` from sending the headers to a
-    client that is gone becomes ``ClientDisconnect`` before the first ``anext``; under 2.3
-    the disconnect listener cancels the sending task, which (anyio 4) runs the body only
-    because that task had not started yet. A body generator that never started has no
-    ``finally`` to run, not even on ``aclose()``, and it holds the admission slot and an
-    open engine stream. So the cleanup is a separate, idempotent ``on_close``, called here
-    in a ``finally`` (shielded: it must finish even when the task is being cancelled) after
-    closing the body iterator, so that a body suspended mid-stream runs its own ``finally``
-    first.
-    """
-
-    def __init__(self, content: AsyncIterator[bytes], *, on_close: Callable[[], Awaitable[None]],
-                 **kwargs) -> None:
-        super().__init__(content, **kwargs)
-        self._on_close = on_close
-
-    async def stream_response(self, send) -> None:
-        """Starlette's, except that a :class:`LastFrame` goes out as the body's last message
-        (with HTTP/1.1 chunked encoding, the frame and the terminating chunk in one write)."""
-        await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
-        ended = False
-        async for chunk in self.body_iterator:  # to its end: the body's own finally runs in it
-            ended = type(chunk) is LastFrame
-            await send({"type": "http.response.body", "body": chunk, "more_body": not ended})
-        if not ended:
-            await send({"type": "http.response.body", "body": b"", "more_body": False})
-
-    async def __call__(self, scope, receive, send) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            with anyio.CancelScope(shield=True):
-                try:
-                    await self.body_iterator.aclose()
-                finally:
-                    await self._on_close()
-
-
-class LastFrame(bytes):
-    """The stream body's last bytes; nothing follows them (:meth:`ClosingStreamingResponse.stream_response`)."""
-
-    __slots__ = ()
 
 
 async def _generate(job: CompletionJob, request: EngineRequest, chunks: AsyncIterator[EngineChunk], outcome: Outcome,

@@ -206,3 +206,74 @@ def test_without_the_shield_the_cleanup_would_stop_at_its_first_await() -> None:
 
     anyio.run(main)
     assert steps == ["release slot"]
+
+
+def test_a_disconnect_during_the_shielded_cleanup_lets_it_finish_and_the_response_ends_normally() -> None:
+    """ASGI 2.3: the client leaves while the body's ``finally`` runs the shielded cleanup (the
+    slot release waiting for the usage journal); the cleanup runs to its end, once, and the
+    response returns without an error, as with Starlette's collapsing task group."""
+    steps: list[str] = []
+
+    async def main() -> None:
+        gone = asyncio.Event()
+
+        async def cleanup() -> None:
+            steps.append("release slot")
+            gone.set()  # the client leaves now
+            await asyncio.sleep(0.05)  # e.g. the usage journal's fsync
+            steps.append("usage durable")
+
+        end = run_once_shielded(cleanup)
+
+        async def frames():
+            try:
+                yield b"data: 1\n\n"
+                await end()
+                yield LastFrame(b"data: [DONE]\n\n")
+            finally:
+                await end()
+
+        async def receive() -> dict:
+            await gone.wait()
+            return {"type": "http.disconnect"}
+
+        async def send(message) -> None:
+            pass
+
+        await ClosingStreamingResponse(frames(), on_close=end)(scope("2.3"), receive, send)
+        steps.append("returned")
+
+    asyncio.run(main())
+    assert steps == ["release slot", "usage durable", "returned"]
+
+
+def test_the_listener_waking_at_the_end_of_a_complete_stream_cancels_nothing() -> None:
+    """uvicorn wakes a pending ``receive`` with ``http.disconnect`` once the response is
+    complete: that must not cancel the cleanup that follows (it awaits), nor leave a task."""
+    steps: list[str] = []
+
+    async def main() -> None:
+        complete = asyncio.Event()
+
+        async def frames():
+            yield LastFrame(b"data: [DONE]\n\n")
+
+        async def on_close() -> None:
+            await asyncio.sleep(0.02)
+            steps.append("on_close done")
+
+        async def receive() -> dict:
+            await complete.wait()
+            return {"type": "http.disconnect"}
+
+        async def send(message) -> None:
+            if not message.get("more_body", True):
+                complete.set()
+
+        before = len(asyncio.all_tasks())
+        await ClosingStreamingResponse(frames(), on_close=on_close)(scope("2.3"), receive, send)
+        await asyncio.sleep(0)  # the listener's cancellation lands
+        steps.append(f"tasks left {len(asyncio.all_tasks()) - before}")
+
+    asyncio.run(main())
+    assert steps == ["on_close done", "tasks left 0"]

@@ -9,8 +9,10 @@ for a killed process); the SIGKILL of a real ``kvgate serve`` is in
 from __future__ import annotations
 
 import asyncio
+import os
 from datetime import UTC, datetime
 
+import pytest
 from sqlalchemy import func, select
 
 from server.gateway.usage import UsageRecorder
@@ -177,5 +179,55 @@ def test_an_unwritable_journal_never_fails_the_answer(tmp_path) -> None:
         await rec.flush()
         assert totals(factory) == (1, 5, 1)
         rec.close()
+
+    asyncio.run(scenario())
+
+
+def test_lines_arriving_during_a_write_are_the_next_group_of_the_same_drain(tmp_path) -> None:
+    """The writer thread takes what queued while it wrote as its next group itself: two
+    fsyncs for one request then fifty, every line on disk before its request is told."""
+    import threading
+
+    journal = UsageJournal(tmp_path / "journal", registry="reg")
+    writing, release = threading.Event(), threading.Event()
+    real = journal._write_groups
+
+    def slow_first(groups) -> None:
+        if not writing.is_set():
+            writing.set()
+            release.wait(5)
+        real(groups)
+
+    journal._write_groups = slow_first
+
+    async def scenario() -> None:
+        segment = journal.new_segment()
+        first = journal.append(segment, b'{"t":1,"m":1,"p":1,"c":0}\n')
+        while not writing.is_set():
+            await asyncio.sleep(0.001)
+        rest = [journal.append(segment, b'{"t":1,"m":1,"p":2,"c":0}\n') for _ in range(50)]
+        release.set()
+        await asyncio.gather(first, *rest)
+        assert journal.fsyncs == 2
+        assert len(segment.path.read_bytes().splitlines()) == 51
+        journal.close([segment])
+
+    asyncio.run(scenario())
+
+
+def test_a_failed_write_fails_its_group_only_and_the_next_group_is_written(tmp_path) -> None:
+    journal = UsageJournal(tmp_path / "journal", registry="reg")
+
+    async def scenario() -> None:
+        broken = journal.new_segment()
+        os.close(broken.fd)  # the descriptor is gone: os.write fails (EBADF)
+        failed = journal.append(broken, b'{"t":1,"m":1,"p":1,"c":0}\n')
+        with pytest.raises(OSError, match="usage journal write failed"):
+            await failed
+        broken.fd = -1
+        good = journal.new_segment()
+        await journal.append(good, b'{"t":1,"m":1,"p":3,"c":0}\n')
+        assert good.path.read_bytes() == b'{"t":1,"m":1,"p":3,"c":0}\n'
+        journal.close([good])
 
     asyncio.run(scenario())

@@ -1,0 +1,129 @@
+"""The SSE response of the hot path: its cleanup runs exactly once, shielded, however sending ends.
+
+Invariants:
+
+* :class:`ClosingStreamingResponse` calls its ``on_close`` once the body is done, whether
+  the body ran to its end, stopped mid-stream (client gone) or never started (client gone
+  before the headers went out); ``on_close`` built by :func:`run_once_shielded` runs at most
+  once and always to its end, even from a task being cancelled;
+* under ASGI spec 2.3 (uvicorn's HTTP/1.1 servers, whose ``send`` returns silently once the
+  client is gone) a client's disconnect stops the body at its next unshielded ``await``, as
+  Starlette's own response does; the response then ends normally (no exception), as with
+  Starlette's collapsing task group;
+* a :class:`LastFrame` is the body's last message: nothing is sent after it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Awaitable, Callable
+
+import anyio
+from fastapi.responses import StreamingResponse
+
+
+def run_once_shielded(cleanup: Callable[[], Awaitable[None]]) -> Callable[[], Awaitable[None]]:
+    """``cleanup`` at most once, and always to its end.
+
+    Why shielded: the first caller may be a stream body that is being cancelled (the client
+    left right after the last frame). Unshielded, the cancellation would stop the cleanup at
+    its first ``await`` — the admission slot, the metrics, the usage and the trace line lost —
+    and the response's own later call would find it already done."""
+    done = False
+
+    async def once() -> None:
+        nonlocal done
+        if done:
+            return
+        done = True
+        with anyio.CancelScope(shield=True):
+            await cleanup()
+
+    return once
+
+
+async def _until_disconnect(receive) -> None:
+    """Starlette's ``listen_for_disconnect``: read until the client is gone."""
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+class ClosingStreamingResponse(StreamingResponse):
+    """A :class:`StreamingResponse` whose ``on_close`` runs however sending it ends.
+
+    Why: Starlette (1.10, ``responses.StreamingResponse.__call__``) may end without ever
+    iterating the body: under ASGI spec 2.4 an ``OSError`` from sending the headers to a
+    client that is gone becomes ``ClientDisconnect`` before the first ``anext``; under 2.3
+    the disconnect listener cancels the sending task, which (anyio 4) runs the body only
+    because that task had not started yet. A body generator that never started has no
+    ``finally`` to run, not even on ``aclose()``, and it holds the admission slot and an
+    open engine stream. So the cleanup is a separate, idempotent ``on_close``, called here
+    in a ``finally`` (shielded: it must finish even when the task is being cancelled) after
+    closing the body iterator, so that a body suspended mid-stream runs its own ``finally``
+    first.
+
+    Under ASGI 2.3 the body is sent from the request's own task inside an anyio cancel
+    scope, and the disconnect listener is one bare asyncio task whose end cancels that
+    scope. Why not Starlette's way (an anyio task group running the sender in a second task
+    and the listener in the first): per stream it costs a task, a task group and two wrapper
+    coroutines more (~0.1 ms of CPU, docs/benchmarks.md ``bench:gateway_profile``), for the
+    same outcome. The scope is anyio's, not ``Task.cancel()``, so a cleanup in a shielded
+    scope (:func:`run_once_shielded`) is never interrupted by the disconnect.
+    """
+
+    def __init__(self, content: AsyncIterator[bytes], *, on_close: Callable[[], Awaitable[None]],
+                 **kwargs) -> None:
+        super().__init__(content, **kwargs)
+        self._on_close = on_close
+
+    async def stream_response(self, send) -> None:
+        """Starlette's, except that a :class:`LastFrame` goes out as the body's last message
+        (with HTTP/1.1 chunked encoding, the frame and the terminating chunk in one write)."""
+        await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+        ended = False
+        async for chunk in self.body_iterator:  # to its end: the body's own finally runs in it
+            ended = type(chunk) is LastFrame
+            await send({"type": "http.response.body", "body": chunk, "more_body": not ended})
+        if not ended:
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            spec = scope.get("asgi", {}).get("spec_version", "2.0")
+            if scope["type"] != "http" or tuple(map(int, spec.split("."))) >= (2, 4):
+                await super().__call__(scope, receive, send)
+            else:
+                await self._send_until_disconnect(receive, send)
+                if self.background is not None:
+                    await self.background()
+        finally:
+            with anyio.CancelScope(shield=True):
+                try:
+                    await self.body_iterator.aclose()
+                finally:
+                    await self._on_close()
+
+    async def _send_until_disconnect(self, receive, send) -> None:
+        """:meth:`stream_response`, stopped (as Starlette's task group does) when the client leaves."""
+        finished = False
+        with anyio.CancelScope() as sending:
+            def gone(listener: asyncio.Task) -> None:
+                # Why the flag: a listener that ends (the response's completion also wakes
+                # it) after the body is done must not cancel anything.
+                if not finished and not listener.cancelled() and listener.exception() is None:
+                    sending.cancel()
+
+            listener = asyncio.get_running_loop().create_task(_until_disconnect(receive))
+            listener.add_done_callback(gone)
+            try:
+                await self.stream_response(send)
+            finally:
+                finished = True
+                listener.remove_done_callback(gone)
+                listener.cancel()
+
+
+class LastFrame(bytes):
+    """The stream body's last bytes; nothing follows them (:meth:`ClosingStreamingResponse.stream_response`)."""
+
+    __slots__ = ()
