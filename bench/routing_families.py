@@ -186,17 +186,27 @@ TUNINGS = (
     ("forgive 3, fading after 4 dispatches per replica", {"forgive": 3.0, "forgive_fade": 4.0}),
     ("forgive 3, fading after 16 dispatches per replica", {"forgive": 3.0, "forgive_fade": 16.0}),
     ("forgive 8, fading after 4 dispatches per replica", {"forgive": 8.0, "forgive_fade": 4.0}),
+    # the fading row, tightening whenever the raw measure passes a limit (tuning.py, forgive_limit)
+    *((f"forgive 8, fading after 4, raw limit {limit:g}",
+       {"forgive": 8.0, "forgive_fade": 4.0, "forgive_limit": limit}) for limit in (1.3, 1.35, 1.4, 1.5)),
+    # the allowance fading as (fade / n_r)² instead of fade / n_r (tuning.py, forgive_fade_power)
+    *((f"forgive 8, fading as the square after {fade} dispatches per replica",
+       {"forgive": 8.0, "forgive_fade": float(fade), "forgive_fade_power": 2.0}) for fade in (4, 8, 16)),
 )
 # The tune families' best count (forgive 3), over the whole grid: not the default, it adds imbalance misses.
 FORGIVING = ("kv-adaptive, forgive 3", {"forgive": 3.0})
 # The fading rows' best on the tune families (127 of 162, as forgive 3 fading after 16; fewer imbalance
 # misses there: 14 vs 17), replayed over the whole grid.
 FADING = ("kv-adaptive, fading forgive", {"forgive": 8.0, "forgive_fade": 4.0})
+# The squared fade's best on the tune families (130 of 162, as many as constant forgive 3; the raw limits
+# lose settings there), replayed over the whole grid.
+SQUARED = ("kv-adaptive, squared fade", {"forgive": 8.0, "forgive_fade": 8.0, "forgive_fade_power": 2.0})
 EXTRAS = {CANDIDATE[0]: ("kv-aware", CANDIDATE[1], {}), ADAPTIVE: ("kv-adaptive", {}, {}),
-          FORGIVING[0]: ("kv-adaptive", {}, FORGIVING[1]), FADING[0]: ("kv-adaptive", {}, FADING[1])}
+          FORGIVING[0]: ("kv-adaptive", {}, FORGIVING[1]), FADING[0]: ("kv-adaptive", {}, FADING[1]),
+          SQUARED[0]: ("kv-adaptive", {}, SQUARED[1])}
 # Families whose requests are stored Responses conversations (the simulator keys them by their root without a client key).
 STORED = ("chat", "agent-loop", "agent-mixed")
-SELF_TUNING = (ADAPTIVE, FORGIVING[0], FADING[0])  # the self-tuning routers, each judged against kv-aware
+SELF_TUNING = (ADAPTIVE, FORGIVING[0], FADING[0], SQUARED[0])  # the self-tuning routers, each judged against kv-aware
 
 
 def run_extra(router: str, cost: dict, tuning: dict, name: str, requests: int, replicas: int, gpu: int, host: int,
@@ -413,6 +423,12 @@ def section(rows: list[dict], roles: dict[str, str], seconds: float, requests: i
         lines += ["", f"**{FADING[0]}** ({knobs}: the allowance fades with each replica's dispatch count; the most "
                   "settings meeting all three among the fading rows on the tune families) over the whole grid:", ""]
         lines += family_table(rows, roles, FADING[0])
+    if SQUARED[0] in rows[0]:
+        knobs = ", ".join(f"{k} {v:g}" for k, v in SQUARED[1].items())
+        lines += ["", f"**{SQUARED[0]}** ({knobs}: the allowance fades as the square of fade / the replica's "
+                  "dispatch count; the most settings meeting all three among the squared and limited rows on the tune "
+                  "families) over the whole grid:", ""]
+        lines += family_table(rows, roles, SQUARED[0])
     if CANDIDATE[0] in rows[0]:
         lines += ["", f"The best fixed variant on the tune families, **{CANDIDATE[0]}**, over the whole grid:", ""]
         lines += family_table(rows, roles, CANDIDATE[0])

@@ -12,10 +12,12 @@ buys and moves it::
     measured:  P_r = prefill tokens dispatched to replica r (÷ weight), n_r = dispatches to r,
                p = the largest one dispatch's prefill (÷ weight), all decayed with a half-life of
                ``half_life`` dispatches;
-               a_r = forgive × p × min(1, forgive_fade / n_r)   (forgive_fade 0: forgive × p)
+               a_r = forgive × p × min(1, forgive_fade / n_r) ^ forgive_fade_power
+                     (forgive_fade 0: forgive × p)
                I = max P / mean P (raw), I_f = max(1, max_r (P_r − a_r) / mean P)
     every ``window`` dispatches (after ``warmup_per_replica`` × replicas):
-        I_f > target + hysteresis  →  s ← max(s / step, min_scale)     tighter: balance
+        I_f > target + hysteresis
+          or I > forgive_limit (if > 0)  →  s ← max(s / step, min_scale)  tighter: balance
         I   < target − hysteresis  →  s ← min(s × step, max_scale)     wider: follow the cache
         otherwise                  →  s unchanged
 
@@ -44,6 +46,18 @@ fading: 130) with the same imbalance misses as forgive 3 (all in 300-request cut
 replicas: all opening); over the whole grid forgive 8 fading after 4 meets them in the most
 settings of any router replayed but loses two report families to kv-aware, so it is a knob,
 not the default (docs/architecture.md, "Routing").
+
+Two ways of stopping the allowance from hiding a real pile-up were tried on the tune families
+(docs/benchmarks.md, the controller table), both off by default: ``forgive_limit`` tightens
+whenever the raw measure passes it, whatever is forgiven; ``forgive_fade_power`` 2 fades the
+allowance as (``forgive_fade`` / n_r)², so it is as full in the opening but nearly gone once a
+replica has seen a few times ``forgive_fade`` dispatches. The fading row's whole-grid losses are
+all imbalance misses (agent-hinted at 2 replicas, rag-chat at 8), but a raw limit also tightens in
+the openings the allowance exists for, and on the tune families every limit tried meets all three
+targets in fewer settings than the fading row; the squared fade after 8 meets them in the most
+tune settings of any row (130 of 162, as constant forgive 3) yet still loses agent-hinted and
+rag-chat to kv-aware over the whole grid, so neither is the default (docs/architecture.md,
+"Routing").
 
 At ``max_scale`` the band is wide enough that the cost is the cache-only one (ties by the
 session key's rendezvous, i.e. session stickiness); at ``min_scale`` it balances harder
@@ -88,12 +102,14 @@ class BandTuning:
     half_life: float = 256.0
     forgive: float = 0.0
     forgive_fade: float = 0.0
+    forgive_limit: float = 0.0
+    forgive_fade_power: float = 1.0
     hard_rel: float | None = None
     hard_request_share: float = 4.0
 
     def __post_init__(self) -> None:
         numbers = ("target", "hysteresis", "step", "min_scale", "max_scale", "half_life", "forgive",
-                   "forgive_fade", "hard_request_share")
+                   "forgive_fade", "forgive_limit", "forgive_fade_power", "hard_request_share")
         for name in numbers:
             value = getattr(self, name)
             if isinstance(value, bool) or not (isinstance(value, (int, float)) and math.isfinite(value)):
@@ -102,6 +118,10 @@ class BandTuning:
                 or self.forgive_fade < 0:
             raise RoutingError("need target >= 1, hysteresis >= 0, step > 1, half_life > 0, forgive >= 0, "
                                "forgive_fade >= 0")
+        if self.forgive_limit != 0 and self.forgive_limit < self.target + self.hysteresis:
+            raise RoutingError("forgive_limit must be 0 (none) or >= target + hysteresis")
+        if self.forgive_fade_power < 1:
+            raise RoutingError("forgive_fade_power must be >= 1")
         if not 0 < self.min_scale <= 1 <= self.max_scale:
             raise RoutingError("need 0 < min_scale <= 1 <= max_scale")
         for name in ("window", "warmup_per_replica"):
@@ -136,22 +156,22 @@ class BandController:
         self.peak = 0.0  # decayed largest single dispatch's prefill ÷ weight
         self.weights: dict[ReplicaId, int] = {}  # the last route's candidates
 
-    def allowance(self, replica: ReplicaId, forgive: float, fade: float) -> float:
+    def allowance(self, replica: ReplicaId, forgive: float, fade: float, power: float = 1.0) -> float:
         """What replica ``replica``'s figure is forgiven: ``forgive`` × the decayed largest dispatch,
         × min(1, ``fade`` / its decayed dispatches) when ``fade`` > 0."""
         if forgive <= 0:
             return 0.0
         count = self.counts.get(replica, 0.0)
-        return forgive * self.peak * (min(1.0, fade / count) if fade > 0 and count > 0 else 1.0)
+        return forgive * self.peak * (min(1.0, fade / count) ** power if fade > 0 and count > 0 else 1.0)
 
-    def imbalance(self, forgive: float = 0.0, fade: float = 0.0) -> float:
+    def imbalance(self, forgive: float = 0.0, fade: float = 0.0, power: float = 1.0) -> float:
         """max over the last candidates of (decayed prefill − its allowance) ÷ the mean decayed prefill
         (at least 1.0; 1.0 if none yet). ``forgive`` 0: the raw max / mean."""
         values = [self.prefill.get(r, 0.0) for r in self.weights]
         mean = sum(values) / len(values) if values else 0.0
         if mean <= 0:
             return 1.0
-        top = max(v - self.allowance(r, forgive, fade) for r, v in zip(self.weights, values))
+        top = max(v - self.allowance(r, forgive, fade, power) for r, v in zip(self.weights, values))
         return max(1.0, top / mean)
 
     def record(self, replica: ReplicaId, prefill_tokens: float) -> None:
@@ -170,9 +190,11 @@ class BandController:
         if self.dispatches < t.warmup_per_replica * max(1, len(self.weights)) or self._since < t.window:
             return
         self._since = 0
-        if self.imbalance(t.forgive, t.forgive_fade) > t.target + t.hysteresis:
+        raw = self.imbalance()
+        if self.imbalance(t.forgive, t.forgive_fade, t.forgive_fade_power) > t.target + t.hysteresis or (
+                t.forgive_limit > 0 and raw > t.forgive_limit):
             self.scale = max(self.scale / t.step, t.min_scale)
-        elif self.imbalance() < t.target - t.hysteresis:
+        elif raw < t.target - t.hysteresis:
             self.scale = min(self.scale * t.step, t.max_scale)
 
 

@@ -189,6 +189,46 @@ def test_a_fading_allowance_forgives_the_opening_and_then_tightens_like_the_plai
     assert all(s >= 1.0 for s in greedy_opening(c, sizes))
 
 
+def test_a_forgive_limit_tightens_on_the_raw_measure_whatever_is_forgiven() -> None:
+    """The run of the previous test with a constant allowance of 3 dispatches (which holds the fixed
+    defaults throughout): with a limit on the raw measure below where it sits (1.26–1.38 after the first
+    hundred dispatches, up to 1.71 before), the controller tightens
+    as the plain one does; with a limit above it, the allowance still holds the defaults."""
+
+    def run(limit: float) -> BandController:
+        c = BandController(BandTuning(forgive=3.0, forgive_limit=limit))
+        c.weights = {0: 1, 1: 1}
+        for i in range(600):
+            c.record(1, 20000) if i % 40 == 0 else c.record(0 if i % 3 else 1, 600)
+        return c
+
+    assert run(0.0).scale >= 1.0
+    assert run(1.8).scale >= 1.0
+    assert run(1.25).scale == BandTuning().min_scale
+
+
+def test_a_squared_fade_catches_the_pile_up_a_linear_fade_of_the_same_length_forgives() -> None:
+    """The 2-replica run above with forgive 8 fading after 16 dispatches: fading as 1 / n_r still
+    forgives enough of the 20K dispatches to hold the fixed defaults; fading as (16 / n_r)² tightens
+    to the floor. Both still forgive the coarse 8-replica opening."""
+
+    def run(power: float) -> BandController:
+        c = BandController(BandTuning(forgive=8.0, forgive_fade=16.0, forgive_fade_power=power))
+        c.weights = {0: 1, 1: 1}
+        for i in range(600):
+            c.record(1, 20000) if i % 40 == 0 else c.record(0 if i % 3 else 1, 600)
+        return c
+
+    assert run(1.0).scale >= 1.0
+    assert run(2.0).scale == BandTuning().min_scale
+    sizes = [8000 if n % 3 == 0 else 1000 for n in range(40)]
+    for power in (1.0, 2.0):
+        c = BandController(BandTuning(window=1, warmup_per_replica=1, forgive=8.0, forgive_fade=4.0,
+                                      forgive_fade_power=power))
+        c.weights = {r: 1 for r in range(8)}
+        assert all(s >= 1.0 for s in greedy_opening(c, sizes))
+
+
 def test_scaled_band() -> None:
     base = CostModel()
     wide, tight = scaled(base, 4.0), scaled(base, 0.5)
@@ -198,7 +238,9 @@ def test_scaled_band() -> None:
 
 @pytest.mark.parametrize("knobs", [{"target": 0.9}, {"step": 1.0}, {"min_scale": 2.0}, {"max_scale": 0.5},
                                    {"window": 0}, {"hard_rel": 0.5}, {"half_life": 0.0},
-                                   {"forgive": -1.0}, {"forgive_fade": -1.0}])
+                                   {"forgive": -1.0}, {"forgive_fade": -1.0},
+                                   {"forgive_limit": 1.1}, {"forgive_limit": -1.0},
+                                   {"forgive_fade_power": 0.5}])
 def test_bad_knobs_are_refused(knobs: dict) -> None:
     with pytest.raises(RoutingError):
         BandTuning(**knobs)
