@@ -55,6 +55,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench.report import machine, seed_line, synthetic_trace, workload_grid, write_section  # noqa: E402
+from bench.routing_verdicts import BASELINES, all_three, causes, judge, met, pct, short_cause, why  # noqa: E402
 
 TRACE = synthetic_trace()
 PLOT = ROOT / "docs" / "img" / "routing_families.png"
@@ -64,7 +65,6 @@ REPLICAS = (2, 4, 8)
 SHARES = (0.01, 0.02, 0.05)
 HOSTS = (0, 4)
 RATES = (1, 2, 4)
-BASELINES = ("random", "round-robin", "session", "dynamo")
 ROUTERS = (*BASELINES, "kv-aware", "kv-aware, no key", "cache only")
 
 
@@ -226,32 +226,6 @@ def run_extra(router: str, cost: dict, tuning: dict, name: str, requests: int, r
     return {"hit": r.total.hit_rate, "imbalance": r.load_imbalance}
 
 
-def judge(row: dict, label: str = "kv-aware") -> dict:
-    """The three targets for kv-aware (or ``label``) in one setting, and the cache-only diagnostic."""
-    kv, ceiling = row[label], row["ceiling"]
-    best = max(BASELINES, key=lambda b: row[b]["hit"])
-    share = kv["hit"] / ceiling if ceiling else 1.0
-    cache_only = row["cache only"]["hit"] / ceiling if ceiling else 1.0
-    others = [(k, r) for k, r in row.items() if isinstance(r, dict) and "hit" in r and k != label
-              and not k.startswith("tuning:") and (row.get("keyed", True) or k != "kv-aware, no key")]
-    return {
-        "share": share, "best": best, "vs_best": kv["hit"] / row[best]["hit"] if row[best]["hit"] else 1.0,
-        "ok_share": share >= 0.9 or kv["hit"] >= ceiling - 0.005,
-        # a tie within half a point of hit rate (the cut traces are small) is not a loss
-        "ok_best": kv["hit"] >= row[best]["hit"] - 0.005,
-        "ok_imbalance": kv["imbalance"] <= 1.3,
-        "cache_only_share": cache_only, "cache_only_imbalance": row["cache only"]["imbalance"],
-        # the other placements replayed in this setting that reach 90 % (within 1.3 imbalance / at any)
-        "fair": sorted(((r["hit"] / ceiling, k) for k, r in others if r["hit"] / ceiling >= 0.9 and r["imbalance"] <= 1.3),
-                       reverse=True) if ceiling else [],
-        "reached": any(r["hit"] / ceiling >= 0.9 for _, r in others) if ceiling else True,
-    }
-
-
-def pct(x: float) -> str:
-    return f"{100 * x:.1f}"
-
-
 def where(row: dict) -> str:
     return f"{row['replicas']}×{row['share']:.0%} h{row['host']} r×{row['rate']}"
 
@@ -275,63 +249,6 @@ def variant_lines(variants: list[dict]) -> list[str]:
             cells.append(f"{pct(share)} ({v[label]['imbalance']:.2f})")
         out.append(f"| {label} | " + " | ".join(cells) + f" | {met} of {len(variants)} |")
     return out
-
-
-def met(j: dict) -> bool:
-    return j["ok_share"] and j["ok_best"] and j["ok_imbalance"]
-
-
-def why(row: dict, j: dict, label: str) -> str:
-    """Why ``label`` misses a target in ``row``, by the ceiling diagnostics (cache only)."""
-    out = []
-    if not j["ok_share"]:
-        kind = short_cause(j)
-        if kind == "unreachable":
-            out.append(f"{pct(j['share'])} % of ceiling; cache only reaches {pct(j['cache_only_share'])} %: "
-                       "no placement replayed reaches 90 %")
-        elif kind == "needs imbalance":
-            out.append(f"{pct(j['share'])} % of ceiling; cache only {pct(j['cache_only_share'])} % needs "
-                       f"imbalance {j['cache_only_imbalance']:.2f}")
-        elif j["cache_only_share"] >= 0.9 and j["cache_only_imbalance"] <= 1.3:
-            out.append(f"{pct(j['share'])} % of ceiling; cache only {pct(j['cache_only_share'])} % at "
-                       f"imbalance {j['cache_only_imbalance']:.2f}: the band gives away reuse")
-        else:
-            share, other = j["fair"][0]
-            out.append(f"{pct(j['share'])} % of ceiling; {other} {pct(share)} % within 1.3: the band gives away reuse")
-    if not j["ok_best"]:
-        out.append(f"{j['vs_best']:.2f}× {j['best']}")
-    if not j["ok_imbalance"]:
-        out.append(f"imbalance {row[label]['imbalance']:.2f}")
-    return "; ".join(out)
-
-
-def short_cause(j: dict) -> str:
-    """Why a setting is below 90 % of the ceiling: ``band`` if cache only or another router replayed
-    there reaches 90 % within 1.3 imbalance, ``needs imbalance`` if one reaches it only beyond,
-    ``unreachable`` if none does."""
-    if (j["cache_only_share"] >= 0.9 and j["cache_only_imbalance"] <= 1.3) or j["fair"]:
-        return "band"
-    if j["cache_only_share"] >= 0.9 or j["reached"]:
-        return "needs imbalance"
-    return "unreachable"
-
-
-def causes(rows: list[dict], label: str) -> dict[str, int]:
-    """Misses of ``label`` by cause (a setting may miss more than one target)."""
-    js = [(r, judge(r, label)) for r in rows]
-    short = [j for _, j in js if not j["ok_share"]]
-    lost = [(r, j) for r, j in js if not j["ok_best"]]
-    return {
-        "all three": sum(met(j) for _, j in js),
-        "short": len(short),
-        "unreachable": sum(short_cause(j) == "unreachable" for j in short),
-        "needs imbalance": sum(short_cause(j) == "needs imbalance" for j in short),
-        "band": sum(short_cause(j) == "band" for j in short),
-        "lost": len(lost),
-        "to session": sum(j["best"] == "session" for _, j in lost),
-        "to session within 1.3": sum(j["best"] == "session" and r["session"]["imbalance"] <= 1.3 for r, j in lost),
-        "imbalance": sum(not j["ok_imbalance"] for _, j in js),
-    }
 
 
 def family_table(rows: list[dict], roles: dict[str, str], label: str, against: str = "kv-aware") -> list[str]:
@@ -654,11 +571,6 @@ def replay_extras(rows: list[dict], args: argparse.Namespace, extras: dict[str, 
         for label in extras:
             r[label] = saved[(fingerprint(label, extras[label]), r["family"], r["replicas"], r["gpu_blocks"], r["host"],
                               r["rate"])]
-
-
-def all_three(row: dict, label: str) -> bool:
-    j = judge(row, label)
-    return j["ok_share"] and j["ok_best"] and j["ok_imbalance"]
 
 
 def tune_adaptive(rows: list[dict], roles: dict[str, str], args: argparse.Namespace) -> list[dict]:
