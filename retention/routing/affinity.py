@@ -65,9 +65,11 @@ CONVERSATION_KEY_PREFIX = "kvgate-conversation:"
 
 
 def conversation_key(root_id: str | None) -> str | None:
-    """The affinity key string of a stored conversation: its root response's id, namespaced so
-    that it cannot equal a client's own ``prompt_cache_key`` by accident. The same string as the
-    gateway's ``conversation_key`` (``server/gateway/api/responses_convert.py``)."""
+    """The affinity key of a stored conversation: its root response's id. Every turn of one
+    conversation carries it, so the router sends them to one home replica (and the turns of
+    different conversations spread), even where the cached prefix is gone. Namespaced so that
+    it cannot equal a client's own ``prompt_cache_key`` by accident. The gateway's Responses
+    route (``server/gateway/api/responses_convert.py``) and the routing simulator both use it."""
     return None if root_id is None else f"{CONVERSATION_KEY_PREFIX}{root_id}"
 
 

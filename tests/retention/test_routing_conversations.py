@@ -34,8 +34,10 @@ def test_every_turn_of_a_chain_gets_its_roots_key_and_the_clients_key_wins() -> 
 
 
 def test_the_key_string_is_the_gateways() -> None:
+    # one function, not two copies that could drift: the gateway's Responses route keys by it
+    assert gateway_conversation_key is conversation_key
     for root in ("resp-1", "resp_abc", None):
-        assert conversation_key(root) == gateway_conversation_key(root)
+        assert conversation_key(root) == (None if root is None else f"kvgate-conversation:{root}")
 
 
 def agent_loop_lines(duration_s: float = 300.0) -> list[dict]:

@@ -42,6 +42,7 @@ from typing import Any
 from engines.contract import Guide
 from retention.policy.hints import TTL_1H_MS, TTL_24H_MS, Breakpoint, CacheHints
 from retention.policy.planner import SegmentRetention
+from retention.routing.affinity import conversation_key  # the key the routing simulator replays too
 from server.gateway.api.responses_schemas import OUTPUT_LOGPROBS, ResponsesRequest
 from server.gateway.api.conversion import Conversation, invalid
 from server.gateway.api.tools import ToolPlan, check_schema, forced_call_guide, render_messages
@@ -315,14 +316,6 @@ def conversation_ttl_ms(context: SegmentRetention, retention: str | None) -> int
     if context.duration_ms:
         return context.duration_ms
     return TTL_1H_MS
-
-
-def conversation_key(root_id: str | None) -> str | None:
-    """The affinity key of a stored conversation: its root response's id. Every turn of one
-    conversation carries it, so the router sends them to one home replica (and the turns of
-    different conversations spread), even where the cached prefix is gone. Namespaced so
-    that it cannot equal a client's own ``prompt_cache_key`` by accident."""
-    return None if root_id is None else f"kvgate-conversation:{root_id}"
 
 
 def conversation_hints(body: ResponsesRequest, *, total: int, context: SegmentRetention,
