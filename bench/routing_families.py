@@ -38,7 +38,8 @@ setting's Pareto frontier and verdicts go to docs/data/routing_frontier.jsonl.
 kv-adaptive's own knobs (``TUNINGS``) are compared on the tune families only
 (``--tune-only``, which needs their grid in ``--cache``); the report families are replayed
 with the chosen knobs only. ``--cache`` keeps every finished setting (and each extra
-router's, in ``<cache>.extras.jsonl``) so a long run can be resumed or split.
+router's, in ``<cache>.extras.jsonl``, and the losses' replays on other draws, in
+``<cache>.seeds.jsonl``) so a long run can be resumed or split.
 """
 
 from __future__ import annotations
