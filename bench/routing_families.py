@@ -433,7 +433,7 @@ def reading(rows: list[dict], roles: dict[str, str]) -> list[str]:
         out.append(
             f"* **Stored conversations** ({', '.join(stored)}: Responses `previous_response_id` chains) are keyed by "
             "their root response when the client sends no key, as the gateway keys them "
-            "(`server/gateway/api/responses_convert.py`, `conversation_key`), so *kv-aware, no key* there is what "
+            "(`conversation_key` in `retention/routing/affinity.py`, which the Responses route calls), so *kv-aware, no key* there is what "
             "the gateway does for a Responses client without `prompt_cache_key`: the client's key over the root's, "
             "median points " + ", ".join(f"{f} {100 * g[len(g) // 2]:+.1f}" for f, g in gain.items()) + "."
         )
