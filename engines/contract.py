@@ -81,7 +81,10 @@ Responses (both implementations, streaming or not):
   previous response in ``output_ids`` (a delta, as the stock backend streams), plus the
   request's KV metrics; the last response has the parameter ``triton_final_response``
   true and may carry zero tokens. ``streaming`` false: one response with every generated
-  token.
+  token, and on ``ModelStreamInfer`` exactly one message per request however it ends
+  (answer, error, ``stop``): the gateway calls such requests as unary
+  (``server/gateway/replicas/engine_client.py``; tested for the reference engine and the
+  Triton model, read at source for TensorRT-LLM and Triton).
 * ``sequence_length`` is the number of tokens generated so far (cumulative).
 * The end token (``end_id``) is never included in ``output_ids``; a request that ends
   with fewer than ``request_output_len`` tokens stopped on ``end_id`` (or ``stop``),

@@ -5,6 +5,7 @@ Public surface for the gateway (all keyword-only after the session, DB-agnostic)
 * ``authenticate_key(session, *, plaintext, pepper, now) -> AuthenticatedTenant | None``
 * ``touch_keys_last_used(session, *, key_ids, now) -> int``
 * ``list_active_tenants_for_pool(session, *, pool_id) -> list[TenantSummary]``
+* ``list_active_tenants_by_pool(session) -> dict[int, list[TenantSummary]]`` (every pool, one query)
 * ``list_pool_snapshots(session) -> list[PoolSnapshot]``
 * ``record_usage(session, *, flush_id, rows, now=None) -> bool``
 
@@ -12,7 +13,7 @@ Admin writes live in ``tenants.pools``, ``tenants.replicas``, ``tenants.retentio
 and ``tenants.keys``; each is one transaction with one audit event.
 """
 
-from tenants.auth import authenticate_key, list_active_tenants_for_pool, list_pool_snapshots, touch_keys_last_used
+from tenants.auth import authenticate_key, list_active_tenants_by_pool, list_active_tenants_for_pool, list_pool_snapshots, touch_keys_last_used
 from tenants.db import DEFAULT_DATABASE_URL, make_engine, make_session_factory
 from tenants.snapshots import (
     AuthenticatedTenant,
@@ -36,6 +37,7 @@ __all__ = [
     "TenantSummary",
     "UsageRow",
     "authenticate_key",
+    "list_active_tenants_by_pool",
     "list_active_tenants_for_pool",
     "list_pool_snapshots",
     "make_engine",

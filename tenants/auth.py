@@ -103,6 +103,17 @@ def list_active_tenants_for_pool(session: Session, *, pool_id: int) -> list[Tena
     ]
 
 
+def list_active_tenants_by_pool(session: Session) -> dict[int, list[TenantSummary]]:
+    """Active tenants of every pool, by pool id, each list ordered by tenant id: one query for
+    every pool (the gateway's pool poll reads this every second)."""
+    out: dict[int, list[TenantSummary]] = {}
+    for t in session.scalars(select(Tenant).where(Tenant.status == "active").order_by(Tenant.id)).all():
+        out.setdefault(t.pool_id, []).append(TenantSummary(
+            id=t.id, slug=t.slug, isolation=t.isolation, kv_quota_fraction=t.kv_quota_fraction, cache_salt=t.cache_salt
+        ))
+    return out
+
+
 def list_pool_snapshots(session: Session) -> list[PoolSnapshot]:
     """Every pool, ordered by id (the gateway builds one engine client per pool)."""
     return [PoolSnapshot.of(p) for p in session.scalars(select(Pool).order_by(Pool.id)).all()]

@@ -35,7 +35,7 @@ from server.gateway.messages_routes import router as messages_router
 from server.gateway.routes import router
 from server.gateway.responses_routes import router as responses_router
 from server.gateway.services import GatewayServices
-from tenants.auth import list_active_tenants_for_pool, list_pool_snapshots
+from tenants.auth import list_active_tenants_by_pool, list_pool_snapshots
 from tenants.snapshots import PoolSnapshot
 
 MAX_BODY_BYTES = 4 * 1024 * 1024
@@ -47,11 +47,9 @@ def registry_pools_and_tenants(session_factory):
 
     def read() -> list[tuple[PoolSnapshot, list[TenantQuota]]]:
         with session_factory() as session:
-            out = []
-            for snap in list_pool_snapshots(session):
-                tenants = list_active_tenants_for_pool(session, pool_id=snap.id)
-                out.append((snap, [TenantQuota(t.id, t.slug, t.kv_quota_fraction) for t in tenants]))
-            return out
+            by_pool = list_active_tenants_by_pool(session)
+            return [(snap, [TenantQuota(t.id, t.slug, t.kv_quota_fraction) for t in by_pool.get(snap.id, ())])
+                    for snap in list_pool_snapshots(session)]
 
     return read
 

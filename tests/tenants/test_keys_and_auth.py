@@ -11,6 +11,7 @@ from sqlalchemy import select
 from tenants import (
     authenticate_key,
     keys,
+    list_active_tenants_by_pool,
     list_active_tenants_for_pool,
     list_pool_snapshots,
     tenant,
@@ -141,3 +142,7 @@ def test_active_tenants_for_pool_and_pool_snapshots(session) -> None:  # type: i
     active = list_active_tenants_for_pool(session, pool_id=a.pool_id)
     assert [(s.slug, s.kv_quota_fraction, s.cache_salt) for s in active] == [("a", 0.3, a.cache_salt)]
     assert [p.name for p in list_pool_snapshots(session)] == ["gpu-a", "gpu-b"]
+    # every pool at once (the gateway's pool poll): the same lists, suspended tenants left out
+    by_pool = list_active_tenants_by_pool(session)
+    assert by_pool == {p.id: list_active_tenants_for_pool(session, pool_id=p.id) for p in list_pool_snapshots(session)}
+    assert [s.slug for s in by_pool[a.pool_id]] == ["a"]

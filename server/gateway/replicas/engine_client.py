@@ -11,6 +11,11 @@ closing the generator cancels the gRPC call, which the engine treats as a cancel
 frees the request's blocks; so does cancelling a task awaiting the next chunk (the router's
 first-token deadline): the ``CancelledError`` runs the same ``finally``. Transport failures surface as :class:`EngineUnavailable`,
 engine-side refusals as :class:`EngineRejected`; nothing else escapes.
+
+A non-streaming request gets exactly one engine message (its final answer, or its error),
+so it is called as unary-unary on the same method: one gRPC batch instead of a stream's
+reads (see :meth:`EngineClient.generate` for the sources of that contract). A message
+that is not final, or none at all, is an :class:`EngineUnavailable` naming the breach.
 """
 
 from __future__ import annotations
@@ -23,7 +28,7 @@ from dataclasses import dataclass
 
 import grpc
 import numpy as np
-from tritonclient.grpc import InferInput, InferRequestedOutput, service_pb2
+from tritonclient.grpc import service_pb2
 from tritonclient.grpc._client import MAX_GRPC_MESSAGE_SIZE
 from tritonclient.grpc.aio import InferenceServerClient
 from tritonclient.utils import InferenceServerException, serialize_byte_tensor
@@ -50,6 +55,8 @@ from engines.contract import (
 )
 
 STREAM_INFER_METHOD = "/inference.GRPCInferenceService/ModelStreamInfer"
+MODEL_INFER_METHOD = "/inference.GRPCInferenceService/ModelInfer"
+_STATS_FLAG = np.array([True], np.bool_)
 _DATATYPES = {spec.name: spec.datatype for spec in INPUTS}
 _CHANNEL_ARGS = [
     ("grpc.max_send_message_length", MAX_GRPC_MESSAGE_SIZE),
@@ -199,6 +206,19 @@ class EngineClient:
             request_serializer=service_pb2.ModelInferRequest.SerializeToString,
             response_deserializer=service_pb2.ModelStreamInferResponse.FromString,
         )
+        self._model_infer = self._client._channel.unary_unary(
+            MODEL_INFER_METHOD,
+            request_serializer=service_pb2.ModelInferRequest.SerializeToString,
+            response_deserializer=service_pb2.ModelInferResponse.FromString,
+        )
+        # The same method for non-streaming requests, as unary-unary: one batch (metadata,
+        # request, half-close, response, status) and no read loop. Correct only because such
+        # a request gets exactly one stream message; see ``generate``.
+        self._infer_once = self._client._channel.unary_unary(
+            STREAM_INFER_METHOD,
+            request_serializer=service_pb2.ModelInferRequest.SerializeToString,
+            response_deserializer=service_pb2.ModelStreamInferResponse.FromString,
+        )
 
     async def close(self) -> None:
         await self._client.close()
@@ -213,23 +233,26 @@ class EngineClient:
         """The engine's pool statistics (the ``kv_stats`` side channel).
 
         With ``events_since`` (a cursor, 0 = from scratch) the report also carries the
-        replica's KV events after it (``engines/kv_events.py``).
+        replica's KV events after it (``engines/kv_events.py``). Called every poll interval
+        per replica, idle or not, so the request is a prebuilt protobuf on the unary
+        ``ModelInfer`` and the one BYTES output is read from its raw contents (the KServe
+        BYTES layout: a 4-byte little-endian length, then the bytes), without tritonclient's
+        per-tensor objects.
         """
-        flag = InferInput(KV_STATS.name, [1], KV_STATS.datatype)
-        flag.set_data_from_numpy(np.array([True], np.bool_))
-        inputs = [flag]
+        tensors = {KV_STATS.name: _STATS_FLAG}
         if events_since is not None:
-            cursor = InferInput(KV_EVENTS_SINCE.name, [1], KV_EVENTS_SINCE.datatype)
-            cursor.set_data_from_numpy(np.array([events_since], np.uint64))
-            inputs.append(cursor)
+            tensors[KV_EVENTS_SINCE.name] = np.array([events_since], np.uint64)
+        proto = _request_proto(self.model, "", tensors)
+        proto.outputs.add(name=KV_CACHE_STATS.name)
         try:
-            result = await self._client.infer(
-                self.model, inputs, outputs=[InferRequestedOutput(KV_CACHE_STATS.name)], client_timeout=timeout
-            )
-        except (InferenceServerException, grpc.RpcError) as exc:
+            response = await self._model_infer(proto, timeout=timeout)
+        except grpc.RpcError as exc:
             raise _classify(exc) from exc
-        raw = result.as_numpy(KV_CACHE_STATS.name).reshape(-1)[0]
-        return PoolStatsReport.from_json(raw)
+        for output, data in zip(response.outputs, response.raw_output_contents):
+            if output.name == KV_CACHE_STATS.name and len(data) >= 4:
+                size = _from_bytes(data[:4], "little")
+                return PoolStatsReport.from_json(data[4 : 4 + size])
+        raise EngineUnavailable(f"engine answered the stats call without {KV_CACHE_STATS.name}")
 
     async def _connected(self, timeout: float) -> None:
         """Wait (briefly) for the channel to be READY.
@@ -248,6 +271,9 @@ class EngineClient:
         """Stream ``request`` through ``ModelStreamInfer``; see the module invariants."""
         proto = _request_proto(self.model, request_id, encode_request(request))
         await self._connected(connect_timeout)
+        if not request.streaming:
+            yield await self._answer(proto, timeout)
+            return
 
         call = self._stream_infer(proto, timeout=timeout)
         finished = False
@@ -271,3 +297,62 @@ class EngineClient:
         finally:
             if not finished:
                 call.cancel()
+
+    async def _answer(self, proto: service_pb2.ModelInferRequest, timeout: float | None) -> EngineChunk:
+        """The one message of a non-streaming request, through a unary-unary call.
+
+        The contract it relies on: the engine sends exactly one ``ModelStreamInfer`` message
+        for a request with ``streaming`` false, final (``triton_final_response`` true) or an
+        ``error_message``. Sources:
+
+        * TensorRT-LLM (``cpp/tensorrt_llm/batch_manager/llmRequest.cpp``,
+          ``LlmRequest::createResult``): a non-streaming request yields no Result until it is
+          finished, and its Result is final once every returned sequence is (one here: beam
+          width 1, no ``num_return_sequences``); ``cpp/tensorrt_llm/executor/executorImpl.cpp``
+          ``populateNewResponses`` then drops it from the active requests, and
+          ``terminateActiveRequests`` (a failed iteration) sends one error Response per
+          request and drops it too; a cancel ends it as finished (``terminateCancelledRequests``),
+          so again one Response. (Main-branch snapshots around the release/1.2 branch point;
+          see ``engines/trtllm/bindings.py``.)
+        * Our Triton model (``engines/triton/model.py``) sends every answer with
+          ``TRITONSERVER_RESPONSE_COMPLETE_FINAL`` except streaming deltas, and the Python
+          backend refuses any send after the final one
+          (triton-inference-server/python_backend ``src/response_sender.cc``,
+          ``ResponseSender::UpdateStateAndCounters``: "Response sender has been closed").
+        * Triton writes one stream message per response, marked final with the FINAL flag,
+          and no empty final one unless the request asks for
+          ``triton_enable_empty_final_response`` (triton-inference-server/server
+          ``src/grpc/stream_infer_handler.cc``, ``ModelStreamInferHandler::
+          StreamInferResponseComplete``); the gateway never asks.
+        * The reference engine and ``bench/fixed_engine.py``: tested
+          (tests/engines/reference/test_one_message.py), as is the Triton model against its
+          doubles (tests/engines/triton/test_model.py).
+
+        A breach is an engine error, never a silent truncation: a non-final message or no
+        message raises :class:`EngineUnavailable`. Two messages cannot be seen here: gRPC
+        delivers the status only after every message is read, so such a call waits until
+        the router's answer deadline (``RoutingConfig.first_response_wait``) cancels it as
+        an :class:`EngineTimeout` naming the replica.
+        """
+        call = self._infer_once(proto, timeout=timeout)
+        try:
+            message = await call
+        except (grpc.RpcError, InferenceServerException) as exc:
+            error = _classify(exc)
+            if isinstance(exc, grpc.aio.AioRpcError) and exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+                error = EngineUnavailable(f"{error} (non-streaming call: no answer in time, or more than the one "
+                                          "message the engine contract allows)")
+            raise error from exc
+        except BaseException:  # cancelled (first-token deadline, client gone): the engine drops it
+            call.cancel()
+            raise
+        if message is None:
+            raise EngineUnavailable("engine ended a non-streaming call without an answer")
+        if message.error_message:
+            raise EngineRejected(message.error_message)
+        chunk = _chunk(message.infer_response, False)
+        if not chunk.final:
+            call.cancel()
+            raise EngineUnavailable("engine sent a non-final message for a non-streaming request "
+                                    "(the engine contract is exactly one message)")
+        return chunk

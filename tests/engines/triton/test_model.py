@@ -360,3 +360,38 @@ def test_stats_without_kv_cache_stats_fall_back_to_events(tmp_path, monkeypatch)
         assert report.tenants == {"tenant-a": [3, 0]}
     finally:
         h.model.finalize()
+
+
+def test_a_non_streaming_request_gets_exactly_one_final_message_however_it_ends(harness):
+    """The gateway calls non-streaming requests as unary (server/gateway/replicas/engine_client.py):
+    answer, bad input, executor error (terminateActiveRequests), stop and the stop call itself each
+    get one response with the final flag, and nothing after it however long the model keeps pumping."""
+    def pumped(sender, turns=3):
+        for _ in range(turns):
+            harness.model.pump(timedelta(0))
+        assert len(sender.responses) == 1 and sender.responses[0][1] == FINAL, sender.responses
+        return sender.responses[0][0]
+
+    assert not pumped(harness.send(request(max_new=6))).has_error()
+    bad = request()
+    bad[contract.DECODE_PRIORITY.name] = np.array([101], np.int32)
+    assert pumped(harness.send(bad)).has_error()
+
+    harness.executor.auto_run = False  # requests stay active until stepped
+    failing = harness.pb.InferenceRequest(request(max_new=6))
+    harness.model.execute([failing])
+    [request_id] = [rid for rid in harness.executor.active]
+    harness.executor.ready.append(harness.trt.Response(request_id, None, "Encountered an error in forwardAsync function"))
+    harness.model.pump(timedelta(0))
+    for _ in range(8):  # the double keeps the request: its later answer must be dropped
+        harness.executor.step()
+    assert pumped(failing.sender).has_error()
+
+    running = harness.pb.InferenceRequest(request(max_new=6), request_id="req-9")
+    harness.model.execute([running])
+    stop = harness.pb.InferenceRequest({contract.STOP.name: np.array([True])}, request_id="req-9")
+    harness.model.execute([stop])
+    for _ in range(8):
+        harness.executor.step()
+    assert not pumped(stop.sender).has_error()
+    assert not pumped(running.sender).has_error()

@@ -1,0 +1,131 @@
+"""EngineClient against a scripted KServe server: the non-streaming (unary) path and its contract.
+
+A non-streaming request is called as unary-unary on ``ModelStreamInfer``: it must take the
+engine's one message, and a breach of the one-message contract must be an engine error,
+never a hang without end nor a truncated answer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import pytest
+from tritonclient.grpc import service_pb2, service_pb2_grpc
+
+from engines.contract import EngineRequest, KvMetrics, SamplingParams, encode_response
+from engines.reference.kserve import encode_outputs
+from retention.types import RetentionPlan
+from server.gateway.replicas.engine_client import EngineClient, EngineRejected, EngineUnavailable
+
+
+def _message(tokens: list[int], generated: int, final: bool | None) -> service_pb2.ModelStreamInferResponse:
+    response = service_pb2.ModelInferResponse(model_name="kvgate_llm", id="r")
+    encode_outputs(response, encode_response(tokens, generated, KvMetrics(1, 2, 3, 0)))
+    if final is not None:
+        response.parameters["triton_final_response"].bool_param = final
+    return service_pb2.ModelStreamInferResponse(infer_response=response)
+
+
+class Scripted(service_pb2_grpc.GRPCInferenceServiceServicer):
+    """Answers every request with ``script`` (a list of messages), or never when ``hang``."""
+
+    def __init__(self) -> None:
+        self.script: list[service_pb2.ModelStreamInferResponse] = []
+        self.hang = False
+        self.received = asyncio.Event()
+        self.cancelled = asyncio.Event()
+
+    async def ModelStreamInfer(self, request_iterator, context):
+        async for _ in request_iterator:
+            self.received.set()
+            if self.hang:
+                try:
+                    await asyncio.Event().wait()
+                except asyncio.CancelledError:  # grpc.aio cancels the handler when the client cancels
+                    self.cancelled.set()
+                    raise
+            for message in self.script:
+                yield message
+
+
+@pytest.fixture
+async def engine():
+    servicer = Scripted()
+    server = grpc.aio.server()
+    service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(servicer, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    client = EngineClient(f"127.0.0.1:{port}", "kvgate_llm")
+    try:
+        yield servicer, client
+    finally:
+        await client.close()
+        await server.stop(0)
+
+
+def _request(streaming: bool = False) -> EngineRequest:
+    return EngineRequest(input_ids=(1, 2, 3), max_new_tokens=4, end_id=None, streaming=streaming,
+                         sampling=SamplingParams(), retention=RetentionPlan(), cache_salt=None, tenant_id=None)
+
+
+async def _collect(client: EngineClient, request: EngineRequest, timeout: float | None = None):
+    return [chunk async for chunk in client.generate(request, request_id="r", timeout=timeout)]
+
+
+async def test_a_non_streaming_request_takes_its_one_message_through_the_unary_call(engine, monkeypatch):
+    servicer, client = engine
+    servicer.script = [_message([7, 8, 9], 3, True)]
+    streamed = []
+    monkeypatch.setattr(client, "_stream_infer", lambda *a, **k: streamed.append(1))  # never the stream path
+    [chunk] = await _collect(client, _request())
+    assert chunk.token_ids == (7, 8, 9) and chunk.generated == 3 and chunk.final
+    assert chunk.kv == KvMetrics(1, 2, 3, 0)
+    assert streamed == []
+    servicer.script = [_message([7, 8, 9], 3, None)]  # no final marker: a unary answer is final
+    [chunk] = await _collect(client, _request())
+    assert chunk.final
+
+
+async def test_a_streaming_request_stays_on_the_stream(engine, monkeypatch):
+    servicer, client = engine
+    servicer.script = [_message([7], 1, False), _message([8], 2, True)]
+    monkeypatch.setattr(client, "_infer_once", None)  # calling it would fail
+    chunks = await _collect(client, _request(streaming=True))
+    assert [c.token_ids for c in chunks] == [(7,), (8,)] and chunks[-1].final
+
+
+async def test_an_error_message_is_a_rejection(engine):
+    servicer, client = engine
+    servicer.script = [service_pb2.ModelStreamInferResponse(error_message="input_ids: empty")]
+    with pytest.raises(EngineRejected, match="input_ids: empty"):
+        await _collect(client, _request())
+
+
+async def test_a_non_final_or_missing_answer_is_an_engine_error_not_a_truncated_answer(engine):
+    servicer, client = engine
+    servicer.script = [_message([7], 1, False)]
+    with pytest.raises(EngineUnavailable, match="non-final message for a non-streaming request"):
+        await _collect(client, _request())
+    servicer.script = []
+    with pytest.raises(EngineUnavailable, match="without an answer"):
+        await _collect(client, _request())
+
+
+async def test_two_messages_for_a_non_streaming_request_end_in_an_engine_error(engine):
+    """gRPC holds the status behind the unread second message: the call's deadline ends it."""
+    servicer, client = engine
+    servicer.script = [_message([7], 1, True), _message([8], 2, True)]
+    with pytest.raises(EngineUnavailable, match="DEADLINE_EXCEEDED"):
+        await _collect(client, _request(), timeout=1.0)
+
+
+async def test_cancelling_the_wait_for_the_answer_cancels_the_engine_call(engine):
+    servicer, client = engine
+    servicer.hang = True
+    task = asyncio.create_task(_collect(client, _request()))
+    await servicer.received.wait()
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    await asyncio.wait_for(servicer.cancelled.wait(), 10)  # the engine saw the cancel (frees the request)
