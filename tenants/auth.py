@@ -90,17 +90,18 @@ def touch_keys_last_used(session: Session, *, key_ids: Iterable[int], now: datet
     return int(result.rowcount)  # type: ignore[attr-defined]
 
 
+def _summary(t: Tenant) -> TenantSummary:
+    return TenantSummary(
+        id=t.id, slug=t.slug, isolation=t.isolation, kv_quota_fraction=t.kv_quota_fraction, cache_salt=t.cache_salt
+    )
+
+
 def list_active_tenants_for_pool(session: Session, *, pool_id: int) -> list[TenantSummary]:
     """Active tenants placed on ``pool_id``, ordered by id."""
     rows = session.scalars(
         select(Tenant).where(Tenant.pool_id == pool_id, Tenant.status == "active").order_by(Tenant.id)
     ).all()
-    return [
-        TenantSummary(
-            id=t.id, slug=t.slug, isolation=t.isolation, kv_quota_fraction=t.kv_quota_fraction, cache_salt=t.cache_salt
-        )
-        for t in rows
-    ]
+    return [_summary(t) for t in rows]
 
 
 def list_active_tenants_by_pool(session: Session) -> dict[int, list[TenantSummary]]:
@@ -108,9 +109,7 @@ def list_active_tenants_by_pool(session: Session) -> dict[int, list[TenantSummar
     every pool (the gateway's pool poll reads this every second)."""
     out: dict[int, list[TenantSummary]] = {}
     for t in session.scalars(select(Tenant).where(Tenant.status == "active").order_by(Tenant.id)).all():
-        out.setdefault(t.pool_id, []).append(TenantSummary(
-            id=t.id, slug=t.slug, isolation=t.isolation, kv_quota_fraction=t.kv_quota_fraction, cache_salt=t.cache_salt
-        ))
+        out.setdefault(t.pool_id, []).append(_summary(t))
     return out
 
 
