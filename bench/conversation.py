@@ -23,8 +23,9 @@ family is drawn with seed 0 (``bench/generalize.py``'s), the public synthetic tr
   ``adaptive+conv`` (``retention/simulation/conversational.py``: requests offering tools or
   storing their response held at priority 60 for the tenant's measured median gap, within a
   class allowing 1 h and half of the pool); ``lru+conv+demote`` and ``adaptive+conv+demote``
-  (the same, and every delete replayed through the pool as the gateway's demote request:
-  ``retention/policy/demote.py``; its requests and computed tokens are counted apart, never in
+  (the same, and every delete replayed through the pool as the gateway's demote requests, one
+  per orphaned leaf, by the gateway's rule: ``retention/policy/demote.py``'s ``doomed``; its
+  requests and computed tokens are counted apart, never in
   the hit rate); ``lru+conv+end`` and ``adaptive+conv+end`` (and a tool-offering request whose
   response is a message, i.e. its run ended, answered at completion by a demote request for
   its conversation's own blocks, where the hold duel holds its conversation); ``lru+end``,
@@ -401,8 +402,8 @@ def demote_lines(results: list[dict]) -> list[str]:
                          f"of their own cached, {skipped:,} without room)")
         parts.append(f"{result['name']} (GPU {100 * s['fraction']:g} %, host {s['host']}×; {result['deletions']:,} "
                      f"deletes, {result['messages']:,} tool-offering responses that are messages): " + "; ".join(cells))
-    return ["**Demote requests** (on delete: one per deleted chain at most; at a run's end: one per run that "
-            "ends in a message, where allowed; X+end: every such run, no hold): " + "; ".join(parts) + "."] if parts else []
+    return ["**Demote requests** (on delete: one per orphaned leaf whose chain can still be rebuilt, at most 8; "
+            "at a run's end: one per run that ends in a message, where allowed; X+end: every such run, no hold): " + "; ".join(parts) + "."] if parts else []
 
 
 def _cached_family(cache: Path | None, name: str, fractions: tuple[float, ...], host: int, limit: int | None) -> dict:
@@ -475,9 +476,12 @@ def run(workers: int, fractions: tuple[float, ...], hosts: tuple[int, ...], only
         "hold on top; on families without Responses fields it plans exactly as X, so there its rows (and +demote's, "
         "+end's) are X's figures, not replayed again (run time; `tests/retention/test_conversation_sim.py` replays "
         "the equality). `X+conv+demote` = the same, and a "
-        "delete becomes a demote request replayed through the pool (`retention/policy/demote.py`): the deleted "
+        "delete becomes the gateway's demote requests replayed through the pool, by the gateway's rule "
+        "(`retention/policy/demote.py`'s `doomed`): one per orphaned leaf of the deleted response (itself and its "
+        "descendants, which can no longer be continued; at most 8, those whose chain can still be rebuilt), its "
         "prompt cut to its cached blocks + 1 token, one token generated, with priority 0 and no expiry from the "
-        "first block no other live stored response of the tenant holds (TensorRT-LLM re-sets a matched block's "
+        "first block past the system segment that no live stored response of the conversation outside the "
+        "orphaned ones holds (TensorRT-LLM re-sets a matched block's "
         "priority and duration from the reusing request: `WindowBlockManager::loadOrAllocateBlocks` → "
         "`LRUEvictionPolicy::claimBlock`). `X+conv+end` = the hold, and a tool-offering request whose response is a "
         "message (not a function call: its run ended) answered at completion by the same kind of demote request for "

@@ -41,7 +41,11 @@ prompt from the whole stored chain, so once a link is gone no descendant can be 
 (the store answers "not found", as OpenAI's does) and the blocks they hold are dead too.
 :func:`orphaned` names them from the conversation's parent links; the caller demotes the
 orphaned leaves' prompts (each covers its ancestors' blocks), held only by what the rows
-outside the orphaned subtree hold. Deleting a chain oldest first then demotes it at once,
+outside the orphaned subtree hold. :func:`doomed` is that rule over the conversation's rows,
+the one the gateway (``server/gateway/api/conversation_demote.py``) and the simulator
+(``retention/simulation/conversational.py``, ``+conv+demote``) both apply; a leaf whose chain
+is already broken (:func:`continuable` false) cannot be rebuilt, so nothing is sent for it.
+Deleting a chain oldest first then demotes it at once,
 where counting descendants as holders (the ledger) would never demote it: the last delete
 could no longer rebuild its prompt from the broken chain.
 
@@ -57,6 +61,7 @@ from dataclasses import dataclass, field
 from retention.types import DEFAULT_PRIORITY, MIN_PRIORITY, RetentionPlan, TokenRange
 
 MAX_TRACKED = 65_536  # stored responses tracked per tenant
+MAX_LEAVES = 8  # orphaned leaves demoted per delete (the newest): one engine request each
 DEMOTE_PRIORITY = MIN_PRIORITY  # 0: the first free queue ``getFreeBlock`` takes from
 
 
@@ -188,6 +193,57 @@ def orphaned(parents: Mapping[str, str | None], deleted: str) -> tuple[set[str],
     return subtree, leaves
 
 
+def continuable(parents: Mapping[str, str | None], response_id: str) -> bool:
+    """Whether ``response_id``'s prompt can be rebuilt from the rows: its chain of parents reaches a
+    first response (no ``previous_response_id``) through ``parents`` alone. A continuation (and a
+    demote, which rebuilds the prompt the same way) reads the whole chain; one missing link and
+    the store answers "not found"."""
+    seen: set[str] = set()
+    current: str | None = response_id
+    while current is not None:
+        if current in seen or current not in parents:
+            return False
+        seen.add(current)
+        current = parents[current]
+    return True
+
+
+@dataclass(frozen=True, slots=True)
+class Doomed:
+    """What a delete leaves dead in its conversation (:func:`doomed`).
+
+    ``leaves``: the orphaned leaves to demote (the newest ``max_leaves``, oldest first), each
+    prompt covering its orphaned ancestors' blocks. ``live``: the prompts of the conversation's
+    rows outside the orphaned subtree whose blocks are known; ``unknown``: some such row's
+    blocks are not known, so it may hold any block and nothing can be demoted.
+    """
+
+    leaves: tuple[str, ...]
+    live: tuple[tuple[int, ...], ...]
+    unknown: bool = False
+
+    def start(self, hashes: Sequence[int], *, protected_blocks: int = 0) -> int | None:
+        """:func:`demote_start` of one leaf's prompt against the live rows (None: nothing to demote)."""
+        held = (*self.live, tuple(hashes)) if self.unknown else self.live
+        return demote_start(hashes, held, protected_blocks=protected_blocks)
+
+
+def doomed(rows: Iterable[tuple[str, str | None, Sequence[int] | None]], deleted: str, *,
+           max_leaves: int = MAX_LEAVES) -> Doomed:
+    """The delete rule the gateway and the simulator share: ``rows`` are the conversation's live
+    stored responses, oldest first, as ``(id, previous_response_id, prompt block hashes or None)``,
+    the deleted one included (read before the delete). The demoted prompts are :func:`orphaned`'s
+    leaves (the newest ``max_leaves``); what still holds blocks is every row outside the orphaned
+    subtree. Other conversations are not rows here: the caller protects the segment they can share
+    (the system and tools segment) with ``protected_blocks``.
+    """
+    listed = list(rows)
+    dead, leaves = orphaned({rid: prev for rid, prev, _ in listed}, deleted)
+    held = [blocks for rid, _, blocks in listed if rid not in dead]
+    live = tuple(tuple(b) for b in held if b is not None)
+    return Doomed(tuple(leaves[-max_leaves:] if max_leaves > 0 else ()), live, len(live) < len(held))
+
+
 def shared_blocks(prompt: Sequence[int], other: Sequence[int]) -> int:
     """How many leading blocks two prompts share (chained hashes: equal at ``i`` means equal up to ``i``)."""
     n = 0
@@ -265,5 +321,5 @@ def demote_plan(normal: RetentionPlan, start_token: int, priority: int = DEMOTE_
     return RetentionPlan((*head, TokenRange(start_token, None, priority, None)), priority, None)
 
 
-__all__ = ["DEMOTE_PRIORITY", "DemoteLedger", "demote_length", "demote_plan", "demote_priority", "demote_start",
-           "end_start", "orphaned", "shared_blocks"]
+__all__ = ["DEMOTE_PRIORITY", "MAX_LEAVES", "DemoteLedger", "Doomed", "continuable", "demote_length", "demote_plan",
+           "demote_priority", "demote_start", "doomed", "end_start", "orphaned", "shared_blocks"]

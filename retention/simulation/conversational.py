@@ -11,12 +11,14 @@ Requests without those fields are planned by the wrapped policy alone, so ``X`` 
 Deletions (the trace's ``delete_response`` events) reach the policy's ledger through
 :meth:`ConversationPolicy.on_delete`: the engine cannot revoke a duration it was given at
 enqueue, so neither can the simulated pool. With ``demote`` (``X+conv+demote``) a delete
-also becomes a *demote request* (:mod:`retention.policy.demote`): the simulator replays the
-deleted response's prompt through the same pool with :meth:`ConversationPolicy.demote_request`'s
-plan (the wrapped policy's plan for that request up to the prefix other live stored
-responses share, priority 0 with no expiry past it), as the gateway would send it; it is
-counted apart, never in the hit rate. With ``end_demote`` (``X+conv+end``) a request that
-offered tools and whose response is a message, not a function call (the trace's
+also becomes the gateway's *demote requests* (:mod:`retention.policy.demote`), by the gateway's
+rule (:func:`~retention.policy.demote.doomed`, over the conversation's parent links kept from
+the replayed ``previous_response_id`` chains): the simulator replays each orphaned leaf's
+prompt through the same pool with :meth:`ConversationPolicy.demote_request`'s plan (the
+wrapped policy's plan for that request up to the prefix the conversation's rows outside the
+orphaned subtree share, and never inside the leaf's system segment; priority 0 with no
+expiry past it); they are counted apart, never in the hit rate. With ``end_demote``
+(``X+conv+end``) a request that offered tools and whose response is a message, not a function call (the trace's
 ``output_kind``, known to the gateway at completion), ended its run: when it completes, the
 same kind of demote request re-claims its conversation's own blocks (those no other
 conversation's live stored response holds) at priority 0, through the hold duel (only where
@@ -36,7 +38,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from retention.policy.conversation import ConversationLedger, ConversationPlan, ConversationRequest, plan_conversation
-from retention.policy.demote import DEMOTE_PRIORITY, DemoteLedger, demote_plan
+from retention.policy.demote import DEMOTE_PRIORITY, DemoteLedger, continuable, demote_plan, doomed
 from retention.policy.hint_plan import HINTS_OFF
 from retention.simulation.layered import LayeredPolicy
 from retention.trace import ResponseDeletion, TraceRequest
@@ -70,8 +72,11 @@ class ConversationPolicy(LayeredPolicy):
     hold: bool = True  # False (``X+end``): never hold, the wrapped policy's plan goes out unchanged
     _chains: dict[tuple[str, str], list[str]] = field(default_factory=dict)  # (tenant, root) -> its response ids
     _ending: dict[int, tuple[TraceRequest, RetentionPlan, str]] = field(default_factory=dict)  # index -> (request, plan, root)
-    # (tenant, response id) -> (the stored request, its hashes, the wrapped policy's plan for it)
-    _stored: dict[tuple[str, str], tuple[TraceRequest, tuple[int, ...], RetentionPlan]] = field(default_factory=dict)
+    # (tenant, response id) -> (the stored request, its hashes, the wrapped policy's plan for it, its root)
+    _stored: dict[tuple[str, str], tuple[TraceRequest, tuple[int, ...], RetentionPlan, str]] = field(
+        default_factory=dict)
+    # (tenant, root) -> its live stored responses' parent links, oldest first: the store's conversation rows
+    _rows: dict[tuple[str, str], dict[str, str | None]] = field(default_factory=dict)
     _planned: dict[int, ConversationPlan | None] = field(default_factory=dict)  # request index -> its plan, until observed
 
     @property
@@ -94,10 +99,14 @@ class ConversationPolicy(LayeredPolicy):
             full = tuple(hashes[:min(len(hashes), request.input_length // cfg.tokens_per_block)])
             self.demotes.stored(tenant, request.response_id, full)
             key = (tenant, request.response_id)
-            self._stored.pop(key, None)
-            self._stored[key] = (request, full, plan)
+            self._forget(key)
+            prev = request.previous_response_id
+            parent = None if prev is None else self._stored.get((tenant, prev))
+            root = request.response_id if parent is None else parent[3]  # the store's root_id: its chain's first
+            self._stored[key] = (request, full, plan, root)
+            self._rows.setdefault((tenant, root), {})[request.response_id] = prev
             if len(self._stored) > MAX_STORED:
-                del self._stored[next(iter(self._stored))]
+                self._forget(next(iter(self._stored)))
         budget = self.budget_blocks(rules, request, cfg.primary_blocks)
         # Without the hold the ledger still follows the chains (roots, stored responses) for the end demote.
         out = plan_conversation(plan, conv, rules if self.hold else HINTS_OFF, total=request.input_length,
@@ -111,6 +120,17 @@ class ConversationPolicy(LayeredPolicy):
         if self.end_demote and request.response_id is not None and request.store and rules.enabled:
             self._track_end(request, plan, out, now)
         return out.plan
+
+    def _forget(self, key: tuple[str, str]) -> tuple[TraceRequest, tuple[int, ...], RetentionPlan, str] | None:
+        """The stored response ``key`` is gone (deleted, replaced or forgotten): out of its conversation's rows."""
+        stored = self._stored.pop(key, None)
+        if stored is not None:
+            rows = self._rows.get((key[0], stored[3]))
+            if rows is not None:
+                rows.pop(key[1], None)
+                if not rows:
+                    del self._rows[(key[0], stored[3])]
+        return stored
 
     def _track_end(self, request: TraceRequest, plan: RetentionPlan, out: ConversationPlan, now: float) -> None:
         tenant = request.tenant or ""
@@ -158,15 +178,37 @@ class ConversationPolicy(LayeredPolicy):
         self.ledger.delete(deletion.tenant or "", deletion.response_id)
 
     def demote_request(self, deletion: ResponseDeletion, *, now: float, tokens_per_block: int,
-                       priority: int = DEMOTE_PRIORITY) -> tuple[TraceRequest, RetentionPlan] | None:
-        """After :meth:`on_delete`: the request to replay for this delete, or None (demote off, the
-        response unknown, or every block of it still in another live stored response)."""
+                       priority: int = DEMOTE_PRIORITY) -> list[tuple[TraceRequest, RetentionPlan]]:
+        """After :meth:`on_delete`: the requests to replay for this delete, as the gateway sends them
+        (``server/gateway/api/conversation_demote.py``), through the same rule
+        (:func:`~retention.policy.demote.doomed`): one per orphaned leaf of the deleted response's
+        conversation (the newest ``MAX_LEAVES``) whose chain can still be rebuilt before the delete,
+        each from past what the conversation's rows outside the orphaned subtree hold and past the
+        leaf's system segment. Empty: demote off, the response unknown, or nothing left to demote.
+
+        Only the deleted response leaves the rows (the store deletes that row alone): its orphaned
+        descendants stay live rows until they are deleted or forgotten, and a later delete among
+        them finds its chain broken and demotes nothing, as the gateway's rebuild fails.
+        """
         if not self.demote:
-            return None
+            return []
         tenant = deletion.tenant or ""
-        start = self.demotes.delete(tenant, deletion.response_id)
-        stored = self._stored.pop((tenant, deletion.response_id), None)
-        if start is None or stored is None:
-            return None
-        request, _, plan = stored
-        return request, demote_plan(plan, start * tokens_per_block, priority)
+        self.demotes.delete(tenant, deletion.response_id)  # the end demote's per-tenant counts follow the store
+        key = (tenant, deletion.response_id)
+        deleted = self._stored.get(key)
+        if deleted is None:
+            return []
+        parents = dict(self._rows.get((tenant, deleted[3]), {}))
+        found = doomed(((rid, prev, self._stored[(tenant, rid)][1]) for rid, prev in parents.items()),
+                       deletion.response_id)
+        out = []
+        for leaf in found.leaves:
+            stored = self._stored.get((tenant, leaf))
+            if stored is None or not continuable(parents, leaf):
+                continue  # the gateway cannot rebuild its prompt either: nothing sent
+            request, hashes, plan, _ = stored
+            start = found.start(hashes, protected_blocks=(request.system_tokens or 0) // tokens_per_block)
+            if start is not None:
+                out.append((request, demote_plan(plan, start * tokens_per_block, priority)))
+        self._forget(key)
+        return out

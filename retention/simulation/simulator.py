@@ -25,8 +25,9 @@ reach on the GPU (``retention/simulation/hit_density.py``, capped by Belady).
 Deletions (``delete_response`` events, ``retention/trace.py``) are delivered in timestamp order,
 before any request at the same or a later time, to a policy that has ``on_delete`` (e.g.
 ``+conv``): to the policy, never straight to the pool, since TensorRT-LLM cannot revoke a
-retention it was given at enqueue. A policy that answers a delete with a *demote request*
-(``demote_request``, ``+conv+demote``) has it replayed through the pool at the delete's time,
+retention it was given at enqueue. A policy that answers a delete with *demote requests*
+(``demote_request``, ``+conv+demote``: one per orphaned leaf, as the gateway sends them) has them
+replayed through the pool at the delete's time,
 as the engine would see it (allocate the prompt with the demote plan, release it): counted
 apart (``demote_requests``, ``demote_computed_tokens``), never in the hit rate. A policy with
 ``completion_demote`` may answer a request's release the same way (``+conv+end``: a tool
@@ -267,16 +268,16 @@ def _deliverer(policy: SimPolicy, deletions: Sequence[ResponseDeletion], pool: B
             position += 1
             if on_delete is not None:
                 on_delete(deletion, now=now)
-            demote = None if demote_request is None else demote_request(
+            demotes = () if demote_request is None else demote_request(
                 deletion, now=now, tokens_per_block=config.tokens_per_block, priority=demote_at)
-            if demote is not None:
-                _replay_demote(pool, demote[0], demote[1], config, result, ("demote", position), now)
+            for leaf, (request, plan) in enumerate(demotes):  # one per orphaned leaf, as the gateway sends them
+                _replay_demote(pool, request, plan, config, result, ("demote", position, leaf), now)
 
     return deliver
 
 
 def _replay_demote(pool: BlockPool, request: TraceRequest, plan, config: SimConfig,  # noqa: ANN001 - RetentionPlan
-                   result: PolicyResult, key: tuple[str, int], now: float) -> None:
+                   result: PolicyResult, key: tuple, now: float) -> None:
     """One demote request: the deleted prompt cut to its cached blocks + 1 token (``demote_length``),
     one token to generate, released at once; skipped when nothing of its own range is cached."""
     tokens = request_tokens(request, config.trace_block_size)

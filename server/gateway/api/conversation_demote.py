@@ -68,7 +68,8 @@ from typing import Any
 
 from engines.contract import SamplingParams
 from retention.hashing import block_hashes
-from retention.policy.demote import demote_length, demote_plan, demote_priority, demote_start, end_start, orphaned
+from retention.policy.demote import (MAX_LEAVES, demote_length, demote_plan, demote_priority, demote_start, doomed,
+                                     end_start)
 from server.gateway.api.completions import CompletionJob, build_plan, engine_request
 from server.gateway.api.prompting import PreparedPrompt
 from server.gateway.api.responses_convert import convert
@@ -78,7 +79,6 @@ from server.gateway.errors import ServingError
 log = logging.getLogger(__name__)
 # ``services`` is a GatewayServices and ``tenant`` a TenantContext: typed Any, since services.py imports this module.
 _BODY_FIELDS = ("model", "instructions", "tools", "tool_choice")  # what shapes the rendered prompt
-MAX_LEAVES = 8  # orphaned leaves demoted per delete (the newest): one engine request each
 MAX_OTHER_ROWS = 1024  # other conversations' rows an end-of-run demote reads (the newest)
 END_INDEX_WAIT_S = 3.0  # at most this long for the KV-event index to show an ended run's prompt (polled ~1 s)
 END_INDEX_STEP_S = 0.1
@@ -129,12 +129,11 @@ async def doomed_prompts(services: Any, tenant: Any, response_id: str) -> list[D
     if own is None or own.prompt_blocks is None:  # stored before block hashes were kept: this process's ledger
         leaves, live = [response_id], None
     else:
-        dead, leaves = orphaned({r.id: r.previous_response_id for r in rows}, response_id)
-        leaves = leaves[-MAX_LEAVES:]
-        held = [r.prompt_blocks for r in rows if r.id not in dead]
-        # A live row whose blocks are unknown may hold any of them: it counts as holding everything.
-        live = tuple(h for h in held if h is not None)
-        unknown = len(held) - len(live)
+        # The rule the simulator's ``+conv+demote`` replays (retention.policy.demote.doomed); a live
+        # row whose blocks are unknown may hold any of them: it counts as holding everything.
+        found = doomed(((r.id, r.previous_response_id, r.prompt_blocks) for r in rows), response_id,
+                       max_leaves=MAX_LEAVES)
+        leaves, live, unknown = list(found.leaves), found.live, found.unknown
     out = []
     for leaf in leaves:
         try:
