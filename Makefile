@@ -58,7 +58,7 @@ test-reliability: setup
 
 # Each script prints its figures and rewrites only its own section of docs/benchmarks.md
 # (load: docs/reliability.md). Run on a quiet machine; the engine bench takes ~10 minutes.
-BENCHES := pool_ops simulate routing_sim routing_families rag_chat generalize age_ceiling hints conversation shadow mrc registry_auth gateway gateway_litellm engine multirow routing capture load usage_journal aiperf
+BENCHES := pool_ops simulate routing_sim routing_families rag_chat generalize age_ceiling hints conversation learning_lag shadow mrc registry_auth gateway gateway_litellm engine multirow routing capture load usage_journal aiperf
 
 bench: setup $(AIPERF_STAMP) $(LITELLM_STAMP)
 	for b in $(BENCHES); do OMP_NUM_THREADS=1 $(PY) bench/$$b.py || exit 1; done
