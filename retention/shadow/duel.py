@@ -60,6 +60,18 @@ which the margin pays for and a standard error of the shadows' noise does not; t
 of evidence (started on the bands, noisy-neighbour reaches the bands' 3.25 %, but chat started on
 ``protect`` falls to 37.22 %). So the rule stays.
 
+One switch cost is not transient, and it is the simulator's, not the rule's: without ``--classes``
+the ``static`` candidate is ``DEFAULT_PLAN`` (no ranges), and a cached block reused under no range
+keeps its priority and loses its duration (``LRUEvictionPolicy::claimBlock``, ``evictionPolicy.cpp``:
+the priority is set only when given, the duration always replaced). After a switch back to
+``static``, every block ``protect`` or the bands raised and ``static`` reuses stays above 35 for
+good: agent-loop at twice its length, 2 % GPU, 72 of 300 cached blocks pinned through the second
+static phase, ``adaptive`` 63.91 % against ``protect`` 66.63 % (``bench/learning_lag.py``; with
+``static`` covering the prompt at 35 it reaches 66.31 %, every other cell there unchanged). The
+gateway is not exposed: its ``static`` is the class's plan, which covers the whole prompt
+(``retention/policy/planner.py``). Making the simulator's ``static`` cover the prompt too is the
+next change; it moves generated figures, so it lands with their regeneration.
+
 Cost per request: one pass over its hashes to find the kept ones; when any is kept, every
 candidate's plan and one shadow replay of the kept blocks per candidate (callers compute
 plans lazily: :meth:`PolicyDuel.kept` first). The rate is ``DuelConfig.rate`` (5 %), raised
