@@ -14,6 +14,12 @@ Candidates (``names``):
 * ``static`` — the tenant's retention class as the planner plans it; with no class (the
   simulator without ``--classes``) TensorRT-LLM's defaults: everything at 35, every evicted
   block offloaded. This is the incumbent: a pool follows anything else only on evidence.
+  A static plan that leaves prompt tokens uncovered is sent covering the whole prompt at
+  35 (no expiry): a reused block takes a priority only from a range that covers it
+  (``KvCacheRetentionConfig::getPerBlockRetentionPriorityDuration`` in ``executor.h``;
+  ``LRUEvictionPolicy::claimBlock`` in ``evictionPolicy.cpp`` keeps the block's priority
+  when none is given), so an uncovered static plan would leave every block ``bands`` or
+  ``protect`` raised at its raised priority for good once the pool follows ``static``.
 * ``bands`` — adaptive's bands, host-tier aware when the pool has a host tier
   (``adaptive_plan(..., host_tier=True)``);
 * ``protect`` — GPU-only pools: a live subset of conversations that fits the GPU above the
@@ -31,12 +37,12 @@ The simulator also knows ``adaptive-bands`` and ``protect`` (each candidate alon
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from retention.policy.adaptive import AdaptiveConfig, ReuseStats, adaptive_plan
 from retention.policy.protect import ConversationTracker, ProtectConfig, protect_plan
 from retention.shadow.duel import DuelConfig, PolicyDuel
-from retention.types import DEFAULT_PLAN, RetentionPlan
+from retention.types import DEFAULT_PLAN, DEFAULT_PRIORITY, RetentionPlan, TokenRange
 
 CANDIDATES = ("static", "bands", "protect")
 
@@ -44,6 +50,29 @@ CANDIDATES = ("static", "bands", "protect")
 def default_candidates(secondary_blocks: int) -> tuple[str, ...]:
     """The candidates a pool duels: all of them GPU-only, ``static`` and ``bands`` with a host tier."""
     return ("static", "bands") if secondary_blocks > 0 else CANDIDATES
+
+
+def covering(plan: RetentionPlan, num_tokens: int) -> RetentionPlan:
+    """``plan`` with every prompt token it leaves uncovered at 35, no expiry (the same plan when none is).
+
+    What TensorRT-LLM gives a *new* block without a range, made explicit so that a *reused*
+    block is reset to it too rather than keeping what another candidate gave it.
+    """
+    gaps: list[TokenRange] = []
+    at = 0
+    for rng in plan.ranges:
+        if rng.start > at:
+            gaps.append(TokenRange(at, rng.start, DEFAULT_PRIORITY))
+        if rng.end is None:
+            at = None
+            break
+        at = rng.end
+    if at is not None and at < num_tokens:
+        gaps.append(TokenRange(at, None, DEFAULT_PRIORITY))
+    if not gaps:
+        return plan
+    ranges = tuple(sorted((*plan.ranges, *gaps), key=lambda r: r.start))
+    return replace(plan, ranges=ranges)
 
 
 @dataclass(slots=True)
@@ -83,6 +112,7 @@ class AdaptiveSelector:
         for the bands defaults to the static plan's.
         """
         decode = static.decode_priority if decode_priority is None else decode_priority
+        static = covering(static, num_tokens)
         duel = self.duel
         kept = duel.kept(hashes)
         index = duel.choice(tenant)

@@ -12,7 +12,7 @@ from retention.policy.selection import AdaptiveSelectPolicy, AdaptiveSelector
 from retention.simulation.sim_policies import ClassMapping, make_policy
 from retention.simulation.simulator import SimConfig, simulate
 from retention.trace import distinct_blocks, parse_trace, parse_trace_events
-from retention.types import DEFAULT_PLAN
+from retention.types import DEFAULT_PLAN, TokenRange
 from retention.workloads import ChatSpec, NoisyNeighbourSpec, chat_trace, noisy_neighbour_trace, phased
 from retention.workloads.agent import AgentSpec
 from retention.workloads.api import ApiSpec
@@ -81,7 +81,8 @@ def test_selector_rejects_unknown_candidates() -> None:
     with pytest.raises(ValueError):
         AdaptiveSelector(64, names=("static", "lfu"))
     selector = AdaptiveSelector(64, names=("static",))
-    assert selector.plan(tenant=None, hashes=[], num_tokens=5, tokens_per_block=B, static=DEFAULT_PLAN, now=0.0) is DEFAULT_PLAN
+    plan = selector.plan(tenant=None, hashes=[], num_tokens=5, tokens_per_block=B, static=DEFAULT_PLAN, now=0.0)
+    assert plan.ranges == (TokenRange(0, None, 35),) and plan.decode_priority == DEFAULT_PLAN.decode_priority
 
 
 def test_selection_follows_a_workload_that_changes_character_half_way() -> None:
@@ -143,3 +144,37 @@ def test_a_tenants_own_winner_does_not_cost_its_neighbour_the_pool() -> None:
     own = {t: duel.names[s.current] for t, s in duel.tenants.items() if s.refs >= duel.config.tenant_min_refs}
     assert own.get("api") == "bands" != own.get("agents")  # the tenants' own winners differ ...
     assert not duel.tenants_follow_own()  # ... and the mix gate keeps them on the pool's choice
+
+
+def test_static_candidate_resets_what_another_candidate_raised() -> None:
+    """TensorRT-LLM's claimBlock keeps a reused block's priority when no range covers it.
+
+    So the selector sends ``static`` covering the whole prompt at 35: a block ``protect``
+    or the bands raised goes back to 35 when the pool follows ``static``, as a new block
+    would be, instead of staying raised for good.
+    """
+    from retention.policy.selection import covering
+    from retention.types import RetentionPlan, TokenRange
+
+    tokens = list(range(4 * B + 1))
+    raised = RetentionPlan((TokenRange(0, None, 80),))
+
+    def priorities_after(second: RetentionPlan) -> set[int]:
+        pool = BlockPool(PoolConfig(primary_blocks=8, tokens_per_block=B))
+        for rid, plan in (("raise", raised), ("reuse", second)):
+            assert pool.allocate(rid, tokens, salt=None, tenant="t", plan=plan, now=0.0) is not None
+            pool.release(rid, tokens, now=0.0, num_computed_tokens=len(tokens))
+        return {b.priority for b in pool.free_order() if b.block_hash is not None}
+
+    assert priorities_after(DEFAULT_PLAN) == {80}  # the C++ rule: uncovered keeps what it had
+    assert priorities_after(covering(DEFAULT_PLAN, len(tokens))) == {35}
+
+    selector = AdaptiveSelector(64, names=("static", "protect"))
+    plan = selector.plan(tenant="t", hashes=[1, 2, 3, 4], num_tokens=len(tokens), tokens_per_block=B, now=0.0)
+    assert [(r.start, r.end, r.priority, r.duration_ms) for r in plan.ranges] == [(0, None, 35, None)]
+    # A plan with holes gets them filled at 35 and keeps its own ranges.
+    holes = RetentionPlan((TokenRange(4, 8, 60), TokenRange(12, 16, 70, 1000)))
+    assert [(r.start, r.end, r.priority) for r in covering(holes, 20).ranges] == [
+        (0, 4, 35), (4, 8, 60), (8, 12, 35), (12, 16, 70), (16, None, 35)]
+    full = RetentionPlan((TokenRange(0, None, 50),))
+    assert covering(full, 20) is full
