@@ -81,7 +81,7 @@ def _gateway_demotes() -> list[list[tuple[str, int]]]:
             if current is not None:
                 continue  # _rebuild fails: nothing sent for this leaf
             prompt = DeletedPrompt("m", SimpleNamespace(system_end=SYSTEM_BLOCKS * B), None,
-                                   tuple(live[leaf][0]), found.live)
+                                   tuple(live[leaf][0]), found)
             start = prompt.start_block(B, None)
             if start is not None:
                 sent.append((leaf, start))

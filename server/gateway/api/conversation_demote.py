@@ -68,7 +68,7 @@ from typing import Any
 
 from engines.contract import SamplingParams
 from retention.hashing import block_hashes
-from retention.policy.demote import (MAX_LEAVES, demote_length, demote_plan, demote_priority, demote_start, doomed,
+from retention.policy.demote import (MAX_LEAVES, Doomed, demote_length, demote_plan, demote_priority, doomed,
                                      end_start)
 from server.gateway.api.completions import CompletionJob, build_plan, engine_request
 from server.gateway.api.prompting import PreparedPrompt
@@ -87,20 +87,20 @@ END_INDEX_STEP_S = 0.1
 @dataclass(frozen=True, slots=True)
 class DeletedPrompt:
     """A prompt to demote (the deleted response's, or an orphaned descendant's) as the engine saw
-    it, its full blocks' hashes, and the prompt blocks that live rows of the conversation still
-    hold (None: the store does not know them, the row predates stored block hashes)."""
+    it, its full blocks' hashes, and what the delete leaves alive in the conversation (None: the
+    store does not know the blocks, the row predates stored block hashes)."""
 
     model: str
     prompt: PreparedPrompt
     tokenizer: Any  # ChatTokenizer
     hashes: tuple[int, ...]
-    live: tuple[tuple[int, ...], ...] | None = None
+    doomed: Doomed | None = None
 
     def start_block(self, tokens_per_block: int, local: int | None) -> int | None:
         """The first block to demote: from the store's rows, else ``local`` (the process's ledger)."""
-        if self.live is None:
+        if self.doomed is None:
             return local
-        return demote_start(self.hashes, self.live, protected_blocks=self.prompt.system_end // tokens_per_block)
+        return self.doomed.start(self.hashes, protected_blocks=self.prompt.system_end // tokens_per_block)
 
 
 async def _rebuild(services: Any, tenant: Any, response_id: str) -> tuple[str, PreparedPrompt, Any]:
@@ -125,15 +125,15 @@ async def doomed_prompts(services: Any, tenant: Any, response_id: str) -> list[D
     except ServingError:
         return []
     own = next((r for r in rows if r.id == response_id), None)
-    unknown = 0
+    found: Doomed | None = None
     if own is None or own.prompt_blocks is None:  # stored before block hashes were kept: this process's ledger
-        leaves, live = [response_id], None
+        leaves = [response_id]
     else:
         # The rule the simulator's ``+conv+demote`` replays (retention.policy.demote.doomed); a live
         # row whose blocks are unknown may hold any of them: it counts as holding everything.
         found = doomed(((r.id, r.previous_response_id, r.prompt_blocks) for r in rows), response_id,
                        max_leaves=MAX_LEAVES)
-        leaves, live, unknown = list(found.leaves), found.live, found.unknown
+        leaves = list(found.leaves)
     out = []
     for leaf in leaves:
         try:
@@ -142,8 +142,7 @@ async def doomed_prompts(services: Any, tenant: Any, response_id: str) -> list[D
             log.info("no demote for %s: %s", leaf, exc)
             continue
         hashes = tuple(block_hashes(prompt.input_ids, tenant.pool.tokens_per_block, salt=tenant.engine_salt))
-        out.append(DeletedPrompt(model, prompt, tokenizer, hashes,
-                                 None if live is None else (*live, hashes) if unknown else live))
+        out.append(DeletedPrompt(model, prompt, tokenizer, hashes, found))
     return out
 
 
