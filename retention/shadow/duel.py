@@ -60,17 +60,25 @@ which the margin pays for and a standard error of the shadows' noise does not; t
 of evidence (started on the bands, noisy-neighbour reaches the bands' 3.25 %, but chat started on
 ``protect`` falls to 37.22 %). So the rule stays.
 
-One switch cost is not transient, and it is the simulator's, not the rule's: without ``--classes``
-the ``static`` candidate is ``DEFAULT_PLAN`` (no ranges), and a cached block reused under no range
+One switch cost was the simulator's, not the rule's, and is gone: without ``--classes`` the
+``static`` candidate is ``DEFAULT_PLAN`` (no ranges), and a cached block reused under no range
 keeps its priority and loses its duration (``LRUEvictionPolicy::claimBlock``, ``evictionPolicy.cpp``:
-the priority is set only when given, the duration always replaced). After a switch back to
-``static``, every block ``protect`` or the bands raised and ``static`` reuses stays above 35 for
-good: agent-loop at twice its length, 2 % GPU, 72 of 300 cached blocks pinned through the second
-static phase, ``adaptive`` 63.91 % against ``protect`` 66.63 % (``bench/learning_lag.py``; with
-``static`` covering the prompt at 35 it reaches 66.31 %, every other cell there unchanged). The
-gateway is not exposed: its ``static`` is the class's plan, which covers the whole prompt
-(``retention/policy/planner.py``). Making the simulator's ``static`` cover the prompt too is the
-next change; it moves generated figures, so it lands with their regeneration.
+the priority is set only when given, the duration always replaced), so after a switch back to
+``static`` every block ``protect`` or the bands raised and ``static`` reused stayed above 35 for
+good (agent-loop at twice its length, 2 % GPU: 72 of 300 cached blocks, ``adaptive`` 63.91 %
+against ``protect`` 66.63 %). The selector now sends ``static`` covering the whole prompt
+(``selection.covering``), as the gateway's class plans always did: agent-loop at 2× 66.31 % (gap
+-0.32 points), at 4× 66.44 % (-0.23, was -1.56).
+
+One is the rule's and stays: a switch from ``static`` to the bands (GPU only) leaves the pool full
+of blocks at 35, which on the bands' scale rank above every first use (T, 30 by default) and
+below nothing a one-shot flood sends, so they keep their slots for good: noisy-neighbour 2 %,
+``adaptive`` 2.88 % against the bands' 3.25 %, the gap persisting over the second half and
+at four times its length (``bench/learning_lag.py``). First uses at max(T, 35) (in LRU order with
+that layer) recover most of it (2.88 → 3.14 %, the bands alone unchanged), but cost the bands where
+first uses rarely return (``bench/generalize.py``, GPU only: synthetic 0.1–0.7 points, api 0.1–0.5,
+both selecting the bands; chat 2 % bands 36.99 → 36.74 %): a loss on the tune families for a gain
+on one, so the bands keep T.
 
 Cost per request: one pass over its hashes to find the kept ones; when any is kept, every
 candidate's plan and one shadow replay of the kept blocks per candidate (callers compute
