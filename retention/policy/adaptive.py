@@ -57,17 +57,20 @@ from retention.types import MAX_PRIORITY, RetentionPlan, merged_ranges
 BUCKETS = 4  # use-count buckets: 1, 2, 3, 4+
 
 
-def reservoir_add(reservoir: list[float], value: float, *, count: int, salt: int, size: int) -> None:
+def reservoir_add(reservoir: list[float], value: float, *, count: int, salt: int, size: int) -> bool:
     """Reservoir sampling (``count`` = values seen so far, this one included) with a deterministic slot.
 
     No RNG state, so runs are reproducible; ``salt`` (e.g. the block hash) spreads the slots.
+    Returns whether ``value`` went in (False: the reservoir is unchanged).
     """
     if len(reservoir) < size:
         reservoir.append(value)
-        return
+        return True
     slot = (salt ^ (count * 0x9E3779B1)) % count
     if slot < size:
         reservoir[slot] = value
+        return True
+    return False
 
 
 @dataclass(frozen=True, slots=True)
@@ -130,6 +133,10 @@ class TenantReuse:
     # New blocks appended to a known prefix ("tails"): how many, how many were used again.
     tails: int = 0
     tails_reused: int = 0
+    # ReuseStats.horizon_ms of ``gaps`` as they are, None once they changed. Why: the horizon
+    # is a quantile of the reservoir (a sort of up to ``reservoir`` values), asked for by
+    # every plan and every observe, while a full reservoir takes a new gap ever more rarely.
+    cached_horizon_ms: int | None = None
 
     def probability(self, uses_before: int) -> float:
         """P(used again | this use is use number ``uses_before + 1``), Beta(1,1)-smoothed."""
@@ -164,13 +171,22 @@ class ReuseStats:
         return [entries[h].uses if h in entries else 0 for h in hashes]
 
     def horizon_ms(self, tenant: str | None) -> int:
+        """The ``horizon_quantile`` of the tenant's reuse gaps (ms, within the configured
+        bounds); computed once per state of its gap reservoir (``TenantReuse.cached_horizon_ms``)."""
+        stats = self.tenant(tenant)
+        cached = stats.cached_horizon_ms
+        if cached is not None:
+            return cached
         cfg = self.config
-        gaps = self.tenant(tenant).gaps
+        gaps = stats.gaps
         if not gaps:
-            return cfg.max_horizon_ms
-        ordered = sorted(gaps)
-        value = ordered[min(len(ordered) - 1, int(cfg.horizon_quantile * len(ordered)))] * 1000.0
-        return int(min(cfg.max_horizon_ms, max(cfg.min_horizon_ms, value)))
+            horizon = cfg.max_horizon_ms
+        else:
+            ordered = sorted(gaps)
+            value = ordered[min(len(ordered) - 1, int(cfg.horizon_quantile * len(ordered)))] * 1000.0
+            horizon = int(min(cfg.max_horizon_ms, max(cfg.min_horizon_ms, value)))
+        stats.cached_horizon_ms = horizon
+        return horizon
 
     def observe(self, tenant: str | None, hashes: Sequence[int], now: float, *, num_blocks: int | None = None) -> None:
         """Record one request's blocks (call once per request, after planning it).
@@ -221,7 +237,8 @@ class ReuseStats:
 
     def _record_gap(self, stats: TenantReuse, gap: float, salt: int) -> None:
         stats.gap_count += 1
-        reservoir_add(stats.gaps, gap, count=stats.gap_count, salt=salt, size=self.config.reservoir)
+        if reservoir_add(stats.gaps, gap, count=stats.gap_count, salt=salt, size=self.config.reservoir):
+            stats.cached_horizon_ms = None
 
     def num_entries(self) -> int:
         return sum(len(t.entries) for t in self._tenants.values())

@@ -27,8 +27,8 @@ import hashlib
 import math
 import time
 from collections import OrderedDict
-from collections.abc import Callable
-from dataclasses import dataclass, replace
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from datetime import UTC, datetime
 
 import anyio
@@ -43,7 +43,10 @@ from tenants.auth import authenticate_key, touch_keys_last_used
 from tenants.snapshots import AuthenticatedTenant
 
 
-def to_context(snapshot: AuthenticatedTenant) -> TenantContext:
+def to_context(snapshot: AuthenticatedTenant,
+               renew: Callable[[], Awaitable[TenantContext | None]] | None = None) -> TenantContext:
+    """The request's context from a registry snapshot, with its ``renew`` (built once per
+    request: ``dataclasses.replace`` on top would build the frozen context a second time)."""
     pool, cls, lim = snapshot.pool, snapshot.retention, snapshot.limits
     return TenantContext(
         tenant_id=snapshot.tenant_id, slug=snapshot.slug, status=snapshot.status, isolation=snapshot.isolation,
@@ -58,6 +61,7 @@ def to_context(snapshot: AuthenticatedTenant) -> TenantContext:
         hints=cls.hints,
         conversation_hold=cls.conversation_hold,
         conversation_end_demote=cls.conversation_end_demote,
+        renew=renew,
     )
 
 
@@ -175,7 +179,7 @@ class KeyAuthenticator:
                 return None
             return await self.authenticate(authorization)
 
-        return replace(to_context(snapshot), renew=renew)
+        return to_context(snapshot, renew)
 
     def _touch(self, ids: list[int]) -> None:
         with self._sessions() as session:

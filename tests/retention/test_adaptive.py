@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from retention.policy.adaptive import AdaptiveConfig, ReuseStats, adaptive_plan, priority_for
+from retention.policy.adaptive import AdaptiveConfig, ReuseStats, adaptive_plan, priority_for, reservoir_add
 from retention.hashing import block_hashes
 from retention.simulation.sim_policies import make_policy
 from retention.simulation.simulator import simulate
@@ -20,6 +20,32 @@ def test_statistics_are_bounded_per_tenant() -> None:
         stats.observe("t", block_hashes(list(range(i * 100, i * 100 + 12)), B), float(i))
     assert len(stats.tenant("t").entries) == 50 and stats.num_entries() == 50
     assert len(stats.tenant("t").gaps) <= stats.config.reservoir
+
+
+def test_the_cached_horizon_is_always_the_quantile_of_the_gaps_as_they_are() -> None:
+    # A small reservoir fills, then takes new gaps ever more rarely: the cached horizon must
+    # follow every change (a stale one would keep blocks for an old horizon).
+    stats = ReuseStats(AdaptiveConfig(reservoir=8, min_horizon_ms=0))
+    shared = list(range(8))
+    assert stats.horizon_ms("t") == stats.config.max_horizon_ms  # no gap measured yet
+    now, changes = 0.0, 0
+    for i in range(120):
+        now += 0.5 + (i * 7 % 11)  # varying gaps, so the quantile moves as the reservoir does
+        before = list(stats.tenant("t").gaps)
+        stats.observe("t", block_hashes(shared + [1_000 + i] * 4, B), now, num_blocks=3)
+        changes += stats.tenant("t").gaps != before
+        cached = stats.horizon_ms("t")
+        ordered = sorted(stats.tenant("t").gaps)
+        expected = int(ordered[int(0.5 * len(ordered))] * 1000.0) if ordered else stats.config.max_horizon_ms
+        assert cached == expected
+    assert 8 < changes < 2 * 119  # the reservoir filled, then changed only some of the time
+
+
+def test_reservoir_add_says_whether_the_value_went_in() -> None:
+    reservoir: list[float] = []
+    assert all(reservoir_add(reservoir, float(i), count=i + 1, salt=0, size=2) for i in range(2))
+    outcomes = [reservoir_add(reservoir, 9.0, count=count, salt=12345, size=2) for count in range(3, 40)]
+    assert True in outcomes and False in outcomes and len(reservoir) == 2
 
 
 def test_forgetting_keeps_chain_roots_longest() -> None:
