@@ -180,44 +180,54 @@ def run_variants(name: str, requests: int, replicas: int, gpu: int, host: int, r
 CANDIDATE = ("kv-aware, balance_rel 2", {"balance_rel": 2.0})  # the best fixed variant on the tune families
 ADAPTIVE = "kv-adaptive"  # the self-tuning band (retention/routing/tuning.py), its default knobs
 # The self-tuning band's knobs tried on the tune families only (every tune setting); the first is the default.
+# The scale's bounds, [1/4, 64] (BandTuning's defaults): pinned in every row tried with them, so its figures
+# (and its cached replays) stay those it was chosen on whatever the defaults become.
+WIDE = {"min_scale": 0.25, "max_scale": 64.0}
 TUNINGS = (
-    ("step ×2, max scale 64, warm-up 4 per replica, forgive 0", {"forgive": 0.0}),
-    ("forgive ½ dispatch", {"forgive": 0.5}),
-    ("forgive 1 dispatch", {"forgive": 1.0}),
-    ("forgive 2 dispatches", {"forgive": 2.0}),
-    ("forgive 3 dispatches", {"forgive": 3.0}),
-    ("forgive 8 dispatches", {"forgive": 8.0}),
-    ("forgive 0, warm-up 16 per replica", {"forgive": 0.0, "warmup_per_replica": 16}),
-    ("gentler: step ×√2, max scale 8, forgive 0", {"step": 2 ** 0.5, "max_scale": 8.0, "forgive": 0.0}),
+    ("step ×2, max scale 64, warm-up 4 per replica, forgive 0", {**WIDE, "forgive": 0.0}),
+    # the scale's bounds (tuning.py, min_scale / max_scale): how far the band may tighten and widen
+    *((f"scale within [{lo:g}, {hi:g}]", {"min_scale": lo, "max_scale": hi})
+      for lo, hi in ((0.5, 4.0), (0.5, 1.0), (0.5, 2.0), (0.5, 3.0), (0.5, 8.0), (0.5, 64.0), (0.25, 2.0),
+                     (0.25, 4.0))),
+    ("forgive ½ dispatch", {**WIDE, "forgive": 0.5}),
+    ("forgive 1 dispatch", {**WIDE, "forgive": 1.0}),
+    ("forgive 2 dispatches", {**WIDE, "forgive": 2.0}),
+    ("forgive 3 dispatches", {**WIDE, "forgive": 3.0}),
+    ("forgive 8 dispatches", {**WIDE, "forgive": 8.0}),
+    ("forgive 0, warm-up 16 per replica", {**WIDE, "forgive": 0.0, "warmup_per_replica": 16}),
+    ("gentler: step ×√2, max scale 8, forgive 0", {**WIDE, "step": 2 ** 0.5, "max_scale": 8.0, "forgive": 0.0}),
     # the allowance fades with each replica's dispatch count (tuning.py, forgive_fade)
-    ("forgive 3, fading after 4 dispatches per replica", {"forgive": 3.0, "forgive_fade": 4.0}),
-    ("forgive 3, fading after 16 dispatches per replica", {"forgive": 3.0, "forgive_fade": 16.0}),
-    ("forgive 8, fading after 4 dispatches per replica", {"forgive": 8.0, "forgive_fade": 4.0}),
+    ("forgive 3, fading after 4 dispatches per replica", {**WIDE, "forgive": 3.0, "forgive_fade": 4.0}),
+    ("forgive 3, fading after 16 dispatches per replica", {**WIDE, "forgive": 3.0, "forgive_fade": 16.0}),
+    ("forgive 8, fading after 4 dispatches per replica", {**WIDE, "forgive": 8.0, "forgive_fade": 4.0}),
     # the fading row, tightening whenever the raw measure passes a limit (tuning.py, forgive_limit)
     *((f"forgive 8, fading after 4, raw limit {limit:g}",
-       {"forgive": 8.0, "forgive_fade": 4.0, "forgive_limit": limit}) for limit in (1.3, 1.35, 1.4, 1.5)),
+       {**WIDE, "forgive": 8.0, "forgive_fade": 4.0, "forgive_limit": limit}) for limit in (1.3, 1.35, 1.4, 1.5)),
     # the allowance fading as (fade / n_r)² instead of fade / n_r (tuning.py, forgive_fade_power)
     *((f"forgive 8, fading as the square after {fade} dispatches per replica",
-       {"forgive": 8.0, "forgive_fade": float(fade), "forgive_fade_power": 2.0}) for fade in (4, 8, 16)),
+       {**WIDE, "forgive": 8.0, "forgive_fade": float(fade), "forgive_fade_power": 2.0}) for fade in (4, 8, 16)),
 )
 # The tune families' best count (forgive 3), over the whole grid: not the default, it adds imbalance misses.
-FORGIVING = ("kv-adaptive, forgive 3", {"forgive": 3.0})
+FORGIVING = ("kv-adaptive, forgive 3", {**WIDE, "forgive": 3.0})
 # The fading rows' best on the tune families (127 of 162, as forgive 3 fading after 16; fewer imbalance
 # misses there: 14 vs 17), replayed over the whole grid.
-FADING = ("kv-adaptive, fading forgive", {"forgive": 8.0, "forgive_fade": 4.0})
+FADING = ("kv-adaptive, fading forgive", {**WIDE, "forgive": 8.0, "forgive_fade": 4.0})
 # The squared fade's best on the tune families (130 of 162, as many as constant forgive 3; the raw limits
 # lose settings there), replayed over the whole grid.
-SQUARED = ("kv-adaptive, squared fade", {"forgive": 8.0, "forgive_fade": 8.0, "forgive_fade_power": 2.0})
+SQUARED = ("kv-adaptive, squared fade", {**WIDE, "forgive": 8.0, "forgive_fade": 8.0, "forgive_fade_power": 2.0})
+# The scale's bounds' best on the tune families (124 of 162, the most of any bounds; the fewest router
+# shortfalls there), replayed over the whole grid.
+BOUNDED = ("kv-adaptive, bounded", {"min_scale": 0.5, "max_scale": 4.0})
 EXTRAS = {CANDIDATE[0]: ("kv-aware", CANDIDATE[1], {}), ADAPTIVE: ("kv-adaptive", {}, {}),
           FORGIVING[0]: ("kv-adaptive", {}, FORGIVING[1]), FADING[0]: ("kv-adaptive", {}, FADING[1]),
-          SQUARED[0]: ("kv-adaptive", {}, SQUARED[1])}
+          SQUARED[0]: ("kv-adaptive", {}, SQUARED[1]), BOUNDED[0]: ("kv-adaptive", {}, BOUNDED[1])}
 # kv-aware's balance band swept from tight to loose with the existing knobs (the defaults are 1 request, ×1.5;
 # cache only is the loose limit): not candidates, the frontier each setting's verdict is read against.
 BANDS = {f"kv-aware, band {share:g} request, ×{rel:g}": ("kv-aware", {"balance_request_share": share, "balance_rel": rel}, {})
          for share, rel in ((0.25, 1.1), (0.5, 1.25), (2.0, 2.0), (4.0, 3.0))}
 # Families whose requests are stored Responses conversations (the simulator keys them by their root without a client key).
 STORED = ("chat", "agent-loop", "agent-mixed")
-SELF_TUNING = (ADAPTIVE, FORGIVING[0], FADING[0], SQUARED[0])  # the self-tuning routers, each judged against kv-aware
+SELF_TUNING = (ADAPTIVE, FORGIVING[0], FADING[0], SQUARED[0], BOUNDED[0])  # the self-tuning routers, each judged against kv-aware
 
 
 def run_extra(router: str, cost: dict, tuning: dict, name: str, requests: int, replicas: int, gpu: int, host: int,
@@ -375,6 +385,12 @@ def section(rows: list[dict], roles: dict[str, str], seconds: float, requests: i
                   "dispatch count; the most settings meeting all three among the squared and limited rows on the tune "
                   "families) over the whole grid:", ""]
         lines += family_table(rows, roles, SQUARED[0])
+    if BOUNDED[0] in rows[0]:
+        knobs = ", ".join(f"{k} {v:g}" for k, v in BOUNDED[1].items())
+        lines += ["", f"**{BOUNDED[0]}** ({knobs}: the scale moves between the band of ½ request / ×1.25 and that "
+                  "of 4 requests / ×3, never to the cache-only cost; the most settings meeting all three among the "
+                  "scale's bounds on the tune families) over the whole grid:", ""]
+        lines += family_table(rows, roles, BOUNDED[0])
     if CANDIDATE[0] in rows[0]:
         lines += ["", f"The best fixed variant on the tune families, **{CANDIDATE[0]}**, over the whole grid:", ""]
         lines += family_table(rows, roles, CANDIDATE[0])
