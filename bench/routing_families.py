@@ -374,23 +374,19 @@ def section(rows: list[dict], roles: dict[str, str], seconds: float, requests: i
         lines += ["", f"**{FORGIVING[0]}** (the most settings meeting all three on the tune families, with more "
                   "imbalance misses there than the plain controller; not the default) over the whole grid:", ""]
         lines += family_table(rows, roles, FORGIVING[0])
-    if FADING[0] in rows[0]:
-        knobs = ", ".join(f"{k} {v:g}" for k, v in FADING[1].items())
-        lines += ["", f"**{FADING[0]}** ({knobs}: the allowance fades with each replica's dispatch count; the most "
-                  "settings meeting all three among the fading rows on the tune families) over the whole grid:", ""]
-        lines += family_table(rows, roles, FADING[0])
-    if SQUARED[0] in rows[0]:
-        knobs = ", ".join(f"{k} {v:g}" for k, v in SQUARED[1].items())
-        lines += ["", f"**{SQUARED[0]}** ({knobs}: the allowance fades as the square of fade / the replica's "
-                  "dispatch count; the most settings meeting all three among the squared and limited rows on the tune "
-                  "families) over the whole grid:", ""]
-        lines += family_table(rows, roles, SQUARED[0])
-    if BOUNDED[0] in rows[0]:
-        knobs = ", ".join(f"{k} {v:g}" for k, v in BOUNDED[1].items())
-        lines += ["", f"**{BOUNDED[0]}** ({knobs}: the scale moves between the band of ½ request / ×1.25 and that "
-                  "of 4 requests / ×3, never to the cache-only cost; the most settings meeting all three among the "
-                  "scale's bounds on the tune families) over the whole grid:", ""]
-        lines += family_table(rows, roles, BOUNDED[0])
+    described = (
+        (FADING, "the allowance fades with each replica's dispatch count; the most settings meeting all three among "
+                 "the fading rows on the tune families"),
+        (SQUARED, "the allowance fades as the square of fade / the replica's dispatch count; the most settings "
+                  "meeting all three among the squared and limited rows on the tune families"),
+        (BOUNDED, "the scale moves between the band of ½ request / ×1.25 and that of 4 requests / ×3, never to the "
+                  "cache-only cost; the most settings meeting all three among the scale's bounds on the tune families"),
+    )
+    for (label, variant_knobs), why in described:
+        if label in rows[0]:
+            knobs = ", ".join(f"{k} {v:g}" for k, v in variant_knobs.items())
+            lines += ["", f"**{label}** ({knobs}: {why}) over the whole grid:", ""]
+            lines += family_table(rows, roles, label)
     if CANDIDATE[0] in rows[0]:
         lines += ["", f"The best fixed variant on the tune families, **{CANDIDATE[0]}**, over the whole grid:", ""]
         lines += family_table(rows, roles, CANDIDATE[0])
