@@ -209,7 +209,7 @@ def lines(rows: list[dict], roles: dict[str, str], labels: tuple[str, str]) -> l
         f"{' and '.join(map(str, NOISE_SEEDS))}, same setting, and on each the router is within half a point of them: "
         "the loss does not repeat; never on the synthetic trace, which has no generator seed), else a *router shortfall* (a named "
         "placement meets it within 1.3). A setting is *explained* when every target it misses is infeasible, a "
-        "trade-off or within noise. *Small ceiling*: the ceiling hits fewer than {SMALL_BLOCKS} blocks "
+        f"trade-off or within noise. *Small ceiling*: the ceiling hits fewer than {SMALL_BLOCKS} blocks "
         f"of {TOKENS_PER_BLOCK} tokens (one block over 2 % of it; still classified). The Pareto frontier of every "
         "setting: `docs/data/routing_frontier.jsonl`.",
         "",
