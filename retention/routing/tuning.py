@@ -64,8 +64,9 @@ session key's rendezvous, i.e. session stickiness); at ``min_scale`` it balances
 than the defaults. Bounding the scale to [½, 4] (two bands of the frontier sweep) meets all
 three targets in the most tune settings of any bounds tried, and over the whole grid in more
 settings than kv-aware on every family but rag-chat, so it is a reported variant and the
-defaults stay [¼, 64] (docs/architecture.md, "Routing", *Bounds of the scale*). The target sits below the 1.3 the benchmarks hold routing to, so the
-controller keeps a margin for what it only learns afterwards.
+defaults stay [¼, 64] (docs/architecture.md, "Routing", *Bounds of the scale*). The target
+sits below the 1.3 the benchmarks hold routing to, so the controller keeps a margin for what
+it only learns afterwards.
 
 Hard limit (``hard_rel``, optional): whatever the scale, a replica whose load level is above
 ``max(floor + hard_request_share × prompt, hard_rel × floor)`` (the band's formula, ``floor``
