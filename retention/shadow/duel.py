@@ -80,6 +80,14 @@ first uses rarely return (``bench/generalize.py``, GPU only: synthetic 0.1–0.7
 both selecting the bands; chat 2 % bands 36.99 → 36.74 %): a loss on the tune families for a gain
 on one, so the bands keep T.
 
+With a host tier the two candidates differ only in where measured one-shot blocks go (35 or T),
+so a switch costs little, and a margin of 0 (``bench/generalize.py``'s 44 host-4× cells, measured
+apart from the bench) takes agent-mixed's sub-margin lead (2 %: 84.28 % against the bands' 84.32 %,
+was 83.99 %) and api's (5 %: 0.65 points below the bands, was 1.19), but follows noise where the
+candidates tie (rag 2 %: 4 switches, 0.23 points below static, was level; synthetic 2 %: 0.30 below
+the bands, was 0.23); a margin of 1 % fixes neither lead. On the tune families it is no better
+(synthetic: −0.14 points summed over the four capacities), so the margin is the same with a host tier.
+
 Cost per request: one pass over its hashes to find the kept ones; when any is kept, every
 candidate's plan and one shadow replay of the kept blocks per candidate (callers compute
 plans lazily: :meth:`PolicyDuel.kept` first). The rate is ``DuelConfig.rate`` (5 %), raised
