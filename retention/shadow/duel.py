@@ -87,6 +87,10 @@ was 83.99 %) and api's (5 %: 0.65 points below the bands, was 1.19), but follows
 candidates tie (rag 2 %: 4 switches, 0.23 points below static, was level; synthetic 2 %: 0.30 below
 the bands, was 0.23); a margin of 1 % fixes neither lead. On the tune families it is no better
 (synthetic: −0.14 points summed over the four capacities), so the margin is the same with a host tier.
+Larger shadows with the margin rule (``min_shadow_blocks`` 256, GPU only, the same 44 cells) close
+chat-long 2 % (0.50 → 0.16 points below ``protect``) and api 5 % (0.90 → 0.32 below the bands) but
+lose synthetic 2 % (0.05 → 0.51 below the bands) and agent-mixed 1 % (0.30 → 1.05 below ``protect``):
+not adopted either.
 
 Cost per request: one pass over its hashes to find the kept ones; when any is kept, every
 candidate's plan and one shadow replay of the kept blocks per candidate (callers compute
