@@ -58,6 +58,7 @@ sys.path.insert(0, str(ROOT))
 
 from bench.report import machine, seed_line, synthetic_trace, workload_grid, write_section  # noqa: E402
 from bench import routing_frontier as frontier  # noqa: E402
+from bench.replays import replay_all  # noqa: E402
 from bench import routing_seeds  # noqa: E402
 from bench.routing_frontier import where  # noqa: E402
 from bench.routing_verdicts import BASELINES, all_three, judge, met, pct  # noqa: E402
@@ -526,18 +527,9 @@ def replay(roles: dict[str, str], args: argparse.Namespace) -> tuple[list[dict],
     keys = list(dict.fromkeys((g["family"], g["replicas"], g["gpu_blocks"], g["host"], g["rate"]) for g in grid))
     started = time.perf_counter()
     results: dict[tuple, dict] = cached(args.cache)
-    todo = [key for key in keys if key not in results]
-    with ProcessPoolExecutor(max_workers=args.workers) as pool:
-        futures = {pool.submit(run_setting, f, args.requests, n, gpu, h, k): (f, n, gpu, h, k) for f, n, gpu, h, k in todo}
-        for done, future in enumerate(as_completed(futures), start=1):
-            key = futures[future]
-            results[key] = future.result()
-            if args.cache is not None:
-                with args.cache.open("a") as handle:
-                    handle.write(json.dumps({"key": list(key), "result": results[key]}) + "\n")
-            f, n, gpu, h, k = key
-            print(f"[{done}/{len(todo)} {time.perf_counter() - started:.0f}s] {f} {n} replicas × {gpu} GPU blocks, "
-                  f"host {h}×, rate ×{k}", flush=True)
+    todo = {key: (run_setting, (key[0], args.requests, *key[1:])) for key in keys if key not in results}
+    replay_all(todo, results, workers=args.workers, store=args.cache, field="result",
+               progress=lambda k: f"{k[0]} {k[1]} replicas × {k[2]} GPU blocks, host {k[3]}×, rate ×{k[4]}")
     rows = [{**g, **results[(g["family"], g["replicas"], g["gpu_blocks"], g["host"], g["rate"])]} for g in grid]
     return rows, time.perf_counter() - started
 
@@ -574,20 +566,11 @@ def replay_extras(rows: list[dict], args: argparse.Namespace, extras: dict[str, 
     store = None if args.cache is None else args.cache.with_suffix(".extras.jsonl")
     saved = {tuple(k): v for k, v in cached(store).items()}
     fresh = set(filter(None, args.routers.split(","))) if getattr(args, "routers", "") else set()
-    todo = [(label, key) for label in extras for key in keys
-            if label in fresh or (fingerprint(label, extras[label]), *key) not in saved]
-    started = time.perf_counter()
-    with ProcessPoolExecutor(max_workers=args.workers) as pool:
-        futures = {pool.submit(run_extra, *extras[label], *key[:1], args.requests, *key[1:]): (label, key)
-                   for label, key in todo}
-        for done, future in enumerate(as_completed(futures), start=1):
-            label, key = futures[future]
-            stored = (fingerprint(label, extras[label]), *key)
-            saved[stored] = future.result()
-            if store is not None:
-                with store.open("a") as handle:
-                    handle.write(json.dumps({"key": list(stored), "result": saved[stored]}) + "\n")
-            print(f"[{label} {done}/{len(todo)} {time.perf_counter() - started:.0f}s]", flush=True)
+    todo = {(fingerprint(label, extras[label]), *key): (run_extra, (*extras[label], *key[:1], args.requests, *key[1:]))
+            for label in extras for key in keys
+            if label in fresh or (fingerprint(label, extras[label]), *key) not in saved}
+    labels = {fingerprint(label, extra): label for label, extra in extras.items()}
+    replay_all(todo, saved, workers=args.workers, store=store, field="result", progress=lambda k: labels[k[0]])
     for r in rows:
         for label in extras:
             r[label] = saved[(fingerprint(label, extras[label]), r["family"], r["replicas"], r["gpu_blocks"], r["host"],

@@ -12,11 +12,10 @@ trace (no generator seed): its losses are never called noise.
 from __future__ import annotations
 
 import json
-import time
 from collections.abc import Callable
-from concurrent.futures import ProcessPoolExecutor, as_completed
 from pathlib import Path
 
+from bench.replays import replay_all
 from bench.routing_verdicts import BASELINES
 
 NOISE_SEEDS = (1, 2)
@@ -41,18 +40,9 @@ def replay(rows: list[dict], labels: tuple[str, ...], run: Callable[..., float],
         saved = {tuple(e["key"]): e["hit"] for e in map(json.loads, store.read_text().splitlines())}
     need = {tuple(key(lab, r, s)) for label in labels for r in rows if r["family"] != "synthetic"
             for lab in ([label, *losers(r, label)] if losers(r, label) else []) for s in NOISE_SEEDS}
-    todo = sorted(need - set(saved))
-    started = time.perf_counter()
-    with ProcessPoolExecutor(max_workers=workers) as pool:
-        futures = {pool.submit(run, k[0], k[1], requests, *k[2:]): k for k in todo}
-        for done, future in enumerate(as_completed(futures), start=1):
-            k = futures[future]
-            saved[k] = future.result()
-            if store is not None:
-                with store.open("a") as handle:
-                    handle.write(json.dumps({"key": list(k), "hit": saved[k]}) + "\n")
-            print(f"[seeds {done}/{len(todo)} {time.perf_counter() - started:.0f}s]", flush=True)
+    todo = {k: (run, (k[0], k[1], requests, *k[2:])) for k in sorted(need - set(saved))}
+    seconds = replay_all(todo, saved, workers=workers, store=store, field="hit", progress=lambda _: "seeds")
     for r in rows:
         r["seeds"] = {label: [[s, saved[tuple(key(label, r, s))], {b: saved[tuple(key(b, r, s))] for b in losers(r, label)}]
                               for s in NOISE_SEEDS] for label in labels if r["family"] != "synthetic" and losers(r, label)}
-    return time.perf_counter() - started
+    return seconds
