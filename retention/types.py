@@ -120,6 +120,29 @@ def merged_ranges(spans: Iterable[tuple[int, int, int, int | None]]) -> tuple[To
     )
 
 
+def filled(ranges: Iterable[TokenRange], priority: int, *, end: int | None = None) -> tuple[TokenRange, ...]:
+    """``ranges`` (sorted, non-overlapping) with every token before ``end`` they leave uncovered
+    in a range of its own at ``priority``, no expiry; ``end=None``: to the end of any prompt.
+
+    TensorRT-LLM gives a *new* block no range covers 35 and leaves a *reused* one at whatever
+    priority it had (``KvCacheRetentionConfig::getPerBlockRetentionPriorityDuration``,
+    ``executor.h``; ``LRUEvictionPolicy::claimBlock``, ``evictionPolicy.cpp``): an explicit
+    range makes both the same.
+    """
+    out: list[TokenRange] = []
+    covered: int | None = 0
+    for rng in ranges:
+        if rng.start > covered:  # type: ignore[operator]
+            out.append(TokenRange(covered, rng.start, priority))  # type: ignore[arg-type]
+        out.append(rng)
+        covered = rng.end
+        if covered is None:
+            break
+    if covered is not None and (end is None or covered < end):
+        out.append(TokenRange(covered, None, priority))
+    return tuple(out)
+
+
 @dataclass(frozen=True, slots=True)
 class RetentionPlan:
     """A request's retention, shaped like ``KvCacheRetentionConfig``.

@@ -33,6 +33,7 @@ from retention.types import (
     RetentionPlanError,
     TokenRange,
     check_duration,
+    filled,
     merged_ranges,
     check_priority,
 )
@@ -177,17 +178,7 @@ def roll_back_host_tier(plan: RetentionPlan, offload_min_priority: int) -> Reten
 
     # Prompt tokens no range covers get 35 in TensorRT-LLM (when new): cover every gap
     # explicitly, so the result holds whatever plan it is given.
-    gap = min(DEFAULT_PRIORITY, ceiling)
-    ranges: list[TokenRange] = []
-    covered = 0
-    for r in plan.ranges:
-        if r.start > covered:
-            ranges.append(TokenRange(covered, r.start, gap, None))
-        ranges.append(TokenRange(r.start, r.end, min(r.priority, ceiling), duration(r.duration_ms)))
-        covered = r.end if r.end is not None else -1
-        if covered < 0:
-            break
-    if covered >= 0:
-        ranges.append(TokenRange(covered, None, gap, None))
-    return RetentionPlan(tuple(ranges), min(plan.decode_priority, ceiling), duration(plan.decode_duration_ms),
+    ranges = filled((TokenRange(r.start, r.end, min(r.priority, ceiling), duration(r.duration_ms)) for r in plan.ranges),
+                    min(DEFAULT_PRIORITY, ceiling))
+    return RetentionPlan(ranges, min(plan.decode_priority, ceiling), duration(plan.decode_duration_ms),
                          demoted=plan.demoted)

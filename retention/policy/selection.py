@@ -42,7 +42,7 @@ from dataclasses import dataclass, field, replace
 from retention.policy.adaptive import AdaptiveConfig, ReuseStats, adaptive_plan
 from retention.policy.protect import ConversationTracker, ProtectConfig, protect_plan
 from retention.shadow.duel import DuelConfig, PolicyDuel
-from retention.types import DEFAULT_PLAN, DEFAULT_PRIORITY, RetentionPlan, TokenRange
+from retention.types import DEFAULT_PLAN, DEFAULT_PRIORITY, RetentionPlan, filled
 
 CANDIDATES = ("static", "bands", "protect")
 
@@ -53,26 +53,11 @@ def default_candidates(secondary_blocks: int) -> tuple[str, ...]:
 
 
 def covering(plan: RetentionPlan, num_tokens: int) -> RetentionPlan:
-    """``plan`` with every prompt token it leaves uncovered at 35, no expiry (the same plan when none is).
-
-    What TensorRT-LLM gives a *new* block without a range, made explicit so that a *reused*
-    block is reset to it too rather than keeping what another candidate gave it.
-    """
-    gaps: list[TokenRange] = []
-    at = 0
-    for rng in plan.ranges:
-        if rng.start > at:
-            gaps.append(TokenRange(at, rng.start, DEFAULT_PRIORITY))
-        if rng.end is None:
-            at = None
-            break
-        at = rng.end
-    if at is not None and at < num_tokens:
-        gaps.append(TokenRange(at, None, DEFAULT_PRIORITY))
-    if not gaps:
-        return plan
-    ranges = tuple(sorted((*plan.ranges, *gaps), key=lambda r: r.start))
-    return replace(plan, ranges=ranges)
+    """``plan`` with every prompt token it leaves uncovered at 35, no expiry (the same plan when none is):
+    what TensorRT-LLM gives a *new* block without a range, made explicit so that a *reused* block is
+    reset to it too rather than keeping what another candidate gave it (:func:`~retention.types.filled`)."""
+    ranges = filled(plan.ranges, DEFAULT_PRIORITY, end=num_tokens)
+    return plan if len(ranges) == len(plan.ranges) else replace(plan, ranges=ranges)
 
 
 @dataclass(slots=True)
@@ -112,14 +97,13 @@ class AdaptiveSelector:
         for the bands defaults to the static plan's.
         """
         decode = static.decode_priority if decode_priority is None else decode_priority
-        static = covering(static, num_tokens)
         duel = self.duel
         kept = duel.kept(hashes)
         index = duel.choice(tenant)
 
         def candidate(name: str) -> RetentionPlan:
             if name == "static":
-                return static
+                return covering(static, num_tokens)
             if name == "protect":
                 return protect_plan(self.tracker, hashes, num_tokens=num_tokens, tokens_per_block=tokens_per_block,
                                     now=now, offload_min_priority=self.offload_min_priority, decode_priority=decode)
