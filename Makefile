@@ -11,7 +11,7 @@ STAMP  := $(VENV)/.kvgate-installed
 # NVIDIA AIPerf (a test and bench client) in a venv of its own: its pins clash with kvgate's.
 AIPERF_VENV  := .venv-aiperf
 AIPERF_STAMP := $(AIPERF_VENV)/.installed
-# LiteLLM, only for bench/gateway_litellm.py (kvgate against LiteLLM side by side), in a venv of
+# LiteLLM, only for bench/server/vs_litellm.py (kvgate against LiteLLM side by side), in a venv of
 # its own (its proxy pins clash with kvgate's); never part of make test.
 LITELLM_VENV  := .venv-litellm
 LITELLM_STAMP := $(LITELLM_VENV)/.installed
@@ -53,18 +53,18 @@ test: setup $(AIPERF_STAMP)
 # both write their figures into docs/reliability.md.
 test-reliability: setup
 	OMP_NUM_THREADS=1 KVGATE_RELIABILITY_WRITE=1 $(PY) -m pytest -q -m "reliability or reliability_full" tests/reliability
-	OMP_NUM_THREADS=1 $(PY) bench/load.py
-	OMP_NUM_THREADS=1 $(PY) bench/chaos.py
+	OMP_NUM_THREADS=1 $(PY) bench/reliability/load.py
+	OMP_NUM_THREADS=1 $(PY) bench/reliability/chaos.py
 
 # Each script prints its figures and rewrites only its own section of docs/benchmarks.md
 # (load: docs/reliability.md). Run on a quiet machine; the engine bench takes ~10 minutes.
-BENCHES := pool_ops simulate routing_sim routing_families rag_chat generalize age_ceiling hints conversation learning_lag shadow mrc registry_auth gateway gateway_litellm engine multirow routing capture load usage_journal aiperf
+BENCHES := retention/pool_ops retention/simulate routing/simulator routing/families retention/rag_chat retention/generalize retention/age_ceiling retention/hints retention/conversation retention/learning_lag retention/shadow server/mrc server/registry_auth server/overhead server/vs_litellm engine/reference engine/multirow routing/live retention/capture reliability/load server/usage_journal server/aiperf
 
 bench: setup $(AIPERF_STAMP) $(LITELLM_STAMP)
 	for b in $(BENCHES); do OMP_NUM_THREADS=1 $(PY) bench/$$b.py || exit 1; done
 
-bench-gateway_litellm: setup $(LITELLM_STAMP)
-	OMP_NUM_THREADS=1 $(PY) bench/gateway_litellm.py
+bench-server/vs_litellm: setup $(LITELLM_STAMP)
+	OMP_NUM_THREADS=1 $(PY) bench/server/vs_litellm.py
 
 bench-%: setup
 	OMP_NUM_THREADS=1 $(PY) bench/$*.py

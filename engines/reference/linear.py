@@ -15,7 +15,7 @@ CPU freezing pass runs linears (``torch/_inductor/fx_passes/mkldnn_fusion.py``:
 ``mkldnn._reorder_linear_weight`` once, ``mkldnn._linear_pointwise`` per call). Packing
 once saves the per-call weight reorder that a plain ``x @ W.T`` pays. The copy is bf16
 where the CPU runs bf16 natively and fp32 elsewhere (:func:`multi_row_linear`;
-``bench/multirow.py`` measures the choice).
+``bench/engine/multirow.py`` measures the choice).
 
 Invariant: every backend computes ``x @ W.T`` for the same ``W`` (up to the activation
 rounding of its compute dtype) and returns ``x``'s dtype.

@@ -47,7 +47,7 @@ bounds the waste of a conversation nobody continues.
 
 **Only while it pays.** A hold is a bet that the held prefix is worth more than what it
 pushes out; on a pool of tool loops alone it is LRU's order plus the budget's cuts, and it
-lost (``bench/conversation.py``). So the ledger carries a :class:`~retention.policy.hold_duel.HoldDuel`:
+lost (``bench/retention/conversation.py``). So the ledger carries a :class:`~retention.policy.hold_duel.HoldDuel`:
 conversations fall by a salted hash of their root response id into an "always hold" leader
 set, a "never hold" one and followers, and the followers hold only while the always-leaders'
 continuations find more of their prompt cached (usage ``cached_tokens``) than the
@@ -72,7 +72,7 @@ from retention.types import RetentionPlan
 GapKind = Literal["tool", "turn"]
 MAX_RESPONSES = 65_536  # stored responses tracked per tenant
 # The hold covers the median measured gap (margin 1). Chosen on the chat family (a *tune*
-# family) among p90×2 (the hint ledger's), p50×1, p50×0.5 and p25×1 (bench/conversation.py
+# family) among p90×2 (the hint ledger's), p50×1, p50×0.5 and p25×1 (bench/retention/conversation.py
 # states the figures); never looked at on the report families.
 GAP_QUANTILE = 0.5
 GAP_MARGIN = 1.0

@@ -73,7 +73,7 @@ def demote_priority(secondary_blocks: int, offload_min_priority: int) -> int:
     at or above ``mSecondaryOffloadMinPriority``; below it the block is dropped. Without a host
     tier that makes no difference, and 0 puts the demoted blocks before every other one. With a
     host tier, 0 drops them, and a run that comes back after all (one that waited for a human,
-    or a deleted branch's shared history) recomputes what the host tier would have kept (``bench/conversation.py``, seed 0,
+    or a deleted branch's shared history) recomputes what the host tier would have kept (``bench/retention/conversation.py``, seed 0,
     agent-loop at 2 % GPU + 4x host: adaptive with the run's-end demote 85.61 % at 0 against
     adaptive's 87.74 % without it; 87.74 % at the threshold, 30 by default). So a
     pool with a host tier demotes to its threshold when that is still below the default 35

@@ -33,7 +33,7 @@ block, unheld ``never`` leaders are outranked by every held one. The contest mea
 it better to be held than not", not "is the pool better off if everybody is held", and it
 leans towards holding: on ``agent-loop`` (seed 0, GPU 2 %) the always-leaders find 73 % of
 their continuations' prompt cached against the never-leaders' 62 %, the followers hold, and
-the pool ends about a point below plain LRU (``bench/conversation.py`` states the figures).
+the pool ends about a point below plain LRU (``bench/retention/conversation.py`` states the figures).
 Alternating the arm for the whole pool in time (epochs, an unbiased comparison) was tried
 and costs more than it finds: holding in some epochs and not in others put chat 2.4 points
 below LRU (a prefix held in one epoch outranks the next epoch's unheld ones). So the duel

@@ -42,7 +42,7 @@ instantaneous load differences between replicas outweigh most prefix hits, so
 conversations scatter and the hit rate stays near 60 % of the one-big-pool ceiling; with
 the band, and recent prefill work instead of active blocks as the main load signal, it is
 95 %, with the busiest replica computing 4 % more prefill than the mean. Over every workload
-family, replica count, capacity and arrival rate (``bench/routing_families.py``) they meet the
+family, replica count, capacity and arrival rate (``bench/routing/families.py``) they meet the
 targets (≥ 90 % of the ceiling, ≥ the best baseline, imbalance ≤ 1.3) in most but not all
 settings, and no single band does better everywhere (docs/architecture.md, "Routing").
 

@@ -36,7 +36,7 @@ shadow beats the pool's choice's shadow on all tenants' hits, by the same rule a
 tenant follows the pool's choice. The mix shadow starts with the second tenant (with one, the
 mix is the pool's choice), so single-tenant pools pay nothing for it.
 
-Why a fixed relative margin, and not a finer test. Measured (``bench/conversation.py``'s cells, seed
+Why a fixed relative margin, and not a finer test. Measured (``bench/retention/conversation.py``'s cells, seed
 0, host 0 unless said) where ``adaptive`` trails the best single candidate by more than 0.25 points,
 the shortfall has three causes, none of them flapping between two tied candidates: *the learning
 lag* (chat 2 %, noisy-neighbour 2 %: one switch, at 23 % and 26 % of the sampled requests; in chat,
@@ -46,7 +46,7 @@ points over static in the 2nd and 3rd tenth of the trace) and the shadows do not
 sub-margin lead* (agent-mixed 2 %, host 4×: the bands lead static in the shadows by under 1 %
 relative for the whole trace, never 3 %); *an excursion* (chat 1 %, chat-long 2 %: static → protect
 → bands → protect). Three variants, each evaluated on the 20 cells of that bench's verdict and
-``bench/generalize.py``'s 64: a lead counted in standard errors of the paired, decayed per-request
+``bench/retention/generalize.py``'s 64: a lead counted in standard errors of the paired, decayed per-request
 hit difference (margin 0, one standard error) takes agent-mixed's lead (84.36 % against the bands'
 84.32 %) but also follows sub-margin leads between candidates that are equal alone, and switches
 there and back (agent 2 %: protect 70.41 %, static 70.33 %, the variant 69.72 %; chat-long 10 %:
@@ -74,14 +74,14 @@ One is the rule's and stays: a switch from ``static`` to the bands (GPU only) le
 of blocks at 35, which on the bands' scale rank above every first use (T, 30 by default) and
 below nothing a one-shot flood sends, so they keep their slots for good: noisy-neighbour 2 %,
 ``adaptive`` 2.88 % against the bands' 3.25 %, the gap persisting over the second half and
-at four times its length (``bench/learning_lag.py``). First uses at max(T, 35) (in LRU order with
+at four times its length (``bench/retention/learning_lag.py``). First uses at max(T, 35) (in LRU order with
 that layer) recover most of it (2.88 → 3.14 %, the bands alone unchanged), but cost the bands where
-first uses rarely return (``bench/generalize.py``, GPU only: synthetic 0.1–0.7 points, api 0.1–0.5,
+first uses rarely return (``bench/retention/generalize.py``, GPU only: synthetic 0.1–0.7 points, api 0.1–0.5,
 both selecting the bands; chat 2 % bands 36.99 → 36.74 %): a loss on the tune families for a gain
 on one, so the bands keep T.
 
 With a host tier the two candidates differ only in where measured one-shot blocks go (35 or T),
-so a switch costs little, and a margin of 0 (``bench/generalize.py``'s 44 host-4× cells, measured
+so a switch costs little, and a margin of 0 (``bench/retention/generalize.py``'s 44 host-4× cells, measured
 apart from the bench) takes agent-mixed's sub-margin lead (2 %: 84.28 % against the bands' 84.32 %,
 was 83.99 %) and api's (5 %: 0.65 points below the bands, was 1.19), but follows noise where the
 candidates tie (rag 2 %: 4 switches, 0.23 points below static, was level; synthetic 2 %: 0.30 below

@@ -38,7 +38,7 @@ shaped for it (host tier or not, offload threshold). Built-ins:
 
 Offline reference policies that need the whole request list (``oracle-reuse``,
 ``oracle-reuse-within-<T>s``, ``oracle-next-use``) live in ``retention/simulation/oracle.py``; they
-implement the same :class:`SimPolicy` protocol and are built by ``bench/simulate.py``.
+implement the same :class:`SimPolicy` protocol and are built by ``bench/retention/simulate.py``.
 """
 
 from __future__ import annotations

@@ -13,15 +13,15 @@ parameters are documented on each spec dataclass.
 | ``rag`` | :mod:`~retention.workloads.rag` (Zipf documents, follow-ups) | report only |
 | ``agent`` | :mod:`~retention.workloads.agent` (tool loops, growing context) | report only |
 | ``api`` | :mod:`~retention.workloads.api` (single turn, 200 Zipf system prompts) | report only |
-| ``agent-hinted`` | :mod:`~retention.workloads.agent_hinted` (agent loops marking system + tools 1 h and the conversation 5 min, beside unhinted one-shot traffic; ``bench/hints.py``) | report only |
-| ``agent-loop`` | :mod:`~retention.workloads.agent` as Responses runs (each step continues the previous stored response and offers tools; half the runs deleted when they end, the rest abandoned; ``bench/conversation.py``) | report only |
-| ``agent-mixed`` | :mod:`~retention.workloads.mixed` (agent-loop runs of one tenant beside another tenant's api one-shots, 1.5/s; ``bench/conversation.py``) | report only |
-| ``rag-chat`` | :mod:`~retention.workloads.rag_chat` (the design notes' RAG chat: 1.5K system, 8K retrieved, 6 turns; ``bench/rag_chat.py``) | report only |
+| ``agent-hinted`` | :mod:`~retention.workloads.agent_hinted` (agent loops marking system + tools 1 h and the conversation 5 min, beside unhinted one-shot traffic; ``bench/retention/hints.py``) | report only |
+| ``agent-loop`` | :mod:`~retention.workloads.agent` as Responses runs (each step continues the previous stored response and offers tools; half the runs deleted when they end, the rest abandoned; ``bench/retention/conversation.py``) | report only |
+| ``agent-mixed`` | :mod:`~retention.workloads.mixed` (agent-loop runs of one tenant beside another tenant's api one-shots, 1.5/s; ``bench/retention/conversation.py``) | report only |
+| ``rag-chat`` | :mod:`~retention.workloads.rag_chat` (the design notes' RAG chat: 1.5K system, 8K retrieved, 6 turns; ``bench/retention/rag_chat.py``) | report only |
 
 *Tune* families are the ones retention policies may be tuned on (``adaptive`` was built
 on ``synthetic`` and the noisy neighbour before this table existed; its selection on
 ``synthetic`` and ``chat``); *report only* families are held out: the evaluation
-(``bench/generalize.py``) reports them but nobody picks a parameter by looking at them.
+(``bench/retention/generalize.py``) reports them but nobody picks a parameter by looking at them.
 """
 
 from __future__ import annotations

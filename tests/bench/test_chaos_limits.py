@@ -1,4 +1,4 @@
-"""The chaos run's lowered-limit measurement (``bench/chaos_limits.py``) on made-up engine calls.
+"""The chaos run's lowered-limit measurement (``bench/reliability/chaos_limits.py``) on made-up engine calls.
 
 The shape of the failing run: a tenant had many calls in flight under its old limit when the
 limit was lowered to 4; they outlive the bound on a loaded machine; a call reaching the
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-from bench.chaos_limits import breakdown, max_after_drained, max_at_arrivals
+from bench.reliability.chaos_limits import breakdown, max_after_drained, max_at_arrivals
 
 CHANGE, BOUND = 100.0, 5.0
 

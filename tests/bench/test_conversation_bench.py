@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from bench.conversation import run
+from bench.retention.conversation import run
 from bench.report import write_section
 
 pytestmark = pytest.mark.slow

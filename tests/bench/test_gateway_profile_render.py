@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from bench.gateway_litellm import frame_group, render_profile
+from bench.server.vs_litellm import frame_group, render_profile
 
 
 def test_before_and_after_tops_render_side_by_side() -> None:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from bench.learning_lag import halves, prefix
+from bench.retention.learning_lag import halves, prefix
 from retention.simulation.sim_policies import make_policy
 from retention.trace import ResponseDeletion, TraceRequest
 

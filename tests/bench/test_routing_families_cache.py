@@ -6,7 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from bench.routing_families import fingerprint
+from bench.routing.families import fingerprint
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -21,7 +21,7 @@ def test_an_extra_router_is_cached_by_its_knobs_defaults_included() -> None:
 
 
 def test_an_unknown_router_is_refused_before_any_replay() -> None:
-    run = subprocess.run([sys.executable, str(ROOT / "bench" / "routing_families.py"), "--routers", "nope"],
+    run = subprocess.run([sys.executable, str(ROOT / "bench" / "routing" / "families.py"), "--routers", "nope"],
                          capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert run.returncode == 2 and "unknown --routers nope" in run.stderr
 
@@ -30,7 +30,7 @@ def test_the_bounded_scale_is_replayed_and_judged_over_the_whole_grid() -> None:
     """The scale's bounds chosen on the tune families ([½, 4]) are an extra router of the grid, judged against
     kv-aware by the adoption rule like every self-tuning row; the rows tried with the defaults' bounds pin
     them, so a change of ``BandTuning``'s defaults cannot silently change (or reuse) their figures."""
-    from bench.routing_families import BOUNDED, EXTRAS, FADING, FORGIVING, SELF_TUNING, SQUARED, TUNINGS, WIDE
+    from bench.routing.families import BOUNDED, EXTRAS, FADING, FORGIVING, SELF_TUNING, SQUARED, TUNINGS, WIDE
 
     assert EXTRAS[BOUNDED[0]] == ("kv-adaptive", {}, {"min_scale": 0.5, "max_scale": 4.0})
     assert BOUNDED[0] in SELF_TUNING

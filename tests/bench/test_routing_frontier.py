@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from bench.routing_frontier import Point, classify, explained, pareto, points, small, tally
-from bench.routing_verdicts import judge, met
+from bench.routing.frontier import Point, classify, explained, pareto, points, small, tally
+from bench.routing.verdicts import judge, met
 
 
 def setting(**placements: tuple[float, float]) -> dict:

@@ -1,6 +1,6 @@
 """Bench figures are seeded: one bench's computation run twice gives the same figures.
 
-The cheap entry point is the noisy-neighbour section of ``bench/simulate.py`` (seven
+The cheap entry point is the noisy-neighbour section of ``bench/retention/simulate.py`` (seven
 replays of a generated trace, no timings): run twice with its seed it gives the same text,
 which states the seed; another seed draws another trace and other figures (the seed is
 what fixes them, not a constant input).
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from bench.simulate import noisy_section
+from bench.retention.simulate import noisy_section
 
 pytestmark = pytest.mark.slow
 

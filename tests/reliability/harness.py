@@ -1,4 +1,4 @@
-"""Processes and registries the reliability suite (and ``bench/load.py``) runs against.
+"""Processes and registries the reliability suite (and ``bench/reliability/load.py``) runs against.
 
 Everything here is real: the gateway is ``kvgate serve`` in a child process (so a test
 can SIGTERM or SIGKILL it, or read its RSS), the engine is ``kvgate engine serve`` (the

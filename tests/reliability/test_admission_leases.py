@@ -48,7 +48,7 @@ def test_sigkilled_gateways_leases_lapse_within_one_ttl_and_live_ones_are_renewe
     import redis
 
     port = free_port()
-    engine = subprocess.Popen([sys.executable, str(ROOT / "bench" / "fixed_engine.py"), "--port", str(port),
+    engine = subprocess.Popen([sys.executable, str(ROOT / "bench" / "server" / "fixed_engine.py"), "--port", str(port),
                                "--tokens", "40", "--token-delay-ms", "300"],
                               stdout=open(tmp_path / "engine.log", "ab"), stderr=subprocess.STDOUT, cwd=ROOT)
     registry = Registry(f"sqlite:///{tmp_path / 'registry.db'}", pepper=PEPPER)

@@ -1,7 +1,7 @@
-"""Chaos over a small fleet of real processes (``bench/chaos.py``, one implementation).
+"""Chaos over a small fleet of real processes (``bench/reliability/chaos.py``, one implementation).
 
 Two ``kvgate serve`` on Redis admission and a PostgreSQL registry, three engine replicas
-(the reference engine and two ``bench/fixed_engine.py``), four salted tenants, streaming
+(the reference engine and two ``bench/server/fixed_engine.py``), four salted tenants, streaming
 load while faults land at recorded moments. Asserted: every stream ends exactly once
 (complete, or a terminal OpenAI-shaped error event; a gateway SIGKILL can only cut its own
 streams), none hangs past the first-token deadline, every complete stream is exactly what
@@ -22,7 +22,7 @@ import asyncio
 
 import pytest
 
-from bench.chaos import ALL_FAULTS, run_chaos
+from bench.reliability.chaos import ALL_FAULTS, run_chaos
 from tests.reliability.test_faults import _redis_reachable
 from tests.server.gateway.stack import Stack
 from tests.tenants.fixtures import postgres_reachable
@@ -73,7 +73,7 @@ def test_chaos_full(stack: Stack, tmp_path, figures) -> None:
         time_budget_s=240.0, spread_s=60.0))
     figures.record("chaos: full (1,000 streams, every fault)", **report.as_dict())
     check(report, gateway_kill=False)
-    # The lowered limit binds admissions decided one auth TTL after the change (bench/chaos_limits.py):
+    # The lowered limit binds admissions decided one auth TTL after the change (bench/reliability/chaos_limits.py):
     # counted in Redis at every grant after the bound and at the engines once older calls ended.
     new_limit = next(iter(report.lowered_limit.values()))
     leases = report.redis_leases_after_lowering

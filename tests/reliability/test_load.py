@@ -1,6 +1,6 @@
 """Load (issue 8, item 1): concurrent streams from several tenants, limits checked at the engine.
 
-The scenario is ``bench/load.py``'s (one implementation): ``kvgate serve`` in its own
+The scenario is ``bench/reliability/load.py``'s (one implementation): ``kvgate serve`` in its own
 process, the reference engine behind a counting proxy, tenants with concurrency limits
 below their share of the burst, 429 ``max_concurrent`` answers retried by the clients.
 The fast subset bursts 40 streams; the full suite the issue's 200, once through one
@@ -14,7 +14,7 @@ import socket
 
 import pytest
 
-from bench.load import run_load
+from bench.reliability.load import run_load
 from tests.server.gateway.stack import Stack
 
 RSS_GROWTH_BOUND_MIB = 64  # a burst may warm caches; a per-request leak of even 300 KiB x 200 would exceed it

@@ -43,7 +43,7 @@ and is counted in ``kvgate_conversation_demotes_total`` by trigger (``delete``) 
 
 **The end of a run.** A stored Responses request that offered tools and is answered with a
 message, not a function call, most likely ended its agent's run (the simulator's ``X+end``,
-:mod:`retention.simulation.conversational`; its figures in ``bench/conversation.py``'s section
+:mod:`retention.simulation.conversational`; its figures in ``bench/retention/conversation.py``'s section
 of docs/benchmarks.md). Its response stays stored, but the same kind of demote is sent for its
 own prompt (the engine saw it; nothing is rebuilt), in the background once the row is stored
 (:meth:`Demotes.spawn_end`, trigger ``end``; it waits up to ``END_INDEX_WAIT_S`` for the

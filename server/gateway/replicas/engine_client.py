@@ -324,7 +324,7 @@ class EngineClient:
           ``triton_enable_empty_final_response`` (triton-inference-server/server
           ``src/grpc/stream_infer_handler.cc``, ``ModelStreamInferHandler::
           StreamInferResponseComplete``); the gateway never asks.
-        * The reference engine and ``bench/fixed_engine.py``: tested
+        * The reference engine and ``bench/server/fixed_engine.py``: tested
           (tests/engines/reference/test_one_message.py), as is the Triton model against its
           doubles (tests/engines/triton/test_model.py).
 

@@ -3,7 +3,7 @@
 A request with ``streaming`` false gets exactly one ``ModelStreamInfer`` message, final or an
 error, whatever ends it: its answer, a bad input, a ``stop`` (both the stopped request and
 the stop call), a stats call. Every message of the call is read, up to the end of the
-stream, so an extra one would be counted. The same holds for ``bench/fixed_engine.py``.
+stream, so an extra one would be counted. The same holds for ``bench/server/fixed_engine.py``.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import grpc
 import numpy as np
 from tritonclient.grpc import service_pb2, service_pb2_grpc
 
-from bench.fixed_engine import FixedModel
+from bench.server.fixed_engine import FixedModel
 from engines.contract import encode_request
 from server.gateway.replicas.engine_client import _request_proto
 from tests.engines.reference.helpers import MODEL, chat_ids, make_request

@@ -6,7 +6,7 @@ import secrets
 
 import pytest
 
-from bench.aiperf import metric, profile_command, run_profile, write_tokenizer_dir
+from bench.server.aiperf import metric, profile_command, run_profile, write_tokenizer_dir
 from tests.server.gateway.stack import MODEL, Stack
 
 pytestmark = pytest.mark.slow

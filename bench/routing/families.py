@@ -1,0 +1,667 @@
+"""Routing that generalizes: every workload family × replicas × GPU × host × arrival rate.
+
+Usage: ``OMP_NUM_THREADS=1 .venv/bin/python bench/routing/families.py [--no-write] [--workers N]
+[--families fam,fam] [--routers label,label] [--requests N] [--cache FILE] [--tune-only --tune-json FILE]``
+
+Re-evaluating one router quickly: ``--cache out/routing_families.jsonl --routers kv-adaptive``
+reuses every baseline setting already in the cache (the grid: random, round-robin, session,
+Dynamo, kv-aware and the two diagnostics, with the ceiling) and replays only the named extra
+routers, even where the cache holds them (their code may have changed; an extra router's
+cached figures are keyed by its router and its full cost and band knobs, defaults included,
+so a changed default is never read back stale). ``--families`` replays a subset of the
+families; such a run prints its section but never writes it (the section is the whole grid).
+
+Writes the ``bench:routing_families`` section of docs/benchmarks.md and
+docs/img/routing_families.png. Deterministic: every generated family is drawn with seed
+``SEED`` and cut to its first ``REQUESTS`` requests (the public synthetic trace too), so the
+same code gives the same figures; only the wall-clock line varies.
+
+Grid: 2 / 4 / 8 replicas × 1 / 2 / 5 % GPU per replica (of the cut trace's distinct blocks,
+at least the largest request) × host 0 (policy ``lru``) / 4× (``trtllm-default``) ×
+arrival rate ×1 / ×2 / ×4 (timestamps divided), ``--hold tokens``. Routers: ``random``,
+``round-robin``, ``session``, Dynamo's cost, kv-aware (defaults, honouring the traces'
+``prompt_cache_key`` and keying a stored Responses conversation without one by its root
+response, as the gateway does), ``kv-adaptive`` (the self-tuning band, retention/routing/tuning.py),
+and two diagnostics: kv-aware without the client's key (a stored conversation still keyed by
+its root: what the gateway does for a Responses client that sends no key), and kv-aware with
+no load term at all ("cache only": what affinity alone reaches, at whatever imbalance).
+Ceiling: one pool with N× the GPU and host blocks.
+
+Targets, in every setting: ≥ 90 % of the ceiling, ≥ the best baseline (random,
+round-robin, session, Dynamo), load imbalance (max / mean prefill tokens computed per
+replica) ≤ 1.3. Each missed target is classified against the setting's measured frontier
+(``bench/routing/frontier.py``): every placement replayed there, kv-aware's band swept from
+tight to loose (``BANDS``) among them, as (hit rate, imbalance) points: infeasible or a
+trade-off when no placement within 1.3 imbalance meets it, else a router shortfall. Every
+setting's Pareto frontier and verdicts go to docs/data/routing_frontier.jsonl.
+
+kv-adaptive's own knobs (``TUNINGS``) are compared on the tune families only
+(``--tune-only``, which needs their grid in ``--cache``); the report families are replayed
+with the chosen knobs only. ``--cache`` keeps every finished setting (and each extra
+router's, in ``<cache>.extras.jsonl``, and the losses' replays on other draws, in
+``<cache>.seeds.jsonl``) so a long run can be resumed or split.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import json
+import sys
+import time
+from concurrent.futures import ProcessPoolExecutor, as_completed
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+from bench.report import machine, seed_line, synthetic_trace, workload_grid, write_section  # noqa: E402
+from bench.routing import frontier  # noqa: E402
+from bench.routing.replays import replay_all  # noqa: E402
+from bench.routing import seeds as routing_seeds  # noqa: E402
+from bench.routing.frontier import where  # noqa: E402
+from bench.routing.verdicts import BASELINES, all_three, judge, met, pct  # noqa: E402
+
+TRACE = synthetic_trace()
+PLOT = ROOT / "docs" / "img" / "routing_families.png"
+FRONTIER = ROOT / "docs" / "data" / "routing_frontier.jsonl"  # every setting's Pareto frontier and verdicts
+SEED = 0  # every generated family is drawn with it
+REQUESTS = 300  # each replay is cut to its first REQUESTS requests (grid + candidate: 25 minutes on 2 cores shared at load ~12)
+REPLICAS = (2, 4, 8)
+SHARES = (0.01, 0.02, 0.05)
+HOSTS = (0, 4)
+RATES = (1, 2, 4)
+ROUTERS = (*BASELINES, "kv-aware", "kv-aware, no key", "cache only")
+
+
+def workloads() -> dict[str, str]:
+    from retention.workloads import families
+
+    out = {"synthetic": "tune"}
+    out.update({f.name: f.role for f in families()})
+    return out
+
+
+@functools.lru_cache(maxsize=None)
+def load(name: str, requests: int, seed: int = SEED):  # noqa: ANN201
+    from retention.trace import parse_trace
+    from retention.workloads import families
+
+    if name == "synthetic":
+        with TRACE.open() as handle:
+            return parse_trace(handle)[:requests]
+    family = next(f for f in families() if f.name == name)
+    return parse_trace([json.dumps(x) for x in family.generate(seed)])[:requests]
+
+
+def configs(replicas: int, keyed: bool) -> dict:
+    from retention.routing import CostModel
+    from retention.simulation.cluster_sim import ClusterConfig
+
+    out = {
+        "random": ClusterConfig(replicas, "random"),
+        "round-robin": ClusterConfig(replicas, "round-robin"),
+        "session": ClusterConfig(replicas, "session"),
+        # Dynamo's router knows neither OpenAI's prompt_cache_key nor stored conversations
+        "dynamo": ClusterConfig(replicas, "kv-aware", cost=CostModel.dynamo(), affinity=False, conversations=False),
+        "kv-aware": ClusterConfig(replicas, "kv-aware"),
+        "kv-aware, no key": ClusterConfig(replicas, "kv-aware", affinity=False),
+        "cache only": ClusterConfig(replicas, "kv-aware", cost=CostModel(balance_request_share=1e9)),
+    }
+    if not keyed:  # no line carries a key: the same replay as kv-aware
+        del out["kv-aware, no key"]
+    return out
+
+
+def gpu_blocks(name: str, requests: int, share: float, seed: int = SEED) -> int:
+    """Per-replica GPU blocks: ``share`` of the cut trace's distinct blocks, at least its largest request."""
+    from retention.trace import distinct_blocks
+
+    trace = load(name, requests, seed)
+    largest = max(-(-(r.input_length + r.output_length) // 512) for r in trace)
+    return max(largest, round(distinct_blocks(trace) * share))
+
+
+def run_setting(name: str, requests: int, replicas: int, gpu: int, host: int, rate: int) -> dict:
+    """Every router and the ceiling for one setting (one process)."""
+    from retention.simulation.cluster_sim import compare_routers
+    from retention.simulation.sim_policies import make_policy
+    from retention.simulation.simulator import SimConfig
+
+    trace = load(name, requests)
+    if rate != 1:
+        trace = [dataclasses.replace(r, timestamp_ms=r.timestamp_ms / rate) for r in trace]
+    keyed = any(r.hints is not None and r.hints.cache_key is not None for r in trace)
+    routers = configs(replicas, keyed)
+    report = compare_routers(
+        trace, lambda: make_policy("trtllm-default" if host else "lru"), list(routers.values()),
+        labels=list(routers), primary_blocks=gpu, secondary_blocks=host * gpu, config=SimConfig(hold="tokens"),
+    )
+    # the ceiling's hit tokens: a ceiling of few blocks makes every share of it a ratio of small numbers
+    out = {"ceiling": report.ceiling.hit_rate, "ceiling_hit_tokens": report.ceiling.hit_tokens, "keyed": keyed}
+    for label in ROUTERS:
+        r = report.results[label if label in routers else "kv-aware"]
+        out[label] = {"hit": r.total.hit_rate, "imbalance": r.load_imbalance}
+    return out
+
+
+# How the band was chosen: each knob of the band varied on the tune families only, at four settings.
+VARIANT_SETTINGS = ((4, 0.02, 4, 1), (4, 0.02, 4, 4), (8, 0.02, 4, 1), (2, 0.02, 0, 1))
+VARIANTS = (
+    ("defaults (band: 1 request, ×1.5)", {}),
+    ("balance_request_share 2", {"balance_request_share": 2.0}),
+    ("balance_request_share 4", {"balance_request_share": 4.0}),
+    ("balance_rel 2", {"balance_rel": 2.0}),
+    ("recent_weight 0.1", {"recent_weight": 0.1}),
+    ("affinity_credit 0 (key breaks ties only)", {"affinity_credit": 0.0}),
+)
+
+
+def run_variants(name: str, requests: int, replicas: int, gpu: int, host: int, rate: int) -> dict:
+    """kv-aware with each cost variant, and the ceiling, for one tune setting."""
+    from retention.routing import CostModel
+    from retention.simulation.cluster_sim import ClusterConfig, compare_routers
+    from retention.simulation.sim_policies import make_policy
+    from retention.simulation.simulator import SimConfig
+
+    trace = load(name, requests)
+    if rate != 1:
+        trace = [dataclasses.replace(r, timestamp_ms=r.timestamp_ms / rate) for r in trace]
+    report = compare_routers(
+        trace, lambda: make_policy("trtllm-default" if host else "lru"),
+        [ClusterConfig(replicas, "kv-aware", cost=CostModel(**knobs)) for _, knobs in VARIANTS],
+        labels=[label for label, _ in VARIANTS], primary_blocks=gpu, secondary_blocks=host * gpu,
+        config=SimConfig(hold="tokens"),
+    )
+    return {"ceiling": report.ceiling.hit_rate, **{label: {"hit": r.total.hit_rate, "imbalance": r.load_imbalance}
+                                                  for label, r in report.results.items()}}
+
+
+CANDIDATE = ("kv-aware, balance_rel 2", {"balance_rel": 2.0})  # the best fixed variant on the tune families
+ADAPTIVE = "kv-adaptive"  # the self-tuning band (retention/routing/tuning.py), its default knobs
+# The self-tuning band's knobs tried on the tune families only (every tune setting); the first is the default.
+# The scale's bounds, [1/4, 64] (BandTuning's defaults): pinned in every row tried with them, so its figures
+# (and its cached replays) stay those it was chosen on whatever the defaults become.
+WIDE = {"min_scale": 0.25, "max_scale": 64.0}
+TUNINGS = (
+    ("step ×2, max scale 64, warm-up 4 per replica, forgive 0", {**WIDE, "forgive": 0.0}),
+    # the scale's bounds (tuning.py, min_scale / max_scale): how far the band may tighten and widen
+    *((f"scale within [{lo:g}, {hi:g}]", {"min_scale": lo, "max_scale": hi})
+      for lo, hi in ((0.5, 4.0), (0.5, 1.0), (0.5, 2.0), (0.5, 3.0), (0.5, 8.0), (0.5, 64.0), (0.25, 2.0),
+                     (0.25, 4.0))),
+    ("forgive ½ dispatch", {**WIDE, "forgive": 0.5}),
+    ("forgive 1 dispatch", {**WIDE, "forgive": 1.0}),
+    ("forgive 2 dispatches", {**WIDE, "forgive": 2.0}),
+    ("forgive 3 dispatches", {**WIDE, "forgive": 3.0}),
+    ("forgive 8 dispatches", {**WIDE, "forgive": 8.0}),
+    ("forgive 0, warm-up 16 per replica", {**WIDE, "forgive": 0.0, "warmup_per_replica": 16}),
+    ("gentler: step ×√2, max scale 8, forgive 0", {**WIDE, "step": 2 ** 0.5, "max_scale": 8.0, "forgive": 0.0}),
+    # the allowance fades with each replica's dispatch count (tuning.py, forgive_fade)
+    ("forgive 3, fading after 4 dispatches per replica", {**WIDE, "forgive": 3.0, "forgive_fade": 4.0}),
+    ("forgive 3, fading after 16 dispatches per replica", {**WIDE, "forgive": 3.0, "forgive_fade": 16.0}),
+    ("forgive 8, fading after 4 dispatches per replica", {**WIDE, "forgive": 8.0, "forgive_fade": 4.0}),
+    # the fading row, tightening whenever the raw measure passes a limit (tuning.py, forgive_limit)
+    *((f"forgive 8, fading after 4, raw limit {limit:g}",
+       {**WIDE, "forgive": 8.0, "forgive_fade": 4.0, "forgive_limit": limit}) for limit in (1.3, 1.35, 1.4, 1.5)),
+    # the allowance fading as (fade / n_r)² instead of fade / n_r (tuning.py, forgive_fade_power)
+    *((f"forgive 8, fading as the square after {fade} dispatches per replica",
+       {**WIDE, "forgive": 8.0, "forgive_fade": float(fade), "forgive_fade_power": 2.0}) for fade in (4, 8, 16)),
+)
+# The tune families' best count (forgive 3), over the whole grid: not the default, it adds imbalance misses.
+FORGIVING = ("kv-adaptive, forgive 3", {**WIDE, "forgive": 3.0})
+# The fading rows' best on the tune families (127 of 162, as forgive 3 fading after 16; fewer imbalance
+# misses there: 14 vs 17), replayed over the whole grid.
+FADING = ("kv-adaptive, fading forgive", {**WIDE, "forgive": 8.0, "forgive_fade": 4.0})
+# The squared fade's best on the tune families (130 of 162, as many as constant forgive 3; the raw limits
+# lose settings there), replayed over the whole grid.
+SQUARED = ("kv-adaptive, squared fade", {**WIDE, "forgive": 8.0, "forgive_fade": 8.0, "forgive_fade_power": 2.0})
+# The scale's bounds' best on the tune families (124 of 162, the most of any bounds; the fewest router
+# shortfalls there), replayed over the whole grid.
+BOUNDED = ("kv-adaptive, bounded", {"min_scale": 0.5, "max_scale": 4.0})
+EXTRAS = {CANDIDATE[0]: ("kv-aware", CANDIDATE[1], {}), ADAPTIVE: ("kv-adaptive", {}, {}),
+          FORGIVING[0]: ("kv-adaptive", {}, FORGIVING[1]), FADING[0]: ("kv-adaptive", {}, FADING[1]),
+          SQUARED[0]: ("kv-adaptive", {}, SQUARED[1]), BOUNDED[0]: ("kv-adaptive", {}, BOUNDED[1])}
+# kv-aware's balance band swept from tight to loose with the existing knobs (the defaults are 1 request, ×1.5;
+# cache only is the loose limit): not candidates, the frontier each setting's verdict is read against.
+BANDS = {f"kv-aware, band {share:g} request, ×{rel:g}": ("kv-aware", {"balance_request_share": share, "balance_rel": rel}, {})
+         for share, rel in ((0.25, 1.1), (0.5, 1.25), (2.0, 2.0), (4.0, 3.0))}
+# Families whose requests are stored Responses conversations (the simulator keys them by their root without a client key).
+STORED = ("chat", "agent-loop", "agent-mixed")
+SELF_TUNING = (ADAPTIVE, FORGIVING[0], FADING[0], SQUARED[0], BOUNDED[0])  # the self-tuning routers, each judged against kv-aware
+
+
+def run_extra(router: str, cost: dict, tuning: dict, name: str, requests: int, replicas: int, gpu: int, host: int,
+              rate: int) -> dict:
+    """One router (cost knobs, band tuning knobs) for one setting (its ceiling is the grid's)."""
+    from retention.routing import BandTuning, CostModel
+    from retention.simulation.cluster_sim import ClusterConfig, simulate_cluster
+    from retention.simulation.sim_policies import make_policy
+    from retention.simulation.simulator import SimConfig
+
+    trace = load(name, requests)
+    if rate != 1:
+        trace = [dataclasses.replace(r, timestamp_ms=r.timestamp_ms / rate) for r in trace]
+    r = simulate_cluster(trace, lambda: make_policy("trtllm-default" if host else "lru"),
+                         cluster=ClusterConfig(replicas, router, cost=CostModel(**cost), tuning=BandTuning(**tuning)),
+                         primary_blocks=gpu, secondary_blocks=host * gpu, config=SimConfig(hold="tokens"))
+    return {"hit": r.total.hit_rate, "imbalance": r.load_imbalance}
+
+
+def run_seeded(label: str, name: str, requests: int, replicas: int, share: float, host: int, rate: int,
+               seed: int) -> float:
+    """``label``'s hit rate in one setting of the family drawn with ``seed`` (bench/routing/seeds.py)."""
+    from retention.routing import BandTuning, CostModel
+    from retention.simulation.cluster_sim import ClusterConfig, simulate_cluster
+    from retention.simulation.sim_policies import make_policy
+    from retention.simulation.simulator import SimConfig
+
+    trace = load(name, requests, seed)
+    if rate != 1:
+        trace = [dataclasses.replace(r, timestamp_ms=r.timestamp_ms / rate) for r in trace]
+    if label in EXTRAS or label in BANDS:
+        router, cost, tuning = {**EXTRAS, **BANDS}[label]
+        cluster = ClusterConfig(replicas, router, cost=CostModel(**cost), tuning=BandTuning(**tuning))
+    else:
+        cluster = configs(replicas, True)[label]
+    gpu = gpu_blocks(name, requests, share, seed)
+    r = simulate_cluster(trace, lambda: make_policy("trtllm-default" if host else "lru"), cluster=cluster,
+                         primary_blocks=gpu, secondary_blocks=host * gpu, config=SimConfig(hold="tokens"))
+    return r.total.hit_rate
+
+
+def variant_lines(variants: list[dict]) -> list[str]:
+    if not variants:
+        return []
+    out = [
+        "",
+        "How the band was chosen — kv-aware cost variants on the **tune** families only (share of the ceiling %, "
+        "load imbalance in brackets; each row changes one knob from the defaults):",
+        "",
+        "| variant | " + " | ".join(f"{v['family']} {where(v)}" for v in variants) + " | settings meeting ≥ 90 % and ≤ 1.3 |",
+        "|---|" + "---:|" * (len(variants) + 1),
+    ]
+    for label, _ in VARIANTS:
+        cells, met = [], 0
+        for v in variants:
+            share = v[label]["hit"] / v["ceiling"] if v["ceiling"] else 1.0
+            met += share >= 0.9 and v[label]["imbalance"] <= 1.3
+            cells.append(f"{pct(share)} ({v[label]['imbalance']:.2f})")
+        out.append(f"| {label} | " + " | ".join(cells) + f" | {met} of {len(variants)} |")
+    return out
+
+
+def family_table(rows: list[dict], roles: dict[str, str], label: str, against: str = "kv-aware") -> list[str]:
+    """Per family: settings where ``against`` and ``label`` meet all three, and ``label``'s figures."""
+    out = [
+        f"| family | role | {against}: all three | {label}: all three | ≥ 90 % | ≥ best baseline | ≤ 1.3 | "
+        "of ceiling (min / median) | worst imbalance |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for fam in dict.fromkeys(r["family"] for r in rows):
+        mine = [r for r in rows if r["family"] == fam]
+        base = [judge(r, against) for r in mine]
+        cand = [judge(r, label) for r in mine]
+        shares = sorted(j["share"] for j in cand)
+        out.append(
+            f"| {fam} | {roles[fam]} | {sum(met(j) for j in base)} | {sum(met(j) for j in cand)} | "
+            f"{sum(j['ok_share'] for j in cand)} | {sum(j['ok_best'] for j in cand)} | "
+            f"{sum(j['ok_imbalance'] for j in cand)} | {pct(shares[0])} / {pct(shares[len(shares) // 2])} % | "
+            f"{max(r[label]['imbalance'] for r in mine):.2f} |"
+        )
+    return out
+
+
+def tuning_lines(tuned: list[dict] | None) -> list[str]:
+    if not tuned:
+        return []
+    fams = list(tuned[0]["counts"])
+    out = [
+        "",
+        f"How the self-tuning band's own knobs were chosen — {ADAPTIVE} variants on the **tune** families only, "
+        f"every tune setting ({tuned[0]['settings']}); settings meeting all three targets (the first row is the "
+        "default, the knobs of `BandTuning`):",
+        "",
+        "| variant | " + " | ".join(fams) + " | total | imbalance above 1.3 | worst imbalance |",
+        "|---|" + "---:|" * (len(fams) + 3),
+    ]
+    for t in tuned:
+        out.append(f"| {t['variant']} | " + " | ".join(str(t["counts"][f]) for f in fams)
+                   + f" | {t['total']} of {t['settings']} | {t.get('imbalance_misses', '–')} | {t['worst_imbalance']:.2f} |")
+    return out
+
+
+def section(rows: list[dict], roles: dict[str, str], seconds: float, requests: int,
+            variants: list[dict] | None = None, tuned: list[dict] | None = None) -> str:
+    fams = list(dict.fromkeys(r["family"] for r in rows))
+    adaptive = ADAPTIVE in rows[0]
+    lines = [
+        "## Routing that generalizes (bench/routing/families.py)",
+        "",
+        seed_line(SEED, f"every generated family of retention/workloads/ drawn with this seed; each family and the "
+                        f"synthetic trace cut to its first {requests} requests; the random router's source 0"),
+        "",
+        f"Every family × {'/'.join(map(str, REPLICAS))} replicas × {'/'.join(f'{s:.0%}' for s in SHARES)} GPU per "
+        "replica (of the cut trace's distinct blocks, at least its largest request) × host 0 (`lru`) / 4× "
+        f"(`trtllm-default`) × arrival rate ×{'/×'.join(map(str, RATES))}, `--hold tokens`: "
+        f"{len(rows)} settings in {seconds:.0f} s ({machine()}; settings whose GPU blocks coincide share a replay). "
+        "Targets in every setting: ≥ 90 % of one pool with N× capacity, ≥ the best of random / "
+        "round-robin / session / Dynamo's cost (within half a point), load imbalance ≤ 1.3. *kv-aware* = the fixed "
+        f"cost defaults; *{ADAPTIVE}* = the self-tuning band (retention/routing/tuning.py). *cache only* = "
+        "kv-aware with no load term: what affinity alone reaches, at any imbalance. Roles: *tune* = the families "
+        "knobs were chosen on; *report* = held out, never used to pick a parameter.",
+        "",
+        "| family | role | settings | ≥ 90 % of ceiling | ≥ best baseline | imbalance ≤ 1.3 | all three | "
+        "kv-aware of ceiling (min / median) | worst imbalance | key gain (median, points) | cache only of ceiling (min) |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for fam in fams:
+        mine = [r for r in rows if r["family"] == fam]
+        js = [judge(r) for r in mine]
+        shares = sorted(j["share"] for j in js)
+        gains = sorted(r["kv-aware"]["hit"] - r["kv-aware, no key"]["hit"] for r in mine)
+        n = len(mine)
+        lines.append(
+            f"| {fam} | {roles[fam]} | {n} | {sum(j['ok_share'] for j in js)} | {sum(j['ok_best'] for j in js)} | "
+            f"{sum(j['ok_imbalance'] for j in js)} | {sum(met(j) for j in js)} | {pct(shares[0])} / {pct(shares[n // 2])} % | "
+            f"{max(r['kv-aware']['imbalance'] for r in mine):.2f} | {100 * gains[n // 2]:+.1f} | "
+            f"{pct(min(j['cache_only_share'] for j in js))} % |"
+        )
+    if adaptive:
+        lines += ["", f"**{ADAPTIVE}** against the fixed kv-aware defaults, over the whole grid (settings meeting all "
+                  "three targets; its share of the ceiling min / median; worst imbalance):", ""]
+        lines += family_table(rows, roles, ADAPTIVE)
+    if FORGIVING[0] in rows[0]:
+        lines += ["", f"**{FORGIVING[0]}** (the most settings meeting all three on the tune families, with more "
+                  "imbalance misses there than the plain controller; not the default) over the whole grid:", ""]
+        lines += family_table(rows, roles, FORGIVING[0])
+    described = (
+        (FADING, "the allowance fades with each replica's dispatch count; the most settings meeting all three among "
+                 "the fading rows on the tune families"),
+        (SQUARED, "the allowance fades as the square of fade / the replica's dispatch count; the most settings "
+                  "meeting all three among the squared and limited rows on the tune families"),
+        (BOUNDED, "the scale moves between the band of ½ request / ×1.25 and that of 4 requests / ×3, never to the "
+                  "cache-only cost; the most settings meeting all three among the scale's bounds on the tune families"),
+    )
+    for (label, variant_knobs), why in described:
+        if label in rows[0]:
+            knobs = ", ".join(f"{k} {v:g}" for k, v in variant_knobs.items())
+            lines += ["", f"**{label}** ({knobs}: {why}) over the whole grid:", ""]
+            lines += family_table(rows, roles, label)
+    if CANDIDATE[0] in rows[0]:
+        lines += ["", f"The best fixed variant on the tune families, **{CANDIDATE[0]}**, over the whole grid:", ""]
+        lines += family_table(rows, roles, CANDIDATE[0])
+    head = [r for r in rows if r["replicas"] == 4 and r["share"] == 0.02 and r["host"] == 4 and r["rate"] == 1]
+    columns = [*ROUTERS[:5], *([ADAPTIVE] if adaptive else []), *ROUTERS[5:]]
+    lines += [
+        "",
+        "4 replicas × 2 % GPU, host 4×, rate ×1 (hit rate %, load imbalance in brackets):",
+        "",
+        "| family | role | ceiling | " + " | ".join(columns) + " |",
+        "|---|---|---:|" + "---:|" * len(columns),
+    ]
+    for r in head:
+        lines.append(f"| {r['family']} | {roles[r['family']]} | {pct(r['ceiling'])} | " + " | ".join(
+            f"{pct(r[k]['hit'])} ({r[k]['imbalance']:.2f})" for k in columns) + " |")
+    lines += variant_lines(variants or [])
+    lines += tuning_lines(tuned)
+    label = ADAPTIVE if adaptive else "kv-aware"
+    lines += [
+        "",
+        f"![{label} (and kv-aware, Dynamo, session, cache only, the fading forgiveness): share of the ceiling against load imbalance, "
+        "every setting, per family](img/routing_families.png)",
+    ]
+    lines += frontier.lines(rows, roles, ("kv-aware", FADING[0] if FADING[0] in rows[0] else label))
+    lines += ["", "Reading:", ""] + reading(rows, roles)
+    return "\n".join(lines)
+
+
+def reading(rows: list[dict], roles: dict[str, str]) -> list[str]:
+    """The section's conclusions, counted from the rows (so they stay true on a re-run)."""
+    out = frontier.reading(rows, ("kv-aware", *(lab for lab in (FADING[0],) if lab in rows[0])))
+    for label in (lab for lab in SELF_TUNING if lab in rows[0]):
+        out.append(adoption(rows, roles, label))
+    if ADAPTIVE in rows[0]:
+        lost = [r for r in rows if any(v.target == "share" and v.kind == "shortfall" for v in frontier.classify(r, "kv-aware"))]
+        if lost:
+            regained = [r for r in lost if judge(r, ADAPTIVE)["ok_share"] and r[ADAPTIVE]["imbalance"] <= 1.3]
+            out.append(
+                f"* **kv-aware's ≥ 90 % shortfalls ({len(lost)} settings, where another placement reaches 90 % within "
+                f"1.3):** {ADAPTIVE} reaches 90 % of the ceiling within 1.3 imbalance in {len(regained)} of them."
+            )
+    gains = sorted(r["kv-aware"]["hit"] - r["kv-aware, no key"]["hit"] for r in rows
+                   if r["kv-aware"] is not r["kv-aware, no key"] and r.get("keyed"))
+    if gains:
+        out.append(
+            f"* **prompt_cache_key** (the chat and agent generators emit the conversation id; every family built on them carries it): kv-aware with the client's key minus "
+            f"without, in hit-rate points over {len(gains)} settings: min {100 * gains[0]:+.1f}, median "
+            f"{100 * gains[len(gains) // 2]:+.1f}, max {100 * gains[-1]:+.1f}. A conversation's turns already follow "
+            "its own prefix (held or in flight), so the key changes little where the prefix is visible; it is "
+            "what places a conversation whose prefix is not (yet) in any index."
+        )
+    stored = [f for f in dict.fromkeys(r["family"] for r in rows) if f in STORED]
+    if stored:
+        gain = {f: sorted(r["kv-aware"]["hit"] - r["kv-aware, no key"]["hit"] for r in rows if r["family"] == f)
+                for f in stored}
+        out.append(
+            f"* **Stored conversations** ({', '.join(stored)}: Responses `previous_response_id` chains) are keyed by "
+            "their root response when the client sends no key, as the gateway keys them "
+            "(`conversation_key` in `retention/routing/affinity.py`, which the Responses route calls), so *kv-aware, no key* there is what "
+            "the gateway does for a Responses client without `prompt_cache_key`: the client's key over the root's, "
+            "median points " + ", ".join(f"{f} {100 * g[len(g) // 2]:+.1f}" for f, g in gain.items()) + "."
+        )
+    fams = list(dict.fromkeys(r["family"] for r in rows))
+    ceilings = {f: sorted(r["ceiling"] for r in rows if r["family"] == f) for f in fams}
+    thin = [f for f in fams if ceilings[f][len(ceilings[f]) // 2] < 0.1]
+    if thin:
+        out.append(f"* **Read {', '.join(thin)} with care:** cut to their first requests they reuse little (median "
+                   "ceiling below 10 % hit rate; the synthetic trace's opening minutes, the noisy neighbour's flood), "
+                   "so their shares of the ceiling are ratios of small numbers. The full synthetic trace, 4 × 2 %, is "
+                   "in \"Routing simulator\" above.")
+    return out
+
+
+def adoption(rows: list[dict], roles: dict[str, str], label: str) -> str:
+    """Whether ``label`` may replace kv-aware as the default: only if it meets all three targets in at
+    least as many settings as kv-aware in every family (counted from the rows)."""
+    report = [r for r in rows if roles[r["family"]] == "report"]
+    tune = [r for r in rows if roles[r["family"]] == "tune"]
+    fams = list(dict.fromkeys(r["family"] for r in rows))
+    per = {f: (sum(met(judge(r)) for r in rows if r["family"] == f),
+               sum(met(judge(r, label)) for r in rows if r["family"] == f)) for f in fams}
+    worse = [f"{f} ({a} vs {b})" for f, (a, b) in per.items() if b < a]
+    mine, base = sum(met(judge(r, label)) for r in rows), sum(met(judge(r)) for r in rows)
+    head = (f"* **{label}: {mine} of {len(rows)} settings meet all three (kv-aware {base}); report families (held "
+            f"out) {sum(met(judge(r, label)) for r in report)} and {sum(met(judge(r)) for r in report)} of {len(report)}, "
+            f"tune families {sum(met(judge(r, label)) for r in tune)} and {sum(met(judge(r)) for r in tune)} of "
+            f"{len(tune)}; imbalance above 1.3 in {sum(not judge(r, label)['ok_imbalance'] for r in rows)} "
+            f"(kv-aware {sum(not judge(r)['ok_imbalance'] for r in rows)}).** ")
+    if worse:
+        return head + (f"It loses settings on {', '.join(worse)} (kv-aware vs {label}), so it is not the default "
+                       "(the rule: at least kv-aware's count in every family); it stays a reported variant.")
+    return head + "It meets all three in at least as many settings as kv-aware in every family."
+
+
+def plot(rows: list[dict], roles: dict[str, str]) -> None:
+    fams = list(dict.fromkeys(r["family"] for r in rows))
+    results = [{"name": f, "rows": [r for r in rows if r["family"] == f]} for f in fams]
+
+    def draw(ax, result) -> None:  # noqa: ANN001
+        shown = (("kv-aware", "C0", "o"), ("dynamo", "C1", "^"), ("session", "C2", "s"), ("cache only", "C7", "."),
+                 (ADAPTIVE, "C3", "x"), (FADING[0], "C4", "+"))
+        for label, color, marker in shown:
+            if label not in result["rows"][0]:
+                continue
+            xs = [r[label]["imbalance"] for r in result["rows"]]
+            ys = [100 * r[label]["hit"] / r["ceiling"] if r["ceiling"] else 100.0 for r in result["rows"]]
+            ax.scatter(xs, ys, s=10, c=color, marker=marker, label=label, alpha=0.7)
+        ax.axhline(90, color="k", lw=0.6, ls="--")
+        ax.axvline(1.3, color="k", lw=0.6, ls="--")
+        ax.set_xlim(0.95, 3.0)
+        ax.set_ylim(0, 105)
+
+    workload_grid(results, roles, draw, PLOT, xlabel="load imbalance (max / mean prefill tokens per replica)",
+                  ylabel="hit rate, % of one pool with N× capacity")
+
+
+def cached(path: Path | None) -> dict[tuple, dict]:
+    """Settings already replayed (``--cache``: one JSON line per setting), keyed like ``replay``."""
+    if path is None or not path.exists():
+        return {}
+    out = {}
+    for line in path.read_text().splitlines():
+        entry = json.loads(line)
+        out[tuple(entry["key"])] = entry["result"]
+    return out
+
+
+def replay(roles: dict[str, str], args: argparse.Namespace) -> tuple[list[dict], float]:
+    """Every grid point; settings whose GPU blocks coincide (the floor at the largest request) share a replay.
+
+    With ``--cache`` each finished setting is appended there and a re-run replays only the missing
+    ones (the seconds reported are then this run's only).
+    """
+    fams = [f for f in roles if not args.only or f in args.only.split(",")]
+    grid = [{"family": f, "replicas": n, "share": s, "host": h, "rate": k, "gpu_blocks": gpu_blocks(f, args.requests, s)}
+            for f in fams for n in REPLICAS for s in SHARES for h in HOSTS for k in RATES]
+    keys = list(dict.fromkeys((g["family"], g["replicas"], g["gpu_blocks"], g["host"], g["rate"]) for g in grid))
+    started = time.perf_counter()
+    results: dict[tuple, dict] = cached(args.cache)
+    todo = {key: (run_setting, (key[0], args.requests, *key[1:])) for key in keys if key not in results}
+    replay_all(todo, results, workers=args.workers, store=args.cache, field="result",
+               progress=lambda k: f"{k[0]} {k[1]} replicas × {k[2]} GPU blocks, host {k[3]}×, rate ×{k[4]}")
+    rows = [{**g, **results[(g["family"], g["replicas"], g["gpu_blocks"], g["host"], g["rate"])]} for g in grid]
+    return rows, time.perf_counter() - started
+
+
+def replay_variants(roles: dict[str, str], args: argparse.Namespace) -> list[dict]:
+    """The cost variants at ``VARIANT_SETTINGS`` on the tune families."""
+    grid = [{"family": f, "replicas": n, "share": s, "host": h, "rate": k, "gpu_blocks": gpu_blocks(f, args.requests, s)}
+            for f, role in roles.items() if role == "tune" for n, s, h, k in VARIANT_SETTINGS]
+    started = time.perf_counter()
+    with ProcessPoolExecutor(max_workers=args.workers) as pool:
+        futures = {pool.submit(run_variants, g["family"], args.requests, g["replicas"], g["gpu_blocks"], g["host"],
+                               g["rate"]): i for i, g in enumerate(grid)}
+        for done, future in enumerate(as_completed(futures), start=1):
+            grid[futures[future]].update(future.result())
+            print(f"[variants {done}/{len(grid)} {time.perf_counter() - started:.0f}s]", flush=True)
+    return grid
+
+
+def fingerprint(label: str, extra: tuple[str, dict, dict]) -> str:
+    """An extra router's cache key: its router and every cost and band knob (defaults included), so two
+    labels with the same knobs share a replay and a changed default is never read back stale."""
+    from retention.routing import BandTuning, CostModel
+
+    router, cost, tuning = extra
+    return f"{router}|{CostModel(**cost)!r}|{BandTuning(**tuning)!r}"
+
+
+def replay_extras(rows: list[dict], args: argparse.Namespace, extras: dict[str, tuple[str, dict, dict]]) -> None:
+    """Add each extra router's figures to every row (settings sharing GPU blocks share a replay).
+
+    With ``--cache`` the results go to ``<cache>.extras.jsonl`` too, keyed by label and setting.
+    """
+    keys = list(dict.fromkeys((r["family"], r["replicas"], r["gpu_blocks"], r["host"], r["rate"]) for r in rows))
+    store = None if args.cache is None else args.cache.with_suffix(".extras.jsonl")
+    saved = {tuple(k): v for k, v in cached(store).items()}
+    fresh = set(filter(None, args.routers.split(","))) if getattr(args, "routers", "") else set()
+    todo = {(fingerprint(label, extras[label]), *key): (run_extra, (*extras[label], *key[:1], args.requests, *key[1:]))
+            for label in extras for key in keys
+            if label in fresh or (fingerprint(label, extras[label]), *key) not in saved}
+    labels = {fingerprint(label, extra): label for label, extra in extras.items()}
+    replay_all(todo, saved, workers=args.workers, store=store, field="result", progress=lambda k: labels[k[0]])
+    for r in rows:
+        for label in extras:
+            r[label] = saved[(fingerprint(label, extras[label]), r["family"], r["replicas"], r["gpu_blocks"], r["host"],
+                              r["rate"])]
+
+
+def tune_adaptive(rows: list[dict], roles: dict[str, str], args: argparse.Namespace) -> list[dict]:
+    """Every ``TUNINGS`` variant over every **tune** setting; returns per variant and family the settings meeting all three."""
+    tune = [r for r in rows if roles[r["family"]] == "tune"]
+    extras = {f"tuning: {label}": ("kv-adaptive", {}, knobs) for label, knobs in TUNINGS}
+    replay_extras(tune, args, extras)
+    fams = list(dict.fromkeys(r["family"] for r in tune))
+    out = []
+    for label, _ in TUNINGS:
+        key = f"tuning: {label}"
+        counts = {f: sum(all_three(r, key) for r in tune if r["family"] == f) for f in fams}
+        out.append({"variant": label, "counts": counts, "total": sum(counts.values()), "settings": len(tune),
+                    "worst_imbalance": max(r[key]["imbalance"] for r in tune),
+                    "imbalance_misses": sum(r[key]["imbalance"] > 1.3 for r in tune)})
+        print(out[-1], flush=True)
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--no-write", action="store_true", help="print only")
+    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--families", "--only", dest="only", default="",
+                        help="comma-separated families (default: all; a subset is printed, never written)")
+    parser.add_argument("--routers", default="",
+                        help="comma-separated extra routers to replay afresh, ignoring their cached figures "
+                             f"(of: {', '.join(EXTRAS)}); the others' cached figures are reused")
+    parser.add_argument("--requests", type=int, default=REQUESTS)
+    parser.add_argument("--json", type=Path, help="also write every setting's figures here")
+    parser.add_argument("--cache", type=Path, help="append each replayed setting here; replay only settings missing")
+    parser.add_argument("--from-json", type=Path, help="render from a --json file instead of replaying")
+    parser.add_argument("--variants-json", type=Path, help="the cost variants' figures (written, or read with --from-json)")
+    parser.add_argument("--candidate", action=argparse.BooleanOptionalAction, default=True,
+                        help="also replay kv-aware with the candidate cost over the whole grid")
+    parser.add_argument("--variants-only", action="store_true", help="only the cost variants (with --variants-json)")
+    parser.add_argument("--tune-only", action="store_true",
+                        help="only the self-tuning band's knobs on the tune families (needs the grid: --cache)")
+    parser.add_argument("--tune-json", type=Path, help="the self-tuning band's knob table (written, or read)")
+    parser.add_argument("--extra-seconds", type=float, default=0.0,
+                        help="wall seconds of passes run separately into --cache (tuning, extra routers), added to the total")
+    args = parser.parse_args()
+    unknown = set(filter(None, args.routers.split(","))) - {*EXTRAS, *BANDS, *(f"tuning: {label}" for label, _ in TUNINGS)}
+    if unknown:
+        parser.error(f"unknown --routers {', '.join(sorted(unknown))}; extra routers: {', '.join(EXTRAS)}")
+    if args.only and not args.no_write:
+        print("--families: a subset; the section is printed, not written", flush=True)
+        args.no_write = True
+    roles = workloads()
+    if args.variants_only:
+        args.variants_json.write_text(json.dumps(replay_variants(roles, args)))
+        return
+    if args.from_json:
+        saved = json.loads(args.from_json.read_text())
+        rows, seconds = saved["rows"], saved["seconds"]
+    else:
+        rows, seconds = replay(roles, args)
+    if args.tune_only:
+        (args.tune_json or Path("/dev/stdout")).write_text(json.dumps(tune_adaptive(rows, roles, args)))
+        return
+    extras = {**{k: v for k, v in EXTRAS.items() if args.candidate or k != CANDIDATE[0]}, **BANDS}
+    if any(k not in rows[0] for k in extras):
+        began = time.perf_counter()
+        replay_extras(rows, args, extras)
+        seconds += time.perf_counter() - began
+    if "seeds" not in rows[0]:  # the losses to a baseline replayed on other draws of their family
+        seconds += routing_seeds.replay(rows, ("kv-aware", FADING[0]), run_seeded, args.requests, args.workers,
+                                        None if args.cache is None else args.cache.with_suffix(".seeds.jsonl"))
+    if args.json:
+        args.json.write_text(json.dumps({"rows": rows, "seconds": seconds}))
+    if args.variants_json and args.variants_json.exists() and args.from_json:
+        variants = json.loads(args.variants_json.read_text())
+    else:
+        variants = replay_variants(roles, args)
+        if args.variants_json:
+            args.variants_json.write_text(json.dumps(variants))
+    seconds += args.extra_seconds
+    tuned = json.loads(args.tune_json.read_text()) if args.tune_json and args.tune_json.exists() else None
+    body = section(rows, roles, seconds, args.requests, variants, tuned)
+    print(body)
+    if not args.no_write:
+        plot(rows, roles)
+        write_section("routing_families", body)
+        FRONTIER.write_text("".join(json.dumps(x, ensure_ascii=False) + "\n"
+                                    for x in frontier.records(rows, ("kv-aware", FADING[0]))))
+        print("wrote docs/benchmarks.md section bench:routing_families and docs/img/routing_families.png")
+
+
+if __name__ == "__main__":
+    main()
