@@ -24,11 +24,15 @@ import subprocess
 import sys
 import tempfile
 import time
-from datetime import UTC, datetime
 from pathlib import Path
+
+import httpx
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
+
+from bench.report import machine, seed_line, write_section  # noqa: E402
+from bench.server.overhead import free_port, seed_registry, wait_http  # noqa: E402
 
 MODEL = "smollm2-135m-instruct"
 SEED = 7  # AIPerf --random-seed: its synthetic prompts
@@ -94,8 +98,6 @@ def metric(export: dict, name: str, stat: str = "avg") -> float:
 
 
 def render(export: dict, *, requests: int, concurrency: int, input_tokens: int, output_tokens: int) -> str:
-    from bench.report import machine, seed_line
-
     rows = [("time to first token", "time_to_first_token", "ms"), ("inter-token latency", "inter_token_latency", "ms"),
             ("request latency", "request_latency", "ms"), ("output sequence length", "output_sequence_length", "tokens"),
             ("input sequence length", "input_sequence_length", "tokens")]
@@ -126,31 +128,7 @@ def render(export: dict, *, requests: int, concurrency: int, input_tokens: int, 
     return "\n".join(lines)
 
 
-def _seed(url: str, engine_port: int, pepper: str) -> str:
-    from tenants import keys, migrate, pools, retention_classes, tenant
-    from tenants.db import make_engine, make_session_factory
-
-    migrate.upgrade(url=url)
-    factory = make_session_factory(make_engine(url))
-    now, actor = datetime.now(UTC), "bench"
-    with factory() as s:
-        pools.create_pool(s, actor=actor, now=now, name="reference", model_name=MODEL,
-                          triton_url=f"127.0.0.1:{engine_port}", engine_spec="reference-smollm2", tokens_per_block=16,
-                          primary_blocks=512, secondary_blocks=0, secondary_offload_min_priority=35)
-    with factory() as s:
-        retention_classes.create_class(s, actor=actor, now=now, name="std")
-    with factory() as s:
-        tenant.create_tenant(s, actor=actor, now=now, slug="bench", display_name="Bench", pool="reference",
-                             retention_class="std", rpm_limit=10_000_000, tpm_limit=2_000_000_000,
-                             max_concurrent_requests=10_000, max_prompt_tokens=100_000, max_output_tokens=4096)
-    with factory() as s:
-        return keys.create_key(s, actor=actor, now=now, tenant="bench", pepper=pepper)[1]
-
-
 def main() -> None:
-    from bench.server.overhead import free_port, wait_http
-    from bench.report import write_section
-
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--requests", type=int, default=24)
     parser.add_argument("--concurrency", type=int, default=4)
@@ -165,7 +143,7 @@ def main() -> None:
     engine = subprocess.Popen([sys.executable, "-m", "server.cli", "engine", "serve", "--port", str(engine_port)],
                               env=env, cwd=ROOT)
     db_url = f"sqlite:///{tmp / 'registry.db'}"
-    key = _seed(db_url, engine_port, pepper)
+    key = seed_registry(db_url, engine_port, pepper, pool="reference", model=MODEL, primary_blocks=512)
     gw_env = dict(env, KVGATE_DATABASE_URL=db_url, KVGATE_KEY_PEPPER=pepper, KVGATE_ADMIN_TOKENS=f"bench:{admin}",
                   KVGATE_LOG_LEVEL="warning")
     gateway = subprocess.Popen([sys.executable, "-m", "server.cli", "serve", "--no-engine", "--no-seed-demo",
@@ -195,8 +173,6 @@ def main() -> None:
 
 
 def wait_ready(gateway_port: int) -> bool:
-    import httpx
-
     try:
         return httpx.get(f"http://127.0.0.1:{gateway_port}/readyz", timeout=2).status_code == 200
     except httpx.HTTPError:

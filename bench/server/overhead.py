@@ -79,7 +79,10 @@ def wait_http(url: str, timeout: float = 60) -> None:
     raise TimeoutError(url)
 
 
-def seed_registry(url: str, engine_port: int, pepper: str) -> str:
+def seed_registry(url: str, engine_port: int, pepper: str, *, pool: str = "fixed", model: str = "fixed",
+                  primary_blocks: int = 1024) -> str:
+    """A migrated registry with one pool on the engine at ``engine_port``, a default class and a
+    tenant ``bench`` without practical limits; returns the tenant's API key."""
     from tenants import keys, migrate, pools, retention_classes, tenant
     from tenants.db import make_engine, make_session_factory
 
@@ -87,14 +90,14 @@ def seed_registry(url: str, engine_port: int, pepper: str) -> str:
     factory = make_session_factory(make_engine(url))
     now, actor = datetime.now(UTC), "bench"
     with factory() as s:
-        pools.create_pool(s, actor=actor, now=now, name="fixed", model_name="fixed",
+        pools.create_pool(s, actor=actor, now=now, name=pool, model_name=model,
                           replicas=[{"name": "r0", "endpoint": f"127.0.0.1:{engine_port}"}],
-                          engine_spec="reference-smollm2", tokens_per_block=16, primary_blocks=1024,
+                          engine_spec="reference-smollm2", tokens_per_block=16, primary_blocks=primary_blocks,
                           secondary_blocks=0, secondary_offload_min_priority=35)
     with factory() as s:
         retention_classes.create_class(s, actor=actor, now=now, name="std")
     with factory() as s:
-        tenant.create_tenant(s, actor=actor, now=now, slug="bench", display_name="Bench", pool="fixed",
+        tenant.create_tenant(s, actor=actor, now=now, slug="bench", display_name="Bench", pool=pool,
                              retention_class="std", rpm_limit=10_000_000, tpm_limit=2_000_000_000,
                              max_concurrent_requests=10_000, max_prompt_tokens=100_000, max_output_tokens=4096)
     with factory() as s:
