@@ -28,7 +28,9 @@ Where it comes from:
   ``balance_rel`` × the least load, whichever is larger. Inside the band cache affinity
   decides; beyond it every block of excess load weighs like a block of prefill.
 * kvgate additions: host-tier hits are credited below GPU hits (``host_credit``, default
-  0.75 for a block on Dynamo's host tier: an onboard is a copy, not free);
+  0.75, Dynamo's own default weight for a host-tier hit, ``host_cache_hit_weight`` in
+  ``lib/kv-router/src/scheduling/config.rs``: an onboard is a copy, not free; crediting host
+  hits fully was measured over the grid and not adopted, docs/architecture.md "Routing");
   blocks that requests in flight on r are computing now are credited (``pending_credit``);
   the registry weight divides a replica's prefill and load (weight 2 = twice the engine);
   recent prefill work is a load signal (``recent_weight``); a request carrying an affinity
@@ -97,7 +99,12 @@ class CostModel:
 
     @classmethod
     def dynamo(cls, *, overlap_weight: float = 1.0, temperature: float = 0.0, host_credit: float = 0.75) -> CostModel:
-        """Dynamo's cost: ``overlap_weight × (queued + new prefill blocks) + potential active blocks``."""
+        """Dynamo's cost: ``overlap_weight × (queued + new prefill blocks) + potential active blocks``.
+
+        ``host_credit`` defaults to Dynamo's ``host_cache_hit_weight`` (0.75; ai-dynamo/dynamo
+        ``lib/kv-router/src/scheduling/config.rs``, applied to host-tier hits in ``scheduling/overlap.rs``),
+        pinned here so that kvgate's own default can change without changing Dynamo's cost.
+        """
         return cls(
             overlap_weight=overlap_weight, decode_weight=1.0, recent_weight=0.0, host_credit=host_credit,
             pending_credit=1.0, balance_request_share=0.0, balance_rel=1.0, temperature=temperature,

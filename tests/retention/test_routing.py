@@ -160,6 +160,14 @@ def test_dynamo_preset_is_dynamos_cost_up_to_a_constant() -> None:
     assert scores[0].cost - scores[1].cost == pytest.approx(dynamo[0] - dynamo[1])
 
 
+def test_dynamo_preset_credits_host_hits_at_dynamos_weight() -> None:
+    # Dynamo's host_cache_hit_weight default (0.75), pinned in the preset whatever kvgate's default is
+    (s,) = CostModel.dynamo().scores(
+        [(0, PrefixMatch(2, 4), ReplicaLoad(), 1)], prompt_tokens=10 * BPT, output_tokens=0, tokens_per_block=BPT
+    )
+    assert s.prefill_blocks == pytest.approx(10 - (2 + 0.75 * 4))
+
+
 @pytest.mark.parametrize("bad", [{"host_credit": 1.5}, {"overlap_weight": -1}, {"balance_rel": 0.5}, {"temperature": float("nan")}])
 def test_cost_model_refuses_bad_weights(bad) -> None:
     with pytest.raises(RoutingError):
