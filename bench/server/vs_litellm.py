@@ -417,7 +417,8 @@ def py_spy_top(pid: int, seconds: int, drive, n: int = 25) -> tuple[list[tuple[f
 
 
 FRAME_GROUPS = (  # (group, path prefixes of a frame's file), first match wins
-    ("gRPC client (grpc.aio, tritonclient)", ("grpc/", "tritonclient/")),
+    ("gRPC client (grpc.aio, tritonclient, grpclib, h2)",
+     ("grpc/", "tritonclient/", "grpclib/", "h2/", "hpack/", "hyperframe/", "multidict/")),
     ("threads (gRPC poller; usage journal writer)", ("threading.py", "server/gateway/usage_journal.py", "queue.py")),
     ("event loop (asyncio / uvloop)", ("asyncio/",)),
     ("HTTP server (uvicorn)", ("uvicorn/",)),

@@ -23,6 +23,8 @@ def test_one_gateway_alone_has_one_pair_of_columns() -> None:
 
 def test_frames_fall_in_their_groups_and_the_groups_render() -> None:
     assert frame_group("_StreamResponseMixin._read (grpc/aio/_call.py:384)").startswith("gRPC client")
+    assert frame_group("Buffer.read (grpclib/protocol.py:81)").startswith("gRPC client")
+    assert frame_group("H2Connection.receive_data (h2/connection.py:1501)").startswith("gRPC client")
     assert frame_group("_chunk (server/gateway/replicas/engine_client.py:141)").startswith("kvgate")
     assert frame_group("Thread.run (threading.py:982)").startswith("threads")
     assert frame_group("do_execute (sqlalchemy/engine/default.py:1)").startswith("other")

@@ -1,16 +1,20 @@
 """The gateway's client for one pool's engine model (Triton or the reference engine).
 
-Speaks KServe v2 gRPC through ``tritonclient.grpc.aio`` and nothing else, so the same
-code drives TensorRT-LLM behind Triton and the CPU reference engine. One channel per
-pool, reused by every request; reconnect backoff is capped at one second so that the
-first request after an engine restart succeeds (gRPC's default backoff grows to 120 s).
+Speaks KServe v2 gRPC and nothing else, so the same code drives TensorRT-LLM behind
+Triton and the CPU reference engine: streaming generation over grpclib (HTTP/2 on the
+event loop, ``engine_stream.py``: less CPU per streamed token), everything else through
+``tritonclient.grpc.aio``. One channel of each per replica, reused by every request;
+grpc.aio's reconnect backoff is capped at one second and grpclib reconnects at once, so
+that the first request after an engine restart succeeds (gRPC's default backoff grows to
+120 s).
 
 Invariants: :meth:`EngineClient.generate` yields chunks until the engine's final
 response and then stops; if the consumer stops early (client gone, stop string hit),
-closing the generator cancels the gRPC call, which the engine treats as a cancel and
-frees the request's blocks; so does cancelling a task awaiting the next chunk (the router's
-first-token deadline): the ``CancelledError`` runs the same ``finally``. Transport failures surface as :class:`EngineUnavailable`,
-engine-side refusals as :class:`EngineRejected`; nothing else escapes.
+closing the generator cancels the gRPC call (RST_STREAM), which the engine treats as a
+cancel and frees the request's blocks; so does cancelling a task awaiting the next chunk
+(the router's first-token deadline): the ``CancelledError`` runs the same ``finally``.
+Transport failures surface as :class:`EngineUnavailable`, engine-side refusals as
+:class:`EngineRejected`; nothing else escapes.
 
 A non-streaming request gets exactly one engine message (its final answer, or its error),
 so it is called as unary-unary on the same method: one gRPC batch instead of a stream's
@@ -53,6 +57,7 @@ from engines.contract import (
     TokenLogProbs,
     encode_request,
 )
+from server.gateway.replicas.engine_stream import TRANSPORT_ERRORS, StreamChannel, status_error
 
 STREAM_INFER_METHOD = "/inference.GRPCInferenceService/ModelStreamInfer"
 MODEL_INFER_METHOD = "/inference.GRPCInferenceService/ModelInfer"
@@ -167,6 +172,12 @@ def _chunk(response: service_pb2.ModelInferResponse, streaming: bool, previous_k
     return EngineChunk(ids, scalars[0], kv, final, _log_probs(raw_log_probs) if raw_log_probs else None)
 
 
+def _transport_error(exc: BaseException) -> EngineError:
+    """The engine error for a failed grpclib stream call (see ``engine_stream.status_error``)."""
+    rejected, message = status_error(exc)
+    return EngineRejected(message) if rejected else EngineUnavailable(f"engine unavailable {message}")
+
+
 def _classify(exc: BaseException) -> EngineError:
     if isinstance(exc, grpc.aio.AioRpcError):
         code, message = exc.code(), exc.details() or str(exc)
@@ -190,22 +201,15 @@ class EngineClient:
         self.url = url
         self.model = model
         self._client = InferenceServerClient(url, channel_args=_CHANNEL_ARGS)
-        # Generation calls ModelStreamInfer on the same channel with prebuilt protobufs:
-        # per streamed token that is one pass over the outputs instead of one
-        # InferResult.as_numpy lookup per output. The method is bidirectional, but the
-        # gateway only ever sends one request and then half-closes, so it is called as
-        # unary-stream: initial metadata, the request and the half-close go out in one
-        # batch (the bidi form costs a request-iterator task and three gRPC batches, 0.1-0.2
-        # ms of CPU per request); the server sees the same messages in the same order.
+        # Streaming generation: ModelStreamInfer over grpclib (engine_stream.py, which says
+        # why). The method is bidirectional, but the gateway only ever sends one request and
+        # then half-closes, so it is called as unary-stream: headers, the request and the
+        # half-close go out in one write; the server sees the same messages in the same order.
         # Triton keeps a half-closed stream open until its in-flight requests have sent
         # every response (triton-inference-server/server src/grpc/stream_infer_handler.cc,
         # ModelStreamInferHandler::Process: "If done reading and no in-flight requests then
         # can finish the entire stream"), as does the reference engine (tested).
-        self._stream_infer = self._client._channel.unary_stream(
-            STREAM_INFER_METHOD,
-            request_serializer=service_pb2.ModelInferRequest.SerializeToString,
-            response_deserializer=service_pb2.ModelStreamInferResponse.FromString,
-        )
+        self._streams = StreamChannel(url)
         self._model_infer = self._client._channel.unary_unary(
             MODEL_INFER_METHOD,
             request_serializer=service_pb2.ModelInferRequest.SerializeToString,
@@ -221,6 +225,7 @@ class EngineClient:
         )
 
     async def close(self) -> None:
+        self._streams.close()
         await self._client.close()
 
     async def ready(self, timeout: float = 2.0) -> bool:
@@ -270,33 +275,37 @@ class EngineClient:
                        connect_timeout: float = 2.0) -> AsyncIterator[EngineChunk]:
         """Stream ``request`` through ``ModelStreamInfer``; see the module invariants."""
         proto = _request_proto(self.model, request_id, encode_request(request))
-        await self._connected(connect_timeout)
         if not request.streaming:
+            await self._connected(connect_timeout)
             yield await self._answer(proto, timeout)
             return
 
-        call = self._stream_infer(proto, timeout=timeout)
+        try:
+            call = await self._streams.open(proto, timeout=timeout, connect_timeout=connect_timeout)
+        except TRANSPORT_ERRORS as exc:
+            raise _transport_error(exc) from exc
         finished = False
-        streaming = request.streaming
         kv = None
         try:
-            async for message in call:
+            while True:
+                message = await call.recv()
+                if message is None:
+                    raise EngineUnavailable("engine closed the stream before its final response")
                 if message.error_message:
                     raise EngineRejected(message.error_message)
-                chunk = _chunk(message.infer_response, streaming, kv)
+                chunk = _chunk(message.infer_response, True, kv)
                 kv = chunk.kv
+                finished = chunk.final
                 yield chunk
-                if chunk.final:
-                    finished = True
+                if finished:
                     return
-            raise EngineUnavailable("engine closed the stream before its final response")
         except EngineError:
             raise
-        except (grpc.RpcError, InferenceServerException) as exc:
-            raise _classify(exc) from exc
+        except TRANSPORT_ERRORS as exc:
+            call.failed()
+            raise _transport_error(exc) from exc
         finally:
-            if not finished:
-                call.cancel()
+            call.close(cancel=not finished)
 
     async def _answer(self, proto: service_pb2.ModelInferRequest, timeout: float | None) -> EngineChunk:
         """The one message of a non-streaming request, through a unary-unary call.

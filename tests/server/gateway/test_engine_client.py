@@ -17,6 +17,7 @@ from engines.contract import EngineRequest, KvMetrics, SamplingParams, encode_re
 from engines.reference.kserve import encode_outputs
 from retention.types import RetentionPlan
 from server.gateway.replicas.engine_client import EngineClient, EngineRejected, EngineUnavailable
+from server.gateway.replicas.engine_stream import StreamChannel
 
 
 def _message(tokens: list[int], generated: int, final: bool | None) -> service_pb2.ModelStreamInferResponse:
@@ -28,25 +29,35 @@ def _message(tokens: list[int], generated: int, final: bool | None) -> service_p
 
 
 class Scripted(service_pb2_grpc.GRPCInferenceServiceServicer):
-    """Answers every request with ``script`` (a list of messages), or never when ``hang``."""
+    """Answers every request with ``script`` (a list of messages), or never when ``hang``;
+    ``hang_after`` holds the stream open after the script, ``status`` ends it with an error."""
 
     def __init__(self) -> None:
         self.script: list[service_pb2.ModelStreamInferResponse] = []
         self.hang = False
+        self.hang_after = False
+        self.status: tuple[grpc.StatusCode, str] | None = None
         self.received = asyncio.Event()
         self.cancelled = asyncio.Event()
+
+    async def _hang(self) -> None:
+        try:
+            await asyncio.Event().wait()
+        except asyncio.CancelledError:  # grpc.aio cancels the handler when the client cancels
+            self.cancelled.set()
+            raise
 
     async def ModelStreamInfer(self, request_iterator, context):
         async for _ in request_iterator:
             self.received.set()
             if self.hang:
-                try:
-                    await asyncio.Event().wait()
-                except asyncio.CancelledError:  # grpc.aio cancels the handler when the client cancels
-                    self.cancelled.set()
-                    raise
+                await self._hang()
             for message in self.script:
                 yield message
+            if self.status is not None:
+                await context.abort(*self.status)
+            if self.hang_after:
+                await self._hang()
 
 
 @pytest.fixture
@@ -76,12 +87,10 @@ async def _collect(client: EngineClient, request: EngineRequest, timeout: float 
 async def test_a_non_streaming_request_takes_its_one_message_through_the_unary_call(engine, monkeypatch):
     servicer, client = engine
     servicer.script = [_message([7, 8, 9], 3, True)]
-    streamed = []
-    monkeypatch.setattr(client, "_stream_infer", lambda *a, **k: streamed.append(1))  # never the stream path
+    monkeypatch.setattr(StreamChannel, "open", None)  # calling the stream path would fail
     [chunk] = await _collect(client, _request())
     assert chunk.token_ids == (7, 8, 9) and chunk.generated == 3 and chunk.final
     assert chunk.kv == KvMetrics(1, 2, 3, 0)
-    assert streamed == []
     servicer.script = [_message([7, 8, 9], 3, None)]  # no final marker: a unary answer is final
     [chunk] = await _collect(client, _request())
     assert chunk.final
@@ -129,3 +138,86 @@ async def test_cancelling_the_wait_for_the_answer_cancels_the_engine_call(engine
     with pytest.raises(asyncio.CancelledError):
         await task
     await asyncio.wait_for(servicer.cancelled.wait(), 10)  # the engine saw the cancel (frees the request)
+
+
+# -- the streaming path (grpclib) ------------------------------------------------------------
+
+async def test_closing_a_stream_early_cancels_the_engine_call(engine):
+    servicer, client = engine
+    servicer.script, servicer.hang_after = [_message([7], 1, False)], True
+    chunks = client.generate(_request(streaming=True), request_id="r")
+    first = await anext(chunks)
+    assert first.token_ids == (7,) and not first.final
+    await chunks.aclose()  # the consumer left (client gone, stop string)
+    await asyncio.wait_for(servicer.cancelled.wait(), 10)  # the engine saw the cancel (frees the request)
+
+
+async def test_cancelling_the_wait_for_the_next_token_cancels_the_engine_call(engine):
+    servicer, client = engine
+    servicer.hang = True
+    task = asyncio.create_task(_collect(client, _request(streaming=True)))
+    await servicer.received.wait()
+    task.cancel()  # the router's first-token deadline
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    await asyncio.wait_for(servicer.cancelled.wait(), 10)
+
+
+async def test_a_stream_without_its_final_response_is_an_engine_error(engine):
+    servicer, client = engine
+    servicer.script = [_message([7], 1, False)]
+    with pytest.raises(EngineUnavailable, match="before its final response"):
+        await _collect(client, _request(streaming=True))
+
+
+async def test_stream_statuses_map_to_rejection_or_unavailability(engine):
+    servicer, client = engine
+    servicer.status = (grpc.StatusCode.INVALID_ARGUMENT, "bad input_ids")
+    with pytest.raises(EngineRejected, match="bad input_ids"):
+        await _collect(client, _request(streaming=True))
+    servicer.script, servicer.status = [_message([7], 1, False)], (grpc.StatusCode.INTERNAL, "engine crashed")
+    with pytest.raises(EngineUnavailable, match="INTERNAL.*engine crashed"):
+        await _collect(client, _request(streaming=True))
+    servicer.script, servicer.status = [service_pb2.ModelStreamInferResponse(error_message="bad stop")], None
+    with pytest.raises(EngineRejected, match="bad stop"):
+        await _collect(client, _request(streaming=True))
+
+
+async def test_a_stream_deadline_is_an_engine_error(engine):
+    servicer, client = engine
+    servicer.hang = True
+    with pytest.raises(EngineUnavailable, match="DEADLINE_EXCEEDED"):
+        await _collect(client, _request(streaming=True), timeout=0.5)
+    await asyncio.wait_for(servicer.cancelled.wait(), 10)
+    assert asyncio.current_task().cancelling() == 0  # grpclib's wake-up left no cancel request behind
+
+
+async def _serve(servicer: Scripted, port: int = 0) -> tuple[grpc.aio.Server, int]:
+    server = grpc.aio.server()
+    service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(servicer, server)
+    port = server.add_insecure_port(f"127.0.0.1:{port}")
+    await server.start()
+    return server, port
+
+
+async def test_an_engine_restart_ends_the_stream_as_unavailable_and_the_next_stream_reconnects():
+    servicer = Scripted()
+    servicer.script, servicer.hang_after = [_message([7], 1, False)], True
+    server, port = await _serve(servicer)
+    client = EngineClient(f"127.0.0.1:{port}", "kvgate_llm")
+    try:
+        chunks = client.generate(_request(streaming=True), request_id="r")
+        assert (await anext(chunks)).token_ids == (7,)
+        await server.stop(0)  # the engine dies mid-stream
+        with pytest.raises(EngineUnavailable):
+            await anext(chunks)
+        assert asyncio.current_task().cancelling() == 0
+        with pytest.raises(EngineUnavailable):  # nothing listens: refused after the connect wait
+            await _collect(client, _request(streaming=True))
+        servicer.script, servicer.hang_after = [_message([7], 1, False), _message([8], 2, True)], False
+        server, _ = await _serve(servicer, port)  # back on the same port
+        chunks = [c async for c in client.generate(_request(streaming=True), request_id="r", connect_timeout=5.0)]
+        assert [c.token_ids for c in chunks] == [(7,), (8,)] and chunks[-1].final
+    finally:
+        await client.close()
+        await server.stop(0)
