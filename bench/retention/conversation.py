@@ -229,8 +229,8 @@ def held_note(result: dict) -> str:
     parts = [f"{n} {held[n][0]:,} / {held[n][1]:,}" for n in (*CONV, NO_DUEL) if n in held]
     duel = first["duel"].get("lru+conv")
     arm = "" if duel is None else (
-        f"; lru+conv's duel ends on \"{duel[0]}\" after {duel[1]} switch(es), leader shares always "
-        f"{pct(duel[2]['always'])} / never {pct(duel[2]['never'])}")
+        f"; lru+conv's duel ends on \"{duel[0]}\" after {duel[1]} switch(es), its shadows' hit ratios held "
+        f"{pct(duel[2]['always'])} / not held {pct(duel[2]['never'])}")
     return "; held / cut short by the budget: " + ", ".join(parts) + arm
 
 
@@ -358,16 +358,17 @@ def reading(results: list[dict]) -> list[str]:
     return [
         "Reading: " + "; ".join(parts) + ".",
         "",
-        "*The duel.* Conversations fall by a salted hash of their root response id into an always-hold and a "
-        "never-hold leader set (1/8 each) and followers, which hold while the always-leaders' continuations find "
-        "more of their prompt cached than the never-leaders' (usage `cached_tokens`; margin 1 point). The leader "
-        "sets share one pool and one priority order with the followers, so the contest measures a conversation's "
-        "*private* gain from being held (held blocks outrank every unheld one) and not the pool's: the always-leaders "
-        "win on every family with conversations, the followers hold, and where holding everything costs the pool "
-        "(agent-loop) the duel does not prevent it. An unbiased comparison alternates the arm for the whole pool in "
-        "time; tried (epochs of 64 requests, one in four on the other arm, seed 0, GPU 2 %, not in the bench) it cost "
-        "more than it found: chat 33.64 % against lru's 36.01 % (a prefix held in one epoch outranks the next epoch's "
-        "unheld ones), so it was not kept.",
+        "*The duel.* Two sampled shadows of the pool (the adaptive selector's shadows, same sampling and switch "
+        "rule: 5 % of the block-hash space or at least 64 GPU blocks; a 3 % lead for 100 sampled references after "
+        "300) replay every request of the pool, one with the plan each request gets without the hold and one with "
+        "the plan it would get held (from a budget of its own); the pool holds while the held shadow hits more. Each "
+        "shadow holds one arm for everybody, so the contest measures the pool's gain from holding, not a "
+        "conversation's private gain from being held. The set dueling it replaced (an always-hold and a never-hold "
+        "set of conversations sharing the real pool) measured the private gain, so its always-set won on every "
+        "family with conversations and the pool held where holding costs it (chat 5 %: 1.50 points below lru; "
+        "agent-loop 2 %: 1.07). An unbiased comparison in time (epochs of 64 requests, one in four on the other "
+        "arm; seed 0, GPU 2 %, not in the bench) cost more than it found: chat 33.64 % against lru's 36.01 % (a "
+        "prefix held in one epoch outranks the next epoch's unheld ones).",
         "",
         "*Where Belady's extra hits come from.* A tool loop's run ends; its last step's blocks (and its whole "
         "history) are never used again, but LRU keeps them until they age out, and the hold keeps them longer. The "
@@ -375,8 +376,7 @@ def reading(results: list[dict]) -> list[str]:
         "call (the trace's `output_kind`) ended the run, or waits for a human. The end demote answers that completion "
         "with one demote request (the same as on delete: cached blocks + 1 token, priority 0 from the first block no "
         "other conversation's live stored response holds). It cannot revoke a hold either, but it re-claims the "
-        "blocks after it; through the duel it runs only where the hold does (the never-leaders' runs are not "
-        "demoted), ungated it runs for every run that ends; `X+end` runs it for every run that ends and holds "
+        "blocks after it; through the duel it runs only while the hold does, ungated it runs for every run that ends; `X+end` runs it for every run that ends and holds "
         "nothing, so the pool's own order (lru's, protect's, adaptive's) is left as it was and only the finished "
         "runs' blocks go first. A run that only waits for a human loses its history "
         "(5 % of steps in agent-loop ask).",
@@ -549,6 +549,10 @@ def main() -> None:
     parser.add_argument("--wide-hosts", default=",".join(str(h) for h in WIDE_HOSTS),
                         help="host multiples for the conversation families")
     args = parser.parse_args()
+    if args.cache is not None:
+        if args.cache.exists() and not args.cache.is_dir():
+            parser.error(f"--cache {args.cache} is a file, not a directory")
+        args.cache.mkdir(parents=True, exist_ok=True)  # before any family runs, not after the first finishes
     fractions = tuple(float(x) for x in args.fractions.split(","))
     hosts = tuple(int(x) for x in args.hosts.split(","))
     wide = None

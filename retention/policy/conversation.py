@@ -48,10 +48,9 @@ bounds the waste of a conversation nobody continues.
 **Only while it pays.** A hold is a bet that the held prefix is worth more than what it
 pushes out; on a pool of tool loops alone it is LRU's order plus the budget's cuts, and it
 lost (``bench/retention/conversation.py``). So the ledger carries a :class:`~retention.policy.hold_duel.HoldDuel`:
-conversations fall by a salted hash of their root response id into an "always hold" leader
-set, a "never hold" one and followers, and the followers hold only while the always-leaders'
-continuations find more of their prompt cached (usage ``cached_tokens``) than the
-never-leaders' (``ledger.duel = None``: hold every request, the rule above alone).
+every request of the pool is replayed in two sampled shadows of the pool, one with the plan it
+gets without the hold and one with the plan it would get held, and the pool holds only while the
+held shadow hits measurably more (``ledger.duel = None``: hold every request, the rule above alone).
 
 Pure: the caller passes ``now`` (seconds, any monotonic clock). Memory per tenant: at most
 ``MAX_RESPONSES`` stored responses (the oldest go first) and ``GAP_SAMPLES`` gaps per kind.
@@ -66,7 +65,7 @@ from typing import Literal
 
 from retention.policy.hint_plan import HintPolicy, HintSpan, apply_hints
 from retention.policy.hint_quota import GAP_SAMPLES, MIN_GAP_SAMPLES, MIN_HOLD_MS, HintLedger
-from retention.policy.hold_duel import Group, HoldDuel
+from retention.policy.hold_duel import HoldDuel, PoolShape
 from retention.types import RetentionPlan
 
 GapKind = Literal["tool", "turn"]
@@ -121,7 +120,7 @@ class ConversationLedger:
     margin: float = GAP_MARGIN  # ... times this margin
     _tenants: dict[str, _TenantConversations] = field(default_factory=dict)
     deleted: int = 0  # deletions of responses the ledger knew
-    # Set dueling between holding and not (retention/policy/hold_duel.py); None: always hold.
+    # Held and unheld shadows of the pool (retention/policy/hold_duel.py); None: always hold.
     duel: HoldDuel | None = field(default_factory=HoldDuel)
 
     def _tenant(self, tenant: str) -> _TenantConversations:
@@ -136,11 +135,6 @@ class ConversationLedger:
         gap = now - stored.at
         state.gaps["tool" if stored.tools else "turn"].append(gap)
         return gap
-
-    def served(self, group: Group | None, continuation: bool, cached_tokens: int, prompt_tokens: int) -> None:
-        """A request of the pool was served (any request: a plain one passes ``None, False``); the duel's signal."""
-        if self.duel is not None:
-            self.duel.observe(group, cached_tokens, prompt_tokens, continuation=continuation)
 
     def root(self, tenant: str, response_id: str, now: float) -> str | None:
         """The root of a live stored response's chain (None: unknown, deleted or expired)."""
@@ -203,18 +197,11 @@ class ConversationPlan:
     decode_held: bool = False
     clipped: bool = False  # the budget cut the hold short
     recorded: tuple[int, ...] = ()  # the budget keys held (prompt hashes, then generated blocks' keys)
-    group: Group | None = None  # the conversation's set in the hold duel (None: no duel)
-    continuation: bool = False  # it continues a live stored response: its cached share is the duel's signal
 
     def released(self, ledger: ConversationLedger, tenant: str, now: float) -> None:
         """The request ended: TensorRT-LLM starts a duration at release, so count the hold from ``now``."""
         if self.recorded:
             ledger.holds.record(tenant, self.recorded, [self.hold_ms] * len(self.recorded), now)
-
-    def completed(self, ledger: ConversationLedger, cached_tokens: int, prompt_tokens: int) -> None:
-        """The request was served with ``cached_tokens`` of its ``prompt_tokens`` from cache (usage
-        ``cached_tokens``): the hold duel's signal."""
-        ledger.served(self.group, self.continuation, cached_tokens, prompt_tokens)
 
 
 def decode_keys(hashes: Sequence[int], output_blocks: int) -> tuple[int, ...]:
@@ -226,48 +213,63 @@ def decode_keys(hashes: Sequence[int], output_blocks: int) -> tuple[int, ...]:
 
 def plan_conversation(plan: RetentionPlan, request: ConversationRequest, caps: HintPolicy, *, total: int,
                       output_tokens: int, tokens_per_block: int, hashes: Sequence[int], ledger: ConversationLedger,
-                      tenant: str, budget_blocks: int, now: float, store_ttl_ms: int) -> ConversationPlan:
+                      tenant: str, budget_blocks: int, now: float, store_ttl_ms: int,
+                      shape: PoolShape | None = None) -> ConversationPlan:
     """``plan`` with the conversation hold (module docstring), within ``caps`` and ``budget_blocks``.
+
+    Call it for *every* request of the pool (one without conversation fields passes
+    ``ConversationRequest()``): the hold duel's shadows must see the whole pool's traffic.
+    ``shape``: the pool's, for the duel's shadows (None: no duel replay).
 
     Records the request in ``ledger`` whatever comes of it (a continuation's gap, a stored
     response). Returns ``ConversationPlan(plan)`` (the same plan object) when no hold
     applies: the class's hints off, a demoted plan, neither tools nor a stored response, the
-    hold duel's arm for the conversation's group is "never" (:mod:`retention.policy.hold_duel`),
-    or no room in the budget. The plan names the group and whether the request continues a
-    live stored response; :meth:`ConversationPlan.completed` feeds its cached share back.
+    hold duel's arm is "never" (:mod:`retention.policy.hold_duel`), or no room in the budget.
     """
     root = None
-    continuation = False
     if request.previous_response_id is not None:
         root = ledger.root(tenant, request.previous_response_id, now)
-        continuation = ledger.continued(tenant, request.previous_response_id, now) is not None
+        ledger.continued(tenant, request.previous_response_id, now)
     if request.store and request.response_id is not None:
-        root = root or request.response_id
         ledger.stored(tenant, request.response_id, tools=request.offers_tools, now=now, store_ttl_ms=store_ttl_ms,
-                      root=root)
-    duel = ledger.duel
-    group = None if duel is None else duel.group(tenant, root)
+                      root=root or request.response_id)
     kind = request.kind
-    if kind is None or not caps.enabled or plan.demoted or (duel is not None and not duel.holds(group)):
-        return ConversationPlan(plan, kind, group=group, continuation=continuation)
-    cap = caps.max_ttl_ms
-    if request.store and request.response_id is not None:
-        cap = min(cap, store_ttl_ms)  # nobody can continue it once the store forgets it
-    hold = ledger.hold_ms(tenant, kind, cap)
-    if hold <= 0:
-        return ConversationPlan(plan, kind, group=group, continuation=continuation)
+    hold = 0
+    if kind is not None and caps.enabled and not plan.demoted:
+        cap = caps.max_ttl_ms
+        if request.store and request.response_id is not None:
+            cap = min(cap, store_ttl_ms)  # nobody can continue it once the store forgets it
+        hold = ledger.hold_ms(tenant, kind, cap)
+    duel = ledger.duel
+    if duel is not None and shape is not None:
+        always = plan
+        if hold > 0:
+            always = _held(plan, caps, hold, kind, total=total, output_tokens=output_tokens,
+                           tokens_per_block=tokens_per_block, hashes=hashes, holds=duel.budget, tenant=tenant,
+                           budget_blocks=budget_blocks, now=now).plan
+        duel.record(shape, hashes, plan, always, now=now, num_tokens=total, tokens_per_block=tokens_per_block)
+    if hold <= 0 or (duel is not None and not duel.holds()):
+        return ConversationPlan(plan, kind)
+    return _held(plan, caps, hold, kind, total=total, output_tokens=output_tokens, tokens_per_block=tokens_per_block,
+                 hashes=hashes, holds=ledger.holds, tenant=tenant, budget_blocks=budget_blocks, now=now)
+
+
+def _held(plan: RetentionPlan, caps: HintPolicy, hold: int, kind: GapKind | None, *, total: int, output_tokens: int,
+          tokens_per_block: int, hashes: Sequence[int], holds: HintLedger, tenant: str, budget_blocks: int,
+          now: float) -> ConversationPlan:
+    """``plan`` held for ``hold`` ms as far as ``holds`` has room within ``budget_blocks`` (recorded there)."""
     full = min(len(hashes), total // tokens_per_block)
-    allowed = ledger.holds.allowance(tenant, list(hashes[:full]), budget_blocks, now)
+    allowed = holds.allowance(tenant, list(hashes[:full]), budget_blocks, now)
     clipped = allowed < full
     if allowed == 0:
-        return ConversationPlan(plan, kind, clipped=clipped, group=group, continuation=continuation)
+        return ConversationPlan(plan, kind, clipped=clipped)
     kept = tuple(hashes[:allowed])
-    ledger.holds.record(tenant, kept, [hold] * allowed, now)
+    holds.record(tenant, kept, [hold] * allowed, now)
     held = apply_hints(plan, (HintSpan(0, allowed * tokens_per_block, hold),), caps, total)
     outputs = decode_keys(hashes, -(-output_tokens // tokens_per_block))
-    decode = not clipped and bool(outputs) and ledger.holds.allowance(tenant, outputs, budget_blocks, now) == len(outputs)
+    decode = not clipped and bool(outputs) and holds.allowance(tenant, outputs, budget_blocks, now) == len(outputs)
     if decode and caps.max_priority >= held.decode_priority:
-        ledger.holds.record(tenant, outputs, [hold] * len(outputs), now)
+        holds.record(tenant, outputs, [hold] * len(outputs), now)
         kept = kept + outputs
         # The hint rule for the generated blocks: a higher priority takes the hold; at equal
         # priority the longer duration wins (None, never expiring, is longest).
@@ -277,7 +279,7 @@ def plan_conversation(plan: RetentionPlan, request: ConversationRequest, caps: H
         held = RetentionPlan(held.ranges, caps.max_priority, duration, demoted=held.demoted)
     else:
         decode = False
-    return ConversationPlan(held, kind, hold, allowed, decode, clipped, kept, group, continuation)
+    return ConversationPlan(held, kind, hold, allowed, decode, clipped, kept)
 
 
 __all__ = ["ConversationLedger", "ConversationPlan", "ConversationRequest", "GapKind", "decode_keys",

@@ -1,148 +1,94 @@
-"""Set dueling for the conversation hold: hold only while holding measurably pays, judged on what the gateway sees.
+"""Whether the conversation hold pays, judged on two sampled shadows of the pool: held and not held.
 
-DIP (Qureshi et al., ISCA '07) dedicates a few cache sets to each of two insertion
-policies and lets the others follow whichever leader misses less. A KV pool has no sets,
-but a gateway has *conversations*: each stored conversation falls, by a salted hash of its
-root response id (and tenant), into one of three groups::
+A hold is a bet that the held prefix is worth more than what it pushes out. The contest that
+decides it is the pool's own policy contest (:class:`retention.shadow.duel.PolicyDuel`, the same
+rule and thresholds): two :class:`~retention.shadow.pool.ShadowPool` s of the pool's shape over one
+slice of the block-hash space replay *every* request of the pool, one with the plan each request
+gets without the hold (``never``), one with the plan it would get held (``always``); the pool
+holds while ``always``'s shadow hits measurably more than ``never``'s::
 
-    u = blake2b(salt, tenant, root) / 2^64 ∈ [0, 1)
-    u < share             → "always": its requests are always held (the hold of conversation.py)
-    share ≤ u < 2 × share → "never":  never held
-    otherwise             → follower: held iff the followers' current arm is "always"
+    per kept reference (a sampled block of any request):
+        hits[k] ← hits[k] · d + hit_k,  refs ← refs · d + 1          k ∈ {never, always}
+    switch to the other arm when refs ≥ min_refs and hits[other] ≥ hits[current] · (1 + margin) + 1
+        for ``patience`` kept references in a row
 
-Requests with no conversation (tools offered outside a stored chain) are followers.
+The pool starts on ``never`` (no evidence, no hold: the engine's own order). What a shadow
+measures is the question the pool asks, "is the pool better off if every eligible request is
+held", because each shadow holds one arm for everybody: held prefixes push out the unheld
+blocks of the same shadow, never of the other. (The set dueling this replaced let an
+"always" and a "never" set of conversations share the real pool; held leaders outranked every
+unheld block there, so the contest measured the private gain of being held and leaned towards
+holding: on ``agent-loop`` at 2 % GPU the pool ended a point below LRU, on ``chat`` at 5 %
+one and a half; ``bench/retention/conversation.py`` states the figures.)
 
-**Signal.** A continuation (a request whose ``previous_response_id`` is a live stored response)
-reports, when it completes, its cached-token share: usage ``cached_tokens`` / prompt tokens
-(the pool's per-request hit in the simulator, the engine's reused blocks in the gateway).
-Each leader set keeps decayed sums (decay per observation of that set, ``half_life``
-observations)::
+The ``always`` arm's plans come from a hypothetical budget of its own (:attr:`HoldDuel.budget`,
+a :class:`~retention.policy.hint_quota.HintLedger` counting what the arm would hold, from the
+moment it is planned), so the shadow holds what the budget would let the pool hold whichever
+arm is in force. Generated blocks are not in the shadows (a shadow replays prompt hashes): the
+decode hold's cost and gain are not measured, only its share of the budget.
 
-    cached[g] ← cached[g] · d + cached_tokens,  prompt[g] ← prompt[g] · d + prompt_tokens,  d = 2^(-1/half_life)
-    share[g] = cached[g] / prompt[g]
-
-**Decision.** The followers start on ``never`` (no evidence, no hold: the engine's own LRU);
-they move to the other arm when both sets hold ``min_observations`` decayed observations
-and the other arm's share leads the current one's by ``margin`` for ``patience``
-observations in a row (hysteresis, as :class:`retention.shadow.duel.PolicyDuel` switches).
-
-**What it measures, and what it cannot.** DIP's leader sets are disjoint slices of the
-cache; here the leader sets share one pool and one priority order with the followers, so
-a leader's share includes its *private* gain: held ``always`` leaders outrank every unheld
-block, unheld ``never`` leaders are outranked by every held one. The contest measures "is
-it better to be held than not", not "is the pool better off if everybody is held", and it
-leans towards holding: on ``agent-loop`` (seed 0, GPU 2 %) the always-leaders find 73 % of
-their continuations' prompt cached against the never-leaders' 62 %, the followers hold, and
-the pool ends about a point below plain LRU (``bench/retention/conversation.py`` states the figures).
-Alternating the arm for the whole pool in time (epochs, an unbiased comparison) was tried
-and costs more than it finds: holding in some epochs and not in others put chat 2.4 points
-below LRU (a prefix held in one epoch outranks the next epoch's unheld ones). So the duel
-bounds the hold's harm to what the private-gain bias lets through; it is not a proof of
-"no harm".
-
-Pure and deterministic: no clock, no randomness but the salted hash. Memory: O(1) per ledger.
+Pure and deterministic: no clock, no randomness. Cost per request: one pass over its hashes;
+two shadow replays of its sampled blocks when it has any. Memory: two shadows of the duel's
+sampled size and the hypothetical budget's held keys.
 """
 
 from __future__ import annotations
 
-import hashlib
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Literal
 
-Group = Literal["always", "never", "follower"]
-ARMS: tuple[Group, Group] = ("never", "always")  # index 0, the incumbent: no hold
+from retention.policy.hint_quota import HintLedger
+from retention.shadow.duel import DuelConfig, PolicyDuel
+from retention.types import RetentionPlan
+
+ARMS: tuple[str, str] = ("never", "always")  # index 0, the incumbent: no hold
+# The pool's contest alone: a hold is one pool's decision (tenants share its budget).
+HOLD_DUEL = DuelConfig(per_tenant=False)
 
 
 @dataclass(frozen=True, slots=True)
-class HoldDuelConfig:
-    # Each leader set's share of conversations. The generated families have a few hundred
-    # conversations, so the sets are larger than DIP's 1/32: 1/8 each (~45 runs per set on
-    # agent-loop's 30 minutes).
-    leader_share: float = 0.125
-    salt: str = "kvgate-hold-duel"
-    half_life: float = 256.0  # observations of a leader set
-    min_observations: float = 48.0  # decayed observations in *each* set before any switch
-    margin: float = 0.01  # share points the other arm's leaders must lead by (the decision's noise bound)
-    patience: int = 16  # observations in a row with that lead
+class PoolShape:
+    """The pool the shadows scale down: GPU and host blocks, the host tier's offload threshold."""
 
-    def __post_init__(self) -> None:
-        if not 0.0 < self.leader_share <= 0.5:
-            raise ValueError("leader_share must be within (0, 0.5]")
-        if self.half_life <= 0 or self.min_observations < 0 or self.margin < 0 or self.patience < 0:
-            raise ValueError("half_life > 0; min_observations, margin, patience >= 0")
-
-
-@dataclass(slots=True)
-class _Score:
-    cached: float = 0.0
-    prompt: float = 0.0
-    observations: float = 0.0
-
-    @property
-    def share(self) -> float:
-        return self.cached / self.prompt if self.prompt else 0.0
-
-    def add(self, cached_tokens: int, prompt_tokens: int, decay: float) -> None:
-        self.cached = self.cached * decay + min(cached_tokens, prompt_tokens)
-        self.prompt = self.prompt * decay + prompt_tokens
-        self.observations = self.observations * decay + 1.0
+    primary_blocks: int
+    secondary_blocks: int = 0
+    offload_min_priority: int = 35
 
 
 @dataclass(slots=True)
 class HoldDuel:
-    """The followers' arm, decided by the ``always`` and ``never`` leader sets' cached shares."""
+    """The pool's arm (``never`` / ``always``), decided on two shadows; created on the first request."""
 
-    config: HoldDuelConfig = HoldDuelConfig()
-    current: int = 0  # index in ARMS the followers apply
-    switches: int = 0
-    streak: int = 0
-    scores: dict[str, _Score] = field(default_factory=lambda: {"always": _Score(), "never": _Score()})
-    _decay: float = field(init=False)
-
-    def __post_init__(self) -> None:
-        self._decay = 2.0 ** (-1.0 / self.config.half_life)
-
-    def group(self, tenant: str, root: str | None) -> Group:
-        """The conversation's set: by a salted hash of its root response id; no root, a follower."""
-        if root is None:
-            return "follower"
-        digest = hashlib.blake2b(f"{self.config.salt}\0{tenant}\0{root}".encode(), digest_size=8).digest()
-        u = int.from_bytes(digest, "big") / 2.0**64
-        share = self.config.leader_share
-        return "always" if u < share else "never" if u < 2 * share else "follower"
+    config: DuelConfig = HOLD_DUEL
+    budget: HintLedger = field(default_factory=HintLedger)  # what the ``always`` arm would hold
+    duel: PolicyDuel | None = None
 
     @property
-    def arm(self) -> Group:
-        """The arm the followers apply now."""
-        return ARMS[self.current]
+    def arm(self) -> str:
+        """The arm in force: ``never`` until ``always``'s shadow proves itself."""
+        return ARMS[0 if self.duel is None else self.duel.pool_scope.current]
 
-    def holds(self, group: Group | None) -> bool:
-        """Whether a request of ``group`` is held now (``None``: a follower)."""
-        if group in ("always", "never"):
-            return group == "always"
+    def holds(self) -> bool:
         return self.arm == "always"
 
-    def observe(self, group: Group | None, cached_tokens: int, prompt_tokens: int, *, continuation: bool) -> None:
-        """A request was served with ``cached_tokens`` of ``prompt_tokens`` from cache; only a leader
-        set's continuations count (a follower measures the arm in force, not the contest)."""
-        if not continuation or group not in self.scores or prompt_tokens <= 0:
-            return
-        self.scores[group].add(cached_tokens, prompt_tokens, self._decay)
-        cfg = self.config
-        ready = all(x.observations >= cfg.min_observations for x in self.scores.values())
-        other = 1 - self.current
-        lead = self.scores[ARMS[other]].share - self.scores[ARMS[self.current]].share
-        if ready and lead >= cfg.margin:
-            self.streak += 1
-            if self.streak >= cfg.patience:
-                self.current, self.streak = other, 0
-                self.switches += 1
-        else:
-            self.streak = 0
+    @property
+    def switches(self) -> int:
+        return 0 if self.duel is None else self.duel.switches()
+
+    def record(self, shape: PoolShape, hashes: Sequence[int], never: RetentionPlan, always: RetentionPlan, *,
+               now: float, num_tokens: int, tokens_per_block: int) -> None:
+        """Replay one request of the pool in both shadows (``never`` is ``always`` when nothing would be held)."""
+        if self.duel is None:
+            self.duel = PolicyDuel(ARMS, shape.primary_blocks, shape.secondary_blocks, shape.offload_min_priority,
+                                   self.config)
+        kept = self.duel.kept(hashes)
+        if kept:
+            self.duel.record(hashes, kept, (never, always), now=now, num_tokens=num_tokens,
+                             tokens_per_block=tokens_per_block)
 
     def standings(self) -> dict[str, float]:
-        """Each leader set's decayed cached share (for metrics and the bench)."""
-        return {name: score.share for name, score in self.scores.items()}
+        """Each arm's decayed shadow hit ratio (for metrics and the bench)."""
+        return {name: 0.0 for name in ARMS} if self.duel is None else self.duel.standings()
 
 
-__all__ = ["ARMS", "Group", "HoldDuel", "HoldDuelConfig"]
+__all__ = ["ARMS", "HOLD_DUEL", "HoldDuel", "PoolShape"]

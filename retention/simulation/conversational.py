@@ -22,7 +22,7 @@ expiry past it); they are counted apart, never in the hit rate. With ``end_demot
 ``output_kind``, known to the gateway at completion), ended its run: when it completes, the
 same kind of demote request re-claims its conversation's own blocks (those no other
 conversation's live stored response holds) at priority 0, through the hold duel (only where
-the duel holds the conversation's group). ``X+end`` is that demote without the hold: ``X``'s
+the duel holds). ``X+end`` is that demote without the hold: ``X``'s
 plans unchanged (the ledger only follows the chains, under :data:`~retention.policy.hint_plan.HINTS_OFF`),
 and every run that ends in a message demoted, since there is no duel to gate it. Generated blocks are not cached
 in the simulator (a trace line's output has no hash ids), so the decode retention costs
@@ -38,6 +38,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from retention.policy.conversation import ConversationLedger, ConversationPlan, ConversationRequest, plan_conversation
+from retention.policy.hold_duel import PoolShape
 from retention.policy.demote import DEMOTE_PRIORITY, DemoteLedger, continuable, demote_plan, doomed
 from retention.policy.hint_plan import HINTS_OFF
 from retention.simulation.layered import LayeredPolicy
@@ -66,8 +67,8 @@ class ConversationPolicy(LayeredPolicy):
     demote: bool = False  # a delete becomes a demote request (module docstring)
     demotes: DemoteLedger = field(default_factory=DemoteLedger)
     # A tool-offering response that ends in a message (not a function call) ends its run: its
-    # conversation's own blocks are demoted at completion (module docstring). "duel": only where
-    # the hold duel holds the conversation's group; "always": whatever the duel says.
+    # conversation's own blocks are demoted at completion (module docstring). "duel": only while
+    # the hold duel holds; "always": whatever the duel says.
     end_demote: str | None = None
     hold: bool = True  # False (``X+end``): never hold, the wrapped policy's plan goes out unchanged
     _chains: dict[tuple[str, str], list[str]] = field(default_factory=dict)  # (tenant, root) -> its response ids
@@ -77,7 +78,6 @@ class ConversationPolicy(LayeredPolicy):
         default_factory=dict)
     # (tenant, root) -> its live stored responses' parent links, oldest first: the store's conversation rows
     _rows: dict[tuple[str, str], dict[str, str | None]] = field(default_factory=dict)
-    _planned: dict[int, ConversationPlan | None] = field(default_factory=dict)  # request index -> its plan, until observed
 
     @property
     def name(self) -> str:
@@ -88,10 +88,7 @@ class ConversationPolicy(LayeredPolicy):
 
     def plan(self, request, hashes, *, now, pool) -> RetentionPlan:  # noqa: ANN001 - SimPolicy protocol
         plan = self.inner.plan(request, hashes, now=now, pool=pool)  # type: ignore[attr-defined]
-        conv = conversation_request(request)
-        if conv == ConversationRequest():
-            self._planned[request.index] = None
-            return plan
+        conv = conversation_request(request)  # every request, so that the hold duel's shadows see the pool
         rules = self.rules_for(request)
         cfg = pool.config
         if (self.demote or self.end_demote) and request.store and request.response_id is not None and rules.enabled:
@@ -113,10 +110,10 @@ class ConversationPolicy(LayeredPolicy):
                                 output_tokens=request.output_length,
                                 tokens_per_block=cfg.tokens_per_block, hashes=hashes, ledger=self.ledger,
                                 tenant=request.tenant or "", budget_blocks=budget, now=now,
-                                store_ttl_ms=self.store_ttl_ms)
+                                store_ttl_ms=self.store_ttl_ms,
+                                shape=PoolShape(cfg.primary_blocks, cfg.secondary_blocks, cfg.secondary_offload_min_priority))
         self.held_requests += out.plan is not plan
         self.clipped_requests += out.clipped
-        self._planned[request.index] = out
         if self.end_demote and request.response_id is not None and request.store and rules.enabled:
             self._track_end(request, plan, out, now)
         return out.plan
@@ -140,7 +137,7 @@ class ConversationPolicy(LayeredPolicy):
         if len(self._chains) > MAX_STORED:
             del self._chains[next(iter(self._chains))]
         duel = self.ledger.duel
-        gated = self.end_demote == "duel" and duel is not None and not duel.holds(out.group)
+        gated = self.end_demote == "duel" and duel is not None and not duel.holds()
         if request.offers_tools and request.output_kind == "message" and not gated:
             self._ending[request.index] = (request, plan, root)
 
@@ -159,20 +156,6 @@ class ConversationPolicy(LayeredPolicy):
             return None
         self.end_demotes += 1
         return request, demote_plan(plan, start * tokens_per_block, priority)
-
-    def observe(self, request, hashes, allocation, *, now, pool) -> None:  # noqa: ANN001 - SimPolicy protocol
-        """The wrapped policy observes; a served request reports its cached share to the hold duel,
-        as the gateway does from the usage's ``cached_tokens``."""
-        LayeredPolicy.observe(self, request, hashes, allocation, now=now, pool=pool)
-        if request.index not in self._planned:
-            return
-        planned = self._planned.pop(request.index)
-        if allocation is None:
-            return  # rejected: never served, no usage
-        if planned is None:
-            self.ledger.served(None, False, allocation.num_cached_tokens, request.input_length)
-        else:
-            planned.completed(self.ledger, allocation.num_cached_tokens, request.input_length)
 
     def on_delete(self, deletion: ResponseDeletion, *, now: float) -> None:
         self.ledger.delete(deletion.tenant or "", deletion.response_id)

@@ -1,109 +1,99 @@
-"""Set dueling for the conversation hold: leaders by salted root id, followers follow the winner on cached shares."""
+"""The conversation hold's duel: two shadows of the pool, held and not, replaying every request."""
 
 from __future__ import annotations
-
-import pytest
 
 from retention.policy.conversation import ConversationLedger, ConversationRequest, plan_conversation
 from retention.policy.hint_plan import HintPolicy
 from retention.policy.hint_quota import MIN_GAP_SAMPLES
-from retention.policy.hold_duel import HoldDuel, HoldDuelConfig
-from retention.types import DEFAULT_PLAN
+from retention.policy.hold_duel import HoldDuel, PoolShape
+from retention.types import DEFAULT_PLAN, RetentionPlan, TokenRange
 
 BS = 16
 CAPS = HintPolicy(enabled=True, max_ttl_ms=3_600_000, max_priority=60, quota_fraction=0.5)
-FAST = HoldDuelConfig(min_observations=8, patience=4, margin=0.01)
+SHAPE = PoolShape(64)  # at most 64 GPU blocks: the shadows replay every block (sampling rate 1)
+HELD = RetentionPlan((TokenRange(0, None, 60, 3_600_000),))
 
 
-def feed(duel: HoldDuel, always: float, never: float, rounds: int = 64) -> None:
-    """Continuations of both leader sets with the given cached shares (of 1,000 prompt tokens)."""
-    for _ in range(rounds):
-        duel.observe("always", int(1000 * always), 1000, continuation=True)
-        duel.observe("never", int(1000 * never), 1000, continuation=True)
+def blocks(first: int, n: int = 8) -> list[int]:
+    return list(range(first, first + n))
 
 
-def test_where_holding_hurts_the_followers_switch_off() -> None:
-    duel = HoldDuel(FAST, current=1)  # followers holding
-    assert duel.holds("follower")
-    feed(duel, always=0.40, never=0.60)
-    assert duel.arm == "never" and not duel.holds("follower") and duel.switches == 1
-    assert duel.holds("always") and not duel.holds("never")  # the leaders keep their arms
+def replay(duel: HoldDuel, requests: list[tuple[list[int], bool]]) -> None:
+    """Each request's blocks, held in the ``always`` shadow when flagged, at one second apart."""
+    for t, (hashes, held) in enumerate(requests):
+        duel.record(SHAPE, hashes, DEFAULT_PLAN, HELD if held else DEFAULT_PLAN, now=float(t),
+                    num_tokens=len(hashes) * BS, tokens_per_block=BS)
 
 
-def test_where_holding_helps_the_followers_start_and_keep_holding() -> None:
-    duel = HoldDuel(FAST)
-    assert not duel.holds("follower")  # no evidence, no hold
-    feed(duel, always=0.70, never=0.50)
-    assert duel.holds("follower") and duel.switches == 1
-    feed(duel, always=0.70, never=0.50)
-    assert duel.holds("follower") and duel.switches == 1
+def test_holding_a_prefix_that_returns_after_the_pool_turned_over_wins_the_pool() -> None:
+    # A conversation prefix comes back every 10 requests; between, 9 one-shot prompts of 8 blocks
+    # (72 blocks) turn the 64-block pool over, so only a held prefix survives.
+    duel = HoldDuel()
+    stream, fresh = [], 1_000
+    for _ in range(60):
+        stream.append((blocks(0), True))
+        for _ in range(9):
+            stream.append((blocks(fresh), False))
+            fresh += 8
+    assert duel.arm == "never" and not duel.holds()  # no evidence, no hold
+    replay(duel, stream)
+    standings = duel.standings()
+    assert standings["always"] > standings["never"] + 0.05
+    assert duel.holds() and duel.switches == 1
 
 
-def test_a_lead_within_the_margin_or_without_evidence_changes_nothing() -> None:
-    duel = HoldDuel(FAST)
-    feed(duel, always=0.505, never=0.50)  # half a point: inside the 1-point bound
-    assert duel.arm == "never"
-    sparse = HoldDuel(HoldDuelConfig(min_observations=1_000, patience=1))
-    feed(sparse, always=0.9, never=0.1)
-    assert sparse.arm == "never"
+def test_holding_what_never_returns_loses_to_the_unheld_pool_and_the_arm_stays_off() -> None:
+    # Held one-shot prompts (a held tool step nobody continues) crowd out a shared prefix that
+    # LRU alone keeps: it returns every 4 requests, well inside the pool's reach.
+    duel = HoldDuel()
+    stream, fresh = [], 1_000
+    for _ in range(150):
+        stream.append((blocks(0), False))
+        for _ in range(3):
+            stream.append((blocks(fresh), True))
+            fresh += 8
+    replay(duel, stream)
+    standings = duel.standings()
+    assert standings["never"] > standings["always"]
+    assert not duel.holds() and duel.switches == 0
 
 
-def test_only_leader_continuations_score() -> None:
-    duel = HoldDuel(FAST)
-    for _ in range(100):
-        duel.observe("always", 1000, 1000, continuation=False)  # a first turn: nothing was held for it
-        duel.observe("follower", 1000, 1000, continuation=True)
-        duel.observe(None, 1000, 1000, continuation=False)
-    assert duel.standings() == {"always": 0.0, "never": 0.0} and duel.arm == "never"
-
-
-def test_groups_are_salted_deterministic_and_about_the_leader_share() -> None:
-    duel, other = HoldDuel(), HoldDuel(HoldDuelConfig(salt="another"))
-    roots = [f"resp-{i}" for i in range(4_000)]
-    groups = [duel.group("t", r) for r in roots]
-    assert groups == [HoldDuel().group("t", r) for r in roots]
-    for name in ("always", "never"):
-        assert 0.10 < groups.count(name) / len(roots) < 0.15
-    assert groups != [other.group("t", r) for r in roots]
-    assert duel.group("t", None) == "follower"
-
-
-def test_config_is_validated() -> None:
-    with pytest.raises(ValueError):
-        HoldDuelConfig(leader_share=0.6)
-    with pytest.raises(ValueError):
-        HoldDuelConfig(half_life=0)
-
-
-def _step(ledger, rid, previous, now, first_hash):  # noqa: ANN001, ANN202
-    hashes = list(range(first_hash, first_hash + 4))
-    return plan_conversation(DEFAULT_PLAN, ConversationRequest(rid, previous, True, True), CAPS, total=4 * BS + 3,
-                             output_tokens=2 * BS, tokens_per_block=BS, hashes=hashes, ledger=ledger, tenant="t",
-                             budget_blocks=1_000, now=now, store_ttl_ms=3_600_000)
-
-
-def test_the_hold_follows_the_duel_and_a_served_continuation_scores_its_roots_set() -> None:
-    ledger = ConversationLedger(duel=HoldDuel(FAST))
-    duel = ledger.duel
-    roots = {g: next(f"r{i}" for i in range(1_000) if duel.group("t", f"r{i}") == g) for g in ("always", "never", "follower")}
+def test_the_shadows_see_every_request_and_the_always_arm_spends_its_own_budget() -> None:
+    ledger = ConversationLedger(duel=HoldDuel())
     now = 0.0
+
+    def step(rid: str, previous: str | None, first_hash: int, t: float):  # noqa: ANN202
+        return plan_conversation(DEFAULT_PLAN, ConversationRequest(rid, previous, True, True), CAPS, total=4 * BS + 3,
+                                 output_tokens=2 * BS, tokens_per_block=BS, hashes=blocks(first_hash, 4), ledger=ledger,
+                                 tenant="t", budget_blocks=1_000, now=t, store_ttl_ms=3_600_000, shape=SHAPE)
+
     for i in range(MIN_GAP_SAMPLES + 1):  # measured gaps (the stream, whatever the arm)
-        _step(ledger, f"w{i}a", None, now, 10_000 + 100 * i)
-        _step(ledger, f"w{i}b", f"w{i}a", now + 3.0, 10_000 + 100 * i)
+        step(f"w{i}a", None, 10_000 + 100 * i, now)
+        step(f"w{i}b", f"w{i}a", 10_000 + 100 * i, now + 3.0)
         now += 1_000.0
-    plans = {g: _step(ledger, root, None, now, 100 * n) for n, (g, root) in enumerate(roots.items())}
-    assert plans["always"].hold_ms == 3_000 and plans["never"].hold_ms == 0 and plans["follower"].hold_ms == 0
-    step2 = _step(ledger, roots["always"] + "-2", roots["always"], now + 3.0, 0)
-    assert step2.group == "always" and step2.continuation and step2.hold_ms == 3_000  # the chain keeps its root's set
-    step2.completed(ledger, 60, 67)
-    assert duel.scores["always"].prompt == 67 and duel.scores["never"].prompt == 0
+    out = step("x", None, 500, now)
+    assert out.hold_ms == 0 and out.plan is DEFAULT_PLAN  # the arm is "never": nothing held for real ...
+    assert ledger.holds.live_blocks("t", now) == 0
+    assert ledger.duel.budget.live_blocks("t", now) > 0  # ... while the always shadow held what the budget allowed
+    plain = plan_conversation(DEFAULT_PLAN, ConversationRequest(), CAPS, total=4 * BS, output_tokens=BS,
+                              tokens_per_block=BS, hashes=blocks(900, 4), ledger=ledger, tenant="u",
+                              budget_blocks=1_000, now=now, store_ttl_ms=3_600_000, shape=SHAPE)
+    assert plain.plan is DEFAULT_PLAN
+    for shadow in ledger.duel.duel.shadows:  # every request, held or not, in both shadows
+        assert shadow.counts.requests == 2 * (MIN_GAP_SAMPLES + 1) + 2
 
 
 def test_without_a_duel_every_eligible_request_is_held() -> None:
     ledger = ConversationLedger(duel=None)
     now = 0.0
+
+    def step(rid: str, previous: str | None, first_hash: int, t: float):  # noqa: ANN202
+        return plan_conversation(DEFAULT_PLAN, ConversationRequest(rid, previous, True, True), CAPS, total=4 * BS + 3,
+                                 output_tokens=2 * BS, tokens_per_block=BS, hashes=blocks(first_hash, 4), ledger=ledger,
+                                 tenant="t", budget_blocks=1_000, now=t, store_ttl_ms=3_600_000)
+
     for i in range(MIN_GAP_SAMPLES + 1):
-        _step(ledger, f"w{i}a", None, now, 10_000 + 100 * i)
-        _step(ledger, f"w{i}b", f"w{i}a", now + 3.0, 10_000 + 100 * i)
+        step(f"w{i}a", None, 10_000 + 100 * i, now)
+        step(f"w{i}b", f"w{i}a", 10_000 + 100 * i, now + 3.0)
         now += 1_000.0
-    assert all(_step(ledger, f"x{i}", None, now, 100 * i).hold_ms == 3_000 for i in range(20))
+    assert all(step(f"x{i}", None, 100 * i, now).hold_ms == 3_000 for i in range(20))

@@ -459,9 +459,11 @@ class CompletionRunner:
         adaptive = selector is not None and tenant.retention_mode == "adaptive" and not job.quota.over_quota
         hinting = hints_apply(job)
         holding = self.holds.applies(job)
+        watched = not holding and self.holds.watches(tenant.pool.name)  # its hold duel sees every request
         # Hashed once per request: the router needs them too (passed on by _open).
         routed = isinstance(job.engine, RoutedEngine)
-        hashes = request_hashes(job) if routed or adaptive or hinting or holding or self._curves is not None else None
+        hashes = (request_hashes(job) if routed or adaptive or hinting or holding or watched or self._curves is not None
+                  else None)
         plan = build_plan(job, selector, now, hashes)
         started = time.perf_counter()
         outcome = Outcome()
@@ -472,6 +474,8 @@ class CompletionRunner:
         if holding and hashes is not None:  # tools offered / a stored conversation: held for the measured gap
             outcome.conversation_hold = self.holds.plan(job, plan, hashes, self._ledger(tenant.pool.name), now)
             plan = outcome.conversation_hold.plan
+        elif watched and hashes is not None:
+            self.holds.shadow(job, plan, hashes, self._ledger(tenant.pool.name), now)
         if self._guard is not None:  # SLO guard tripped or pilot control arm: host tier rolled back
             plan, outcome.arm = self._guard.apply(tenant, plan)
         if self._curves is not None:
@@ -555,8 +559,6 @@ class CompletionRunner:
             self._ledger(tenant.pool.name).record(tenant.engine_tenant_id, hinted.hashes, hinted.durations_ms,
                                                   self._clock(), windows_ms=hinted.windows_ms)
         self.holds.released(job, outcome.conversation_hold, self._clock())
-        if outcome.kv is not None:  # the engine ran it: its usage's cached tokens score the hold duel
-            self.holds.served(job, outcome.conversation_hold, cached_tokens(job, outcome))
         latency = time.perf_counter() - started
         # Mean inter-token latency: observable only when tokens were streamed one by one.
         inter_token = None

@@ -11,10 +11,11 @@ demote request may then re-claim what is still cached of it at priority 0
 (:mod:`server.gateway.api.conversation_demote`): the per-pool :class:`DemoteLedger` here
 knows which prompt blocks other live stored responses of the tenant still hold.
 
-Whether the hold is in force is decided per pool by the ledger's set duel
-(:mod:`retention.policy.hold_duel`): the request core reports every served request's
-cached tokens (the usage's ``cached_tokens``) through :meth:`ConversationHolds.served`, and a
-continuation of a leader conversation scores its set.
+Whether the hold is in force is decided per pool by the ledger's hold duel
+(:mod:`retention.policy.hold_duel`): once a pool has a ledger, the request core shows every
+request of that pool to it (:meth:`ConversationHolds.plan` for those that may be held,
+:meth:`ConversationHolds.shadow` for the rest), and two sampled shadows of the pool, one held
+and one not, decide whether holding pays.
 """
 
 from __future__ import annotations
@@ -25,8 +26,10 @@ from typing import Any
 from retention.policy.conversation import ConversationLedger, ConversationPlan, ConversationRequest, plan_conversation
 from retention.policy.demote import DemoteLedger
 from retention.policy.hint_quota import HintLedger
-from retention.policy.hold_duel import HoldDuel, HoldDuelConfig
+from retention.policy.hold_duel import HOLD_DUEL, HoldDuel, PoolShape
+from retention.shadow.duel import DuelConfig
 from retention.types import RetentionPlan
+from tenants.snapshots import PoolSnapshot
 
 # A job is server.gateway.api.completions.CompletionJob (not imported: completions imports this module).
 CompletionJob = Any
@@ -48,7 +51,7 @@ class ConversationHolds:
     """Per pool: the conversation ledger, sharing the pool's hint ledger (one budget)."""
 
     store_ttl_ms: int = STORE_TTL_MS
-    duel: HoldDuelConfig | None = HoldDuelConfig()  # None: every eligible request held (no duel)
+    duel: DuelConfig | None = HOLD_DUEL  # None: every eligible request held (no duel)
     _ledgers: dict[str, ConversationLedger] = field(default_factory=dict)
     _demotes: dict[str, DemoteLedger] = field(default_factory=dict)  # pool -> live stored prompts' blocks
 
@@ -80,20 +83,26 @@ class ConversationHolds:
                                  output_tokens=job.max_new_tokens, tokens_per_block=tenant.pool.tokens_per_block,
                                  hashes=hashes, ledger=self.ledger(tenant.pool.name, hints),
                                  tenant=tenant.engine_tenant_id, budget_blocks=budget, now=now,
-                                 store_ttl_ms=self.store_ttl_ms)
+                                 store_ttl_ms=self.store_ttl_ms, shape=_shape(tenant.pool))
+
+    def watches(self, pool: str) -> bool:
+        """Whether the pool's hold duel must see its other requests too (:meth:`shadow`)."""
+        ledger = self._ledgers.get(pool)
+        return ledger is not None and ledger.duel is not None
+
+    def shadow(self, job: CompletionJob, plan: RetentionPlan, hashes: list[int], hints: HintLedger,
+               now: float) -> None:
+        """A request of a watched pool that cannot be held: replayed as it is in both of the duel's shadows."""
+        duel = self.ledger(job.tenant.pool.name, hints).duel
+        if duel is not None:
+            duel.record(_shape(job.tenant.pool), hashes, plan, plan, now=now, num_tokens=job.prompt.total,
+                        tokens_per_block=job.tenant.pool.tokens_per_block)
 
     def released(self, job: CompletionJob, held: ConversationPlan | None, now: float) -> None:
         """The request ended: its hold is counted from now (durations start at release)."""
         ledger = self._ledgers.get(job.tenant.pool.name)
         if held is not None and ledger is not None:
             held.released(ledger, job.tenant.engine_tenant_id, now)
-
-    def served(self, job: CompletionJob, held: ConversationPlan | None, cached_tokens: int) -> None:
-        """The engine served the job with ``cached_tokens`` of its prompt from cache: the duel's signal
-        (only a planned continuation of a leader conversation scores)."""
-        ledger = self._ledgers.get(job.tenant.pool.name)
-        if held is not None and ledger is not None:
-            held.completed(ledger, cached_tokens, job.prompt.total)
 
     def deleted(self, pool: str, tenant: str, response_id: str) -> bool:
         """A stored response was deleted: its conversation is no longer measured or renewed."""
@@ -105,3 +114,8 @@ class ConversationHolds:
         holds (None: unknown here, or nothing of its own)."""
         demotes = self._demotes.get(pool)
         return None if demotes is None else demotes.delete(tenant, response_id)
+
+
+def _shape(pool: PoolSnapshot) -> PoolShape:
+    """The pool's shape for the hold duel's shadows."""
+    return PoolShape(pool.primary_blocks, pool.secondary_blocks, pool.secondary_offload_min_priority)

@@ -17,7 +17,8 @@ CAPS = HintPolicy(enabled=True, max_ttl_ms=600_000, max_priority=60, quota_fract
 
 def job(*, tools: bool = False, conversation: ConversationRequest | None = None, hints: HintPolicy = CAPS,  # noqa: ANN201
         hold: bool = True):
-    pool = SimpleNamespace(name="p", primary_blocks=400, tokens_per_block=TPB)
+    pool = SimpleNamespace(name="p", primary_blocks=400, secondary_blocks=0, secondary_offload_min_priority=35,
+                           tokens_per_block=TPB)
     tenant = SimpleNamespace(hints=hints, conversation_hold=hold, kv_quota_fraction=1.0, pool=pool,
                              engine_tenant_id="7")
     return SimpleNamespace(tenant=tenant, tools=object() if tools else None, conversation=conversation,
@@ -73,15 +74,14 @@ def test_the_class_switch_decides_not_the_hint_switch_and_the_hint_caps_still_bo
             assert out.hold_ms == 1_500 and out.plan.retention_at(0) == (45, 1_500)  # the class's hint caps
 
 
-def test_a_served_continuation_feeds_the_pools_hold_duel_with_its_cached_tokens() -> None:
+def test_once_a_pool_holds_its_duel_sees_every_request_of_it_held_or_not() -> None:
     holds, hints = ConversationHolds(), HintLedger()
+    assert not holds.watches("p")  # no conversation yet: plain requests cost nothing
+    first = job(conversation=ConversationRequest("resp_1", None, True, True))
+    assert holds.plan(first, DEFAULT_PLAN, list(range(5)), hints, 0.0).hold_ms == 0  # no evidence: not held
+    assert holds.watches("p")
+    holds.shadow(job(), DEFAULT_PLAN, list(range(100, 105)), hints, 1.0)
     duel = holds.ledger("p", hints).duel
-    root = next(f"resp_{i}" for i in range(1_000) if duel.group("7", f"resp_{i}") == "never")
-    first = job(conversation=ConversationRequest(root, None, True, True))
-    holds.served(first, holds.plan(first, DEFAULT_PLAN, list(range(5)), hints, 0.0), 0)  # not a continuation
-    assert duel.scores["never"].prompt == 0
-    then = job(conversation=ConversationRequest(root + "b", root, True, True))
-    held = holds.plan(then, DEFAULT_PLAN, list(range(5)), hints, 2.0)
-    assert held.group == "never" and held.continuation and held.hold_ms == 0
-    holds.served(then, held, 4 * TPB)
-    assert duel.scores["never"].cached == 4 * TPB and duel.scores["never"].prompt == 5 * TPB + 2
+    assert duel.arm == "never"
+    for shadow in duel.duel.shadows:
+        assert shadow.counts.requests == 2 and shadow.counts.kept_blocks == 10  # small hashes: all in the slice

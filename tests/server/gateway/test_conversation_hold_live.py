@@ -26,8 +26,8 @@ MAX_TTL_MS = 5_000  # short: the engine is shared with the rest of the suite, an
 async def test_a_measured_tool_loop_is_held_at_enqueue_and_a_delete_is_heard(stack: Stack) -> None:
     server, proxy, port = await start_proxy(f"127.0.0.1:{stack.engine.port}")
     holds = stack.gateway.app.state.gateway.runner.holds  # type: ignore[attr-defined]
-    # The hold alone: without its duel (retention/policy/hold_duel.py, tested apart) a follower holds only once
-    # the leader sets have proven it, which takes hundreds of continuations.
+    # The hold alone: without its duel (retention/policy/hold_duel.py, tested apart) the pool holds only once
+    # the held shadow has proven it, which takes hundreds of sampled references.
     duel, holds.duel = holds.duel, None
     try:
         x, key = add_hinted_tenant(stack, "conv", port, secondary_blocks=512, max_ttl_ms=MAX_TTL_MS,

@@ -17,7 +17,6 @@ from engines.reference.kserve import decode_inputs
 from retention.hashing import block_hashes
 from retention.policy.demote import shared_blocks
 from retention.policy.hint_quota import HintLedger
-from retention.policy.hold_duel import HoldDuelConfig
 from tenants import tenant
 from tests.server.gateway.conftest import TOKENS_PER_BLOCK
 from tests.server.gateway.hinted_tenant import add_hinted_tenant
@@ -136,9 +135,9 @@ async def test_the_hold_switch_alone_sends_no_end_demote_and_both_switches_send_
         await asyncio.sleep(1.5)
         assert len(_prompts(proxy, before)) == 1 and counted(f"endhold-{y}") == NONE
 
-        # Both switches, under a duel that holds no conversation (leader sets of ~0, the followers on
-        # "never"): the end demote still fires, once.
-        holds.duel = HoldDuelConfig(leader_share=1e-9)
+        # Both switches, under the shipped duel on a new pool (no evidence yet: on "never", nothing
+        # held): the end demote still fires, once.
+        holds.duel = shipped
         z, both_key = add_hinted_tenant(stack, "endboth", port, secondary_blocks=0, max_ttl_ms=5_000,
                                         max_priority=55, end_demote=True)
         name = f"endboth-{z}"
@@ -148,7 +147,7 @@ async def test_the_hold_switch_alone_sends_no_end_demote_and_both_switches_send_
                                                                 temperature=0)
         assert all(item.type == "message" for item in reply.output)
         duel = holds.ledger(name, HintLedger()).duel  # the pool's ledger, made when the request was planned
-        assert duel is not None and not duel.holds(duel.group(str(_tenant_row(stack, name)[0]), reply.id))
+        assert duel is not None and not duel.holds()
         await _until_sent(counted, name)
         await asyncio.sleep(0.5)  # a second demote would be sent within this
         assert len(_prompts(proxy, before)) == 2 and counted(name) == {**NONE, "sent": 1.0}
