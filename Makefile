@@ -63,10 +63,12 @@ BENCHES := retention/pool_ops retention/simulate routing/simulator routing/famil
 bench: setup $(AIPERF_STAMP) $(LITELLM_STAMP)
 	for b in $(BENCHES); do OMP_NUM_THREADS=1 $(PY) bench/$$b.py || exit 1; done
 
+# One target per bench, `make bench-GROUP/NAME` (a static pattern rule: GNU make matches a plain
+# bench-% pattern against the target's file part only, so bench-server/overhead would not match).
 bench-server/vs_litellm: setup $(LITELLM_STAMP)
 	OMP_NUM_THREADS=1 $(PY) bench/server/vs_litellm.py
 
-bench-%: setup
+$(addprefix bench-,$(filter-out server/vs_litellm,$(BENCHES))): bench-%: setup
 	OMP_NUM_THREADS=1 $(PY) bench/$*.py
 
 clean:

@@ -33,6 +33,7 @@ sys.path.insert(0, str(ROOT))
 
 from bench.report import machine, seed_line, write_section  # noqa: E402
 from bench.server.overhead import free_port, seed_registry, wait_http  # noqa: E402
+from engines.tokenizer import load_gguf_tokenizer  # noqa: E402
 
 MODEL = "smollm2-135m-instruct"
 SEED = 7  # AIPerf --random-seed: its synthetic prompts
@@ -47,8 +48,6 @@ def aiperf_executable() -> Path:
 
 def write_tokenizer_dir(path: Path) -> Path:
     """SmolLM2's tokenizer as a Hugging Face directory (tokenizer.json + config), from the GGUF."""
-    from engines.tokenizer import load_gguf_tokenizer
-
     tokenizer = load_gguf_tokenizer()
     path.mkdir(parents=True, exist_ok=True)
     (path / "tokenizer.json").write_text(tokenizer.tokenizer.to_str())

@@ -14,6 +14,8 @@ Run: ``OMP_NUM_THREADS=1 .venv/bin/python bench/server/mrc.py`` (writes docs/ben
 
 from __future__ import annotations
 
+import argparse
+
 import statistics
 import sys
 import time
@@ -42,6 +44,9 @@ def _pool(primary: int, secondary: int) -> PoolSnapshot:
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--no-write", action="store_true", help="print only")
+    args = parser.parse_args()
     requests = parse_trace(TRACE.read_text().splitlines(), block_size=BLOCK)
     tokens = [request_tokens(r, BLOCK) for r in requests]
     primary = max(1, round(0.02 * distinct_blocks(requests)))
@@ -102,7 +107,8 @@ def main() -> None:
         lines.append(f"| {key[0]} / {key[1]} | {cells} | {full[key]:.1%} |")
     body = "\n".join(lines)
     print(body)
-    write_section("mrc", body)
+    if not args.no_write:
+        write_section("mrc", body)
 
 
 if __name__ == "__main__":

@@ -48,6 +48,8 @@ sys.path.insert(0, str(ROOT))
 from bench.report import machine, seed_line, write_section  # noqa: E402
 from engines.contract import EngineRequest, Guide, SamplingParams  # noqa: E402
 from retention.types import RetentionPlan  # noqa: E402
+from tenants import keys, migrate, pools, retention_classes, tenant  # noqa: E402
+from tenants.db import make_engine, make_session_factory  # noqa: E402
 from server.gateway.replicas.engine_client import EngineClient  # noqa: E402
 
 MESSAGES = [
@@ -83,9 +85,6 @@ def seed_registry(url: str, engine_port: int, pepper: str, *, pool: str = "fixed
                   primary_blocks: int = 1024) -> str:
     """A migrated registry with one pool on the engine at ``engine_port``, a default class and a
     tenant ``bench`` without practical limits; returns the tenant's API key."""
-    from tenants import keys, migrate, pools, retention_classes, tenant
-    from tenants.db import make_engine, make_session_factory
-
     migrate.upgrade(url=url)
     factory = make_session_factory(make_engine(url))
     now, actor = datetime.now(UTC), "bench"

@@ -26,11 +26,10 @@ import time
 from datetime import UTC, datetime
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from bench.report import seed_line, write_section  # noqa: E402
-
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
+
+from bench.report import seed_line, write_section  # noqa: E402
 
 from sqlalchemy import text  # noqa: E402
 

@@ -24,8 +24,13 @@ one and a half; ``bench/retention/conversation.py`` states the figures.)
 The ``always`` arm's plans come from a hypothetical budget of its own (:attr:`HoldDuel.budget`,
 a :class:`~retention.policy.hint_quota.HintLedger` counting what the arm would hold, from the
 moment it is planned), so the shadow holds what the budget would let the pool hold whichever
-arm is in force. Generated blocks are not in the shadows (a shadow replays prompt hashes): the
-decode hold's cost and gain are not measured, only its share of the budget.
+arm is in force. Two approximations, both towards holding a little more in the shadow than
+the pool could: in the gateway the real budget is the pool's hint ledger, which the clients'
+cache hints share and which counts a hold again from the request's release (when the engine
+starts its duration), while the hypothetical one sees holds only, from plan time. Generated
+blocks are not in the shadows (a shadow replays prompt hashes): the decode hold's cost and
+gain are not measured, only its share of the budget. The shadows take the pool's shape from
+the request; a resized pool starts a new contest (on ``never``).
 
 Pure and deterministic: no clock, no randomness. Cost per request: one pass over its hashes;
 two shadow replays of its sampled blocks when it has any. Memory: two shadows of the duel's
@@ -62,6 +67,7 @@ class HoldDuel:
     config: DuelConfig = HOLD_DUEL
     budget: HintLedger = field(default_factory=HintLedger)  # what the ``always`` arm would hold
     duel: PolicyDuel | None = None
+    shape: PoolShape | None = None  # the pool's shape the shadows were made for
 
     @property
     def arm(self) -> str:
@@ -78,7 +84,8 @@ class HoldDuel:
     def record(self, shape: PoolShape, hashes: Sequence[int], never: RetentionPlan, always: RetentionPlan, *,
                now: float, num_tokens: int, tokens_per_block: int) -> None:
         """Replay one request of the pool in both shadows (``never`` is ``always`` when nothing would be held)."""
-        if self.duel is None:
+        if self.duel is None or shape != self.shape:
+            self.shape = shape
             self.duel = PolicyDuel(ARMS, shape.primary_blocks, shape.secondary_blocks, shape.offload_min_priority,
                                    self.config)
         kept = self.duel.kept(hashes)

@@ -6,7 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from bench.routing.families import fingerprint
+from bench.routing.families import (BOUNDED, EXTRAS, FADING, FORGIVING, SELF_TUNING, SQUARED, TUNINGS, WIDE,
+                                     fingerprint)
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -30,8 +31,6 @@ def test_the_bounded_scale_is_replayed_and_judged_over_the_whole_grid() -> None:
     """The scale's bounds chosen on the tune families ([½, 4]) are an extra router of the grid, judged against
     kv-aware by the adoption rule like every self-tuning row; the rows tried with the defaults' bounds pin
     them, so a change of ``BandTuning``'s defaults cannot silently change (or reuse) their figures."""
-    from bench.routing.families import BOUNDED, EXTRAS, FADING, FORGIVING, SELF_TUNING, SQUARED, TUNINGS, WIDE
-
     assert EXTRAS[BOUNDED[0]] == ("kv-adaptive", {}, {"min_scale": 0.5, "max_scale": 4.0})
     assert BOUNDED[0] in SELF_TUNING
     assert any(knobs == BOUNDED[1] for _, knobs in TUNINGS)

@@ -97,3 +97,13 @@ def test_without_a_duel_every_eligible_request_is_held() -> None:
         step(f"w{i}b", f"w{i}a", 10_000 + 100 * i, now + 3.0)
         now += 1_000.0
     assert all(step(f"x{i}", None, 100 * i, now).hold_ms == 3_000 for i in range(20))
+
+
+def test_a_resized_pool_starts_a_new_contest_on_shadows_of_its_new_shape() -> None:
+    duel = HoldDuel()
+    replay(duel, [(blocks(0), True)] * 5)
+    first = duel.duel
+    assert first is not None and first.shadows[0].counts.requests == 5
+    duel.record(PoolShape(128), blocks(0), DEFAULT_PLAN, HELD, now=10.0, num_tokens=8 * BS, tokens_per_block=BS)
+    assert duel.duel is not first and duel.shape == PoolShape(128)
+    assert duel.duel.shadows[0].counts.requests == 1 and duel.arm == "never"
