@@ -57,9 +57,8 @@ from engines.contract import (
     TokenLogProbs,
     encode_request,
 )
-from server.gateway.replicas.engine_stream import TRANSPORT_ERRORS, StreamChannel, status_error
+from server.gateway.replicas.engine_stream import STREAM_INFER_METHOD, TRANSPORT_ERRORS, StreamChannel, status_error
 
-STREAM_INFER_METHOD = "/inference.GRPCInferenceService/ModelStreamInfer"
 MODEL_INFER_METHOD = "/inference.GRPCInferenceService/ModelInfer"
 _STATS_FLAG = np.array([True], np.bool_)
 _DATATYPES = {spec.name: spec.datatype for spec in INPUTS}

@@ -8,12 +8,14 @@ never a hang without end nor a truncated answer.
 from __future__ import annotations
 
 import asyncio
+import socket
 
 import grpc
 import pytest
 from tritonclient.grpc import service_pb2, service_pb2_grpc
 
 from engines.contract import EngineRequest, KvMetrics, SamplingParams, encode_response
+from bench.server.fixed_engine import FixedModel
 from engines.reference.kserve import encode_outputs
 from retention.types import RetentionPlan
 from server.gateway.replicas.engine_client import EngineClient, EngineRejected, EngineUnavailable
@@ -173,8 +175,11 @@ async def test_a_stream_without_its_final_response_is_an_engine_error(engine):
 async def test_stream_statuses_map_to_rejection_or_unavailability(engine):
     servicer, client = engine
     servicer.status = (grpc.StatusCode.INVALID_ARGUMENT, "bad input_ids")
-    with pytest.raises(EngineRejected, match="bad input_ids"):
+    with pytest.raises(EngineRejected) as streamed:
         await _collect(client, _request(streaming=True))
+    with pytest.raises(EngineRejected) as unary:
+        await _collect(client, _request())
+    assert str(streamed.value) == str(unary.value) == "bad input_ids"  # the same on both paths
     servicer.script, servicer.status = [_message([7], 1, False)], (grpc.StatusCode.INTERNAL, "engine crashed")
     with pytest.raises(EngineUnavailable, match="INTERNAL.*engine crashed"):
         await _collect(client, _request(streaming=True))
@@ -221,3 +226,71 @@ async def test_an_engine_restart_ends_the_stream_as_unavailable_and_the_next_str
     finally:
         await client.close()
         await server.stop(0)
+
+
+async def _serve_fixed(tokens: list[int], token_delay_s: float, port: int = 0) -> tuple[grpc.aio.Server, int]:
+    server = grpc.aio.server()
+    service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(FixedModel(tokens, token_delay_s), server)
+    port = server.add_insecure_port(f"127.0.0.1:{port}")
+    await server.start()
+    return server, port
+
+
+async def test_a_graceful_engine_stop_lets_running_streams_finish_and_the_next_call_reconnects():
+    """A stop with a grace period (GOAWAY, then the running calls end) must not cut the
+    streams already running; the next call opens a new connection (the engine back on the
+    same port)."""
+    tokens = list(range(100, 108))
+    server, port = await _serve_fixed(tokens, 0.05)
+    client = EngineClient(f"127.0.0.1:{port}", "kvgate_llm")
+    request = EngineRequest(input_ids=(1, 2, 3), max_new_tokens=8, end_id=None, streaming=True,
+                            sampling=SamplingParams(), retention=RetentionPlan(), cache_salt=None, tenant_id=None)
+    try:
+        chunks = client.generate(request, request_id="r")
+        got = [(await anext(chunks)).token_ids, (await anext(chunks)).token_ids]
+        stopping = asyncio.create_task(server.stop(5.0))  # graceful: GOAWAY, running calls finish
+        got += [c.token_ids async for c in chunks]
+        assert got == [(t,) for t in tokens]
+        await stopping
+        server, _ = await _serve_fixed(tokens, 0.0, port)  # back on the same port
+        after = [c async for c in client.generate(request, request_id="r2", connect_timeout=5.0)]
+        assert [c.token_ids for c in after] == [(t,) for t in tokens] and after[-1].final
+    finally:
+        await client.close()
+        await server.stop(0)
+
+
+async def test_a_connect_the_engine_never_answers_fails_at_the_connect_timeout():
+    """A listener whose accept queue is full drops new SYNs: the connect would wait for the
+    kernel's retries (minutes); the connect timeout must cut it as EngineUnavailable."""
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(0)  # never accepted
+    port = listener.getsockname()[1]
+    fillers = []
+    try:
+        for _ in range(64):  # fill the accept queue until a connect is not answered
+            filler = socket.socket()
+            fillers.append(filler)
+            filler.settimeout(0.2)
+            try:
+                filler.connect(("127.0.0.1", port))
+            except TimeoutError:
+                break
+        else:
+            pytest.fail("the listener answered every connect: its accept queue never filled")
+        client = EngineClient(f"127.0.0.1:{port}", "kvgate_llm")
+        try:
+            with pytest.raises(EngineUnavailable, match="connect timeout"):
+                # the guard turns a hang into a failure; the connect timeout must end it first
+                await asyncio.wait_for(_collect_with(client, connect_timeout=0.5), 30)
+        finally:
+            await client.close()
+    finally:
+        for filler in fillers:
+            filler.close()
+        listener.close()
+
+
+async def _collect_with(client: EngineClient, *, connect_timeout: float):
+    return [c async for c in client.generate(_request(streaming=True), request_id="r", connect_timeout=connect_timeout)]
