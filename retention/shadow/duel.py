@@ -92,6 +92,28 @@ chat-long 2 % (0.50 → 0.16 points below ``protect``) and api 5 % (0.90 → 0.3
 lose synthetic 2 % (0.05 → 0.51 below the bands) and agent-mixed 1 % (0.30 → 1.05 below ``protect``):
 not adopted either.
 
+Faster evidence early does not close the lag. A warm-up contest on a 4× larger nested slice (same start, so
+a superset of the steady one; capped at the whole space), deciding the pool's choice until the steady scope
+has 2,000 decayed references, switches earlier (noisy-neighbour 2 %: to the bands at 12 % of the requests
+instead of 26 %; chat 2 %: bands at 9 %, then ``protect`` at 18 % instead of 24 %) but earns little: chat
+2 % 37.50 → 37.77 % (``protect`` 37.91 %; with a warm half-life of 8,000 references 37.58 %, ending at 1,000
+or 1,500 references 37.32 %), noisy-neighbour 2 % 2.88 → 2.88 %, chat 1 %, chat-long 2 % and agent-mixed
+2 %/host 4× unchanged or lower (chat-long 2 % 26.78 → 26.70–26.76 %); on the tune families' 24
+``bench/retention/generalize.py`` cells the setting above loses 0.22 points (synthetic 5 %, GPU only), a
+factor of 8 loses 0.49 (chat 5 %). Forcing one switch at a fixed point of the trace (no other switch,
+tenants on the pool's choice) says why: noisy-neighbour 2 % reaches the bands' 3.25 % only when it starts on
+them (switched at 2, 5, 10, 25 or 50 % of the requests: 2.87, 2.88, 2.86, 2.87, 2.85 %), so its gap is the
+switch's cost (the static blocks at 35, above), not the lag; chat 2 % switched to ``protect`` at 2, 5 or
+10 % reaches 37.94–37.99 % (above ``protect`` alone), at 25 % 37.54 %, so there the lag is the gap. Its
+shadows show why the lead comes late: ``protect`` trails static by 4.3 % in the first tenth of the trace
+(59.1 % against 61.8 %) and leads by 6.6 % in the second, and the decayed scores carry the first tenth's
+deficit. Discarding it (the scores reset once after B shadow capacities of kept references) moves chat 2 %'s
+switch to 16–20 % and its hit rate to 37.71–37.94 % for B from 15 to 30, but not monotonically (B 10: an
+excursion through the bands, 37.41 %), and loses synthetic 5 % (GPU only) 0.20–0.22 points at B 5, 15 and 30
+and 0.99 at 40 (chat 5 % 0.64 there; none at 10, 20, 25); chat-long 2 % closes at B 10 only (27.15 %;
+26.92 % at 20), chat 1 % and noisy-neighbour 2 % gain under 0.02 points. An outcome that flips with B is not
+a parameter to pick: not adopted.
+
 Cost per request: one pass over its hashes to find the kept ones; when any is kept, every
 candidate's plan and one shadow replay of the kept blocks per candidate (callers compute
 plans lazily: :meth:`PolicyDuel.kept` first). The rate is ``DuelConfig.rate`` (5 %), raised
