@@ -294,3 +294,44 @@ async def test_a_connect_the_engine_never_answers_fails_at_the_connect_timeout()
 
 async def _collect_with(client: EngineClient, *, connect_timeout: float):
     return [c async for c in client.generate(_request(streaming=True), request_id="r", connect_timeout=connect_timeout)]
+
+
+@pytest.mark.parametrize("reset_first", [False, True])
+def test_the_untraced_frame_receiver_answers_every_frame_as_h2_does(reset_first):
+    """The engine stream's connections receive frames through a copy of h2's
+    ``_receive_frame`` without its per-frame ``repr``: same events and same bytes sent back,
+    for a normal response and for DATA arriving on a stream the client has reset."""
+    import types
+
+    from h2.config import H2Configuration
+    from h2.connection import H2Connection
+
+    from server.gateway.replicas.engine_stream import _receive_frame_untraced
+
+    def client() -> H2Connection:
+        conn = H2Connection(H2Configuration(client_side=True, header_encoding="ascii"))
+        conn.initiate_connection()
+        conn.send_headers(1, [(":method", "POST"), (":path", "/m"), (":scheme", "http"), (":authority", "x")])
+        return conn
+
+    server = H2Connection(H2Configuration(client_side=False, header_encoding="ascii"))
+    server.initiate_connection()
+    server.receive_data(client().data_to_send())
+    server.send_headers(1, [(":status", "200")])
+    server.send_data(1, b"\x00\x00\x00\x00\x03abc")
+    server.send_data(1, b"\x00\x00\x00\x00\x03def", end_stream=True)
+    wire = server.data_to_send()
+
+    results = []
+    for untraced in (False, True):
+        conn = client()
+        if untraced:
+            conn._receive_frame = types.MethodType(_receive_frame_untraced, conn)
+        conn.data_to_send()
+        if reset_first:
+            conn.reset_stream(1)
+            conn.data_to_send()
+        events = conn.receive_data(wire)
+        results.append(([type(e).__name__ for e in events], [getattr(e, "data", None) for e in events],
+                        conn.data_to_send()))
+    assert results[0] == results[1]
