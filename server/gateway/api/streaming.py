@@ -101,6 +101,10 @@ class ClosingStreamingResponse(StreamingResponse):
                 chunk = await _next_frame(body_iterator, flush if held else None)
             except StopAsyncIteration:
                 break
+            except BaseException:
+                if held:  # the body failed right after these frames: they still go out first, as before
+                    await flush()
+                raise
             held.append(chunk)
             if type(chunk) is LastFrame:
                 ended = True

@@ -350,3 +350,32 @@ def test_a_send_failing_while_the_body_waits_ends_the_body_and_keeps_it_closable
 
     asyncio.run(main())
     assert steps == ["finally", "on_close"]
+
+
+def test_frames_made_just_before_the_body_fails_are_still_sent() -> None:
+    sent: list[bytes] = []
+
+    async def frames():
+        yield b"a"
+        yield b"b"
+        raise RuntimeError("a bug in the body")
+
+    async def main() -> None:
+        never = asyncio.Event()
+
+        async def receive() -> dict:
+            await never.wait()
+            return {"type": "http.disconnect"}
+
+        async def send(message) -> None:
+            if message["type"] == "http.response.body":
+                sent.append(message["body"])
+
+        async def on_close() -> None:
+            pass
+
+        with pytest.raises(RuntimeError):
+            await ClosingStreamingResponse(frames(), on_close=on_close)(scope("2.3"), receive, send)
+
+    asyncio.run(main())
+    assert sent == [b"ab"]
