@@ -44,17 +44,13 @@ pyproject.toml and requirements.lock; check it on any upgrade): ``Channel._conne
 ``_release_stream``, ``_wrapper``, ``_wrapper_ctx``; ``EventsProcessor.register`` /
 ``process_connection_terminated`` / ``streams`` and ``H2Protocol.connection_made`` (to
 install the draining processor); h2's ``H2Connection._frame_dispatch_table`` (reached as
-grpclib's ``Connection._connection``), whose GOAWAY entry is replaced, and its
-``_receive_frame`` (with ``_stream_is_closed_by_reset`` / ``_by_end`` and
-``_prepare_for_sending``), replaced on each connection by a copy without the per-frame
-trace line (:func:`_receive_frame_untraced`).
+grpclib's ``Connection._connection``), whose GOAWAY entry is replaced.
 """
 
 from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass, field
-from types import MethodType
 
 import h2.errors
 import h2.exceptions
@@ -64,9 +60,8 @@ from grpclib.const import Cardinality, Status
 from grpclib.encoding.proto import ProtoCodec
 from grpclib.exceptions import GRPCError, ProtocolError, StreamTerminatedError
 from grpclib.protocol import EventsProcessor, H2Protocol
-from h2.connection import H2Connection
 from h2.events import ConnectionTerminated
-from hyperframe.frame import Frame, GoAwayFrame, RstStreamFrame
+from hyperframe.frame import GoAwayFrame
 from tritonclient.grpc import service_pb2
 from tritonclient.grpc._client import MAX_GRPC_MESSAGE_SIZE
 
@@ -148,45 +143,11 @@ class _DrainingProcessor(EventsProcessor):
             self.close(reason)
 
 
-def _receive_frame_untraced(self: H2Connection, frame: Frame) -> list:
-    """h2 4.4.1's ``H2Connection._receive_frame`` without its first line,
-    ``self.config.logger.trace("Received frame: %s", repr(frame))``: the frame's ``repr`` is
-    built for every received frame even with logging off (h2's ``DummyLogger``), ~3 µs a
-    frame, one frame per streamed token (3.8 % of the client's CPU per 16-token stream
-    against ``bench/server/fixed_engine.py``). The rest is h2's, line for line."""
-    try:
-        frames, events = self._frame_dispatch_table[frame.__class__](frame)
-    except h2.exceptions.StreamClosedError as e:
-        # Closed by RST_STREAM: answer with RST_STREAM; otherwise a connection error.
-        if self._stream_is_closed_by_reset(e.stream_id):
-            f = RstStreamFrame(e.stream_id)
-            f.error_code = e.error_code
-            self._prepare_for_sending([f])
-            events = e._events
-        else:
-            raise
-    except h2.exceptions.StreamIDTooLowError as e:
-        if self._stream_is_closed_by_reset(e.stream_id):  # a stream error
-            f = RstStreamFrame(e.stream_id)
-            f.error_code = h2.errors.ErrorCodes.STREAM_CLOSED
-            self._prepare_for_sending([f])
-            events = []
-        elif self._stream_is_closed_by_end(e.stream_id):  # a connection error
-            raise h2.exceptions.StreamClosedError(e.stream_id) from e
-        else:  # closed implicitly: a connection error (PROTOCOL_ERROR)
-            raise
-    else:
-        self._prepare_for_sending(frames)
-    return events
-
-
 class _DrainingProtocol(H2Protocol):
     def connection_made(self, transport) -> None:
         super().connection_made(transport)
         self.processor = _DrainingProcessor(self.handler, self.connection)
-        h2_connection = self.connection._connection
-        h2_connection._frame_dispatch_table[GoAwayFrame] = _receive_goaway
-        h2_connection._receive_frame = MethodType(_receive_frame_untraced, h2_connection)
+        self.connection._connection._frame_dispatch_table[GoAwayFrame] = _receive_goaway
 
 
 class _Channel(Channel):
