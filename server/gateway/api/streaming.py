@@ -10,13 +10,17 @@ Invariants:
   client is gone) a client's disconnect stops the body at its next unshielded ``await``, as
   Starlette's own response does; the response then ends normally (no exception), as with
   Starlette's collapsing task group;
-* a :class:`LastFrame` is the body's last message: nothing is sent after it.
+* a :class:`LastFrame` is the body's last message: nothing is sent after it;
+* frames the body produces without waiting go out together, in one ``http.response.body``
+  message (same bytes, in order); whatever is held is sent before the body waits for
+  anything, so no frame is ever delayed to wait for the next one (:func:`_next_frame`).
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Awaitable, Callable
+import types
+from collections.abc import AsyncIterator, Awaitable, Callable, Generator
 
 import anyio
 from fastapi.responses import StreamingResponse
@@ -78,14 +82,36 @@ class ClosingStreamingResponse(StreamingResponse):
 
     async def stream_response(self, send) -> None:
         """Starlette's, except that a :class:`LastFrame` goes out as the body's last message
-        (with HTTP/1.1 chunked encoding, the frame and the terminating chunk in one write)."""
+        (with HTTP/1.1 chunked encoding, the frame and the terminating chunk in one write),
+        and that frames ready together go out together (:func:`_next_frame`): a streamed
+        answer whose engine messages arrived at once costs one ``send`` (one socket write)
+        instead of one per token."""
         await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+        held: list[bytes] = []
+
+        def flush() -> Awaitable[None]:
+            body = held[0] if len(held) == 1 else b"".join(held)
+            held.clear()
+            return send({"type": "http.response.body", "body": body, "more_body": True})
+
+        body_iterator = self.body_iterator
         ended = False
-        async for chunk in self.body_iterator:  # to its end: the body's own finally runs in it
-            ended = type(chunk) is LastFrame
-            await send({"type": "http.response.body", "body": chunk, "more_body": not ended})
+        while True:  # to its end: the body's own finally runs in it
+            try:
+                chunk = await _next_frame(body_iterator, flush if held else None)
+            except StopAsyncIteration:
+                break
+            except BaseException:
+                if held:  # the body failed right after these frames: they still go out first, as before
+                    await flush()
+                raise
+            held.append(chunk)
+            if type(chunk) is LastFrame:
+                ended = True
+                await send({"type": "http.response.body", "body": b"".join(held), "more_body": False})
+                held.clear()
         if not ended:
-            await send({"type": "http.response.body", "body": b"", "more_body": False})
+            await send({"type": "http.response.body", "body": b"".join(held), "more_body": False})
 
     async def __call__(self, scope, receive, send) -> None:
         try:
@@ -121,6 +147,55 @@ class ClosingStreamingResponse(StreamingResponse):
                 finished = True
                 listener.remove_done_callback(gone)
                 listener.cancel()
+
+
+@types.coroutine
+def _next_frame(body: AsyncIterator[bytes], flush: Callable[[], Awaitable[None]] | None) -> Generator:
+    """The body's next frame; if the body has to wait for it, ``flush()`` (the frames held so
+    far) is sent first, then the body is resumed. Raises ``StopAsyncIteration`` at its end.
+
+    How "has to wait" is known: the body's ``__anext__`` is stepped by hand once; a frame it
+    produces without suspending comes back at once (``StopIteration``), otherwise the step
+    handed up what it waits on (a future), which is passed on to the task after the flush,
+    exactly as ``await`` would have (every later value sent or exception thrown in goes to
+    the step). A flush that fails (the client gone, a cancel) leaves a step half run, which
+    would keep the body generator "already running" for ever (its ``aclose`` then raises):
+    the step is ended first, by throwing ``GeneratorExit`` into it as ``aclose`` would at a
+    ``yield`` (its cleanup may still await: it is driven to its end), and the flush's error
+    propagates.
+    """
+    step = body.__anext__()
+    try:
+        signal = step.send(None)
+    except StopIteration as ready:
+        return ready.value
+    if flush is not None:
+        try:
+            yield from flush().__await__()
+        except BaseException:
+            try:
+                yield from _drive(step, None, GeneratorExit())
+            except BaseException:  # noqa: BLE001 - the body's end; the flush's error is the one to raise
+                pass
+            raise
+    return (yield from _drive(step, signal, None))
+
+
+@types.coroutine
+def _drive(step, signal, throw: BaseException | None) -> Generator:
+    """Run ``step`` to its end as ``await`` does, from its pending ``signal`` (or by throwing ``throw`` into it)."""
+    try:
+        if throw is not None:
+            signal = step.throw(throw)
+        while True:
+            try:
+                sent = yield signal
+            except BaseException as exc:  # thrown in by the task (a cancel): the step's to handle
+                signal = step.throw(exc)
+            else:
+                signal = step.send(sent)
+    except StopIteration as done:
+        return done.value
 
 
 class LastFrame(bytes):
