@@ -10,17 +10,13 @@ Invariants:
   client is gone) a client's disconnect stops the body at its next unshielded ``await``, as
   Starlette's own response does; the response then ends normally (no exception), as with
   Starlette's collapsing task group;
-* a :class:`LastFrame` is the body's last message: nothing is sent after it;
-* frames the body produces without waiting go out together, in one ``http.response.body``
-  message (same bytes, in order); whatever is held is sent before the body waits for
-  anything, so no frame is ever delayed to wait for the next one (:func:`_next_frame`).
+* a :class:`LastFrame` is the body's last message: nothing is sent after it.
 """
 
 from __future__ import annotations
 
 import asyncio
-import types
-from collections.abc import AsyncIterator, Awaitable, Callable, Generator
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 import anyio
 from fastapi.responses import StreamingResponse
@@ -73,6 +69,17 @@ class ClosingStreamingResponse(StreamingResponse):
     coroutines more (~0.1 ms of CPU, docs/benchmarks.md ``bench:gateway_profile``), for the
     same outcome. The scope is anyio's, not ``Task.cancel()``, so a cleanup in a shielded
     scope (:func:`run_once_shielded`) is never interrupted by the disconnect.
+
+    Why each frame is its own ``send``, even when the body made several without waiting:
+    coalescing them here was measured (``bench/server/vs_litellm.py``, short prompt,
+    production tenant: 1.05–1.09 × less gateway CPU per streamed request at 32 clients, none
+    at one client) and withdrawn. To know that the body "would wait", this response has to
+    step the body's ``__anext__`` by hand and send the held frames while the body's ``await``
+    is pending, inside the body's own cancel scopes: a cancel aimed at the body (a grpclib
+    stream error, a call deadline) then lands in the ``send`` and the body's error event and
+    last frame are lost, and a failed ``send`` has to throw ``GeneratorExit`` into a shielded
+    cleanup, cutting it short. Coalescing belongs where the frames are made, from the engine
+    messages already received, not here.
     """
 
     def __init__(self, content: AsyncIterator[bytes], *, on_close: Callable[[], Awaitable[None]],
@@ -82,36 +89,14 @@ class ClosingStreamingResponse(StreamingResponse):
 
     async def stream_response(self, send) -> None:
         """Starlette's, except that a :class:`LastFrame` goes out as the body's last message
-        (with HTTP/1.1 chunked encoding, the frame and the terminating chunk in one write),
-        and that frames ready together go out together (:func:`_next_frame`): a streamed
-        answer whose engine messages arrived at once costs one ``send`` (one socket write)
-        instead of one per token."""
+        (with HTTP/1.1 chunked encoding, the frame and the terminating chunk in one write)."""
         await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
-        held: list[bytes] = []
-
-        def flush() -> Awaitable[None]:
-            body = held[0] if len(held) == 1 else b"".join(held)
-            held.clear()
-            return send({"type": "http.response.body", "body": body, "more_body": True})
-
-        body_iterator = self.body_iterator
         ended = False
-        while True:  # to its end: the body's own finally runs in it
-            try:
-                chunk = await _next_frame(body_iterator, flush if held else None)
-            except StopAsyncIteration:
-                break
-            except BaseException:
-                if held:  # the body failed right after these frames: they still go out first, as before
-                    await flush()
-                raise
-            held.append(chunk)
-            if type(chunk) is LastFrame:
-                ended = True
-                await send({"type": "http.response.body", "body": b"".join(held), "more_body": False})
-                held.clear()
+        async for chunk in self.body_iterator:  # to its end: the body's own finally runs in it
+            ended = type(chunk) is LastFrame
+            await send({"type": "http.response.body", "body": chunk, "more_body": not ended})
         if not ended:
-            await send({"type": "http.response.body", "body": b"".join(held), "more_body": False})
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
 
     async def __call__(self, scope, receive, send) -> None:
         try:
@@ -147,55 +132,6 @@ class ClosingStreamingResponse(StreamingResponse):
                 finished = True
                 listener.remove_done_callback(gone)
                 listener.cancel()
-
-
-@types.coroutine
-def _next_frame(body: AsyncIterator[bytes], flush: Callable[[], Awaitable[None]] | None) -> Generator:
-    """The body's next frame; if the body has to wait for it, ``flush()`` (the frames held so
-    far) is sent first, then the body is resumed. Raises ``StopAsyncIteration`` at its end.
-
-    How "has to wait" is known: the body's ``__anext__`` is stepped by hand once; a frame it
-    produces without suspending comes back at once (``StopIteration``), otherwise the step
-    handed up what it waits on (a future), which is passed on to the task after the flush,
-    exactly as ``await`` would have (every later value sent or exception thrown in goes to
-    the step). A flush that fails (the client gone, a cancel) leaves a step half run, which
-    would keep the body generator "already running" for ever (its ``aclose`` then raises):
-    the step is ended first, by throwing ``GeneratorExit`` into it as ``aclose`` would at a
-    ``yield`` (its cleanup may still await: it is driven to its end), and the flush's error
-    propagates.
-    """
-    step = body.__anext__()
-    try:
-        signal = step.send(None)
-    except StopIteration as ready:
-        return ready.value
-    if flush is not None:
-        try:
-            yield from flush().__await__()
-        except BaseException:
-            try:
-                yield from _drive(step, None, GeneratorExit())
-            except BaseException:  # noqa: BLE001 - the body's end; the flush's error is the one to raise
-                pass
-            raise
-    return (yield from _drive(step, signal, None))
-
-
-@types.coroutine
-def _drive(step, signal, throw: BaseException | None) -> Generator:
-    """Run ``step`` to its end as ``await`` does, from its pending ``signal`` (or by throwing ``throw`` into it)."""
-    try:
-        if throw is not None:
-            signal = step.throw(throw)
-        while True:
-            try:
-                sent = yield signal
-            except BaseException as exc:  # thrown in by the task (a cancel): the step's to handle
-                signal = step.throw(exc)
-            else:
-                signal = step.send(sent)
-    except StopIteration as done:
-        return done.value
 
 
 class LastFrame(bytes):

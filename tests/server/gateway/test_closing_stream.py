@@ -124,9 +124,7 @@ def test_a_last_frame_ends_the_body_in_its_own_message(last) -> None:
     async def frames():
         try:
             yield b"data: 1\n\n"
-            await asyncio.sleep(0)  # the body waits (the usage journal): the frame before goes out alone
             yield LastFrame(b"data: [DONE]\n\n") if last else b"data: [DONE]\n\n"
-            await asyncio.sleep(0)
         finally:
             calls.append("finally")
 
@@ -279,103 +277,3 @@ def test_the_listener_waking_at_the_end_of_a_complete_stream_cancels_nothing() -
 
     asyncio.run(main())
     assert steps == ["on_close done", "tasks left 0"]
-
-
-def test_frames_ready_together_go_out_together_and_none_waits_for_the_next() -> None:
-    """Frames the body yields without waiting are one ``http.response.body`` message (same
-    bytes, in order); before the body waits, what it produced is sent: at the moment it
-    waits, the client already has every frame made so far."""
-    sent: list[tuple[bytes, bool]] = []
-    seen_when_waiting: list[int] = []
-
-    async def frames():
-        yield b"a"
-        yield b"b"
-        seen_when_waiting.append(len(sent))
-        await asyncio.sleep(0.01)  # the engine's next message is not there yet
-        yield b"c"
-        yield b"d"
-        seen_when_waiting.append(len(sent))
-        await asyncio.sleep(0)
-        yield LastFrame(b"e")
-
-    async def main() -> None:
-        never = asyncio.Event()
-
-        async def receive() -> dict:
-            await never.wait()
-            return {"type": "http.disconnect"}
-
-        async def send(message) -> None:
-            if message["type"] == "http.response.body":
-                sent.append((message["body"], message["more_body"]))
-
-        async def on_close() -> None:
-            pass
-
-        await ClosingStreamingResponse(frames(), on_close=on_close)(scope("2.3"), receive, send)
-
-    asyncio.run(main())
-    assert sent == [(b"ab", True), (b"cd", True), (b"e", False)]
-    assert seen_when_waiting == [0, 1]  # the wait begins before the held frames are sent: sent first
-    assert b"".join(b for b, _ in sent) == b"abcde"
-
-
-def test_a_send_failing_while_the_body_waits_ends_the_body_and_keeps_it_closable() -> None:
-    """ASGI 2.4: the client is gone when the held frames are flushed, while the body waits
-    for the engine: the body's ``finally`` runs (to its end, awaiting), the cleanup runs
-    once, and the response ends as Starlette's does (``ClientDisconnect``)."""
-    steps: list[str] = []
-
-    async def frames():
-        try:
-            yield b"data: 1\n\n"
-            await asyncio.sleep(3600)  # the engine's next message
-            yield b"data: 2\n\n"
-        finally:
-            await asyncio.sleep(0)  # the body's cleanup may await
-            steps.append("finally")
-
-    async def on_close() -> None:
-        steps.append("on_close")
-
-    async def send(message) -> None:
-        if message["type"] == "http.response.body":
-            raise OSError("client gone")
-
-    async def main() -> None:
-        response = ClosingStreamingResponse(frames(), on_close=on_close)
-        with pytest.raises(ClientDisconnect):
-            await response(scope("2.4"), disconnected, send)
-
-    asyncio.run(main())
-    assert steps == ["finally", "on_close"]
-
-
-def test_frames_made_just_before_the_body_fails_are_still_sent() -> None:
-    sent: list[bytes] = []
-
-    async def frames():
-        yield b"a"
-        yield b"b"
-        raise RuntimeError("a bug in the body")
-
-    async def main() -> None:
-        never = asyncio.Event()
-
-        async def receive() -> dict:
-            await never.wait()
-            return {"type": "http.disconnect"}
-
-        async def send(message) -> None:
-            if message["type"] == "http.response.body":
-                sent.append(message["body"])
-
-        async def on_close() -> None:
-            pass
-
-        with pytest.raises(RuntimeError):
-            await ClosingStreamingResponse(frames(), on_close=on_close)(scope("2.3"), receive, send)
-
-    asyncio.run(main())
-    assert sent == [b"ab"]
