@@ -132,6 +132,10 @@ def test_a_hung_replica_waits_the_deadline_once_per_growing_open_period_and_retu
     and (k+1)-th requests that waited the deadline D satisfy
     ``end[k+1] - start[k] >= 2 D + open_period(k)``: the k-th attempt timed out no earlier
     than ``start[k] + D``, the trial went no earlier than one open period later, and waited D.
+
+    Which requests waited is read from the gateway's ``retried`` count around each request
+    (in a burst: around the burst, and the trial is its longest request), not from their
+    durations: on a loaded machine a healthy answer can itself take longer than D.
     """
     deadline, open_s, max_open_s = 2.0, 1.0, 4.0
     routing = fleet.gateways[0].app.state.gateway.routing
@@ -147,6 +151,7 @@ def test_a_hung_replica_waits_the_deadline_once_per_growing_open_period_and_retu
         fleet.hang("r0")
         before = retried()
         timed: list[tuple[float, float, str]] = []  # (start, end, replica header) per request
+        slow: list[tuple[float, float, str]] = []  # the requests that waited the deadline there
         counter = iter(range(10_000))
 
         def one() -> tuple[float, float, str]:
@@ -158,20 +163,27 @@ def test_a_hung_replica_waits_the_deadline_once_per_growing_open_period_and_retu
         with ThreadPoolExecutor(3) as pool:
             bursts = 0
             give_up = time.monotonic() + 90
-            while retried() - before < 4 and time.monotonic() < give_up:
+            # on a loaded machine a trial may fall to a single request (it became due while
+            # the request was on its way), so run until two trials have met a burst
+            while (retried() - before < 4 or bursts < 2) and time.monotonic() < give_up:
+                tried = retried()
                 if breaker.trial_due(time.monotonic()):
                     # a trial is due: of three concurrent requests only one may go there
                     burst = list(pool.map(lambda _: one(), range(3)))
-                    assert sum(end - start >= deadline for start, end, _ in burst) == 1, burst
+                    assert retried() == tried + 1, burst
+                    slow.append(max(burst, key=lambda t: t[1] - t[0]))
                     timed += burst
                     bursts += 1
                 else:
                     timed.append(one())
+                    if retried() > tried:
+                        slow.append(timed[-1])
         attempts = retried() - before
-        assert attempts == 4 and bursts >= 2
+        assert attempts >= 4 and bursts >= 2
         assert all(name == "r1" for _, _, name in timed)  # every answer came from the healthy one
-        slow = sorted((t for t in timed if t[1] - t[0] >= deadline), key=lambda t: t[0])
-        assert len(slow) == attempts  # each deadline waited is one attempt on the hung replica
+        slow.sort(key=lambda t: t[0])
+        assert len(slow) == attempts  # each request that went there waited the deadline once
+        assert all(end - start >= deadline for start, end, _ in slow)
         assert len(timed) > 2 * attempts  # most requests never went near it
         for k in range(1, len(slow)):
             period = min(max_open_s, open_s * 2 ** (k - 1))
@@ -184,8 +196,9 @@ def test_a_hung_replica_waits_the_deadline_once_per_growing_open_period_and_retu
         fleet.hang("r0", 0)
         served_before = served(fleet, "r0")
         fleet.wait_until(lambda: breaker.trial_due(time.monotonic()), timeout=max_open_s + 5, what="trial due")
-        start, end, name = one()
-        assert name == "r0" and end - start < deadline and breaker.closed and not breaker.suspect
+        _, _, name = one()
+        # served there (a request that waited the deadline would have been answered by r1)
+        assert name == "r0" and breaker.closed and not breaker.suspect
         names = [one()[2] for _ in range(4)]
         assert names.count("r0") == 2 and names.count("r1") == 2  # back in rotation
         assert served(fleet, "r0") == served_before + 3
