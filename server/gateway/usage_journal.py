@@ -24,11 +24,13 @@ Invariants:
   returned and whose request was not acknowledged as recorded) is skipped at replay.
 
 What it costs, and why the ``fsync`` stays before the answer. At one client the journal costs
-1.09–1.19 × the gateway CPU per request of a gateway without it (``bench/server/usage_journal.py``,
-docs/benchmarks.md ``bench:usage_journal``). Timed inside the gateway, a group's ``fsync`` takes
-0.14 ms of CPU (0.41 ms of wall time) and its ``write`` 0.03 ms. Measured against this code in
-alternating rounds at one client (gateway CPU per request, JSON / streamed): the same ``write`` and
-``fsync`` on the event loop instead of the writer thread cost the same (1.00 × / 1.01 ×), so the
+1.12 × (JSON) and 1.19 × (streamed) the gateway CPU per request of a gateway without it
+(``bench/server/usage_journal.py``, docs/benchmarks.md ``bench:usage_journal``; 1.11 × and 1.09 × in
+another run). Timed inside the gateway, a group's ``fsync`` takes 0.14 ms of CPU (0.41 ms of wall
+time) and its ``write`` 0.03 ms, less than that difference (0.3–0.9 ms); the rest was not traced
+to any one frame. Measured against this code in alternating rounds at one client (gateway CPU per
+request, JSON / streamed): the same ``write`` and ``fsync`` on the event loop instead of the
+writer thread cost the same (1.00 × / 1.01 ×), so the
 hand-off is not the cost; a segment preallocated with zeros and synced with ``fdatasync`` (no
 metadata to commit) saved 1 % / 3 %, within the noise; a ``write`` alone on the loop, with no
 ``fsync``, costs 1.02 × / 1.04 × no journal at all. Answering after the ``write`` and syncing

@@ -18,7 +18,7 @@ Transport failures surface as :class:`EngineUnavailable`, engine-side refusals a
 
 A non-streaming request gets exactly one engine message (its final answer, or its error),
 so it is called as unary-unary on the same method: one gRPC batch instead of a stream's
-reads (see :meth:`EngineClient.generate` for the sources of that contract). A message
+reads (see :meth:`EngineClient._answer` for the sources of that contract). A message
 that is not final, or none at all, is an :class:`EngineUnavailable` naming the breach.
 """
 
@@ -277,9 +277,9 @@ class EngineClient:
         One chunk per engine message, even when several arrived together. Merging the
         messages already in grpclib's receive buffer into one chunk (one pass through the
         request core and one SSE frame for all of them) was measured against this code in
-        alternating rounds: 1.02 × less gateway CPU per streamed chat request at one client,
-        0.95 × at 32 (``bench/server/vs_litellm.py --baseline``), i.e. nothing. At one client a
-        16-token answer arrives in about 9 socket reads (1.7 messages each), and a token's
+        alternating rounds (``bench/server/vs_litellm.py --baseline``), gateway CPU per streamed
+        chat request, merged ÷ this: 0.98 at one client, 1.05 at 32, so no gain. At one client
+        a 16-token answer arrives in about 9 socket reads (1.7 messages each), and a token's
         cost is mostly in the HTTP/2 receive path (h2's frame handling, grpclib's buffer),
         which merging after it does not touch.
         """

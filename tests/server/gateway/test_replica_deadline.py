@@ -135,7 +135,9 @@ def test_a_hung_replica_waits_the_deadline_once_per_growing_open_period_and_retu
 
     Which requests waited is read from the gateway's ``retried`` count around each request
     (in a burst: around the burst, and the trial is its longest request), not from their
-    durations: on a loaded machine a healthy answer can itself take longer than D.
+    durations: on a loaded machine a healthy answer can itself take longer than D. The open
+    periods are also checked on the breaker's own clock (``opened_at``, ``retry_at``), which
+    the client's timings cannot loosen.
     """
     deadline, open_s, max_open_s = 2.0, 1.0, 4.0
     routing = fleet.gateways[0].app.state.gateway.routing
@@ -160,32 +162,45 @@ def test_a_hung_replica_waits_the_deadline_once_per_growing_open_period_and_retu
             assert response.status_code == 200, response.text
             return start, time.monotonic(), response.headers[REPLICA]
 
+        opens: list[tuple[float, float, int]] = []  # the breaker after each attempt: opened_at, retry_at, failures
         with ThreadPoolExecutor(3) as pool:
             bursts = 0
+            count = before
             give_up = time.monotonic() + 90
             # on a loaded machine a trial may fall to a single request (it became due while
             # the request was on its way), so run until two trials have met a burst
-            while (retried() - before < 4 or bursts < 2) and time.monotonic() < give_up:
-                tried = retried()
+            while (count - before < 4 or bursts < 2) and time.monotonic() < give_up:
                 if breaker.trial_due(time.monotonic()):
                     # a trial is due: of three concurrent requests only one may go there
                     burst = list(pool.map(lambda _: one(), range(3)))
-                    assert retried() == tried + 1, burst
+                    after = retried()
+                    assert after == count + 1, burst
                     slow.append(max(burst, key=lambda t: t[1] - t[0]))
                     timed += burst
                     bursts += 1
                 else:
                     timed.append(one())
-                    if retried() > tried:
+                    after = retried()
+                    if after > count:
                         slow.append(timed[-1])
-        attempts = retried() - before
-        assert attempts >= 4 and bursts >= 2
+                if after > count:
+                    opens.append((breaker.opened_at, breaker.retry_at, breaker.failures))
+                count = after
+        attempts = count - before
+        assert attempts >= 4 and bursts >= 2, (attempts, bursts, slow)
         assert all(name == "r1" for _, _, name in timed)  # every answer came from the healthy one
         slow.sort(key=lambda t: t[0])
-        assert len(slow) == attempts  # each request that went there waited the deadline once
+        assert len(slow) == len(opens) == attempts
         assert all(end - start >= deadline for start, end, _ in slow)
         assert len(timed) > 2 * attempts  # most requests never went near it
-        for k in range(1, len(slow)):
+        # The breaker's own clock: every attempt reopened it for a period doubling up to the cap,
+        # and the next attempt went no earlier than that period's end and waited the deadline.
+        for k, (opened, retry, failures) in enumerate(opens, 1):
+            assert failures == k
+            assert retry - opened == pytest.approx(min(max_open_s, open_s * 2 ** (k - 1)))
+            if k > 1:
+                assert opened - opens[k - 2][1] >= deadline - 1e-3, (k, opens)
+        for k in range(1, len(slow)):  # and the same seen from the client
             period = min(max_open_s, open_s * 2 ** (k - 1))
             assert slow[k][1] - slow[k - 1][0] >= 2 * deadline + period, (k, slow)
         # the stats probe kept answering all along, yet it is still out of rotation
