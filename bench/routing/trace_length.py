@@ -40,7 +40,7 @@ sys.path.insert(0, str(ROOT))
 
 from bench.report import machine, seed_line, write_section  # noqa: E402
 from bench.routing import families  # noqa: E402
-from bench.routing.verdicts import judge  # noqa: E402
+from bench.routing.verdicts import judge, met  # noqa: E402
 
 LENGTHS = (300, 2000)  # every family has more than 2,000 requests (chat-long, the fewest: 2,251)
 REPLICAS, SHARES, HOSTS, RATES = families.REPLICAS, families.SHARES, families.HOSTS, families.RATES
@@ -70,10 +70,8 @@ def counts(rows: list[dict], label: str) -> dict:
     verdicts = [r["verdicts"][label] for r in rows]
     return {
         "settings": len(rows),
-        "share": sum(v["ok_share"] for v in verdicts),
-        "best": sum(v["ok_best"] for v in verdicts),
         "imbalance": sum(v["ok_imbalance"] for v in verdicts),
-        "all": sum(v["ok_share"] and v["ok_best"] and v["ok_imbalance"] for v in verdicts),
+        "all": sum(met(v) for v in verdicts),
         "worst": max(r[label]["imbalance"] for r in rows),
     }
 
@@ -118,7 +116,7 @@ def section(rows: list[dict], roles: dict[str, str], lengths: tuple[int, ...], s
         a, b = totals[(label, first)], totals[(label, last)]
         lines.append(f"| **total** | | {a['settings']} | {label} | {a['all']} | {b['all']} | {a['imbalance']} | "
                      f"{b['imbalance']} | | | | |")
-    lines += ["", f"Median load imbalance over every family's settings, by replica count and trace length:", "",
+    lines += ["", "Median load imbalance over every family's settings, by replica count and trace length:", "",
               "| replicas | router | " + " | ".join(f"at {n}" for n in lengths) + " |",
               "|---:|---|" + "---:|" * len(lengths)]
     for replicas in REPLICAS:
