@@ -1,4 +1,4 @@
-"""Routing targets against trace length: how much of the family grid's misses the 300-request cut makes.
+"""Routing targets against trace length: what a 300-request cut does to the family grid's verdicts.
 
 Usage: ``OMP_NUM_THREADS=1 .venv/bin/python bench/routing/trace_length.py [--no-write] [--workers 2]
 [--requests 300,1200] [--only agent,chat]``
@@ -7,11 +7,12 @@ Writes the ``bench:routing_trace_length`` section of docs/benchmarks.md and
 ``docs/img/routing_trace_length.png``. Deterministic: every family drawn with seed 0, as
 ``bench/routing/families.py`` draws it.
 
-``bench/routing/families.py`` cuts every trace to its first 300 requests (run time: 594 settings, 17
-placements each). Load imbalance there is max / mean prefill tokens per replica *over the whole
-cut trace*; with 8 replicas that is about 37 requests per replica, so the statistic is noisy, and
-a noisy maximum over 8 replicas is biased upwards: even the random router, which balances in
-expectation, reads above 1.3 in some families. This bench replays the same settings at several
+``bench/routing/families.py`` was first run on traces cut to their first 300 requests (594
+settings, 17 placements each; the self-tuning band's knobs were chosen there), and this bench is
+why it now cuts them to 2,000. Load imbalance there is max / mean prefill tokens per replica
+*over the whole cut trace*; at 300 requests with 8 replicas that is about 37 requests per replica,
+so the statistic is noisy, and a noisy maximum over 8 replicas is biased upwards: even the random
+router, which balances in expectation, reads above 1.3 in some families. This bench replays the same settings at several
 trace lengths, with the grid's own code (``families.run_setting``, ``families.run_extra``,
 ``verdicts.judge``), and counts the targets met at each.
 
@@ -84,9 +85,9 @@ def section(rows: list[dict], roles: dict[str, str], lengths: tuple[int, ...], s
         "",
         seed_line(families.SEED, "every generated family's `generate(seed)`, as in the family grid"),
         "",
-        f"The family grid (`bench/routing/families.py`) cuts every trace to its first {families.REQUESTS} requests; "
-        "load imbalance there is max / mean prefill tokens per replica over the whole cut trace. This replays the "
-        f"grid's {len(REPLICAS) * len(SHARES) * len(HOSTS) * len(RATES)} settings per family "
+        f"The family grid (`bench/routing/families.py`; its cut: the first {families.REQUESTS} requests, first run and "
+        "its self-tuning knobs chosen at 300) measures load imbalance as max / mean prefill tokens per replica over "
+        "the whole cut trace. This replays the grid's {len(REPLICAS) * len(SHARES) * len(HOSTS) * len(RATES)} settings per family "
         f"({'/'.join(map(str, REPLICAS))} replicas × {'/'.join(f'{s:.0%}' for s in SHARES)} GPU × host 0 / 4× × "
         f"rate {'/'.join(f'×{r}' for r in RATES)}) at trace lengths {', '.join(map(str, lengths))}, with the grid's "
         "own replay and verdict code (targets: ≥ 90 % of one pool with N× capacity, ≥ the best baseline within half "
