@@ -59,10 +59,9 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from bench.report import machine, seed_line, synthetic_trace, workload_grid, write_section  # noqa: E402
-from bench.routing import frontier  # noqa: E402
+from bench.routing import frontier, tables  # noqa: E402
 from bench.routing.replays import replay_all  # noqa: E402
 from bench.routing import seeds as routing_seeds  # noqa: E402
-from bench.routing.frontier import where  # noqa: E402
 from bench.routing.verdicts import BASELINES, all_three, judge, met, pct  # noqa: E402
 
 TRACE = synthetic_trace()
@@ -280,90 +279,6 @@ def run_seeded(label: str, name: str, requests: int, replicas: int, share: float
     return r.total.hit_rate
 
 
-def variant_lines(variants: list[dict]) -> list[str]:
-    if not variants:
-        return []
-    out = [
-        "",
-        "How the band was chosen — kv-aware cost variants on the **tune** families only (share of the ceiling %, "
-        "load imbalance in brackets; each row changes one knob from the defaults):",
-        "",
-        "| variant | " + " | ".join(f"{v['family']} {where(v)}" for v in variants) + " | settings meeting ≥ 90 % and ≤ 1.3 |",
-        "|---|" + "---:|" * (len(variants) + 1),
-    ]
-    for label, _ in VARIANTS:
-        cells, met = [], 0
-        for v in variants:
-            share = v[label]["hit"] / v["ceiling"] if v["ceiling"] else 1.0
-            met += share >= 0.9 and v[label]["imbalance"] <= 1.3
-            cells.append(f"{pct(share)} ({v[label]['imbalance']:.2f})")
-        out.append(f"| {label} | " + " | ".join(cells) + f" | {met} of {len(variants)} |")
-    return out
-
-
-def family_table(rows: list[dict], roles: dict[str, str], label: str, against: str = "kv-aware") -> list[str]:
-    """Per family: settings where ``against`` and ``label`` meet all three, and ``label``'s figures."""
-    out = [
-        f"| family | role | {against}: all three | {label}: all three | ≥ 90 % | ≥ best baseline | ≤ 1.3 | "
-        "of ceiling (min / median) | worst imbalance |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|",
-    ]
-    for fam in dict.fromkeys(r["family"] for r in rows):
-        mine = [r for r in rows if r["family"] == fam]
-        base = [judge(r, against) for r in mine]
-        cand = [judge(r, label) for r in mine]
-        shares = sorted(j["share"] for j in cand)
-        out.append(
-            f"| {fam} | {roles[fam]} | {sum(met(j) for j in base)} | {sum(met(j) for j in cand)} | "
-            f"{sum(j['ok_share'] for j in cand)} | {sum(j['ok_best'] for j in cand)} | "
-            f"{sum(j['ok_imbalance'] for j in cand)} | {pct(shares[0])} / {pct(shares[len(shares) // 2])} % | "
-            f"{max(r[label]['imbalance'] for r in mine):.2f} |"
-        )
-    return out
-
-
-def band_lines(rows: list[dict], roles: dict[str, str]) -> list[str]:
-    """kv-aware's band swept from tight to loose (``BANDS``, the frontier's fixed bands) judged as candidates:
-    what picking the band on the tune families alone would have chosen, and what it does on the report families."""
-    labels = ["kv-aware", *(b for b in BANDS if b in rows[0]), *(c for c in (CANDIDATE[0], WIDER[0]) if c in rows[0])]
-    if len(labels) == 1:
-        return []
-    fams = list(dict.fromkeys(r["family"] for r in rows))
-    count = {(label, f): sum(met(judge(r, label)) for r in rows if r["family"] == f) for label in labels for f in fams}
-    out = ["", "kv-aware's band from tight to loose (the frontier's fixed bands) as candidates, settings meeting all "
-           "three: on the tune families (where a band would be picked), the report families, and the families where "
-           "it meets them in fewer settings than the defaults:", "",
-           "| band | tune | report | total | imbalance above 1.3 | fewer than kv-aware on |", "|---|---:|---:|---:|---:|---|"]
-    for label in labels:
-        tune = sum(count[(label, f)] for f in fams if roles[f] == "tune")
-        report = sum(count[(label, f)] for f in fams if roles[f] == "report")
-        worse = ", ".join(f"{f} ({count[(label, f)]} vs {count[('kv-aware', f)]})" for f in fams
-                          if count[(label, f)] < count[("kv-aware", f)]) or "–"
-        out.append(f"| {label} | {tune} | {report} | {tune + report} | "
-                   f"{sum(r[label]['imbalance'] > 1.3 for r in rows)} | {worse} |")
-    return out
-
-
-def tuning_lines(tuned: list[dict] | None) -> list[str]:
-    if not tuned:
-        return []
-    fams = list(tuned[0]["counts"])
-    out = [
-        "",
-        f"How the self-tuning band's own knobs were chosen — {ADAPTIVE} variants on the **tune** families only, "
-        f"every tune setting ({tuned[0]['settings']}), each trace cut to its first {tuned[0]['requests']} requests "
-        "(docs/data/routing_tuning.json); settings meeting all three targets (the first row is the default, the "
-        "knobs of `BandTuning`):",
-        "",
-        "| variant | " + " | ".join(fams) + " | total | imbalance above 1.3 | worst imbalance |",
-        "|---|" + "---:|" * (len(fams) + 3),
-    ]
-    for t in tuned:
-        out.append(f"| {t['variant']} | " + " | ".join(str(t["counts"][f]) for f in fams)
-                   + f" | {t['total']} of {t['settings']} | {t.get('imbalance_misses', '–')} | {t['worst_imbalance']:.2f} |")
-    return out
-
-
 def section(rows: list[dict], roles: dict[str, str], seconds: float, requests: int,
             variants: list[dict] | None = None, tuned: list[dict] | None = None) -> str:
     fams = list(dict.fromkeys(r["family"] for r in rows))
@@ -403,11 +318,11 @@ def section(rows: list[dict], roles: dict[str, str], seconds: float, requests: i
     if adaptive:
         lines += ["", f"**{ADAPTIVE}** against the fixed kv-aware defaults, over the whole grid (settings meeting all "
                   "three targets; its share of the ceiling min / median; worst imbalance):", ""]
-        lines += family_table(rows, roles, ADAPTIVE)
+        lines += tables.family_table(rows, roles, ADAPTIVE)
     if FORGIVING[0] in rows[0]:
         lines += ["", f"**{FORGIVING[0]}** (the most settings meeting all three on the tune families, with more "
                   "imbalance misses there than the plain controller; not the default) over the whole grid:", ""]
-        lines += family_table(rows, roles, FORGIVING[0])
+        lines += tables.family_table(rows, roles, FORGIVING[0])
     described = (
         (FADING, "the allowance fades with each replica's dispatch count; the most settings meeting all three among "
                  "the fading rows on the tune families"),
@@ -420,15 +335,15 @@ def section(rows: list[dict], roles: dict[str, str], seconds: float, requests: i
         if label in rows[0]:
             knobs = ", ".join(f"{k} {v:g}" for k, v in variant_knobs.items())
             lines += ["", f"**{label}** ({knobs}: {why}) over the whole grid:", ""]
-            lines += family_table(rows, roles, label)
+            lines += tables.family_table(rows, roles, label)
     if CANDIDATE[0] in rows[0]:
         lines += ["", f"The best fixed variant on the tune families when the grid ran at 300 requests, **{CANDIDATE[0]}**, "
                   "over the whole grid:", ""]
-        lines += family_table(rows, roles, CANDIDATE[0])
+        lines += tables.family_table(rows, roles, CANDIDATE[0])
     if WIDER[0] in rows[0]:
         lines += ["", f"The best fixed variant on the tune families at 2,000 requests, **{WIDER[0]}**, over the whole grid:", ""]
-        lines += family_table(rows, roles, WIDER[0])
-    lines += band_lines(rows, roles)
+        lines += tables.family_table(rows, roles, WIDER[0])
+    lines += tables.band_lines(rows, roles, [*BANDS, CANDIDATE[0], WIDER[0]])
     head = [r for r in rows if r["replicas"] == 4 and r["share"] == 0.02 and r["host"] == 4 and r["rate"] == 1]
     columns = [*ROUTERS[:5], *([ADAPTIVE] if adaptive else []), *ROUTERS[5:]]
     lines += [
@@ -441,8 +356,8 @@ def section(rows: list[dict], roles: dict[str, str], seconds: float, requests: i
     for r in head:
         lines.append(f"| {r['family']} | {roles[r['family']]} | {pct(r['ceiling'])} | " + " | ".join(
             f"{pct(r[k]['hit'])} ({r[k]['imbalance']:.2f})" for k in columns) + " |")
-    lines += variant_lines(variants or [])
-    lines += tuning_lines(tuned)
+    lines += tables.variant_lines(variants or [], [label for label, _ in VARIANTS])
+    lines += tables.tuning_lines(tuned, ADAPTIVE)
     label = ADAPTIVE if adaptive else "kv-aware"
     lines += [
         "",
