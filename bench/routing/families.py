@@ -36,9 +36,9 @@ trade-off when no placement within 1.3 imbalance meets it, else a router shortfa
 setting's Pareto frontier and verdicts go to docs/data/routing_frontier.jsonl.
 
 kv-adaptive's own knobs (``TUNINGS``) are compared on the tune families only
-(``--tune-only``, which needs their grid in ``--cache`` and writes ``TUNED``,
-docs/data/routing_tuning.json, with the cut it ran on; the committed table was measured at
-``--requests 300``, where the knobs were chosen, and the section states that cut); the report
+(``--tune-only --tune-json FILE``, which needs their grid in ``--cache`` and writes FILE with the
+cut it ran on; the section reads ``--tune-json``, by default ``TUNED``, docs/data/routing_tuning.json,
+measured at ``--requests 300``, where the knobs were chosen, and states that cut); the report
 families are replayed with the chosen knobs only. ``--cache`` keeps every finished setting (and each extra
 router's, in ``<cache>.extras.jsonl``, and the losses' replays on other draws, in
 ``<cache>.seeds.jsonl``) so a long run can be resumed or split.
@@ -73,7 +73,7 @@ SEED = 0  # every generated family is drawn with it
 # whole-trace sum) is noisy and biased upwards: the random router read above 1.3 in 34 settings at 300
 # and in none at 2,000 (bench/routing/trace_length.py). The self-tuning knobs (TUNINGS) were chosen at 300.
 REQUESTS = 2000
-TUNED = ROOT / "docs" / "data" / "routing_tuning.json"  # the TUNINGS table (--tune-only writes it), with its cut
+TUNED = ROOT / "docs" / "data" / "routing_tuning.json"  # the TUNINGS table the section shows, with its cut
 REPLICAS = (2, 4, 8)
 SHARES = (0.01, 0.02, 0.05)
 HOSTS = (0, 4)
@@ -186,7 +186,7 @@ def run_variants(name: str, requests: int, replicas: int, gpu: int, host: int, r
 
 CANDIDATE = ("kv-aware, balance_rel 2", {"balance_rel": 2.0})  # the best fixed variant on the tune families at 300
 # The best fixed variant on the tune families at 2,000 requests (the variant table: 12 of its 12 settings).
-WIDER = ("kv-aware, balance_request_share 2", {"balance_request_share": 2.0})
+BEST_AT_2000 = ("kv-aware, balance_request_share 2", {"balance_request_share": 2.0})
 ADAPTIVE = "kv-adaptive"  # the self-tuning band (retention/routing/tuning.py), its default knobs
 # The self-tuning band's knobs tried on the tune families only (every tune setting); the first is the default.
 # The scale's bounds, [1/4, 64] (BandTuning's defaults): pinned in every row tried with them, so its figures
@@ -216,6 +216,7 @@ TUNINGS = (
     *((f"forgive 8, fading as the square after {fade} dispatches per replica",
        {**WIDE, "forgive": 8.0, "forgive_fade": float(fade), "forgive_fade_power": 2.0}) for fade in (4, 8, 16)),
 )
+# The self-tuning rows below were chosen on the tune table at 300 requests (TUNED); the counts are its.
 # The tune families' best count (forgive 3), over the whole grid: not the default, it adds imbalance misses.
 FORGIVING = ("kv-adaptive, forgive 3", {**WIDE, "forgive": 3.0})
 # The fading rows' best on the tune families (127 of 162, as forgive 3 fading after 16; fewer imbalance
@@ -227,12 +228,13 @@ SQUARED = ("kv-adaptive, squared fade", {**WIDE, "forgive": 8.0, "forgive_fade":
 # The scale's bounds' best on the tune families (124 of 162, the most of any bounds; the fewest router
 # shortfalls there), replayed over the whole grid.
 BOUNDED = ("kv-adaptive, bounded", {"min_scale": 0.5, "max_scale": 4.0})
-EXTRAS = {CANDIDATE[0]: ("kv-aware", CANDIDATE[1], {}), WIDER[0]: ("kv-aware", WIDER[1], {}),
+EXTRAS = {CANDIDATE[0]: ("kv-aware", CANDIDATE[1], {}), BEST_AT_2000[0]: ("kv-aware", BEST_AT_2000[1], {}),
           ADAPTIVE: ("kv-adaptive", {}, {}),
           FORGIVING[0]: ("kv-adaptive", {}, FORGIVING[1]), FADING[0]: ("kv-adaptive", {}, FADING[1]),
           SQUARED[0]: ("kv-adaptive", {}, SQUARED[1]), BOUNDED[0]: ("kv-adaptive", {}, BOUNDED[1])}
 # kv-aware's balance band swept from tight to loose with the existing knobs (the defaults are 1 request, ×1.5;
-# cache only is the loose limit): not candidates, the frontier each setting's verdict is read against.
+# cache only is the loose limit): the frontier each setting's verdict is read against, and judged as fixed
+# candidates beside the defaults (tables.band_lines: what picking a band on the tune families alone would do).
 BANDS = {f"kv-aware, band {share:g} request, ×{rel:g}": ("kv-aware", {"balance_request_share": share, "balance_rel": rel}, {})
          for share, rel in ((0.25, 1.1), (0.5, 1.25), (2.0, 2.0), (4.0, 3.0))}
 # Families whose requests are stored Responses conversations (the simulator keys them by their root without a client key).
@@ -280,7 +282,7 @@ def run_seeded(label: str, name: str, requests: int, replicas: int, share: float
 
 
 def section(rows: list[dict], roles: dict[str, str], seconds: float, requests: int,
-            variants: list[dict] | None = None, tuned: list[dict] | None = None) -> str:
+            variants: list[dict] | None = None, tuned: list[dict] | None = None, tuned_from: str = "") -> str:
     fams = list(dict.fromkeys(r["family"] for r in rows))
     adaptive = ADAPTIVE in rows[0]
     lines = [
@@ -340,10 +342,10 @@ def section(rows: list[dict], roles: dict[str, str], seconds: float, requests: i
         lines += ["", f"The best fixed variant on the tune families when the grid ran at 300 requests, **{CANDIDATE[0]}**, "
                   "over the whole grid:", ""]
         lines += tables.family_table(rows, roles, CANDIDATE[0])
-    if WIDER[0] in rows[0]:
-        lines += ["", f"The best fixed variant on the tune families at 2,000 requests, **{WIDER[0]}**, over the whole grid:", ""]
-        lines += tables.family_table(rows, roles, WIDER[0])
-    lines += tables.band_lines(rows, roles, [*BANDS, CANDIDATE[0], WIDER[0]])
+    if BEST_AT_2000[0] in rows[0]:
+        lines += ["", f"The best fixed variant on the tune families at 2,000 requests, **{BEST_AT_2000[0]}**, over the whole grid:", ""]
+        lines += tables.family_table(rows, roles, BEST_AT_2000[0])
+    lines += tables.band_lines(rows, roles, [*BANDS, CANDIDATE[0], BEST_AT_2000[0]])
     head = [r for r in rows if r["replicas"] == 4 and r["share"] == 0.02 and r["host"] == 4 and r["rate"] == 1]
     columns = [*ROUTERS[:5], *([ADAPTIVE] if adaptive else []), *ROUTERS[5:]]
     lines += [
@@ -357,7 +359,7 @@ def section(rows: list[dict], roles: dict[str, str], seconds: float, requests: i
         lines.append(f"| {r['family']} | {roles[r['family']]} | {pct(r['ceiling'])} | " + " | ".join(
             f"{pct(r[k]['hit'])} ({r[k]['imbalance']:.2f})" for k in columns) + " |")
     lines += tables.variant_lines(variants or [], [label for label, _ in VARIANTS])
-    lines += tables.tuning_lines(tuned, ADAPTIVE)
+    lines += tables.tuning_lines(tuned, ADAPTIVE, tuned_from)
     label = ADAPTIVE if adaptive else "kv-aware"
     lines += [
         "",
@@ -570,14 +572,18 @@ def main() -> None:
     parser.add_argument("--variants-only", action="store_true", help="only the cost variants (with --variants-json)")
     parser.add_argument("--tune-only", action="store_true",
                         help="only the self-tuning band's knobs on the tune families (needs the grid: --cache)")
-    parser.add_argument("--tune-json", type=Path, default=TUNED,
-                        help="the self-tuning band's knob table (written by --tune-only, else read when present)")
+    parser.add_argument("--tune-json", type=Path,
+                        help="the self-tuning band's knob table: written by --tune-only (required there), else read "
+                             f"(default: {TUNED.relative_to(ROOT)})")
     parser.add_argument("--extra-seconds", type=float, default=0.0,
                         help="wall seconds of passes run separately into --cache (tuning, extra routers), added to the total")
     args = parser.parse_args()
     unknown = set(filter(None, args.routers.split(","))) - {*EXTRAS, *BANDS, *(f"tuning: {label}" for label, _ in TUNINGS)}
     if unknown:
         parser.error(f"unknown --routers {', '.join(sorted(unknown))}; extra routers: {', '.join(EXTRAS)}")
+    if args.tune_only and args.tune_json is None:
+        parser.error("--tune-only writes its table to --tune-json FILE (the committed one, "
+                     f"{TUNED.relative_to(ROOT)}, is the 300-request table the section shows)")
     if args.only and not args.no_write:
         print("--families: a subset; the section is printed, not written", flush=True)
         args.no_write = True
@@ -591,9 +597,10 @@ def main() -> None:
     else:
         rows, seconds = replay(roles, args)
     if args.tune_only:
-        args.tune_json.write_text(json.dumps(tune_adaptive(rows, roles, args), ensure_ascii=False, indent=0))
+        args.tune_json.write_text(json.dumps(tune_adaptive(rows, roles, args), ensure_ascii=False, indent=0) + "\n",
+                                  encoding="utf-8")
         return
-    extras = {**{k: v for k, v in EXTRAS.items() if args.candidate or k not in (CANDIDATE[0], WIDER[0])}, **BANDS}
+    extras = {**{k: v for k, v in EXTRAS.items() if args.candidate or k not in (CANDIDATE[0], BEST_AT_2000[0])}, **BANDS}
     if any(k not in rows[0] for k in extras):
         began = time.perf_counter()
         replay_extras(rows, args, extras)
@@ -610,8 +617,10 @@ def main() -> None:
         if args.variants_json:
             args.variants_json.write_text(json.dumps(variants))
     seconds += args.extra_seconds
-    tuned = json.loads(args.tune_json.read_text()) if args.tune_json.exists() else None
-    body = section(rows, roles, seconds, args.requests, variants, tuned)
+    table = args.tune_json or TUNED
+    tuned = json.loads(table.read_text(encoding="utf-8")) if table.exists() else None
+    body = section(rows, roles, seconds, args.requests, variants, tuned, str(table.resolve().relative_to(ROOT))
+                   if table.resolve().is_relative_to(ROOT) else str(table))
     print(body)
     if not args.no_write:
         plot(rows, roles)

@@ -1,8 +1,7 @@
 """The routing-families bench's tables: cost variants, one router against kv-aware, fixed bands, knob table.
 
 Used by ``bench/routing/families.py``; pure rendering of its rows (no replays). A row is one
-setting's replays (``routing_verdicts``); every count here is of settings meeting all three
-targets (``verdicts.met``).
+setting's replays (``routing_verdicts``); the targets are judged by ``verdicts.judge``.
 """
 
 from __future__ import annotations
@@ -63,10 +62,11 @@ def band_lines(rows: list[dict], roles: dict[str, str], candidates: list[str]) -
         return []
     fams = list(dict.fromkeys(r["family"] for r in rows))
     count = {(label, f): sum(met(judge(r, label)) for r in rows if r["family"] == f) for label in labels for f in fams}
-    out = ["", "kv-aware's band from tight to loose (the frontier's fixed bands) as candidates, settings meeting all "
+    out = ["", "kv-aware's band from tight to loose (the frontier's fixed bands) and the fixed variants as candidates, "
+           "settings meeting all "
            "three: on the tune families (where a band would be picked), the report families, and the families where "
            "it meets them in fewer settings than the defaults:", "",
-           "| band | tune | report | total | imbalance above 1.3 | fewer than kv-aware on |", "|---|---:|---:|---:|---:|---|"]
+           "| band or variant | tune | report | total | imbalance above 1.3 | fewer than kv-aware on |", "|---|---:|---:|---:|---:|---|"]
     for label in labels:
         tune = sum(count[(label, f)] for f in fams if roles[f] == "tune")
         report = sum(count[(label, f)] for f in fams if roles[f] == "report")
@@ -77,16 +77,16 @@ def band_lines(rows: list[dict], roles: dict[str, str], candidates: list[str]) -
     return out
 
 
-def tuning_lines(tuned: list[dict] | None, adaptive: str) -> list[str]:
-    """The self-tuning band's knob table (``--tune-only``'s output, with the cut it ran on)."""
+def tuning_lines(tuned: list[dict] | None, adaptive: str, source: str) -> list[str]:
+    """The self-tuning band's knob table (``--tune-only``'s output, read from ``source``, with the cut it ran on)."""
     if not tuned:
         return []
     fams = list(tuned[0]["counts"])
     out = [
         "",
         f"How the self-tuning band's own knobs were chosen — {adaptive} variants on the **tune** families only, "
-        f"every tune setting ({tuned[0]['settings']}), each trace cut to its first {tuned[0]['requests']} requests "
-        "(docs/data/routing_tuning.json); settings meeting all three targets (the first row is the default, the "
+        f"every tune setting ({tuned[0]['settings']}), each trace cut to its first {tuned[0].get('requests', '(unrecorded)')} "
+        f"requests ({source}); settings meeting all three targets (the first row is the default, the "
         "knobs of `BandTuning`):",
         "",
         "| variant | " + " | ".join(fams) + " | total | imbalance above 1.3 | worst imbalance |",

@@ -24,7 +24,7 @@ trace lengths, with the grid's own code (``families.run_setting``, ``families.ru
   replayed on the same cut. A longer cut is therefore more of the same traffic against a pool
   grown with it, not the same pool for longer.
 * Routers: the grid's baselines (random, round-robin, session, Dynamo's cost), ``kv-aware`` (the
-  fixed defaults) and ``kv-adaptive, fading forgive`` (the grid's best self-tuning row).
+  fixed defaults) and ``kv-adaptive, fading forgive`` (the grid's best self-tuning row at 300 requests).
 """
 
 from __future__ import annotations
@@ -87,7 +87,7 @@ def section(rows: list[dict], roles: dict[str, str], lengths: tuple[int, ...], s
         "",
         f"The family grid (`bench/routing/families.py`; its cut: the first {families.REQUESTS} requests, first run and "
         "its self-tuning knobs chosen at 300) measures load imbalance as max / mean prefill tokens per replica over "
-        "the whole cut trace. This replays the grid's {len(REPLICAS) * len(SHARES) * len(HOSTS) * len(RATES)} settings per family "
+        f"the whole cut trace. This replays the grid's {len(REPLICAS) * len(SHARES) * len(HOSTS) * len(RATES)} settings per family "
         f"({'/'.join(map(str, REPLICAS))} replicas × {'/'.join(f'{s:.0%}' for s in SHARES)} GPU × host 0 / 4× × "
         f"rate {'/'.join(f'×{r}' for r in RATES)}) at trace lengths {', '.join(map(str, lengths))}, with the grid's "
         "own replay and verdict code (targets: ≥ 90 % of one pool with N× capacity, ≥ the best baseline within half "

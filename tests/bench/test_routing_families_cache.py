@@ -39,3 +39,10 @@ def test_the_bounded_scale_is_replayed_and_judged_over_the_whole_grid() -> None:
     bounded = fingerprint(BOUNDED[0], EXTRAS[BOUNDED[0]])
     assert bounded != fingerprint("kv-adaptive", ("kv-adaptive", {}, {}))
     assert bounded == fingerprint("tuning: bounds", ("kv-adaptive", {}, {"max_scale": 4.0, "min_scale": 0.5}))
+
+
+def test_the_knob_pass_never_overwrites_the_committed_table_by_default() -> None:
+    """``--tune-only`` writes only where it is told: the committed table is the one the section shows, with its cut."""
+    run = subprocess.run([sys.executable, str(ROOT / "bench" / "routing" / "families.py"), "--tune-only"],
+                         capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert run.returncode == 2 and "--tune-only writes its table to --tune-json FILE" in run.stderr
