@@ -187,6 +187,8 @@ def run_variants(name: str, requests: int, replicas: int, gpu: int, host: int, r
 CANDIDATE = ("kv-aware, balance_rel 2", {"balance_rel": 2.0})  # the best fixed variant on the tune families at 300
 # The best fixed variant on the tune families at 2,000 requests (the variant table: 12 of its 12 settings).
 BEST_AT_2000 = ("kv-aware, balance_request_share 2", {"balance_request_share": 2.0})
+# The fixed variants replayed over the whole grid (``--candidate``), with the cut each was chosen at.
+FIXED = ((CANDIDATE, "when the grid ran at 300 requests"), (BEST_AT_2000, "at 2,000 requests"))
 ADAPTIVE = "kv-adaptive"  # the self-tuning band (retention/routing/tuning.py), its default knobs
 # The self-tuning band's knobs tried on the tune families only (every tune setting); the first is the default.
 # The scale's bounds, [1/4, 64] (BandTuning's defaults): pinned in every row tried with them, so its figures
@@ -228,8 +230,7 @@ SQUARED = ("kv-adaptive, squared fade", {**WIDE, "forgive": 8.0, "forgive_fade":
 # The scale's bounds' best on the tune families (124 of 162, the most of any bounds; the fewest router
 # shortfalls there), replayed over the whole grid.
 BOUNDED = ("kv-adaptive, bounded", {"min_scale": 0.5, "max_scale": 4.0})
-EXTRAS = {CANDIDATE[0]: ("kv-aware", CANDIDATE[1], {}), BEST_AT_2000[0]: ("kv-aware", BEST_AT_2000[1], {}),
-          ADAPTIVE: ("kv-adaptive", {}, {}),
+EXTRAS = {**{label: ("kv-aware", knobs, {}) for (label, knobs), _ in FIXED}, ADAPTIVE: ("kv-adaptive", {}, {}),
           FORGIVING[0]: ("kv-adaptive", {}, FORGIVING[1]), FADING[0]: ("kv-adaptive", {}, FADING[1]),
           SQUARED[0]: ("kv-adaptive", {}, SQUARED[1]), BOUNDED[0]: ("kv-adaptive", {}, BOUNDED[1])}
 # kv-aware's balance band swept from tight to loose with the existing knobs (the defaults are 1 request, ×1.5;
@@ -338,14 +339,11 @@ def section(rows: list[dict], roles: dict[str, str], seconds: float, requests: i
             knobs = ", ".join(f"{k} {v:g}" for k, v in variant_knobs.items())
             lines += ["", f"**{label}** ({knobs}: {why}) over the whole grid:", ""]
             lines += tables.family_table(rows, roles, label)
-    if CANDIDATE[0] in rows[0]:
-        lines += ["", f"The best fixed variant on the tune families when the grid ran at 300 requests, **{CANDIDATE[0]}**, "
-                  "over the whole grid:", ""]
-        lines += tables.family_table(rows, roles, CANDIDATE[0])
-    if BEST_AT_2000[0] in rows[0]:
-        lines += ["", f"The best fixed variant on the tune families at 2,000 requests, **{BEST_AT_2000[0]}**, over the whole grid:", ""]
-        lines += tables.family_table(rows, roles, BEST_AT_2000[0])
-    lines += tables.band_lines(rows, roles, [*BANDS, CANDIDATE[0], BEST_AT_2000[0]])
+    for (label, _), when in FIXED:
+        if label in rows[0]:
+            lines += ["", f"The best fixed variant on the tune families {when}, **{label}**, over the whole grid:", ""]
+            lines += tables.family_table(rows, roles, label)
+    lines += tables.band_lines(rows, roles, [*BANDS, *(label for (label, _), _ in FIXED)])
     head = [r for r in rows if r["replicas"] == 4 and r["share"] == 0.02 and r["host"] == 4 and r["rate"] == 1]
     columns = [*ROUTERS[:5], *([ADAPTIVE] if adaptive else []), *ROUTERS[5:]]
     lines += [
@@ -600,7 +598,8 @@ def main() -> None:
         args.tune_json.write_text(json.dumps(tune_adaptive(rows, roles, args), ensure_ascii=False, indent=0) + "\n",
                                   encoding="utf-8")
         return
-    extras = {**{k: v for k, v in EXTRAS.items() if args.candidate or k not in (CANDIDATE[0], BEST_AT_2000[0])}, **BANDS}
+    fixed = {label for (label, _), _ in FIXED}
+    extras = {**{k: v for k, v in EXTRAS.items() if args.candidate or k not in fixed}, **BANDS}
     if any(k not in rows[0] for k in extras):
         began = time.perf_counter()
         replay_extras(rows, args, extras)
