@@ -53,17 +53,21 @@ def family_table(rows: list[dict], roles: dict[str, str], label: str, against: s
     return out
 
 
-def band_lines(rows: list[dict], roles: dict[str, str], candidates: list[str]) -> list[str]:
-    """``candidates`` (the frontier's fixed bands and the fixed variants) judged beside kv-aware's defaults:
-    what picking one on the tune families alone would choose, and what it does on the report families."""
+BAND_INTRO = ("kv-aware's band from tight to loose (the frontier's fixed bands) and the fixed variants as candidates, "
+              "settings meeting all three: on the tune families (where a band would be picked), the report families, and "
+              "the families where it meets them in fewer settings than the defaults:")
+
+
+def band_lines(rows: list[dict], roles: dict[str, str], candidates: list[str], intro: str = BAND_INTRO) -> list[str]:
+    """``candidates`` (the frontier's fixed bands and the fixed variants, or any kv-aware variant) judged beside
+    kv-aware's defaults: what picking one on the tune families alone would choose, and what it does on the report
+    families."""
     labels = ["kv-aware", *(c for c in candidates if c in rows[0])]
     if len(labels) == 1:
         return []
     fams = list(dict.fromkeys(r["family"] for r in rows))
     count = {(label, f): sum(met(judge(r, label)) for r in rows if r["family"] == f) for label in labels for f in fams}
-    out = ["", "kv-aware's band from tight to loose (the frontier's fixed bands) and the fixed variants as candidates, "
-           "settings meeting all three: on the tune families (where a band would be picked), the report families, and the families where "
-           "it meets them in fewer settings than the defaults:", "",
+    out = ["", intro, "",
            "| band or variant | tune | report | total | imbalance above 1.3 | fewer than kv-aware on |", "|---|---:|---:|---:|---:|---|"]
     for label in labels:
         tune = sum(count[(label, f)] for f in fams if roles[f] == "tune")

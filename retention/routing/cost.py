@@ -4,8 +4,8 @@ Per candidate replica ``r`` (B = tokens per block; hits are capped at ``(prompt 
 because the engine always computes the last prompt token; all terms in blocks)::
 
     prefill(r)  = prompt / B − (gpu_hits + host_credit × host_hits + pending_credit × pending_hits)
-    level(r)    = (overlap_weight × queued_prefill(r) + decode_weight × decode(r)
-                   + recent_weight × recent_prefill(r)) / weight(r)
+    level(r)    = (queue_weight × queued_prefill(r) + decode_weight × decode(r)
+                   + recent_weight × recent_prefill(r)) / weight(r)      (queue_weight: overlap_weight unless set)
     threshold   = max(min_r level + balance_request_share × prompt / B,  balance_rel × min_r level)
     cost(r)     = overlap_weight × prefill(r) / weight(r) + load_weight × max(0, level(r) − threshold)
                   − affinity_credit × [r is the request's home]
@@ -82,11 +82,14 @@ class CostModel:
     temperature: float = 0.0
     affinity_credit: float = 1.0
     load_weight: float = 1.0  # weight of load beyond the band (the self-tuning band raises it, tuning.py)
+    queue_weight: float | None = None  # weight of queued prefill in the load level; None: overlap_weight (Dynamo's)
 
     def __post_init__(self) -> None:
         for name in ("overlap_weight", "decode_weight", "recent_weight", "balance_request_share", "temperature",
-                     "affinity_credit", "load_weight"):
+                     "affinity_credit", "load_weight", "queue_weight"):
             value = getattr(self, name)
+            if value is None and name == "queue_weight":  # unset: overlap_weight
+                continue
             if isinstance(value, bool) or not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
                 raise RoutingError(f"{name} must be a finite number >= 0, got {value!r}")
         for name in ("host_credit", "pending_credit"):
@@ -129,6 +132,7 @@ class CostModel:
         usable = max(0, (prompt_tokens - 1) // bpt)
         prompt_blocks = prompt_tokens / bpt
         own_blocks = -(-(prompt_tokens + output_tokens) // bpt)
+        queue_weight = self.overlap_weight if self.queue_weight is None else self.queue_weight
         rows = []
         for replica, match, load, weight in candidates:
             gpu = min(match.gpu_blocks, usable)
@@ -138,7 +142,7 @@ class CostModel:
             queued = load.queued_prefill_tokens / bpt
             decode = float(load.active_blocks + own_blocks)
             recent = load.recent_prefill_tokens / bpt
-            level = (self.overlap_weight * queued + self.decode_weight * decode + self.recent_weight * recent) / weight
+            level = (queue_weight * queued + self.decode_weight * decode + self.recent_weight * recent) / weight
             rows.append((replica, PrefixMatch(gpu, host, pending), prefill, queued, decode, level, weight))
         floor = min((row[5] for row in rows), default=0.0)
         threshold = max(floor + self.balance_request_share * prompt_blocks, self.balance_rel * floor)

@@ -168,7 +168,27 @@ def test_dynamo_preset_credits_host_hits_at_dynamos_weight() -> None:
     assert s.prefill_blocks == pytest.approx(10 - (2 + 0.75 * 4))
 
 
-@pytest.mark.parametrize("bad", [{"host_credit": 1.5}, {"overlap_weight": -1}, {"balance_rel": 0.5}, {"temperature": float("nan")}])
+def test_queue_weight_sets_the_queued_prefill_share_of_the_load_level() -> None:
+    # replica 0: 20 blocks queued and a 3-block hit; replica 1: idle, no hit; the band is one 6-block request
+    loads = [ReplicaLoad(queued_prefill_tokens=20 * BPT), ReplicaLoad()]
+    matches = [PrefixMatch(3, 0), PrefixMatch(0, 0)]
+    rows = [(i, matches[i], loads[i], 1) for i in range(2)]
+
+    def scores(cost: CostModel):
+        return cost.scores(rows, prompt_tokens=6 * BPT, output_tokens=0, tokens_per_block=BPT)
+
+    # unset: queued prefill weighs overlap_weight (Dynamo's form): a level of 2 × 20, 34 beyond the band of 6
+    default = scores(CostModel(decode_weight=0.0, recent_weight=0.0, overlap_weight=2.0))
+    assert default[0].excess_load == pytest.approx(2.0 * 20 - 6)
+    assert scores(CostModel(decode_weight=0.0, recent_weight=0.0, overlap_weight=2.0, queue_weight=2.0)) == default
+    # 0: the queue is not load (only recent work, here none, is); the hit decides
+    ignored = scores(CostModel(decode_weight=0.0, recent_weight=0.0, queue_weight=0.0))
+    assert [s.excess_load for s in ignored] == [0.0, 0.0] and ignored[0].cost < ignored[1].cost
+
+
+@pytest.mark.parametrize("bad", [{"host_credit": 1.5}, {"overlap_weight": -1}, {"balance_rel": 0.5}, {"temperature": float("nan")},
+                                 {"queue_weight": -0.5}, {"queue_weight": float("inf")}, {"queue_weight": float("nan")},
+                                 {"queue_weight": True}, {"queue_weight": "1"}])
 def test_cost_model_refuses_bad_weights(bad) -> None:
     with pytest.raises(RoutingError):
         CostModel(**bad)
