@@ -36,7 +36,9 @@ Where it comes from:
   recent prefill work is a load signal (``recent_weight``); a request carrying an affinity
   key (``prompt_cache_key``, ``affinity.py``) credits its key's home replica
   (``affinity_credit`` blocks), so requests sharing a key meet before they share a cached
-  prefix, unless the home's load is beyond the band.
+  prefix, unless the home's load is beyond the band; queued prefill's weight in the level can
+  be set apart from the prefill's (``queue_weight``; unset, as in Dynamo, both are
+  ``overlap_weight``), so that a cost may bound recent work alone (``bench/routing/load_signal.py``).
 
 Why the defaults differ from Dynamo's (measured, docs/benchmarks.md "Routing simulator"):
 with Dynamo's cost (T = 0, weight 1) on the Mooncake trace, 4 replicas at 2 %, the
