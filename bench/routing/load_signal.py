@@ -41,7 +41,6 @@ sys.path.insert(0, str(ROOT))
 from bench.report import machine, seed_line, write_section  # noqa: E402
 from bench.routing import families, tables  # noqa: E402
 from bench.routing.verdicts import judge, met, pct  # noqa: E402
-
 from retention.routing import CostModel, make_router  # noqa: E402
 
 # the recent prefill's half-life: the grid's routers are built by make_router with its default
@@ -147,7 +146,7 @@ def pick(rows: list[dict], roles: dict[str, str]) -> list[str]:
             f"families it meets them in {count(report, best)} of {len(report)} (defaults {count(report, 'kv-aware')})."]
 
 
-def section(rows: list[dict], roles: dict[str, str], seconds: float) -> str:
+def section(rows: list[dict], roles: dict[str, str], seconds: float, workers: int = 2) -> str:
     labels = ["kv-aware", *CANDIDATES]
     lines = [
         "## Routing: which load the balance band bounds (`bench/routing/load_signal.py`)",
@@ -187,7 +186,7 @@ def section(rows: list[dict], roles: dict[str, str], seconds: float) -> str:
         "",
         *(families.adoption(rows, roles, label) for label in CANDIDATES),
         "",
-        f"{len(rows)} settings × {len(labels)} routers (and the grid's baselines), {seconds:,.0f} s with 2 workers, "
+        f"{len(rows)} settings × {len(labels)} routers (and the grid's baselines), {seconds:,.0f} s with {workers} workers, "
         f"counting passes replayed into the cache separately ({machine()}, shared).",
     ]
     return "\n".join(lines)
@@ -215,7 +214,7 @@ def main() -> None:
     began = time.perf_counter()
     rows, _ = families.replay(roles, grid)
     families.replay_extras(rows, grid, CANDIDATES)
-    body = section(rows, roles, time.perf_counter() - began + args.extra_seconds)
+    body = section(rows, roles, time.perf_counter() - began + args.extra_seconds, args.workers)
     print(body)
     if not args.no_write:
         write_section("routing_load_signal", body)
