@@ -94,8 +94,9 @@ def diagnosis(rows: list[dict]) -> list[str]:
         "",
         f"Cache only (no load term) reaches session's hit rate (within half a point) at imbalance ≤ 1.3 in {within} "
         f"of these {len(lost)} settings"
-        + (": mostly, the hits are lost to the load term, not to the cost's cache terms." if 2 * within > len(lost)
-           else "; so mostly not the load term alone."),
+        + (": mostly the load term costs the hits, and without it the pool stays balanced." if 2 * within > len(lost)
+           else ": dropping the load term is no answer (it buys the hits with imbalance), so the question is which "
+                "load the band should bound."),
     ]
 
 

@@ -32,7 +32,7 @@ def test_the_section_counts_losses_to_session_and_judges_by_family() -> None:
     ]
     body = load_signal.section(rows, {"chat": "tune", "api": "report"}, 1.0)
     assert "falls behind `session` by more than half a point (2 of 4 settings)" in body
-    assert "in 1 of these 2 settings; so mostly not the load term alone." in body
+    assert "in 1 of these 2 settings: dropping the load term is no answer" in body
     assert "| chat (tune) | 2 | 0 | 1 |" in body
     assert "| api (report) | 2 | 2 | 1 |" in body
     # each target, churn against the defaults (gained / lost), what is left behind session (settings, median points)
