@@ -5,8 +5,8 @@ Usage: ``OMP_NUM_THREADS=1 .venv/bin/python bench/routing/load_signal.py [--no-w
 
 Writes the ``bench:routing_load_signal`` section of docs/benchmarks.md. Deterministic: the grid of
 ``bench/routing/families.py`` (every generated family drawn with seed 0, the synthetic trace fixed, each
-cut to its first ``families.REQUESTS`` requests), replayed with its own code (``families.replay``, ``families.replay_extras``) and judged by
-its own rule (``verdicts.judge``, ``families.adoption``). ``--cache`` is the grid's own cache (the same
+cut to its first ``families.REQUESTS`` requests), replayed with its own code (``families.replay``,
+``families.replay_extras``) and judged by its own rule (``verdicts.judge``, ``families.adoption``). ``--cache`` is the grid's own cache (the same
 file ``families.py --cache`` writes, and its ``.extras.jsonl``), so either bench reuses the other's
 replays.
 
