@@ -6,24 +6,25 @@ Usage: ``OMP_NUM_THREADS=1 .venv/bin/python bench/routing/load_signal.py [--no-w
 Writes the ``bench:routing_load_signal`` section of docs/benchmarks.md. Deterministic: the grid of
 ``bench/routing/families.py`` (every generated family drawn with seed 0, the synthetic trace fixed, each
 cut to its first ``families.REQUESTS`` requests), replayed with its own code (``families.replay``,
-``families.replay_extras``) and judged by its own rule (``verdicts.judge``, ``families.adoption``). ``--cache`` is the grid's own cache (the same
-file ``families.py --cache`` writes, and its ``.extras.jsonl``), so either bench reuses the other's
-replays.
+``families.replay_extras``) and judged by its own rule (``verdicts.judge``, ``families.adoption``).
+``--cache`` is the grid's own cache (the same file ``families.py --cache`` writes, and its
+``.extras.jsonl``), so either bench reuses the other's replays.
 
 Why this bench. Over the grid, every setting where kv-aware falls behind the best baseline loses to
-``session`` (docs/architecture.md, "Routing"), at a median imbalance of 1.08 against session's 1.20. The grid's *cache
-only* diagnostic (kv-aware with no load term) says the cost's cache terms are not what loses: where
-kv-aware loses to session, cache only reaches session's hit rate (medians, in the section) but at an
-imbalance far above 1.3, so a load term is needed, and the question is which load. kv-aware's band
-bounds one level per replica, ``queued prefill + 0.1 × decode blocks + 0.2 × recent prefill``
+``session`` (docs/architecture.md, "Routing"), at a median imbalance of 1.08 against session's 1.20. The
+grid's *cache only* diagnostic (kv-aware with no load term) says the cost's cache terms are not what
+loses: where kv-aware loses to session, cache only reaches session's hit rate (medians, in the section)
+but at an imbalance far above 1.3, so a load term is needed, and the question is which load. kv-aware's
+band bounds one level per replica, ``queued prefill + 0.1 × decode blocks + 0.2 × recent prefill``
 (``retention/routing/cost.py``), queued prefill at the largest weight: once the level of the replica
 holding a conversation's prefix exceeds the band (one request's blocks over the least-loaded level, or
-×1.5 that level, whichever is larger) by more than the blocks its hits save, the next turn goes elsewhere, though the imbalance target
-(max / mean prefill tokens *over the trace*) never sees a passing queue, and the prefix is then computed
-twice. The candidate bounds the replica's *recent* prefill work alone (tokens dispatched to it, decayed
-with a 60 s half-life, which counts what is queued from the moment it is dispatched): ``decode_weight``
-0, ``queue_weight`` 0, that work weighted ``recent_weight`` and a tighter relative band
-(``balance_rel``), so that only lasting imbalance moves a request off its cache.
+×1.5 that level, whichever is larger) by more than the blocks its hits save, the next turn goes
+elsewhere, though the imbalance target (max / mean prefill tokens *over the trace*) never sees a passing
+queue, and the prefix is then computed twice. The candidate bounds the replica's *recent* prefill work
+alone (tokens dispatched to it, decayed with a 60 s half-life, which counts what is queued from the
+moment it is dispatched): ``decode_weight`` 0, ``queue_weight`` 0, that work weighted ``recent_weight``
+and a tighter relative band (``balance_rel``), so that only lasting imbalance moves a request off its
+cache.
 """
 
 from __future__ import annotations
