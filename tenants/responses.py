@@ -8,11 +8,18 @@ Invariants:
 * An expired response (``expires_at <= now``) is "not found" too; expired rows of a tenant
   are deleted whenever that tenant stores a new one, and every tenant's by
   :func:`purge_expired` (the gateway's sweep, for the space of tenants that stopped storing).
+* A conversation lives as long as its newest turn: storing a continuation raises the expiry
+  of each live ancestor to at least the new row's (one UPDATE, in the store's transaction),
+  since a continuation needs every link of its chain. An ancestor deleted (or expired
+  before it could be kept) leaves its descendants readable but not continuable:
+  :func:`response_chain` names the missing link.
 * A tenant's stored bytes (``size_bytes`` of its live rows) never exceed ``max_bytes`` by a
   store: :func:`store_response` refuses (``StoreFull``, code ``response_store_full``) and
   stores nothing. :func:`check_room` lets the edge refuse before it spends an engine call.
-* ``input_items`` keep the request's items in order, each with a unique ``id``; pages of
-  :func:`list_input_items` are cut by that id (OpenAI's ``after`` cursor).
+* ``input_items`` keep the request's items in order, each with a unique ``id`` (the gateway
+  refuses repeated ids); pages of :func:`list_input_items` are cut by that id (OpenAI's
+  ``after`` cursor) at its last place, so every page moves forward even over rows stored
+  before repeats were refused.
 * ``root_id`` names the response a stored conversation started with, for every row of it
   (forks included), so :func:`conversation_rows` finds a conversation's live rows with one
   indexed query, on whichever gateway the delete lands; ``prompt_blocks`` (the prompt's full
@@ -24,11 +31,12 @@ Rows are data, not configuration: no audit events.
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any, Literal
 
-from sqlalchemy import delete, func, or_, select
+from sqlalchemy import delete, func, or_, select, update
 from sqlalchemy.orm import Session
 
 from tenants.common import mutation
@@ -64,6 +72,11 @@ def _not_found(response_id: str) -> NotFound:
     return NotFound(f"no response with id {response_id[:80]!r}", field="response_id", code="response_not_found")
 
 
+def _broken_chain(response_id: str, missing: str) -> NotFound:
+    return NotFound(f"Response {response_id[:80]!r} cannot be continued: the response {missing[:80]!r} it continues "
+                    "was deleted or has expired.", field="previous_response_id", code="response_not_found")
+
+
 def row_size(*, input_items: list, output_items: list, body: dict, prompt_blocks: list | None = None) -> int:
     """Bytes a row counts against the cap: the length of its JSON parts."""
     parts = (input_items, output_items, body) if prompt_blocks is None else (input_items, output_items, body,
@@ -88,12 +101,13 @@ def check_room(session: Session, *, tenant_id: int, now: datetime, incoming: int
 
 def store_response(session: Session, *, tenant_id: int, response_id: str, previous_response_id: str | None,
                    model: str, input_items: list, output_items: list, body: dict, now: datetime, ttl: timedelta,
-                   max_bytes: int, root_id: str | None = None,
-                   prompt_blocks: list[int] | None = None) -> StoredResponse:
+                   max_bytes: int, root_id: str | None = None, prompt_blocks: list[int] | None = None,
+                   ancestor_ids: Sequence[str] = ()) -> StoredResponse:
     """Store one response (one transaction); expired rows of the tenant are purged first.
 
     ``root_id``: the response its conversation started with (its own id for a first turn);
-    ``prompt_blocks``: its prompt's full blocks' hashes, root first (see the module docstring)."""
+    ``prompt_blocks``: its prompt's full blocks' hashes, root first (see the module docstring);
+    ``ancestor_ids``: the chain it continues, whose live rows are kept at least as long as it."""
     if ttl <= timedelta(0):
         raise InvalidField("ttl must be positive", field="ttl")
     if prompt_blocks is not None:
@@ -108,7 +122,19 @@ def store_response(session: Session, *, tenant_id: int, response_id: str, previo
                              size_bytes=size, created_at=now, expires_at=now + ttl, root_id=root_id,
                              prompt_blocks=prompt_blocks)
         session.add(row)
+        if ancestor_ids:
+            _keep_ancestors(session, tenant_id=tenant_id, ids=ancestor_ids, now=now, until=now + ttl)
     return row
+
+
+def _keep_ancestors(session: Session, *, tenant_id: int, ids: Sequence[str], now: datetime,
+                    until: datetime) -> None:
+    """Raise the expiry of the live rows ``ids`` of the tenant to ``until`` where it is sooner
+    (a row already gone stays gone: its descendants are not continuable either way)."""
+    session.execute(update(StoredResponse).where(
+        StoredResponse.tenant_id == tenant_id, StoredResponse.id.in_(list(ids)),
+        StoredResponse.expires_at > now, StoredResponse.expires_at < until,
+    ).values(expires_at=until).execution_options(synchronize_session="fetch"))  # rows this session holds too
 
 
 def get_response(session: Session, *, tenant_id: int, response_id: str, now: datetime) -> StoredResponse:
@@ -127,7 +153,8 @@ def delete_response(session: Session, *, tenant_id: int, response_id: str, now: 
 def response_chain(session: Session, *, tenant_id: int, response_id: str, now: datetime) -> list[StoredResponse]:
     """The stored responses from the root of ``response_id``'s chain to it, oldest first.
 
-    Any missing, expired or foreign link is "not found" (the conversation cannot be rebuilt)."""
+    Any missing, expired or foreign link is "not found" (the conversation cannot be rebuilt):
+    ``response_id`` itself as a plain not found, an ancestor by a message naming both."""
     chain: list[StoredResponse] = []
     seen: set[str] = set()
     current: str | None = response_id
@@ -136,7 +163,12 @@ def response_chain(session: Session, *, tenant_id: int, response_id: str, now: d
             raise InvalidField(f"the chain of {response_id[:80]!r} is longer than {MAX_CHAIN} responses",
                                field="previous_response_id")
         seen.add(current)
-        row = get_response(session, tenant_id=tenant_id, response_id=current, now=now)
+        try:
+            row = get_response(session, tenant_id=tenant_id, response_id=current, now=now)
+        except NotFound:
+            if not chain:
+                raise
+            raise _broken_chain(response_id, current) from None
         chain.append(row)
         current = row.previous_response_id
     chain.reverse()
@@ -185,10 +217,12 @@ def list_input_items(session: Session, *, tenant_id: int, response_id: str, now:
     if order == "desc":
         items.reverse()
     if after is not None:
-        ids = [item.get("id") for item in items]
-        if after not in ids:
+        # The cursor's last place in this order: a page never holds its own cursor again, so paging
+        # ends even over a row whose items repeat an id (stored before repeats were refused).
+        at = next((i for i in range(len(items) - 1, -1, -1) if items[i].get("id") == after), None)
+        if at is None:
             raise InvalidField(f"after: no input item {after[:80]!r} in this response", field="after")
-        items = items[ids.index(after) + 1:]
+        items = items[at + 1:]
     return InputItemsPage(items[:limit], len(items) > limit)
 
 

@@ -35,11 +35,13 @@ def _serving(exc: RegistryError) -> ServingError:
 
 @dataclass(frozen=True, slots=True)
 class StoredChain:
-    """A stored conversation up to one response: every turn's items, oldest first, and the
-    id of the response it started with (the conversation's routing key)."""
+    """A stored conversation up to one response: every turn's items, oldest first, the id of
+    the response it started with (the conversation's routing key) and every response's id,
+    oldest first (what a continuation keeps alive as long as itself)."""
 
     items: list[dict]
     root_id: str
+    ids: tuple[str, ...] = ()
 
 
 class ResponseStore:
@@ -63,8 +65,8 @@ class ResponseStore:
             raise _serving(exc) from exc
 
     async def chain(self, *, tenant_id: int, response_id: str) -> StoredChain:
-        """``response_id``'s chain: its input and output items, oldest first, and its root's id
-        (404 if any link is gone)."""
+        """``response_id``'s chain: its input and output items, oldest first, its root's id and
+        its responses' ids (404 if any link is gone, naming the missing ancestor)."""
         try:
             rows = await self._call(stored.response_chain, tenant_id=tenant_id, response_id=response_id)
         except ServingError as exc:
@@ -74,23 +76,25 @@ class ResponseStore:
         for row in rows:
             items.extend(row.input_items)
             items.extend(row.output_items)
-        return StoredChain(items=items, root_id=rows[0].id)
+        return StoredChain(items=items, root_id=rows[0].id, ids=tuple(row.id for row in rows))
 
     async def check_room(self, *, tenant_id: int, incoming: int) -> None:
         await self._call(stored.check_room, tenant_id=tenant_id, incoming=incoming, max_bytes=self.max_bytes)
 
     async def store(self, *, tenant_id: int, response: dict, input_items: list[dict], root_id: str | None = None,
-                    prompt_blocks: list[int] | None = None) -> bool:
+                    prompt_blocks: list[int] | None = None, ancestor_ids: tuple[str, ...] = ()) -> bool:
         """Store a finished response; False (nothing stored) when the tenant's cap is reached
         meanwhile or the registry fails: the answer is still delivered, with ``store: false``.
         ``root_id`` and ``prompt_blocks`` let a delete on any gateway find what the conversation's
-        other live responses hold (``tenants.responses.conversation_rows``)."""
+        other live responses hold (``tenants.responses.conversation_rows``); the live responses
+        ``ancestor_ids`` (the chain it continues) are kept at least as long as it."""
         body = {k: v for k, v in response.items() if k != "output"}
         try:
             await self._call(stored.store_response, tenant_id=tenant_id, response_id=response["id"],
                              previous_response_id=response.get("previous_response_id"), model=response["model"],
                              input_items=input_items, output_items=response["output"], body=body, ttl=self.ttl,
-                             max_bytes=self.max_bytes, root_id=root_id, prompt_blocks=prompt_blocks)
+                             max_bytes=self.max_bytes, root_id=root_id, prompt_blocks=prompt_blocks,
+                             ancestor_ids=ancestor_ids)
         except ServingError as exc:
             log.warning("response %s not stored: %s", response["id"], exc.message)
             return False

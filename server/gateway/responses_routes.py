@@ -13,7 +13,11 @@ restart and every gateway of the deployment sees them.
 ``store`` defaults to true, as OpenAI's does. Before the engine runs, a stored request
 whose input alone would take the tenant past its byte cap is refused (400
 ``response_store_full``); if the cap is reached while it runs, the answer is still
-delivered, not stored, and says ``store: false``.
+delivered, not stored, and says ``store: false``. A stored continuation keeps its chain's
+responses alive as long as itself (``tenants.responses``).
+
+``GET /v1/responses/{id}`` returns the stored JSON only: ``stream=true`` and
+``starting_after`` (replaying a stored response's events) are refused by name.
 """
 
 from __future__ import annotations
@@ -28,7 +32,8 @@ from retention.hashing import block_hashes
 from retention.policy.conversation import ConversationRequest
 from server.gateway.api.completions import REPLICA_HEADER, CompletionJob
 from server.gateway.api.conversation_demote import DeletedPrompt, doomed_prompts
-from server.gateway.api.responses_convert import conversation_hints, convert, normalize_items, refuse_unservable
+from server.gateway.api.responses_convert import (check_items, conversation_hints, convert, normalize_items,
+                                                  refuse_unservable)
 from server.gateway.api.responses_render import ResponsesDialect
 from server.gateway.api.responses_schemas import OUTPUT_LOGPROBS, ResponsesRequest
 from server.gateway.routes import Gateway, Tenant, check_model
@@ -58,9 +63,11 @@ async def create_response(body: ResponsesRequest, tenant: Tenant, services: Gate
     store = body.store is not False
     history: list[dict] = []
     root_id: str | None = None  # the stored conversation's first response (its routing key)
+    ancestors: tuple[str, ...] = ()
     if body.previous_response_id is not None:
         chain = await _store(services).chain(tenant_id=tenant.tenant_id, response_id=body.previous_response_id)
-        history, root_id = chain.items, chain.root_id
+        history, root_id, ancestors = chain.items, chain.root_id, chain.ids
+    check_items(history, items)
     conversation = convert(body, history + items)
     prompter = await services.engines.prompter(tenant.pool)
     try:
@@ -81,7 +88,7 @@ async def create_response(body: ResponsesRequest, tenant: Tenant, services: Gate
         async def callback(response: dict) -> bool:
             # root_id is read when the answer is stored: by then it names this conversation's first response.
             kept = await responses.store(tenant_id=tenant.tenant_id, response=response, input_items=items,
-                                         root_id=root_id, prompt_blocks=blocks)
+                                         root_id=root_id, prompt_blocks=blocks, ancestor_ids=ancestors)
             # The run ended in a message: its own blocks are demoted, in the background (conversation_demote.py),
             # by the class's own switch alone: neither the hold's switch nor its duel gates it.
             if kept and tenant.conversation_end_demote and body.tools and root_id is not None and _ended_run(response):
@@ -115,7 +122,15 @@ async def create_response(body: ResponsesRequest, tenant: Tenant, services: Gate
 
 
 @router.get("/{response_id}")
-async def retrieve_response(response_id: str, tenant: Tenant, services: Gateway) -> dict:
+async def retrieve_response(response_id: str, tenant: Tenant, services: Gateway, stream: bool | None = None,
+                            starting_after: str | None = None) -> dict:
+    """The stored response as JSON: ``stream`` false or absent, no ``starting_after``."""
+    if stream:
+        raise ServingError(400, "unsupported_parameter", "stream: streaming a stored response is not supported; "
+                           "omit stream (or send stream=false) for its JSON", param="stream")
+    if starting_after is not None:
+        raise ServingError(400, "unsupported_parameter", "starting_after: streaming a stored response is not "
+                           "supported, so there is no event to start after", param="starting_after")
     return await _store(services).get(tenant_id=tenant.tenant_id, response_id=response_id)
 
 

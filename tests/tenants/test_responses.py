@@ -22,12 +22,14 @@ def _items(*texts: str) -> list[dict]:
 
 
 def _store(session, tenant_id: int, ident: str, *, previous: str | None = None, now: datetime = T0,
-           max_bytes: int = 10**6, texts: tuple[str, ...] = ("hi",)):  # type: ignore[no-untyped-def]
+           max_bytes: int = 10**6, texts: tuple[str, ...] = ("hi",), ancestors: tuple[str, ...] = (),
+           items: list[dict] | None = None):  # type: ignore[no-untyped-def]
     output = [{"id": f"out_{ident}", "type": "message", "role": "assistant",
                "content": [{"type": "output_text", "text": f"answer {ident}", "annotations": []}]}]
     return responses.store_response(session, tenant_id=tenant_id, response_id=ident, previous_response_id=previous,
-                                    model="m", input_items=_items(*texts), output_items=output,
-                                    body={"id": ident, "status": "completed"}, now=now, ttl=TTL, max_bytes=max_bytes)
+                                    model="m", input_items=_items(*texts) if items is None else items,
+                                    output_items=output, body={"id": ident, "status": "completed"}, now=now, ttl=TTL,
+                                    max_bytes=max_bytes, ancestor_ids=ancestors)
 
 
 @pytest.fixture
@@ -101,8 +103,12 @@ def test_chains_oldest_first_and_broken_links(session, two_tenants) -> None:  # 
     chain = responses.response_chain(session, tenant_id=acme, response_id="resp_3", now=T0)
     assert [row.id for row in chain] == ["resp_1", "resp_2", "resp_3"]
     responses.delete_response(session, tenant_id=acme, response_id="resp_2", now=T0)
-    with pytest.raises(NotFound):
+    with pytest.raises(NotFound) as broken:  # readable, not continuable: the message names the missing link
         responses.response_chain(session, tenant_id=acme, response_id="resp_3", now=T0)
+    assert broken.value.message == ("Response 'resp_3' cannot be continued: the response 'resp_2' it continues "
+                                    "was deleted or has expired.")
+    assert broken.value.field == "previous_response_id" and broken.value.code == "response_not_found"
+    assert responses.get_response(session, tenant_id=acme, response_id="resp_3", now=T0)
     _store(session, globex, "resp_g", previous="resp_1")  # a link to another tenant's response is broken too
     with pytest.raises(NotFound):
         responses.response_chain(session, tenant_id=globex, response_id="resp_g", now=T0)
@@ -177,3 +183,50 @@ def test_a_conversations_live_prompt_blocks_are_read_back_by_root(session, two_t
     assert responses.other_conversations(session, tenant_id=acme, root_id="r1", now=later, limit=1) == others[:1]
     assert responses.other_conversations(session, tenant_id=globex, root_id="s1", now=later, limit=10) == [
         ("r1", (big, 2, 3))]  # another tenant's rows are never read
+
+
+def test_a_continuation_keeps_its_chain_alive_as_long_as_itself(session, two_tenants) -> None:  # type: ignore[no-untyped-def]
+    acme, globex = two_tenants
+    day = timedelta(days=1)
+    _store(session, acme, "c1")
+    _store(session, acme, "c2", previous="c1", now=T0 + day, ancestors=("c1",))
+    _store(session, globex, "g1", now=T0)
+    _store(session, acme, "c3", previous="c2", now=T0 + 2 * day, ancestors=("c1", "c2", "g1"))
+    expiry = {row.id: row.expires_at for row in session.scalars(select(StoredResponse))}
+    assert expiry["c1"] == expiry["c2"] == expiry["c3"] == T0 + 2 * day + TTL  # raised to the newest turn's
+    assert expiry["g1"] == T0 + TTL  # another tenant's row is never touched
+    # past the root's own TTL the conversation is still whole, and continuable
+    later = T0 + TTL + day
+    chain = responses.response_chain(session, tenant_id=acme, response_id="c3", now=later)
+    assert [row.id for row in chain] == ["c1", "c2", "c3"]
+    # an older turn's continuation (a fork) never shortens what the newest one keeps
+    _store(session, acme, "f2", previous="c1", now=T0 + day, ancestors=("c1",))
+    assert responses.get_response(session, tenant_id=acme, response_id="c1", now=later).expires_at == \
+        T0 + 2 * day + TTL
+    # a row already gone stays gone: its descendants stay readable, not continuable
+    responses.delete_response(session, tenant_id=acme, response_id="c2", now=later)
+    _store(session, acme, "c4", previous="c3", now=later, ancestors=("c1", "c2", "c3"))
+    assert session.scalars(select(StoredResponse.id).where(StoredResponse.id == "c2")).all() == []
+    with pytest.raises(NotFound) as caught:
+        responses.response_chain(session, tenant_id=acme, response_id="c4", now=later)
+    assert "'c2' it continues was deleted or has expired" in caught.value.message
+
+
+def test_paging_over_repeated_item_ids_always_moves_on(session, two_tenants) -> None:  # type: ignore[no-untyped-def]
+    """Rows stored before repeated ids were refused: a page after an id starts past its last place."""
+    acme, _ = two_tenants
+    items = [{"id": ident, "type": "message", "role": "user", "content": [{"type": "input_text", "text": text}]}
+             for ident, text in (("x1", "a"), ("x1", "b"), ("x2", "c"))]
+    _store(session, acme, "resp_dup", items=items)
+    for order in ("asc", "desc"):
+        seen, after = [], None
+        for _ in range(5):  # the SDK's auto-pager: until has_more is false
+            page = responses.list_input_items(session, tenant_id=acme, response_id="resp_dup", now=T0, limit=1,
+                                              order=order, after=after)
+            seen.extend(item["content"][0]["text"] for item in page.items)
+            if not page.has_more:
+                break
+            after = page.items[-1]["id"]
+        else:
+            pytest.fail(f"{order}: paging never ends ({seen})")
+        assert seen == (["a", "c"] if order == "asc" else ["c", "b"]), seen

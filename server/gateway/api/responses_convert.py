@@ -12,10 +12,23 @@ definitions in the system message, Hermes ``<tool_call>`` blocks), plus a
       parts input_text | output_text | text      →  their text; refusal → its text
     function_call item (call_id, name, arguments)→  a tool call on the assistant message
                                                     it follows (else a new, empty one)
-    function_call_output item (call_id, output)  →  a ``tool`` message
+    function_call_output item (call_id, output)  →  a ``tool`` message (a run of them in the
+                                                    order of the calls they answer)
     tools [{type: function, name, parameters}]   →  functions [{name, description, parameters}]
     tool_choice none|auto|required|{function}    →  ToolPlan none | auto | forced (all) | forced (one)
     text.format json_schema | json_object        →  the JSON-schema guide (chat's response_format)
+
+**Tool calls and outputs pair up** (:func:`check_items`, OpenAI's rules, 400 naming
+``input``): every ``function_call_output`` answers a ``function_call`` before it (in the
+request or the stored chain), every ``function_call`` of the request is answered once more
+input follows it (only the calls that end the request may wait for the next one), and a
+continuation answers the calls its stored chain ended with. The
+template renders tool results without ids (Hermes: results answer calls in order), so
+:func:`to_messages` puts each run of outputs in the order of the calls it answers: an output
+sent out of order is still read as its own call's.
+
+**Item ids are unique** across the request and the stored chain it continues (400 naming
+``input``): ``GET …/input_items`` pages by them.
 
 **Stored conversations.** Input items are *normalized* (:func:`normalize_items`: each gets an
 ``id``, message content becomes a list of parts) before they are stored, and a continuation
@@ -30,7 +43,8 @@ prompt's end (:func:`conversation_hints`), which the next turn extends.
 
 Invariant: everything a request says is honoured, ignored on purpose (the README's field
 table), or refused with a :class:`ServingError` 400 whose message names the field
-(``input.2.content.0.type``).
+(``input.2.content.0.type``); the id and pairing rules answer with OpenAI's own messages,
+which name the item, and param ``input``.
 """
 
 from __future__ import annotations
@@ -177,27 +191,89 @@ def normalize_items(body_input: str | list[dict]) -> list[dict]:
     return out
 
 
+def check_items(history: list[dict], items: list[dict]) -> None:
+    """Refuse (400, param ``input``) a request whose normalized ``items`` repeat an item id
+    (among themselves or of the stored ``history`` they continue), or whose tool calls and
+    outputs do not pair up (the module docstring's rules; OpenAI's messages)."""
+    seen = {item.get("id") for item in history}
+    for item in items:
+        if item["id"] in seen:
+            raise _input_error(f"Duplicate item found with id {item['id']!r}.")
+        seen.add(item["id"])
+    called = {item["call_id"] for item in history if item["type"] == "function_call"}
+    for item in items:
+        if item["type"] == "function_call":
+            called.add(item["call_id"])
+        elif item["type"] == "function_call_output" and item["call_id"] not in called:
+            raise _input_error(f"No tool call found for function call output with call_id {item['call_id']!r}.")
+    _check_answered(history + items, len(history))
+
+
+def _check_answered(every: list[dict], start: int) -> None:
+    """Every call ending the stored chain (the calls that close ``every[:start]``) has an
+    output in the request, and every call of the request (``every[start:]``) one after it
+    unless nothing but calls follows it (it ends the request: its output comes with the next).
+    Calls deeper in a stored chain are not looked at again (answered when the chain went on)."""
+    first = _trailing_calls(every[:start])  # the chain's closing calls start here
+    last = max(start, _trailing_calls(every))  # the request's own closing calls start here
+    answered: set[str] = set()
+    for index in range(len(every) - 1, first - 1, -1):  # backwards: the outputs after each call are known
+        item = every[index]
+        if item["type"] == "function_call_output":
+            answered.add(item["call_id"])
+        elif item["type"] == "function_call" and index < last and item["call_id"] not in answered:
+            raise _input_error(f"No tool output found for function call {item['call_id']!r}.")
+
+
+def _trailing_calls(items: list[dict]) -> int:
+    """Where the run of ``function_call`` items that ends ``items`` starts (``len(items)`` if none)."""
+    index = len(items)
+    while index > 0 and items[index - 1]["type"] == "function_call":
+        index -= 1
+    return index
+
+
+def _input_error(message: str) -> ServingError:
+    return ServingError(400, "invalid_request", message, param="input")
+
+
 def to_messages(items: list[dict]) -> list[dict]:
-    """Normalized items → chat messages (``tool_calls`` on assistant messages, ``tool`` messages)."""
+    """Normalized items → chat messages (``tool_calls`` on assistant messages, ``tool`` messages,
+    each run of them in the order of the calls they answer)."""
     out: list[dict] = []
+    order: dict[str, int] = {}  # call_id -> its place among the calls: where its output goes in a run
+    run: list[tuple[int, str]] = []  # the current run of outputs: (call place, output)
+
+    def flush() -> None:
+        out.extend({"role": "tool", "content": output} for _, output in sorted(run, key=lambda r: r[0]))
+        run.clear()
+
     for item in items:
         kind = item["type"]
+        if kind == "function_call_output":
+            # an output without a known call (stored before calls were checked) goes after the run's
+            # answered calls, in the order it came
+            run.append((order.get(item["call_id"], len(order) + len(run)), item["output"]))
+            continue
+        flush()
         if kind == "message":
             out.append({"role": item["role"], "content": "".join(p.get("text", "") for p in item["content"])})
-        elif kind == "function_call":
+        else:
+            order.setdefault(item["call_id"], len(order))
             call = {"name": item["name"], "arguments": item["arguments"]}
             last = out[-1] if out else None
             if last is not None and last["role"] == "assistant":
                 last.setdefault("tool_calls", []).append(call)
             else:
                 out.append({"role": "assistant", "content": "", "tool_calls": [call]})
-        else:
-            out.append({"role": "tool", "content": item["output"]})
+    flush()
     return out
 
 
 def convert(body: ResponsesRequest, items: list[dict]) -> Conversation:
-    """The chat request for ``body`` over ``items`` (the stored chain's items + this request's)."""
+    """The chat request for ``body`` over ``items`` (the stored chain's items + this request's,
+    which the route has passed through :func:`check_items`; a delete's rebuild of a stored
+    prompt converts them again, unchecked, as they were served)."""
     functions = _functions(body.tools or [])
     messages = to_messages(items)
     if body.instructions is not None:

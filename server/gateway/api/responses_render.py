@@ -7,11 +7,16 @@ and the store callback). The neutral outcome maps as::
     text                   → a ``message`` output item with one ``output_text`` part
     tool calls             → one ``function_call`` output item each (after the message)
     finish "length"        → status "incomplete", incomplete_details.reason "max_output_tokens"
-    otherwise              → status "completed"
+    otherwise              → status "completed", ``completed_at`` (unix seconds; null otherwise)
 
 **Usage**: ``input_tokens`` (the prompt), ``input_tokens_details.cached_tokens`` (reused
-blocks × tokens per block, as on the chat path), ``output_tokens``,
-``output_tokens_details.reasoning_tokens`` (always 0: the model does not reason).
+blocks × tokens per block, as on the chat path), ``input_tokens_details.cache_write_tokens``
+(:func:`written_tokens`: the prompt's full blocks — ``input_tokens // tokens_per_block ×
+tokens_per_block``, what the engine keeps of a prompt for reuse — minus ``cached_tokens``,
+at least 0; the same ``tokens_per_block``), ``output_tokens``,
+``output_tokens_details.reasoning_tokens`` (always 0: the model does not reason). The same
+usage goes in the body, the stored response and the ``response.completed`` /
+``response.incomplete`` event.
 
 **Stream** (``event: <type>`` + ``data: <json>``, every event with a rising
 ``sequence_number``): ``response.created``, ``response.in_progress``; for text
@@ -22,7 +27,10 @@ end, as on the other dialects) ``response.output_item.added`` (function_call),
 ``response.function_call_arguments.delta`` (all arguments at once),
 ``response.function_call_arguments.done``, ``response.output_item.done``; then
 ``response.completed`` (or ``response.incomplete``). An engine failure mid-stream is an
-``error`` event then ``response.failed``, and the stream ends.
+``error`` event (the gateway's code, e.g. ``engine_unavailable``) then ``response.failed``,
+and the stream ends: the failed response's ``error.code`` is ``server_error`` (the SDK's
+``ResponseError.code`` is a closed list) and its ``output`` holds what was streamed (the
+message with the text sent so far, status "incomplete"; nothing if no text was sent).
 
 **Storing** happens before the final event (``response.completed``) or, unstreamed, before
 the body is sent: a response the client sees as stored is readable at once.
@@ -44,9 +52,18 @@ from server.gateway.errors import ServingError
 StoreCallback = Callable[[dict], Awaitable[bool]]  # the finished response object → stored?
 
 
+def written_tokens(job: CompletionJob, outcome: Outcome) -> int:
+    """Prompt tokens this request wrote to the KV cache: the engine keeps a prompt's full
+    blocks for reuse, so its full blocks' tokens, less those it read from the cache
+    (:func:`~server.gateway.api.completions.cached_tokens`, same tokens per block), at least 0."""
+    per_block = job.tenant.pool.tokens_per_block
+    return max(0, job.prompt.total // per_block * per_block - cached_tokens(job, outcome))
+
+
 def usage(job: CompletionJob, outcome: Outcome) -> dict:
     total = job.prompt.total
-    return {"input_tokens": total, "input_tokens_details": {"cached_tokens": cached_tokens(job, outcome)},
+    details = {"cached_tokens": cached_tokens(job, outcome), "cache_write_tokens": written_tokens(job, outcome)}
+    return {"input_tokens": total, "input_tokens_details": details,
             "output_tokens": outcome.completion_tokens, "output_tokens_details": {"reasoning_tokens": 0},
             "total_tokens": total + outcome.completion_tokens}
 
@@ -82,6 +99,7 @@ class ResponsesDialect:
         finished = outcome is not None and status in ("completed", "incomplete")
         return {
             "id": self.id, "object": "response", "created_at": self.created_at, "status": status,
+            "completed_at": int(time.time()) if status == "completed" else None,
             "background": False, "error": error,
             "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
             "instructions": body.instructions, "max_output_tokens": body.max_output_tokens,
@@ -118,6 +136,10 @@ class ResponsesDialect:
     def _message(self, ident: str, text: str, status: str, logprobs: list[dict]) -> dict:
         return {"id": ident, "type": "message", "status": status, "role": "assistant",
                 "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs}]}
+
+    def _sent(self, message_id: str, sent: list[str], logprobs: list[dict]) -> list[dict]:
+        """A failed stream's output: the message as far as it was streamed, incomplete."""
+        return [self._message(message_id, "".join(sent), "incomplete", logprobs)]
 
     def output(self, job: CompletionJob, outcome: Outcome, message_id: str | None = None) -> list[dict]:
         items: list[dict] = []
@@ -162,6 +184,8 @@ class ResponsesDialect:
         opened = False
         where = {"item_id": message_id, "output_index": 0, "content_index": 0}
         empty_part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
+        sent: list[str] = []  # the text deltas sent, and their log probs: a failed response's output
+        sent_logprobs: list[dict] = []
         try:
             async for delta in deltas:
                 if not opened:
@@ -169,11 +193,16 @@ class ResponsesDialect:
                     yield event("response.output_item.added", {"output_index": 0, "item": {
                         "id": message_id, "type": "message", "status": "in_progress", "role": "assistant",
                         "content": []}}) + event("response.content_part.added", {**where, "part": empty_part})
-                yield event("response.output_text.delta", {**where, "delta": delta, "logprobs": pending(job, outcome)})
+                logprobs = pending(job, outcome)
+                sent.append(delta)
+                sent_logprobs.extend(logprobs)
+                yield event("response.output_text.delta", {**where, "delta": delta, "logprobs": logprobs})
         except ServingError as err:  # the engine failed mid-stream
-            error = {"code": err.code, "message": err.message}
-            yield event("error", {**error, "param": err.param}) + \
-                event("response.failed", {"response": self.response("failed", [], error=error)})
+            # the error event keeps the gateway's code; the response's code is from the SDK's closed list
+            failed = self.response("failed", self._sent(message_id, sent, sent_logprobs) if opened else [],
+                                   error={"code": "server_error", "message": err.message})
+            yield event("error", {"code": err.code, "message": err.message, "param": err.param}) + \
+                event("response.failed", {"response": failed})
             return
         output = self.output(job, outcome, message_id)
         closing = b""

@@ -14,12 +14,15 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic_core import PydanticCustomError
 
 from server.gateway.api.openai_schemas import MAX_MESSAGES, MAX_TEXT_CHARS, MAX_TOOLS
 
 Item = dict[str, Any]
 OUTPUT_LOGPROBS = "message.output_text.logprobs"  # the one ``include`` value that changes the answer
+# OpenAI's bounds on ``metadata``: at most 16 pairs, keys of at most 64 characters, values of at most 512
+MAX_METADATA_PAIRS, MAX_METADATA_KEY, MAX_METADATA_VALUE = 16, 64, 512
 
 
 class TextConfig(BaseModel):
@@ -48,13 +51,13 @@ class ResponsesRequest(BaseModel):
     top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
     top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
     include: Annotated[list[str], Field(max_length=16)] | None = None
-    metadata: Annotated[dict[str, Annotated[str, Field(max_length=512)]], Field(max_length=16)] | None = None
+    metadata: dict[str, str] | None = None  # bounded by _metadata_bounds (a 400 naming ``metadata``)
     prompt_cache_key: Annotated[str, Field(max_length=1024)] | None = None
     prompt_cache_retention: Literal["in_memory", "24h"] | None = None
     store: bool | None = None  # None: true, as OpenAI's default
     previous_response_id: Annotated[str, Field(min_length=1, max_length=64)] | None = None
     truncation: Literal["auto", "disabled"] | None = None
-    stream: bool = False
+    stream: bool = False  # null is false (_null_stream), as OpenAI reads it
     stream_options: StreamOptions | None = None
     # accepted, ignored: the API key names the tenant; one service tier
     user: Annotated[str, Field(max_length=256)] | None = None
@@ -67,3 +70,30 @@ class ResponsesRequest(BaseModel):
     reasoning: dict[str, Any] | None = None
     context_management: Any = None
     prompt_cache_options: Any = None
+
+    @field_validator("stream", mode="before")
+    @classmethod
+    def _null_stream(cls, value: Any) -> Any:
+        return False if value is None else value
+
+    @field_validator("metadata")
+    @classmethod
+    def _metadata_bounds(cls, value: dict[str, str] | None) -> dict[str, str] | None:
+        """OpenAI's bounds, checked here so that every breach is a 400 whose param is ``metadata``
+        itself (a per-key constraint would name the offending key, a text of any length)."""
+        if value is None:
+            return None
+        if len(value) > MAX_METADATA_PAIRS:
+            raise _metadata_error(f"at most {MAX_METADATA_PAIRS} key-value pairs, got {len(value)}")
+        for key, text in value.items():
+            if len(key) > MAX_METADATA_KEY:
+                raise _metadata_error(f"keys are at most {MAX_METADATA_KEY} characters; {key[:16]!r}… has {len(key)}")
+            if len(text) > MAX_METADATA_VALUE:
+                raise _metadata_error(f"values are at most {MAX_METADATA_VALUE} characters; the value of "
+                                      f"{key!r} has {len(text)}")
+        return value
+
+
+def _metadata_error(detail: str) -> PydanticCustomError:
+    # the detail goes in as context: braces in a client's key are never read as a template
+    return PydanticCustomError("metadata", "{detail}", {"detail": detail})

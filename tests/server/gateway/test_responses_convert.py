@@ -11,7 +11,9 @@ import pytest
 from engines.tokenizer import load_gguf_tokenizer
 from retention.policy.hints import TTL_1H_MS, TTL_24H_MS, Breakpoint
 from retention.policy.planner import SegmentRetention
-from server.gateway.api.responses_convert import conversation_hints, convert, normalize_items, refuse_unservable
+from server.gateway.api.conversion import Conversation
+from server.gateway.api.responses_convert import (check_items, conversation_hints, convert, normalize_items,
+                                                  refuse_unservable)
 from server.gateway.api.responses_render import ResponsesDialect
 from server.gateway.api.responses_schemas import ResponsesRequest
 from server.gateway.api.prompting import ChatPrompter
@@ -31,11 +33,18 @@ def request(**fields) -> ResponsesRequest:
     return ResponsesRequest.model_validate({"model": "m", "input": "Hi", **fields})
 
 
-def refused(param: str, **fields) -> ServingError:
+def served(body: ResponsesRequest, history: list[dict] | None = None) -> Conversation:
+    """What the route does with a body (and the stored chain it continues) before the prompt."""
+    refuse_unservable(body)
+    items = normalize_items(body.input)
+    check_items(history or [], items)
+    return convert(body, (history or []) + items)
+
+
+def refused(param: str, history: list[dict] | None = None, **fields) -> ServingError:
     body = request(**fields)
     with pytest.raises(ServingError) as caught:
-        refuse_unservable(body)
-        convert(body, normalize_items(body.input))
+        served(body, history)
     assert caught.value.status == 400 and caught.value.param == param, caught.value.message
     return caught.value
 
@@ -201,10 +210,28 @@ async def test_a_mid_stream_engine_failure_is_an_error_then_response_failed() ->
                                            "response.content_part.added", "response.output_text.delta", "error",
                                            "response.failed"]
     assert [e["sequence_number"] for e in events] == list(range(7))
-    assert events[-2]["code"] == "engine_unavailable"
-    assert events[-1]["response"]["status"] == "failed" and events[-1]["response"]["error"]["code"] == \
-        "engine_unavailable"
+    assert events[-2]["code"] == "engine_unavailable"  # the error event keeps the gateway's code
+    failed = events[-1]["response"]
+    # the response's error code is one of the SDK's ResponseError codes; its output is what was streamed
+    assert failed["status"] == "failed" and failed["error"]["code"] == "server_error"
+    assert failed["usage"] is None and failed["completed_at"] is None
+    [message] = failed["output"]
+    assert message["id"] == events[2]["item"]["id"]  # the message the stream opened
+    assert message["status"] == "incomplete" and message["content"][0]["text"] == "Par"
     assert stored == []  # a failed response is not stored
+
+
+async def test_a_stream_that_fails_before_any_text_has_no_output() -> None:
+    from server.gateway.api.completions import Outcome
+
+    async def deltas():  # type: ignore[no-untyped-def]
+        raise ServingError(503, "engine_unavailable", "the model's engine is unavailable; retry shortly")
+        yield ""  # an async generator that fails at once
+
+    events = await _collect(ResponsesDialect(request(), previous_response_id=None, store=None), _job(), Outcome(),
+                            deltas())
+    assert [e["type"] for e in events][-2:] == ["error", "response.failed"]
+    assert events[-1]["response"]["output"] == []
 
 
 async def test_stream_of_text_then_tool_calls_is_stored_before_completed() -> None:
@@ -240,8 +267,28 @@ async def test_stream_of_text_then_tool_calls_is_stored_before_completed() -> No
     assert final["store"] is False and final["previous_response_id"] == "resp_prev"
     assert [item["type"] for item in final["output"]] == ["message", "function_call"]
     assert events[6]["text"] == "Let me check." and events[11]["arguments"] == '{"city":"Oslo"}'
-    assert final["usage"] == {"input_tokens": 40, "input_tokens_details": {"cached_tokens": 0}, "output_tokens": 12,
-                              "output_tokens_details": {"reasoning_tokens": 0}, "total_tokens": 52}
+    # 40 prompt tokens, 16 a block, none read from the cache: its 2 full blocks (32 tokens) were written
+    assert final["usage"] == {"input_tokens": 40,
+                              "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 32},
+                              "output_tokens": 12, "output_tokens_details": {"reasoning_tokens": 0},
+                              "total_tokens": 52}
+    assert isinstance(final["completed_at"], int) and final["completed_at"] >= final["created_at"]
+
+
+@pytest.mark.parametrize(("reused", "cached", "written"), [(0, 0, 32), (1, 16, 16), (2, 32, 0), (3, 40, 0)])
+def test_usage_says_the_prompt_tokens_written_to_the_cache(reused: int, cached: int, written: int) -> None:
+    """Full blocks of the prompt (40 tokens, 16 a block: 32) less those read, never below 0."""
+    from engines.contract import KvMetrics
+    from server.gateway.api.completions import Outcome
+
+    dialect = ResponsesDialect(request(), previous_response_id=None, store=None)
+    outcome = Outcome(pieces=["Hi"], completion_tokens=1, finish_reason="stop", kv=KvMetrics(reused_blocks=reused))
+    body = dialect.body(_job(), outcome)  # type: ignore[arg-type]
+    assert body["usage"]["input_tokens_details"] == {"cached_tokens": cached, "cache_write_tokens": written}
+    assert body["status"] == "completed" and isinstance(body["completed_at"], int)
+    length = Outcome(pieces=["Hi"], completion_tokens=1, finish_reason="length")
+    cut = dialect.body(_job(), length)  # type: ignore[arg-type]
+    assert cut["status"] == "incomplete" and cut["completed_at"] is None
 
 
 @pytest.mark.parametrize(("param", "fields"), [
@@ -256,3 +303,70 @@ async def test_stream_of_text_then_tool_calls_is_stored_before_completed() -> No
 ])
 def test_malformed_json_is_a_400_not_a_500(param: str, fields: dict) -> None:
     refused(param, **fields)
+
+
+def test_item_ids_must_not_repeat_in_the_request_or_its_chain() -> None:
+    error = refused("input", input=[{"id": "x1", "role": "user", "content": "a"},
+                                    {"id": "x1", "role": "user", "content": "b"}])
+    assert error.message == "Duplicate item found with id 'x1'." and error.code == "invalid_request"
+    history = normalize_items([{"id": "x1", "role": "user", "content": "a"}])
+    again = refused("input", history, input=[{"id": "x1", "role": "user", "content": "b"}])
+    assert again.message == "Duplicate item found with id 'x1'."
+    assert served(request(input=[{"id": "x2", "role": "user", "content": "b"}]), history).messages[-1]["content"] == "b"
+
+
+CALL = {"type": "function_call", "call_id": "c1", "name": "get_weather", "arguments": '{"city":"Oslo"}'}
+
+
+@pytest.mark.parametrize(("message", "items"), [
+    ("No tool call found for function call output with call_id 'call_x'.",
+     [{"role": "user", "content": "hi"}, {"type": "function_call_output", "call_id": "call_x", "output": "42"}]),
+    ("No tool call found for function call output with call_id 'c1'.",  # an output before its call
+     [{"role": "user", "content": "hi"}, {"type": "function_call_output", "call_id": "c1", "output": "42"}, CALL]),
+    ("No tool output found for function call 'c1'.",
+     [{"role": "user", "content": "hi"}, CALL, {"role": "user", "content": "again"}]),
+    ("No tool output found for function call 'c1'.",
+     [CALL, {**CALL, "call_id": "c2"}, {"type": "function_call_output", "call_id": "c2", "output": "x"}]),
+])
+def test_tool_calls_and_outputs_must_pair_up(message: str, items: list) -> None:
+    assert refused("input", tools=[WEATHER], input=items).message == message
+
+
+def test_a_continuation_answers_the_calls_that_ended_its_chain() -> None:
+    history = normalize_items([{"role": "user", "content": "Rain in Oslo?"}, CALL])
+    assert served(request(tools=[WEATHER], input=history)).tools  # a call may end a request: answered next turn
+    for sent in ("never mind", []):
+        ignored = refused("input", history, tools=[WEATHER], input=sent)
+        assert ignored.message == "No tool output found for function call 'c1'."
+    answer = request(tools=[WEATHER], input=[{"type": "function_call_output", "call_id": "c1", "output": "rain"}])
+    assert served(answer, history).messages[-1] == {"role": "tool", "content": "rain"}
+
+
+def test_outputs_sent_out_of_order_answer_their_own_calls() -> None:
+    """The template renders results without ids (in call order): a run of outputs follows its calls' order."""
+    calls = [CALL, {**CALL, "call_id": "c2", "arguments": '{"city":"Rome"}'}]
+    answered = [{"type": "function_call_output", "call_id": "c2", "output": "sun in Rome"},
+                {"type": "function_call_output", "call_id": "c1", "output": "rain in Oslo"}]
+    ask = {"role": "user", "content": "Oslo and Rome?"}
+    swapped = served(request(tools=[WEATHER], input=[ask, *calls, *answered]))
+    in_order = served(request(tools=[WEATHER], input=[ask, *calls, *answered[::-1]]))
+    assert [m["content"] for m in swapped.messages[-2:]] == ["rain in Oslo", "sun in Rome"]
+    assert swapped.messages == in_order.messages
+
+
+def test_metadata_within_openais_bounds() -> None:
+    from fastapi.exceptions import RequestValidationError
+    from pydantic import ValidationError
+
+    from server.gateway.errors import validation_error
+
+    request(metadata={f"k{i:02}" + "k" * 61: "v" * 512 for i in range(16)})  # at the bounds: served
+    for metadata in ({"k" * 65: "v"}, {"k": "v" * 513}, {f"k{i}": "v" for i in range(17)}):
+        with pytest.raises(ValidationError) as caught:
+            request(metadata=metadata)
+        error = validation_error(RequestValidationError(caught.value.errors()))
+        assert error.status == 400 and error.param == "metadata", error.message
+
+
+def test_a_null_stream_is_false() -> None:
+    assert request(stream=None).stream is False and request(stream=True).stream is True

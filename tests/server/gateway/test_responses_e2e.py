@@ -14,7 +14,7 @@ import jsonschema
 import openai
 import pytest
 from pydantic import BaseModel
-from sqlalchemy import update
+from sqlalchemy import select, update
 
 from tenants.models import StoredResponse
 from tests.server.gateway.stack import MODEL, Stack
@@ -317,3 +317,49 @@ def test_the_byte_cap_refuses_or_does_not_store(stack: Stack, key: str, tmp_path
         assert reply.output_text and reply.store is False
         with pytest.raises(openai.NotFoundError):
             api.responses.retrieve(reply.id)
+
+
+def test_the_wire_shapes_the_sdk_types_and_what_a_stored_chain_refuses(stack: Stack, key: str) -> None:
+    """Raw bodies the SDK's own models validate (usage's cache_write_tokens, completed_at), the
+    stored GET's refusals, a continuation that keeps its chain alive, and refused inputs."""
+    from openai.types.responses import Response
+
+    url = stack.gateway.base_url + "/v1/responses"
+    headers = {"Authorization": f"Bearer {key}"}
+    ask = {"model": MODEL, "input": QUESTION, "temperature": 0, "max_output_tokens": 4}
+    first = httpx.post(url, headers=headers, timeout=120, json=ask).json()
+    Response.model_validate(first)
+    details, total = first["usage"]["input_tokens_details"], first["usage"]["input_tokens"]
+    full = total // stack.tokens_per_block * stack.tokens_per_block
+    assert details["cache_write_tokens"] == max(0, full - details["cached_tokens"]), first["usage"]
+    assert (first["completed_at"] is not None) == (first["status"] == "completed")
+    assert httpx.get(f"{url}/{first['id']}", headers=headers, timeout=60).json() == first  # stored as sent
+    assert httpx.get(f"{url}/{first['id']}", headers=headers, params={"stream": "false"}, timeout=60).json() == first
+    for param, value in (("stream", "true"), ("starting_after", "3")):
+        refused = httpx.get(f"{url}/{first['id']}", headers=headers, params={param: value}, timeout=60)
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == param, refused.text
+    # a continuation raises its chain's expiry to its own: the conversation lives as long as its newest turn
+    second = httpx.post(url, headers=headers, timeout=120, json={**ask, "input": "And of Italy?",
+                                                                 "previous_response_id": first["id"], "stream": None})
+    assert second.status_code == 200, second.text  # stream: null is false
+    second_id = second.json()["id"]
+    with stack.session_factory() as session:
+        expiry = dict(session.execute(select(StoredResponse.id, StoredResponse.expires_at).where(
+            StoredResponse.id.in_([first["id"], second_id]))).all())
+    assert expiry[first["id"]] == expiry[second_id]
+    # its ancestor deleted, the second turn is still readable but no longer continuable, and says why
+    httpx.delete(f"{url}/{first['id']}", headers=headers, timeout=60).raise_for_status()
+    assert httpx.get(f"{url}/{second_id}", headers=headers, timeout=60).status_code == 200
+    broken = httpx.post(url, headers=headers, timeout=60, json={**ask, "previous_response_id": second_id})
+    assert broken.status_code == 404 and broken.json()["error"]["param"] == "previous_response_id"
+    assert broken.json()["error"]["message"] == (f"Response '{second_id}' cannot be continued: the response "
+                                                 f"'{first['id']}' it continues was deleted or has expired.")
+    for items, message in (
+        ([{"id": "x1", "role": "user", "content": "a"}, {"id": "x1", "role": "user", "content": "b"}],
+         "Duplicate item found with id 'x1'."),
+        ([{"role": "user", "content": "hi"}, {"type": "function_call_output", "call_id": "call_x", "output": "42"}],
+         "No tool call found for function call output with call_id 'call_x'."),
+    ):
+        bad = httpx.post(url, headers=headers, timeout=60, json={**ask, "input": items})
+        assert bad.status_code == 400 and bad.json()["error"] == {
+            "message": message, "type": "invalid_request_error", "param": "input", "code": "invalid_request"}
