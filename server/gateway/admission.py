@@ -88,7 +88,7 @@ def check_sizes(limits: Limits, *, prompt_tokens: int, max_output_tokens: int) -
         )
     if limits.max_output_tokens is not None and max_output_tokens > limits.max_output_tokens:
         raise AdmissionError(
-            f"max_tokens is {max_output_tokens}; this tenant's max_output_tokens is {limits.max_output_tokens}",
+            f"{max_output_tokens} output tokens asked for; this tenant's max_output_tokens is {limits.max_output_tokens}",
             limit="max_output_tokens", status=400,
         )
     if limits.tokens_per_minute is not None and prompt_tokens > limits.tokens_per_minute:

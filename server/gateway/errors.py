@@ -36,7 +36,9 @@ def error_response(exc: ServingError) -> JSONResponse:
 
 def validation_error(exc: RequestValidationError) -> ServingError:
     first = exc.errors()[0] if exc.errors() else {}
-    loc = [str(part) for part in first.get("loc", ()) if part not in ("body",)]
+    loc = [str(part) for part in first.get("loc", ())]
+    if loc[:1] in (["body"], ["query"]):  # where the field was sent (body, query string); a param names the field
+        loc = loc[1:]
     param = ".".join(loc) or None
     kind = first.get("type", "")
     if kind == "json_invalid":

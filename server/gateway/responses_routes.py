@@ -16,6 +16,12 @@ whose input alone would take the tenant past its byte cap is refused (400
 delivered, not stored, and says ``store: false``. A stored continuation keeps its chain's
 responses alive as long as itself (``tenants.responses``).
 
+``input`` may be left out of a continuation (``previous_response_id``). A prompt over the
+tenant's ``max_prompt_tokens`` (admission's refusal) or the model's input limit (the
+engine's: the gateway knows the model's limit from it alone) is OpenAI's 400
+``context_length_exceeded`` naming ``input``: the route translates the core's refusal
+(``responses_convert.in_responses_words``).
+
 ``GET /v1/responses/{id}`` returns the stored JSON only: ``stream=true`` and
 ``starting_after`` (replaying a stored response's events) are refused by name.
 """
@@ -32,8 +38,8 @@ from retention.hashing import block_hashes
 from retention.policy.conversation import ConversationRequest
 from server.gateway.api.completions import REPLICA_HEADER, CompletionJob
 from server.gateway.api.conversation_demote import DeletedPrompt, doomed_prompts
-from server.gateway.api.responses_convert import (check_items, conversation_hints, convert, normalize_items,
-                                                  refuse_unservable)
+from server.gateway.api.responses_convert import (check_items, conversation_hints, convert, in_responses_words,
+                                                  refuse_unservable, request_items)
 from server.gateway.api.responses_render import ResponsesDialect
 from server.gateway.api.responses_schemas import OUTPUT_LOGPROBS, ResponsesRequest
 from server.gateway.routes import Gateway, Tenant, check_model
@@ -59,7 +65,7 @@ def _ended_run(response: dict) -> bool:
 async def create_response(body: ResponsesRequest, tenant: Tenant, services: Gateway):
     refuse_unservable(body)
     check_model(tenant, body.model)
-    items = normalize_items(body.input)
+    items = request_items(body)
     store = body.store is not False
     history: list[dict] = []
     root_id: str | None = None  # the stored conversation's first response (its routing key)
@@ -113,7 +119,13 @@ async def create_response(body: ResponsesRequest, tenant: Tenant, services: Gate
         logprobs=(body.top_logprobs or 0) if OUTPUT_LOGPROBS in (body.include or ()) else None,
         conversation=ConversationRequest(dialect.id, body.previous_response_id, store, conversation.tools is not None),
     )
-    answer = await services.runner.run(job, dialect)
+    try:
+        answer = await services.runner.run(job, dialect)
+    except ServingError as exc:  # a prompt over the tenant's or the model's limit, in this API's words
+        translated = in_responses_words(exc)
+        if translated is exc:
+            raise
+        raise translated from exc
     if body.stream:
         return answer
     final = await dialect.finalize()

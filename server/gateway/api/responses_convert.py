@@ -8,8 +8,10 @@ definitions in the system message, Hermes ``<tool_call>`` blocks), plus a
     Responses                                       chat request
     instructions                                 →  the first system message
     input: "text"                                →  one user message
+    input left out (previous_response_id only)   →  no new items (the stored chain's alone)
     message item (role, content string or parts) →  a message of that role (parts joined)
       parts input_text | output_text | text      →  their text; refusal → its text
+      (an assistant's parts: output_text | refusal)
     function_call item (call_id, name, arguments)→  a tool call on the assistant message
                                                     it follows (else a new, empty one)
     function_call_output item (call_id, output)  →  a ``tool`` message (a run of them in the
@@ -41,6 +43,11 @@ from earlier responses (OpenAI's rule): each request's own instructions lead its
 whole prompt as a conversation prefix: one :class:`~retention.policy.hints.Breakpoint` at the
 prompt's end (:func:`conversation_hints`), which the next turn extends.
 
+**Context window.** A prompt over the tenant's ``max_prompt_tokens`` (admission's refusal) or
+the model's input limit (the engine's) is OpenAI's 400 ``context_length_exceeded``, param
+``input``, naming the prompt's tokens and the limit: :func:`in_responses_words` translates the
+request core's refusal, so the limits are checked in one place.
+
 Invariant: everything a request says is honoured, ignored on purpose (the README's field
 table), or refused with a :class:`ServingError` 400 whose message names the field
 (``input.2.content.0.type``); the id and pairing rules answer with OpenAI's own messages,
@@ -50,8 +57,9 @@ which name the item, and param ``input``.
 from __future__ import annotations
 
 import json
+import re
 import secrets
-from typing import Any
+from typing import Any, NoReturn
 
 from engines.contract import Guide
 from retention.policy.hints import TTL_1H_MS, TTL_24H_MS, Breakpoint, CacheHints
@@ -67,8 +75,12 @@ BUILT_IN_TOOLS = ("web_search", "web_search_preview", "web_search_2025_08_26", "
                   "file_search", "code_interpreter", "computer", "computer_use", "computer_use_preview",
                   "image_generation", "mcp", "local_shell", "shell", "apply_patch", "custom", "tool_search")
 _TEXT_PARTS = ("input_text", "output_text", "text")
+_ASSISTANT_PARTS = ("output_text", "refusal")  # OpenAI's: what the model wrote, never an input part
 _UNSERVABLE_PARTS = {"input_image": "images", "input_file": "files", "input_audio": "audio"}
 _MESSAGE_ROLES = ("user", "system", "developer", "assistant")
+# Items of the built-in tools besides their calls (``*_call``) and their outputs (``*_call_output``)
+_BUILT_IN_ITEMS = ("mcp_list_tools", "mcp_approval_request", "mcp_approval_response", "tool_search_output",
+                   "additional_tools", "program", "program_output")
 _ITEM_KEYS = {  # keys each item type may carry (id/status are echoed back by clients and ignored)
     "message": {"type", "role", "content", "id", "status", "phase"},
     "function_call": {"type", "call_id", "name", "arguments", "id", "status", "namespace"},
@@ -109,7 +121,9 @@ def new_id(prefix: str) -> str:
     return f"{prefix}_{secrets.token_hex(24)}"
 
 
-def _text_of(content: Any, field: str) -> str:
+def _text_of(content: Any, field: str, *, assistant: bool = False) -> str:
+    """A content string, or its parts' texts joined; an assistant's parts are only its own kinds
+    (``output_text``, ``refusal``: OpenAI refuses an ``input_text`` part there)."""
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
@@ -123,6 +137,8 @@ def _text_of(content: Any, field: str) -> str:
         if kind in _UNSERVABLE_PARTS:
             raise unsupported(f"{where}.type", f"'{kind}' parts are not supported by this gateway "
                               f"({_UNSERVABLE_PARTS[kind]}: the model reads text only)")
+        if assistant and kind not in _ASSISTANT_PARTS:
+            raise invalid(f"{where}.type", f"an assistant message's parts are output_text or refusal, got {kind!r}")
         if kind == "refusal":
             text = part.get("refusal")
         elif kind in _TEXT_PARTS:
@@ -135,7 +151,18 @@ def _text_of(content: Any, field: str) -> str:
     return "".join(texts)
 
 
-def normalize_items(body_input: str | list[dict]) -> list[dict]:
+def request_items(body: ResponsesRequest) -> list[dict]:
+    """The request's own input as stored items (:func:`normalize_items`); none when ``input`` is
+    left out, which only a continuation may do (OpenAI's rule): its chain is the conversation, and
+    :func:`check_items` still asks it for the outputs of the calls its chain ended with."""
+    if body.input is None:
+        if body.previous_response_id is None:
+            raise invalid("input", "is required (only a request with previous_response_id may leave it out)")
+        return []
+    return normalize_items(body.input)
+
+
+def normalize_items(body_input: str | list[Any]) -> list[dict]:
     """The request's input as stored items: each with an ``id``, a message's content as parts.
 
     Refuses (400, naming the item) what cannot be served or is malformed, so that only
@@ -150,16 +177,7 @@ def normalize_items(body_input: str | list[dict]) -> list[dict]:
             raise invalid(field, "must be an item object")
         kind = _name(item.get("type", "message" if "role" in item else None))
         if kind not in _ITEM_KEYS:
-            if kind == "reasoning":
-                raise unsupported(f"{field}.type", "reasoning items are not supported (this model does not reason)")
-            if kind == "item_reference":
-                raise unsupported(f"{field}.type", "item references are not supported; send the item itself or "
-                                  "use previous_response_id")
-            if kind is not None and kind.endswith("_call") or kind in ("local_shell_call_output",
-                                                                          "computer_call_output"):
-                raise unsupported(f"{field}.type", f"'{kind}' items belong to built-in tools, which this gateway "
-                                  "does not run")
-            raise invalid(f"{field}.type", f"unknown item type {kind!r}")
+            _refuse_item_type(kind, f"{field}.type")
         extra = set(item) - _ITEM_KEYS[kind]
         if extra:
             raise invalid(field, f"unknown field(s) {sorted(extra)} for a {kind} item")
@@ -170,7 +188,7 @@ def normalize_items(body_input: str | list[dict]) -> list[dict]:
             role = item.get("role")
             if role not in _MESSAGE_ROLES:
                 raise invalid(f"{field}.role", f"must be one of {list(_MESSAGE_ROLES)}")
-            text = _text_of(item.get("content"), f"{field}.content")
+            text = _text_of(item.get("content"), f"{field}.content", assistant=role == "assistant")
             part = "output_text" if role == "assistant" else "input_text"
             stored = {"id": ident or new_id("msg"), "type": "message", "role": role, "status": "completed",
                       "content": [{"type": part, "text": text, **({"annotations": []} if role == "assistant" else {})}]}
@@ -189,6 +207,20 @@ def normalize_items(body_input: str | list[dict]) -> list[dict]:
                       "output": output, "status": "completed"}
         out.append(stored)
     return out
+
+
+def _refuse_item_type(kind: str | None, field: str) -> NoReturn:
+    """A type :func:`normalize_items` does not convert: OpenAI's own types refused by name (400
+    ``unsupported_parameter``), anything else an unknown type (400 ``invalid_request``)."""
+    if kind == "reasoning":
+        raise unsupported(field, "reasoning items are not supported (this model does not reason)")
+    if kind == "item_reference":
+        raise unsupported(field, "item references are not supported; send the item itself or use previous_response_id")
+    if kind in ("compaction", "compaction_trigger"):
+        raise unsupported(field, f"'{kind}' items are not supported (context_management is not served)")
+    if kind is not None and (kind.endswith(("_call", "_call_output")) or kind in _BUILT_IN_ITEMS):
+        raise unsupported(field, f"'{kind}' items belong to built-in tools, which this gateway does not run")
+    raise invalid(field, f"unknown item type {kind!r}")
 
 
 def check_items(history: list[dict], items: list[dict]) -> None:
@@ -235,6 +267,30 @@ def _trailing_calls(items: list[dict]) -> int:
 
 def _input_error(message: str) -> ServingError:
     return ServingError(400, "invalid_request", message, param="input")
+
+
+# The engine contract's refusal of a prompt over the model's input limit (engines.contract.parse_request,
+# which every engine calls): the gateway learns the model's limit from it alone.
+_ENGINE_CONTEXT = re.compile(r"input_ids has (\d+) tokens; this model accepts at most (\d+)")
+
+
+def context_exceeded(message: str) -> ServingError:
+    """OpenAI's answer to a prompt over the context window: 400 ``context_length_exceeded``, param ``input``."""
+    return ServingError(400, "context_length_exceeded", f"Your input exceeds the context window: {message}. "
+                        "Please adjust your input and try again.", param="input")
+
+
+def in_responses_words(error: ServingError) -> ServingError:
+    """The request core's refusal of a prompt too long for the tenant (admission, param
+    ``max_prompt_tokens``) or for the model (the engine's refusal) as OpenAI answers it
+    (:func:`context_exceeded`); any other error as it is (admission's other refusals already
+    name the tenant limit, e.g. ``max_output_tokens``)."""
+    if error.status == 400 and error.param == "max_prompt_tokens":
+        return context_exceeded(error.message)
+    found = _ENGINE_CONTEXT.search(error.message) if error.code == "engine_rejected" else None
+    if found is None:
+        return error
+    return context_exceeded(f"the prompt has {found[1]} tokens and this model accepts at most {found[2]}")
 
 
 def to_messages(items: list[dict]) -> list[dict]:
@@ -313,6 +369,8 @@ def _functions(tools: list[dict]) -> list[dict]:
         if name in seen:
             raise invalid(f"{field}.name", f"tool names must be unique; '{name}' repeats")
         seen.add(name)
+        if tool.get("strict") is not None and not isinstance(tool["strict"], bool):
+            raise invalid(f"{field}.strict", "must be a boolean")
         function: dict[str, Any] = {"name": name}
         description = tool.get("description")
         if description is not None:

@@ -4,7 +4,8 @@ A :class:`~server.gateway.api.completions.Dialect` over the one request core, on
 per request (:class:`ResponsesDialect` carries the response's id, its echo of the request
 and the store callback). The neutral outcome maps as::
 
-    text                   → a ``message`` output item with one ``output_text`` part
+    text                   → a ``message`` output item with one ``output_text`` part (its log
+                             probs: its text's tokens, never those of a tool call split off)
     tool calls             → one ``function_call`` output item each (after the message)
     finish "length"        → status "incomplete", incomplete_details.reason "max_output_tokens"
     otherwise              → status "completed", ``completed_at`` (unix seconds; null otherwise)
@@ -40,7 +41,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any
 
 from server.gateway.api.completions import CompletionJob, Outcome, cached_tokens
@@ -66,6 +67,28 @@ def usage(job: CompletionJob, outcome: Outcome) -> dict:
     return {"input_tokens": total, "input_tokens_details": details,
             "output_tokens": outcome.completion_tokens, "output_tokens_details": {"reasoning_tokens": 0},
             "total_tokens": total + outcome.completion_tokens}
+
+
+class TextTokens:
+    """How many of the generated tokens hold the first ``chars`` characters of the text, read
+    with a decode stream as the core decoded them: the shortest leading run that covers them.
+    Why: with tools, the tokens of a ``<tool_call>`` block held back from the text are generated
+    too, and a message's log probs are its text's alone. A token holding both the text's last
+    characters and a call's first counts with the text (its stream delta carried it)."""
+
+    __slots__ = ("_push", "_chars", "count")
+
+    def __init__(self, job: CompletionJob) -> None:
+        self._push = job.tokenizer.new_decode_stream().push
+        self._chars = 0  # characters the counted tokens decode to
+        self.count = 0
+
+    def cover(self, ids: Sequence[int], chars: int) -> int:
+        """The count for a text of ``chars`` characters (never less than before: the text only grows)."""
+        while self._chars < chars and self.count < len(ids):
+            self._chars += len(self._push(ids[self.count]))
+            self.count += 1
+        return self.count
 
 
 def _tool_echo(body: ResponsesRequest) -> list[dict]:
@@ -122,9 +145,12 @@ class ResponsesDialect:
         return "incomplete" if outcome.finish_reason == "length" else "completed"
 
     def _logprobs(self, job: CompletionJob, outcome: Outcome) -> list[dict]:
+        """The message's log probs: its text's tokens (all of them unless tool calls were split off)."""
         if job.logprobs is None or job.token_texts is None:
             return []
-        return chat_entries(job.token_texts, outcome.token_ids, outcome.log_probs)
+        upto = TextTokens(job).cover(outcome.token_ids, len(outcome.text)) if outcome.tool_calls \
+            else len(outcome.log_probs)
+        return chat_entries(job.token_texts, outcome.token_ids[:upto], outcome.log_probs[:upto])
 
     def _calls(self, outcome: Outcome) -> list[dict]:
         calls = outcome.tool_calls
@@ -170,13 +196,22 @@ class ResponsesDialect:
             sequence += 1
             return b"event: " + kind.encode() + b"\ndata: " + json.dumps(data, separators=(",", ":")).encode() + b"\n\n"
 
-        def pending(job: CompletionJob, outcome: Outcome) -> list[dict]:
-            """The log probs of the tokens decoded since the last delta (text held back keeps its own)."""
+        # with tools, the tokens that hold the text sent so far (a held-back tool call's are not the text's)
+        text_tokens = TextTokens(job) if job.logprobs is not None and job.parses_tools else None
+        streamed = 0  # characters of text sent
+
+        def pending(job: CompletionJob, outcome: Outcome, delta: str) -> list[dict]:
+            """The log probs of the tokens decoded since the last delta (text held back keeps its own),
+            with tools only those of the text sent (:class:`TextTokens`)."""
+            nonlocal streamed
             if job.logprobs is None or job.token_texts is None:
                 return []
-            start, outcome.sent_log_probs = outcome.sent_log_probs, len(outcome.log_probs)
-            return chat_entries(job.token_texts, outcome.token_ids[start:outcome.sent_log_probs],
-                                outcome.log_probs[start:outcome.sent_log_probs])
+            upto = len(outcome.log_probs)
+            if text_tokens is not None:
+                streamed += len(delta)
+                upto = min(upto, text_tokens.cover(outcome.token_ids, streamed))
+            start, outcome.sent_log_probs = outcome.sent_log_probs, upto
+            return chat_entries(job.token_texts, outcome.token_ids[start:upto], outcome.log_probs[start:upto])
 
         yield event("response.created", {"response": self.response("in_progress", [])}) + \
             event("response.in_progress", {"response": self.response("in_progress", [])})
@@ -193,7 +228,7 @@ class ResponsesDialect:
                     yield event("response.output_item.added", {"output_index": 0, "item": {
                         "id": message_id, "type": "message", "status": "in_progress", "role": "assistant",
                         "content": []}}) + event("response.content_part.added", {**where, "part": empty_part})
-                logprobs = pending(job, outcome)
+                logprobs = pending(job, outcome, delta)
                 sent.append(delta)
                 sent_logprobs.extend(logprobs)
                 yield event("response.output_text.delta", {**where, "delta": delta, "logprobs": logprobs})

@@ -39,7 +39,8 @@ class StreamOptions(BaseModel):
 class ResponsesRequest(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
     model: Annotated[str, Field(min_length=1, max_length=256)]
-    input: Annotated[str, Field(max_length=MAX_TEXT_CHARS)] | Annotated[list[Item], Field(max_length=MAX_MESSAGES)]
+    # None (absent or null): only with previous_response_id (responses_convert.request_items); bounded by _input_bounds
+    input: str | list[Any] | None = None
     instructions: Annotated[str, Field(max_length=MAX_TEXT_CHARS)] | None = None
     tools: Annotated[list[Item], Field(max_length=MAX_TOOLS)] | None = None
     tool_choice: str | dict[str, Any] | None = None
@@ -76,6 +77,21 @@ class ResponsesRequest(BaseModel):
     def _null_stream(cls, value: Any) -> Any:
         return False if value is None else value
 
+    @field_validator("input", mode="before")
+    @classmethod
+    def _input_bounds(cls, value: Any) -> Any:
+        """A string of at most ``MAX_TEXT_CHARS`` or a list of at most ``MAX_MESSAGES`` items, checked
+        before the type so that every breach is one 400 whose param is ``input`` itself (a union's
+        errors would name its member: ``input.constrained-str``). The items are checked one by one
+        in ``responses_convert``."""
+        if isinstance(value, str) and len(value) > MAX_TEXT_CHARS:
+            raise _field_error("input", f"string too long: at most {MAX_TEXT_CHARS} characters, got {len(value)}")
+        if isinstance(value, list) and len(value) > MAX_MESSAGES:
+            raise _field_error("input", f"array too long: at most {MAX_MESSAGES} items, got {len(value)}")
+        if value is not None and not isinstance(value, (str, list)):
+            raise _field_error("input", "must be a string or a list of input items")
+        return value
+
     @field_validator("metadata")
     @classmethod
     def _metadata_bounds(cls, value: dict[str, str] | None) -> dict[str, str] | None:
@@ -84,16 +100,17 @@ class ResponsesRequest(BaseModel):
         if value is None:
             return None
         if len(value) > MAX_METADATA_PAIRS:
-            raise _metadata_error(f"at most {MAX_METADATA_PAIRS} key-value pairs, got {len(value)}")
+            raise _field_error("metadata", f"at most {MAX_METADATA_PAIRS} key-value pairs, got {len(value)}")
         for key, text in value.items():
             if len(key) > MAX_METADATA_KEY:
-                raise _metadata_error(f"keys are at most {MAX_METADATA_KEY} characters; {key[:16]!r}… has {len(key)}")
+                raise _field_error("metadata", f"keys are at most {MAX_METADATA_KEY} characters; "
+                                   f"{key[:16]!r}… has {len(key)}")
             if len(text) > MAX_METADATA_VALUE:
-                raise _metadata_error(f"values are at most {MAX_METADATA_VALUE} characters; the value of "
-                                      f"{key!r} has {len(text)}")
+                raise _field_error("metadata", f"values are at most {MAX_METADATA_VALUE} characters; the value of "
+                                   f"{key!r} has {len(text)}")
         return value
 
 
-def _metadata_error(detail: str) -> PydanticCustomError:
+def _field_error(field: str, detail: str) -> PydanticCustomError:
     # the detail goes in as context: braces in a client's key are never read as a template
-    return PydanticCustomError("metadata", "{detail}", {"detail": detail})
+    return PydanticCustomError(field, "{detail}", {"detail": detail})

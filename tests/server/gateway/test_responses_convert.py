@@ -12,8 +12,9 @@ from engines.tokenizer import load_gguf_tokenizer
 from retention.policy.hints import TTL_1H_MS, TTL_24H_MS, Breakpoint
 from retention.policy.planner import SegmentRetention
 from server.gateway.api.conversion import Conversation
-from server.gateway.api.responses_convert import (check_items, conversation_hints, convert, normalize_items,
-                                                  refuse_unservable)
+from server.gateway.admission import AdmissionError, Limits, check_sizes
+from server.gateway.api.responses_convert import (check_items, conversation_hints, convert, in_responses_words,
+                                                  normalize_items, refuse_unservable, request_items)
 from server.gateway.api.responses_render import ResponsesDialect
 from server.gateway.api.responses_schemas import ResponsesRequest
 from server.gateway.api.prompting import ChatPrompter
@@ -36,7 +37,7 @@ def request(**fields) -> ResponsesRequest:
 def served(body: ResponsesRequest, history: list[dict] | None = None) -> Conversation:
     """What the route does with a body (and the stored chain it continues) before the prompt."""
     refuse_unservable(body)
-    items = normalize_items(body.input)
+    items = request_items(body)
     check_items(history or [], items)
     return convert(body, (history or []) + items)
 
@@ -181,10 +182,12 @@ def _events(frames: list[bytes]) -> list[dict]:
     return out
 
 
-def _job(tokens_per_block: int = 16):  # what the renderer reads of a job
+def _job(tokens_per_block: int = 16, prompter: ChatPrompter | None = None):  # what the renderer reads of a job
     pool = SimpleNamespace(tokens_per_block=tokens_per_block)
-    return SimpleNamespace(prompt=SimpleNamespace(total=40), tenant=SimpleNamespace(pool=pool), logprobs=None,
-                           token_texts=None)
+    return SimpleNamespace(prompt=SimpleNamespace(total=40), tenant=SimpleNamespace(pool=pool),
+                           logprobs=None if prompter is None else 0, parses_tools=prompter is not None,
+                           token_texts=None if prompter is None else prompter.token_texts,
+                           tokenizer=None if prompter is None else prompter.tokenizer)
 
 
 async def _collect(dialect: ResponsesDialect, job, outcome, deltas) -> list[dict]:  # type: ignore[no-untyped-def]
@@ -370,3 +373,189 @@ def test_metadata_within_openais_bounds() -> None:
 
 def test_a_null_stream_is_false() -> None:
     assert request(stream=None).stream is False and request(stream=True).stream is True
+
+
+def _validation(**fields) -> ServingError:  # type: ignore[no-untyped-def]
+    """The 400 the app answers for a body the schema refuses."""
+    from fastapi.exceptions import RequestValidationError
+    from pydantic import ValidationError
+
+    from server.gateway.errors import validation_error
+
+    with pytest.raises(ValidationError) as caught:
+        ResponsesRequest.model_validate({"model": "m", **fields})
+    return validation_error(RequestValidationError(caught.value.errors()))
+
+
+@pytest.mark.parametrize(("fields", "says"), [
+    ({"input": [{"role": "user", "content": "a"}] * 1025}, "array too long: at most 1024 items, got 1025"),
+    ({"input": "a" * 1_000_001}, "string too long: at most 1000000 characters"),
+    ({"input": 5}, "must be a string or a list of input items"),
+])
+def test_an_input_out_of_bounds_names_input(fields: dict, says: str) -> None:
+    error = _validation(**fields)
+    assert error.status == 400 and error.param == "input" and says in error.message, error.message
+
+
+def test_a_query_parameter_error_names_the_parameter() -> None:
+    from fastapi.exceptions import RequestValidationError
+
+    from server.gateway.errors import validation_error
+
+    for loc, param in ((("query", "limit"), "limit"), (("query", "after"), "after"),
+                       (("body", "input"), "input"), (("body", "tools", 0, "query"), "tools.0.query")):
+        error = validation_error(RequestValidationError([{"loc": loc, "msg": "bad", "type": "value_error"}]))
+        assert error.param == param and error.message == f"{param}: bad"
+
+
+def test_input_may_be_left_out_of_a_continuation_only() -> None:
+    history = normalize_items([{"role": "user", "content": "Rain in Oslo?"},
+                               {"role": "assistant", "content": "Light rain."}])
+    body = ResponsesRequest.model_validate({"model": "m", "previous_response_id": "resp_1"})
+    assert request_items(body) == []
+    assert [m["role"] for m in served(body, history).messages] == ["user", "assistant"]
+    # the chain ended in a call: a continuation without input still owes its output
+    called = normalize_items([{"role": "user", "content": "Rain in Oslo?"}, CALL])
+    with pytest.raises(ServingError) as caught:
+        served(ResponsesRequest.model_validate({"model": "m", "previous_response_id": "resp_1", "tools": [WEATHER]}),
+               called)
+    assert caught.value.param == "input" and caught.value.message == "No tool output found for function call 'c1'."
+    for fields in ({}, {"input": None}):  # without previous_response_id, input is required
+        with pytest.raises(ServingError) as caught:
+            request_items(ResponsesRequest.model_validate({"model": "m", **fields}))
+        assert caught.value.status == 400 and caught.value.param == "input", caught.value.message
+
+
+def test_an_assistant_message_has_its_own_parts_only() -> None:
+    error = refused("input.0.content.0.type", input=[{"role": "assistant", "content": [{"type": "input_text",
+                                                                                         "text": "a"}]},
+                                                     {"role": "user", "content": "b"}])
+    assert "output_text or refusal" in error.message
+    served(request(input=[{"role": "assistant", "content": "a plain string"}, {"role": "user", "content": "b"}]))
+    parts = [{"type": "output_text", "text": "a"}, {"type": "refusal", "refusal": "no"}]
+    assert served(request(input=[{"role": "assistant", "content": parts}, {"role": "user", "content": "b"}])) \
+        .messages[0] == {"role": "assistant", "content": "ano"}
+
+
+@pytest.mark.parametrize("strict", ["yes", 1, {}])
+def test_a_tools_strict_is_a_boolean(strict: object) -> None:
+    refused("tools.0.strict", tools=[{**WEATHER, "strict": strict}])
+    for ok in (True, False, None):
+        served(request(tools=[{**WEATHER, "strict": ok}]))
+
+
+@pytest.mark.parametrize("item", [
+    {"type": "custom_tool_call_output", "call_id": "c", "output": "x"},
+    {"type": "custom_tool_call", "call_id": "c", "name": "x", "input": "y"},
+    {"type": "mcp_call", "id": "m", "server_label": "s", "name": "f", "arguments": "{}"},
+    {"type": "mcp_list_tools", "id": "m", "server_label": "s", "tools": []},
+    {"type": "mcp_approval_request", "id": "m", "server_label": "s", "name": "f", "arguments": "{}"},
+    {"type": "mcp_approval_response", "approval_request_id": "m", "approve": True},
+    {"type": "shell_call_output", "call_id": "c", "output": []},
+    {"type": "apply_patch_call_output", "call_id": "c", "status": "completed"},
+    {"type": "tool_search_output", "tools": []},
+])
+def test_built_in_tool_items_are_refused_by_name(item: dict) -> None:
+    error = refused("input.0.type", input=[item])
+    assert error.code == "unsupported_parameter" and "built-in tools" in error.message, error.message
+    assert item["type"] in error.message
+
+
+def admission_refusal(limits: Limits, *, prompt_tokens: int, max_output_tokens: int) -> ServingError:
+    """Admission's size refusal as the request core raises it (``Runner.run``: the limit is the param)."""
+    with pytest.raises(AdmissionError) as caught:
+        check_sizes(limits, prompt_tokens=prompt_tokens, max_output_tokens=max_output_tokens)
+    return ServingError(caught.value.status, "limit_exceeded", str(caught.value), param=caught.value.limit)
+
+
+def test_a_prompt_over_the_tenants_limit_is_context_length_exceeded() -> None:
+    error = in_responses_words(admission_refusal(Limits(max_prompt_tokens=100), prompt_tokens=101,
+                                                 max_output_tokens=10))
+    assert (error.status, error.code, error.param) == (400, "context_length_exceeded", "input")
+    assert "101 tokens" in error.message and "max_prompt_tokens is 100" in error.message
+
+
+def test_max_output_tokens_over_the_tenants_names_max_output_tokens() -> None:
+    refusal = admission_refusal(Limits(max_output_tokens=256), prompt_tokens=10, max_output_tokens=300)
+    error = in_responses_words(refusal)
+    assert error is refusal and (error.status, error.code, error.param) == (400, "limit_exceeded", "max_output_tokens")
+    assert error.message == "300 output tokens asked for; this tenant's max_output_tokens is 256"
+
+
+def test_the_engines_refusal_of_a_long_prompt_is_context_length_exceeded() -> None:
+    """The engine contract's message, as the reference engine (``[model]`` prefix) and the Triton
+    model (tensor prefix) send it inside the core's ``engine_rejected``."""
+    for said in ("[kvgate_llm] input_ids has 5003 tokens; this model accepts at most 2048",
+                 "input_ids: input_ids has 5003 tokens; this model accepts at most 2048"):
+        error = in_responses_words(ServingError(400, "engine_rejected", f"the engine refused the request: {said}"))
+        assert (error.status, error.code, error.param) == (400, "context_length_exceeded", "input")
+        assert "5003 tokens" in error.message and "at most 2048" in error.message
+    other = ServingError(400, "engine_rejected", "the engine refused the request: top_logprobs > 0 is not served")
+    assert in_responses_words(other) is other
+    gone = ServingError(503, "engine_unavailable", "input_ids has 5 tokens; this model accepts at most 2")
+    assert in_responses_words(gone) is gone
+
+
+TOOL_TEXT = "Let me check."
+TOOL_BLOCK = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>'
+
+
+def _tool_outcome(prompter: ChatPrompter):  # type: ignore[no-untyped-def]
+    """Text, then a tool call block the core held back: (outcome, text token count)."""
+    from engines.contract import TokenLogProbs
+    from server.gateway.api.completions import Outcome
+    from server.gateway.api.tools import ToolCall
+
+    text_ids, call_ids = prompter.tokenizer.encode(TOOL_TEXT), prompter.tokenizer.encode(TOOL_BLOCK)
+    ids = text_ids + call_ids
+    outcome = Outcome(pieces=[TOOL_TEXT], completion_tokens=len(ids), finish_reason="tool_calls",
+                      token_ids=ids, log_probs=[TokenLogProbs(-0.01 * (i + 1)) for i in range(len(ids))],
+                      tool_calls=[ToolCall("call_1", "get_weather", '{"city": "Oslo"}')])
+    return outcome, len(text_ids)
+
+
+def test_a_messages_logprobs_are_its_texts_tokens_not_a_tool_calls(prompter: ChatPrompter) -> None:
+    outcome, count = _tool_outcome(prompter)
+    dialect = ResponsesDialect(request(tools=[WEATHER], include=["message.output_text.logprobs"]),
+                               previous_response_id=None, store=None)
+    message, call = dialect.output(_job(prompter=prompter), outcome)  # type: ignore[arg-type]
+    logprobs = message["content"][0]["logprobs"]
+    assert "".join(entry["token"] for entry in logprobs) == message["content"][0]["text"] == TOOL_TEXT
+    assert [entry["logprob"] for entry in logprobs] == [lp.logprob for lp in outcome.log_probs[:count]]
+    assert call["type"] == "function_call"
+    # no tool call split off: the text is the whole generation, every token's log probs
+    outcome.tool_calls, outcome.pieces = [], [TOOL_TEXT + TOOL_BLOCK]
+    [whole] = dialect.output(_job(prompter=prompter), outcome)  # type: ignore[arg-type]
+    assert len(whole["content"][0]["logprobs"]) == len(outcome.log_probs)
+
+
+async def test_streamed_logprobs_are_the_texts_tokens_not_a_tool_calls(prompter: ChatPrompter) -> None:
+    """Per token, then the text's last token in one engine chunk with the call's: the delta carries
+    the text's tokens only, and ``.done`` the same as the deltas together."""
+    from server.gateway.api.completions import Outcome
+
+    whole, count = _tool_outcome(prompter)
+    outcome = Outcome(completion_tokens=whole.completion_tokens, finish_reason="tool_calls")
+    decode = prompter.tokenizer.new_decode_stream().push
+
+    async def deltas():  # type: ignore[no-untyped-def]
+        for i in range(count):
+            last = i == count - 1  # arrives with the whole call block, which the core holds back
+            upto = len(whole.token_ids) if last else i + 1
+            outcome.token_ids.extend(whole.token_ids[len(outcome.token_ids):upto])
+            outcome.log_probs.extend(whole.log_probs[len(outcome.log_probs):upto])
+            piece = decode(whole.token_ids[i])
+            outcome.pieces.append(piece)
+            yield piece
+        outcome.tool_calls = whole.tool_calls
+
+    body = request(tools=[WEATHER], include=["message.output_text.logprobs"])
+    events = await _collect(ResponsesDialect(body, previous_response_id=None, store=None), _job(prompter=prompter),
+                            outcome, deltas())
+    text_logprobs = [lp.logprob for lp in whole.log_probs[:count]]
+    sent = [entry for e in events if e["type"] == "response.output_text.delta" for entry in e["logprobs"]]
+    assert [entry["logprob"] for entry in sent] == text_logprobs
+    [done] = [e for e in events if e["type"] == "response.output_text.done"]
+    assert done["text"] == TOOL_TEXT and done["logprobs"] == sent
+    final = events[-1]["response"]
+    assert final["output"][0]["content"][0]["logprobs"] == sent and final["output"][1]["type"] == "function_call"

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import re
 import secrets
 from datetime import UTC, datetime, timedelta
 
@@ -363,3 +364,30 @@ def test_the_wire_shapes_the_sdk_types_and_what_a_stored_chain_refuses(stack: St
         bad = httpx.post(url, headers=headers, timeout=60, json={**ask, "input": items})
         assert bad.status_code == 400 and bad.json()["error"] == {
             "message": message, "type": "invalid_request_error", "param": "input", "code": "invalid_request"}
+
+
+def test_openais_answers_for_the_context_window_limits_query_params_and_a_continuation_without_input(
+        stack: Stack, key: str) -> None:
+    """A prompt over the engine's input limit (2048 here, under the tenant's 8192), a
+    ``max_output_tokens`` over the tenant's (1024), bad ``input_items`` query parameters, and a
+    continuation that leaves ``input`` out."""
+    url = stack.gateway.base_url + "/v1/responses"
+    headers = {"Authorization": f"Bearer {key}"}
+    ask = {"model": MODEL, "input": "Hi", "temperature": 0, "max_output_tokens": 2}
+    for stream in (False, True):
+        long = httpx.post(url, headers=headers, timeout=120, json={**ask, "input": "word " * 3000, "stream": stream})
+        error = long.json()["error"]
+        assert long.status_code == 400 and (error["code"], error["param"]) == ("context_length_exceeded", "input")
+        assert re.search(r"the prompt has \d+ tokens and this model accepts at most 2048\.", error["message"]), error
+    big = httpx.post(url, headers=headers, timeout=60, json={**ask, "max_output_tokens": 2000}).json()["error"]
+    assert big["param"] == "max_output_tokens" and big["message"].startswith("2000 output tokens asked for;"), big
+    first = httpx.post(url, headers=headers, timeout=120, json=ask).json()
+    for params, param in (({"limit": 0}, "limit"), ({"after": "a" * 65}, "after")):
+        bad = httpx.get(f"{url}/{first['id']}/input_items", headers=headers, params=params, timeout=60)
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == param, bad.text
+    no_input = {k: v for k, v in ask.items() if k != "input"}
+    second = httpx.post(url, headers=headers, timeout=120, json={**no_input, "previous_response_id": first["id"]})
+    assert second.status_code == 200 and second.json()["previous_response_id"] == first["id"], second.text
+    assert httpx.get(f"{url}/{second.json()['id']}/input_items", headers=headers, timeout=60).json()["data"] == []
+    missing = httpx.post(url, headers=headers, timeout=60, json=no_input)
+    assert missing.status_code == 400 and missing.json()["error"]["param"] == "input", missing.text
