@@ -24,7 +24,7 @@ from server.gateway.api.completions import CompletionJob
 from server.gateway.api.messages_convert import Conversation, cache_hints, convert
 from server.gateway.api.messages_render import MESSAGES
 from server.gateway.api.messages_schemas import CountTokensRequest, MessagesInput, MessagesRequest
-from server.gateway.api.prompting import PreparedPrompt
+from server.gateway.api.prompting import ChatPrompter, PreparedPrompt
 from server.gateway.routes import Gateway, check_model
 from server.gateway.context import TenantContext
 from server.gateway.errors import ServingError
@@ -57,10 +57,25 @@ async def _prompt(services: GatewayServices, tenant: TenantContext, body: Messag
     try:
         prompt = prompter.chat(conversation.messages, conversation.marks, scope=tenant.engine_tenant_id)
     except ValueError as exc:  # the model's chat template refused the conversation
-        raise ServingError(400, "invalid_messages", f"messages: {exc}", param="messages") from exc
+        raise _template_refused(exc) from exc
     if prompt.total == 0:
         raise ServingError(400, "empty_prompt", "messages: the prompt is empty", param="messages")
     return prompter, prompt
+
+
+def _template_refused(exc: ValueError) -> ServingError:
+    return ServingError(400, "invalid_messages", f"messages: {exc}", param="messages")
+
+
+def history_tokens(prompter: ChatPrompter, messages: list[dict]) -> list[int]:
+    """The tokens of a conversation that ends with an assistant turn, rendered closed as the template
+    renders a history turn: counting opens no generation prompt after it (the chat prompter always
+    does, which is what generating needs)."""
+    try:
+        text = prompter.tokenizer.render_chat(messages, add_generation_prompt=False)
+    except ValueError as exc:
+        raise _template_refused(exc) from exc
+    return prompter.tokenizer.encode(text)
 
 
 def _job(services: GatewayServices, tenant: TenantContext, body: MessagesRequest, conversation: Conversation,
@@ -87,6 +102,12 @@ async def create_message(body: MessagesRequest, tenant: Tenant, services: Gatewa
 
 @router.post("/count_tokens")
 async def count_tokens(body: CountTokensRequest, tenant: Tenant, services: Gateway) -> dict:
-    """The prompt's length in the model's tokens, tool definitions included (no admission, no engine)."""
-    _, prompt = await _prompt(services, tenant, body, convert(body))
-    return {"input_tokens": prompt.total}
+    """The prompt's length in the model's tokens, tool definitions included (no admission, no engine).
+    A conversation ending with an assistant message is counted too (generating refuses it)."""
+    conversation = convert(body, generate=False)
+    if conversation.messages[-1]["role"] != "assistant":
+        _, prompt = await _prompt(services, tenant, body, conversation)
+        return {"input_tokens": prompt.total}
+    check_model(tenant, body.model)
+    prompter = await services.engines.prompter(tenant.pool)
+    return {"input_tokens": len(history_tokens(prompter, conversation.messages))}

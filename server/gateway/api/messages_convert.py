@@ -10,8 +10,9 @@ guide from the same functions the OpenAI path uses.
     Anthropic                                   chat request
     system (string | text blocks)            →  one system message (blocks joined by "\\n")
     tools [{name, description, input_schema}]→  functions [{name, description, parameters}]
-    user: text blocks                        →  user message (consecutive blocks joined)
-    user: tool_result blocks                 →  one ``tool`` message each, in order
+    user: tool_result blocks                 →  one ``tool`` message each, first, in the order of the
+                                                calls they answer (the template pairs by position)
+    user: text blocks                        →  then one user message (the blocks joined by "\\n")
     assistant: text + tool_use blocks        →  assistant message with ``tool_calls``
     tool_choice auto|any|tool|none           →  ToolPlan auto | forced (all) | forced (one) | none
     output_config.format (json_schema)       →  the JSON-schema guide (OpenAI's response_format)
@@ -27,27 +28,45 @@ inside a message's text, which changes its tokenization. The token offsets come 
 :class:`~retention.policy.hints.CacheHints` (breakpoints that land on the same offset merge, keeping
 the longest TTL). Rules checked here, as Anthropic states them: at most four blocks with
 ``cache_control``; ``ttl`` is ``"5m"`` (default) or ``"1h"``; a longer TTL must not follow a
-shorter one in that order (``1h`` after ``5m`` is refused).
+shorter one in that order (``1h`` after ``5m`` is refused). Blocks inside a ``tool_result``'s
+content are checked and counted the same way, in request order, and end with the result's
+``tool`` message; results are reordered by call (below), so such a breakpoint may end before
+an earlier one: it is then inside that one's prefix, which keeps it (:func:`cache_hints`).
+
+**Tool calls pair by id**, as Anthropic pairs them; the chat template has no ids (Hermes:
+results answer calls in order), so the ids are checked here and then dropped. Anthropic's
+rules, with its messages: every ``tool_use`` has a string ``id``, unique in the request;
+every ``tool_result`` names a ``tool_use`` of the message right before it, at most once;
+an assistant message with ``tool_use`` blocks is followed by a user message answering all
+of them, unless it is the last message (counting takes that; generating refuses it as a
+prefill). A ``tool_use`` naming a tool that is not in ``tools`` stays accepted in history.
+
+**Text** blocks must be non-empty wherever a client writes them (system, messages,
+tool_result content; Anthropic: "text content blocks must be non-empty"); the converter's
+own empty texts (an assistant turn of tool calls only, a tool_result without content) stay.
 
 Invariant: everything a request says is honoured, ignored on purpose (documented in the
 README's field table), or refused with a :class:`ServingError` 400 whose message names the
-field (``messages.2.content.0.type``).
+field (``messages.2.content.0.type``). A client value is type-checked before it is looked up
+in a dict or set (:func:`_str`), so a JSON list or object where a string belongs is a 400
+too, never a 500.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from engines.contract import Guide
 from retention.policy.hints import MAX_BREAKPOINTS, TTL_1H_MS, TTL_5M_MS, Breakpoint, CacheHints
-from server.gateway.api.messages_schemas import MessagesInput
+from server.gateway.api.messages_schemas import MessageParam, MessagesInput
 from server.gateway.api.prompting import PreparedPrompt
 from server.gateway.api.conversion import Conversation, invalid
 from server.gateway.api.tools import ToolPlan, check_schema, forced_call_guide, render_messages
+from server.gateway.errors import ServingError
 
-_TTLS = {None: TTL_5M_MS, "5m": TTL_5M_MS, "1h": TTL_1H_MS}
+_TTLS = {"5m": TTL_5M_MS, "1h": TTL_1H_MS}
 # Content block types Anthropic defines that kvgate cannot serve (a text-only model, no server tools).
 _UNSERVABLE_BLOCKS = {
     "image": "images", "document": "documents", "search_result": "search results",
@@ -56,15 +75,35 @@ _UNSERVABLE_BLOCKS = {
     "web_fetch_tool_result": "server tools", "code_execution_tool_result": "server tools",
     "mcp_tool_use": "MCP tools", "mcp_tool_result": "MCP tools", "container_upload": "containers",
 }
+_EMPTY = "text content blocks must be non-empty"  # Anthropic's words
+# Custom tool fields (Anthropic's ToolParam): each honoured, ignored on purpose or refused by value.
+_TOOL_FIELDS = frozenset({"type", "name", "description", "input_schema", "cache_control", "strict",
+                          "input_examples", "eager_input_streaming", "defer_loading", "allowed_callers"})
+_REFUSED_FIELDS = ("mcp_servers", "container", "context_management", "diagnostics", "compaction", "billing_policy")
+
+
+def _str(value: Any) -> str | None:
+    """``value`` if it is a string, else None: what a dict or set lookup may take from a client."""
+    return value if isinstance(value, str) else None
 
 
 def refuse_unservable(body: MessagesInput) -> None:
     # "adaptive" lets the model decide whether to think; this model never does, so it is served as is.
     if body.thinking is not None and body.thinking.get("type") not in ("disabled", "adaptive"):
         raise invalid("thinking", "extended thinking is not supported by this gateway")
-    for name in ("mcp_servers", "container", "context_management", "diagnostics"):
+    for name in _REFUSED_FIELDS:
         if getattr(body, name) is not None:
             raise invalid(name, "not supported by this gateway")
+
+
+def _ttl_ms(ttl: Any, field: str) -> int:
+    """A ``cache_control.ttl`` in ms (absent: 5 minutes); anything but "5m" / "1h", string or not, is a 400."""
+    if ttl is None:
+        return TTL_5M_MS
+    known = _TTLS.get(_str(ttl) or "")
+    if known is None:
+        raise invalid(field, "must be \"5m\" or \"1h\"")
+    return known
 
 
 class _Breakpoints:
@@ -74,7 +113,10 @@ class _Breakpoints:
         self.marks: list[int] = []
         self.ttls: list[int] = []
 
-    def take(self, block: dict, field: str, mark: int) -> None:
+    def take(self, block: Mapping[str, Any], field: str, mark: int) -> None:
+        """Checks ``block``'s ``cache_control`` (if any) and records a breakpoint after ``mark`` messages.
+        Must be called in request order (tools → system → messages, blocks in order): the limit and
+        the TTL rule are Anthropic's over that order."""
         control = block.get("cache_control")
         if control is None:
             return
@@ -83,12 +125,9 @@ class _Breakpoints:
             raise invalid(where, "must be {\"type\": \"ephemeral\"} with an optional \"ttl\"")
         if set(control) - {"type", "ttl"}:
             raise invalid(where, f"unknown field(s) {sorted(set(control) - {'type', 'ttl'})}")
-        ttl = control.get("ttl")
-        if ttl not in _TTLS:
-            raise invalid(f"{where}.ttl", "must be \"5m\" or \"1h\"")
+        ttl_ms = _ttl_ms(control.get("ttl"), f"{where}.ttl")
         if len(self.marks) == MAX_BREAKPOINTS:
             raise invalid(where, f"a maximum of {MAX_BREAKPOINTS} blocks with cache_control may be provided")
-        ttl_ms = _TTLS[ttl]
         if self.ttls and ttl_ms > min(self.ttls):
             raise invalid(f"{where}.ttl", "a 1h cache_control must not come after a 5m one "
                           "(longer TTLs first, in the order tools, system, messages)")
@@ -96,8 +135,11 @@ class _Breakpoints:
         self.ttls.append(ttl_ms)
 
 
-def convert(body: MessagesInput) -> Conversation:
-    """The chat request for ``body``, or a 400 :class:`ServingError` naming what cannot be served."""
+def convert(body: MessagesInput, *, generate: bool = True) -> Conversation:
+    """The chat request for ``body``, or a 400 :class:`ServingError` naming what cannot be served.
+
+    ``generate=False`` (``count_tokens``): a final assistant message is kept as a history turn
+    (the caller renders it without opening a generation prompt); generating refuses it (prefill)."""
     refuse_unservable(body)
     points = _Breakpoints()
     functions = _functions(body.tools or [], points)
@@ -105,27 +147,15 @@ def convert(body: MessagesInput) -> Conversation:
     out: list[dict] = []
     if system is not None or functions:
         out.append({"role": "system", "content": system or ""})  # render_messages appends the tools to it
-    for i, message in enumerate(body.messages):
-        blocks = [{"type": "text", "text": message.content}] if isinstance(message.content, str) else message.content
-        if not blocks:
-            raise invalid(f"messages.{i}.content", "must not be empty")
-        if message.role == "assistant":
-            _assistant(blocks, f"messages.{i}", out, points)
-        else:
-            _user(blocks, f"messages.{i}", out, points)
+    _turns(body.messages, out, points)
     # Top-level cache_control: Anthropic puts it on the last cacheable block, i.e. after everything else.
     points.take({"cache_control": body.cache_control} if body.cache_control is not None else {}, "", len(out))
-    if body.messages[-1].role == "assistant":
+    if generate and body.messages[-1].role == "assistant":
         raise invalid(f"messages.{len(body.messages) - 1}", "a final assistant message (prefill) is not supported; "
                       "end with a user message")
     plan, guide = _tool_plan(body, functions)
-    output = getattr(body, "output_config", None)  # count_tokens bodies have none
-    if output is not None and output.format is not None:
-        check_schema(output.format.schema_, "output_config.format.schema")
-        if guide is not None:
-            raise invalid("output_config.format", "cannot be combined with a tool_choice that forces a tool call")
-        # property order is kept: it is the order the model writes the fields in (as for response_format)
-        guide = Guide("json_schema", json.dumps(output.format.schema_, separators=(",", ":")))
+    _check_strict(body.tools or [], plan)
+    guide = _output_guide(body, guide)
     if functions or any("tool_calls" in m for m in out):
         out = render_messages(out, functions)
     return Conversation(out, functions, plan, guide, tuple(points.marks), tuple(points.ttls))
@@ -140,41 +170,88 @@ def cache_hints(conversation: Conversation, prompt: PreparedPrompt) -> CacheHint
         if points and end <= points[-1].token_end:
             if end == points[-1].token_end and ttl > points[-1].ttl_ms:
                 points[-1] = Breakpoint(end, ttl)
-            continue  # same message end as the previous breakpoint
+            continue  # same message end as the previous breakpoint (or inside its prefix)
         points.append(Breakpoint(end, ttl))
     return CacheHints(breakpoints=tuple(points))
 
 
-def _functions(tools: Sequence[dict], points: _Breakpoints) -> list[dict]:
+def _functions(tools: Sequence[Any], points: _Breakpoints) -> list[dict]:
     functions: list[dict] = []
     seen: set[str] = set()
     for i, tool in enumerate(tools):
         field = f"tools.{i}"
-        if not isinstance(tool, dict):
-            raise invalid(field, "must be an object")
-        kind = tool.get("type")
-        if kind not in (None, "custom"):
-            raise invalid(f"{field}.type", f"server tool '{kind}' is not supported; only custom tools "
-                          "(name, description, input_schema) are")
-        name = tool.get("name")
-        if not isinstance(name, str) or not name or len(name) > 128:
-            raise invalid(f"{field}.name", "must be a non-empty string of at most 128 characters")
-        if name in seen:
-            raise invalid(f"{field}.name", f"tool names must be unique; '{name}' repeats")
-        seen.add(name)
-        schema = tool.get("input_schema")
-        if not isinstance(schema, dict):
-            raise invalid(f"{field}.input_schema", "must be a JSON schema object")
-        function: dict[str, Any] = {"name": name}
-        description = tool.get("description")
-        if description is not None:
-            if not isinstance(description, str):
-                raise invalid(f"{field}.description", "must be a string")
-            function["description"] = description
-        function["parameters"] = schema
+        function = _function(tool, field)
+        if function["name"] in seen:
+            raise invalid(f"{field}.name", f"tool names must be unique; '{function['name']}' repeats")
+        seen.add(function["name"])
         functions.append(function)
         points.take(tool, field, 1)  # the tools live in the system message (message 0)
     return functions
+
+
+def _function(tool: Any, field: str) -> dict:
+    """A custom tool as the OpenAI-shaped function the prompt shows (name, description, parameters)."""
+    if not isinstance(tool, dict):
+        raise invalid(field, "must be an object")
+    kind = tool.get("type")
+    if kind not in (None, "custom"):
+        raise invalid(f"{field}.type", f"server tool {kind!r} is not supported; only custom tools "
+                      "(name, description, input_schema) are")
+    unknown = set(tool) - _TOOL_FIELDS
+    if unknown:
+        raise invalid(field, f"unknown field(s) {sorted(unknown)}")
+    name = tool.get("name")
+    if not isinstance(name, str) or not name or len(name) > 128:
+        raise invalid(f"{field}.name", "must be a non-empty string of at most 128 characters")
+    schema = tool.get("input_schema")
+    if not isinstance(schema, dict):
+        raise invalid(f"{field}.input_schema", "must be a JSON schema object")
+    if schema.get("type") != "object":
+        raise invalid(f"{field}.input_schema.type", "must be \"object\" (a tool's input is an object)")
+    _check_tool_options(tool, field)
+    function: dict[str, Any] = {"name": name}
+    description = tool.get("description")
+    if description is not None:
+        if not isinstance(description, str):
+            raise invalid(f"{field}.description", "must be a string")
+        function["description"] = description
+    function["parameters"] = schema
+    return function
+
+
+def _check_tool_options(tool: dict, field: str) -> None:
+    """The tool fields that leave the prompt alone: type-checked, and the values kvgate cannot keep
+    refused (``strict`` is checked against the tool choice in :func:`_check_strict`)."""
+    for flag in ("strict", "eager_input_streaming", "defer_loading"):
+        value = tool.get(flag)
+        if value is not None and not isinstance(value, bool):
+            raise invalid(f"{field}.{flag}", "must be a boolean")
+    if tool.get("defer_loading"):
+        raise invalid(f"{field}.defer_loading", "true is not supported: a deferred tool is loaded by tool search, "
+                      "which this gateway does not run")
+    examples = tool.get("input_examples")
+    if examples is not None:
+        if not isinstance(examples, list):
+            raise invalid(f"{field}.input_examples", "must be a list of objects")
+        for k, example in enumerate(examples):
+            if not isinstance(example, dict):
+                raise invalid(f"{field}.input_examples.{k}", "must be an object")
+    callers = tool.get("allowed_callers")
+    if callers is not None and (not isinstance(callers, list) or any(caller != "direct" for caller in callers)):
+        raise invalid(f"{field}.allowed_callers", "only [\"direct\"] is supported: this gateway runs no code "
+                      "execution tool")
+
+
+def _check_strict(tools: Sequence[dict], plan: ToolPlan | None) -> None:
+    """``strict: true`` promises schema-valid calls. Kept where a guide forces the call (``any``,
+    ``tool``: the arguments follow the schema) or no call is parsed (``none``); an ``auto`` call is
+    parsed from free text, whose arguments nothing holds to the schema."""
+    if plan is None or plan.mode != "auto":
+        return
+    for i, tool in enumerate(tools):
+        if tool.get("strict") is True:
+            raise invalid(f"tools.{i}.strict", "true needs tool_choice \"any\" or \"tool\" on this gateway: only a "
+                          "forced call is guided by the schema (an \"auto\" call is parsed from free text)")
 
 
 def _system(system: str | list[dict] | None, points: _Breakpoints) -> str | None:
@@ -188,88 +265,169 @@ def _system(system: str | list[dict] | None, points: _Breakpoints) -> str | None
 
 
 def _text(block: Any, field: str) -> str:
+    """A client's text block's text: a non-empty string."""
     if not isinstance(block, dict):
         raise invalid(field, "must be a content block object")
     kind = block.get("type")
     if kind != "text":
-        raise invalid(f"{field}.type", _unservable(kind) if kind in _UNSERVABLE_BLOCKS else f"expected a text block, got {kind!r}")
+        raise invalid(f"{field}.type", _not_text(kind))
     text = block.get("text")
     if not isinstance(text, str):
         raise invalid(f"{field}.text", "must be a string")
+    if not text:
+        raise invalid(f"{field}.text", _EMPTY)
     return text
 
 
-def _unservable(kind: str) -> str:
-    return f"'{kind}' blocks are not supported by this gateway ({_UNSERVABLE_BLOCKS[kind]}: the model reads text only)"
+def _not_text(kind: Any) -> str:
+    what = _UNSERVABLE_BLOCKS.get(_str(kind) or "")
+    if what is None:
+        return f"expected a text block, got {kind!r}"
+    return f"'{kind}' blocks are not supported by this gateway ({what}: the model reads text only)"
 
 
-def _user(blocks: list, field: str, out: list[dict], points: _Breakpoints) -> None:
+def _turns(messages: Sequence[MessageParam], out: list[dict], points: _Breakpoints) -> None:
+    """Appends the chat messages of ``messages``, checking that tool calls and results pair by id."""
+    ids: set[str] = set()  # every tool_use id so far: unique in the request
+    calls: dict[str, int] = {}  # the previous assistant message's tool_use ids -> their place among its calls
+    for i, message in enumerate(messages):
+        field = f"messages.{i}"
+        blocks = _blocks(message, field)
+        if message.role == "assistant":
+            if calls:
+                raise _unanswered(f"messages.{i - 1}", list(calls))
+            calls = _assistant(blocks, field, out, points, ids)
+            continue
+        answered = _user(blocks, field, out, points, calls)
+        missing = [call_id for call_id in calls if call_id not in answered]
+        if missing:
+            raise _unanswered(f"messages.{i - 1}", missing)
+        calls = {}
+
+
+def _blocks(message: MessageParam, field: str) -> list:
+    if isinstance(message.content, str):
+        if not message.content:
+            raise invalid(f"{field}.content", _EMPTY)
+        return [{"type": "text", "text": message.content}]
+    if not message.content:
+        raise invalid(f"{field}.content", "must not be empty")
+    return message.content
+
+
+def _unanswered(field: str, ids: list[str]) -> ServingError:
+    """Anthropic's refusal of the assistant message at ``field``: the next message leaves ``ids`` unanswered."""
+    return invalid(field, f"tool_use ids were found without tool_result blocks immediately after: {', '.join(ids)}. "
+                   "Each tool_use block must have a corresponding tool_result block in the next message.")
+
+
+def _user(blocks: list, field: str, out: list[dict], points: _Breakpoints, calls: Mapping[str, int]) -> set[str]:
+    """Appends the user message as chat messages: its tool results first, one ``tool`` message each
+    in the order of the ``calls`` they answer (the template pairs results with calls by position),
+    then its text blocks joined as one user message. ``calls``: the previous assistant message's
+    tool_use ids -> their place among its calls. Returns the ids answered."""
+    results: dict[str, str] = {}  # tool_use_id -> the result's text
     texts: list[str] = []
-    pending: list[tuple[dict, str]] = []  # text blocks with their field, until their message exists
-
-    def flush() -> None:
-        if texts:
-            out.append({"role": "user", "content": "\n".join(texts)})
-            for block, where in pending:
-                points.take(block, where, len(out))
-            texts.clear()
-            pending.clear()
-
+    marked: list[tuple[dict, str, str | None]] = []  # (block, field, answered id | None: the text message)
     for j, block in enumerate(blocks):
         where = f"{field}.content.{j}"
         kind = block.get("type") if isinstance(block, dict) else None
         if kind == "tool_result":
-            flush()
-            out.append({"role": "tool", "content": _tool_result(block, where)})
-            points.take(block, where, len(out))
-        elif kind in ("tool_use",):
+            text, nested = _tool_result(block, where)
+            call_id = _answer(block.get("tool_use_id"), where, calls, results)
+            results[call_id] = text
+            marked.extend((part, part_field, call_id) for part, part_field in nested)
+            marked.append((block, where, call_id))
+        elif kind == "tool_use":
             raise invalid(f"{where}.type", "tool_use blocks belong in assistant messages")
         else:
             texts.append(_text(block, where))
-            pending.append((block, where))
-    flush()
+            marked.append((block, where, None))
+    order = sorted(results, key=calls.__getitem__)
+    ends = {call_id: len(out) + k + 1 for k, call_id in enumerate(order)}  # messages up to and including its own
+    out.extend({"role": "tool", "content": results[call_id]} for call_id in order)
+    if texts:
+        out.append({"role": "user", "content": "\n".join(texts)})
+    for block, where, call_id in marked:  # request order, as the breakpoint rules count
+        points.take(block, where, len(out) if call_id is None else ends[call_id])
+    return set(results)
 
 
-def _tool_result(block: dict, field: str) -> str:
-    if not isinstance(block.get("tool_use_id"), str):
+def _answer(call_id: Any, field: str, calls: Mapping[str, int], answered: Mapping[str, str]) -> str:
+    """The tool_use id a tool_result at ``field`` names: one of ``calls``, not yet ``answered``."""
+    if not isinstance(call_id, str):
         raise invalid(f"{field}.tool_use_id", "must be a string")
+    if not calls:
+        raise invalid(field, "tool_result block(s) provided when previous message does not contain any tool_use blocks")
+    if call_id not in calls:
+        raise invalid(field, f"unexpected tool_use_id found in tool_result blocks: {call_id}. "
+                      "Each tool_result block must have a corresponding tool_use block in the previous message.")
+    if call_id in answered:
+        raise invalid(f"{field}.tool_use_id", f"'{call_id}' is answered twice; a tool_use block takes one tool_result")
+    return call_id
+
+
+def _tool_result(block: dict, field: str) -> tuple[str, list[tuple[dict, str]]]:
+    """The result's text, and its content blocks with their fields (for their ``cache_control``)."""
     content = block.get("content", "")
+    nested: list[tuple[dict, str]] = []
     if isinstance(content, str):
         text = content
     elif isinstance(content, list):
-        text = "\n".join(_text(part, f"{field}.content.{k}") for k, part in enumerate(content))
+        parts = []
+        for k, part in enumerate(content):
+            parts.append(_text(part, f"{field}.content.{k}"))
+            nested.append((part, f"{field}.content.{k}"))
+        text = "\n".join(parts)
     else:
         raise invalid(f"{field}.content", "must be a string or a list of text blocks")
-    if block.get("is_error") is True:
+    is_error = block.get("is_error")
+    if is_error is not None and not isinstance(is_error, bool):
+        raise invalid(f"{field}.is_error", "must be a boolean")
+    if is_error:
         text = "Error: " + text  # the template has no place for the flag; the model reads it in the text
-    return text
+    return text, nested
 
 
-def _assistant(blocks: list, field: str, out: list[dict], points: _Breakpoints) -> None:
+def _assistant(blocks: list, field: str, out: list[dict], points: _Breakpoints, ids: set[str]) -> dict[str, int]:
+    """Appends the assistant message; returns its tool_use ids -> their place among its calls."""
     texts: list[str] = []
-    calls: list[dict] = []
+    calls: dict[str, int] = {}
+    rendered: list[dict] = []
     marked: list[tuple[dict, str]] = []
     for j, block in enumerate(blocks):
         where = f"{field}.content.{j}"
         kind = block.get("type") if isinstance(block, dict) else None
         if kind == "tool_use":
-            name, arguments = block.get("name"), block.get("input")
-            if not isinstance(name, str) or not name:
-                raise invalid(f"{where}.name", "must be a non-empty string")
-            if not isinstance(arguments, dict):
-                raise invalid(f"{where}.input", "must be an object")
-            calls.append({"name": name, "arguments": json.dumps(arguments, ensure_ascii=False)})
+            rendered.append(_tool_use(block, where, ids))
+            calls[block["id"]] = len(calls)
         elif kind == "tool_result":
             raise invalid(f"{where}.type", "tool_result blocks belong in user messages")
         else:
             texts.append(_text(block, where))
         marked.append((block, where))
     message: dict = {"role": "assistant", "content": "".join(texts)}
-    if calls:
-        message["tool_calls"] = calls
+    if rendered:
+        message["tool_calls"] = rendered
     out.append(message)
     for block, where in marked:
         points.take(block, where, len(out))
+    return calls
+
+
+def _tool_use(block: dict, field: str, ids: set[str]) -> dict:
+    """The chat call of a ``tool_use`` block; its ``id`` joins ``ids`` (unique in the request)."""
+    call_id, name, arguments = block.get("id"), block.get("name"), block.get("input")
+    if not isinstance(call_id, str) or not call_id:
+        raise invalid(f"{field}.id", "must be a non-empty string")
+    if call_id in ids:
+        raise invalid(f"{field}.id", f"tool_use ids must be unique; '{call_id}' repeats")
+    if not isinstance(name, str) or not name:
+        raise invalid(f"{field}.name", "must be a non-empty string")
+    if not isinstance(arguments, dict):
+        raise invalid(f"{field}.input", "must be an object")
+    ids.add(call_id)
+    return {"name": name, "arguments": json.dumps(arguments, ensure_ascii=False)}
 
 
 def _tool_plan(body: MessagesInput, functions: list[dict]) -> tuple[ToolPlan | None, Guide | None]:
@@ -290,3 +448,15 @@ def _tool_plan(body: MessagesInput, functions: list[dict]) -> tuple[ToolPlan | N
     if kind == "any":
         return ToolPlan(by_name, "forced", parallel=False), forced_call_guide(functions)
     return ToolPlan(by_name, kind, parallel=parallel), None
+
+
+def _output_guide(body: MessagesInput, guide: Guide | None) -> Guide | None:
+    """``output_config.format``'s JSON-schema guide (OpenAI's response_format), else ``guide``."""
+    output = body.output_config
+    if output is None or output.format is None:
+        return guide
+    check_schema(output.format.schema_, "output_config.format.schema")
+    if guide is not None:
+        raise invalid("output_config.format", "cannot be combined with a tool_choice that forces a tool call")
+    # property order is kept: it is the order the model writes the fields in (as for response_format)
+    return Guide("json_schema", json.dumps(output.format.schema_, separators=(",", ":")))

@@ -7,8 +7,14 @@ blocks stay plain JSON objects here and are checked one by one in
 server tools, thinking blocks) is refused with a message naming the block and its type
 rather than with a union-mismatch error. Fields Anthropic defines that kvgate cannot serve
 (``thinking`` of type ``enabled``, ``mcp_servers``, ``container``, ``context_management``,
-``diagnostics``) are declared only to be refused by name; the README's field table lists
-each field as honoured, ignored or refused.
+``diagnostics``, ``compaction``, ``billing_policy``) are declared only to be refused by name;
+the README's field table lists each field as honoured, ignored or refused.
+
+``count_tokens`` takes what the SDK's count-tokens params define (:class:`MessagesInput`):
+the conversation, and the fields that are valid on create too and leave the prompt as it is
+(``output_config``: a guide adds no prompt token here; ``speed``, ``user_profile_id``,
+``workspace_id``: ignored on both routes). Sampling, ``max_tokens``, ``stream`` and
+``metadata`` stay create-only, as on Anthropic's API.
 """
 
 from __future__ import annotations
@@ -64,12 +70,19 @@ class MessagesInput(BaseModel):
     tools: Annotated[list[Block], Field(max_length=MAX_TOOLS)] | None = None
     tool_choice: ToolChoice | None = None
     cache_control: dict[str, Any] | None = None  # automatic caching: a breakpoint on the last block
+    output_config: OutputConfig | None = None
+    # accepted, ignored: one speed; the API key names the tenant
+    speed: Literal["standard", "fast"] | None = None
+    user_profile_id: Annotated[str, Field(max_length=256)] | None = None
+    workspace_id: Annotated[str, Field(max_length=256)] | None = None
     # Declared only to be refused by name (messages_convert.refuse_unservable).
     thinking: dict[str, Any] | None = None
     mcp_servers: list[Any] | None = None
     container: Any = None
     context_management: Any = None
     diagnostics: Any = None
+    compaction: Any = None  # beta: a summary the server writes in place of the conversation
+    billing_policy: Any = None  # beta: the API key names the tenant that is billed
 
 
 class MessagesRequest(MessagesInput):
@@ -81,14 +94,10 @@ class MessagesRequest(MessagesInput):
                               Field(max_length=MAX_STOP_SEQUENCES)] | None = None
     stream: bool = False
     metadata: Metadata | None = None
-    output_config: OutputConfig | None = None
-    # accepted, ignored: one tier, one speed, one region; the API key names the tenant
+    # accepted, ignored: one tier, one region
     service_tier: Literal["auto", "standard_only"] | None = None
-    speed: Literal["standard", "fast"] | None = None
     inference_geo: Annotated[str, Field(max_length=64)] | None = None
-    user_profile_id: Annotated[str, Field(max_length=256)] | None = None
-    workspace_id: Annotated[str, Field(max_length=256)] | None = None
 
 
 class CountTokensRequest(MessagesInput):
-    """``/v1/messages/count_tokens`` takes the conversation only."""
+    """``/v1/messages/count_tokens``: the conversation and the fields that leave its prompt as it is."""

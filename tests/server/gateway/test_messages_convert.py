@@ -13,7 +13,7 @@ from retention.policy.hints import TTL_1H_MS, TTL_5M_MS, Breakpoint, CacheHints
 from server.gateway.api.completions import Outcome
 from server.gateway.api.messages_convert import cache_hints, convert
 from server.gateway.api.messages_render import MESSAGES, cache_creation, stop_reason, usage
-from server.gateway.api.messages_schemas import MessagesRequest
+from server.gateway.api.messages_schemas import CountTokensRequest, MessagesRequest
 from server.gateway.api.prompting import ChatPrompter, PreparedPrompt
 from server.gateway.api.tools import CALL_OPEN, ToolCall
 from server.gateway.errors import ServingError
@@ -33,11 +33,28 @@ def request(**fields) -> MessagesRequest:
     return MessagesRequest.model_validate(body)
 
 
+def count_request(**fields) -> CountTokensRequest:
+    return CountTokensRequest.model_validate({"model": "m", "messages": [{"role": "user", "content": "Hi"}], **fields})
+
+
 def refused(field: str, **fields) -> str:
     with pytest.raises(ServingError) as caught:
         convert(request(**fields))
     assert caught.value.status == 400 and caught.value.param == field, caught.value.message
     return caught.value.message
+
+
+def user(content) -> dict:
+    return {"role": "user", "content": content}
+
+
+def calls(*ids: str, name: str = "get_weather") -> dict:
+    return {"role": "assistant", "content": [{"type": "tool_use", "id": i, "name": name, "input": {"city": i}}
+                                             for i in ids]}
+
+
+def result(call_id: str, content="ok", **extra) -> dict:
+    return {"type": "tool_result", "tool_use_id": call_id, "content": content, **extra}
 
 
 def test_a_conversation_with_tools_becomes_the_chat_paths_messages(prompter) -> None:
@@ -201,3 +218,169 @@ def test_the_stop_matcher_names_the_stop_string_that_cut_the_text() -> None:
     matcher = StopMatcher(("b", "cd"))
     assert matcher.push("xxc") == "xx" and matcher.matched is None  # "c" held: it may start "cd"
     assert matcher.push("db") == "" and matcher.stopped and matcher.matched == "cd"  # the earliest match wins
+
+
+BAD = ["5m"]  # a JSON list where a string is expected: once a 500 (unhashable in a dict or set lookup)
+
+
+@pytest.mark.parametrize("fields, field", [
+    ({"messages": [user([{"type": "text", "text": "hi", "cache_control": {"type": "ephemeral", "ttl": BAD}}])]},
+     "messages.0.content.0.cache_control.ttl"),
+    ({"cache_control": {"type": "ephemeral", "ttl": {"a": 1}}}, "cache_control.ttl"),
+    ({"system": [{"type": "text", "text": "s", "cache_control": {"type": "ephemeral", "ttl": 5}}]},
+     "system.0.cache_control.ttl"),
+    ({"tools": [{**WEATHER, "cache_control": {"type": "ephemeral", "ttl": BAD}}]}, "tools.0.cache_control.ttl"),
+    ({"system": [{"type": {"a": 1}, "text": "s"}]}, "system.0.type"),
+    ({"messages": [user([{"type": BAD, "text": "x"}])]}, "messages.0.content.0.type"),
+    ({"messages": [user("a"), {"role": "assistant", "content": [{"type": BAD}]}, user("b")]},
+     "messages.1.content.0.type"),
+    ({"tools": [WEATHER], "messages": [user("a"), calls("t"), user([result("t", [{"type": BAD}])])]},
+     "messages.2.content.0.content.0.type"),
+    ({"tools": [WEATHER], "messages": [user("a"), calls("t"), user([result("t", [
+        {"type": "text", "text": "x", "cache_control": {"type": "ephemeral", "ttl": BAD}}])])]},
+     "messages.2.content.0.content.0.cache_control.ttl"),
+    ({"tools": [WEATHER], "messages": [user("a"), calls("t"), user([result(BAD)])]},
+     "messages.2.content.0.tool_use_id"),
+    ({"tools": [{**WEATHER, "type": BAD}]}, "tools.0.type"),
+])
+def test_a_list_or_object_where_a_string_is_expected_is_a_400_naming_the_field(fields, field) -> None:
+    assert refused(field, **fields).startswith(field + ":")
+    with pytest.raises(ServingError) as counted:  # count_tokens converts the same body
+        convert(count_request(**fields))
+    assert counted.value.status == 400 and counted.value.param == field
+
+
+def test_tool_results_answer_their_calls_by_id_in_the_order_of_the_calls() -> None:
+    conv = convert(request(tools=[WEATHER], messages=[
+        user("Oslo and Paris?"), calls("toolu_A", "toolu_B"),
+        user([{"type": "text", "text": "Here:"}, result("toolu_B", "Paris: sun"), result("toolu_A", "Oslo: rain")])]))
+    # Hermes pairs results with calls by position: A's result first, whatever order the client sent them in;
+    # the message's text follows the results it comes with
+    assert [(m["role"], m["content"]) for m in conv.messages[3:]] == [
+        ("tool", "Oslo: rain"), ("tool", "Paris: sun"), ("user", "Here:")]
+
+
+@pytest.mark.parametrize("messages, field, words", [
+    ([user("a"), {"role": "assistant", "content": [{"type": "tool_use", "name": "get_weather", "input": {}}]},
+      user([result("t")])], "messages.1.content.0.id", "must be a non-empty string"),
+    ([user("a"), calls("t", "t"), user([result("t")])], "messages.1.content.1.id", "unique"),
+    ([user("a"), calls("t"), user([result("t")]), calls("t"), user([result("t")])], "messages.3.content.0.id",
+     "unique"),
+    ([user([result("toolu_x")])], "messages.0.content.0", "previous message does not contain any tool_use blocks"),
+    ([user("a"), {"role": "assistant", "content": "no calls"}, user([result("t")])], "messages.2.content.0",
+     "previous message does not contain any tool_use blocks"),
+    ([user("a"), calls("t1"), user([result("t2")])], "messages.2.content.0",
+     "unexpected tool_use_id found in tool_result blocks: t2."),
+    ([user("a"), calls("t1", "t2"), user([result("t2")])], "messages.1",
+     "tool_use ids were found without tool_result blocks immediately after: t1."),
+    ([user("a"), calls("t1"), user("go on")], "messages.1", "without tool_result blocks immediately after: t1."),
+    ([user("a"), calls("t1"), {"role": "assistant", "content": "b"}, user("c")], "messages.1",
+     "without tool_result blocks immediately after: t1."),
+    ([user("a"), calls("t1"), user([result("t1"), result("t1")])], "messages.2.content.1.tool_use_id", "twice"),
+    ([user("a"), calls("t1"), user([result("t1")]), user([result("t1")])], "messages.3.content.0",
+     "previous message does not contain any tool_use blocks"),
+])
+def test_tool_calls_and_results_that_do_not_pair_are_refused(messages, field, words) -> None:
+    assert words in refused(field, tools=[WEATHER], messages=messages)
+
+
+def test_a_tool_use_naming_an_undefined_tool_stays_accepted_in_history() -> None:
+    conv = convert(request(messages=[user("a"), calls("t", name="retired_tool"), user([result("t", "done")])]))
+    assert "retired_tool" in conv.messages[1]["content"] and conv.messages[2] == {"role": "tool", "content": "done"}
+
+
+def test_count_tokens_takes_the_sdks_count_fields_and_refuses_what_cannot_be_served() -> None:
+    schema = {"type": "object", "properties": {"a": {"type": "string"}}}
+    body = count_request(output_config={"format": {"type": "json_schema", "schema": schema}, "effort": "high"},
+                         speed="fast", user_profile_id="u", workspace_id="w", thinking={"type": "adaptive"},
+                         tools=[WEATHER], tool_choice={"type": "auto"}, cache_control=EPHEMERAL)
+    conv = convert(body, generate=False)
+    assert conv.guide.kind == "json_schema" and conv.marks == (len(conv.messages),)
+    for name, value in (("compaction", {"type": "summarize"}), ("billing_policy", {"type": "billing_policy"})):
+        with pytest.raises(ServingError) as caught:
+            convert(count_request(**{name: value}), generate=False)
+        assert caught.value.param == name and "not supported" in caught.value.message
+        refused(name, **{name: value})
+
+
+def test_count_tokens_counts_a_conversation_ending_with_an_assistant_turn(prompter) -> None:
+    from server.gateway.messages_routes import history_tokens
+
+    messages = [user("Weather in Oslo?"), calls("t1")]
+    refused("messages.1", tools=[WEATHER], messages=messages)  # generation still refuses a prefill
+    conv = convert(count_request(tools=[WEATHER], messages=messages), generate=False)
+    assert conv.messages[-1]["role"] == "assistant" and CALL_OPEN in conv.messages[-1]["content"]
+    ids = history_tokens(prompter, conv.messages)
+    text = prompter.tokenizer.decode(ids, skip_special_tokens=False)
+    assert text.endswith("</tool_call><|im_end|>\n")  # closed as a history turn, no generation prompt after it
+    opened = prompter.chat(convert(request(tools=[WEATHER], messages=[*messages, user([result("t1")])])).messages)
+    assert len(ids) < opened.total
+
+
+def test_nested_tool_result_blocks_are_checked_and_counted_like_top_level_ones() -> None:
+    def nested(control) -> dict:
+        return user([result("t", [{"type": "text", "text": "rain", "cache_control": control}])])
+
+    history = [user("a"), calls("t")]
+    field = "messages.2.content.0.content.0.cache_control"
+    refused(field, tools=[WEATHER], messages=[*history, nested({"type": "bogus"})])
+    four = [{"type": "text", "text": f"s{i}", "cache_control": EPHEMERAL} for i in range(4)]
+    assert "maximum of 4" in refused(field, tools=[WEATHER], system=four, messages=[*history, nested(EPHEMERAL)])
+    refused(field + ".ttl", tools=[WEATHER], system=four[:1],
+            messages=[*history, nested({"type": "ephemeral", "ttl": "1h"})])
+    refused("messages.2.content.0.content.0.type", tools=[WEATHER], messages=[*history, user([result("t", [
+        {"type": "bogus", "text": "x"}])])])
+    # the breakpoint ends where the tool message holding the block ends, after reordering by call
+    conv = convert(request(tools=[WEATHER], messages=[user("a"), calls("A", "B"), user([
+        result("B", [{"type": "text", "text": "b", "cache_control": EPHEMERAL}]), result("A", "a")])]))
+    assert conv.messages[4] == {"role": "tool", "content": "b"} and conv.marks == (5,)
+
+
+@pytest.mark.parametrize("fields, field", [
+    ({"messages": [user("")]}, "messages.0.content"),
+    ({"messages": [user([{"type": "text", "text": ""}])]}, "messages.0.content.0.text"),
+    ({"messages": [user([{"type": "text", "text": "a"}, {"type": "text", "text": ""}])]}, "messages.0.content.1.text"),
+    ({"messages": [user("a"), {"role": "assistant", "content": [{"type": "text", "text": ""}]}, user("b")]},
+     "messages.1.content.0.text"),
+    ({"messages": [user("a"), {"role": "assistant", "content": ""}, user("b")]}, "messages.1.content"),
+    ({"system": [{"type": "text", "text": ""}]}, "system.0.text"),
+    ({"tools": [WEATHER], "messages": [user("a"), calls("t"), user([result("t", [{"type": "text", "text": ""}])])]},
+     "messages.2.content.0.content.0.text"),
+])
+def test_empty_text_is_refused_as_anthropic_refuses_it(fields, field) -> None:
+    assert refused(field, **fields).endswith("text content blocks must be non-empty")
+
+
+def test_empty_text_the_converter_makes_itself_stays_accepted() -> None:
+    conv = convert(request(tools=[WEATHER], messages=[user("a"), calls("t"), user([result("t")]),
+                                                      {"role": "assistant", "content": "b"}, user("c")]))
+    assert conv.messages[2]["content"].startswith(CALL_OPEN)  # a tool_use-only turn: no text before the call
+    assert convert(request(tools=[WEATHER], messages=[
+        user("a"), calls("t"), user([{"type": "tool_result", "tool_use_id": "t"}])])).messages[3]["content"] == ""
+
+
+@pytest.mark.parametrize("tool, choice, field", [
+    ({**WEATHER, "strict": True}, None, "tools.0.strict"),
+    ({**WEATHER, "strict": True}, {"type": "auto"}, "tools.0.strict"),
+    ({**WEATHER, "strict": "yes"}, {"type": "any"}, "tools.0.strict"),
+    ({**WEATHER, "input_schema": {"type": "string"}}, None, "tools.0.input_schema.type"),
+    ({**WEATHER, "input_schema": {"properties": {}}}, None, "tools.0.input_schema.type"),
+    ({**WEATHER, "defer_loading": True}, None, "tools.0.defer_loading"),
+    ({**WEATHER, "allowed_callers": ["code_execution_20250825"]}, None, "tools.0.allowed_callers"),
+    ({**WEATHER, "input_examples": [5]}, None, "tools.0.input_examples.0"),
+    ({**WEATHER, "eager_input_streaming": "on"}, None, "tools.0.eager_input_streaming"),
+    ({**WEATHER, "parameters": {}}, None, "tools.0"),
+])
+def test_tool_fields_are_honoured_ignored_on_purpose_or_refused_by_name(tool, choice, field) -> None:
+    fields = {"tools": [tool]} if choice is None else {"tools": [tool], "tool_choice": choice}
+    assert refused(field, **fields).startswith(field + ":")
+
+
+def test_strict_is_honoured_where_guided_decoding_forces_the_call() -> None:
+    strict = {**WEATHER, "strict": True, "input_examples": [{"city": "Oslo"}], "eager_input_streaming": True,
+              "defer_loading": False, "allowed_callers": ["direct"]}
+    for choice in ({"type": "any"}, {"type": "tool", "name": "get_weather"}, {"type": "none"}):
+        conv = convert(request(tools=[strict], tool_choice=choice))
+        assert conv.functions == [{"name": "get_weather", "description": "Weather in a city",
+                                   "parameters": WEATHER["input_schema"]}]  # nothing of the extra fields in the prompt
+    assert convert(request(tools=[{**WEATHER, "strict": False}])).tools.mode == "auto"

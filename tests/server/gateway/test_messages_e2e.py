@@ -178,6 +178,23 @@ def test_count_tokens_counts_the_prompt_with_its_tools(stack: Stack, key: str) -
     assert with_tools > bare + 50  # the tool definitions are in the prompt
 
 
+def test_count_tokens_takes_a_trailing_assistant_turn_and_bad_types_are_400_on_every_route(stack: Stack,
+                                                                                           key: str) -> None:
+    api = client(stack, key)
+    turn = [*QUESTION, {"role": "assistant", "content": "Paris."}]
+    counted = api.messages.count_tokens(model=MODEL, messages=turn, speed="standard").input_tokens
+    assert counted > api.messages.count_tokens(model=MODEL, messages=QUESTION).input_tokens - 4
+    # a list where a string is expected: 400 in Anthropic's shape on create, stream and count_tokens (was a 500)
+    bad = {"model": MODEL, "messages": QUESTION, "cache_control": {"type": "ephemeral", "ttl": ["5m"]}}
+    for path, body in (("", {**bad, "max_tokens": 4}), ("", {**bad, "max_tokens": 4, "stream": True}),
+                       ("/count_tokens", bad)):
+        response = httpx.post(stack.gateway.base_url + "/v1/messages" + path, json=body, timeout=60,
+                              headers={"x-api-key": key})
+        assert response.status_code == 400, (path, response.text)
+        assert response.json() == {"type": "error", "error": {"type": "invalid_request_error",
+                                                              "message": 'cache_control.ttl: must be "5m" or "1h"'}}
+
+
 def test_errors_raise_the_sdks_classes_with_anthropics_body(stack: Stack, key: str) -> None:
     with pytest.raises(anthropic.AuthenticationError) as auth:
         client(stack, "kvg_not_a_key").messages.create(model=MODEL, max_tokens=4, messages=QUESTION)
