@@ -417,15 +417,21 @@ def reading(rows: list[dict], roles: dict[str, str]) -> list[str]:
     return out
 
 
+def losing_families(rows: list[dict], label: str) -> list[str]:
+    """The families where ``label`` meets all three targets in fewer settings than kv-aware, as
+    ``family (kv-aware's count vs label's)``: empty when ``label`` passes the adoption rule."""
+    fams = list(dict.fromkeys(r["family"] for r in rows))
+    per = {f: (sum(met(judge(r)) for r in rows if r["family"] == f),
+               sum(met(judge(r, label)) for r in rows if r["family"] == f)) for f in fams}
+    return [f"{f} ({a} vs {b})" for f, (a, b) in per.items() if b < a]
+
+
 def adoption(rows: list[dict], roles: dict[str, str], label: str) -> str:
     """Whether ``label`` may replace kv-aware as the default: only if it meets all three targets in at
     least as many settings as kv-aware in every family (counted from the rows)."""
     report = [r for r in rows if roles[r["family"]] == "report"]
     tune = [r for r in rows if roles[r["family"]] == "tune"]
-    fams = list(dict.fromkeys(r["family"] for r in rows))
-    per = {f: (sum(met(judge(r)) for r in rows if r["family"] == f),
-               sum(met(judge(r, label)) for r in rows if r["family"] == f)) for f in fams}
-    worse = [f"{f} ({a} vs {b})" for f, (a, b) in per.items() if b < a]
+    worse = losing_families(rows, label)
     mine, base = sum(met(judge(r, label)) for r in rows), sum(met(judge(r)) for r in rows)
     head = (f"* **{label}: {mine} of {len(rows)} settings meet all three (kv-aware {base}); report families (held "
             f"out) {sum(met(judge(r, label)) for r in report)} and {sum(met(judge(r)) for r in report)} of {len(report)}, "

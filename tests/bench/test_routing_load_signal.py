@@ -5,14 +5,15 @@ from __future__ import annotations
 from bench.routing import load_signal
 from bench.routing.families import fingerprint
 
-(FIRST,) = load_signal.CANDIDATES  # the rows below give each candidate its own figures
+FIRST, SECOND = load_signal.CANDIDATES  # the rows below give every candidate and screen variant the first's figures
 
 
 def row(family: str, kv: tuple[float, float], cache_only: tuple[float, float], session: tuple[float, float],
         first: tuple[float, float], dynamo: float = 0.3) -> dict:
     out = {"family": family, "ceiling": 0.5}
     figures = {"kv-aware": kv, "cache only": cache_only, "session": session, "random": (0.3, 1.0),
-               "round-robin": (0.3, 1.0), "dynamo": (dynamo, 1.0), FIRST: first}
+               "round-robin": (0.3, 1.0), "dynamo": (dynamo, 1.0),
+               **{label: first for label in (*load_signal.CANDIDATES, *load_signal.SCREEN)}}
     for label, (hit, imbalance) in figures.items():
         out[label] = {"hit": hit, "imbalance": imbalance}
     return out
@@ -33,11 +34,16 @@ def test_the_section_counts_losses_to_session_and_judges_by_family() -> None:
     body = load_signal.section(rows, {"chat": "tune", "api": "report"}, 1.0)
     assert "falls behind `session` by more than half a point (2 of 4 settings)" in body
     assert "in 1 of these 2 settings: dropping the load term is no answer" in body
-    assert "| chat (tune) | 2 | 0 | 1 |" in body
-    assert "| api (report) | 2 | 2 | 1 |" in body
+    assert "| chat (tune) | 2 | 0 | 1 | 1 |" in body
+    assert "| api (report) | 2 | 2 | 1 | 1 |" in body
+    # the screen on chat alone: all three, each target's misses, the worst imbalance
+    assert "| kv-aware (defaults) | 0 | 1 | 2 | 0 | 1.05 |" in body
+    assert f"| (2) {SECOND} | 1 | 0 | 1 | 0 | 1.08 |" in body
+    assert "| (1) with a band of ×1.3 | 1 | 0 | 1 | 0 | 1.08 |" in body
     # each target, churn against the defaults (gained / lost), what is left behind session (settings, median points)
     assert "| kv-aware (defaults) | 3 | 2 | 4 | 1.10 | — | 2, 2.0 |" in body
     assert f"| (1) {FIRST} | 4 | 3 | 3 | 1.40 | 1 / 1 | 1, 1.0 |" in body
+    assert f"| (2) {SECOND} | 4 | 3 | 3 | 1.40 | 1 / 1 | 1, 1.0 |" in body
     # the tune families alone pick the candidate (one setting, the defaults none); the report families judge it
     assert f"*{FIRST}*, 1 of 2 tune settings meeting all three (defaults 0)" in body
     assert "it meets them in 1 of 2 (defaults 2)" in body
@@ -56,6 +62,7 @@ def test_the_level_text_names_each_weight_and_the_band() -> None:
 
 
 def test_every_candidate_is_its_own_replay_and_none_is_the_defaults() -> None:
-    prints = {fingerprint(label, extra) for label, extra in load_signal.CANDIDATES.items()}
-    assert len(prints) == len(load_signal.CANDIDATES)
+    tried = {**load_signal.CANDIDATES, **load_signal.SCREEN}
+    prints = {fingerprint(label, extra) for label, extra in tried.items()}
+    assert len(prints) == len(tried)
     assert fingerprint("kv-aware", ("kv-aware", {}, {})) not in prints
