@@ -100,6 +100,7 @@ request reach a scheduler.
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field, fields
 
@@ -416,6 +417,21 @@ def _range_tensor(field_name: str | None) -> str:
     }.get(field_name or "", RANGE_STARTS.name)
 
 
+def too_long(tokens: int, limit: int) -> str:
+    """The refusal of a prompt over the model's input limit, as every engine words it."""
+    return f"input_ids has {tokens} tokens; this model accepts at most {limit}"
+
+
+_TOO_LONG = re.compile(r"input_ids has (\d+) tokens; this model accepts at most (\d+)")
+
+
+def context_refusal(message: str) -> tuple[int, int] | None:
+    """(prompt tokens, the model's limit) if ``message`` carries :func:`too_long`'s refusal (the
+    gateway learns the model's input limit from it alone), else None."""
+    found = _TOO_LONG.search(message)
+    return None if found is None else (int(found[1]), int(found[2]))
+
+
 def parse_request(
     tensors: Mapping[str, np.ndarray], *, max_output_len: int, max_input_len: int, vocab_size: int
 ) -> EngineRequest:
@@ -427,9 +443,7 @@ def parse_request(
     if ids.size == 0:
         raise ContractError("input_ids must not be empty", tensor=INPUT_IDS.name)
     if ids.size > max_input_len:
-        raise ContractError(
-            f"input_ids has {ids.size} tokens; this model accepts at most {max_input_len}", tensor=INPUT_IDS.name
-        )
+        raise ContractError(too_long(ids.size, max_input_len), tensor=INPUT_IDS.name)
     if int(ids.min()) < 0 or int(ids.max()) >= vocab_size:
         raise ContractError(f"input_ids must be token ids in [0, {vocab_size})", tensor=INPUT_IDS.name)
     if REQUEST_OUTPUT_LEN.name not in tensors:

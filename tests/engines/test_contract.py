@@ -59,7 +59,7 @@ def test_bad_requests_name_the_tensor(mutate, tensor) -> None:
     assert info.value.tensor == tensor
 
 
-# Issue 18: sampling extensions, log probabilities, logit bias, guides -------------------
+# Sampling extensions, log probabilities, logit bias, guides ----------------------------
 from engines.contract import (  # noqa: E402
     Guide,
     KvMetrics,
@@ -67,6 +67,18 @@ from engines.contract import (  # noqa: E402
     decode_log_probs,
     encode_response,
 )
+
+
+def test_a_prompt_over_the_input_limit_is_refused_in_words_the_gateway_reads() -> None:
+    from engines.contract import context_refusal
+
+    tensors = encode_request(_request())
+    tensors["input_ids"] = np.ones(LIMITS["max_input_len"] + 1, np.int32)
+    with pytest.raises(ContractError) as info:
+        parse_request(tensors, **LIMITS)
+    # as an engine passes it on: prefixed by its model or tensor name
+    assert context_refusal(f"[kvgate_llm] {info.value}") == (LIMITS["max_input_len"] + 1, LIMITS["max_input_len"])
+    assert context_refusal("input_ids must be token ids in [0, 1000)") is None
 
 
 def test_extensions_round_trip() -> None:

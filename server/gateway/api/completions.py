@@ -37,7 +37,7 @@ from typing import Protocol
 import anyio
 from fastapi.responses import JSONResponse
 
-from engines.contract import EngineRequest, Guide, KvMetrics, SamplingParams, TokenLogProbs
+from engines.contract import EngineRequest, Guide, KvMetrics, SamplingParams, TokenLogProbs, context_refusal
 from engines.tokenizer import ChatTokenizer
 from retention.hashing import block_hashes
 from retention.policy.conversation import ConversationPlan, ConversationRequest
@@ -407,8 +407,17 @@ async def _generate_extended(job: CompletionJob, request: EngineRequest, chunks:
             yield held
 
 
-def _engine_error(exc: Exception) -> ServingError:
+_PROMPT_FIELD = {"chat": "messages", "text": "prompt"}  # where a job's prompt came from
+
+
+def _engine_error(exc: Exception, job: CompletionJob) -> ServingError:
+    """An engine failure in the API's words; a prompt over the model's input limit is OpenAI's
+    ``context_length_exceeded``, naming the prompt's field (``messages`` / ``prompt``)."""
     if isinstance(exc, EngineRejected):
+        refused = context_refusal(str(exc))
+        if refused is not None:
+            return ServingError(400, "context_length_exceeded", f"the prompt has {refused[0]} tokens and this "
+                                f"model accepts at most {refused[1]}", param=_PROMPT_FIELD.get(job.kind))
         return ServingError(400, "engine_rejected", f"the engine refused the request: {exc}")
     if isinstance(exc, EngineTimeout):
         return ServingError(504, "engine_timeout", "no replica of the model's engine started answering in time; "
@@ -497,7 +506,7 @@ class CompletionRunner:
                     await primed.aclose()
                     await self._finish(job, plan, outcome, started, lease)
                 if engine_failed:
-                    raise _engine_error(exc) from exc
+                    raise _engine_error(exc, job) from exc
                 raise
             if primed.first_at is not None and request.streaming:
                 outcome.ttft = primed.first_at - started
@@ -520,7 +529,7 @@ class CompletionRunner:
                 pass
         except (EngineUnavailable, EngineRejected) as exc:
             outcome.status = "engine_error"
-            raise _engine_error(exc) from exc
+            raise _engine_error(exc, job) from exc
         finally:
             with anyio.CancelScope(shield=True):  # a client gone mid-answer still releases its slot
                 await self._finish(job, plan, outcome, started, lease)
@@ -624,7 +633,7 @@ async def _deltas(job: CompletionJob, request: EngineRequest, chunks: AsyncItera
             yield delta
     except (EngineUnavailable, EngineRejected) as exc:
         outcome.status = "engine_error"
-        raise _engine_error(exc) from exc
+        raise _engine_error(exc, job) from exc
     finally:
         await generate.aclose()
 

@@ -57,7 +57,6 @@ which name the item, and param ``input``.
 from __future__ import annotations
 
 import json
-import re
 import secrets
 from typing import Any, NoReturn
 
@@ -269,11 +268,6 @@ def _input_error(message: str) -> ServingError:
     return ServingError(400, "invalid_request", message, param="input")
 
 
-# The engine contract's refusal of a prompt over the model's input limit (engines.contract.parse_request,
-# which every engine calls): the gateway learns the model's limit from it alone.
-_ENGINE_CONTEXT = re.compile(r"input_ids has (\d+) tokens; this model accepts at most (\d+)")
-
-
 def context_exceeded(message: str) -> ServingError:
     """OpenAI's answer to a prompt over the context window: 400 ``context_length_exceeded``, param ``input``."""
     return ServingError(400, "context_length_exceeded", f"Your input exceeds the context window: {message}. "
@@ -285,12 +279,9 @@ def in_responses_words(error: ServingError) -> ServingError:
     ``max_prompt_tokens``) or for the model (the engine's refusal) as OpenAI answers it
     (:func:`context_exceeded`); any other error as it is (admission's other refusals already
     name the tenant limit, e.g. ``max_output_tokens``)."""
-    if error.status == 400 and error.param == "max_prompt_tokens":
+    if error.status == 400 and (error.param == "max_prompt_tokens" or error.code == "context_length_exceeded"):
         return context_exceeded(error.message)
-    found = _ENGINE_CONTEXT.search(error.message) if error.code == "engine_rejected" else None
-    if found is None:
-        return error
-    return context_exceeded(f"the prompt has {found[1]} tokens and this model accepts at most {found[2]}")
+    return error
 
 
 def to_messages(items: list[dict]) -> list[dict]:

@@ -196,6 +196,20 @@ def test_prompt_over_limit_is_400_naming_the_limit(stack: Stack) -> None:
     assert "20" in info.value.body["message"]
 
 
+def test_a_prompt_over_the_models_input_limit_is_context_length_exceeded(stack: Stack, tenant_key) -> None:
+    """The engine refuses it (the gateway knows the model's limit from that refusal alone); OpenAI's
+    code, naming the prompt's field."""
+    _, key = tenant_key
+    long = "word " * 3000
+    for path, body, field in (("/v1/chat/completions", {"messages": [{"role": "user", "content": long}]}, "messages"),
+                              ("/v1/completions", {"prompt": long}, "prompt")):
+        response = httpx.post(stack.gateway.base_url + path, json={"model": MODEL, "max_tokens": 1, **body},
+                              headers={"Authorization": f"Bearer {key}"}, timeout=120)
+        error = response.json()["error"]
+        assert response.status_code == 400 and (error["code"], error["param"]) == ("context_length_exceeded", field)
+        assert "this model accepts at most" in error["message"], error
+
+
 @pytest.mark.parametrize(
     ("body", "code"),
     [

@@ -483,16 +483,16 @@ def test_max_output_tokens_over_the_tenants_names_max_output_tokens() -> None:
 
 
 def test_the_engines_refusal_of_a_long_prompt_is_context_length_exceeded() -> None:
-    """The engine contract's message, as the reference engine (``[model]`` prefix) and the Triton
-    model (tensor prefix) send it inside the core's ``engine_rejected``."""
-    for said in ("[kvgate_llm] input_ids has 5003 tokens; this model accepts at most 2048",
-                 "input_ids: input_ids has 5003 tokens; this model accepts at most 2048"):
-        error = in_responses_words(ServingError(400, "engine_rejected", f"the engine refused the request: {said}"))
-        assert (error.status, error.code, error.param) == (400, "context_length_exceeded", "input")
-        assert "5003 tokens" in error.message and "at most 2048" in error.message
+    """The core's answer to the engine contract's refusal (``context_length_exceeded``, named after
+    the chat field), in this API's words: param ``input``."""
+    core = ServingError(400, "context_length_exceeded", "the prompt has 5003 tokens and this model accepts at most "
+                        "2048", param="messages")
+    error = in_responses_words(core)
+    assert (error.status, error.code, error.param) == (400, "context_length_exceeded", "input")
+    assert "5003 tokens" in error.message and "at most 2048" in error.message
     other = ServingError(400, "engine_rejected", "the engine refused the request: top_logprobs > 0 is not served")
     assert in_responses_words(other) is other
-    gone = ServingError(503, "engine_unavailable", "input_ids has 5 tokens; this model accepts at most 2")
+    gone = ServingError(503, "engine_unavailable", "the model's engine is unavailable; retry shortly")
     assert in_responses_words(gone) is gone
 
 
