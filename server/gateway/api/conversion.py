@@ -10,6 +10,7 @@ breakpoints, how many messages each breakpoint's prefix spans and its TTL. Bad i
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from engines.contract import Guide
 from server.gateway.api.tools import ToolPlan
@@ -31,3 +32,14 @@ class Conversation:
 def invalid(field: str, message: str) -> ServingError:
     """A 400 ``invalid_request`` naming ``field``."""
     return ServingError(400, "invalid_request", f"{field}: {message}", param=field)
+
+
+def function(name: str, description: Any, field: str) -> dict[str, Any]:
+    """An OpenAI-shaped function definition's head: ``name``, and ``description`` when given (a
+    string, else :func:`invalid` naming ``field.description``); the caller adds the parameters."""
+    head: dict[str, Any] = {"name": name}
+    if description is not None:
+        if not isinstance(description, str):
+            raise invalid(f"{field}.description", "must be a string")
+        head["description"] = description
+    return head

@@ -62,7 +62,7 @@ from engines.contract import Guide
 from retention.policy.hints import MAX_BREAKPOINTS, TTL_1H_MS, TTL_5M_MS, Breakpoint, CacheHints
 from server.gateway.api.messages_schemas import MessageParam, MessagesInput
 from server.gateway.api.prompting import PreparedPrompt
-from server.gateway.api.conversion import Conversation, invalid
+from server.gateway.api.conversion import Conversation, function, invalid
 from server.gateway.api.tools import ToolPlan, check_schema, forced_call_guide, render_messages
 from server.gateway.errors import ServingError
 
@@ -180,11 +180,11 @@ def _functions(tools: Sequence[Any], points: _Breakpoints) -> list[dict]:
     seen: set[str] = set()
     for i, tool in enumerate(tools):
         field = f"tools.{i}"
-        function = _function(tool, field)
-        if function["name"] in seen:
-            raise invalid(f"{field}.name", f"tool names must be unique; '{function['name']}' repeats")
-        seen.add(function["name"])
-        functions.append(function)
+        defined = _function(tool, field)
+        if defined["name"] in seen:
+            raise invalid(f"{field}.name", f"tool names must be unique; '{defined['name']}' repeats")
+        seen.add(defined["name"])
+        functions.append(defined)
         points.take(tool, field, 1)  # the tools live in the system message (message 0)
     return functions
 
@@ -209,14 +209,7 @@ def _function(tool: Any, field: str) -> dict:
     if schema.get("type") != "object":
         raise invalid(f"{field}.input_schema.type", "must be \"object\" (a tool's input is an object)")
     _check_tool_options(tool, field)
-    function: dict[str, Any] = {"name": name}
-    description = tool.get("description")
-    if description is not None:
-        if not isinstance(description, str):
-            raise invalid(f"{field}.description", "must be a string")
-        function["description"] = description
-    function["parameters"] = schema
-    return function
+    return {**function(name, tool.get("description"), field), "parameters": schema}
 
 
 def _check_tool_options(tool: dict, field: str) -> None:

@@ -65,7 +65,7 @@ from retention.policy.hints import TTL_1H_MS, TTL_24H_MS, Breakpoint, CacheHints
 from retention.policy.planner import SegmentRetention
 from retention.routing.affinity import conversation_key  # the key the routing simulator replays too
 from server.gateway.api.responses_schemas import OUTPUT_LOGPROBS, ResponsesRequest
-from server.gateway.api.conversion import Conversation, invalid
+from server.gateway.api.conversion import Conversation, function, invalid
 from server.gateway.api.tools import ToolPlan, check_schema, forced_call_guide, render_messages
 from server.gateway.errors import ServingError
 
@@ -362,19 +362,14 @@ def _functions(tools: list[dict]) -> list[dict]:
         seen.add(name)
         if tool.get("strict") is not None and not isinstance(tool["strict"], bool):
             raise invalid(f"{field}.strict", "must be a boolean")
-        function: dict[str, Any] = {"name": name}
-        description = tool.get("description")
-        if description is not None:
-            if not isinstance(description, str):
-                raise invalid(f"{field}.description", "must be a string")
-            function["description"] = description
+        head = function(name, tool.get("description"), field)
         parameters = tool.get("parameters")
         if parameters is not None:
             if not isinstance(parameters, dict):
                 raise invalid(f"{field}.parameters", "must be a JSON schema object")
             check_schema(parameters, f"{field}.parameters")
-            function["parameters"] = parameters
-        functions.append(function)
+            head["parameters"] = parameters
+        functions.append(head)
     return functions
 
 
