@@ -346,7 +346,8 @@ async def _generate_extended(job: CompletionJob, request: EngineRequest, chunks:
 
     Content deltas are yielded as usual; with tools, text that belongs to a tool call is
     kept in ``outcome.held`` and parsed into ``outcome.tool_calls`` at the end (forced
-    calls: all of it; ``auto``: from the first ``<tool_call>`` on).
+    calls: all of it, and none of it is content even if it does not parse; ``auto``: from
+    the first ``<tool_call>`` on, content again if it does not parse).
     """
     push_token = job.tokenizer.new_decode_stream().push
     matcher = StopMatcher(job.stop) if job.stop else None
@@ -402,9 +403,12 @@ async def _generate_extended(job: CompletionJob, request: EngineRequest, chunks:
             _, outcome.tool_calls = parse_tool_calls(held, job.tools)
         if outcome.tool_calls:
             outcome.finish_reason = "tool_calls"
-        else:  # not a usable call after all (cut short, unknown function): it was content
+        elif not forced:  # not a usable call after all (cut short, unknown function): it was content
             outcome.pieces.append(held)
             yield held
+        # A forced call that does not parse (cut short by max_tokens or a stop string) is never
+        # content: its ``{"name": …, "arguments": …}`` wrapper is the guide's form, not the model's
+        # words, so the answer is empty with the finish reason that cut it.
 
 
 _PROMPT_FIELD = {"chat": "messages", "text": "prompt"}  # where a job's prompt came from

@@ -113,6 +113,19 @@ def test_forced_tool_call_returns_valid_arguments_streaming_and_not(stack: Stack
     assert follow.choices[0].message.content
 
 
+def test_a_forced_call_cut_short_is_an_empty_answer_never_the_guides_wrapper(stack: Stack, key: str) -> None:
+    """max_tokens stops the forced call inside its ``{"name": …}`` wrapper: no tool call, no text."""
+    api = client(stack, key)
+    ask = dict(model=MODEL, messages=[{"role": "user", "content": "What's the weather like in Paris today?"}],
+               tools=[WEATHER], tool_choice="required", temperature=0, max_tokens=3)
+    choice = api.chat.completions.create(**ask).choices[0]
+    assert choice.finish_reason == "length" and not choice.message.tool_calls
+    assert not choice.message.content, choice.message.content
+    streamed = [c.choices[0] for c in api.chat.completions.create(**ask, stream=True) if c.choices]
+    assert "".join(c.delta.content or "" for c in streamed) == ""
+    assert streamed[-1].finish_reason == "length" and not any(c.delta.tool_calls for c in streamed)
+
+
 @pytest.fixture(scope="module")
 def bundle():
     torch.set_num_threads(1)
