@@ -9,8 +9,9 @@ Invariants:
   are deleted whenever that tenant stores a new one, and every tenant's by
   :func:`purge_expired` (the gateway's sweep, for the space of tenants that stopped storing).
 * A conversation lives as long as its newest turn: storing a continuation raises the expiry
-  of each live ancestor to at least the new row's (one UPDATE, in the store's transaction),
-  since a continuation needs every link of its chain. An ancestor deleted (or expired
+  of each live ancestor expiring before the new row to the new row's plus half a TTL (one
+  UPDATE, in the store's transaction; the half TTL spares a rewrite of the chain on every
+  turn), since a continuation needs every link of its chain. An ancestor deleted (or expired
   before it could be kept) leaves its descendants readable but not continuable:
   :func:`response_chain` names the missing link.
 * A tenant's stored bytes (``size_bytes`` of its live rows) never exceed ``max_bytes`` by a
@@ -18,8 +19,8 @@ Invariants:
   stores nothing. :func:`check_room` lets the edge refuse before it spends an engine call.
 * ``input_items`` keep the request's items in order, each with a unique ``id`` (the gateway
   refuses repeated ids); pages of :func:`list_input_items` are cut by that id (OpenAI's
-  ``after`` cursor) at its last place, so every page moves forward even over rows stored
-  before repeats were refused.
+  ``after`` cursor); a row stored before repeats were refused serves each repeat renamed
+  (:func:`_unique_ids`), so every item is served once and every page moves forward.
 * ``root_id`` names the response a stored conversation started with, for every row of it
   (forks included), so :func:`conversation_rows` finds a conversation's live rows with one
   indexed query, on whichever gateway the delete lands; ``prompt_blocks`` (the prompt's full
@@ -123,18 +124,21 @@ def store_response(session: Session, *, tenant_id: int, response_id: str, previo
                              prompt_blocks=prompt_blocks)
         session.add(row)
         if ancestor_ids:
-            _keep_ancestors(session, tenant_id=tenant_id, ids=ancestor_ids, now=now, until=now + ttl)
+            _keep_ancestors(session, tenant_id=tenant_id, ids=ancestor_ids, now=now, until=now + ttl, step=ttl / 2)
     return row
 
 
 def _keep_ancestors(session: Session, *, tenant_id: int, ids: Sequence[str], now: datetime,
-                    until: datetime) -> None:
-    """Raise the expiry of the live rows ``ids`` of the tenant to ``until`` where it is sooner
-    (a row already gone stays gone: its descendants are not continuable either way)."""
+                    until: datetime, step: timedelta) -> None:
+    """Keep the live rows ``ids`` of the tenant until at least ``until``: those expiring sooner
+    are raised to ``until + step`` (a row already gone stays gone: its descendants are not
+    continuable either way). Why the step: a turn of a conversation then rewrites its
+    ancestors at most once per ``step``, not on every turn (a conversation of N turns would
+    otherwise cost N²/2 row writes); an ancestor outlives its newest turn by at most ``step``."""
     session.execute(update(StoredResponse).where(
         StoredResponse.tenant_id == tenant_id, StoredResponse.id.in_(list(ids)),
         StoredResponse.expires_at > now, StoredResponse.expires_at < until,
-    ).values(expires_at=until).execution_options(synchronize_session="fetch"))  # rows this session holds too
+    ).values(expires_at=until + step).execution_options(synchronize_session="fetch"))  # rows this session holds too
 
 
 def get_response(session: Session, *, tenant_id: int, response_id: str, now: datetime) -> StoredResponse:
@@ -213,17 +217,28 @@ def list_input_items(session: Session, *, tenant_id: int, response_id: str, now:
         raise InvalidField(f"limit must be an integer in [1, {MAX_PAGE}]", field="limit")
     if order not in ("asc", "desc"):
         raise InvalidField("order must be 'asc' or 'desc'", field="order")
-    items = list(get_response(session, tenant_id=tenant_id, response_id=response_id, now=now).input_items)
+    items = _unique_ids(get_response(session, tenant_id=tenant_id, response_id=response_id, now=now).input_items)
     if order == "desc":
         items.reverse()
     if after is not None:
-        # The cursor's last place in this order: a page never holds its own cursor again, so paging
-        # ends even over a row whose items repeat an id (stored before repeats were refused).
-        at = next((i for i in range(len(items) - 1, -1, -1) if items[i].get("id") == after), None)
+        at = next((i for i, item in enumerate(items) if item.get("id") == after), None)
         if at is None:
             raise InvalidField(f"after: no input item {after[:80]!r} in this response", field="after")
         items = items[at + 1:]
     return InputItemsPage(items[:limit], len(items) > limit)
+
+
+def _unique_ids(items: list[dict]) -> list[dict]:
+    """The items with unique ids, as pages are cut by them: a row stored before repeated ids
+    were refused serves each repeat after the first as ``<id>~<n>`` (its n-th use), so every
+    item is served once and paging always moves on."""
+    uses: dict[Any, int] = {}
+    out = []
+    for item in items:
+        ident = item.get("id")
+        uses[ident] = uses.get(ident, 0) + 1
+        out.append(item if uses[ident] == 1 else {**item, "id": f"{ident}~{uses[ident]}"})
+    return out
 
 
 def purge_expired(session: Session, *, now: datetime, limit: int = 1000) -> int:

@@ -58,6 +58,7 @@ from __future__ import annotations
 
 import json
 import secrets
+from collections import Counter
 from typing import Any, NoReturn
 
 from engines.contract import Guide
@@ -247,13 +248,18 @@ def _check_answered(every: list[dict], start: int) -> None:
     Calls deeper in a stored chain are not looked at again (answered when the chain went on)."""
     first = _trailing_calls(every[:start])  # the chain's closing calls start here
     last = max(start, _trailing_calls(every))  # the request's own closing calls start here
-    answered: set[str] = set()
-    for index in range(len(every) - 1, first - 1, -1):  # backwards: the outputs after each call are known
+    # backwards, so the outputs after each call are known; an output answers one call, the latest
+    # of its id before it (a client may reuse an id across turns: each turn's call needs its own)
+    answered: Counter[str] = Counter()
+    for index in range(len(every) - 1, first - 1, -1):
         item = every[index]
         if item["type"] == "function_call_output":
-            answered.add(item["call_id"])
-        elif item["type"] == "function_call" and index < last and item["call_id"] not in answered:
-            raise _input_error(f"No tool output found for function call {item['call_id']!r}.")
+            answered[item["call_id"]] += 1
+        elif item["type"] == "function_call":
+            if answered[item["call_id"]] > 0:
+                answered[item["call_id"]] -= 1
+            elif index < last:
+                raise _input_error(f"No tool output found for function call {item['call_id']!r}.")
 
 
 def _trailing_calls(items: list[dict]) -> int:
@@ -288,8 +294,11 @@ def to_messages(items: list[dict]) -> list[dict]:
     """Normalized items → chat messages (``tool_calls`` on assistant messages, ``tool`` messages,
     each run of them in the order of the calls they answer)."""
     out: list[dict] = []
-    order: dict[str, int] = {}  # call_id -> its place among the calls: where its output goes in a run
+    # call_id -> the place of its latest call among all calls: where its output goes in a run (a
+    # client may reuse an id across turns; an output answers the latest call of its id)
+    order: dict[str, int] = {}
     run: list[tuple[int, str]] = []  # the current run of outputs: (call place, output)
+    placed = 0  # calls seen
 
     def flush() -> None:
         out.extend({"role": "tool", "content": output} for _, output in sorted(run, key=lambda r: r[0]))
@@ -300,13 +309,14 @@ def to_messages(items: list[dict]) -> list[dict]:
         if kind == "function_call_output":
             # an output without a known call (stored before calls were checked) goes after the run's
             # answered calls, in the order it came
-            run.append((order.get(item["call_id"], len(order) + len(run)), item["output"]))
+            run.append((order.get(item["call_id"], placed + len(run)), item["output"]))
             continue
         flush()
         if kind == "message":
             out.append({"role": item["role"], "content": "".join(p.get("text", "") for p in item["content"])})
         else:
-            order.setdefault(item["call_id"], len(order))
+            order[item["call_id"]] = placed
+            placed += 1
             call = {"name": item["name"], "arguments": item["arguments"]}
             last = out[-1] if out else None
             if last is not None and last["role"] == "assistant":

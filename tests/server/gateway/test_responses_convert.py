@@ -357,6 +357,21 @@ def test_outputs_sent_out_of_order_answer_their_own_calls() -> None:
     assert swapped.messages == in_order.messages
 
 
+def test_a_call_id_reused_in_a_later_turn_is_answered_by_that_turns_output() -> None:
+    """Turn 1 calls c1; turn 2 calls c2 then c1 again and answers them out of order: each output goes
+    to the latest call of its id, and the first turn's c1 still needs its own output."""
+    ask = {"role": "user", "content": "Oslo, then Rome and Oslo?"}
+    rome = {**CALL, "call_id": "c2", "arguments": '{"city":"Rome"}'}
+    first = [ask, CALL, {"type": "function_call_output", "call_id": "c1", "output": "rain in Oslo"}]
+    second = [rome, CALL, {"type": "function_call_output", "call_id": "c2", "output": "sun in Rome"},
+              {"type": "function_call_output", "call_id": "c1", "output": "snow in Oslo"}]
+    messages = served(request(tools=[WEATHER], input=first + second)).messages
+    assert [m["content"] for m in messages[-2:]] == ["sun in Rome", "snow in Oslo"]
+    # the second turn's output for c1 does not answer the first turn's call too
+    unanswered = [ask, CALL, rome, CALL, *second[2:]]
+    assert refused("input", tools=[WEATHER], input=unanswered).message == "No tool output found for function call 'c1'."
+
+
 def test_metadata_within_openais_bounds() -> None:
     from fastapi.exceptions import RequestValidationError
     from pydantic import ValidationError
