@@ -213,7 +213,8 @@ def section(rows: list[dict], roles: dict[str, str], seconds: float, workers: in
         "choice among them is made on the tune families alone (below). The second is the first with a quarter of the "
         f"queued prefill back in its level: the best of a screen on {SCREEN_FAMILY} alone (a tune family, where the "
         "first meets the targets in fewer settings than the defaults), each variant changing one knob of the first, "
-        "and the defaults with a larger home credit:",
+        f"and the defaults with a larger home credit; its {SCREEN_FAMILY} figures are in-sample (the settings it was "
+        "chosen on), no other family was used to choose it:",
         "",
         *screen_table(rows),
         "",

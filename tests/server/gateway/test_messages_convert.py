@@ -260,6 +260,30 @@ def test_tool_results_answer_their_calls_by_id_in_the_order_of_the_calls() -> No
         ("tool", "Oslo: rain"), ("tool", "Paris: sun"), ("user", "Here:")]
 
 
+def test_consecutive_messages_of_a_role_are_one_turn_whose_results_answer_its_calls(prompter) -> None:
+    def tail(messages: list[dict]) -> list[tuple[str, str]]:
+        conv = convert(request(tools=[WEATHER], messages=[user("Oslo and Paris?"), *messages]))
+        assert prompter.chat(conv.messages).total > 0
+        return [(m["role"], m["content"]) for m in conv.messages[2:]]
+
+    # Anthropic combines consecutive user (or assistant) messages into one turn; pairing is per turn
+    split_results = tail([calls("A", "B"), user([result("A", "rain")]), user([result("B", "sun")])])
+    assert [role for role, _ in split_results] == ["assistant", "tool", "tool"]
+    assert split_results[1:] == [("tool", "rain"), ("tool", "sun")]
+    text_after_calls = tail([calls("A"), {"role": "assistant", "content": "Checking."}, user([result("A", "rain")])])
+    assert [role for role, _ in text_after_calls] == ["assistant", "assistant", "tool"]
+    assert text_after_calls[1:] == [("assistant", "Checking."), ("tool", "rain")]
+    # a turn's results come first and in the order of the turn's calls (Hermes pairs by position),
+    # across its messages; then each message's text, in order
+    reordered = tail([calls("A"), calls("B"), user([result("B", "sun"), {"type": "text", "text": "Here:"}]),
+                      user([{"type": "text", "text": "And?"}, result("A", "rain")])])
+    assert reordered[2:] == [("tool", "rain"), ("tool", "sun"), ("user", "Here:"), ("user", "And?")]
+    # a result's breakpoint ends with its tool message, after the reordering
+    conv = convert(request(tools=[WEATHER], messages=[user("a"), calls("A", "B"), user([result("B", "b")]),
+                                                      user([{**result("A", "a"), "cache_control": EPHEMERAL}])]))
+    assert conv.messages[3] == {"role": "tool", "content": "a"} and conv.marks == (4,)
+
+
 @pytest.mark.parametrize("messages, field, words", [
     ([user("a"), {"role": "assistant", "content": [{"type": "tool_use", "name": "get_weather", "input": {}}]},
       user([result("t")])], "messages.1.content.0.id", "must be a non-empty string"),
@@ -277,8 +301,17 @@ def test_tool_results_answer_their_calls_by_id_in_the_order_of_the_calls() -> No
     ([user("a"), calls("t1"), {"role": "assistant", "content": "b"}, user("c")], "messages.1",
      "without tool_result blocks immediately after: t1."),
     ([user("a"), calls("t1"), user([result("t1"), result("t1")])], "messages.2.content.1.tool_use_id", "twice"),
-    ([user("a"), calls("t1"), user([result("t1")]), user([result("t1")])], "messages.3.content.0",
-     "previous message does not contain any tool_use blocks"),
+    # consecutive messages of a role are one turn (Anthropic combines them): its results answer once
+    ([user("a"), calls("t1"), user([result("t1")]), user([result("t1")])], "messages.3.content.0.tool_use_id",
+     "twice"),
+    ([user("a"), calls("t1"), calls("t2"), user([result("t1")])], "messages.2",
+     "without tool_result blocks immediately after: t2."),
+    ([user("a"), calls("t1"), user([result("t1")]), user([result("t2")])], "messages.3.content.0",
+     "unexpected tool_use_id found in tool_result blocks: t2."),
+    ([user("a"), calls("t1"), user([result("t1")]), {"role": "assistant", "content": "b"}, user([result("t1")])],
+     "messages.4.content.0", "previous message does not contain any tool_use blocks"),
+    ([user("a"), calls("t1"), user([result("t1")]), calls("t2"), user("b"), user("c")], "messages.3",
+     "without tool_result blocks immediately after: t2."),
 ])
 def test_tool_calls_and_results_that_do_not_pair_are_refused(messages, field, words) -> None:
     assert words in refused(field, tools=[WEATHER], messages=messages)
