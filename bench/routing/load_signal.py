@@ -185,7 +185,9 @@ def adopted_note(rows: list[dict]) -> list[str]:
     passing = [label for label in CANDIDATES if not families.losing_families(rows, label)]
     if not passing:
         return []
-    return [f"Passing the rule, {', '.join(passing)} is not made the default here: every other routing figure in "
+    names = " and ".join(f"*{label}*" for label in passing)
+    return [f"Passing the rule, {names} {'is' if len(passing) == 1 else 'are'} not made the default here: every "
+            "other routing figure in "
             "this file (the families grid with its variants and frontier, the routing simulator, live routing, trace "
             "length) is measured with the defaults, and a new default is adopted with all of them measured again under "
             "it.", ""]

@@ -71,8 +71,8 @@ def test_every_candidate_is_its_own_replay_and_none_is_the_defaults() -> None:
 def test_a_candidate_passing_the_rule_is_named_and_not_made_the_default() -> None:
     rows = [row("chat", (0.46, 1.05), (0.48, 1.10), (0.48, 1.10), (0.47, 1.08)),
             row("api", (0.47, 1.10), (0.49, 1.60), (0.45, 1.60), (0.48, 1.20))]
-    rows[0][SECOND] = {"hit": 0.40, "imbalance": 1.05}  # the second loses chat's one setting: only the first passes
+    rows[1][SECOND] = {"hit": 0.40, "imbalance": 1.05}  # the second loses api's one setting: only the first passes
     body = load_signal.section(rows, {"chat": "tune", "api": "report"}, 1.0)
-    assert f"Passing the rule, {FIRST} is not made the default here" in body
+    assert f"Passing the rule, *{FIRST}* is not made the default here" in body
     lose = {"hit": 0.0, "imbalance": 2.0}
     assert load_signal.adopted_note([r | {FIRST: lose, SECOND: lose} for r in rows]) == []  # none passes: no note

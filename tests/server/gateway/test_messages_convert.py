@@ -348,6 +348,24 @@ def test_count_tokens_counts_a_conversation_ending_with_an_assistant_turn(prompt
     assert text.endswith("</tool_call><|im_end|>\n")  # closed as a history turn, no generation prompt after it
     opened = prompter.chat(convert(request(tools=[WEATHER], messages=[*messages, user([result("t1")])])).messages)
     assert len(ids) < opened.total
+    # the last turn's calls may stay unanswered, over all of its messages
+    two = convert(count_request(tools=[WEATHER], messages=[*messages, calls("t2")]), generate=False)
+    assert [m["role"] for m in two.messages[-2:]] == ["assistant", "assistant"]
+
+
+@pytest.mark.parametrize("empty", ["", []])
+def test_count_tokens_takes_an_empty_final_assistant_message_as_the_open_turn(empty) -> None:
+    # Anthropic: "all messages must have non-empty content except for the optional final assistant message"
+    for history in ([user("Hi")], [user("Weather in Oslo?"), calls("t1")],
+                    [user("Weather in Oslo?"), calls("t1"), user([result("t1", "rain")])]):
+        body = {"tools": [WEATHER], "cache_control": EPHEMERAL}
+        conv = convert(count_request(**body, messages=[*history, {"role": "assistant", "content": empty}]),
+                       generate=False)
+        # counted as the conversation before it: its generation prompt opens that (empty) assistant turn
+        assert conv == convert(count_request(**body, messages=history), generate=False)
+    assert "prefill" in refused("messages.1", messages=[user("Hi"), {"role": "assistant", "content": empty}])
+    # only the final message may be empty
+    refused("messages.1.content", messages=[user("Hi"), {"role": "assistant", "content": empty}, user("Go on")])
 
 
 def test_nested_tool_result_blocks_are_checked_and_counted_like_top_level_ones() -> None:
@@ -393,9 +411,9 @@ def test_empty_text_the_converter_makes_itself_stays_accepted() -> None:
 
 
 @pytest.mark.parametrize("tool, choice, field", [
-    ({**WEATHER, "strict": True}, None, "tools.0.strict"),
-    ({**WEATHER, "strict": True}, {"type": "auto"}, "tools.0.strict"),
     ({**WEATHER, "strict": "yes"}, {"type": "any"}, "tools.0.strict"),
+    ({**WEATHER, "strict": 1}, None, "tools.0.strict"),
+    ({**WEATHER, "strict": "true"}, {"type": "auto"}, "tools.0.strict"),
     ({**WEATHER, "input_schema": {"type": "string"}}, None, "tools.0.input_schema.type"),
     ({**WEATHER, "input_schema": {"properties": {}}}, None, "tools.0.input_schema.type"),
     ({**WEATHER, "defer_loading": True}, None, "tools.0.defer_loading"),
@@ -409,11 +427,16 @@ def test_tool_fields_are_honoured_ignored_on_purpose_or_refused_by_name(tool, ch
     assert refused(field, **fields).startswith(field + ":")
 
 
-def test_strict_is_honoured_where_guided_decoding_forces_the_call() -> None:
+def test_strict_is_accepted_with_every_tool_choice_and_guided_where_the_call_is_forced() -> None:
     strict = {**WEATHER, "strict": True, "input_examples": [{"city": "Oslo"}], "eager_input_streaming": True,
               "defer_loading": False, "allowed_callers": ["direct"]}
-    for choice in ({"type": "any"}, {"type": "tool", "name": "get_weather"}, {"type": "none"}):
-        conv = convert(request(tools=[strict], tool_choice=choice))
+    for choice in ({"type": "any"}, {"type": "tool", "name": "get_weather"}, {"type": "none"}, {"type": "auto"}, None):
+        conv = convert(request(tools=[strict], **({} if choice is None else {"tool_choice": choice})))
         assert conv.functions == [{"name": "get_weather", "description": "Weather in a city",
                                    "parameters": WEATHER["input_schema"]}]  # nothing of the extra fields in the prompt
+        # any / tool: the forced call follows the schema; auto (langchain-anthropic's bind_tools(strict=True)):
+        # best effort, the call parsed from free text as on the OpenAI routes; none: no call
+        forced = choice is not None and choice["type"] in ("any", "tool")
+        assert (conv.guide is not None) == forced
+        assert conv.tools.mode == ("forced" if forced else (choice or {"type": "auto"})["type"])
     assert convert(request(tools=[{**WEATHER, "strict": False}])).tools.mode == "auto"
