@@ -103,9 +103,12 @@ async def create_message(body: MessagesRequest, tenant: Tenant, services: Gatewa
 @router.post("/count_tokens")
 async def count_tokens(body: CountTokensRequest, tenant: Tenant, services: Gateway) -> dict:
     """The prompt's length in the model's tokens, tool definitions included (no admission, no engine).
-    A conversation ending with an assistant message is counted too (generating refuses it)."""
+    A conversation ending with an assistant message is counted too (generating refuses it), that turn
+    closed as a history turn (:func:`history_tokens`). An empty final assistant message (``""`` or
+    ``[]``, which Anthropic allows) is the turn left open: the conversation is counted without it, as
+    the prompt a create request without it reads, whose generation prompt opens that turn."""
     conversation = convert(body, generate=False)
-    if conversation.messages[-1]["role"] != "assistant":
+    if not conversation.messages or conversation.messages[-1]["role"] != "assistant":
         _, prompt = await _prompt(services, tenant, body, conversation)
         return {"input_tokens": prompt.total}
     check_model(tenant, body.model)

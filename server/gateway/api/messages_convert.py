@@ -10,11 +10,14 @@ guide from the same functions the OpenAI path uses.
     Anthropic                                   chat request
     system (string | text blocks)            →  one system message (blocks joined by "\\n")
     tools [{name, description, input_schema}]→  functions [{name, description, parameters}]
-    user: tool_result blocks                 →  one ``tool`` message each, first, in the order of the
+    user turn: tool_result blocks            →  one ``tool`` message each, first, in the order of the
                                                 calls they answer (the template pairs by position)
-    user: text blocks                        →  then one user message (the blocks joined by "\\n")
-    assistant: text + tool_use blocks        →  assistant message with ``tool_calls``
+    user turn: text blocks                   →  then one user message per message (its blocks joined by "\\n")
+    assistant: text + tool_use blocks        →  assistant message with ``tool_calls`` (one per message)
     tool_choice auto|any|tool|none           →  ToolPlan auto | forced (all) | forced (one) | none
+    tool strict (boolean)                    →  any|tool: the guide follows the schema (as always);
+                                                auto: accepted, best effort (the call is parsed from
+                                                free text, its input not checked against the schema)
     output_config.format (json_schema)       →  the JSON-schema guide (OpenAI's response_format)
     cache_control (top level)                →  a breakpoint after the last message
 
@@ -33,17 +36,27 @@ content are checked and counted the same way, in request order, and end with the
 ``tool`` message; results are reordered by call (below), so such a breakpoint may end before
 an earlier one: it is then inside that one's prefix, which keeps it (:func:`cache_hints`).
 
-**Tool calls pair by id**, as Anthropic pairs them; the chat template has no ids (Hermes:
-results answer calls in order), so the ids are checked here and then dropped. Anthropic's
-rules, with its messages: every ``tool_use`` has a string ``id``, unique in the request;
-every ``tool_result`` names a ``tool_use`` of the message right before it, at most once;
-an assistant message with ``tool_use`` blocks is followed by a user message answering all
-of them, unless it is the last message (counting takes that; generating refuses it as a
-prefill). A ``tool_use`` naming a tool that is not in ``tools`` stays accepted in history.
+**Tool calls pair by id, per turn**, as Anthropic pairs them; the chat template has no ids
+(Hermes: results answer calls in order), so the ids are checked here and then dropped.
+Anthropic combines consecutive ``user`` (or ``assistant``) messages into one turn, so the
+pairing is over turns, not messages. kvgate's rules (with Anthropic's error messages where it
+has one): every ``tool_use`` has a string ``id``, unique in the request; every ``tool_result``
+names a ``tool_use`` of the assistant turn right before its user turn, at most once; the calls
+of an assistant turn are all answered in the next (user) turn, unless it is the last turn
+(counting takes that; generating refuses a final assistant message as a prefill). A refusal
+names the message holding the offending block (an unanswered call: the assistant message
+holding the first one). Nothing more is checked: a turn's text may come before its results,
+and a ``tool_use`` naming a tool that is not in ``tools`` stays accepted in history. Rendering
+stays per message, except that a user turn's results all come first, in the order of the calls
+they answer (across the turn's messages), then each of its messages' text.
 
 **Text** blocks must be non-empty wherever a client writes them (system, messages,
 tool_result content; Anthropic: "text content blocks must be non-empty"); the converter's
 own empty texts (an assistant turn of tool calls only, a tool_result without content) stay.
+The one empty message Anthropic allows, a final assistant message with ``content`` ``""`` or
+``[]``, is the turn left open for the model: counting counts the conversation without it
+(whose generation prompt opens that turn, as a create request without it would be prompted);
+generating refuses it as any final assistant message (prefill).
 
 Invariant: everything a request says is honoured, ignored on purpose (documented in the
 README's field table), or refused with a :class:`ServingError` 400 whose message names the
@@ -56,6 +69,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping, Sequence
+from itertools import groupby
 from typing import Any
 
 from engines.contract import Guide
@@ -139,7 +153,9 @@ def convert(body: MessagesInput, *, generate: bool = True) -> Conversation:
     """The chat request for ``body``, or a 400 :class:`ServingError` naming what cannot be served.
 
     ``generate=False`` (``count_tokens``): a final assistant message is kept as a history turn
-    (the caller renders it without opening a generation prompt); generating refuses it (prefill)."""
+    (the caller renders it without opening a generation prompt), except an empty one (``""`` or
+    ``[]``), which is left out: the conversation before it is counted, its generation prompt
+    opening that turn. Generating refuses a final assistant message, empty or not (prefill)."""
     refuse_unservable(body)
     points = _Breakpoints()
     functions = _functions(body.tools or [], points)
@@ -147,14 +163,16 @@ def convert(body: MessagesInput, *, generate: bool = True) -> Conversation:
     out: list[dict] = []
     if system is not None or functions:
         out.append({"role": "system", "content": system or ""})  # render_messages appends the tools to it
-    _turns(body.messages, out, points)
+    messages = body.messages
+    if messages[-1].role == "assistant" and not messages[-1].content:
+        messages = messages[:-1]  # Anthropic's optional empty final assistant message: the turn left open
+    _turns(messages, out, points)
     # Top-level cache_control: Anthropic puts it on the last cacheable block, i.e. after everything else.
     points.take({"cache_control": body.cache_control} if body.cache_control is not None else {}, "", len(out))
     if generate and body.messages[-1].role == "assistant":
         raise invalid(f"messages.{len(body.messages) - 1}", "a final assistant message (prefill) is not supported; "
                       "end with a user message")
     plan, guide = _tool_plan(body, functions)
-    _check_strict(body.tools or [], plan)
     guide = _output_guide(body, guide)
     if functions or any("tool_calls" in m for m in out):
         out = render_messages(out, functions)
@@ -214,7 +232,10 @@ def _function(tool: Any, field: str) -> dict:
 
 def _check_tool_options(tool: dict, field: str) -> None:
     """The tool fields that leave the prompt alone: type-checked, and the values kvgate cannot keep
-    refused (``strict`` is checked against the tool choice in :func:`_check_strict`)."""
+    refused. ``strict`` (a boolean) is accepted with every tool choice, one policy with the OpenAI
+    routes: with ``any`` / ``tool`` the call's guide follows the schema whether or not it is set;
+    with ``auto`` it is best effort (the call is parsed from free text, its input not checked against
+    the schema); with ``none`` no call is parsed."""
     for flag in ("strict", "eager_input_streaming", "defer_loading"):
         value = tool.get(flag)
         if value is not None and not isinstance(value, bool):
@@ -233,18 +254,6 @@ def _check_tool_options(tool: dict, field: str) -> None:
     if callers is not None and (not isinstance(callers, list) or any(caller != "direct" for caller in callers)):
         raise invalid(f"{field}.allowed_callers", "only [\"direct\"] is supported: this gateway runs no code "
                       "execution tool")
-
-
-def _check_strict(tools: Sequence[dict], plan: ToolPlan | None) -> None:
-    """``strict: true`` promises schema-valid calls. Kept where a guide forces the call (``any``,
-    ``tool``: the arguments follow the schema) or no call is parsed (``none``); an ``auto`` call is
-    parsed from free text, whose arguments nothing holds to the schema."""
-    if plan is None or plan.mode != "auto":
-        return
-    for i, tool in enumerate(tools):
-        if tool.get("strict") is True:
-            raise invalid(f"tools.{i}.strict", "true needs tool_choice \"any\" or \"tool\" on this gateway: only a "
-                          "forced call is guided by the schema (an \"auto\" call is parsed from free text)")
 
 
 def _system(system: str | list[dict] | None, points: _Breakpoints) -> str | None:
@@ -280,21 +289,21 @@ def _not_text(kind: Any) -> str:
 
 
 def _turns(messages: Sequence[MessageParam], out: list[dict], points: _Breakpoints) -> None:
-    """Appends the chat messages of ``messages``, checking that tool calls and results pair by id."""
+    """Appends the chat messages of ``messages``, checking that tool calls and results pair by id.
+    Pairing is per turn: consecutive messages of a role are one turn, as Anthropic combines them."""
     ids: set[str] = set()  # every tool_use id so far: unique in the request
-    calls: dict[str, int] = {}  # the previous assistant message's tool_use ids -> their place among its calls
-    for i, message in enumerate(messages):
-        field = f"messages.{i}"
-        blocks = _blocks(message, field)
-        if message.role == "assistant":
-            if calls:
-                raise _unanswered(f"messages.{i - 1}", list(calls))
-            calls = _assistant(blocks, field, out, points, ids)
+    calls: dict[str, str] = {}  # the previous assistant turn's tool_use ids, in call order -> their message's field
+    for role, group in groupby(enumerate(messages), key=lambda item: item[1].role):
+        turn = [(f"messages.{i}", message) for i, message in group]
+        if role == "assistant":
+            calls = {}
+            for field, message in turn:
+                calls.update(dict.fromkeys(_assistant(_blocks(message, field), field, out, points, ids), field))
             continue
-        answered = _user(blocks, field, out, points, calls)
+        answered = _user_turn(turn, out, points, {call_id: k for k, call_id in enumerate(calls)})
         missing = [call_id for call_id in calls if call_id not in answered]
         if missing:
-            raise _unanswered(f"messages.{i - 1}", missing)
+            raise _unanswered(calls[missing[0]], missing)
         calls = {}
 
 
@@ -309,45 +318,55 @@ def _blocks(message: MessageParam, field: str) -> list:
 
 
 def _unanswered(field: str, ids: list[str]) -> ServingError:
-    """Anthropic's refusal of the assistant message at ``field``: the next message leaves ``ids`` unanswered."""
+    """Anthropic's refusal of the assistant turn whose message at ``field`` holds the first of ``ids``:
+    the next turn leaves ``ids`` unanswered."""
     return invalid(field, f"tool_use ids were found without tool_result blocks immediately after: {', '.join(ids)}. "
                    "Each tool_use block must have a corresponding tool_result block in the next message.")
 
 
-def _user(blocks: list, field: str, out: list[dict], points: _Breakpoints, calls: Mapping[str, int]) -> set[str]:
-    """Appends the user message as chat messages: its tool results first, one ``tool`` message each
-    in the order of the ``calls`` they answer (the template pairs results with calls by position),
-    then its text blocks joined as one user message. ``calls``: the previous assistant message's
+def _user_turn(turn: Sequence[tuple[str, MessageParam]], out: list[dict], points: _Breakpoints,
+               calls: Mapping[str, int]) -> set[str]:
+    """Appends a user turn (consecutive user messages, with their fields) as chat messages: the turn's
+    tool results first, one ``tool`` message each in the order of the ``calls`` they answer, whichever
+    of its messages holds them (the template pairs results with calls by position), then each
+    message's text blocks joined as one user message. ``calls``: the previous assistant turn's
     tool_use ids -> their place among its calls. Returns the ids answered."""
     results: dict[str, str] = {}  # tool_use_id -> the result's text
-    texts: list[str] = []
-    marked: list[tuple[dict, str, str | None]] = []  # (block, field, answered id | None: the text message)
-    for j, block in enumerate(blocks):
-        where = f"{field}.content.{j}"
-        kind = block.get("type") if isinstance(block, dict) else None
-        if kind == "tool_result":
-            text, nested = _tool_result(block, where)
-            call_id = _answer(block.get("tool_use_id"), where, calls, results)
-            results[call_id] = text
-            marked.extend((part, part_field, call_id) for part, part_field in nested)
-            marked.append((block, where, call_id))
-        elif kind == "tool_use":
-            raise invalid(f"{where}.type", "tool_use blocks belong in assistant messages")
-        else:
-            texts.append(_text(block, where))
-            marked.append((block, where, None))
+    texts: list[str] = []  # per message: its text blocks joined ("" if it has none)
+    marked: list[tuple[dict, str, str | int]] = []  # (block, field, answered id | its message's place in texts)
+    for field, message in turn:
+        mine: list[str] = []
+        for j, block in enumerate(_blocks(message, field)):
+            where = f"{field}.content.{j}"
+            kind = block.get("type") if isinstance(block, dict) else None
+            if kind == "tool_result":
+                text, nested = _tool_result(block, where)
+                call_id = _answer(block.get("tool_use_id"), where, calls, results)
+                results[call_id] = text
+                marked.extend((part, part_field, call_id) for part, part_field in nested)
+                marked.append((block, where, call_id))
+            elif kind == "tool_use":
+                raise invalid(f"{where}.type", "tool_use blocks belong in assistant messages")
+            else:
+                mine.append(_text(block, where))
+                marked.append((block, where, len(texts)))
+        texts.append("\n".join(mine))
     order = sorted(results, key=calls.__getitem__)
-    ends = {call_id: len(out) + k + 1 for k, call_id in enumerate(order)}  # messages up to and including its own
+    # messages up to and including the one holding a result (by id) or a message's text (by place)
+    ends: dict[str | int, int] = {call_id: len(out) + k + 1 for k, call_id in enumerate(order)}
     out.extend({"role": "tool", "content": results[call_id]} for call_id in order)
-    if texts:
-        out.append({"role": "user", "content": "\n".join(texts)})
-    for block, where, call_id in marked:  # request order, as the breakpoint rules count
-        points.take(block, where, len(out) if call_id is None else ends[call_id])
+    for k, text in enumerate(texts):
+        if text:  # client text is never empty (_text): "" is a message of results only
+            out.append({"role": "user", "content": text})
+            ends[k] = len(out)
+    for block, where, key in marked:  # request order, as the breakpoint rules count
+        points.take(block, where, ends[key])
     return set(results)
 
 
 def _answer(call_id: Any, field: str, calls: Mapping[str, int], answered: Mapping[str, str]) -> str:
-    """The tool_use id a tool_result at ``field`` names: one of ``calls``, not yet ``answered``."""
+    """The tool_use id a tool_result at ``field`` names: one of ``calls`` (the previous assistant
+    turn's), not yet ``answered`` in this turn."""
     if not isinstance(call_id, str):
         raise invalid(f"{field}.tool_use_id", "must be a string")
     if not calls:
@@ -382,10 +401,10 @@ def _tool_result(block: dict, field: str) -> tuple[str, list[tuple[dict, str]]]:
     return text, nested
 
 
-def _assistant(blocks: list, field: str, out: list[dict], points: _Breakpoints, ids: set[str]) -> dict[str, int]:
-    """Appends the assistant message; returns its tool_use ids -> their place among its calls."""
+def _assistant(blocks: list, field: str, out: list[dict], points: _Breakpoints, ids: set[str]) -> list[str]:
+    """Appends the assistant message; returns its tool_use ids, in order."""
     texts: list[str] = []
-    calls: dict[str, int] = {}
+    calls: list[str] = []
     rendered: list[dict] = []
     marked: list[tuple[dict, str]] = []
     for j, block in enumerate(blocks):
@@ -393,7 +412,7 @@ def _assistant(blocks: list, field: str, out: list[dict], points: _Breakpoints, 
         kind = block.get("type") if isinstance(block, dict) else None
         if kind == "tool_use":
             rendered.append(_tool_use(block, where, ids))
-            calls[block["id"]] = len(calls)
+            calls.append(block["id"])
         elif kind == "tool_result":
             raise invalid(f"{where}.type", "tool_result blocks belong in user messages")
         else:

@@ -181,9 +181,18 @@ def test_count_tokens_counts_the_prompt_with_its_tools(stack: Stack, key: str) -
 def test_count_tokens_takes_a_trailing_assistant_turn_and_bad_types_are_400_on_every_route(stack: Stack,
                                                                                            key: str) -> None:
     api = client(stack, key)
-    turn = [*QUESTION, {"role": "assistant", "content": "Paris."}]
-    counted = api.messages.count_tokens(model=MODEL, messages=turn, speed="standard").input_tokens
-    assert counted > api.messages.count_tokens(model=MODEL, messages=QUESTION).input_tokens - 4
+
+    def counted(*answer, **fields) -> int:
+        messages = [*QUESTION, *({"role": "assistant", "content": text} for text in answer)]
+        return api.messages.count_tokens(model=MODEL, messages=messages, **fields).input_tokens
+
+    bare = counted()  # the question, its generation prompt opening the assistant turn
+    short = counted("Paris.", speed="standard")
+    longer = counted("Paris. It has been the capital of France since the Middle Ages.")
+    # the answer's text and the end of its turn are counted, more text counts more
+    assert bare + 3 <= short and short + 8 <= longer
+    # Anthropic's optional empty final assistant message: the open turn, counted as the question alone
+    assert counted("") == counted([]) == bare
     # a list where a string is expected: 400 in Anthropic's shape on create, stream and count_tokens (was a 500)
     bad = {"model": MODEL, "messages": QUESTION, "cache_control": {"type": "ephemeral", "ttl": ["5m"]}}
     for path, body in (("", {**bad, "max_tokens": 4}), ("", {**bad, "max_tokens": 4, "stream": True}),
@@ -264,6 +273,27 @@ def test_langchain_chat_anthropic_invoke_and_bind_tools(stack: Stack, key: str) 
     [call] = message.tool_calls
     assert call["name"] == "GetWeather"
     GetWeather.model_validate(call["args"])
+    # bind_tools(strict=True) sends "strict": true with tool_choice auto: served, the call best effort
+    auto = chat.bind_tools([GetWeather], strict=True).invoke([("user", "Is it raining in Oslo?")])
+    assert all(call["name"] == "GetWeather" for call in auto.tool_calls)
+
+
+def test_tool_results_pair_with_their_calls_per_turn(stack: Stack, key: str) -> None:
+    # Anthropic combines consecutive messages of a role into one turn: results split over two user
+    # messages, or text after the calls in a second assistant message, still pair with the calls
+    def use(*ids: str) -> dict:
+        return {"role": "assistant", "content": [{"type": "tool_use", "id": i, "name": "get_weather",
+                                                  "input": {"city": "Oslo"}} for i in ids]}
+
+    def answer(call_id: str) -> dict:
+        return {"role": "user", "content": [{"type": "tool_result", "tool_use_id": call_id, "content": "3 C"}]}
+
+    ask = {"role": "user", "content": "Weather in Oslo, twice?"}
+    api = client(stack, key)
+    for messages in ([ask, use("toolu_A", "toolu_B"), answer("toolu_A"), answer("toolu_B")],
+                     [ask, use("toolu_A"), {"role": "assistant", "content": "Checking."}, answer("toolu_A")]):
+        reply = api.messages.create(model=MODEL, max_tokens=4, tools=[WEATHER], messages=messages)
+        assert reply.type == "message" and reply.usage.input_tokens + reply.usage.cache_read_input_tokens > 0
 
 
 def test_engine_lost_mid_stream_is_an_error_event_then_529_overloaded(stack: Stack) -> None:
