@@ -8,7 +8,7 @@ Invariants:
 * An expired response (``expires_at <= now``) is "not found" too; expired rows of a tenant
   are deleted whenever that tenant stores a new one, and every tenant's by
   :func:`purge_expired` (the gateway's sweep, for the space of tenants that stopped storing).
-* A conversation lives as long as its newest turn: storing a continuation raises the expiry
+* A conversation lives at least as long as its newest turn: storing a continuation raises the expiry
   of each live ancestor expiring before the new row to the new row's plus half a TTL (one
   UPDATE, in the store's transaction; the half TTL spares a rewrite of the chain on every
   turn), since a continuation needs every link of its chain. An ancestor deleted (or expired
@@ -230,14 +230,22 @@ def list_input_items(session: Session, *, tenant_id: int, response_id: str, now:
 
 def _unique_ids(items: list[dict]) -> list[dict]:
     """The items with unique ids, as pages are cut by them: a row stored before repeated ids
-    were refused serves each repeat after the first as ``<id>~<n>`` (its n-th use), so every
-    item is served once and paging always moves on."""
+    were refused serves each repeat after the first as ``<id>~<n>`` (its n-th use, or the next
+    ``n`` no stored id has), so every item is served once and paging always moves on."""
+    taken = {item.get("id") for item in items}  # a new name never clashes with a stored id or another new one
     uses: dict[Any, int] = {}
     out = []
     for item in items:
         ident = item.get("id")
         uses[ident] = uses.get(ident, 0) + 1
-        out.append(item if uses[ident] == 1 else {**item, "id": f"{ident}~{uses[ident]}"})
+        if uses[ident] == 1:
+            out.append(item)
+            continue
+        n = uses[ident]
+        while f"{ident}~{n}" in taken:
+            n += 1
+        taken.add(f"{ident}~{n}")
+        out.append({**item, "id": f"{ident}~{n}"})
     return out
 
 

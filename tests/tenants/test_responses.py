@@ -234,3 +234,15 @@ def test_paging_over_repeated_item_ids_always_moves_on(session, two_tenants) -> 
         assert seen == (["a", "b", "c"] if order == "asc" else ["c", "b", "a"]), seen
     page = responses.list_input_items(session, tenant_id=acme, response_id="resp_dup", now=T0, order="asc")
     assert [item["id"] for item in page.items] == ["x1", "x1~2", "x2"]
+    # a client's own id that looks like a new name is never given to a repeat
+    clash = [{**items[0], "id": "y"}, {**items[1], "id": "y"}, {**items[2], "id": "y~2"}]
+    _store(session, acme, "resp_clash", items=clash)
+    ids, after = [], None
+    for _ in range(5):
+        page = responses.list_input_items(session, tenant_id=acme, response_id="resp_clash", now=T0, limit=1,
+                                          order="asc", after=after)
+        ids.extend(item["id"] for item in page.items)
+        if not page.has_more:
+            break
+        after = page.items[-1]["id"]
+    assert ids == ["y", "y~3", "y~2"], ids

@@ -155,7 +155,9 @@ def convert(body: MessagesInput, *, generate: bool = True) -> Conversation:
     ``generate=False`` (``count_tokens``): a final assistant message is kept as a history turn
     (the caller renders it without opening a generation prompt), except an empty one (``""`` or
     ``[]``), which is left out: the conversation before it is counted, its generation prompt
-    opening that turn. Generating refuses a final assistant message, empty or not (prefill)."""
+    opening that turn (when the message before it is an assistant one too, that one is the
+    final turn, counted closed). Generating refuses a final assistant message, empty or not
+    (prefill)."""
     refuse_unservable(body)
     points = _Breakpoints()
     functions = _functions(body.tools or [], points)
@@ -448,8 +450,8 @@ def _tool_plan(body: MessagesInput, functions: list[dict]) -> tuple[ToolPlan | N
         if choice is not None and choice.type in ("any", "tool"):
             raise invalid("tool_choice", f"'{choice.type}' needs tools")
         return None, None
-    for i, function in enumerate(functions):  # the OpenAI path's bounds on a schema the engine compiles
-        check_schema(function["parameters"], f"tools.{i}.input_schema")
+    for i, defined in enumerate(functions):  # the OpenAI path's bounds on a schema the engine compiles
+        check_schema(defined["parameters"], f"tools.{i}.input_schema")
     by_name = {f["name"]: f for f in functions}
     kind = choice.type if choice is not None else "auto"
     parallel = not (choice is not None and choice.disable_parallel_tool_use)

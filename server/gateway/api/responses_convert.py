@@ -58,7 +58,6 @@ from __future__ import annotations
 
 import json
 import secrets
-from collections import Counter
 from typing import Any, NoReturn
 
 from engines.contract import Guide
@@ -248,18 +247,19 @@ def _check_answered(every: list[dict], start: int) -> None:
     Calls deeper in a stored chain are not looked at again (answered when the chain went on)."""
     first = _trailing_calls(every[:start])  # the chain's closing calls start here
     last = max(start, _trailing_calls(every))  # the request's own closing calls start here
-    # backwards, so the outputs after each call are known; an output answers one call, the latest
-    # of its id before it (a client may reuse an id across turns: each turn's call needs its own)
-    answered: Counter[str] = Counter()
-    for index in range(len(every) - 1, first - 1, -1):
+    # An output answers the latest call of its id before it (as to_messages places it: a client
+    # may reuse an id across turns, and each turn's call needs its own output).
+    latest: dict[str, int] = {}
+    answered: set[int] = set()
+    for index, item in enumerate(every):
+        if item["type"] == "function_call":
+            latest[item["call_id"]] = index
+        elif item["type"] == "function_call_output" and item["call_id"] in latest:
+            answered.add(latest[item["call_id"]])
+    for index in range(first, last):
         item = every[index]
-        if item["type"] == "function_call_output":
-            answered[item["call_id"]] += 1
-        elif item["type"] == "function_call":
-            if answered[item["call_id"]] > 0:
-                answered[item["call_id"]] -= 1
-            elif index < last:
-                raise _input_error(f"No tool output found for function call {item['call_id']!r}.")
+        if item["type"] == "function_call" and index not in answered:
+            raise _input_error(f"No tool output found for function call {item['call_id']!r}.")
 
 
 def _trailing_calls(items: list[dict]) -> int:

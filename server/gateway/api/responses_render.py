@@ -145,10 +145,11 @@ class ResponsesDialect:
         return "incomplete" if outcome.finish_reason == "length" else "completed"
 
     def _logprobs(self, job: CompletionJob, outcome: Outcome) -> list[dict]:
-        """The message's log probs: its text's tokens (all of them unless tool calls were split off)."""
+        """The message's log probs: its text's tokens (with tools, only those that hold its text)."""
         if job.logprobs is None or job.token_texts is None:
             return []
-        upto = TextTokens(job).cover(outcome.token_ids, len(outcome.text)) if outcome.tool_calls \
+        # with tools, the text's own tokens: never a call's, parsed or not (a forced call cut short is no text)
+        upto = TextTokens(job).cover(outcome.token_ids, len(outcome.text)) if job.parses_tools \
             else len(outcome.log_probs)
         return chat_entries(job.token_texts, outcome.token_ids[:upto], outcome.log_probs[:upto])
 

@@ -370,6 +370,11 @@ def test_a_call_id_reused_in_a_later_turn_is_answered_by_that_turns_output() -> 
     # the second turn's output for c1 does not answer the first turn's call too
     unanswered = [ask, CALL, rome, CALL, *second[2:]]
     assert refused("input", tools=[WEATHER], input=unanswered).message == "No tool output found for function call 'c1'."
+    # two outputs after the second c1 both answer it, never the first turn's c1
+    twice = [ask, CALL, {"role": "user", "content": "again?"}, CALL,
+             {"type": "function_call_output", "call_id": "c1", "output": "o1"},
+             {"type": "function_call_output", "call_id": "c1", "output": "o2"}]
+    assert refused("input", tools=[WEATHER], input=twice).message == "No tool output found for function call 'c1'."
 
 
 def test_metadata_within_openais_bounds() -> None:
@@ -542,6 +547,10 @@ def test_a_messages_logprobs_are_its_texts_tokens_not_a_tool_calls(prompter: Cha
     outcome.tool_calls, outcome.pieces = [], [TOOL_TEXT + TOOL_BLOCK]
     [whole] = dialect.output(_job(prompter=prompter), outcome)  # type: ignore[arg-type]
     assert len(whole["content"][0]["logprobs"]) == len(outcome.log_probs)
+    # a forced call cut short: no call, no text, so no log probs (the tokens were the guide's wrapper)
+    outcome.pieces = []
+    [empty] = dialect.output(_job(prompter=prompter), outcome)  # type: ignore[arg-type]
+    assert empty["content"][0]["text"] == "" and empty["content"][0]["logprobs"] == []
 
 
 async def test_streamed_logprobs_are_the_texts_tokens_not_a_tool_calls(prompter: ChatPrompter) -> None:
