@@ -274,19 +274,14 @@ def _input_error(message: str) -> ServingError:
     return ServingError(400, "invalid_request", message, param="input")
 
 
-def context_exceeded(message: str) -> ServingError:
-    """OpenAI's answer to a prompt over the context window: 400 ``context_length_exceeded``, param ``input``."""
-    return ServingError(400, "context_length_exceeded", f"Your input exceeds the context window: {message}. "
-                        "Please adjust your input and try again.", param="input")
-
-
 def in_responses_words(error: ServingError) -> ServingError:
     """The request core's refusal of a prompt too long for the tenant (admission, param
     ``max_prompt_tokens``) or for the model (the engine's refusal) as OpenAI answers it
-    (:func:`context_exceeded`); any other error as it is (admission's other refusals already
-    name the tenant limit, e.g. ``max_output_tokens``)."""
+    (400 ``context_length_exceeded``, param ``input``); any other error as it is (admission's
+    other refusals already name the tenant limit, e.g. ``max_output_tokens``)."""
     if error.status == 400 and (error.param == "max_prompt_tokens" or error.code == "context_length_exceeded"):
-        return context_exceeded(error.message)
+        return ServingError(400, "context_length_exceeded", f"Your input exceeds the context window: "
+                            f"{error.message}. Please adjust your input and try again.", param="input")
     return error
 
 

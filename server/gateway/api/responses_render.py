@@ -164,10 +164,6 @@ class ResponsesDialect:
         return {"id": ident, "type": "message", "status": status, "role": "assistant",
                 "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs}]}
 
-    def _sent(self, message_id: str, sent: list[str], logprobs: list[dict]) -> list[dict]:
-        """A failed stream's output: the message as far as it was streamed, incomplete."""
-        return [self._message(message_id, "".join(sent), "incomplete", logprobs)]
-
     def output(self, job: CompletionJob, outcome: Outcome, message_id: str | None = None) -> list[dict]:
         items: list[dict] = []
         if outcome.text or not outcome.tool_calls:
@@ -235,7 +231,7 @@ class ResponsesDialect:
                 yield event("response.output_text.delta", {**where, "delta": delta, "logprobs": logprobs})
         except ServingError as err:  # the engine failed mid-stream
             # the error event keeps the gateway's code; the response's code is from the SDK's closed list
-            failed = self.response("failed", self._sent(message_id, sent, sent_logprobs) if opened else [],
+            failed = self.response("failed", [self._message(message_id, "".join(sent), "incomplete", sent_logprobs)] if opened else [],
                                    error={"code": "server_error", "message": err.message})
             yield event("error", {"code": err.code, "message": err.message, "param": err.param}) + \
                 event("response.failed", {"response": failed})
