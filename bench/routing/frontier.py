@@ -2,7 +2,7 @@
 
 Shared by ``bench/routing/families.py``. A row is one setting's replays (``routing_verdicts``):
 every placement the bench replays there — the baselines, kv-aware and its diagnostics (no key,
-cache only), the self-tuning routers, the candidate and the band sweep — each a point
+cache only), the self-tuning routers, the previous defaults and the band sweep — each a point
 ``(hit rate, load imbalance)``. The frontier is that set of points; nothing here is tuned, it
 only reads the points. A target a router misses is:
 
@@ -201,7 +201,7 @@ def lines(rows: list[dict], roles: dict[str, str], labels: tuple[str, str]) -> l
         "",
         f"Per setting, the frontier is every placement replayed there ({len(sweep)}: {', '.join(sweep)}), each a point "
         "(hit rate, load imbalance); the band sweep (`BANDS`: kv-aware's `balance_request_share` and `balance_rel` "
-        "from tight to loose, the existing knobs) is replayed for it only. A missed target is *infeasible* (≥ 90 %: no "
+        "set from tight to loose around the defaults, the existing knobs) is replayed for it only. A missed target is *infeasible* (≥ 90 %: no "
         "placement reaches 90 % of the ceiling within 1.3 imbalance; imbalance: no placement meeting the other two "
         "stays within 1.3), a *trade-off* (≥ best baseline: every baseline that beats the router does so only above "
         "1.3 and no placement within 1.3 reaches it), *within noise* (≥ best baseline: the router and every baseline "

@@ -1,4 +1,4 @@
-"""Routing: which load the balance band should bound — kv-aware's defaults against other load signals.
+"""Routing: which load the balance band bounds — how kv-aware's cost defaults were chosen.
 
 Usage: ``OMP_NUM_THREADS=1 .venv/bin/python bench/routing/load_signal.py [--no-write] [--workers 2]
 [--cache FILE]``
@@ -10,24 +10,25 @@ cut to its first ``families.REQUESTS`` requests), replayed with its own code (``
 ``--cache`` is the grid's own cache (the same file ``families.py --cache`` writes, and its
 ``.extras.jsonl``), so either bench reuses the other's replays.
 
-Why this bench. Over the grid, every setting where kv-aware falls behind the best baseline loses to
-``session`` (docs/architecture.md, "Routing"), at a median imbalance of 1.08 against session's 1.20. The
-grid's *cache only* diagnostic (kv-aware with no load term) says the cost's cache terms are not what
-loses: where kv-aware loses to session, cache only reaches session's hit rate (medians, in the section)
-but at an imbalance far above 1.3, so a load term is needed, and the question is which load. kv-aware's
-band bounds one level per replica, ``queued prefill + 0.1 × decode blocks + 0.2 × recent prefill``
-(``retention/routing/cost.py``), queued prefill at the largest weight: once the level of the replica
-holding a conversation's prefix exceeds the band (one request's blocks over the least-loaded level, or
-×1.5 that level, whichever is larger) by more than the blocks its hits save, the next turn goes
+Why this bench. Over the grid, every setting where kv-aware's *previous* defaults fell behind the best
+baseline lost to ``session``, at a median imbalance of 1.08 against session's 1.20. The grid's *cache
+only* diagnostic (kv-aware with no load term) says the cost's cache terms are not what loses: where the
+previous defaults lose to session, cache only reaches session's hit rate (medians, in the section) but
+at an imbalance far above 1.3, so a load term is needed, and the question is which load. The previous
+defaults bounded one level per replica, ``queued prefill + 0.1 × decode blocks + 0.2 × recent prefill``
+(``families.PREVIOUS_KNOBS``), queued prefill at the largest weight: once the level of the replica
+holding a conversation's prefix exceeded the band (one request's blocks over the least-loaded level, or
+×1.5 that level, whichever is larger) by more than the blocks its hits save, the next turn went
 elsewhere, though the imbalance target (max / mean prefill tokens *over the trace*) never sees a passing
-queue, and the prefix is then computed twice. The candidate bounds the replica's *recent* prefill work
-alone (tokens dispatched to it, decayed with a 60 s half-life, which counts what is queued from the
+queue, and the prefix was then computed twice. The first candidate bounds the replica's *recent* prefill
+work alone (tokens dispatched to it, decayed with a 60 s half-life, which counts what is queued from the
 moment it is dispatched): ``decode_weight`` 0, ``queue_weight`` 0, that work weighted ``recent_weight``
 and a tighter relative band (``balance_rel``), so that only lasting imbalance moves a request off its
-cache. That candidate loses settings on chat, a tune family (a passing queue is what keeps its
-conversations from piling onto one replica), so a second one comes from a screen on chat alone
-(``SCREEN``: one knob of the first changed at a time, and the defaults with a larger home credit,
-replayed on chat only): the first with a quarter of the queued prefill back in its level.
+cache. It loses settings on chat, a tune family (a passing queue is what keeps its conversations from
+piling onto one replica), so a second one came from a screen on chat alone (``SCREEN``: one knob of the
+first changed at a time, and the previous defaults with a larger home credit, replayed on chat only): the
+first with a quarter of the queued prefill back in its level. It meets the targets in at least as many
+settings as the previous defaults in every family, so it is kv-aware's defaults (``retention/routing/cost.py``).
 """
 
 from __future__ import annotations
@@ -52,22 +53,24 @@ HALF_LIFE_S = inspect.signature(make_router).parameters["half_life_s"].default
 RECENT_ONLY = {"queue_weight": 0.0, "decode_weight": 0.0}
 # The first candidate's knobs: kv-aware's band over recent prefill work alone (the module docstring).
 FIRST_KNOBS = {**RECENT_ONLY, "recent_weight": 0.5, "balance_rel": 1.2}
-# Each candidate: kv-aware with these cost knobs (retention/routing/cost.py); the defaults are kv-aware's.
+# Each candidate beside the defaults (the screen's pick): kv-aware with these cost knobs (retention/routing/cost.py).
+PREVIOUS = "previous defaults"
+FIRST = "recent work ×0.5, band 1 request / ×1.2"
 CANDIDATES = {
-    "recent work ×0.5, band 1 request / ×1.2": ("kv-aware", FIRST_KNOBS, {}),
-    # the first with a quarter of the queued prefill back in its level: the best of the screen below
-    "recent work ×0.5 + queued ×0.25, band 1 request / ×1.2": ("kv-aware", {**FIRST_KNOBS, "queue_weight": 0.25}, {}),
+    PREVIOUS: ("kv-aware", families.PREVIOUS_KNOBS, {}),
+    FIRST: ("kv-aware", FIRST_KNOBS, {}),
 }
-# The second candidate's screen: variants of the first (and one of the defaults), each replayed on one tune family
-# alone, the one where the first meets the targets in fewer settings than the defaults.
+# The second candidate's screen: variants of the first (and one of the previous defaults), each replayed on one tune
+# family alone, the one where the first meets the targets in fewer settings than the previous defaults. The second
+# candidate, the first with a quarter of the queued prefill back in its level, is the defaults.
 SCREEN_FAMILY = "chat"
 SCREEN = {
-    "(1) with decode blocks ×0.1": ("kv-aware", {**FIRST_KNOBS, "decode_weight": 0.1}, {}),
-    "(1) with recent work ×1": ("kv-aware", {**FIRST_KNOBS, "recent_weight": 1.0}, {}),
-    "(1) with a band of ×1.1": ("kv-aware", {**FIRST_KNOBS, "balance_rel": 1.1}, {}),
-    "(1) with a band of ×1.3": ("kv-aware", {**FIRST_KNOBS, "balance_rel": 1.3}, {}),
-    "(1) with a home credit of 4 blocks": ("kv-aware", {**FIRST_KNOBS, "affinity_credit": 4.0}, {}),
-    "defaults with a home credit of 4 blocks": ("kv-aware", {"affinity_credit": 4.0}, {}),
+    "(2) with decode blocks ×0.1": ("kv-aware", {**FIRST_KNOBS, "decode_weight": 0.1}, {}),
+    "(2) with recent work ×1": ("kv-aware", {**FIRST_KNOBS, "recent_weight": 1.0}, {}),
+    "(2) with a band of ×1.1": ("kv-aware", {**FIRST_KNOBS, "balance_rel": 1.1}, {}),
+    "(2) with a band of ×1.3": ("kv-aware", {**FIRST_KNOBS, "balance_rel": 1.3}, {}),
+    "(2) with a home credit of 4 blocks": ("kv-aware", {**FIRST_KNOBS, "affinity_credit": 4.0}, {}),
+    "(1) with a home credit of 4 blocks": ("kv-aware", {**families.PREVIOUS_KNOBS, "affinity_credit": 4.0}, {}),
 }
 
 
@@ -92,10 +95,10 @@ def losses_to_session(rows: list[dict], label: str) -> list[dict]:
 
 
 def diagnosis(rows: list[dict]) -> list[str]:
-    """Where kv-aware loses to session: kv-aware, cache only and session side by side (medians)."""
-    lost = losses_to_session(rows, "kv-aware")
+    """Where the previous defaults lose to session: they, cache only, session and today's defaults side by side."""
+    lost = losses_to_session(rows, PREVIOUS)
     if not lost:
-        return ["kv-aware falls behind `session` in no setting."]
+        return ["The previous defaults fall behind `session` in no setting."]
 
     def med(label: str, field: str) -> float:
         return statistics.median(r[label][field] for r in lost)
@@ -103,13 +106,14 @@ def diagnosis(rows: list[dict]) -> list[str]:
     within = sum(r["cache only"]["hit"] >= r["session"]["hit"] - 0.005 and r["cache only"]["imbalance"] <= 1.3
                  for r in lost)
     return [
-        f"Where kv-aware (defaults) falls behind `session` by more than half a point ({len(lost)} of {len(rows)} "
+        f"Where the previous defaults fall behind `session` by more than half a point ({len(lost)} of {len(rows)} "
         "settings), medians:",
         "",
         "| placement | hit rate | load imbalance |",
         "|---|---:|---:|",
-        *(f"| {label} | {pct(med(label, 'hit'))} % | {med(label, 'imbalance'):.2f} |"
-          for label in ("kv-aware", "cache only", "session")),
+        *(f"| {name} | {pct(med(label, 'hit'))} % | {med(label, 'imbalance'):.2f} |"
+          for label, name in ((PREVIOUS, PREVIOUS), ("cache only", "cache only"), ("session", "session"),
+                              ("kv-aware", "kv-aware (defaults)"))),
         "",
         f"Cache only (no load term) reaches session's hit rate (within half a point) at imbalance ≤ 1.3 in {within} "
         f"of these {len(lost)} settings"
@@ -164,37 +168,50 @@ def screen_table(rows: list[dict]) -> list[str]:
 
 
 def pick(rows: list[dict], roles: dict[str, str]) -> list[str]:
-    """The candidate the tune families alone would pick, and how the held-out families judge it."""
+    """What the tune families alone pick among the defaults and the candidates, and how the held-out families judge it."""
     tune = [r for r in rows if roles[r["family"]] == "tune"]
     report = [r for r in rows if roles[r["family"]] == "report"]
+    labels = ["kv-aware", *CANDIDATES]
+    names = {"kv-aware": "the defaults", PREVIOUS: "the previous defaults", FIRST: "the first candidate"}
 
     def count(subset: list[dict], label: str) -> int:
         return sum(met(judge(r, label)) for r in subset)
 
-    best = max(["kv-aware", *CANDIDATES], key=lambda label: count(tune, label))  # first listed wins a tie
-    if best == "kv-aware":
-        return [f"Picked on the tune families alone, the defaults stay: no candidate meets all three in more than their "
-                f"{count(tune, best)} of {len(tune)} tune settings."]
-    return [f"Picked on the tune families alone (the defaults among the choices): *{best}*, {count(tune, best)} of "
-            f"{len(tune)} tune settings meeting all three (defaults {count(tune, 'kv-aware')}); on the held-out report "
-            f"families it meets them in {count(report, best)} of {len(report)} (defaults {count(report, 'kv-aware')})."]
+    best = max(labels, key=lambda label: count(tune, label))  # first listed wins a tie
+    others = [label for label in labels if label != best]
+    return [f"Picked on the tune families alone: {names[best]}, {count(tune, best)} of {len(tune)} tune settings "
+            "meeting all three (" + ", ".join(f"{names[label]} {count(tune, label)}" for label in others) + "); on "
+            f"the held-out report families {count(report, best)} of {len(report)} ("
+            + ", ".join(f"{names[label]} {count(report, label)}" for label in others) + ")."]
 
 
-def adopted_note(rows: list[dict]) -> list[str]:
-    """Why a candidate that passes the adoption rule is not the default in this run, if one does."""
-    passing = [label for label in CANDIDATES if not families.losing_families(rows, label)]
-    if not passing:
-        return []
-    names = " and ".join(f"*{label}*" for label in passing)
-    return [f"Passing the rule, {names} {'is' if len(passing) == 1 else 'are'} not made the default here: every "
-            "other routing figure in "
-            "this file (the families grid with its variants and frontier, the routing simulator, live routing, trace "
-            "length) is measured with the defaults, and a new default is adopted with all of them measured again under "
-            "it.", ""]
+def adopted(rows: list[dict], roles: dict[str, str]) -> str:
+    """The rule a default follows, applied to the defaults against the previous ones: at least their count of
+    settings meeting all three targets in every family (counted from the rows)."""
+    fams = list(dict.fromkeys(r["family"] for r in rows))
+
+    def count(subset: list[dict], label: str) -> int:
+        return sum(met(judge(r, label)) for r in subset)
+
+    per = {f: (count([r for r in rows if r["family"] == f], PREVIOUS),
+               count([r for r in rows if r["family"] == f], "kv-aware")) for f in fams}
+    fewer = [f"{f} ({now} vs {before})" for f, (before, now) in per.items() if now < before]
+    part = {role: [r for r in rows if roles[r["family"]] == role] for role in ("report", "tune")}
+    head = (f"* **The defaults against the previous defaults: {count(rows, 'kv-aware')} of {len(rows)} settings meet "
+            f"all three ({count(rows, PREVIOUS)}); report families (held out) {count(part['report'], 'kv-aware')} and "
+            f"{count(part['report'], PREVIOUS)} of {len(part['report'])}, tune families {count(part['tune'], 'kv-aware')} "
+            f"and {count(part['tune'], PREVIOUS)} of {len(part['tune'])}; imbalance above 1.3 in "
+            f"{sum(not judge(r)['ok_imbalance'] for r in rows)} ({sum(not judge(r, PREVIOUS)['ok_imbalance'] for r in rows)}).** ")
+    if fewer:
+        return head + (f"They meet all three in fewer settings on {', '.join(fewer)} (defaults vs previous): by the "
+                       "rule they would not have replaced them.")
+    return head + ("They meet all three in at least as many settings as the previous defaults in every family, so "
+                   "they replaced them.")
 
 
 def section(rows: list[dict], roles: dict[str, str], seconds: float, workers: int = 2) -> str:
     labels = ["kv-aware", *CANDIDATES]
+    previous = CostModel(**families.PREVIOUS_KNOBS)
     lines = [
         "## Routing: which load the balance band bounds (`bench/routing/load_signal.py`)",
         "",
@@ -203,25 +220,26 @@ def section(rows: list[dict], roles: dict[str, str], seconds: float, workers: in
         f"The routing families grid (`bench/routing/families.py`: {len(rows)} settings, every family cut to its first "
         f"{families.REQUESTS:,} requests; {grid_text()}, `--hold tokens`), judged by its targets (≥ 90 % of one pool "
         "with N× capacity, ≥ the best baseline within half a point, load imbalance ≤ 1.3). kv-aware's band bounds one "
-        f"level per replica, {level_text(CostModel())}; each candidate's level is named by its own weights (recent "
-        f"prefill work: tokens dispatched to the replica, decayed with a {HALF_LIFE_S:g} s half-life). Roles: *tune* = "
-        "the families the router's defaults were chosen on, *report* = held out.",
+        f"level per replica, {level_text(CostModel())}: the defaults this bench chose. Until then it bounded "
+        f"{level_text(previous)} (*{PREVIOUS}*). Each candidate's level is named by its own weights (recent prefill "
+        f"work: tokens dispatched to the replica, decayed with a {HALF_LIFE_S:g} s half-life). Roles: *tune* = the "
+        "families the router's defaults were chosen on, *report* = held out.",
         "",
         *diagnosis(rows),
         "",
         "Where the candidates come from: that diagnosis, and a screen by hand of 23 settings drawn from every family "
-        "(per family one where kv-aware misses a target, except noisy-neighbour, where it misses none, and one where it "
-        "meets them; two more of api at 8 replicas), so the report families are not wholly unseen by their form; the "
-        "choice among them is made on the tune families alone (below). The second is the first with a quarter of the "
-        f"queued prefill back in its level: the best of a screen on {SCREEN_FAMILY} alone (a tune family, where the "
-        "first meets the targets in fewer settings than the defaults), each variant changing one knob of the first, "
-        f"and the defaults with a larger home credit; its {SCREEN_FAMILY} figures are in-sample (the settings it was "
-        "chosen on), no other family was used to choose it:",
+        "(per family one where the previous defaults miss a target, except noisy-neighbour, where they miss none, and "
+        "one where they meet them; two more of api at 8 replicas), so the report families are not wholly unseen by "
+        f"their form. The first candidate, (2), bounds recent prefill work alone; it loses settings on {SCREEN_FAMILY}, "
+        f"a tune family, so the defaults come from a screen on {SCREEN_FAMILY} alone: each variant changes one knob of "
+        "(2), and one gives the previous defaults a larger home credit. The defaults are (2) with a quarter of the "
+        f"queued prefill back in its level. Their {SCREEN_FAMILY} figures are in-sample (the settings they were chosen "
+        "on); no other family was used to choose them:",
         "",
         *screen_table(rows),
         "",
-        "Settings meeting all three targets, per family. Candidates (kv-aware with these cost knobs, the rest its "
-        "defaults): "
+        "Settings meeting all three targets, per family. kv-aware (defaults): "
+        f"{level_text(CostModel())}; candidates (kv-aware with these cost knobs, the rest its defaults): "
         + "; ".join(f"({i}) {label} ({level_text(CostModel(**knobs))})"
                     for i, (label, (_, knobs, _)) in enumerate(CANDIDATES.items(), start=1)) + ":",
         "",
@@ -234,12 +252,12 @@ def section(rows: list[dict], roles: dict[str, str], seconds: float, workers: in
         "",
         *pick(rows, roles),
         "",
-        "Adoption (the rule a default follows: at least the defaults' count of settings meeting all three in every "
-        "family, judged on the whole grid):",
+        "Adoption (the rule a default follows: at least the current defaults' count of settings meeting all three in "
+        "every family, judged on the whole grid):",
         "",
-        *(families.adoption(rows, roles, label) for label in CANDIDATES),
+        adopted(rows, roles),
+        families.adoption(rows, roles, FIRST),
         "",
-        *adopted_note(rows),
         f"{len(rows)} settings × {len(labels)} routers (and the grid's baselines; the screen's {len(SCREEN)} variants on "
         f"{SCREEN_FAMILY} alone), {seconds:,.0f} s with {workers} workers, "
         f"counting passes replayed into the cache separately ({machine()}, shared).",

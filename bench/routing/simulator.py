@@ -49,6 +49,11 @@ ROWS: list[tuple[str, ClusterConfig]] = [
 ]
 VARIANTS: list[tuple[str, CostModel]] = [
     ("kvgate defaults", CostModel()),
+    # the defaults until bench/routing/load_signal.py chose today's: queued prefill at the prefill's weight,
+    # 0.1 × decode blocks and 0.2 × recent work, against a band of 1 request or ×1.5
+    ("previous defaults (queued prefill ×1, decode ×0.1, recent work ×0.2, band ×1.5)",
+     CostModel(queue_weight=None, decode_weight=0.1, recent_weight=0.2, balance_rel=1.5)),
+    ("queued prefill at the prefill's weight (queue_weight unset)", CostModel(queue_weight=None)),
     ("no balance band (balance_request_share 0, balance_rel 1)", CostModel(balance_request_share=0.0, balance_rel=1.0)),
     ("no recent-prefill load (recent_weight 0)", CostModel(recent_weight=0.0)),
     ("Dynamo's decode term (decode_weight 1)", CostModel(decode_weight=1.0)),
@@ -56,6 +61,11 @@ VARIANTS: list[tuple[str, CostModel]] = [
     ("host hits at full value (host_credit 1)", CostModel(host_credit=1.0)),
     ("softmax, temperature 0.1 (seed 0)", CostModel(temperature=0.1)),
 ]
+
+
+def queue_weight(cost: CostModel) -> float:
+    """Queued prefill's weight in the load level (unset: the prefill's, ``cost.py``)."""
+    return cost.overlap_weight if cost.queue_weight is None else cost.queue_weight
 
 
 def pct(x: float) -> str:
@@ -162,7 +172,8 @@ def main() -> None:
         "",
         f"Same criteria without a host tier: {text_gpu}.",
         "",
-        "Cost variants (trtllm-default, kv-aware precise; each row changes one knob from the defaults):",
+        "Cost variants (trtllm-default, kv-aware precise; each row after the previous defaults changes one knob from "
+        "the defaults):",
         "",
         "| kv-aware cost | hit rate | of ceiling | × round-robin | load imbalance |",
         "|---|---:|---:|---:|---:|",
@@ -197,8 +208,10 @@ def main() -> None:
         "* **Dynamo's cost loses most of the reuse here.** With `cost = prefill blocks + queued prefill +",
         "  active blocks` every instantaneous load difference competes with the prefix hits, so turns of one",
         "  conversation scatter. kvgate measures load above a band over the least-loaded replica (one",
-        "  request's blocks, or 1.5× the least load) and uses recent prefill work (decayed, half-life 60 s)",
-        "  as its main load signal; inside the band the cache decides. The variants table shows each knob.",
+        f"  request's blocks, or {CostModel().balance_rel:g}× the least load) and uses recent prefill work (decayed, "
+        "half-life 60 s)",
+        f"  as its main load signal (×{CostModel().recent_weight:g}, queued prefill ×{queue_weight(CostModel()):g}); "
+        "inside the band the cache decides. The variants table shows each knob.",
         "* **session** stickiness (rendezvous hash of the first block) is close to the ceiling on Mooncake",
         "  but piles a shared system prompt onto one replica (last table); kv-aware follows the deepest",
         "  prefix and still spreads load.",

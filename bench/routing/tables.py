@@ -16,8 +16,9 @@ def variant_lines(variants: list[dict], labels: list[str]) -> list[str]:
         return []
     out = [
         "",
-        "How the band was chosen — kv-aware cost variants on the **tune** families only (share of the ceiling %, "
-        "load imbalance in brackets; each row changes one knob from the defaults):",
+        "The band's knobs around the defaults — kv-aware cost variants on the **tune** families only (share of the "
+        "ceiling %, load imbalance in brackets; each row changes one knob from the defaults, which were chosen in "
+        "\"Routing: which load the balance band bounds\"):",
         "",
         "| variant | " + " | ".join(f"{v['family']} {where(v)}" for v in variants) + " | settings meeting ≥ 90 % and ≤ 1.3 |",
         "|---|" + "---:|" * (len(variants) + 1),
@@ -53,7 +54,7 @@ def family_table(rows: list[dict], roles: dict[str, str], label: str, against: s
     return out
 
 
-BAND_INTRO = ("kv-aware's band from tight to loose (the frontier's fixed bands) and the fixed variants as candidates, "
+BAND_INTRO = ("kv-aware's band from tight to loose (the frontier's fixed bands) and the previous defaults as candidates, "
               "settings meeting all three: on the tune families (where a band would be picked), the report families, and "
               "the families where it meets them in fewer settings than the defaults:")
 
@@ -83,12 +84,17 @@ def tuning_lines(tuned: list[dict] | None, adaptive: str, source: str) -> list[s
     """The self-tuning band's knob table (``--tune-only``'s output, read from ``source``, with the cut it ran on)."""
     if not tuned:
         return []
+    from retention.routing import CostModel
+
     fams = list(tuned[0]["counts"])
+    costs = {t.get("cost", "(unrecorded)") for t in tuned}
+    over = ("over kv-aware's cost defaults" if costs == {repr(CostModel())}
+            else "over " + " and ".join(sorted(costs)) + ", not today's kv-aware defaults")
     out = [
         "",
         f"How the self-tuning band's own knobs were chosen — {adaptive} variants on the **tune** families only, "
         f"every tune setting ({tuned[0]['settings']}), each trace cut to its first {tuned[0].get('requests', '(unrecorded)')} "
-        f"requests ({source}); settings meeting all three targets (the first row is the default, the "
+        f"requests ({source}), each {over}; settings meeting all three targets (the first row is the default, the "
         "knobs of `BandTuning`):",
         "",
         "| variant | " + " | ".join(fams) + " | total | imbalance above 1.3 | worst imbalance |",

@@ -1,7 +1,11 @@
 """Routing targets against trace length: what a 300-request cut does to the family grid's verdicts.
 
 Usage: ``OMP_NUM_THREADS=1 .venv/bin/python bench/routing/trace_length.py [--no-write] [--workers 2]
-[--requests 300,1200] [--only agent,chat]``
+[--requests 300,1200] [--only agent,chat] [--cache FILE]``
+
+``--cache`` is the families grid's cache (``families.py --cache``): the settings at the grid's own cut
+(``families.REQUESTS``) are read from it — the same replays, keyed the same way — and only what it lacks is
+replayed; every other length is replayed here.
 
 Writes the ``bench:routing_trace_length`` section of docs/benchmarks.md and
 ``docs/img/routing_trace_length.png``. Deterministic: every family drawn with seed 0, as
@@ -24,7 +28,8 @@ trace lengths, with the grid's own code (``families.run_setting``, ``families.ru
   replayed on the same cut. A longer cut is therefore more of the same traffic against a pool
   grown with it, not the same pool for longer.
 * Routers: the grid's baselines (random, round-robin, session, Dynamo's cost), ``kv-aware`` (the
-  fixed defaults) and ``kv-adaptive, fading forgive`` (the grid's best self-tuning row at 300 requests).
+  fixed defaults) and ``kv-adaptive, fading forgive`` (``families.FADING``: the best self-tuning row over the
+  whole grid at 300 requests when it was chosen).
 """
 
 from __future__ import annotations
@@ -63,6 +68,20 @@ def run(name: str, requests: int, replicas: int, share: float, host: int, rate: 
     return out
 
 
+def from_grid(names: list[str], roles: dict[str, str], cache: Path, workers: int) -> list[dict]:
+    """The settings at the grid's cut, from its cache (``families.replay``; the fading row by ``replay_extras``)."""
+    grid = argparse.Namespace(only=",".join(names), requests=families.REQUESTS, workers=workers, cache=cache, routers="")
+    rows, _ = families.replay(roles, grid)
+    families.replay_extras(rows, grid, {families.FADING[0]: families.EXTRAS[families.FADING[0]]})
+    out = []
+    for g in rows:
+        row = {k: g[k] for k in ("ceiling", "ceiling_hit_tokens", "keyed", *families.ROUTERS, families.FADING[0])}
+        out.append({"family": g["family"], "requests": families.REQUESTS, "replicas": g["replicas"], "share": g["share"],
+                    "host": g["host"], "rate": g["rate"], "gpu": g["gpu_blocks"], **row,
+                    "verdicts": {label: judge(row, label) for label in ROUTED}})
+    return out
+
+
 def _key(r: dict) -> tuple:
     return r["family"], r["replicas"], r["share"], r["host"], r["rate"]
 
@@ -77,7 +96,8 @@ def counts(rows: list[dict], label: str) -> dict:
     }
 
 
-def section(rows: list[dict], roles: dict[str, str], lengths: tuple[int, ...], seconds: float) -> str:
+def section(rows: list[dict], roles: dict[str, str], lengths: tuple[int, ...], seconds: float,
+            from_cache: int = 0) -> str:
     fams = list(dict.fromkeys(r["family"] for r in rows))
     first, last = lengths[0], lengths[-1]
     lines = [
@@ -93,7 +113,8 @@ def section(rows: list[dict], roles: dict[str, str], lengths: tuple[int, ...], s
         "own replay and verdict code (targets: ≥ 90 % of one pool with N× capacity, ≥ the best baseline within half "
         "a point, imbalance ≤ 1.3). GPU blocks are a share of the cut trace's distinct blocks, so a longer cut has a "
         f"larger pool: more of the same traffic against a pool grown with it. {len(rows)} setting × length runs (each "
-        f"replays every router of its setting) in {seconds:.0f} s ({machine()}).",
+        f"replays every router of its setting) in {seconds:.0f} s ({machine()})"
+        + (f"; the {from_cache} at the grid's own cut are the grid's replays, read from its cache." if from_cache else "."),
         "",
         f"| family | role | settings | router | all three at {first} | at {last} | imbalance ≤ 1.3 at {first} "
         f"| at {last} | worst imbalance at {first} | at {last} | random's worst imbalance at {first} | at {last} |",
@@ -186,6 +207,9 @@ def main() -> None:
     parser.add_argument("--requests", default=",".join(map(str, LENGTHS)),
                         help="comma-separated trace lengths, shortest first (default: %(default)s)")
     parser.add_argument("--only", default="", help="comma-separated families (a subset is printed, never written)")
+    parser.add_argument("--cache", type=Path,
+                        help=f"the families grid's cache (families.py --cache): the cut of {families.REQUESTS} requests "
+                             "is read from it, replayed only where missing")
     args = parser.parse_args()
     try:
         lengths = tuple(sorted({int(x) for x in args.requests.split(",") if x.strip()}))
@@ -200,17 +224,21 @@ def main() -> None:
         parser.error(f"unknown families {', '.join(sorted(unknown))}; known: {', '.join(roles)}")
     if args.only:
         args.no_write = True
-    jobs = [(n, k, r, s, h, a) for n in names for k in lengths for r in REPLICAS for s in SHARES for h in HOSTS
-            for a in RATES]
     began = time.perf_counter()
     rows = []
+    if args.cache is not None and families.REQUESTS in lengths:
+        rows += from_grid(names, roles, args.cache, args.workers)
+    replayed = {r["requests"] for r in rows}
+    jobs = [(n, k, r, s, h, a) for n in names for k in lengths if k not in replayed for r in REPLICAS for s in SHARES
+            for h in HOSTS for a in RATES]
     with ProcessPoolExecutor(max_workers=max(1, args.workers)) as pool:
         futures = [pool.submit(run, *job) for job in jobs]
         for done, future in enumerate(as_completed(futures), 1):
             rows.append(future.result())
             print(f"[{done}/{len(jobs)}] {time.perf_counter() - began:.0f} s", file=sys.stderr, flush=True)
     rows.sort(key=lambda r: (names.index(r["family"]), r["requests"], r["replicas"], r["share"], r["host"], r["rate"]))
-    text = section(rows, roles, lengths, time.perf_counter() - began)
+    text = section(rows, roles, lengths, time.perf_counter() - began,
+                   sum(r["requests"] == families.REQUESTS for r in rows) if replayed else 0)
     print(text)
     if not args.no_write:
         plot(rows, lengths[0], lengths)

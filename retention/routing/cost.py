@@ -5,7 +5,7 @@ because the engine always computes the last prompt token; all terms in blocks)::
 
     prefill(r)  = prompt / B − (gpu_hits + host_credit × host_hits + pending_credit × pending_hits)
     level(r)    = (queue_weight × queued_prefill(r) + decode_weight × decode(r)
-                   + recent_weight × recent_prefill(r)) / weight(r)      (queue_weight: overlap_weight unless set)
+                   + recent_weight × recent_prefill(r)) / weight(r)      (queue_weight None: overlap_weight)
     threshold   = max(min_r level + balance_request_share × prompt / B,  balance_rel × min_r level)
     cost(r)     = overlap_weight × prefill(r) / weight(r) + load_weight × max(0, level(r) − threshold)
                   − affinity_credit × [r is the request's home]
@@ -45,10 +45,15 @@ with Dynamo's cost (T = 0, weight 1) on the Mooncake trace, 4 replicas at 2 %, t
 instantaneous load differences between replicas outweigh most prefix hits, so
 conversations scatter and the hit rate stays near 60 % of the one-big-pool ceiling; with
 the band, and recent prefill work instead of active blocks as the main load signal, it is
-95 %, with the busiest replica computing 4 % more prefill than the mean. Over every workload
-family, replica count, capacity and arrival rate (``bench/routing/families.py``) they meet the
-targets (≥ 90 % of the ceiling, ≥ the best baseline, imbalance ≤ 1.3) in most but not all
-settings, and no single band does better everywhere (docs/architecture.md, "Routing").
+98 %, with the busiest replica computing 2 % more prefill than the mean. Which load the band
+bounds was chosen over every workload family, replica count, capacity and arrival rate
+(``bench/routing/load_signal.py`` on the grid of ``bench/routing/families.py``: its form from a
+screen by hand over all families, the choice among the candidates on the tune families alone):
+recent prefill work at 0.5 and queued prefill at a quarter (a passing
+queue, which the imbalance over a trace never sees, no longer moves a conversation off its
+prefix), no decode term, and a band of one request or ×1.2 the least-loaded level. They meet
+the targets (≥ 90 % of the ceiling, ≥ the best baseline, imbalance ≤ 1.3) in most but not all
+settings (docs/architecture.md, "Routing").
 
 Choice: with ``temperature`` 0 the lowest cost wins; ties go to the highest rendezvous
 hash of (request's session key, replica), then the lowest id, so every gateway replica
@@ -75,16 +80,16 @@ class CostModel:
     """Weights of the cost (module docstring). ``CostModel.dynamo()`` = Dynamo's cost."""
 
     overlap_weight: float = 1.0
-    decode_weight: float = 0.1
-    recent_weight: float = 0.2
+    decode_weight: float = 0.0
+    recent_weight: float = 0.5
     host_credit: float = 0.75
     pending_credit: float = 1.0
     balance_request_share: float = 1.0
-    balance_rel: float = 1.5
+    balance_rel: float = 1.2
     temperature: float = 0.0
     affinity_credit: float = 1.0
     load_weight: float = 1.0  # weight of load beyond the band (the self-tuning band raises it, tuning.py)
-    queue_weight: float | None = None  # weight of queued prefill in the load level; None: overlap_weight (Dynamo's)
+    queue_weight: float | None = 0.25  # weight of queued prefill in the load level; None: overlap_weight (Dynamo's)
 
     def __post_init__(self) -> None:
         for name in ("overlap_weight", "decode_weight", "recent_weight", "balance_request_share", "temperature",
@@ -107,12 +112,14 @@ class CostModel:
         """Dynamo's cost: ``overlap_weight × (queued + new prefill blocks) + potential active blocks``.
 
         ``host_credit`` defaults to Dynamo's ``host_cache_hit_weight`` (0.75; ai-dynamo/dynamo
-        ``lib/kv-router/src/scheduling/config.rs``, applied to host-tier hits in ``scheduling/overlap.rs``),
-        pinned here so that kvgate's own default can change without changing Dynamo's cost.
+        ``lib/kv-router/src/scheduling/config.rs``, applied to host-tier hits in ``scheduling/overlap.rs``).
+        Every field is pinned here, so that kvgate's own defaults can change without changing Dynamo's cost
+        (``affinity_credit`` acts only on a request that carries an affinity key).
         """
         return cls(
             overlap_weight=overlap_weight, decode_weight=1.0, recent_weight=0.0, host_credit=host_credit,
-            pending_credit=1.0, balance_request_share=0.0, balance_rel=1.0, temperature=temperature,
+            pending_credit=1.0, balance_request_share=0.0, balance_rel=1.0, temperature=temperature, queue_weight=None,
+            load_weight=1.0, affinity_credit=1.0,  # every field pinned: kvgate's defaults never leak into Dynamo's cost
         )
 
     def scores(

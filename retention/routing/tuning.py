@@ -40,12 +40,12 @@ decayed figure, so the controller stops tightening for good and the pool drifts 
 target. Fading the allowance with the replica's own dispatch count — full up to
 ``forgive_fade`` dispatches, then ∝ 1 / n_r — forgives the opening and reverts to the plain
 controller as evidence accumulates, replica by replica (a replica that has seen few
-dispatches is forgiven longer). ``forgive_fade`` 0, the default, is no fading. On the tune
-families the fading rows meet all three targets in 122–127 of 162 settings (forgive 3, not
-fading: 130) with the same imbalance misses as forgive 3 (all in 300-request cuts at 8
-replicas: all opening); over the whole grid forgive 8 fading after 4 meets them in the most
-settings of any router replayed but loses two report families to kv-aware, so it is a knob,
-not the default (docs/architecture.md, "Routing").
+dispatches is forgiven longer). ``forgive_fade`` 0, the default, is no fading. When it was
+chosen (300-request cuts, over kv-aware's previous cost defaults) the fading rows met all three
+targets in 122–127 of the 162 tune settings (forgive 3, not fading: 130) with the same imbalance
+misses as forgive 3 (at 8 replicas: all opening); over the whole grid forgive 8 fading after 4
+lost report families to kv-aware, and it still does, so it is a knob, not the default (the
+current counts: docs/benchmarks.md, "Routing that generalizes").
 
 Two ways of stopping the allowance from hiding a real pile-up were tried on the tune families
 (docs/benchmarks.md, the controller table), both off by default: ``forgive_limit`` tightens
@@ -55,15 +55,14 @@ replica has seen a few times ``forgive_fade`` dispatches. The fading row's whole
 all imbalance misses (agent-hinted at 2 replicas, rag-chat at 8), but a raw limit also tightens in
 the openings the allowance exists for, and on the tune families every limit tried meets all three
 targets in fewer settings than the fading row; the squared fade after 8 meets them in the most
-tune settings of any row (130 of 162, as constant forgive 3) yet still loses agent-hinted and
-rag-chat to kv-aware over the whole grid, so neither is the default (docs/architecture.md,
-"Routing").
+tune settings of any row (137 of 162 over today's cost defaults) yet loses report families to
+kv-aware over the whole grid, so neither is the default (docs/architecture.md, "Routing").
 
 At ``max_scale`` the band is wide enough that the cost is the cache-only one (ties by the
 session key's rendezvous, i.e. session stickiness); at ``min_scale`` it balances harder
-than the defaults. Bounding the scale to [½, 4] (two bands of the frontier sweep) meets all
-three targets in the most tune settings of any bounds tried, and over the whole grid in more
-settings than kv-aware on every family but rag-chat, so it is a reported variant and the
+than the defaults. Bounding the scale to [½, 4] met all three targets in the most tune settings
+of any bounds tried over the previous cost defaults ([½, 3] leads over today's, 132 to 130) and
+loses report families to kv-aware over the whole grid, so it is a reported variant and the
 defaults stay [¼, 64] (docs/architecture.md, "Routing", *Bounds of the scale*). The target
 sits below the 1.3 the benchmarks hold routing to, so the controller keeps a margin for what
 it only learns afterwards.

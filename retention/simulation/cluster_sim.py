@@ -68,6 +68,10 @@ class ClusterConfig:
     (``previous_response_id`` chains, ``retention.routing.ConversationRoots``), as the gateway
     routes it (``server/gateway/api/responses_convert.py``, ``conversation_key``); off, only
     the client's key counts. ``tuning``: the self-tuning band's knobs (router ``kv-adaptive`` only).
+    ``gateways``: gateway replicas in front of the pool, each with its own router; request ``i`` goes
+    through gateway ``i mod gateways`` (a round-robin load balancer, so a conversation's turns may cross
+    gateways), every gateway receives every replica's events (as gateways polling every replica do),
+    and each counts only its own dispatches: its load view is its share of the traffic.
     """
 
     replicas: int
@@ -79,10 +83,13 @@ class ClusterConfig:
     affinity: bool = True
     conversations: bool = True
     tuning: BandTuning = BandTuning()
+    gateways: int = 1
 
     def __post_init__(self) -> None:
         if self.replicas < 1:
             raise ValueError("replicas must be >= 1")
+        if self.gateways < 1:
+            raise ValueError("gateways must be >= 1")
         if self.index not in ("precise", "approximate"):
             raise ValueError(f"index must be 'precise' or 'approximate', got {self.index!r}")
 
@@ -131,13 +138,14 @@ class ClusterResult:
         }
 
 
-def _build_router(cluster: ClusterConfig, config: SimConfig, primary: int, secondary: int) -> Router:
+def _build_router(cluster: ClusterConfig, config: SimConfig, primary: int, secondary: int, gateway: int = 0) -> Router:
+    """Gateway ``gateway``'s router; its random source is seeded with ``cluster.seed + gateway``."""
     factory = None
     if cluster.index == "approximate":
         factory = approximate_indexes(CapacityModel(primary, secondary, cluster.ttl_s))
     return make_router(
         cluster.router, tokens_per_block=config.tokens_per_block, cost=cluster.cost, index_factory=factory,
-        rng=random.Random(cluster.seed), tuning=cluster.tuning,
+        rng=random.Random(cluster.seed + gateway), tuning=cluster.tuning,
     )
 
 
@@ -166,7 +174,8 @@ def simulate_cluster(
         )
         for p in policies
     ]
-    router = _build_router(cluster, config, primary_blocks, secondary)
+    routers = [_build_router(cluster, config, primary_blocks, secondary, g) for g in range(cluster.gateways)]
+    owner: dict[int, Router] = {}  # request index -> the gateway that dispatched it (its hooks go there)
     candidates = [Candidate(i) for i in range(cluster.replicas)]
     if hashes is None:
         hashes = request_hashes(requests, config)
@@ -178,7 +187,15 @@ def simulate_cluster(
 
     def feed(replica: int, now: float) -> None:
         if events_on:
-            router.apply_events(replica, pools[replica].take_events(), now=now)
+            events = pools[replica].take_events()
+            for router in routers:
+                router.apply_events(replica, events, now=now)
+
+    def prefill_done(index: int, now: float) -> None:
+        owner[index].on_prefill_done(index, now=now)
+
+    def complete(index: int, now: float) -> None:
+        owner.pop(index).on_complete(index, now=now)
 
     def account(replica: int, request: TraceRequest, reused: int, onboarded: int, rejected: bool) -> None:
         tenant = total.tenants.setdefault(request.tenant or "-", TenantResult())
@@ -196,6 +213,7 @@ def simulate_cluster(
                             previous_response_id=request.previous_response_id, store=request.store)
         rr = RouteRequest(request.index, tuple(h), request.input_length, request.output_length,
                           affinity_key=None if key is None else affinity_key(request.tenant, key))
+        router = owner[request.index] = routers[request.index % len(routers)]
         decision = router.route(rr, candidates, now=now)
         router.on_dispatch(rr, decision, now=now)
         predicted += decision.match.blocks
@@ -211,7 +229,7 @@ def simulate_cluster(
     def reject(replica: int, request: TraceRequest, now: float) -> None:
         policies[replica].observe(request, hashes[request.index], None, now=now, pool=pools[replica])
         account(replica, request, 0, 0, True)
-        router.on_complete(request.index, now=now)
+        complete(request.index, now)
 
     if config.hold == "none":
         for request in requests:
@@ -222,10 +240,10 @@ def simulate_cluster(
                 reject(replica, request, now)
             else:
                 account(replica, request, alloc.reused_blocks, alloc.onboarded_blocks, False)
-                router.on_prefill_done(request.index, now=now)
+                prefill_done(request.index, now)
                 pools[replica].release(request.index, tokens, now=now, num_computed_tokens=len(tokens))
                 feed(replica, now)
-                router.on_complete(request.index, now=now)
+                complete(request.index, now)
             if progress is not None:
                 progress(1)
         _finish_totals(total, pools)
@@ -271,11 +289,11 @@ def simulate_cluster(
         while clock and (limit is None or clock[0][0] <= limit):
             at, _, kind, replica, index, tokens = heapq.heappop(clock)
             if kind == PREFILL_DONE:
-                router.on_prefill_done(index, now=at)
+                prefill_done(index, at)
                 continue
             pools[replica].release(index, tokens, now=at, num_computed_tokens=len(tokens))  # type: ignore[arg-type]
             feed(replica, at)
-            router.on_complete(index, now=at)
+            complete(index, at)
             running[replica] -= 1
             admit_waiting(replica, at)
 

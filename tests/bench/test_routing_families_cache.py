@@ -46,3 +46,18 @@ def test_the_knob_pass_never_overwrites_the_committed_table_by_default() -> None
     run = subprocess.run([sys.executable, str(ROOT / "bench" / "routing" / "families.py"), "--tune-only"],
                          capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert run.returncode == 2 and "--tune-only writes its table to --tune-json FILE" in run.stderr
+
+
+def test_a_cache_replayed_with_other_defaults_is_refused(tmp_path) -> None:
+    """The grid's own rows are keyed by setting alone, so a cache records the kv-aware defaults it holds."""
+    import pytest
+
+    from bench.routing.families import stamp_defaults
+
+    cache = tmp_path / "grid.jsonl"
+    stamp_defaults(cache)  # first use: recorded
+    stamp_defaults(cache)  # same defaults: accepted
+    assert cache.with_suffix(".defaults").read_text() == fingerprint("kv-aware", ("kv-aware", {}, {}))
+    cache.with_suffix(".defaults").write_text(fingerprint("kv-aware", ("kv-aware", {"balance_rel": 1.5}, {})))
+    with pytest.raises(SystemExit, match="other kv-aware defaults"):
+        stamp_defaults(cache)

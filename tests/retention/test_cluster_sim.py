@@ -107,3 +107,24 @@ def test_salted_tenants_share_nothing_across_replicas() -> None:
     assert hits("shared", "a") - hits("salted", "a") == 3 * BS
     assert hits("shared", "b") == hits("salted", "b") > 0
     assert runs["salted"].predicted_hit_blocks * BS == runs["salted"].total.hit_tokens
+
+
+def test_gateways_share_the_events_and_split_the_load_view(chat) -> None:
+    """Several gateways: every one sees every replica's events, each counts only its own dispatches."""
+    def run(gateways: int, cost: CostModel):
+        return simulate_cluster(
+            chat, lambda: make_policy("trtllm-default"), primary_blocks=30, secondary_blocks=60, config=CFG_HOLD,
+            cluster=ClusterConfig(3, "kv-aware", cost=cost, gateways=gateways))
+
+    # no load term: the choice is the indexes' alone, and the indexes agree, so two gateways place as one
+    cache_only = CostModel(balance_request_share=1e9)
+    one, two = run(1, cache_only), run(2, cache_only)
+    assert [r.requests for r in two.replicas] == [r.requests for r in one.replicas]
+    assert two.total.gpu_hit_tokens == one.total.gpu_hit_tokens and two.predicted_hit_blocks == one.predicted_hit_blocks
+    # with the load term each gateway balances its own half of the traffic: the placements differ,
+    # and every request is still routed once
+    one, two = run(1, CostModel()), run(2, CostModel())
+    assert [r.requests for r in two.replicas] != [r.requests for r in one.replicas]
+    assert sum(r.requests for r in two.replicas) == len(chat) == two.total.requests
+    with pytest.raises(ValueError, match="gateways"):
+        ClusterConfig(3, gateways=0)

@@ -232,8 +232,10 @@ def test_a_squared_fade_catches_the_pile_up_a_linear_fade_of_the_same_length_for
 def test_scaled_band() -> None:
     base = CostModel()
     wide, tight = scaled(base, 4.0), scaled(base, 0.5)
-    assert wide.balance_request_share == 4.0 and wide.balance_rel == pytest.approx(3.0) and wide.load_weight == 1.0
-    assert tight.balance_request_share == 0.5 and tight.balance_rel == pytest.approx(1.25) and tight.load_weight == 2.0
+    rel = base.balance_rel - 1.0  # the band's relative part scales, around 1
+    assert wide.balance_request_share == 4.0 and wide.balance_rel == pytest.approx(1.0 + 4 * rel) and wide.load_weight == 1.0
+    assert tight.balance_request_share == 0.5 and tight.balance_rel == pytest.approx(1.0 + rel / 2) and tight.load_weight == 2.0
+    assert scaled(CostModel(balance_rel=1.5), 4.0).balance_rel == pytest.approx(3.0)
 
 
 @pytest.mark.parametrize("knobs", [{"target": 0.9}, {"step": 1.0}, {"min_scale": 2.0}, {"max_scale": 0.5},
@@ -300,8 +302,12 @@ def test_bounded_scale_keeps_chat_sessions_where_the_wide_bounds_scatter_them() 
     trace = parse_trace([json.dumps(x) for x in family.generate(0)])[:300]
     trace = [dataclasses.replace(r, timestamp_ms=r.timestamp_ms / 4) for r in trace]
     gpu = max(-(-(r.input_length + r.output_length) // 512) for r in trace)
+    # the cost the bounds were chosen over: the kv-aware defaults of that time (queued prefill at the prefill's
+    # weight, 0.1 × decode blocks, 0.2 × recent work, band ×1.5), pinned so the comparison stays the one made
+    cost = CostModel(queue_weight=None, decode_weight=0.1, recent_weight=0.2, balance_rel=1.5)
     results = {
-        name: simulate_cluster(trace, lambda: make_policy("lru"), cluster=ClusterConfig(8, "kv-adaptive", tuning=tuning),
+        name: simulate_cluster(trace, lambda: make_policy("lru"),
+                               cluster=ClusterConfig(8, "kv-adaptive", cost=cost, tuning=tuning),
                                primary_blocks=gpu, secondary_blocks=0, config=SimConfig(hold="tokens"))
         for name, tuning in (("bounded", BandTuning(min_scale=0.5, max_scale=4.0)), ("default", BandTuning()))
     }

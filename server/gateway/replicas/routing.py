@@ -32,7 +32,9 @@ Invariants:
   hash, not by local state: gateways that see the same events choose the same replica for
   the same request when their loads agree.
 * Load is what this gateway dispatched (queued prefill tokens, running requests, held
-  blocks); it returns to zero when nothing is in flight.
+  blocks, and its recent prefill work, decayed); the in-flight part returns to zero when
+  nothing is in flight. Each gateway counts only its own dispatches, so gateways behind one
+  balancer agree on a choice only while their load views stay within the balance band.
 """
 
 from __future__ import annotations
