@@ -191,8 +191,8 @@ def run_variants(name: str, requests: int, replicas: int, gpu: int, host: int, r
 PREVIOUS_KNOBS = {"queue_weight": None, "decode_weight": 0.1, "recent_weight": 0.2, "balance_rel": 1.5}
 PREVIOUS = ("kv-aware, previous defaults", PREVIOUS_KNOBS)
 # The fixed variants replayed over the whole grid (``--candidate``), each with what it is.
-FIXED = ((PREVIOUS, "the defaults until the load-signal screen replaced them (queued prefill + 0.1 × decode blocks "
-                    "+ 0.2 × recent prefill work, band 1 request / ×1.5)"),)
+FIXED = ((PREVIOUS, "the defaults until the load-signal screen replaced them: queued prefill + 0.1 × decode blocks "
+                    "+ 0.2 × recent prefill work, band 1 request / ×1.5"),)
 ADAPTIVE = "kv-adaptive"  # the self-tuning band (retention/routing/tuning.py), its default knobs
 # The self-tuning band's knobs tried on the tune families only (every tune setting); the first is the default.
 # The scale's bounds, [1/4, 64] (BandTuning's defaults): pinned in every row tried with them, so its figures

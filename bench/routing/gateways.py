@@ -1,7 +1,7 @@
 """Routing behind several gateways: each counts only its own dispatches, so each sees part of the load.
 
 Usage: ``OMP_NUM_THREADS=1 .venv/bin/python bench/routing/gateways.py [--no-write] [--workers 2]
-[--gateways 2] [--cache FILE]``
+[--gateways 2] [--cache FILE] [--extra-seconds S]``
 
 Writes the ``bench:routing_gateways`` section of docs/benchmarks.md. Deterministic: the grid of
 ``bench/routing/families.py`` (every generated family drawn with seed 0, the synthetic trace fixed, each
@@ -145,6 +145,8 @@ def main() -> None:
     parser.add_argument("--gateways", type=int, default=2, help="gateways behind the balancer (default: %(default)s)")
     parser.add_argument("--cache", type=Path,
                         help="the families grid's cache (families.py --cache): its one-gateway rows are read from it")
+    parser.add_argument("--extra-seconds", type=float, default=0.0,
+                        help="wall seconds of an earlier run into --cache, added to the total")
     args = parser.parse_args()
     if args.gateways < 2:
         parser.error("--gateways: 2 or more (one gateway is the families grid itself)")
@@ -155,7 +157,7 @@ def main() -> None:
     rows, _ = families.replay(roles, grid)
     families.replay_extras(rows, grid, {PREVIOUS: families.EXTRAS[PREVIOUS]})
     replay(rows, args)
-    body = section(rows, roles, args.gateways, time.perf_counter() - began, args.workers)
+    body = section(rows, roles, args.gateways, time.perf_counter() - began + args.extra_seconds, args.workers)
     print(body)
     if not args.no_write:
         write_section("routing_gateways", body)
