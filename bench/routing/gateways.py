@@ -122,6 +122,7 @@ def section(rows: list[dict], roles: dict[str, str], gateways: int, seconds: flo
             f"{max(r[cost]['imbalance'] for r in rows):.2f} → {max(r[key(cost, gateways)]['imbalance'] for r in rows):.2f} | "
             f"{sum(r[cost]['imbalance'] > 1.3 for r in rows)} → {sum(r[key(cost, gateways)]['imbalance'] > 1.3 for r in rows)} |")
     now, before = (sum(met(judge(r, key(c, gateways))) for r in rows) for c in COSTS)
+    shares = sorted(judge(r, key("kv-aware", gateways))["share"] for r in rows)
     worse = [f"{f} ({a} vs {b})" for f in fams
              for a, b in [(sum(met(judge(r, key("kv-aware", gateways))) for r in rows if r["family"] == f),
                            sum(met(judge(r, key(PREVIOUS, gateways))) for r in rows if r["family"] == f))] if a < b]
@@ -133,8 +134,7 @@ def section(rows: list[dict], roles: dict[str, str], gateways: int, seconds: flo
               f"{len(rows)} settings × {len(COSTS)} costs behind {gateways} gateways, {seconds:,.0f} s with {workers} "
               f"workers ({machine()}, shared); the one-gateway figures are the grid's. The share of the ceiling "
               f"for the defaults behind {gateways} gateways, min / median: "
-              + " / ".join(pct(x) for x in (lambda s: (s[0], s[len(s) // 2]))(
-                  sorted(judge(r, key('kv-aware', gateways))["share"] for r in rows))) + " %."]
+              f"{pct(shares[0])} / {pct(shares[len(shares) // 2])} %."]
     return "\n".join(lines)
 
 

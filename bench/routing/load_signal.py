@@ -167,16 +167,17 @@ def screen_table(rows: list[dict]) -> list[str]:
     return lines
 
 
+def count(subset: list[dict], label: str) -> int:
+    """Settings of ``subset`` where ``label`` meets all three targets."""
+    return sum(met(judge(r, label)) for r in subset)
+
+
 def pick(rows: list[dict], roles: dict[str, str]) -> list[str]:
     """What the tune families alone pick among the defaults and the candidates, and how the held-out families judge it."""
     tune = [r for r in rows if roles[r["family"]] == "tune"]
     report = [r for r in rows if roles[r["family"]] == "report"]
     labels = ["kv-aware", *CANDIDATES]
     names = {"kv-aware": "the defaults", PREVIOUS: "the previous defaults", FIRST: "the first candidate"}
-
-    def count(subset: list[dict], label: str) -> int:
-        return sum(met(judge(r, label)) for r in subset)
-
     best = max(labels, key=lambda label: count(tune, label))  # first listed wins a tie
     others = [label for label in labels if label != best]
     return [f"Picked on the tune families alone: {names[best]}, {count(tune, best)} of {len(tune)} tune settings "
@@ -189,10 +190,6 @@ def adopted(rows: list[dict], roles: dict[str, str]) -> str:
     """The rule a default follows, applied to the defaults against the previous ones: at least their count of
     settings meeting all three targets in every family (counted from the rows)."""
     fams = list(dict.fromkeys(r["family"] for r in rows))
-
-    def count(subset: list[dict], label: str) -> int:
-        return sum(met(judge(r, label)) for r in subset)
-
     per = {f: (count([r for r in rows if r["family"] == f], PREVIOUS),
                count([r for r in rows if r["family"] == f], "kv-aware")) for f in fams}
     fewer = [f"{f} ({now} vs {before})" for f, (before, now) in per.items() if now < before]
