@@ -19,6 +19,7 @@ from server.gateway.admission import Admission, LocalAdmission, RedisAdmission
 from server.gateway.app import install_gateway, registry_pools_and_tenants
 from tenants.snapshots import PoolSnapshot
 from server.gateway.errors import ServingError
+from server.gateway.replicas.peer_sync import PeerSync
 from server.gateway.replicas.routing import RoutingConfig
 from server.gateway.services import LoopIntervals, build_gateway_services
 from server.gateway.usage_journal import registry_fingerprint
@@ -63,7 +64,9 @@ def build_serving_app(settings: Settings, *, session_factory: sessionmaker[Sessi
         session_factory = make_session_factory(engine)
     app = create_app(settings, engine=engine, session_factory=session_factory)
     if admission is None:
-        admission = RedisAdmission(settings.redis_url, lease_ttl_s=settings.admission_lease_ttl_s) if settings.redis_url else LocalAdmission()
+        admission = (RedisAdmission(settings.redis_url, namespace=settings.redis_namespace,
+                                    lease_ttl_s=settings.admission_lease_ttl_s)
+                     if settings.redis_url else LocalAdmission())
     services = build_gateway_services(
         session_factory=session_factory, pepper=settings.effective_key_pepper(), tokenizer_for=tokenizer_for,
         admission=admission, registry=registry or CollectorRegistry(),
@@ -74,5 +77,7 @@ def build_serving_app(settings: Settings, *, session_factory: sessionmaker[Sessi
         usage_journal_dir=settings.usage_journal_dir if settings.usage_journal else None,
         registry_id=registry_fingerprint(settings.database_url),
         responses_ttl_s=settings.responses_ttl_s, responses_max_bytes=settings.responses_max_bytes,
+        peer_sync=PeerSync(settings.redis_url, namespace=settings.redis_namespace, lease_s=settings.routing_sync_lease_s)
+        if settings.routing_sync and settings.redis_url else None,
     )
     return install_gateway(app, services)

@@ -71,6 +71,9 @@ class Settings(BaseSettings):
     host: str = "127.0.0.1"
     port: int = Field(default=8000, ge=1, le=65535)
     redis_url: str | None = None
+    # Prefix of every Redis key and channel kvgate uses (admission, routing sync): deployments
+    # sharing one Redis keep apart by it (pub/sub channels ignore the database number).
+    redis_namespace: str = Field(default="kvgate", min_length=1, pattern=r"^[A-Za-z0-9_.-]+$")
     # Redis admission (server/gateway/admission.py): a concurrency lease lapses this long after
     # its gateway's last heartbeat (renewed every third of it while the request is live), so a
     # SIGKILLed gateway's slots are free again within this bound.
@@ -93,6 +96,12 @@ class Settings(BaseSettings):
     router: Literal["kv-aware", "kv-adaptive", "round-robin", "session", "random"] = "kv-aware"
     router_overlap_weight: float = Field(default=1.0, ge=0.0)
     router_temperature: float = Field(default=0.0, ge=0.0)
+    # Routing sync (server/gateway/replicas/peer_sync.py): gateway replicas behind one balancer
+    # publish their dispatches, first tokens and completions through Redis (KVGATE_REDIS_URL) and
+    # apply one another's, so each routes on the whole fleet's load and in-flight prefixes. A
+    # peer silent for routing_sync_lease_s (heartbeats every third of it) is forgotten.
+    routing_sync: bool = False
+    routing_sync_lease_s: float = Field(default=15.0, gt=0.0)
     # First-token deadline per attempt (server/gateway/replicas/routing.py, RoutingConfig): a replica
     # that accepted a request but sent no token within this many seconds has its call cancelled
     # (the engine frees the request), counts a failure in its circuit breaker, and the request
@@ -130,6 +139,12 @@ class Settings(BaseSettings):
         if self.breaker_max_open_s < self.breaker_open_s:
             raise ValueError(f"breaker_max_open_s ({self.breaker_max_open_s}) must be >= breaker_open_s "
                              f"({self.breaker_open_s})")
+        return self
+
+    @model_validator(mode="after")
+    def _sync_needs_redis(self) -> "Settings":
+        if self.routing_sync and not self.redis_url:
+            raise ValueError("routing_sync needs redis_url: gateways share their dispatches through Redis")
         return self
 
     @model_validator(mode="after")

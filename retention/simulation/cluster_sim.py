@@ -41,10 +41,13 @@ from retention.routing import (
     CapacityModel,
     ConversationRoots,
     CostModel,
+    Notice,
+    PeerLoads,
     Router,
     RouteRequest,
     affinity_key,
     approximate_indexes,
+    dispatch_notice,
     make_router,
 )
 from retention.simulation.sim_policies import SimPolicy
@@ -71,7 +74,11 @@ class ClusterConfig:
     ``gateways``: gateway replicas in front of the pool, each with its own router; request ``i`` goes
     through gateway ``i mod gateways`` (a round-robin load balancer, so a conversation's turns may cross
     gateways), every gateway receives every replica's events (as gateways polling every replica do),
-    and each counts only its own dispatches: its load view is its share of the traffic.
+    and each counts only its own dispatches: its load view is its share of the traffic. ``sync``:
+    the gateways publish their routing hooks to one another (``retention/routing/sync.py``, as
+    ``server/gateway/replicas/peer_sync.py`` does over Redis) and a peer applies each notice
+    ``sync_delay_s`` after it was sent, so each gateway's load and pending blocks cover every
+    gateway's dispatches, late by that delay.
     """
 
     replicas: int
@@ -84,12 +91,16 @@ class ClusterConfig:
     conversations: bool = True
     tuning: BandTuning = BandTuning()
     gateways: int = 1
+    sync: bool = False
+    sync_delay_s: float = 0.0
 
     def __post_init__(self) -> None:
         if self.replicas < 1:
             raise ValueError("replicas must be >= 1")
         if self.gateways < 1:
             raise ValueError("gateways must be >= 1")
+        if self.sync_delay_s < 0:
+            raise ValueError("sync_delay_s must be >= 0")
         if self.index not in ("precise", "approximate"):
             raise ValueError(f"index must be 'precise' or 'approximate', got {self.index!r}")
 
@@ -175,7 +186,10 @@ def simulate_cluster(
         for p in policies
     ]
     routers = [_build_router(cluster, config, primary_blocks, secondary, g) for g in range(cluster.gateways)]
-    owner: dict[int, Router] = {}  # request index -> the gateway that dispatched it (its hooks go there)
+    owner: dict[int, int] = {}  # request index -> the gateway that dispatched it (its hooks go there)
+    peers = [PeerLoads(router, str(g)) for g, router in enumerate(routers)] if cluster.sync else []
+    notices: list[tuple[float, int, int, Notice]] = []  # (due, seq, gateway, notice): in flight between gateways
+    sent = 0
     candidates = [Candidate(i) for i in range(cluster.replicas)]
     if hashes is None:
         hashes = request_hashes(requests, config)
@@ -191,11 +205,32 @@ def simulate_cluster(
             for router in routers:
                 router.apply_events(replica, events, now=now)
 
+    def publish(notice: Notice, now: float) -> None:
+        nonlocal sent
+        for g, peer in enumerate(peers):
+            if str(g) == notice.gateway:
+                continue
+            if cluster.sync_delay_s == 0:
+                peer.apply(notice, now=now)
+            else:
+                heapq.heappush(notices, (now + cluster.sync_delay_s, sent, g, notice))
+                sent += 1
+
+    def deliver(until: float) -> None:
+        while notices and notices[0][0] <= until:
+            due, _, g, notice = heapq.heappop(notices)
+            peers[g].apply(notice, now=due)
+
     def prefill_done(index: int, now: float) -> None:
-        owner[index].on_prefill_done(index, now=now)
+        routers[owner[index]].on_prefill_done(index, now=now)
+        if peers:
+            publish(Notice(str(owner[index]), "first_token", str(index)), now)
 
     def complete(index: int, now: float) -> None:
-        owner.pop(index).on_complete(index, now=now)
+        gateway = owner.pop(index)
+        routers[gateway].on_complete(index, now=now)
+        if peers:
+            publish(Notice(str(gateway), "complete", str(index)), now)
 
     def account(replica: int, request: TraceRequest, reused: int, onboarded: int, rejected: bool) -> None:
         tenant = total.tenants.setdefault(request.tenant or "-", TenantResult())
@@ -213,9 +248,13 @@ def simulate_cluster(
                             previous_response_id=request.previous_response_id, store=request.store)
         rr = RouteRequest(request.index, tuple(h), request.input_length, request.output_length,
                           affinity_key=None if key is None else affinity_key(request.tenant, key))
-        router = owner[request.index] = routers[request.index % len(routers)]
+        gateway = owner[request.index] = request.index % len(routers)
+        router = routers[gateway]
+        deliver(now)
         decision = router.route(rr, candidates, now=now)
         router.on_dispatch(rr, decision, now=now)
+        if peers:
+            publish(dispatch_notice(str(gateway), rr, decision), now)
         predicted += decision.match.blocks
         return decision.replica
 
@@ -287,6 +326,7 @@ def simulate_cluster(
 
     def run_until(limit: float | None) -> None:
         while clock and (limit is None or clock[0][0] <= limit):
+            deliver(clock[0][0])
             at, _, kind, replica, index, tokens = heapq.heappop(clock)
             if kind == PREFILL_DONE:
                 prefill_done(index, at)

@@ -69,6 +69,8 @@ def register(app: typer.Typer) -> None:
         cost: Annotated[str, typer.Option("--cost", help="kv-aware cost: kvgate (balance band) | dynamo (Dynamo's cost)")] = "kvgate",
         temperature: Annotated[float, typer.Option("--temperature", help="kv-aware softmax temperature (0 = lowest cost)")] = 0.0,
         seed: Annotated[int, typer.Option("--seed", help="random source of the random router and of softmax sampling")] = 0,
+        gateways: Annotated[int, typer.Option("--gateways", help="gateway replicas behind a round-robin balancer, each with its own router (needs --replicas)")] = 1,
+        sync_delay: Annotated[float | None, typer.Option("--sync-delay", help="the gateways run routing sync, applying each other's dispatches S seconds late (needs --gateways 2+)")] = None,
     ) -> None:
         """Replay a trace through the block pool and planner; compare policies against Belady."""
         from retention.simulation.oracle import is_oracle_name, oracle_factories, parse_oracle_name
@@ -85,7 +87,8 @@ def register(app: typer.Typer) -> None:
             if limit is not None and limit < 1:
                 raise CliError("--limit must be >= 1")
             clusters = cluster_configs(
-                replicas, router, index=index, ttl=ttl, cost=cost, temperature=temperature, seed=seed
+                replicas, router, index=index, ttl=ttl, cost=cost, temperature=temperature, seed=seed,
+                gateways=gateways, sync_delay=sync_delay,
             )
             mapping = None
             if classes is not None:

@@ -31,12 +31,26 @@ def cluster_configs(
     cost: str,
     temperature: float,
     seed: int,
+    gateways: int = 1,
+    sync_delay: float | None = None,
 ) -> list[ClusterConfig]:
-    """The validated configurations (empty without ``--replicas``: the classic single pool)."""
+    """The validated configurations (empty without ``--replicas``: the classic single pool).
+
+    ``gateways``: gateway replicas behind a round-robin balancer, each with its own router;
+    ``sync_delay``: they run routing sync, each applying its peers' notices that many seconds late
+    (None: each routes on its own dispatches alone)."""
     if replicas is None:
         if routers:
             raise CliError("--router needs --replicas N")
+        if gateways != 1 or sync_delay is not None:
+            raise CliError("--gateways and --sync-delay need --replicas N")
         return []
+    if gateways < 1:
+        raise CliError("--gateways must be >= 1")
+    if sync_delay is not None and not (math.isfinite(sync_delay) and sync_delay >= 0):
+        raise CliError("--sync-delay must be a number of seconds >= 0")
+    if sync_delay is not None and gateways < 2:
+        raise CliError("--sync-delay needs --gateways 2 or more (one gateway has no peers)")
     if replicas < 1:
         raise CliError("--replicas must be >= 1")
     names = list(routers or ROUTER_NAMES)
@@ -60,7 +74,8 @@ def cluster_configs(
     except RoutingError as exc:
         raise CliError(str(exc)) from None
     return [
-        ClusterConfig(replicas, name, cost=model, index=index, ttl_s=ttl, seed=seed)  # type: ignore[arg-type]
+        ClusterConfig(replicas, name, cost=model, index=index, ttl_s=ttl, seed=seed,  # type: ignore[arg-type]
+                      gateways=gateways, sync=sync_delay is not None, sync_delay_s=sync_delay or 0.0)
         for name in names
     ]
 
@@ -107,7 +122,8 @@ def run_replicas(
         typer.echo(json.dumps({
             "trace": trace, "requests": len(requests), "distinct_blocks": distinct, "hold": config.hold,
             "tokens_per_block": config.tokens_per_block, "replicas": clusters[0].replicas,
-            "index": clusters[0].index, "runs": [
+            "index": clusters[0].index, "gateways": clusters[0].gateways,
+            "sync_delay_s": clusters[0].sync_delay_s if clusters[0].sync else None, "runs": [
                 {"primary_blocks": cap, "policy": name, **report.to_dict()} for cap, name, report in reports
             ],
         }, indent=2))
@@ -129,6 +145,8 @@ def _print(reports, distinct: int, num_requests: int, hold: str, cluster: Cluste
     console.print(
         f"{num_requests} requests, {distinct} distinct blocks, --hold {hold}, {cluster.replicas} replicas, "
         f"kv-aware index {cluster.index}"
+        + ("" if cluster.gateways == 1 else f", {cluster.gateways} gateways "
+           + (f"synced ({cluster.sync_delay_s:g} s late)" if cluster.sync else "each on its own dispatches"))
     )
     for capacity, policy, report in reports:
         table = Table(

@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from prometheus_client import CollectorRegistry
@@ -29,6 +29,7 @@ from server.gateway.replicas.engines import EngineDirectory
 from server.gateway.observe.metrics import GatewayMetrics
 from server.gateway.observe.miss_ratio import MissRatioCollector, MissRatioCurves
 from server.gateway.replicas.pool_monitor import PoolMonitor
+from server.gateway.replicas.peer_sync import PeerSync
 from server.gateway.observe.slo_guard import SloGuards
 from server.gateway.response_store import DEFAULT_MAX_BYTES, DEFAULT_TTL_S, ResponseStore
 from server.gateway.replicas.routing import Routing, RoutingConfig
@@ -107,6 +108,8 @@ class GatewayServices:
             asyncio.create_task(self._loop(self.intervals.last_used_flush, self.auth.flush_last_used, "last-used flush")),
             asyncio.create_task(self._loop(self.intervals.pool_poll, self.monitor.refresh, "pool poll")),
         ]
+        if self.routing.peer_sync is not None:  # routing sync: its own tasks, closed with the routing
+            self.routing.peer_sync.start()
         retry_releases = getattr(self.admission, "retry_releases", None)
         if retry_releases is not None:  # Redis admission: slots owed back after a Redis outage
 
@@ -160,7 +163,8 @@ def build_gateway_services(*, session_factory, pepper: str, tokenizer_for, admis
                            mrc_sample_rate: float = 0.01, trace_dir: Path | None = None,
                            routing: RoutingConfig | None = None, responses_ttl_s: float = DEFAULT_TTL_S,
                            responses_max_bytes: int = DEFAULT_MAX_BYTES,
-                           usage_journal_dir: Path | None = None, registry_id: str = "registry") -> GatewayServices:
+                           usage_journal_dir: Path | None = None, registry_id: str = "registry",
+                           peer_sync: PeerSync | None = None) -> GatewayServices:
     engines: EngineDirectory[ChatPrompter] = EngineDirectory(lambda pool: ChatPrompter(tokenizer_for(pool)))
     selectors: dict[str, AdaptiveSelector] = {}
 
@@ -174,8 +178,10 @@ def build_gateway_services(*, session_factory, pepper: str, tokenizer_for, admis
         return selector
 
     metrics = GatewayMetrics(registry)
-    router = Routing(routing, metrics=metrics)
+    router = Routing(routing, metrics=metrics, peer_sync=peer_sync)
     metrics.watch_replicas(router.rows)
+    if peer_sync is not None:
+        metrics.watch_sync(router.sync_rows, lambda: asdict(peer_sync.counters))
     monitor = PoolMonitor(engines, pools_and_tenants, routing=router)
     metrics.watch_pools(monitor.snapshots, lambda: monitor.engine_up)
     curves = MissRatioCurves(mrc_sample_rate)

@@ -271,6 +271,7 @@ def test_gateway_scaling_needs_and_gets_redis(renders):
         deployment, c = gateway(r)
         env = {e["name"]: e for e in c["env"]}
         assert "KVGATE_REDIS_URL" in env
+        assert env["KVGATE_ROUTING_SYNC"]["value"] == "true"  # gateway pods route on one another's dispatches
         pdb = r.get("PodDisruptionBudget", "kvgate-gateway")
         assert selector_matches(pdb["spec"]["selector"], deployment["spec"]["template"]["metadata"]["labels"])
     external = {e["name"]: e for e in gateway(gpu)[1]["env"]}["KVGATE_REDIS_URL"]
@@ -279,7 +280,7 @@ def test_gateway_scaling_needs_and_gets_redis(renders):
     assert bundled["value"] == "redis://kvgate-redis:6379/0"
     assert multi.get("Service", "kvgate-redis")
     # one gateway: no Redis, no PDB (a PDB over a single pod would block every node drain)
-    assert "KVGATE_REDIS_URL" not in {e["name"] for e in gateway(cpu)[1]["env"]}
+    assert not {"KVGATE_REDIS_URL", "KVGATE_ROUTING_SYNC"} & {e["name"] for e in gateway(cpu)[1]["env"]}
     assert not cpu.of_kind("PodDisruptionBudget")
 
 

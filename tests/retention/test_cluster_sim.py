@@ -128,3 +128,24 @@ def test_gateways_share_the_events_and_split_the_load_view(chat) -> None:
     assert sum(r.requests for r in two.replicas) == len(chat) == two.total.requests
     with pytest.raises(ValueError, match="gateways"):
         ClusterConfig(3, gateways=0)
+
+
+def test_synced_gateways_route_as_one(chat) -> None:
+    """Routing sync: each gateway applies its peers' dispatches, first tokens and completions
+    (``retention/routing/sync.py``); with no delay the fleet's views are one gateway's."""
+    def run(gateways: int, **sync):
+        return simulate_cluster(
+            chat, lambda: make_policy("trtllm-default"), primary_blocks=30, secondary_blocks=60, config=CFG_HOLD,
+            cluster=ClusterConfig(3, "kv-aware", gateways=gateways, **sync))
+
+    one, split, synced = run(1), run(2), run(2, sync=True)
+    assert [r.requests for r in split.replicas] != [r.requests for r in one.replicas]  # the split view differs
+    assert [r.requests for r in synced.replicas] == [r.requests for r in one.replicas]
+    assert [r.prefill_tokens for r in synced.replicas] == [r.prefill_tokens for r in one.replicas]
+    assert synced.total.hit_tokens == one.total.hit_tokens and synced.predicted_hit_blocks == one.predicted_hit_blocks
+    # late notices: peers see each other's dispatches a second late; every request is still routed once
+    late = run(2, sync=True, sync_delay_s=1.0)
+    assert sum(r.requests for r in late.replicas) == len(chat) == late.total.requests
+    assert [r.requests for r in late.replicas] != [r.requests for r in one.replicas]
+    with pytest.raises(ValueError, match="sync_delay_s"):
+        ClusterConfig(3, sync=True, sync_delay_s=-1.0)

@@ -138,6 +138,26 @@ def test_replicas_compare_routers_against_the_ceiling(tmp_path: Path) -> None:
     assert "ceiling: 1 pool × 2 capacity" in table.output and "load imbalance" in table.output
 
 
+def test_gateways_alone_or_synced(tmp_path: Path) -> None:
+    trace = write_trace(tmp_path / "t.jsonl")
+    base = ["simulate", str(trace), "--block-size", "4", "-c", "8", "-p", "lru", "--replicas", "2", "--hold", "tokens",
+            "--router", "kv-aware", "--router", "round-robin"]
+    runs = {}
+    for name, extra in [("one", []), ("split", ["--gateways", "2"]), ("synced", ["--gateways", "2", "--sync-delay", "0"])]:
+        result = CliRunner().invoke(create_cli(), [*base, *extra, "--json"])
+        assert result.exit_code == 0, result.output
+        runs[name] = json.loads(result.output)
+    assert (runs["split"]["gateways"], runs["split"]["sync_delay_s"]) == (2, None)
+    assert (runs["synced"]["gateways"], runs["synced"]["sync_delay_s"]) == (2, 0.0)
+    # synced with no delay, two gateways route as one
+    one, synced = (runs[k]["runs"][0]["routers"]["kv-aware"] for k in ("one", "synced"))
+    assert [r["requests"] for r in synced["replicas"]] == [r["requests"] for r in one["replicas"]]
+    assert synced["total"] == one["total"]
+    table = CliRunner().invoke(create_cli(), [*base, "--gateways", "2", "--sync-delay", "0.05", "--no-progress"])
+    assert table.exit_code == 0, table.output
+    assert "2 gateways synced (0.05 s late)" in table.output
+
+
 def test_replica_options_exit_2_on_bad_input(tmp_path: Path) -> None:
     trace = write_trace(tmp_path / "t.jsonl")
     base = ["simulate", str(trace), "--block-size", "4", "-c", "8", "--no-progress"]
@@ -151,6 +171,10 @@ def test_replica_options_exit_2_on_bad_input(tmp_path: Path) -> None:
         (["--replicas", "2", "--cost", "cheap"], "--cost must be"),
         (["--replicas", "2", "--temperature", "-1"], "--temperature must be"),
         (["--replicas", "2", "-p", "oracle-reuse"], "cannot run with --replicas"),
+        (["--gateways", "2"], "--gateways and --sync-delay need --replicas"),
+        (["--replicas", "2", "--gateways", "0"], "--gateways must be >= 1"),
+        (["--replicas", "2", "--gateways", "2", "--sync-delay", "-1"], "--sync-delay must be"),
+        (["--replicas", "2", "--sync-delay", "0.01"], "--sync-delay needs --gateways 2"),
     ]:
         result = CliRunner().invoke(create_cli(), base + extra)
         assert result.exit_code == 2, (extra, result.output)

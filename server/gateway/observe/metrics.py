@@ -149,6 +149,33 @@ class ReplicaCollector(Collector):
         yield index
 
 
+class SyncCollector(Collector):
+    """Routing sync at scrape time: ``pools()`` yields (pool, peers heard within the lease, peers'
+    requests in this gateway's load); ``counts()`` maps published / received / dropped / malformed
+    to notice counts since start."""
+
+    def __init__(self, pools: Callable[[], Iterable[tuple[str, int, int]]], counts: Callable[[], Mapping[str, int]]) -> None:
+        self._pools, self._counts = pools, counts
+
+    def describe(self):
+        return []
+
+    def collect(self):
+        peers = GaugeMetricFamily("kvgate_routing_sync_peers", "Gateways heard from within the sync lease", labels=["pool"])
+        requests = GaugeMetricFamily("kvgate_routing_sync_peer_requests",
+                                     "Other gateways' requests in flight counted in this gateway's load", labels=["pool"])
+        for pool, n, in_flight in self._pools():
+            peers.add_metric([pool], n)
+            requests.add_metric([pool], in_flight)
+        notices = CounterMetricFamily("kvgate_routing_sync_notices", "Routing sync notices by outcome",
+                                      labels=["outcome"])
+        for outcome, n in self._counts().items():
+            notices.add_metric([outcome], n)
+        yield peers
+        yield requests
+        yield notices
+
+
 class GatewayMetrics:
     """Per-request metrics, labelled by tenant slug and pool."""
 
@@ -205,6 +232,10 @@ class GatewayMetrics:
     def watch_replicas(self, rows: Callable[[], Iterable[ReplicaRow]]) -> None:
         """Export replica health and load at scrape time (called once by the services)."""
         self.registry.register(ReplicaCollector(rows))
+
+    def watch_sync(self, pools: Callable[[], Iterable[tuple[str, int, int]]], counts: Callable[[], Mapping[str, int]]) -> None:
+        """Export routing sync's peers and notice counts at scrape time (routing sync on only)."""
+        self.registry.register(SyncCollector(pools, counts))
 
     def observe_replica(self, *, pool: str, replica: str, status: str, prompt_tokens: int, cached_tokens: int) -> None:
         """One engine attempt on ``replica`` (a retried request counts once per attempt)."""

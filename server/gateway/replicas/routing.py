@@ -33,8 +33,12 @@ Invariants:
   the same request when their loads agree.
 * Load is what this gateway dispatched (queued prefill tokens, running requests, held
   blocks, and its recent prefill work, decayed); the in-flight part returns to zero when
-  nothing is in flight. Each gateway counts only its own dispatches, so gateways behind one
-  balancer agree on a choice only while their load views stay within the balance band.
+  nothing is in flight. Alone, each gateway counts only its own dispatches, so gateways
+  behind one balancer agree on a choice only while their load views stay within the balance
+  band, and miss the blocks their peers' requests are computing. With routing sync
+  (``peer_sync.py``, ``retention/routing/sync.py``) every gateway also applies its peers'
+  dispatches, first tokens and completions, so load and pending blocks cover the whole
+  fleet, late by the sync's delay.
 """
 
 from __future__ import annotations
@@ -56,15 +60,19 @@ from retention.routing import (
     CapacityModel,
     CostModel,
     Decision,
+    Notice,
+    PeerLoads,
     Router,
     RouteRequest,
     RoutingError,
     affinity_key,
+    dispatch_notice,
     make_router,
 )
 from retention.types import Tier
 from tenants.snapshots import PoolSnapshot
 from server.gateway.replicas.breaker import Breaker
+from server.gateway.replicas.peer_sync import PeerSync
 from server.gateway.replicas.engine_client import (
     EngineChunk, EngineClient, EngineError, EngineRejected, EngineTimeout, EngineUnavailable,
 )
@@ -191,7 +199,8 @@ def sum_reports(reports: Iterable[PoolStatsReport]) -> PoolStatsReport | None:
 class PoolRoute:
     """The replicas and the router of one pool."""
 
-    def __init__(self, pool: PoolSnapshot, config: RoutingConfig, clock: Callable[[], float]) -> None:
+    def __init__(self, pool: PoolSnapshot, config: RoutingConfig, clock: Callable[[], float],
+                 peer_sync: PeerSync | None = None) -> None:
         self.name = pool.name
         self.config = config
         self._clock = clock
@@ -199,6 +208,9 @@ class PoolRoute:
         self.replicas: dict[int, Replica] = {}
         self.retiring: list[Replica] = []  # removed from the registry, requests still in flight
         self.router: Router = self._new_router(config.router)
+        self.peer_sync = peer_sync
+        # Peers' dispatches applied to this pool's router (routing sync on), else None.
+        self.peers = None if peer_sync is None else PeerLoads(self.router, peer_sync.gateway, lease_s=peer_sync.lease_s)
         self.generation = 0  # bumped by use_router: a poll begun before the switch is discarded
         self.sync(pool)
 
@@ -208,6 +220,8 @@ class PoolRoute:
     def use_router(self, name: str) -> None:
         """Switch the routing policy (benchmarks); indexes are rebuilt from fresh snapshots."""
         self.router = self._new_router(name)
+        if self.peers is not None:
+            self.peers.reset(self.router)
         self.generation += 1
         for replica in self.replicas.values():
             replica.cursor = 0
@@ -350,17 +364,24 @@ class Routing:
     """Every pool's :class:`PoolRoute`; the gateway's single entry point for dispatch."""
 
     def __init__(self, config: RoutingConfig | None = None, *, metrics=None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, peer_sync: PeerSync | None = None) -> None:
         self.config = config or RoutingConfig()
         self.metrics = metrics  # GatewayMetrics (replica-labelled series), optional in tests
         self._clock = clock
         self.pools: dict[str, PoolRoute] = {}
+        self.peer_sync = peer_sync
+        if peer_sync is not None:
+            peer_sync.attach(peers_of=self._peers_of, pools=lambda: list(self.pools), clock=clock)
+
+    def _peers_of(self, pool: str) -> PeerLoads | None:
+        route = self.pools.get(pool)
+        return None if route is None else route.peers
 
     def route(self, pool: PoolSnapshot) -> PoolRoute:
         """The pool's route; the first request for a pool creates it from its snapshot."""
         route = self.pools.get(pool.name)
         if route is None:
-            route = self.pools[pool.name] = PoolRoute(pool, self.config, self._clock)
+            route = self.pools[pool.name] = PoolRoute(pool, self.config, self._clock, self.peer_sync)
         return route
 
     def use_router(self, name: str) -> None:
@@ -388,6 +409,11 @@ class Routing:
         results = await asyncio.gather(*(r.client.ready() for r in route.replicas.values() if r.state == "active"))
         return any(results)
 
+    def sync_rows(self) -> list[tuple[str, int, int]]:
+        """Per pool: (name, peers heard within the lease, peers' requests in this gateway's load)."""
+        return [(name, len(route.peers.peers()), route.peers.in_flight())
+                for name, route in list(self.pools.items()) if route.peers is not None]
+
     def rows(self) -> list[ReplicaRow]:
         """Replica health and load for the metrics collector (read at scrape time)."""
         modes = {True: "precise", False: "approximate", None: "unknown"}
@@ -395,6 +421,8 @@ class Routing:
                 for name, route in list(self.pools.items()) for r in list(route.replicas.values())]
 
     async def close(self) -> None:
+        if self.peer_sync is not None:
+            await self.peer_sync.close()
         for route in self.pools.values():
             for replica in [*route.replicas.values(), *route.retiring]:
                 with contextlib.suppress(Exception):
@@ -440,6 +468,7 @@ class RoutedEngine:
                               affinity_key=self.affinity)
         wait = self._routing.config.first_response_wait(request)
         retries = self._routing.config.retries
+        sync = route.peer_sync
         tried: set[int] = set()
         attempts = 0
         while True:
@@ -458,6 +487,8 @@ class RoutedEngine:
             self.replica = replica.name
             dispatched_at = clock()
             router.on_dispatch(routed, decision, now=dispatched_at)
+            if sync is not None:
+                sync.publish(route.name, dispatch_notice(sync.gateway, routed, decision))
             replica.in_flight += 1
             produced = prefilled = False
             status, kv = "error", None
@@ -490,6 +521,8 @@ class RoutedEngine:
                         if chunk.token_ids and not prefilled:
                             prefilled = True
                             router.on_prefill_done(request_id, now=clock())
+                            if sync is not None:
+                                sync.publish(route.name, Notice(sync.gateway, "first_token", request_id))
                         yield chunk
                 status = "ok"
                 return
@@ -517,6 +550,8 @@ class RoutedEngine:
                 if trial is not None:
                     trial.breaker.end_trial()  # no verdict (client gone, refused): the next request tries
                 router.on_complete(request_id, now=clock())
+                if sync is not None:
+                    sync.publish(route.name, Notice(sync.gateway, "complete", request_id))
                 replica.in_flight -= 1
                 metrics = self._routing.metrics
                 if metrics is not None:

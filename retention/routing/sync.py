@@ -1,0 +1,170 @@
+"""Gateways that share what they dispatch: every gateway's routing hooks, applied by its peers.
+
+Behind one load balancer each gateway replica runs its own router. KV events reach all of
+them (every gateway polls every engine), so their indexes agree; but load and the blocks
+*pending* on a replica (computed by requests in flight, not yet stored) come from a
+router's own hooks, so each gateway sees only its share. Two turns of one conversation
+that cross gateways then miss each other's in-flight prefix, and the load band bounds
+half the traffic. Dynamo meets the same problem with ``--router-replica-sync`` (router
+replicas publish and subscribe to active-sequence lifecycle events;
+``docs/components/router/router-operations.md``, "Active Block Replica Synchronization").
+kvgate does the same: each gateway publishes its hooks as :class:`Notice` s and applies its
+peers' to its own router through the same hooks, keyed ``(gateway, request id)``::
+
+    own request:  route ─► on_dispatch ─► publish DISPATCH (replica, hashes, tokens, predicted reuse)
+                  first token ─► on_prefill_done ─► publish FIRST_TOKEN
+                  end ─► on_complete ─► publish COMPLETE
+    peer notice:  PeerLoads.apply ─► the same hook on this gateway's router
+    heartbeat:    every gateway publishes one every ``lease_s / 3``; a peer silent for ``lease_s``
+                  is gone (crashed, partitioned): PeerLoads.expire completes its requests
+
+Invariants: a peer's request is in this router's load at most once, between its DISPATCH
+and its COMPLETE (or its gateway's expiry); notices of this gateway itself are ignored;
+duplicates and a COMPLETE without a DISPATCH are no-ops (the hooks are idempotent), so a
+notice lost or replayed never leaves load behind for longer than the lease. Pure: the
+transport (``server/gateway/replicas/peer_sync.py``) and the clock belong to the caller.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Hashable, Iterable
+from dataclasses import dataclass, field
+from typing import Literal
+
+from retention.routing.router import Router
+from retention.routing.types import Decision, PrefixMatch, RouteRequest, RoutingError
+
+NoticeKind = Literal["dispatch", "first_token", "complete", "heartbeat"]
+KINDS: tuple[str, ...] = ("dispatch", "first_token", "complete", "heartbeat")
+
+
+@dataclass(frozen=True, slots=True)
+class Notice:
+    """One routing hook of gateway ``gateway`` (or its heartbeat), as its peers apply it.
+
+    ``reused_blocks`` is the reuse the dispatching router predicted (held + pending blocks on
+    the chosen replica), so a peer counts the same queued prefill as the dispatcher.
+    """
+
+    gateway: str
+    kind: NoticeKind
+    request_id: str = ""
+    replica: int = 0
+    hashes: tuple[int, ...] = ()
+    prompt_tokens: int = 0
+    output_tokens: int = 0
+    reused_blocks: int = 0
+
+    def encode(self) -> bytes:
+        """Compact JSON (a list, in field order): what travels between gateways."""
+        if self.kind == "dispatch":
+            body: list = [self.gateway, self.kind, self.request_id, self.replica, list(self.hashes),
+                          self.prompt_tokens, self.output_tokens, self.reused_blocks]
+        elif self.kind == "heartbeat":
+            body = [self.gateway, self.kind]
+        else:
+            body = [self.gateway, self.kind, self.request_id]
+        return json.dumps(body, separators=(",", ":")).encode()
+
+    @classmethod
+    def decode(cls, data: bytes | str) -> Notice:
+        """Parse :meth:`encode`'s output; anything else raises :class:`RoutingError`."""
+        try:
+            body = json.loads(data)
+            gateway, kind = str(body[0]), body[1]
+            if kind not in KINDS:
+                raise ValueError(f"unknown kind {kind!r}")
+            if kind == "heartbeat":
+                return cls(gateway, kind)
+            if kind != "dispatch":
+                return cls(gateway, kind, str(body[2]))
+            _, _, rid, replica, hashes, prompt, output, reused = body
+            ints = (replica, prompt, output, reused, *hashes)
+            if any(isinstance(v, bool) or not isinstance(v, int) for v in ints):
+                raise ValueError("replica, token counts and hashes must be integers")
+            return cls(gateway, kind, str(rid), replica, tuple(hashes), prompt, output, reused)
+        except (ValueError, TypeError, IndexError, KeyError) as exc:  # JSONDecodeError is a ValueError
+            raise RoutingError(f"malformed routing notice: {exc}") from None
+
+
+def dispatch_notice(gateway: str, request: RouteRequest, decision: Decision) -> Notice:
+    """The notice of ``request`` dispatched as ``decision`` says (the dispatcher's own hook)."""
+    match = decision.match
+    return Notice(gateway, "dispatch", str(request.request_id), decision.replica,
+                  tuple(int(h) for h in request.hashes), request.prompt_tokens, request.output_tokens,
+                  match.blocks + match.pending_blocks)
+
+
+@dataclass(slots=True)
+class _Peer:
+    last_seen: float
+    requests: set[str] = field(default_factory=set)
+
+
+class PeerLoads:
+    """Applies peers' notices to ``router`` (module docstring); ``gateway`` is this gateway's id."""
+
+    __slots__ = ("_peers", "gateway", "lease_s", "router")
+
+    def __init__(self, router: Router, gateway: str, *, lease_s: float = 15.0) -> None:
+        if not lease_s > 0:
+            raise RoutingError("lease_s must be > 0")
+        self.router = router
+        self.gateway = gateway
+        self.lease_s = lease_s
+        self._peers: dict[str, _Peer] = {}
+
+    def reset(self, router: Router) -> None:
+        """Apply to ``router`` from now on (the pool switched routers: the new one holds no peer load)."""
+        self.router = router
+        for peer in self._peers.values():
+            peer.requests.clear()
+
+    def peers(self) -> list[str]:
+        """The peers heard from within the lease, by id."""
+        return sorted(self._peers)
+
+    def in_flight(self) -> int:
+        """Peers' requests counted in this router's load now."""
+        return sum(len(p.requests) for p in self._peers.values())
+
+    def apply(self, notice: Notice, *, now: float) -> None:
+        """Apply one peer notice (this gateway's own are ignored)."""
+        if notice.gateway == self.gateway:
+            return
+        peer = self._peers.get(notice.gateway)
+        if peer is None:
+            peer = self._peers[notice.gateway] = _Peer(now)
+        peer.last_seen = max(peer.last_seen, now)
+        if notice.kind == "heartbeat":
+            return
+        key: Hashable = (notice.gateway, notice.request_id)
+        router = self.router
+        if notice.kind == "dispatch":
+            if notice.request_id in peer.requests:
+                return  # a replayed dispatch
+            request = RouteRequest(key, notice.hashes, notice.prompt_tokens, notice.output_tokens)
+            decision = Decision(notice.replica, router.name, PrefixMatch(gpu_blocks=notice.reused_blocks))
+            router.on_dispatch(request, decision, now=now)
+            peer.requests.add(notice.request_id)
+        elif notice.kind == "first_token":
+            router.on_prefill_done(key, now=now)
+        else:
+            router.on_complete(key, now=now)
+            peer.requests.discard(notice.request_id)
+
+    def apply_all(self, notices: Iterable[Notice], *, now: float) -> None:
+        for notice in notices:
+            self.apply(notice, now=now)
+
+    def expire(self, *, now: float) -> list[str]:
+        """Forget peers silent for ``lease_s``: their requests leave the load. Returns their ids."""
+        gone = [g for g, p in self._peers.items() if now - p.last_seen > self.lease_s]
+        for gateway in gone:
+            for rid in self._peers.pop(gateway).requests:
+                self.router.on_complete((gateway, rid), now=now)
+        return gone
+
+
+__all__ = ["KINDS", "Notice", "NoticeKind", "PeerLoads", "dispatch_notice"]

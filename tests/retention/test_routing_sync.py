@@ -1,0 +1,120 @@
+"""Routing sync between gateways (``retention/routing/sync.py``): notices and peers' load."""
+
+from __future__ import annotations
+
+import pytest
+
+from retention.routing import (
+    Candidate,
+    KvAwareRouter,
+    Notice,
+    PeerLoads,
+    PreciseIndex,
+    RouteRequest,
+    RoutingError,
+    dispatch_notice,
+    make_router,
+)
+from retention.routing.sync import KINDS
+
+BPT = 4
+CANDIDATES = [Candidate(0), Candidate(1), Candidate(2)]
+
+
+def request(rid: str, hashes: tuple[int, ...], prompt: int | None = None) -> RouteRequest:
+    return RouteRequest(rid, hashes, prompt if prompt is not None else len(hashes) * BPT + 1, 8)
+
+
+def test_notices_round_trip_and_malformed_ones_are_refused() -> None:
+    notices = [
+        Notice("g1", "dispatch", "req-1", 2, (11, -5, 2**63 - 1), 130, 16, 3),
+        Notice("g1", "first_token", "req-1"),
+        Notice("g1", "complete", "req-1"),
+        Notice("g1", "heartbeat"),
+    ]
+    assert {n.kind for n in notices} == set(KINDS)
+    for notice in notices:
+        assert Notice.decode(notice.encode()) == notice
+        assert Notice.decode(notice.encode().decode()) == notice
+    for bad in (b"", b"{}", b"not json", b'["g1"]', b'["g1","evicted","r"]', b'["g1","dispatch","r",1]',
+                b'["g1","dispatch","r","1",[],1,1,0]', b'["g1","dispatch","r",1,[1.5],1,1,0]',
+                b'["g1","dispatch","r",true,[],1,1,0]'):
+        with pytest.raises(RoutingError, match="malformed routing notice"):
+            Notice.decode(bad)
+
+
+def test_a_peers_request_counts_in_load_and_pending_until_it_completes() -> None:
+    router = KvAwareRouter(tokens_per_block=BPT)
+    peers = PeerLoads(router, "me")
+    hashes = (1, 2, 3, 4)
+    peers.apply(Notice("peer", "dispatch", "a", 1, hashes, 17, 8, 1), now=0.0)
+    load = router.loads.load(1, now=0.0)
+    assert (load.running, load.queued_prefill_tokens) == (1, 17 - 1 * BPT)
+    assert router.match(1, hashes, now=0.0).pending_blocks == 4  # the prefix it computes there
+    assert router.match(0, hashes, now=0.0).pending_blocks == 0
+    assert peers.in_flight() == 1 and peers.peers() == ["peer"]
+    peers.apply(Notice("peer", "dispatch", "a", 1, hashes, 17, 8, 1), now=0.1)  # replayed: counted once
+    assert router.loads.load(1, now=0.1).running == 1
+    peers.apply(Notice("peer", "first_token", "a"), now=0.2)
+    assert router.loads.load(1, now=0.2).queued_prefill_tokens == 0 and router.loads.load(1, now=0.2).running == 1
+    peers.apply(Notice("peer", "complete", "a"), now=0.3)
+    assert router.loads.load(1, now=0.3).running == 0 and router.match(1, hashes, now=0.3).pending_blocks == 0
+    assert peers.in_flight() == 0
+    peers.apply(Notice("peer", "complete", "a"), now=0.4)  # a second completion changes nothing
+    peers.apply(Notice("peer", "complete", "never-dispatched"), now=0.4)
+    assert router.loads.load(1, now=0.4).running == 0
+    # this gateway's own notices come back through the channel: ignored (its hooks ran already)
+    peers.apply(Notice("me", "dispatch", "b", 2, hashes, 17, 8, 0), now=0.5)
+    assert router.loads.load(2, now=0.5).running == 0
+
+
+def test_a_silent_peer_expires_and_its_load_leaves() -> None:
+    router = KvAwareRouter(tokens_per_block=BPT)
+    peers = PeerLoads(router, "me", lease_s=10.0)
+    peers.apply(Notice("lost", "dispatch", "a", 0, (1, 2), 9, 8, 0), now=0.0)
+    peers.apply(Notice("alive", "dispatch", "b", 1, (3, 4), 9, 8, 0), now=0.0)
+    peers.apply(Notice("alive", "heartbeat"), now=8.0)
+    assert peers.expire(now=9.0) == []
+    assert peers.expire(now=10.5) == ["lost"]
+    assert router.loads.load(0, now=10.5).running == 0 and router.match(0, (1, 2), now=10.5).pending_blocks == 0
+    assert router.loads.load(1, now=10.5).running == 1 and peers.peers() == ["alive"]
+    # back after the expiry (a partition healed): its later notices count again
+    peers.apply(Notice("lost", "dispatch", "c", 0, (5,), 5, 8, 0), now=11.0)
+    assert router.loads.load(0, now=11.0).running == 1
+    peers.reset(KvAwareRouter(tokens_per_block=BPT))  # the pool switched routers: no peer load carried over
+    assert peers.in_flight() == 0 and peers.router.loads.load(0, now=11.0).running == 0
+    with pytest.raises(RoutingError):
+        PeerLoads(router, "me", lease_s=0)
+
+
+def test_synced_gateways_choose_as_one_router() -> None:
+    """Two gateways, alternate requests, each applying the other's notices at once, choose as one
+    router seeing every request; two unsynced ones do not (each balances its half)."""
+    # one shared first block, every request still in flight: the load band spreads them, and a
+    # gateway that sees only its half of the load spreads later
+    shared = [(100, 200 + i) for i in range(40)]
+
+    def place(synced: bool | None) -> list[int]:
+        count = 1 if synced is None else 2
+        routers = [make_router("kv-aware", tokens_per_block=BPT) for _ in range(count)]
+        links = [PeerLoads(r, f"g{i}") for i, r in enumerate(routers)]
+        for r in routers:
+            for replica in range(3):
+                r.set_index(replica, PreciseIndex())
+        choices = []
+        for i, hashes in enumerate(shared):
+            g = i % count
+            rq = request(f"r{i}", hashes, prompt=200)
+            decision = routers[g].route(rq, CANDIDATES, now=float(i))
+            routers[g].on_dispatch(rq, decision, now=float(i))
+            if synced:
+                for link in links:
+                    link.apply(dispatch_notice(f"g{g}", rq, decision), now=float(i))
+            choices.append(decision.replica)
+        return choices
+
+    one = place(None)
+    assert place(True) == one
+    assert place(False) != one
+    assert dispatch_notice("g", request("x", (1, 2)), make_router("random", tokens_per_block=BPT).route(
+        request("x", (1, 2)), CANDIDATES, now=0.0)).reused_blocks == 0
