@@ -12,8 +12,10 @@ guide from the same functions the OpenAI path uses.
     tools [{name, description, input_schema}]→  functions [{name, description, parameters}]
     user turn: tool_result blocks            →  one ``tool`` message each, first, in the order of the
                                                 calls they answer (the template pairs by position)
-    user turn: text blocks                   →  then one user message per message (its blocks joined by "\\n")
-    assistant: text + tool_use blocks        →  assistant message with ``tool_calls`` (one per message)
+    user turn: text blocks                   →  then one user message: its messages' texts (each its blocks
+                                                joined by "\\n") joined by "\\n", in request order
+    assistant turn: text + tool_use blocks   →  one assistant message: its messages' texts joined by "\\n",
+                                                ``tool_calls`` all the turn's calls, in request order
     tool_choice auto|any|tool|none           →  ToolPlan auto | forced (all) | forced (one) | none
     tool strict (boolean)                    →  any|tool: the guide follows the schema (as always);
                                                 auto: accepted, best effort (the call is parsed from
@@ -46,9 +48,14 @@ of an assistant turn are all answered in the next (user) turn, unless it is the 
 (counting takes that; generating refuses a final assistant message as a prefill). A refusal
 names the message holding the offending block (an unanswered call: the assistant message
 holding the first one). Nothing more is checked: a turn's text may come before its results,
-and a ``tool_use`` naming a tool that is not in ``tools`` stays accepted in history. Rendering
-stays per message, except that a user turn's results all come first, in the order of the calls
-they answer (across the turn's messages), then each of its messages' text.
+and a ``tool_use`` naming a tool that is not in ``tools`` stays accepted in history.
+
+**Rendering is per turn too**: a turn is one chat message of its role, as Anthropic serves it. A
+user turn's results come first (one ``tool`` message each, in the order of the calls they answer,
+across the turn's messages), then one user message with the text of all its messages; an
+assistant turn is one assistant message with all its messages' text and calls. A breakpoint on
+any text or ``tool_use`` block of a turn thus ends with that turn's message (a result's with its
+``tool`` message).
 
 **Text** blocks must be non-empty wherever a client writes them (system, messages,
 tool_result content; Anthropic: "text content blocks must be non-empty"); the converter's
@@ -155,9 +162,9 @@ def convert(body: MessagesInput, *, generate: bool = True) -> Conversation:
     ``generate=False`` (``count_tokens``): a final assistant message is kept as a history turn
     (the caller renders it without opening a generation prompt), except an empty one (``""`` or
     ``[]``), which is left out: the conversation before it is counted, its generation prompt
-    opening that turn (when the message before it is an assistant one too, that one is the
-    final turn, counted closed). Generating refuses a final assistant message, empty or not
-    (prefill)."""
+    opening that turn (when the messages before it are assistant ones too, they are the final
+    turn, one message counted closed). Generating refuses a final assistant message, empty or
+    not (prefill)."""
     refuse_unservable(body)
     points = _Breakpoints()
     functions = _functions(body.tools or [], points)
@@ -292,15 +299,15 @@ def _not_text(kind: Any) -> str:
 
 def _turns(messages: Sequence[MessageParam], out: list[dict], points: _Breakpoints) -> None:
     """Appends the chat messages of ``messages``, checking that tool calls and results pair by id.
-    Pairing is per turn: consecutive messages of a role are one turn, as Anthropic combines them."""
+    Consecutive messages of a role are one turn, as Anthropic combines them: pairing is per turn,
+    and so is rendering: one chat message per turn and role (a user turn's ``tool`` messages
+    before its one user message)."""
     ids: set[str] = set()  # every tool_use id so far: unique in the request
     calls: dict[str, str] = {}  # the previous assistant turn's tool_use ids, in call order -> their message's field
     for role, group in groupby(enumerate(messages), key=lambda item: item[1].role):
         turn = [(f"messages.{i}", message) for i, message in group]
         if role == "assistant":
-            calls = {}
-            for field, message in turn:
-                calls.update(dict.fromkeys(_assistant(_blocks(message, field), field, out, points, ids), field))
+            calls = _assistant(turn, out, points, ids)
             continue
         answered = _user_turn(turn, out, points, {call_id: k for k, call_id in enumerate(calls)})
         missing = [call_id for call_id in calls if call_id not in answered]
@@ -330,12 +337,15 @@ def _user_turn(turn: Sequence[tuple[str, MessageParam]], out: list[dict], points
                calls: Mapping[str, int]) -> set[str]:
     """Appends a user turn (consecutive user messages, with their fields) as chat messages: the turn's
     tool results first, one ``tool`` message each in the order of the ``calls`` they answer, whichever
-    of its messages holds them (the template pairs results with calls by position), then each
-    message's text blocks joined as one user message. ``calls``: the previous assistant turn's
-    tool_use ids -> their place among its calls. Returns the ids answered."""
+    of its messages holds them (the template pairs results with calls by position), then one user
+    message: each message's text blocks joined by "\\n", the messages' texts joined by "\\n" in
+    request order (messages of results only add nothing; none if no message has text). A text
+    block's breakpoint ends with that user message, a result's with its ``tool`` message.
+    ``calls``: the previous assistant turn's tool_use ids -> their place among its calls. Returns
+    the ids answered."""
     results: dict[str, str] = {}  # tool_use_id -> the result's text
     texts: list[str] = []  # per message: its text blocks joined ("" if it has none)
-    marked: list[tuple[dict, str, str | int]] = []  # (block, field, answered id | its message's place in texts)
+    marked: list[tuple[dict, str, str | None]] = []  # (block, field, answered id | None: the turn's user message)
     for field, message in turn:
         mine: list[str] = []
         for j, block in enumerate(_blocks(message, field)):
@@ -351,16 +361,16 @@ def _user_turn(turn: Sequence[tuple[str, MessageParam]], out: list[dict], points
                 raise invalid(f"{where}.type", "tool_use blocks belong in assistant messages")
             else:
                 mine.append(_text(block, where))
-                marked.append((block, where, len(texts)))
+                marked.append((block, where, None))
         texts.append("\n".join(mine))
     order = sorted(results, key=calls.__getitem__)
-    # messages up to and including the one holding a result (by id) or a message's text (by place)
-    ends: dict[str | int, int] = {call_id: len(out) + k + 1 for k, call_id in enumerate(order)}
+    # messages up to and including the one holding a result (by id) or the turn's text (None)
+    ends: dict[str | None, int] = {call_id: len(out) + k + 1 for k, call_id in enumerate(order)}
     out.extend({"role": "tool", "content": results[call_id]} for call_id in order)
-    for k, text in enumerate(texts):
-        if text:  # client text is never empty (_text): "" is a message of results only
-            out.append({"role": "user", "content": text})
-            ends[k] = len(out)
+    text = "\n".join(filter(None, texts))  # client text is never empty (_text): "" is results only
+    if text:
+        out.append({"role": "user", "content": text})
+        ends[None] = len(out)
     for block, where, key in marked:  # request order, as the breakpoint rules count
         points.take(block, where, ends[key])
     return set(results)
@@ -403,29 +413,39 @@ def _tool_result(block: dict, field: str) -> tuple[str, list[tuple[dict, str]]]:
     return text, nested
 
 
-def _assistant(blocks: list, field: str, out: list[dict], points: _Breakpoints, ids: set[str]) -> list[str]:
-    """Appends the assistant message; returns its tool_use ids, in order."""
-    texts: list[str] = []
-    calls: list[str] = []
+def _assistant(turn: Sequence[tuple[str, MessageParam]], out: list[dict], points: _Breakpoints,
+               ids: set[str]) -> dict[str, str]:
+    """Appends an assistant turn (consecutive assistant messages, with their fields) as one assistant
+    message: its ``content`` each message's text blocks joined (as written), the messages' texts
+    joined by "\\n" in request order (messages of calls only add nothing); its ``tool_calls`` (when
+    there are any) all the turn's ``tool_use`` blocks, in request order. Every block's breakpoint
+    ends with that message. Returns the turn's tool_use ids, in order -> the field of the message
+    holding each."""
+    texts: list[str] = []  # per message: its text blocks joined ("" if it has none)
+    calls: dict[str, str] = {}
     rendered: list[dict] = []
-    marked: list[tuple[dict, str]] = []
-    for j, block in enumerate(blocks):
-        where = f"{field}.content.{j}"
-        kind = block.get("type") if isinstance(block, dict) else None
-        if kind == "tool_use":
-            rendered.append(_tool_use(block, where, ids))
-            calls.append(block["id"])
-        elif kind == "tool_result":
-            raise invalid(f"{where}.type", "tool_result blocks belong in user messages")
-        else:
-            texts.append(_text(block, where))
-        marked.append((block, where))
-    message: dict = {"role": "assistant", "content": "".join(texts)}
+    end = len(out) + 1  # the one message this turn appends
+    for field, message in turn:
+        mine: list[str] = []
+        marked: list[tuple[dict, str]] = []
+        for j, block in enumerate(_blocks(message, field)):
+            where = f"{field}.content.{j}"
+            kind = block.get("type") if isinstance(block, dict) else None
+            if kind == "tool_use":
+                rendered.append(_tool_use(block, where, ids))
+                calls[block["id"]] = field
+            elif kind == "tool_result":
+                raise invalid(f"{where}.type", "tool_result blocks belong in user messages")
+            else:
+                mine.append(_text(block, where))
+            marked.append((block, where))
+        texts.append("".join(mine))
+        for block, where in marked:  # per message, after its blocks are checked, as the rules count
+            points.take(block, where, end)
+    message: dict = {"role": "assistant", "content": "\n".join(filter(None, texts))}
     if rendered:
         message["tool_calls"] = rendered
     out.append(message)
-    for block, where in marked:
-        points.take(block, where, len(out))
     return calls
 
 

@@ -271,17 +271,119 @@ def test_consecutive_messages_of_a_role_are_one_turn_whose_results_answer_its_ca
     assert [role for role, _ in split_results] == ["assistant", "tool", "tool"]
     assert split_results[1:] == [("tool", "rain"), ("tool", "sun")]
     text_after_calls = tail([calls("A"), {"role": "assistant", "content": "Checking."}, user([result("A", "rain")])])
-    assert [role for role, _ in text_after_calls] == ["assistant", "assistant", "tool"]
-    assert text_after_calls[1:] == [("assistant", "Checking."), ("tool", "rain")]
+    assert [role for role, _ in text_after_calls] == ["assistant", "tool"]  # one assistant message: the turn
+    assert text_after_calls[0][1].startswith(f"Checking.\n{CALL_OPEN}") and text_after_calls[1] == ("tool", "rain")
     # a turn's results come first and in the order of the turn's calls (Hermes pairs by position),
-    # across its messages; then each message's text, in order
+    # across its messages; then one user message with its messages' text, in order
     reordered = tail([calls("A"), calls("B"), user([result("B", "sun"), {"type": "text", "text": "Here:"}]),
                       user([{"type": "text", "text": "And?"}, result("A", "rain")])])
-    assert reordered[2:] == [("tool", "rain"), ("tool", "sun"), ("user", "Here:"), ("user", "And?")]
+    assert [role for role, _ in reordered] == ["assistant", "tool", "tool", "user"]
+    assert reordered[1:] == [("tool", "rain"), ("tool", "sun"), ("user", "Here:\nAnd?")]
     # a result's breakpoint ends with its tool message, after the reordering
     conv = convert(request(tools=[WEATHER], messages=[user("a"), calls("A", "B"), user([result("B", "b")]),
                                                       user([{**result("A", "a"), "cache_control": EPHEMERAL}])]))
     assert conv.messages[3] == {"role": "tool", "content": "a"} and conv.marks == (4,)
+
+
+def text(value: str, **extra) -> dict:
+    return {"type": "text", "text": value, **extra}
+
+
+def test_consecutive_user_messages_render_as_one_user_message(prompter) -> None:
+    # Anthropic combines consecutive user messages into one turn: one user message, texts joined by "\n"
+    conv = convert(request(messages=[user("Hello."), user([text("Line one."), text("Line two.")])]))
+    assert conv.messages == [{"role": "user", "content": "Hello.\nLine one.\nLine two."}]
+    single = convert(request(messages=[user("Hello.\nLine one.\nLine two.")]))
+    assert conv == single and prompter.chat(conv.messages).input_ids == prompter.chat(single.messages).input_ids
+    # a message of results only adds no text; the turn's results come first, then its one user message
+    conv = convert(request(tools=[WEATHER], messages=[
+        user("Oslo and Paris?"), calls("A", "B"), user("Before."), user([result("B", "sun"), result("A", "rain")]),
+        user("After.")]))
+    assert conv.messages[3:] == [{"role": "tool", "content": "rain"}, {"role": "tool", "content": "sun"},
+                                 {"role": "user", "content": "Before.\nAfter."}]
+    # a turn of results only appends no user message
+    conv = convert(request(tools=[WEATHER], messages=[user("q"), calls("A", "B"), user([result("A", "rain")]),
+                                                      user([result("B", "sun")])]))
+    assert [m["role"] for m in conv.messages] == ["system", "user", "assistant", "tool", "tool"]
+
+
+def test_consecutive_assistant_messages_render_as_one_assistant_message(prompter) -> None:
+    def use(call_id: str, city: str) -> dict:
+        return {"type": "tool_use", "id": call_id, "name": "get_weather", "input": {"city": city}}
+
+    merged = convert(request(tools=[WEATHER], messages=[
+        user("Oslo and Paris?"), {"role": "assistant", "content": [text("Checking Oslo."), use("A", "Oslo")]},
+        {"role": "assistant", "content": [use("B", "Paris"), text("And Paris.")]},
+        user([result("A", "rain"), result("B", "sun")])]))
+    assert [m["role"] for m in merged.messages] == ["system", "user", "assistant", "tool", "tool"]
+    call = f'{CALL_OPEN}\n{{"name": "get_weather", "arguments": {{"city": "%s"}}}}\n</tool_call>'
+    assert merged.messages[2]["content"] == "Checking Oslo.\nAnd Paris.\n" + call % "Oslo" + "\n" + call % "Paris"
+    # the same chat request as one assistant message holding that text and both calls
+    single = convert(request(tools=[WEATHER], messages=[
+        user("Oslo and Paris?"), {"role": "assistant", "content": [
+            text("Checking Oslo.\nAnd Paris."), use("A", "Oslo"), use("B", "Paris")]},
+        user([result("A", "rain"), result("B", "sun")])]))
+    assert merged == single
+    assert prompter.chat(merged.messages).input_ids == prompter.chat(single.messages).input_ids
+    # text only (no tools, nothing rendered): the chat message itself, with no tool_calls
+    conv = convert(request(messages=[user("q"), {"role": "assistant", "content": "a"},
+                                     {"role": "assistant", "content": [text("b"), text("c")]}, user("d")]))
+    assert conv.messages == [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a\nbc"},
+                             {"role": "user", "content": "d"}]
+
+
+def test_the_chat_message_of_an_assistant_turn_keeps_the_single_message_shape() -> None:
+    from server.gateway.api.messages_convert import _Breakpoints, _turns
+
+    body = request(messages=[user("q"), calls("A"), {"role": "assistant", "content": "Checking."}, calls("B"),
+                             user([result("A"), result("B")])])
+    out: list[dict] = []
+    _turns(body.messages, out, _Breakpoints())
+    assert out[1] == {"role": "assistant", "content": "Checking.", "tool_calls": [
+        {"name": "get_weather", "arguments": '{"city": "A"}'}, {"name": "get_weather", "arguments": '{"city": "B"}'}]}
+    assert [m["role"] for m in out] == ["user", "assistant", "tool", "tool"]
+
+
+def test_single_message_turns_render_one_chat_message_each() -> None:
+    conv = convert(request(messages=[user([text("a"), text("b")]),
+                                     {"role": "assistant", "content": [text("c"), text("d", cache_control=EPHEMERAL)]},
+                                     user("e")]))
+    # a message's text blocks: "\n" in a user message, as written in an assistant one (as before)
+    assert conv.messages == [{"role": "user", "content": "a\nb"}, {"role": "assistant", "content": "cd"},
+                             {"role": "user", "content": "e"}]
+    assert conv.marks == (2,) and conv.ttls == (TTL_5M_MS,)
+
+
+def test_a_breakpoint_in_a_merged_turn_ends_with_the_turns_message(prompter) -> None:
+    history = [user("Long document " * 30), {"role": "assistant", "content": "Read it."}]
+    body = request(system=[text("You are terse.")], messages=[
+        *history, user("First question?"), user([text("Second part.", cache_control=EPHEMERAL)])])
+    conv = convert(body)
+    assert conv.messages[3] == {"role": "user", "content": "First question?\nSecond part."} and conv.marks == (4,)
+    prompt = prompter.chat(conv.messages, conv.marks)
+    assert cache_hints(conv, prompt).breakpoints == (Breakpoint(prompt.marks[0], TTL_5M_MS),)
+    head = prompter.tokenizer.decode(prompt.input_ids[:prompt.marks[0]], skip_special_tokens=False)
+    rest = prompter.tokenizer.decode(prompt.input_ids[prompt.marks[0]:], skip_special_tokens=False)
+    assert head.endswith("First question?\nSecond part.<|im_end|>\n") and rest.startswith("<|im_start|>assistant")
+    # on the first of the two it ends there too (rounded up to the turn's message), as in one message
+    first = convert(request(system=[text("You are terse.")], messages=[
+        *history, user([text("First question?", cache_control=EPHEMERAL)]), user("Second part.")]))
+    assert first == convert(request(system=[text("You are terse.")], messages=[
+        *history, user([text("First question?", cache_control=EPHEMERAL), text("Second part.")])]))
+    assert first.messages == conv.messages and first.marks == (4,)
+    # an assistant turn's blocks end with its one message
+    assistant = convert(request(messages=[user("q"), {"role": "assistant", "content": [text("a", cache_control=EPHEMERAL)]},
+                                          {"role": "assistant", "content": "b"}, user("c")]))
+    assert assistant.messages[1] == {"role": "assistant", "content": "a\nb"} and assistant.marks == (2,)
+    # a result keeps its tool message; the turn's text its user message; counted in request order
+    mixed = convert(request(tools=[WEATHER], messages=[
+        user("a"), calls("A"), user([text("x", cache_control={"type": "ephemeral", "ttl": "1h"})]),
+        user([{**result("A", "rain"), "cache_control": EPHEMERAL}])]))
+    assert mixed.messages[3:] == [{"role": "tool", "content": "rain"}, {"role": "user", "content": "x"}]
+    assert mixed.marks == (5, 4) and mixed.ttls == (TTL_1H_MS, TTL_5M_MS)
+    prompt = prompter.chat(mixed.messages, mixed.marks)
+    # the result's breakpoint is inside the text's prefix, which keeps it
+    assert cache_hints(mixed, prompt).breakpoints == (Breakpoint(prompt.marks[0], TTL_1H_MS),)
 
 
 @pytest.mark.parametrize("messages, field, words", [
@@ -350,7 +452,11 @@ def test_count_tokens_counts_a_conversation_ending_with_an_assistant_turn(prompt
     assert len(ids) < opened.total
     # the last turn's calls may stay unanswered, over all of its messages
     two = convert(count_request(tools=[WEATHER], messages=[*messages, calls("t2")]), generate=False)
-    assert [m["role"] for m in two.messages[-2:]] == ["assistant", "assistant"]
+    assert [m["role"] for m in two.messages[-2:]] == ["user", "assistant"]  # the final turn: one closed message
+    assert two.messages[-1]["content"].count(CALL_OPEN) == 2
+    assert history_tokens(prompter, two.messages) == history_tokens(prompter, convert(count_request(
+        tools=[WEATHER], messages=[messages[0], {"role": "assistant", "content": [
+            *calls("t1")["content"], *calls("t2")["content"]]}]), generate=False).messages)
 
 
 @pytest.mark.parametrize("empty", ["", []])
