@@ -108,7 +108,7 @@ def test_reference_spec_maps_to_the_reference_engine_config():
         reference_settings(load_bundled_spec("llama-3.1-8b-instruct-fp8kv"))
 
 
-# --- issue 19: the rules the validator enforces, each named with its source ------------------
+# --- the rules the validator enforces, each named with its source ---------------------------
 
 def _invalid(mutate) -> str:
     data = copy.deepcopy(_raw("llama-3.1-8b-instruct-fp8kv"))

@@ -1,4 +1,4 @@
-"""Faults production brings, each with recovery asserted (issue 8, item 2).
+"""Faults production brings, each with recovery asserted.
 
 * the engine killed mid-stream: the client gets a terminal error event, not a hang, and
   the first request after the engine is back succeeds;

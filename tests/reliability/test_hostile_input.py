@@ -1,4 +1,4 @@
-"""Hostile input (issue 8, item 3): never a 5xx, always the documented error shape, no auth oracle.
+"""Hostile input: never a 5xx, always the documented error shape, no auth oracle.
 
 * hand-picked bad inputs on the serving API and the admin API;
 * schemathesis against the serving API's OpenAPI document (FastAPI's own, with a valid

@@ -1,4 +1,4 @@
-"""Isolation under attack (issue 8, item 4): probing another tenant's system prompt gets no signal.
+"""Isolation under attack: probing another tenant's system prompt gets no signal.
 
 An attacker tenant guesses a victim tenant's system prompt and sends it, measuring what
 it can see: the time to its first token (TTFT) and ``usage.prompt_tokens_details.

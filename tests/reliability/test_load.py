@@ -1,9 +1,9 @@
-"""Load (issue 8, item 1): concurrent streams from several tenants, limits checked at the engine.
+"""Load: concurrent streams from several tenants, limits checked at the engine.
 
 The scenario is ``bench/reliability/load.py``'s (one implementation): ``kvgate serve`` in its own
 process, the reference engine behind a counting proxy, tenants with concurrency limits
 below their share of the burst, 429 ``max_concurrent`` answers retried by the clients.
-The fast subset bursts 40 streams; the full suite the issue's 200, once through one
+The fast subset bursts 40 streams; the full suite 200, once through one
 gateway and once through two ``kvgate serve`` replicas sharing Redis admission (the
 limits must hold across replicas, still checked at the engine).
 """

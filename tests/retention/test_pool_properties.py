@@ -1,4 +1,4 @@
-"""Property tests: random operation sequences against the pool's invariants (issue 3)."""
+"""Property tests: random operation sequences against the pool's invariants."""
 
 from __future__ import annotations
 

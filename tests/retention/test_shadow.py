@@ -92,7 +92,7 @@ def test_sampled_curve_estimates_full_replays_on_the_synthetic_trace(mooncake) -
     """5 % samples (three disjoint slices) vs full LRU replays at 2 and 10 % GPU capacity.
 
     Measured (bench/retention/shadow.py, five slices): at 1 % slices are off by up to 3.7 points GPU
-    only (4.3 with a 4× host), so issue 15's "1 % within 2 points" does not hold on a trace
+    only (4.3 with a 4× host), so the shadow target "1 % within 2 points" does not hold on a trace
     of 44 k distinct blocks; at 5 % GPU only every slice is within 1.6 points (3.0 with a
     host tier at 5 % GPU); at 10 % within 1.7 everywhere.
     """

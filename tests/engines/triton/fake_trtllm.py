@@ -369,7 +369,7 @@ def make_module(*, salt_supported: bool = True, primary_blocks: int = 64, second
                 raise RuntimeError("Assertion failed: topP.value() > 0.f && topP.value() <= 1.f")
             if temperature is not None and temperature < 0.0:
                 raise RuntimeError("Assertion failed: temperature.value() >= 0.f")
-            # issue 18: executor/samplingConfig.cpp checkRepetitionPenalty (TLLM_CHECK > 0 -> RuntimeError),
+            # sampling: executor/samplingConfig.cpp checkRepetitionPenalty (TLLM_CHECK > 0 -> RuntimeError),
             # checkMinTokens (>= 0); presence/frequency penalties are unchecked floats.
             _float("repetition_penalty", repetition_penalty, optional=True)
             _float("presence_penalty", presence_penalty, optional=True)
@@ -469,7 +469,7 @@ def make_module(*, salt_supported: bool = True, primary_blocks: int = 64, second
         if kv_cache_retention_config is not None and not isinstance(kv_cache_retention_config, KvCacheRetentionConfig):
             raise TypeError("kv_cache_retention_config: expected KvCacheRetentionConfig")
         _int("cache_salt_id", cache_salt_id, optional=True, lo=0, hi=2**64 - 1)  # CacheSaltIDType = std::uint64_t
-        # issue 18 — request.cpp: embedding_bias std::optional<Tensor> (a torch tensor from Python),
+        # request.cpp: embedding_bias std::optional<Tensor> (a torch tensor from Python),
         # guided_decoding_params std::optional<GuidedDecodingParams>.
         if embedding_bias is not None:
             import torch

@@ -137,7 +137,7 @@ def test_a_root_event_later_than_its_request_is_still_attributed_to_its_salt():
     assert ledger.tenants() == {"a": [1, 0]}
 
 
-# --- what the stricter double refuses or does silently (issue 19), each as the real bindings ----
+# --- what the stricter double refuses or does silently, each as the real bindings ------------
 
 def _executor(tmp_path, *, engine=None, **kv):
     from engines.spec import load_bundled_spec

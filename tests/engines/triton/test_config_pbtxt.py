@@ -42,7 +42,7 @@ INPUTS = {
     "cache_salt": ("TYPE_STRING", [1]),
     "tenant_id": ("TYPE_STRING", [1]),
     "kv_stats": ("TYPE_BOOL", [1]),
-    # issue 18 (stock names from TensorRT-LLM triton_backend tensorrt_llm/config.pbtxt, or kvgate's)
+    # request extensions (stock names from TensorRT-LLM triton_backend tensorrt_llm/config.pbtxt, or kvgate's)
     "repetition_penalty": ("TYPE_FP32", [1]),
     "presence_penalty": ("TYPE_FP32", [1]),
     "frequency_penalty": ("TYPE_FP32", [1]),

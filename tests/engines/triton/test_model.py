@@ -297,7 +297,7 @@ def test_model_and_reference_engine_share_one_parser(harness):
 @pytest.mark.parametrize("top_k", [0, 40])
 @pytest.mark.parametrize("top_p", [1.0, 0.9])
 def test_every_sampling_combination_reaches_the_decoder_as_asked(harness, temperature, top_k, top_p):
-    """Issue 19 defect 1: an unset top_p is 0.0 in the decoder (defaultDecodingParams.h), and
+    """Engine defect: an unset top_p is 0.0 in the decoder (defaultDecodingParams.h), and
     regularizeTopKTopP (samplingTopKKernels.h) turns top_k 0 + top_p 0.0 into greedy. The double
     applies both, so a request that asks to sample must arrive as sampling."""
     tensors = request(max_new=3)
@@ -318,7 +318,7 @@ def test_every_sampling_combination_reaches_the_decoder_as_asked(harness, temper
 
 
 def test_an_engine_without_paged_context_fmha_is_refused_when_the_pool_promises_reuse(tmp_path, monkeypatch):
-    """Issue 19 defect 4: builder.py drops paged context FMHA (FP8 KV without FP8 weights, or SM < 89);
+    """Engine defect: builder.py drops paged context FMHA (FP8 KV without FP8 weights, or SM < 89);
     the executor then runs with reuse off and only logs it. The model must not start."""
     with pytest.raises(Exception, match="use_paged_context_fmha=False") as caught:
         make_harness(tmp_path, monkeypatch, engine={"paged_context_fmha": False, "quant_algo": None})

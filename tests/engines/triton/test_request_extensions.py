@@ -1,4 +1,4 @@
-"""Issue 18 inputs through the kvgate_llm Triton model into the 1.2 executor double.
+"""Request-extension inputs through the kvgate_llm Triton model into the 1.2 executor double.
 
 Each mapping's source is cited in engines/trtllm/request_extensions.py; the double
 (fake_trtllm.py) refuses what the bindings refuse (types, SamplingConfig checks).

@@ -1,4 +1,4 @@
-"""Issue 18 through the official openai SDK against the live stack (reference engine):
+"""Request extensions through the official openai SDK against the live stack (reference engine):
 structured outputs, forced tool calls, log probabilities, sampling extensions."""
 
 from __future__ import annotations

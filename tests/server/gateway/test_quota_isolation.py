@@ -1,4 +1,4 @@
-"""Issue 7 end to end on a deliberately small pool: salted isolation through the host tier,
+"""End to end on a deliberately small pool: salted isolation through the host tier,
 per-tenant KV quota demotion (and its end), and quota state rebuilt after a gateway restart."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Routing over a pool of real reference engines through real gateways (issue 13).
+"""Routing over a pool of real reference engines through real gateways.
 
 Three engines on their own ports share one loaded model; the registry lists them as the
 pool's replicas; gateways poll their stats and KV events and route every request. Which

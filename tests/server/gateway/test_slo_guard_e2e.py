@@ -1,4 +1,4 @@
-"""Done-when of issue 15's SLO guard, end to end: real engine process, real gateway over HTTP.
+"""The SLO guard's acceptance criteria, end to end: real engine process, real gateway over HTTP.
 
 The reference engine runs with its fault knob ``--fault-onboard-delay-ms`` (a slow host
 link on purpose). Six distinct ~85-token system prompts, cycled, overflow the 16-block
