@@ -45,10 +45,11 @@ from bench.routing.replays import replay_all  # noqa: E402
 from bench.routing.verdicts import judge, met, pct  # noqa: E402
 
 COSTS = {"kv-aware": {}}  # the cost replayed: kv-aware's defaults
-# Sync delays replayed (seconds): about twice the p99 delay of the transport measured on this machine
-# under load (sync_lag), and a stressed transport a hundred times slower.
+# Sync delays replayed (seconds): about twice the transport's p99 measured on this machine while it ran
+# two benchmarks (sync_lag: 5 ms), and a transport a hundred times slower.
 SYNC_DELAYS = (0.01, 1.0)
 LAG_NOTICES = 2000
+LAG_HASHES = 64  # a 2,048-token prompt at 32 tokens per block
 
 
 def run_gateways(knobs: dict, gateways: int, name: str, requests: int, replicas: int, gpu: int, host: int,
@@ -111,7 +112,8 @@ def replay(rows: list[dict], args: argparse.Namespace) -> float:
 
 def sync_lag(url: str, notices: int = LAG_NOTICES) -> list[float] | None:
     """Seconds from ``PeerSync.publish`` on one gateway to the notice's apply on another, through the Redis at
-    ``url`` (one notice per millisecond); None when Redis cannot be reached."""
+    ``url``: dispatch notices of ``LAG_HASHES`` block hashes, one per millisecond; sorted, of those that
+    arrived within 10 s of the last; None when the subscription never came up (no Redis there)."""
     from retention.routing import Notice
     from server.gateway.replicas.peer_sync import PeerSync
 
@@ -132,13 +134,15 @@ def sync_lag(url: str, notices: int = LAG_NOTICES) -> list[float] | None:
             sync.start()
         try:
             await asyncio.wait_for(receiver.subscribed.wait(), 5.0)
+            hashes = tuple(range(LAG_HASHES))
             for _ in range(notices):
-                sender.publish("bench", Notice("sender", "complete", f"{time.perf_counter():.9f}"))
+                sender.publish("bench", Notice("sender", "dispatch", f"{time.perf_counter():.9f}", 0, hashes,
+                                               LAG_HASHES * 32, 16, 0))
                 await asyncio.sleep(0.001)
             deadline = time.perf_counter() + 10.0
             while len(watch.lags) < notices and time.perf_counter() < deadline:
                 await asyncio.sleep(0.01)
-            return sorted(watch.lags) if len(watch.lags) == notices else None
+            return sorted(watch.lags)
         except (TimeoutError, OSError):
             return None
         finally:
@@ -195,7 +199,8 @@ def section(rows: list[dict], roles: dict[str, str], gateways: int, seconds: flo
         measured = f"The sync's own delay was not measured: no Redis answered at `{redis}`."
     else:
         measured = (f"The sync's own delay, measured in this run through two `PeerSync` on the local Redis "
-                    f"({len(lag):,} notices, one per millisecond, publish to apply): median "
+                    f"({len(lag):,} of {LAG_NOTICES:,} dispatch notices of {LAG_HASHES} block hashes arrived, one sent "
+                    f"per millisecond, publish to apply): median "
                     f"{1000 * statistics.median(lag):.2f} ms, p99 {1000 * lag[int(0.99 * (len(lag) - 1))]:.2f} ms, "
                     f"max {1000 * lag[-1]:.2f} ms.")
     lines += ["", f"Reading: behind {gateways} gateways the defaults meet all three in {split} of {len(rows)} settings "

@@ -15,14 +15,19 @@ peers' to its own router through the same hooks, keyed ``(gateway, request id)``
                   first token ─► on_prefill_done ─► publish FIRST_TOKEN
                   end ─► on_complete ─► publish COMPLETE
     peer notice:  PeerLoads.apply ─► the same hook on this gateway's router
-    heartbeat:    every gateway publishes one every ``lease_s / 3``; a peer silent for ``lease_s``
-                  is gone (crashed, partitioned): PeerLoads.expire completes its requests
+    heartbeat:    every gateway publishes one per pool every ``lease_s / 3``, naming its requests in
+                  flight there; a peer's request the heartbeat does not name is over (its COMPLETE
+                  was lost) and leaves the load; a peer silent for ``lease_s`` is gone (crashed,
+                  partitioned): PeerLoads.expire completes its requests
 
 Invariants: a peer's request is in this router's load at most once, between its DISPATCH
-and its COMPLETE (or its gateway's expiry); notices of this gateway itself are ignored;
-duplicates and a COMPLETE without a DISPATCH are no-ops (the hooks are idempotent), so a
-notice lost or replayed never leaves load behind for longer than the lease. Pure: the
-transport (``server/gateway/replicas/peer_sync.py``) and the clock belong to the caller.
+and its COMPLETE, the first heartbeat of its gateway that does not name it, or its gateway's
+expiry; notices of this gateway itself are ignored; duplicates and a COMPLETE without a
+DISPATCH are no-ops (the hooks are idempotent). So, as long as each gateway's notices arrive in
+the order it sent them (one publisher per gateway, one channel per pool), a notice lost or
+replayed leaves load behind for at most one heartbeat period, and a gateway gone for at most the
+lease. Pure: the transport (``server/gateway/replicas/peer_sync.py``) and the clock belong to the
+caller.
 """
 
 from __future__ import annotations
@@ -44,7 +49,9 @@ class Notice:
     """One routing hook of gateway ``gateway`` (or its heartbeat), as its peers apply it.
 
     ``reused_blocks`` is the reuse the dispatching router predicted (held + pending blocks on
-    the chosen replica), so a peer counts the same queued prefill as the dispatcher.
+    the chosen replica), so a peer counts the same queued prefill as the dispatcher
+    (``Router.on_dispatch`` reads only that sum of the match). ``in_flight``: a heartbeat's
+    request ids of its gateway in flight in the pool when it was sent.
     """
 
     gateway: str
@@ -55,6 +62,7 @@ class Notice:
     prompt_tokens: int = 0
     output_tokens: int = 0
     reused_blocks: int = 0
+    in_flight: tuple[str, ...] = ()
 
     def encode(self) -> bytes:
         """Compact JSON (a list, in field order): what travels between gateways."""
@@ -62,7 +70,7 @@ class Notice:
             body: list = [self.gateway, self.kind, self.request_id, self.replica, list(self.hashes),
                           self.prompt_tokens, self.output_tokens, self.reused_blocks]
         elif self.kind == "heartbeat":
-            body = [self.gateway, self.kind]
+            body = [self.gateway, self.kind, list(self.in_flight)]
         else:
             body = [self.gateway, self.kind, self.request_id]
         return json.dumps(body, separators=(",", ":")).encode()
@@ -76,7 +84,9 @@ class Notice:
             if kind not in KINDS:
                 raise ValueError(f"unknown kind {kind!r}")
             if kind == "heartbeat":
-                return cls(gateway, kind)
+                if not isinstance(body[2], list):
+                    raise ValueError("a heartbeat names its requests in flight in a list")
+                return cls(gateway, kind, in_flight=tuple(str(rid) for rid in body[2]))
             if kind != "dispatch":
                 return cls(gateway, kind, str(body[2]))
             _, _, rid, replica, hashes, prompt, output, reused = body
@@ -122,12 +132,14 @@ class PeerLoads:
             peer.requests.clear()
 
     def peers(self) -> list[str]:
-        """The peers heard from within the lease, by id."""
-        return sorted(self._peers)
+        """The peers heard from within the lease, by id (safe to call from another thread)."""
+        return sorted(list(self._peers))
 
     def in_flight(self) -> int:
-        """Peers' requests counted in this router's load now."""
-        return sum(len(p.requests) for p in self._peers.values())
+        """Peers' requests counted in this router's load now (a replica forgotten since drops its
+        requests from the load, not from the peer's set; safe to call from another thread)."""
+        loads = self.router.loads
+        return sum(1 for g, p in list(self._peers.items()) for rid in list(p.requests) if (g, rid) in loads)
 
     def apply(self, notice: Notice, *, now: float) -> None:
         """Apply one peer notice (this gateway's own are ignored)."""
@@ -137,13 +149,18 @@ class PeerLoads:
         if peer is None:
             peer = self._peers[notice.gateway] = _Peer(now)
         peer.last_seen = max(peer.last_seen, now)
-        if notice.kind == "heartbeat":
+        if notice.kind == "heartbeat":  # what it does not name is over: its COMPLETE was lost
+            for rid in peer.requests - set(notice.in_flight):
+                self.router.on_complete((notice.gateway, rid), now=now)
+                peer.requests.discard(rid)
             return
         key: Hashable = (notice.gateway, notice.request_id)
         router = self.router
         if notice.kind == "dispatch":
             if notice.request_id in peer.requests:
-                return  # a replayed dispatch
+                if router.loads.replica_of(key) == notice.replica:
+                    return  # a replayed dispatch
+                router.on_complete(key, now=now)  # a retry elsewhere whose COMPLETE was lost
             request = RouteRequest(key, notice.hashes, notice.prompt_tokens, notice.output_tokens)
             decision = Decision(notice.replica, router.name, PrefixMatch(gpu_blocks=notice.reused_blocks))
             router.on_dispatch(request, decision, now=now)

@@ -28,6 +28,7 @@ capacity) is ``retention.simulation.simulator.simulate`` at N× the blocks.
 from __future__ import annotations
 
 import heapq
+import math
 import random
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -99,8 +100,10 @@ class ClusterConfig:
             raise ValueError("replicas must be >= 1")
         if self.gateways < 1:
             raise ValueError("gateways must be >= 1")
-        if self.sync_delay_s < 0:
-            raise ValueError("sync_delay_s must be >= 0")
+        if not (math.isfinite(self.sync_delay_s) and self.sync_delay_s >= 0):
+            raise ValueError("sync_delay_s must be a number of seconds >= 0")
+        if self.sync_delay_s and not self.sync:
+            raise ValueError("sync_delay_s applies to sync=True only")
         if self.index not in ("precise", "approximate"):
             raise ValueError(f"index must be 'precise' or 'approximate', got {self.index!r}")
 

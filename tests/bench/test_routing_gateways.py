@@ -36,6 +36,7 @@ def test_the_section_counts_one_gateway_alone_and_synced() -> None:
     # hit-rate change behind two gateways alone, in points: -4, 0, +1
     assert "| kv-aware, 2 gateways | -4.0 / +0.0 / +1.0 | 1.05 → 1.35 | 0 → 1 |" in body
     assert "alone and in 3 synced at 10 ms, 1 synced at 1 s, against 3 behind one gateway" in body
+    assert "(100 of 2,000 dispatch notices of 64 block hashes arrived" in body
     assert "median 0.40 ms, p99 5.00 ms, max 12.00 ms" in body
     unmeasured = gateways.section(rows, {"chat": "tune", "api": "report"}, 2, 1.0, 2, None, "redis://x")
     assert "not measured: no Redis answered at `redis://x`" in unmeasured

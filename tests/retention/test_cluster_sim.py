@@ -147,5 +147,8 @@ def test_synced_gateways_route_as_one(chat) -> None:
     late = run(2, sync=True, sync_delay_s=1.0)
     assert sum(r.requests for r in late.replicas) == len(chat) == late.total.requests
     assert [r.requests for r in late.replicas] != [r.requests for r in one.replicas]
-    with pytest.raises(ValueError, match="sync_delay_s"):
-        ClusterConfig(3, sync=True, sync_delay_s=-1.0)
+    for bad in (-1.0, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="sync_delay_s must be"):
+            ClusterConfig(3, sync=True, sync_delay_s=bad)
+    with pytest.raises(ValueError, match="sync=True only"):
+        ClusterConfig(3, sync_delay_s=0.5)

@@ -31,14 +31,16 @@ def test_notices_round_trip_and_malformed_ones_are_refused() -> None:
         Notice("g1", "first_token", "req-1"),
         Notice("g1", "complete", "req-1"),
         Notice("g1", "heartbeat"),
+        Notice("g1", "heartbeat", in_flight=("req-2", "req-3")),
     ]
     assert {n.kind for n in notices} == set(KINDS)
+    assert Notice.decode(b'["g1","heartbeat",[]]') == Notice("g1", "heartbeat")
     for notice in notices:
         assert Notice.decode(notice.encode()) == notice
         assert Notice.decode(notice.encode().decode()) == notice
     for bad in (b"", b"{}", b"not json", b'["g1"]', b'["g1","evicted","r"]', b'["g1","dispatch","r",1]',
                 b'["g1","dispatch","r","1",[],1,1,0]', b'["g1","dispatch","r",1,[1.5],1,1,0]',
-                b'["g1","dispatch","r",true,[],1,1,0]'):
+                b'["g1","dispatch","r",true,[],1,1,0]', b'["g1","heartbeat"]', b'["g1","heartbeat","r"]'):
         with pytest.raises(RoutingError, match="malformed routing notice"):
             Notice.decode(bad)
 
@@ -73,7 +75,7 @@ def test_a_silent_peer_expires_and_its_load_leaves() -> None:
     peers = PeerLoads(router, "me", lease_s=10.0)
     peers.apply(Notice("lost", "dispatch", "a", 0, (1, 2), 9, 8, 0), now=0.0)
     peers.apply(Notice("alive", "dispatch", "b", 1, (3, 4), 9, 8, 0), now=0.0)
-    peers.apply(Notice("alive", "heartbeat"), now=8.0)
+    peers.apply(Notice("alive", "heartbeat", in_flight=("b",)), now=8.0)
     assert peers.expire(now=9.0) == []
     assert peers.expire(now=10.5) == ["lost"]
     assert router.loads.load(0, now=10.5).running == 0 and router.match(0, (1, 2), now=10.5).pending_blocks == 0
@@ -85,6 +87,38 @@ def test_a_silent_peer_expires_and_its_load_leaves() -> None:
     assert peers.in_flight() == 0 and peers.router.loads.load(0, now=11.0).running == 0
     with pytest.raises(RoutingError):
         PeerLoads(router, "me", lease_s=0)
+
+
+def test_a_heartbeat_ends_the_requests_it_does_not_name() -> None:
+    """A COMPLETE lost on the way (queue full, a reconnect): the peer's next heartbeat, sent after
+    it in the same ordered stream, no longer names the request, so its load and pending blocks go."""
+    router = KvAwareRouter(tokens_per_block=BPT)
+    peers = PeerLoads(router, "me")
+    peers.apply(Notice("peer", "dispatch", "lost", 0, (1, 2), 9, 8, 0), now=0.0)
+    peers.apply(Notice("peer", "dispatch", "live", 1, (3, 4), 9, 8, 0), now=0.0)
+    peers.apply(Notice("peer", "heartbeat", in_flight=("live", "unknown")), now=5.0)
+    assert router.loads.load(0, now=5.0).running == 0 and router.match(0, (1, 2), now=5.0).pending_blocks == 0
+    assert router.loads.load(1, now=5.0).running == 1 and peers.in_flight() == 1
+    peers.apply(Notice("peer", "heartbeat"), now=10.0)  # nothing in flight any more
+    assert router.loads.load(1, now=10.0).running == 0 and peers.in_flight() == 0
+
+
+def test_a_retry_moves_the_peers_request_even_when_its_completion_was_lost() -> None:
+    router = KvAwareRouter(tokens_per_block=BPT)
+    peers = PeerLoads(router, "me")
+    # the gateway's retry order: dispatch on 0, complete (it failed there), dispatch on 1
+    for notice in (Notice("peer", "dispatch", "r", 0, (1, 2), 9, 8, 0), Notice("peer", "complete", "r"),
+                   Notice("peer", "dispatch", "r", 1, (1, 2), 9, 8, 0)):
+        peers.apply(notice, now=0.0)
+    assert [router.loads.load(i, now=0.0).running for i in (0, 1)] == [0, 1]
+    # the same retry with its COMPLETE lost: the second dispatch names another replica, so it moves
+    peers.apply(Notice("peer", "dispatch", "s", 0, (5, 6), 9, 8, 0), now=1.0)
+    peers.apply(Notice("peer", "dispatch", "s", 2, (5, 6), 9, 8, 0), now=1.0)
+    assert [router.loads.load(i, now=1.0).running for i in (0, 1, 2)] == [0, 1, 1]
+    assert router.match(0, (5, 6), now=1.0).pending_blocks == 0 and router.match(2, (5, 6), now=1.0).pending_blocks == 2
+    # a forgotten replica's requests leave the load, and the gauge, though the peer still names them
+    router.forget_replica(2)
+    assert peers.in_flight() == 1
 
 
 def test_synced_gateways_choose_as_one_router() -> None:
@@ -107,9 +141,16 @@ def test_synced_gateways_choose_as_one_router() -> None:
             rq = request(f"r{i}", hashes, prompt=200)
             decision = routers[g].route(rq, CANDIDATES, now=float(i))
             routers[g].on_dispatch(rq, decision, now=float(i))
+            notices = [dispatch_notice(f"g{g}", rq, decision)]
+            if i % 4 == 3:  # some requests end along the way: first token, then completion
+                routers[g].on_prefill_done(rq.request_id, now=float(i))
+                routers[g].on_complete(rq.request_id, now=float(i))
+                notices += [Notice(f"g{g}", "first_token", rq.request_id), Notice(f"g{g}", "complete", rq.request_id)]
             if synced:
                 for link in links:
-                    link.apply(dispatch_notice(f"g{g}", rq, decision), now=float(i))
+                    link.apply_all(notices, now=float(i))
+                # the hook state itself is one router's: every gateway sees the same load everywhere
+                assert len({tuple(r.load(c.replica, now=float(i)) for c in CANDIDATES) for r in routers}) == 1
             choices.append(decision.replica)
         return choices
 

@@ -14,8 +14,8 @@ guide from the same functions the OpenAI path uses.
                                                 calls they answer (the template pairs by position)
     user turn: text blocks                   →  then one user message: its messages' texts (each its blocks
                                                 joined by "\\n") joined by "\\n", in request order
-    assistant turn: text + tool_use blocks   →  one assistant message: its messages' texts joined by "\\n",
-                                                ``tool_calls`` all the turn's calls, in request order
+    assistant turn: text + tool_use blocks   →  one assistant message: the turn's text blocks joined as written
+                                                (as within one message), ``tool_calls`` all its calls, in order
     tool_choice auto|any|tool|none           →  ToolPlan auto | forced (all) | forced (one) | none
     tool strict (boolean)                    →  any|tool: the guide follows the schema (as always);
                                                 auto: accepted, best effort (the call is parsed from
@@ -416,8 +416,8 @@ def _tool_result(block: dict, field: str) -> tuple[str, list[tuple[dict, str]]]:
 def _assistant(turn: Sequence[tuple[str, MessageParam]], out: list[dict], points: _Breakpoints,
                ids: set[str]) -> dict[str, str]:
     """Appends an assistant turn (consecutive assistant messages, with their fields) as one assistant
-    message: its ``content`` each message's text blocks joined (as written), the messages' texts
-    joined by "\\n" in request order (messages of calls only add nothing); its ``tool_calls`` (when
+    message: its ``content`` the text blocks of all its messages joined as written, in request order
+    (Anthropic combines the turn's blocks: two messages ``[a]``, ``[b]`` read as one ``[a, b]``); its ``tool_calls`` (when
     there are any) all the turn's ``tool_use`` blocks, in request order. Every block's breakpoint
     ends with that message. Returns the turn's tool_use ids, in order -> the field of the message
     holding each."""
@@ -442,7 +442,7 @@ def _assistant(turn: Sequence[tuple[str, MessageParam]], out: list[dict], points
         texts.append("".join(mine))
         for block, where in marked:  # per message, after its blocks are checked, as the rules count
             points.take(block, where, end)
-    message: dict = {"role": "assistant", "content": "\n".join(filter(None, texts))}
+    message: dict = {"role": "assistant", "content": "".join(texts)}
     if rendered:
         message["tool_calls"] = rendered
     out.append(message)

@@ -3,29 +3,41 @@
 The notices and what a peer does with them are pure (``retention/routing/sync.py``); this
 module carries them. One channel per pool, ``<namespace>:routing:<pool>``::
 
-    RoutedEngine hook ──► publish(pool, notice) ──► bounded queue ──► publisher task
-                                                                       (one pipeline per batch)
+    RoutedEngine hook ──► publish(pool, notice) ──► bounded queue ──► sender task: encode,
+                                                                      one pipeline per batch
     Redis ──► psubscribe <namespace>:routing:* ──► listener task ──► the pool's PeerLoads.apply
-    every lease_s / 3: a heartbeat per pool; peers silent for lease_s expire (their load leaves)
+    every lease_s / 3, per pool: a heartbeat naming this gateway's requests in flight there
+    (peers drop what it does not name), then expiry of peers silent for lease_s
 
-Invariants: a request never waits for Redis (``publish`` only enqueues; a full queue drops
-the notice and counts it); Redis being away costs the sync, never a request: publisher and
-listener reconnect every ``RETRY_S``, and meanwhile each gateway routes on its own view. A
-peer's notice for a pool this gateway has not polled yet is dropped (its route does not
-exist; its load starts over). A restarted gateway takes a new id, so what its previous
-life had in flight leaves peers' load within ``lease_s``.
+Invariants:
+
+* A request never waits for Redis: ``publish`` only enqueues (encoding happens in the sender);
+  a full queue (``QUEUE_MAX`` notices or ``QUEUE_MAX_HASHES`` block hashes) drops the notice and
+  counts it; while sending fails, only heartbeats are queued and what was queued is dropped.
+  A dropped COMPLETE is repaired by the next heartbeat, a dropped DISPATCH costs only the sync.
+* Each gateway's notices leave in the order they were published (one sender), so a heartbeat
+  names every request whose DISPATCH went before it and is still in flight.
+* Redis being away costs the sync, never a request: the sender retries every ``RETRY_S``; the
+  listener resubscribes when its connection fails or when this gateway's own heartbeat has not
+  come back for ``lease_s`` (a hung connection); every loop outlives an unexpected error. State
+  changes (lost, restored) are logged once each, not every failure.
+* This gateway's own notices, echoed back by the subscription, are dropped before parsing.
+* A peer's notice for a pool this gateway has not polled yet is dropped (its route does not
+  exist; its load starts over). A restarted gateway takes a new id, so what its previous life
+  had in flight leaves peers' load within ``lease_s``.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import os
 import secrets
 import socket
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 from retention.routing import Notice, PeerLoads, RoutingError
@@ -34,15 +46,18 @@ log = logging.getLogger("kvgate.gateway.peer_sync")
 
 RETRY_S = 1.0
 QUEUE_MAX = 10_000
+QUEUE_MAX_HASHES = 2_000_000  # ~40 MB of JSON at most waiting for Redis
 REDIS_TIMEOUT_S = 2.0
+YIELD_EVERY = 64  # messages applied between two turns of the event loop
 
 
 @dataclass(slots=True)
 class SyncCounters:
     published: int = 0
-    received: int = 0
-    dropped: int = 0  # queue full, or Redis away when the batch was sent
+    received: int = 0  # peers' notices parsed (this gateway's own echoes are not)
+    dropped: int = 0  # queue full, or Redis away when the notice was to be sent
     malformed: int = 0
+    resubscribed: int = 0  # subscriptions torn down and made again (failure or a hung connection)
 
 
 class PeerSync:
@@ -60,19 +75,26 @@ class PeerSync:
 
         if not lease_s > 0:
             raise ValueError("lease_s must be > 0")
-        self._url = url
-        self._redis = redis_asyncio.from_url(url, socket_connect_timeout=REDIS_TIMEOUT_S)
+        # Two clients: publishing is bounded by a socket timeout; the subscription blocks on reads
+        # by design and is watched through this gateway's own heartbeats instead.
+        self._redis = redis_asyncio.from_url(url, socket_connect_timeout=REDIS_TIMEOUT_S, socket_timeout=REDIS_TIMEOUT_S)
+        self._sub_redis = redis_asyncio.from_url(url, socket_connect_timeout=REDIS_TIMEOUT_S)
         self._down = (RedisError, OSError, asyncio.TimeoutError)
         self.gateway = gateway or f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(4)}"
+        self._echo = json.dumps([self.gateway])[:-1].encode() + b","  # how this gateway's own notices start
         self.namespace = namespace
         self.lease_s = lease_s
         self._clock: Callable[[], float] = time.monotonic
-        self._queue: asyncio.Queue[tuple[str, bytes]] = asyncio.Queue(maxsize=QUEUE_MAX)
+        self._queue: asyncio.Queue[tuple[str, Notice]] = asyncio.Queue(maxsize=QUEUE_MAX)
+        self._queued_hashes = 0
+        self._own: dict[str, set[str]] = {}  # pool -> this gateway's requests in flight there
+        self._failing = False  # the last send failed: only heartbeats are queued until one goes through
+        self._echoed_at = 0.0  # when this gateway's own heartbeat last came back (the listener's watchdog)
         self.counters = SyncCounters()
         self.peers_of: Callable[[str], PeerLoads | None] = lambda _pool: None
         self.pools: Callable[[], list[str]] = list
         self._tasks: list[asyncio.Task] = []
-        self.subscribed = asyncio.Event()  # set while the listener is subscribed (tests, readiness)
+        self.subscribed = asyncio.Event()  # set once Redis confirmed the subscription, cleared when lost
 
     def attach(self, *, peers_of: Callable[[str], PeerLoads | None], pools: Callable[[], list[str]],
                clock: Callable[[], float]) -> None:
@@ -83,67 +105,122 @@ class PeerSync:
 
     # ------------------------------------------------------------------ sending
     def publish(self, pool: str, notice: Notice) -> None:
-        """Queue ``notice`` for ``pool``'s channel; never blocks."""
+        """Queue ``notice`` for ``pool``'s channel; never blocks, never raises."""
+        own = self._own.setdefault(pool, set())
+        if notice.kind == "dispatch":
+            own.add(notice.request_id)
+        elif notice.kind == "complete":
+            own.discard(notice.request_id)
+        if (self._failing and notice.kind != "heartbeat") or self._queued_hashes >= QUEUE_MAX_HASHES:
+            self.counters.dropped += 1
+            return
         try:
-            self._queue.put_nowait((self.channel(pool), notice.encode()))
+            self._queue.put_nowait((pool, notice))
         except asyncio.QueueFull:
             self.counters.dropped += 1
+            return
+        self._queued_hashes += len(notice.hashes)
+
+    def _take(self) -> tuple[str, Notice]:
+        pool, notice = self._queue.get_nowait()
+        self._queued_hashes -= len(notice.hashes)
+        return pool, notice
 
     async def _send(self) -> None:
         while True:
             batch = [await self._queue.get()]
+            self._queued_hashes -= len(batch[0][1].hashes)
             while not self._queue.empty() and len(batch) < 512:
-                batch.append(self._queue.get_nowait())
+                batch.append(self._take())
             try:
                 async with self._redis.pipeline(transaction=False) as pipe:
-                    for channel, data in batch:
-                        pipe.publish(channel, data)
+                    for pool, notice in batch:
+                        pipe.publish(self.channel(pool), notice.encode())
                     await pipe.execute()
-                self.counters.published += len(batch)
             except self._down as exc:
-                self.counters.dropped += len(batch)
-                log.warning("routing sync: publish failed (%s); peers miss %d notices", exc, len(batch))
+                stale = [self._take() for _ in range(self._queue.qsize())]
+                self.counters.dropped += len(batch) + len(stale)
+                if not self._failing:
+                    log.warning("routing sync: publishing failed (%s); peers route without this gateway's "
+                                "dispatches until Redis answers", exc)
+                self._failing = True
                 await asyncio.sleep(RETRY_S)
+                continue
+            self.counters.published += len(batch)
+            if self._failing:
+                log.warning("routing sync: publishing restored")
+                self._failing = False
 
     # ------------------------------------------------------------------ receiving
     def deliver(self, channel: str, data: bytes) -> None:
-        """Apply one message of ``channel`` to its pool's peer loads."""
+        """Apply one message of ``channel`` to its pool's peer loads (this gateway's own, which the
+        subscription echoes back, are dropped before parsing: ``Notice.encode`` starts with the id)."""
+        if data.startswith(self._echo):
+            if data.startswith(b'"heartbeat"', len(self._echo)):
+                self._echoed_at = self._clock()
+            return
         prefix = f"{self.namespace}:routing:"
         pool = channel[len(prefix):] if channel.startswith(prefix) else None
-        peers = None if pool is None else self.peers_of(pool)
         try:
             notice = Notice.decode(data)
         except RoutingError:
             self.counters.malformed += 1
             return
         self.counters.received += 1
+        peers = None if pool is None else self.peers_of(pool)
         if peers is not None:
             peers.apply(notice, now=self._clock())
 
     async def _listen(self) -> None:
+        pubsub = self._sub_redis.pubsub()
+        try:
+            await pubsub.psubscribe(f"{self.namespace}:routing:*")
+            since = self._clock()
+            applied = 0
+            while True:
+                message = await pubsub.get_message(timeout=1.0)
+                if message is None:
+                    now = self._clock()
+                    if now - max(since, self._echoed_at) > self.lease_s:
+                        log.warning("routing sync: this gateway's heartbeat has not come back for %.0f s; "
+                                    "subscribing again", self.lease_s)
+                        return
+                    continue
+                kind = message.get("type")
+                if kind == "psubscribe":
+                    self.subscribed.set()
+                elif kind == "pmessage":
+                    channel = message["channel"]
+                    self.deliver(channel.decode() if isinstance(channel, bytes) else channel, message["data"])
+                    applied += 1
+                    if applied % YIELD_EVERY == 0:
+                        await asyncio.sleep(0)  # a burst never holds the event loop
+        finally:
+            self.subscribed.clear()
+            with contextlib.suppress(Exception):
+                await pubsub.aclose()
+
+    async def _subscription(self) -> None:
+        lost = False
         while True:
-            pubsub = self._redis.pubsub(ignore_subscribe_messages=True)
             try:
-                await pubsub.psubscribe(f"{self.namespace}:routing:*")
-                self.subscribed.set()
-                async for message in pubsub.listen():
-                    if message.get("type") == "pmessage":
-                        channel = message["channel"]
-                        self.deliver(channel.decode() if isinstance(channel, bytes) else channel, message["data"])
+                await self._listen()
             except self._down as exc:
-                log.warning("routing sync: subscription lost (%s); routing on this gateway's own view", exc)
-            finally:
-                self.subscribed.clear()
-                with contextlib.suppress(Exception):
-                    await pubsub.aclose()
+                if not lost:
+                    log.warning("routing sync: subscription lost (%s); routing on this gateway's own view", exc)
+                lost = True
+            else:
+                lost = False
+            self.counters.resubscribed += 1
             await asyncio.sleep(RETRY_S)
 
     # ------------------------------------------------------------------ liveness
     def beat(self) -> None:
-        """One heartbeat per pool, and expiry of silent peers."""
+        """One heartbeat per pool naming this gateway's requests in flight there, then expiry of
+        silent peers."""
         now = self._clock()
         for pool in self.pools():
-            self.publish(pool, Notice(self.gateway, "heartbeat"))
+            self.publish(pool, Notice(self.gateway, "heartbeat", in_flight=tuple(self._own.get(pool, ()))))
             peers = self.peers_of(pool)
             if peers is not None:
                 for gone in peers.expire(now=now):
@@ -155,9 +232,21 @@ class PeerSync:
             self.beat()
             await asyncio.sleep(self.lease_s / 3)
 
+    async def _supervised(self, name: str, run: Callable[[], Awaitable[None]]) -> None:
+        """``run`` again after any unexpected error: the sync must outlive one bad iteration."""
+        while True:
+            try:
+                await run()
+                return
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                log.exception("routing sync: %s failed; restarting it", name)
+                await asyncio.sleep(RETRY_S)
+
     def start(self) -> None:
-        self._tasks = [asyncio.create_task(self._send()), asyncio.create_task(self._listen()),
-                       asyncio.create_task(self._beat())]
+        self._tasks = [asyncio.create_task(self._supervised(name, run)) for name, run in
+                       (("sender", self._send), ("subscription", self._subscription), ("heartbeat", self._beat))]
 
     async def close(self) -> None:
         for task in self._tasks:
@@ -166,5 +255,6 @@ class PeerSync:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
         self._tasks = []
-        with contextlib.suppress(Exception):
-            await self._redis.aclose()
+        for client in (self._redis, self._sub_redis):
+            with contextlib.suppress(Exception):
+                await client.aclose()

@@ -317,18 +317,19 @@ def test_consecutive_assistant_messages_render_as_one_assistant_message(prompter
         user([result("A", "rain"), result("B", "sun")])]))
     assert [m["role"] for m in merged.messages] == ["system", "user", "assistant", "tool", "tool"]
     call = f'{CALL_OPEN}\n{{"name": "get_weather", "arguments": {{"city": "%s"}}}}\n</tool_call>'
-    assert merged.messages[2]["content"] == "Checking Oslo.\nAnd Paris.\n" + call % "Oslo" + "\n" + call % "Paris"
+    # the turn's blocks combined as one message's: text blocks joined as written, as within a message
+    assert merged.messages[2]["content"] == "Checking Oslo.And Paris.\n" + call % "Oslo" + "\n" + call % "Paris"
     # the same chat request as one assistant message holding that text and both calls
     single = convert(request(tools=[WEATHER], messages=[
         user("Oslo and Paris?"), {"role": "assistant", "content": [
-            text("Checking Oslo.\nAnd Paris."), use("A", "Oslo"), use("B", "Paris")]},
+            text("Checking Oslo."), use("A", "Oslo"), use("B", "Paris"), text("And Paris.")]},
         user([result("A", "rain"), result("B", "sun")])]))
     assert merged == single
     assert prompter.chat(merged.messages).input_ids == prompter.chat(single.messages).input_ids
     # text only (no tools, nothing rendered): the chat message itself, with no tool_calls
     conv = convert(request(messages=[user("q"), {"role": "assistant", "content": "a"},
                                      {"role": "assistant", "content": [text("b"), text("c")]}, user("d")]))
-    assert conv.messages == [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a\nbc"},
+    assert conv.messages == [{"role": "user", "content": "q"}, {"role": "assistant", "content": "abc"},
                              {"role": "user", "content": "d"}]
 
 
@@ -374,7 +375,7 @@ def test_a_breakpoint_in_a_merged_turn_ends_with_the_turns_message(prompter) -> 
     # an assistant turn's blocks end with its one message
     assistant = convert(request(messages=[user("q"), {"role": "assistant", "content": [text("a", cache_control=EPHEMERAL)]},
                                           {"role": "assistant", "content": "b"}, user("c")]))
-    assert assistant.messages[1] == {"role": "assistant", "content": "a\nb"} and assistant.marks == (2,)
+    assert assistant.messages[1] == {"role": "assistant", "content": "ab"} and assistant.marks == (2,)
     # a result keeps its tool message; the turn's text its user message; counted in request order
     mixed = convert(request(tools=[WEATHER], messages=[
         user("a"), calls("A"), user([text("x", cache_control={"type": "ephemeral", "ttl": "1h"})]),

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import inspect
 import secrets
 import time
 
@@ -18,11 +17,15 @@ REDIS = "redis://127.0.0.1:6379/0"
 POOL = "p"
 
 
-def gateway(name: str, namespace: str, lease_s: float = 15.0) -> tuple[PeerSync, PeerLoads]:
+OTHER = "q"
+
+
+def gateway(name: str, namespace: str, lease_s: float = 15.0) -> tuple[PeerSync, PeerLoads, PeerLoads]:
+    """A gateway routing two pools (POOL, OTHER), each with its own router's peer loads."""
     sync = PeerSync(REDIS, namespace=namespace, gateway=name, lease_s=lease_s)
-    loads = PeerLoads(KvAwareRouter(tokens_per_block=4), name, lease_s=lease_s)
-    sync.attach(peers_of=lambda pool: loads if pool == POOL else None, pools=lambda: [POOL], clock=time.monotonic)
-    return sync, loads
+    loads = {pool: PeerLoads(KvAwareRouter(tokens_per_block=4), name, lease_s=lease_s) for pool in (POOL, OTHER)}
+    sync.attach(peers_of=loads.get, pools=lambda: [POOL, OTHER], clock=time.monotonic)
+    return sync, loads[POOL], loads[OTHER]
 
 
 async def until(predicate, what: str, timeout: float = 10.0) -> None:
@@ -36,7 +39,7 @@ async def until(predicate, what: str, timeout: float = 10.0) -> None:
 def test_peers_apply_each_others_dispatches_through_redis() -> None:
     async def scenario() -> None:
         ns = f"test-{secrets.token_hex(4)}"
-        (a, a_loads), (b, b_loads) = gateway("a", ns), gateway("b", ns)
+        (a, a_loads, _), (b, b_loads, b_other) = gateway("a", ns), gateway("b", ns)
         for sync in (a, b):
             sync.start()
         try:
@@ -45,14 +48,24 @@ def test_peers_apply_each_others_dispatches_through_redis() -> None:
             await until(lambda: b_loads.router.loads.load(1).running == 1, "b sees a's dispatch")
             assert b_loads.router.match(1, (7, 8, 9), now=0.0).pending_blocks == 3
             assert a_loads.router.loads.load(1).running == 0  # a's own notice comes back: ignored
+            received = a.counters.received
+            a.deliver(a.channel(POOL), Notice("a", "dispatch", "req-9", 1, (7,), 5, 4, 0).encode())
+            assert a.counters.received == received  # dropped before parsing: not even counted
             a.publish(POOL, Notice("a", "complete", "req-1"))
             await until(lambda: b_loads.router.loads.load(1).running == 0, "b sees a's completion")
             assert b_loads.in_flight() == 0
-            # garbage on the channel and notices for a pool b does not route are dropped, counted
+            # each pool's notices reach that pool's router only
+            a.publish(OTHER, Notice("a", "dispatch", "req-2", 1, (1,), 5, 4, 0))
+            await until(lambda: b_other.router.loads.load(1).running == 1, "b's other pool sees it")
+            assert b_loads.router.loads.load(1).running == 0 and b_loads.in_flight() == 0
+            # a's heartbeat names what a has in flight: req-2 in OTHER, nothing in POOL
+            a.beat()
+            await until(lambda: b_other.peers() == ["a"] and b_loads.peers() == ["a"], "a's heartbeats")
+            assert b_other.in_flight() == 1
+            # garbage on the channel is counted and dropped
             await a._redis.publish(a.channel(POOL), b"not a notice")
-            a.publish("other-pool", Notice("a", "dispatch", "req-2", 1, (1,), 5, 4, 0))
-            await until(lambda: b.counters.malformed == 1 and b.counters.received >= 4, "b reads the rest")
-            assert b_loads.in_flight() == 0 and a.counters.published >= 3 and a.counters.dropped == 0
+            await until(lambda: b.counters.malformed == 1, "b reads the garbage")
+            assert a.counters.dropped == 0 and a.counters.published >= 4
         finally:
             await a.close()
             await b.close()
@@ -63,7 +76,7 @@ def test_peers_apply_each_others_dispatches_through_redis() -> None:
 def test_a_gateway_gone_silent_leaves_its_peers_load_within_the_lease() -> None:
     async def scenario() -> None:
         ns = f"test-{secrets.token_hex(4)}"
-        (a, _), (b, b_loads) = gateway("a", ns, lease_s=0.6), gateway("b", ns, lease_s=0.6)
+        (a, _, _), (b, b_loads, _) = gateway("a", ns, lease_s=0.6), gateway("b", ns, lease_s=0.6)
         for sync in (a, b):
             sync.start()
         try:
@@ -87,11 +100,16 @@ def test_redis_away_never_blocks_or_fails_a_publish() -> None:
         sync.attach(peers_of=lambda pool: None, pools=lambda: [POOL], clock=time.monotonic)
         sync.start()
         try:
-            assert not inspect.iscoroutinefunction(sync.publish)  # a request never awaits Redis
             for i in range(100):
                 sync.publish(POOL, Notice("alone", "complete", f"r{i}"))
             await until(lambda: sync.counters.dropped >= 100, "the failed batch counted", timeout=15.0)
             assert sync.counters.published == 0 and not sync.subscribed.is_set()
+            # while sending fails, notices are dropped at once, only heartbeats still queue (to find Redis back)
+            dropped = sync.counters.dropped
+            sync.publish(POOL, Notice("alone", "dispatch", "x", 0, (1,), 5, 4, 0))
+            assert sync.counters.dropped == dropped + 1
+            sync.beat()
+            assert sync.counters.dropped == dropped + 1
         finally:
             await sync.close()
 

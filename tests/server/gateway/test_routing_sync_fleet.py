@@ -65,3 +65,7 @@ def test_a_peers_request_in_flight_is_in_this_gateways_load_and_pending_blocks(f
     assert fleet.metric("kvgate_routing_sync_peer_requests", gateway=1, pool="fleet") == 0.0
     assert fleet.metric("kvgate_routing_sync_notices_total", gateway=1, outcome="received") >= 3
     assert fleet.metric("kvgate_routing_sync_notices_total", gateway=0, outcome="dropped") == 0.0
+    # a router switch starts the peers' load over on the new router
+    routing = fleet.gateways[1].app.state.gateway.routing
+    routing.use_router("kv-aware")
+    assert route.peers.router is route.router and route.peers.in_flight() == 0
