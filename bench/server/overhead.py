@@ -221,6 +221,19 @@ async def measure(args, key: str, engine_port: int, gateway_port: int, gateway_p
     return rows
 
 
+
+def side_by_side(stream: bool, concurrency: int, latencies: dict[str, list[float]], cpu: dict[str, float]) -> dict:
+    """One row of two variants measured in alternating rounds: p50 / p99 latency and CPU per request of each
+    (keys ``<variant>_p50_ms``, ``<variant>_p99_ms``, ``<variant>_cpu_ms_per_request``)."""
+    first = next(iter(latencies))
+    row: dict = {"mode": "stream (16 chunks)" if stream else "non-stream", "concurrency": concurrency,
+                 "requests": len(latencies[first])}
+    for name, measured in latencies.items():
+        row[f"{name}_p50_ms"] = 1000 * pct(measured, 0.5)
+        row[f"{name}_p99_ms"] = 1000 * pct(measured, 0.99)
+        row[f"{name}_cpu_ms_per_request"] = 1000 * cpu[name] / len(measured)
+    return row
+
 async def measure_dialects(args, key: str, gateway_port: int, gateway_pid: int) -> list[dict]:
     """The same prompt as a chat completion and as a Messages request, alternating rounds:
     gateway latency and CPU per request of each, side by side."""
@@ -243,12 +256,7 @@ async def measure_dialects(args, key: str, gateway_port: int, gateway_pid: int) 
                         latencies[dialect] += await run_gateway(http, key, per_round, concurrency, stream,
                                                                 dialect=dialect)
                         cpu[dialect] += cpu_seconds(gateway_pid) - before
-                row = {"mode": "stream (16 chunks)" if stream else "non-stream", "concurrency": concurrency,
-                       "requests": len(latencies["chat"])}
-                for dialect in ("chat", "messages"):
-                    row[f"{dialect}_p50_ms"] = 1000 * pct(latencies[dialect], 0.5)
-                    row[f"{dialect}_p99_ms"] = 1000 * pct(latencies[dialect], 0.99)
-                    row[f"{dialect}_cpu_ms_per_request"] = 1000 * cpu[dialect] / len(latencies[dialect])
+                row = side_by_side(stream, concurrency, latencies, cpu)
                 row["cpu_ratio"] = row["messages_cpu_ms_per_request"] / row["chat_cpu_ms_per_request"]
                 rows.append(row)
                 print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()}))
@@ -362,12 +370,7 @@ async def measure_sync(args, key: str, ports: dict[str, int], pids: dict[str, in
                         spent[name] = cpu_seconds(pids[name]) - before
                         cpu[name] += spent[name]
                     ratios.append(spent["sync"] / spent["plain"] if spent["plain"] else float("nan"))
-                row = {"mode": "stream (16 chunks)" if stream else "non-stream", "concurrency": concurrency,
-                       "requests": len(latencies["plain"])}
-                for name in ("plain", "sync"):
-                    row[f"{name}_p50_ms"] = 1000 * pct(latencies[name], 0.5)
-                    row[f"{name}_p99_ms"] = 1000 * pct(latencies[name], 0.99)
-                    row[f"{name}_cpu_ms_per_request"] = 1000 * cpu[name] / len(latencies[name])
+                row = side_by_side(stream, concurrency, latencies, cpu)
                 row["ratios"] = ratios
                 row["cpu_ratio"] = statistics.median(ratios)
                 rows.append(row)

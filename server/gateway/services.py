@@ -21,6 +21,7 @@ from retention.policy.selection import AdaptiveSelector
 from server.gateway.api.conversation_demote import Demotes
 from server.gateway.api.conversation_hold import ConversationHolds
 from server.gateway.admission import Admission
+from server.gateway.tasks import cancel_all
 from server.gateway.auth import KeyAuthenticator
 from server.gateway.observe.capture import TraceCaptures
 from server.gateway.api.completions import CompletionRunner
@@ -138,11 +139,7 @@ class GatewayServices:
                 self._loop(self.intervals.capture_refresh, self.captures.refresh, "capture refresh")))
 
     async def stop(self) -> None:
-        for task in self._tasks:
-            task.cancel()
-        for task in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await task
+        await cancel_all(self._tasks)
         self._tasks = []
         with contextlib.suppress(Exception):
             await self.usage.flush()

@@ -41,6 +41,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 from retention.routing import Notice, PeerLoads, RoutingError
+from server.gateway.tasks import cancel_all
 
 log = logging.getLogger("kvgate.gateway.peer_sync")
 
@@ -249,11 +250,7 @@ class PeerSync:
                        (("sender", self._send), ("subscription", self._subscription), ("heartbeat", self._beat))]
 
     async def close(self) -> None:
-        for task in self._tasks:
-            task.cancel()
-        for task in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await task
+        await cancel_all(self._tasks)
         self._tasks = []
         for client in (self._redis, self._sub_redis):
             with contextlib.suppress(Exception):
