@@ -221,7 +221,6 @@ async def measure(args, key: str, engine_port: int, gateway_port: int, gateway_p
     return rows
 
 
-
 def side_by_side(stream: bool, concurrency: int, latencies: dict[str, list[float]], cpu: dict[str, float]) -> dict:
     """One row of two variants measured in alternating rounds: p50 / p99 latency and CPU per request of each
     (keys ``<variant>_p50_ms``, ``<variant>_p99_ms``, ``<variant>_cpu_ms_per_request``)."""
