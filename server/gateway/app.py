@@ -3,6 +3,8 @@
 Adds the OpenAI-compatible routes and the Anthropic Messages routes, each with its own
 error shape (by path: under ``/v1/messages`` errors are Anthropic's, elsewhere OpenAI's), ``/metrics``, ``/readyz``, a
 request-body size limit, and the gateway's background loops in the app's lifespan.
+Every answer of ``/v1/...`` (errors and streams included) carries its request id in the
+dialect's header (:class:`RequestIds`).
 The admin API stays a mounted sub-app with its own error shape; after every successful
 admin mutation the auth cache is cleared, so a revoked key or a suspended tenant is
 refused by this process at once.
@@ -12,6 +14,8 @@ from __future__ import annotations
 
 
 import hmac
+import re
+import secrets
 from contextlib import asynccontextmanager
 
 import anyio
@@ -24,7 +28,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from server.errors import CODE_BY_STATUS as ADMIN_CODES
 from server.errors import error_response as admin_error_response
-from server.gateway.drain import InFlight
+from server.gateway.context import REQUEST_ID
+from server.gateway.drain import SERVING_PREFIX, InFlight
 from server.gateway.kv_view import KvView
 from server.gateway.errors import ServingError, error_response, validation_error
 from server.gateway.fast_path import HotRoutes
@@ -40,6 +45,7 @@ from tenants.snapshots import PoolSnapshot
 
 MAX_BODY_BYTES = 4 * 1024 * 1024
 ADMIN_PREFIX = "/admin/"
+CLIENT_REQUEST_ID = re.compile(rb"[A-Za-z0-9._:-]{1,128}")  # fullmatch: no "$" that lets a trailing newline in
 
 
 def registry_pools_and_tenants(session_factory):
@@ -92,11 +98,60 @@ class BodyLimit:
             await self._reject(scope["path"])(scope, receive, send)
 
 
+def _anthropic(path: str) -> bool:
+    """Whether ``path`` belongs to the Anthropic Messages dialect (else the OpenAI one)."""
+    return path == MESSAGES_PREFIX or path.startswith(MESSAGES_PREFIX + "/")
+
+
 def serving_error_response(path: str, exc: ServingError) -> Response:
     """The serving API's error in the shape of the dialect that owns ``path``."""
-    if path == MESSAGES_PREFIX or path.startswith(MESSAGES_PREFIX + "/"):
+    if _anthropic(path):
         return messages_render.error_response(exc)
     return error_response(exc)
+
+
+class RequestIds:
+    """Every answer of ``/v1/...`` carries its request id: ``request-id`` under ``/v1/messages``
+    (the Anthropic SDK's ``_request_id``), ``x-request-id`` elsewhere (the OpenAI SDK's).
+
+    The id is the client's own header of that name when it fullmatches ``[A-Za-z0-9._:-]{1,128}``
+    (echoed, so a caller can correlate), else ``req_`` + 24 hex chars from ``secrets``; nothing
+    unvalidated reaches a response header. While the request runs it is
+    :data:`~server.gateway.context.REQUEST_ID`, for the log lines about it.
+
+    Outermost of the user middleware, so whatever answers (the hot routes' fast path, a route,
+    an exception handler, the body limit's 413, the drain's 503) passes the stamp: one header
+    added to ``http.response.start``, a stream's included. Not stamped: the plain-text 500 that
+    Starlette's ServerErrorMiddleware renders for an unhandled exception, outside all user middleware.
+    """
+
+    def __init__(self, app) -> None:
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        path = scope["path"] if scope["type"] == "http" else ""
+        if not path.startswith(SERVING_PREFIX):
+            return await self.app(scope, receive, send)
+        name = b"request-id" if _anthropic(path) else b"x-request-id"
+        value = None
+        for key, sent in scope["headers"]:
+            if key == name:
+                value = sent if CLIENT_REQUEST_ID.fullmatch(sent) else None
+                break
+        if value is None:
+            value = b"req_" + secrets.token_hex(12).encode()
+        stamp = (name, value)
+
+        async def stamped(message):
+            if message["type"] == "http.response.start":  # a new list: never grow one the app may share
+                message["headers"] = [*message.get("headers", ()), stamp]
+            await send(message)
+
+        token = REQUEST_ID.set(value.decode())
+        try:
+            await self.app(scope, receive, stamped)
+        finally:
+            REQUEST_ID.reset(token)
 
 
 class _TooLarge(Exception):
@@ -226,6 +281,7 @@ def install_gateway(app: FastAPI, services: GatewayServices) -> FastAPI:
     app.add_middleware(AdminMutationHook, services=services)
     app.add_middleware(BodyLimit)
     app.add_middleware(InFlight, services=services)
+    app.add_middleware(RequestIds)  # outermost: every answer of /v1, whoever renders it, carries the id
     return app
 
 

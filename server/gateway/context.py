@@ -5,17 +5,25 @@ key for the auth TTL), so a request rarely touches the database after auth: only
 snapshot has outlived the auth TTL by the time admission decides (``renew``), so that a
 lowered limit or a revoked key binds every admission decided more than one TTL after the
 registry write, however long the request took to get from auth to admission.
+
+:data:`REQUEST_ID` names the serving request the current task works for: the id every answer
+of ``/v1/...`` carries in a header (``server.gateway.app.RequestIds`` sets it), so the
+gateway's per-request log lines name what a client reports.
 """
 
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 
 from retention.policy.hint_plan import HINTS_OFF, HintPolicy
 from retention.policy.planner import RetentionClassSpec
 from server.gateway.admission import Limits
 from tenants.snapshots import PoolSnapshot
+
+# ``req_`` + 24 hex chars, or the client's own valid id; None outside a /v1 request (tests, simulations).
+REQUEST_ID: ContextVar[str | None] = ContextVar("kvgate_request_id", default=None)
 
 
 @dataclass(frozen=True, slots=True)

@@ -71,6 +71,7 @@ from retention.routing import (
 )
 from retention.types import Tier
 from tenants.snapshots import PoolSnapshot
+from server.gateway.context import REQUEST_ID
 from server.gateway.replicas.breaker import Breaker
 from server.gateway.replicas.peer_sync import PeerSync
 from server.gateway.replicas.engine_client import (
@@ -540,8 +541,10 @@ class RoutedEngine:
                 if not retry:
                     raise
                 attempts += 1
-                log.warning("request %s: replica %s/%s %s before its first token; retrying elsewhere",
-                            request_id, route.name, replica.name,
+                # The client's request id (its answer's header) and the engine's: never the same, as
+                # the engine id must be unique and a client may send its own request id.
+                log.warning("request %s (engine request %s): replica %s/%s %s before its first token; retrying "
+                            "elsewhere", REQUEST_ID.get() or "-", request_id, route.name, replica.name,
                             "timed out" if isinstance(exc, EngineTimeout) else "unavailable")
             except BaseException:  # consumer left (stop string, client gone) or cancelled
                 status = "cancelled"

@@ -14,6 +14,7 @@ from langchain_anthropic import ChatAnthropic
 from pydantic import BaseModel, Field
 
 from tests.server.gateway.stack import MODEL, Stack
+from tests.server.gateway.test_openai_e2e import GENERATED_ID
 from tests.server.gateway.test_openai_e2e import client as openai_client
 from tests.server.gateway.test_openai_e2e import system_prompt
 
@@ -318,3 +319,30 @@ def test_engine_lost_mid_stream_is_an_error_event_then_529_overloaded(stack: Sta
     finally:
         stack.engine.start()
     assert client(stack, key).messages.create(model=MODEL, max_tokens=2, messages=QUESTION).usage.output_tokens >= 1
+
+
+def test_every_answer_carries_a_request_id(stack: Stack, key: str) -> None:
+    api = client(stack, key)
+    raw = api.messages.with_raw_response.create(model=MODEL, max_tokens=2, extra_body=GREEDY, messages=QUESTION)
+    sent = raw.headers["request-id"]
+    assert GENERATED_ID.fullmatch(sent) and "x-request-id" not in raw.headers  # Anthropic's header on its API
+    assert raw.parse()._request_id == sent
+    reply = api.messages.create(model=MODEL, max_tokens=2, extra_body=GREEDY, messages=QUESTION)
+    assert GENERATED_ID.fullmatch(reply._request_id or "") and reply._request_id != sent
+    with api.messages.stream(model=MODEL, max_tokens=2, messages=QUESTION) as stream:  # the SSE response too
+        assert GENERATED_ID.fullmatch(stream.request_id or "")  # the SDK's final message has no _request_id
+        assert stream.get_final_message().content
+    counted = api.messages.with_raw_response.count_tokens(model=MODEL, messages=QUESTION)
+    assert GENERATED_ID.fullmatch(counted.headers["request-id"])
+    with pytest.raises(anthropic.NotFoundError) as info:
+        api.messages.create(model="nope", max_tokens=2, messages=QUESTION)
+    assert GENERATED_ID.fullmatch(info.value.request_id or "") and info.value.body["type"] == "error"
+
+
+def test_a_valid_client_request_id_is_echoed_anything_else_replaced(stack: Stack, key: str) -> None:
+    api = client(stack, key)
+    reply = api.messages.create(model=MODEL, max_tokens=1, messages=QUESTION, extra_headers={"request-id": "corr.9:z"})
+    assert reply._request_id == "corr.9:z"
+    for bad in ({"request-id": "two words"}, {"request-id": "r" * 200}, {"x-request-id": "openais-header"}):
+        reply = api.messages.create(model=MODEL, max_tokens=1, messages=QUESTION, extra_headers=bad)
+        assert GENERATED_ID.fullmatch(reply._request_id or ""), bad

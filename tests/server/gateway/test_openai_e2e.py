@@ -254,3 +254,56 @@ def test_key_last_used_is_written_off_the_request_path(stack: Stack) -> None:
             break
         time.sleep(0.2)
     assert used is not None
+
+
+GENERATED_ID = re.compile(r"req_[0-9a-f]{24}")
+HELLO = [{"role": "user", "content": "Say hello."}]
+
+
+def test_every_answer_carries_an_x_request_id(stack: Stack, tenant_key) -> None:
+    _, key = tenant_key
+    api = client(stack, key)
+    raw = api.chat.completions.with_raw_response.create(model=MODEL, messages=HELLO, max_tokens=2, temperature=0)
+    sent = raw.headers["x-request-id"]
+    assert GENERATED_ID.fullmatch(sent), sent
+    assert raw.parse()._request_id == sent  # what the SDK reads from the header
+    again = api.chat.completions.with_raw_response.create(model=MODEL, messages=HELLO, max_tokens=2, temperature=0)
+    assert GENERATED_ID.fullmatch(again.headers["x-request-id"]) and again.headers["x-request-id"] != sent
+    streamed = api.chat.completions.with_raw_response.create(model=MODEL, messages=HELLO, max_tokens=2, stream=True)
+    assert GENERATED_ID.fullmatch(streamed.headers["x-request-id"])  # on the SSE response too
+    assert list(streamed.parse())
+    text = api.completions.with_raw_response.create(model=MODEL, prompt="Hi", max_tokens=1)
+    assert GENERATED_ID.fullmatch(text.headers["x-request-id"])
+    assert GENERATED_ID.fullmatch(api.models.with_raw_response.list().headers["x-request-id"])
+    # errors too, their body unchanged: the SDK reads the id from the header of a 404
+    with pytest.raises(openai.NotFoundError) as info:
+        api.chat.completions.create(model="nope", messages=HELLO, max_tokens=1)
+    assert GENERATED_ID.fullmatch(info.value.request_id or ""), info.value.response.headers
+    assert info.value.response.json() == {"error": info.value.body} and info.value.body["code"] == "model_not_found"
+    with pytest.raises(openai.NotFoundError) as info:
+        api.responses.retrieve("resp_" + secrets.token_hex(12))
+    assert GENERATED_ID.fullmatch(info.value.request_id or "")
+    with pytest.raises(openai.AuthenticationError) as info:
+        client(stack, "kvg_abcdefgh_" + "x" * 43).models.list()
+    assert GENERATED_ID.fullmatch(info.value.request_id or "")
+    for method, path in (("POST", "/v1/nope"), ("GET", "/v1/chat/completions")):  # the app's 404 / 405
+        response = httpx.request(method, stack.gateway.base_url + path, headers={"Authorization": f"Bearer {key}"})
+        assert response.status_code in (404, 405) and GENERATED_ID.fullmatch(response.headers["x-request-id"])
+    assert "x-request-id" not in httpx.get(stack.gateway.base_url + "/healthz").headers  # the serving API's only
+
+
+def test_a_valid_client_x_request_id_is_echoed_anything_else_replaced(stack: Stack, tenant_key) -> None:
+    _, key = tenant_key
+    api = client(stack, key)
+    for mine in ("trace-7.b:c_d", "x" * 128):
+        raw = api.chat.completions.with_raw_response.create(model=MODEL, messages=HELLO, max_tokens=1,
+                                                            extra_headers={"x-request-id": mine})
+        assert raw.headers["x-request-id"] == mine == raw.parse()._request_id
+    with pytest.raises(openai.NotFoundError) as info:  # an error echoes it too
+        api.chat.completions.create(model="nope", messages=HELLO, max_tokens=1, extra_headers={"x-request-id": "e-1"})
+    assert info.value.request_id == "e-1"
+    for bad in ("has space", "x" * 129, "x" * 200, "a/b", "<b>", ""):
+        response = httpx.post(stack.gateway.base_url + "/v1/chat/completions", timeout=120,
+                              json={"model": MODEL, "messages": HELLO, "max_tokens": 1},
+                              headers={"Authorization": f"Bearer {key}", "x-request-id": bad})
+        assert response.status_code == 200 and GENERATED_ID.fullmatch(response.headers["x-request-id"]), bad
