@@ -18,7 +18,8 @@ peers' to its own router through the same hooks, keyed ``(gateway, request id)``
     heartbeat:    every gateway publishes one per pool every ``lease_s / 3``, naming its requests in
                   flight there; a peer's request the heartbeat does not name is over (its COMPLETE
                   was lost) and leaves the load; a peer silent for ``lease_s`` is gone (crashed,
-                  partitioned): PeerLoads.expire completes its requests
+                  partitioned): PeerLoads.expire completes its requests. A lost FIRST_TOKEN is
+                  not repaired: the request's prefill stays queued until it completes
 
 Invariants: a peer's request is in this router's load at most once, between its DISPATCH
 and its COMPLETE, the first heartbeat of its gateway that does not name it, or its gateway's
@@ -51,7 +52,8 @@ class Notice:
     ``reused_blocks`` is the reuse the dispatching router predicted (held + pending blocks on
     the chosen replica), so a peer counts the same queued prefill as the dispatcher
     (``Router.on_dispatch`` reads only that sum of the match). ``in_flight``: a heartbeat's
-    request ids of its gateway in flight in the pool when it was sent.
+    request ids of its gateway in flight in the pool when it was sent; None (a heartbeat that
+    names none, as a gateway of an earlier version sends): liveness only, nothing is ended.
     """
 
     gateway: str
@@ -62,7 +64,7 @@ class Notice:
     prompt_tokens: int = 0
     output_tokens: int = 0
     reused_blocks: int = 0
-    in_flight: tuple[str, ...] = ()
+    in_flight: tuple[str, ...] | None = None
 
     def encode(self) -> bytes:
         """Compact JSON (a list, in field order): what travels between gateways."""
@@ -70,7 +72,7 @@ class Notice:
             body: list = [self.gateway, self.kind, self.request_id, self.replica, list(self.hashes),
                           self.prompt_tokens, self.output_tokens, self.reused_blocks]
         elif self.kind == "heartbeat":
-            body = [self.gateway, self.kind, list(self.in_flight)]
+            body = [self.gateway, self.kind] if self.in_flight is None else [self.gateway, self.kind, list(self.in_flight)]
         else:
             body = [self.gateway, self.kind, self.request_id]
         return json.dumps(body, separators=(",", ":")).encode()
@@ -84,6 +86,8 @@ class Notice:
             if kind not in KINDS:
                 raise ValueError(f"unknown kind {kind!r}")
             if kind == "heartbeat":
+                if len(body) == 2:
+                    return cls(gateway, kind)
                 if not isinstance(body[2], list):
                     raise ValueError("a heartbeat names its requests in flight in a list")
                 return cls(gateway, kind, in_flight=tuple(str(rid) for rid in body[2]))
@@ -93,6 +97,8 @@ class Notice:
             ints = (replica, prompt, output, reused, *hashes)
             if any(isinstance(v, bool) or not isinstance(v, int) for v in ints):
                 raise ValueError("replica, token counts and hashes must be integers")
+            if replica < 0 or prompt < 1 or output < 0 or reused < 0:
+                raise ValueError("replica and reused blocks must be >= 0, prompt tokens >= 1, output tokens >= 0")
             return cls(gateway, kind, str(rid), replica, tuple(hashes), prompt, output, reused)
         except (ValueError, TypeError, IndexError, KeyError) as exc:  # JSONDecodeError is a ValueError
             raise RoutingError(f"malformed routing notice: {exc}") from None
@@ -150,6 +156,8 @@ class PeerLoads:
             peer = self._peers[notice.gateway] = _Peer(now)
         peer.last_seen = max(peer.last_seen, now)
         if notice.kind == "heartbeat":  # what it does not name is over: its COMPLETE was lost
+            if notice.in_flight is None:
+                return
             for rid in peer.requests - set(notice.in_flight):
                 self.router.on_complete((notice.gateway, rid), now=now)
                 peer.requests.discard(rid)

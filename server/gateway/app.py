@@ -45,6 +45,7 @@ from tenants.snapshots import PoolSnapshot
 
 MAX_BODY_BYTES = 4 * 1024 * 1024
 ADMIN_PREFIX = "/admin/"
+CLIENT_REQUEST_HEADER = b"x-client-request-id"  # a client's own id for its request (OpenAI's name), echoed
 CLIENT_REQUEST_ID = re.compile(rb"[A-Za-z0-9._:-]{1,128}")  # fullmatch: no "$" that lets a trailing newline in
 
 
@@ -114,13 +115,15 @@ class RequestIds:
     """Every answer of ``/v1/...`` carries its request id: ``request-id`` under ``/v1/messages``
     (the Anthropic SDK's ``_request_id``), ``x-request-id`` elsewhere (the OpenAI SDK's).
 
-    The id is the client's own header of that name when it fullmatches ``[A-Za-z0-9._:-]{1,128}``
-    (echoed, so a caller can correlate), else ``req_`` + 24 hex chars from ``secrets``; nothing
-    unvalidated reaches a response header. While the request runs it is
+    The id is the server's, always ``req_`` + 24 hex chars from ``secrets``, so it is unique (a
+    support lookup or a log line names one request whoever sent it). A client's own id travels
+    beside it, as OpenAI takes it: ``x-client-request-id``, echoed on the answer when it
+    fullmatches ``[A-Za-z0-9._:-]{1,128}`` and dropped otherwise (nothing unvalidated reaches a
+    response header). While the request runs the server's id is
     :data:`~server.gateway.context.REQUEST_ID`, for the log lines about it.
 
     Outermost of the user middleware, so whatever answers (the hot routes' fast path, a route,
-    an exception handler, the body limit's 413, the drain's 503) passes the stamp: one header
+    an exception handler, the body limit's 413, the drain's 503) passes the stamp: headers
     added to ``http.response.start``, a stream's included. Not stamped: the plain-text 500 that
     Starlette's ServerErrorMiddleware renders for an unhandled exception, outside all user middleware.
     """
@@ -132,19 +135,17 @@ class RequestIds:
         path = scope["path"] if scope["type"] == "http" else ""
         if not path.startswith(SERVING_PREFIX):
             return await self.app(scope, receive, send)
-        name = b"request-id" if _anthropic(path) else b"x-request-id"
-        value = None
+        value = b"req_" + secrets.token_hex(12).encode()
+        stamps = [(b"request-id" if _anthropic(path) else b"x-request-id", value)]
         for key, sent in scope["headers"]:
-            if key == name:
-                value = sent if CLIENT_REQUEST_ID.fullmatch(sent) else None
+            if key == CLIENT_REQUEST_HEADER:
+                if CLIENT_REQUEST_ID.fullmatch(sent):
+                    stamps.append((CLIENT_REQUEST_HEADER, sent))
                 break
-        if value is None:
-            value = b"req_" + secrets.token_hex(12).encode()
-        stamp = (name, value)
 
         async def stamped(message):
             if message["type"] == "http.response.start":  # a new list: never grow one the app may share
-                message["headers"] = [*message.get("headers", ()), stamp]
+                message["headers"] = [*message.get("headers", ()), *stamps]
             await send(message)
 
         token = REQUEST_ID.set(value.decode())

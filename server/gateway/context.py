@@ -7,8 +7,8 @@ lowered limit or a revoked key binds every admission decided more than one TTL a
 registry write, however long the request took to get from auth to admission.
 
 :data:`REQUEST_ID` names the serving request the current task works for: the id every answer
-of ``/v1/...`` carries in a header (``server.gateway.app.RequestIds`` sets it), so the
-gateway's per-request log lines name what a client reports.
+of ``/v1/...`` carries in a header (``server.gateway.app.RequestIds`` sets it), so a log line
+that reads it (the replica retry warning) names what a client reports.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from retention.policy.planner import RetentionClassSpec
 from server.gateway.admission import Limits
 from tenants.snapshots import PoolSnapshot
 
-# ``req_`` + 24 hex chars, or the client's own valid id; None outside a /v1 request (tests, simulations).
+# ``req_`` + 24 hex chars, unique per request; None outside a /v1 request (tests, simulations).
 REQUEST_ID: ContextVar[str | None] = ContextVar("kvgate_request_id", default=None)
 
 

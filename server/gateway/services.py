@@ -178,7 +178,7 @@ def build_gateway_services(*, session_factory, pepper: str, tokenizer_for, admis
     router = Routing(routing, metrics=metrics, peer_sync=peer_sync)
     metrics.watch_replicas(router.rows)
     if peer_sync is not None:
-        metrics.watch_sync(router.sync_rows, lambda: asdict(peer_sync.counters))
+        metrics.watch_sync(router.sync_rows, lambda: asdict(peer_sync.counters), lambda: peer_sync.resubscribes)
     monitor = PoolMonitor(engines, pools_and_tenants, routing=router)
     metrics.watch_pools(monitor.snapshots, lambda: monitor.engine_up)
     curves = MissRatioCurves(mrc_sample_rate)

@@ -31,16 +31,20 @@ def test_notices_round_trip_and_malformed_ones_are_refused() -> None:
         Notice("g1", "first_token", "req-1"),
         Notice("g1", "complete", "req-1"),
         Notice("g1", "heartbeat"),
+        Notice("g1", "heartbeat", in_flight=()),
         Notice("g1", "heartbeat", in_flight=("req-2", "req-3")),
     ]
     assert {n.kind for n in notices} == set(KINDS)
-    assert Notice.decode(b'["g1","heartbeat",[]]') == Notice("g1", "heartbeat")
+    assert Notice.decode(b'["g1","heartbeat",[]]') == Notice("g1", "heartbeat", in_flight=())
+    assert Notice.decode(b'["g1","heartbeat"]') == Notice("g1", "heartbeat")  # an earlier version's: liveness only
     for notice in notices:
         assert Notice.decode(notice.encode()) == notice
         assert Notice.decode(notice.encode().decode()) == notice
     for bad in (b"", b"{}", b"not json", b'["g1"]', b'["g1","evicted","r"]', b'["g1","dispatch","r",1]',
                 b'["g1","dispatch","r","1",[],1,1,0]', b'["g1","dispatch","r",1,[1.5],1,1,0]',
-                b'["g1","dispatch","r",true,[],1,1,0]', b'["g1","heartbeat"]', b'["g1","heartbeat","r"]'):
+                b'["g1","dispatch","r",true,[],1,1,0]', b'["g1","heartbeat","r"]',
+                b'["g1","dispatch","r",1,[],0,1,0]', b'["g1","dispatch","r",-1,[],5,1,0]',
+                b'["g1","dispatch","r",1,[],5,-1,0]', b'["g1","dispatch","r",1,[],5,1,-2]'):
         with pytest.raises(RoutingError, match="malformed routing notice"):
             Notice.decode(bad)
 
@@ -99,7 +103,9 @@ def test_a_heartbeat_ends_the_requests_it_does_not_name() -> None:
     peers.apply(Notice("peer", "heartbeat", in_flight=("live", "unknown")), now=5.0)
     assert router.loads.load(0, now=5.0).running == 0 and router.match(0, (1, 2), now=5.0).pending_blocks == 0
     assert router.loads.load(1, now=5.0).running == 1 and peers.in_flight() == 1
-    peers.apply(Notice("peer", "heartbeat"), now=10.0)  # nothing in flight any more
+    peers.apply(Notice("peer", "heartbeat"), now=7.0)  # names nothing (an earlier version's): liveness only
+    assert router.loads.load(1, now=7.0).running == 1
+    peers.apply(Notice("peer", "heartbeat", in_flight=()), now=10.0)  # nothing in flight any more
     assert router.loads.load(1, now=10.0).running == 0 and peers.in_flight() == 0
 
 

@@ -152,10 +152,11 @@ class ReplicaCollector(Collector):
 class SyncCollector(Collector):
     """Routing sync at scrape time: ``pools()`` yields (pool, peers heard within the lease, peers'
     requests in this gateway's load); ``counts()`` maps published / received / dropped / malformed
-    to notice counts since start."""
+    to notice counts since start; ``resubscribes()`` counts subscriptions made again."""
 
-    def __init__(self, pools: Callable[[], Iterable[tuple[str, int, int]]], counts: Callable[[], Mapping[str, int]]) -> None:
-        self._pools, self._counts = pools, counts
+    def __init__(self, pools: Callable[[], Iterable[tuple[str, int, int]]], counts: Callable[[], Mapping[str, int]],
+                 resubscribes: Callable[[], int]) -> None:
+        self._pools, self._counts, self._resubscribes = pools, counts, resubscribes
 
     def describe(self):
         return []
@@ -171,9 +172,13 @@ class SyncCollector(Collector):
                                       labels=["outcome"])
         for outcome, n in self._counts().items():
             notices.add_metric([outcome], n)
+        resubscribes = CounterMetricFamily("kvgate_routing_sync_resubscribes",
+                                           "Routing sync subscriptions made again (a failure, or a quiet lease)")
+        resubscribes.add_metric([], self._resubscribes())
         yield peers
         yield requests
         yield notices
+        yield resubscribes
 
 
 class GatewayMetrics:
@@ -233,9 +238,10 @@ class GatewayMetrics:
         """Export replica health and load at scrape time (called once by the services)."""
         self.registry.register(ReplicaCollector(rows))
 
-    def watch_sync(self, pools: Callable[[], Iterable[tuple[str, int, int]]], counts: Callable[[], Mapping[str, int]]) -> None:
-        """Export routing sync's peers and notice counts at scrape time (routing sync on only)."""
-        self.registry.register(SyncCollector(pools, counts))
+    def watch_sync(self, pools: Callable[[], Iterable[tuple[str, int, int]]], counts: Callable[[], Mapping[str, int]],
+                   resubscribes: Callable[[], int]) -> None:
+        """Export routing sync's peers, notice counts and resubscriptions at scrape time (routing sync on only)."""
+        self.registry.register(SyncCollector(pools, counts, resubscribes))
 
     def observe_replica(self, *, pool: str, replica: str, status: str, prompt_tokens: int, cached_tokens: int) -> None:
         """One engine attempt on ``replica`` (a retried request counts once per attempt)."""

@@ -12,16 +12,20 @@ module carries them. One channel per pool, ``<namespace>:routing:<pool>``::
 Invariants:
 
 * A request never waits for Redis: ``publish`` only enqueues (encoding happens in the sender);
-  a full queue (``QUEUE_MAX`` notices or ``QUEUE_MAX_HASHES`` block hashes) drops the notice and
-  counts it; while sending fails, only heartbeats are queued and what was queued is dropped.
-  A dropped COMPLETE is repaired by the next heartbeat, a dropped DISPATCH costs only the sync.
+  a full queue (``QUEUE_MAX`` notices or ``QUEUE_MAX_HASHES`` block hashes; heartbeats are
+  exempt from the latter) drops the notice and counts it; while sending fails, only heartbeats
+  are queued and what was queued is dropped. A dropped COMPLETE is repaired by the next
+  heartbeat, a dropped DISPATCH costs only the sync, a dropped FIRST_TOKEN keeps the request's
+  prefill queued in peers' load until its COMPLETE or the heartbeat after it.
 * Each gateway's notices leave in the order they were published (one sender), so a heartbeat
   names every request whose DISPATCH went before it and is still in flight.
-* Redis being away costs the sync, never a request: the sender retries every ``RETRY_S``; the
-  listener resubscribes when its connection fails or when this gateway's own heartbeat has not
-  come back for ``lease_s`` (a hung connection); every loop outlives an unexpected error. State
-  changes (lost, restored) are logged once each, not every failure.
-* This gateway's own notices, echoed back by the subscription, are dropped before parsing.
+* Redis being away costs the sync, never a request: after a failed send the sender pings every
+  ``RETRY_S`` until Redis answers; the listener resubscribes when its connection fails or when it
+  heard nothing, not even the answer to its PING, for ``lease_s`` (a hung connection); a notice
+  that parses but the router refuses is counted malformed, never ends the subscription; every
+  loop outlives an unexpected error.
+* This gateway's own notices, echoed back by the subscription, are dropped before parsing
+  (``received`` counts peers' notices only).
 * A peer's notice for a pool this gateway has not polled yet is dropped (its route does not
   exist; its load starts over). A restarted gateway takes a new id, so what its previous life
   had in flight leaves peers' load within ``lease_s``.
@@ -47,7 +51,7 @@ log = logging.getLogger("kvgate.gateway.peer_sync")
 
 RETRY_S = 1.0
 QUEUE_MAX = 10_000
-QUEUE_MAX_HASHES = 2_000_000  # ~40 MB of JSON at most waiting for Redis
+QUEUE_MAX_HASHES = 1_000_000  # block hashes of queued notices: ~45 MB of int objects at most waiting for Redis
 REDIS_TIMEOUT_S = 2.0
 YIELD_EVERY = 64  # messages applied between two turns of the event loop
 
@@ -57,8 +61,7 @@ class SyncCounters:
     published: int = 0
     received: int = 0  # peers' notices parsed (this gateway's own echoes are not)
     dropped: int = 0  # queue full, or Redis away when the notice was to be sent
-    malformed: int = 0
-    resubscribed: int = 0  # subscriptions torn down and made again (failure or a hung connection)
+    malformed: int = 0  # not a notice, or one the router refused
 
 
 class PeerSync:
@@ -76,8 +79,8 @@ class PeerSync:
 
         if not lease_s > 0:
             raise ValueError("lease_s must be > 0")
-        # Two clients: publishing is bounded by a socket timeout; the subscription blocks on reads
-        # by design and is watched through this gateway's own heartbeats instead.
+        # Two clients: publishing is bounded by a short socket timeout; the subscription polls with
+        # get_message and is watched by its own PINGs (``_listen``).
         self._redis = redis_asyncio.from_url(url, socket_connect_timeout=REDIS_TIMEOUT_S, socket_timeout=REDIS_TIMEOUT_S)
         self._sub_redis = redis_asyncio.from_url(url, socket_connect_timeout=REDIS_TIMEOUT_S)
         self._down = (RedisError, OSError, asyncio.TimeoutError)
@@ -90,7 +93,7 @@ class PeerSync:
         self._queued_hashes = 0
         self._own: dict[str, set[str]] = {}  # pool -> this gateway's requests in flight there
         self._failing = False  # the last send failed: only heartbeats are queued until one goes through
-        self._echoed_at = 0.0  # when this gateway's own heartbeat last came back (the listener's watchdog)
+        self.resubscribes = 0  # subscriptions made again after a failure or a quiet lease
         self.counters = SyncCounters()
         self.peers_of: Callable[[str], PeerLoads | None] = lambda _pool: None
         self.pools: Callable[[], list[str]] = list
@@ -112,7 +115,7 @@ class PeerSync:
             own.add(notice.request_id)
         elif notice.kind == "complete":
             own.discard(notice.request_id)
-        if (self._failing and notice.kind != "heartbeat") or self._queued_hashes >= QUEUE_MAX_HASHES:
+        if notice.kind != "heartbeat" and (self._failing or self._queued_hashes >= QUEUE_MAX_HASHES):
             self.counters.dropped += 1
             return
         try:
@@ -141,24 +144,28 @@ class PeerSync:
             except self._down as exc:
                 stale = [self._take() for _ in range(self._queue.qsize())]
                 self.counters.dropped += len(batch) + len(stale)
-                if not self._failing:
-                    log.warning("routing sync: publishing failed (%s); peers route without this gateway's "
-                                "dispatches until Redis answers", exc)
+                log.warning("routing sync: publishing failed (%s); peers route without this gateway's "
+                            "dispatches until Redis answers", exc)
                 self._failing = True
-                await asyncio.sleep(RETRY_S)
+                await self._until_redis_answers()
+                log.warning("routing sync: publishing restored")
                 continue
             self.counters.published += len(batch)
-            if self._failing:
-                log.warning("routing sync: publishing restored")
+
+    async def _until_redis_answers(self) -> None:
+        """Ping every ``RETRY_S`` until Redis answers, then queue everything again."""
+        while True:
+            await asyncio.sleep(RETRY_S)
+            with contextlib.suppress(*self._down):
+                await self._redis.ping()
                 self._failing = False
+                return
 
     # ------------------------------------------------------------------ receiving
     def deliver(self, channel: str, data: bytes) -> None:
         """Apply one message of ``channel`` to its pool's peer loads (this gateway's own, which the
         subscription echoes back, are dropped before parsing: ``Notice.encode`` starts with the id)."""
         if data.startswith(self._echo):
-            if data.startswith(b'"heartbeat"', len(self._echo)):
-                self._echoed_at = self._clock()
             return
         prefix = f"{self.namespace}:routing:"
         pool = channel[len(prefix):] if channel.startswith(prefix) else None
@@ -167,26 +174,40 @@ class PeerSync:
         except RoutingError:
             self.counters.malformed += 1
             return
-        self.counters.received += 1
         peers = None if pool is None else self.peers_of(pool)
-        if peers is not None:
+        if peers is None:
+            self.counters.received += 1
+            return
+        try:
             peers.apply(notice, now=self._clock())
+        except RoutingError:  # parsed, but the router refuses it (e.g. a peer of another version)
+            self.counters.malformed += 1
+            return
+        self.counters.received += 1
 
     async def _listen(self) -> None:
+        """One subscription until it fails or goes quiet: a second (at most a quarter lease) without
+        messages sends a PING on it, and a lease without any answer (a hung connection) ends it."""
         pubsub = self._sub_redis.pubsub()
         try:
             await pubsub.psubscribe(f"{self.namespace}:routing:*")
-            since = self._clock()
+            heard = self._clock()
+            pinged = False
             applied = 0
+            wait = min(1.0, self.lease_s / 4)  # a PING and its answer fit in a lease
             while True:
-                message = await pubsub.get_message(timeout=1.0)
+                message = await pubsub.get_message(timeout=wait)
+                now = self._clock()
                 if message is None:
-                    now = self._clock()
-                    if now - max(since, self._echoed_at) > self.lease_s:
-                        log.warning("routing sync: this gateway's heartbeat has not come back for %.0f s; "
-                                    "subscribing again", self.lease_s)
+                    if now - heard > self.lease_s:
+                        log.warning("routing sync: the subscription answered nothing for %.0f s; subscribing again",
+                                    self.lease_s)
                         return
+                    if not pinged:
+                        await pubsub.ping()
+                        pinged = True
                     continue
+                heard, pinged = now, False
                 kind = message.get("type")
                 if kind == "psubscribe":
                     self.subscribed.set()
@@ -212,7 +233,7 @@ class PeerSync:
                 lost = True
             else:
                 lost = False
-            self.counters.resubscribed += 1
+            self.resubscribes += 1
             await asyncio.sleep(RETRY_S)
 
     # ------------------------------------------------------------------ liveness

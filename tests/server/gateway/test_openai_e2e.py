@@ -292,18 +292,20 @@ def test_every_answer_carries_an_x_request_id(stack: Stack, tenant_key) -> None:
     assert "x-request-id" not in httpx.get(stack.gateway.base_url + "/healthz").headers  # the serving API's only
 
 
-def test_a_valid_client_x_request_id_is_echoed_anything_else_replaced(stack: Stack, tenant_key) -> None:
+def test_the_request_id_is_the_servers_and_a_valid_client_id_travels_beside_it(stack: Stack, tenant_key) -> None:
     _, key = tenant_key
     api = client(stack, key)
     for mine in ("trace-7.b:c_d", "x" * 128):
-        raw = api.chat.completions.with_raw_response.create(model=MODEL, messages=HELLO, max_tokens=1,
-                                                            extra_headers={"x-request-id": mine})
-        assert raw.headers["x-request-id"] == mine == raw.parse()._request_id
-    with pytest.raises(openai.NotFoundError) as info:  # an error echoes it too
-        api.chat.completions.create(model="nope", messages=HELLO, max_tokens=1, extra_headers={"x-request-id": "e-1"})
-    assert info.value.request_id == "e-1"
+        raw = api.chat.completions.with_raw_response.create(
+            model=MODEL, messages=HELLO, max_tokens=1, extra_headers={"x-client-request-id": mine, "x-request-id": mine})
+        assert raw.headers["x-client-request-id"] == mine  # echoed beside the server's own id
+        assert GENERATED_ID.fullmatch(raw.headers["x-request-id"]) and raw.parse()._request_id == raw.headers["x-request-id"]
+    with pytest.raises(openai.NotFoundError) as info:  # an error too
+        api.chat.completions.create(model="nope", messages=HELLO, max_tokens=1, extra_headers={"x-client-request-id": "e-1"})
+    assert info.value.response.headers["x-client-request-id"] == "e-1" and GENERATED_ID.fullmatch(info.value.request_id)
     for bad in ("has space", "x" * 129, "x" * 200, "a/b", "<b>", ""):
         response = httpx.post(stack.gateway.base_url + "/v1/chat/completions", timeout=120,
                               json={"model": MODEL, "messages": HELLO, "max_tokens": 1},
-                              headers={"Authorization": f"Bearer {key}", "x-request-id": bad})
+                              headers={"Authorization": f"Bearer {key}", "x-client-request-id": bad})
         assert response.status_code == 200 and GENERATED_ID.fullmatch(response.headers["x-request-id"]), bad
+        assert "x-client-request-id" not in response.headers, bad  # never echoed unvalidated

@@ -9,7 +9,7 @@ import time
 import pytest
 from pydantic import ValidationError
 
-from retention.routing import KvAwareRouter, Notice, PeerLoads
+from retention.routing import KvAwareRouter, Notice, PeerLoads, RoutingError
 from server.gateway.replicas.peer_sync import PeerSync
 from server.settings import Settings
 
@@ -120,3 +120,25 @@ def test_routing_sync_needs_redis() -> None:
     with pytest.raises(ValidationError, match="routing_sync needs redis_url"):
         Settings(routing_sync=True)
     assert Settings(routing_sync=True, redis_url=REDIS).routing_sync
+
+
+def test_a_quiet_subscription_is_kept_alive_by_its_pings_and_a_refused_notice_never_ends_it() -> None:
+    class Refusing:
+        def apply(self, notice: Notice, *, now: float) -> None:
+            raise RoutingError("refused")
+
+    async def scenario() -> None:
+        sync = PeerSync(REDIS, namespace=f"test-{secrets.token_hex(4)}", gateway="quiet", lease_s=0.9)
+        sync.attach(peers_of=lambda pool: Refusing(), pools=list, clock=time.monotonic)  # no pool: no heartbeat
+        sync.start()
+        try:
+            await until(lambda: sync.subscribed.is_set(), "subscription")
+            await asyncio.sleep(2.5)  # nearly three leases without a message: its PINGs are answered
+            assert sync.resubscribes == 0 and sync.subscribed.is_set()
+            await sync._redis.publish(sync.channel(POOL), Notice("peer", "complete", "x").encode())
+            await until(lambda: sync.counters.malformed == 1, "the refused notice counted")
+            assert sync.counters.received == 0 and sync.resubscribes == 0 and sync.subscribed.is_set()
+        finally:
+            await sync.close()
+
+    asyncio.run(scenario())
