@@ -38,6 +38,14 @@ def seed_line(seed: int | None, draws: str) -> str:
     return f"Seed: {seed} ({draws})."
 
 
+def publish(name: str, body: str, *, write: bool, path: Path = BENCHMARKS) -> None:
+    """Print a bench's section and, when ``write``, put it in ``path`` (``write_section``)."""
+    print(body)
+    if write:
+        write_section(name, body, path)
+        print(f"wrote {path.name} section bench:{name}")
+
+
 def write_section(name: str, body: str, path: Path = BENCHMARKS) -> None:
     """Replace (or append) the ``<!-- bench:name -->`` section of ``path``; nothing else changes."""
     start, end = f"<!-- bench:{name} -->", f"<!-- /bench:{name} -->"

@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import torch  # noqa: E402
 
-from bench.report import machine, seed_line, write_section  # noqa: E402
+from bench.report import machine, publish, seed_line  # noqa: E402
 from engines.reference.kv_cache import KvDtype, KvGeometry, PagedKvCache  # noqa: E402
 from engines.reference.linear import DenseLinear, PackedLinear, RowAdaptiveLinear, native_bf16  # noqa: E402
 from engines.reference.loader import load_model  # noqa: E402
@@ -137,10 +137,7 @@ def main() -> None:
         f"{old['decode'] / new['decode']:.2f}× the time.",
     ]
     body = "\n".join(lines)
-    print(body)
-    if not args.no_write:
-        write_section("multirow", body)
-        print("wrote docs/benchmarks.md section bench:multirow")
+    publish("multirow", body, write=not args.no_write)
 
 
 if __name__ == "__main__":

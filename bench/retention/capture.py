@@ -25,7 +25,7 @@ import numpy as np
 from prometheus_client import CollectorRegistry
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from bench.report import machine, seed_line, synthetic_trace, write_section  # noqa: E402
+from bench.report import machine, publish, seed_line, synthetic_trace  # noqa: E402
 from server.analysis.report import AnalyzeOptions, build_report  # noqa: E402
 from server.gateway.observe.capture import TraceCaptures  # noqa: E402
 from tenants import captures, migrate, pools  # noqa: E402
@@ -154,10 +154,7 @@ A larger trace (the synthetic trace 50 times: {large['lines']:,} lines, {large['
 {large['seconds']:.0f} s for the reuse report, peak {large['peak_gb']:.2f} GB resident with the
 default `--memory-limit 1GB` (DuckDB spills to a temporary database file beyond it).
 """
-    print(body)
-    if not args.no_write:
-        write_section("capture", body)
-        print("wrote docs/benchmarks.md section bench:capture")
+    publish("capture", body, write=not args.no_write)
 
 
 if __name__ == "__main__":

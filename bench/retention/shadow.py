@@ -30,7 +30,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from bench.report import machine, seed_line, write_section  # noqa: E402
+from bench.report import machine, publish, seed_line, write_section  # noqa: E402
 from retention.policy.adaptive import AdaptiveConfig, ReuseStats, adaptive_plan  # noqa: E402
 from retention.policy.planner import RetentionClassSpec, SegmentRetention, Segments, plan_retention  # noqa: E402
 from retention.policy.selection import AdaptiveSelector  # noqa: E402
@@ -275,10 +275,7 @@ def main() -> None:
             print("wrote docs/benchmarks.md section bench:selection_cost")
     if "accuracy" in args.sections:
         accuracy_text = accuracy(requests, hashes, distinct, scaled_copies=args.scaled_copies)
-        print(accuracy_text)
-        if not args.no_write:
-            write_section("shadow_accuracy", accuracy_text)
-            print("wrote docs/benchmarks.md section bench:shadow_accuracy")
+        publish("shadow_accuracy", accuracy_text, write=not args.no_write)
 
 
 if __name__ == "__main__":

@@ -39,7 +39,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from bench.report import machine, seed_line, write_section  # noqa: E402
+from bench.report import machine, publish, seed_line  # noqa: E402
 from bench.routing import families  # noqa: E402
 from bench.routing.replays import replay_all  # noqa: E402
 from bench.routing.verdicts import judge, met, pct  # noqa: E402
@@ -235,10 +235,7 @@ def main() -> None:
     seconds = replay(rows, args)  # the gateways' replays alone: the grid's own are timed by its section
     lag = sync_lag(args.redis)
     body = section(rows, roles, args.gateways, seconds + args.extra_seconds, args.workers, lag, args.redis)
-    print(body)
-    if not args.no_write:
-        write_section("routing_gateways", body)
-        print("wrote docs/benchmarks.md section bench:routing_gateways")
+    publish("routing_gateways", body, write=not args.no_write)
 
 
 if __name__ == "__main__":

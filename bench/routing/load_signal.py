@@ -43,7 +43,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from bench.report import machine, seed_line, write_section  # noqa: E402
+from bench.report import machine, publish, seed_line  # noqa: E402
 from bench.routing import families, tables  # noqa: E402
 from bench.routing.verdicts import judge, met, pct  # noqa: E402
 from retention.routing import CostModel, make_router  # noqa: E402
@@ -286,10 +286,7 @@ def main() -> None:
     families.replay_extras(rows, grid, CANDIDATES)
     families.replay_extras([r for r in rows if r["family"] == SCREEN_FAMILY], grid, SCREEN)
     body = section(rows, roles, time.perf_counter() - began + args.extra_seconds, args.workers)
-    print(body)
-    if not args.no_write:
-        write_section("routing_load_signal", body)
-        print("wrote docs/benchmarks.md section bench:routing_load_signal")
+    publish("routing_load_signal", body, write=not args.no_write)
 
 
 if __name__ == "__main__":

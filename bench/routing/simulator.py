@@ -24,7 +24,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from bench.report import machine, seed_line, synthetic_trace, write_section  # noqa: E402
+from bench.report import machine, publish, seed_line, synthetic_trace  # noqa: E402
 from retention.simulation.cluster_sim import ClusterConfig, ClusterReport, compare_routers  # noqa: E402
 from retention.routing import CostModel  # noqa: E402
 from retention.simulation.sim_policies import make_policy  # noqa: E402
@@ -220,10 +220,7 @@ def main() -> None:
         "  that live).",
     ]
     body = "\n".join(lines)
-    print(body)
-    if not args.no_write:
-        write_section("routing_sim", body)
-        print("wrote docs/benchmarks.md section bench:routing_sim")
+    publish("routing_sim", body, write=not args.no_write)
     if not (ok_host and ok_gpu):
         print("target not met (see the verdict lines)", file=sys.stderr)
 

@@ -31,7 +31,7 @@ import httpx
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from bench.report import machine, seed_line, write_section  # noqa: E402
+from bench.report import machine, publish, seed_line  # noqa: E402
 from bench.server.overhead import free_port, seed_registry, wait_http  # noqa: E402
 from engines.tokenizer import load_gguf_tokenizer  # noqa: E402
 
@@ -165,10 +165,7 @@ def main() -> None:
         engine.wait(10)
     text = render(export, requests=args.requests, concurrency=args.concurrency, input_tokens=args.input_tokens,
                   output_tokens=args.output_tokens)
-    print(text)
-    if not args.no_write:
-        write_section("aiperf", text)
-        print("wrote docs/benchmarks.md section bench:aiperf")
+    publish("aiperf", text, write=not args.no_write)
 
 
 def wait_ready(gateway_port: int) -> bool:

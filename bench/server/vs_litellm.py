@@ -56,7 +56,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from bench.server.overhead import MESSAGES, free_port, wait_http  # noqa: E402
-from bench.report import machine, seed_line, write_section  # noqa: E402
+from bench.report import machine, publish, seed_line  # noqa: E402
 
 LITELLM_VENV = ROOT / ".venv-litellm"
 OUTPUT_TOKENS = 16
@@ -569,10 +569,7 @@ def main() -> None:
 
                 tops[label], groups[label] = py_spy_top(pid, args.profile, drive)
             profile_text = render_profile(args.profile, tops, groups=groups)
-            print(profile_text)
-            if not args.no_write:
-                write_section("gateway_profile", profile_text)
-                print("wrote docs/benchmarks.md section bench:gateway_profile")
+            publish("gateway_profile", profile_text, write=not args.no_write)
             return
         parties["litellm"] = (Load(f"http://127.0.0.1:{ports['litellm']}", master, "fixed", long_parts), litellm.pid)
         if baseline is not None:
@@ -601,10 +598,7 @@ def main() -> None:
         prefill_s = prefill_seconds(ids)
         print(json.dumps({"prefill_tokens": len(ids), "prefill_s": round(prefill_s, 3)}))
     text = render(args, rows, long_tokens, prefill_s, version)
-    print(text)
-    if not args.no_write:
-        write_section("gateway_litellm", text)
-        print("wrote docs/benchmarks.md section bench:gateway_litellm")
+    publish("gateway_litellm", text, write=not args.no_write)
 
 
 if __name__ == "__main__":
