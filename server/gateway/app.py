@@ -124,8 +124,11 @@ class RequestIds:
 
     Outermost of the user middleware, so whatever answers (the hot routes' fast path, a route,
     an exception handler, the body limit's 413, the drain's 503) passes the stamp: headers
-    added to ``http.response.start``, a stream's included. Not stamped: the plain-text 500 that
-    Starlette's ServerErrorMiddleware renders for an unhandled exception, outside all user middleware.
+    added to ``http.response.start``, a stream's included. An unhandled exception before the
+    answer started is answered here, stamped, as the dialect's error (500 ``internal_error``,
+    naming the request id), and then raised on, so the server still logs it; Starlette's
+    ServerErrorMiddleware, outside all user middleware, sees the answer started and sends
+    nothing of its own (its plain-text 500 would carry neither the stamp nor the dialect).
     """
 
     def __init__(self, app) -> None:
@@ -143,14 +146,25 @@ class RequestIds:
                     stamps.append((CLIENT_REQUEST_HEADER, sent))
                 break
 
+        started = False
+
         async def stamped(message):
+            nonlocal started
             if message["type"] == "http.response.start":  # a new list: never grow one the app may share
+                started = True
                 message["headers"] = [*message.get("headers", ()), *stamps]
             await send(message)
 
-        token = REQUEST_ID.set(value.decode())
+        request_id = value.decode()
+        token = REQUEST_ID.set(request_id)
         try:
             await self.app(scope, receive, stamped)
+        except Exception:
+            if not started:
+                crash = ServingError(500, "internal_error",
+                                     f"the gateway failed on this request; quote its id {request_id} when reporting it")
+                await serving_error_response(path, crash)(scope, receive, stamped)
+            raise
         finally:
             REQUEST_ID.reset(token)
 
