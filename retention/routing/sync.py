@@ -16,18 +16,19 @@ peers' to its own router through the same hooks, keyed ``(gateway, request id)``
                   end ─► on_complete ─► publish COMPLETE
     peer notice:  PeerLoads.apply ─► the same hook on this gateway's router
     heartbeat:    every gateway publishes one per pool every ``lease_s / 3``, naming its requests in
-                  flight there; a peer's request the heartbeat does not name is over (its COMPLETE
-                  was lost) and leaves the load; a peer silent for ``lease_s`` is gone (crashed,
-                  partitioned): PeerLoads.expire completes its requests. A lost FIRST_TOKEN is
-                  not repaired: the request's prefill stays queued until it completes
+                  flight there and which of them are past their first token; a peer's request the
+                  heartbeat does not name is over (its COMPLETE was lost) and leaves the load, one
+                  it names as decoding leaves the queued prefill (its FIRST_TOKEN was lost); a peer
+                  silent for ``lease_s`` is gone (crashed, partitioned): PeerLoads.expire completes
+                  its requests
 
 Invariants: a peer's request is in this router's load at most once, between its DISPATCH
 and its COMPLETE, the first heartbeat of its gateway that does not name it, or its gateway's
 expiry; notices of this gateway itself are ignored; duplicates and a COMPLETE without a
 DISPATCH are no-ops (the hooks are idempotent). So, as long as each gateway's notices arrive in
 the order it sent them (one publisher per gateway, one channel per pool), a notice lost or
-replayed leaves load behind for at most one heartbeat period, and a gateway gone for at most the
-lease. Pure: the transport (``server/gateway/replicas/peer_sync.py``) and the clock belong to the
+replayed leaves load (running or queued prefill) behind for at most one heartbeat period, and a
+gateway gone for at most the lease. Pure: the transport (``server/gateway/replicas/peer_sync.py``) and the clock belong to the
 caller.
 """
 
@@ -54,6 +55,8 @@ class Notice:
     (``Router.on_dispatch`` reads only that sum of the match). ``in_flight``: a heartbeat's
     request ids of its gateway in flight in the pool when it was sent; None (a heartbeat that
     names none, as a gateway of an earlier version sends): liveness only, nothing is ended.
+    ``decoding``: those of them past their first token (None: not said, as an earlier version's
+    heartbeat; nothing is marked).
     """
 
     gateway: str
@@ -65,6 +68,7 @@ class Notice:
     output_tokens: int = 0
     reused_blocks: int = 0
     in_flight: tuple[str, ...] | None = None
+    decoding: tuple[str, ...] | None = None
 
     def encode(self) -> bytes:
         """Compact JSON (a list, in field order): what travels between gateways."""
@@ -72,7 +76,11 @@ class Notice:
             body: list = [self.gateway, self.kind, self.request_id, self.replica, list(self.hashes),
                           self.prompt_tokens, self.output_tokens, self.reused_blocks]
         elif self.kind == "heartbeat":
-            body = [self.gateway, self.kind] if self.in_flight is None else [self.gateway, self.kind, list(self.in_flight)]
+            body = [self.gateway, self.kind]
+            if self.in_flight is not None:
+                body.append(list(self.in_flight))
+                if self.decoding is not None:
+                    body.append(list(self.decoding))
         else:
             body = [self.gateway, self.kind, self.request_id]
         return json.dumps(body, separators=(",", ":")).encode()
@@ -88,9 +96,10 @@ class Notice:
             if kind == "heartbeat":
                 if len(body) == 2:
                     return cls(gateway, kind)
-                if not isinstance(body[2], list):
-                    raise ValueError("a heartbeat names its requests in flight in a list")
-                return cls(gateway, kind, in_flight=tuple(str(rid) for rid in body[2]))
+                if len(body) > 4 or not all(isinstance(ids, list) for ids in body[2:]):
+                    raise ValueError("a heartbeat names its requests in flight, then those decoding, in lists")
+                decoding = tuple(str(rid) for rid in body[3]) if len(body) == 4 else None
+                return cls(gateway, kind, in_flight=tuple(str(rid) for rid in body[2]), decoding=decoding)
             if kind != "dispatch":
                 return cls(gateway, kind, str(body[2]))
             _, _, rid, replica, hashes, prompt, output, reused = body
@@ -161,6 +170,9 @@ class PeerLoads:
             for rid in peer.requests - set(notice.in_flight):
                 self.router.on_complete((notice.gateway, rid), now=now)
                 peer.requests.discard(rid)
+            for rid in notice.decoding or ():  # past its first token: its FIRST_TOKEN may have been lost
+                if rid in peer.requests:
+                    self.router.on_prefill_done((notice.gateway, rid), now=now)
             return
         key: Hashable = (notice.gateway, notice.request_id)
         router = self.router

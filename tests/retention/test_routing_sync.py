@@ -33,16 +33,19 @@ def test_notices_round_trip_and_malformed_ones_are_refused() -> None:
         Notice("g1", "heartbeat"),
         Notice("g1", "heartbeat", in_flight=()),
         Notice("g1", "heartbeat", in_flight=("req-2", "req-3")),
+        Notice("g1", "heartbeat", in_flight=("req-2", "req-3"), decoding=("req-3",)),
     ]
     assert {n.kind for n in notices} == set(KINDS)
     assert Notice.decode(b'["g1","heartbeat",[]]') == Notice("g1", "heartbeat", in_flight=())
     assert Notice.decode(b'["g1","heartbeat"]') == Notice("g1", "heartbeat")  # an earlier version's: liveness only
+    assert Notice.decode(b'["g1","heartbeat",["r"]]') == Notice("g1", "heartbeat", in_flight=("r",))  # no decoding said
     for notice in notices:
         assert Notice.decode(notice.encode()) == notice
         assert Notice.decode(notice.encode().decode()) == notice
     for bad in (b"", b"{}", b"not json", b'["g1"]', b'["g1","evicted","r"]', b'["g1","dispatch","r",1]',
                 b'["g1","dispatch","r","1",[],1,1,0]', b'["g1","dispatch","r",1,[1.5],1,1,0]',
                 b'["g1","dispatch","r",true,[],1,1,0]', b'["g1","heartbeat","r"]',
+                b'["g1","heartbeat",["r"],"r"]', b'["g1","heartbeat",["r"],[],[]]',
                 b'["g1","dispatch","r",1,[],0,1,0]', b'["g1","dispatch","r",-1,[],5,1,0]',
                 b'["g1","dispatch","r",1,[],5,-1,0]', b'["g1","dispatch","r",1,[],5,1,-2]'):
         with pytest.raises(RoutingError, match="malformed routing notice"):
@@ -107,6 +110,24 @@ def test_a_heartbeat_ends_the_requests_it_does_not_name() -> None:
     assert router.loads.load(1, now=7.0).running == 1
     peers.apply(Notice("peer", "heartbeat", in_flight=()), now=10.0)  # nothing in flight any more
     assert router.loads.load(1, now=10.0).running == 0 and peers.in_flight() == 0
+
+
+def test_a_heartbeat_repairs_a_lost_first_token() -> None:
+    """A FIRST_TOKEN lost on the way: the peer's next heartbeat names the request as decoding, so
+    its prompt leaves the replica's queued prefill (it still runs until it completes)."""
+    router = KvAwareRouter(tokens_per_block=BPT)
+    peers = PeerLoads(router, "me")
+    peers.apply(Notice("peer", "dispatch", "a", 0, (1, 2), 9, 8, 0), now=0.0)
+    peers.apply(Notice("peer", "dispatch", "b", 0, (3, 4), 9, 8, 0), now=0.0)
+    assert router.loads.load(0, now=0.0).queued_prefill_tokens == 18
+    peers.apply(Notice("peer", "heartbeat", in_flight=("a", "b")), now=1.0)  # an earlier version's: says nothing
+    assert router.loads.load(0, now=1.0).queued_prefill_tokens == 18
+    peers.apply(Notice("peer", "heartbeat", in_flight=("a", "b"), decoding=("a", "gone")), now=5.0)
+    load = router.loads.load(0, now=5.0)
+    assert (load.running, load.queued_prefill_tokens) == (2, 9)
+    peers.apply(Notice("peer", "first_token", "a"), now=5.1)  # late or replayed: changes nothing
+    peers.apply(Notice("peer", "heartbeat", in_flight=("a", "b"), decoding=("a",)), now=6.0)
+    assert router.loads.load(0, now=6.0).queued_prefill_tokens == 9
 
 
 def test_a_retry_moves_the_peers_request_even_when_its_completion_was_lost() -> None:

@@ -6,8 +6,9 @@ module carries them. One channel per pool, ``<namespace>:routing:<pool>``::
     RoutedEngine hook ──► publish(pool, notice) ──► bounded queue ──► sender task: encode,
                                                                       one pipeline per batch
     Redis ──► psubscribe <namespace>:routing:* ──► listener task ──► the pool's PeerLoads.apply
-    every lease_s / 3, per pool: a heartbeat naming this gateway's requests in flight there
-    (peers drop what it does not name), then expiry of peers silent for lease_s
+    every lease_s / 3, per pool: a heartbeat naming this gateway's requests in flight there and
+    those past their first token (peers drop what it does not name and stop counting the named
+    decoding ones' prefill as queued), then expiry of peers silent for lease_s
 
 Invariants:
 
@@ -16,7 +17,7 @@ Invariants:
   exempt from the latter) drops the notice and counts it; while sending fails, only heartbeats
   are queued and what was queued is dropped. A dropped COMPLETE is repaired by the next
   heartbeat, a dropped DISPATCH costs only the sync, a dropped FIRST_TOKEN keeps the request's
-  prefill queued in peers' load until its COMPLETE or the heartbeat after it.
+  prefill queued in peers' load until the next heartbeat (which names it decoding) or its COMPLETE.
 * Each gateway's notices leave in the order they were published (one sender), so a heartbeat
   names every request whose DISPATCH went before it and is still in flight.
 * Redis being away costs the sync, never a request: after a failed send the sender pings every
@@ -91,7 +92,7 @@ class PeerSync:
         self._clock: Callable[[], float] = time.monotonic
         self._queue: asyncio.Queue[tuple[str, Notice]] = asyncio.Queue(maxsize=QUEUE_MAX)
         self._queued_hashes = 0
-        self._own: dict[str, set[str]] = {}  # pool -> this gateway's requests in flight there
+        self._own: dict[str, dict[str, bool]] = {}  # pool -> this gateway's requests in flight there -> past first token
         self._failing = False  # the last send failed: only heartbeats are queued until one goes through
         self.resubscribes = 0  # subscriptions made again after a failure or a quiet lease
         self.counters = SyncCounters()
@@ -110,11 +111,14 @@ class PeerSync:
     # ------------------------------------------------------------------ sending
     def publish(self, pool: str, notice: Notice) -> None:
         """Queue ``notice`` for ``pool``'s channel; never blocks, never raises."""
-        own = self._own.setdefault(pool, set())
-        if notice.kind == "dispatch":
-            own.add(notice.request_id)
+        own = self._own.setdefault(pool, {})
+        if notice.kind == "dispatch":  # a retry's dispatch prefills again
+            own[notice.request_id] = False
+        elif notice.kind == "first_token":
+            if notice.request_id in own:
+                own[notice.request_id] = True
         elif notice.kind == "complete":
-            own.discard(notice.request_id)
+            own.pop(notice.request_id, None)
         if notice.kind != "heartbeat" and (self._failing or self._queued_hashes >= QUEUE_MAX_HASHES):
             self.counters.dropped += 1
             return
@@ -238,11 +242,13 @@ class PeerSync:
 
     # ------------------------------------------------------------------ liveness
     def beat(self) -> None:
-        """One heartbeat per pool naming this gateway's requests in flight there, then expiry of
-        silent peers."""
+        """One heartbeat per pool naming this gateway's requests in flight there (and those past
+        their first token), then expiry of silent peers."""
         now = self._clock()
         for pool in self.pools():
-            self.publish(pool, Notice(self.gateway, "heartbeat", in_flight=tuple(self._own.get(pool, ()))))
+            own = self._own.get(pool, {})
+            self.publish(pool, Notice(self.gateway, "heartbeat", in_flight=tuple(own),
+                                      decoding=tuple(rid for rid, decoding in own.items() if decoding)))
             peers = self.peers_of(pool)
             if peers is not None:
                 for gone in peers.expire(now=now):

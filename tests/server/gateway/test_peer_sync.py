@@ -10,6 +10,7 @@ import pytest
 from pydantic import ValidationError
 
 from retention.routing import KvAwareRouter, Notice, PeerLoads, RoutingError
+from server.gateway.replicas import peer_sync
 from server.gateway.replicas.peer_sync import PeerSync
 from server.settings import Settings
 
@@ -66,6 +67,30 @@ def test_peers_apply_each_others_dispatches_through_redis() -> None:
             await a._redis.publish(a.channel(POOL), b"not a notice")
             await until(lambda: b.counters.malformed == 1, "b reads the garbage")
             assert a.counters.dropped == 0 and a.counters.published >= 4
+        finally:
+            await a.close()
+            await b.close()
+
+    asyncio.run(scenario())
+
+
+def test_a_dropped_first_token_is_repaired_by_the_next_heartbeat(monkeypatch) -> None:
+    async def scenario() -> None:
+        ns = f"test-{secrets.token_hex(4)}"
+        (a, _, _), (b, b_loads, _) = gateway("a", ns), gateway("b", ns)
+        for sync in (a, b):
+            sync.start()
+        try:
+            await until(lambda: a.subscribed.is_set() and b.subscribed.is_set(), "subscriptions")
+            a.publish(POOL, Notice("a", "dispatch", "req-1", 1, (7, 8), 13, 4, 0))
+            await until(lambda: b_loads.router.loads.load(1).running == 1, "b sees a's dispatch")
+            assert b_loads.router.loads.load(1).queued_prefill_tokens == 13
+            monkeypatch.setattr(peer_sync, "QUEUE_MAX_HASHES", 0)  # the queue "full": all but heartbeats dropped
+            a.publish(POOL, Notice("a", "first_token", "req-1"))
+            assert a.counters.dropped == 1
+            a.beat()  # names req-1 in flight and decoding
+            await until(lambda: b_loads.router.loads.load(1).queued_prefill_tokens == 0, "the heartbeat's repair")
+            assert b_loads.router.loads.load(1).running == 1
         finally:
             await a.close()
             await b.close()
