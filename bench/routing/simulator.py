@@ -9,7 +9,7 @@ The routing target, measured here: the Mooncake synthetic trace, 4 replicas of 2
 capacity each (2 % of the trace's distinct blocks, as ``kvgate simulate -c 2%`` computes
 it), ``--hold tokens``: kv-aware >= 90 % of the hit rate of one pool with 4× the capacity,
 >= 2× round-robin's, load imbalance (max / mean prefill tokens computed per replica)
-<= 1.3. The same table on two other workloads (``retention/workloads.py``) so the router
+<= 1.3. The same table on two other workloads (``retention/workloads/``) so the router
 is not tuned to one trace, and the cost variants that were tried.
 """
 
@@ -189,7 +189,7 @@ def main() -> None:
         "",
         f"### Noisy neighbour ({REPLICAS} replicas × {noisy_cap:,} GPU blocks, 2 % of distinct, host 4×, trtllm-default)",
         "",
-        f"`retention/workloads.py` defaults, seed {SEED}: premium {spec.turns}-turn chat sessions over one shared",
+        f"`retention/workloads/noisy.py` defaults, seed {SEED}: premium {spec.turns}-turn chat sessions over one shared",
         f"{spec.system_blocks}-block system prompt, plus a tenant flooding unique {spec.noisy_blocks}-block prompts at",
         f"{spec.flood_factor:.0f}× the premium rate ({len(noisy):,} requests). The flood is never reused, so the premium",
         "tenant's column is the one to read.",
