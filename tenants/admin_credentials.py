@@ -90,8 +90,9 @@ def create_credential(
     prefix = _free_prefix(session)
     secret = secrets.token_urlsafe(32)
     with mutation(session, unique_field="name", entity="admin credential"):
-        owners = [get_by_ref(session, Tenant, t, name_attr="slug", what="tenant", field="tenants")
-                  for t in dict.fromkeys(tenants or ())]
+        # one row per tenant, however it was named (slug and id of one tenant are one scope)
+        owners = list({t.id: t for t in (get_by_ref(session, Tenant, ref, name_attr="slug", what="tenant",
+                                                    field="tenants") for ref in tenants or ())}.values())
         row = AdminCredential(
             name=name, role=role, scoped=tenants is not None, prefix=prefix,
             secret_hash=hash_secret(secret, pepper=pepper), created_by=actor[:128], created_at=now,

@@ -19,7 +19,7 @@ from collections.abc import Collection, Mapping
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import func, select
+from sqlalchemy import false, func, select
 from sqlalchemy.orm import Session
 
 from tenants import audit
@@ -182,16 +182,24 @@ def list_tenants(
     session: Session, *, limit: int = 50, offset: int = 0, status: str | None = None, pool: int | str | None = None,
     within: Collection[int] | None = None,
 ) -> Page[Tenant]:
-    """A page of tenants; with ``within`` only those (``total`` counts only those)."""
+    """A page of tenants; with ``within`` only those (``total`` counts only those).
+
+    ``pool`` filters by pool id or name; an unknown one is a 422 for an unscoped caller, but for a
+    scoped one (``within``) it is an empty page, as a pool it cannot see is: a scoped caller may not
+    list pools, so no answer tells it which exist."""
     stmt = select(Tenant)
     if within is not None:
         stmt = stmt.where(Tenant.id.in_(sorted(within)))
     if status is not None:
         stmt = stmt.where(Tenant.status == v.status(status))
     if pool is not None:
-        stmt = stmt.where(
-            Tenant.pool_id == get_by_ref(session, Pool, pool, name_attr="name", what="pool", field="pool").id
-        )
+        try:
+            pool_id = get_by_ref(session, Pool, pool, name_attr="name", what="pool", field="pool").id
+        except InvalidField:
+            if within is None:
+                raise
+            pool_id = None  # matches no tenant
+        stmt = stmt.where(Tenant.pool_id == pool_id) if pool_id is not None else stmt.where(false())
     return paginate(session, stmt.order_by(Tenant.id), limit=limit, offset=offset)
 
 

@@ -42,14 +42,16 @@ class OidcVerifier:
         self._keys = (jwt.PyJWKSet.from_json(settings.oidc_jwks_file.read_text())
                       if settings.oidc_jwks_file is not None and self._client is None else None)
 
-    def _key(self, token: str) -> object:
+    def _key(self, token: str) -> jwt.PyJWK:
+        """The signing key as a ``PyJWK``, not its raw key: PyJWT then checks the token's ``alg``
+        against the key's own (a header naming RS256 over an EC key is refused, not a crash)."""
         if self._client is not None:
-            return self._client.get_signing_key_from_jwt(token).key
+            return self._client.get_signing_key_from_jwt(token)
         assert self._keys is not None
         kid = jwt.get_unverified_header(token).get("kid")
         if kid is None and len(self._keys.keys) == 1:
-            return self._keys.keys[0].key
-        return self._keys[kid].key
+            return self._keys.keys[0]
+        return self._keys[kid]
 
     def verify(self, token: str) -> OidcClaims | None:
         """The mapped claims of a valid token, or None (bad signature, wrong issuer/audience, expired,
@@ -58,7 +60,7 @@ class OidcVerifier:
         try:
             claims = jwt.decode(token, self._key(token), algorithms=ALGORITHMS, audience=s.oidc_audience,
                                 issuer=s.oidc_issuer, options={"require": ["exp", "iss", "aud"]})
-        except (jwt.PyJWTError, KeyError) as exc:
+        except (jwt.PyJWTError, KeyError, TypeError, ValueError) as exc:  # a forged token never answers 500
             log.info("OIDC token refused: %s", type(exc).__name__)
             return None
         values = claims.get(s.oidc_roles_claim)
@@ -69,7 +71,14 @@ class OidcVerifier:
         if role is None or not isinstance(name, str) or not name:
             return None
         raw = claims.get(s.oidc_tenants_claim)
-        tenants = tuple(t for t in raw if isinstance(t, str)) if isinstance(raw, list) else None
+        if raw is None:
+            tenants = None
+        elif isinstance(raw, str):  # one value sent bare, as the roles claim may be
+            tenants = (raw,)
+        elif isinstance(raw, list):
+            tenants = tuple(t for t in raw if isinstance(t, str))
+        else:  # a scope we cannot read is refused, never read as no scope at all
+            return None
         if role in ("platform-admin", "operator"):
             tenants = None
         if role == "tenant-admin" and not tenants:

@@ -174,10 +174,12 @@ class _TooLarge(Exception):
 
 
 def _tenant_of(path: str) -> str | None:
-    """``ref`` of ``/admin/v1/tenants/<ref>[/...]``, else None."""
+    """``ref`` of ``/admin/v1/tenants/<ref>[/...]``, else None; an id as the registry reads it
+    (``01`` is tenant 1), so the auth cache forgets the tenant the write changed."""
     parts = path.split("/")
     if len(parts) >= 5 and parts[1:4] == ["admin", "v1", "tenants"] and parts[4]:
-        return parts[4]  # ASGI paths arrive percent-decoded
+        ref = parts[4]  # ASGI paths arrive percent-decoded
+        return str(int(ref)) if ref.isascii() and ref.isdigit() else ref
     return None
 
 

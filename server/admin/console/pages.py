@@ -52,6 +52,7 @@ CAN: dict[str, frozenset[str]] = {
     "slo.restore": frozenset({"platform-admin", "operator"}),
     "capture.write": frozenset({"platform-admin", "operator"}),
 }
+UNSCOPED_ONLY = frozenset({"pools.read"})  # whatever the role, not for a session scoped to tenants
 REPLICA_STATES = ("active", "draining", "disabled")
 
 
@@ -126,6 +127,8 @@ def build(*, api_app: Any, idle_s: float, max_age_s: float) -> FastAPI:
         return AdminApi(api_app, session.credential)
 
     def can(session: ConsoleSession, action: str) -> bool:
+        if action in UNSCOPED_ONLY and session.tenants is not None:  # the API refuses pools to a scoped caller
+            return False
         return session.role in CAN[action]
 
     async def _posted(request: Request) -> tuple[ConsoleSession, dict[str, str]]:

@@ -179,6 +179,22 @@ def test_a_refused_write_shows_the_api_status(browser: TestClient) -> None:
     assert browser.get("/admin/v1/tenants/acme/keys", headers=AUTH).json()["items"][0]["revoked_at"] is None
 
 
+def test_a_scoped_viewer_lands_on_its_tenants_and_is_never_offered_pools(browser: TestClient) -> None:
+    seed(browser)
+    for name, tenants, landing in (("acme-viewer", ["acme"], "/console/tenants"), ("all-viewer", None, "/console/pools")):
+        body = {"name": name, "role": "viewer", **({"tenants": tenants} if tenants else {})}
+        secret = browser.post("/admin/v1/credentials", headers=AUTH, json=body).json()["secret"]
+        browser.cookies.clear()
+        page = browser.get("/console/signin")
+        r = browser.post("/console/signin", data={"csrf": CSRF.search(page.text).group(1), "token": secret},
+                         follow_redirects=False)
+        assert r.status_code == 303 and r.headers["location"].endswith(landing), (name, r.headers)
+        home = browser.get(r.headers["location"])
+        assert home.status_code == 200, (name, home.text)
+        offered = 'href="/console/pools' in browser.get("/console/tenants").text
+        assert offered == (tenants is None), name
+
+
 def test_console_files_ship_as_package_data() -> None:
     """Every template and static file of the console is covered by pyproject's package-data globs."""
     import fnmatch

@@ -67,6 +67,10 @@ def test_create_whoami_list_and_secret_shown_once(client: TestClient) -> None:
     one = client.get(f"/admin/v1/credentials/{created['id']}", headers=AUTH).json()
     assert one["last_used_at"] is not None and "secret" not in one
     assert created["secret"] not in client.get("/admin/v1/audit", headers=AUTH).text
+    # one tenant named twice (slug and id) is one scope, not a clash blamed on the name
+    acme_id = client.get("/admin/v1/tenants/acme", headers=AUTH).json()["id"]
+    twice = credential(client, "acme-twice", "viewer", ["acme", str(acme_id), "acme"])
+    assert twice["tenants"] == ["acme"]
 
 
 @pytest.mark.parametrize(("body", "field"), [
@@ -93,6 +97,17 @@ def test_tenant_admin_sees_only_its_tenants_and_cannot_tell_foreign_from_missing
     assert [t["slug"] for t in page["items"]] == ["acme"] and page["total"] == 1
     assert client.get("/admin/v1/tenants?offset=1", headers=me).json() == {
         "items": [], "total": 1, "limit": 50, "offset": 1}
+    # pools are not its to list: filtering by a pool it cannot see or one that does not exist reads the same
+    r = client.post("/admin/v1/pools", headers=AUTH, json={
+        "name": "secret-pool", "model_name": "m", "triton_url": "127.0.0.1:8001", "primary_blocks": 64})
+    assert r.status_code == 201, r.text
+    secret_id = r.json()["id"]
+    assert client.get("/admin/v1/pools", headers=me).status_code == 403
+    empty = {"items": [], "total": 0, "limit": 50, "offset": 0}
+    for ref in ("secret-pool", "no-such-pool", str(secret_id), str(secret_id + 1000)):
+        assert client.get("/admin/v1/tenants", params={"pool": ref}, headers=me).json() == empty, ref
+    assert client.get("/admin/v1/tenants", params={"pool": "gpu-a"}, headers=me).json()["total"] == 1
+    assert client.get("/admin/v1/tenants", params={"pool": "no-such-pool"}, headers=AUTH).status_code == 422
 
     globex_id = client.get("/admin/v1/tenants/globex", headers=AUTH).json()["id"]
     foreign = {path: client.request(method, path, headers=me, json=body) for method, path, body in (

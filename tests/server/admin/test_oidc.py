@@ -90,6 +90,16 @@ def test_roles_and_scopes_from_claims(client_file: TestClient, keys) -> None:  #
     both = bearer(token(keys, roles=["kv-read", "kv-platform"]))
     assert c.get("/admin/v1/whoami", headers=both).json()["role"] == "platform-admin"
     assert c.get("/admin/v1/whoami", headers=bearer(token(keys, roles="kv-read"))).json()["role"] == "viewer"
+    # so does a bare tenant: a viewer scoped by a string claim stays scoped, never reads every tenant
+    for role in ("kv-read", "kv-tenant"):
+        scoped = bearer(token(keys, roles=[role], kvgate_tenants="acme"))
+        assert c.get("/admin/v1/whoami", headers=scoped).json()["tenants"] == ["acme"]
+        assert c.get("/admin/v1/tenants/globex", headers=scoped).status_code == 404
+        assert c.get("/admin/v1/tenants", headers=scoped).json()["total"] == 1
+    # a scope claim of another shape cannot be read: refused, not taken for "no scope"
+    for shape in ({"acme": True}, 7, True):
+        r = c.get("/admin/v1/whoami", headers=bearer(token(keys, roles=["kv-read"], kvgate_tenants=shape)))
+        assert r.status_code == 401, (shape, r.text)
 
 
 def test_bad_tokens_are_401(client_file: TestClient, keys) -> None:  # type: ignore[no-untyped-def]
@@ -106,6 +116,8 @@ def test_bad_tokens_are_401(client_file: TestClient, keys) -> None:  # type: ign
         "unknown kid": token(keys, kid="nope", roles=["kv-platform"]),
         "alg none": jwt.encode(base, None, algorithm="none", headers={"kid": "rsa-1"}),
         "HS256 with the public key": _hs256_forgery(base, public_pem),
+        "RS256 header over the EC key's kid": token(keys, key="rsa", kid="ec-1", alg="RS256", roles=["kv-platform"]),
+        "ES256 header over the RSA key's kid": token(keys, key="ec", kid="rsa-1", alg="ES256", roles=["kv-platform"]),
         "unmapped role": token(keys, roles=["kv-unknown"]),
         "tenant-admin without tenants": token(keys, roles=["kv-tenant"]),
     }

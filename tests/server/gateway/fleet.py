@@ -23,7 +23,7 @@ from engines.reference.loader import ModelBundle
 from retention.hashing import block_hashes
 from retention.routing import ReplicaLoad, RouteRequest
 from server.gateway.api.prompting import ChatPrompter
-from server.gateway.replicas.routing import PoolRoute, Replica
+from server.gateway.replicas.routing import PoolRoute, Replica, RoutingConfig
 from server.gateway.services import LoopIntervals
 from server.serving import build_serving_app
 from server.settings import Settings
@@ -181,9 +181,10 @@ class Fleet:
 
 
 def start_fleet(tmp: Path, bundle: ModelBundle, *, replicas_count: int = 3, gateways: int = 1,
-                settings: dict | None = None, wrap=None) -> Fleet:
+                settings: dict | None = None, wrap=None, routing: RoutingConfig | None = None) -> Fleet:
     """``settings``: extra gateway ``Settings`` fields (e.g. ``first_token_timeout_s``);
-    ``wrap``: app -> the ASGI app uvicorn serves instead (a test middleware around it)."""
+    ``wrap``: app -> the ASGI app uvicorn serves instead (a test middleware around it);
+    ``routing``: the gateways' routing (None: the defaults)."""
     engines = {f"r{i}": start_in_thread(ReferenceEngineConfig(**ENGINE), bundle) for i in range(replicas_count)}
     url = f"sqlite:///{tmp / 'registry.db'}"
     migrate.upgrade(url=url)
@@ -203,7 +204,7 @@ def start_fleet(tmp: Path, bundle: ModelBundle, *, replicas_count: int = 3, gate
     for _ in range(gateways):
         app = build_serving_app(app_settings, session_factory=factory, tokenizer_for=lambda pool: bundle.tokenizer,
                                 auth_ttl=0.2, intervals=LoopIntervals(usage_flush=0.5, last_used_flush=1.0,
-                                                                      pool_poll=0.1))
+                                                                      pool_poll=0.1), routing=routing)
         server = GatewayServer(app, free_port(), asgi=None if wrap is None else wrap(app))
         server.start()
         fleet.gateways.append(server)
