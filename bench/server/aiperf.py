@@ -32,7 +32,8 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from bench.report import machine, publish, seed_line  # noqa: E402
-from bench.server.overhead import free_port, seed_registry, wait_http  # noqa: E402
+from bench.server.gateway_load import free_port, wait_http  # noqa: E402
+from bench.server.overhead import seed_registry  # noqa: E402
 from engines.tokenizer import load_gguf_tokenizer  # noqa: E402
 
 MODEL = "smollm2-135m-instruct"

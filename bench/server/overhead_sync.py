@@ -20,7 +20,7 @@ from collections import Counter
 import httpx
 
 from bench.report import machine, seed_line
-from bench.server.overhead import cpu_seconds, run_gateway, side_by_side
+from bench.server.gateway_load import cpu_seconds, run_gateway, side_by_side
 
 SYNC_ROUNDS = 8
 SYNC_SEED = 0

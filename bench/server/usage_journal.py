@@ -30,7 +30,8 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from bench.report import machine, write_section  # noqa: E402
-from bench.server.overhead import cpu_seconds, free_port, pct, run_gateway, seed_registry, wait_http  # noqa: E402
+from bench.server.gateway_load import cpu_seconds, free_port, pct, run_gateway, wait_http  # noqa: E402
+from bench.server.overhead import seed_registry  # noqa: E402
 
 
 async def measure(args, key: str, gateways: dict[str, tuple[int, int]]) -> list[dict]:

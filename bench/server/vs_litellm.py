@@ -55,7 +55,7 @@ import httpx
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from bench.server.overhead import MESSAGES, free_port, wait_http  # noqa: E402
+from bench.server.gateway_load import MESSAGES, free_port, wait_http  # noqa: E402
 from bench.report import machine, publish, seed_line  # noqa: E402
 
 LITELLM_VENV = ROOT / ".venv-litellm"
