@@ -142,7 +142,11 @@ def _keep_ancestors(session: Session, *, tenant_id: int, ids: Sequence[str], now
 
 
 def get_response(session: Session, *, tenant_id: int, response_id: str, now: datetime) -> StoredResponse:
-    row = session.get(StoredResponse, response_id) if isinstance(response_id, str) and len(response_id) <= 64 else None
+    """The tenant's live stored response, else not found. An id no stored one can have (not a
+    string, over 64 characters, or with a NUL, which PostgreSQL's text cannot hold and refuses as
+    a query error) is not found without a query."""
+    can_exist = isinstance(response_id, str) and len(response_id) <= 64 and "\x00" not in response_id
+    row = session.get(StoredResponse, response_id) if can_exist else None
     if row is None or row.tenant_id != tenant_id or row.expires_at <= now:
         raise _not_found(str(response_id))
     return row

@@ -41,8 +41,9 @@ def validation_error(exc: RequestValidationError) -> ServingError:
         loc = loc[1:]
     param = ".".join(loc) or None
     kind = first.get("type", "")
-    if kind == "json_invalid":
-        return ServingError(400, "invalid_json", f"request body is not valid JSON: {first.get('msg', '')}")
+    if kind == "json_invalid":  # FastAPI's msg is generic; the parser's own reason is in ctx
+        reason = (first.get("ctx") or {}).get("error") or first.get("msg", "")
+        return ServingError(400, "invalid_json", f"request body is not valid JSON: {reason}")
     if kind == "extra_forbidden":
         return ServingError(400, "unsupported_parameter", f"unknown or unsupported parameter: {param}", param=param)
     message = first.get("msg", "invalid request")

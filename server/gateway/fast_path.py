@@ -13,7 +13,7 @@ Invariants:
 
 * only a request FastAPI would treat exactly as this path does is answered here: an HTTP
   ``POST`` to one of the two paths (no ``root_path``), with a non-empty body whose first
-  ``content-type`` is ``application/json``, that ``json.loads`` to an object which the
+  ``content-type`` is ``application/json``, that ``strict_json.loads`` to an object which the
   route's body model validates (``model_validate(..., from_attributes=True)``, as FastAPI's
   ``ModelField.validate`` does). Anything else (another method, content type, invalid JSON,
   a body the model refuses, a client gone while sending the body) goes to the app with its
@@ -30,7 +30,6 @@ Invariants:
 
 from __future__ import annotations
 
-import json
 from collections.abc import Awaitable, Callable
 
 from pydantic import BaseModel
@@ -38,6 +37,7 @@ from starlette.requests import Request
 
 from server.gateway.api.openai_schemas import ChatCompletionRequest, CompletionRequest
 from server.gateway.routes import chat_completions, completions, current_tenant
+from server.gateway import strict_json
 from server.gateway.services import GatewayServices
 
 Handler = Callable[[BaseModel, object, GatewayServices], Awaitable[object]]
@@ -104,7 +104,7 @@ class HotRoutes:
     def _parse(raw: bytes, model: type[BaseModel]) -> BaseModel | None:
         # Any failure (not JSON, too deep, refused by the model) is FastAPI's to render.
         try:
-            data = json.loads(raw)
+            data = strict_json.loads(raw)
             if not isinstance(data, dict):
                 return None
             return model.model_validate(data, from_attributes=True)

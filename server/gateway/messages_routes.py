@@ -29,9 +29,10 @@ from server.gateway.routes import Gateway, check_model
 from server.gateway.context import TenantContext
 from server.gateway.errors import ServingError
 from server.gateway.services import GatewayServices
+from server.gateway.strict_json import StrictJsonRoute
 
 PATH_PREFIX = "/v1/messages"  # the app renders errors under it in Anthropic's shape
-router = APIRouter(prefix=PATH_PREFIX, tags=["anthropic"])
+router = APIRouter(prefix=PATH_PREFIX, tags=["anthropic"], route_class=StrictJsonRoute)
 
 
 async def messages_tenant(services: Gateway, x_api_key: Annotated[str | None, Header()] = None,
@@ -89,7 +90,8 @@ def _job(services: GatewayServices, tenant: TenantContext, body: MessagesRequest
         sampling=sampling, stop=tuple(body.stop_sequences or ()), stream=body.stream, include_usage=False,
         tokenizer=prompter.tokenizer, engine=services.routing.engine(services.engines.seen(tenant.pool)),
         quota=services.monitor.quota_state(tenant.pool.name, tenant.tenant_id), token_texts=prompter.token_texts,
-        guide=conversation.guide, tools=conversation.tools, hints=cache_hints(conversation, prompt),
+        guide=conversation.guide, format_param="output_config.format", tools=conversation.tools,
+        hints=cache_hints(conversation, prompt),
     )
 
 

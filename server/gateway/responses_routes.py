@@ -45,9 +45,10 @@ from server.gateway.api.responses_schemas import OUTPUT_LOGPROBS, ResponsesReque
 from server.gateway.routes import Gateway, Tenant, check_model
 from server.gateway.errors import ServingError
 from server.gateway.response_store import ResponseStore
+from server.gateway.strict_json import StrictJsonRoute
 from tenants.responses import row_size
 
-router = APIRouter(prefix="/v1/responses", tags=["responses"])
+router = APIRouter(prefix="/v1/responses", tags=["responses"], route_class=StrictJsonRoute)
 
 
 def _store(services) -> ResponseStore:
@@ -115,7 +116,8 @@ async def create_response(body: ResponsesRequest, tenant: Tenant, services: Gate
         stop=(), stream=body.stream, include_usage=False, tokenizer=prompter.tokenizer,
         engine=services.routing.engine(services.engines.seen(tenant.pool)),
         quota=services.monitor.quota_state(tenant.pool.name, tenant.tenant_id), token_texts=prompter.token_texts,
-        guide=conversation.guide, tools=conversation.tools, hints=hints,
+        guide=conversation.guide, output_param="max_output_tokens", format_param="text.format",
+        tools=conversation.tools, hints=hints,
         logprobs=(body.top_logprobs or 0) if OUTPUT_LOGPROBS in (body.include or ()) else None,
         conversation=ConversationRequest(dialect.id, body.previous_response_id, store, conversation.tools is not None),
     )

@@ -16,8 +16,9 @@ from server.gateway.errors import ServingError
 from server.gateway.api.openai_schemas import ChatCompletionRequest, CompletionRequest, NamedToolChoice
 from server.gateway.api.tools import ToolPlan, check_schema, forced_call_guide, render_messages
 from server.gateway.services import GatewayServices
+from server.gateway.strict_json import StrictJsonRoute
 
-router = APIRouter(prefix="/v1", tags=["serving"])
+router = APIRouter(prefix="/v1", tags=["serving"], route_class=StrictJsonRoute)
 
 
 async def gateway(request: Request) -> GatewayServices:

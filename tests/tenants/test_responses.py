@@ -52,6 +52,9 @@ def test_a_response_is_read_only_by_its_tenant(session, two_tenants) -> None:  #
         with pytest.raises(NotFound) as missing:  # the same answer as for an id that never existed
             call(session, tenant_id=globex, response_id="resp_nope", now=T0)
         assert missing.value.message.replace("resp_nope", "resp_a") == caught.value.message
+        for impossible in ("resp_\x00a", "resp_" + "a" * 60):  # PostgreSQL's text holds no NUL: never queried
+            with pytest.raises(NotFound):
+                call(session, tenant_id=acme, response_id=impossible, now=T0)
     assert session.scalar(select(func.count()).select_from(AuditEvent).where(
         AuditEvent.entity_type == "response")) == 0  # data, not configuration
 

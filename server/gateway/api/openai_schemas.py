@@ -134,7 +134,7 @@ class _SamplingFields(BaseModel):
     ignore_eos: bool | None = None
     repetition_penalty: Annotated[float, Field(gt=0.0, le=10.0)] | None = None
     # accepted and ignored (README: "OpenAI request fields")
-    service_tier: Literal["auto", "default", "flex", "scale", "priority"] | None = None
+    service_tier: Literal["auto", "default", "flex", "scale", "priority", "fast"] | None = None
 
     def stop_strings(self) -> tuple[str, ...]:
         if self.stop is None:

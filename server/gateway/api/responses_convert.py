@@ -82,8 +82,8 @@ _BUILT_IN_ITEMS = ("mcp_list_tools", "mcp_approval_request", "mcp_approval_respo
                    "additional_tools", "program", "program_output")
 _ITEM_KEYS = {  # keys each item type may carry (id/status are echoed back by clients and ignored)
     "message": {"type", "role", "content", "id", "status", "phase"},
-    "function_call": {"type", "call_id", "name", "arguments", "id", "status", "namespace"},
-    "function_call_output": {"type", "call_id", "output", "id", "status"},
+    "function_call": {"type", "call_id", "name", "arguments", "id", "status", "namespace", "caller"},
+    "function_call_output": {"type", "call_id", "output", "id", "status", "name", "namespace", "caller"},
 }
 
 
@@ -424,6 +424,10 @@ def _format_guide(body: ResponsesRequest) -> Guide | None:
     name = fmt.get("name")
     if not isinstance(name, str) or not name or len(name) > 64:
         raise invalid("text.format.name", "must be a non-empty string of at most 64 characters")
+    if fmt.get("strict") is not None and not isinstance(fmt["strict"], bool):
+        raise invalid("text.format.strict", "must be a boolean")
+    if fmt.get("description") is not None and not isinstance(fmt["description"], str):
+        raise invalid("text.format.description", "must be a string")
     schema = fmt.get("schema")
     if not isinstance(schema, dict):
         raise invalid("text.format.schema", "must be a JSON schema object")

@@ -63,7 +63,7 @@ class ResponsesRequest(BaseModel):
     # accepted, ignored: the API key names the tenant; one service tier
     user: Annotated[str, Field(max_length=256)] | None = None
     safety_identifier: Annotated[str, Field(max_length=256)] | None = None
-    service_tier: Literal["auto", "default", "flex", "scale", "priority"] | None = None
+    service_tier: Literal["auto", "default", "flex", "scale", "priority", "fast", "ultrafast"] | None = None
     # declared only to be refused by name (responses_convert.refuse_unservable)
     background: bool | None = None
     conversation: Any = None

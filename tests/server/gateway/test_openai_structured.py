@@ -243,15 +243,15 @@ def _nested(depth: int) -> dict:
         ({"top_logprobs": 2}, 400, "invalid_request"),  # without logprobs
         ({"tool_choice": "required"}, 400, "invalid_request"),  # without tools
         ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nope"}}}},
-         400, "engine_rejected"),
+         400, "invalid_request"),  # the guided decoder's refusal, naming response_format
         ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"$ref": "#/nowhere"}}}},
-         400, "engine_rejected"),
+         400, "invalid_request"),  # the guided decoder's refusal, naming response_format
         ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "string", "pattern": "(("}}}},
-         400, "engine_rejected"),
+         400, "invalid_request"),  # the guided decoder's refusal, naming response_format
         ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "integer", "minimum": 5, "maximum": 1}}}},
-         400, "engine_rejected"),
+         400, "invalid_request"),  # the guided decoder's refusal, naming response_format
         ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"enum": []}}}},
-         400, "engine_rejected"),
+         400, "invalid_request"),  # the guided decoder's refusal, naming response_format
         ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": _nested(70)}}},
          400, "invalid_request"),
         ({"logit_bias": {"abc": 1}}, 400, "invalid_request"),
@@ -269,3 +269,5 @@ def test_fields_are_honoured_ignored_or_refused_by_name(stack: Stack, key: str, 
     assert response.status_code == status, response.text
     if code is not None:
         assert response.json()["error"]["code"] == code
+        if "response_format" in extra and status == 400 and not extra.get("ignore_eos"):
+            assert response.json()["error"]["param"] == "response_format", response.text

@@ -74,6 +74,14 @@ def test_items_become_chat_messages_with_tool_calls() -> None:
     assert conversation.messages[2]["content"].startswith("Checking.\n" + CALL_OPEN)
     assert '"get_weather"' in conversation.messages[0]["content"]  # tool definitions in the system message
     assert conversation.tools is not None and conversation.tools.mode == "auto"
+    # the fields the SDK's item params may carry besides these are taken and ignored
+    echoed = normalize_items([
+        {"type": "function_call", "call_id": "call_1", "name": "get_weather", "arguments": "{}", "namespace": "n",
+         "caller": {"type": "direct"}},
+        {"type": "function_call_output", "call_id": "call_1", "output": "ok", "name": "get_weather",
+         "namespace": "n", "caller": None},
+    ])
+    assert [m["role"] for m in convert(request(tools=[WEATHER]), echoed).messages] == ["system", "assistant", "tool"]
 
 
 def test_tool_choice_and_formats_become_guides() -> None:
@@ -303,6 +311,9 @@ def test_usage_says_the_prompt_tokens_written_to_the_cache(reused: int, cached: 
     ("text.format.type", {"text": {"format": {"type": ["json_object"]}}}),
     ("input.0.content", {"input": [{"role": "user", "content": 7}]}),
     ("input.0.arguments", {"input": [{"type": "function_call", "call_id": "c", "name": "f", "arguments": {}}]}),
+    ("text.format.strict", {"text": {"format": {"type": "json_schema", "name": "x", "schema": {}, "strict": "maybe"}}}),
+    ("text.format.description", {"text": {"format": {"type": "json_schema", "name": "x", "schema": {},
+                                                     "description": 7}}}),
 ])
 def test_malformed_json_is_a_400_not_a_500(param: str, fields: dict) -> None:
     refused(param, **fields)

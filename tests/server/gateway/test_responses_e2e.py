@@ -212,6 +212,56 @@ def test_refusals_name_the_field(stack: Stack, key: str) -> None:
     assert missing.status_code == 404 and missing.json()["error"]["code"] == "response_not_found"
 
 
+def test_text_that_is_not_unicode_and_schemas_the_engine_cannot_compile_are_400s(stack: Stack, key: str) -> None:
+    """A lone UTF-16 surrogate escape is no character: refused where the body is parsed (before it
+    could reach the tokenizer, an echoed field or the store), on every dialect, while an escaped
+    pair (one emoji) is text. A schema the engine's grammar compiler refuses names its field."""
+    headers = {"Authorization": f"Bearer {key}", "Content-Type": "application/json"}
+    base = stack.gateway.base_url
+    lone = {
+        "/v1/responses": [b'{"model": "%s", "input": "Hi \\ud800", "max_output_tokens": 2}',
+                          b'{"model": "%s", "input": "Hi", "max_output_tokens": 2, "metadata": {"k": "\\udc00"}}',
+                          b'{"model": "%s", "input": "Hi", "max_output_tokens": 2, "stream": true, '
+                          b'"metadata": {"k": "x\\ud800"}}',
+                          b'{"model": "%s", "input": "Hi", "max_output_tokens": 2, "prompt_cache_key": "\\ud800"}'],
+        "/v1/chat/completions": [b'{"model": "%s", "max_tokens": 2, "messages": [{"role": "user", '
+                                 b'"content": "Hi \\ud800"}]}'],
+        "/v1/messages": [b'{"model": "%s", "max_tokens": 2, "messages": [{"role": "user", "content": "\\ud800"}]}'],
+    }
+    for path, bodies in lone.items():
+        for body in bodies:
+            r = httpx.post(base + path, content=body.replace(b"%s", MODEL.encode()), headers=headers, timeout=120)
+            assert r.status_code == 400 and "lone UTF-16 surrogate" in r.text, (path, body, r.text)
+    pair = b'{"model": "%s", "input": "Say \\ud83d\\ude00", "max_output_tokens": 2, "metadata": {"k": "\\ud83d\\ude00"}}'
+    ok = httpx.post(base + "/v1/responses", content=pair.replace(b"%s", MODEL.encode()), headers=headers, timeout=120)
+    assert ok.status_code == 200 and ok.json()["metadata"] == {"k": "\U0001F600"}, ok.text
+    # a NUL in an id: not found, as any id no response can have
+    assert httpx.get(base + "/v1/responses/resp_%00x", headers=headers, timeout=60).status_code == 404
+    bad = {"type": "object", "properties": {"code": {"type": "string", "pattern": "(["}}, "required": ["code"]}
+    for path, extra, field in (
+            ("/v1/responses", {"input": "Hi", "max_output_tokens": 8,
+                               "text": {"format": {"type": "json_schema", "name": "c", "schema": bad}}}, "text.format"),
+            ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 8,
+                                      "response_format": {"type": "json_schema",
+                                                          "json_schema": {"name": "c", "schema": bad}}},
+             "response_format")):
+        for stream in (False, True):
+            r = httpx.post(base + path, json={"model": MODEL, "stream": stream, **extra}, headers=headers, timeout=120)
+            assert r.status_code == 400, (path, r.text)
+            error = r.json()["error"]
+            assert error["param"] == field and error["code"] == "invalid_request", error
+            assert "Unclosed" in error["message"] and ".cc:" not in error["message"], error
+    # more output than the engine gives per request (within the tenant's 1024; the engine's is 256), asked or
+    # the tenant's default: named by the dialect's field, the engine's limit said
+    for path, extra, field in (("/v1/responses", {"input": "Hi", "max_output_tokens": 1000}, "max_output_tokens"),
+                               ("/v1/responses", {"input": "Hi"}, "max_output_tokens"),
+                               ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}],
+                                                         "max_tokens": 1000}, "max_tokens")):
+        r = httpx.post(base + path, json={"model": MODEL, **extra}, headers=headers, timeout=120)
+        error = r.json()["error"]
+        assert r.status_code == 400 and error["param"] == field and "at most" in error["message"], (path, r.text)
+
+
 def test_agents_runner_with_a_function_tool_on_both_models(stack: Stack, key: str) -> None:
     from agents import Agent, Runner, function_tool, set_tracing_disabled
     from agents.models.openai_chatcompletions import OpenAIChatCompletionsModel

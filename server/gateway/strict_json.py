@@ -1,0 +1,59 @@
+"""Request bodies of the serving API parsed as JSON whose text is Unicode.
+
+JSON may spell a UTF-16 surrogate as an escape (``"\\ud800"``); a pair is one character
+(``"\\ud83d\\ude00"`` is 😀), but a lone one is no character at all. Python's ``json`` takes
+it anyway, into a ``str`` that cannot be encoded: the tokenizer then refuses it with a
+``TypeError``, and echoing it back (``metadata``, ``user``) or storing it fails when the answer
+is encoded, after the engine has run. So a body holding one is refused at parsing, like any
+other body that is not JSON text (400 ``invalid_json``), by both the hot routes' fast path
+and FastAPI's routes (:class:`StrictJsonRoute`).
+
+Cost: one regex scan of the raw body for a surrogate escape (a C loop; bodies from clients that
+send UTF-8 never match); only a body that has one is encoded once more to find a lone one.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Callable, Coroutine
+from typing import Any
+
+from fastapi import Request, Response
+from fastapi.routing import APIRoute
+
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
+LONE_SURROGATE = "a string holds a lone UTF-16 surrogate escape, which is not a Unicode character"
+
+
+def loads(raw: bytes | str) -> Any:
+    """``json.loads``, raising ``json.JSONDecodeError`` for a string holding a lone surrogate."""
+    data = json.loads(raw)
+    blob = raw.encode("utf-8", "surrogatepass") if isinstance(raw, str) else raw
+    first = _SURROGATE_ESCAPE.search(blob)
+    if first is not None:
+        try:
+            json.dumps(data, ensure_ascii=False).encode("utf-8")
+        except UnicodeEncodeError:
+            raise json.JSONDecodeError(LONE_SURROGATE, blob.decode("utf-8", "replace"), first.start()) from None
+    return data
+
+
+class _StrictJsonRequest(Request):
+    async def json(self) -> Any:
+        if not hasattr(self, "_json"):
+            self._json = loads(await self.body())
+        return self._json
+
+
+class StrictJsonRoute(APIRoute):
+    """An ``APIRoute`` whose JSON body is parsed by :func:`loads` (FastAPI turns its error into
+    a ``json_invalid`` validation error, rendered as the dialect's 400)."""
+
+    def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
+        handler = super().get_route_handler()
+
+        async def strict(request: Request) -> Response:
+            return await handler(_StrictJsonRequest(request.scope, request.receive))
+
+        return strict
