@@ -273,6 +273,10 @@ class ReferenceEngine:
             with self._lock:
                 self.steps += 1
                 now = self.clock()
+                try:
+                    self.scheduler.store_computed(step)
+                except Exception:  # storing for reuse is an optimisation: a bug must not fail the step
+                    log.exception("reference engine: storing computed blocks failed")
                 for seq, sampled in results:
                     if seq.request_id in self._sinks and seq.request_id not in self._cancels:
                         self._accept(seq, sampled, now)

@@ -17,7 +17,10 @@ Invariants:
 * a sequence in ``running`` holds a pool allocation whose capacity covers every token
   it has computed plus the ones scheduled in the current step;
 * every allocation is released exactly once (finish, cancel or preemption), with the
-  tokens whose KV is actually in the cache, so the pool stores only computed blocks;
+  tokens whose KV is actually in the cache, so the pool stores only computed blocks; a
+  running sequence's blocks are stored as TensorRT-LLM stores them, at the end of its prefill
+  and at block boundaries while it decodes (:meth:`Scheduler.store_computed`), so a request
+  admitted meanwhile reuses them;
 * physical copies the pool asks for are handed to the caller before the step that
   needs them (``ScheduledStep.copies``), in the pool's order.
 """
@@ -193,6 +196,24 @@ class Scheduler:
             if victim is seq:
                 return False
         return True
+
+    def store_computed(self, step: ScheduledStep) -> None:
+        """After ``step`` ran, before its sampled tokens join their sequences: store for reuse what
+        TensorRT-LLM stores then (``BlockPool.store``). A prefill that finished stores the full
+        blocks of all its tokens but the last (``storeContextBlocks``: ``tokens[:promptLen - 1]``);
+        a decode step whose computed tokens fill a whole number of blocks stores them
+        (``storeNewBlock``: the sequence's tokens but the newly sampled one, when that is a
+        multiple of the block size)."""
+        for work in step.prefills:
+            if work.sample:  # the last chunk: the prefill is done
+                self._store(work.seq, work.seq.num_computed - 1)
+        for work in step.decodes:
+            if work.seq.num_computed % self.tokens_per_block == 0:
+                self._store(work.seq, work.seq.num_computed)
+
+    def _store(self, seq: Sequence, num_tokens: int) -> None:
+        if seq in self.running:  # not preempted by a later sequence's growth in the same step
+            self.pool.store(seq.request_id, seq.tokens, num_computed_tokens=num_tokens)
 
     # Lifecycle ------------------------------------------------------------------------
     def preempt(self, seq: Sequence, now: float) -> None:

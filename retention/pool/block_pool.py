@@ -223,6 +223,27 @@ class BlockPool:
             seq.blocks.append(tiers.take_new(seq.plan.decode_priority, seq.plan.decode_duration_ms, seq.tenant, copies))
         return tuple(b.slot for b in seq.blocks), tuple(copies)
 
+    # ------------------------------------------------------------------ store while running
+    def store(self, request_id: Hashable, tokens: Sequence[int], *, num_computed_tokens: int) -> None:
+        """Store a running sequence's full blocks of the first ``num_computed_tokens`` tokens for reuse now.
+
+        TensorRT-LLM does not wait for a request to end: when its context phase is done it stores
+        the full blocks of ``tokens[:promptLen - 1]`` (``BlockManager::storeContextBlocks``), and
+        while it generates, each step whose ``len(tokens) - 1`` is a whole number of blocks stores
+        them (``WindowBlockManager::storeNewBlock``), both called from
+        ``trtGptModelInflightBatching.cpp`` ``forwardAsync``; a request arriving meanwhile reuses
+        them. Same walk as :meth:`release` (``storeBlocks``: blocks already stored are skipped), the
+        sequence keeps its references; a twin stored meanwhile by another sequence is adopted as at
+        release, the sequence's own copy held until it ends.
+        """
+        seq = self._seq(request_id)
+        packed = pack_tokens(tokens)
+        if packed[: len(seq.prompt_bytes)] != seq.prompt_bytes:
+            raise PoolError(f"stored tokens of {request_id!r} do not start with its prompt")
+        computed = max(0, min(num_computed_tokens, len(packed) // 4, len(seq.blocks) * self._bpt))
+        if self._config.enable_block_reuse:
+            self._store(seq, packed, computed // self._bpt)
+
     # ------------------------------------------------------------------ release
     def release(
         self, request_id: Hashable, tokens: Sequence[int], *, now: float, num_computed_tokens: int | None = None

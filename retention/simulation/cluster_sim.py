@@ -12,8 +12,9 @@ router still sees its indexes). ``--hold tokens``: per replica the single-pool m
 ``retention/simulation/simulator.py`` — FIFO admission, blocks held for ``(prompt − cached) /
 prefill_tps + output / decode_tps`` — with one event clock across replicas::
 
-    arrival ─► route ─► on_dispatch ─► replica's FIFO ─► allocate ─► prefill done
-        (on_prefill_done) ─► finish: release, events ─► apply_events, on_complete
+    arrival ─► route ─► on_dispatch ─► replica's FIFO ─► allocate ─► prefill done: the
+        prompt's blocks stored (reusable from now, as TensorRT-LLM's storeContextBlocks), events
+        ─► apply_events, on_prefill_done ─► finish: release, events ─► apply_events, on_complete
 
 Replicas compute independently (a replica's service time does not depend on its
 concurrency); load matters through KV capacity (held blocks push cached ones out, and a
@@ -321,7 +322,7 @@ def simulate_cluster(
             prefill = (request.input_length - alloc.num_cached_tokens) / config.prefill_tokens_per_s
             decode = request.output_length / config.decode_tokens_per_s
             running[replica] += 1
-            heapq.heappush(clock, (now + prefill, seq, PREFILL_DONE, replica, request.index, None))
+            heapq.heappush(clock, (now + prefill, seq, PREFILL_DONE, replica, request.index, tokens))
             heapq.heappush(clock, (now + prefill + decode, seq + 1, FINISH, replica, request.index, tokens))
             seq += 2
             if progress is not None:
@@ -331,7 +332,9 @@ def simulate_cluster(
         while clock and (limit is None or clock[0][0] <= limit):
             deliver(clock[0][0])
             at, _, kind, replica, index, tokens = heapq.heappop(clock)
-            if kind == PREFILL_DONE:
+            if kind == PREFILL_DONE:  # its prompt's blocks are reusable now (storeContextBlocks), events sent
+                pools[replica].store(index, tokens, num_computed_tokens=len(tokens) - 1)  # type: ignore[arg-type]
+                feed(replica, at)
                 prefill_done(index, at)
                 continue
             pools[replica].release(index, tokens, now=at, num_computed_tokens=len(tokens))  # type: ignore[arg-type]

@@ -9,8 +9,9 @@ shape and replays the trace in timestamp order (``now`` = the request's timestam
 
 ``--hold tokens`` (concurrency competes for capacity)::
 
-    arrival ─► wait (FIFO) ─► allocate(prompt + output reserve) ─► hold for
-        (prompt − cached) / prefill_tps + output / decode_tps seconds ─► release
+    arrival ─► wait (FIFO) ─► allocate(prompt + output reserve) ─► prefill for
+        (prompt − cached) / prefill_tps seconds ─► store the prompt's blocks (reusable from now,
+        as TensorRT-LLM's storeContextBlocks) ─► decode for output / decode_tps ─► release
 
 A request that cannot fit even into an idle pool is rejected (counted, all its tokens
 recomputed). Only prompt tokens are cached: Mooncake hash ids describe prompts, so
@@ -300,12 +301,17 @@ def _replay_demote(pool: BlockPool, request: TraceRequest, plan, config: SimConf
 
 def _replay_holding(requests, pool, config, try_admit, account, result, progress, deliver,  # noqa: ANN001
                     completed) -> None:
-    """``--hold tokens``: FIFO admission, blocks held for the modelled service time."""
-    running: list[tuple[float, int, object]] = []  # (finish time, request index, tokens)
+    """``--hold tokens``: FIFO admission, blocks held for the modelled service time; a request's
+    prompt blocks are stored for reuse when its prefill ends, as TensorRT-LLM stores them
+    (``BlockPool.store``), not only when it finishes."""
+    # (time, order, request index, tokens, finishes): its prefill's end (finishes False), then its end
+    running: list[tuple[float, int, int, object, bool]] = []
+    order = 0
     by_index = {request.index: request for request in requests}
     waiting: deque[TraceRequest] = deque()
 
     def admit_waiting(now: float) -> None:
+        nonlocal order
         while waiting:
             request = waiting[0]
             tokens, alloc = try_admit(request, now, request.output_length)
@@ -322,14 +328,19 @@ def _replay_holding(requests, pool, config, try_admit, account, result, progress
                 result.delayed_requests += 1
                 result.total_wait_s += wait
             account(request, alloc.reused_blocks, alloc.onboarded_blocks, False)
-            service = (request.input_length - alloc.num_cached_tokens) / config.prefill_tokens_per_s
-            service += request.output_length / config.decode_tokens_per_s
-            heapq.heappush(running, (now + service, request.index, tokens))
+            prefill = (request.input_length - alloc.num_cached_tokens) / config.prefill_tokens_per_s
+            finish = now + prefill + request.output_length / config.decode_tokens_per_s
+            heapq.heappush(running, (now + prefill, order, request.index, tokens, False))
+            heapq.heappush(running, (finish, order + 1, request.index, tokens, True))
+            order += 2
             _tick(progress)
 
     def finish_until(limit: float | None) -> None:
         while running and (limit is None or running[0][0] <= limit):
-            finish, index, tokens = heapq.heappop(running)
+            finish, _, index, tokens, finishes = heapq.heappop(running)
+            if not finishes:  # the prefill ended: tokens[:promptLen - 1] (storeContextBlocks)
+                pool.store(index, tokens, num_computed_tokens=len(tokens) - 1)
+                continue
             pool.release(index, tokens, now=finish, num_computed_tokens=len(tokens))
             completed(by_index[index], finish)
             admit_waiting(finish)

@@ -369,3 +369,34 @@ def test_extend_can_offload_to_make_room_for_decode() -> None:
     assert len(slots) == 2 and copies == (BlockCopy(P, slots[1], S, 0),)
     assert where(pool, toks(0, 1, 0)) == (1, 0, 1)
     pool.check_invariants()
+
+
+def test_blocks_stored_while_running_are_reused_before_the_request_ends() -> None:
+    """TensorRT-LLM stores a request's context blocks when its prefill ends and each new full block
+    while it decodes (``storeContextBlocks`` / ``storeNewBlock``): a request sharing the prefix
+    reuses them while the first still runs. Each block is stored (one Stored event) exactly once."""
+    pool = BlockPool(PoolConfig(primary_blocks=16, tokens_per_block=B))
+    prompt = toks(0, 3, 1)  # 13 tokens: 3 full blocks
+    assert pool.allocate("a", prompt, salt=None, tenant="t", plan=DEFAULT_PLAN, now=0.0).reused_blocks == 0
+    assert pool.allocate("early", prompt, salt=None, tenant="t", plan=DEFAULT_PLAN, now=0.0).reused_blocks == 0
+    pool.release("early", prompt, now=0.0, num_computed_tokens=0)  # nothing computed: nothing stored
+    assert not [e for e in pool.take_events() if isinstance(e, StoredEvent)]
+    pool.store("a", prompt, num_computed_tokens=len(prompt) - 1)  # prefill done: tokens[:12] are 3 blocks
+    stored = pool.take_events()
+    assert [len(e.blocks) for e in stored if isinstance(e, StoredEvent)] == [3]
+    reuse = pool.allocate("b", prompt, salt=None, tenant="t", plan=DEFAULT_PLAN, now=0.1)
+    assert reuse.reused_blocks == 3 and reuse.num_cached_tokens == 12
+    # "a" decodes 3 tokens (16 computed: a fourth full block), stored at that step; again is a no-op
+    grown = prompt + [100, 101, 102]
+    assert pool.extend("a", len(grown) + 1, now=0.2) is not None
+    pool.store("a", grown + [103], num_computed_tokens=len(grown) + 1)
+    pool.store("a", grown + [103], num_computed_tokens=len(grown) + 1)
+    events = pool.take_events()
+    assert [len(e.blocks) for e in events if isinstance(e, StoredEvent)] == [1] and events[0].parent_hash is not None
+    assert pool.allocate("c", grown + [103, 7], salt=None, tenant="t", plan=DEFAULT_PLAN, now=0.3).reused_blocks == 4
+    for rid, tokens in (("a", grown + [103, 104]), ("b", prompt), ("c", grown + [103, 7])):
+        pool.release(rid, tokens, now=1.0)
+        pool.check_invariants()
+    assert not [e for e in pool.take_events() if isinstance(e, StoredEvent) and len(e.blocks) > 1]
+    with pytest.raises(PoolError):
+        pool.store("a", prompt, num_computed_tokens=4)  # released: no longer running

@@ -250,8 +250,10 @@ def test_bad_knobs_are_refused(knobs: dict) -> None:
 
 def test_follows_the_cache_where_the_fixed_band_gives_reuse_away() -> None:
     """The api family (single-turn requests behind shared system prompts), 4 replicas × 2 % GPU, host 4×:
-    the fixed band moves a prompt's followers off its replica; the self-tuning band widens and keeps them,
-    within the 1.3 imbalance the benchmarks hold routing to (docs/benchmarks.md, "Routing that generalizes")."""
+    the fixed band moves some of a prompt's followers off its replica; the self-tuning band widens and
+    keeps them, within the 1.3 imbalance the benchmarks hold routing to. With a prompt's blocks reusable
+    from the end of its prefill (as TensorRT-LLM stores them) rather than from its request's end, most of
+    the followers find them anyway: the band's gain here fell from over a point to a few tenths."""
     import json
 
     from retention.simulation.cluster_sim import ClusterConfig, simulate_cluster
@@ -269,7 +271,7 @@ def test_follows_the_cache_where_the_fixed_band_gives_reuse_away() -> None:
         for name in ("kv-aware", "kv-adaptive")
     }
     fixed, adaptive = results["kv-aware"], results["kv-adaptive"]
-    assert adaptive.total.hit_rate > fixed.total.hit_rate + 0.01
+    assert adaptive.total.hit_rate > fixed.total.hit_rate + 0.002
     assert adaptive.load_imbalance <= 1.3
 
 
@@ -288,7 +290,10 @@ def test_bounded_scale_keeps_chat_sessions_where_the_wide_bounds_scatter_them() 
     GPU at the floor (the largest request), host 0, arrival ×4 — one of the tune grid's settings: with the
     default bounds [¼, 64] the scale swings from the cache-only cost to a band that scatters sessions;
     bounded to [½, 4] (``kv-adaptive, bounded`` in docs/benchmarks.md, "Routing that generalizes") it keeps
-    more of the sessions' reuse, within the 1.3 imbalance the benchmarks hold routing to."""
+    more of the sessions' reuse: about two points with prompts reusable from the end of their prefill, as
+    TensorRT-LLM stores them. Under that rule its imbalance here is 1.38 against the wide bounds' 1.16, above
+    the 1.3 the benchmarks hold routing to (it was within it when prompts were reusable only from their
+    request's end): a trade-off, and a reason it is a reported variant, not the default."""
     import dataclasses
     import json
 
@@ -312,5 +317,4 @@ def test_bounded_scale_keeps_chat_sessions_where_the_wide_bounds_scatter_them() 
         for name, tuning in (("bounded", BandTuning(min_scale=0.5, max_scale=4.0)), ("default", BandTuning()))
     }
     bounded, wide = results["bounded"], results["default"]
-    assert bounded.total.hit_rate > wide.total.hit_rate + 0.03
-    assert bounded.load_imbalance <= 1.3
+    assert bounded.total.hit_rate > wide.total.hit_rate + 0.01

@@ -153,3 +153,40 @@ def test_offloaded_prefix_is_onboarded_with_identical_output(bundle, tokenizer, 
         assert stats(handle.url).onboarded_blocks >= hosted.kv.onboarded_blocks
     finally:
         stop_in_thread(handle, thread)
+
+
+def test_a_prompt_is_reusable_once_its_prefill_ends_not_when_its_request_does(bundle, tokenizer):
+    """As TensorRT-LLM stores context blocks at the end of the context phase: a request sharing a
+    running request's prompt reuses its full blocks (all but the last token's) while it decodes."""
+    config = ReferenceEngineConfig(kv_dtype="fp32", primary_blocks=32, secondary_blocks=0, tokens_per_block=32,
+                                   max_input_len=200, max_output_len=64, max_num_tokens=256)
+    handle, thread = start_in_thread(config, bundle)
+    try:
+        prompt = chat_ids(tokenizer, document("reuse-early", 5) + " Summarize.")
+        salt = unique_salt()
+        first = dataclasses.replace(make_request(prompt, 64, end_id=-1, salt=salt), streaming=True)
+
+        async def run() -> tuple[int, int]:
+            client = grpcaio.InferenceServerClient(handle.url)
+            try:
+                async def requests():
+                    yield {"model_name": MODEL, "inputs": to_inputs(encode_request(first)), "request_id": "long"}
+
+                seen = 0
+                twin = None
+                async for result, error in client.stream_infer(requests()):
+                    assert error is None, error
+                    seen += len(result.as_numpy("output_ids").tolist())
+                    if twin is None:  # the first token: the prefill is done, the request runs on
+                        twin = await asyncio.to_thread(infer, handle.url, make_request(prompt, 1, salt=salt))
+                    if result.get_response().parameters["triton_final_response"].bool_param:
+                        break
+                return seen, twin.kv.reused_blocks
+            finally:
+                await client.close()
+
+        generated, reused = asyncio.run(run())
+        assert generated == 64  # the first request was still decoding when the second was served
+        assert reused == (len(prompt) - 1) // 32 >= 3
+    finally:
+        stop_in_thread(handle, thread)
