@@ -30,6 +30,7 @@ CODE_BY_STATUS = {
     404: "not_found",
     405: "method_not_allowed",
     409: "conflict",
+    413: "payload_too_large",
     422: "invalid_request",
     503: "unavailable",
 }

@@ -90,7 +90,7 @@ class BodyLimit:
             if message["type"] == "http.request":
                 seen += len(message.get("body", b""))
                 if seen > self.limit:
-                    raise _TooLarge()
+                    raise _TooLarge(self.limit)
             return message
 
         try:
@@ -169,8 +169,15 @@ class RequestIds:
             REQUEST_ID.reset(token)
 
 
-class _TooLarge(Exception):
-    pass
+class _TooLarge(StarletteHTTPException):
+    """A body past the limit, found while it is read (chunked: no Content-Length to refuse up front).
+
+    An ``HTTPException`` so that FastAPI, reading the body for a route, lets it through to the
+    app's handler for it (413 in the API's shape) instead of taking it for an unparsable body (400);
+    ``BodyLimit`` answers it itself where nothing else did (a middleware that read the body)."""
+
+    def __init__(self, limit: int) -> None:
+        super().__init__(413, f"request body is larger than {limit} bytes")
 
 
 def _tenant_of(path: str) -> str | None:
@@ -236,7 +243,8 @@ def install_gateway(app: FastAPI, services: GatewayServices) -> FastAPI:
             return admin_error_response(exc.status_code, code, str(exc.detail), None, dict(exc.headers or {}) or None)
         # FastAPI answers undecodable bodies, unknown routes and wrong methods with
         # HTTPException; give them the serving API's error shape too.
-        code = {400: "invalid_json", 404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
+        code = {400: "invalid_json", 404: "not_found", 405: "method_not_allowed",
+                413: "payload_too_large"}.get(exc.status_code, "http_error")
         return serving_error_response(request.url.path, ServingError(exc.status_code, code, str(exc.detail),
                                                                      headers=dict(exc.headers or {})))
 

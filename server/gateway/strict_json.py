@@ -1,4 +1,8 @@
-"""Request bodies of the serving API parsed as JSON whose text is Unicode.
+"""Request bodies of the serving API parsed as standard JSON whose text is Unicode.
+
+Python's ``json`` also takes ``NaN``, ``Infinity`` and ``-Infinity``, which JSON has not: a body
+holding one is refused as not JSON (a tool call's arguments carrying one could never be answered
+as JSON).
 
 JSON may spell a UTF-16 surrogate as an escape (``"\\ud800"``); a pair is one character
 (``"\\ud83d\\ude00"`` is 😀), but a lone one is no character at all. Python's ``json`` takes
@@ -26,9 +30,14 @@ _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
 LONE_SURROGATE = "a string holds a lone UTF-16 surrogate escape, which is not a Unicode character"
 
 
+def _no_constant(name: str) -> Any:
+    raise json.JSONDecodeError(f"{name} is not a JSON value", name, 0)
+
+
 def loads(raw: bytes | str) -> Any:
-    """``json.loads``, raising ``json.JSONDecodeError`` for a string holding a lone surrogate."""
-    data = json.loads(raw)
+    """``json.loads``, raising ``json.JSONDecodeError`` for ``NaN`` / ``Infinity`` (not JSON, though
+    Python's parser takes them) and for a string holding a lone surrogate."""
+    data = json.loads(raw, parse_constant=_no_constant)
     blob = raw.encode("utf-8", "surrogatepass") if isinstance(raw, str) else raw
     first = _SURROGATE_ESCAPE.search(blob)
     if first is not None:

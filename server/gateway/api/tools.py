@@ -100,7 +100,10 @@ def render_messages(messages: Sequence[Mapping[str, Any]], functions: Sequence[M
         if calls:
             blocks = [f"{CALL_OPEN}\n{json.dumps({'name': c['name'], 'arguments': _as_object(c['arguments'])}, ensure_ascii=False)}\n{CALL_CLOSE}"
                       for c in calls]
-            content = (content + "\n" if content else "") + "\n".join(blocks)
+            # One newline before the calls, as the model writes them, whether or not the client sends back
+            # the text with the newline it generated (a streamed text keeps it; a parsed one is stripped):
+            # the turn then renders as generated, so its cached blocks are reused on the next turn.
+            content = (content.rstrip("\n") + "\n" if content.strip("\n") else "") + "\n".join(blocks)
         out.append({"role": message["role"], "content": content})
     if functions:
         block = tools_system_text(functions)
@@ -139,7 +142,7 @@ def new_call_id() -> str:
 def parse_forced(text: str, plan: ToolPlan) -> list[ToolCall]:
     """The single call a forced guide produced (empty if the output was cut short)."""
     try:
-        value = json.loads(text)
+        value = _loads(text)
     except ValueError:
         return []
     call = _call_from(value, plan)
@@ -158,7 +161,7 @@ def parse_tool_calls(text: str, plan: ToolPlan) -> tuple[str, list[ToolCall]]:
         end = rest.find(CALL_CLOSE)
         body = rest[len(CALL_OPEN): end if end >= 0 else len(rest)]
         try:
-            call = _call_from(json.loads(body), plan)
+            call = _call_from(_loads(body), plan)
         except ValueError:
             call = None
         if call is not None:
@@ -177,12 +180,22 @@ def _call_from(value: Any, plan: ToolPlan) -> ToolCall | None:
     arguments = value.get("arguments", {})
     if isinstance(arguments, str):
         try:
-            arguments = json.loads(arguments)
+            arguments = _loads(arguments)
         except ValueError:
             return None
     if not isinstance(arguments, dict):
         return None
     return ToolCall(new_call_id(), value["name"], json.dumps(arguments, ensure_ascii=False))
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON")
+
+
+def _loads(text: str) -> Any:
+    """``json.loads`` without Python's NaN / Infinity: a call the model wrote with one is not JSON, so it
+    is no call (its text stays content) rather than arguments no JSON answer can carry."""
+    return json.loads(text, parse_constant=_no_constant)
 
 
 class CallSplitter:

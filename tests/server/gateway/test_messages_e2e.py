@@ -168,6 +168,21 @@ def test_a_body_over_the_limit_is_413_in_anthropics_shape(stack: Stack, key: str
     big = {"model": MODEL, "max_tokens": 4, "messages": [{"role": "user", "content": "x" * (5 * 1024 * 1024)}]}
     response = httpx.post(stack.gateway.base_url + "/v1/messages", headers={"x-api-key": key}, json=big, timeout=60)
     assert response.status_code == 413 and response.json()["error"]["type"] == "request_too_large"
+    # sent chunked (no Content-Length to refuse up front): found while read, still a 413, on every route
+    raw = json.dumps(big).encode()
+
+    def chunks():
+        for start in range(0, len(raw), 1 << 20):
+            yield raw[start:start + (1 << 20)]
+
+    for path, body_shape in (("/v1/messages", "request_too_large"), ("/v1/messages/count_tokens", "request_too_large"),
+                             ("/v1/chat/completions", "payload_too_large"), ("/v1/responses", "payload_too_large")):
+        response = httpx.post(stack.gateway.base_url + path, content=chunks(), timeout=60,
+                              headers={"x-api-key": key, "Authorization": f"Bearer {key}",
+                                       "Content-Type": "application/json"})
+        assert response.status_code == 413, (path, response.text)
+        error = response.json()["error"]
+        assert body_shape in (error.get("type"), error.get("code")), (path, error)
 
 
 def test_count_tokens_counts_the_prompt_with_its_tools(stack: Stack, key: str) -> None:

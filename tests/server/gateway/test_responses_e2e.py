@@ -232,6 +232,13 @@ def test_text_that_is_not_unicode_and_schemas_the_engine_cannot_compile_are_400s
         for body in bodies:
             r = httpx.post(base + path, content=body.replace(b"%s", MODEL.encode()), headers=headers, timeout=120)
             assert r.status_code == 400 and "lone UTF-16 surrogate" in r.text, (path, body, r.text)
+    for path, body in (("/v1/chat/completions", b'{"model": "%s", "max_tokens": 2, "temperature": NaN, '
+                                                 b'"messages": [{"role": "user", "content": "Hi"}]}'),
+                       ("/v1/messages", b'{"model": "%s", "max_tokens": 2, "messages": [{"role": "assistant", '
+                                        b'"content": [{"type": "tool_use", "id": "toolu_1", "name": "f", '
+                                        b'"input": {"t": Infinity}}]}]}')):
+        r = httpx.post(base + path, content=body.replace(b"%s", MODEL.encode()), headers=headers, timeout=120)
+        assert r.status_code == 400 and "is not a JSON value" in r.text, (path, r.text)
     pair = b'{"model": "%s", "input": "Say \\ud83d\\ude00", "max_output_tokens": 2, "metadata": {"k": "\\ud83d\\ude00"}}'
     ok = httpx.post(base + "/v1/responses", content=pair.replace(b"%s", MODEL.encode()), headers=headers, timeout=120)
     assert ok.status_code == 200 and ok.json()["metadata"] == {"k": "\U0001F600"}, ok.text

@@ -60,6 +60,25 @@ def test_auto_output_is_split_into_content_and_calls() -> None:
     assert len(parse_tool_calls(two, ToolPlan(PLAN.functions, "auto", parallel=False))[1]) == 1
 
 
+def test_a_call_with_a_number_json_has_not_is_no_call() -> None:
+    for value in ("NaN", "Infinity", "-Infinity"):
+        text = f'Sure.\n<tool_call>\n{{"name": "get_weather", "arguments": {{"city": "Oslo", "t": {value}}}}}\n</tool_call>'
+        assert parse_tool_calls(text, PLAN) == (text, [])  # the text stays content, as the model wrote it
+        assert parse_forced(f'{{"name": "get_weather", "arguments": {{"city": {value}}}}}', PLAN) == []
+
+
+def test_a_returned_tool_turn_renders_as_generated_with_or_without_its_newline() -> None:
+    """The model writes "text\n<tool_call>…": a client sending the text back as streamed (newline kept) or
+    as parsed (stripped) gets the same prompt, so the turn's cached blocks are reused next turn."""
+    call = [{"name": "get_weather", "arguments": '{"city": "Oslo"}'}]
+    generated = 'Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>'
+    for text in ("Let me check.", "Let me check.\n", "Let me check.\n\n"):
+        rendered = render_messages([{"role": "assistant", "content": text, "tool_calls": call}], [])
+        assert rendered[0]["content"] == generated, repr(text)
+    bare = render_messages([{"role": "assistant", "content": "\n", "tool_calls": call}], [])
+    assert bare[0]["content"].startswith("<tool_call>")
+
+
 def test_splitter_streams_content_and_holds_the_call() -> None:
     splitter = CallSplitter()
     pieces = ["Sure", ", let me <", "tool", "_call>\n{\"name\"", ": 1}"]
