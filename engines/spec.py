@@ -170,7 +170,8 @@ class KvCacheSpec(_Strict):
     """
 
     enable_block_reuse: bool = True
-    free_gpu_memory_fraction: Annotated[float, Field(gt=0.0, le=1.0)] = 0.9
+    # (0, 1): KvCacheConfig::setFreeGpuMemoryFraction TLLM_CHECKs both bounds (executor/kvCacheConfig.cpp)
+    free_gpu_memory_fraction: Annotated[float, Field(gt=0.0, lt=1.0)] = 0.9
     max_tokens: Annotated[int, Field(ge=1)] | None = None
     host_cache_size_per_rank: Annotated[int, Field(ge=0)] = 0
     onboard_blocks: bool = True

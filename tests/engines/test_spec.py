@@ -48,6 +48,7 @@ def _raw(name: str) -> dict:
         (("tensorrt_llm", "version"), "1.3.0", "tensorrt_llm.version"),
         (("kv_cache", "host_cache_size_per_rank"), -1, "kv_cache.host_cache_size_per_rank"),
         (("build", "workers"), 2, "workers"),
+        (("kv_cache", "free_gpu_memory_fraction"), 1.0, "kv_cache.free_gpu_memory_fraction"),  # TensorRT-LLM: < 1
     ],
 )
 def test_invalid_specs_name_the_field(path, value, message):

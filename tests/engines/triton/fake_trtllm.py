@@ -243,6 +243,10 @@ def make_module(*, salt_supported: bool = True, primary_blocks: int = 64, second
             _bool("enable_block_reuse", enable_block_reuse)
             _int("max_tokens", max_tokens, optional=True, lo=1)
             _float("free_gpu_memory_fraction", free_gpu_memory_fraction, optional=True)
+            if free_gpu_memory_fraction is not None and not 0.0 < free_gpu_memory_fraction < 1.0:
+                # KvCacheConfig::setFreeGpuMemoryFraction (executor/kvCacheConfig.cpp): TLLM_CHECK(> 0), (< 1)
+                raise RuntimeError(f"[TensorRT-LLM][ERROR] Assertion failed: freeGpuMemoryFraction < 1.F "
+                                   f"(got {free_gpu_memory_fraction})")
             _int("host_cache_size", host_cache_size, optional=True, lo=0)  # std::optional<size_t>
             _bool("onboard_blocks", onboard_blocks)
             _int("secondary_offload_min_priority", secondary_offload_min_priority, optional=True, lo=0, hi=100)
