@@ -673,6 +673,20 @@ class KvMetrics:
     onboarded_blocks: int = 0
 
 
+def cached_prompt_tokens(reused_blocks: int, prompt_tokens: int, tokens_per_block: int) -> int:
+    """Prompt tokens served from the KV cache, from a response's ``kv_cache_reused_blocks``.
+
+    ``reused_blocks × tokens_per_block``, at most ``prompt_tokens − 1``: the engine always computes
+    the last prompt token (matching stops one token short, ``WindowBlockManager::loadOrAllocateBlocks``).
+    The cap also bounds TensorRT-LLM's partial reuse (``enable_partial_reuse``): a block matched in
+    part counts as reused (``++mReusedBlocks``) though only its matched tokens are; when the match
+    ends inside the prompt's last block the cap makes the count exact, when it ends inside an earlier
+    block the count is over by fewer than ``tokens_per_block`` tokens (the executor reports no token
+    count to make it exact; the reference engine reuses whole blocks only).
+    """
+    return max(0, min(prompt_tokens - 1, reused_blocks * tokens_per_block))
+
+
 @dataclass(frozen=True, slots=True)
 class TokenLogProbs:
     """Log probabilities of one generated token (see the module docstring for their meaning)."""

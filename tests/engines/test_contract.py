@@ -136,3 +136,13 @@ def test_log_probs_round_trip_through_the_response_tensors() -> None:
     assert out["top_log_probs"].shape == (2, 2) and out["top_log_probs_token_ids"].dtype == np.int32
     assert decode_log_probs(out) == probs
     assert decode_log_probs(encode_response([3], 1, KvMetrics())) is None
+
+
+def test_cached_prompt_tokens_never_count_the_last_prompt_token() -> None:
+    from engines.contract import cached_prompt_tokens
+
+    assert cached_prompt_tokens(4, 79, 16) == 64  # whole blocks
+    # TensorRT-LLM's partial reuse counts a block matched in part as reused: five blocks for 78 tokens
+    assert cached_prompt_tokens(5, 79, 16) == 78
+    assert cached_prompt_tokens(2, 32, 16) == 31  # the last prompt token is always computed
+    assert cached_prompt_tokens(0, 10, 16) == cached_prompt_tokens(3, 1, 16) == 0

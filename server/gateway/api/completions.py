@@ -38,7 +38,9 @@ from typing import Protocol
 import anyio
 from fastapi.responses import JSONResponse
 
-from engines.contract import EngineRequest, Guide, KvMetrics, SamplingParams, TokenLogProbs, context_refusal
+from engines.contract import (
+    EngineRequest, Guide, KvMetrics, SamplingParams, TokenLogProbs, cached_prompt_tokens, context_refusal,
+)
 from engines.tokenizer import ChatTokenizer
 from retention.hashing import block_hashes
 from retention.policy.conversation import ConversationPlan, ConversationRequest
@@ -662,9 +664,9 @@ async def _deltas(job: CompletionJob, request: EngineRequest, chunks: AsyncItera
 
 
 def cached_tokens(job: CompletionJob, outcome: Outcome, kv: KvMetrics | None = None) -> int:
-    """Prompt tokens served from KV: reused blocks × tokens per block (at most the prompt),
-    from ``kv`` if given, else from the outcome's latest engine response."""
+    """Prompt tokens served from KV (``engines.contract.cached_prompt_tokens``), from ``kv`` if
+    given, else from the outcome's latest engine response."""
     kv = kv if kv is not None else outcome.kv
     if kv is None:
         return 0
-    return min(job.prompt.total, kv.reused_blocks * job.tenant.pool.tokens_per_block)
+    return cached_prompt_tokens(kv.reused_blocks, job.prompt.total, job.tenant.pool.tokens_per_block)

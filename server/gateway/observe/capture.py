@@ -66,6 +66,7 @@ import anyio
 import numpy as np
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
+from engines.contract import cached_prompt_tokens
 from retention.hashing import block_hashes, chain_hash, pack_tokens, root_hash
 from retention.policy.hints import CacheHints
 from retention.trace import hint_fields
@@ -223,7 +224,7 @@ class TraceCaptures:
         if not sampled(capture.key, salt, input_ids, system_end, tokens_per_block, capture.sample_rate):
             return False
         total = len(input_ids)
-        cached = min(total, reused_blocks * tokens_per_block)
+        cached = cached_prompt_tokens(reused_blocks, total, tokens_per_block)
         host = min(cached, onboarded_blocks * tokens_per_block)
         record = CaptureRecord(
             capture.id, int((time.time() - latency) * 1000), tenant, retention_class, input_ids, system_end,

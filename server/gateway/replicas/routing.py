@@ -50,7 +50,7 @@ import time
 from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from dataclasses import dataclass, field, replace
 
-from engines.contract import EngineRequest, PoolStatsReport, TierStats
+from engines.contract import EngineRequest, PoolStatsReport, TierStats, cached_prompt_tokens
 from engines.kv_events import MOVED, REMOVED, STORED, KvEventsReport
 from retention.pool.events import CreatedEvent, KvEvent, RemovedEvent, StoredBlock, StoredEvent, UpdatedEvent
 from retention.hashing import block_hashes
@@ -558,6 +558,6 @@ class RoutedEngine:
                 replica.in_flight -= 1
                 metrics = self._routing.metrics
                 if metrics is not None:
-                    cached = 0 if kv is None else min(len(request.input_ids), kv.reused_blocks * tpb)
+                    cached = 0 if kv is None else cached_prompt_tokens(kv.reused_blocks, len(request.input_ids), tpb)
                     metrics.observe_replica(pool=route.name, replica=replica.name, status=status,
                                             prompt_tokens=len(request.input_ids), cached_tokens=cached)
