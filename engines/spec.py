@@ -247,6 +247,13 @@ class EngineSpec(_Strict):
                 raise ValueError("TensorRT-LLM engines store KV in FP8 (E4M3): set quantization.kv_cache: fp8")
             if self.kv_cache.event_buffer_max_size == 0:
                 raise ValueError("kv_cache.event_buffer_max_size must be > 0: per-tenant block counts come from KV events")
+            if self.triton.instance_count != 1:
+                # Each Python-backend instance builds its own executor, sizing its KV pool from the GPU
+                # memory free when it starts (BaseKVCacheManager::calculateFreeMemBytes × the fraction):
+                # a second one loads the weights again into what the first left, and requests, the
+                # stats call and the per-tenant ledger would be split across separate caches.
+                raise ValueError("triton.instance_count must be 1 for backend tensorrt_llm: the executor owns the "
+                                 "GPUs and its KV cache; one instance per model (scale with replicas)")
             if self.build.gemm_plugin == "fp8" and self.quantization.weights != "fp8":
                 raise ValueError("gemm_plugin fp8 needs quantization.weights: fp8")
             if self.quantization.weights != "fp8":

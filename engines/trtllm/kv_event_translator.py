@@ -95,6 +95,10 @@ class KvEventTranslator:
             event_id = getattr(event, "event_id", None)
             if event_id is not None:
                 if self._last_event_id is not None and int(event_id) != self._last_event_id + 1:
+                    # events were lost (the executor's buffer overflowed): which blocks left is
+                    # unknown, so forget them all, as for a fresh pool, rather than keep removed ones
+                    self._kv.clear()
+                    self._tier.clear()
                     self.log.invalidate()
                 self._last_event_id = int(event_id)
             self._apply_one(getattr(event, "data", event))

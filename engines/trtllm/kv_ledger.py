@@ -30,10 +30,18 @@ shared prefix counts for one of the tenants sharing it, which is what a quota wa
 
 Invariant: ``tier_blocks[level]`` equals the number of live hashes at that level, and
 the per-tenant counts sum to it minus the unattributed blocks.
+
+Lost events. The executor's buffer keeps ``event_buffer_max_size`` events and erases the oldest
+past it ("Events have been discarded", ``KVCacheEventManager::worker``, kvCacheEventManager.cpp);
+event ids come from one counter, so a lost event is a gap in them. The ledger then cannot know
+which blocks left: it forgets every block (``gaps`` counts it) and counts only blocks stored from
+there on, under-counting the blocks that outlive the gap rather than holding a tenant to removed
+ones forever (a quota then errs on the lenient side until those blocks turn over).
 """
 
 from __future__ import annotations
 
+import logging
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from typing import Any
@@ -41,6 +49,7 @@ from typing import Any
 from engines.trtllm.block_key import trt_root_hash
 
 UNATTRIBUTED = ""
+log = logging.getLogger("kvgate.trtllm.ledger")
 
 
 @dataclass(slots=True)
@@ -71,6 +80,8 @@ class TenantBlockLedger:
     _counts: dict[str, list[int]] = field(default_factory=dict)
     _roots: OrderedDict[int, _Root] = field(default_factory=OrderedDict)  # TensorRT-LLM root hash, newest last
     _pending_total: int = 0
+    _last_event_id: int | None = None
+    gaps: int = 0  # times events were lost (a gap in their ids) and the blocks were forgotten
 
     # Requests ------------------------------------------------------------------------
     def note_request(self, tenant: str | None, input_ids: tuple[int, ...] | list[int], salt: str | None = None) -> None:
@@ -119,7 +130,20 @@ class TenantBlockLedger:
     # Events --------------------------------------------------------------------------
     def apply(self, events: Any) -> None:
         for event in events:
+            event_id = getattr(event, "event_id", None)
+            if event_id is not None:
+                if self._last_event_id is not None and int(event_id) != self._last_event_id + 1:
+                    self.forget_blocks()
+                self._last_event_id = int(event_id)
             self.apply_one(getattr(event, "data", event))
+
+    def forget_blocks(self) -> None:
+        """Events were lost: forget every block (see the module docstring, "Lost events")."""
+        self._blocks.clear()
+        self._counts.clear()
+        self.gaps += 1
+        log.warning("KV cache events were lost (event_buffer_max_size too small?): per-tenant block counts restart "
+                    "from the blocks stored from now on")
 
     def apply_one(self, data: Any) -> None:
         if hasattr(data, "num_blocks_per_cache_level"):

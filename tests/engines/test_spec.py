@@ -49,6 +49,7 @@ def _raw(name: str) -> dict:
         (("kv_cache", "host_cache_size_per_rank"), -1, "kv_cache.host_cache_size_per_rank"),
         (("build", "workers"), 2, "workers"),
         (("kv_cache", "free_gpu_memory_fraction"), 1.0, "kv_cache.free_gpu_memory_fraction"),  # TensorRT-LLM: < 1
+        (("triton", "instance_count"), 2, "triton.instance_count"),  # one executor per GPU set
     ],
 )
 def test_invalid_specs_name_the_field(path, value, message):

@@ -112,6 +112,23 @@ def test_ledger_attributes_roots_by_their_salted_hash_and_children_by_parent():
     assert ledger.tier_blocks() == [4, 0]
 
 
+def test_ledger_forgets_its_blocks_when_events_were_lost():
+    """The executor's buffer drops its oldest events past event_buffer_max_size (kvCacheEventManager.cpp
+    KVCacheEventManager::worker): a gap in event ids. A removal may be among them, so the ledger forgets
+    every block rather than charge a tenant for a block that left."""
+    ledger = TenantBlockLedger(tokens_per_block=2)
+    ledger.note_request("a", [1, 2, 3, 4, 5], salt="salt-a")
+    ledger.apply([types.SimpleNamespace(event_id=0, data=stored(None, root([1, 2], "salt-a"), [1, 2])),
+                  types.SimpleNamespace(event_id=1, data=stored(root([1, 2], "salt-a"), 12, [3, 4]))])
+    assert ledger.tenants() == {"a": [2, 0]} and ledger.gaps == 0
+    # event 2 (say, the removal of both) was discarded; event 3 stores an unrelated root
+    ledger.apply([types.SimpleNamespace(event_id=3, data=stored(None, 77, [8, 8]))])
+    assert ledger.gaps == 1 and ledger.tenants() == {} and ledger.tier_blocks() == [1, 0]
+    ledger.note_request("a", [1, 2, 9, 9], salt="salt-a")
+    ledger.apply([types.SimpleNamespace(event_id=4, data=stored(None, root([1, 2], "salt-a"), [1, 2]))])
+    assert ledger.tenants() == {"a": [1, 0]}  # counting again from the blocks stored since
+
+
 def test_ledger_shared_roots_go_to_the_oldest_pending_tenant_and_stay_bounded():
     ledger = TenantBlockLedger(tokens_per_block=2, max_pending=3)
     ledger.note_request("a", [1, 2])  # no salt (shared isolation): same hash for every tenant
