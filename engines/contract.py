@@ -132,6 +132,7 @@ END_ID = TensorSpec("end_id", "INT32", (1,))
 STREAMING = TensorSpec("streaming", "BOOL", (1,))
 TEMPERATURE = TensorSpec("temperature", "FP32", (1,))
 TOP_P = TensorSpec("runtime_top_p", "FP32", (1,))
+_FP32_TINY = float(np.finfo(np.float32).tiny)
 TOP_K = TensorSpec("runtime_top_k", "INT32", (1,))
 RANDOM_SEED = TensorSpec("random_seed", "UINT64", (1,))
 STOP = TensorSpec("stop", "BOOL", (1,))
@@ -626,7 +627,9 @@ def encode_request(request: EngineRequest) -> dict[str, np.ndarray]:
         END_ID.name: np.array([-1 if request.end_id is None else request.end_id], np.int32),
         STREAMING.name: np.array([request.streaming], np.bool_),
         TEMPERATURE.name: np.array([request.sampling.temperature], np.float32),
-        TOP_P.name: np.array([request.sampling.top_p], np.float32),
+        # a top_p under float32's range would round to 0.0, which the contract refuses: send the smallest
+        # float32 instead (the same nucleus: the most likely token alone)
+        TOP_P.name: np.array([max(request.sampling.top_p, _FP32_TINY)], np.float32),
         TOP_K.name: np.array([request.sampling.top_k], np.int32),
         STOP.name: np.array([request.stop], np.bool_),
     }

@@ -146,3 +146,14 @@ def test_cached_prompt_tokens_never_count_the_last_prompt_token() -> None:
     assert cached_prompt_tokens(5, 79, 16) == 78
     assert cached_prompt_tokens(2, 32, 16) == 31  # the last prompt token is always computed
     assert cached_prompt_tokens(0, 10, 16) == cached_prompt_tokens(3, 1, 16) == 0
+
+
+def test_a_top_p_below_float32s_range_still_reaches_the_engine_as_a_nucleus() -> None:
+    from engines.contract import EngineRequest, SamplingParams, encode_request, parse_request
+    from retention.types import RetentionPlan
+
+    request = EngineRequest(input_ids=(1, 2, 3), max_new_tokens=2, end_id=None, streaming=False,
+                            sampling=SamplingParams(top_p=1e-300), retention=RetentionPlan(), cache_salt=None,
+                            tenant_id=None)
+    parsed = parse_request(encode_request(request), max_output_len=8, max_input_len=8, vocab_size=16)
+    assert 0.0 < parsed.sampling.top_p < 1e-30
