@@ -12,6 +12,13 @@ exists (triton-inference-server/tensorrtllm_backend
 ``KvCacheRetentionConfig``; ``cache_salt``, ``tenant_id``,
 ``kv_cache_onboarded_blocks`` and the stats call are kvgate additions.
 
+Per-request KV figures mean the same on both engines: ``kv_cache_reused_blocks`` prompt blocks
+served from the cache, ``kv_cache_alloc_new_blocks`` prompt blocks that missed it and were
+computed (TensorRT-LLM's ``KvCacheMetrics.num_missed_blocks``: its ``num_new_allocated_blocks``
+counts slots that never held tokens, about none on a warm pool, ``getFreeBlock`` in
+kvCacheManager.cpp), ``kv_cache_alloc_total_blocks`` every block the request was given,
+generation's included. So reused / (reused + new) is the prompt's block hit rate.
+
 Sampling extensions, log probabilities and guided decoding use the stock names
 of TensorRT-LLM's ``triton_backend/all_models/inflight_batcher_llm/tensorrt_llm/config.pbtxt``
 (NVIDIA/TensorRT-LLM 0c8de69a): ``repetition_penalty``, ``presence_penalty``,

@@ -188,8 +188,8 @@ class Scheduler:
                 copies.extend(extra)
                 added = len(slots) - len(seq.block_slots)
                 seq.block_slots = list(slots)
-                m = seq.metrics
-                seq.metrics = KvMetrics(m.reused_blocks, m.new_blocks + max(added, 0), len(slots), m.onboarded_blocks)
+                m = seq.metrics  # "new" stays the prompt's missed blocks (engines/contract.py); the total grows
+                seq.metrics = KvMetrics(m.reused_blocks, m.new_blocks, len(slots), m.onboarded_blocks)
                 return True
             victim = max(self.running, key=lambda s: s.admit_seq)
             self.preempt(victim, now)

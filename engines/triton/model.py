@@ -278,10 +278,12 @@ class TritonPythonModel:
         perf = getattr(result, "request_perf_metrics", None)
         if perf is None:
             return contract.KvMetrics()
-        kv = perf.kv_cache_metrics  # request.cpp: KvCacheMetrics(num_total_allocated_blocks, num_new_allocated_blocks, num_reused_blocks, ...)
+        kv = perf.kv_cache_metrics  # request.cpp: KvCacheMetrics(num_total_allocated_blocks, num_new_allocated_blocks, num_reused_blocks, num_missed_blocks, ...)
         return contract.KvMetrics(
             reused_blocks=int(kv.num_reused_blocks),
-            new_blocks=int(kv.num_new_allocated_blocks),
+            # the contract's "new" is a prompt block computed: num_missed_blocks, not num_new_allocated_blocks
+            # (slots never used before, ~0 once the pool has turned over: getFreeBlock, kvCacheManager.cpp)
+            new_blocks=int(kv.num_missed_blocks),
             total_blocks=int(kv.num_total_allocated_blocks),
             onboarded_blocks=0,
         )

@@ -200,7 +200,8 @@ class GatewayMetrics:
                                      tp, buckets=_ITL_BUCKETS, registry=registry)
         self.latency = Histogram("kvgate_request_duration_seconds", "End-to-end request latency", tp, buckets=_LATENCY_BUCKETS, registry=registry)
         self.kv_reused = Counter("kvgate_kv_blocks_reused", "KV blocks reused from cache (GPU or host)", tp, registry=registry)
-        self.kv_new = Counter("kvgate_kv_blocks_new", "KV blocks newly allocated", tp, registry=registry)
+        self.kv_new = Counter("kvgate_kv_blocks_new", "Prompt KV blocks computed (not found in the cache)", tp,
+                              registry=registry)
         self.kv_onboarded = Counter("kvgate_kv_blocks_onboarded", "KV blocks onboarded from the host tier", tp, registry=registry)
         self.rate_limited = Counter("kvgate_rate_limited", "Requests refused by admission", ["tenant", "limit"], registry=registry)
         self.quota_demotions = Counter("kvgate_quota_demotions", "Requests planned with quota demotion", tp, registry=registry)

@@ -699,7 +699,7 @@ def make_module(*, salt_supported: bool = True, primary_blocks: int = 64, second
             self.active: dict[int, _Active] = {}  # enqueued, not finished (scheduled at the next iteration)
             self.auto_run = True  # await_responses runs iterations until every request finished
             self.next_id = 1
-            self.reused_total = self.alloc_total = self.alloc_new = self.missed_total = 0
+            self.reused_total = self.alloc_total = self.alloc_new = self.missed_total = self.slots_used = 0
             self.iteration_stats: deque = deque(maxlen=max(self.iter_stats_max_iterations, 1))
             self.events = KVCacheEventManager(kv_config.event_buffer_max_size)
             self.blocks = FakeBlockManager(self.tokens_per_block, enable_block_reuse=self.block_reuse,
@@ -798,7 +798,12 @@ def make_module(*, salt_supported: bool = True, primary_blocks: int = 64, second
                 reused, context = blocks.add_sequence(request_id, request.input_token_ids, request.cache_salt_id)
                 kv = active.kv
                 kv.num_total_allocated_blocks, kv.num_reused_blocks = context, reused
-                kv.num_new_allocated_blocks = kv.num_missed_blocks = context - reused
+                kv.num_missed_blocks = context - reused
+                # getFreeBlock (kvCacheManager.cpp): ++mAllocNewBlocks only for a slot whose uniqueTokens are
+                # empty, i.e. never used (a block's key is never cleared): at most the pool's size per life
+                fresh = min(context - reused, max(0, primary_blocks - self.slots_used))
+                self.slots_used += fresh
+                kv.num_new_allocated_blocks = fresh
                 kv.kv_cache_hit_rate = reused / context if context else 0.0
                 self.reused_total += reused
                 self.alloc_total += context

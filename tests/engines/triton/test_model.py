@@ -121,6 +121,12 @@ def test_non_streaming_answer_and_kv_metrics(harness):
     assert second[contract.KV_TOTAL.name].tolist() == [3]
     assert second[contract.KV_NEW.name].tolist() == [0]
     assert second[contract.KV_ONBOARDED.name].tolist() == [0]  # not reported per request by TRT-LLM 1.2
+    # once every slot has held tokens, TensorRT-LLM's num_new_allocated_blocks is 0 for a miss (getFreeBlock
+    # counts slots never used); the contract's "new" is the prompt's missed blocks, num_missed_blocks
+    for i in range(22):  # 22 prompts of 3 blocks: past the double's 64 slots
+        outputs(harness.send(request(salt="warm", ids=tuple(range(2000 + 100 * i, 2000 + 100 * i + 80)))))
+    [(cold, _)] = outputs(harness.send(request(salt="warm", ids=tuple(range(9000, 9080)))))
+    assert cold[contract.KV_REUSED.name].tolist() == [0] and cold[contract.KV_NEW.name].tolist() == [3]
 
 
 def test_salts_isolate_tenants(harness):
