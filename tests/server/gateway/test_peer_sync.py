@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import secrets
 import time
 
@@ -37,14 +38,24 @@ async def until(predicate, what: str, timeout: float = 10.0) -> None:
         await asyncio.sleep(0.01)
 
 
+@contextlib.asynccontextmanager
+async def two_gateways():
+    """Gateways "a" and "b" in a fresh namespace, started and subscribed; closed on the way out."""
+    ns = f"test-{secrets.token_hex(4)}"
+    a, b = gateway("a", ns), gateway("b", ns)
+    for sync, _, _ in (a, b):
+        sync.start()
+    try:
+        await until(lambda: a[0].subscribed.is_set() and b[0].subscribed.is_set(), "subscriptions")
+        yield a, b
+    finally:
+        await a[0].close()
+        await b[0].close()
+
+
 def test_peers_apply_each_others_dispatches_through_redis() -> None:
     async def scenario() -> None:
-        ns = f"test-{secrets.token_hex(4)}"
-        (a, a_loads, _), (b, b_loads, b_other) = gateway("a", ns), gateway("b", ns)
-        for sync in (a, b):
-            sync.start()
-        try:
-            await until(lambda: a.subscribed.is_set() and b.subscribed.is_set(), "subscriptions")
+        async with two_gateways() as ((a, a_loads, _), (b, b_loads, b_other)):
             a.publish(POOL, Notice("a", "dispatch", "req-1", 1, (7, 8, 9), 13, 4, 0))
             await until(lambda: b_loads.router.loads.load(1).running == 1, "b sees a's dispatch")
             assert b_loads.router.match(1, (7, 8, 9), now=0.0).pending_blocks == 3
@@ -67,21 +78,13 @@ def test_peers_apply_each_others_dispatches_through_redis() -> None:
             await a._redis.publish(a.channel(POOL), b"not a notice")
             await until(lambda: b.counters.malformed == 1, "b reads the garbage")
             assert a.counters.dropped == 0 and a.counters.published >= 4
-        finally:
-            await a.close()
-            await b.close()
 
     asyncio.run(scenario())
 
 
 def test_a_dropped_first_token_is_repaired_by_the_next_heartbeat(monkeypatch) -> None:
     async def scenario() -> None:
-        ns = f"test-{secrets.token_hex(4)}"
-        (a, _, _), (b, b_loads, _) = gateway("a", ns), gateway("b", ns)
-        for sync in (a, b):
-            sync.start()
-        try:
-            await until(lambda: a.subscribed.is_set() and b.subscribed.is_set(), "subscriptions")
+        async with two_gateways() as ((a, _, _), (b, b_loads, _)):
             a.publish(POOL, Notice("a", "dispatch", "req-1", 1, (7, 8), 13, 4, 0))
             await until(lambda: b_loads.router.loads.load(1).running == 1, "b sees a's dispatch")
             assert b_loads.router.loads.load(1).queued_prefill_tokens == 13
@@ -91,9 +94,6 @@ def test_a_dropped_first_token_is_repaired_by_the_next_heartbeat(monkeypatch) ->
             a.beat()  # names req-1 in flight and decoding
             await until(lambda: b_loads.router.loads.load(1).queued_prefill_tokens == 0, "the heartbeat's repair")
             assert b_loads.router.loads.load(1).running == 1
-        finally:
-            await a.close()
-            await b.close()
 
     asyncio.run(scenario())
 
