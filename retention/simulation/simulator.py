@@ -69,8 +69,10 @@ class SimConfig:
             raise ValueError(f"hold must be 'none' or 'tokens', got {self.hold!r}")
         if self.tokens_per_block < 1 or self.trace_block_size < 1:
             raise ValueError("block sizes must be >= 1")
-        if self.prefill_tokens_per_s <= 0 or self.decode_tokens_per_s <= 0:
-            raise ValueError("token rates must be > 0")
+        # Written so NaN fails too (every comparison with NaN is False).
+        for name, rate in (("prefill", self.prefill_tokens_per_s), ("decode", self.decode_tokens_per_s)):
+            if not 0 < rate < float("inf"):
+                raise ValueError(f"{name} token rate must be a finite number > 0, got {rate}")
 
 
 @dataclass(slots=True)

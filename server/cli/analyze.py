@@ -64,9 +64,9 @@ def register(app: typer.Typer) -> None:
                                       "(all layers: 2 x layers x KV heads x head dim x dtype bytes; Llama-3.1-8B: 65536 in FP8)")] = None,
         model: Annotated[str | None, typer.Option("--model", help="bundled model shape for the KV bytes per token "
                          "(as kvgate plan), instead of --kv-bytes-per-token")] = None,
-        kv_dtype: Annotated[str, typer.Option("--kv-dtype", help="KV dtype with --model: fp8 | fp16 | bf16")] = "fp8",
+        kv_dtype: Annotated[str, typer.Option("--kv-dtype", help="KV dtype with --model: fp8 | fp16 | bf16 | fp32")] = "fp8",
         link_gb_s: Annotated[float, typer.Option("--host-link-gb-s", help="host-link budget, GB/s per GPU")] = 25.0,
-        gpu: Annotated[str, typer.Option("--gpu", help="GPU capacity for the host-tier curve: blocks or %% of distinct")] = "2%",
+        gpu: Annotated[str, typer.Option("--gpu", help="GPU capacity for the host-tier curve: blocks or % of distinct")] = "2%",
         host_multiples: Annotated[str, typer.Option("--host-multiples", help="host sizes as multiples of the GPU "
                                   "capacity")] = "0,0.5,1,2,4,8,16,32",
         curve_requests: Annotated[int, typer.Option("--curve-requests", help="replay the first N lines for the "

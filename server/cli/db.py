@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Annotated
 
 import typer
+
+from server.cli.options import database_engine, database_error, fail, load_settings
 
 UrlOption = Annotated[
     str | None,
@@ -13,9 +17,24 @@ UrlOption = Annotated[
 
 
 def _url(database_url: str | None) -> str:
-    from server.settings import Settings
+    """The URL to migrate; one that cannot be parsed exits 2 naming where it came from."""
+    url = database_url or load_settings().database_url
+    database_engine(url, "--database-url" if database_url else "KVGATE_DATABASE_URL").dispose()
+    return url
 
-    return database_url or Settings().database_url
+
+@contextmanager
+def _db_errors() -> Iterator[None]:
+    """Database and Alembic errors become one ``database_unavailable`` / ``invalid_value`` line."""
+    from alembic.util import CommandError
+    from sqlalchemy.exc import SQLAlchemyError
+
+    try:
+        yield
+    except SQLAlchemyError as exc:
+        database_error(exc)
+    except CommandError as exc:
+        fail(2, "invalid_value", f"revision: {exc}", "revision")
 
 
 def register(app: typer.Typer) -> None:
@@ -32,8 +51,9 @@ def register(app: typer.Typer) -> None:
         from tenants import migrate
 
         url = _url(database_url)
-        migrate.upgrade(url=url, revision=revision)
-        typer.echo(f"database at revision {migrate.current(url=url)}")
+        with _db_errors():
+            migrate.upgrade(url=url, revision=revision)
+            typer.echo(f"database at revision {migrate.current(url=url)}")
 
     @db.command()
     def downgrade(
@@ -46,12 +66,15 @@ def register(app: typer.Typer) -> None:
         from tenants import migrate
 
         url = _url(database_url)
-        migrate.downgrade(url=url, revision=revision)
-        typer.echo(f"database at revision {migrate.current(url=url) or 'base'}")
+        with _db_errors():
+            migrate.downgrade(url=url, revision=revision)
+            typer.echo(f"database at revision {migrate.current(url=url) or 'base'}")
 
     @db.command()
     def current(database_url: UrlOption = None) -> None:
         """Print the database's revision and the code's head."""
         from tenants import migrate
 
-        typer.echo(f"current: {migrate.current(url=_url(database_url)) or 'base'}  head: {migrate.head()}")
+        url = _url(database_url)
+        with _db_errors():
+            typer.echo(f"current: {migrate.current(url=url) or 'base'}  head: {migrate.head()}")

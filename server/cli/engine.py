@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import signal
+import socket
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -60,9 +61,31 @@ def register(app: typer.Typer) -> None:
             )
         except EngineConfigError as exc:
             raise typer.BadParameter(str(exc)) from None
-        asyncio.run(_serve(config, host, port))
+        from engines.reference.weights import ModelLoadError
+
+        try:
+            _check_port_free(host, port)  # before the model load, which takes seconds
+            asyncio.run(_serve(config, host, port))
+        except (ModelLoadError, OSError, RuntimeError) as exc:  # gRPC reports a failed bind as RuntimeError
+            typer.echo(f"kvgate engine serve: {exc}", err=True)
+            raise typer.Exit(1) from None
 
     app.add_typer(engine_app, name="engine")
+
+
+def _check_port_free(host: str, port: int) -> None:
+    """Raise ``OSError`` naming ``host:port`` when nothing could listen there (port 0: any port)."""
+    if port == 0:
+        return
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(
+            host.strip("[]"), port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+        )[0]
+        with socket.socket(family, kind, proto) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as gRPC: TIME_WAIT is no obstacle
+            probe.bind(address)
+    except OSError as exc:
+        raise OSError(f"cannot bind {host}:{port}: {exc.strerror or exc}") from None
 
 
 async def _serve(config, host: str, port: int) -> None:

@@ -68,17 +68,46 @@ def print_json(value: Any) -> None:
     typer.echo(json.dumps(value, indent=2, default=str))
 
 
+def load_settings() -> Any:
+    """``Settings()`` from the environment; an invalid ``KVGATE_*`` variable exits 2 with one line."""
+    from pydantic import ValidationError
+
+    from server.settings import Settings, settings_errors
+
+    try:
+        return Settings()
+    except ValidationError as exc:
+        fail(2, "invalid_value", settings_errors(exc), "settings")
+
+
+def database_engine(url: str, field: str = "KVGATE_DATABASE_URL") -> Any:
+    """An engine for ``url``; a URL that cannot be parsed exits 2 naming ``field``."""
+    from sqlalchemy.exc import ArgumentError
+
+    from tenants.db import make_engine
+
+    try:
+        return make_engine(url)
+    except (ArgumentError, ValueError) as exc:
+        fail(2, "invalid_value", f"{field}: not a database URL ({exc})", field)
+
+
+def database_error(exc: Exception) -> None:
+    """Exit 1 with the ``database_unavailable`` error for a SQLAlchemy error."""
+    orig = getattr(exc, "orig", None) or exc
+    fail(1, "database_unavailable", f"database error: {type(orig).__name__}: {' '.join(str(orig).split())}")
+
+
 @contextmanager
 def registry_session() -> Iterator[Any]:
     """A registry session from settings; registry/validation errors become CLI errors."""
     from pydantic import ValidationError
-    from sqlalchemy.exc import OperationalError
+    from sqlalchemy.exc import SQLAlchemyError
 
-    from server.settings import Settings
-    from tenants.db import make_engine, make_session_factory
+    from tenants.db import make_session_factory
     from tenants.errors import RegistryError
 
-    engine = make_engine(Settings().database_url)
+    engine = database_engine(load_settings().database_url)
     try:
         with make_session_factory(engine)() as session:
             yield session
@@ -88,8 +117,8 @@ def registry_session() -> Iterator[Any]:
         first = exc.errors()[0]
         field = ".".join(str(p) for p in first["loc"]) or None
         fail(2, "invalid_value", f"{field}: {first['msg']}", field)
-    except OperationalError as exc:
-        fail(1, "database_unavailable", f"database error: {type(exc.orig).__name__}: {exc.orig}")
+    except SQLAlchemyError as exc:
+        database_error(exc)
     finally:
         engine.dispose()
 

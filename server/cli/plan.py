@@ -103,11 +103,12 @@ def register(app: typer.Typer) -> None:
             if model is None:
                 raise CliError("give a MODEL (bundled name or config.json path), or --list"
                                + (f"; no bundled shape has the spec's model {spec}" if spec else ""))
-            tp = tp or defaults["tp"]
-            pp = pp or defaults["pp"]
+            # `is None`, not `or`: an explicit 0 must be refused below, not read as "unset".
+            tp = defaults["tp"] if tp is None else tp
+            pp = defaults["pp"] if pp is None else pp
             kv_dtype = kv_dtype or defaults["kv_dtype"]
             weights = weights or defaults["weights"]
-            tokens_per_block = tokens_per_block or defaults["tokens_per_block"]
+            tokens_per_block = defaults["tokens_per_block"] if tokens_per_block is None else tokens_per_block
             fraction = fraction if fraction is not None else defaults["fraction"]
             shape = load_shape(model)
             gpu_type = load_gpu(gpu, memory_gib=gpu_memory_gib)
@@ -121,10 +122,10 @@ def register(app: typer.Typer) -> None:
                                 free_gpu_memory_fraction=fraction, runtime_reserve_bytes=int(reserve_gib * GIB),
                                 context_length=parse_tokens(context, "--context"), sequences=sequences)
             def sized(plan_inputs: PlanInputs):  # noqa: ANN202 - CapacityPlan
-                planned = plan(shape, Hardware(gpu_type, gpus or world, tp, pp, per_rank_host), plan_inputs)
+                planned = plan(shape, Hardware(gpu_type, world if gpus is None else gpus, tp, pp, per_rank_host), plan_inputs)
                 if host_blocks is not None:
                     size = host_cache_size_for_blocks(host_blocks, planned.block_bytes_per_rank)
-                    planned = plan(shape, Hardware(gpu_type, gpus or world, tp, pp, size), plan_inputs)
+                    planned = plan(shape, Hardware(gpu_type, world if gpus is None else gpus, tp, pp, size), plan_inputs)
                 return planned
 
             result = sized(inputs)

@@ -9,6 +9,7 @@ service refuses placeholder secrets.
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Annotated
 
@@ -66,6 +67,10 @@ def register(app: typer.Typer) -> None:
         ] = 30.0,
     ) -> None:
         """Serve the gateway (/v1) and the admin API (/admin/v1)."""
+        if not (math.isfinite(drain_timeout) and drain_timeout >= 0):
+            typer.echo(f"kvgate serve: refusing to start: --drain-timeout must be a finite number >= 0, "
+                       f"got {drain_timeout}", err=True)
+            raise typer.Exit(2)
         import uvicorn
 
         from pydantic import ValidationError

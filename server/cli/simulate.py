@@ -62,7 +62,7 @@ def register(app: typer.Typer) -> None:
         replicas: Annotated[int | None, typer.Option("--replicas", help="replay over N replica pools, each of the given capacity, behind --router")] = None,
         router: Annotated[
             list[str] | None,
-            typer.Option("--router", help="random | round-robin | session | kv-aware (repeat; default all four; needs --replicas)"),
+            typer.Option("--router", help="random | round-robin | session | kv-aware | kv-adaptive (repeat; default all five; needs --replicas)"),
         ] = None,
         index: Annotated[str, typer.Option("--index", help="kv-aware's index: precise (pool KV events) | approximate (its own decisions)")] = "precise",
         ttl: Annotated[float | None, typer.Option("--ttl", help="approximate index: also forget blocks not routed for S seconds")] = None,
@@ -110,7 +110,7 @@ def register(app: typer.Typer) -> None:
             with trace.open() as handle:
                 requests, deletions = parse_trace_events(handle, block_size=block_size)
             block_size = block_size or trace_block_size(requests)
-            pool_block = tokens_per_block or block_size
+            pool_block = block_size if tokens_per_block is None else tokens_per_block
             config = SimConfig(
                 tokens_per_block=pool_block, trace_block_size=block_size, hold=hold,  # type: ignore[arg-type]
                 prefill_tokens_per_s=prefill_tps, decode_tokens_per_s=decode_tps, salted=salted,
@@ -141,10 +141,12 @@ def register(app: typer.Typer) -> None:
         ]
         total = len(requests) * len(names) * len(gpu_caps)
         if progress and not as_json:
+            from rich.console import Console
             from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
             with Progress(
-                TextColumn("replaying"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(), transient=True
+                TextColumn("replaying"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(), transient=True,
+                console=Console(stderr=True),
             ) as bar:
                 task = bar.add_task("replay", total=total)
                 reports = run_simulation(

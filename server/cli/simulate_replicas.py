@@ -111,9 +111,11 @@ def run_replicas(
                 reports.append((capacity, name, report))
 
     if progress and not as_json:
+        from rich.console import Console
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
-        with Progress(TextColumn("replaying"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(), transient=True) as bar:
+        with Progress(TextColumn("replaying"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(), transient=True,
+                      console=Console(stderr=True)) as bar:
             task = bar.add_task("replay", total=steps)
             run(lambda n: bar.advance(task, n))
     else:

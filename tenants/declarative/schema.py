@@ -212,10 +212,37 @@ def parse_registry(data: Mapping[str, Any] | Any) -> RegistryFile:
     return doc
 
 
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """``yaml.SafeLoader`` that refuses a mapping key given twice.
+
+    Plain YAML loading lets the last one win silently: a repeated ``pools:`` would drop the
+    first list, and ``apply --prune`` would then delete what it held. Keys brought in by a
+    ``<<`` merge may still be overridden, as YAML intends.
+    """
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        seen: dict[Any, int] = {}
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":
+                continue
+            key = self.construct_object(key_node, deep=True)
+            try:
+                first = seen.get(key)
+            except TypeError:  # an unhashable key: the base constructor reports it
+                continue
+            if first is not None:
+                raise yaml.constructor.ConstructorError(
+                    "while constructing a mapping", node.start_mark,
+                    f"duplicate key {key!r} (first given at line {first + 1})", key_node.start_mark,
+                )
+            seen[key] = key_node.start_mark.line
+        return super().construct_mapping(node, deep=deep)
+
+
 def load_registry(text: str, *, source: str = "registry file") -> RegistryFile:
-    """Parse YAML (or JSON) text into a checked ``RegistryFile``."""
+    """Parse YAML (or JSON) text into a checked ``RegistryFile``; a repeated key is an error."""
     try:
-        data = yaml.safe_load(text)
+        data = yaml.load(text, Loader=_UniqueKeyLoader)  # noqa: S506 - a SafeLoader subclass
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""

@@ -262,3 +262,16 @@ def test_model_shape_gives_the_kv_bytes_per_token(tmp_path: Path) -> None:
     assert json.loads(out)["transfer"]["kv_bytes_per_token"] == 32 * 8 * 128 * 2  # layers x KV heads x dim x K,V; FP8
     code, out = _run(str(trace), "--no-progress", "--no-curve", "--model", "no-such-model")
     assert code == 2 and "--model" in out
+
+
+def test_option_help_is_literal_and_names_every_accepted_kv_dtype(tmp_path: Path) -> None:
+    import typer
+
+    command = typer.main.get_command(create_cli()).commands["analyze"]  # type: ignore[attr-defined]
+    params = {p.name: p for p in command.params}
+    assert "%%" not in params["gpu"].help and "% of distinct" in params["gpu"].help
+    assert "fp32" in params["kv_dtype"].help
+    trace = _write(tmp_path / "tiny.jsonl", TINY)  # and fp32 is indeed accepted: 4 bytes per value
+    code, out = _run(str(trace), "--json", "--no-progress", "--no-curve", "--model", "llama-3.1-8b", "--kv-dtype", "fp32")
+    assert code == 0, out
+    assert json.loads(out)["transfer"]["kv_bytes_per_token"] == 32 * 8 * 128 * 2 * 4

@@ -153,3 +153,15 @@ def test_a_gpu_without_fp8_prints_no_spec() -> None:
     assert doc["spec"] is None and doc["registration"] is None and "no FP8" in doc["spec_choice"]["reason"]
     table = run("llama-3.1-8b", "--gpu", "a100", "--kv-dtype", "fp16")
     assert "no engine spec:" in table.output and "spec values:" not in table.output
+
+
+@pytest.mark.parametrize(("option", "message"), [
+    ("--tp", "--tp and --pp must be >= 1"),
+    ("--pp", "--tp and --pp must be >= 1"),
+    ("--gpus", "must be a positive multiple of tp"),
+    ("--tokens-per-block", "power of two"),
+])
+def test_zero_is_refused_not_read_as_unset(option: str, message: str) -> None:
+    result = run("llama-3.1-8b", option, "0")
+    assert result.exit_code == 2, result.output
+    assert message in result.output

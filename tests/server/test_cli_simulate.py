@@ -199,3 +199,47 @@ def test_hinted_lines_replay_with_plus_hints(tmp_path: Path) -> None:
     assert result.exit_code == 0, result.output
     policies = json.loads(result.output)["capacities"][0]["policies"]
     assert policies["lru+hints"]["tenants"]["gold"]["hit_rate"] > policies["lru"]["tenants"]["gold"]["hit_rate"]
+
+
+def test_token_rates_must_be_finite_and_positive(tmp_path: Path) -> None:
+    trace = write_trace(tmp_path / "t.jsonl")
+    base = ["simulate", str(trace), "--block-size", "4", "-c", "8", "--hold", "tokens", "--no-progress"]
+    for extra, message in [
+        (["--prefill-tps", "nan"], "prefill token rate must be a finite number > 0"),
+        (["--decode-tps", "nan"], "decode token rate must be a finite number > 0"),
+        (["--prefill-tps", "inf"], "prefill token rate must be a finite number > 0"),
+        (["--decode-tps", "0"], "decode token rate must be a finite number > 0"),
+    ]:
+        result = CliRunner().invoke(create_cli(), base + extra)
+        assert result.exit_code == 2, (extra, result.output)
+        assert message in result.stderr, (extra, result.output)
+
+
+def test_zero_tokens_per_block_is_refused_not_read_as_unset(tmp_path: Path) -> None:
+    trace = write_trace(tmp_path / "t.jsonl")
+    result = CliRunner().invoke(create_cli(), ["simulate", str(trace), "--block-size", "4", "--tokens-per-block", "0",
+                                               "--no-progress"])
+    assert result.exit_code == 2, result.output
+    assert "block sizes must be >= 1" in result.stderr
+
+
+def test_progress_bar_goes_to_stderr_not_stdout(tmp_path: Path) -> None:
+    trace = write_trace(tmp_path / "t.jsonl")
+    base = ["simulate", str(trace), "--block-size", "4", "-c", "8", "-p", "lru"]
+    for extra in ([], ["--replicas", "2", "--router", "random"]):
+        # FORCE_COLOR makes rich treat the captured streams as a terminal, so the bar is drawn.
+        result = CliRunner().invoke(create_cli(), base + extra, env={"FORCE_COLOR": "1"})
+        assert result.exit_code == 0, (extra, result.output)
+        assert "replaying" in result.stderr, extra
+        assert "replaying" not in result.stdout, extra
+
+
+def test_router_help_names_every_router_and_the_default() -> None:
+    import typer
+
+    from retention.routing import ROUTER_NAMES
+
+    command = typer.main.get_command(create_cli()).commands["simulate"]  # type: ignore[attr-defined]
+    (router,) = [p for p in command.params if p.name == "router"]
+    assert all(name in router.help for name in ROUTER_NAMES)
+    assert f"default all {['one', 'two', 'three', 'four', 'five', 'six'][len(ROUTER_NAMES) - 1]}" in router.help

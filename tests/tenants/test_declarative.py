@@ -221,6 +221,29 @@ def test_yaml_errors_name_the_line() -> None:
     assert err.value.code == "invalid_yaml" and "line" in err.value.message
 
 
+@pytest.mark.parametrize(
+    ("text", "key", "line"),
+    [
+        ("retention_classes:\n  - {name: chat}\nretention_classes: []\n", "retention_classes", 3),
+        ("pools: []\ntenants:\n  - slug: acme\n    pool: p\n    slug: beta\n", "slug", 5),
+        ('{"pools": [], "pools": []}', "pools", 1),
+    ],
+)
+def test_a_repeated_key_is_refused_naming_the_key_and_line(text: str, key: str, line: int) -> None:
+    # Plain YAML lets the last key win: a repeated list would vanish, and --prune delete its rows.
+    with pytest.raises(InvalidField) as err:
+        declarative.load_registry(text)
+    assert err.value.code == "invalid_yaml"
+    assert f"duplicate key {key!r}" in err.value.message and f"at line {line}," in err.value.message
+
+
+def test_merge_keys_may_still_be_overridden() -> None:
+    text = ("retention_classes:\n  - &base {name: chat, turn_priority: 30}\n"
+            "  - {<<: *base, name: batch}\n")
+    doc = declarative.load_registry(text)
+    assert [c.name for c in doc.retention_classes] == ["chat", "batch"]
+
+
 def test_hint_fields_are_declared_applied_and_validated(session) -> None:  # type: ignore[no-untyped-def]
     hinted = copy.deepcopy(FILE)
     hinted["retention_classes"][0].update(hints_enabled=True, hint_max_ttl_ms=3_600_000, hint_max_priority=70)
