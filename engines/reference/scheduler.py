@@ -201,15 +201,17 @@ class Scheduler:
         """After ``step`` ran, before its sampled tokens join their sequences: store for reuse what
         TensorRT-LLM stores then (``BlockPool.store``). A prefill that finished stores the full
         blocks of all its tokens but the last (``storeContextBlocks``: ``tokens[:promptLen - 1]``);
-        a decode step whose computed tokens fill a whole number of blocks stores them
-        (``storeNewBlock``: the sequence's tokens but the newly sampled one, when that is a
-        multiple of the block size)."""
+        a decode step stores them when the sequence's tokens but the last fill whole blocks, two at
+        least (``WindowBlockManager::storeNewBlock``: ``usableSize = uniqueTokens.size() - 1``, the
+        tokens before this step's sample, a multiple of the block size, and ``blockKeys.size() >= 2``)."""
+        bpt = self.tokens_per_block
         for work in step.prefills:
             if work.sample:  # the last chunk: the prefill is done
                 self._store(work.seq, work.seq.num_computed - 1)
         for work in step.decodes:
-            if work.seq.num_computed % self.tokens_per_block == 0:
-                self._store(work.seq, work.seq.num_computed)
+            usable = work.seq.num_computed - 1  # the token fed this step was the last one sampled
+            if usable % bpt == 0 and usable // bpt >= 2:
+                self._store(work.seq, usable)
 
     def _store(self, seq: Sequence, num_tokens: int) -> None:
         if seq in self.running:  # not preempted by a later sequence's growth in the same step

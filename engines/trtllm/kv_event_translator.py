@@ -95,10 +95,11 @@ class KvEventTranslator:
             event_id = getattr(event, "event_id", None)
             if event_id is not None:
                 if self._last_event_id is not None and int(event_id) != self._last_event_id + 1:
-                    # events were lost (the executor's buffer overflowed): which blocks left is
-                    # unknown, so forget them all, as for a fresh pool, rather than keep removed ones
-                    self._kv.clear()
-                    self._tier.clear()
+                    # events were lost (the executor's buffer overflowed): pollers resync from the
+                    # snapshot. The maps are kept: TensorRT-LLM sends nothing for a reused block, so
+                    # forgetting a hot prefix would leave every block stored under it unknown for good;
+                    # a removal among the lost events leaves that block listed until its hash is
+                    # stored again (and then removed) or the engine restarts (the ledger warns)
                     self.log.invalidate()
                 self._last_event_id = int(event_id)
             self._apply_one(getattr(event, "data", event))

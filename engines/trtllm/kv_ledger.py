@@ -33,10 +33,11 @@ the per-tenant counts sum to it minus the unattributed blocks.
 
 Lost events. The executor's buffer keeps ``event_buffer_max_size`` events and erases the oldest
 past it ("Events have been discarded", ``KVCacheEventManager::worker``, kvCacheEventManager.cpp);
-event ids come from one counter, so a lost event is a gap in them. The ledger then cannot know
-which blocks left: it forgets every block (``gaps`` counts it) and counts only blocks stored from
-there on, under-counting the blocks that outlive the gap rather than holding a tenant to removed
-ones forever (a quota then errs on the lenient side until those blocks turn over).
+event ids come from one counter, so a lost event is a gap in them, counted in ``gaps`` and logged
+as a warning (raise the buffer). The blocks are kept: forgetting them would leave every block
+stored later under a prefix cached before the gap unattributed for good (TensorRT-LLM sends
+nothing for a reused block), while a removal among the lost events over-counts only that block,
+until its hash is stored again and removed, or the engine restarts.
 """
 
 from __future__ import annotations
@@ -133,17 +134,12 @@ class TenantBlockLedger:
             event_id = getattr(event, "event_id", None)
             if event_id is not None:
                 if self._last_event_id is not None and int(event_id) != self._last_event_id + 1:
-                    self.forget_blocks()
+                    self.gaps += 1
+                    log.warning("KV cache events %d..%d were lost (raise event_buffer_max_size): a block they "
+                                "removed stays counted for its tenant until its hash is stored again",
+                                self._last_event_id + 1, int(event_id) - 1)
                 self._last_event_id = int(event_id)
             self.apply_one(getattr(event, "data", event))
-
-    def forget_blocks(self) -> None:
-        """Events were lost: forget every block (see the module docstring, "Lost events")."""
-        self._blocks.clear()
-        self._counts.clear()
-        self.gaps += 1
-        log.warning("KV cache events were lost (event_buffer_max_size too small?): per-tenant block counts restart "
-                    "from the blocks stored from now on")
 
     def apply_one(self, data: Any) -> None:
         if hasattr(data, "num_blocks_per_cache_level"):

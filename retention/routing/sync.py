@@ -96,9 +96,10 @@ class Notice:
             if kind == "heartbeat":
                 if len(body) == 2:
                     return cls(gateway, kind)
-                if len(body) > 4 or not all(isinstance(ids, list) for ids in body[2:]):
+                # elements past these are a later version's: ignored, as this version's are by earlier ones
+                if not all(isinstance(ids, list) for ids in body[2:4]):
                     raise ValueError("a heartbeat names its requests in flight, then those decoding, in lists")
-                decoding = tuple(str(rid) for rid in body[3]) if len(body) == 4 else None
+                decoding = tuple(str(rid) for rid in body[3]) if len(body) >= 4 else None
                 return cls(gateway, kind, in_flight=tuple(str(rid) for rid in body[2]), decoding=decoding)
             if kind != "dispatch":
                 return cls(gateway, kind, str(body[2]))

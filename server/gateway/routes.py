@@ -85,6 +85,7 @@ async def _job(services: GatewayServices, tenant: TenantContext, body, kind: str
         quota=services.monitor.quota_state(tenant.pool.name, tenant.tenant_id),
         ignore_eos=bool(body.ignore_eos), token_texts=prompter.token_texts,
         continuous_usage=bool(body.stream_options and body.stream_options.continuous_usage_stats),
+        output_param="max_completion_tokens" if getattr(body, "max_completion_tokens", None) is not None else "max_tokens",
     )
 
 

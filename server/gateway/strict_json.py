@@ -1,8 +1,9 @@
 """Request bodies of the serving API parsed as standard JSON whose text is Unicode.
 
-Python's ``json`` also takes ``NaN``, ``Infinity`` and ``-Infinity``, which JSON has not: a body
-holding one is refused as not JSON (a tool call's arguments carrying one could never be answered
-as JSON).
+Python's ``json`` also takes ``NaN``, ``Infinity`` and ``-Infinity``, which JSON has not, and
+reads a number too large for a float (``1e999``) as infinity: a body holding one is refused as
+not JSON (a tool call's arguments carrying one could never be answered as JSON). Bytes are
+decoded as strict UTF-8 first: ``json.loads`` would let raw surrogate bytes through.
 
 JSON may spell a UTF-16 surrogate as an escape (``"\\ud800"``); a pair is one character
 (``"\\ud83d\\ude00"`` is 😀), but a lone one is no character at all. Python's ``json`` takes
@@ -34,10 +35,34 @@ def _no_constant(name: str) -> Any:
     raise json.JSONDecodeError(f"{name} is not a JSON value", name, 0)
 
 
+def _finite(text: str) -> float:
+    value = float(text)
+    if value in (_INF, -_INF):
+        raise json.JSONDecodeError(f"{text} is too large for a number", text, 0)
+    return value
+
+
+_INF = float("inf")
+_DECODER = json.JSONDecoder(parse_constant=_no_constant, parse_float=_finite)  # built once: the hot path's
+
+
+def standard(text: str) -> Any:
+    """Parse standard JSON text: no ``NaN`` / ``Infinity``, no number that overflows a float
+    (``json.JSONDecodeError`` otherwise, a ``ValueError``)."""
+    return _DECODER.decode(text)
+
+
 def loads(raw: bytes | str) -> Any:
-    """``json.loads``, raising ``json.JSONDecodeError`` for ``NaN`` / ``Infinity`` (not JSON, though
-    Python's parser takes them) and for a string holding a lone surrogate."""
-    data = json.loads(raw, parse_constant=_no_constant)
+    """:func:`standard` of ``raw`` (bytes as strict UTF-8), also refusing a string holding a lone
+    surrogate; every refusal is a ``json.JSONDecodeError``."""
+    if isinstance(raw, (bytes, bytearray)):
+        try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise json.JSONDecodeError(f"not UTF-8 at byte {exc.start}", "", 0) from None
+    else:
+        text = raw
+    data = standard(text)
     blob = raw.encode("utf-8", "surrogatepass") if isinstance(raw, str) else raw
     first = _SURROGATE_ESCAPE.search(blob)
     if first is not None:

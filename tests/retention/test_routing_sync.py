@@ -39,13 +39,15 @@ def test_notices_round_trip_and_malformed_ones_are_refused() -> None:
     assert Notice.decode(b'["g1","heartbeat",[]]') == Notice("g1", "heartbeat", in_flight=())
     assert Notice.decode(b'["g1","heartbeat"]') == Notice("g1", "heartbeat")  # an earlier version's: liveness only
     assert Notice.decode(b'["g1","heartbeat",["r"]]') == Notice("g1", "heartbeat", in_flight=("r",))  # no decoding said
+    later = Notice.decode(b'["g1","heartbeat",["r"],["r"],{"a later version": 1}]')  # what it adds is ignored
+    assert later == Notice("g1", "heartbeat", in_flight=("r",), decoding=("r",))
     for notice in notices:
         assert Notice.decode(notice.encode()) == notice
         assert Notice.decode(notice.encode().decode()) == notice
     for bad in (b"", b"{}", b"not json", b'["g1"]', b'["g1","evicted","r"]', b'["g1","dispatch","r",1]',
                 b'["g1","dispatch","r","1",[],1,1,0]', b'["g1","dispatch","r",1,[1.5],1,1,0]',
                 b'["g1","dispatch","r",true,[],1,1,0]', b'["g1","heartbeat","r"]',
-                b'["g1","heartbeat",["r"],"r"]', b'["g1","heartbeat",["r"],[],[]]',
+                b'["g1","heartbeat",["r"],"r"]',
                 b'["g1","dispatch","r",1,[],0,1,0]', b'["g1","dispatch","r",-1,[],5,1,0]',
                 b'["g1","dispatch","r",1,[],5,-1,0]', b'["g1","dispatch","r",1,[],5,1,-2]'):
         with pytest.raises(RoutingError, match="malformed routing notice"):

@@ -44,6 +44,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from engines.contract import MAX_GUIDE_BYTES, MAX_GUIDE_DEPTH, Guide, json_depth
+from server.gateway import strict_json
 from server.gateway.errors import ServingError
 
 CALL_OPEN = "<tool_call>"
@@ -188,14 +189,10 @@ def _call_from(value: Any, plan: ToolPlan) -> ToolCall | None:
     return ToolCall(new_call_id(), value["name"], json.dumps(arguments, ensure_ascii=False))
 
 
-def _no_constant(name: str) -> Any:
-    raise ValueError(f"{name} is not JSON")
-
-
 def _loads(text: str) -> Any:
-    """``json.loads`` without Python's NaN / Infinity: a call the model wrote with one is not JSON, so it
-    is no call (its text stays content) rather than arguments no JSON answer can carry."""
-    return json.loads(text, parse_constant=_no_constant)
+    """Standard JSON only (``strict_json.standard``: no NaN, Infinity or overflowing number): a call the
+    model wrote with one is no call (its text stays content) rather than arguments no JSON answer carries."""
+    return strict_json.standard(text)
 
 
 class CallSplitter:

@@ -239,6 +239,10 @@ def test_text_that_is_not_unicode_and_schemas_the_engine_cannot_compile_are_400s
                                         b'"input": {"t": Infinity}}]}]}')):
         r = httpx.post(base + path, content=body.replace(b"%s", MODEL.encode()), headers=headers, timeout=120)
         assert r.status_code == 400 and "is not a JSON value" in r.text, (path, r.text)
+    for body, says in ((b'{"model": "%s", "input": "Hi", "temperature": 1e999}', "too large for a number"),
+                       (b'{"model": "%s", "input": [{"role": "user", "content": "Hi \xed\xa0\x80"}]}', "not UTF-8")):
+        r = httpx.post(base + "/v1/responses", content=body.replace(b"%s", MODEL.encode()), headers=headers, timeout=120)
+        assert r.status_code == 400 and says in r.text, (body, r.text)
     pair = b'{"model": "%s", "input": "Say \\ud83d\\ude00", "max_output_tokens": 2, "metadata": {"k": "\\ud83d\\ude00"}}'
     ok = httpx.post(base + "/v1/responses", content=pair.replace(b"%s", MODEL.encode()), headers=headers, timeout=120)
     assert ok.status_code == 200 and ok.json()["metadata"] == {"k": "\U0001F600"}, ok.text
@@ -263,7 +267,9 @@ def test_text_that_is_not_unicode_and_schemas_the_engine_cannot_compile_are_400s
     for path, extra, field in (("/v1/responses", {"input": "Hi", "max_output_tokens": 1000}, "max_output_tokens"),
                                ("/v1/responses", {"input": "Hi"}, "max_output_tokens"),
                                ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}],
-                                                         "max_tokens": 1000}, "max_tokens")):
+                                                         "max_tokens": 1000}, "max_tokens"),
+                               ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}],
+                                                         "max_completion_tokens": 1000}, "max_completion_tokens")):
         r = httpx.post(base + path, json={"model": MODEL, **extra}, headers=headers, timeout=120)
         error = r.json()["error"]
         assert r.status_code == 400 and error["param"] == field and "at most" in error["message"], (path, r.text)

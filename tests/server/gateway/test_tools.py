@@ -61,7 +61,7 @@ def test_auto_output_is_split_into_content_and_calls() -> None:
 
 
 def test_a_call_with_a_number_json_has_not_is_no_call() -> None:
-    for value in ("NaN", "Infinity", "-Infinity"):
+    for value in ("NaN", "Infinity", "-Infinity", "1e999"):
         text = f'Sure.\n<tool_call>\n{{"name": "get_weather", "arguments": {{"city": "Oslo", "t": {value}}}}}\n</tool_call>'
         assert parse_tool_calls(text, PLAN) == (text, [])  # the text stays content, as the model wrote it
         assert parse_forced(f'{{"name": "get_weather", "arguments": {{"city": {value}}}}}', PLAN) == []
