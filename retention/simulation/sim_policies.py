@@ -159,6 +159,11 @@ class ClassMapping:
         threshold = data.get("offload_min_priority", TRTLLM_DEFAULT_OFFLOAD_MIN_PRIORITY)
         if isinstance(threshold, bool) or not isinstance(threshold, int) or not 0 <= threshold <= 101:
             raise ClassMappingError("offload_min_priority must be an integer within [0, 101]")
+        if not isinstance(default, str):
+            raise ClassMappingError("default must be a class name")
+        for field in ("tenants", "prefix_groups", "quotas"):
+            if not isinstance(data.get(field) or {}, Mapping):
+                raise ClassMappingError(f"{field} must be a mapping")
         tenants = {str(k): str(v) for k, v in (data.get("tenants") or {}).items()}
         try:
             groups = {int(k): str(v) for k, v in (data.get("prefix_groups") or {}).items()}

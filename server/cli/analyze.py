@@ -52,6 +52,24 @@ def _multiples(text: str) -> tuple[float, ...]:
     return values
 
 
+def _check_plots_dir(plots: Path) -> None:
+    """Refuse a --plots path the plots cannot be written to, before the analysis runs."""
+    import tempfile
+
+    if plots.exists() and not plots.is_dir():
+        raise OptionError(f"--plots {plots} exists and is not a directory")
+    existing = plots
+    while not existing.exists():  # the nearest existing ancestor will hold the new directories
+        existing = existing.parent
+    try:
+        if not existing.is_dir():
+            raise NotADirectoryError
+        with tempfile.TemporaryFile(dir=existing):  # a real write: access bits say nothing to root or in /proc
+            pass
+    except OSError:
+        raise OptionError(f"--plots {plots}: {existing} is not a writable directory") from None
+
+
 def register(app: typer.Typer) -> None:
     """Attach ``kvgate analyze`` to the root CLI."""
 
@@ -97,6 +115,8 @@ def register(app: typer.Typer) -> None:
                 raise OptionError("--duration-percentile must be in (0, 100]")
             if top < 1 or curve_requests < 0 or (block_size is not None and block_size < 1):
                 raise OptionError("--top and --block-size must be >= 1, --curve-requests >= 0")
+            if plots is not None:
+                _check_plots_dir(plots)
             options = AnalyzeOptions(
                 block_size=block_size, kv_bytes_per_token=kvb, link_bytes_per_s=link_gb_s * 1e9, top=top, gpu=gpu,
                 host_multiples=_multiples(host_multiples), curve_requests=curve_requests or None, curve=not no_curve,

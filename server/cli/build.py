@@ -20,6 +20,29 @@ from typing import Annotated
 import typer
 
 
+def _check_output(output: Path, *, write: bool = True) -> None:
+    """Refuse an ``--output`` that is a file or (when ``write``) not creatable, before any work: exit 2."""
+    import tempfile
+
+    problem = None
+    if output.exists() and not output.is_dir():
+        problem = "exists and is not a directory"
+    elif write:
+        existing = output
+        while not existing.exists():  # the nearest existing ancestor will hold the new directories
+            existing = existing.parent
+        try:
+            if not existing.is_dir():
+                raise NotADirectoryError
+            with tempfile.TemporaryFile(dir=existing):  # a real write: access bits say nothing to root
+                pass
+        except OSError:
+            problem = f"cannot be created ({existing} is not a writable directory)"
+    if problem:
+        typer.echo(f"error: --output {output} {problem}", err=True)
+        raise typer.Exit(2)
+
+
 def register(app: typer.Typer) -> None:
     """Attach this module's commands to the root CLI."""
     build_app = typer.Typer(no_args_is_help=True, help="Build TensorRT-LLM engines and the Triton model repository.")
@@ -42,6 +65,7 @@ def register(app: typer.Typer) -> None:
             up_to_date,
         )
 
+        _check_output(output, write=not dry_run)
         try:
             loaded = load_spec(spec)
             plan = build_plan(loaded, output_dir=str(output))
@@ -75,6 +99,7 @@ def register(app: typer.Typer) -> None:
         from engines.triton.params import ParamsError
         from engines.triton.repository import TemplateError, render_repository
 
+        _check_output(output)
         try:
             rendered = render_repository([load_spec(s) for s in specs], output, engines_root=engines_root)
         except (SpecError, ParamsError, TemplateError) as exc:

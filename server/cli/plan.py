@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import re
 from typing import Annotated
 
@@ -95,6 +96,8 @@ def register(app: typer.Typer) -> None:
         try:
             if sum(x is not None for x in (host_cache_size, host_memory, host_blocks)) > 1:
                 raise CliError("give at most one of --host-cache-size, --host-memory, --host-blocks")
+            if not (math.isfinite(reserve_gib) and reserve_gib >= 0 and math.isfinite(reserve_gib * GIB)):
+                raise CliError("--reserve-gib must be a finite number of GiB >= 0")
             defaults = {"tp": 1, "pp": 1, "kv_dtype": "fp8", "weights": "bf16", "tokens_per_block": 32, "fraction": 0.9,
                         "host_cache_size": 0, "model": None}
             if spec is not None:

@@ -25,7 +25,7 @@ from typing import Annotated
 
 import typer
 
-from retention.simulation.capacity import parse_capacity, parse_host
+from retention.simulation.capacity import check_blocks, parse_capacity, parse_host
 from server.cli.options import CliError
 
 
@@ -86,6 +86,10 @@ def register(app: typer.Typer) -> None:
                 raise CliError("--hold must be 'none' or 'tokens'")
             if limit is not None and limit < 1:
                 raise CliError("--limit must be >= 1")
+            if plot is not None:
+                if replicas is not None:
+                    raise CliError("--plot draws the single-pool replay; it cannot run with --replicas")
+                plot = _plot_path(plot)
             clusters = cluster_configs(
                 replicas, router, index=index, ttl=ttl, cost=cost, temperature=temperature, seed=seed,
                 gateways=gateways, sync_delay=sync_delay,
@@ -122,6 +126,8 @@ def register(app: typer.Typer) -> None:
             distinct = distinct_blocks(requests) * -(-block_size // pool_block)
             gpu_caps = [parse_capacity(c, distinct) for c in (capacity or ["2%"])]
             host_blocks = parse_host(host)
+            for gpu_cap in gpu_caps:
+                check_blocks(host_blocks(gpu_cap), distinct, f"--host {host!r} at GPU {gpu_cap} blocks")
         except (CliError, TraceError, ClassMappingError, ValueError) as exc:
             typer.echo(f"error: {exc}", err=True)
             raise typer.Exit(2) from None
@@ -225,6 +231,33 @@ def _print_tables(reports, distinct: int, num_requests: int, hold: str) -> None:
                     cells.append("" if t is None else f"{_pct(t.hit_rate)} ({t.requests})")
                 per.add_row(tenant, *cells)
             console.print(per)
+
+
+def _plot_path(path: Path) -> Path:
+    """The path ``--plot`` will write (``.png`` added to a bare name), checked before the replay."""
+    import tempfile
+
+    from matplotlib.backend_bases import FigureCanvasBase
+
+    if path.is_dir():
+        raise CliError(f"--plot {path} is a directory")
+    if not path.suffix:
+        path = path.with_suffix(".png")
+    formats = FigureCanvasBase.get_supported_filetypes()
+    if path.suffix[1:].lower() not in formats:
+        raise CliError(f"--plot {path}: cannot write {path.suffix!r}; use one of "
+                       f"{', '.join('.' + f for f in sorted(formats))}")
+    parent = path.parent
+    if not parent.is_dir():
+        raise CliError(f"--plot {path}: directory {parent} does not exist")
+    if path.is_dir():  # a bare name whose .png is a directory
+        raise CliError(f"--plot {path} is a directory")
+    try:
+        with tempfile.TemporaryFile(dir=parent):  # a real write: access bits say nothing to root or in /proc
+            pass
+    except OSError:
+        raise CliError(f"--plot {path}: directory {parent} is not writable") from None
+    return path
 
 
 def _plot(reports, distinct: int, path: Path) -> None:  # noqa: ANN001

@@ -22,6 +22,10 @@ from retention.trace import TraceRequest
 from server.cli.options import CliError
 
 
+MAX_REPLICAS = 1024
+"""More replica pools than this are refused: each is a whole pool, and the run would exhaust memory."""
+
+
 def cluster_configs(
     replicas: int | None,
     routers: Sequence[str] | None,
@@ -53,6 +57,8 @@ def cluster_configs(
         raise CliError("--sync-delay needs --gateways 2 or more (one gateway has no peers)")
     if replicas < 1:
         raise CliError("--replicas must be >= 1")
+    if replicas > MAX_REPLICAS:
+        raise CliError(f"--replicas must be <= {MAX_REPLICAS}")
     names = list(routers or ROUTER_NAMES)
     for name in names:
         if name not in ROUTER_NAMES:

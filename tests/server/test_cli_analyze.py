@@ -275,3 +275,21 @@ def test_option_help_is_literal_and_names_every_accepted_kv_dtype(tmp_path: Path
     code, out = _run(str(trace), "--json", "--no-progress", "--no-curve", "--model", "llama-3.1-8b", "--kv-dtype", "fp32")
     assert code == 0, out
     assert json.loads(out)["transfer"]["kv_bytes_per_token"] == 32 * 8 * 128 * 2 * 4
+
+
+def test_huge_gpu_capacity_is_refused(tmp_path: Path) -> None:
+    trace = _write(tmp_path / "tiny.jsonl", TINY)
+    code, out = _run(str(trace), "--no-progress", "--gpu", "99999999999")
+    assert code == 2 and "--gpu" in out and "already holds everything" in out, out
+
+
+def test_plots_path_is_checked_before_the_analysis(tmp_path: Path) -> None:
+    trace = _write(tmp_path / "tiny.jsonl", TINY)
+    a_file = tmp_path / "a_file"
+    a_file.write_text("")
+    for plots, needle in ((a_file, "is not a directory"), (a_file / "sub", "not a writable directory"),
+                          (Path("/proc/kvgate-plots"), "not a writable directory")):
+        res = CliRunner().invoke(create_cli(), ["analyze", str(trace), "--no-progress", "--plots", str(plots)])
+        assert res.exit_code == 2 and isinstance(res.exception, SystemExit), (plots, res.output)
+        lines = res.stderr.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("error: --plots") and needle in lines[0], res.stderr

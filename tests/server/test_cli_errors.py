@@ -107,3 +107,17 @@ def test_engine_serve_reports_an_unloadable_gguf(kind: str, tmp_path: Path) -> N
         path.write_text('{"not": "a model"}\n')
     line = one_line(invoke("engine", "serve", "--port", "0", "--gguf", str(path)), 1)
     assert line.startswith("kvgate engine serve: ") and str(path) in line
+
+
+@pytest.mark.parametrize("command", [["build", "repo", "reference-smollm2"], ["build", "engine", "reference-smollm2"],
+                                     ["build", "engine", "reference-smollm2", "--dry-run"]])
+def test_build_refuses_an_output_that_is_a_file(tmp_path: Path, command: list[str]) -> None:
+    a_file = tmp_path / "a_file"
+    a_file.write_text("")
+    line = one_line(invoke(*command, "-o", str(a_file)), 2)
+    assert line == f"error: --output {a_file} exists and is not a directory"
+
+
+def test_build_repo_refuses_an_output_it_cannot_create() -> None:
+    line = one_line(invoke("build", "repo", "reference-smollm2", "-o", "/proc/kvgate-repo"), 2)
+    assert line.startswith("error: --output /proc/kvgate-repo cannot be created")

@@ -57,6 +57,9 @@ def test_config_json_path_and_reverse_host_blocks(tmp_path: Path) -> None:
     (["llama-3.1-8b", "--host-memory", "1GiB", "--host-blocks", "3"], "at most one"),
     (["llama-3.1-8b", "--tp", "4", "--gpus", "6"], "multiple of tp"),
     ([], "give a MODEL"),
+    (["llama-3.1-8b", "--reserve-gib", "nan"], "--reserve-gib must be a finite number"),
+    (["llama-3.1-8b", "--reserve-gib", "1e300"], "--reserve-gib must be a finite number"),
+    (["llama-3.1-8b", "--reserve-gib", "-1"], "--reserve-gib must be a finite number"),
 ])
 def test_bad_input_exits_2_with_a_message(args: list[str], message: str) -> None:
     result = run(*args)

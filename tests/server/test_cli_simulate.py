@@ -243,3 +243,53 @@ def test_router_help_names_every_router_and_the_default() -> None:
     (router,) = [p for p in command.params if p.name == "router"]
     assert all(name in router.help for name in ROUTER_NAMES)
     assert f"default all {['one', 'two', 'three', 'four', 'five', 'six'][len(ROUTER_NAMES) - 1]}" in router.help
+
+
+def _one_error_line(result, needle: str) -> None:  # noqa: ANN001
+    assert result.exit_code == 2, result.output
+    assert isinstance(result.exception, SystemExit), result.exception
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and needle in lines[0], result.stderr
+
+
+def test_capacities_and_replicas_far_beyond_the_trace_are_refused(tmp_path: Path) -> None:
+    trace = write_trace(tmp_path / "t.jsonl")
+    distinct = len({0, 1, 2} | set(range(100, 124, 3))) + 16 * 4
+    base = ["simulate", str(trace), "--block-size", "4", "--no-progress"]
+    for extra, needle in ((["-c", "99999999999"], f"{distinct} distinct blocks"),
+                          (["-c", str(16 * distinct + 1), "--host", "0"], "already holds everything"),
+                          (["-c", "99999999%"], "already holds everything"),
+                          (["-c", "5", "--host", "99999999999"], "--host"),
+                          (["-c", "5", "--host", "1000000x"], "already holds everything"),
+                          (["--replicas", "100000000"], "--replicas must be <= 1024")):
+        _one_error_line(CliRunner().invoke(create_cli(), base + extra), needle)
+    ok = CliRunner().invoke(create_cli(), base + ["-c", str(16 * distinct), "--host", "0", "--json"])
+    assert ok.exit_code == 0, ok.output
+
+
+def test_plot_path_is_checked_before_the_replay(tmp_path: Path) -> None:
+    trace = write_trace(tmp_path / "t.jsonl")
+    base = ["simulate", str(trace), "--block-size", "4", "-c", "6", "--no-progress"]
+    for extra, needle in ((["--plot", str(tmp_path / "missing" / "x.png")], "does not exist"),
+                          (["--plot", str(tmp_path / "x.txt")], "'.txt'"),
+                          (["--plot", str(tmp_path)], "is a directory"),
+                          (["--replicas", "2", "--plot", str(tmp_path / "x.png")], "--replicas")):
+        _one_error_line(CliRunner().invoke(create_cli(), base + extra), needle)
+    assert not (tmp_path / "x.png").exists() and not (tmp_path / "x.txt").exists()
+    result = CliRunner().invoke(create_cli(), base + ["--plot", str(tmp_path / "curve")])
+    assert result.exit_code == 0, result.output
+    assert f"plot written to {tmp_path / 'curve.png'}" in result.output
+    assert (tmp_path / "curve.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_class_mapping_fields_of_the_wrong_type_are_named(tmp_path: Path) -> None:
+    trace = write_trace(tmp_path / "t.jsonl")
+    head = ("classes:\n"
+            "  premium: {system: {priority: 90}, context: {priority: 90}, turn: {priority: 90}, decode: {priority: 35}}\n")
+    for body, field in (("tenants: [a, b]\n", "tenants"), ("quotas: [a]\n", "quotas"),
+                        ("prefix_groups: [1]\n", "prefix_groups"), ("default: [premium]\n", "default")):
+        classes = tmp_path / "classes.yaml"
+        classes.write_text(head + body)
+        result = CliRunner().invoke(create_cli(), ["simulate", str(trace), "--block-size", "4", "--no-progress",
+                                                   "--classes", str(classes)])
+        _one_error_line(result, field)
