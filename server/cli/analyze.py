@@ -54,20 +54,11 @@ def _multiples(text: str) -> tuple[float, ...]:
 
 def _check_plots_dir(plots: Path) -> None:
     """Refuse a --plots path the plots cannot be written to, before the analysis runs."""
-    import tempfile
+    from server.cli.options import output_dir_problem
 
-    if plots.exists() and not plots.is_dir():
-        raise OptionError(f"--plots {plots} exists and is not a directory")
-    existing = plots
-    while not existing.exists():  # the nearest existing ancestor will hold the new directories
-        existing = existing.parent
-    try:
-        if not existing.is_dir():
-            raise NotADirectoryError
-        with tempfile.TemporaryFile(dir=existing):  # a real write: access bits say nothing to root or in /proc
-            pass
-    except OSError:
-        raise OptionError(f"--plots {plots}: {existing} is not a writable directory") from None
+    problem = output_dir_problem(plots)
+    if problem:
+        raise OptionError(f"--plots {plots} {problem}")
 
 
 def register(app: typer.Typer) -> None:

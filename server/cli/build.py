@@ -22,22 +22,12 @@ import typer
 
 def _check_output(output: Path, *, write: bool = True) -> None:
     """Refuse an ``--output`` that is a file or (when ``write``) not creatable, before any work: exit 2."""
-    import tempfile
+    from server.cli.options import output_dir_problem
 
-    problem = None
-    if output.exists() and not output.is_dir():
-        problem = "exists and is not a directory"
-    elif write:
-        existing = output
-        while not existing.exists():  # the nearest existing ancestor will hold the new directories
-            existing = existing.parent
-        try:
-            if not existing.is_dir():
-                raise NotADirectoryError
-            with tempfile.TemporaryFile(dir=existing):  # a real write: access bits say nothing to root
-                pass
-        except OSError:
-            problem = f"cannot be created ({existing} is not a writable directory)"
+    if write:
+        problem = output_dir_problem(output)
+    else:  # a dry run writes nothing: only a file in the directory's place is wrong
+        problem = "exists and is not a directory" if output.exists() and not output.is_dir() else None
     if problem:
         typer.echo(f"error: --output {output} {problem}", err=True)
         raise typer.Exit(2)

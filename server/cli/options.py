@@ -14,6 +14,7 @@ import json
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from datetime import UTC, datetime
+from pathlib import Path
 from typing import Annotated, Any
 
 import typer
@@ -66,6 +67,31 @@ def fail(exit_code: int, code: str, message: str, field: str | None = None) -> N
 
 def print_json(value: Any) -> None:
     typer.echo(json.dumps(value, indent=2, default=str))
+
+
+def writable_dir(directory: Path) -> bool:
+    """Whether a file can be created in ``directory``: a real write, since access bits say nothing
+    to root or in /proc."""
+    import tempfile
+
+    try:
+        with tempfile.TemporaryFile(dir=directory):
+            return True
+    except OSError:
+        return False
+
+
+def output_dir_problem(path: Path) -> str | None:
+    """Why ``path`` cannot be, or be created as, a directory to write in (None: it can), checked
+    before a command's work so that it fails at once, not after it."""
+    if path.exists() and not path.is_dir():
+        return "exists and is not a directory"
+    existing = path
+    while not existing.exists():  # the nearest existing ancestor will hold the new directories
+        existing = existing.parent
+    if not existing.is_dir() or not writable_dir(existing):
+        return f"cannot be created ({existing} is not a writable directory)"
+    return None
 
 
 def load_settings() -> Any:

@@ -26,7 +26,7 @@ from typing import Annotated
 import typer
 
 from retention.simulation.capacity import check_blocks, parse_capacity, parse_host
-from server.cli.options import CliError
+from server.cli.options import CliError, writable_dir
 
 
 def register(app: typer.Typer) -> None:
@@ -235,8 +235,6 @@ def _print_tables(reports, distinct: int, num_requests: int, hold: str) -> None:
 
 def _plot_path(path: Path) -> Path:
     """The path ``--plot`` will write (``.png`` added to a bare name), checked before the replay."""
-    import tempfile
-
     from matplotlib.backend_bases import FigureCanvasBase
 
     if path.is_dir():
@@ -252,11 +250,8 @@ def _plot_path(path: Path) -> Path:
         raise CliError(f"--plot {path}: directory {parent} does not exist")
     if path.is_dir():  # a bare name whose .png is a directory
         raise CliError(f"--plot {path} is a directory")
-    try:
-        with tempfile.TemporaryFile(dir=parent):  # a real write: access bits say nothing to root or in /proc
-            pass
-    except OSError:
-        raise CliError(f"--plot {path}: directory {parent} is not writable") from None
+    if not writable_dir(parent):
+        raise CliError(f"--plot {path}: directory {parent} is not writable")
     return path
 
 
