@@ -76,7 +76,7 @@ stock backend) is accepted and squeezed.
 
 Stats side channel: a request whose ``kv_stats`` input is true (and that carries no
 ``input_ids``) gets one response with ``kv_cache_stats``: BYTES[1], the JSON of
-:class:`PoolStatsReport`. With ``kv_events_since`` (UINT64[1], a cursor; 0 = from
+:class:`engines.pool_stats.PoolStatsReport`. With ``kv_events_since`` (UINT64[1], a cursor; 0 = from
 scratch) the report also carries ``kv_events``: the replica's KV events in kvgate's
 block-hash space since that cursor, or a snapshot of its cached hashes when the cursor
 is too old (``engines/kv_events.py``). Replicas that cannot report events answer with
@@ -107,13 +107,12 @@ request reach a scheduler.
 from __future__ import annotations
 
 import json
-import re
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import dataclass
 
 import numpy as np
 
-from engines.kv_events import KvEventsReport
+from engines.refusals import output_out_of_range, too_long
 from retention.types import (
     DEFAULT_PRIORITY,
     RetentionPlan,
@@ -262,53 +261,6 @@ class EngineRequest:
     guide: Guide | None = None
 
 
-@dataclass(slots=True)
-class TierStats:
-    max_blocks: int
-    free_blocks: int
-    used_blocks: int
-
-
-@dataclass(slots=True)
-class PoolStatsReport:
-    """What the stats call returns (KvCacheStats-like plus per-tenant counts).
-
-    ``tenants`` maps a tenant id to ``[primary_blocks, secondary_blocks]`` it holds
-    (in use or cached). Counters are cumulative since engine start.
-    """
-
-    tokens_per_block: int
-    primary: TierStats
-    secondary: TierStats
-    reused_blocks: int = 0
-    missed_blocks: int = 0
-    alloc_total_blocks: int = 0
-    alloc_new_blocks: int = 0
-    offloaded_blocks: int = 0
-    onboarded_blocks: int = 0
-    evicted_blocks: int = 0
-    cache_hit_rate: float = 0.0
-    secondary_offload_min_priority: int = 30
-    tenants: dict[str, list[int]] = field(default_factory=dict)
-    kv_events: KvEventsReport | None = None  # only when the request asked (kv_events_since)
-
-    def to_json(self) -> str:
-        events = self.kv_events
-        data = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "kv_events"}
-        data["primary"], data["secondary"] = asdict(self.primary), asdict(self.secondary)
-        if events is not None:
-            data["kv_events"] = events.to_dict()
-        return json.dumps(data, separators=(",", ":"))
-
-    @classmethod
-    def from_json(cls, text: str | bytes) -> PoolStatsReport:
-        data = json.loads(text)
-        data["primary"] = TierStats(**data["primary"])
-        data["secondary"] = TierStats(**data["secondary"])
-        events = data.pop("kv_events", None)
-        return cls(**data, kv_events=None if events is None else KvEventsReport.from_dict(events))
-
-
 # Parsing --------------------------------------------------------------------------------
 def _as_1d(name: str, value: np.ndarray) -> np.ndarray:
     array = np.asarray(value)
@@ -425,21 +377,6 @@ def _range_tensor(field_name: str | None) -> str:
     }.get(field_name or "", RANGE_STARTS.name)
 
 
-def too_long(tokens: int, limit: int) -> str:
-    """The refusal of a prompt over the model's input limit, as every engine words it."""
-    return f"input_ids has {tokens} tokens; this model accepts at most {limit}"
-
-
-_TOO_LONG = re.compile(r"input_ids has (\d+) tokens; this model accepts at most (\d+)")
-
-
-def context_refusal(message: str) -> tuple[int, int] | None:
-    """(prompt tokens, the model's limit) if ``message`` carries :func:`too_long`'s refusal (the
-    gateway learns the model's input limit from it alone), else None."""
-    found = _TOO_LONG.search(message)
-    return None if found is None else (int(found[1]), int(found[2]))
-
-
 def parse_request(
     tensors: Mapping[str, np.ndarray], *, max_output_len: int, max_input_len: int, vocab_size: int
 ) -> EngineRequest:
@@ -458,10 +395,7 @@ def parse_request(
         raise ContractError("request_output_len is required", tensor=REQUEST_OUTPUT_LEN.name)
     max_new = int(_scalar(tensors, REQUEST_OUTPUT_LEN, 0))
     if not 1 <= max_new <= max_output_len:
-        raise ContractError(
-            f"request_output_len must be within [1, {max_output_len}], got {max_new}",
-            tensor=REQUEST_OUTPUT_LEN.name,
-        )
+        raise ContractError(output_out_of_range(max_output_len, max_new), tensor=REQUEST_OUTPUT_LEN.name)
     end_raw = _scalar(tensors, END_ID, None)
     end_id = None if end_raw is None or int(end_raw) < 0 else int(end_raw)
     temperature = float(_scalar(tensors, TEMPERATURE, 0.0))

@@ -30,7 +30,8 @@ from typing import Any
 
 import torch
 
-from engines.contract import EngineRequest, KvMetrics, PoolStatsReport, TierStats, TokenLogProbs, check_combinations
+from engines.contract import EngineRequest, KvMetrics, TokenLogProbs, check_combinations
+from engines.pool_stats import PoolStatsReport, TierStats
 from engines.kv_events import KvEventLog, PoolEventFeed
 from engines.reference.config import SMALL_STEP_ROWS, ReferenceEngineConfig
 from engines.reference.kv_cache import PagedKvCache

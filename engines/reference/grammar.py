@@ -23,6 +23,7 @@ from collections import OrderedDict
 from typing import Any
 
 from engines.contract import GUIDE, ContractError, Guide
+from engines.refusals import guide_does_not_compile
 from engines.tokenizer import ChatTokenizer
 
 
@@ -93,7 +94,7 @@ class GrammarCache:
             if guide.kind == "ebnf_grammar":
                 return compiler.compile_grammar(guide.text)
         except Exception as exc:  # xgrammar raises RuntimeError/ValueError subclasses with the parser's message
-            raise ContractError(f"guided_decoding_guide ({guide.kind}) does not compile: {exc}", tensor=GUIDE.name) from exc
+            raise ContractError(guide_does_not_compile(guide.kind, exc), tensor=GUIDE.name) from exc
         raise ContractError(f"unknown guide type {guide.kind!r}", tensor=GUIDE.name)
 
     def matcher(self, compiled: Any, end_id: int | None) -> Any:

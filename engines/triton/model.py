@@ -51,7 +51,7 @@ from typing import Any
 import numpy as np
 import triton_python_backend_utils as pb_utils  # provided by Triton's Python backend stub
 
-from engines import contract
+from engines import contract, pool_stats
 from engines.kv_events import KvEventsReport
 from engines.trtllm import bindings, engine_config, executor_args, request_extensions
 from engines.trtllm.kv_event_translator import KvEventTranslator
@@ -335,7 +335,7 @@ class TritonPythonModel:
                 self.ledger.forget_request(done.tenant_id, done.input_ids, done.cache_salt)
             self.finished.clear()
 
-    def stats_report(self, events_since: int | None = None) -> contract.PoolStatsReport:
+    def stats_report(self, events_since: int | None = None) -> pool_stats.PoolStatsReport:
         self.drain_events()
         # executor.cpp: deque of the IterationStats since the last call — empty when no iteration ran;
         # IterationStats.kv_cache_stats is std::optional<KvCacheStats> (executor/types.h): keep the
@@ -349,14 +349,14 @@ class TritonPythonModel:
         with self.lock:
             tiers = self.ledger.tier_blocks()
             secondary_max = self.ledger.level_capacity[1]
-            report = contract.PoolStatsReport(
+            report = pool_stats.PoolStatsReport(
                 tokens_per_block=int(kv.tokens_per_block) if kv is not None else self.params.tokens_per_block,
-                primary=contract.TierStats(
+                primary=pool_stats.TierStats(
                     max_blocks=int(kv.max_num_blocks) if kv is not None else self.ledger.level_capacity[0],
                     free_blocks=int(kv.free_num_blocks) if kv is not None else self.ledger.level_capacity[0] - tiers[0],
                     used_blocks=int(kv.used_num_blocks) if kv is not None else tiers[0],
                 ),
-                secondary=contract.TierStats(max_blocks=secondary_max, free_blocks=max(secondary_max - tiers[1], 0), used_blocks=tiers[1]),
+                secondary=pool_stats.TierStats(max_blocks=secondary_max, free_blocks=max(secondary_max - tiers[1], 0), used_blocks=tiers[1]),
                 reused_blocks=int(kv.reused_blocks) if kv is not None else 0,
                 missed_blocks=int(kv.missed_blocks) if kv is not None else 0,
                 alloc_total_blocks=int(kv.alloc_total_blocks) if kv is not None else 0,

@@ -226,7 +226,7 @@ def test_the_gateway_exposes_every_documented_metric():
     metrics_module = pytest.importorskip("server.gateway.observe.metrics")
     from prometheus_client import CollectorRegistry, generate_latest
 
-    from engines.contract import PoolStatsReport, TierStats
+    from engines.pool_stats import PoolStatsReport, TierStats
 
     report = PoolStatsReport(tokens_per_block=32, primary=TierStats(8, 4, 4), secondary=TierStats(8, 8, 0), tenants={"t1": [1, 0]})
     snapshot = metrics_module.PoolSnapshot(pool="p", stats=report, tenant_slugs={"t1": "acme"}, tenant_quota_blocks={"acme": 4.0}, demoted={})

@@ -70,7 +70,7 @@ from engines.contract import (  # noqa: E402
 
 
 def test_a_prompt_over_the_input_limit_is_refused_in_words_the_gateway_reads() -> None:
-    from engines.contract import context_refusal
+    from engines.refusals import context_refusal
 
     tensors = encode_request(_request())
     tensors["input_ids"] = np.ones(LIMITS["max_input_len"] + 1, np.int32)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from engines.contract import PoolStatsReport, TierStats
+from engines.pool_stats import PoolStatsReport, TierStats
 from engines.kv_events import GPU, HOST, MOVED, REMOVED, STORED, KvEventLog, KvEventsReport, PoolEventFeed, apply_report
 from retention.hashing import block_hashes
 from retention.pool import BlockPool, PoolConfig

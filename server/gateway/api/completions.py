@@ -28,7 +28,6 @@ fails after the stream started. Invariants:
 from __future__ import annotations
 
 import contextlib
-import re
 import secrets
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -38,9 +37,8 @@ from typing import Protocol
 import anyio
 from fastapi.responses import JSONResponse
 
-from engines.contract import (
-    EngineRequest, Guide, KvMetrics, SamplingParams, TokenLogProbs, cached_prompt_tokens, context_refusal,
-)
+from engines.contract import EngineRequest, Guide, KvMetrics, SamplingParams, TokenLogProbs, cached_prompt_tokens
+from engines.refusals import context_refusal, guide_refusal, output_refusal
 from engines.tokenizer import ChatTokenizer
 from retention.hashing import block_hashes
 from retention.policy.conversation import ConversationPlan, ConversationRequest
@@ -418,13 +416,6 @@ async def _generate_extended(job: CompletionJob, request: EngineRequest, chunks:
 
 
 _PROMPT_FIELD = {"chat": "messages", "text": "prompt"}  # where a job's prompt came from
-# The engine's refusal of a guide (engines/contract.py GUIDE; the reference engine's grammar.py says
-# "guided_decoding_guide (<kind>) does not compile: <reason>"), xgrammar's clock and source file dropped.
-_OUTPUT_REFUSAL = re.compile(r"request_output_len must be within \[1, (\d+)\], got (\d+)")  # parse_request's
-_GUIDE_REFUSAL = re.compile(r"guided_decoding_guide \(\w+\) does not compile: (?:\[[\d:.]+\] )?(?:\S+:\d+: )?(.*)",
-                            re.S)
-
-
 def _engine_error(exc: Exception, job: CompletionJob) -> ServingError:
     """An engine failure in the API's words; a prompt over the model's input limit is OpenAI's
     ``context_length_exceeded``, naming the prompt's field (``messages`` / ``prompt``)."""
@@ -433,16 +424,16 @@ def _engine_error(exc: Exception, job: CompletionJob) -> ServingError:
         if refused is not None:
             return ServingError(400, "context_length_exceeded", f"the prompt has {refused[0]} tokens and this "
                                 f"model accepts at most {refused[1]}", param=_PROMPT_FIELD.get(job.kind))
-        output = _OUTPUT_REFUSAL.search(str(exc))
+        output = output_refusal(str(exc))
         if output is not None:  # asked, or the tenant's default when the request named no limit
             return ServingError(400, "invalid_request", f"{job.output_param}: this model answers at most "
-                                f"{output[1]} tokens per request; {output[2]} were asked (without "
+                                f"{output[0]} tokens per request; {output[1]} were asked (without "
                                 f"{job.output_param}, the tenant's output limit)", param=job.output_param)
-        guide = _GUIDE_REFUSAL.search(str(exc)) if job.guide is not None else None
+        guide = guide_refusal(str(exc)) if job.guide is not None else None
         if guide is not None:  # the client's schema, not the engine's fault: name the field it came from
             field = "tools" if job.tools is not None and job.tools.mode == "forced" else job.format_param
             return ServingError(400, "invalid_request", f"{field}: the JSON schema cannot be compiled for guided "
-                                f"decoding: {guide.group(1).strip()}", param=field)
+                                f"decoding: {guide}", param=field)
         return ServingError(400, "engine_rejected", f"the engine refused the request: {exc}")
     if isinstance(exc, EngineTimeout):
         return ServingError(504, "engine_timeout", "no replica of the model's engine started answering in time; "

@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from engines.contract import PoolStatsReport
+from engines.pool_stats import PoolStatsReport
 from tenants.snapshots import PoolSnapshot
 
 

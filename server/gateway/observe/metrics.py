@@ -17,7 +17,8 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from engines.contract import KvMetrics, PoolStatsReport
+from engines.contract import KvMetrics
+from engines.pool_stats import PoolStatsReport
 from server.gateway.observe.capacity_check import CapacityCheck
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)

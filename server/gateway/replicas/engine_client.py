@@ -53,10 +53,10 @@ from engines.contract import (
     TOP_LOG_PROBS_IDS,
     EngineRequest,
     KvMetrics,
-    PoolStatsReport,
     TokenLogProbs,
     encode_request,
 )
+from engines.pool_stats import PoolStatsReport
 from server.gateway.replicas.engine_stream import STREAM_INFER_METHOD, TRANSPORT_ERRORS, StreamChannel, status_error
 
 MODEL_INFER_METHOD = "/inference.GRPCInferenceService/ModelInfer"

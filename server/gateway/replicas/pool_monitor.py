@@ -23,7 +23,7 @@ import anyio
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
-from engines.contract import PoolStatsReport
+from engines.pool_stats import PoolStatsReport
 from retention.policy.planner import QuotaState
 from retention.policy.quota import QuotaTracker
 from tenants.snapshots import PoolSnapshot

@@ -50,7 +50,8 @@ import time
 from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from dataclasses import dataclass, field, replace
 
-from engines.contract import EngineRequest, PoolStatsReport, TierStats, cached_prompt_tokens
+from engines.contract import EngineRequest, cached_prompt_tokens
+from engines.pool_stats import PoolStatsReport, TierStats
 from engines.kv_events import MOVED, REMOVED, STORED, KvEventsReport
 from retention.pool.events import CreatedEvent, KvEvent, RemovedEvent, StoredBlock, StoredEvent, UpdatedEvent
 from retention.hashing import block_hashes

@@ -9,7 +9,8 @@ import numpy as np
 import tritonclient.grpc as grpcclient
 import tritonclient.grpc.aio as grpcaio
 
-from engines.contract import INPUTS, EngineRequest, KvMetrics, PoolStatsReport, SamplingParams, encode_request
+from engines.contract import INPUTS, EngineRequest, KvMetrics, SamplingParams, encode_request
+from engines.pool_stats import PoolStatsReport
 from retention.types import RetentionPlan
 
 MODEL = "kvgate_llm"

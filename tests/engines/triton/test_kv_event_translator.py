@@ -11,7 +11,8 @@ from datetime import timedelta
 import numpy as np
 
 import engines.contract as contract
-from engines.contract import EngineRequest, PoolStatsReport, SamplingParams, encode_request
+from engines.contract import EngineRequest, SamplingParams, encode_request
+from engines.pool_stats import PoolStatsReport
 from engines.kv_events import GPU, HOST, apply_report
 from engines.trtllm.block_key import trt_root_hash
 from engines.trtllm.kv_event_translator import KvEventTranslator

@@ -16,7 +16,8 @@ import numpy as np
 import pytest
 
 import engines.contract as contract
-from engines.contract import EngineRequest, KvMetrics, PoolStatsReport, SamplingParams, encode_request
+from engines.contract import EngineRequest, KvMetrics, SamplingParams, encode_request
+from engines.pool_stats import PoolStatsReport
 from engines.trtllm.executor_args import cache_salt_id
 from retention.types import DEFAULT_PRIORITY, RetentionPlan, TokenRange
 from tests.engines.triton.conftest import make_harness

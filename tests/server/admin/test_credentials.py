@@ -295,7 +295,8 @@ def test_missing_and_foreign_tenants_take_the_same_queries(db, client: TestClien
 def test_tenant_admin_reads_its_kv_figures_from_the_gateway(db, settings, client: TestClient) -> None:  # type: ignore[no-untyped-def]
     """What the gateway process knows of the tenant's KV: the pool monitor's latest poll (fed a
     report through its own ``apply``) and the per-request counters; a bare admin app has none."""
-    from engines.contract import KvMetrics, PoolStatsReport, TierStats
+    from engines.contract import KvMetrics
+    from engines.pool_stats import PoolStatsReport, TierStats
     from server.gateway.replicas.pool_monitor import TenantQuota
     from tenants.auth import list_pool_snapshots
 

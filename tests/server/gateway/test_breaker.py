@@ -9,7 +9,8 @@ import secrets
 
 import pytest
 
-from engines.contract import EngineRequest, KvMetrics, PoolStatsReport, SamplingParams, TierStats
+from engines.contract import EngineRequest, KvMetrics, SamplingParams
+from engines.pool_stats import PoolStatsReport, TierStats
 from retention.types import RetentionPlan
 from server.gateway.replicas.breaker import CLOSED, HALF_OPEN, OPEN, Breaker
 from server.gateway.replicas.engine_client import EngineChunk, EngineTimeout, EngineUnavailable

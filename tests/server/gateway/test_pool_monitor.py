@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from engines.contract import PoolStatsReport, TierStats
+from engines.pool_stats import PoolStatsReport, TierStats
 from tenants.snapshots import PoolSnapshot, ReplicaSnapshot
 from server.gateway.replicas.engines import EngineDirectory
 from server.gateway.replicas.pool_monitor import PoolMonitor, TenantQuota

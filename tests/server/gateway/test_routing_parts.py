@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from engines.contract import PoolStatsReport, TierStats
+from engines.pool_stats import PoolStatsReport, TierStats
 from engines.kv_events import GPU, HOST, MOVED, REMOVED, STORED, KvEventLog
 from retention.routing import KvAwareRouter
 from server.gateway.replicas.breaker import Breaker
