@@ -25,7 +25,7 @@ import time
 import numpy as np
 import tritonclient.grpc as grpcclient
 
-from engines import contract
+from engines import contract, pool_stats
 from retention.types import RetentionPlan, TokenRange
 
 
@@ -66,9 +66,9 @@ def request(ids: list[int], *, salt: str, tenant: str, priority: int) -> dict[st
     )
 
 
-def stats(client, model: str) -> contract.PoolStatsReport:
+def stats(client, model: str) -> pool_stats.PoolStatsReport:
     out = infer(client, model, {contract.KV_STATS.name: np.array([True])})
-    return contract.PoolStatsReport.from_json(out[contract.KV_CACHE_STATS.name][0])
+    return pool_stats.PoolStatsReport.from_json(out[contract.KV_CACHE_STATS.name][0])
 
 
 def check(ok: bool, what: str) -> None:

@@ -3,7 +3,7 @@
 Operators register ``tokens_per_block``, ``primary_blocks`` and ``secondary_blocks`` by hand
 (or from ``kvgate plan``); the engine decides the real numbers when it starts (TensorRT-LLM
 sizes its pools from free memory × ``free_gpu_memory_fraction`` and ``host_cache_size``; the
-reference engine from its flags). The stats side channel (``engines.contract.PoolStatsReport``)
+reference engine from its flags). The stats side channel (``engines.pool_stats.PoolStatsReport``)
 reports them, per replica. :func:`capacity_mismatch` compares each replica's own figures with
 the registration (which is per replica); the engine's figures win for every computation that
 depends on capacity (quota limits), the registry's stay what was asked for.
