@@ -6,6 +6,7 @@ import json
 import os
 import re
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -281,7 +282,11 @@ def test_gpu_smoke_uses_services_that_exist():
             used.append(words[-1])
     assert used == ["engine-builder", "triton", "gateway"]
     assert set(used) <= set(SERVICES)
-    assert (ROOT / "build/gpu_smoke_client.py").is_file()
+    # the client the smoke script runs must at least import and parse its flags here
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    run = subprocess.run([sys.executable, str(ROOT / "build/gpu_smoke_client.py"), "--help"], env=env,
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0 and "--prompt-tokens" in run.stdout, run.stderr
 
 
 def test_registry_apply_one_shot_runs_the_real_command_on_the_mounted_example():
