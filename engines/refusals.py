@@ -16,6 +16,11 @@ from __future__ import annotations
 import re
 
 _TOO_LONG = re.compile(r"input_ids has (\d+) tokens; this model accepts at most (\d+)")
+# TensorRT-LLM's own refusal, raised when the executor validates a request (LlmRequest::validate,
+# cpp/tensorrt_llm/batch_manager/llmRequest.cpp: "Prompt length (%d) exceeds maximum input length (%d).
+# Set log level to info ..."): its limit can be below the spec's when the executor derives it
+# (trtGptModel.h: without chunked context, min(max_seq_len - 1, max_num_tokens)).
+_TRTLLM_TOO_LONG = re.compile(r"Prompt length \((\d+)\) exceeds maximum input length \((\d+)\)")
 _OUTPUT = re.compile(r"request_output_len must be within \[1, (\d+)\], got (-?\d+)")
 # xgrammar's message may start with its clock ("[12:00:01.123] ") and its C++ source position
 # ("/path/grammar_parser.cc:42: "): neither means anything to the client whose schema it is.
@@ -28,9 +33,9 @@ def too_long(tokens: int, limit: int) -> str:
 
 
 def context_refusal(message: str) -> tuple[int, int] | None:
-    """(prompt tokens, the model's limit) if ``message`` carries :func:`too_long`'s refusal (the
-    gateway learns the model's input limit from it alone), else None."""
-    found = _TOO_LONG.search(message)
+    """(prompt tokens, the model's limit) if ``message`` carries :func:`too_long`'s refusal or
+    TensorRT-LLM's own (the gateway learns the model's input limit from it alone), else None."""
+    found = _TOO_LONG.search(message) or _TRTLLM_TOO_LONG.search(message)
     return None if found is None else (int(found[1]), int(found[2]))
 
 

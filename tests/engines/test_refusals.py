@@ -39,6 +39,14 @@ def test_the_contracts_own_refusals_are_read_back():
     assert output_refusal(_refusal(4, 0)) == (64, 0)
 
 
+def test_tensorrt_llms_own_prompt_refusal_is_a_context_refusal():
+    # LlmRequest::validate (cpp/tensorrt_llm/batch_manager/llmRequest.cpp), as the Triton model forwards it
+    raw = ("[TensorRT-LLM][ERROR] Assertion failed: Prompt length (4000) exceeds maximum input length (2048). "
+           "Set log level to info and check TRTGptModel logs for how maximum input length is set")
+    assert context_refusal(raw) == (4000, 2048)
+    assert context_refusal("Draft tokens length (9) exceeds maximum draft tokens length (8).") is None
+
+
 def test_xgrammars_clock_and_source_position_are_dropped():
     raw = "[17:02:11.501] /project/cpp/json_schema_converter.cc:618: Unsupported keyword: foo"
     assert guide_refusal(f"[kvgate_llm] {guide_does_not_compile('json_schema', raw)}") == "Unsupported keyword: foo"
