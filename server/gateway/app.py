@@ -12,7 +12,7 @@ refused by this process at once.
 
 from __future__ import annotations
 
-
+import asyncio
 import hmac
 import re
 import secrets
@@ -281,10 +281,15 @@ def install_gateway(app: FastAPI, services: GatewayServices) -> FastAPI:
         except Exception as exc:  # noqa: BLE001 - any failure means not ready
             checks["registry"] = f"unavailable: {type(exc).__name__}"
             pools = list(services.engines.pools.values())
-        for pool in pools:
-            ready = await services.routing.ready(pool)
+        # Ready while this gateway can serve at all: its registry answers and at least one pool's
+        # engine does. A pool without an answering engine is reported, not disqualifying: every
+        # gateway pod sees the same pools, so one pool still loading its engine (or removed and
+        # not yet pruned) would otherwise take every pod out of its Service and stop the pools
+        # that do serve; that pool's requests get 503 ``engine_unavailable`` instead.
+        answering = await asyncio.gather(*(services.routing.ready(pool) for pool in pools))
+        for pool, ready in zip(pools, answering, strict=True):
             checks[f"pool:{pool.name}"] = "ok" if ready else "unavailable"
-        ok = all(v == "ok" for v in checks.values()) and not services.draining
+        ok = checks["registry"] == "ok" and (not pools or any(answering)) and not services.draining
         return JSONResponse({"status": "ready" if ok else "not ready", "checks": checks}, status_code=200 if ok else 503)
 
     inner = app.router.lifespan_context

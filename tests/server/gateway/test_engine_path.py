@@ -18,7 +18,7 @@ from server.gateway.api.prompting import prepare_chat
 from tenants import pools
 from tenants.models import Tenant
 from tests.server.gateway.recording_proxy import start_proxy
-from tests.server.gateway.stack import ACTOR, MODEL, Stack
+from tests.server.gateway.stack import ACTOR, MODEL, Stack, free_port
 from tests.server.gateway.test_openai_e2e import client, metric, system_prompt
 
 pytestmark = pytest.mark.slow
@@ -97,6 +97,25 @@ def test_pool_metrics_come_from_the_engine(stack: Stack) -> None:
         time.sleep(0.2)
     assert metric(stack, "kvgate_pool_blocks", pool="reference", tier="primary", state="max") == 256
     assert metric(stack, "kvgate_tenant_kv_quota_ratio", tenant=slug, pool="reference") > 0
+
+
+def test_a_pool_whose_engine_does_not_answer_is_reported_but_keeps_the_gateway_ready(stack: Stack) -> None:
+    """Every gateway pod sees the same pools: a pool still loading its engine (or gone) must not take
+    every pod out of its Service while another pool serves."""
+    dead = f"127.0.0.1:{free_port()}"
+    name = "dead-" + secrets.token_hex(3)
+    with stack.session_factory() as session:
+        pools.create_pool(session, actor=ACTOR, now=stack.now(), name=name, model_name=MODEL, triton_url=dead,
+                          engine_spec="reference-smollm2", tokens_per_block=stack.tokens_per_block,
+                          primary_blocks=256, secondary_blocks=0, secondary_offload_min_priority=50)
+    try:
+        ready = httpx.get(stack.gateway.base_url + "/readyz", timeout=30)
+        assert ready.status_code == 200, ready.text
+        assert ready.json()["checks"][f"pool:{name}"] == "unavailable"
+        assert ready.json()["checks"]["pool:reference"] == "ok"
+    finally:
+        with stack.session_factory() as session:
+            pools.delete_pool(session, actor=ACTOR, now=stack.now(), ref=name)
 
 
 def test_engine_down_is_503_and_the_next_request_after_restart_succeeds(stack: Stack) -> None:
