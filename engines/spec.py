@@ -19,7 +19,8 @@ Invariants (checked here, so no renderer ever sees a bad spec):
   unit was ambiguous — see :meth:`EngineSpec.pinned_host_bytes_total`);
 * ``tokens_per_block`` is a power of two > 1 (``cpp/tensorrt_llm/batch_manager/
   kvCacheManager.cpp`` and the KV cache docs require it), fixed at build time;
-* ``max_input_len < max_seq_len`` and ``max_num_tokens >= tokens_per_block``;
+* ``max_input_len < max_seq_len`` and ``max_num_tokens >= tokens_per_block`` (rule ``chunk-unit-block``);
+  ``max_num_tokens`` may be below ``max_input_len``: the executor runs with chunked context;
 * the spec hash (:func:`spec_hash`) depends on content only, not on YAML layout.
 """
 
@@ -63,6 +64,13 @@ RULES: dict[str, str] = {
         "its own KV cache manager from BaseKVCacheManager::calculateFreeMemBytes (kvCacheManager.cpp: "
         "freeSecondaryMemBytes = config.getHostCacheSize()), so KvCacheConfig.host_cache_size is pinned host "
         "memory per rank; a replica pins world_size times that"
+    ),
+    "chunk-unit-block": (
+        "NVIDIA/TensorRT-LLM cpp/tensorrt_llm/batch_manager/trtGptModelInflightBatching.cpp (b35ac1b6): with "
+        "chunked context (kvgate always enables it, so max_num_tokens may be below max_input_len) the chunk unit "
+        "is tokens_per_block, TLLM_CHECKed to be divisible by it (\"To prevent cache fragmentation\"), and is then "
+        "lowered to max_num_tokens without a second check; microBatchScheduler.cpp rounds every chunk but a "
+        "prompt's last down to a multiple of the unit. There is no multiple-of rule on max_num_tokens itself"
     ),
     "container-registry-host": (
         "triton-inference-server/server docs/introduction/compatibility.md (r26.04): the -trtllm-python-py3 "
@@ -152,7 +160,11 @@ class BuildLimits(_Strict):
         if self.max_input_len >= self.max_seq_len:
             raise ValueError(f"max_input_len ({self.max_input_len}) must be < max_seq_len ({self.max_seq_len})")
         if self.max_num_tokens < self.tokens_per_block:
-            raise ValueError("max_num_tokens must be >= tokens_per_block")
+            raise ValueError(rule_error(
+                "chunk-unit-block",
+                f"max_num_tokens ({self.max_num_tokens}) must be >= tokens_per_block ({self.tokens_per_block}): "
+                "a smaller value makes the context chunks smaller than a KV cache block",
+            ))
         if self.workers > self.tensor_parallel * self.pipeline_parallel:
             raise ValueError("workers cannot exceed the number of ranks (tensor_parallel * pipeline_parallel)")
         return self

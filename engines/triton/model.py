@@ -34,6 +34,19 @@ promises block reuse but the engine has no paged context FMHA (the executor woul
 "KV cache reuse disabled ..." and serve without reuse) or was built for another block size:
 :mod:`engines.trtllm.engine_config`.
 
+Every request gets exactly one response with the FINAL flag, a cancelled one too (python_backend
+README r26.04: the flag "is still needed even the request is cancelled"): a client that goes away
+is cancelled in the executor and keeps its entry until the executor's final CANCELLED response
+(executorImpl.cpp ``terminateCancelledRequests``), which is forwarded with the flag. Which thread
+sends a request's final answer (the response thread, or the execute thread for a ``stop``) is
+decided under the model's lock (``_Pending.closed``); one failed send never costs the rest of an
+``await_responses`` batch its answers. KV events are fetched and applied in one critical section:
+the response thread and the stats call both drain them, and each gets its own batch.
+
+The executor runs with chunked context: the spec allows ``max_num_tokens < max_input_len``, and
+without it TensorRT-LLM would refuse prompts over ``max_num_tokens`` (batch_manager/trtGptModel.h);
+an engine that cannot chunk (no paged context FMHA) is refused at start-up when the spec needs it.
+
 Per-request ``kv_cache_onboarded_blocks`` is always 0 here: TensorRT-LLM 1.2's
 ``KvCacheMetrics`` has no onboard count (request.cpp); pool-level onboards come from KV
 events and are reported by the stats call.
@@ -44,7 +57,7 @@ from __future__ import annotations
 import json
 import logging
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
@@ -63,11 +76,25 @@ log = logging.getLogger("kvgate.triton")
 
 @dataclass(slots=True)
 class _Pending:
+    """A request between enqueue and its final answer.
+
+    ``closed``: its final answer is claimed (set under the model's lock, in the same critical section
+    that drops the entry and queues the finished request for the ledger, so exactly one thread sends
+    the final flag and the bookkeeping runs once). ``send_lock``: every send to the sender happens
+    under it, after checking ``closed``, so nothing follows the final flag (python_backend
+    response_sender.cc refuses: "Response sender has been closed."). Lock order: ``send_lock``, then
+    the model's lock. ``cancel_requested``: the client went away and ``cancel_request`` was called;
+    the entry stays until the executor's final response (executorImpl.cpp terminateCancelledRequests).
+    """
+
     sender: Any
     request: contract.EngineRequest
     end_id: int | None
     triton_id: str
     generated: int = 0
+    closed: bool = False
+    cancel_requested: bool = False
+    send_lock: threading.Lock = field(default_factory=threading.Lock)
 
 
 def _error(message: str) -> Any:
@@ -97,6 +124,10 @@ class TritonPythonModel:
             facts = engine_config.read_engine_config(self.params.engine_dir)
             engine_config.check_reuse(
                 facts, enable_block_reuse=self.params.enable_block_reuse, tokens_per_block=self.params.tokens_per_block
+            )
+            # Prompts over max_num_tokens need chunked context, which the executor drops on this engine.
+            engine_config.check_chunked_context(
+                facts, max_input_len=self.params.max_input_len, max_num_tokens=self.params.max_num_tokens
             )
             # Token ids and logit biases are sized by the spec's vocabulary: it must be the engine's.
             engine_config.check_vocabulary(facts, vocab_size=self.params.vocab_size)
@@ -234,23 +265,40 @@ class TritonPythonModel:
 
     def pump(self, timeout: timedelta) -> None:
         """One turn of the response loop: dispatch responses, honour cancellation, drain events."""
-        self._cancel_abandoned()  # first: a cancelled client gets nothing more
+        self._cancel_abandoned()  # first: a cancelled client gets nothing more but its final answer
         # executor.cpp: await_responses(timeout: Optional[timedelta]) -> list[Response]
         for response in self.executor.await_responses(timeout=timeout):
-            self._dispatch(response)
+            try:  # one failed answer must not cost the rest of the batch theirs (those clients would hang)
+                self._dispatch(response)
+            except Exception:
+                log.exception("kvgate_llm: answering executor request %s failed", getattr(response, "request_id", "?"))
         self.drain_events()
+
+    def _send(self, request_id: int, pending: _Pending, response: Any, *, final: bool) -> bool:
+        """Send unless the request's final answer was already sent or claimed; a final answer claims it and
+        finishes the request (once). False when nothing was sent."""
+        with pending.send_lock:
+            if final:
+                if not self._finish(request_id, pending):
+                    return False
+            elif pending.closed:
+                return False
+            flags = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL if final else 0
+            pending.sender.send(response, flags=flags)
+            return True
 
     def _dispatch(self, response: Any) -> None:
         with self.lock:
             pending = self.pending.get(response.request_id)  # request.cpp: Response.request_id
-        if pending is None:
+        if pending is None or pending.closed:
             return
-        final = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+        request_id = response.request_id
         if response.has_error():  # request.cpp: Response.has_error(), .error_msg
-            self._finish(response.request_id, pending)
-            pending.sender.send(_error(f"engine error: {response.error_msg}"), flags=final)
+            self._send(request_id, pending, _error(f"engine error: {response.error_msg}"), final=True)
             return
         result = response.result  # request.cpp: Result.output_token_ids (per beam), .is_final, .request_perf_metrics
+        if pending.cancel_requested and not result.is_final:
+            return  # the client went away: only its final answer (the FINAL flag) is still owed
         tokens = [int(t) for t in result.output_token_ids[0]] if result.output_token_ids else []
         raw_count = len(tokens)  # Result.log_probs has one entry per returned token, end token included
         if pending.end_id is not None:
@@ -259,19 +307,18 @@ class TritonPythonModel:
         pending.generated = pending.generated + len(tokens) if pending.request.streaming else len(tokens)
         log_probs = None
         if pending.request.return_log_probs:
-            # request.cpp: Result.log_probs, one list per beam, aligned with output_token_ids
-            values = request_extensions.chosen_log_probs(result, raw_count)
+            # request.cpp: Result.log_probs, one list per beam, aligned with output_token_ids; no token (e.g. the
+            # final answer of a cancelled request, whose tokens are cleared) has no log probability to check
+            values = request_extensions.chosen_log_probs(result, raw_count) if raw_count else []
             if values is not None:
                 values = values[: len(tokens)]
             if values is None:
-                self._finish(response.request_id, pending)
-                pending.sender.send(_error("engine error: return_log_probs was set but the executor returned no log probabilities"), flags=final)
+                self._send(request_id, pending, _error(
+                    "engine error: return_log_probs was set but the executor returned no log probabilities"), final=True)
                 return
             log_probs = [contract.TokenLogProbs(v) for v in values]
         arrays = contract.encode_response(tokens, pending.generated, self._kv_metrics(result), log_probs)
-        if result.is_final:
-            self._finish(response.request_id, pending)
-        pending.sender.send(pb_utils.InferenceResponse(output_tensors=_tensors(arrays)), flags=final if result.is_final else 0)
+        self._send(request_id, pending, pb_utils.InferenceResponse(output_tensors=_tensors(arrays)), final=bool(result.is_final))
 
     @staticmethod
     def _kv_metrics(result: Any) -> contract.KvMetrics:
@@ -288,34 +335,50 @@ class TritonPythonModel:
             onboarded_blocks=0,
         )
 
-    def _finish(self, request_id: int, pending: _Pending) -> None:
+    def _finish(self, request_id: int, pending: _Pending) -> bool:
+        """Claim the request's final answer: True for exactly one caller, which sends it."""
         with self.lock:
+            if pending.closed:
+                return False
+            pending.closed = True
             self.pending.pop(request_id, None)
             self.finished.append(pending.request)
+            return True
 
     def _stop(self, triton_id: str) -> None:
         if not triton_id:
             return
         with self.lock:
-            stopped = [(rid, p) for rid, p in self.pending.items() if p.triton_id == triton_id]
+            stopped = [(rid, p) for rid, p in self.pending.items() if p.triton_id == triton_id and not p.closed]
         for request_id, pending in stopped:
             self.executor.cancel_request(request_id)  # executor.cpp: cancel_request(id)
-            self._finish(request_id, pending)
             empty = contract.encode_response([], pending.generated, contract.KvMetrics())
-            pending.sender.send(pb_utils.InferenceResponse(output_tensors=_tensors(empty)), flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+            # its final answer now; the executor's final CANCELLED response then finds the entry gone
+            self._send(request_id, pending, pb_utils.InferenceResponse(output_tensors=_tensors(empty)), final=True)
 
     def _cancel_abandoned(self) -> None:
+        # As the stock tensorrt_llm model (triton_backend/all_models/inflight_batcher_llm/tensorrt_llm/1/model.py
+        # cancellation_loop): cancel_request and keep the entry; the executor then answers with the request's
+        # final response (executorImpl.cpp terminateCancelledRequests: finish reason CANCELLED), which _dispatch
+        # forwards with the FINAL flag Triton still needs for a cancelled request (python_backend README).
         with self.lock:
-            cancelled = [(rid, p) for rid, p in self.pending.items() if p.sender.is_cancelled()]
-        for request_id, pending in cancelled:
+            cancelled = []
+            for request_id, pending in self.pending.items():
+                if not pending.closed and not pending.cancel_requested and pending.sender.is_cancelled():
+                    pending.cancel_requested = True
+                    cancelled.append(request_id)
+        for request_id in cancelled:
             self.executor.cancel_request(request_id)  # executor.cpp: cancel_request(id)
-            self._finish(request_id, pending)
 
     # Stats ---------------------------------------------------------------------------
     def drain_events(self) -> None:
-        # bindings.cpp kv_cache.KVCacheEventManager.get_latest_events(timeout_ms: Optional[float])
-        events = self.event_manager.get_latest_events(timeout_ms=0.0) if self.event_manager is not None else []
+        # Runs on the response thread (pump) and on Triton's execute thread (stats_report). getEvents hands each
+        # caller its own batch (kvCacheEventManager.cpp: std::exchange(mEvents, {})), so a batch is fetched and
+        # applied in one critical section: two batches are applied in the order they were taken. With timeout 0
+        # the fetch does not wait (mEmptyCV.wait_for(0)).
         with self.lock:
+            # bindings.cpp kv_cache.KVCacheEventManager.get_latest_events(timeout_ms: Optional[float])
+            events = self.event_manager.get_latest_events(timeout_ms=0.0) if self.event_manager is not None else []
             if events:
                 self.ledger.apply(events)
                 if self.kv_events is not None:
@@ -349,13 +412,21 @@ class TritonPythonModel:
         with self.lock:
             tiers = self.ledger.tier_blocks()
             secondary_max = self.ledger.level_capacity[1]
+            if kv is not None:
+                # KvCacheStats (kvCacheManager.h): used = max - free, and a block kept for reuse is free
+                # (evictionPolicy.cpp releaseBlock): used is what running requests hold.
+                primary = pool_stats.TierStats(int(kv.max_num_blocks), int(kv.free_num_blocks), int(kv.used_num_blocks))
+            else:
+                # No KvCacheStats yet: the same meaning, estimated from the running requests (blocks of their
+                # tokens; a prefix shared by two running requests is counted twice, so an upper bound).
+                capacity = self.ledger.level_capacity[0]
+                tpb = self.params.tokens_per_block
+                held = sum(-(-(len(p.request.input_ids) + p.generated) // tpb) for p in self.pending.values())
+                used = min(held, capacity)
+                primary = pool_stats.TierStats(max_blocks=capacity, free_blocks=capacity - used, used_blocks=used)
             report = pool_stats.PoolStatsReport(
                 tokens_per_block=int(kv.tokens_per_block) if kv is not None else self.params.tokens_per_block,
-                primary=pool_stats.TierStats(
-                    max_blocks=int(kv.max_num_blocks) if kv is not None else self.ledger.level_capacity[0],
-                    free_blocks=int(kv.free_num_blocks) if kv is not None else self.ledger.level_capacity[0] - tiers[0],
-                    used_blocks=int(kv.used_num_blocks) if kv is not None else tiers[0],
-                ),
+                primary=primary,
                 secondary=pool_stats.TierStats(max_blocks=secondary_max, free_blocks=max(secondary_max - tiers[1], 0), used_blocks=tiers[1]),
                 reused_blocks=int(kv.reused_blocks) if kv is not None else 0,
                 missed_blocks=int(kv.missed_blocks) if kv is not None else 0,

@@ -107,6 +107,31 @@ def check_reuse(facts: EngineFacts, *, enable_block_reuse: bool, tokens_per_bloc
         )
 
 
+def check_chunked_context(facts: EngineFacts, *, max_input_len: int, max_num_tokens: int) -> None:
+    """Refuse an engine on which the executor would silently refuse the pool's longer prompts.
+
+    kvgate builds the executor with ``enable_chunked_context=True`` (executor_args.py) because the spec
+    allows ``max_num_tokens < max_input_len``: without chunking, an engine with context FMHA and packed
+    input takes at most ``min(max_seq_len - 1, max_num_tokens)`` prompt tokens (batch_manager/trtGptModel.h,
+    TrtGptModel constructor) and answers longer prompts with "Prompt length (%d) exceeds maximum input
+    length (%d)" (batch_manager/llmRequest.cpp ``validate``). On an engine without paged context FMHA the
+    executor turns chunked context off with only a warning (executor/executorImpl.cpp ``fixExecutorConfig``,
+    NVIDIA/TensorRT-LLM b35ac1b6: "Chunked context is not supported for this configuration and will be
+    disabled"), so such a pool must not start on it.
+    """
+    if max_num_tokens >= max_input_len or not facts.context_fmha or facts.paged_context_fmha:
+        return
+    raise EngineConfigError(
+        f"{facts.path}: the spec's max_num_tokens {max_num_tokens} is below its max_input_len {max_input_len}, which "
+        "needs chunked context, but the engine was built without paged context FMHA "
+        f"(build_config.plugin_config.use_paged_context_fmha={facts.paged_context_fmha}); TensorRT-LLM would turn "
+        "chunked context off with only a warning (executorImpl.cpp fixExecutorConfig) and refuse every prompt over "
+        f"{max_num_tokens} tokens (trtGptModel.h: max input = min(max_seq_len - 1, max_num_tokens)). Rebuild with "
+        "paged context FMHA (quantization.weights: fp8 on an Ada/Hopper/Blackwell GPU) or raise max_num_tokens to "
+        "max_input_len"
+    )
+
+
 LOGITS_DTYPES = ("float32", "float16")  # gptJsonConfig.cpp createModelConfig: anything else throws
 
 

@@ -66,6 +66,15 @@ def executor_config_kwargs(params: Any, kv_cache_config: Any) -> dict[str, Any]:
         # samplingTopKKernels.cu topKStage2Sampling then reports log P within the top-k set:
         # 0.0 for every greedy (top-k 1) token. Always sent, so neither default decides.
         "normalize_log_probs": False,
+        # The spec allows max_num_tokens < max_input_len. Without chunked context (the binding's default:
+        # nanobind/executor/executorConfig.cpp nb::arg("enable_chunked_context") = false) an engine with
+        # context FMHA and packed input takes at most min(max_seq_len - 1, max_num_tokens) prompt tokens
+        # (batch_manager/trtGptModel.h) and refuses longer prompts ("Prompt length (%d) exceeds maximum input
+        # length (%d)", batch_manager/llmRequest.cpp); with it the limit is max_seq_len - 1 and a long prompt
+        # runs in chunks of tokens_per_block multiples (trtGptModelInflightBatching.cpp: chunkUnitSize =
+        # tokens per block; microBatchScheduler.cpp). It needs paged context FMHA, without which the executor
+        # drops it with a warning (executorImpl.cpp fixExecutorConfig): engine_config.check_chunked_context.
+        "enable_chunked_context": True,
     }
     if params.max_queue_size is not None:
         kwargs["max_queue_size"] = params.max_queue_size

@@ -142,6 +142,15 @@ def test_host_cache_size_is_per_rank_and_the_ambiguous_key_is_refused():
     assert small.pinned_host_bytes_per_rank() == small.pinned_host_bytes_total() == 32 << 30
 
 
+def test_max_num_tokens_below_a_block_is_refused_naming_the_rule_and_its_source():
+    message = _invalid(lambda d: d["build"].update(max_num_tokens=16))
+    assert "[rule chunk-unit-block]" in message and "trtGptModelInflightBatching.cpp" in message
+    assert "max_num_tokens (16) must be >= tokens_per_block (32)" in message
+    data = copy.deepcopy(_raw("llama-3.1-8b-instruct-fp8kv"))
+    data["build"]["max_num_tokens"] = 2048  # below max_input_len 7168: served with chunked context
+    assert parse_spec(data).build.max_num_tokens == 2048
+
+
 def test_container_must_name_its_registry_host():
     for spec_name in TRT_SPECS:
         # server r26.04 docs/introduction/compatibility.md: the NGC tag of the 26.04 trtllm image

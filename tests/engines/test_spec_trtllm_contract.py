@@ -81,6 +81,9 @@ EXECUTOR_8B = {
     "max_num_tokens": 8192,  # executorConfig.cpp
     # executorConfig.cpp: nb::arg("normalize_log_probs") = true in 1.2; the contract's log probabilities are unnormalised
     "normalize_log_probs": False,
+    # executorConfig.cpp: nb::arg("enable_chunked_context") = false; max_num_tokens < max_input_len needs it
+    # (batch_manager/trtGptModel.h: without it the max input is min(max_seq_len - 1, max_num_tokens))
+    "enable_chunked_context": True,
 }
 EXECUTOR_70B = {**EXECUTOR_8B, "max_batch_size": 128, "max_num_tokens": 16384}
 

@@ -70,7 +70,8 @@ def make_harness(tmp_path, monkeypatch, *, salt_supported=True, spec_name=SPEC, 
         fake_trtllm.write_engine_config(
             engines_root / spec.name / "engine",
             **{"tokens_per_block": spec.build.tokens_per_block, "tp_size": spec.build.tensor_parallel,
-               "vocab_size": spec.triton.vocab_size, **(engine or {})},
+               "vocab_size": spec.triton.vocab_size, "max_input_len": spec.build.max_input_len,
+               "max_seq_len": spec.build.max_seq_len, "max_num_tokens": spec.build.max_num_tokens, **(engine or {})},
         )
     if tokenizer:  # what the engine builder saves under /engines/tokenizers/<spec> (build/engine_builder.sh)
         write_tokenizer(engines_root / "tokenizers" / spec.name)

@@ -26,8 +26,9 @@ release, never at enqueue. Partial reuse (``enable_partial_reuse``) is modelled 
 matches only partly is taken out of the tree for the request *without a removed event*
 (``silently_removed`` keeps them, for tests). Not modelled: capacity-driven eviction and
 offload (tests call ``evict`` / ``offload`` / ``onboard`` on the executor), per-block retention
-priorities (every stored block reports the default 35), the free-list accounting behind
-``KvCacheMetrics`` (total = the prompt's blocks, new = total − reused).
+priorities (every stored block reports the default 35), the free-list order behind
+``KvCacheMetrics`` (total = the prompt's blocks, missed = total − reused, new = the never-used
+slots among the missed, ``getFreeBlock``). ``blocks_in_use`` gives ``KvCacheStats`` its used count.
 """
 
 from __future__ import annotations
@@ -245,6 +246,19 @@ class FakeBlockManager:
         self._unlink(block)
         del self.tree[block_hash]
         self._enqueue_removed(block_hash)
+
+    def blocks_in_use(self) -> int:
+        """Blocks held by running sequences: each tree block once however many sequences share it, plus each
+        sequence's private blocks (``ceil(tokens / B)`` in all, minus the tree blocks it holds). A released block
+        is free even while the tree keeps it for reuse (evictionPolicy.cpp ``LRUEvictionPolicy::releaseBlock``
+        counts it in ``mNumFreeBlocksPerLevel``; ``claimBlock`` takes it off again)."""
+        shared: set[int] = set()
+        private = 0
+        for seq in self.sequences.values():
+            held = [h for h in seq.held if h in self.tree]
+            shared.update(held)
+            private += max(0, -(-len(seq.tokens) // self.tokens_per_block) - len(held))
+        return len(shared) + private
 
     def _referenced(self, block: TreeBlock) -> bool:
         return block.refs > 0 or any(self._referenced(self.tree[c]) for c in block.children.values())

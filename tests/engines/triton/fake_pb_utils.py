@@ -66,8 +66,11 @@ def make_module() -> types.ModuleType:
             self.cancelled = False
 
         def send(self, response=None, flags=0):
+            # python_backend r26.04 src/response_sender.cc UpdateStateAndCounters: a FINAL flag closes the
+            # sender and any later send throws PythonBackendException("Unable to send response. Response
+            # sender has been closed."), which src/pb_stub.cc registers as pb_utils.TritonModelException.
             if self.finished.is_set():
-                raise RuntimeError("send() after the final flag")
+                raise TritonModelException("Unable to send response. Response sender has been closed.")
             self.responses.append((response, flags))
             if flags & mod.TRITONSERVER_RESPONSE_COMPLETE_FINAL:
                 self.finished.set()

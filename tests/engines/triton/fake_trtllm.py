@@ -26,7 +26,11 @@ trtGptModelInflightBatching.cpp), regularizes top-k/top-p so an unset pair means
 KV cache manager does (``fake_block_manager.py``: storeContextBlocks / storeNewBlock /
 releaseBlocks, one stored event per store call, events flushed per iteration and handed over
 late by the event manager's worker), returns only the iteration stats since the last call,
-and exposes an event manager even with a zero event buffer.
+and exposes an event manager even with a zero event buffer. It answers a cancelled request with
+a final ``CANCELLED`` Result (executor/executorImpl.cpp ``terminateCancelledRequests``), refuses
+a prompt longer than the model's maximum input length with TensorRT-LLM's own wording
+(batch_manager/trtGptModel.h ``mMaxInputLen``, llmRequest.cpp ``validate``), and reports
+``KvCacheStats`` as the KV cache manager counts them (evictionPolicy.cpp, kvCacheManager.cpp).
 Sampling/request rules: ``normalize_log_probs`` defaults to true and then a greedy token's log
 probability is 0.0 (executorConfig.cpp, samplingTopKKernels.cu ``topKStage2Sampling``); an
 ``embedding_bias`` of the wrong dtype or shape fails the request as
@@ -61,6 +65,18 @@ from typing import Any
 from tests.engines.triton.fake_block_manager import FakeBlockManager, FakeEventQueue
 
 NONE = object()
+
+# executor/executorImpl.cpp fetchNewRequests: a request that fails validation gets an error Response
+# "Encountered an error when fetching new request: " + e.what(); batch_manager/llmRequest.cpp
+# LlmRequest::validate (NVIDIA/TensorRT-LLM 119c6e60) throws, for a prompt over the model's maximum
+# input length, TLLM_THROW("Prompt length (%d) exceeds maximum input length (%d). Set log level to info
+# and check TRTGptModel logs for how maximum input length is set"). TllmException::what()
+# (common/tllmException.cpp) appends " (<file>:<line>)" and a backtrace after a newline; the double
+# writes the file relative to the source tree, line 0, and no backtrace.
+FETCH_ERROR = "Encountered an error when fetching new request: "
+PROMPT_TOO_LONG = ("Prompt length ({}) exceeds maximum input length ({}). Set log level to info and check "
+                   "TRTGptModel logs for how maximum input length is set")
+LLM_REQUEST_THROW_AT = " (cpp/tensorrt_llm/batch_manager/llmRequest.cpp:0)"
 
 
 @dataclass(slots=True)
@@ -162,10 +178,15 @@ def sampled_log_prob(processed: Any, token: int, *, top_k: int, normalize_log_pr
 
 def write_engine_config(engine_dir: str | Path, *, tokens_per_block: int = 32, paged_context_fmha: bool = True,
                         context_fmha: bool = True, quant_algo: str | None = "FP8", kv_cache_quant_algo: str | None = "FP8",
-                        tp_size: int = 1, vocab_size: int = 128256, logits_dtype: str | None = "float32") -> Path:
+                        tp_size: int = 1, vocab_size: int = 128256, logits_dtype: str | None = "float32",
+                        max_input_len: int = 7168, max_seq_len: int = 8192, max_num_tokens: int = 8192) -> Path:
     """The fields of a trtllm-build ``config.json`` that runtime/gptJsonConfig.cpp reads and this double uses.
 
-    ``logits_dtype`` None leaves the key out (gptJsonConfig.cpp createModelConfig then takes "float32")."""
+    ``logits_dtype`` None leaves the key out (gptJsonConfig.cpp createModelConfig then takes "float32").
+    ``max_input_len`` / ``max_seq_len`` / ``max_num_tokens`` are ``build_config`` keys as trtllm-build's
+    BuildConfig (tensorrt_llm/builder.py) writes them; gptJsonConfig.cpp reads ``max_input_len`` and
+    ``max_num_tokens`` (optional) there — the snapshot in the index derives the sequence length from
+    ``max_output_len``, so the key a 1.2 reader takes ``max_seq_len`` from is unconfirmed."""
     path = Path(engine_dir) / "config.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps({
@@ -177,7 +198,8 @@ def write_engine_config(engine_dir: str | Path, *, tokens_per_block: int = 32, p
             "vocab_size": vocab_size,
             **({} if logits_dtype is None else {"logits_dtype": logits_dtype}),
         },
-        "build_config": {"plugin_config": {
+        "build_config": {"max_input_len": max_input_len, "max_seq_len": max_seq_len, "max_num_tokens": max_num_tokens,
+                         "plugin_config": {
             "context_fmha": context_fmha, "use_paged_context_fmha": paged_context_fmha,
             "tokens_per_block": tokens_per_block, "paged_kv_cache": True, "remove_input_padding": True,
         }},
@@ -514,13 +536,23 @@ def make_module(*, salt_supported: bool = True, primary_blocks: int = 64, second
         def __init__(self, kv):
             self.kv_cache_metrics = kv
 
+    class FinishReason(enum.Enum):  # request.cpp (nanobind): nb::enum_<tle::FinishReason>(m, "FinishReason")
+        NOT_FINISHED = 0
+        END_ID = 1
+        STOP_WORDS = 2
+        LENGTH = 3
+        TIMED_OUT = 4
+        CANCELLED = 5
+
     class Result:
-        def __init__(self, tokens, is_final, perf, log_probs=None):
+        def __init__(self, tokens, is_final, perf, log_probs=None, finish_reason=None):
             self.output_token_ids = [list(tokens)]
             self.is_final = is_final
             self.request_perf_metrics = perf
             # request.cpp: Result.log_probs, std::optional<vector<vector<float>>> (per beam), None unless asked
             self.log_probs = None if log_probs is None else [list(log_probs)]
+            # request.cpp: Result.finish_reasons, one per beam (llmRequest.cpp createResult: mFinishReasons)
+            self.finish_reasons = [finish_reason or (FinishReason.LENGTH if is_final else FinishReason.NOT_FINISHED)]
 
     class Response:
         def __init__(self, request_id, result=None, error_msg=""):
@@ -611,6 +643,15 @@ def make_module(*, salt_supported: bool = True, primary_blocks: int = 64, second
         plugin = json.loads(path.read_text())["build_config"]["plugin_config"]
         return bool(plugin["use_paged_context_fmha"]), int(plugin["tokens_per_block"])
 
+    def _read_limits(model_path):
+        """(context FMHA, packed input, max_input_len, max_seq_len, max_num_tokens) of the engine's config.json
+        (build_config and its plugin_config; gptJsonConfig.cpp: max_num_tokens optional, remove_input_padding
+        is ModelConfig::usePackedInput)."""
+        build = json.loads((Path(model_path) / "config.json").read_text())["build_config"]
+        plugin = build["plugin_config"]
+        return (bool(plugin["context_fmha"]), bool(plugin["remove_input_padding"]), int(build["max_input_len"]),
+                int(build["max_seq_len"]), build.get("max_num_tokens"))
+
     def _read_logits(model_path):
         # runtime/gptJsonConfig.cpp createModelConfig: pretrained_config.vocab_size (required),
         # logits_dtype (default "float32"; only float32/float16, else "Unsupported logits data type");
@@ -681,6 +722,15 @@ def make_module(*, salt_supported: bool = True, primary_blocks: int = 64, second
             # included) builds this model, so the executor fails to start either way.
             if not kv_config.onboard_blocks and self.paged_context_fmha:
                 raise RuntimeError("[TensorRT-LLM][ERROR] Assertion failed: KV cache blocks need to be onboarded if context FMHA.")
+            # executor/executorImpl.cpp (b35ac1b6) fixExecutorConfig, applied in createModel before the model's
+            # own fixExecutorConfig below: chunked context on an engine without paged context FMHA (or without a
+            # KV cache, or an RNN) -> TLLM_LOG_WARNING and enableChunkedContext = false.
+            # nanobind/executor/executorConfig.cpp: nb::arg("enable_chunked_context") = false.
+            self.chunked_context = getattr(executor_config, "enable_chunked_context", False)
+            if self.chunked_context and not self.paged_context_fmha:
+                self.warnings.append("Chunked context is not supported for this configuration and will be disabled. "
+                                     "Related configs: RNNBased: 0, KVCacheEnabled: 1, PagedContextFMHA: 0")
+                self.chunked_context = False
             # trtGptModelInflightBatching.cpp fixExecutorConfig: reuse requested on an engine without
             # paged context FMHA -> TLLM_LOG_WARNING and enableBlockReuse = false; the executor runs.
             self.block_reuse = bool(kv_config.enable_block_reuse)
@@ -688,6 +738,23 @@ def make_module(*, salt_supported: bool = True, primary_blocks: int = 64, second
                 self.warnings.append("Fixing executorConfig: KV cache reuse disabled because model was not built with "
                                      "paged context FMHA support")
                 self.block_reuse = False
+            # batch_manager/trtGptModel.h TrtGptModel ctor: mMaxNumTokens is the engine's max_num_tokens, lowered
+            # (never raised: "is larger than model max num tokens ... will be ignored") by ExecutorConfig.max_num_tokens;
+            # mMaxInputLen = maxSequenceLen - 1 with chunked context, min(maxSequenceLen - 1, maxNumTokens) with context
+            # FMHA and packed input ("Max number of tokens has to be set" otherwise), else the engine's max_input_len.
+            context_fmha, packed, engine_input_len, self.max_seq_len, max_num_tokens = _read_limits(model_path)
+            runtime_tokens = getattr(executor_config, "max_num_tokens", None)
+            if runtime_tokens is not None and max_num_tokens is not None and runtime_tokens <= max_num_tokens:
+                max_num_tokens = runtime_tokens
+            if self.chunked_context:
+                self.max_input_len = self.max_seq_len - 1
+            elif context_fmha and packed:
+                if max_num_tokens is None:
+                    raise RuntimeError("[TensorRT-LLM][ERROR] Assertion failed: Max number of tokens has to be set for "
+                                       "context FMHA and usePackedInput case.")
+                self.max_input_len = min(self.max_seq_len - 1, max_num_tokens)
+            else:
+                self.max_input_len = engine_input_len
             self.has_local_model = not orchestrator  # executorImpl.cpp: the orchestrator holds no mModel
             self.iter_stats_max_iterations = getattr(executor_config, "iter_stats_max_iterations", 1000)
             # executorConfig.cpp (nanobind) ExecutorConfig init: nb::arg("normalize_log_probs") = true
@@ -745,6 +812,12 @@ def make_module(*, salt_supported: bool = True, primary_blocks: int = 64, second
 
         def _run(self, request_id, request):
             """Plan the request's tokens and responses; blocks are matched, stored and released by ``step``."""
+            # executorImpl.cpp fetchNewRequests: newReq->validate(mModel->getMaxInputLen(), ...) before anything else;
+            # its exception becomes the request's error Response (see FETCH_ERROR).
+            if len(request.input_token_ids) > self.max_input_len:
+                message = PROMPT_TOO_LONG.format(len(request.input_token_ids), self.max_input_len)
+                self.ready.append(Response(request_id, None, FETCH_ERROR + message + LLM_REQUEST_THROW_AT))
+                return
             error = _decoder_request_error(self, request)
             if error is not None:
                 self.ready.append(Response(request_id, None, error))
@@ -769,12 +842,15 @@ def make_module(*, salt_supported: bool = True, primary_blocks: int = 64, second
             normalized_greedy = greedy and self.normalize_log_probs
             lps = [0.0 if normalized_greedy else -0.5 - 0.01 * t for t in generated]
             planned = []
+            ended = request.end_id is not None and bool(generated) and generated[-1] == request.end_id
+            reason = FinishReason.END_ID if ended else FinishReason.LENGTH
             if request.streaming:
                 for i, token in enumerate(generated):
-                    planned.append(Response(request_id, Result([token], i == len(generated) - 1, metrics,
-                                                               lps[i:i + 1] if asked else None)))
+                    last = i == len(generated) - 1
+                    planned.append(Response(request_id, Result([token], last, metrics, lps[i:i + 1] if asked else None,
+                                                               reason if last else None)))
             else:
-                planned.append(Response(request_id, Result(generated, True, metrics, lps if asked else None)))
+                planned.append(Response(request_id, Result(generated, True, metrics, lps if asked else None, reason)))
             self.active[request_id] = _Active(request, generated, planned, metrics.kv_cache_metrics)
 
         def step(self):
@@ -807,7 +883,7 @@ def make_module(*, salt_supported: bool = True, primary_blocks: int = 64, second
                 kv.kv_cache_hit_rate = reused / context if context else 0.0
                 self.reused_total += reused
                 self.alloc_total += context
-                self.alloc_new += context - reused
+                self.alloc_new += fresh  # KvCacheStats.alloc_new_blocks is mAllocNewBlocks: the same getFreeBlock rule
                 self.missed_total += context - reused
             for request_id, active in self.active.items():  # forwardAsync
                 if request_id in self.cancelled:
@@ -820,7 +896,14 @@ def make_module(*, salt_supported: bool = True, primary_blocks: int = 64, second
             finished = []
             for request_id, active in self.active.items():  # forwardSync
                 if request_id in self.cancelled:
-                    finished.append(request_id)  # terminated: its blocks are released (and stored)
+                    # executorImpl.cpp terminateCancelledRequests (after forwardSync): kGENERATION_COMPLETE,
+                    # terminateRequest (its blocks are released, and stored), finishByReason(kCANCELLED),
+                    # clearGeneratedTokens; populateNewResponses then sends its final Response (llmRequest.cpp
+                    # createResult: isFinal, no output tokens once they are cleared, finish reason CANCELLED).
+                    asked = active.request.output_config.return_log_probs
+                    self.ready.append(Response(request_id, Result([], True, RequestPerfMetrics(active.kv),
+                                                                  [] if asked else None, FinishReason.CANCELLED)))
+                    finished.append(request_id)
                     continue
                 if active.produced < len(active.generated):
                     blocks.add_token(request_id, active.generated[active.produced])
@@ -838,9 +921,15 @@ def make_module(*, salt_supported: bool = True, primary_blocks: int = 64, second
             self.events.queue.flush()
 
         def _kv_stats(self):
+            # kvCacheManager.h KvCacheStats (00825c4e): freeNumBlocks = free blocks of the primary pool,
+            # usedNumBlocks = maxNumBlocks - freeNumBlocks. evictionPolicy.cpp LRUEvictionPolicy::releaseBlock
+            # counts every released block as free (mNumFreeBlocksPerLevel++), the blocks kept in the reuse tree
+            # included; claimBlock takes one off. So "used" is what running requests hold, and a cached block
+            # is free. The double has no capacity model (it admits everything): used is capped at the pool.
+            used = min(self.blocks.blocks_in_use(), primary_blocks)
             return KvCacheStats(
-                max_num_blocks=primary_blocks, free_num_blocks=primary_blocks - len(self.tree),
-                used_num_blocks=len(self.tree), tokens_per_block=self.tokens_per_block,
+                max_num_blocks=primary_blocks, free_num_blocks=primary_blocks - used,
+                used_num_blocks=used, tokens_per_block=self.tokens_per_block,
                 alloc_total_blocks=self.alloc_total, alloc_new_blocks=self.alloc_new, reused_blocks=self.reused_total,
                 missed_blocks=self.missed_total,
                 cache_hit_rate=self.reused_total / self.alloc_total if self.alloc_total else 0.0,
@@ -850,8 +939,10 @@ def make_module(*, salt_supported: bool = True, primary_blocks: int = 64, second
             _duration("timeout", timeout)
             while self.auto_run and self.active:  # the executor's own loop; tests set auto_run False to step
                 self.step()
+            # executorImpl.cpp awaitResponses hands over every queued Response: a request cancelled after some of
+            # its responses were produced still delivers them, then its final CANCELLED one.
             with self.lock:
-                out = [r for r in self.ready if r.request_id not in self.cancelled]
+                out = list(self.ready)
                 self.ready.clear()
             return out
 
@@ -899,7 +990,8 @@ def make_module(*, salt_supported: bool = True, primary_blocks: int = 64, second
             self.events.queue.flush()
 
     for obj in (CommunicationMode, OrchestratorConfig, ParallelConfig, ModelType, KvCacheConfig, ExecutorConfig, KvCacheRetentionConfig, SamplingConfig, OutputConfig, Request,
-                Response, Result, KvCacheStats, IterationStats, Executor, GuidedDecodingParams, GuidedDecodingConfig):
+                Response, Result, FinishReason, KvCacheStats, IterationStats, Executor, GuidedDecodingParams,
+                GuidedDecodingConfig):
         setattr(mod, obj.__name__, obj)
     mod.kv_cache = kv_cache
     return mod

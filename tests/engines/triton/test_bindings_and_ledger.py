@@ -179,7 +179,10 @@ def test_executor_aborts_without_onboarding_on_a_paged_context_engine(tmp_path):
 def test_executor_runs_without_reuse_on_an_engine_without_paged_context_fmha(tmp_path):
     module, executor = _executor(tmp_path, engine={"paged_context_fmha": False})
     assert executor.warnings == [
-        "Fixing executorConfig: KV cache reuse disabled because model was not built with paged context FMHA support"
+        # executorImpl.cpp fixExecutorConfig: kvgate asks for chunked context (executor_args.py)
+        "Chunked context is not supported for this configuration and will be disabled. Related configs: RNNBased: 0, "
+        "KVCacheEnabled: 1, PagedContextFMHA: 0",
+        "Fixing executorConfig: KV cache reuse disabled because model was not built with paged context FMHA support",
     ]
     prompt = list(range(64))
     for _ in range(2):

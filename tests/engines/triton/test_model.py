@@ -8,7 +8,9 @@ what the model answers on the KServe side (engines/contract.py).
 from __future__ import annotations
 
 import ast
+import copy
 import json
+import threading
 from datetime import timedelta
 from pathlib import Path
 
@@ -18,9 +20,11 @@ import pytest
 import engines.contract as contract
 from engines.contract import EngineRequest, KvMetrics, SamplingParams, encode_request
 from engines.pool_stats import PoolStatsReport
+from engines.spec import load_bundled_spec, parse_spec
 from engines.trtllm.executor_args import cache_salt_id
 from retention.types import DEFAULT_PRIORITY, RetentionPlan, TokenRange
-from tests.engines.triton.conftest import make_harness
+from tests.engines.triton import fake_trtllm
+from tests.engines.triton.conftest import SPEC, make_harness
 
 FINAL = 1
 PROMPT = tuple(range(100, 100 + 80))  # 2 full blocks of 32 + 16 tokens
@@ -193,7 +197,27 @@ def test_stats_call_reports_pool_and_per_tenant_blocks_per_tier(harness):
     assert (report.offloaded_blocks, report.evicted_blocks, report.onboarded_blocks) == (1, 1, 0)
 
 
+class _Recorded(list):
+    """``model.finished`` that remembers every request appended to it (the drain clears the list)."""
+
+    def __init__(self):
+        super().__init__()
+        self.appended = []
+
+    def append(self, item):
+        self.appended.append(item)
+        super().append(item)
+
+
+def stats_of(h) -> PoolStatsReport:
+    [(tensors, _)] = outputs(h.send({contract.KV_STATS.name: np.array([True])}))
+    return PoolStatsReport.from_json(tensors[contract.KV_CACHE_STATS.name][0])
+
+
 def test_cancelled_request_is_cancelled_in_the_executor(harness):
+    """python_backend README (r26.04): "Sending the TRITONSERVER_RESPONSE_COMPLETE_FINAL flag at the end of
+    response is still needed even the request is cancelled". The executor answers a cancelled request with
+    a final Result (executorImpl.cpp terminateCancelledRequests); the model forwards it with the flag."""
     request_tensors = request(streaming=True, max_new=8)
     inference = harness.pb.InferenceRequest(request_tensors)
     harness.model.execute([inference])
@@ -201,8 +225,132 @@ def test_cancelled_request_is_cancelled_in_the_executor(harness):
     harness.model.pump(timedelta(0))
     [request_id] = harness.executor.requests
     assert harness.executor.cancelled == [request_id]
-    assert inference.sender.responses == []
+    [(final, flags)] = outputs(inference.sender)
+    assert flags == FINAL and final[contract.OUTPUT_IDS.name].tolist() == []
     assert harness.model.pending == {}
+
+
+def test_a_request_cancelled_while_running_gets_one_final_answer_and_is_finished_once(harness):
+    model, executor = harness.model, harness.executor
+    model.finished = done = _Recorded()
+    executor.auto_run = False
+    inference = harness.pb.InferenceRequest(request(streaming=True, max_new=8, tenant="tenant-a"))
+    model.execute([inference])
+    executor.step()  # the first token is ready
+    inference.sender.cancelled = True  # the client goes away
+    model.pump(timedelta(0))
+    [request_id] = executor.requests
+    assert executor.cancelled == [request_id]
+    assert inference.sender.responses == []  # a cancelled client gets nothing but its final answer
+    assert request_id in model.pending  # kept until the executor's final response
+    executor.step()  # terminateCancelledRequests: the final CANCELLED Result
+    model.pump(timedelta(0))
+    [(final, flags)] = outputs(inference.sender)
+    assert flags == FINAL and final[contract.OUTPUT_IDS.name].tolist() == []
+    assert model.pending == {} and [r.tenant_id for r in done.appended] == ["tenant-a"]
+    for _ in range(3):
+        executor.step()
+        model.pump(timedelta(0))
+    assert len(inference.sender.responses) == 1 and len(done.appended) == 1
+    assert executor.cancelled == [request_id]  # cancel_request is called once
+
+
+def test_the_double_answers_a_cancelled_request_with_a_final_cancelled_result(harness):
+    executor, trt = harness.executor, harness.trt
+    request_id = executor.enqueue_request(trt.Request(list(PROMPT), 4, streaming=True))
+    executor.cancel_request(request_id)
+    [response] = executor.await_responses(timeout=timedelta(0))
+    result = response.result
+    assert result.is_final and result.output_token_ids == [[]]
+    assert result.finish_reasons == [trt.FinishReason.CANCELLED]
+
+
+def test_a_stop_racing_the_response_thread_sends_one_final_and_loses_no_other_answer(harness, monkeypatch):
+    """The response thread has read request A's entry and is building its answer when Triton's execute
+    thread handles a ``stop`` for A (which sends A's final answer). The real sender then refuses a second
+    final (python_backend response_sender.cc: "Response sender has been closed."): that must neither reach
+    A twice nor cost B, the next response of the same batch, its answer."""
+    model = harness.model
+    a = harness.pb.InferenceRequest(request(ids=tuple(range(100, 140))), request_id="req-a")
+    b = harness.pb.InferenceRequest(request(ids=tuple(range(300, 340))), request_id="req-b")
+    model.execute([a, b])
+    real_encode, fired = contract.encode_response, []
+
+    def encode_then_stop(*args, **kwargs):
+        if not fired:
+            fired.append(1)
+            model.execute([harness.pb.InferenceRequest({contract.STOP.name: np.array([True])}, request_id="req-a")])
+        return real_encode(*args, **kwargs)
+
+    monkeypatch.setattr(contract, "encode_response", encode_then_stop)
+    model.pump(timedelta(0))
+    monkeypatch.setattr(contract, "encode_response", real_encode)
+    model.pump(timedelta(0))
+    assert [flags for _, flags in a.sender.responses] == [FINAL]
+    [(answer, flags)] = outputs(b.sender)
+    assert flags == FINAL and len(answer[contract.OUTPUT_IDS.name]) == 4
+    assert model.pending == {}
+
+
+def test_a_failing_send_does_not_cost_the_rest_of_the_batch_its_answers(harness):
+    model = harness.model
+    a = harness.pb.InferenceRequest(request(ids=tuple(range(100, 140))), request_id="req-a")
+    b = harness.pb.InferenceRequest(request(ids=tuple(range(300, 340))), request_id="req-b")
+    model.execute([a, b])
+
+    def broken(response=None, flags=0):
+        raise harness.pb.TritonModelException("Unable to send response. Response sender has been closed.")
+
+    a.sender.send = broken
+    model.pump(timedelta(0))  # one failure is logged, the loop goes on
+    assert outputs(b.sender)[0][1] == FINAL
+    assert model.pending == {}
+
+
+def test_the_double_sender_refuses_a_send_after_the_final_flag_like_python_backend(harness):
+    sender = harness.pb.InferenceRequest({}).sender
+    sender.send(None, flags=FINAL)
+    with pytest.raises(harness.pb.TritonModelException, match="Response sender has been closed"):
+        sender.send(None, flags=FINAL)
+
+
+def test_event_batches_drained_on_two_threads_are_applied_in_fetch_order(harness):
+    """getEvents returns std::exchange(mEvents, {}) (kvCacheEventManager.cpp): two threads draining get two
+    separate batches. The response thread, preempted between fetching the stored events and applying them,
+    must not let the stats call apply the later removals first (ghost blocks on the tenant, event gaps)."""
+    model = harness.model
+    real = model.event_manager
+    fetched, release = threading.Event(), threading.Event()
+
+    class Preempted:
+        def get_latest_events(self, timeout_ms=None):
+            batch = real.get_latest_events(timeout_ms=timeout_ms)
+            if threading.current_thread().name == "response-loop":
+                fetched.set()
+                release.wait(5)
+            return batch
+
+    model.execute([harness.pb.InferenceRequest(request(salt="salt-a", tenant="tenant-a"))])
+    for response in model.executor.await_responses(timeout=timedelta(0)):
+        model._dispatch(response)  # answered; its stored events wait in the event manager
+    model.event_manager = Preempted()
+    response_loop = threading.Thread(target=model.drain_events, name="response-loop")
+    response_loop.start()
+    assert fetched.wait(5)
+    root = next(b for b in harness.executor.tree.values() if b.parent == 0)
+    harness.executor.evict(root.block_hash)  # the engine evicts the blocks: removed events
+    reports = []
+    stats_call = threading.Thread(target=lambda: reports.append(stats_of(harness)), name="execute")
+    stats_call.start()
+    stats_call.join(0.3)
+    release.set()
+    response_loop.join(5)
+    stats_call.join(5)
+    assert not response_loop.is_alive() and not stats_call.is_alive()
+    assert harness.executor.tree == {}
+    assert model.ledger.tier_blocks() == [0, 0] and model.ledger.tenants() == {}
+    assert model.ledger.gaps == 0
+    assert reports[0].tenants == {}
 
 
 def test_stop_cancels_the_running_request_with_the_same_triton_id(harness):
@@ -281,9 +429,11 @@ def test_executor_is_built_from_the_config_pbtxt_parameters(harness):
         "enable_block_reuse": True, "free_gpu_memory_fraction": 0.85, "onboard_blocks": True, "enable_partial_reuse": True,
     }
     [executor_call] = [kwargs for name, kwargs in harness.trt.calls if name == "ExecutorConfig"]
-    assert sorted(executor_call) == ["guided_decoding_config", "iter_stats_max_iterations", "kv_cache_config", "max_batch_size",
-                                     "max_beam_width", "max_num_tokens", "normalize_log_probs"]
+    assert sorted(executor_call) == ["enable_chunked_context", "guided_decoding_config", "iter_stats_max_iterations",
+                                     "kv_cache_config", "max_batch_size", "max_beam_width", "max_num_tokens",
+                                     "normalize_log_probs"]
     assert executor_call["normalize_log_probs"] is False  # the contract's log probabilities (engines/contract.py)
+    assert executor_call["enable_chunked_context"] is True  # executorConfig.cpp: nb::arg(...) = false
     harness.model.finalize()
     assert executor.shut
 
@@ -353,18 +503,28 @@ def test_stats_before_any_iteration_and_between_iterations(harness):
     for _ in range(2):  # the second call sees an empty deque and keeps the last KvCacheStats
         [(tensors, _)] = outputs(harness.send({contract.KV_STATS.name: np.array([True])}))
         report = PoolStatsReport.from_json(tensors[contract.KV_CACHE_STATS.name][0])
-        assert report.primary.used_blocks == 3 and report.alloc_total_blocks == 3
+        # the finished request's blocks are cached for reuse, and a cached block is a free one
+        assert report.primary.used_blocks == 0 and report.primary.free_blocks == 64
+        assert report.alloc_total_blocks == 3 and report.tenants == {"tenant-a": [3, 0]}
 
 
 def test_stats_without_kv_cache_stats_fall_back_to_events(tmp_path, monkeypatch):
     h = make_harness(tmp_path, monkeypatch, kv_cache_stats=False)  # IterationStats.kv_cache_stats is None
     try:
-        outputs(h.send(request(salt="a", tenant="tenant-a")))
-        [(tensors, flags)] = outputs(h.send({contract.KV_STATS.name: np.array([True])}))
-        report = PoolStatsReport.from_json(tensors[contract.KV_CACHE_STATS.name][0])
-        assert flags == FINAL
-        assert report.primary.max_blocks == 64 and report.primary.used_blocks == 3  # the ledger's counts
-        assert report.tenants == {"tenant-a": [3, 0]}
+        h.executor.auto_run = False
+        running = h.pb.InferenceRequest(request(salt="a", tenant="tenant-a"))
+        h.model.execute([running])
+        h.executor.step()
+        report = stats_of(h)
+        # no KvCacheStats: used is what the running requests hold (80 prompt tokens: 3 blocks), as TensorRT-LLM counts it
+        assert (report.primary.max_blocks, report.primary.used_blocks, report.primary.free_blocks) == (64, 3, 61)
+        while h.executor.active:
+            h.executor.step()
+        h.model.pump(timedelta(0))
+        outputs(running.sender)
+        report = stats_of(h)
+        assert (report.primary.used_blocks, report.primary.free_blocks) == (0, 64)  # cached blocks are free
+        assert report.tenants == {"tenant-a": [3, 0]}  # held or cached, per tenant: the event ledger
     finally:
         h.model.finalize()
 
@@ -402,3 +562,94 @@ def test_a_non_streaming_request_gets_exactly_one_final_message_however_it_ends(
         harness.executor.step()
     assert not pumped(stop.sender).has_error()
     assert not pumped(running.sender).has_error()
+
+
+def test_kv_cache_stats_count_cached_blocks_as_free_and_only_never_used_slots_as_new(harness):
+    """kvCacheManager.h KvCacheStats: used = max - free; evictionPolicy.cpp releaseBlock counts a released
+    block as free even while it is kept for reuse; kvCacheManager.cpp getFreeBlock counts a block in
+    alloc_new only when it never held tokens, so never more than the pool."""
+    executor = harness.executor
+    executor.auto_run = False
+    running = harness.pb.InferenceRequest(request())
+    harness.model.execute([running])
+    executor.step()
+    report = stats_of(harness)
+    assert (report.primary.used_blocks, report.primary.free_blocks) == (3, 61)  # held by the running request
+    while executor.active:
+        executor.step()
+    harness.model.pump(timedelta(0))
+    outputs(running.sender)
+    executor.auto_run = True
+    for i in range(30):  # 30 more prompts of 3 blocks, none shared: 93 missed blocks in a 64-block pool
+        outputs(harness.send(request(ids=tuple(range(1000 + 100 * i, 1000 + 100 * i + 80)))))
+    report = stats_of(harness)
+    assert (report.primary.used_blocks, report.primary.free_blocks) == (0, 64)
+    assert report.missed_blocks == 93 and report.alloc_new_blocks == 64
+
+
+def _spec_with(**build):
+    data = load_bundled_spec(SPEC).model_dump(mode="json")
+    data["build"].update(build)
+    return parse_spec(copy.deepcopy(data), source="tuned.yaml")
+
+
+def test_a_prompt_longer_than_max_num_tokens_is_served_with_chunked_context(tmp_path, monkeypatch):
+    """trtGptModel.h: without chunked context (the binding's default) and with context FMHA, the executor's
+    maximum input length is min(max_seq_len - 1, max_num_tokens); the spec allows max_num_tokens below
+    max_input_len, so the executor must be built with chunked context."""
+    spec = _spec_with(max_num_tokens=2048)
+    h = make_harness(tmp_path, monkeypatch, spec=spec)
+    try:
+        assert h.executor.config.enable_chunked_context is True
+        [(answer, flags)] = outputs(h.send(request(ids=tuple(range(10, 4010)))))
+        assert flags == FINAL and answer[contract.SEQUENCE_LENGTH.name].tolist() == [4]
+    finally:
+        h.model.finalize()
+
+
+def test_without_chunked_context_the_double_refuses_prompts_over_max_num_tokens_in_tensorrt_llms_words(tmp_path):
+    trt = fake_trtllm.make_module()
+    engine = fake_trtllm.write_engine_config(tmp_path / "engine", max_input_len=7168, max_seq_len=8192,
+                                             max_num_tokens=8192).parent
+
+    def last_response(prompt_len, *, paged_context_fmha=True, **config):
+        fake_trtllm.write_engine_config(engine, paged_context_fmha=paged_context_fmha, max_input_len=7168,
+                                        max_seq_len=8192, max_num_tokens=8192)
+        executor = trt.Executor(str(engine), trt.ModelType.DECODER_ONLY, trt.ExecutorConfig(**config))
+        executor.enqueue_request(trt.Request(list(range(10, 10 + prompt_len)), 4))
+        return executor, executor.await_responses(timeout=timedelta(0))[-1]
+
+    _, refused = last_response(4000, max_num_tokens=2048)
+    assert refused.has_error()
+    assert refused.error_msg.startswith(
+        "Encountered an error when fetching new request: Prompt length (4000) exceeds maximum input length (2048). "
+        "Set log level to info and check TRTGptModel logs for how maximum input length is set")
+    assert not last_response(2048, max_num_tokens=2048)[1].has_error()
+    assert not last_response(4000, max_num_tokens=2048, enable_chunked_context=True)[1].has_error()
+    _, over = last_response(8192, enable_chunked_context=True)  # chunked: max_seq_len - 1
+    assert "Prompt length (8192) exceeds maximum input length (8191)" in over.error_msg
+    assert "exceeds maximum input length (8191)" in last_response(8192)[1].error_msg  # min(8191, 8192)
+    # the engine's max_num_tokens is a ceiling: a larger runtime value is ignored
+    assert "maximum input length (8191)" in last_response(9000, max_num_tokens=16384)[1].error_msg
+    # executorImpl.cpp fixExecutorConfig: no paged context FMHA -> chunked context off, with a warning only
+    executor, refused = last_response(4000, paged_context_fmha=False, max_num_tokens=2048, enable_chunked_context=True)
+    assert refused.has_error() and "maximum input length (2048)" in refused.error_msg
+    assert any(w.startswith("Chunked context is not supported for this configuration") for w in executor.warnings)
+
+
+def test_an_engine_that_cannot_chunk_context_is_refused_when_the_spec_needs_it(tmp_path, monkeypatch):
+    """Without paged context FMHA the executor turns chunked context off with a warning (executorImpl.cpp
+    fixExecutorConfig) and then refuses every prompt over max_num_tokens: a pool whose max_input_len needs
+    chunking must not start on such an engine (a pool with block reuse is already refused for it)."""
+    data = load_bundled_spec(SPEC).model_dump(mode="json")
+    data["build"]["max_num_tokens"] = 2048
+    data["kv_cache"]["enable_block_reuse"] = False
+    spec = parse_spec(data, source="no-reuse.yaml")
+    with pytest.raises(Exception, match="chunked context") as caught:
+        make_harness(tmp_path, monkeypatch, spec=spec, engine={"paged_context_fmha": False})
+    assert type(caught.value).__name__ == "TritonModelException"
+    assert "max_num_tokens 2048" in str(caught.value) and "max_input_len 7168" in str(caught.value)
+    data["build"]["max_num_tokens"] = 8192  # >= max_input_len: no chunking needed, served
+    h = make_harness(tmp_path / "fits", monkeypatch, spec=parse_spec(data, source="fits.yaml"),
+                     engine={"paged_context_fmha": False})
+    h.model.finalize()
