@@ -10,6 +10,11 @@ scrapes the gateway of a real stack (reference engine process + gateway over HTT
 * every Grafana panel query (``$pool`` = all) parses and returns series;
 * killing the engine turns ``kvgate_engine_up`` to 0 and ``KvgateEngineDown`` pending.
 
+What each alert means is checked apart, with ``promtool test rules`` on synthetic series
+written as several gateway pods export them (engine figures repeated per gateway, request
+counters per gateway): which alerts fire, which stay quiet, and that engine figures are not
+multiplied by the gateway count in the rules or on the dashboard.
+
 Traffic is shaped so that each series exists: distinct long prompts overflow a small GPU
 pool (evictions, offloads to host), a repeat of the oldest prompt comes back from the host
 tier (``host_hit``), a repeat of the newest from GPU (``gpu_hit``), and a tenant with an
@@ -21,6 +26,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import shutil
 import subprocess
 import time
@@ -203,3 +209,220 @@ def test_dashboards_and_rules_against_a_live_gateway(stack, prometheus):
     wait_for(lambda: query(prometheus, 'kvgate_engine_up{pool="reference"} == 0'), 30, "kvgate_engine_up to drop")
     wait_for(lambda: query(prometheus, 'ALERTS{alertname="KvgateEngineDown", alertstate="pending"}'), 40,
              "KvgateEngineDown to go pending")
+
+
+# --- what the rules mean: `promtool test rules` on synthetic series --------------------------------
+#
+# Series are written as N gateways export them: every gateway pod polls the same engines, so an
+# engine-level series (pool blocks and counters, tenant blocks) arrives N times with the same value,
+# once per `instance`; per-gateway series (requests, 429s) each count that gateway's own requests.
+
+GATEWAYS = ("gw-0", "gw-1", "gw-2")
+RATE_LIMITS = ("requests_per_minute", "tokens_per_minute", "max_concurrent")
+
+
+def _series(metric: str, values: str, *, gateways: tuple[str, ...] = GATEWAYS, **labels: str) -> list[dict]:
+    """``metric{labels}`` as each gateway of ``gateways`` exports it (promtool input_series)."""
+    out = []
+    for instance in gateways:
+        inner = ", ".join(f'{k}="{v}"' for k, v in {**labels, "job": "kvgate-gateway", "instance": instance}.items())
+        out.append({"series": f"{metric}{{{inner}}}", "values": values})
+    return out
+
+
+def _shipped_rules() -> dict[str, dict]:
+    return {rule["alert"]: rule for group in yaml.safe_load(RULES.read_text())["groups"] for rule in group["rules"]
+            if "alert" in rule}
+
+
+def _firing(alert: str, **labels: str) -> dict:
+    """The exp_alerts entry promtool compares: the rule's labels and its summary templated with ``labels``."""
+    rule = _shipped_rules()[alert]
+    summary = rule["annotations"]["summary"]
+    for key, value in labels.items():
+        summary = summary.replace(f"{{{{ $labels.{key} }}}}", value)
+    assert "{{" not in summary, summary
+    return {"exp_labels": {**labels, **rule["labels"]}, "exp_annotations": {"summary": summary}}
+
+
+def _promtool_test(tmp_path: Path, tests: list[dict], rule_files: tuple[Path, ...] = (RULES,)) -> None:
+    promtool = _binary("promtool")
+    path = tmp_path / "rules_test.yml"
+    path.write_text(yaml.safe_dump({"rule_files": [str(p) for p in rule_files], "evaluation_interval": "1m",
+                                    "tests": tests}, sort_keys=False))
+    done = subprocess.run([promtool, "test", "rules", str(path)], capture_output=True, text=True)
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
+def test_engine_counters_are_not_multiplied_by_the_gateway_count(tmp_path):
+    """One engine offloading 6 blocks/s, scraped through 3 gateways, offloads 6 blocks/s: under the
+    thrash alert's 10 blocks/s floor (its ratio, 24 offloads per onboard, is over 20), so it does not fire.
+    At 12 blocks/s it does."""
+    def thrash(offloads_per_min: int) -> list[dict]:
+        return [*_series("kvgate_pool_offloaded_blocks_total", f"0+{offloads_per_min}x40", pool="p"),
+                *_series("kvgate_pool_onboarded_blocks_total", "0+15x40", pool="p")]  # 0.25 blocks/s
+
+    _promtool_test(tmp_path, [
+        {"interval": "1m", "input_series": thrash(360),
+         "promql_expr_test": [
+             {"expr": "kvgate:pool_offloaded_blocks:rate_5m", "eval_time": "30m",
+              "exp_samples": [{"labels": 'kvgate:pool_offloaded_blocks:rate_5m{pool="p"}', "value": 6}]},
+             {"expr": "kvgate:pool_offloads_per_onboard:ratio_5m", "eval_time": "30m",
+              "exp_samples": [{"labels": 'kvgate:pool_offloads_per_onboard:ratio_5m{pool="p"}', "value": 24}]},
+         ],
+         "alert_rule_test": [{"alertname": "KvgateHostTierThrash", "eval_time": "35m", "exp_alerts": []}]},
+        {"interval": "1m", "input_series": thrash(720),
+         "alert_rule_test": [{"alertname": "KvgateHostTierThrash", "eval_time": "35m",
+                              "exp_alerts": [_firing("KvgateHostTierThrash", pool="p")]}]},
+    ])
+
+
+def test_a_replica_down_alerts_on_its_own_and_the_pool_alert_says_the_pool(tmp_path):
+    """KvgateReplicaDown: an active replica whose breaker is open on every gateway (r1). Not a replica
+    only one gateway cannot reach (r2), nor one drained on purpose (r3). KvgateEngineDown stays quiet:
+    the pool still answers through r0 and r2."""
+    replicas = {"r0": ("1", "1", "1"), "r1": ("0", "0", "0"), "r2": ("0", "1", "1"), "r3": ("0", "0", "0")}
+    series = []
+    for replica, healthy in replicas.items():
+        for instance, value in zip(GATEWAYS, healthy, strict=True):
+            series += _series("kvgate_replica_healthy", f"{value}x20", gateways=(instance,), pool="p", replica=replica)
+        state = "draining" if replica == "r3" else "active"
+        series += _series("kvgate_replica_state", "1x20", pool="p", replica=replica, state=state)
+    series += _series("kvgate_engine_up", "1x20", pool="p")
+    _promtool_test(tmp_path, [{
+        "interval": "1m", "input_series": series,
+        "promql_expr_test": [{"expr": "kvgate:replica_healthy:max", "eval_time": "10m", "exp_samples": [
+            {"labels": f'kvgate:replica_healthy:max{{pool="p", replica="{r}"}}', "value": v}
+            for r, v in (("r0", 1), ("r1", 0), ("r2", 1))]}],
+        "alert_rule_test": [
+            {"alertname": "KvgateReplicaDown", "eval_time": "10m", "exp_alerts": [_firing("KvgateReplicaDown", pool="p", replica="r1")]},
+            {"alertname": "KvgateEngineDown", "eval_time": "10m", "exp_alerts": []},
+        ],
+    }])
+    rules = _shipped_rules()
+    assert "pool cannot serve" in rules["KvgateEngineDown"]["annotations"]["summary"]
+    assert "other replicas" in rules["KvgateReplicaDown"]["annotations"]["summary"]
+
+
+def test_a_full_gpu_kv_tier_alerts(tmp_path):
+    """Under 2 % of a pool's GPU blocks free for 10 minutes (the same gauges from 3 gateways)."""
+    series = []
+    for pool, free in (("full", "10"), ("roomy", "100")):
+        series += _series("kvgate_pool_blocks", f"{free}x30", pool=pool, tier="primary", state="free")
+        series += _series("kvgate_pool_blocks", "1000x30", pool=pool, tier="primary", state="max")
+        series += _series("kvgate_pool_blocks", "0x30", pool=pool, tier="secondary", state="free")  # no host tier left: not the GPU's
+    _promtool_test(tmp_path, [{
+        "interval": "1m", "input_series": series,
+        "promql_expr_test": [{"expr": "kvgate:pool_gpu_kv_free:ratio", "eval_time": "15m", "exp_samples": [
+            {"labels": 'kvgate:pool_gpu_kv_free:ratio{pool="full"}', "value": 0.01},
+            {"labels": 'kvgate:pool_gpu_kv_free:ratio{pool="roomy"}', "value": 0.1}]}],
+        "alert_rule_test": [
+            {"alertname": "KvgateGpuKvTierFull", "eval_time": "5m", "exp_alerts": []},  # not yet: `for` 10m
+            {"alertname": "KvgateGpuKvTierFull", "eval_time": "15m", "exp_alerts": [_firing("KvgateGpuKvTierFull", pool="full")]},
+        ],
+    }])
+
+
+def test_sustained_rate_limiting_alerts(tmp_path):
+    """Over 10 % of a tenant's requests refused by its own limits for 15 minutes, summed over the gateways
+    (each counts its own). acme: half refused; solo: every request refused (no served series at all);
+    beta: a few in many; gamma: refused only because the limit store was down (503), not rate limiting."""
+    series = [
+        *_series("kvgate_rate_limited_total", "0+60x40", tenant="acme", limit="requests_per_minute"),
+        *_series("kvgate_requests_total", "0+60x40", tenant="acme", pool="p", status="ok"),
+        *_series("kvgate_rate_limited_total", "0+6x40", tenant="solo", limit="max_concurrent"),
+        *_series("kvgate_rate_limited_total", "0+1x40", tenant="beta", limit="tokens_per_minute"),
+        *_series("kvgate_requests_total", "0+600x40", tenant="beta", pool="p", status="ok"),
+        *_series("kvgate_rate_limited_total", "0+60x40", tenant="gamma", limit="admission"),
+        *_series("kvgate_requests_total", "0+60x40", tenant="gamma", pool="p", status="ok"),
+    ]
+    _promtool_test(tmp_path, [{
+        "interval": "1m", "input_series": series,
+        "promql_expr_test": [{"expr": 'kvgate:tenant_rate_limited:ratio_5m{tenant=~"acme|solo|gamma"}', "eval_time": "30m",
+                               "exp_samples": [{"labels": 'kvgate:tenant_rate_limited:ratio_5m{tenant="acme"}', "value": 0.5},
+                                               {"labels": 'kvgate:tenant_rate_limited:ratio_5m{tenant="solo"}', "value": 1}]}],
+        "alert_rule_test": [{"alertname": "KvgateTenantRateLimited", "eval_time": "30m", "exp_alerts": [
+            _firing("KvgateTenantRateLimited", tenant="acme"), _firing("KvgateTenantRateLimited", tenant="solo")]}],
+    }])
+    assert set(RATE_LIMITS) | {"admission"} <= set(re.findall(r'limit="([a-z_]+)"', (ROOT / "server/gateway/admission.py").read_text()))
+
+
+# Engine-level series as 3 gateways export them, and what each dashboard panel reading them must show:
+# the engine's figures once, whatever the number of gateways.
+ENGINE_SERIES = [
+    *_series("kvgate_pool_blocks", "900x40", pool="p", tier="primary", state="used"),
+    *_series("kvgate_pool_blocks", "100x40", pool="p", tier="primary", state="free"),
+    *_series("kvgate_pool_blocks", "1000x40", pool="p", tier="primary", state="max"),
+    *_series("kvgate_pool_offloaded_blocks_total", "0+360x40", pool="p"),
+    *_series("kvgate_pool_evicted_blocks_total", "0+60x40", pool="p"),
+    *_series("kvgate_tenant_kv_blocks", "300x40", tenant="acme", pool="p", tier="primary"),
+    *_series("kvgate_tenant_kv_blocks", "40x40", tenant="acme", pool="p", tier="secondary"),
+    *_series("kvgate_tenant_kv_quota_ratio", "0.5x40", tenant="acme", pool="p"),
+    *_series("kvgate_engine_up", "1x40", pool="p"),
+    *_series("kvgate_slo_guard_tripped", "0x40", pool="p"),
+]
+ENGINE_PANELS = {
+    ("KV quota use per tenant (primary blocks held / allowed)", "A"): [('{pool="p", tenant="acme"}', 0.5)],
+    ("KV blocks per tenant and tier", "A"): [('{tenant="acme", tier="primary"}', 300), ('{tenant="acme", tier="secondary"}', 40)],
+    ("Pool blocks by tier and state", "A"): [('{pool="p", state="free", tier="primary"}', 100),
+                                             ('{pool="p", state="used", tier="primary"}', 900)],
+    ("Evictions and offloads per pool (blocks/s)", "A"): [('{pool="p"}', 1)],
+    ("Evictions and offloads per pool (blocks/s)", "B"): [('{pool="p"}', 6)],
+    ("Engine answering the stats call (1 = up)", "A"): [('{pool="p"}', 1)],
+    ("SLO guard: host tier rolled back (1 = tripped)", "A"): [('{pool="p"}', 0)],
+}
+ENGINE_METRICS = re.compile(r"kvgate_(pool_[a-z_]+|tenant_kv_[a-z_]+|engine_up|slo_guard_tripped)\b")
+
+
+def test_dashboard_shows_engine_figures_once_whatever_the_gateway_count(tmp_path):
+    dashboard = json.loads(DASHBOARD.read_text())
+    targets = {(p["title"], t["refId"]): t["expr"] for p in dashboard["panels"] for t in p["targets"]}
+    # every panel reading an engine-level series is checked here
+    assert {key for key, expr in targets.items() if ENGINE_METRICS.search(expr)} == set(ENGINE_PANELS)
+    _promtool_test(tmp_path, [{
+        "interval": "1m", "input_series": ENGINE_SERIES,
+        "promql_expr_test": [
+            {"expr": targets[key].replace("$pool", ".*"), "eval_time": "30m",
+             "exp_samples": [{"labels": labels, "value": value} for labels, value in samples]}
+            for key, samples in ENGINE_PANELS.items()],
+    }])
+
+
+def test_every_series_the_rules_read_is_one_the_gateway_exports():
+    """The names and labels the rules select are the gateway's own (metrics.py collectors, fed as the
+    services feed them), so a rule cannot silently select nothing."""
+    from prometheus_client import CollectorRegistry, generate_latest
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from engines.contract import KvMetrics
+    from engines.pool_stats import PoolStatsReport, TierStats
+    from server.gateway.observe import metrics
+
+    report = PoolStatsReport(tokens_per_block=32, primary=TierStats(8, 4, 4), secondary=TierStats(8, 8, 0),
+                             tenants={"t1": [1, 0]}, offloaded_blocks=3, onboarded_blocks=1)
+    snapshot = metrics.PoolSnapshot(pool="p", stats=report, tenant_slugs={"t1": "acme"},
+                                    tenant_quota_blocks={"acme": 4.0}, demoted={})
+    registry = CollectorRegistry()
+    gateway = metrics.GatewayMetrics(registry, snapshots=lambda: [snapshot], engine_up=lambda: {"p": True})
+    gateway.watch_replicas(lambda: [metrics.ReplicaRow("p", "r0", "active", True, 0, "precise")])
+    metrics.SloGuardMetrics(registry, lambda: {"p": False})
+    gateway.observe_request(tenant="acme", pool="p", status="ok", prompt_tokens=10, completion_tokens=3, ttft=0.1,
+                            latency=0.3, kv=KvMetrics(reused_blocks=1, new_blocks=1, total_blocks=2, onboarded_blocks=1),
+                            demoted=False, inter_token=0.1)
+    for limit in RATE_LIMITS:
+        gateway.rate_limited.labels(tenant="acme", limit=limit).inc()
+    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
+               for family in text_string_to_metric_families(generate_latest(registry).decode()) for s in family.samples}
+    shipped = [rule for group in yaml.safe_load(RULES.read_text())["groups"] for rule in group["rules"]]
+    used = {name for rule in shipped for name in re.findall(r"\bkvgate_[a-z_]+", rule["expr"])}
+    assert used and used <= {name for name, _ in samples}
+
+    def value(name: str, **labels: str) -> float:
+        return samples[(name, tuple(sorted(labels.items())))]
+
+    assert value("kvgate_replica_state", pool="p", replica="r0", state="active") == 1
+    assert value("kvgate_replica_healthy", pool="p", replica="r0") == 1
+    assert value("kvgate_pool_blocks", pool="p", tier="primary", state="free") == 4
+    assert value("kvgate_pool_blocks", pool="p", tier="primary", state="max") == 8
+    for limit in RATE_LIMITS:
+        assert value("kvgate_rate_limited_total", tenant="acme", limit=limit) == 1

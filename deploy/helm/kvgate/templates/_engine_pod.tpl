@@ -31,6 +31,24 @@ while True:
     time.sleep(30)
 {{- end -}}
 
+{{/*
+Where a GPU pool's pods run: the pool's nodeSelector merged over engines.gpu.nodeSelector (the
+pool's keys win) and both tolerations lists. Engine pods and the pool's engine-builder Job use
+it, so the build lands on nodes the pool may use. Input: (dict "root" $ "pool" <pools item>).
+Output starts with a newline (empty when there is nothing to place).
+*/}}
+{{- define "kvgate.gpuPlacement" -}}
+{{- $gpu := .root.Values.engines.gpu -}}
+{{- with (merge (deepCopy (default dict .pool.nodeSelector)) $gpu.nodeSelector) }}
+nodeSelector:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- with (concat (default list .pool.tolerations) $gpu.tolerations) }}
+tolerations:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- end -}}
+
 {{- define "kvgate.tritonPodSpec" -}}
 {{- $root := .root -}}
 {{- $pool := .pool -}}
@@ -51,14 +69,7 @@ securityContext:
   fsGroup: 1000
   seccompProfile: {type: RuntimeDefault}
 terminationGracePeriodSeconds: 60
-{{- with (merge (deepCopy (default dict $pool.nodeSelector)) $gpu.nodeSelector) }}
-nodeSelector:
-  {{- toYaml . | nindent 2 }}
-{{- end }}
-{{- with (concat (default list $pool.tolerations) $gpu.tolerations) }}
-tolerations:
-  {{- toYaml . | nindent 2 }}
-{{- end }}
+{{- include "kvgate.gpuPlacement" (dict "root" $root "pool" $pool) }}
 initContainers:
   - name: wait-for-engine
     image: {{ include "kvgate.image" $img }}
