@@ -16,6 +16,7 @@ i.e. :class:`datetime.timedelta` in Python, not an int of milliseconds.
 from __future__ import annotations
 
 import hashlib
+import secrets
 from datetime import timedelta
 from types import ModuleType
 from typing import Any
@@ -193,6 +194,13 @@ def sampling_config(trtllm: ModuleType, request: EngineRequest) -> Any:
     silently decodes greedily.
 
     Temperature 0 means greedy, expressed as ``top_k=1, top_p=1.0`` with the default temperature.
+
+    A sampled request without a seed gets a fresh random one. Unset, the decoding layers seed
+    every request's curand state with ``DefaultDecodingParams::getSeed() == 0``
+    (cpp/tensorrt_llm/layers/defaultDecodingParams.h; "it will initialize the random table by
+    random seed 0 every time, and generate same results" — NVIDIA/TensorRT-LLM issue 1000), so
+    identical unseeded requests would return identical completions on GPU pools while the
+    reference engine (and OpenAI's API) draw a new sample each time.
     """
     s = request.sampling
     kwargs: dict[str, Any] = {"beam_width": 1}
@@ -205,6 +213,8 @@ def sampling_config(trtllm: ModuleType, request: EngineRequest) -> Any:
         kwargs["top_p"] = s.top_p  # contract: within (0, 1]; 1.0 = no nucleus cut
     if s.seed is not None:
         kwargs["seed"] = s.seed
+    elif s.temperature != 0.0:
+        kwargs["seed"] = secrets.randbits(63)  # SamplingConfig's seed is a uint64 (RandomSeedType)
     kwargs.update(request_extensions.sampling_extension_kwargs(s))  # penalties, min_tokens
     return trtllm.SamplingConfig(**kwargs)
 

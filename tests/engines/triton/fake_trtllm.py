@@ -829,7 +829,7 @@ def make_module(*, salt_supported: bool = True, primary_blocks: int = 64, second
             # Greedy decoding gives the deterministic tokens; sampling (what regularizeTopKTopP leaves
             # non-greedy) gives different ones, so a test can tell the two apart from the output.
             greedy = sampling is None or sampling.greedy
-            shift = 0 if greedy else 1 + (sampling.seed or 0)
+            shift = 0 if greedy else 1 + (sampling.seed or 0) % 999  # never a multiple of 1000: never greedy's tokens
             generated = [(t * 7 + 3 + shift) % 1000 + 10 for t in ids][: request.max_tokens]
             if request.end_id is not None and request.end_id >= 0 and len(generated) < request.max_tokens:
                 generated.append(request.end_id)

@@ -112,6 +112,20 @@ def test_greedy_and_sampled_requests_map_to_sampling_config(harness):
     assert sampled.top_p == pytest.approx(0.9) and sampled.temperature == pytest.approx(0.7)
 
 
+def test_an_unseeded_sampled_request_gets_a_fresh_seed_and_a_greedy_one_none(harness):
+    # Unset, TensorRT-LLM seeds every request with DefaultDecodingParams::getSeed() == 0: identical
+    # unseeded requests would sample identical completions on GPU pools.
+    seeds = []
+    for _ in range(2):
+        tensors = request()
+        tensors[contract.TEMPERATURE.name] = np.array([1.0], np.float32)
+        outputs(harness.send(tensors))
+        seeds.append(recorded_request(harness).sampling_config.seed)
+    assert None not in seeds and seeds[0] != seeds[1] and all(0 <= s < 2**64 for s in seeds)
+    outputs(harness.send(request()))
+    assert recorded_request(harness).sampling_config.seed is None
+
+
 def test_non_streaming_answer_and_kv_metrics(harness):
     [(first, flags)] = outputs(harness.send(request(salt="s1")))
     assert flags == FINAL
