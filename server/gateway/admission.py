@@ -8,11 +8,26 @@ Two interchangeable backends behind one :class:`Admission` interface:
   so replica clocks never disagree about refills.
 
 Model: requests/min and tokens/min are token buckets of capacity ``limit`` refilled
-at ``limit / 60`` per second. A request takes 1 request token and its prompt tokens
-at admission; its completion tokens are charged when it finishes (the bucket may go
-negative, down to ``-capacity``, which delays the next admissions instead of letting a
-long generation slip through). Concurrency is a set of leases (Redis: a sorted set
+at ``limit / 60`` per second. A request takes 1 request token at admission and
+*reserves* its prompt tokens plus the output limit it runs with (``max_output_tokens``:
+its ``max_tokens``, or the tenant's output limit when it names none, as the routes decide);
+it is admitted only if the bucket holds that whole reservation. When it ends (answered,
+failed, or its client gone) the part of the output it did not generate goes back to the
+bucket, exactly once; tokens generated past the reservation (an engine that overran
+``max_tokens``) are charged in full, so the bucket may go negative, without a floor: debt
+is never forgiven. So whatever the concurrency, the prompt and completion tokens served
+within any window never exceed the capacity plus that window's refill. A reservation
+larger than the capacity can never be admitted: refused at once with 429
+``rate_limit_exceeded`` ("Request too large", as OpenAI answers), naming ``max_tokens`` so
+the client knows what to lower. Concurrency is a set of leases (Redis: a sorted set
 scored by expiry, so a crashed replica's leases lapse).
+
+Refund exactly once (Redis): the acquire that reserves also stores the lease's output
+reservation under a key of its own (``...:res:<lease id>``, lapsing with the lease and
+renewed by the same heartbeat); the release refunds only by deleting that key. So a
+release sent twice (its first answer lost, then retried) refunds once, and the owed
+release of an acquire Redis never stored (its answer lost while Redis went away) refunds
+nothing.
 
 Lease renewal (Redis): a lease is granted for ``lease_ttl_s`` (default
 ``LEASE_TTL_SECONDS``, 30 s) and renewed every ``lease_ttl_s / 3`` while its request is
@@ -68,7 +83,9 @@ class Limits:
 
 
 class AdmissionError(Exception):
-    """Refused admission. ``status`` 429 (retry later) or 400 (never admissible)."""
+    """Refused admission. ``status`` 429 (retry later; with ``code`` ``rate_limit_exceeded`` and
+    no ``retry_after``, a request too large for tokens_per_minute, never admissible as sent),
+    400 (over a size cap, never admissible) or 503 (admission's store away)."""
 
     def __init__(self, message: str, *, limit: str, status: int, retry_after: float | None = None,
                  code: str | None = None) -> None:
@@ -91,12 +108,28 @@ def check_sizes(limits: Limits, *, prompt_tokens: int, max_output_tokens: int) -
             f"{max_output_tokens} output tokens asked for; this tenant's max_output_tokens is {limits.max_output_tokens}",
             limit="max_output_tokens", status=400,
         )
-    if limits.tokens_per_minute is not None and prompt_tokens > limits.tokens_per_minute:
+    tpm = limits.tokens_per_minute
+    if tpm is not None and prompt_tokens + max_output_tokens > tpm:
+        # OpenAI's wording for a request over a per-minute token limit ("Request too large ...
+        # Limit X, Requested Y"), 429 rate_limit_exceeded; but it can never pass: what to lower.
+        default = (" (the tenant's max_output_tokens, reserved when a request names no max_tokens)"
+                   if max_output_tokens == limits.max_output_tokens else "")
+        fix = ("the prompt alone reaches the limit: shorten it" if prompt_tokens >= tpm else
+               f"lower max_tokens (max_output_tokens on the Responses API) to at most {tpm - prompt_tokens}, "
+               "or shorten the prompt")
         raise AdmissionError(
-            f"prompt has {prompt_tokens} tokens, more than this tenant's tokens_per_minute "
-            f"({limits.tokens_per_minute}); it can never be admitted",
-            limit="tokens_per_minute", status=400,
+            f"Request too large for this tenant's tokens_per_minute: Limit {tpm}, Requested "
+            f"{prompt_tokens + max_output_tokens} (prompt {prompt_tokens} + max_tokens {max_output_tokens}{default}). "
+            f"A request reserves its prompt and max_tokens at admission, so this one can never be admitted; {fix}.",
+            limit="tokens_per_minute", status=429, code="rate_limit_exceeded",
         )
+
+
+def _tpm_refusal(tpm: int, reserved: int, retry_after: float) -> AdmissionError:
+    return AdmissionError(
+        f"tokens_per_minute limit of {tpm} reached (this request reserves {reserved}: its prompt and max_tokens)",
+        limit="tokens_per_minute", status=429, retry_after=retry_after,
+    )
 
 
 @dataclass(slots=True)
@@ -105,6 +138,7 @@ class Lease:
     lease_id: str
     tokens_per_minute: int | None
     released: bool = False
+    output_reserved: int = 0  # output tokens taken from the token bucket at admission (refunded unused)
 
 
 class Admission(Protocol):
@@ -165,16 +199,15 @@ class LocalAdmission:
                     f"requests_per_minute limit of {rpm} reached", limit="requests_per_minute", status=429,
                     retry_after=state.requests.deficit_seconds(rpm, 1.0),
                 )
-            if tpm is not None and state.tokens is not None and state.tokens.level < prompt_tokens:
-                raise AdmissionError(
-                    f"tokens_per_minute limit of {tpm} reached", limit="tokens_per_minute", status=429,
-                    retry_after=state.tokens.deficit_seconds(tpm, prompt_tokens),
-                )
+            reserved = prompt_tokens + max_output_tokens
+            if tpm is not None and state.tokens is not None and state.tokens.level < reserved:
+                raise _tpm_refusal(tpm, reserved, state.tokens.deficit_seconds(tpm, reserved))
             if state.requests is not None:
                 state.requests.level -= 1.0
-            if state.tokens is not None:
-                state.tokens.level -= prompt_tokens
-            lease = Lease(tenant, secrets.token_hex(8), tpm)
+            if tpm is not None and state.tokens is not None:
+                state.tokens.level -= reserved
+            lease = Lease(tenant, secrets.token_hex(8), tpm,
+                          output_reserved=max_output_tokens if tpm is not None else 0)
             state.leases.add(lease.lease_id)
             return lease
 
@@ -188,8 +221,10 @@ class LocalAdmission:
                 return
             state.leases.discard(lease.lease_id)
             if state.tokens is not None and lease.tokens_per_minute is not None:
+                # The unused reservation back (never above capacity), or the overrun charged: no floor.
                 state.tokens.refill(lease.tokens_per_minute, self._clock())
-                state.tokens.level = max(-float(lease.tokens_per_minute), state.tokens.level - completion_tokens)
+                state.tokens.level = min(float(lease.tokens_per_minute),
+                                         state.tokens.level + lease.output_reserved - completion_tokens)
 
     async def in_flight(self, tenant: str) -> int:
         state = self._tenants.get(tenant)
@@ -200,14 +235,16 @@ class LocalAdmission:
 
 
 # Redis ---------------------------------------------------------------------------------------
-# KEYS: 1 request bucket, 2 token bucket, 3 lease zset
-# ARGV: 1 rpm (0 = none), 2 tpm (0 = none), 3 max_concurrent (0 = none), 4 prompt tokens, 5 lease id, 6 lease ttl
-# Returns {0, lease count} granted, or {code, retry_after_ms}: 1 concurrency, 2 rpm, 3 tpm.
+# KEYS: 1 request bucket, 2 token bucket, 3 lease zset, 4 the lease's reservation record
+# ARGV: 1 rpm (0 = none), 2 tpm (0 = none), 3 max_concurrent (0 = none), 4 prompt tokens, 5 lease id, 6 lease ttl,
+#       7 output tokens reserved
+# Returns {0, 0} granted, or {code, retry_after_ms}: 1 concurrency, 2 rpm, 3 tpm.
 _ACQUIRE = """
 local t = redis.call('TIME')
 local now = tonumber(t[1]) + tonumber(t[2]) / 1e6
 local rpm, tpm, conc = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3])
-local prompt = tonumber(ARGV[4])
+local output = tonumber(ARGV[7])
+local reserve = tonumber(ARGV[4]) + output  -- prompt + output limit
 local function level(key, cap)
   local v = redis.call('HMGET', key, 'level', 'ts')
   local lvl, ts = tonumber(v[1]), tonumber(v[2])
@@ -225,15 +262,16 @@ if rpm > 0 then
 end
 if tpm > 0 then
   k = level(KEYS[2], tpm)
-  if k < prompt then return {3, math.ceil((prompt - k) / (tpm / 60.0) * 1000)} end
+  if k < reserve then return {3, math.ceil((reserve - k) / (tpm / 60.0) * 1000)} end
 end
 if rpm > 0 then
   redis.call('HSET', KEYS[1], 'level', r - 1, 'ts', now)
   redis.call('EXPIRE', KEYS[1], 120)
 end
 if tpm > 0 then
-  redis.call('HSET', KEYS[2], 'level', k - prompt, 'ts', now)
+  redis.call('HSET', KEYS[2], 'level', k - reserve, 'ts', now)
   redis.call('EXPIRE', KEYS[2], 120)
+  redis.call('SET', KEYS[4], output, 'PX', math.ceil(tonumber(ARGV[6]) * 1000))
 end
 if conc > 0 then
   redis.call('ZADD', KEYS[3], now + tonumber(ARGV[6]), ARGV[5])
@@ -242,32 +280,41 @@ end
 return {0, 0}
 """
 
-# KEYS: 1 token bucket, 2 lease zset; ARGV: 1 tpm (0 = none), 2 completion tokens, 3 lease id
+# KEYS: 1 token bucket, 2 lease zset, 3 the lease's reservation record
+# ARGV: 1 tpm (0 = none), 2 completion tokens, 3 lease id
+# Settles the reservation only if its record is still there (deleted here: once). No record: a
+# release sent again, an acquire Redis never stored, or a lease lapsed (its gateway silent past
+# the TTL): nothing to give back. Returns 1 when it settled a reservation.
 _RELEASE = """
 redis.call('ZREM', KEYS[2], ARGV[3])
 local tpm = tonumber(ARGV[1])
-if tpm > 0 then
-  local t = redis.call('TIME')
-  local now = tonumber(t[1]) + tonumber(t[2]) / 1e6
-  local v = redis.call('HMGET', KEYS[1], 'level', 'ts')
-  local lvl, ts = tonumber(v[1]), tonumber(v[2])
-  if lvl == nil then lvl, ts = tpm, now end
-  lvl = math.min(tpm, lvl + (now - ts) * tpm / 60.0)
-  lvl = math.max(-tpm, lvl - tonumber(ARGV[2]))
-  redis.call('HSET', KEYS[1], 'level', lvl, 'ts', now)
-  redis.call('EXPIRE', KEYS[1], 120)
-end
-return 0
+local held = redis.call('GET', KEYS[3])
+if tpm <= 0 or not held then return 0 end
+redis.call('DEL', KEYS[3])
+local t = redis.call('TIME')
+local now = tonumber(t[1]) + tonumber(t[2]) / 1e6
+local v = redis.call('HMGET', KEYS[1], 'level', 'ts')
+local lvl, ts = tonumber(v[1]), tonumber(v[2])
+if lvl == nil then lvl, ts = tpm, now end
+lvl = math.min(tpm, lvl + (now - ts) * tpm / 60.0)
+lvl = math.min(tpm, lvl + tonumber(held) - tonumber(ARGV[2]))
+redis.call('HSET', KEYS[1], 'level', lvl, 'ts', now)
+-- kept until it has refilled to full (a debt outlives the usual two minutes)
+redis.call('EXPIRE', KEYS[1], 120 + math.ceil(math.max(0, -lvl) * 60.0 / tpm))
+return 1
 """
 
-# KEYS: 1 lease zset; ARGV: 1 lease ttl, 2.. lease ids. Moves the expiry of the ids still in the
-# set to now + ttl (XX: a released lease is never re-added); returns how many were renewed.
+# KEYS: 1 lease zset, 2.. the leases' reservation records (same order as the ids); ARGV: 1 lease ttl,
+# 2.. lease ids. Moves the expiry of the ids still in the set to now + ttl (XX: a released lease is
+# never re-added) and of the records still there (PEXPIRE never creates one); returns how many
+# leases were renewed.
 _RENEW = """
 local t = redis.call('TIME')
 local expiry = tonumber(t[1]) + tonumber(t[2]) / 1e6 + tonumber(ARGV[1])
 local renewed = 0
 for i = 2, #ARGV do
   renewed = renewed + redis.call('ZADD', KEYS[1], 'XX', 'CH', expiry, ARGV[i])
+  redis.call('PEXPIRE', KEYS[i], math.ceil(tonumber(ARGV[1]) * 1000))
 end
 if redis.call('ZCARD', KEYS[1]) > 0 then redis.call('EXPIRE', KEYS[1], math.ceil(tonumber(ARGV[1]))) end
 return renewed
@@ -307,16 +354,25 @@ class RedisAdmission:
         base = f"{self._ns}:adm:{{{tenant}}}"  # hash tag: one slot per tenant in Redis Cluster
         return [f"{base}:rpm", f"{base}:tpm", f"{base}:leases"]
 
+    def _reservation_key(self, tenant: str, lease_id: str) -> str:
+        return f"{self._ns}:adm:{{{tenant}}}:res:{lease_id}"
+
     async def acquire(self, tenant: str, limits: Limits, *, prompt_tokens: int, max_output_tokens: int) -> Lease:
         check_sizes(limits, prompt_tokens=prompt_tokens, max_output_tokens=max_output_tokens)
-        lease = Lease(tenant, secrets.token_hex(8), limits.tokens_per_minute)
+        tpm = limits.tokens_per_minute
+        lease = Lease(tenant, secrets.token_hex(8), tpm, output_reserved=max_output_tokens if tpm is not None else 0)
         try:
             await self.retry_releases()  # slots owed back first: a decision must see them free
             code, retry_ms = await self._acquire(
-                keys=self._keys(tenant),
-                args=[limits.requests_per_minute or 0, limits.tokens_per_minute or 0, limits.max_concurrent or 0,
-                      prompt_tokens, lease.lease_id, self.lease_ttl_s],
+                keys=[*self._keys(tenant), self._reservation_key(tenant, lease.lease_id)],
+                args=[limits.requests_per_minute or 0, tpm or 0, limits.max_concurrent or 0,
+                      prompt_tokens, lease.lease_id, self.lease_ttl_s, lease.output_reserved],
             )
+        except asyncio.CancelledError:
+            # The request went away while Redis decided: what it may have granted is given back
+            # (the release is idempotent, and refunds only a reservation Redis stored).
+            self._unreleased.append((lease, 0))
+            raise
         except self._down as exc:
             # Fail closed: a lease Redis may or may not have stored is released later (ZREM is idempotent).
             self._unreleased.append((lease, 0))
@@ -325,9 +381,11 @@ class RedisAdmission:
                                  code="admission_unavailable") from exc
         if int(code) != 0:
             name = _CODES[int(code)]
-            value = getattr(limits, name)
-            raise AdmissionError(f"{name} limit of {value} reached", limit=name, status=429,
-                                 retry_after=max(0.001, int(retry_ms) / 1000.0))
+            retry_after = max(0.001, int(retry_ms) / 1000.0)
+            if name == "tokens_per_minute":
+                raise _tpm_refusal(tpm or 0, prompt_tokens + lease.output_reserved, retry_after)
+            raise AdmissionError(f"{name} limit of {getattr(limits, name)} reached", limit=name, status=429,
+                                 retry_after=retry_after)
         self._live[lease.lease_id] = lease
         return lease
 
@@ -343,7 +401,8 @@ class RedisAdmission:
 
     async def _send_release(self, lease: Lease, completion_tokens: int) -> None:
         keys = self._keys(lease.tenant)
-        await self._release(keys=[keys[1], keys[2]], args=[lease.tokens_per_minute or 0, completion_tokens, lease.lease_id])
+        await self._release(keys=[keys[1], keys[2], self._reservation_key(lease.tenant, lease.lease_id)],
+                            args=[lease.tokens_per_minute or 0, completion_tokens, lease.lease_id])
 
     async def retry_releases(self) -> int:
         """Send the releases Redis missed; raises (keeping the unsent ones) if it is still away.
@@ -369,7 +428,8 @@ class RedisAdmission:
             by_tenant.setdefault(lease.tenant, []).append(lease.lease_id)
         renewed = 0
         for tenant, ids in by_tenant.items():
-            renewed += int(await self._renew(keys=[self._keys(tenant)[2]], args=[self.lease_ttl_s, *ids]))
+            records = [self._reservation_key(tenant, lease_id) for lease_id in ids]
+            renewed += int(await self._renew(keys=[self._keys(tenant)[2], *records], args=[self.lease_ttl_s, *ids]))
         return renewed
 
     @property

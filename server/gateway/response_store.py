@@ -3,8 +3,10 @@
 Every call runs the registry's sync service function in a worker thread (as the auth and
 usage paths do) and turns registry errors into the serving API's: not found (missing,
 expired, deleted, another tenant's) → 404 ``response_not_found``; a full store → 400
-``response_store_full``; a bad page parameter → 400 naming it. The TTL and the per-tenant
-byte cap come from the settings (``responses_ttl_s``, ``responses_max_bytes``).
+``response_store_full``; a bad page parameter → 400 naming it; the registry database out of
+reach (connection refused or lost, no pooled connection in time) → 503
+``registry_unavailable`` with ``Retry-After: 1``, as authentication answers. The TTL and the
+per-tenant byte cap come from the settings (``responses_ttl_s``, ``responses_max_bytes``).
 """
 
 from __future__ import annotations
@@ -16,6 +18,8 @@ from datetime import UTC, datetime, timedelta
 from typing import Literal
 
 import anyio
+from sqlalchemy.exc import InterfaceError, OperationalError
+from sqlalchemy.exc import TimeoutError as SqlTimeoutError
 
 from server.gateway.errors import ServingError
 from tenants import responses as stored
@@ -27,10 +31,22 @@ DEFAULT_TTL_S = 30 * 24 * 3600.0  # OpenAI keeps stored responses 30 days
 DEFAULT_MAX_BYTES = 64 * 2**20
 
 
+# What an unreachable registry raises: no connection (refused, dropped: OperationalError,
+# InterfaceError) or none free in the pool in time (TimeoutError). Other database errors (a
+# constraint, a bad statement) are bugs and stay 500.
+UNAVAILABLE = (OperationalError, InterfaceError, SqlTimeoutError)
+
+
 def _serving(exc: RegistryError) -> ServingError:
     if isinstance(exc, NotFound):
         return ServingError(404, exc.code, exc.message, param=exc.field)
     return ServingError(400, exc.code, exc.message, param=exc.field)
+
+
+def registry_unavailable() -> ServingError:
+    """As authentication answers when the registry cannot be read (server/gateway/auth.py)."""
+    return ServingError(503, "registry_unavailable", "the tenant registry is unavailable; retry shortly",
+                        headers={"Retry-After": "1"})
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,6 +79,8 @@ class ResponseStore:
             return await anyio.to_thread.run_sync(work)
         except RegistryError as exc:
             raise _serving(exc) from exc
+        except UNAVAILABLE as exc:
+            raise registry_unavailable() from exc
 
     async def chain(self, *, tenant_id: int, response_id: str) -> StoredChain:
         """``response_id``'s chain: its input and output items, oldest first, its root's id and
@@ -70,7 +88,8 @@ class ResponseStore:
         try:
             rows = await self._call(stored.response_chain, tenant_id=tenant_id, response_id=response_id)
         except ServingError as exc:
-            exc.param = "previous_response_id"
+            if exc.status < 500:  # the id the client sent is unknown; a 503 is not about it
+                exc.param = "previous_response_id"
             raise
         items: list[dict] = []
         for row in rows:

@@ -17,6 +17,7 @@ their ids: nothing answered is lost, nothing is counted twice.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections import defaultdict
 from collections.abc import Awaitable, Callable
@@ -49,6 +50,7 @@ class UsageRecorder:
         self._open: dict[tuple[int, datetime], list[int]] = defaultdict(lambda: [0, 0, 0])
         self._segment: Segment | None = None  # the open batch's journal segment
         self._pending: list[_Batch] = []
+        self._flushing = asyncio.Lock()  # flush() runs alone (its docstring)
         self.replayed = 0  # journal segments adopted from a dead gateway at start
         if journal is not None:
             for segment, rows in journal.adopt_orphans():
@@ -96,20 +98,26 @@ class UsageRecorder:
             record_usage(session, flush_id=flush_id, rows=rows)
 
     async def flush(self) -> int:
-        """Write every sealed batch in order; stops at the first failure (retried next time)."""
-        self._seal()
-        written = 0
-        while self._pending:
-            batch = self._pending[0]
-            try:
-                await anyio.to_thread.run_sync(self._write, batch.flush_id, batch.rows)
-            except SQLAlchemyError:
-                break
-            self._pending.pop(0)
-            if batch.segment is not None and self._journal is not None:
-                self._journal.discard(batch.segment)  # in the registry now: the file may go
-            written += len(batch.rows)
-        return written
+        """Write every sealed batch in order; stops at the first failure (retried next time).
+
+        One flush at a time (``_flushing``): the start-up replay, the flush loop and the stop
+        all call this, and a registry write can take seconds. A flush that comes while one is
+        writing waits for it, then seals and writes what is left; so a batch is written by one
+        flush and dropped from the pending list (the very batch written, by identity) once."""
+        async with self._flushing:
+            self._seal()
+            written = 0
+            while self._pending:
+                batch = self._pending[0]
+                try:
+                    await anyio.to_thread.run_sync(self._write, batch.flush_id, batch.rows)
+                except SQLAlchemyError:
+                    break
+                self._pending = [b for b in self._pending if b is not batch]
+                if batch.segment is not None and self._journal is not None:
+                    self._journal.discard(batch.segment)  # in the registry now: the file may go
+                written += len(batch.rows)
+            return written
 
     def close(self) -> None:
         """Drop the journal's locks (after the last flush); unapplied segments stay for the next start."""

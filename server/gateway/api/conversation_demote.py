@@ -119,10 +119,14 @@ async def _rebuild(services: Any, tenant: Any, response_id: str) -> tuple[str, P
 
 async def doomed_prompts(services: Any, tenant: Any, response_id: str) -> list[DeletedPrompt]:
     """Read before the delete: the prompts it leaves dead (the module docstring); empty when the
-    response is unknown (the delete answers 404) or nothing can be rendered again."""
+    response is unknown (the delete answers 404) or nothing can be rendered again. Raises the
+    store's 503 ``registry_unavailable`` when the registry is out of reach: the delete is not
+    made (it could not be either), and the client's retry demotes once the registry is back."""
     try:
         rows = await services.responses.conversation_rows(tenant_id=tenant.tenant_id, response_id=response_id)
-    except ServingError:
+    except ServingError as exc:
+        if exc.status >= 500:
+            raise
         return []
     own = next((r for r in rows if r.id == response_id), None)
     found: Doomed | None = None
@@ -139,6 +143,8 @@ async def doomed_prompts(services: Any, tenant: Any, response_id: str) -> list[D
         try:
             model, prompt, tokenizer = await _rebuild(services, tenant, leaf)
         except (ServingError, ValueError, KeyError) as exc:  # pydantic's ValidationError is a ValueError
+            if isinstance(exc, ServingError) and exc.status >= 500:
+                raise  # the registry went away meanwhile: no delete now (see above)
             log.info("no demote for %s: %s", leaf, exc)
             continue
         hashes = tuple(block_hashes(prompt.input_ids, tenant.pool.tokens_per_block, salt=tenant.engine_salt))
