@@ -203,6 +203,9 @@ MAX_TOP_LOG_PROBS = 20  # OpenAI's top_logprobs limit
 MAX_LOGIT_BIAS = 300  # OpenAI's logit_bias limit (entries)
 MAX_GUIDE_BYTES = 256 * 1024
 MAX_GUIDE_DEPTH = 64  # nesting of a JSON-schema guide (grammar compilers recurse on it)
+# TensorRT-LLM's largest top-k (cpp/tensorrt_llm/kernels/samplingTopKKernels.h TOP_K_MAX); its sampling
+# layers clamp a larger runtime top-k to it (clampTopK: "TopK (%d) is larger than max supported number").
+TOP_K_MAX = 1024
 GUIDE_TYPES = ("json", "json_schema", "regex", "ebnf_grammar")
 
 
@@ -398,6 +401,11 @@ def parse_request(
         raise ContractError(output_out_of_range(max_output_len, max_new), tensor=REQUEST_OUTPUT_LEN.name)
     end_raw = _scalar(tensors, END_ID, None)
     end_id = None if end_raw is None or int(end_raw) < 0 else int(end_raw)
+    if end_id is not None and end_id >= vocab_size:
+        # The min-length mask writes logits[end_id] (unguarded in penaltyKernels.cu) and a guide's
+        # matcher takes it as its stop token: an id outside the vocabulary is refused up front.
+        raise ContractError(f"end_id must be a token id in [0, {vocab_size}) or -1 (none), got {end_id}",
+                            tensor=END_ID.name)
     temperature = float(_scalar(tensors, TEMPERATURE, 0.0))
     top_p = float(_scalar(tensors, TOP_P, 1.0))
     top_k = int(_scalar(tensors, TOP_K, 0))
@@ -407,6 +415,7 @@ def parse_request(
         raise ContractError(f"runtime_top_p must be within (0, 1], got {top_p}", tensor=TOP_P.name)
     if top_k < 0:
         raise ContractError(f"runtime_top_k must be >= 0, got {top_k}", tensor=TOP_K.name)
+    top_k = min(top_k, TOP_K_MAX)  # what TensorRT-LLM samples with (clampTopK), so every engine cuts the same
     if top_k >= vocab_size:
         top_k = 0  # a cut at or above the vocabulary is no cut
     seed_raw = _scalar(tensors, RANDOM_SEED, None)

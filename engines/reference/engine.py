@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from engines.contract import EngineRequest, KvMetrics, TokenLogProbs, check_combinations
+from engines.contract import END_ID, ContractError, EngineRequest, KvMetrics, TokenLogProbs, check_combinations
 from engines.pool_stats import PoolStatsReport, TierStats
 from engines.kv_events import KvEventLog, PoolEventFeed
 from engines.reference.config import SMALL_STEP_ROWS, ReferenceEngineConfig
@@ -140,13 +140,21 @@ class ReferenceEngine:
     def compile_guide(self, request: EngineRequest) -> Any:
         """The request's compiled grammar (cached per guide), None without a guide; ContractError if it does not compile
         or the request combines fields the contract refuses (engines.contract.check_combinations)."""
-        check_combinations(request)
+        self._check(request)
         return None if request.guide is None else self.grammars.compile(request.guide)
+
+    def _check(self, request: EngineRequest) -> None:
+        """The contract's refusals for in-process callers too: field combinations
+        (engines.contract.check_combinations) and an end id outside the vocabulary (parse_request's)."""
+        check_combinations(request)
+        if request.end_id is not None and request.end_id >= self.vocab_size:  # negative: no end id
+            raise ContractError(f"end_id must be a token id in [0, {self.vocab_size}) or -1 (none), got {request.end_id}",
+                                tensor=END_ID.name)
 
     def submit(self, request_id: str, request: EngineRequest, sink: Sink, *, compiled: Any = None) -> None:
         # No end_id (absent or -1) or ignore_eos: run to request_output_len, as TensorRT-LLM
         # does with end_id -1 (tensorrt_llm/executor/base_worker.py: end_id=-1 if ignore_eos).
-        check_combinations(request)  # the contract's refusals hold for in-process callers too
+        self._check(request)  # the contract's refusals hold for in-process callers too
         end_ids = frozenset({request.end_id}) if request.end_id is not None and not request.ignore_eos else frozenset()
         if request.guide is not None and compiled is None:
             compiled = self.compile_guide(request)
@@ -263,13 +271,15 @@ class ReferenceEngine:
             torch.set_num_threads(self.config.num_threads if rows > SMALL_STEP_ROWS else self.config.decode_threads)
             try:
                 results = self.runner.run(step)
-            except Exception as exc:  # a bug must fail the step's requests, not kill the engine
+            except Exception as exc:  # the forward failed: fail the step's requests, not the engine
+                # (a failure of one row's sampling or acceptance fails that row only: sampling.sample,
+                # _accept_isolated)
                 log.exception("reference engine step failed")
                 with self._lock:
                     now = self.clock()
                     for work in (*step.decodes, *step.prefills):
                         if work.seq.request_id in self._sinks:
-                            self._finish(work.seq, None, now, error=f"engine step failed: {exc}")
+                            self._fail_one(work.seq, f"engine step failed: {exc}", now)
                 continue
             with self._lock:
                 self.steps += 1
@@ -280,20 +290,14 @@ class ReferenceEngine:
                     log.exception("reference engine: storing computed blocks failed")
                 for seq, sampled in results:
                     if seq.request_id in self._sinks and seq.request_id not in self._cancels:
-                        self._accept(seq, sampled, now)
+                        self._accept_isolated(seq, sampled, now)
                 self._pump_events()
 
     def _fail_all(self, message: str, now: float) -> None:
         for request_id in list(self._sinks):
             seq = self.scheduler.find(request_id)
             if seq is not None:
-                try:
-                    self._finish(seq, None, now, error=message)
-                except Exception:  # the pool is in an unknown state; still answer the client
-                    self.scheduler.running = [s for s in self.scheduler.running if s is not seq]
-                    sink = self._sinks.pop(request_id, None)
-                    if sink is not None:
-                        self._safe_call(sink, EngineOutput(request_id, (), seq.generated, seq.metrics, True, None, message))
+                self._fail_one(seq, message, now)
 
     def _apply_cancels(self, now: float) -> None:
         for request_id in self._cancels:
@@ -328,6 +332,30 @@ class ReferenceEngine:
         self._wake.notify_all()
         if sink is not None:
             self._safe_call(sink, EngineOutput(request_id, (), 0, seq.metrics, True, FinishReason.CANCELLED))
+
+    def _accept_isolated(self, seq: Sequence, sampled: Sampled, now: float) -> None:
+        """Accept one sampled row; a failure there (a row the sampler could not sample, a grammar
+        matcher that raises) fails that sequence only, never the step's other requests."""
+        try:
+            if sampled.error is not None:
+                self._finish(seq, None, now, error=sampled.error)
+            else:
+                self._accept(seq, sampled, now)
+        except Exception as exc:  # noqa: BLE001 - one sequence's bug must not fail its neighbours
+            log.exception("reference engine: request %s failed", seq.request_id)
+            if seq.request_id in self._sinks:
+                self._fail_one(seq, f"engine step failed: {exc}", now)
+
+    def _fail_one(self, seq: Sequence, message: str, now: float) -> None:
+        try:
+            self._finish(seq, None, now, error=message)
+        except Exception:  # the pool is in an unknown state; still answer the client
+            log.exception("reference engine: finishing request %s failed", seq.request_id)
+            self.scheduler.running = [s for s in self.scheduler.running if s is not seq]
+            sink = self._sinks.pop(seq.request_id, None)
+            self._wake.notify_all()
+            if sink is not None:
+                self._safe_call(sink, EngineOutput(seq.request_id, (), seq.generated, seq.metrics, True, None, message))
 
     def _accept(self, seq: Sequence, sampled: Sampled, now: float) -> None:
         token = sampled.token

@@ -14,15 +14,33 @@ tests/engines/reference/test_sampling_order.py re-implements it and compares)::
         ├─ guide: xgrammar bitmask → -inf for tokens the grammar forbids (commutes with the rest)
         ├─ + logit bias ─▶ × 1/(temperature + 1e-6) (sampling only, as the kernel)
         ├─ tokens seen in prompt+output: repetition ─▶ presence ─▶ frequency × occurrences
-        ├─ min_tokens: end ids → -inf while fewer than min_tokens were generated
+        ├─ clamp to ±FLT_MAX (the kernel's "do clamp to prevent overflow"; NaN → -FLT_MAX)
+        ├─ min_tokens: end ids → -FLT_MAX (the kernel's MASK_VAL, finite) while fewer than
+        │  min_tokens were generated
         ▼
     processed logits ──▶ log_softmax → chosen/top log probabilities (only rows that asked)
         ▼
-    greedy argmax | top-k → top-p → multinomial
+    greedy argmax | top-k → top-p → one draw
+
+The guide's -inf and the min-length mask's -FLT_MAX never leave a row without a finite
+maximum: when a completed guide allows only the end token while min_tokens still masks it,
+the end token (-FLT_MAX) is the only candidate and the sequence ends — the grammar wins.
+(On TensorRT-LLM the bitmask runs before ``batchApplyPenalty``, whose clamp lifts the guide's
+-inf to -FLT_MAX too, leaving an all-equal row: a token the grammar then refuses. The
+reference does not copy that.)
+
+Top-k keeps exactly ``top_k`` ids (``torch.topk``'s, as the kernel's stage 1 selects k ids
+whatever the ties). Top-p is the kernel's draw (``samplingTopPKernels.cu`` ``topPSsampling``;
+with top-k, ``samplingTopKKernels.cu`` ``topKStage2Sampling``): u ∈ (0, 1], threshold u·P (·the
+top-k mass), the first token in descending order whose cumulative probability reaches it. So
+the boundary token keeps only the part of its mass below P: token i (sorted) has probability
+(min(c_i, P) - min(c_{i-1}, P)) / P, c the cumulative probabilities. The reference draws that
+distribution with one ``torch.multinomial`` on the request's generator.
 
 Rows with none of the extensions take the old path (one batched argmax), so the plain
 decode step pays nothing for them. Rows that need processing are processed together:
-one masked/penalized copy of just those rows.
+one masked/penalized copy of just those rows. A row whose processing or draw fails gets
+``Sampled.error`` (its sequence fails); the other rows of the step are sampled as usual.
 """
 
 from __future__ import annotations
@@ -49,10 +67,14 @@ class SamplingRow(Protocol):
     matcher: Any
 
 
+FLT_MAX = float(torch.finfo(torch.float32).max)  # penaltyKernels.cu: MASK_VAL = -FLT_MAX, clamp to ±FLT_MAX
+
+
 @dataclass(frozen=True, slots=True)
 class Sampled:
     token: int
     log_probs: TokenLogProbs | None = None
+    error: str | None = None  # this row could not be sampled: its sequence fails, the step goes on
 
 
 def make_generator(params: SamplingParams) -> torch.Generator | None:
@@ -73,26 +95,38 @@ def _needs_processing(row: SamplingRow) -> bool:
 
 
 def sample(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> list[Sampled]:
-    """One token (and its log probabilities, when asked) per row of ``logits`` ``[N, vocab]``."""
+    """One token (and its log probabilities, when asked) per row of ``logits`` ``[N, vocab]``.
+
+    A failure confined to one row (its processing, its guide's bitmask, its draw) fails that
+    row only: it comes back with ``error`` set and the others are sampled as usual, each
+    generator drawn exactly as it would have been without the failing row."""
+    errors: dict[int, str] = {}
     special = [i for i, r in enumerate(rows) if _needs_processing(r)]
     scores = logits
     if special:
         # A copy: the forward's logits are inference tensors (no in-place updates allowed).
         scores = logits.float().clone()
         processed = scores[special]  # advanced indexing: a copy of just those rows
-        _process(processed, [rows[i] for i in special])
+        for k, message in _process(processed, [rows[i] for i in special]).items():
+            errors[special[k]] = message
         scores[special] = processed
-    logprob_rows = [i for i, r in enumerate(rows) if r.request.return_log_probs]
+    logprob_rows = [i for i, r in enumerate(rows) if r.request.return_log_probs and i not in errors]
     # Log probabilities of the processed distribution, before any top-k/top-p cut (the contract).
     log_probs = torch.log_softmax(scores[logprob_rows].float(), dim=-1) if logprob_rows else None
     chosen = scores.argmax(dim=-1).tolist()
     for index, row in enumerate(rows):
         p = row.request.sampling
-        if p.temperature > 0.0:
-            chosen[index] = _sample(scores[index], p, row.generator)
+        if p.temperature > 0.0 and index not in errors:
+            try:
+                chosen[index] = _sample(scores[index], p, row.generator)
+            except Exception as exc:  # noqa: BLE001 - one row's failure must not fail the batch
+                errors[index] = f"sampling failed: {exc}"
     out: list[Sampled] = []
     position = {row_index: k for k, row_index in enumerate(logprob_rows)}
     for index, row in enumerate(rows):
+        if index in errors:
+            out.append(Sampled(-1, error=errors[index]))
+            continue
         token = int(chosen[index])
         if log_probs is None or index not in position:
             out.append(Sampled(token))
@@ -112,7 +146,10 @@ def process_row(line: torch.Tensor, s: SamplingParams, tokens: Sequence[int], ge
     """Bias, temperature, penalties and min_tokens on one row of FP32 logits, in place, in
     ``batchApplyPenalty``'s order (penaltyKernels.cu): bias → temperature → repetition →
     presence → frequency, occurrences counted over ``tokens`` (prompt and output), then the
-    min-length mask of the end ids."""
+    clamp to ±FLT_MAX ("do clamp to prevent overflow": a repetition_penalty of 1e-38 or a tiny
+    temperature would otherwise make +inf and NaN probabilities; the kernel leaves a NaN as it is,
+    the reference makes it -FLT_MAX), then the min-length mask of the end ids with the kernel's
+    finite MASK_VAL (-FLT_MAX), so the end token stays a candidate when nothing else is left."""
     vocab = line.shape[-1]
     if s.logit_bias:
         ids = torch.tensor([t for t, _ in s.logit_bias], dtype=torch.int64)
@@ -131,37 +168,49 @@ def process_row(line: torch.Tensor, s: SamplingParams, tokens: Sequence[int], ge
             line.sub_(s.presence_penalty * occurred.to(line.dtype))
         if s.frequency_penalty:
             line.sub_(s.frequency_penalty * counts)
+    line.nan_to_num_(nan=-FLT_MAX, posinf=FLT_MAX, neginf=-FLT_MAX)
     if s.min_tokens and generated < s.min_tokens and end_ids:
-        line[torch.tensor(sorted(end_ids), dtype=torch.int64)] = float("-inf")
+        line[torch.tensor(sorted(end_ids), dtype=torch.int64)] = -FLT_MAX
 
 
-def _process(scores: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
-    """Apply guides, bias, temperature, penalties and min_tokens to ``scores`` ``[len(rows), vocab]`` in place."""
+def _process(scores: torch.Tensor, rows: Sequence[SamplingRow]) -> dict[int, str]:
+    """Apply bias, temperature, penalties, min_tokens and guides to ``scores`` ``[len(rows), vocab]`` in
+    place; returns the rows that failed (index → message), whose scores are then meaningless."""
     vocab = scores.shape[-1]
+    errors: dict[int, str] = {}
     guided: list[int] = []
+    bitmask = None
     for k, row in enumerate(rows):
-        process_row(scores[k], row.request.sampling, row.tokens, row.generated, row.end_ids)
-        if row.matcher is not None:
-            guided.append(k)
+        try:
+            process_row(scores[k], row.request.sampling, row.tokens, row.generated, row.end_ids)
+            if row.matcher is not None:
+                if bitmask is None:
+                    bitmask = grammar.token_bitmask(len(rows), vocab)
+                row.matcher.fill_next_token_bitmask(bitmask, k)
+                guided.append(k)
+        except Exception as exc:  # noqa: BLE001 - one row's failure must not fail the batch
+            errors[k] = f"sampling failed: {exc}"
     if guided:
-        bitmask = grammar.token_bitmask(len(rows), vocab)
-        for k in guided:
-            rows[k].matcher.fill_next_token_bitmask(bitmask, k)
         grammar.apply_bitmask(scores, bitmask, guided)
+    return errors
 
 
 def _sample(scores: torch.Tensor, p: SamplingParams, generator: torch.Generator | None) -> int:
-    """Draw from processed (temperature-scaled) logits after the top-k and top-p cuts."""
+    """Draw from processed (temperature-scaled) logits after the top-k and top-p cuts, as TensorRT-LLM's
+    sampling kernels do (module docstring): exactly ``top_k`` ids, and the top-p boundary token kept
+    only up to the mass P."""
     scores = scores.float()
-    if p.top_k > 0 and p.top_k < scores.shape[-1]:
-        kth = torch.topk(scores, p.top_k).values[-1]
-        scores = scores.masked_fill(scores < kth, float("-inf"))
-    probs = torch.softmax(scores, dim=-1)
+    if 0 < p.top_k < scores.shape[-1]:
+        values, ids = torch.topk(scores, p.top_k)  # descending; exactly k ids, ties or not
+        probs = torch.softmax(values, dim=-1)
+    elif p.top_p < 1.0:
+        probs, ids = torch.sort(torch.softmax(scores, dim=-1), descending=True, stable=True)  # ties: lower id first
+    else:
+        return int(torch.multinomial(torch.softmax(scores, dim=-1), 1, generator=generator).item())
     if p.top_p < 1.0:
-        sorted_probs, order = torch.sort(probs, descending=True)
-        cumulative = sorted_probs.cumsum(dim=-1)
-        # Keep the smallest prefix whose mass reaches top_p (always at least one token).
-        drop = cumulative - sorted_probs > p.top_p
-        sorted_probs = sorted_probs.masked_fill(drop, 0.0)
-        probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
-    return int(torch.multinomial(probs, 1, generator=generator).item())
+        # topPSsampling / topKStage2Sampling: the first token whose cumulative probability reaches
+        # u·P, u ∈ (0, 1]. Token i is drawn when c_{i-1} < u·P <= c_i: mass min(c_i, P) - min(c_{i-1}, P).
+        cumulative = probs.cumsum(dim=-1)
+        bound = torch.full_like(cumulative, p.top_p)
+        probs = (torch.minimum(cumulative, bound) - torch.minimum(cumulative - probs, bound)).clamp_min_(0.0)
+    return int(ids[torch.multinomial(probs, 1, generator=generator).item()].item())

@@ -35,8 +35,9 @@ import numpy as np
 from tritonclient.grpc import service_pb2, service_pb2_grpc
 
 from engines.contract import (
-    KV_CACHE_STATS, MODEL_NAME, OUTPUT_LOG_PROBS, STOP, TOP_LOG_PROBS, ContractError, EngineRequest, KvMetrics,
-    TokenLogProbs, decode_log_probs, encode_response, is_stats_request, kv_events_cursor, parse_request,
+    KV_CACHE_STATS, KV_NEW, KV_ONBOARDED, KV_REUSED, KV_TOTAL, MODEL_NAME, OUTPUT_IDS, SEQUENCE_LENGTH, STOP,
+    TOP_LOG_PROBS, ContractError, EngineRequest, KvMetrics, TokenLogProbs, decode_log_probs, encode_response,
+    is_stats_request, kv_events_cursor, parse_request,
 )
 from engines.reference.config import ReferenceEngineConfig
 from engines.reference.engine import EngineOutput, EngineStoppedError, ReferenceEngine
@@ -93,15 +94,17 @@ class KvgateInferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
 
     # Inference --------------------------------------------------------------------------
     async def ModelInfer(self, request, context):
+        # Every output is collected unfiltered and merged first (the merge reads sequence_length
+        # and the KV metrics); the requested outputs are selected from the merged answer only.
         try:
-            responses = [r async for r in self._serve(request)]
+            parts = [p async for p in self._serve_tensors(request)]
         except _RequestFailed as failure:
             await context.abort(failure.code, failure.message)
-        if len(responses) == 1:
-            response = responses[0]
-            del response.parameters["triton_final_response"]
-            return response
-        return _merge(responses)
+        if len(parts) == 1:
+            tensors, requested, _ = parts[0]
+        else:
+            tensors, requested = _merge([t for t, _, _ in parts]), _requested(request)
+        return _response(request, tensors, requested, final=None)
 
     async def ModelStreamInfer(self, request_iterator, context):
         queue: asyncio.Queue = asyncio.Queue()
@@ -140,20 +143,27 @@ class KvgateInferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
 
     async def _serve(self, request: service_pb2.ModelInferRequest) -> AsyncIterator[service_pb2.ModelInferResponse]:
         """Responses for one request; raises ``_RequestFailed`` for bad input."""
+        async for tensors, requested, final in self._serve_tensors(request):
+            yield _response(request, tensors, requested, final=final)
+
+    async def _serve_tensors(
+        self, request: service_pb2.ModelInferRequest
+    ) -> AsyncIterator[tuple[dict[str, np.ndarray], set[str] | None, bool]]:
+        """Every output tensor of each response (unfiltered), the outputs to send (None: all) and
+        whether it is the final one; raises ``_RequestFailed`` for bad input."""
         problem = _model_problem(request.model_name, request.model_version)
         if problem is not None:
             raise _RequestFailed(grpc.StatusCode.NOT_FOUND, problem)
-        requested = {o.name for o in request.outputs} or None
+        requested = _requested(request)
         try:
             tensors = decode_inputs(request)
             if is_stats_request(tensors):
                 report = self.engine.stats(kv_events_cursor(tensors))
-                payload = {KV_CACHE_STATS.name: np.array([report.to_json().encode()], dtype=np.object_)}
-                yield _response(request, payload, None, final=True)
+                yield {KV_CACHE_STATS.name: np.array([report.to_json().encode()], dtype=np.object_)}, None, True
                 return
             if STOP.name in tensors and bool(np.asarray(tensors[STOP.name]).reshape(-1)[:1].any()):
                 self._stop(request.id)
-                yield _response(request, encode_response([], 0, KvMetrics()), requested, final=True)
+                yield encode_response([], 0, KvMetrics()), requested, True
                 return
             cfg = self.engine.config
             parsed = parse_request(
@@ -167,7 +177,7 @@ class KvgateInferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
                 raise _RequestFailed(grpc.StatusCode.INTERNAL, f"[{MODEL_NAME}] {output.error}")
             tensors_out = encode_response(list(output.new_tokens), output.sequence_length, output.kv,
                                           output.log_probs, parsed.num_top_log_probs)
-            yield _response(request, tensors_out, requested, final=output.finished)
+            yield tensors_out, requested, output.finished
 
     async def _generate(self, client_id: str, parsed: EngineRequest) -> AsyncIterator[EngineOutput]:
         internal_id = f"{next(self._ids)}:{client_id}"
@@ -199,36 +209,37 @@ def _model_problem(name: str, version: str) -> str | None:
     return None
 
 
-def _response(request, tensors, requested, *, final: bool) -> service_pb2.ModelInferResponse:
+def _requested(request: service_pb2.ModelInferRequest) -> set[str] | None:
+    """The outputs the client asked for (None: every output)."""
+    return {o.name for o in request.outputs} or None
+
+
+def _response(request, tensors, requested, *, final: bool | None) -> service_pb2.ModelInferResponse:
+    """A response with ``tensors`` (only the ``requested`` ones); ``final`` None (unary) sets no
+    ``triton_final_response`` parameter."""
     response = service_pb2.ModelInferResponse(model_name=MODEL_NAME, model_version=MODEL_VERSION, id=request.id)
     encode_outputs(response, tensors, requested)
-    response.parameters["triton_final_response"].bool_param = final
+    if final is not None:
+        response.parameters["triton_final_response"].bool_param = final
     return response
 
 
-def _merge(responses: list[service_pb2.ModelInferResponse]) -> service_pb2.ModelInferResponse:
-    """One unary response from a streamed sequence: concatenated tokens, last metrics."""
-    from tritonclient.grpc import InferResult  # local: only the unary streaming=true path needs it
-
+def _merge(parts: list[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
+    """One unary answer from a streamed sequence's output tensors: concatenated tokens (and log
+    probabilities), the last sequence_length and KV metrics."""
     tokens: list[int] = []
     log_probs: list[TokenLogProbs] | None = None
     num_top = 0
-    for response in responses:
-        result = InferResult(response)
-        tokens.extend(int(t) for t in result.as_numpy("output_ids"))
-        names = {o.name for o in response.outputs}
-        if OUTPUT_LOG_PROBS.name in names:
-            part = decode_log_probs({n: result.as_numpy(n) for n in names if "log_probs" in n})
-            log_probs = (log_probs or []) + list(part or ())
-            if TOP_LOG_PROBS.name in names:
-                num_top = max(num_top, int(result.as_numpy(TOP_LOG_PROBS.name).shape[-1]))
-    last = InferResult(responses[-1])
-    kv = KvMetrics(*(int(last.as_numpy(n)[0]) for n in (
-        "kv_cache_reused_blocks", "kv_cache_alloc_new_blocks", "kv_cache_alloc_total_blocks", "kv_cache_onboarded_blocks"
-    )))
-    merged = service_pb2.ModelInferResponse(model_name=MODEL_NAME, model_version=MODEL_VERSION, id=responses[-1].id)
-    encode_outputs(merged, encode_response(tokens, int(last.as_numpy("sequence_length")[0]), kv, log_probs, num_top))
-    return merged
+    for tensors in parts:
+        tokens.extend(int(t) for t in np.asarray(tensors[OUTPUT_IDS.name]).reshape(-1))
+        part = decode_log_probs(tensors)
+        if part is not None:
+            log_probs = (log_probs or []) + list(part)
+            if TOP_LOG_PROBS.name in tensors:
+                num_top = max(num_top, int(np.shape(tensors[TOP_LOG_PROBS.name])[-1]))
+    last = parts[-1]
+    kv = KvMetrics(*(int(np.asarray(last[spec.name]).reshape(-1)[0]) for spec in (KV_REUSED, KV_NEW, KV_TOTAL, KV_ONBOARDED)))
+    return encode_response(tokens, int(np.asarray(last[SEQUENCE_LENGTH.name]).reshape(-1)[0]), kv, log_probs, num_top)
 
 
 @dataclass(slots=True)

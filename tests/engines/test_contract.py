@@ -157,3 +157,38 @@ def test_a_top_p_below_float32s_range_still_reaches_the_engine_as_a_nucleus() ->
                             tenant_id=None)
     parsed = parse_request(encode_request(request), max_output_len=8, max_input_len=8, vocab_size=16)
     assert 0.0 < parsed.sampling.top_p < 1e-30
+
+
+@pytest.mark.parametrize("end_id", [1000, 5000, 2**31 - 1])
+def test_an_end_id_outside_the_vocabulary_is_refused_naming_end_id(end_id) -> None:
+    """An out-of-vocabulary end id would index past the logits row (the min-length mask) or make
+    xgrammar raise (a guide's stop token): refused up front on every engine."""
+    tensors = encode_request(_request())
+    tensors["end_id"] = np.array([end_id], np.int32)
+    with pytest.raises(ContractError) as caught:
+        parse_request(tensors, **LIMITS)
+    assert caught.value.tensor == "end_id"
+
+
+def test_end_ids_inside_the_vocabulary_or_none_are_taken() -> None:
+    for end_id, expected in ((999, 999), (0, 0), (-1, None)):
+        tensors = encode_request(_request())
+        tensors["end_id"] = np.array([end_id], np.int32)
+        assert parse_request(tensors, **LIMITS).end_id == expected
+
+
+def test_top_k_is_clamped_to_tensorrt_llms_top_k_max() -> None:
+    """TensorRT-LLM clamps a runtime top-k above TOP_K_MAX (1024, samplingTopKKernels.h) to it
+    (clampTopK); the contract does the same so both engines cut at the same k."""
+    from engines.contract import TOP_K_MAX
+
+    assert TOP_K_MAX == 1024
+    limits = dict(LIMITS, vocab_size=49152)
+    for asked, expected in ((40, 40), (1024, 1024), (1025, 1024), (5000, 1024), (49152, 1024), (2**31 - 1, 1024), (0, 0)):
+        tensors = encode_request(_request())
+        tensors["runtime_top_k"] = np.array([asked], np.int32)
+        assert parse_request(tensors, **limits).sampling.top_k == expected, asked
+    # A vocabulary smaller than the cut: a cut at or above it is no cut.
+    tensors = encode_request(_request())
+    tensors["runtime_top_k"] = np.array([5000], np.int32)
+    assert parse_request(tensors, **LIMITS).sampling.top_k == 0

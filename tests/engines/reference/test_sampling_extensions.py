@@ -152,3 +152,51 @@ async def test_ignore_eos_with_a_guide_is_refused_as_on_the_gpu_engine(engine, t
         await _collect(engine, "eos-guide", request)
     assert caught.value.tensor == "ignore_eos" and "guided_decoding_guide_type" in str(caught.value)
     assert engine.in_flight() == 0
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.7])
+async def test_a_completed_guide_under_min_tokens_ends_and_its_bystander_is_untouched(engine, tokenizer, temperature):
+    """min_tokens masks the end id with TensorRT-LLM's finite MASK_VAL (-FLT_MAX); once the regex is
+    complete the guide allows only the end id, so it is the one candidate left and the request ends
+    (the grammar wins over min_tokens). A request sharing the batch runs as if alone."""
+    other = make_request(chat_ids(tokenizer, "Name a colour."), 6, end_id=2)
+    bystander = dataclasses.replace(other, sampling=SamplingParams(temperature=0.7, seed=3))
+    alone, _, _ = await _collect(engine, f"alone{temperature}", bystander)
+    guided = dataclasses.replace(make_request(chat_ids(tokenizer, "Say yes."), 10, end_id=2),
+                                 sampling=SamplingParams(temperature=temperature, seed=1, min_tokens=5),
+                                 guide=Guide("regex", "yes"), return_log_probs=True)
+    (tokens, log_probs, last), (by_tokens, _, by_last) = await asyncio.gather(
+        _collect(engine, f"gmin{temperature}", guided), _collect(engine, f"by{temperature}", bystander))
+    assert last.error is None and last.finish_reason is FinishReason.END_ID
+    assert tokenizer.decode(tokens) == "yes" and 2 not in tokens
+    assert all(lp.logprob == lp.logprob for lp in log_probs)  # no NaN
+    assert by_last.error is None and by_tokens == alone
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.7])
+async def test_a_tiny_repetition_penalty_is_clamped_and_fails_nobody(engine, tokenizer, temperature):
+    """repetition_penalty 1e-38 would overflow seen positive logits to +inf; the kernel clamps to
+    ±FLT_MAX, so the request gets finite log probabilities and its bystander its usual tokens."""
+    bystander = dataclasses.replace(make_request(chat_ids(tokenizer, "Name a colour."), 6, end_id=-1),
+                                    sampling=SamplingParams(temperature=0.7, seed=3))
+    alone, _, _ = await _collect(engine, f"rp-alone{temperature}", bystander)
+    tiny = dataclasses.replace(make_request(chat_ids(tokenizer, "Say yes."), 6, end_id=-1), return_log_probs=True,
+                               sampling=SamplingParams(temperature=temperature, seed=1, repetition_penalty=1e-38))
+    (tokens, log_probs, last), (by_tokens, _, by_last) = await asyncio.gather(
+        _collect(engine, f"rp{temperature}", tiny), _collect(engine, f"rp-by{temperature}", bystander))
+    assert last.error is None and len(tokens) == len(log_probs) == 6
+    assert all(-100.0 < lp.logprob <= 0.0 for lp in log_probs)
+    assert by_last.error is None and by_tokens == alone
+
+
+async def test_an_end_id_outside_the_vocabulary_is_refused_in_process(engine, tokenizer):
+    """parse_request refuses it for gRPC callers; in-process callers get the same ContractError
+    (with min_tokens it would index past the logits row, with a guide xgrammar would raise)."""
+    prompt = chat_ids(tokenizer, "Say yes.")
+    for request in (dataclasses.replace(make_request(prompt, 4, end_id=engine.vocab_size + 10),
+                                        sampling=SamplingParams(min_tokens=2)),
+                    dataclasses.replace(make_request(prompt, 4, end_id=engine.vocab_size), guide=Guide("json"))):
+        with pytest.raises(ContractError) as caught:
+            await _collect(engine, "bad-end", request)
+        assert caught.value.tensor == "end_id"
+    assert engine.in_flight() == 0

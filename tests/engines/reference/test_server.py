@@ -213,3 +213,26 @@ async def test_unary_with_streaming_true_and_stream_with_streaming_false(fp8_ser
     finally:
         await client.close()
     assert len(responses) == 1 and responses[0].as_numpy("output_ids").tolist() == expected
+
+
+def test_unary_streaming_true_with_only_some_outputs_requested(fp8_server, tokenizer):
+    """ModelInfer merges a streamed request's deltas before selecting the requested outputs (the
+    merge needs sequence_length and the KV metrics even when the client asked for output_ids only)."""
+    request = make_request(chat_ids(tokenizer, "Name a colour."), 5, end_id=-1)
+    client = grpcclient.InferenceServerClient(fp8_server.url)
+    try:
+        answers = {}
+        for streaming in (False, True):
+            for wanted in (["output_ids"], ["sequence_length", "kv_cache_alloc_total_blocks"]):
+                result = client.infer(MODEL, to_inputs(encode_request(dataclasses.replace(request, streaming=streaming))),
+                                      outputs=[grpcclient.InferRequestedOutput(n) for n in wanted])
+                got = {o.name for o in result.get_response().outputs}
+                assert got == set(wanted)
+                assert "triton_final_response" not in result.get_response().parameters
+                answers[streaming, tuple(wanted)] = {n: result.as_numpy(n).tolist() for n in wanted}
+    finally:
+        client.close()
+    for wanted in (("output_ids",), ("sequence_length", "kv_cache_alloc_total_blocks")):
+        assert answers[True, wanted] == answers[False, wanted]
+    assert len(answers[True, ("output_ids",)]["output_ids"]) == 5
+    assert answers[True, ("sequence_length", "kv_cache_alloc_total_blocks")]["sequence_length"] == [5]

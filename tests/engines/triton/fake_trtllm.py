@@ -124,9 +124,12 @@ def batch_apply_penalty(logits: Any, *, prompt: list[int], output: list[int], bi
     not 1 (``DefaultDecodingParams::getTemperature``), then — only for tokens whose occurrence
     count is > 0, counted over the prompt in the context phase and every generated token since
     — repetition (``logit < 0 ? logit × p : logit / p``), presence (``- p``), frequency
-    (``- p × count``). Then, while ``currentStep - inputLen < minLength``, the end id's logit
-    becomes ``-FLT_MAX``: ``outLogitsPtr[endIds[batchSlot]]``, unguarded — with end id -1 (how
-    ``ignore_eos`` is sent) that is a write before the row, which this re-implementation refuses.
+    (``- p × count``), then every logit is clamped to ±FLT_MAX ("do clamp to prevent overflow",
+    seen at 3c44cb97: ``logit > -MASK_VAL`` → ``-MASK_VAL``, ``logit < MASK_VAL`` → ``MASK_VAL``; a
+    NaN passes both comparisons unchanged). Then, while ``currentStep - inputLen < minLength``, the
+    end id's logit becomes ``-FLT_MAX``: ``outLogitsPtr[endIds[batchSlot]]``, unguarded — with end
+    id -1 (how ``ignore_eos`` is sent) that is a write before the row, which this re-implementation
+    refuses.
     """
     import numpy as np
 
@@ -149,6 +152,7 @@ def batch_apply_penalty(logits: Any, *, prompt: list[int], output: list[int], bi
             out = np.where(seen, out - presence_penalty, out)
         if frequency_penalty is not None:
             out = np.where(seen, out - frequency_penalty * counts, out)
+    out = np.clip(out, -FLT_MAX, FLT_MAX)  # the kernel's clamp (NaN stays NaN, as there)
     if min_length > 0 and len(output) < min_length:
         if end_id is None or end_id < 0:
             raise RuntimeError(f"penaltyKernels.cu batchApplyPenalty: min length writes logits[endIds[slot]] "
