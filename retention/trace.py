@@ -14,7 +14,8 @@ requests that belong together, ``CacheHints.cache_key``; the cluster simulator r
 Conversation fields (OpenAI Responses; ``retention/policy/conversation.py``): ``response_id``
 (a string: the response this request produces), ``previous_response_id`` (the stored response
 it continues), ``store`` (bool, default false: the response is stored, so it can be continued)
-and ``offers_tools`` (bool, default false: the request offers tools, in any API, so it is
+and ``offers_tools`` (bool, default false: the request offers tools, in any API — held only once
+the tenant's stored Responses chains have measured its tool gaps — so it is
 likely to end in a tool call whose result comes back soon), and ``output_kind``
 (``"tool_call"`` | ``"message"``, optional: what the response turned out to be, known to the
 gateway when the request completes; a tool loop's step that answers with a message rather

@@ -3,8 +3,10 @@
 Two kinds of requests are likely to come back with their whole prefix (prompt + generated
 tokens) within a short, measurable time:
 
-* a request that **offers tools** (any API): it is likely to end in a tool call whose result
-  comes back within the tool's latency (Continuum, arXiv 2511.02230, pins the KV during
+* a request that **offers tools** (any API; but the tool gaps that size its hold are measured
+  only on stored Responses chains, so a tenant whose tool loops never send
+  ``previous_response_id`` has none, and its tool-offering requests are not held): it is likely
+  to end in a tool call whose result comes back within the tool's latency (Continuum, arXiv 2511.02230, pins the KV during
   tool calls with a TTL; here the TTL is set at enqueue);
 * a request whose response is **stored** (OpenAI Responses ``store``): its conversation may
   be continued by ``previous_response_id`` after the user's think time.

@@ -20,13 +20,32 @@ clock) and calls :meth:`HintLedger.record` when it plans and again when the requ
 come back, not when it will: an agent run's last conversation is marked 5 min like every
 step before it and never returns. Held at the hinted priority for the whole TTL, such dead
 blocks crowd live ones out of a small GPU (and fill the budget, so live runs lose their
-hints). So the ledger measures, per tenant, how long hinted blocks actually wait before
-they are used again (gaps observed within the client's window, so they are not censored by
-the hold itself) and holds the hinted priority for ``min(TTL, GAP_MARGIN × the gaps'
-GAP_QUANTILE quantile)`` once it has ``MIN_GAP_SAMPLES`` gaps (the whole TTL before that).
+hints). So the ledger measures, per tenant, how long hinted prompts actually wait before
+they come back, and shortens the hold only when many requests show that they come back much
+sooner than the TTL:
+
+* **one gap per request**: the time since the request's longest reused hinted prefix (its
+  deepest block still inside a client window) was last seen (used or released), measured
+  within the client's window, so the hold does not censor it. A 16-block prompt sent again
+  is one sample, not 16;
+* **retries do not count**: a gap under ``RETRY_GAP_S`` (an SDK retry, a duplicate sent at
+  once) is no evidence of when a client returns and is ignored;
+* **per TTL class**: gaps are kept apart for hints of at most 5 min and longer ones (1 h, 24 h,
+  as capped by the class), by the TTL the reused block was hinted with; one class's fast
+  repeats never shorten the other's hints;
+* **only with evidence**: a span hinted for ``ttl`` is held for ``ttl`` until its class has
+  ``MIN_GAP_SAMPLES`` gaps (distinct requests), then for
+  ``min(ttl, max(MIN_HOLD_MS, GAP_MARGIN × the class's GAP_QUANTILE gap, GAP_MARGIN × this
+  request's own gap))``: never longer than the client asked, never shorter than the prefix
+  this request reuses has itself been shown to wait.
+
 After the hold the block falls back to 35 (TensorRT-LLM's expiry) and stays cached as any
 other block would. Memory: per tenant the entries inside the client's window (at most
-``MAX_TRACKED``; the oldest unpinned go first) and ``GAP_SAMPLES`` gaps.
+``MAX_TRACKED``; the oldest unpinned go first) and ``GAP_SAMPLES`` gaps per TTL class.
+
+The ledger is state of one gateway process (one per pool there): with N gateway replicas a
+tenant may hold up to N × its hint budget under hints; the engine-reported KV quota still
+bounds the tenant as a whole.
 """
 
 from __future__ import annotations
@@ -34,18 +53,27 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Literal
 
 from retention.policy.hint_plan import HintPolicy, HintSpan, apply_hints, clip_spans, hint_spans
-from retention.policy.hints import CacheHints
+from retention.policy.hints import TTL_5M_MS, CacheHints
 from retention.types import RetentionPlan
 
 
-GAP_SAMPLES = 256  # recent reuse gaps kept per tenant
-MIN_GAP_SAMPLES = 16  # below this the hold is the client's TTL
+GAP_SAMPLES = 256  # recent reuse gaps kept per tenant and TTL class
+MIN_GAP_SAMPLES = 16  # gaps (one per request) a TTL class needs before its hold replaces the TTL
 GAP_QUANTILE = 0.9
 GAP_MARGIN = 2.0
 MIN_HOLD_MS = 1_000
+RETRY_GAP_S = 1.0  # a request back sooner than this is a retry or a duplicate: not a gap
 MAX_TRACKED = 65_536  # entries per tenant inside the client's window
+
+TtlClass = Literal["5m", "1h"]
+
+
+def ttl_class(ttl_ms: int) -> TtlClass:
+    """The gap statistics a TTL belongs to: ``"5m"`` (at most 5 min) or ``"1h"`` (longer: 1 h, 24 h)."""
+    return "5m" if ttl_ms <= TTL_5M_MS else "1h"
 
 
 @dataclass(slots=True)
@@ -53,18 +81,20 @@ class _Entry:
     pinned_until: float  # the hinted priority's duration ends (what the engine was told)
     window_until: float  # the client's TTL ends: a use before it is a measured gap
     seen: float  # last use or release
+    window_ms: int  # the longest client window recorded for it (its TTL class)
 
 
 @dataclass(slots=True)
 class _TenantHints:
     entries: dict[int, _Entry] = field(default_factory=dict)  # insertion order = least recently recorded first
-    gaps: deque[float] = field(default_factory=lambda: deque(maxlen=GAP_SAMPLES))
+    gaps: dict[TtlClass, deque[float]] = field(default_factory=lambda: {
+        "5m": deque(maxlen=GAP_SAMPLES), "1h": deque(maxlen=GAP_SAMPLES)})
 
 
 @dataclass(slots=True)
 class HintLedger:
     """Per tenant: salted block hash -> its hinted hold, the client's window, its last use; and
-    the measured reuse gaps of hinted blocks."""
+    the measured reuse gaps of hinted prompts (one per request, per TTL class)."""
 
     _tenants: dict[str, _TenantHints] = field(default_factory=dict)
 
@@ -96,25 +126,46 @@ class HintLedger:
             allowed += 1
         return allowed
 
-    def hold_ms(self, tenant: str, ttl_ms: int) -> int:
-        """How long to hold a block hinted for ``ttl_ms`` at the hinted priority (module docstring)."""
+    def gap_count(self, tenant: str, ttl_ms: int) -> int:
+        """Gaps measured for ``tenant``'s hints of ``ttl_ms``'s TTL class."""
         hints = self._tenants.get(tenant)
-        if hints is None or len(hints.gaps) < MIN_GAP_SAMPLES:
-            return ttl_ms
-        ordered = sorted(hints.gaps)
-        gap = ordered[min(len(ordered) - 1, int(GAP_QUANTILE * len(ordered)))]
-        return min(ttl_ms, max(MIN_HOLD_MS, int(GAP_MARGIN * gap * 1000)))
+        return 0 if hints is None else len(hints.gaps[ttl_class(ttl_ms)])
 
-    def observe_use(self, tenant: str, hashes: Sequence[int], now: float) -> None:
-        """A new request uses ``hashes`` (at plan time): each block still inside its client
-        window yields a measured gap since it was last seen (used or released)."""
+    def hold_ms(self, tenant: str, ttl_ms: int, *, gap: float | None = None) -> int:
+        """How long to hold a block hinted for ``ttl_ms`` at the hinted priority (module
+        docstring): the TTL until its class has ``MIN_GAP_SAMPLES`` gaps, then
+        ``min(ttl_ms, max(MIN_HOLD_MS, GAP_MARGIN × the class's quantile, GAP_MARGIN × gap))``,
+        where ``gap`` is the request's own measured gap (:meth:`observe_use`), if any."""
+        hints = self._tenants.get(tenant)
+        gaps = None if hints is None else hints.gaps[ttl_class(ttl_ms)]
+        if gaps is None or len(gaps) < MIN_GAP_SAMPLES:
+            return ttl_ms
+        ordered = sorted(gaps)
+        measured = ordered[min(len(ordered) - 1, int(GAP_QUANTILE * len(ordered)))]
+        if gap is not None:
+            measured = max(measured, gap)  # this prefix itself waited that long: hold it at least as long
+        return min(ttl_ms, max(MIN_HOLD_MS, int(GAP_MARGIN * measured * 1000)))
+
+    def observe_use(self, tenant: str, hashes: Sequence[int], now: float) -> float | None:
+        """A new request uses ``hashes`` (its hinted blocks, in prompt order, at plan time):
+        one measured gap for the request, since its deepest block still inside a client
+        window was last seen (used or released), in that block's TTL class. Returns the gap,
+        or None when no block is in a window or the gap is under ``RETRY_GAP_S`` (a retry)."""
         hints = self._tenants.get(tenant)
         if hints is None:
-            return
-        for h in hashes:
+            return None
+        deepest = None
+        for h in hashes:  # chain hashes: a deeper match implies the whole prefix before it
             entry = hints.entries.get(h)
             if entry is not None and entry.window_until > now:
-                hints.gaps.append(now - entry.seen)
+                deepest = entry
+        if deepest is None:
+            return None
+        gap = now - deepest.seen
+        if gap < RETRY_GAP_S:
+            return None
+        hints.gaps[ttl_class(deepest.window_ms)].append(gap)
+        return gap
 
     def record(self, tenant: str, hashes: Sequence[int], durations_ms: Sequence[int], now: float, *,
                windows_ms: Sequence[int] | None = None) -> None:
@@ -126,14 +177,15 @@ class HintLedger:
         windows = durations_ms if windows_ms is None else windows_ms
         for h, duration, window in zip(hashes, durations_ms, windows):
             entry = entries.pop(h, None)
-            if entry is None:
-                entry = _Entry(now + duration / 1000.0, now + window / 1000.0, now)
+            if entry is None or (entry.window_until <= now and entry.pinned_until <= now):
+                entry = _Entry(now + duration / 1000.0, now + window / 1000.0, now, window)
             else:
                 # The latest use sets the hold, as the engine does: a reused block takes the new
                 # request's priority and duration when it is released (an explicit priority on
                 # reuse overrides the old one, kvCacheManager.cpp; docs/architecture.md).
                 entry.pinned_until = now + duration / 1000.0
                 entry.window_until = max(entry.window_until, now + window / 1000.0)
+                entry.window_ms = max(entry.window_ms, window)
                 entry.seen = now
             entries[h] = entry  # re-inserted: the dict's order is the recording order
         if len(entries) > MAX_TRACKED:
@@ -183,9 +235,9 @@ def plan_with_hints(plan: RetentionPlan, hints: CacheHints, policy: HintPolicy, 
     kept = blocks[:allowed]
     windows = tuple(next(s.duration_ms for s in spans if s.start <= b * tokens_per_block < s.end) for b in kept)
     kept_hashes = tuple(hashes[b] for b in kept)
-    ledger.observe_use(tenant, kept_hashes, now)
+    gap = ledger.observe_use(tenant, kept_hashes, now)  # one gap for the request, at most
     # The measured hold replaces the TTL as the blocks' duration; the window stays the TTL.
-    held = tuple(HintSpan(s.start, s.end, ledger.hold_ms(tenant, s.duration_ms)) for s in spans)
+    held = tuple(HintSpan(s.start, s.end, ledger.hold_ms(tenant, s.duration_ms, gap=gap)) for s in spans)
     durations = tuple(next(s.duration_ms for s in held if s.start <= b * tokens_per_block < s.end) for b in kept)
     ledger.record(tenant, kept_hashes, durations, now, windows_ms=windows)
     return HintedPlan(apply_hints(plan, held, policy, total), kept_hashes, durations, clipped, windows)

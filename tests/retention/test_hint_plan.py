@@ -145,9 +145,18 @@ def test_hints_only_ever_strengthen_within_the_cap(parts, cut, ttls, cap, max_tt
             assert duration is not None and duration <= max_ttl
 
 
-def _plan_at(ledger: HintLedger, now: float, hashes: list[int], hints: CacheHints = AGENT):
-    return plan_with_hints(base(), hints, ON, total=128, tokens_per_block=16, hashes=hashes, ledger=ledger,
+def _plan_at(ledger: HintLedger, now: float, hashes: list[int], hints: CacheHints = AGENT, *, tpb: int = 16):
+    return plan_with_hints(base(), hints, ON, total=128, tokens_per_block=tpb, hashes=hashes, ledger=ledger,
                            tenant="t", budget_blocks=1000, now=now)
+
+
+FIVE_MIN = CacheHints(breakpoints=(Breakpoint(112, TTL_5M_MS),))
+ONE_HOUR = CacheHints(breakpoints=(Breakpoint(112, TTL_1H_MS),))
+
+
+def _released(ledger: HintLedger, out, now: float) -> None:
+    """The request ends at ``now`` (the gateway records its hinted blocks again)."""
+    ledger.record("t", out.hashes, out.durations_ms, now, windows_ms=out.windows_ms)
 
 
 def test_the_hold_is_the_ttl_until_enough_reuse_gaps_are_measured_then_follows_them():
@@ -157,11 +166,14 @@ def test_the_hold_is_the_ttl_until_enough_reuse_gaps_are_measured_then_follows_t
     assert set(first.durations_ms) == {TTL_1H_MS, TTL_5M_MS}  # nothing measured yet: the client's TTLs
     assert first.windows_ms == first.durations_ms
     now = 0.0
-    for _ in range(3):  # 7 hinted blocks come back every 4 s: 21 gaps of 4 s each
+    for _ in range(hint_quota.MIN_GAP_SAMPLES):  # the prompt comes back every 4 s: one gap per request
         now += 4.0
         out = _plan_at(ledger, now, hashes)
+    assert ledger.gap_count("t", TTL_5M_MS) == hint_quota.MIN_GAP_SAMPLES
     hold = int(hint_quota.GAP_MARGIN * 4.0 * 1000)
-    assert set(out.durations_ms) == {hold}  # min(TTL, 2 x the measured gap) for both breakpoints
+    # The gaps are those of the deepest reused block, hinted 5 min: they measure the 5 min
+    # class only; the 1 h prefix keeps the client's TTL (no 1 h evidence).
+    assert out.durations_ms == (TTL_1H_MS,) * 4 + (hold,) * 3
     assert set(out.windows_ms) == {TTL_1H_MS, TTL_5M_MS}  # the window stays the client's
     assert TokenRange(96, 112, 60, hold) in out.plan.ranges  # the engine is told the hold (the class keeps 60/600 s)
     assert ledger.hold_ms("t", 1_000) == 1_000  # never longer than what the client asked
@@ -172,14 +184,90 @@ def test_a_dead_hinted_block_stops_counting_against_the_budget_after_the_hold_no
     ledger = HintLedger()
     hashes = [2000 + i for i in range(8)]
     now = 0.0
-    for _ in range(4):
+    for _ in range(hint_quota.MIN_GAP_SAMPLES + 1):
         now += 2.0
-        _plan_at(ledger, now, hashes)
+        _plan_at(ledger, now, hashes, FIVE_MIN)
     assert ledger.live_blocks("t", now) == 7
     # The run ends: nothing comes back. After 2 x 2 s the blocks are no longer held at the
     # hinted priority (the engine reverts them to 35), although the 5 min window is open.
     assert ledger.live_blocks("t", now + 4.5) == 0
     # Gaps are measured within the client's window, so a late return is still counted (no censoring).
     late = now + 30.0
-    _plan_at(ledger, late, hashes)
-    assert max(ledger._tenants["t"].gaps) == pytest.approx(30.0)
+    _plan_at(ledger, late, hashes, FIVE_MIN)
+    assert max(ledger._tenants["t"].gaps["5m"]) == pytest.approx(30.0)
+
+
+def test_a_single_repeat_of_a_long_prompt_keeps_the_clients_ttl():
+    # One request reusing 28 hinted blocks is one gap, not 28: a prompt sent again once (a
+    # client's second turn, a retry after an overload) never turns a 1 h hint into a short hold.
+    ledger = HintLedger()
+    hashes = [3000 + i for i in range(32)]  # 4-token blocks: 28 of them hinted
+    for start, back in ((0.0, 60.0), (1_000.0, 1.5)):
+        hashes = [h + 100 for h in hashes]
+        first = _plan_at(ledger, start, hashes, ONE_HOUR, tpb=4)
+        _released(ledger, first, start + 0.2)
+        again = _plan_at(ledger, start + 0.2 + back, hashes, ONE_HOUR, tpb=4)
+        assert again.durations_ms == (TTL_1H_MS,) * 28
+        assert TokenRange(32, 112, 60, TTL_1H_MS) in again.plan.ranges  # (the class pins the system 90/∞)
+    assert ledger.gap_count("t", TTL_1H_MS) == 2
+
+
+def test_sixteen_distinct_requests_with_short_gaps_shorten_the_hold_and_not_one_fewer():
+    ledger = HintLedger()
+    hashes = [4000 + i for i in range(8)]
+    now = 0.0
+    _plan_at(ledger, now, hashes, ONE_HOUR)
+    for n in range(1, hint_quota.MIN_GAP_SAMPLES + 1):
+        now += 5.0
+        out = _plan_at(ledger, now, hashes, ONE_HOUR)
+        if n < hint_quota.MIN_GAP_SAMPLES:
+            assert out.durations_ms == (TTL_1H_MS,) * 7, n  # 15 requests are not enough evidence
+    assert out.durations_ms == (int(hint_quota.GAP_MARGIN * 5.0 * 1000),) * 7
+
+
+def test_retries_within_a_second_are_not_gaps():
+    ledger = HintLedger()
+    hashes = [5000 + i for i in range(8)]
+    now = 0.0
+    for _ in range(4 * hint_quota.MIN_GAP_SAMPLES):  # sent again 0.4 s after each answer ends
+        out = _plan_at(ledger, now, hashes, ONE_HOUR)
+        _released(ledger, out, now + 0.1)
+        now += 0.5
+    assert out.durations_ms == (TTL_1H_MS,) * 7
+    assert ledger.gap_count("t", TTL_1H_MS) == 0
+    # A real return after the retries is a gap, measured from the last release.
+    _plan_at(ledger, now - 0.4 + 30.0, hashes, ONE_HOUR)
+    assert list(ledger._tenants["t"].gaps["1h"]) == [pytest.approx(30.0)]
+
+
+def test_fast_5m_repeats_never_shorten_1h_hints():
+    ledger = HintLedger()
+    now = 0.0
+    five = [6000 + i for i in range(8)]
+    for _ in range(2 * hint_quota.MIN_GAP_SAMPLES):  # one dialect's 5 min hints, back every 2 s
+        now += 2.0
+        short = _plan_at(ledger, now, five, FIVE_MIN)
+    assert short.durations_ms == (4_000,) * 7  # the 5 min class is measured ...
+    hour = [7000 + i for i in range(8)]
+    out = _plan_at(ledger, now, hour, ONE_HOUR)
+    assert out.durations_ms == (TTL_1H_MS,) * 7  # ... the 1 h class is not: its hints keep their TTL
+    again = _plan_at(ledger, now + 2.0, hour, ONE_HOUR)
+    assert again.durations_ms == (TTL_1H_MS,) * 7
+    assert ledger.hold_ms("t", TTL_1H_MS) == TTL_1H_MS
+    assert ledger.gap_count("t", TTL_1H_MS) == 1
+
+
+def test_a_prefix_that_waited_long_is_held_at_least_that_long():
+    # The class's gaps say "back within seconds", but this request's own prefix just came back
+    # after 10 min: the evidence for it is 10 min, so it is held for 2 x 10 min (within 1 h).
+    ledger = HintLedger()
+    hashes = [8000 + i for i in range(8)]
+    now = 0.0
+    for _ in range(hint_quota.MIN_GAP_SAMPLES + 1):
+        now += 3.0
+        _plan_at(ledger, now, hashes, ONE_HOUR)
+    assert ledger.hold_ms("t", TTL_1H_MS) == 6_000
+    slow = [9000 + i for i in range(8)]
+    _plan_at(ledger, now, slow, ONE_HOUR)
+    back = _plan_at(ledger, now + 600.0, slow, ONE_HOUR)
+    assert back.durations_ms == (1_200_000,) * 7

@@ -12,9 +12,13 @@ outcome maps as::
 
     cache_read_input_tokens      tokens served from KV: reused blocks × tokens per block
                                  (what the OpenAI path reports as cached_tokens)
-    cache_creation_input_tokens  tokens under a breakpoint (CacheHints) not read from KV,
-                                 split by the TTL of the breakpoint covering them into
-                                 cache_creation.ephemeral_5m / ephemeral_1h_input_tokens
+    cache_creation_input_tokens  tokens the gateway kept under a hint (``Outcome.hinted``: the
+                                 full blocks the class and the hint budget let a breakpoint
+                                 cover) not read from KV, split by the TTL they were kept for
+                                 (the client's, capped by the class: 1 h or more → 1h, shorter
+                                 → 5m) into cache_creation.ephemeral_5m / ephemeral_1h_input_tokens;
+                                 0 when the gateway ignored the hints (a class without hints,
+                                 an over-quota tenant, no room in the hint budget)
     input_tokens                 the rest
 
 **Stream** (``event: <type>`` + ``data: <json>``): ``message_start`` (usage with the input
@@ -36,7 +40,8 @@ from collections.abc import AsyncIterator
 
 from fastapi.responses import JSONResponse
 
-from retention.policy.hints import TTL_1H_MS, CacheHints
+from retention.policy.hint_quota import HintedPlan
+from retention.policy.hints import TTL_1H_MS
 from server.gateway.api.completions import CompletionJob, Outcome, cached_tokens
 from server.gateway.errors import ServingError
 
@@ -61,19 +66,20 @@ def error_response(exc: ServingError) -> JSONResponse:
     return JSONResponse(error_body(exc), status_code=error_status(exc)[0], headers=exc.headers)
 
 
-def cache_creation(hints: CacheHints, read: int) -> tuple[int, int]:
-    """(5m, 1h) tokens written under a breakpoint: each breakpoint's own range past the
-    ``read`` tokens served from cache. A token counts under the first breakpoint that covers
-    it, which has the longest TTL covering it (TTLs do not increase along the prompt)."""
+def cache_creation(hinted: HintedPlan | None, read: int, tokens_per_block: int) -> tuple[int, int]:
+    """(5m, 1h) tokens written under a hint the gateway applied: the hinted blocks (a prefix of
+    the prompt's full blocks, :class:`~retention.policy.hint_quota.HintedPlan`) past the ``read``
+    tokens served from cache, each by the TTL it was kept for (``windows_ms``: the client's,
+    capped by the class). ``(0, 0)`` when no hint applied (``None`` or no blocks)."""
     five = hour = 0
-    start = 0
-    for point in hints.breakpoints:
-        written = max(0, point.token_end - max(start, read))
-        if point.ttl_ms >= TTL_1H_MS:
+    if hinted is None:
+        return five, hour
+    for index, window in enumerate(hinted.windows_ms):
+        written = max(0, (index + 1) * tokens_per_block - max(index * tokens_per_block, read))
+        if window >= TTL_1H_MS:
             hour += written
         else:
             five += written
-        start = point.token_end
     return five, hour
 
 
@@ -81,7 +87,7 @@ def usage(job: CompletionJob, outcome: Outcome) -> dict:
     total = job.prompt.total
     # a stream's message_start comes before the first delta: the first response's metrics say it
     read = cached_tokens(job, outcome, outcome.kv if outcome.kv is not None else outcome.first_kv)
-    five, hour = cache_creation(job.hints, read)
+    five, hour = cache_creation(outcome.hinted, read, job.tenant.pool.tokens_per_block)
     return {"input_tokens": total - read - five - hour, "cache_creation_input_tokens": five + hour,
             "cache_read_input_tokens": read, "output_tokens": outcome.completion_tokens,
             "cache_creation": {"ephemeral_5m_input_tokens": five, "ephemeral_1h_input_tokens": hour}}

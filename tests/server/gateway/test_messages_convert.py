@@ -9,7 +9,10 @@ import pytest
 
 from engines.contract import KvMetrics
 from engines.tokenizer import load_gguf_tokenizer
+from retention.policy.hint_plan import HintPolicy
+from retention.policy.hint_quota import HintLedger, plan_with_hints
 from retention.policy.hints import TTL_1H_MS, TTL_5M_MS, Breakpoint, CacheHints
+from retention.types import RetentionPlan, TokenRange
 from server.gateway.api.completions import Outcome
 from server.gateway.api.messages_convert import cache_hints, convert
 from server.gateway.api.messages_render import MESSAGES, cache_creation, stop_reason, usage
@@ -152,20 +155,50 @@ def test_breakpoints_end_where_their_message_ends(prompter) -> None:
     assert rest.startswith("<|im_start|>assistant")
 
 
+def _hinted(hints: CacheHints, total: int, *, policy: HintPolicy = HintPolicy(enabled=True), budget: int = 1000):
+    """The hints as the gateway applies them (``Outcome.hinted``) to a ``total``-token prompt of 16-token blocks."""
+    plan = RetentionPlan((TokenRange(0, None, 35, 30_000),), 35, 30_000)
+    return plan_with_hints(plan, hints, policy, total=total, tokens_per_block=16,
+                           hashes=[7000 + i for i in range(total // 16)], ledger=HintLedger(), tenant="t",
+                           budget_blocks=budget, now=0.0)
+
+
 def test_usage_splits_the_prompt_into_read_created_and_the_rest() -> None:
     hints = CacheHints((Breakpoint(40, TTL_1H_MS), Breakpoint(100, TTL_5M_MS)))
-    assert cache_creation(hints, 0) == (60, 40)
-    assert cache_creation(hints, 32) == (60, 8)
-    assert cache_creation(hints, 64) == (36, 0)
-    assert cache_creation(hints, 112) == (0, 0)
-    assert cache_creation(CacheHints(), 16) == (0, 0)
+    applied = _hinted(hints, 130)
+    # A block is kept for the range holding its first token: blocks 0-2 (tokens 0-47) 1 h,
+    # blocks 3-6 (48-111) 5 min; the tokens past block 6 are not kept under a hint.
+    assert applied.windows_ms == (TTL_1H_MS,) * 3 + (TTL_5M_MS,) * 4
+    assert cache_creation(applied, 0, 16) == (64, 48)
+    assert cache_creation(applied, 32, 16) == (64, 16)
+    assert cache_creation(applied, 64, 16) == (48, 0)
+    assert cache_creation(applied, 112, 16) == (0, 0)
     job = SimpleNamespace(prompt=PreparedPrompt(tuple(range(130)), 10, 20), hints=hints,
                           tenant=SimpleNamespace(pool=SimpleNamespace(tokens_per_block=16)), model="m")
-    outcome = Outcome(completion_tokens=5, kv=KvMetrics(reused_blocks=2))
+    outcome = Outcome(completion_tokens=5, kv=KvMetrics(reused_blocks=2), hinted=applied)
     got = usage(job, outcome)
-    assert got == {"input_tokens": 30, "cache_creation_input_tokens": 68, "cache_read_input_tokens": 32,
-                   "output_tokens": 5, "cache_creation": {"ephemeral_5m_input_tokens": 60, "ephemeral_1h_input_tokens": 8}}
+    assert got == {"input_tokens": 18, "cache_creation_input_tokens": 80, "cache_read_input_tokens": 32,
+                   "output_tokens": 5, "cache_creation": {"ephemeral_5m_input_tokens": 64, "ephemeral_1h_input_tokens": 16}}
     assert got["input_tokens"] + got["cache_creation_input_tokens"] + got["cache_read_input_tokens"] == 130
+
+
+def test_usage_reports_creation_only_for_the_hints_the_gateway_applied() -> None:
+    hints = CacheHints((Breakpoint(40, TTL_1H_MS), Breakpoint(100, TTL_5M_MS)))
+    job = SimpleNamespace(prompt=PreparedPrompt(tuple(range(130)), 10, 20), hints=hints,
+                          tenant=SimpleNamespace(pool=SimpleNamespace(tokens_per_block=16)), model="m")
+
+    def created(hinted) -> tuple[int, int, int]:
+        got = usage(job, Outcome(kv=KvMetrics(reused_blocks=0), hinted=hinted))
+        return (got["cache_creation_input_tokens"], got["cache_creation"]["ephemeral_5m_input_tokens"],
+                got["cache_creation"]["ephemeral_1h_input_tokens"])
+
+    assert created(None) == (0, 0, 0)  # the class does not honour hints: nothing kept under one
+    assert created(_hinted(hints, 130, policy=HintPolicy())) == (0, 0, 0)  # hints off in the class
+    assert created(_hinted(hints, 130, budget=0)) == (0, 0, 0)  # no room in the hint budget
+    assert created(_hinted(hints, 130, budget=2)) == (32, 0, 32)  # the budget cut it after two blocks
+    # The class caps a 1 h hint at 10 min: kept for less than an hour, it is not a 1 h write.
+    capped = _hinted(hints, 130, policy=HintPolicy(enabled=True, max_ttl_ms=600_000))
+    assert created(capped) == (112, 112, 0)
 
 
 def test_stop_reasons_and_the_message_object() -> None:

@@ -13,7 +13,8 @@ import pytest
 from langchain_anthropic import ChatAnthropic
 from pydantic import BaseModel, Field
 
-from tests.server.gateway.stack import MODEL, Stack
+from tenants import retention_classes
+from tests.server.gateway.stack import ACTOR, MODEL, Stack
 from tests.server.gateway.test_openai_e2e import GENERATED_ID
 from tests.server.gateway.test_openai_e2e import client as openai_client
 from tests.server.gateway.test_openai_e2e import system_prompt
@@ -36,6 +37,19 @@ def client(stack: Stack, key: str) -> anthropic.Anthropic:
 @pytest.fixture
 def key(stack: Stack) -> str:
     return stack.add_tenant("a-" + secrets.token_hex(4))
+
+
+def hinted_key(stack: Stack, *, hint_quota_fraction: float = 1.0) -> str:
+    """A tenant on the shared pool whose class honours hints (up to 1 h) at priority 35, the
+    class's own and the engine's expiry priority: its hints lengthen durations only, so the
+    shared engine's other tenants see no difference."""
+    name = "ah-" + secrets.token_hex(4)
+    with stack.session_factory() as session:
+        retention_classes.create_class(session, actor=ACTOR, now=stack.now(), name=name, system_priority=35,
+                                       context_priority=35, turn_priority=35, decode_priority=35,
+                                       hints_enabled=True, hint_max_ttl_ms=3_600_000, hint_max_priority=35,
+                                       hint_quota_fraction=hint_quota_fraction)
+    return stack.add_tenant(name, retention_class=name, kv_quota_fraction=1.0)
 
 
 def test_create_answers_like_the_chat_completion_of_the_same_prompt(stack: Stack, key: str) -> None:
@@ -113,8 +127,8 @@ def test_a_forced_tool_call_returns_schema_valid_input(stack: Stack, key: str) -
     assert follow.usage.input_tokens + follow.usage.cache_read_input_tokens > reply.usage.input_tokens
 
 
-def test_cache_control_usage_on_the_first_and_second_call(stack: Stack, key: str) -> None:
-    api = client(stack, key)
+def test_cache_control_usage_on_the_first_and_second_call(stack: Stack) -> None:
+    api = client(stack, hinted_key(stack))
     system = [{"type": "text", "text": system_prompt(secrets.token_hex(4)) * 2, "cache_control": {"type": "ephemeral"}}]
     ask = [{"role": "user", "content": "Capital of Italy?"}]
     counted = api.messages.count_tokens(model=MODEL, system=system, messages=ask).input_tokens
@@ -138,8 +152,8 @@ def test_cache_control_usage_on_the_first_and_second_call(stack: Stack, key: str
     assert start.input_tokens + start.cache_creation_input_tokens + start.cache_read_input_tokens == counted
 
 
-def test_a_breakpoint_on_the_last_turn_is_read_by_the_next_turn(stack: Stack, key: str) -> None:
-    api = client(stack, key)
+def test_a_breakpoint_on_the_last_turn_is_read_by_the_next_turn(stack: Stack) -> None:
+    api = client(stack, hinted_key(stack))
     marked = {"type": "ephemeral"}
     first_turn = [{"role": "user", "content": [{"type": "text", "text": system_prompt(secrets.token_hex(4)),
                                                 "cache_control": marked}]}]
@@ -152,6 +166,33 @@ def test_a_breakpoint_on_the_last_turn_is_read_by_the_next_turn(stack: Stack, ke
     # the whole first prompt is a prefix of the second: every full block of it is read back
     assert second.usage.cache_read_input_tokens >= (prompt // 16) * 16
     assert second.usage.cache_creation_input_tokens > 0  # the new turn, written under its breakpoint
+
+
+def test_cache_creation_counts_only_the_hints_the_gateway_applied(stack: Stack, key: str) -> None:
+    hour = {"type": "ephemeral", "ttl": "1h"}
+    ask = [{"role": "user", "content": "Capital of Spain?"}]
+
+    def first_call(api_key: str):
+        system = [{"type": "text", "text": system_prompt(secrets.token_hex(4)) * 2, "cache_control": hour}]
+        api = client(stack, api_key)
+        counted = api.messages.count_tokens(model=MODEL, system=system, messages=ask).input_tokens
+        usage = api.messages.create(model=MODEL, max_tokens=2, extra_body=GREEDY, system=system, messages=ask).usage
+        assert usage.cache_read_input_tokens == 0
+        assert usage.input_tokens + usage.cache_creation_input_tokens == counted
+        return usage
+
+    # The default class does not honour hints: nothing is kept under the breakpoint.
+    ignored = first_call(key)
+    assert ignored.cache_creation_input_tokens == 0
+    split = ignored.cache_creation
+    assert (split.ephemeral_5m_input_tokens, split.ephemeral_1h_input_tokens) == (0, 0)
+    # A class that honours them: the system prompt's full blocks, kept for 1 h.
+    applied = first_call(hinted_key(stack))
+    assert applied.cache_creation_input_tokens > 100 and applied.cache_creation_input_tokens % 16 == 0
+    assert applied.cache_creation.ephemeral_1h_input_tokens == applied.cache_creation_input_tokens
+    # The hint budget has room for two blocks (1/128 of 256): the rest was not kept under the hint.
+    clipped = first_call(hinted_key(stack, hint_quota_fraction=1 / 128))
+    assert clipped.cache_creation_input_tokens == clipped.cache_creation.ephemeral_1h_input_tokens == 32
 
 
 def test_output_config_format_constrains_the_answer_to_the_schema(stack: Stack, key: str) -> None:
