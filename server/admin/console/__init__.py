@@ -6,7 +6,9 @@ decided by the API; the console merely hides what the user's role cannot do. htm
 (vendored in ``static/``) refreshes the live KV and replica panels; every form works
 without it. Security: a strict CSP with no inline script or style, a synchronizer CSRF
 token on every POST, server-side sessions behind an HttpOnly SameSite=Strict cookie
-(``sessions.py``). See docs/architecture.md, "Console".
+(``sessions.py``). Layout: ``pages.py`` builds the app (headers, error pages, sign-in),
+``tenant_pages.py`` and ``pool_pages.py`` hold the pages, ``web.py`` what they share.
+See docs/architecture.md, "Console".
 """
 
 from __future__ import annotations

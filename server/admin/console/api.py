@@ -39,10 +39,14 @@ class AdminApi:
 
     def __init__(self, app: Any, credential: str) -> None:
         self._app = app
-        self._headers = {"Authorization": f"Bearer {credential}"}
+        # A header carries ASCII only: any other credential is refused here, as the API would.
+        self._valid = credential.isascii() and credential.isprintable()
+        self._headers = {"Authorization": f"Bearer {credential}"} if self._valid else {}
 
     async def call(self, method: str, path: str, *, json: Any = None, params: dict[str, Any] | None = None) -> Any:
         """The decoded JSON body of a 2xx answer (None for 204); :class:`ApiFailure` otherwise."""
+        if not self._valid:
+            raise ApiFailure(401, "unauthorized", "a credential is printable ASCII")
         transport = httpx.ASGITransport(app=self._app, raise_app_exceptions=False)
         async with httpx.AsyncClient(transport=transport, base_url=_BASE, headers=self._headers) as client:
             response = await client.request(method, path, json=json, params=params)

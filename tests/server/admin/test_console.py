@@ -126,7 +126,7 @@ def test_api_errors_are_shown_not_500(browser: TestClient) -> None:
     csrf = sign_in(browser)
     r = browser.post("/console/tenants", data={"csrf": csrf, "slug": "acme", "display_name": "Again", "pool": "gpu-a",
                                                "retention_class": "gold"})
-    assert r.status_code == 200 and "Tenant not created" in r.text and "409" in r.text
+    assert r.status_code == 409 and "Tenant not created" in r.text and "409" in r.text
     r = browser.post("/console/tenants", data={"csrf": csrf, "slug": "x", "display_name": "X", "pool": "gpu-a",
                                                "retention_class": "gold", "rpm_limit": "many"})
     assert "rpm_limit must be a number" in r.text
@@ -208,3 +208,173 @@ def test_console_files_ship_as_package_data() -> None:
              for p in (console / folder).rglob("*") if p.is_file()]
     assert "admin/console/static/htmx.min.js" in files and "admin/console/templates/base.html" in files
     assert [f for f in files if not any(fnmatch.fnmatch(f, pat) for pat in patterns)] == []
+
+
+def sign_in_as(c: TestClient, secret: str) -> str:
+    """Signs in with a fresh cookie jar; returns the session's CSRF token."""
+    c.cookies.clear()
+    return sign_in(c, secret)
+
+
+def credential(c: TestClient, role: str, **extra: object) -> str:
+    r = c.post("/admin/v1/credentials", headers=AUTH, json={"name": f"{role}-x", "role": role, **extra})
+    assert r.status_code == 201, r.text
+    return r.json()["secret"]
+
+
+def test_an_operator_opens_tenant_pages_without_the_keys_card(browser: TestClient) -> None:
+    from server.admin.console.pages import CAN
+    from server.admin.permissions import RULES
+
+    seed(browser)
+    browser.post("/admin/v1/tenants/acme/keys", headers=AUTH, json={"name": "k"})
+    sign_in_as(browser, credential(browser, "operator"))
+    r = browser.get("/console/tenants")
+    assert r.status_code == 200 and 'href="/console/tenants/acme"' in r.text
+    r = browser.get("/console/tenants/acme")
+    assert r.status_code == 200, r.text
+    assert "Acme" in r.text and 'id="limits"' in r.text and 'id="keys"' not in r.text and "create-key" not in r.text
+    # The console hides what the API refuses: its key permissions are the API's.
+    assert CAN["key.read"] == RULES[("GET", "/tenants/{ref}/keys")].roles
+    assert CAN["key.write"] == RULES[("POST", "/tenants/{ref}/keys")].roles
+    # A viewer reads keys (and is offered no key form); a platform admin gets both.
+    sign_in_as(browser, credential(browser, "viewer"))
+    r = browser.get("/console/tenants/acme")
+    assert r.status_code == 200 and 'id="keys"' in r.text and "create-key" not in r.text
+    sign_in_as(browser, ADMIN_TOKEN)
+    r = browser.get("/console/tenants/acme")
+    assert 'id="keys"' in r.text and 'id="create-key"' in r.text
+
+
+def assert_console_page(r, status: int) -> None:
+    assert r.status_code == status, (r.status_code, r.text[:300])
+    assert r.headers["content-type"].startswith("text/html")
+    assert "script-src 'self'" in r.headers["content-security-policy"] and r.headers["x-frame-options"] == "DENY"
+    assert r.headers["cache-control"] == "no-store"
+    assert f'id="error-code">{status}<' in r.text
+
+
+def test_non_finite_numbers_are_refused_not_500(browser: TestClient) -> None:
+    seed(browser)
+    csrf = sign_in(browser)
+    for value in ("nan", "inf", "-Infinity", "1e999"):
+        r = browser.post("/console/tenants", data={"csrf": csrf, "slug": "n1", "display_name": "N", "pool": "gpu-a",
+                                                   "retention_class": "gold", "kv_quota_fraction": value})
+        assert r.status_code == 422 and "kv_quota_fraction must be a number" in r.text, (value, r.status_code)
+        r = browser.post("/console/pools/gpu-a/captures", data={"csrf": csrf, "sample_rate": value})
+        assert r.status_code == 422 and "sample rate must be a number" in r.text, (value, r.status_code)
+    assert browser.get("/admin/v1/tenants/n1", headers=AUTH).status_code == 404
+    assert browser.get("/admin/v1/pools/gpu-a/captures", headers=AUTH).json() == []
+
+
+def test_a_non_ascii_credential_gets_the_signin_page(browser: TestClient) -> None:
+    page = browser.get("/console/signin")
+    r = browser.post("/console/signin", data={"csrf": CSRF.search(page.text).group(1), "token": "kva_caf\u00e9"})
+    assert r.status_code == 400 and 'id="signin-error"' in r.text
+    assert r.headers["x-frame-options"] == "DENY" and "kvgate_console=" not in r.headers.get("set-cookie", "")
+
+
+def test_console_errors_are_console_pages_and_only_there(db, settings, monkeypatch) -> None:
+    from server.admin.console.api import AdminApi
+
+    app = create_app(settings, session_factory=db.factory)
+    with TestClient(app, raise_server_exceptions=False) as c:
+        seed(c)
+        csrf = sign_in(c)
+        r = c.get("/console/nope")
+        assert_console_page(r, 404)
+        r = c.post("/console/tenants/acme/keys/abc/revoke", data={"csrf": csrf})
+        assert_console_page(r, 422)
+        assert "key_id" in r.text and '"detail"' not in r.text
+
+        async def broken(*_a, **_kw):
+            raise RuntimeError("secret internals")
+
+        monkeypatch.setattr(AdminApi, "call", broken)
+        r = c.get("/console/tenants")
+        assert_console_page(r, 500)
+        assert "secret internals" not in r.text
+        monkeypatch.undo()
+        # The admin API and the root app keep their own error shapes.
+        r = c.get("/admin/v1/tenants/acme/keys/abc/revoke", headers=AUTH)
+        assert r.headers["content-type"].startswith("application/json") and "error" in r.json()
+        r = c.get("/admin/v1/nope", headers=AUTH)
+        assert r.headers["content-type"].startswith("application/json")
+        r = c.get("/nope")
+        assert r.status_code == 404 and r.headers["content-type"].startswith("application/json")
+
+
+def test_static_files_are_cached_and_pages_are_not(browser: TestClient) -> None:
+    for path in ("/console/static/console.css", "/console/static/htmx.min.js"):
+        r = browser.get(path)
+        assert r.status_code == 200 and r.headers["cache-control"] == "public, max-age=3600", path
+        assert r.headers["x-content-type-options"] == "nosniff"
+    assert browser.get("/console/signin").headers["cache-control"] == "no-store"
+
+
+def test_pools_page_shows_pool_totals_before_the_first_poll(browser: TestClient) -> None:
+    r = browser.post("/admin/v1/pools", headers=AUTH, json={
+        "name": "duo", "model_name": "m", "primary_blocks": 128, "secondary_blocks": 256,
+        "replicas": [{"name": "r0", "endpoint": "127.0.0.1:9200"}, {"name": "r1", "endpoint": "127.0.0.1:9201"}]})
+    assert r.status_code == 201, r.text
+    sign_in(browser)
+    row = re.search(r'<tr data-pool="duo">(.*?)</tr>', browser.get("/console/pools").text, re.S).group(1)
+    assert "256 registered" in row and "512 registered" in row, row  # 2 replicas x 128 GPU / 256 host blocks
+
+
+def test_pool_page_says_a_new_budget_is_not_yet_loaded(db, settings) -> None:
+    from prometheus_client import CollectorRegistry
+
+    from server.gateway.observe.slo_guard import SloGuards
+
+    app = create_app(settings, session_factory=db.factory)
+    with TestClient(app) as c:
+        seed(c)
+        # This gateway's guard before its first tick: it has loaded no budget yet.
+        app.state.admin_app.state.slo_guard = SloGuards(session_factory=db.factory, pools=lambda: [],
+                                                        registry=CollectorRegistry())
+        sign_in(c)
+        slo = lambda: re.search(r'<section class="card" id="slo">(.*?)<h3>', c.get("/console/pools/gpu-a").text,  # noqa: E731
+                                re.S).group(1)
+        assert "No SLO budget set" in slo()
+        assert c.put("/admin/v1/pools/gpu-a/slo", headers=AUTH, json={"ttft_p99_ms": 800}).status_code == 200
+        panel = slo()
+        assert "No SLO budget set" not in panel and "not yet loaded by this gateway" in panel and "800" in panel
+
+
+def test_replica_buttons_keep_ids_and_errors_are_alerts(browser: TestClient) -> None:
+    seed(browser)
+    csrf = sign_in(browser)
+    text = browser.get("/console/pools/gpu-a").text
+    buttons = re.findall(r"<button[^>]*data-replica-action[^>]*>", text)
+    assert len(buttons) == 2, buttons
+    for b in buttons:
+        assert re.search(r'id="replica-r0-(draining|disabled)"', b) and re.search(r'aria-label="\w+ replica r0"', b), b
+    assert browser.get("/console/pools/gpu-a/live").text.count('id="replica-r0-') == 2
+    r = browser.post("/console/pools/gpu-a/replicas/r0/state", data={"csrf": csrf, "state": "draining", "version": "99"})
+    assert 'class="flash error" role="alert"' in r.text
+
+
+def test_a_refused_form_comes_back_filled_in_with_the_reason(browser: TestClient) -> None:
+    seed(browser)
+    csrf = sign_in(browser)
+    form = {"csrf": csrf, "slug": "acme", "display_name": "Acme again", "pool": "gpu-a", "retention_class": "gold",
+            "isolation": "shared", "kv_quota_fraction": "0.3", "rpm_limit": "77", "tpm_limit": "9000",
+            "max_concurrent_requests": "3"}
+    r = browser.post("/console/tenants", data=form, follow_redirects=False)
+    assert r.status_code == 409, r.status_code  # the API's status, not a redirect to a blank form
+    for name in ("display_name", "kv_quota_fraction", "rpm_limit", "tpm_limit", "max_concurrent_requests"):
+        assert re.search(rf'name="{name}"[^>]*value="{re.escape(form[name])}"', r.text), name
+    assert re.search(r'<option value="shared" selected>', r.text)
+    assert re.search(r'id="error-slug"[^>]*>[^<]*already', r.text), r.text  # the reason, next to its field
+    assert 'pattern="[a-z0-9][a-z0-9._\\-]*"' in r.text
+    r = browser.post("/console/tenants", data={**form, "slug": "acme2", "kv_quota_fraction": "1.5"})
+    assert r.status_code == 422 and re.search(r'id="error-kv_quota_fraction"[^>]*>', r.text)
+    assert re.search(r'name="slug"[^>]*value="acme2"', r.text)
+    r = browser.post("/console/tenants", data={**form, "slug": "acme3", "rpm_limit": "many"})
+    assert r.status_code == 422 and re.search(r'id="error-rpm_limit"[^>]*>rpm_limit must be a number', r.text)
+    assert browser.get("/admin/v1/tenants", headers=AUTH).json()["total"] == 1
+    # Start capture: the same.
+    r = browser.post("/console/pools/gpu-a/captures", data={"csrf": csrf, "sample_rate": "5", "tenant": "acme"})
+    assert r.status_code == 422 and re.search(r'id="error-sample_rate"', r.text)
+    assert re.search(r'name="sample_rate"[^>]*value="5"', r.text) and re.search(r'name="tenant"[^>]*value="acme"', r.text)

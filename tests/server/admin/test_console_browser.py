@@ -262,3 +262,32 @@ def test_console_tenant_admin_sees_only_its_tenant(stack: Stack, driver) -> None
     answer = forged_post(driver, f"/console/tenants/ta-two/keys/{other_key['id']}/revoke", {"csrf": csrf})
     assert answer["status"] == 404, answer
     assert admin(stack, "GET", "/tenants/ta-two/keys").json()["items"][0]["revoked_at"] is None
+
+
+def test_console_slug_pattern_is_the_apis_and_valid_in_chromium(stack: Stack, driver) -> None:
+    # Chromium compiles a pattern with the v flag and silently drops one it cannot compile:
+    # then any slug passes the browser's check. The pattern must compile and match the API's names.
+    sign_in(driver, stack, stack.admin_token)
+    driver.get(stack.gateway.base_url + "/console/tenants")
+    slug = by(driver, "#create-tenant [name=slug]")
+    valid = {}
+    for value in ("acme", "acme.eu", "acme_eu", "acme-eu", "Acme", "-acme", "acme eu"):
+        driver.execute_script("arguments[0].value = arguments[1]", slug, value)
+        valid[value] = driver.execute_script("return arguments[0].checkValidity()", slug)
+    assert valid == {"acme": True, "acme.eu": True, "acme_eu": True, "acme-eu": True,
+                     "Acme": False, "-acme": False, "acme eu": False}
+    assert not [e for e in driver.get_log("browser") if "pattern" in e["message"]]
+
+
+def test_console_replica_panel_poll_keeps_keyboard_focus(stack: Stack, driver) -> None:
+    sign_in(driver, stack, stack.admin_token)
+    driver.get(stack.gateway.base_url + "/console/pools/reference")
+    button = "#pool-live tr[data-replica=r0] button[data-replica-action=draining]"
+    wait_for(driver, lambda d: all_by(d, button), timeout=30, message="no drain button")
+    driver.execute_script("const b = document.querySelector(arguments[0]); window.__focused = b; b.focus();"
+                          "document.getElementById('pool-live').dataset.old = 'yes';", button)
+    # The panel is swapped by its next poll (every 3 s): a new button, and focus must follow to it.
+    wait_for(driver, lambda d: not all_by(d, "#pool-live[data-old]"), timeout=15, message="panel not refreshed")
+    active = driver.execute_script(
+        "const a = document.activeElement; return [a.tagName, a.id, a.getAttribute('aria-label'), a === window.__focused]")
+    assert active == ["BUTTON", "replica-r0-draining", "Drain replica r0", False], active
