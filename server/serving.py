@@ -48,6 +48,7 @@ def routing_config(settings: Settings) -> RoutingConfig:
         router=settings.router,
         cost=CostModel(overlap_weight=settings.router_overlap_weight, temperature=settings.router_temperature),
         first_token_timeout_s=settings.first_token_timeout_s,
+        inter_token_timeout_s=settings.inter_token_timeout_s,
         answer_timeout_per_token_s=settings.answer_timeout_per_token_s,
         breaker_open_s=settings.breaker_open_s, breaker_max_open_s=settings.breaker_max_open_s,
     )

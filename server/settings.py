@@ -111,6 +111,14 @@ class Settings(BaseSettings):
     # first_token_timeout_s + max_tokens * answer_timeout_per_token_s.
     first_token_timeout_s: float = Field(default=30.0, ge=0.0)
     answer_timeout_per_token_s: float = Field(default=0.5, ge=0.0)
+    # Inter-token deadline (KVGATE_INTER_TOKEN_TIMEOUT_S, RoutingConfig.inter_token_timeout_s): a
+    # replica that sent an answer's first token and then nothing for this many seconds has its
+    # call cancelled and counts a timeout in its circuit breaker; a stream ends with the
+    # dialect's error event, a non-streamed answer is run again on another replica (nothing
+    # reached the client) or answered 504 ``engine_timeout``. Unset: first_token_timeout_s
+    # (a request paused mid-answer waits to be scheduled again as a new one waits for its
+    # first token). 0 = no deadline.
+    inter_token_timeout_s: float | None = Field(default=None, ge=0.0)
     # Circuit breaker (server/gateway/replicas/breaker.py): a failed or timed-out replica is out
     # of rotation for breaker_open_s, doubling on each further failure up to breaker_max_open_s.
     breaker_open_s: float = Field(default=0.5, gt=0.0)

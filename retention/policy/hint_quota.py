@@ -89,6 +89,7 @@ class _TenantHints:
     entries: dict[int, _Entry] = field(default_factory=dict)  # insertion order = least recently recorded first
     gaps: dict[TtlClass, deque[float]] = field(default_factory=lambda: {
         "5m": deque(maxlen=GAP_SAMPLES), "1h": deque(maxlen=GAP_SAMPLES)})
+    pinned_until: float = 0.0  # the latest hold end recorded (so "any pin left?" costs O(1) per request)
 
 
 @dataclass(slots=True)
@@ -167,6 +168,26 @@ class HintLedger:
         hints.gaps[ttl_class(deepest.window_ms)].append(gap)
         return gap
 
+    def has_pins(self, tenant: str, now: float) -> bool:
+        """Whether ``tenant`` has a block still held at the hinted priority (cheap: no hashing needed otherwise)."""
+        hints = self._tenants.get(tenant)
+        return hints is not None and hints.pinned_until > now
+
+    def pins(self, tenant: str, hashes: Sequence[int], now: float) -> list[tuple[int, int]]:
+        """(remaining hold ms, remaining client window ms) of the leading blocks of ``hashes`` still
+        held at the hinted priority, up to the first that is not (chain hashes: a prefix)."""
+        hints = self._tenants.get(tenant)
+        out: list[tuple[int, int]] = []
+        if hints is None:
+            return out
+        for h in hashes:
+            entry = hints.entries.get(h)
+            if entry is None or entry.pinned_until <= now:
+                break
+            held = max(1, int((entry.pinned_until - now) * 1000))
+            out.append((held, max(held, int((entry.window_until - now) * 1000))))
+        return out
+
     def record(self, tenant: str, hashes: Sequence[int], durations_ms: Sequence[int], now: float, *,
                windows_ms: Sequence[int] | None = None) -> None:
         """Mark ``hashes`` held until ``now + duration`` (the latest use decides, as in the
@@ -188,6 +209,7 @@ class HintLedger:
                 entry.window_ms = max(entry.window_ms, window)
                 entry.seen = now
             entries[h] = entry  # re-inserted: the dict's order is the recording order
+            hints.pinned_until = max(hints.pinned_until, entry.pinned_until)
         if len(entries) > MAX_TRACKED:
             self._forget_closed(hints, now)
             for h in [h for h, e in entries.items() if e.pinned_until <= now][:len(entries) - MAX_TRACKED]:
@@ -241,3 +263,46 @@ def plan_with_hints(plan: RetentionPlan, hints: CacheHints, policy: HintPolicy, 
     durations = tuple(next(s.duration_ms for s in held if s.start <= b * tokens_per_block < s.end) for b in kept)
     ledger.record(tenant, kept_hashes, durations, now, windows_ms=windows)
     return HintedPlan(apply_hints(plan, held, policy, total), kept_hashes, durations, clipped, windows)
+
+
+def keep_pins(hinted: HintedPlan, pins: Sequence[tuple[int, int]], policy: HintPolicy, *, total: int,
+              tokens_per_block: int, hashes: Sequence[int], ledger: HintLedger, tenant: str, now: float) -> HintedPlan:
+    """``hinted`` with the tenant's blocks still pinned by an earlier hint kept pinned for the rest of
+    their hold (and recorded again, so the ledger follows the engine). ``pins``:
+    :meth:`HintLedger.pins` of the prompt's ``hashes``, read *before* this request's own hints were
+    planned (planning records them, and the latest use sets a block's hold).
+
+    Why: TensorRT-LLM gives a reused block the priority and duration of the request that uses it
+    last (an explicit priority on reuse overrides the old one, ``kvCacheManager.cpp``), so a request
+    without hints (a read without ``cache_control``, an unstored Responses call) sharing a hinted
+    prefix would silently drop it to the class's priority, and a shorter hint would cut a longer one.
+    Here every full prompt block the ledger holds pinned gets ``(max_priority, its remaining hold)``
+    by the hint rule (a token only gains; at the hint priority the longer duration wins), so a
+    client's promise lasts as long as it said, whoever reads the prefix meanwhile. No budget is
+    spent: pinned blocks are already counted live. A demoted (over-quota) plan or a class that no
+    longer honours hints keeps ``hinted`` as it is (the same object).
+    """
+    if not policy.enabled or hinted.plan.demoted or not pins:
+        return hinted
+    spans: list[HintSpan] = []
+    for b, (held, _) in enumerate(pins):  # one span per run of blocks pinned until the same moment
+        start, end = b * tokens_per_block, min((b + 1) * tokens_per_block, total)
+        if start >= end:
+            break
+        if spans and spans[-1].duration_ms == held and spans[-1].end == start:
+            spans[-1] = HintSpan(spans[-1].start, end, held)
+        else:
+            spans.append(HintSpan(start, end, held))
+    plan = apply_hints(hinted.plan, tuple(spans), policy, total)
+    if plan is hinted.plan:
+        return hinted
+    blocks = {h: (d, w) for h, d, w in zip(hinted.hashes, hinted.durations_ms, hinted.windows_ms or hinted.durations_ms)}
+    pinned = {}
+    for h, (held, window) in zip(hashes, pins):
+        mine = blocks.get(h)
+        pinned[h] = (max(held, mine[0]), max(window, mine[1])) if mine is not None else (held, window)
+    ledger.record(tenant, list(pinned), [d for d, _ in pinned.values()], now,
+                  windows_ms=[w for _, w in pinned.values()])
+    merged = {**blocks, **pinned}
+    return HintedPlan(plan, tuple(merged), tuple(d for d, _ in merged.values()), hinted.clipped,
+                      tuple(w for _, w in merged.values()))

@@ -28,6 +28,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from server.errors import CODE_BY_STATUS as ADMIN_CODES
 from server.errors import error_response as admin_error_response
+from server.gateway.api.streaming import CLIENT_RECEIVE
 from server.gateway.context import REQUEST_ID
 from server.gateway.drain import SERVING_PREFIX, InFlight
 from server.gateway.kv_view import KvView
@@ -157,6 +158,9 @@ class RequestIds:
 
         request_id = value.decode()
         token = REQUEST_ID.set(request_id)
+        # The request core watches the client's connection while it waits for the engine, before
+        # any answer has started (a client gone then cancels the engine call, never retried).
+        receiving = CLIENT_RECEIVE.set(receive)
         try:
             await self.app(scope, receive, stamped)
         except Exception:
@@ -166,6 +170,7 @@ class RequestIds:
                 await serving_error_response(path, crash)(scope, receive, stamped)
             raise
         finally:
+            CLIENT_RECEIVE.reset(receiving)
             REQUEST_ID.reset(token)
 
 
@@ -265,6 +270,9 @@ def install_gateway(app: FastAPI, services: GatewayServices) -> FastAPI:
                                                    "/metrics needs 'Authorization: Bearer <KVGATE_METRICS_TOKEN>'"))
         return Response(generate_latest(services.registry), media_type=CONTENT_TYPE_LATEST)
 
+    ping_timeout_s = 2.0  # /readyz's registry ping (probes commonly give up after a few seconds)
+    ping_flight: list[asyncio.Future] = []  # the registry ping in progress (at most one)
+
     @app.get("/readyz", include_in_schema=False)
     async def readyz() -> JSONResponse:
         checks: dict[str, str] = {}
@@ -275,10 +283,18 @@ def install_gateway(app: FastAPI, services: GatewayServices) -> FastAPI:
                 session.execute(text("SELECT 1"))
                 return list_pool_snapshots(session)
 
+        # Bounded: a registry that stops answering (no error, no reset) must make this answer
+        # 503 within ping_timeout_s, not hang the probe. The ping's worker thread
+        # cannot be interrupted: probes that come while it is still stuck wait for that one
+        # (within their own timeout) instead of stranding one thread each.
+        if not ping_flight or ping_flight[0].done():
+            ping_flight[:] = [asyncio.ensure_future(anyio.to_thread.run_sync(ping))]
+            ping_flight[0].add_done_callback(lambda f: f.cancelled() or f.exception())
         try:
-            pools = await anyio.to_thread.run_sync(ping)
+            with anyio.fail_after(ping_timeout_s):
+                pools = await asyncio.shield(ping_flight[0])
             checks["registry"] = "ok"
-        except Exception as exc:  # noqa: BLE001 - any failure means not ready
+        except Exception as exc:  # noqa: BLE001 - any failure (a timeout included) means not ready
             checks["registry"] = f"unavailable: {type(exc).__name__}"
             pools = list(services.engines.pools.values())
         # Ready while this gateway can serve at all: its registry answers and at least one pool's

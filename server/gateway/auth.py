@@ -16,6 +16,14 @@ a 503, as it would alone), so the next request starts a new flight. ``clear()`` 
 the flights in progress: their answers, read before the admin write, are not cached, and
 requests after it start new ones.
 
+Bounded wait: a request waits at most ``lookup_timeout`` seconds for its key's flight,
+counted from when the flight began (a registry that stops answering without an error: a
+network partition, a frozen primary). Past it, the request is answered as if the registry
+had failed: from the expired entry if there is one, else 503 ``registry_unavailable``. The
+flight itself goes on in its worker thread (it cannot be interrupted; ``tenants.db`` bounds
+it with connect, keepalive and statement timeouts) and caches its answer if one comes; until
+it ends, further requests for the key join it and, its deadline past, do not wait at all.
+
 ``last_used_at`` is written off the request path: used key ids are collected and
 flushed by :meth:`KeyAuthenticator.flush_last_used` (a background task calls it).
 """
@@ -77,17 +85,23 @@ class _Entry:
     snapshot: AuthenticatedTenant | None
 
 
+LOOKUP_TIMEOUT_S = 3.0  # a healthy lookup takes milliseconds; a loaded gateway's, well under a second
+
+
 class KeyAuthenticator:
     def __init__(self, session_factory: Callable[[], Session], *, pepper: str, ttl: float = 5.0,
-                 max_entries: int = 10_000, clock: Callable[[], float] = time.monotonic) -> None:
+                 max_entries: int = 10_000, clock: Callable[[], float] = time.monotonic,
+                 lookup_timeout: float = LOOKUP_TIMEOUT_S) -> None:
         self._sessions = session_factory
         self._pepper = pepper
         self._ttl = ttl
+        self._lookup_timeout = lookup_timeout
         self._max = max_entries
         self._clock = clock
         self._cache: OrderedDict[bytes, _Entry] = OrderedDict()
         self._used: set[int] = set()
         self._flights: dict[bytes, asyncio.Future[AuthenticatedTenant | None]] = {}  # one lookup per key at a time
+        self._deadlines: dict[asyncio.Future, float] = {}  # flight -> loop time its waiters stop waiting
         self._generation = 0  # bumped by clear(): a flight begun before it does not cache its answer
 
     def clear(self, tenant: str | None = None) -> None:
@@ -132,13 +146,20 @@ class KeyAuthenticator:
 
     async def _resolve(self, digest: bytes, plaintext: str) -> AuthenticatedTenant | None:
         """Join the key's flight in progress, or start it. The flight is a task of its own
-        and is shielded: a waiter that goes away (client disconnect) cancels only its wait."""
+        and is shielded: a waiter that goes away (client disconnect) cancels only its wait.
+        Raises ``TimeoutError`` once the flight has run ``lookup_timeout`` seconds."""
+        loop = asyncio.get_running_loop()
         flight = self._flights.get(digest)
         if flight is None:
             flight = asyncio.ensure_future(self._fly(digest, plaintext))
             flight.add_done_callback(_retrieve)
+            flight.add_done_callback(self._deadlines.pop)
             self._flights[digest] = flight
-        return await asyncio.shield(flight)
+            self._deadlines[flight] = loop.time() + self._lookup_timeout
+        if flight.done():
+            return flight.result()
+        with anyio.fail_after(max(0.0, self._deadlines[flight] - loop.time())):
+            return await asyncio.shield(flight)
 
     async def authenticate(self, authorization: str | None) -> TenantContext:
         """The tenant behind ``Authorization: Bearer kvg_...`` or a 401/403 :class:`ServingError`."""
@@ -151,7 +172,7 @@ class KeyAuthenticator:
         if entry is None or entry.expires <= self._clock():
             try:
                 snapshot = await self._resolve(digest, plaintext)
-            except SQLAlchemyError as exc:
+            except (SQLAlchemyError, TimeoutError) as exc:  # failed, or no answer in time
                 if entry is not None and entry.snapshot is not None:
                     snapshot = entry.snapshot  # registry down: serve the last known answer
                 else:

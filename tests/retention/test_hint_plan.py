@@ -271,3 +271,48 @@ def test_a_prefix_that_waited_long_is_held_at_least_that_long():
     _plan_at(ledger, now, slow, ONE_HOUR)
     back = _plan_at(ledger, now + 600.0, slow, ONE_HOUR)
     assert back.durations_ms == (1_200_000,) * 7
+
+
+def _reader(ledger: HintLedger, now: float, *, hints: CacheHints = CacheHints(), policy: HintPolicy = ON):
+    """A request of the same tenant over the same prompt: its own hints (none by default), then keep_pins."""
+    hashes = [1000 + i for i in range(128 // 16)]
+    pins = ledger.pins("t", hashes, now)
+    own = plan_with_hints(base(), hints, policy, total=128, tokens_per_block=16, hashes=hashes, ledger=ledger,
+                          tenant="t", budget_blocks=1000, now=now)
+    return hint_quota.keep_pins(own, pins, policy, total=128, tokens_per_block=16, hashes=hashes, ledger=ledger,
+                                tenant="t", now=now)
+
+
+def test_a_read_without_hints_keeps_an_earlier_hint_for_the_rest_of_its_hold():
+    # TensorRT-LLM gives a reused block the last request's priority: without the pins kept, this
+    # read would send the class's 60/10 min and 35/30 s over blocks a client asked to keep 1 h.
+    ledger = HintLedger()
+    _reader(ledger, 0.0, hints=CacheHints(breakpoints=(Breakpoint(112, TTL_1H_MS),)))
+    later = _reader(ledger, 600.0)
+    assert later.plan.ranges[:2] == (TokenRange(0, 32, 90, None), TokenRange(32, 112, 60, TTL_1H_MS - 600_000))
+    assert later.plan.retention_at(112) == base().retention_at(112)  # past the pinned blocks: the class
+    assert ledger.live_blocks("t", 600.0) == 7  # the same blocks, no budget spent twice
+    assert _reader(ledger, 600.0 + TTL_1H_MS).plan == base()
+
+
+def test_a_shorter_hint_never_cuts_a_longer_one_and_nothing_is_kept_once_it_ran_out():
+    ledger = HintLedger()
+    _reader(ledger, 0.0, hints=CacheHints(breakpoints=(Breakpoint(64, TTL_1H_MS),)))
+    five = _reader(ledger, 10.0, hints=CacheHints(breakpoints=(Breakpoint(112, TTL_5M_MS),)))
+    assert five.plan.retention_at(40) == (60, TTL_1H_MS - 10_000)  # the 1 h prefix keeps its hour
+    assert five.plan.retention_at(100) == (60, TTL_5M_MS)  # the 5 min tail as asked
+    gone = _reader(ledger, 10.0 + 2 * TTL_1H_MS / 1000)
+    assert gone.plan == base()
+
+
+def test_pins_are_kept_only_where_the_class_honours_hints_and_never_for_a_demoted_plan():
+    ledger = HintLedger()
+    _reader(ledger, 0.0, hints=CacheHints(breakpoints=(Breakpoint(112, TTL_1H_MS),)))
+    off = _reader(ledger, 5.0, policy=HintPolicy(enabled=False))
+    assert off.plan == base()
+    demoted = RetentionPlan(base().ranges, base().decode_priority, base().decode_duration_ms, demoted=True)
+    unhinted = hint_quota.HintedPlan(demoted)
+    hashes = [1000 + i for i in range(8)]
+    kept = hint_quota.keep_pins(unhinted, ledger.pins("t", hashes, 5.0), ON, total=128, tokens_per_block=16,
+                                hashes=hashes, ledger=ledger, tenant="t", now=5.0)
+    assert kept is unhinted

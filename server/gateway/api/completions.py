@@ -13,11 +13,20 @@ fails after the stream started. Invariants:
   engine error, stop string), and for a stream even when its body never starts
   (:class:`ClosingStreamingResponse`);
 * leaving early (client disconnect, stop string) closes the engine stream, which
-  cancels the engine request and frees its blocks;
-* metrics are recorded once per admitted request; usage once per admitted request the
-  engine served (a 503/504 before any token is not billed), with the tokens actually
-  generated, and the usage is durable before the answer's end reaches the client (a JSON
-  body is built after it; a stream's closing frames are held until it);
+  cancels the engine request and frees its blocks; a client that leaves before its response
+  starts (while a non-streamed answer is generated, or before a stream's first token) is
+  noticed from the request's ``receive`` (``streaming.CLIENT_RECEIVE``): the engine call is
+  cancelled then, not at its end, and the request is not retried on another replica;
+* a non-streamed answer the engine streams (stop strings) reaches the client only whole, so
+  when its replica fails or stalls mid-answer it is run again on another one (the router's
+  retry budget, :class:`~server.gateway.replicas.routing.EngineRestart`), and what the failed
+  attempt generated is dropped;
+* metrics are recorded once per admitted request; usage once per admitted request whose
+  answer the client received (a 503/504 instead of a non-streamed answer is not billed,
+  whatever the engine generated before failing; a stream that failed after its start is
+  billed the tokens it sent), with the tokens actually generated, and the usage is durable
+  before the answer's end reaches the client (a JSON body is built after it; a stream's
+  closing frames are held until it);
 * a streamed response starts (status 200, headers) only once the engine's first response
   is in hand: the replica is then final (no retry after it), so ``x-kvgate-replica`` names
   the one that serves the stream, and a failure before it (no replica, refusal, first-token
@@ -42,7 +51,7 @@ from engines.refusals import context_refusal, guide_refusal, output_refusal
 from engines.tokenizer import ChatTokenizer
 from retention.hashing import block_hashes
 from retention.policy.conversation import ConversationPlan, ConversationRequest
-from retention.policy.hint_quota import HintedPlan, HintLedger, plan_with_hints
+from retention.policy.hint_quota import HintedPlan, HintLedger, keep_pins, plan_with_hints
 from retention.policy.hints import CacheHints
 from retention.policy.planner import QuotaState, Segments, plan_retention
 from retention.policy.selection import AdaptiveSelector
@@ -55,9 +64,10 @@ from server.gateway.fresh_admission import admit
 from server.gateway.observe.metrics import GatewayMetrics
 from server.gateway.api.logprobs import TokenTexts
 from server.gateway.observe.miss_ratio import MissRatioCurves
-from server.gateway.replicas.routing import RoutedEngine
+from server.gateway.replicas.routing import EngineRestart, EngineStalled, RoutedEngine
 from server.gateway.api.prompting import PreparedPrompt
-from server.gateway.api.streaming import ClosingStreamingResponse, LastFrame, run_once_shielded
+from server.gateway.api.streaming import (CLIENT_RECEIVE, ClosingStreamingResponse, LastFrame, UntilDisconnect,
+                                          run_once_shielded)
 from server.gateway.observe.slo_guard import SloGuards
 from server.gateway.api.conversation_hold import ConversationHolds
 from server.gateway.api.tools import CallSplitter, ToolCall, ToolPlan, parse_forced, parse_tool_calls
@@ -250,9 +260,26 @@ def _open(job: CompletionJob, plan: RetentionPlan,
     """The engine request and its (not yet started) stream of chunks. ``hashes`` (from
     :func:`request_hashes`) go on to the router, which would otherwise hash the prompt again."""
     request = engine_request(job, plan)
-    if hashes is not None and isinstance(job.engine, RoutedEngine):
-        return request, job.engine.generate(request, request_id=secrets.token_hex(8), hashes=hashes)
-    return request, job.engine.generate(request, request_id=secrets.token_hex(8))
+    return request, _chunks(job, request, hashes)
+
+
+def _chunks(job: CompletionJob, request: EngineRequest, hashes: list[int] | None) -> AsyncIterator[EngineChunk]:
+    """A new engine call for ``request``. Routed, a non-streamed answer the engine streams is
+    *restartable*: nothing of it reaches the client before its end."""
+    if isinstance(job.engine, RoutedEngine):
+        return job.engine.generate(request, request_id=secrets.token_hex(8), hashes=hashes,
+                                   restartable=not job.stream and request.streaming)
+    return job.engine.generate(request, request_id=secrets.token_hex(8))
+
+
+def _restarted(outcome: Outcome) -> Outcome:
+    """A fresh outcome for an answer run again: the plan's parts kept, what was generated dropped."""
+    return Outcome(arm=outcome.arm, hinted=outcome.hinted, conversation_hold=outcome.conversation_hold)
+
+
+def _client_gone() -> ServingError:
+    """What a request whose client left before its answer ends with (nobody reads it; nginx's code)."""
+    return ServingError(499, "client_closed_request", "the client closed the connection before the answer")
 
 
 class PrimedChunks:
@@ -435,6 +462,9 @@ def _engine_error(exc: Exception, job: CompletionJob) -> ServingError:
             return ServingError(400, "invalid_request", f"{field}: the JSON schema cannot be compiled for guided "
                                 f"decoding: {guide}", param=field)
         return ServingError(400, "engine_rejected", f"the engine refused the request: {exc}")
+    if isinstance(exc, EngineStalled):
+        return ServingError(504, "engine_timeout", f"the model's engine stopped answering mid-answer (nothing for "
+                            f"{exc.waited:g} s); retry shortly", headers={"Retry-After": "1"})
     if isinstance(exc, EngineTimeout):
         return ServingError(504, "engine_timeout", "no replica of the model's engine started answering in time; "
                             "retry shortly", headers={"Retry-After": "1"})
@@ -485,22 +515,31 @@ class CompletionRunner:
         hinting = hints_apply(job)
         holding = self.holds.applies(job)
         watched = not holding and self.holds.watches(tenant.pool.name)  # its hold duel sees every request
+        ledger = self._ledger(tenant.pool.name)
+        pinned = tenant.hints.enabled and ledger.has_pins(tenant.engine_tenant_id, now)
         # Hashed once per request: the router needs them too (passed on by _open).
         routed = isinstance(job.engine, RoutedEngine)
-        hashes = (request_hashes(job) if routed or adaptive or hinting or holding or watched or self._curves is not None
-                  else None)
+        hashes = (request_hashes(job) if routed or adaptive or hinting or holding or watched or pinned
+                  or self._curves is not None else None)
         plan = build_plan(job, selector, now, hashes)
         started = time.perf_counter()
         outcome = Outcome()
+        # Read before this request's own hints are recorded: the latest use sets a block's hold.
+        pins = ledger.pins(tenant.engine_tenant_id, hashes, now) if pinned and hashes is not None else ()
         if hinting:  # the client's hints, within its class and its hint budget
-            outcome.hinted = hinted_plan(job, plan, hashes, self._ledger(tenant.pool.name), now)
+            outcome.hinted = hinted_plan(job, plan, hashes, ledger, now)
             plan = outcome.hinted.plan
         self._count_hints(job, outcome.hinted)
+        if pins:  # an earlier hint's blocks this request reuses keep their hold (retention.policy.hint_quota.keep_pins)
+            outcome.hinted = keep_pins(outcome.hinted or HintedPlan(plan), pins, tenant.hints, total=job.prompt.total,
+                                       tokens_per_block=tenant.pool.tokens_per_block, hashes=hashes, ledger=ledger,
+                                       tenant=tenant.engine_tenant_id, now=now)
+            plan = outcome.hinted.plan
         if holding and hashes is not None:  # tools offered / a stored conversation: held for the measured gap
-            outcome.conversation_hold = self.holds.plan(job, plan, hashes, self._ledger(tenant.pool.name), now)
+            outcome.conversation_hold = self.holds.plan(job, plan, hashes, ledger, now)
             plan = outcome.conversation_hold.plan
         elif watched and hashes is not None:
-            self.holds.shadow(job, plan, hashes, self._ledger(tenant.pool.name), now)
+            self.holds.shadow(job, plan, hashes, ledger, now)
         if self._guard is not None:  # SLO guard tripped or pilot control arm: host tier rolled back
             plan, outcome.arm = self._guard.apply(tenant, plan)
         if self._curves is not None:
@@ -511,10 +550,14 @@ class CompletionRunner:
             # Any dialect's prompt_cache_key groups its requests on one replica (retention/routing/affinity.py).
             job.engine.keyed(tenant.tenant_id, job.hints.cache_key)
         request, chunks = _open(job, plan, hashes)
+        receive = CLIENT_RECEIVE.get()
         if job.stream:
             primed = PrimedChunks(chunks)
             try:
-                await primed.prime()
+                with UntilDisconnect(receive) as watch:  # the client may leave while the first token is awaited
+                    await primed.prime()
+                if watch.gone:
+                    raise _client_gone()
             except BaseException as exc:
                 engine_failed = isinstance(exc, (EngineUnavailable, EngineRejected))
                 outcome.status = "engine_error" if engine_failed else "client_gone"
@@ -541,8 +584,18 @@ class CompletionRunner:
             return ClosingStreamingResponse(self._stream(job, dialect, request, primed, outcome, started, end_stream),
                                             on_close=end_stream, media_type="text/event-stream", headers=headers)
         try:
-            async for _ in _generate(job, request, chunks, outcome, started):
-                pass
+            with UntilDisconnect(receive) as watch:  # the client may leave before its answer is whole
+                while True:
+                    try:
+                        async for _ in _generate(job, request, chunks, outcome, started):
+                            pass
+                        break
+                    except EngineRestart:  # its replica failed mid-answer; nothing was sent: run it again
+                        outcome = _restarted(outcome)
+                        chunks = _chunks(job, request, hashes)
+            if watch.gone and outcome.finish_reason is None:
+                outcome.status = "client_gone"
+                raise _client_gone()
         except (EngineUnavailable, EngineRejected) as exc:
             outcome.status = "engine_error"
             raise _engine_error(exc, job) from exc
@@ -596,10 +649,11 @@ class CompletionRunner:
         )
         if self._guard is not None:
             self._guard.observe(tenant.pool.name, outcome.arm, ttft=outcome.ttft, inter_token=inter_token, kv=outcome.kv)
-        # Billing: a request the engine never served (no token, then 503 engine_unavailable or
-        # 504 engine_timeout; the client is told to retry) is not usage. One that failed after
-        # generating is billed what it generated.
-        if outcome.status != "engine_error" or outcome.completion_tokens:
+        # Billing: a request whose answer the client did not get (503 engine_unavailable or 504
+        # engine_timeout instead of it; the client is told to retry) is not usage, whatever the
+        # engine generated before failing. A stream that failed after its start is billed what
+        # it sent (the client has those tokens).
+        if outcome.status != "engine_error" or (job.stream and outcome.completion_tokens):
             durable = self._usage(tenant.tenant_id, job.prompt.total, outcome.completion_tokens)
             if durable is not None:
                 await durable

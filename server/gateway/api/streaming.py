@@ -10,16 +10,27 @@ Invariants:
   client is gone) a client's disconnect stops the body at its next unshielded ``await``, as
   Starlette's own response does; the response then ends normally (no exception), as with
   Starlette's collapsing task group;
-* a :class:`LastFrame` is the body's last message: nothing is sent after it.
+* a :class:`LastFrame` is the body's last message: nothing is sent after it;
+* :class:`UntilDisconnect` cancels the work it encloses when the client disconnects (the
+  request's ``receive`` says ``http.disconnect``): the engine call is closed, which cancels it
+  on the engine, and a request whose client left is never retried elsewhere. Before a
+  response starts, the hot path finds the request's ``receive`` in :data:`CLIENT_RECEIVE`.
 """
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Awaitable, Callable
+from contextvars import ContextVar
 
 import anyio
 from fastapi.responses import StreamingResponse
+
+# The serving request's ASGI ``receive``, for the app's outermost middleware
+# (``server.gateway.app.RequestIds``) to set for every ``/v1/`` request: once the body is read
+# it only ever says ``http.disconnect``, which the hot path watches for while it waits for the
+# engine before its response starts. None (unset): nothing is watched.
+CLIENT_RECEIVE: ContextVar[Callable[[], Awaitable[dict]] | None] = ContextVar("kvgate_client_receive", default=None)
 
 
 def run_once_shielded(cleanup: Callable[[], Awaitable[None]]) -> Callable[[], Awaitable[None]]:
@@ -46,6 +57,54 @@ async def _until_disconnect(receive) -> None:
     """Starlette's ``listen_for_disconnect``: read until the client is gone."""
     while (await receive())["type"] != "http.disconnect":
         pass
+
+
+class UntilDisconnect:
+    """``with UntilDisconnect(receive) as watch:`` runs its block until the client disconnects,
+    then cancels it; the cancel is caught at the block's end and ``watch.gone`` tells.
+    ``receive`` None: nothing is watched.
+
+    The cancel is the task's own (``Task.cancel``, told apart from any other as
+    ``asyncio.timeout`` does), not an anyio scope's: an anyio scope only catches the
+    ``CancelledError`` it sent, and an engine call under it (grpc.aio's unary call) raises
+    one of its own on the way out. So the block must hold no cleanup that has to finish (a
+    shielded scope does not hold against ``Task.cancel``): the hot path keeps its bookkeeping
+    after the block. The listener is one bare asyncio task reading ``receive``; it is
+    cancelled when the block ends, so that whoever sends the response next may read
+    ``receive`` again."""
+
+    __slots__ = ("_receive", "_task", "_listener", "_finished", "_cancelling", "gone")
+
+    def __init__(self, receive) -> None:
+        self._receive = receive
+        self._task: asyncio.Task | None = None
+        self._listener: asyncio.Task | None = None
+        self._finished = False
+        self._cancelling = 0
+        self.gone = False
+
+    def __enter__(self) -> UntilDisconnect:
+        if self._receive is not None:
+            self._task = asyncio.current_task()
+            self._listener = asyncio.get_running_loop().create_task(_until_disconnect(self._receive))
+            self._listener.add_done_callback(self._ended)
+        return self
+
+    def _ended(self, listener: asyncio.Task) -> None:
+        # Why the flag: a listener that ends (the response's completion also wakes it) after
+        # the block is done must not cancel anything.
+        if not self._finished and not listener.cancelled() and listener.exception() is None:
+            self.gone = True
+            self._cancelling = self._task.cancelling()
+            self._task.cancel()
+
+    def __exit__(self, exc_type, exc, tb) -> bool:
+        self._finished = True
+        if self._listener is not None:
+            self._listener.remove_done_callback(self._ended)
+            self._listener.cancel()
+        # Ours withdrawn; swallowed unless another cancel is pending too.
+        return self.gone and self._task.uncancel() <= self._cancelling and exc_type is asyncio.CancelledError
 
 
 class ClosingStreamingResponse(StreamingResponse):

@@ -12,10 +12,18 @@ a tenant is *over quota* on a pool when the primary (GPU) blocks it holds exceed
 90 % of that. Trackers are keyed by the engine's tenant id (``str(tenant.id)``). The
 state is a function of the engines' per-tenant block counts, so after a gateway restart
 the first poll rebuilds it (``QuotaTracker.rebuild`` semantics).
+
+The registry listing is bounded (``listing_timeout``): a registry that stops answering
+without an error must not stop the replicas' polling (their breakers, KV indexes and the
+quota state all come from it), so past the timeout the poll goes on with the last listing.
+The listing's worker thread cannot be interrupted; while it is stuck no other one starts
+(the next polls wait for that one, within their own timeout), so a long outage strands one
+thread, not one per poll.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 
@@ -41,14 +49,25 @@ class TenantQuota:
     kv_quota_fraction: float
 
 
+LISTING_TIMEOUT_S = 2.0  # the registry listing of one poll; a healthy one takes milliseconds
+
+
+def _retrieve(flight: asyncio.Future) -> None:
+    """Mark a listing's error as seen (a poll that gave up on it no longer awaits it)."""
+    if not flight.cancelled():
+        flight.exception()
+
+
 class PoolMonitor:
     def __init__(self, directory: EngineDirectory,
                  pools_and_tenants: Callable[[], list[tuple[PoolSnapshot, list[TenantQuota]]]], *,
                  routing: Routing | None = None, hysteresis: float = 0.1,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, listing_timeout: float = LISTING_TIMEOUT_S) -> None:
         self._directory = directory
         self._routing = routing if routing is not None else Routing()
         self._pools_and_tenants = pools_and_tenants  # sync (reads the registry); run in a thread
+        self._listing_timeout = listing_timeout
+        self._listing: asyncio.Future | None = None  # the registry listing in progress
         self._hysteresis = hysteresis
         self._clock = clock
         self._stats: dict[str, PoolStatsReport] = {}
@@ -101,11 +120,19 @@ class PoolMonitor:
         self._trackers[pool.name] = tracker
         self.last_refresh[pool.name] = self._clock()
 
+    async def _list(self) -> list[tuple[PoolSnapshot, list[TenantQuota]]]:
+        """The registry's pools and tenants; ``TimeoutError`` past ``listing_timeout``."""
+        if self._listing is None or self._listing.done():
+            self._listing = asyncio.ensure_future(anyio.to_thread.run_sync(self._pools_and_tenants))
+            self._listing.add_done_callback(_retrieve)
+        with anyio.fail_after(self._listing_timeout):
+            return await asyncio.shield(self._listing)
+
     async def refresh(self) -> None:
         """Poll every registered pool once. Registry or engine failures keep the last state."""
         try:
-            listing = await anyio.to_thread.run_sync(self._pools_and_tenants)
-        except Exception:  # registry down: keep polling the pools we know, with their last tenants
+            listing = await self._list()
+        except Exception:  # registry down or silent: poll the pools we know, with their last tenants
             listing = [(pool, list(self._quotas.get(pool.name, {}).values())) for pool in self._directory.pools.values()]
         for pool, tenants in listing:
             self._directory.register(pool)

@@ -15,7 +15,11 @@ module feeds it and carries it out::
       sum of replicas' per-tenant blocks → quotas    unavailable, or no first token within
                                                      first_token_timeout_s (call cancelled) →
                                                      retry once elsewhere (breaker opens on
-                                                     the failed one)
+                                                     the failed one); after the first token,
+                                                     silent for inter_token_timeout_s → call
+                                                     cancelled, breaker times out, the
+                                                     consumer gets EngineStalled (a
+                                                     restartable one: EngineRestart)
 
 Invariants:
 
@@ -101,6 +105,14 @@ class RoutingConfig:
     does not stream (a non-streamed answer without stop strings comes in one message at the
     end) the first token cannot be seen, so that attempt's deadline is the whole answer's:
     ``first_token_timeout_s + max_new_tokens * answer_timeout_per_token_s``.
+
+    ``inter_token_timeout_s`` (None = the first-token deadline, 0 = none): how long a streaming
+    attempt may wait for its next engine message once it has had its first. On expiry the call
+    is cancelled, the replica's breaker counts a timeout, and the attempt fails with
+    :class:`EngineStalled`. Why the first-token deadline by default: a request the engine
+    pauses mid-answer (preempted when its KV blocks run short) waits to be scheduled again as
+    a new request waits for its first token, and recomputes its prefill when it is; a healthy
+    gap between tokens is milliseconds, so the same bound only ends streams that stopped.
     """
 
     router: str = "kv-aware"
@@ -111,6 +123,7 @@ class RoutingConfig:
     stats_timeout_s: float = 5.0
     first_token_timeout_s: float = 30.0
     answer_timeout_per_token_s: float = 0.5
+    inter_token_timeout_s: float | None = None
 
     def first_response_wait(self, request: EngineRequest) -> float | None:
         """Seconds an attempt of ``request`` may wait for its first engine message (None: forever)."""
@@ -119,6 +132,83 @@ class RoutingConfig:
         if request.streaming:
             return self.first_token_timeout_s
         return self.first_token_timeout_s + request.max_new_tokens * self.answer_timeout_per_token_s
+
+    def stall_wait(self) -> float | None:
+        """Seconds a streaming attempt may wait for its next engine message after its first (None: forever)."""
+        limit = self.first_token_timeout_s if self.inter_token_timeout_s is None else self.inter_token_timeout_s
+        return limit if limit > 0 else None
+
+
+class EngineStalled(EngineTimeout):
+    """The replica serving an answer sent nothing for the inter-token deadline after its first
+    message; the router has cancelled the call (the engine freed the request)."""
+
+    def __init__(self, message: str, waited: float) -> None:
+        super().__init__(message)
+        self.waited = waited
+
+
+class EngineRestart(EngineUnavailable):
+    """A restartable attempt (:meth:`RoutedEngine.generate`) failed after its first message and
+    another replica can take the request: call ``generate`` again on the same
+    :class:`RoutedEngine` (the failed replica excluded, the retry counted), after dropping
+    what the failed attempt produced. A consumer that does not restart treats it as what it
+    is, an :class:`EngineUnavailable`."""
+
+
+class _StallWatch:
+    """The inter-token deadline of one attempt: cancels the task awaiting the attempt's next
+    message once it has waited ``limit`` seconds (:meth:`expired` then tells the cancel apart).
+
+    Why not ``asyncio.timeout`` around each message: that schedules and cancels a timer per
+    token (~10 µs each, measured); this keeps one timer per ``limit`` seconds of streaming,
+    re-armed lazily from the time the current wait began (a clock read per message). Only
+    the wait for the engine counts, never the consumer's time between messages."""
+
+    __slots__ = ("_loop", "_limit", "_task", "_since", "_handle", "_cancelling", "_fired")
+
+    def __init__(self, limit: float) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._limit = limit
+        self._task: asyncio.Task | None = None
+        self._since: float | None = None  # when the current wait began; None between waits
+        self._handle: asyncio.TimerHandle | None = None
+        self._cancelling = 0
+        self._fired = False
+
+    def waiting(self) -> None:
+        """The current task is about to await the next message."""
+        self._since = now = self._loop.time()
+        self._task = asyncio.current_task()
+        if self._handle is None:
+            self._handle = self._loop.call_at(now + self._limit, self._check)
+
+    def got(self) -> None:
+        self._since = None
+
+    def _check(self) -> None:
+        self._handle = None
+        since = self._since
+        if since is None or self._task is None:
+            return  # not waiting now: the next wait re-arms
+        due = since + self._limit
+        if self._loop.time() < due:
+            self._handle = self._loop.call_at(due, self._check)
+            return
+        self._fired = True
+        self._cancelling = self._task.cancelling()
+        self._task.cancel()
+
+    def expired(self) -> bool:
+        """Called on ``CancelledError`` from the wait: True when this watch's cancel caused it
+        (the cancel is then withdrawn); a cancel from elsewhere stays a cancel."""
+        return self._fired and self._task is not None and self._task.uncancel() <= self._cancelling
+
+    def close(self) -> None:
+        self._since = None
+        if self._handle is not None:
+            self._handle.cancel()
+            self._handle = None
 
 
 @dataclass(slots=True)
@@ -302,11 +392,12 @@ class PoolRoute:
         if replica.breaker.fail(self._clock(), self.config.breaker_open_s, self.config.breaker_max_open_s):
             self._out_of_rotation(replica, "unavailable")
 
-    def mark_timed_out(self, replica: Replica, dispatched_at: float) -> None:
-        """An attempt dispatched at ``dispatched_at`` got no first token within the deadline."""
+    def mark_timed_out(self, replica: Replica, dispatched_at: float, why: str = "no first token in time") -> None:
+        """An attempt dispatched at ``dispatched_at`` got no first token within the deadline (or,
+        mid-answer, no next message since ``dispatched_at``)."""
         if replica.breaker.time_out(self._clock(), dispatched_at, self.config.breaker_open_s,
                                     self.config.breaker_max_open_s):
-            self._out_of_rotation(replica, "no first token in time")
+            self._out_of_rotation(replica, why)
 
     def mark_served(self, replica: Replica) -> None:
         """A request received its first token from ``replica``."""
@@ -437,9 +528,16 @@ class RoutedEngine:
 
     Same ``generate`` signature as :class:`EngineClient`, so ``completions.py`` does not
     know about replicas. Invariants: a retry happens only before anything was yielded (so
-    the consumer never sees two replicas' tokens); once the first chunk has been yielded,
-    ``replica`` names the replica serving the rest and never changes; every attempt's
-    engine call is cancelled when the attempt ends without the engine's final response.
+    the consumer never sees two replicas' tokens), or, for a *restartable* call (a consumer
+    that keeps every chunk to itself until the end: a non-streamed answer the engine
+    streams), by the consumer calling ``generate`` again after :class:`EngineRestart`; once
+    the first chunk has been yielded and the answer went out, ``replica`` names the replica
+    serving the rest and never changes; every attempt's engine call is cancelled when the
+    attempt ends without the engine's final response, including when the engine goes
+    silent mid-answer for the inter-token deadline (:class:`EngineStalled`).
+
+    One instance serves one request: the replicas it tried and its retries count across the
+    calls of a restarted request (``retries`` extra attempts in all).
 
     A replica that timed out gets its trial from the first attempt of a request (one that
     can still be retried if the trial times out too), or from a later one when nothing else
@@ -451,31 +549,39 @@ class RoutedEngine:
         self._route = route
         self.replica: str | None = None  # the replica of the last attempt (response header)
         self.affinity: int | None = None  # the request's affinity key (prompt_cache_key), see keyed()
+        self._tried: set[int] = set()  # replicas that failed this request
+        self._attempts = 0  # retries so far
 
     def keyed(self, tenant_id: int, cache_key: str | None) -> None:
         """Route by the client's ``prompt_cache_key``, salted with the tenant (``retention/routing/affinity.py``)."""
         self.affinity = None if cache_key is None else affinity_key(f"tenant:{tenant_id}", cache_key)
 
     async def generate(self, request: EngineRequest, *, request_id: str, timeout: float | None = None,
-                       hashes: Sequence[int] | None = None) -> AsyncIterator[EngineChunk]:
+                       hashes: Sequence[int] | None = None, restartable: bool = False) -> AsyncIterator[EngineChunk]:
         """``hashes``: the prompt's block hashes when the caller already computed them (one
         hashing per request); they must be ``block_hashes(request.input_ids, pool
         tokens_per_block, salt=request.cache_salt)``. A list of the wrong length (another
-        block size) is recomputed here."""
+        block size) is recomputed here.
+
+        ``restartable``: nothing of the answer reaches the client before its end, so an attempt
+        that fails after its first chunk may be run again elsewhere: it then raises
+        :class:`EngineRestart` (instead of the failure) while a retry is left and a replica can
+        take it. The retry re-runs the same request (same prompt, sampling and seed)."""
         route, clock = self._route, self._routing._clock
         tpb = route.pool.tokens_per_block
         if hashes is None or len(hashes) != len(request.input_ids) // tpb:
             hashes = block_hashes(request.input_ids, tpb, salt=request.cache_salt)
         routed = RouteRequest(request_id, tuple(hashes), len(request.input_ids), request.max_new_tokens,
                               affinity_key=self.affinity)
-        wait = self._routing.config.first_response_wait(request)
-        retries = self._routing.config.retries
+        config = self._routing.config
+        wait = config.first_response_wait(request)
+        stall = config.stall_wait() if request.streaming else None  # one message otherwise: ``wait`` covers it
+        retries = config.retries
         sync = route.peer_sync
-        tried: set[int] = set()
-        attempts = 0
+        tried = self._tried
         while True:
             candidates = route.candidates(tried)
-            trial = route.take_trial(tried) if attempts < retries or not candidates else None
+            trial = route.take_trial(tried) if self._attempts < retries or not candidates else None
             if trial is not None:
                 candidates = [Candidate(trial.id, trial.weight)]
             if not candidates:
@@ -494,13 +600,24 @@ class RoutedEngine:
             replica.in_flight += 1
             produced = prefilled = False
             status, kv = "error", None
+            watch: _StallWatch | None = None
             try:
                 async with contextlib.aclosing(replica.client.generate(request, request_id=request_id,
                                                                        timeout=timeout)) as chunks:
                     deadline = None if wait is None else asyncio.get_running_loop().time() + wait
                     while True:
                         try:
-                            if deadline is not None and not produced:
+                            if watch is not None:  # after the first chunk: the inter-token deadline
+                                watch.waiting()
+                                try:
+                                    chunk = await anext(chunks)
+                                except asyncio.CancelledError:
+                                    if watch.expired():
+                                        raise EngineStalled(f"replica {route.name}/{replica.name} sent nothing for "
+                                                            f"{stall:g} s mid-answer", stall) from None
+                                    raise
+                                watch.got()
+                            elif deadline is not None and not produced:
                                 # Only the wait for the engine is bounded, never the consumer's
                                 # time between chunks. Expiry cancels the await inside the
                                 # client's generator, whose finally cancels the gRPC call: the
@@ -518,7 +635,10 @@ class RoutedEngine:
                         kv = chunk.kv
                         if not produced:  # the replica answers: proof it serves (closes a breaker)
                             route.mark_served(replica)
-                        # The consumer sees this chunk: no retry and no deadline from here on.
+                            if stall is not None and not chunk.final:
+                                watch = _StallWatch(stall)
+                        # The consumer sees this chunk: no retry (unless restartable) and no
+                        # first-token deadline from here on.
                         produced, deadline = True, None
                         if chunk.token_ids and not prefilled:
                             prefilled = True
@@ -532,25 +652,36 @@ class RoutedEngine:
                 status = "rejected"
                 raise
             except EngineUnavailable as exc:
-                if isinstance(exc, EngineTimeout):
+                if isinstance(exc, EngineStalled):
+                    # Counted from when the silence began: a replica that served another
+                    # request's first token since then is loaded, not hung (breaker.py).
+                    route.mark_timed_out(replica, clock() - exc.waited, "silent mid-answer")
+                elif isinstance(exc, EngineTimeout):
                     route.mark_timed_out(replica, dispatched_at)
                 else:
                     route.mark_failed(replica)
                 tried.add(replica.id)
-                retry = not produced and attempts < retries and route.can_route(tried)
+                retry = (not produced or restartable) and self._attempts < retries and route.can_route(tried)
                 status = "retried" if retry else "error"
                 if not retry:
                     raise
-                attempts += 1
+                self._attempts += 1
+                what = ("stalled mid-answer" if isinstance(exc, EngineStalled)
+                        else "timed out" if isinstance(exc, EngineTimeout) else "unavailable")
                 # The client's request id (its answer's header) and the engine's: never the same, as
                 # the engine id must be unique and a client may send its own request id.
-                log.warning("request %s (engine request %s): replica %s/%s %s before its first token; retrying "
-                            "elsewhere", REQUEST_ID.get() or "-", request_id, route.name, replica.name,
-                            "timed out" if isinstance(exc, EngineTimeout) else "unavailable")
+                log.warning("request %s (engine request %s): replica %s/%s %s %s; retrying elsewhere",
+                            REQUEST_ID.get() or "-", request_id, route.name, replica.name, what,
+                            "after its first token (nothing sent to the client)" if produced
+                            else "before its first token")
+                if produced:
+                    raise EngineRestart(f"replica {route.name}/{replica.name} {what}; run the request again") from exc
             except BaseException:  # consumer left (stop string, client gone) or cancelled
                 status = "cancelled"
                 raise
             finally:
+                if watch is not None:
+                    watch.close()
                 if trial is not None:
                     trial.breaker.end_trial()  # no verdict (client gone, refused): the next request tries
                 router.on_complete(request_id, now=clock())

@@ -106,8 +106,10 @@ def test_breaker_settings_reach_the_routing_config(monkeypatch) -> None:
     monkeypatch.setenv("KVGATE_BREAKER_OPEN_S", "1.5")
     monkeypatch.setenv("KVGATE_BREAKER_MAX_OPEN_S", "30")
     monkeypatch.setenv("KVGATE_FIRST_TOKEN_TIMEOUT_S", "7")
+    monkeypatch.setenv("KVGATE_INTER_TOKEN_TIMEOUT_S", "11")
     config = routing_config(Settings())
     assert (config.breaker_open_s, config.breaker_max_open_s, config.first_token_timeout_s) == (1.5, 30.0, 7.0)
+    assert config.inter_token_timeout_s == 11.0
 
 
 def test_replicas_commands(run) -> None:  # type: ignore[no-untyped-def]

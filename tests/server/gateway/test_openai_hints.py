@@ -104,3 +104,51 @@ async def test_hint_fields_are_accepted_and_change_the_plan_only_when_the_class_
         assert info.value.body["param"] == "prompt_cache_retention"
     finally:
         await server.stop(0)
+
+
+async def test_a_request_without_hints_keeps_an_earlier_hints_hold_on_the_prefix_it_reuses(stack: Stack) -> None:
+    """TensorRT-LLM gives a reused block the priority and duration of the request that uses it
+    last, so a read without prompt_cache_retention must not drop a prefix the tenant asked to keep
+    for 24 h (the class caps it at 1 h) to the class's plan: it is sent with the hint's priority
+    for the rest of the hold. Another tenant's request over the same text is not touched."""
+    server, proxy, port = await start_proxy(f"127.0.0.1:{stack.engine.port}")
+    try:
+        suffix = secrets.token_hex(3)
+        name = "pins-" + suffix
+        with stack.session_factory() as session:
+            pools.create_pool(session, actor=ACTOR, now=stack.now(), name=name, model_name=MODEL,
+                              triton_url=f"127.0.0.1:{port}", engine_spec="reference-smollm2",
+                              tokens_per_block=stack.tokens_per_block, primary_blocks=256, secondary_blocks=512,
+                              secondary_offload_min_priority=THRESHOLD)
+        with stack.session_factory() as session:  # every segment 35: a hint (70) shows wherever it lands
+            retention_classes.create_class(session, actor=ACTOR, now=stack.now(), name=name, system_priority=35,
+                                           context_priority=35, turn_priority=35, decode_priority=35,
+                                           hints_enabled=True, hint_max_ttl_ms=3_600_000, hint_max_priority=70)
+        keeper, other = (openai.AsyncOpenAI(api_key=stack.add_tenant(f"{who}-{suffix}", pool=name,
+                                                                   retention_class=name),
+                                            base_url=stack.gateway.base_url + "/v1", max_retries=0)
+                         for who in ("k", "o"))
+        system = {"role": "system", "content": system_prompt(secrets.token_hex(4))}
+        tokenizer = load_gguf_tokenizer()
+
+        async def plan_of(api: openai.AsyncOpenAI, question: str, **extra):  # type: ignore[no-untyped-def]
+            before = len(proxy.requests)
+            messages = [system, {"role": "user", "content": question}]
+            await api.chat.completions.create(model=MODEL, messages=messages, max_tokens=2, temperature=0, **extra)
+            sent = [r for r in proxy.requests[before:] if any(i.name == "input_ids" for i in r.inputs)]
+            return parse_retention(decode_inputs(sent[0]), prepare_chat(tokenizer, messages).total)
+
+        hinted = await plan_of(keeper, "Capital of Kenya?", prompt_cache_retention="24h")
+        assert hinted.retention_at(0) == (70, 3_600_000), hinted.ranges
+        # The blocks both prompts share: whole blocks of the system prompt.
+        shared = prepare_chat(tokenizer, [system]).system_end // stack.tokens_per_block * stack.tokens_per_block
+        assert shared >= stack.tokens_per_block
+        later = await plan_of(keeper, "Capital of Ghana?")  # the same system prompt, no hint
+        priority, duration = later.retention_at(0)
+        assert priority == 70 and 3_500_000 < duration <= 3_600_000, later.ranges
+        assert later.retention_at(shared - 1)[0] == 70
+        assert later.retention_at(shared)[0] == 35, later.ranges  # past the shared blocks: the class's plan
+        untouched = await plan_of(other, "Capital of Ghana?")
+        assert {r.priority for r in untouched.ranges} == {35}, untouched.ranges  # another tenant: its class
+    finally:
+        await server.stop(0)
