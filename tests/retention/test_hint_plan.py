@@ -295,12 +295,14 @@ def test_a_read_without_hints_keeps_an_earlier_hint_for_the_rest_of_its_hold():
     assert _reader(ledger, 600.0 + TTL_1H_MS).plan == base()
 
 
-def test_a_shorter_hint_never_cuts_a_longer_one_and_nothing_is_kept_once_it_ran_out():
+def test_own_hints_set_the_hold_of_what_they_cover_and_pins_keep_the_rest_until_they_run_out():
     ledger = HintLedger()
-    _reader(ledger, 0.0, hints=CacheHints(breakpoints=(Breakpoint(64, TTL_1H_MS),)))
-    five = _reader(ledger, 10.0, hints=CacheHints(breakpoints=(Breakpoint(112, TTL_5M_MS),)))
-    assert five.plan.retention_at(40) == (60, TTL_1H_MS - 10_000)  # the 1 h prefix keeps its hour
-    assert five.plan.retention_at(100) == (60, TTL_5M_MS)  # the 5 min tail as asked
+    _reader(ledger, 0.0, hints=CacheHints(breakpoints=(Breakpoint(112, TTL_1H_MS),)))
+    five = _reader(ledger, 10.0, hints=CacheHints(breakpoints=(Breakpoint(64, TTL_5M_MS),)))
+    # Its own 5 min hint covers [0, 64): the latest hinted use sets the hold there (the class's
+    # 60/10 min context outlasts 5 min), not the earlier hour's rest.
+    assert five.plan.retention_at(40) == (60, 600_000)
+    assert five.plan.retention_at(100) == (60, TTL_1H_MS - 10_000)  # not covered by its own hint: the pin's rest
     gone = _reader(ledger, 10.0 + 2 * TTL_1H_MS / 1000)
     assert gone.plan == base()
 
