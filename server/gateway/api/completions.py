@@ -506,7 +506,9 @@ class CompletionRunner:
                                 max_output_tokens=job.max_new_tokens)
         except AdmissionError as exc:
             self._metrics.rate_limited.labels(tenant.slug, exc.limit).inc()
-            headers = {"Retry-After": retry_after_header(exc)} if exc.status in (429, 503) else None
+            # No Retry-After on a request too large for its tokens per minute: it is never admissible as sent.
+            retry = exc.status == 503 or (exc.status == 429 and exc.retry_after is not None)
+            headers = {"Retry-After": retry_after_header(exc)} if retry else None
             code = exc.code or ("rate_limit_exceeded" if exc.status == 429 else "limit_exceeded")
             raise ServingError(exc.status, code, str(exc), param=exc.limit, headers=headers) from exc
         selector = self._selector_for(job.tenant.pool) if self._selector_for is not None else None

@@ -405,6 +405,7 @@ def test_a_request_too_large_for_tokens_per_minute_is_refused_in_each_dialects_s
                                                               "tokens_per_minute")
     assert "Request too large" in error["message"] and "Limit 600, Requested 1032" in error["message"]
     assert "max_tokens" in error["message"]
+    assert "retry-after" not in answer.headers  # never admissible as sent: retrying it unchanged cannot help
     # No max_tokens: the tenant's output limit (2000) is what the request would run with.
     answer = httpx.post(gateway.url + "/v1/chat/completions", json=chat(), headers=headers, timeout=60)
     assert answer.status_code == 429 and "Requested 2032" in answer.json()["error"]["message"]
