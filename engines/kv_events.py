@@ -23,7 +23,13 @@ Invariants: sequence numbers start at 1 and never repeat within one ``epoch`` (a
 id fixed when the log is created, i.e. per engine start); a poller that applies either
 the snapshot or every record with ``seq >= since`` in order holds exactly the replica's
 cached set as of ``next_seq``. When the producer itself lost events (``invalidate``), every
-cursor taken before that point gets a snapshot.
+cursor taken before that point gets a snapshot, and the ring starts over empty: the records it
+holds always have consecutive sequence numbers, so an incremental report's records run from
+``since`` to ``next_seq - 1`` without a hole (a poller may check exactly that).
+
+A reader one version behind its engine (a record of a kind it does not know) cannot apply the
+report: ``KvEventsReport.from_dict`` turns it into a *resync* report (no records, ``next_seq``
+0), so the poller's next cursor asks for a snapshot instead of the stats answer failing.
 """
 
 from __future__ import annotations
@@ -68,7 +74,9 @@ class KvEventsReport:
 
     ``next_seq`` is the cursor for the next poll. ``supported`` is False for replicas that
     cannot report events (TensorRT-LLM orchestrator mode): the router then indexes what
-    it sent there (approximate mode).
+    it sent there (approximate mode). ``resync`` is set by the reader only (:meth:`from_dict`,
+    never sent): the report held a record this reader cannot apply, so it carries no records
+    and ``next_seq`` 0, and the poller must ask for a snapshot.
     """
 
     epoch: str
@@ -76,6 +84,8 @@ class KvEventsReport:
     events: list[KvEventRecord] = field(default_factory=list)
     snapshot: dict[int, int] | None = None
     supported: bool = True
+    resync: bool = False
+    unknown_kinds: tuple[str, ...] = ()  # with ``resync``: the kinds this reader did not know (the poller logs them)
 
     def to_dict(self) -> dict:
         return {
@@ -86,10 +96,17 @@ class KvEventsReport:
 
     @classmethod
     def from_dict(cls, data: dict) -> KvEventsReport:
+        """The report as sent; one holding a record of an unknown kind (a newer engine's) comes
+        back as a resync report (no records, ``next_seq`` 0, ``resync`` set)."""
         snapshot = data.get("snapshot")
+        epoch, supported = str(data["epoch"]), bool(data.get("supported", True))
+        items = data.get("events") or ()
+        unknown = sorted({str(item[1]) for item in items if item[1] not in KINDS})
+        if unknown:
+            return cls(epoch=epoch, next_seq=0, supported=supported, resync=True, unknown_kinds=tuple(unknown))
         return cls(
-            epoch=str(data["epoch"]), next_seq=int(data["next_seq"]), supported=bool(data.get("supported", True)),
-            events=[KvEventRecord.from_list(e) for e in data.get("events") or ()],
+            epoch=epoch, next_seq=int(data["next_seq"]), supported=supported,
+            events=[KvEventRecord.from_list(e) for e in items],
             snapshot=None if snapshot is None else {int(h): int(t) for h, t in snapshot},
         )
 
@@ -152,8 +169,11 @@ class KvEventLog:
 
         The lost events would have taken the next sequence number, so it is skipped: every
         cursor taken so far is now below ``valid_from``, and a snapshot taken after this
-        call comes with a cursor that is valid.
+        call comes with a cursor that is valid. The ring is emptied: no cursor can read its
+        records any more, and keeping them would leave a hole in the ring's sequence numbers
+        (``report`` finds a cursor's first record by its distance from the oldest one).
         """
+        self._ring.clear()
         self._next_seq += 1
         self._valid_from = self._next_seq
 
@@ -161,9 +181,14 @@ class KvEventLog:
         """Records with ``seq >= since``, or a snapshot when they are not all held."""
         oldest = self._ring[0].seq if self._ring else self._next_seq
         if since < max(oldest, self._valid_from, 1) or since > self._next_seq:
-            return KvEventsReport(self.epoch, self._next_seq, snapshot=dict(self._snapshot()))
+            return self._snapshot_report()
         events = list(islice(self._ring, since - oldest, None))
+        if events and events[0].seq != since:  # a hole in the ring (never, see invalidate): resync
+            return self._snapshot_report()
         return KvEventsReport(self.epoch, self._next_seq, events)
+
+    def _snapshot_report(self) -> KvEventsReport:
+        return KvEventsReport(self.epoch, self._next_seq, snapshot=dict(self._snapshot()))
 
 
 class PoolEventFeed:

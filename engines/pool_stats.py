@@ -43,10 +43,11 @@ class PoolStatsReport:
     secondary_offload_min_priority: int = 30
     tenants: dict[str, list[int]] = field(default_factory=dict)
     kv_events: KvEventsReport | None = None  # only when the request asked (kv_events_since)
+    unknown_fields: tuple[str, ...] = ()  # set by the reader only (from_json), never sent: fields it ignored
 
     def to_json(self) -> str:
         events = self.kv_events
-        data = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "kv_events"}
+        data = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("kv_events", "unknown_fields")}
         data["primary"], data["secondary"] = asdict(self.primary), asdict(self.secondary)
         if events is not None:
             data["kv_events"] = events.to_dict()
@@ -54,8 +55,17 @@ class PoolStatsReport:
 
     @classmethod
     def from_json(cls, text: str | bytes) -> PoolStatsReport:
+        """The report; fields this reader does not know (a newer engine's) are ignored and named in
+        ``unknown_fields`` (the poller logs them), so a gateway one version behind its engines keeps
+        reading their stats."""
         data = json.loads(text)
-        data["primary"] = TierStats(**data["primary"])
-        data["secondary"] = TierStats(**data["secondary"])
+        known = {f.name for f in fields(cls)}
+        tier_known = {f.name for f in fields(TierStats)}
+        ignored = [name for name in data if name not in known]
+        for tier in ("primary", "secondary"):
+            ignored += [f"{tier}.{name}" for name in data[tier] if name not in tier_known]
+            data[tier] = TierStats(**{k: v for k, v in data[tier].items() if k in tier_known})
         events = data.pop("kv_events", None)
-        return cls(**data, kv_events=None if events is None else KvEventsReport.from_dict(events))
+        data = {k: v for k, v in data.items() if k in known and k != "unknown_fields"}
+        return cls(**data, kv_events=None if events is None else KvEventsReport.from_dict(events),
+                   unknown_fields=tuple(ignored))

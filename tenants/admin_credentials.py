@@ -26,7 +26,7 @@ from sqlalchemy.orm import Session
 
 from tenants import audit
 from tenants import validation as v
-from tenants.common import Page, get_by_ref, mutation, paginate, snapshot
+from tenants.common import Page, get_by_ref, mutation, paginate, snapshot, storable_id
 from tenants.errors import Conflict, InvalidField, NotFound
 from tenants.keys import hash_secret, new_prefix, parse_key
 from tenants.models import ADMIN_ROLES, AdminCredential, AdminCredentialTenant, Tenant
@@ -120,9 +120,12 @@ def list_credentials(session: Session, *, limit: int = 50, offset: int = 0) -> P
 
 
 def get_credential(session: Session, *, credential_id: int) -> AdminCredential:
-    row = session.get(AdminCredential, credential_id)
+    """The credential, else not found; an id no credential can have (outside INT32) is not
+    found without a query."""
+    row = session.get(AdminCredential, credential_id) if storable_id(credential_id) else None
     if row is None:
-        raise NotFound(f"admin credential {credential_id} does not exist", code="admin_credential_not_found")
+        raise NotFound(f"admin credential {str(credential_id)[:80]} does not exist",
+                       code="admin_credential_not_found")
     return row
 
 

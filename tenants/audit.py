@@ -14,6 +14,7 @@ from typing import Any
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
+from tenants import validation as v
 from tenants.common import Page, paginate, snapshot, versioned_update
 from tenants.models import AuditEvent
 
@@ -55,7 +56,12 @@ def audited_insert(session: Session, row: Any, *, actor: str, now: datetime, ent
 def audited_update(session: Session, row: Any, *, actor: str, now: datetime, entity_type: str, version: int,
                    values: dict[str, Any], view: Callable[[Any], dict[str, Any]] = snapshot,
                    action: str | None = None) -> Any:
-    """Versioned update of ``row`` plus its ``<entity_type>.update`` event (or ``action``; before/after views)."""
+    """Versioned update of ``row`` plus its ``<entity_type>.update`` event (or ``action``; before/after views).
+
+    No ``values`` (an update that names no field, e.g. a PATCH carrying only its version, which
+    the caller has checked) writes nothing: no version bump, no empty event."""
+    if not values:
+        return row
     before = view(row)
     versioned_update(session, row, expected_version=version, values=values, now=now)
     record(session, actor=actor, action=action or f"{entity_type}.update", entity_type=entity_type, entity_id=row.id,
@@ -85,18 +91,21 @@ def list_events(
     since: datetime | None = None,
     until: datetime | None = None,
 ) -> Page[AuditEvent]:
-    """Newest first; every filter is optional and they combine with AND."""
+    """Newest first; every filter is optional and they combine with AND.
+
+    A text filter with a NUL, or a time that is naive or that UTC cannot hold, is refused
+    (``InvalidField`` naming the filter) on every backend alike."""
     stmt = select(AuditEvent)
     if entity_type is not None:
-        stmt = stmt.where(AuditEvent.entity_type == entity_type)
+        stmt = stmt.where(AuditEvent.entity_type == v.filter_text(entity_type, field="entity_type"))
     if entity_id is not None:
-        stmt = stmt.where(AuditEvent.entity_id == str(entity_id))
+        stmt = stmt.where(AuditEvent.entity_id == v.filter_text(str(entity_id), field="entity_id"))
     if action is not None:
-        stmt = stmt.where(AuditEvent.action == action)
+        stmt = stmt.where(AuditEvent.action == v.filter_text(action, field="action"))
     if actor is not None:
-        stmt = stmt.where(AuditEvent.actor == actor)
+        stmt = stmt.where(AuditEvent.actor == v.filter_text(actor, field="actor"))
     if since is not None:
-        stmt = stmt.where(AuditEvent.at >= since)
+        stmt = stmt.where(AuditEvent.at >= v.utc(since, field="since"))
     if until is not None:
-        stmt = stmt.where(AuditEvent.at < until)
+        stmt = stmt.where(AuditEvent.at < v.utc(until, field="until"))
     return paginate(session, stmt.order_by(AuditEvent.id.desc()), limit=limit, offset=offset)

@@ -23,6 +23,8 @@ from tenants.validation import NAME_RE
 
 T = TypeVar("T")
 MAX_PAGE = 500
+# Ids are INTEGER columns (INT32 on PostgreSQL): a number outside [1, MAX_ID] names no row.
+MAX_ID = 2**31 - 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -112,6 +114,12 @@ def mutation(session: Session, *, unique_field: str | None = None, entity: str =
         raise
 
 
+def storable_id(value: object) -> bool:
+    """True for an int any row's id can be; anything else names no row, and is not asked for
+    (PostgreSQL refuses a parameter outside INT32, SQLite one outside INT64)."""
+    return isinstance(value, int) and not isinstance(value, bool) and 1 <= value <= MAX_ID
+
+
 def is_id(ref: int | str) -> bool:
     # isascii: str.isdigit() is also true for "¹" or "٣", which int() then rejects.
     return (isinstance(ref, int) and not isinstance(ref, bool)) or (
@@ -131,7 +139,7 @@ def get_by_ref(
     and error, so an answer never tells a foreign row from a missing one.
     """
     row: T | None
-    if is_id(ref) and int(ref) <= 2**31 - 1:
+    if is_id(ref) and int(ref) <= MAX_ID:
         row = session.get(model, int(ref))
     elif isinstance(ref, str) and NAME_RE.match(ref):
         row = session.scalars(select(model).where(getattr(model, name_attr) == ref)).one_or_none()

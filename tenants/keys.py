@@ -24,7 +24,7 @@ from sqlalchemy.orm import Session
 
 from tenants import audit
 from tenants import validation as v
-from tenants.common import Page, get_by_ref, mutation, paginate, snapshot
+from tenants.common import Page, get_by_ref, mutation, paginate, snapshot, storable_id
 from tenants.errors import Conflict, InvalidField, NotFound
 from tenants.models import ApiKey, Tenant
 
@@ -144,9 +144,11 @@ def revoke_key(session: Session, *, actor: str, now: datetime, tenant: int | str
     """Revoke a key of ``tenant``. Revoking a revoked key changes and records nothing."""
     with mutation(session, entity="api key"):
         owner = get_by_ref(session, Tenant, tenant, name_attr="slug", what="tenant")
-        key = session.get(ApiKey, key_id)
+        # An id no key can have (outside INT32) is not found, without a query.
+        key = session.get(ApiKey, key_id) if storable_id(key_id) else None
         if key is None or key.tenant_id != owner.id:
-            raise NotFound(f"api key {key_id} of tenant {owner.slug!r} does not exist", code="api_key_not_found")
+            raise NotFound(f"api key {str(key_id)[:80]} of tenant {owner.slug!r} does not exist",
+                           code="api_key_not_found")
         if key.revoked_at is not None:
             return key
         before = audit_view(key)

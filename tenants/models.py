@@ -59,6 +59,13 @@ NAMING_CONVENTION = {
 }
 
 
+# SQLite hands a new row max(id) + 1 unless the table is AUTOINCREMENT: the id of a deleted
+# newest row (a tenant, a key) would name the next one, in late usage batches and in audit
+# histories. Every table whose id is shown or kept elsewhere declares it (migration 0011);
+# PostgreSQL sequences never reuse an id. The dict goes last in ``__table_args__``.
+NEVER_REUSED_IDS: dict[str, Any] = {"sqlite_autoincrement": True}
+
+
 class UtcDateTime(TypeDecorator[datetime]):
     """Timezone-aware UTC on the way in and out (SQLite drops the offset on storage)."""
 
@@ -115,6 +122,7 @@ class Pool(Timestamped, Base):
         CheckConstraint("tokens_per_block >= 1", name="tokens_per_block_pos"),
         CheckConstraint("primary_blocks >= 1", name="primary_blocks_pos"),
         CheckConstraint("secondary_blocks >= 0", name="secondary_blocks_nonneg"),
+        NEVER_REUSED_IDS,
     )
 
     id: Mapped[int] = mapped_column(primary_key=True)
@@ -191,6 +199,7 @@ class PoolReplica(Timestamped, Base):
         UniqueConstraint("pool_id", "name", name="uq_pool_replicas_pool_id_name"),
         CheckConstraint("state IN ('active', 'draining', 'disabled')", name="state_enum"),
         CheckConstraint("weight >= 1", name="weight_pos"),
+        NEVER_REUSED_IDS,
     )
 
     id: Mapped[int] = mapped_column(primary_key=True)
@@ -228,6 +237,7 @@ class RetentionClass(Timestamped, Base):
         CheckConstraint("hint_max_ttl_ms > 0", name="hint_max_ttl_ms_pos"),
         _priority_check("hint_max_priority"),
         CheckConstraint("hint_quota_fraction > 0 AND hint_quota_fraction <= 1", name="hint_quota_fraction_range"),
+        NEVER_REUSED_IDS,
     )
 
     id: Mapped[int] = mapped_column(primary_key=True)
@@ -271,6 +281,7 @@ class Tenant(Timestamped, Base):
             "AND max_prompt_tokens >= 1 AND max_output_tokens >= 1",
             name="limits_pos",
         ),
+        NEVER_REUSED_IDS,
     )
 
     id: Mapped[int] = mapped_column(primary_key=True)
@@ -297,6 +308,7 @@ class ApiKey(Base):
     """A tenant's API key ``kvg_<prefix>_<secret>``; stores HMAC-SHA256(pepper, secret) only."""
 
     __tablename__ = "api_keys"
+    __table_args__ = (NEVER_REUSED_IDS,)
 
     id: Mapped[int] = mapped_column(primary_key=True)
     tenant_id: Mapped[int] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"), index=True)
@@ -319,7 +331,7 @@ class AdminCredential(Base):
 
     __tablename__ = "admin_credentials"
     __table_args__ = (CheckConstraint(
-        "role IN ('platform-admin', 'operator', 'tenant-admin', 'viewer')", name="role_enum"),)
+        "role IN ('platform-admin', 'operator', 'tenant-admin', 'viewer')", name="role_enum"), NEVER_REUSED_IDS)
 
     id: Mapped[int] = mapped_column(primary_key=True)
     name: Mapped[str] = mapped_column(String(128), unique=True)
@@ -402,6 +414,7 @@ class TraceCapture(Timestamped, Base):
         CheckConstraint("max_bytes >= 1", name="max_bytes_pos"),
         Index("uq_trace_captures_active_pool", "pool_id", unique=True,
               sqlite_where=text("state = 'active'"), postgresql_where=text("state = 'active'")),
+        NEVER_REUSED_IDS,
     )
 
     id: Mapped[int] = mapped_column(primary_key=True)

@@ -25,7 +25,7 @@ from tenants import validation as v
 from tenants.common import Page, check_version, get_by_ref, mutation, paginate, snapshot
 from tenants.errors import InUse, InvalidField
 from tenants.models import Pool, PoolReplica, Tenant
-from tenants.replicas import validated_replica
+from tenants.replicas import MAX_REPLICAS, validated_replica
 
 DEFAULT_TRITON_MODEL = "kvgate_llm"
 DEFAULT_OFFLOAD_MIN_PRIORITY = 35
@@ -42,7 +42,6 @@ _VALIDATORS: dict[str, Any] = {
 }
 UPDATABLE = frozenset(_VALIDATORS)
 LEGACY_REPLICA_NAME = "r0"
-MAX_REPLICAS = 256
 
 
 def audit_view(pool: Pool) -> dict[str, Any]:

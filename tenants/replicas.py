@@ -30,6 +30,7 @@ from tenants.models import Pool, PoolReplica
 
 DEFAULT_WEIGHT = 1
 MAX_WEIGHT = 1000
+MAX_REPLICAS = 256  # per pool: at creation (tenants.pools) and for every replica added after
 UPDATABLE = frozenset({"endpoint", "weight", "state"})
 STATE_ACTIONS = {"draining": "pool_replica.drain", "disabled": "pool_replica.disable", "active": "pool_replica.activate"}
 
@@ -107,11 +108,17 @@ def add_replica(
     weight: int = DEFAULT_WEIGHT,
     state: str = "active",
 ) -> PoolReplica:
+    """Add a replica; refuses (409 ``too_many_replicas``) a pool's ``MAX_REPLICAS + 1``-th."""
     values = validated_replica(dict(name=name, endpoint=endpoint, weight=weight, state=state))
     with mutation(session, unique_field="name", entity="replica"):
-        pool_row = _pool(session, pool)
+        pool_row = _pool(session, pool, lock=True)
         replica = PoolReplica(pool_id=pool_row.id, **values, created_at=now, updated_at=now, version=1)
         audit.audited_insert(session, replica, actor=actor, now=now, entity_type="pool_replica", view=audit_view)
+        # Counted after the INSERT, in the write transaction (FOR UPDATE on PostgreSQL), like remove_replica.
+        count = session.scalar(select(func.count()).select_from(PoolReplica).where(PoolReplica.pool_id == pool_row.id))
+        if (count or 0) > MAX_REPLICAS:
+            raise Conflict(f"pool {pool_row.name!r} already has {MAX_REPLICAS} replicas, the most a pool may have; "
+                           "remove one first", field="name", code="too_many_replicas")
     session.expire(pool_row, ["replicas"])
     return replica
 

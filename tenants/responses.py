@@ -16,7 +16,10 @@ Invariants:
   :func:`response_chain` names the missing link.
 * A tenant's stored bytes (``size_bytes`` of its live rows) never exceed ``max_bytes`` by a
   store: :func:`store_response` refuses (``StoreFull``, code ``response_store_full``) and
-  stores nothing. :func:`check_room` lets the edge refuse before it spends an engine call.
+  stores nothing. Concurrent stores of one tenant check and insert one after the other (on
+  PostgreSQL the tenant's row is locked first; on SQLite the store's first statement, a
+  DELETE, takes the write lock), so no two of them both fit in the room left for one.
+  :func:`check_room` lets the edge refuse before it spends an engine call.
 * ``input_items`` keep the request's items in order, each with a unique ``id`` (the gateway
   refuses repeated ids); pages of :func:`list_input_items` are cut by that id (OpenAI's
   ``after`` cursor); a row stored before repeats were refused serves each repeat renamed
@@ -42,7 +45,7 @@ from sqlalchemy.orm import Session
 
 from tenants.common import mutation
 from tenants.errors import Conflict, InvalidField, NotFound
-from tenants.models import StoredResponse
+from tenants.models import StoredResponse, Tenant
 
 MAX_CHAIN = 1024  # previous_response_id links followed at most (a cycle cannot form; this bounds a long one)
 MAX_PAGE = 100  # OpenAI's limit for input_items pages
@@ -115,6 +118,7 @@ def store_response(session: Session, *, tenant_id: int, response_id: str, previo
         prompt_blocks = [int(h) for h in prompt_blocks]
     size = row_size(input_items=input_items, output_items=output_items, body=body, prompt_blocks=prompt_blocks)
     with mutation(session, unique_field="id", entity="response"):
+        _serialize_stores(session, tenant_id=tenant_id)
         session.execute(delete(StoredResponse).where(StoredResponse.tenant_id == tenant_id,
                                                      StoredResponse.expires_at <= now))
         check_room(session, tenant_id=tenant_id, now=now, incoming=size, max_bytes=max_bytes)
@@ -126,6 +130,18 @@ def store_response(session: Session, *, tenant_id: int, response_id: str, previo
         if ancestor_ids:
             _keep_ancestors(session, tenant_id=tenant_id, ids=ancestor_ids, now=now, until=now + ttl, step=ttl / 2)
     return row
+
+
+def _serialize_stores(session: Session, *, tenant_id: int) -> None:
+    """Make the tenant's concurrent stores check the cap and insert one after the other.
+
+    PostgreSQL: hold the tenant's row (``FOR NO KEY UPDATE``: it waits only for another
+    store's lock, never for a key or usage row that merely references the tenant) until the
+    store commits; without it two stores each saw the room for one and both inserted. SQLite:
+    nothing to take here, the DELETE that follows starts the write transaction (``BEGIN
+    IMMEDIATE``), which is the lock."""
+    if session.get_bind().dialect.name == "postgresql":
+        session.execute(select(Tenant.id).where(Tenant.id == tenant_id).with_for_update(key_share=True))
 
 
 def _keep_ancestors(session: Session, *, tenant_id: int, ids: Sequence[str], now: datetime,

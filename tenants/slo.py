@@ -28,7 +28,14 @@ DEFAULTS: dict[str, Any] = {
     "hysteresis": 0.2, "enabled": True, "pilot_fraction": 1.0,
 }
 _INTEGERS = ("ttft_p99_ms", "itl_p99_ms", "window_seconds", "min_requests", "cooldown_seconds")
+# Upper bounds, one definition for the service, the admin API's schema and the registry file
+# (the columns are INTEGER: an unbounded value would not even be storable on PostgreSQL).
 MAX_SECONDS = 7 * 24 * 3600
+MAX_BUDGET_MS = 3_600_000  # an hour: no p99 budget is longer
+MAX_MIN_REQUESTS = 1_000_000
+_MAXIMUMS = {"ttft_p99_ms": (MAX_BUDGET_MS, "ms (an hour)"), "itl_p99_ms": (MAX_BUDGET_MS, "ms (an hour)"),
+             "window_seconds": (MAX_SECONDS, "(a week)"), "min_requests": (MAX_MIN_REQUESTS, "requests"),
+             "cooldown_seconds": (MAX_SECONDS, "(a week)")}
 
 
 def _view(row: PoolSloBudget) -> dict[str, Any]:
@@ -45,9 +52,9 @@ def validated(values: Mapping[str, Any]) -> dict[str, Any]:
         value = out[key]
         if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
             raise InvalidField(f"{key} must be an integer", field=key)
-    for key in ("window_seconds", "cooldown_seconds"):
-        if isinstance(out[key], int) and out[key] > MAX_SECONDS:
-            raise InvalidField(f"{key} must be at most {MAX_SECONDS} (a week)", field=key)
+    for key, (maximum, unit) in _MAXIMUMS.items():
+        if isinstance(out[key], int) and out[key] > maximum:
+            raise InvalidField(f"{key} must be at most {maximum} {unit}, got {out[key]}", field=key)
     for key in ("hysteresis", "pilot_fraction"):
         if isinstance(out[key], int) and not isinstance(out[key], bool):
             out[key] = float(out[key])

@@ -45,14 +45,15 @@ _VALIDATORS: dict[str, Any] = {
     "isolation": lambda x: v.isolation(x),
     "kv_quota_fraction": lambda x: v.fraction(x, field="kv_quota_fraction"),
     **{key: (lambda x, f=key: v.integer(x, field=f, minimum=1)) for key in DEFAULT_LIMITS},
-    "limit_caps": lambda x: _caps(x),
+    "limit_caps": lambda x: normalized_caps(x),
 }
 # ``pool`` and ``retention_class`` (id or name) are resolved separately.
 UPDATABLE = frozenset(_VALIDATORS) | {"pool", "retention_class"}
 
 
-def _caps(value: Any) -> dict[str, Any] | None:
-    """``{limit: cap}`` for fields of ``CAPPED_LIMITS``; None entries dropped; empty -> None."""
+def normalized_caps(value: Any) -> dict[str, Any] | None:
+    """``{limit: cap}`` for fields of ``CAPPED_LIMITS``; None entries dropped; empty -> None
+    (what the registry stores: a plan compares a file's caps through this, so ``{}`` matches NULL)."""
     if value is None:
         return None
     if not isinstance(value, Mapping):
@@ -98,10 +99,20 @@ def _validated(values: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _check_dedication(session: Session, *, pool: Pool, isolation: str, tenant_id: int | None) -> None:
-    others = select(Tenant).where(Tenant.pool_id == pool.id)
-    if tenant_id is not None:
-        others = others.where(Tenant.id != tenant_id)
+def _lock_pool(session: Session, pool_id: int) -> None:
+    """Before a write that places a tenant on ``pool_id``: on PostgreSQL, hold the pool's row
+    (``FOR UPDATE``, as ``tenants.replicas`` does for replica removals) until the transaction
+    ends, so two placements on one pool run one after the other. SQLite needs no lock here: its
+    write transaction is the lock, and ``_check_dedication`` runs after the write, inside it."""
+    if session.get_bind().dialect.name == "postgresql":
+        session.execute(select(Pool.id).where(Pool.id == pool_id).with_for_update())
+
+
+def _check_dedication(session: Session, *, pool: Pool, isolation: str, tenant_id: int) -> None:
+    """Refuse (409) a placement that breaks dedication; run AFTER the tenant's row is written
+    (and, on PostgreSQL, after ``_lock_pool``): a check before the write, with nothing held,
+    let a dedicated and a salted tenant created at once on an empty pool both pass."""
+    others = select(Tenant).where(Tenant.pool_id == pool.id, Tenant.id != tenant_id)
     if isolation == "dedicated":
         count = session.scalar(select(func.count()).select_from(others.subquery())) or 0
         if count:
@@ -156,7 +167,7 @@ def create_tenant(
         class_row = get_by_ref(
             session, RetentionClass, retention_class, name_attr="name", what="retention class", field="retention_class"
         )
-        _check_dedication(session, pool=pool_row, isolation=values["isolation"], tenant_id=None)
+        _lock_pool(session, pool_row.id)
         tenant = Tenant(
             slug=slug,
             status="active",
@@ -169,6 +180,7 @@ def create_tenant(
             **values,
         )
         audit.audited_insert(session, tenant, actor=actor, now=now, entity_type="tenant", view=audit_view)
+        _check_dedication(session, pool=pool_row, isolation=tenant.isolation, tenant_id=tenant.id)
     return tenant
 
 
@@ -208,6 +220,7 @@ def update_tenant(
     within_caps: bool = False,
 ) -> Tenant:
     """Apply ``changes`` (any of ``UPDATABLE``) if ``version`` is current, else ``StaleVersion``.
+    No changes at all (a PATCH with only its version) writes nothing and returns the row.
 
     ``within_caps`` (a tenant-admin's change): ``check_within_caps`` on the row read in the
     same transaction, so a cap lowered concurrently is not raced past.
@@ -228,14 +241,15 @@ def update_tenant(
             values["retention_class_id"] = get_by_ref(
                 session, RetentionClass, class_ref, name_attr="name", what="retention class", field="retention_class"
             ).id
-        if "pool_id" in values or "isolation" in values:
-            target = session.get(Pool, values.get("pool_id", tenant.pool_id))
-            assert target is not None
-            _check_dedication(
-                session, pool=target, isolation=values.get("isolation", tenant.isolation), tenant_id=tenant.id
-            )
+        placing = "pool_id" in values or "isolation" in values
+        if placing:
+            _lock_pool(session, values.get("pool_id", tenant.pool_id))
         audit.audited_update(session, tenant, actor=actor, now=now, entity_type="tenant", version=version,
                              values=values, view=audit_view)
+        if placing:  # after the write, like create_tenant: see _check_dedication
+            target = session.get(Pool, tenant.pool_id)
+            assert target is not None
+            _check_dedication(session, pool=target, isolation=tenant.isolation, tenant_id=tenant.id)
     return tenant
 
 

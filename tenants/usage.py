@@ -17,7 +17,8 @@ from sqlalchemy import func, select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
-from tenants.common import Page, get_by_ref, paginate
+from tenants import validation as v
+from tenants.common import Page, get_by_ref, paginate, storable_id
 from tenants.errors import InvalidField
 from tenants.models import Tenant, Usage, UsageFlush
 
@@ -38,10 +39,11 @@ class UsageTotals:
     completion_tokens: int
 
 
-def minute_bucket(moment: datetime) -> datetime:
-    if moment.tzinfo is None:
-        raise InvalidField("usage times must be timezone-aware", field="minute")
-    return moment.astimezone(UTC).replace(second=0, microsecond=0)
+def minute_bucket(moment: datetime, *, field: str = "minute") -> datetime:
+    """The start of ``moment``'s minute in UTC; a naive time or one UTC cannot hold is refused."""
+    if not isinstance(moment, datetime) or moment.tzinfo is None:
+        raise InvalidField("usage times must be timezone-aware", field=field)
+    return v.utc(moment, field=field).replace(second=0, microsecond=0)
 
 
 def _merge(rows: Iterable[UsageRow]) -> dict[tuple[int, datetime], list[int]]:
@@ -82,7 +84,10 @@ def record_usage(session: Session, *, flush_id: str, rows: Iterable[UsageRow], n
     """Apply a batch once. Returns True if applied now, False if ``flush_id`` was applied before.
 
     Rows of tenants deleted meanwhile are skipped (a batch must never become
-    un-appliable). Commits.
+    un-appliable), and so are rows of a minute before the tenant's creation minute: such a
+    row was counted for an earlier tenant, deleted since, whose id the tenant now holds (ids
+    are never reused since migration 0011; this also guards a registry restored from an
+    older copy). Commits.
     """
     if not isinstance(flush_id, str) or not 1 <= len(flush_id) <= 128:
         raise InvalidField("flush_id must be a string of 1-128 chars", field="flush_id")
@@ -91,23 +96,26 @@ def record_usage(session: Session, *, flush_id: str, rows: Iterable[UsageRow], n
         if session.get(UsageFlush, flush_id) is not None:
             session.rollback()
             return False
-        tenant_ids = {tid for tid, _ in merged}
-        existing = (
-            set(session.scalars(select(Tenant.id).where(Tenant.id.in_(tenant_ids))).all()) if tenant_ids else set()
+        tenant_ids = {tid for tid, _ in merged if storable_id(tid)}  # another id names no tenant
+        born = (
+            {tid: minute_bucket(at) for tid, at in session.execute(
+                select(Tenant.id, Tenant.created_at).where(Tenant.id.in_(tenant_ids)))}
+            if tenant_ids else {}
         )
+        kept = sorted((key, counts) for key, counts in merged.items() if key[0] in born and key[1] >= born[key[0]])
+        owners = {tid for (tid, _), _ in kept}
         session.add(
             UsageFlush(
                 flush_id=flush_id,
-                tenant_id=next(iter(existing)) if len(existing) == 1 else None,
-                row_count=sum(1 for tid, _ in merged if tid in existing),
+                tenant_id=next(iter(owners)) if len(owners) == 1 else None,
+                row_count=len(kept),
                 applied_at=now or datetime.now(UTC),
             )
         )
         # Why first: the ledger row takes the write lock / unique slot before any increment.
         session.flush()
-        for (tid, minute), (req, ptok, ctok) in sorted(merged.items()):
-            if tid in existing:
-                session.execute(_upsert(session, tid, minute, req, ptok, ctok))
+        for (tid, minute), (req, ptok, ctok) in kept:
+            session.execute(_upsert(session, tid, minute, req, ptok, ctok))
         session.commit()
         return True
     except IntegrityError:
@@ -135,9 +143,9 @@ def usage_report(
     owner = get_by_ref(session, Tenant, tenant, name_attr="slug", what="tenant")
     conds = [Usage.tenant_id == owner.id]
     if start is not None:
-        conds.append(Usage.minute >= minute_bucket(start))
+        conds.append(Usage.minute >= minute_bucket(start, field="start"))
     if end is not None:
-        conds.append(Usage.minute < end)
+        conds.append(Usage.minute < v.utc(end, field="end"))
     total = session.execute(
         select(
             func.coalesce(func.sum(Usage.requests), 0),

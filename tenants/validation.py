@@ -122,6 +122,26 @@ def replica_state(value: Any, *, field: str = "state") -> str:
     return choice(value, field=field, options=REPLICA_STATES)
 
 
+def utc(value: Any, *, field: str) -> datetime:
+    """A timezone-aware time, in UTC. A naive one, or one UTC cannot hold (9999-12-31T23:59-05:00
+    or 0001-01-01T00:00+05:00: converting overflows the year) is refused naming ``field``."""
+    if not isinstance(value, datetime) or value.tzinfo is None:
+        raise InvalidField(f"{field} must be a timezone-aware time (ISO 8601 with an offset)", field=field)
+    try:
+        return value.astimezone(UTC)
+    except OverflowError:
+        raise InvalidField(f"{field} must be a time UTC can hold (years 1 to 9999 once converted to UTC), "
+                           f"got {value.isoformat()}", field=field) from None
+
+
+def filter_text(value: Any, *, field: str) -> str:
+    """A text filter: a string without NUL (no stored value holds one, and PostgreSQL refuses
+    it as a parameter), so a filter behaves the same on every backend."""
+    if not isinstance(value, str) or "\x00" in value:
+        raise InvalidField(f"{field} must be a string without NUL characters", field=field)
+    return value
+
+
 def future_utc(value: datetime, *, now: datetime, field: str) -> datetime:
     """A timezone-aware time after ``now``, in UTC; one UTC cannot hold (year 9999 with a
     negative offset) is refused rather than overflowing."""

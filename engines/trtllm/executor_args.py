@@ -197,8 +197,8 @@ def sampling_config(trtllm: ModuleType, request: EngineRequest) -> Any:
 
     A sampled request without a seed gets a fresh random one. Unset, the decoding layers seed
     every request's curand state with ``DefaultDecodingParams::getSeed() == 0``
-    (cpp/tensorrt_llm/layers/defaultDecodingParams.h; "it will initialize the random table by
-    random seed 0 every time, and generate same results" — NVIDIA/TensorRT-LLM issue 1000), so
+    (cpp/tensorrt_llm/layers/defaultDecodingParams.h; NVIDIA's maintainers confirm it: "it will
+    initialize the random table by random seed 0 every time, and generate same results"), so
     identical unseeded requests would return identical completions on GPU pools while the
     reference engine (and OpenAI's API) draw a new sample each time.
     """

@@ -78,10 +78,11 @@ def ttl_class(ttl_ms: int) -> TtlClass:
 
 @dataclass(slots=True)
 class _Entry:
-    pinned_until: float  # the hinted priority's duration ends (what the engine was told)
+    pinned_until: float  # the hinted priority's duration ends (what the engine was told; the budget counts it)
     window_until: float  # the client's TTL ends: a use before it is a measured gap
     seen: float  # last use or release
     window_ms: int  # the longest client window recorded for it (its TTL class)
+    promised_until: float = 0.0  # the latest *hinted* use's hold end: what later reads keep (never extend)
 
 
 @dataclass(slots=True)
@@ -173,38 +174,53 @@ class HintLedger:
         hints = self._tenants.get(tenant)
         return hints is not None and hints.pinned_until > now
 
-    def pins(self, tenant: str, hashes: Sequence[int], now: float) -> list[tuple[int, int]]:
-        """(remaining hold ms, remaining client window ms) of the leading blocks of ``hashes`` still
-        held at the hinted priority, up to the first that is not (chain hashes: a prefix)."""
+    def pins(self, tenant: str, hashes: Sequence[int], now: float) -> list[tuple[int, int] | None]:
+        """Per leading block of ``hashes``: (remaining promised hold ms, remaining client window ms)
+        while its latest hinted use's hold runs, None for a block the ledger knows but no longer
+        holds; up to the first block it does not know (chain hashes: nothing deeper was hinted
+        through this prompt). The hold counts from the promise, not from what reads re-told the
+        engine, so reading a pinned prefix never extends it."""
         hints = self._tenants.get(tenant)
-        out: list[tuple[int, int]] = []
+        out: list[tuple[int, int] | None] = []
         if hints is None:
             return out
         for h in hashes:
             entry = hints.entries.get(h)
-            if entry is None or entry.pinned_until <= now:
+            if entry is None:
                 break
-            held = max(1, int((entry.pinned_until - now) * 1000))
+            if entry.promised_until <= now:
+                out.append(None)
+                continue
+            held = max(1, int((entry.promised_until - now) * 1000))
             out.append((held, max(held, int((entry.window_until - now) * 1000))))
+        while out and out[-1] is None:
+            out.pop()
         return out
 
     def record(self, tenant: str, hashes: Sequence[int], durations_ms: Sequence[int], now: float, *,
-               windows_ms: Sequence[int] | None = None) -> None:
+               windows_ms: Sequence[int] | None = None, promise: bool = True) -> None:
         """Mark ``hashes`` held until ``now + duration`` (the latest use decides, as in the
         engine) and inside the client's window until ``now + window`` (default: the duration;
-        the later end is kept); each is seen now."""
+        the later end is kept); each is seen now. ``promise`` (a hinted use: a client's hint or
+        a conversation hold) also sets the promised end later reads keep; a read keeping a pin
+        (:func:`keep_pins`) passes False: it re-tells the engine, it promises nothing new."""
         hints = self._tenants.setdefault(tenant, _TenantHints())
         entries = hints.entries
         windows = durations_ms if windows_ms is None else windows_ms
         for h, duration, window in zip(hashes, durations_ms, windows):
             entry = entries.pop(h, None)
             if entry is None or (entry.window_until <= now and entry.pinned_until <= now):
-                entry = _Entry(now + duration / 1000.0, now + window / 1000.0, now, window)
+                entry = _Entry(now + duration / 1000.0, now + window / 1000.0, now, window,
+                               now + duration / 1000.0 if promise else 0.0)
+            elif not promise:
+                entry.pinned_until = max(entry.pinned_until, now + duration / 1000.0)
+                entry.seen = now
             else:
                 # The latest use sets the hold, as the engine does: a reused block takes the new
                 # request's priority and duration when it is released (an explicit priority on
                 # reuse overrides the old one, kvCacheManager.cpp; docs/architecture.md).
                 entry.pinned_until = now + duration / 1000.0
+                entry.promised_until = entry.pinned_until
                 entry.window_until = max(entry.window_until, now + window / 1000.0)
                 entry.window_ms = max(entry.window_ms, window)
                 entry.seen = now
@@ -225,6 +241,10 @@ class HintedPlan:
     durations_ms: tuple[int, ...] = ()  # the measured holds the engine was told
     clipped: bool = False  # the quota share cut the hinted tokens short
     windows_ms: tuple[int, ...] = ()  # the client's TTLs (capped by the class) of the same blocks
+    # Blocks an earlier hint still holds that this request keeps (keep_pins), apart from its own:
+    # recorded at release without a new promise, and never reported as the request's cache writes.
+    kept_hashes: tuple[int, ...] = ()
+    kept_durations_ms: tuple[int, ...] = ()
 
 
 def plan_with_hints(plan: RetentionPlan, hints: CacheHints, policy: HintPolicy, *, total: int, tokens_per_block: int,
@@ -265,36 +285,40 @@ def plan_with_hints(plan: RetentionPlan, hints: CacheHints, policy: HintPolicy, 
     return HintedPlan(apply_hints(plan, held, policy, total), kept_hashes, durations, clipped, windows)
 
 
-def keep_pins(hinted: HintedPlan, pins: Sequence[tuple[int, int]], policy: HintPolicy, *, total: int,
+def keep_pins(hinted: HintedPlan, pins: Sequence[tuple[int, int] | None], policy: HintPolicy, *, total: int,
               tokens_per_block: int, hashes: Sequence[int], ledger: HintLedger, tenant: str, now: float) -> HintedPlan:
     """``hinted`` with the tenant's blocks still pinned by an earlier hint kept pinned for the rest of
-    their hold (and recorded again, so the ledger follows the engine). ``pins``:
-    :meth:`HintLedger.pins` of the prompt's ``hashes``, read *before* this request's own hints were
-    planned (planning records them, and the latest use sets a block's hold).
+    their promised hold. ``pins``: :meth:`HintLedger.pins` of the prompt's ``hashes``, read *before*
+    this request's own hints were planned (planning records them, and the latest use sets a hold).
 
     Why: TensorRT-LLM gives a reused block the priority and duration of the request that uses it
     last (an explicit priority on reuse overrides the old one, ``kvCacheManager.cpp``), so a request
     without hints (a read without ``cache_control``, an unstored Responses call) sharing a hinted
     prefix would silently drop it to the class's priority. Here every full prompt block the ledger
-    holds pinned and this request's own hints do not cover gets ``(max_priority, its remaining
-    hold)`` by the hint rule (a token only gains; at the hint priority the longer duration wins),
-    so a client's promise lasts as long as it said, whoever reads the prefix meanwhile. A block the
+    holds pinned and this request's own hints do not cover gets ``(max_priority, the rest of its
+    promised hold)`` by the hint rule (a token only gains; at the hint priority the longer duration
+    wins), so a client's promise lasts as long as it said, whoever reads the prefix meanwhile, and
+    no longer: the rest is counted from the promise, so reads never extend it. A block the
     request's own hints cover takes their hold: the latest hinted use sets it, which is how the
     measured hold shortens a TTL nobody comes back within (holding the earlier, longer pin there
     instead cost 10 points of hit rate on the simulator's hinted agent loops at the whole quota
-    share). No budget is spent: pinned blocks are already counted live. A demoted (over-quota) plan or a class that no
-    longer honours hints keeps ``hinted`` as it is (the same object).
+    share). No budget is spent: pinned blocks are already counted live. The kept blocks are
+    returned apart (``kept_hashes``) from the request's own. A demoted (over-quota) plan or a class
+    that no longer honours hints keeps ``hinted`` as it is (the same object).
     """
-    if not policy.enabled or hinted.plan.demoted or not pins:
+    if not policy.enabled or hinted.plan.demoted or not any(p is not None for p in pins):
         return hinted
     own = set(hinted.hashes)  # blocks this request's own hints cover: their (measured) hold is the latest use
     spans: list[HintSpan] = []
-    for b, (held, _) in enumerate(pins):  # one span per run of blocks pinned until the same moment
+    kept: dict[int, int] = {}
+    for b, pin in enumerate(pins):  # one span per run of blocks pinned until the same moment
         start, end = b * tokens_per_block, min((b + 1) * tokens_per_block, total)
         if start >= end:
             break
-        if hashes[b] in own:
+        if pin is None or hashes[b] in own:
             continue
+        held = pin[0]
+        kept[hashes[b]] = held
         if spans and spans[-1].duration_ms == held and spans[-1].end == start:
             spans[-1] = HintSpan(spans[-1].start, end, held)
         else:
@@ -302,10 +326,6 @@ def keep_pins(hinted: HintedPlan, pins: Sequence[tuple[int, int]], policy: HintP
     plan = apply_hints(hinted.plan, tuple(spans), policy, total)
     if plan is hinted.plan:
         return hinted
-    blocks = {h: (d, w) for h, d, w in zip(hinted.hashes, hinted.durations_ms, hinted.windows_ms or hinted.durations_ms)}
-    pinned = {h: pin for h, pin in zip(hashes, pins) if h not in own}
-    ledger.record(tenant, list(pinned), [d for d, _ in pinned.values()], now,
-                  windows_ms=[w for _, w in pinned.values()])
-    merged = {**blocks, **pinned}
-    return HintedPlan(plan, tuple(merged), tuple(d for d, _ in merged.values()), hinted.clipped,
-                      tuple(w for _, w in merged.values()))
+    ledger.record(tenant, list(kept), list(kept.values()), now, promise=False)
+    return HintedPlan(plan, hinted.hashes, hinted.durations_ms, hinted.clipped, hinted.windows_ms,
+                      tuple(kept), tuple(kept.values()))

@@ -26,7 +26,8 @@ from tenants import pools, slo
 
 router = APIRouter(prefix="/pools", tags=["slo"])
 
-BudgetMs = Annotated[int | None, Field(strict=True, ge=1, le=3_600_000, description="p99 budget in ms; null = not guarded")]
+BudgetMs = Annotated[int | None, Field(strict=True, ge=1, le=slo.MAX_BUDGET_MS,
+                                       description="p99 budget in ms; null = not guarded")]
 Seconds = Annotated[int, Field(strict=True, le=slo.MAX_SECONDS)]
 
 
@@ -38,7 +39,8 @@ class SloBudgetSet(BaseModel):
     ttft_p99_ms: BudgetMs = None
     itl_p99_ms: BudgetMs = None
     window_seconds: Annotated[Seconds, Field(ge=1, description="how long the budget must stay broken to trip")] = 60
-    min_requests: Annotated[int, Field(strict=True, ge=1, le=1_000_000, description="samples needed in the window")] = 20
+    min_requests: Annotated[int, Field(strict=True, ge=1, le=slo.MAX_MIN_REQUESTS,
+                                      description="samples needed in the window")] = 20
     cooldown_seconds: Annotated[Seconds, Field(ge=0, description="time tripped before an automatic restore")] = 300
     hysteresis: Annotated[float, Field(strict=True, ge=0, lt=1, description="restore below budget x (1 - h)")] = 0.2
     enabled: StrictBool = True

@@ -28,9 +28,11 @@ from server.admin.schemas import (
 from server.errors import ApiError
 from tenants import captures
 from tenants import tenant as tenant_service
+from tenants.errors import InvalidField
 from tenants.models import Pool, RetentionClass, Tenant
 from tenants.snapshots import PoolSnapshot, RetentionClassSnapshot
 from tenants.usage import usage_report
+from tenants.validation import utc
 from tenants.views import retention_view
 
 router = APIRouter(prefix="/tenants", tags=["tenants"])
@@ -151,11 +153,17 @@ def get_usage(
     start: Annotated[datetime | None, Query(alias="from", description="inclusive, ISO 8601 with offset")] = None,
     end: Annotated[datetime | None, Query(alias="to", description="exclusive, ISO 8601 with offset")] = None,
 ) -> UsageReportPublic:
+    bounds = {}
     for name, value in (("from", start), ("to", end)):
         if value is not None and value.tzinfo is None:
             raise ApiError(422, "invalid_value", f"{name} must include a timezone offset", field=name)
+        try:  # a time UTC cannot hold (9999-12-31T23:59-05:00) is refused naming the parameter
+            bounds[name] = None if value is None else utc(value, field=name)
+        except InvalidField as exc:
+            raise ApiError(422, exc.code, exc.message, field=name) from None
     tenant = tenant_service.get_tenant(session, ref=ref)
-    totals, rows = usage_report(session, tenant=tenant.id, start=start, end=end, limit=page.limit, offset=page.offset)
+    totals, rows = usage_report(session, tenant=tenant.id, start=bounds["from"], end=bounds["to"], limit=page.limit,
+                                offset=page.offset)
     return UsageReportPublic(
         tenant=tenant.slug,
         start=start,

@@ -143,8 +143,9 @@ def register(app: typer.Typer) -> None:
         file: Annotated[str, typer.Option("--file", "-f", help="registry YAML file ('-' = stdin)")],
         dry_run: Annotated[bool, typer.Option("--dry-run", help="print the diff, write nothing")] = False,
         prune: Annotated[
-            bool, typer.Option("--prune", help="also delete what the file's lists do not name (keys of pruned "
-                               "tenants too)")
+            bool, typer.Option("--prune", help="also delete what the file's lists do not name (a pruned tenant's "
+                               "keys, usage history and stored responses too, counted in the plan; refused while "
+                               "it would leave an unrevoked tenant-admin credential with no tenant)")
         ] = False,
         actor: Annotated[str | None, typer.Option(help="audit actor (default cli:<os user>)")] = None,
     ) -> None:

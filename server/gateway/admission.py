@@ -97,7 +97,10 @@ class AdmissionError(Exception):
 
 
 def check_sizes(limits: Limits, *, prompt_tokens: int, max_output_tokens: int) -> None:
-    """Refuse (400) requests that can never be admitted under ``limits``."""
+    """Refuse requests that can never be admitted under ``limits``: over a size cap (400), or
+    reserving more than the tokens per minute allow (429 ``rate_limit_exceeded`` without
+    ``retry_after``, OpenAI's "Request too large"; counted as ``request_too_large``, not as
+    rate limiting)."""
     if limits.max_prompt_tokens is not None and prompt_tokens > limits.max_prompt_tokens:
         raise AdmissionError(
             f"prompt has {prompt_tokens} tokens; this tenant's max_prompt_tokens is {limits.max_prompt_tokens}",

@@ -8,11 +8,17 @@ Rules (what ``kvgate admin apply`` promises):
 * Entities absent from the file are left alone, unless ``prune``: then pools, replicas
   of a listed pool, retention classes and tenants that the file does not list are
   deleted — but only for the kinds whose list appears in the file (a file without
-  ``tenants:`` never deletes a tenant). Pruning a tenant deletes its API keys.
+  ``tenants:`` never deletes a tenant). Pruning a tenant deletes, with it, its API keys,
+  usage history, stored responses and trace captures: its line in the plan counts them.
+  A prune that would leave a scoped admin credential (a tenant-admin) that is not revoked
+  with no tenant at all is refused (``Conflict``, code ``prune_orphans_credential``),
+  writing nothing: revoke the credential first, or keep one of its tenants in the file.
 * The plan is computed from the registry as read in the caller's session; it holds the
   versions it read, so applying it after someone else changed a row fails with
   ``stale_version`` instead of overwriting their change.
-* An empty plan means the registry already matches: applying it writes nothing.
+* An empty plan means the registry already matches: applying it writes nothing. Values are
+  compared as the services store them (``limit_caps: {}`` is stored as no caps, NULL), so a
+  file the registry matches always plans nothing.
 """
 
 from __future__ import annotations
@@ -21,13 +27,24 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from sqlalchemy import select
+from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
 from tenants import slo
 from tenants.declarative.schema import RegistryFile
-from tenants.errors import InvalidField
-from tenants.models import Pool, RetentionClass, Tenant
+from tenants.errors import Conflict, InvalidField
+from tenants.models import (
+    AdminCredential,
+    AdminCredentialTenant,
+    ApiKey,
+    Pool,
+    RetentionClass,
+    StoredResponse,
+    Tenant,
+    TraceCapture,
+    Usage,
+)
+from tenants.tenant import normalized_caps
 
 # Execution order: creations bottom-up (classes, pools, replicas, tenants), deletions top-down.
 ORDER = (
@@ -114,6 +131,51 @@ def _replica_line(r: dict[str, Any]) -> str:
     )
 
 
+# What deleting a tenant deletes with it (ON DELETE CASCADE): plan field -> (table, tenant column).
+CASCADED = (
+    ("api_keys", ApiKey, ApiKey.tenant_id),
+    ("usage_minutes", Usage, Usage.tenant_id),
+    ("stored_responses", StoredResponse, StoredResponse.tenant_id),
+    ("trace_captures", TraceCapture, TraceCapture.tenant_id),
+)
+
+
+def _cascaded(session: Session, tenant_ids: list[int]) -> dict[int, tuple[FieldChange, ...]]:
+    """Per pruned tenant, the rows its deletion takes along, as plan lines (``api_keys: 2``);
+    a trace capture line only when it has some."""
+    counts = {
+        name: dict(session.execute(select(column, func.count()).select_from(model)
+                                   .where(column.in_(tenant_ids)).group_by(column)).all())
+        for name, model, column in CASCADED
+    }
+    return {tid: tuple(FieldChange(name, counts[name].get(tid, 0), None) for name, _, _ in CASCADED
+                       if name != "trace_captures" or counts[name].get(tid, 0)) for tid in tenant_ids}
+
+
+def _refuse_orphaned_credentials(session: Session, pruned: dict[int, str]) -> None:
+    """Refuse a prune after which a scoped credential that is not revoked has no tenant left
+    (its scope rows go with the tenants; it would stay valid and manage nothing)."""
+    touched = select(AdminCredentialTenant.credential_id).where(AdminCredentialTenant.tenant_id.in_(list(pruned)))
+    rows = session.execute(
+        select(AdminCredential.id, AdminCredential.name, AdminCredential.role, AdminCredentialTenant.tenant_id)
+        .join(AdminCredentialTenant, AdminCredentialTenant.credential_id == AdminCredential.id)
+        .where(AdminCredential.id.in_(touched), AdminCredential.revoked_at.is_(None))
+        .order_by(AdminCredential.id)
+    ).all()
+    scopes: dict[tuple[int, str, str], set[int]] = {}
+    for cred_id, name, role, tenant_id in rows:
+        scopes.setdefault((cred_id, name, role), set()).add(tenant_id)
+    orphaned = [(cred_id, name, role, sorted(pruned[t] for t in scope))
+                for (cred_id, name, role), scope in scopes.items() if scope <= pruned.keys()]
+    if orphaned:
+        listed = "; ".join(f"{name!r} (id {cred_id}, {role}, tenants {', '.join(slugs)})"
+                           for cred_id, name, role, slugs in orphaned)
+        raise Conflict(
+            f"--prune would delete every tenant of admin credential(s) {listed}, leaving them valid with no tenant; "
+            "nothing was changed. Revoke them first (kvgate admin credentials revoke <id>), or keep one of their "
+            "tenants in the file", field="tenants", code="prune_orphans_credential")
+
+
 def compute_plan(session: Session, doc: RegistryFile, *, prune: bool = False) -> Plan:
     """The changes that make the registry match ``doc`` (see the module rules)."""
     pools = {p.name: p for p in session.scalars(select(Pool).order_by(Pool.id))}
@@ -182,6 +244,8 @@ def compute_plan(session: Session, doc: RegistryFile, *, prune: bool = False) ->
                                    f"{gone}", field=f"tenants[{i}].{attr}", code=f"unknown_{attr}")
         cur = tenants.get(spec.slug)
         wanted = spec.given(exclude=("slug", "status"))
+        if "limit_caps" in wanted:  # as the service stores them: {} (or only null caps) is NULL
+            wanted["limit_caps"] = normalized_caps(wanted["limit_caps"])
         if cur is None:
             wanted.setdefault("display_name", spec.slug)
             changes.append(Change("tenant", "create", spec.slug, _created(wanted),
@@ -201,8 +265,13 @@ def compute_plan(session: Session, doc: RegistryFile, *, prune: bool = False) ->
 
     if prune and doc.tenants is not None:
         listed = {t.slug for t in doc.tenants}
-        changes += [Change("tenant", "delete", slug, (FieldChange("pool", pool_names.get(t.pool_id), None),))
-                    for slug, t in tenants.items() if slug not in listed]
+        pruned = {t.id: slug for slug, t in tenants.items() if slug not in listed}
+        if pruned:
+            _refuse_orphaned_credentials(session, pruned)
+            cascaded = _cascaded(session, list(pruned))
+            changes += [Change("tenant", "delete", slug, (FieldChange("pool", pool_names.get(tenants[slug].pool_id),
+                                                                      None), *cascaded[tid]))
+                        for tid, slug in pruned.items()]
     if prune_pools:
         listed = {p.name for p in doc.pools or []}
         changes += [Change("pool", "delete", name, (FieldChange("replicas", [r.name for r in p.replicas], None),))

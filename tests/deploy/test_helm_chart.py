@@ -427,7 +427,8 @@ def test_hooks_migrate_before_and_register_after(rendered):
         assert _hook(rendered.get(kind, name))[0] == set()
     assert rendered.get("Job", "kvgate-migrate")["spec"]["template"]["spec"]["containers"][0]["command"] == ["kvgate", "db", "upgrade"]
     apply = rendered.get("Job", "kvgate-registry-apply")["spec"]["template"]["spec"]
-    assert apply["containers"][0]["command"] == ["kvgate", "admin", "apply", "-f", "/etc/kvgate/registry/registry.yaml", "--prune"]
+    # by default it adds and updates only: an upgrade never deletes a pool made with the admin API
+    assert apply["containers"][0]["command"] == ["kvgate", "admin", "apply", "-f", "/etc/kvgate/registry/registry.yaml"]
     assert apply["volumes"][0]["configMap"]["name"] == "kvgate-registry"
 
 
@@ -757,6 +758,7 @@ def test_registry_apply_prunes_only_the_kinds_the_chart_declares(chart, tmp_path
         return result.output
 
     def apply(values: dict[str, Any], code: int = 0) -> str:
+        values = {**values, "registry": {**values.get("registry", {}), "prune": True}}
         r = render(chart, values)
         path = tmp_path / "registry.yaml"
         path.write_text(r.get("ConfigMap", "kvgate-registry")["data"]["registry.yaml"])
@@ -797,9 +799,11 @@ def test_the_registry_file_declares_tenants_and_classes_only_when_values_list_th
     owned = {"retention_classes": [{"name": "chat"}], "tenants": []}
     registry = yaml.safe_load(render(chart, minimal(registry=owned)).get("ConfigMap", "kvgate-registry")["data"]["registry.yaml"])
     assert set(registry) == {"pools", "retention_classes"}
-    # registry.prune false: apply adds and updates, never deletes
-    r = render(chart, minimal(registry={"prune": False}))
-    assert "--prune" not in r.get("Job", "kvgate-registry-apply")["spec"]["template"]["spec"]["containers"][0]["command"]
+    # registry.prune false (the default): apply adds and updates, never deletes; true: --prune
+    for prune, argv in ((False, False), (True, True)):
+        r = render(chart, minimal(registry={"prune": prune}))
+        command = r.get("Job", "kvgate-registry-apply")["spec"]["template"]["spec"]["containers"][0]["command"]
+        assert ("--prune" in command) is argv
 
 
 # --- the engine builder ------------------------------------------------------------------------------

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
+import json
+
 from engines.pool_stats import PoolStatsReport, TierStats
 from engines.kv_events import GPU, HOST, MOVED, REMOVED, STORED, KvEventLog, KvEventsReport, PoolEventFeed, apply_report
 from retention.hashing import block_hashes
@@ -87,3 +90,66 @@ def test_pool_feed_mirrors_the_pool_in_kvgate_hash_space() -> None:
     assert block_hashes(prompts[4], 4)[0] in mirror
     assert set(block_hashes(prompts[1], 4, salt="tenant-b")).isdisjoint(block_hashes(prompts[1], 4))
     assert HOST in mirror.values()  # something was offloaded and reported as moved
+
+
+def test_every_record_after_an_invalidation_reaches_the_poller() -> None:
+    """The producer lost events: its pollers resync by snapshot, and from that snapshot's cursor on
+    each poll returns exactly the records appended since (the ring holds no record from before the
+    loss whose place the skipped sequence number would shift)."""
+    log, truth = _log(capacity=100)
+    mirror: dict[int, int] = {}
+    cursor = 0
+
+    def poll() -> list[int]:
+        nonlocal cursor
+        report = log.report(cursor)
+        apply_report(mirror, report)
+        cursor = report.next_seq
+        return [e.seq for e in report.events]
+
+    def change(kind: str, h: int) -> None:
+        log.append(kind, (h,), GPU)
+        if kind == REMOVED:
+            truth.pop(h)
+        else:
+            truth[h] = GPU
+
+    poll()
+    change(STORED, 1)
+    change(STORED, 2)
+    poll()
+    log.invalidate()
+    assert log.report(cursor).snapshot == truth  # the cursor from before the loss resyncs
+    poll()
+    change(STORED, 3)
+    assert poll() == [cursor - 1] and mirror == truth
+    change(STORED, 4)
+    change(STORED, 5)
+    change(REMOVED, 1)
+    assert len(poll()) == 3 and mirror == truth == {2: GPU, 3: GPU, 4: GPU, 5: GPU}
+    for _ in range(3):  # and again, after further losses
+        log.invalidate()
+        poll()
+        change(STORED, 10 + cursor)
+        assert poll() == [cursor - 1] and mirror == truth
+
+
+def test_a_record_of_a_kind_this_reader_does_not_know_asks_for_a_resync() -> None:
+    """A newer engine's event kind cannot be applied: the report says resync (the poller asks for
+    a snapshot) instead of failing the whole stats answer."""
+    data = {"epoch": "e", "next_seq": 9, "supported": True, "snapshot": None,
+            "events": [[7, STORED, [1, 2], GPU], [8, "pinned", [2], GPU]]}
+    report = KvEventsReport.from_dict(data)
+    assert report.resync and report.events == [] and report.snapshot is None and report.next_seq == 0
+    known = KvEventsReport.from_dict({**data, "events": data["events"][:1], "next_seq": 8})
+    assert not known.resync and [e.seq for e in known.events] == [7]
+
+
+def test_stats_json_with_fields_of_a_newer_engine_still_parses() -> None:
+    report = PoolStatsReport(16, TierStats(4, 3, 1), TierStats(2, 2, 0), reused_blocks=5, tenants={"1": [1, 0]})
+    data = json.loads(report.to_json())
+    data["preempted_requests"] = 3
+    data["primary"]["pinned_blocks"] = 1
+    back = PoolStatsReport.from_json(json.dumps(data))
+    assert back.unknown_fields == ("preempted_requests", "primary.pinned_blocks")  # named for the poller's log
+    assert dataclasses.replace(back, unknown_fields=()) == report

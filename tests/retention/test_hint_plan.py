@@ -318,3 +318,40 @@ def test_pins_are_kept_only_where_the_class_honours_hints_and_never_for_a_demote
     kept = hint_quota.keep_pins(unhinted, ledger.pins("t", hashes, 5.0), ON, total=128, tokens_per_block=16,
                                 hashes=hashes, ledger=ledger, tenant="t", now=5.0)
     assert kept is unhinted
+
+
+def _release(ledger: HintLedger, out: hint_quota.HintedPlan, now: float) -> None:
+    """What the gateway records when the request ends (completions._finish)."""
+    if out.hashes:
+        ledger.record("t", out.hashes, out.durations_ms, now, windows_ms=out.windows_ms)
+    if out.kept_hashes:
+        ledger.record("t", out.kept_hashes, out.kept_durations_ms, now, promise=False)
+
+
+def test_reads_keeping_a_pin_never_extend_its_promise():
+    # Each read re-tells the engine the rest of the hold and records it at release (durations start
+    # there): counted from the release, the rest would never shrink under back-to-back reads.
+    ledger = HintLedger()
+    first = _reader(ledger, 0.0, hints=CacheHints(breakpoints=(Breakpoint(112, TTL_5M_MS),)))
+    _release(ledger, first, 1.0)
+    now = 1.0
+    while now < 400.0:
+        out = _reader(ledger, now)
+        now += 20.0  # each read takes 20 s
+        _release(ledger, out, now)
+    assert not ledger.pins("t", [1000 + i for i in range(8)], now) or all(
+        p is None for p in ledger.pins("t", [1000 + i for i in range(8)], now))
+    assert _reader(ledger, now).plan == base()
+    assert ledger.live_blocks("t", now + 60.0) == 0  # the budget frees once the last re-told hold ran out
+
+
+def test_a_pin_deeper_than_an_expired_one_is_still_kept():
+    # A 1 h hint over seven blocks, then a 5 min one over the first four: once the 5 min are over,
+    # blocks 4-6 are still promised for the hour.
+    ledger = HintLedger()
+    _reader(ledger, 0.0, hints=CacheHints(breakpoints=(Breakpoint(112, TTL_1H_MS),)))
+    _reader(ledger, 10.0, hints=CacheHints(breakpoints=(Breakpoint(64, TTL_5M_MS),)))
+    later = _reader(ledger, 10.0 + TTL_5M_MS / 1000 + 1)
+    assert later.plan.retention_at(100)[0] == 60  # block 6: the hour's rest
+    assert later.plan.retention_at(40) == base().retention_at(40)  # block 2: its 5 min are over
+    assert later.hashes == () and set(later.kept_hashes) == {1004, 1005, 1006}

@@ -51,6 +51,8 @@ class Database:
                 for table in Base.metadata.sorted_tables:
                     if "id" in table.c and table.c.id.autoincrement is not False and table.c.id.primary_key:
                         conn.execute(text(f"SELECT setval(pg_get_serial_sequence('{table.name}', 'id'), 1, false)"))
+            elif conn.execute(text("SELECT 1 FROM sqlite_master WHERE name = 'sqlite_sequence'")).first():
+                conn.execute(text("DELETE FROM sqlite_sequence"))  # AUTOINCREMENT tables' last ids
 
 
 def pg_engine(schema: str) -> Engine:

@@ -299,3 +299,83 @@ def test_limit_caps_are_declared_applied_and_validated(session) -> None:  # type
     with pytest.raises(InvalidField) as err:
         _apply(session, capped)
     assert "cache_salt" in str(err.value)
+
+
+def test_empty_limit_caps_settle_after_one_apply(session) -> None:  # type: ignore[no-untyped-def]
+    """The registry stores ``limit_caps: {}`` as no caps (NULL): a re-apply plans nothing."""
+    doc = copy.deepcopy(FILE)
+    doc["tenants"][0]["limit_caps"] = {"rpm_limit": 1000}
+    doc["tenants"][1]["limit_caps"] = {}
+    _apply(session, doc)
+    events = len(_events(session))
+    assert _apply(session, doc).empty
+    assert _apply(session, doc).empty
+    assert len(_events(session)) == events
+    beta = session.scalars(select(Tenant).where(Tenant.slug == "beta")).one()
+    assert (beta.limit_caps, beta.version) == (None, 1)
+    doc["tenants"][1]["limit_caps"] = {"tpm_limit": 5}  # a real change is still one
+    (change,) = _apply(session, doc).changes
+    assert [(f.name, f.old, f.new) for f in change.fields] == [("limit_caps", None, {"tpm_limit": 5})]
+
+
+def _with_rows_that_go_with_acme(session) -> int:  # type: ignore[no-untyped-def]
+    from datetime import timedelta
+
+    from tenants import UsageRow, keys, record_usage, responses
+
+    _apply(session, FILE)
+    acme = session.scalars(select(Tenant).where(Tenant.slug == "acme")).one()
+    for name in ("ci", "prod"):
+        keys.create_key(session, actor=ACTOR, now=now(), tenant="acme", pepper="pepper", name=name)
+    minute = now().replace(second=0, microsecond=0)
+    record_usage(session, flush_id="f", rows=[UsageRow(acme.id, minute + timedelta(minutes=m), 1, 1, 1)
+                                              for m in range(3)])
+    responses.store_response(session, tenant_id=acme.id, response_id="resp_1", previous_response_id=None,
+                             model="m", input_items=[], output_items=[], body={}, now=now(), ttl=timedelta(days=1),
+                             max_bytes=10**6)
+    return int(acme.id)
+
+
+def test_pruning_a_tenant_shows_what_goes_with_it(session) -> None:  # type: ignore[no-untyped-def]
+    _with_rows_that_go_with_acme(session)
+    trimmed = copy.deepcopy(FILE)
+    trimmed["tenants"] = trimmed["tenants"][1:]
+    dry = _apply(session, trimmed, prune=True, dry_run=True)
+    lines = dry.render().splitlines()
+    assert lines[:5] == ["- tenant acme", '    pool: "llama8b"', "    api_keys: 2", "    usage_minutes: 3",
+                         "    stored_responses: 1"], lines
+    (change,) = dry.changes
+    assert {f.name: f.old for f in change.fields} == {"pool": "llama8b", "api_keys": 2, "usage_minutes": 3,
+                                                      "stored_responses": 1}
+    # beta has none: its counts are zeros, and a capture shows only when there is one.
+    gone_too = copy.deepcopy(trimmed)
+    gone_too["tenants"] = []
+    plan = _apply(session, gone_too, prune=True, dry_run=True)
+    beta = next(c for c in plan.changes if c.ref == "beta")
+    assert [(f.name, f.old) for f in beta.fields] == [("pool", "llama8b"), ("api_keys", 0), ("usage_minutes", 0),
+                                                      ("stored_responses", 0)]
+
+
+def test_a_prune_never_leaves_a_tenant_admin_without_tenants(session) -> None:  # type: ignore[no-untyped-def]
+    from tenants import admin_credentials
+
+    _with_rows_that_go_with_acme(session)
+    lone, _, _ = admin_credentials.create_credential(session, actor=ACTOR, now=now(), name="acme-admin",
+                                                     role="tenant-admin", pepper="pepper", tenants=["acme"])
+    both, _, _ = admin_credentials.create_credential(session, actor=ACTOR, now=now(), name="both-admin",
+                                                     role="tenant-admin", pepper="pepper", tenants=["acme", "beta"])
+    trimmed = copy.deepcopy(FILE)
+    trimmed["tenants"] = trimmed["tenants"][1:]
+    counts = _counts(session)
+    for dry_run in (True, False):
+        with pytest.raises(Conflict) as err:
+            _apply(session, trimmed, prune=True, dry_run=dry_run)
+        assert (err.value.code, err.value.field) == ("prune_orphans_credential", "tenants")
+        assert "'acme-admin'" in err.value.message and "both-admin" not in err.value.message
+        assert "revoke" in err.value.message
+    assert _counts(session) == counts  # nothing written
+    # Revoked, it no longer stands in the way; the one that keeps beta never did.
+    admin_credentials.revoke_credential(session, actor=ACTOR, now=now(), credential_id=lone.id)
+    plan = _apply(session, trimmed, prune=True)
+    assert [(c.kind, c.action, c.ref) for c in plan.changes] == [("tenant", "delete", "acme")]
+    assert admin_credentials.scope_of(session, both.id) == ["beta"]

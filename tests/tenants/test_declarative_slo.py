@@ -40,10 +40,16 @@ def test_budget_from_the_file(session) -> None:  # type: ignore[no-untyped-def]
     assert slo.get_budget(session, pool="llama8b").pilot_fraction == 0.25
 
 
-@pytest.mark.parametrize(("budget", "field"), [({"hysteresis": 1.0}, "pools[0].slo"), ({"budget": 1}, "pools[0].slo.budget")])
+@pytest.mark.parametrize(("budget", "field"), [
+    ({"hysteresis": 1.0}, "pools[0].slo"), ({"budget": 1}, "pools[0].slo.budget"),
+    # The admin API's bounds hold for the file too (INTEGER columns; PostgreSQL refused 3e9 at write time).
+    ({"ttft_p99_ms": 3_000_000_000}, "pools[0].slo.ttft_p99_ms"),
+    ({"min_requests": 3_000_000_000}, "pools[0].slo.min_requests"),
+])
 def test_bad_budget_names_its_path(session, budget, field) -> None:  # type: ignore[no-untyped-def]
     doc = copy.deepcopy(FILE)
     doc["pools"][0]["slo"] = budget
     with pytest.raises(InvalidField) as err:
         _apply(session, doc)
     assert err.value.field.startswith(field)
+    assert session.scalar(select(AuditEvent.id)) is None  # nothing written

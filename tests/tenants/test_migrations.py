@@ -459,3 +459,158 @@ def test_postgres_0010_end_demote_up_and_down() -> None:
     finally:
         engine.dispose()
         drop_pg_schema(schema)
+
+
+# --- 0011: SQLite ids never reused (AUTOINCREMENT), with data -------------------------------------
+
+_NEVER_REUSED = ("retention_classes", "pools", "pool_replicas", "tenants", "api_keys", "admin_credentials",
+                 "trace_captures")
+
+
+def _seed_0010(conn) -> None:  # type: ignore[no-untyped-def]
+    """On top of _seed_0002 at 0010: a second tenant (deleted, newest), keys, usage, a stored
+    response, a scoped credential, a capture, and the audit events the services would have written."""
+    conn.execute(text(
+        "INSERT INTO tenants (id, slug, display_name, status, pool_id, retention_class_id, isolation, cache_salt, "
+        "rpm_limit, tpm_limit, max_concurrent_requests, max_prompt_tokens, max_output_tokens, kv_quota_fraction, "
+        f"created_at, updated_at, version) VALUES (2, 'bravo', 'Bravo', 'active', 1, 1, 'salted', 'salt2', 1, 1, 1, "
+        f"1, 1, 0.5, '{_T}', '{_T}', 1)"))
+    for key_id, tenant_id in ((1, 1), (2, 2)):
+        conn.execute(text(
+            "INSERT INTO api_keys (id, tenant_id, prefix, secret_hash, name, created_at) "
+            f"VALUES ({key_id}, {tenant_id}, 'prefix0{key_id}', 'h', '', '{_T}')"))
+    conn.execute(text("INSERT INTO usage (tenant_id, minute, requests, prompt_tokens, completion_tokens) "
+                      f"VALUES (1, '{_T}', 3, 30, 300)"))
+    conn.execute(text(
+        "INSERT INTO stored_responses (id, tenant_id, previous_response_id, model, input_items, output_items, "
+        f"body, size_bytes, created_at, expires_at) VALUES ('resp_1', 1, NULL, 'm', '[]', '[]', '{{}}', 6, "
+        f"'{_T}', '{_T}')"))
+    conn.execute(text(
+        "INSERT INTO admin_credentials (id, name, role, scoped, prefix, secret_hash, created_by, created_at) "
+        f"VALUES (1, 'acme-admin', 'tenant-admin', TRUE, 'credpfx1', 'h', 'test', '{_T}')"))
+    conn.execute(text("INSERT INTO admin_credential_tenants (credential_id, tenant_id) VALUES (1, 1)"))
+    conn.execute(text(
+        "INSERT INTO trace_captures (id, pool_id, tenant_id, sample_rate, max_bytes, state, key, started_at, "
+        f"created_at, updated_at, version) VALUES (1, 1, 1, 1.0, 100, 'active', 'k', '{_T}', '{_T}', '{_T}', 1)"))
+    events = [("tenant.create", "tenant", 1), ("tenant.create", "tenant", 2), ("api_key.create", "api_key", 1),
+              ("api_key.create", "api_key", 2), ("tenant.delete", "tenant", 2)]
+    for action, entity_type, entity_id in events:
+        conn.execute(text("INSERT INTO audit_events (at, actor, action, entity_type, entity_id) "
+                          f"VALUES ('{_T}', 'test', '{action}', '{entity_type}', '{entity_id}')"))
+    conn.execute(text("DELETE FROM tenants WHERE id = 2"))  # the newest tenant goes, its key with it
+
+
+def _contents(conn) -> dict[str, list[tuple]]:  # type: ignore[no-untyped-def]
+    queries = {
+        "pools": "SELECT id, name, version FROM pools ORDER BY id",
+        "pool_replicas": "SELECT id, pool_id, name FROM pool_replicas ORDER BY id",
+        "retention_classes": "SELECT id, name FROM retention_classes ORDER BY id",
+        "tenants": "SELECT id, slug, pool_id FROM tenants ORDER BY id",
+        "api_keys": "SELECT id, tenant_id, prefix FROM api_keys ORDER BY id",
+        "usage": "SELECT tenant_id, requests, prompt_tokens FROM usage",
+        "stored_responses": "SELECT id, tenant_id FROM stored_responses",
+        "admin_credentials": "SELECT id, name FROM admin_credentials",
+        "admin_credential_tenants": "SELECT credential_id, tenant_id FROM admin_credential_tenants",
+        "trace_captures": "SELECT id, pool_id, tenant_id FROM trace_captures",
+        "audit_events": "SELECT count(*) FROM audit_events",
+    }
+    return {name: [tuple(r) for r in conn.execute(text(sql))] for name, sql in queries.items()}
+
+
+def _new_tenant(conn, slug: str) -> int:  # type: ignore[no-untyped-def]
+    return conn.execute(text(
+        "INSERT INTO tenants (slug, display_name, status, pool_id, retention_class_id, isolation, cache_salt, "
+        "rpm_limit, tpm_limit, max_concurrent_requests, max_prompt_tokens, max_output_tokens, kv_quota_fraction, "
+        f"created_at, updated_at, version) VALUES ('{slug}', 'X', 'active', 1, 1, 'salted', 's', 1, 1, 1, 1, 1, 0.5, "
+        f"'{_T}', '{_T}', 1) RETURNING id")).scalar_one()
+
+
+def _sqlite_table_sql(conn, table: str) -> str:  # type: ignore[no-untyped-def]
+    return conn.execute(text("SELECT sql FROM sqlite_master WHERE type = 'table' AND name = :t"), {"t": table}).scalar_one()
+
+
+def test_sqlite_0011_ids_are_never_reused_and_the_data_stays(tmp_path: Path) -> None:
+    engine = make_engine(f"sqlite:///{tmp_path / 'm11.db'}")
+    try:
+        with engine.begin() as conn:
+            migrate.upgrade(connection=conn, revision="0002")
+            _seed_0002(conn)
+            migrate.upgrade(connection=conn, revision="0010")
+            _seed_0010(conn)
+        with engine.connect() as conn:
+            before = _contents(conn)
+        assert before["tenants"] == [(1, "acme", 1)] and before["api_keys"] == [(1, 1, "prefix01")]
+        with engine.begin() as conn:
+            migrate.upgrade(connection=conn, revision="0011")
+        with engine.connect() as conn:
+            # Every row and id stays; no child row went with a rebuilt parent (foreign keys were off).
+            assert _contents(conn) == before
+            assert conn.execute(text("PRAGMA foreign_keys")).scalar_one() == 1  # and are on again
+            assert conn.execute(text("PRAGMA foreign_key_check")).all() == []
+            for table in _NEVER_REUSED:
+                assert "AUTOINCREMENT" in _sqlite_table_sql(conn, table), table
+            # Column CHECKs stay column CHECKs (the 0002/0006 downgrades drop those columns natively).
+            assert "mode VARCHAR(16) DEFAULT 'static' NOT NULL CONSTRAINT ck_retention_classes_mode_enum" in \
+                _sqlite_table_sql(conn, "retention_classes")
+        with engine.begin() as conn:
+            # Tenant 2 was deleted before the upgrade, but its audit events name it: not handed out again.
+            assert _new_tenant(conn, "charlie") == 3
+            conn.execute(text("DELETE FROM tenants WHERE id = 3"))  # the newest goes ...
+            assert _new_tenant(conn, "delta") == 4  # ... and its id is not reused either
+            assert conn.execute(text(
+                "INSERT INTO api_keys (tenant_id, prefix, secret_hash, name, created_at) "
+                f"VALUES (1, 'prefix03', 'h', '', '{_T}') RETURNING id")).scalar_one() == 3
+        with engine.connect() as conn:  # the constraints still hold
+            for bad in ("UPDATE tenants SET kv_quota_fraction = 2 WHERE id = 1",
+                        "UPDATE tenants SET pool_id = 99 WHERE id = 1",
+                        "DELETE FROM pools WHERE id = 1",  # RESTRICT: tenants are on it
+                        "INSERT INTO trace_captures (pool_id, sample_rate, max_bytes, state, key, started_at, created_at,"
+                        f" updated_at, version) VALUES (1, 1.0, 1, 'active', 'k', '{_T}', '{_T}', '{_T}', 1)"):
+                with pytest.raises(Exception), conn.begin():
+                    conn.execute(text(bad))
+        with engine.begin() as conn:
+            conn.execute(text("DELETE FROM tenants WHERE id = 4"))
+            after = _contents(conn)
+        with engine.begin() as conn:
+            migrate.downgrade(connection=conn, revision="0010")
+        with engine.connect() as conn:
+            assert _contents(conn) == after
+            for table in _NEVER_REUSED:
+                assert "AUTOINCREMENT" not in _sqlite_table_sql(conn, table), table
+                assert f"CONSTRAINT pk_{table} PRIMARY KEY (id)" in _sqlite_table_sql(conn, table), table
+        with engine.begin() as conn:  # down to where the 0002/0006 native DROP COLUMNs run, and up again
+            migrate.downgrade(connection=conn, revision="0001")
+            migrate.upgrade(connection=conn)
+        with engine.connect() as conn:
+            assert [tuple(r) for r in conn.execute(text("SELECT id, slug FROM tenants ORDER BY id"))] == [(1, "acme")]
+            assert "AUTOINCREMENT" in _sqlite_table_sql(conn, "tenants")
+    finally:
+        engine.dispose()
+
+
+@pytest.mark.postgres
+def test_postgres_0011_changes_nothing() -> None:
+    """PostgreSQL sequences never hand out an id twice: 0011 is a no-op there, both ways."""
+    if not postgres_reachable():
+        pytest.skip("PostgreSQL at 127.0.0.1:5432 is unreachable")
+    schema = new_pg_schema()
+    engine = pg_engine(schema)
+    try:
+        with engine.begin() as conn:
+            migrate.upgrade(connection=conn, revision="0002")
+            _seed_0002(conn)
+            migrate.upgrade(connection=conn, revision="0010")
+            _seed_0010(conn)
+        with engine.connect() as conn:
+            before = _contents(conn)
+        with engine.begin() as conn:
+            migrate.upgrade(connection=conn, revision="0011")
+        with engine.connect() as conn:
+            assert _contents(conn) == before
+        with engine.begin() as conn:
+            migrate.downgrade(connection=conn, revision="0010")
+        with engine.connect() as conn:
+            assert _contents(conn) == before
+    finally:
+        engine.dispose()
+        drop_pg_schema(schema)

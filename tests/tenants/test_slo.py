@@ -44,6 +44,9 @@ def test_set_replace_snapshot_and_audit(session) -> None:  # type: ignore[no-unt
     ({"cooldown_seconds": -1}, "cooldown_seconds"), ({"hysteresis": 1}, "hysteresis"),
     ({"pilot_fraction": 2.0}, "pilot_fraction"), ({"enabled": "yes"}, "enabled"), ({"budget": 1}, "budget"),
     ({"window_seconds": 10**9}, "window_seconds"),
+    # INTEGER columns: past these bounds a value would be stored on SQLite and fail on PostgreSQL.
+    ({"ttft_p99_ms": 3_000_000_000}, "ttft_p99_ms"), ({"itl_p99_ms": 3_600_001}, "itl_p99_ms"),
+    ({"min_requests": 3_000_000_000}, "min_requests"), ({"min_requests": 1_000_001}, "min_requests"),
 ])
 def test_bad_values_name_the_field_and_write_nothing(session, values, field) -> None:  # type: ignore[no-untyped-def]
     make_pool(session)
@@ -51,6 +54,22 @@ def test_bad_values_name_the_field_and_write_nothing(session, values, field) -> 
         slo.set_budget(session, actor=ACTOR, now=now(), pool="gpu-a", values=values)
     assert err.value.field == field
     assert session.scalar(select(PoolSloBudget)) is None
+
+
+def test_the_bounds_are_the_admin_apis_and_are_storable(session) -> None:  # type: ignore[no-untyped-def]
+    """The service, the admin API's schema and the registry file share one set of bounds;
+    a budget at the bounds is stored and read back on every backend."""
+    from server.admin.slo import SloBudgetSet
+
+    schema = SloBudgetSet.model_json_schema()["properties"]
+    assert schema["min_requests"]["maximum"] == slo.MAX_MIN_REQUESTS
+    assert {s.get("maximum") for s in schema["ttft_p99_ms"]["anyOf"]} >= {slo.MAX_BUDGET_MS}
+    make_pool(session)
+    top = {"ttft_p99_ms": slo.MAX_BUDGET_MS, "itl_p99_ms": slo.MAX_BUDGET_MS, "min_requests": slo.MAX_MIN_REQUESTS,
+           "window_seconds": slo.MAX_SECONDS, "cooldown_seconds": slo.MAX_SECONDS}
+    row = slo.set_budget(session, actor=ACTOR, now=now(), pool="gpu-a", values=top)
+    session.expire_all()
+    assert {k: getattr(slo.get_budget(session, pool="gpu-a"), k) for k in top} == top and row.version == 1
 
 
 def test_the_database_refuses_what_the_service_refuses(session) -> None:  # type: ignore[no-untyped-def]

@@ -19,7 +19,7 @@ fails after the stream started. Invariants:
   cancelled then, not at its end, and the request is not retried on another replica;
 * a non-streamed answer the engine streams (stop strings) reaches the client only whole, so
   when its replica fails or stalls mid-answer it is run again on another one (the router's
-  retry budget, :class:`~server.gateway.replicas.routing.EngineRestart`), and what the failed
+  retry budget, :class:`~server.gateway.replicas.stall.EngineRestart`), and what the failed
   attempt generated is dropped;
 * metrics are recorded once per admitted request; usage once per admitted request whose
   answer the client received (a 503/504 instead of a non-streamed answer is not billed,
@@ -47,7 +47,6 @@ import anyio
 from fastapi.responses import JSONResponse
 
 from engines.contract import EngineRequest, Guide, KvMetrics, SamplingParams, TokenLogProbs, cached_prompt_tokens
-from engines.refusals import context_refusal, guide_refusal, output_refusal
 from engines.tokenizer import ChatTokenizer
 from retention.hashing import block_hashes
 from retention.policy.conversation import ConversationPlan, ConversationRequest
@@ -58,13 +57,15 @@ from retention.policy.selection import AdaptiveSelector
 from retention.types import RetentionPlan
 from server.gateway.admission import Admission, AdmissionError, retry_after_header
 from server.gateway.context import TenantContext
-from server.gateway.replicas.engine_client import EngineChunk, EngineClient, EngineRejected, EngineTimeout, EngineUnavailable
+from server.gateway.replicas.engine_client import EngineChunk, EngineClient, EngineRejected, EngineUnavailable
 from server.gateway.errors import ServingError
 from server.gateway.fresh_admission import admit
 from server.gateway.observe.metrics import GatewayMetrics
 from server.gateway.api.logprobs import TokenTexts
 from server.gateway.observe.miss_ratio import MissRatioCurves
-from server.gateway.replicas.routing import EngineRestart, EngineStalled, RoutedEngine
+from server.gateway.replicas.routing import RoutedEngine
+from server.gateway.replicas.stall import EngineRestart
+from server.gateway.api.engine_errors import engine_error
 from server.gateway.api.prompting import PreparedPrompt
 from server.gateway.api.streaming import (CLIENT_RECEIVE, ClosingStreamingResponse, LastFrame, UntilDisconnect,
                                           run_once_shielded)
@@ -442,36 +443,6 @@ async def _generate_extended(job: CompletionJob, request: EngineRequest, chunks:
         # words, so the answer is empty with the finish reason that cut it.
 
 
-_PROMPT_FIELD = {"chat": "messages", "text": "prompt"}  # where a job's prompt came from
-def _engine_error(exc: Exception, job: CompletionJob) -> ServingError:
-    """An engine failure in the API's words; a prompt over the model's input limit is OpenAI's
-    ``context_length_exceeded``, naming the prompt's field (``messages`` / ``prompt``)."""
-    if isinstance(exc, EngineRejected):
-        refused = context_refusal(str(exc))
-        if refused is not None:
-            return ServingError(400, "context_length_exceeded", f"the prompt has {refused[0]} tokens and this "
-                                f"model accepts at most {refused[1]}", param=_PROMPT_FIELD.get(job.kind))
-        output = output_refusal(str(exc))
-        if output is not None:  # asked, or the tenant's default when the request named no limit
-            return ServingError(400, "invalid_request", f"{job.output_param}: this model answers at most "
-                                f"{output[0]} tokens per request; {output[1]} were asked (without "
-                                f"{job.output_param}, the tenant's output limit)", param=job.output_param)
-        guide = guide_refusal(str(exc)) if job.guide is not None else None
-        if guide is not None:  # the client's schema, not the engine's fault: name the field it came from
-            field = "tools" if job.tools is not None and job.tools.mode == "forced" else job.format_param
-            return ServingError(400, "invalid_request", f"{field}: the JSON schema cannot be compiled for guided "
-                                f"decoding: {guide}", param=field)
-        return ServingError(400, "engine_rejected", f"the engine refused the request: {exc}")
-    if isinstance(exc, EngineStalled):
-        return ServingError(504, "engine_timeout", f"the model's engine stopped answering mid-answer (nothing for "
-                            f"{exc.waited:g} s); retry shortly", headers={"Retry-After": "1"})
-    if isinstance(exc, EngineTimeout):
-        return ServingError(504, "engine_timeout", "no replica of the model's engine started answering in time; "
-                            "retry shortly", headers={"Retry-After": "1"})
-    return ServingError(503, "engine_unavailable", "the model's engine is unavailable; retry shortly",
-                        headers={"Retry-After": "1"})
-
-
 class CompletionRunner:
     """Runs :class:`CompletionJob` s against the injected admission, metrics and usage sink."""
 
@@ -505,9 +476,11 @@ class CompletionRunner:
             lease = await admit(self._admission, tenant, prompt_tokens=job.prompt.total,
                                 max_output_tokens=job.max_new_tokens)
         except AdmissionError as exc:
-            self._metrics.rate_limited.labels(tenant.slug, exc.limit).inc()
-            # No Retry-After on a request too large for its tokens per minute: it is never admissible as sent.
+            # No Retry-After on a request too large for its tokens per minute: it is never admissible as sent,
+            # and it is a size refusal, not rate limiting (its own metric label).
             retry = exc.status == 503 or (exc.status == 429 and exc.retry_after is not None)
+            too_large = exc.status == 429 and exc.retry_after is None
+            self._metrics.rate_limited.labels(tenant.slug, "request_too_large" if too_large else exc.limit).inc()
             headers = {"Retry-After": retry_after_header(exc)} if retry else None
             code = exc.code or ("rate_limit_exceeded" if exc.status == 429 else "limit_exceeded")
             raise ServingError(exc.status, code, str(exc), param=exc.limit, headers=headers) from exc
@@ -567,7 +540,7 @@ class CompletionRunner:
                     await primed.aclose()
                     await self._finish(job, plan, outcome, started, lease)
                 if engine_failed:
-                    raise _engine_error(exc, job) from exc
+                    raise engine_error(exc, job) from exc
                 raise
             if primed.first_at is not None and request.streaming:
                 outcome.ttft = primed.first_at - started
@@ -600,7 +573,7 @@ class CompletionRunner:
                 raise _client_gone()
         except (EngineUnavailable, EngineRejected) as exc:
             outcome.status = "engine_error"
-            raise _engine_error(exc, job) from exc
+            raise engine_error(exc, job) from exc
         finally:
             with anyio.CancelScope(shield=True):  # a client gone mid-answer still releases its slot
                 await self._finish(job, plan, outcome, started, lease)
@@ -634,10 +607,15 @@ class CompletionRunner:
         await self._admission.release(lease, completion_tokens=outcome.completion_tokens)
         tenant = job.tenant
         hinted = outcome.hinted
-        if hinted is not None and hinted.hashes:
+        if hinted is not None and (hinted.hashes or hinted.kept_hashes):
             # TensorRT-LLM starts a block's duration when the request releases it: count from now.
-            self._ledger(tenant.pool.name).record(tenant.engine_tenant_id, hinted.hashes, hinted.durations_ms,
-                                                  self._clock(), windows_ms=hinted.windows_ms)
+            ledger, released = self._ledger(tenant.pool.name), self._clock()
+            if hinted.hashes:
+                ledger.record(tenant.engine_tenant_id, hinted.hashes, hinted.durations_ms, released,
+                              windows_ms=hinted.windows_ms)
+            if hinted.kept_hashes:  # an earlier hint's pins this request re-told the engine: no new promise
+                ledger.record(tenant.engine_tenant_id, hinted.kept_hashes, hinted.kept_durations_ms, released,
+                              promise=False)
         self.holds.released(job, outcome.conversation_hold, self._clock())
         latency = time.perf_counter() - started
         # Mean inter-token latency: observable only when tokens were streamed one by one.
@@ -705,7 +683,7 @@ async def _deltas(job: CompletionJob, request: EngineRequest, chunks: AsyncItera
             yield delta
     except (EngineUnavailable, EngineRejected) as exc:
         outcome.status = "engine_error"
-        raise _engine_error(exc, job) from exc
+        raise engine_error(exc, job) from exc
     finally:
         await generate.aclose()
 

@@ -19,7 +19,11 @@ them), and after the delete sends::
 
 The cached depth comes from the pool router's KV-event indexes (the deepest replica; a
 router without indexes gives no depth, and then nothing is sent: an uncut demote would
-prefill an evicted tail only to discard it, which the simulator measured as a loss).
+prefill an evicted tail only to discard it, which the simulator measured as a loss). The
+demote goes only to a replica whose index holds that whole depth (the router's cost picks
+among several), never by the cost to another one, where it would prefill the prefix at demote
+priority and leave the real blocks as they were; when no holder can take a request (draining,
+breaker open) nothing is sent (outcome ``holder_unavailable``).
 What is still held, and what the delete orphans, is read from the response store, not from
 this process's memory, so a gateway restarted since the conversation was stored, or another
 gateway sharing the registry, demotes the same blocks. Every stored row keeps its
@@ -152,32 +156,51 @@ async def doomed_prompts(services: Any, tenant: Any, response_id: str) -> list[D
     return out
 
 
-def cached_blocks(services: Any, tenant: Any, hashes: tuple[int, ...], now: float) -> int | None:
-    """The deepest cached prefix of ``hashes`` over the pool's replicas (KV-event indexes), or
+def replica_depths(services: Any, tenant: Any, hashes: tuple[int, ...], now: float) -> dict[int, int] | None:
+    """Per replica id of the pool, the cached prefix of ``hashes`` (blocks, KV-event indexes), or
     None when the pool's router keeps no index."""
     route = services.routing.route(tenant.pool)
     match = getattr(route.router, "match", None)
     if match is None or not route.replicas:
         return None
-    return max(m.gpu_blocks + m.host_blocks for m in (match(r, hashes, now=now) for r in route.replicas))
+    return {r: m.gpu_blocks + m.host_blocks for r, m in ((r, match(r, hashes, now=now)) for r in route.replicas)}
+
+
+def cached_blocks(services: Any, tenant: Any, hashes: tuple[int, ...], now: float) -> int | None:
+    """The deepest cached prefix of ``hashes`` over the pool's replicas (KV-event indexes), or
+    None when the pool's router keeps no index."""
+    depths = replica_depths(services, tenant, hashes, now)
+    return None if depths is None else max(depths.values())
 
 
 async def send_demote(services: Any, tenant: Any, deleted: DeletedPrompt, start_block: int) -> str:
-    """One demote request, drained; returns the outcome counted in the metric."""
+    """One demote request, drained; returns the outcome counted in the metric.
+
+    It goes only to a replica whose index holds the whole cut (the deepest cached prefix), never
+    by the ordinary cost to another one: there it would prefill the prefix at demote priority and
+    leave the blocks it is meant for as they were. When no such replica can take a request now
+    (draining, breaker open), nothing is sent (``holder_unavailable``)."""
     now = time.monotonic()  # the routing indexes' clock (Routing's default)
     prompt, tpb = deleted.prompt, tenant.pool.tokens_per_block
-    depth = cached_blocks(services, tenant, deleted.hashes, now)
-    if depth is None:
+    depths = replica_depths(services, tenant, deleted.hashes, now)
+    if depths is None:
         return "no_cache_view"
+    depth = max(depths.values())
     length = demote_length(depth, start_block * tpb, tpb, prompt.total)
     if length is None:
         return "uncached"
+    route = services.routing.route(tenant.pool)
+    holders = {rid for rid, held in depths.items()
+               if held >= depth and rid in route.replicas and route.replicas[rid].routable}
+    if not holders:
+        return "holder_unavailable"
     cut = replace(prompt, input_ids=prompt.input_ids[:length], system_end=min(prompt.system_end, length),
                   context_end=min(prompt.context_end, length), marks=())
     job = CompletionJob(
         tenant=tenant, kind="chat", model=deleted.model,
         prompt=cut, max_new_tokens=1, sampling=SamplingParams(temperature=0.0), stop=(), stream=False,
-        include_usage=False, tokenizer=deleted.tokenizer, engine=services.routing.engine(services.engines.seen(tenant.pool)),
+        include_usage=False, tokenizer=deleted.tokenizer,
+        engine=services.routing.engine(services.engines.seen(tenant.pool), only=holders),
         quota=services.monitor.quota_state(tenant.pool.name, tenant.tenant_id),
     )
     pool = tenant.pool  # with a host tier the demoted blocks go there first (demote_priority)

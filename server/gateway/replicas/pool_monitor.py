@@ -129,18 +129,26 @@ class PoolMonitor:
             return await asyncio.shield(self._listing)
 
     async def refresh(self) -> None:
-        """Poll every registered pool once. Registry or engine failures keep the last state."""
+        """Poll every registered pool once. Registry or engine failures keep the last state; an
+        unexpected error in one pool's poll is logged and keeps that pool's last state, never
+        the pools listed after it from being polled."""
         try:
             listing = await self._list()
         except Exception:  # registry down or silent: poll the pools we know, with their last tenants
             listing = [(pool, list(self._quotas.get(pool.name, {}).values())) for pool in self._directory.pools.values()]
         for pool, tenants in listing:
-            self._directory.register(pool)
-            stats = await self._routing.poll(pool)
-            self.engine_up[pool.name] = stats is not None  # any replica answered its stats call
-            if stats is None:
-                continue  # no replica answered: keep the last known state (engines restarting)
-            self.apply(pool, stats, tenants, self._routing.route(pool).replica_reports())
+            try:
+                await self._refresh_pool(pool, tenants)
+            except Exception:  # noqa: BLE001 - one pool's failure must not freeze the others
+                log.exception("pool %s: stats poll failed; its last state is kept", pool.name)
+
+    async def _refresh_pool(self, pool: PoolSnapshot, tenants: list[TenantQuota]) -> None:
+        self._directory.register(pool)
+        stats = await self._routing.poll(pool)
+        self.engine_up[pool.name] = stats is not None  # any replica answered its stats call
+        if stats is None:
+            return  # no replica answered: keep the last known state (engines restarting)
+        self.apply(pool, stats, tenants, self._routing.route(pool).replica_reports())
 
     def snapshots(self) -> list[PoolSnapshot]:
         out = []

@@ -55,9 +55,8 @@ from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from dataclasses import dataclass, field, replace
 
 from engines.contract import EngineRequest, cached_prompt_tokens
-from engines.pool_stats import PoolStatsReport, TierStats
-from engines.kv_events import MOVED, REMOVED, STORED, KvEventsReport
-from retention.pool.events import CreatedEvent, KvEvent, RemovedEvent, StoredBlock, StoredEvent, UpdatedEvent
+from engines.pool_stats import PoolStatsReport
+from engines.kv_events import KvEventsReport
 from retention.hashing import block_hashes
 from retention.routing import (
     ApproximateIndex,
@@ -67,6 +66,7 @@ from retention.routing import (
     Decision,
     Notice,
     PeerLoads,
+    PreciseIndex,
     Router,
     RouteRequest,
     RoutingError,
@@ -74,7 +74,6 @@ from retention.routing import (
     dispatch_notice,
     make_router,
 )
-from retention.types import Tier
 from tenants.snapshots import PoolSnapshot
 from server.gateway.context import REQUEST_ID
 from server.gateway.replicas.breaker import Breaker
@@ -83,6 +82,8 @@ from server.gateway.replicas.engine_client import (
     EngineChunk, EngineClient, EngineError, EngineRejected, EngineTimeout, EngineUnavailable,
 )
 from server.gateway.observe.metrics import ReplicaRow
+from server.gateway.replicas.reports import report_as_pool_events, sum_reports
+from server.gateway.replicas.stall import EngineRestart, EngineStalled, StallWatch
 
 log = logging.getLogger("kvgate.gateway.routing")
 
@@ -139,78 +140,6 @@ class RoutingConfig:
         return limit if limit > 0 else None
 
 
-class EngineStalled(EngineTimeout):
-    """The replica serving an answer sent nothing for the inter-token deadline after its first
-    message; the router has cancelled the call (the engine freed the request)."""
-
-    def __init__(self, message: str, waited: float) -> None:
-        super().__init__(message)
-        self.waited = waited
-
-
-class EngineRestart(EngineUnavailable):
-    """A restartable attempt (:meth:`RoutedEngine.generate`) failed after its first message and
-    another replica can take the request: call ``generate`` again on the same
-    :class:`RoutedEngine` (the failed replica excluded, the retry counted), after dropping
-    what the failed attempt produced. A consumer that does not restart treats it as what it
-    is, an :class:`EngineUnavailable`."""
-
-
-class _StallWatch:
-    """The inter-token deadline of one attempt: cancels the task awaiting the attempt's next
-    message once it has waited ``limit`` seconds (:meth:`expired` then tells the cancel apart).
-
-    Why not ``asyncio.timeout`` around each message: that schedules and cancels a timer per
-    token (~10 µs each, measured); this keeps one timer per ``limit`` seconds of streaming,
-    re-armed lazily from the time the current wait began (a clock read per message). Only
-    the wait for the engine counts, never the consumer's time between messages."""
-
-    __slots__ = ("_loop", "_limit", "_task", "_since", "_handle", "_cancelling", "_fired")
-
-    def __init__(self, limit: float) -> None:
-        self._loop = asyncio.get_running_loop()
-        self._limit = limit
-        self._task: asyncio.Task | None = None
-        self._since: float | None = None  # when the current wait began; None between waits
-        self._handle: asyncio.TimerHandle | None = None
-        self._cancelling = 0
-        self._fired = False
-
-    def waiting(self) -> None:
-        """The current task is about to await the next message."""
-        self._since = now = self._loop.time()
-        self._task = asyncio.current_task()
-        if self._handle is None:
-            self._handle = self._loop.call_at(now + self._limit, self._check)
-
-    def got(self) -> None:
-        self._since = None
-
-    def _check(self) -> None:
-        self._handle = None
-        since = self._since
-        if since is None or self._task is None:
-            return  # not waiting now: the next wait re-arms
-        due = since + self._limit
-        if self._loop.time() < due:
-            self._handle = self._loop.call_at(due, self._check)
-            return
-        self._fired = True
-        self._cancelling = self._task.cancelling()
-        self._task.cancel()
-
-    def expired(self) -> bool:
-        """Called on ``CancelledError`` from the wait: True when this watch's cancel caused it
-        (the cancel is then withdrawn); a cancel from elsewhere stays a cancel."""
-        return self._fired and self._task is not None and self._task.uncancel() <= self._cancelling
-
-    def close(self) -> None:
-        self._since = None
-        if self._handle is not None:
-            self._handle.cancel()
-            self._handle = None
-
-
 @dataclass(slots=True)
 class Replica:
     """One engine endpoint of a pool, as this gateway sees it."""
@@ -225,67 +154,14 @@ class Replica:
     in_flight: int = 0
     cursor: int = 0  # KV events cursor (0 = ask for a snapshot)
     epoch: str = ""
+    resets: int = 0  # times its index was dropped (breaker opened): a poll begun before is stale
+    unknown_logged: set[str] = field(default_factory=set)  # stats fields / event kinds it sent that were logged
     events: bool | None = None  # None until the first successful poll
     stats: PoolStatsReport | None = None
 
     @property
     def routable(self) -> bool:
         return self.state == "active" and self.breaker.closed
-
-
-def report_as_pool_events(report: KvEventsReport) -> list[KvEvent]:
-    """A replica's event report as ``retention.pool.events`` for the router's precise index.
-
-    A snapshot becomes a *created* event (the index clears) followed by one *stored* event
-    per cached block; records keep their sequence numbers as event ids so that the index's
-    gap counter stays meaningful.
-    """
-    out: list[KvEvent] = []
-    if report.snapshot is not None:
-        base = report.next_seq - 1
-        out.append(CreatedEvent(base - 1, (0, 0)))
-        out.append(StoredEvent(base, None, tuple(StoredBlock(h, (), Tier(t), 0) for h, t in report.snapshot.items())))
-    for record in report.events:
-        if record.kind == STORED:
-            out.append(StoredEvent(record.seq, None, tuple(StoredBlock(h, (), Tier(record.tier), 0) for h in record.hashes)))
-        elif record.kind == REMOVED:
-            out.append(RemovedEvent(record.seq, record.hashes))
-        elif record.kind == MOVED:
-            for h in record.hashes:
-                # The old level is not carried; the index only reads the new one.
-                out.append(UpdatedEvent(record.seq, h, (Tier(1 - record.tier), Tier(record.tier))))
-    return out
-
-
-def sum_reports(reports: Iterable[PoolStatsReport]) -> PoolStatsReport | None:
-    """One pool-level report from its replicas': capacities, counters and tenant blocks add up.
-
-    Quotas stay per pool: a tenant's share is measured against the pool's summed GPU
-    blocks, with its blocks summed over replicas.
-    """
-    reports = list(reports)
-    if not reports:
-        return None
-    first = reports[0]
-    total = PoolStatsReport(first.tokens_per_block, TierStats(0, 0, 0), TierStats(0, 0, 0),
-                            secondary_offload_min_priority=first.secondary_offload_min_priority)
-    counters = ("reused_blocks", "missed_blocks", "alloc_total_blocks", "alloc_new_blocks", "offloaded_blocks",
-                "onboarded_blocks", "evicted_blocks")
-    for report in reports:
-        for tier_name in ("primary", "secondary"):
-            mine, theirs = getattr(total, tier_name), getattr(report, tier_name)
-            mine.max_blocks += theirs.max_blocks
-            mine.free_blocks += theirs.free_blocks
-            mine.used_blocks += theirs.used_blocks
-        for name in counters:
-            setattr(total, name, getattr(total, name) + getattr(report, name))
-        for tenant, counts in report.tenants.items():
-            held = total.tenants.setdefault(tenant, [0, 0])
-            held[0] += counts[0]
-            held[1] += counts[1]
-    lookups = total.reused_blocks + total.missed_blocks
-    total.cache_hit_rate = total.reused_blocks / lookups if lookups else 0.0
-    return total
 
 
 class PoolRoute:
@@ -339,7 +215,8 @@ class PoolRoute:
 
     def _retire(self, replica: Replica) -> None:
         self.replicas.pop(replica.id, None)
-        self.router.forget_replica(replica.id)
+        self.router.forget_replica(replica.id)  # removed: its index and the load of its requests go
+        replica.resets += 1  # a poll of it still in flight must not feed the id's next replica
         replica.state = "removed"
         self.retiring.append(replica)
 
@@ -382,10 +259,23 @@ class PoolRoute:
 
     def _out_of_rotation(self, replica: Replica, why: str) -> None:
         log.warning("replica %s/%s (%s) out of rotation (%s)", self.name, replica.name, replica.endpoint, why)
-        # Its cache may be gone (restart) and its load is unknown: start over when it is back.
-        if replica.id in self.replicas:
-            self.router.forget_replica(replica.id)
+        # Its cache may be gone (restart): its index starts over from a snapshot when it is back.
+        # Its load stays: the requests still running there are released one by one by their
+        # on_complete, and a replica back after a blip must not look idle while it runs them.
+        self._reset_index(replica)
+
+    def _reset_index(self, replica: Replica) -> None:
+        """Drop the replica's index and ask its next poll for a snapshot; a poll already on its
+        way (begun with the old cursor) is discarded when it answers (``resets``)."""
+        replica.resets += 1
         replica.cursor, replica.events = 0, None
+        if replica.id not in self.replicas:
+            return
+        # The router's API has no "drop the index only" (forget_replica drops the load too):
+        # a fresh precise index is what the router's default factory would build on next use.
+        set_index = getattr(self.router, "set_index", None)
+        if set_index is not None:
+            set_index(replica.id, PreciseIndex())
 
     def mark_failed(self, replica: Replica) -> None:
         """A connection failure (dispatch or stats poll)."""
@@ -405,21 +295,56 @@ class PoolRoute:
             log.warning("replica %s/%s back in rotation (served a request)", self.name, replica.name)
 
     async def poll(self, replica: Replica) -> None:
-        """One stats + events poll of ``replica``; doubles as the breaker's probe."""
+        """One stats + events poll of ``replica``; doubles as the breaker's probe.
+
+        An answer that cannot be read or applied (a newer engine's stats, a tier this gateway
+        does not know) is a failed probe, logged, never an error of the poll loop. An answer
+        to a poll begun before the replica's breaker opened is dropped: it was asked with the
+        cursor of the index that has since been dropped, and the breaker opened after it left."""
         now = self._clock()
         if not replica.breaker.probe_due(now):
             return
-        generation = self.generation
+        generation, resets = self.generation, replica.resets
         try:
             stats = await replica.client.stats(self.config.stats_timeout_s, events_since=replica.cursor)
         except EngineError:
             self.mark_failed(replica)
             return
+        except Exception as exc:  # noqa: BLE001 - one replica's unreadable answer must not stop the loop
+            log.warning("replica %s/%s: stats answer not readable (%s: %s); counted as a failed probe",
+                        self.name, replica.name, type(exc).__name__, exc)
+            self.mark_failed(replica)
+            return
+        if replica.resets != resets:
+            return  # the breaker opened while this answer travelled: the next probe decides
+        unknown = {*stats.unknown_fields, *(stats.kv_events.unknown_kinds if stats.kv_events is not None else ())}
+        if unknown - replica.unknown_logged:  # a newer engine's fields or event kinds: said once per replica
+            replica.unknown_logged |= unknown
+            log.warning("replica %s/%s: its stats carry what this gateway does not know (%s): ignored; event "
+                        "kinds are resynced from a snapshot", self.name, replica.name, ", ".join(sorted(unknown)))
+        if generation == self.generation:
+            try:
+                self._feed(replica, stats.kv_events)
+            except Exception as exc:  # noqa: BLE001 - as above
+                log.warning("replica %s/%s: KV events not applicable (%s: %s); counted as a failed probe",
+                            self.name, replica.name, type(exc).__name__, exc)
+                self._reset_index(replica)  # possibly half applied
+                self.mark_failed(replica)
+                return
         if replica.breaker.probe_ok():  # not when it timed out: its stats answer while it hangs
             log.warning("replica %s/%s back in rotation", self.name, replica.name)
         replica.stats = stats
-        if generation == self.generation:
-            self._feed(replica, stats.kv_events)
+
+    @staticmethod
+    def _continues(cursor: int, report: KvEventsReport) -> bool:
+        """Whether an incremental report holds exactly the records from ``cursor`` on: sequence
+        numbers ``cursor, cursor + 1, …, next_seq - 1`` (the ring's invariant, engines/kv_events.py)."""
+        expected = cursor
+        for record in report.events:
+            if record.seq != expected:
+                return False
+            expected += 1
+        return report.next_seq == expected
 
     def _feed(self, replica: Replica, report: KvEventsReport | None) -> None:
         now = self._clock()
@@ -431,12 +356,24 @@ class PoolRoute:
                     set_index(replica.id, ApproximateIndex(CapacityModel(
                         max(1, self.pool.primary_blocks), max(0, self.pool.secondary_blocks))))
             return
+        if report.resync:
+            # A record this gateway cannot apply (a newer engine's event kind): resync from a snapshot.
+            replica.cursor = 0
+            return
         if report.epoch != replica.epoch and report.snapshot is None:
             # The replica restarted since our cursor was taken: ask again from scratch.
             replica.cursor, replica.epoch = 0, report.epoch
             return
-        replica.events, replica.epoch, replica.cursor = True, report.epoch, report.next_seq
+        if report.snapshot is None and not self._continues(replica.cursor, report):
+            # A hole between our cursor and the records returned (the engine's log lost its
+            # place): applying them would leave the index short for good. Ask for a snapshot.
+            log.warning("replica %s/%s: KV events from seq %s to %s do not continue cursor %s; resyncing",
+                        self.name, replica.name, report.events[0].seq if report.events else "-",
+                        report.next_seq, replica.cursor)
+            replica.cursor = 0
+            return
         self.router.apply_events(replica.id, report_as_pool_events(report), now=now)
+        replica.events, replica.epoch, replica.cursor = True, report.epoch, report.next_seq
 
     def pool_stats(self) -> PoolStatsReport | None:
         """The pool's summed stats over the replicas in rotation (breaker closed).
@@ -489,12 +426,17 @@ class Routing:
         route = self.route(pool)
         route.sync(pool)
         replicas = list(route.replicas.values())
-        await asyncio.gather(*(route.poll(r) for r in replicas))
+        results = await asyncio.gather(*(route.poll(r) for r in replicas), return_exceptions=True)
+        for replica, result in zip(replicas, results):
+            if isinstance(result, Exception):  # PoolRoute.poll catches its own; never one replica for all
+                log.warning("replica %s/%s: poll failed: %s: %s", route.name, replica.name,
+                            type(result).__name__, result)
         await route.reap()
         return route.pool_stats()
 
-    def engine(self, pool: PoolSnapshot) -> RoutedEngine:
-        return RoutedEngine(self, self.route(pool))
+    def engine(self, pool: PoolSnapshot, *, only: Iterable[int] | None = None) -> RoutedEngine:
+        """``only``: the replica ids the request may go to (None: any); see :class:`RoutedEngine`."""
+        return RoutedEngine(self, self.route(pool), only=only)
 
     async def ready(self, pool: PoolSnapshot) -> bool:
         """Ready when at least one active replica answers."""
@@ -537,20 +479,29 @@ class RoutedEngine:
     silent mid-answer for the inter-token deadline (:class:`EngineStalled`).
 
     One instance serves one request: the replicas it tried and its retries count across the
-    calls of a restarted request (``retries`` extra attempts in all).
+    calls of a restarted request (``retries`` extra attempts in all). ``only`` confines it to
+    those replica ids (its retries too): a request that is only of use where some blocks are
+    cached, such as a conversation demote, never goes elsewhere.
 
     A replica that timed out gets its trial from the first attempt of a request (one that
     can still be retried if the trial times out too), or from a later one when nothing else
     is left; the trial's first chunk closes its breaker (``breaker.py``).
     """
 
-    def __init__(self, routing: Routing, route: PoolRoute) -> None:
+    def __init__(self, routing: Routing, route: PoolRoute, *, only: Iterable[int] | None = None) -> None:
         self._routing = routing
         self._route = route
+        self._only = None if only is None else frozenset(only)
         self.replica: str | None = None  # the replica of the last attempt (response header)
         self.affinity: int | None = None  # the request's affinity key (prompt_cache_key), see keyed()
         self._tried: set[int] = set()  # replicas that failed this request
         self._attempts = 0  # retries so far
+
+    def _excluded(self) -> set[int]:
+        """The replicas this request must not go to: those it failed on, and any outside ``only``."""
+        if self._only is None:
+            return self._tried
+        return self._tried | {rid for rid in self._route.replicas if rid not in self._only}
 
     def keyed(self, tenant_id: int, cache_key: str | None) -> None:
         """Route by the client's ``prompt_cache_key``, salted with the tenant (``retention/routing/affinity.py``)."""
@@ -580,8 +531,9 @@ class RoutedEngine:
         sync = route.peer_sync
         tried = self._tried
         while True:
-            candidates = route.candidates(tried)
-            trial = route.take_trial(tried) if self._attempts < retries or not candidates else None
+            excluded = self._excluded()
+            candidates = route.candidates(excluded)
+            trial = route.take_trial(excluded) if self._attempts < retries or not candidates else None
             if trial is not None:
                 candidates = [Candidate(trial.id, trial.weight)]
             if not candidates:
@@ -600,7 +552,7 @@ class RoutedEngine:
             replica.in_flight += 1
             produced = prefilled = False
             status, kv = "error", None
-            watch: _StallWatch | None = None
+            watch: StallWatch | None = None
             try:
                 async with contextlib.aclosing(replica.client.generate(request, request_id=request_id,
                                                                        timeout=timeout)) as chunks:
@@ -636,7 +588,7 @@ class RoutedEngine:
                         if not produced:  # the replica answers: proof it serves (closes a breaker)
                             route.mark_served(replica)
                             if stall is not None and not chunk.final:
-                                watch = _StallWatch(stall)
+                                watch = StallWatch(stall)
                         # The consumer sees this chunk: no retry (unless restartable) and no
                         # first-token deadline from here on.
                         produced, deadline = True, None
@@ -661,7 +613,7 @@ class RoutedEngine:
                 else:
                     route.mark_failed(replica)
                 tried.add(replica.id)
-                retry = (not produced or restartable) and self._attempts < retries and route.can_route(tried)
+                retry = (not produced or restartable) and self._attempts < retries and route.can_route(self._excluded())
                 status = "retried" if retry else "error"
                 if not retry:
                     raise

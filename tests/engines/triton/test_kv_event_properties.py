@@ -30,7 +30,7 @@ from engines.trtllm.kv_event_translator import KvEventTranslator
 from engines.trtllm.kv_ledger import UNATTRIBUTED, TenantBlockLedger
 from retention.hashing import block_hashes
 from retention.routing.index import PreciseIndex
-from server.gateway.replicas.routing import report_as_pool_events
+from server.gateway.replicas.reports import report_as_pool_events
 from tests.engines.triton import fake_trtllm
 
 TPB = 4

@@ -17,6 +17,7 @@ with in-process and with Redis admission.
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import secrets
 import threading
@@ -44,7 +45,6 @@ ACTOR = "test:reservation"
 MODEL = "smollm2-135m-instruct"
 POOL = "fixed"
 PEPPER = "reservation-pepper-" + secrets.token_hex(16)
-_TOKENIZER = None
 
 
 # Admission alone (in-process and Redis) ----------------------------------------------------------
@@ -173,13 +173,11 @@ async def test_the_default_limits_admit_the_largest_request_they_allow(make_admi
 
 
 # End to end: a real gateway over HTTP ------------------------------------------------------------
+@functools.cache
 def tokenizer():
-    global _TOKENIZER
-    if _TOKENIZER is None:
-        from engines.tokenizer import load_gguf_tokenizer
+    from engines.tokenizer import load_gguf_tokenizer
 
-        _TOKENIZER = load_gguf_tokenizer()
-    return _TOKENIZER
+    return load_gguf_tokenizer()
 
 
 def answer_tokens() -> list[int]:
@@ -226,6 +224,7 @@ class Gateway:
     db_engine: object
     namespace: str | None = None
     keys: dict[str, str] = field(default_factory=dict)
+    unreachable: bool = False  # a test's switch: the registry refuses new connections (test_response_store_outage)
 
     @property
     def url(self) -> str:
@@ -406,6 +405,10 @@ def test_a_request_too_large_for_tokens_per_minute_is_refused_in_each_dialects_s
     assert "Request too large" in error["message"] and "Limit 600, Requested 1032" in error["message"]
     assert "max_tokens" in error["message"]
     assert "retry-after" not in answer.headers  # never admissible as sent: retrying it unchanged cannot help
+    series = [line for line in httpx.get(gateway.url + "/metrics", timeout=60).text.splitlines()
+              if line.startswith("kvgate_rate_limited_total{") and f'tenant="{slug}"' in line]
+    # a size refusal, not rate limiting: kept out of the tenant's rate-limited alert
+    assert series and all('limit="request_too_large"' in line for line in series), series
     # No max_tokens: the tenant's output limit (2000) is what the request would run with.
     answer = httpx.post(gateway.url + "/v1/chat/completions", json=chat(), headers=headers, timeout=60)
     assert answer.status_code == 429 and "Requested 2032" in answer.json()["error"]["message"]

@@ -10,7 +10,7 @@ import pytest
 from engines.contract import KvMetrics
 from engines.tokenizer import load_gguf_tokenizer
 from retention.policy.hint_plan import HintPolicy
-from retention.policy.hint_quota import HintLedger, plan_with_hints
+from retention.policy.hint_quota import HintedPlan, HintLedger, plan_with_hints
 from retention.policy.hints import TTL_1H_MS, TTL_5M_MS, Breakpoint, CacheHints
 from retention.types import RetentionPlan, TokenRange
 from server.gateway.api.completions import Outcome
@@ -173,6 +173,9 @@ def test_usage_splits_the_prompt_into_read_created_and_the_rest() -> None:
     assert cache_creation(applied, 32, 16) == (64, 16)
     assert cache_creation(applied, 64, 16) == (48, 0)
     assert cache_creation(applied, 112, 16) == (0, 0)
+    # Blocks an earlier hint still pins, which this request only kept (keep_pins), are not its writes.
+    kept_only = HintedPlan(applied.plan, kept_hashes=(7000, 7001), kept_durations_ms=(60_000, 60_000))
+    assert cache_creation(kept_only, 0, 16) == (0, 0)
     job = SimpleNamespace(prompt=PreparedPrompt(tuple(range(130)), 10, 20), hints=hints,
                           tenant=SimpleNamespace(pool=SimpleNamespace(tokens_per_block=16)), model="m")
     outcome = Outcome(completion_tokens=5, kv=KvMetrics(reused_blocks=2), hinted=applied)

@@ -119,7 +119,7 @@ def test_two_replicas_each_matching_the_registration_are_no_mismatch() -> None:
     from prometheus_client import CollectorRegistry, generate_latest
 
     from server.gateway.observe.metrics import GatewayMetrics
-    from server.gateway.replicas.routing import sum_reports
+    from server.gateway.replicas.reports import sum_reports
 
     each = {"r0": stats(flood=10), "r1": stats(flood=15)}  # 100 GPU blocks each, as registered
     m = monitor()
@@ -143,3 +143,44 @@ def capacity_mismatch_of(reports):  # noqa: ANN001, ANN201
     from server.gateway.observe.capacity_check import capacity_mismatch
 
     return capacity_mismatch(TWO, reports)
+
+
+def test_one_pools_failing_poll_does_not_stop_the_refresh_of_the_pools_after_it(caplog) -> None:  # type: ignore[no-untyped-def]
+    import asyncio
+
+    from server.gateway.replicas.routing import Routing
+
+    a = PoolSnapshot(1, "a", "m", "kvgate_llm", "spec", 16, 100, 400, 35,
+                     (ReplicaSnapshot(10, "a0", "127.0.0.1:1", "active", 1),))
+    b = PoolSnapshot(2, "b", "m", "kvgate_llm", "spec", 16, 100, 400, 35,
+                     (ReplicaSnapshot(20, "b0", "127.0.0.1:2", "active", 1),))
+
+    class Polls(Routing):
+        def __init__(self) -> None:
+            super().__init__()
+            self.polled: list[str] = []
+
+        async def poll(self, pool):  # type: ignore[no-untyped-def]
+            self.polled.append(pool.name)
+            if pool.name == "a":
+                raise TypeError("PoolStatsReport.__init__() got an unexpected keyword argument 'x'")
+            return stats(premium=10)
+
+        def route(self, pool):  # type: ignore[no-untyped-def]
+            class _Route:
+                @staticmethod
+                def replica_reports():  # type: ignore[no-untyped-def]
+                    return {"b0": stats(premium=10)}
+            return _Route()
+
+    routing = Polls()
+    m = PoolMonitor(EngineDirectory(lambda pool: None), lambda: [(a, TENANTS), (b, TENANTS)], routing=routing)
+
+    async def twice() -> None:
+        await m.refresh()
+        await m.refresh()
+
+    asyncio.run(twice())
+    assert routing.polled == ["a", "b", "a", "b"]
+    assert m.stats("b") is not None and m.stats("a") is None
+    assert "pool a" in caplog.text

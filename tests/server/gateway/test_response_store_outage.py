@@ -28,9 +28,6 @@ from tenants.db import make_engine, make_session_factory
 from tests.server.gateway.test_admission_reservation import MODEL, FixedEngine, start_gateway
 from tests.tenants.fixtures import PG_ADMIN_URL, postgres_reachable
 
-UNREACHABLE = {"on": False}
-
-
 @pytest.fixture(scope="module")
 def gateway(tmp_path_factory):
     engine = FixedEngine()
@@ -40,11 +37,11 @@ def gateway(tmp_path_factory):
 
     @event.listens_for(built.db_engine, "do_connect")
     def refuse(dialect, conn_rec, cargs, cparams):
-        if UNREACHABLE["on"]:
+        if built.unreachable:
             raise sqlite3.OperationalError("unable to open database file (registry taken away by the test)")
 
     yield built
-    UNREACHABLE["on"] = False
+    built.unreachable = False
     built.close()
     engine.close()
 
@@ -65,7 +62,7 @@ def test_every_route_that_needs_the_store_answers_503_while_the_registry_is_away
     first = httpx.post(gateway.url + "/v1/responses", json=body, headers=headers, timeout=30)
     assert first.status_code == 200, first.text
     rid = first.json()["id"]
-    UNREACHABLE["on"] = True
+    gateway.unreachable = True
     try:
         time.sleep(0.4)  # past the auth TTL (0.2 s): authentication serves its last known answer
         # The registry is away for everything, not only for stored responses: auth still admits.
@@ -81,7 +78,7 @@ def test_every_route_that_needs_the_store_answers_503_while_the_registry_is_away
         ]:
             assert_unavailable(httpx.request(method, gateway.url + path, json=payload, headers=headers, timeout=30))
     finally:
-        UNREACHABLE["on"] = False
+        gateway.unreachable = False
     # Back: nothing was lost or half-deleted.
     again = httpx.get(f"{gateway.url}/v1/responses/{rid}", headers=headers, timeout=30)
     assert again.status_code == 200 and again.json()["id"] == rid

@@ -6,7 +6,7 @@ from engines.pool_stats import PoolStatsReport, TierStats
 from engines.kv_events import GPU, HOST, MOVED, REMOVED, STORED, KvEventLog
 from retention.routing import KvAwareRouter
 from server.gateway.replicas.breaker import Breaker
-from server.gateway.replicas.routing import report_as_pool_events, sum_reports
+from server.gateway.replicas.reports import report_as_pool_events, sum_reports
 
 
 def test_breaker_opens_on_failure_backs_off_and_closes_on_success() -> None:

@@ -17,6 +17,7 @@ and which counts the calls it started, finished and saw cancelled. The gateway i
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import secrets
 import threading
@@ -40,7 +41,8 @@ from engines.tokenizer import load_gguf_tokenizer
 from retention.types import RetentionPlan
 from server.gateway.replicas.breaker import Breaker
 from server.gateway.replicas.engine_client import EngineChunk
-from server.gateway.replicas.routing import EngineStalled, Routing, RoutingConfig
+from server.gateway.replicas.routing import Routing, RoutingConfig
+from server.gateway.replicas.stall import EngineStalled
 from server.gateway.services import LoopIntervals
 from server.serving import build_serving_app
 from server.settings import Settings
@@ -55,13 +57,11 @@ MODEL = "smollm2-135m-instruct"
 POOL = "scripted"
 TPB = 16
 PEPPER = "scripted-pepper-" + secrets.token_hex(16)
-_TOKENIZER = []
 
 
+@functools.cache
 def tokenizer():
-    if not _TOKENIZER:
-        _TOKENIZER.append(load_gguf_tokenizer())
-    return _TOKENIZER[0]
+    return load_gguf_tokenizer()
 
 
 # The replicas -------------------------------------------------------------------------------
