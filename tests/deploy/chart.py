@@ -114,3 +114,30 @@ def gateway(r: Rendered) -> tuple[dict[str, Any], dict[str, Any]]:
     deployment = r.get("Deployment", "kvgate-gateway")
     (container,) = deployment["spec"]["template"]["spec"]["containers"]
     return deployment, container
+
+
+def minimal(**overrides: Any) -> dict[str, Any]:
+    """The smallest values a render needs (secrets from an existing Secret), with ``overrides``."""
+    values: dict[str, Any] = {"secrets": {"existingSecret": "kvgate-secrets"}}
+    values.update(overrides)
+    return values
+
+
+def plan_name(pool: str) -> str:
+    return f"kvgate-engine-{pool}"
+
+
+def workload(r: Rendered, pool: str) -> dict[str, Any]:
+    found = [o for o in r.objects if o["kind"] in ("StatefulSet", "LeaderWorkerSet") and o["metadata"]["name"] == plan_name(pool)]
+    assert len(found) == 1
+    return found[0]
+
+
+def hook(obj: dict[str, Any]) -> tuple[set[str], int]:
+    """An object's Helm hook events and weight (empty, 0: a normal release object)."""
+    annotations = obj["metadata"].get("annotations", {})
+    return set(filter(None, annotations.get("helm.sh/hook", "").split(","))), int(annotations.get("helm.sh/hook-weight", "0"))
+
+
+def pools_of(r: Rendered) -> list[dict[str, Any]]:
+    return r.values["pools"]
