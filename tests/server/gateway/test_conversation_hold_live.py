@@ -58,7 +58,9 @@ async def test_a_measured_tool_loop_is_held_at_enqueue_and_a_delete_is_heard(sta
             previous = reply.id
         # Now a request offering tools (here through chat completions: any dialect) is held, prompt and decode.
         chat, sent = await sent_for(api.chat.completions.create(
-            model=MODEL, max_tokens=1, temperature=0, messages=[{"role": "user", "content": f"Rain in Bergen? {x}"}],
+            model=MODEL, max_tokens=1, temperature=0,
+            # long enough for full blocks of its own past the preamble it shares with the conversation
+            messages=[{"role": "user", "content": f"Rain in Bergen? {x} " + "And tomorrow, and the day after? " * 4}],
             tools=[{"type": "function", "function": {k: WEATHER[k] for k in ("name", "description", "parameters")}}]))
         total = chat.usage.prompt_tokens
         plan = parse_retention(decode_inputs(sent), total)
@@ -98,11 +100,20 @@ async def test_a_class_with_hints_but_without_the_conversation_switch_holds_no_t
                                                    previous_response_id=previous)).id
         before = len(proxy.requests)
         chat = await api.chat.completions.create(
-            model=MODEL, max_tokens=1, temperature=0, messages=[{"role": "user", "content": f"Rain in Bergen? {x}"}],
+            model=MODEL, max_tokens=1, temperature=0,
+            # long enough for full blocks of its own past the preamble it shares with the conversation
+            messages=[{"role": "user", "content": f"Rain in Bergen? {x} " + "And tomorrow, and the day after? " * 4}],
             tools=[{"type": "function", "function": {k: WEATHER[k] for k in ("name", "description", "parameters")}}])
         (sent,) = [r for r in proxy.requests[before:] if any(i.name == "input_ids" for i in r.inputs)]
         plan = parse_retention(decode_inputs(sent), chat.usage.prompt_tokens)
-        assert plan.decode_priority == 35 and all(r.priority == 35 for r in plan.ranges)
+        # No tool-loop hold: neither its generated tokens nor its own prompt blocks are held. The
+        # tool preamble it shares with the stored conversation (hinted at the class's caps) keeps
+        # the rest of that hint's hold (keep_pins): a read must not cut another request's hint short.
+        assert plan.decode_priority == 35
+        full_end = chat.usage.prompt_tokens // stack.tokens_per_block * stack.tokens_per_block
+        assert plan.retention_at(full_end - 1)[0] == 35, plan.ranges
+        assert all(r.priority == 35 or (r.priority == HOLD_PRIORITY and 0 < (r.duration_ms or 0) <= MAX_TTL_MS)
+                   for r in plan.ranges), plan.ranges
         # Nor does its DELETE send a demote (the same switch): the stored response goes, nothing else.
         deleted = httpx.delete(f"{stack.gateway.base_url}/v1/responses/{previous}",
                                headers={"Authorization": f"Bearer {key}"})
