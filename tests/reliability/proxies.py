@@ -175,7 +175,10 @@ def run_counting_proxy_in_thread(upstream: str) -> tuple[CountingProxy, int, Cal
 
 # Cuttable TCP proxy --------------------------------------------------------------------------
 class TcpCut:
-    """TCP forwarder to ``upstream_port`` on loopback; :meth:`cut` makes the upstream vanish."""
+    """TCP forwarder to ``upstream_port`` on loopback; :meth:`cut` makes the upstream vanish (resets,
+    refused connections); :meth:`stall` makes it go silent instead (no byte moves either way and new
+    connections are accepted but unanswered, no reset: a partition or a frozen server) until
+    :meth:`resume`, which moves them again, held connections included."""
 
     def __init__(self, upstream_port: int) -> None:
         self.upstream_port = upstream_port
@@ -184,6 +187,8 @@ class TcpCut:
         self._sockets: set[socket.socket] = set()
         self._listener: socket.socket | None = None
         self._thread: threading.Thread | None = None
+        self._stalled = threading.Event()
+        self._held: list[socket.socket] = []
 
     def start(self) -> TcpCut:
         listener = socket.socket()
@@ -201,19 +206,29 @@ class TcpCut:
                 client, _ = listener.accept()
             except OSError:
                 return
-            try:
-                upstream = socket.create_connection(("127.0.0.1", self.upstream_port), timeout=5)
-            except OSError:
-                client.close()
-                continue
             with self._lock:
-                self._sockets.update((client, upstream))
-            for a, b in ((client, upstream), (upstream, client)):
-                threading.Thread(target=self._pump, args=(a, b), daemon=True).start()
+                if self._stalled.is_set():
+                    self._held.append(client)
+                    continue
+            self._connect(client)
+
+    def _connect(self, client: socket.socket) -> None:
+        try:
+            upstream = socket.create_connection(("127.0.0.1", self.upstream_port), timeout=5)
+        except OSError:
+            client.close()
+            return
+        upstream.settimeout(None)
+        with self._lock:
+            self._sockets.update((client, upstream))
+        for a, b in ((client, upstream), (upstream, client)):
+            threading.Thread(target=self._pump, args=(a, b), daemon=True).start()
 
     def _pump(self, src: socket.socket, dst: socket.socket) -> None:
         try:
             while data := src.recv(65536):
+                while self._stalled.is_set():
+                    time.sleep(0.02)
                 dst.sendall(data)
         except OSError:
             pass
@@ -239,7 +254,18 @@ class TcpCut:
     def restore(self) -> None:
         self.start()
 
+    def stall(self) -> None:
+        self._stalled.set()
+
+    def resume(self) -> None:
+        with self._lock:
+            self._stalled.clear()
+            held, self._held = self._held, []
+        for client in held:
+            self._connect(client)
+
     def close(self) -> None:
+        self.resume()
         self.cut()
 
 

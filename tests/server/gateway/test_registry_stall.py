@@ -7,15 +7,13 @@ few seconds, an unknown key gets 503 ``registry_unavailable``, ``/readyz`` answe
 its timeout, and the poll loop keeps polling the replicas; once the registry answers again,
 so does everything else.
 
-Real PostgreSQL behind :class:`StallingProxy`, a TCP forwarder that can stop moving bytes
-(and hold new connections unanswered) and resume; the registry's engine is ``make_engine``'s
-for the proxied URL, so its own timeouts are those a deployment gets.
+Real PostgreSQL behind :class:`~tests.reliability.proxies.TcpCut`, a TCP forwarder that can stall
+(stop moving bytes and hold new connections unanswered) and resume; the registry's engine is
+``make_engine``'s for the proxied URL, so its own timeouts are those a deployment gets.
 """
 
 from __future__ import annotations
 
-import socket
-import threading
 import time
 
 import httpx
@@ -26,79 +24,9 @@ from server.gateway.auth import LOOKUP_TIMEOUT_S
 from server.gateway.replicas.pool_monitor import LISTING_TIMEOUT_S
 from tenants import migrate
 from tenants.db import make_engine, make_session_factory
-from tests.server.gateway.stack import free_port
+from tests.reliability.proxies import TcpCut
 from tests.server.gateway.test_stream_stall import ScriptedReplicas, start_gateway, wait_until
 from tests.tenants.fixtures import PG_ADMIN_URL, drop_pg_schema, new_pg_schema, postgres_reachable
-
-
-class StallingProxy:
-    """Forwards TCP to ``upstream``; :meth:`stall` stops moving bytes both ways and leaves new
-    connections accepted but unanswered (no reset, no error: packets that go nowhere);
-    :meth:`resume` moves them again, held connections included."""
-
-    def __init__(self, upstream: tuple[str, int]) -> None:
-        self.upstream = upstream
-        self.port = free_port()
-        self.stalled = threading.Event()
-        self.held: list[socket.socket] = []
-        self._lock = threading.Lock()
-        self._listener = socket.socket()
-        self._listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self._listener.bind(("127.0.0.1", self.port))
-        self._listener.listen(128)
-        self._closed = False
-        threading.Thread(target=self._accept, daemon=True).start()
-
-    def _accept(self) -> None:
-        while not self._closed:
-            try:
-                client, _ = self._listener.accept()
-            except OSError:
-                return
-            with self._lock:
-                if self.stalled.is_set():
-                    self.held.append(client)
-                    continue
-            self._connect(client)
-
-    def _connect(self, client: socket.socket) -> None:
-        try:
-            server = socket.create_connection(self.upstream)
-        except OSError:
-            client.close()
-            return
-        for a, b in ((client, server), (server, client)):
-            threading.Thread(target=self._pump, args=(a, b), daemon=True).start()
-
-    def _pump(self, source: socket.socket, sink: socket.socket) -> None:
-        try:
-            while data := source.recv(65536):
-                while self.stalled.is_set():
-                    time.sleep(0.02)
-                sink.sendall(data)
-        except OSError:
-            pass
-        finally:
-            for sock in (source, sink):
-                try:
-                    sock.shutdown(socket.SHUT_RDWR)
-                except OSError:
-                    pass
-
-    def stall(self) -> None:
-        self.stalled.set()
-
-    def resume(self) -> None:
-        with self._lock:
-            self.stalled.clear()
-            held, self.held = self.held, []
-        for client in held:
-            self._connect(client)
-
-    def close(self) -> None:
-        self._closed = True
-        self.resume()
-        self._listener.close()
 
 
 @pytest.fixture(scope="module")
@@ -107,7 +35,7 @@ def stalled_registry(tmp_path_factory):
         pytest.skip(f"PostgreSQL at {PG_ADMIN_URL} is unreachable")
     schema = new_pg_schema()
     admin = make_url(PG_ADMIN_URL)
-    proxy = StallingProxy((admin.host or "127.0.0.1", admin.port or 5432))
+    proxy = TcpCut(admin.port or 5432).start()  # PostgreSQL on loopback
     engine = make_engine(admin.set(host="127.0.0.1", port=proxy.port),
                          connect_args={"options": f"-csearch_path={schema}"})
     gateway = None
