@@ -119,8 +119,12 @@ class Router:
         """The request ended (done, failed, cancelled). Idempotent."""
         self.loads.complete(request_id)
 
-    def apply_events(self, replica: ReplicaId, events: Iterable[KvEvent], *, now: float) -> None:
-        """KV events reported by ``replica`` (ignored by routers without an index)."""
+    def apply_events(
+        self, replica: ReplicaId, events: Iterable[KvEvent], *, now: float, as_of: float | None = None
+    ) -> None:
+        """KV events reported by ``replica`` (ignored by routers without an index). ``as_of``
+        (default ``now``): every event the replica emitted before that time is in this batch or
+        an earlier one — for a poll, the time it was sent."""
         return None
 
     def forget_replica(self, replica: ReplicaId) -> None:
@@ -176,7 +180,12 @@ class KvAwareRouter(Router):
     candidate (default: a :class:`PreciseIndex`); the first KV events a replica reports turn
     an approximate index into a precise one (the guess is dropped). ``on_dispatch`` records
     the prompt into approximate indexes and into the replica's *pending* set (blocks being
-    computed there), which ``on_complete`` clears.
+    computed there). A request that ends on a replica with a precise index keeps its pending
+    blocks until the first event batch known to be complete past its end (``apply_events``'s
+    ``as_of``): its prompt was stored at the end of its prefill, but the router learns that
+    only from the replica's next report, and a follow-up turn routed in between must still
+    see it there. ``on_complete`` clears them at once where the index is approximate (it
+    already holds what was sent).
     """
 
     name = "kv-aware"
@@ -196,6 +205,8 @@ class KvAwareRouter(Router):
         self._indexes: dict[ReplicaId, BlockIndex] = {}
         self._pending: dict[ReplicaId, dict[int, int]] = {}  # replica -> hash -> in-flight requests
         self._pending_of: dict[Hashable, tuple[ReplicaId, tuple[int, ...]]] = {}
+        # replica -> (end time, prompt hashes) of ended requests whose blocks no report has covered yet
+        self._settling: dict[ReplicaId, list[tuple[float, tuple[int, ...]]]] = {}
 
     # ---------------------------------------------------------------- indexes
     def index(self, replica: ReplicaId) -> BlockIndex:
@@ -221,22 +232,41 @@ class KvAwareRouter(Router):
             extra += 1
         return PrefixMatch(held.gpu_blocks, held.host_blocks, extra) if extra else held
 
-    def apply_events(self, replica: ReplicaId, events: Iterable[KvEvent], *, now: float) -> None:
-        """Feed ``replica``'s KV events to its index; the first non-empty batch makes it precise."""
+    def apply_events(
+        self, replica: ReplicaId, events: Iterable[KvEvent], *, now: float, as_of: float | None = None
+    ) -> None:
+        """Feed ``replica``'s KV events to its index; the first non-empty batch makes it precise.
+        Even an empty batch settles the requests that ended there by ``as_of`` (default ``now``):
+        whatever they stored is now in the index, or was evicted since."""
         events = list(events)
-        if not events:
-            return
-        index = self._indexes.get(replica)
-        if not isinstance(index, PreciseIndex):
-            index = self._indexes[replica] = PreciseIndex()
-        index.apply(events)
+        if events:
+            index = self._indexes.get(replica)
+            if not isinstance(index, PreciseIndex):
+                index = self._indexes[replica] = PreciseIndex()
+            index.apply(events)
+        settling = self._settling.get(replica)
+        if settling:
+            cutoff = now if as_of is None else as_of
+            keep = [entry for entry in settling if entry[0] > cutoff]
+            for ended, hashes in settling:
+                if ended <= cutoff:
+                    self._unpend(replica, hashes)
+            self._settling[replica] = keep
+
+    def forget_index(self, replica: ReplicaId) -> None:
+        """Drop what the router believes ``replica`` holds (its index, pending and settling
+        blocks), keeping its in-flight load: the replica may have restarted and lost its cache,
+        but the requests still running there are released one by one by their ``on_complete``.
+        The next use builds a fresh index from the factory."""
+        self._indexes.pop(replica, None)
+        self._pending.pop(replica, None)
+        self._settling.pop(replica, None)
+        for rid in [rid for rid, (r, _) in self._pending_of.items() if r == replica]:
+            del self._pending_of[rid]
 
     def forget_replica(self, replica: ReplicaId) -> None:
         super().forget_replica(replica)
-        self._indexes.pop(replica, None)
-        self._pending.pop(replica, None)
-        for rid in [rid for rid, (r, _) in self._pending_of.items() if r == replica]:
-            del self._pending_of[rid]
+        self.forget_index(replica)
 
     # ---------------------------------------------------------------- choice
     def _choose(self, request: RouteRequest, candidates: Sequence[Candidate], now: float) -> Decision:
@@ -275,6 +305,12 @@ class KvAwareRouter(Router):
         if entry is None:
             return
         replica, hashes = entry
+        if isinstance(self._indexes.get(replica), PreciseIndex):
+            self._settling.setdefault(replica, []).append((now, hashes))
+        else:
+            self._unpend(replica, hashes)
+
+    def _unpend(self, replica: ReplicaId, hashes: tuple[int, ...]) -> None:
         pending = self._pending.get(replica)
         if pending is None:
             return

@@ -15,6 +15,7 @@ from retention.routing import (
     Candidate,
     CapacityModel,
     CostModel,
+    Decision,
     KvAwareRouter,
     PreciseIndex,
     PrefixMatch,
@@ -281,7 +282,42 @@ def test_pending_blocks_of_in_flight_requests_attract_their_twins() -> None:
     d2 = router.route(request(2, prompt), CANDS, now=0)
     assert d2.replica == d1.replica and d2.match == PrefixMatch(0, 0, 6)
     router.on_complete(1, now=1)
-    assert router.route(request(3, prompt), CANDS, now=1).match == PrefixMatch()
+    # Ended, but no report has shown where its prompt went: still pending there (the store at
+    # prefill end reaches the router only with the replica's next KV events).
+    assert router.route(request(3, prompt), CANDS, now=1).match == PrefixMatch(0, 0, 6)
+    router.apply_events(d1.replica, [], now=2, as_of=0.5)  # a poll sent before it ended
+    assert router.route(request(3, prompt), CANDS, now=2).match == PrefixMatch(0, 0, 6)
+    router.apply_events(d1.replica, [], now=3, as_of=1)  # a report covering its end: settled
+    assert router.route(request(3, prompt), CANDS, now=3).match == PrefixMatch()
+
+
+def test_an_ended_request_on_an_approximate_replica_leaves_no_pending_blocks() -> None:
+    router = make_router("kv-aware", tokens_per_block=BPT,
+                         index_factory=approximate_indexes(CapacityModel(primary_blocks=1000)))
+    prompt = tokens(9, 6 * BPT + 1)
+    first = request(1, prompt)
+    d1 = router.route(first, CANDS, now=0)
+    router.on_dispatch(first, d1, now=0)
+    router.on_complete(1, now=1)
+    match = router.match(d1.replica, first.hashes, now=1)
+    assert (match.gpu_blocks, match.pending_blocks) == (6, 0)  # what was sent there, not pending
+
+
+def test_forget_index_drops_what_a_replica_holds_but_keeps_its_load() -> None:
+    router = make_router("kv-aware", tokens_per_block=BPT)
+    prompt = tokens(9, 6 * BPT + 1)
+    first, second = request(1, prompt), request(2, tokens(4, 6 * BPT + 1))
+    d1 = router.route(first, CANDS, now=0)
+    router.on_dispatch(first, d1, now=0)
+    router.apply_events(d1.replica, [StoredEvent(1, None, tuple(StoredBlock(h, (), Tier.PRIMARY, 35) for h in first.hashes))], now=0)
+    router.on_dispatch(second, Decision(d1.replica, "kv-aware"), now=0)
+    router.on_complete(1, now=1)
+    running = router.load(d1.replica).running
+    router.forget_index(d1.replica)
+    assert router.match(d1.replica, first.hashes, now=1) == PrefixMatch()
+    assert router.load(d1.replica).running == running == 1  # the second still runs there
+    router.on_complete(2, now=2)  # its pending entry went with the index: nothing to undo
+    assert router.load(d1.replica).running == 0
 
 
 def test_ties_are_deterministic_and_spread_new_prefixes() -> None:

@@ -54,7 +54,7 @@ def test_notices_round_trip_and_malformed_ones_are_refused() -> None:
             Notice.decode(bad)
 
 
-def test_a_peers_request_counts_in_load_and_pending_until_it_completes() -> None:
+def test_a_peers_request_counts_in_load_until_it_completes_and_pending_until_the_next_report() -> None:
     router = KvAwareRouter(tokens_per_block=BPT)
     peers = PeerLoads(router, "me")
     hashes = (1, 2, 3, 4)
@@ -69,7 +69,10 @@ def test_a_peers_request_counts_in_load_and_pending_until_it_completes() -> None
     peers.apply(Notice("peer", "first_token", "a"), now=0.2)
     assert router.loads.load(1, now=0.2).queued_prefill_tokens == 0 and router.loads.load(1, now=0.2).running == 1
     peers.apply(Notice("peer", "complete", "a"), now=0.3)
-    assert router.loads.load(1, now=0.3).running == 0 and router.match(1, hashes, now=0.3).pending_blocks == 0
+    assert router.loads.load(1, now=0.3).running == 0
+    assert router.match(1, hashes, now=0.3).pending_blocks == 4  # until the replica's next report shows it
+    router.apply_events(1, [], now=0.35)
+    assert router.match(1, hashes, now=0.35).pending_blocks == 0
     assert peers.in_flight() == 0
     peers.apply(Notice("peer", "complete", "a"), now=0.4)  # a second completion changes nothing
     peers.apply(Notice("peer", "complete", "never-dispatched"), now=0.4)
@@ -87,7 +90,9 @@ def test_a_silent_peer_expires_and_its_load_leaves() -> None:
     peers.apply(Notice("alive", "heartbeat", in_flight=("b",)), now=8.0)
     assert peers.expire(now=9.0) == []
     assert peers.expire(now=10.5) == ["lost"]
-    assert router.loads.load(0, now=10.5).running == 0 and router.match(0, (1, 2), now=10.5).pending_blocks == 0
+    assert router.loads.load(0, now=10.5).running == 0
+    router.apply_events(0, [], now=10.6)  # what it computed there shows in the replica's next report
+    assert router.match(0, (1, 2), now=10.6).pending_blocks == 0
     assert router.loads.load(1, now=10.5).running == 1 and peers.peers() == ["alive"]
     # back after the expiry (a partition healed): its later notices count again
     peers.apply(Notice("lost", "dispatch", "c", 0, (5,), 5, 8, 0), now=11.0)
@@ -106,7 +111,9 @@ def test_a_heartbeat_ends_the_requests_it_does_not_name() -> None:
     peers.apply(Notice("peer", "dispatch", "lost", 0, (1, 2), 9, 8, 0), now=0.0)
     peers.apply(Notice("peer", "dispatch", "live", 1, (3, 4), 9, 8, 0), now=0.0)
     peers.apply(Notice("peer", "heartbeat", in_flight=("live", "unknown")), now=5.0)
-    assert router.loads.load(0, now=5.0).running == 0 and router.match(0, (1, 2), now=5.0).pending_blocks == 0
+    assert router.loads.load(0, now=5.0).running == 0
+    router.apply_events(0, [], now=5.0)  # replica 0's next report: its pending blocks settle
+    assert router.match(0, (1, 2), now=5.0).pending_blocks == 0
     assert router.loads.load(1, now=5.0).running == 1 and peers.in_flight() == 1
     peers.apply(Notice("peer", "heartbeat"), now=7.0)  # names nothing (an earlier version's): liveness only
     assert router.loads.load(1, now=7.0).running == 1
@@ -144,6 +151,7 @@ def test_a_retry_moves_the_peers_request_even_when_its_completion_was_lost() -> 
     peers.apply(Notice("peer", "dispatch", "s", 0, (5, 6), 9, 8, 0), now=1.0)
     peers.apply(Notice("peer", "dispatch", "s", 2, (5, 6), 9, 8, 0), now=1.0)
     assert [router.loads.load(i, now=1.0).running for i in (0, 1, 2)] == [0, 1, 1]
+    router.apply_events(0, [], now=1.0)  # replica 0's next report shows what the failed try left there
     assert router.match(0, (5, 6), now=1.0).pending_blocks == 0 and router.match(2, (5, 6), now=1.0).pending_blocks == 2
     # a forgotten replica's requests leave the load, and the gauge, though the peer still names them
     router.forget_replica(2)

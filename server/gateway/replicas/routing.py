@@ -66,7 +66,6 @@ from retention.routing import (
     Decision,
     Notice,
     PeerLoads,
-    PreciseIndex,
     Router,
     RouteRequest,
     RoutingError,
@@ -271,11 +270,9 @@ class PoolRoute:
         replica.cursor, replica.events = 0, None
         if replica.id not in self.replicas:
             return
-        # The router's API has no "drop the index only" (forget_replica drops the load too):
-        # a fresh precise index is what the router's default factory would build on next use.
-        set_index = getattr(self.router, "set_index", None)
-        if set_index is not None:
-            set_index(replica.id, PreciseIndex())
+        forget_index = getattr(self.router, "forget_index", None)  # routers without an index have none
+        if forget_index is not None:
+            forget_index(replica.id)
 
     def mark_failed(self, replica: Replica) -> None:
         """A connection failure (dispatch or stats poll)."""
@@ -324,7 +321,7 @@ class PoolRoute:
                         "kinds are resynced from a snapshot", self.name, replica.name, ", ".join(sorted(unknown)))
         if generation == self.generation:
             try:
-                self._feed(replica, stats.kv_events)
+                self._feed(replica, stats.kv_events, asked_at=now)
             except Exception as exc:  # noqa: BLE001 - as above
                 log.warning("replica %s/%s: KV events not applicable (%s: %s); counted as a failed probe",
                             self.name, replica.name, type(exc).__name__, exc)
@@ -346,7 +343,9 @@ class PoolRoute:
             expected += 1
         return report.next_seq == expected
 
-    def _feed(self, replica: Replica, report: KvEventsReport | None) -> None:
+    def _feed(self, replica: Replica, report: KvEventsReport | None, *, asked_at: float | None = None) -> None:
+        """Apply one poll's KV events (asked at ``asked_at``: every event the replica emitted
+        before then is in this report or an earlier one; default: now)."""
         now = self._clock()
         if report is None or not report.supported:
             if replica.events is not False:  # approximate mode: index what we send there
@@ -372,7 +371,7 @@ class PoolRoute:
                         report.next_seq, replica.cursor)
             replica.cursor = 0
             return
-        self.router.apply_events(replica.id, report_as_pool_events(report), now=now)
+        self.router.apply_events(replica.id, report_as_pool_events(report), now=now, as_of=asked_at)
         replica.events, replica.epoch, replica.cursor = True, report.epoch, report.next_seq
 
     def pool_stats(self) -> PoolStatsReport | None:
