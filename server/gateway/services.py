@@ -138,6 +138,12 @@ class GatewayServices:
             self._tasks.append(asyncio.create_task(
                 self._loop(self.intervals.capture_refresh, self.captures.refresh, "capture refresh")))
 
+    def abort_in_flight(self) -> int:
+        """End every engine call still running (a drain past its timeout): each request answers
+        503 ``shutting_down`` or its stream's error event (``replicas/abort.py``). Returns how
+        many calls were running."""
+        return self.routing.aborts.abort_all()
+
     async def stop(self) -> None:
         await cancel_all(self._tasks)
         self._tasks = []

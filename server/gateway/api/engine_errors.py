@@ -4,8 +4,9 @@ A refusal is read back from the engine's message by ``engines/refusals.py`` (the
 knows the wording): a prompt over the input limit is OpenAI's ``context_length_exceeded`` naming
 the prompt's field, an output limit or a guide the engine refuses is ``invalid_request`` naming
 the client's field; anything else the engine refuses stays ``engine_rejected``. A stall or a
-first-token timeout is 504 ``engine_timeout``, any other failure 503 ``engine_unavailable``, both
-with ``Retry-After``.
+first-token timeout is 504 ``engine_timeout``, a call the gateway's forced shutdown ended 503
+``shutting_down`` (as a request refused during the drain), any other failure 503
+``engine_unavailable``, all with ``Retry-After``.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from typing import Any, Protocol
 
 from engines.refusals import context_refusal, guide_refusal, output_refusal
 from server.gateway.errors import ServingError
+from server.gateway.replicas.abort import GatewayShuttingDown
 from server.gateway.replicas.engine_client import EngineRejected, EngineTimeout
 from server.gateway.replicas.stall import EngineStalled
 
@@ -52,6 +54,9 @@ def engine_error(exc: Exception, job: FailedJob) -> ServingError:
             return ServingError(400, "invalid_request", f"{field}: the JSON schema cannot be compiled for guided "
                                 f"decoding: {guide}", param=field)
         return ServingError(400, "engine_rejected", f"the engine refused the request: {exc}")
+    if isinstance(exc, GatewayShuttingDown):  # a drain that ran out of time (replicas/abort.py)
+        return ServingError(503, "shutting_down", "this gateway is shutting down; retry on another replica",
+                            headers={"Retry-After": "1", "Connection": "close"})
     if isinstance(exc, EngineStalled):
         return ServingError(504, "engine_timeout", f"the model's engine stopped answering mid-answer (nothing for "
                             f"{exc.waited:g} s); retry shortly", headers={"Retry-After": "1"})

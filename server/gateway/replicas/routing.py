@@ -75,6 +75,7 @@ from retention.routing import (
 )
 from tenants.snapshots import PoolSnapshot
 from server.gateway.context import REQUEST_ID
+from server.gateway.replicas.abort import Aborts, GatewayShuttingDown
 from server.gateway.replicas.breaker import Breaker
 from server.gateway.replicas.peer_sync import PeerSync
 from server.gateway.replicas.engine_client import (
@@ -399,6 +400,7 @@ class Routing:
         self._clock = clock
         self.pools: dict[str, PoolRoute] = {}
         self.peer_sync = peer_sync
+        self.aborts = Aborts()  # the attempts a forced shutdown ends (abort.py)
         if peer_sync is not None:
             peer_sync.attach(peers_of=self._peers_of, pools=lambda: list(self.pools), clock=clock)
 
@@ -528,6 +530,7 @@ class RoutedEngine:
         stall = config.stall_wait() if request.streaming else None  # one message otherwise: ``wait`` covers it
         retries = config.retries
         sync = route.peer_sync
+        aborts = self._routing.aborts
         tried = self._tried
         while True:
             excluded = self._excluded()
@@ -552,11 +555,14 @@ class RoutedEngine:
             produced = prefilled = False
             status, kv = "error", None
             watch: StallWatch | None = None
+            attempt = aborts.begin()
             try:
                 async with contextlib.aclosing(replica.client.generate(request, request_id=request_id,
                                                                        timeout=timeout)) as chunks:
                     deadline = None if wait is None else asyncio.get_running_loop().time() + wait
                     while True:
+                        attempt.check()
+                        attempt.waiting = True
                         try:
                             if watch is not None:  # after the first chunk: the inter-token deadline
                                 watch.waiting()
@@ -583,6 +589,13 @@ class RoutedEngine:
                         except TimeoutError:
                             raise EngineTimeout(f"replica {route.name}/{replica.name} sent no token within "
                                                 f"{wait:g} s") from None
+                        except asyncio.CancelledError:
+                            if attempt.caused():
+                                raise GatewayShuttingDown(f"the gateway is shutting down; the call to replica "
+                                                          f"{route.name}/{replica.name} was cancelled") from None
+                            raise
+                        finally:
+                            attempt.waiting = False
                         kv = chunk.kv
                         if not produced:  # the replica answers: proof it serves (closes a breaker)
                             route.mark_served(replica)
@@ -601,6 +614,9 @@ class RoutedEngine:
                 return
             except EngineRejected:
                 status = "rejected"
+                raise
+            except GatewayShuttingDown:  # not the replica's fault, and no replica is to take it over
+                status = "cancelled"
                 raise
             except EngineUnavailable as exc:
                 if isinstance(exc, EngineStalled):
@@ -631,6 +647,7 @@ class RoutedEngine:
                 status = "cancelled"
                 raise
             finally:
+                aborts.end(attempt)
                 if watch is not None:
                     watch.close()
                 if trial is not None:

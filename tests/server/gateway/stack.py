@@ -78,6 +78,7 @@ class GatewayServer:
     server: uvicorn.Server | None = None
     thread: threading.Thread | None = None
     asgi: object | None = None  # what uvicorn serves, when not ``app`` itself (a test wrapper around it)
+    drain_timeout: float | None = None  # set: served as ``kvgate serve`` does, by its DrainingServer
 
     @property
     def base_url(self) -> str:
@@ -85,7 +86,12 @@ class GatewayServer:
 
     def start(self) -> None:
         config = uvicorn.Config(self.asgi or self.app, host="127.0.0.1", port=self.port, log_level="warning", lifespan="on")
-        self.server = uvicorn.Server(config)
+        if self.drain_timeout is None:
+            self.server = uvicorn.Server(config)
+        else:
+            from server.gateway.drain import DrainingServer
+
+            self.server = DrainingServer(config, self.app.state.gateway, drain_timeout=self.drain_timeout)
         self.thread = threading.Thread(target=self.server.run, daemon=True)
         self.thread.start()
         deadline = time.monotonic() + 30

@@ -1,0 +1,89 @@
+"""Ending the engine calls still running when a drain runs out of time, in the API's words.
+
+A SIGTERM drain (``server/gateway/drain.py``) waits for the requests in flight; past its
+timeout the server shuts down regardless. Left to uvicorn, that cancels each request's task:
+a client whose answer had not started gets a plain-text 500 with neither the dialect's error
+shape nor a request id, and a stream is cut with no error event. Instead the drain first calls
+:meth:`Aborts.abort_all`: every routed attempt waiting for its engine is cancelled (its engine
+call with it, as a client gone would), and the attempt raises :class:`GatewayShuttingDown`,
+which the request core answers as any engine failure is answered: 503 ``shutting_down`` with
+``Retry-After`` before the answer started, the dialect's error event in a stream, the
+request's admission and usage settled on the way out.
+
+Invariants: an abort cancels only a task that is waiting for its engine at that moment (the
+consumer's own work between messages is never interrupted; an attempt aborted then raises at
+its next wait), and a cancel from elsewhere stays a cancel (:meth:`Attempt.caused` tells the
+two apart, as ``stall.StallWatch`` does). Once :meth:`Aborts.abort_all` ran, an attempt that
+begins is aborted from its start: the shutdown does not wait for requests that start late.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from server.gateway.replicas.engine_client import EngineUnavailable
+
+__all__ = ["Aborts", "Attempt", "GatewayShuttingDown"]
+
+
+class GatewayShuttingDown(EngineUnavailable):
+    """The gateway is shutting down past its drain timeout: the attempt's engine call was
+    cancelled. Never retried on another replica, never counted against the replica."""
+
+
+class Attempt:
+    """One routed attempt's abort state; ``waiting`` is set while its task awaits the engine."""
+
+    __slots__ = ("task", "waiting", "aborted", "_fired", "_cancelling")
+
+    def __init__(self, task: asyncio.Task | None, aborted: bool = False) -> None:
+        self.task = task
+        self.waiting = False
+        self.aborted = aborted
+        self._fired = False
+        self._cancelling = 0
+
+    def abort(self) -> None:
+        if self.aborted:
+            return
+        self.aborted = True
+        if self.waiting and self.task is not None:
+            self._fired = True
+            self._cancelling = self.task.cancelling()
+            self.task.cancel()
+
+    def caused(self) -> bool:
+        """Called on ``CancelledError`` from the wait: True when this abort's cancel caused it
+        (the cancel is then withdrawn)."""
+        return self._fired and self.task is not None and self.task.uncancel() <= self._cancelling
+
+    def check(self) -> None:
+        """Before a wait: an attempt aborted meanwhile stops here."""
+        if self.aborted:
+            raise GatewayShuttingDown("the gateway is shutting down")
+
+
+class Aborts:
+    """The routed attempts in progress (one set per gateway), for :meth:`abort_all`."""
+
+    __slots__ = ("_attempts", "closing")
+
+    def __init__(self) -> None:
+        self._attempts: set[Attempt] = set()
+        self.closing = False
+
+    def begin(self) -> Attempt:
+        attempt = Attempt(asyncio.current_task(), aborted=self.closing)
+        self._attempts.add(attempt)
+        return attempt
+
+    def end(self, attempt: Attempt) -> None:
+        self._attempts.discard(attempt)
+
+    def abort_all(self) -> int:
+        """Abort every attempt in progress and every later one; returns how many were running."""
+        self.closing = True
+        running = list(self._attempts)
+        for attempt in running:
+            attempt.abort()
+        return len(running)
