@@ -10,6 +10,7 @@ import json
 
 from engines.contract import Guide, SamplingParams
 from server.gateway.api.completions import CompletionJob
+from server.gateway.api.conversion import format_with_auto_tools
 from server.gateway.api.openai_render import OPENAI
 from server.gateway.context import TenantContext
 from server.gateway.errors import ServingError
@@ -114,6 +115,8 @@ def _structure(body: ChatCompletionRequest) -> tuple[ToolPlan | None, Guide | No
     for name, function in functions.items():
         check_schema(function.get("parameters"), "tools")
     fmt = body.response_format
+    if fmt is not None and fmt.type != "text" and plan is not None and plan.mode == "auto":
+        raise format_with_auto_tools("response_format")
     if fmt is not None and fmt.json_schema is not None:
         check_schema(fmt.json_schema.schema_, "response_format")
     if guide is None and fmt is not None and fmt.type != "text":

@@ -71,7 +71,7 @@ from server.gateway.api.streaming import (CLIENT_RECEIVE, ClosingStreamingRespon
                                           run_once_shielded)
 from server.gateway.observe.slo_guard import SloGuards
 from server.gateway.api.conversation_hold import ConversationHolds
-from server.gateway.api.tools import CallSplitter, ToolCall, ToolPlan, parse_forced, parse_tool_calls
+from server.gateway.api.tools import CALL_CLOSE, CallSplitter, ToolCall, ToolPlan, parse_forced, parse_tool_calls
 from tenants.snapshots import PoolSnapshot
 
 
@@ -434,7 +434,11 @@ async def _generate_extended(job: CompletionJob, request: EngineRequest, chunks:
         else:
             _, outcome.tool_calls = parse_tool_calls(held, job.tools)
         if outcome.tool_calls:
-            outcome.finish_reason = "tool_calls"
+            # A block the output limit cut (no closing tag after it) is a call lost, not a finished answer:
+            # "length" stays, as OpenAI answers cut output, with the calls that did parse (a forced call
+            # that parses is whole; one that ends exactly at the limit after its close was not cut).
+            cut = outcome.finish_reason == "length" and not forced and not held.rstrip().endswith(CALL_CLOSE)
+            outcome.finish_reason = "length" if cut else "tool_calls"
         elif not forced:  # not a usable call after all (cut short, unknown function): it was content
             outcome.pieces.append(held)
             yield held
@@ -645,7 +649,6 @@ class CompletionRunner:
                           context_end=job.prompt.context_end, output_length=outcome.completion_tokens,
                           reused_blocks=kv.reused_blocks, onboarded_blocks=kv.onboarded_blocks, ttft=outcome.ttft,
                           latency=latency, status=outcome.status, hints=job.hints)
-
 
     async def _stream(self, job: CompletionJob, dialect: Dialect, request: EngineRequest, chunks: PrimedChunks,
                       outcome: Outcome, started: float, end: Callable[[], Awaitable[None]]) -> AsyncIterator[bytes]:

@@ -5,10 +5,14 @@ becomes its chat request), so every engine feature reaches this dialect through 
 core: the result is the template-ready message list the OpenAI chat path would build
 (``server.gateway.api.tools.render_messages``: tool definitions in the system message,
 Hermes ``<tool_call>`` blocks), plus a :class:`~server.gateway.api.tools.ToolPlan` and
-guide from the same functions the OpenAI path uses.
+guide from the same functions the OpenAI path uses. One difference: the tool definitions
+*open* the system message, before its text (``tools_first``), in Anthropic's cache prefix
+order tools → system → messages.
 
     Anthropic                                   chat request
-    system (string | text blocks)            →  one system message (blocks joined by "\\n")
+    system (string | text blocks)            →  one system message: the tools' text, "\\n\\n", then the
+                                                system text (blocks joined by "\\n"); "" and [] are no
+                                                system (the template's default one, as when omitted)
     tools [{name, description, input_schema}]→  functions [{name, description, parameters}]
     user turn: tool_result blocks            →  one ``tool`` message each, first, in the order of the
                                                 calls they answer (the template pairs by position)
@@ -25,10 +29,16 @@ guide from the same functions the OpenAI path uses.
 
 **Cache breakpoints.** ``cache_control`` on a block marks the prefix up to and including
 that block, in the order tools → system → messages. kvgate resolves it at message
-granularity: the breakpoint ends where the chat message holding the block ends (tools and
-system blocks: the end of the system message, which holds both). A block inside a message
-is thus rounded *up* to its message's end; exact per-block offsets would need a cut
-inside a message's text, which changes its tokenization. The token offsets come from
+granularity: the breakpoint ends where the chat message holding the block ends (system
+blocks: the end of the system message). A block inside a message is thus rounded *up* to
+its message's end; exact per-block offsets would need a cut inside a message's text, which
+changes its tokenization. The one exception is a tool's breakpoint when system text follows
+the tools: it ends where the tools' text ends, inside the system message (a
+:class:`~server.gateway.api.prompting.TextMark`: no cut; the tokens the tools' text alone
+tokenizes to, rounded *down* to a token that ends inside it), so it covers the tools and
+nothing of the system text, as on Anthropic's API ("tools 1h + system 5m" keeps the tools for
+1 h and the system text for 5 min). Without system text, the tools are the whole system
+message and their breakpoint ends with it. The token offsets come from
 ``ChatPrompter.chat(..., marks=)``; :func:`cache_hints` turns them into
 :class:`~retention.policy.hints.CacheHints` (breakpoints that land on the same offset merge, keeping
 the longest TTL). Rules checked here, as Anthropic states them: at most four blocks with
@@ -57,9 +67,21 @@ assistant turn is one assistant message with all its messages' text and calls. A
 any text or ``tool_use`` block of a turn thus ends with that turn's message (a result's with its
 ``tool`` message).
 
+**Fields.** Each object kvgate reads takes the fields the anthropic SDK's param type
+defines for it (``TextBlockParam``, ``ToolUseBlockParam``, ``ToolResultBlockParam``,
+``ToolParam``, ``CacheControlEphemeralParam``, the four ``ToolChoice*Param``), so echoed
+assistant content passes (``caller`` direct, ``toolset_name`` and ``citations`` ignored);
+any other field is refused with Anthropic's "Extra inputs are not permitted" naming it
+(``messages.0.content.0.cache_contrl``), so a typo never silently drops a breakpoint or a
+flag. Tool names match Anthropic's ``^[a-zA-Z0-9_-]{1,128}$``.
+
 **Text** blocks must be non-empty wherever a client writes them (system, messages,
-tool_result content; Anthropic: "text content blocks must be non-empty"); the converter's
-own empty texts (an assistant turn of tool calls only, a tool_result without content) stay.
+tool_result content; Anthropic: "text content blocks must be non-empty"), and, except in
+assistant turns, hold non-whitespace ("text content blocks must contain non-whitespace
+text"): an assistant turn's text may be whitespace only, since kvgate's own streamed answer
+may begin with the newline the model wrote before a tool call, and it is echoed back. The
+converter's own empty texts (an assistant turn of tool calls only, a tool_result without
+content) stay.
 The one empty message Anthropic allows, a final assistant message with ``content`` ``""`` or
 ``[]``, is the turn left open for the model: counting counts the conversation without it
 (whose generation prompt opens that turn, as a create request without it would be prompted);
@@ -75,16 +97,17 @@ too, never a 500.
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Mapping, Sequence
 from itertools import groupby
 from typing import Any
 
 from engines.contract import Guide
 from retention.policy.hints import MAX_BREAKPOINTS, TTL_1H_MS, TTL_5M_MS, Breakpoint, CacheHints
-from server.gateway.api.messages_schemas import MessageParam, MessagesInput
-from server.gateway.api.prompting import PreparedPrompt
-from server.gateway.api.conversion import Conversation, function, invalid
-from server.gateway.api.tools import ToolPlan, check_schema, forced_call_guide, render_messages
+from server.gateway.api.messages_schemas import MessageParam, MessagesInput, ToolChoice
+from server.gateway.api.prompting import PreparedPrompt, TextMark
+from server.gateway.api.conversion import Conversation, format_with_auto_tools, function, invalid
+from server.gateway.api.tools import ToolPlan, check_schema, forced_call_guide, render_messages, tools_system_text
 from server.gateway.errors import ServingError
 
 _TTLS = {"5m": TTL_5M_MS, "1h": TTL_1H_MS}
@@ -97,15 +120,33 @@ _UNSERVABLE_BLOCKS = {
     "mcp_tool_use": "MCP tools", "mcp_tool_result": "MCP tools", "container_upload": "containers",
 }
 _EMPTY = "text content blocks must be non-empty"  # Anthropic's words
-# Custom tool fields (Anthropic's ToolParam): each honoured, ignored on purpose or refused by value.
+_BLANK = "text content blocks must contain non-whitespace text"  # Anthropic's words
+_EXTRA = "Extra inputs are not permitted"  # Anthropic's words for a field its schema does not define
+# The fields of each object kvgate reads, as the anthropic SDK's *Param types define them (2.15):
+# each honoured, ignored on purpose or refused by value; any other is refused (_EXTRA), so a typo
+# (``cache_contrl``, ``iserror``) is a 400, never a silently dropped breakpoint or flag.
 _TOOL_FIELDS = frozenset({"type", "name", "description", "input_schema", "cache_control", "strict",
                           "input_examples", "eager_input_streaming", "defer_loading", "allowed_callers"})
+_TEXT_FIELDS = frozenset({"type", "text", "cache_control", "citations"})  # TextBlockParam
+_TOOL_USE_FIELDS = frozenset({"type", "id", "name", "input", "cache_control", "caller", "toolset_name"})
+_TOOL_RESULT_FIELDS = frozenset({"type", "tool_use_id", "content", "is_error", "cache_control", "toolset_name"})
+_CACHE_CONTROL_FIELDS = frozenset({"type", "ttl"})  # CacheControlEphemeralParam
+_CHOICE_FIELDS = {"auto": {"type", "disable_parallel_tool_use"}, "any": {"type", "disable_parallel_tool_use"},
+                  "tool": {"type", "name", "disable_parallel_tool_use"}, "none": {"type"}}
+_TOOL_NAME = re.compile(r"[a-zA-Z0-9_-]{1,128}")  # fullmatch: Anthropic's ^[a-zA-Z0-9_-]{1,128}$
 _REFUSED_FIELDS = ("mcp_servers", "container", "context_management", "diagnostics", "compaction", "billing_policy")
 
 
 def _str(value: Any) -> str | None:
     """``value`` if it is a string, else None: what a dict or set lookup may take from a client."""
     return value if isinstance(value, str) else None
+
+
+def _no_extra(obj: Mapping[str, Any], allowed: frozenset[str], field: str) -> None:
+    """Refuses the first key of ``obj`` (in the order sent) outside ``allowed``, naming ``field.key``."""
+    for key in obj:
+        if key not in allowed:
+            raise invalid(f"{field}.{key}", _EXTRA)
 
 
 def refuse_unservable(body: MessagesInput) -> None:
@@ -131,10 +172,10 @@ class _Breakpoints:
     """Collects ``cache_control`` marks in request order and checks Anthropic's rules."""
 
     def __init__(self) -> None:
-        self.marks: list[int] = []
+        self.marks: list[int | TextMark] = []
         self.ttls: list[int] = []
 
-    def take(self, block: Mapping[str, Any], field: str, mark: int) -> None:
+    def take(self, block: Mapping[str, Any], field: str, mark: int | TextMark) -> None:
         """Checks ``block``'s ``cache_control`` (if any) and records a breakpoint after ``mark`` messages.
         Must be called in request order (tools → system → messages, blocks in order): the limit and
         the TTL rule are Anthropic's over that order."""
@@ -144,8 +185,7 @@ class _Breakpoints:
         where = f"{field}.cache_control" if field else "cache_control"
         if not isinstance(control, dict) or control.get("type") != "ephemeral":
             raise invalid(where, "must be {\"type\": \"ephemeral\"} with an optional \"ttl\"")
-        if set(control) - {"type", "ttl"}:
-            raise invalid(where, f"unknown field(s) {sorted(set(control) - {'type', 'ttl'})}")
+        _no_extra(control, _CACHE_CONTROL_FIELDS, where)
         ttl_ms = _ttl_ms(control.get("ttl"), f"{where}.ttl")
         if len(self.marks) == MAX_BREAKPOINTS:
             raise invalid(where, f"a maximum of {MAX_BREAKPOINTS} blocks with cache_control may be provided")
@@ -168,10 +208,15 @@ def convert(body: MessagesInput, *, generate: bool = True) -> Conversation:
     refuse_unservable(body)
     points = _Breakpoints()
     functions = _functions(body.tools or [], points)
+    tool_marks = len(points.marks)
     system = _system(body.system, points)
+    if tool_marks and system is not None:
+        # The tools come first in the system message (render_messages(tools_first=True)): a tool's
+        # breakpoint ends where their text ends, inside that message, before the system text.
+        points.marks[:tool_marks] = [TextMark(0, len(tools_system_text(functions)))] * tool_marks
     out: list[dict] = []
     if system is not None or functions:
-        out.append({"role": "system", "content": system or ""})  # render_messages appends the tools to it
+        out.append({"role": "system", "content": system or ""})  # render_messages puts the tools before it
     messages = body.messages
     if messages[-1].role == "assistant" and not messages[-1].content:
         messages = messages[:-1]  # Anthropic's optional empty final assistant message: the turn left open
@@ -182,9 +227,9 @@ def convert(body: MessagesInput, *, generate: bool = True) -> Conversation:
         raise invalid(f"messages.{len(body.messages) - 1}", "a final assistant message (prefill) is not supported; "
                       "end with a user message")
     plan, guide = _tool_plan(body, functions)
-    guide = _output_guide(body, guide)
+    guide = _output_guide(body, guide, plan if generate else None)  # counting tokens refuses nothing it could count
     if functions or any("tool_calls" in m for m in out):
-        out = render_messages(out, functions)
+        out = render_messages(out, functions, tools_first=True)
     return Conversation(out, functions, plan, guide, tuple(points.marks), tuple(points.ttls))
 
 
@@ -224,12 +269,10 @@ def _function(tool: Any, field: str) -> dict:
     if kind not in (None, "custom"):
         raise invalid(f"{field}.type", f"server tool {kind!r} is not supported; only custom tools "
                       "(name, description, input_schema) are")
-    unknown = set(tool) - _TOOL_FIELDS
-    if unknown:
-        raise invalid(field, f"unknown field(s) {sorted(unknown)}")
+    _no_extra(tool, _TOOL_FIELDS, field)
     name = tool.get("name")
-    if not isinstance(name, str) or not name or len(name) > 128:
-        raise invalid(f"{field}.name", "must be a non-empty string of at most 128 characters")
+    if not isinstance(name, str) or not _TOOL_NAME.fullmatch(name):
+        raise invalid(f"{field}.name", "String should match pattern '^[a-zA-Z0-9_-]{1,128}$'")
     schema = tool.get("input_schema")
     if not isinstance(schema, dict):
         raise invalid(f"{field}.input_schema", "must be a JSON schema object")
@@ -266,7 +309,11 @@ def _check_tool_options(tool: dict, field: str) -> None:
 
 
 def _system(system: str | list[dict] | None, points: _Breakpoints) -> str | None:
-    if system is None or isinstance(system, str):
+    """The system text, or None for no system (absent, ``""`` or ``[]``: the template's default
+    system prompt stays, as when ``system`` is omitted)."""
+    if not system:
+        return None
+    if isinstance(system, str):
         return system
     texts = []
     for i, block in enumerate(system):
@@ -275,18 +322,26 @@ def _system(system: str | list[dict] | None, points: _Breakpoints) -> str | None
     return "\n".join(texts)
 
 
-def _text(block: Any, field: str) -> str:
-    """A client's text block's text: a non-empty string."""
+def _text(block: Any, field: str, *, blank: bool = False) -> str:
+    """A client's text block's text: a non-empty string with non-whitespace in it (``blank``: may be
+    whitespace only, as in an assistant turn, where kvgate's own streamed answer may begin with the
+    newline the model wrote before a tool call); only TextBlockParam's fields."""
     if not isinstance(block, dict):
         raise invalid(field, "must be a content block object")
     kind = block.get("type")
     if kind != "text":
         raise invalid(f"{field}.type", _not_text(kind))
+    _no_extra(block, _TEXT_FIELDS, field)
     text = block.get("text")
     if not isinstance(text, str):
         raise invalid(f"{field}.text", "must be a string")
     if not text:
         raise invalid(f"{field}.text", _EMPTY)
+    if not blank and text.isspace():
+        raise invalid(f"{field}.text", _BLANK)
+    citations = block.get("citations")
+    if citations is not None and not isinstance(citations, list):  # accepted, ignored: kvgate serves no documents
+        raise invalid(f"{field}.citations", "must be a list")
     return text
 
 
@@ -320,6 +375,8 @@ def _blocks(message: MessageParam, field: str) -> list:
     if isinstance(message.content, str):
         if not message.content:
             raise invalid(f"{field}.content", _EMPTY)
+        if message.role == "user" and message.content.isspace():
+            raise invalid(f"{field}.content", _BLANK)
         return [{"type": "text", "text": message.content}]
     if not message.content:
         raise invalid(f"{field}.content", "must not be empty")
@@ -392,7 +449,10 @@ def _answer(call_id: Any, field: str, calls: Mapping[str, int], answered: Mappin
 
 
 def _tool_result(block: dict, field: str) -> tuple[str, list[tuple[dict, str]]]:
-    """The result's text, and its content blocks with their fields (for their ``cache_control``)."""
+    """The result's text, and its content blocks with their fields (for their ``cache_control``);
+    only ToolResultBlockParam's fields (``toolset_name``: accepted, ignored)."""
+    _no_extra(block, _TOOL_RESULT_FIELDS, field)
+    _toolset_name(block, field)
     content = block.get("content", "")
     nested: list[tuple[dict, str]] = []
     if isinstance(content, str):
@@ -437,7 +497,7 @@ def _assistant(turn: Sequence[tuple[str, MessageParam]], out: list[dict], points
             elif kind == "tool_result":
                 raise invalid(f"{where}.type", "tool_result blocks belong in user messages")
             else:
-                mine.append(_text(block, where))
+                mine.append(_text(block, where, blank=True))
             marked.append((block, where))
         texts.append("".join(mine))
         for block, where in marked:  # per message, after its blocks are checked, as the rules count
@@ -450,7 +510,15 @@ def _assistant(turn: Sequence[tuple[str, MessageParam]], out: list[dict], points
 
 
 def _tool_use(block: dict, field: str, ids: set[str]) -> dict:
-    """The chat call of a ``tool_use`` block; its ``id`` joins ``ids`` (unique in the request)."""
+    """The chat call of a ``tool_use`` block; its ``id`` joins ``ids`` (unique in the request). Only
+    ToolUseBlockParam's fields, so echoed assistant content passes: ``caller`` must be direct (no code
+    execution runs here), ``toolset_name`` is accepted and ignored."""
+    _no_extra(block, _TOOL_USE_FIELDS, field)
+    caller = block.get("caller")
+    if caller is not None and caller != {"type": "direct"}:
+        raise invalid(f"{field}.caller", "only {\"type\": \"direct\"} is supported: this gateway runs no code "
+                      "execution tool")
+    _toolset_name(block, field)
     call_id, name, arguments = block.get("id"), block.get("name"), block.get("input")
     if not isinstance(call_id, str) or not call_id:
         raise invalid(f"{field}.id", "must be a non-empty string")
@@ -464,8 +532,28 @@ def _tool_use(block: dict, field: str, ids: set[str]) -> dict:
     return {"name": name, "arguments": json.dumps(arguments, ensure_ascii=False)}
 
 
+def _toolset_name(block: dict, field: str) -> None:
+    value = block.get("toolset_name")
+    if value is not None and not isinstance(value, str):
+        raise invalid(f"{field}.toolset_name", "must be a string")
+
+
+def _check_tool_choice(choice: ToolChoice) -> None:
+    """Each variant's fields, as the SDK's ToolChoice*Param define them: ``auto`` / ``any``
+    take ``disable_parallel_tool_use``; ``tool`` ``name`` (required) and
+    ``disable_parallel_tool_use``; ``none`` nothing else. A field sent as ``null`` counts as sent."""
+    allowed = _CHOICE_FIELDS[choice.type]
+    for key in ("name", "disable_parallel_tool_use"):  # the declared order: one answer for a body with both
+        if key in choice.model_fields_set and key not in allowed:
+            raise invalid(f"tool_choice.{key}", _EXTRA)
+    if choice.type == "tool" and choice.name is None:
+        raise invalid("tool_choice.name", "Field required")
+
+
 def _tool_plan(body: MessagesInput, functions: list[dict]) -> tuple[ToolPlan | None, Guide | None]:
     choice = body.tool_choice
+    if choice is not None:
+        _check_tool_choice(choice)
     if not functions:
         if choice is not None and choice.type in ("any", "tool"):
             raise invalid("tool_choice", f"'{choice.type}' needs tools")
@@ -484,7 +572,7 @@ def _tool_plan(body: MessagesInput, functions: list[dict]) -> tuple[ToolPlan | N
     return ToolPlan(by_name, kind, parallel=parallel), None
 
 
-def _output_guide(body: MessagesInput, guide: Guide | None) -> Guide | None:
+def _output_guide(body: MessagesInput, guide: Guide | None, tools: ToolPlan | None) -> Guide | None:
     """``output_config.format``'s JSON-schema guide (OpenAI's response_format), else ``guide``."""
     output = body.output_config
     if output is None or output.format is None:
@@ -492,5 +580,7 @@ def _output_guide(body: MessagesInput, guide: Guide | None) -> Guide | None:
     check_schema(output.format.schema_, "output_config.format.schema")
     if guide is not None:
         raise invalid("output_config.format", "cannot be combined with a tool_choice that forces a tool call")
+    if tools is not None and tools.mode == "auto":
+        raise format_with_auto_tools("output_config.format")
     # property order is kept: it is the order the model writes the fields in (as for response_format)
     return Guide("json_schema", json.dumps(output.format.schema_, separators=(",", ":")))

@@ -28,8 +28,11 @@ call a ``tool_use`` block with its input as one ``input_json_delta`` (calls are 
 end, as on the OpenAI path), ``message_delta`` (stop_reason, the final usage), ``message_stop``.
 An engine failure mid-stream is an ``error`` event, then the stream ends.
 
-**Errors** have Anthropic's shape and statuses: ``{"type": "error", "error": {"type", "message"}}``;
-the gateway's 503 (engine or gateway unavailable) is Anthropic's 529 ``overloaded_error``.
+**Errors** have Anthropic's shape and statuses: ``{"type": "error", "error": {"type", "message"},
+"request_id": "req_..."}``, the stream's ``error`` event too; the gateway's 503 (engine or gateway
+unavailable) is Anthropic's 529 ``overloaded_error``. ``request_id`` is
+:data:`~server.gateway.context.REQUEST_ID`, the id the answer's ``request-id`` header carries
+(``server.gateway.app.RequestIds`` sets both); it is left out only outside a request (tests).
 """
 
 from __future__ import annotations
@@ -43,6 +46,7 @@ from fastapi.responses import JSONResponse
 from retention.policy.hint_quota import HintedPlan
 from retention.policy.hints import TTL_1H_MS
 from server.gateway.api.completions import CompletionJob, Outcome, cached_tokens
+from server.gateway.context import REQUEST_ID
 from server.gateway.errors import ServingError
 
 # gateway status -> (Anthropic status, error type); anything else keeps its status as api_error
@@ -59,7 +63,11 @@ def error_status(exc: ServingError) -> tuple[int, str]:
 
 
 def error_body(exc: ServingError) -> dict:
-    return {"type": "error", "error": {"type": error_status(exc)[1], "message": exc.message}}
+    body: dict = {"type": "error", "error": {"type": error_status(exc)[1], "message": exc.message}}
+    request_id = REQUEST_ID.get()
+    if request_id is not None:
+        body["request_id"] = request_id
+    return body
 
 
 def error_response(exc: ServingError) -> JSONResponse:

@@ -21,7 +21,8 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic_core import PydanticCustomError
 
 from server.gateway.api.openai_schemas import MAX_MESSAGES, MAX_TEXT_CHARS, MAX_TOOLS
 
@@ -37,6 +38,10 @@ class MessageParam(BaseModel):
 
 
 class ToolChoice(BaseModel):
+    """The union of the SDK's four ToolChoice*Param variants; which fields each variant takes
+    (``none``: only ``type``; ``tool``: ``name`` required) is checked per variant in
+    ``messages_convert``, with Anthropic's "Extra inputs are not permitted" naming the field."""
+
     model_config = ConfigDict(extra="forbid", strict=True)
     type: Literal["auto", "any", "tool", "none"]
     name: Annotated[str, Field(max_length=128)] | None = None
@@ -97,6 +102,13 @@ class MessagesRequest(MessagesInput):
     # accepted, ignored: one tier, one region
     service_tier: Literal["auto", "standard_only"] | None = None
     inference_geo: Annotated[str, Field(max_length=64)] | None = None
+
+    @field_validator("stop_sequences")
+    @classmethod
+    def _stops_have_text(cls, stops: list[str] | None) -> list[str] | None:
+        if stops and any(stop.isspace() for stop in stops):  # Anthropic's words
+            raise PydanticCustomError("value_error", "each stop sequence must contain non-whitespace")
+        return stops
 
 
 class CountTokensRequest(MessagesInput):

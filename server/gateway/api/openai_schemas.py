@@ -12,6 +12,8 @@ a request that means something else. JSON integers are still accepted for floats
 
 from __future__ import annotations
 
+import json
+import re
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -30,7 +32,17 @@ class TextPart(BaseModel):
 
 
 MAX_TOOLS = 128
-FunctionName = Annotated[str, Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")]
+FUNCTION_NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")  # OpenAI's function names (fullmatch; the Responses API too)
+FunctionName = Annotated[str, Field(pattern=f"^{FUNCTION_NAME.pattern}$")]
+
+
+def parameters_problem(parameters: dict[str, Any]) -> str | None:
+    """Why ``parameters`` cannot be a function's parameters, else None. OpenAI's rule: a JSON
+    schema of ``"type": "object"`` (the arguments are a JSON object); ``{}`` is a function
+    without parameters, as OpenAI reads it."""
+    if parameters and parameters.get("type") != "object":
+        return f'must be a JSON schema of "type": "object", got "type": {json.dumps(parameters.get("type"))}'
+    return None
 
 
 class FunctionCall(BaseModel):
@@ -75,6 +87,14 @@ class FunctionDefinition(BaseModel):
     description: Annotated[str, Field(max_length=MAX_TEXT_CHARS)] | None = None
     parameters: dict[str, Any] | None = None
     strict: bool | None = None  # arguments always follow the schema when the call is forced
+
+    @field_validator("parameters")
+    @classmethod
+    def _object_schema(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        problem = None if value is None else parameters_problem(value)
+        if problem is not None:
+            raise ValueError(problem)
+        return value
 
 
 class ToolDefinition(BaseModel):

@@ -21,6 +21,20 @@ mark is found the same way (the rendering of ``messages[:k]`` must be a text pre
 full rendering, else the mark falls back to the previous boundary) and becomes one more
 cut between separately tokenized pieces. Cuts sit at message boundaries, where chat
 templates put special tokens, so the token ids equal those of the same prompt without marks.
+
+A :class:`TextMark` ends *inside* a message (the Messages path's tool breakpoints: the tools
+open the system message, before its text). It is no cut: the piece holding it is tokenized
+whole, as without it, and the mark is the number of that piece's leading tokens that the
+marked text alone tokenizes to as well (the longest common prefix of the two id lists), so
+it never covers a token that reaches past the marked text, and never changes an id::
+
+    <|im_start|>system\n# Tools ... </tools> ... </tool_call>\n\nYou are terse.<|im_end|>\n
+    |<------------ TextMark(0, len(tools text)) ---------->|
+    |<------------------------- mark 1 (message 0 ends) --------------------------->|
+
+When the template does not render the message's text verbatim (the marked text is then not
+found in the rendering), the mark falls back to the end of its message (rounded up, as a
+block inside a message is).
 """
 
 from __future__ import annotations
@@ -36,11 +50,22 @@ from server.gateway.api.prefix_cache import PrefixTokens
 
 
 @dataclass(frozen=True, slots=True)
+class TextMark:
+    """A mark after messages ``[:index]`` and the first ``chars`` characters of message ``index``'s content."""
+
+    index: int
+    chars: int
+
+
+Mark = int | TextMark  # an int k: where the first k messages end
+
+
+@dataclass(frozen=True, slots=True)
 class PreparedPrompt:
     input_ids: tuple[int, ...]
     system_end: int
     context_end: int
-    marks: tuple[int, ...] = ()  # token offsets of the asked message ends, in the order asked
+    marks: tuple[int, ...] = ()  # token offsets of the asked marks (message ends, TextMarks), in the order asked
 
 
     @property
@@ -81,7 +106,7 @@ class ChatPrompter:
             prefix = self._default_system[role] = _default_system_prefix(self.tokenizer, role)
         return len(prefix) if prefix and full.startswith(prefix) else 0
 
-    def chat(self, messages: Sequence[Mapping[str, Any]], marks: Sequence[int] = (), *,
+    def chat(self, messages: Sequence[Mapping[str, Any]], marks: Sequence[Mark] = (), *,
              scope: str | None = None) -> PreparedPrompt:
         """``scope`` (the tenant): its system segment's tokens come from :attr:`prefixes`
         when it sent the same text before; without one, everything is tokenized afresh."""
@@ -94,10 +119,11 @@ class ChatPrompter:
 
 
 def prepare_chat(tokenizer: ChatTokenizer, messages: Sequence[Mapping[str, Any]], *,
-                 default_system_chars=None, marks: Sequence[int] = (),
+                 default_system_chars=None, marks: Sequence[Mark] = (),
                  encode_system: Callable[[str], Sequence[int]] | None = None) -> PreparedPrompt:
     """Render ``messages`` with the chat template and mark the segment boundaries (and,
-    for each ``k`` in ``marks``, where the first ``k`` messages end).
+    for each ``k`` in ``marks``, where the first ``k`` messages end; for a :class:`TextMark`,
+    where its text ends, rounded down to a token boundary).
 
     ``encode_system``: tokenizes the first piece (the system segment, or the text before
     the first mark) in place of ``tokenizer.encode``; it must return what ``encode`` would
@@ -136,16 +162,51 @@ def prepare_chat(tokenizer: ChatTokenizer, messages: Sequence[Mapping[str, Any]]
                 ids.extend(encode_system(piece) if index == 0 and encode_system is not None else tokenizer.encode(piece))
             ends.append(len(ids))
         return PreparedPrompt(tuple(ids), ends[0], ends[1])
-    mark_chars = [_prefix_chars(tokenizer, full, messages[:k], 0) if k > 0 else 0 for k in marks]
-    cuts = sorted({0, system_chars, context_chars, *mark_chars, len(full)})
+    mark_chars = [_mark_chars(tokenizer, full, messages, k) for k in marks]
+    cuts = sorted({0, system_chars, context_chars, *(c for c, inside in mark_chars if not inside), len(full)})
     ids = []
     token_at = {0: 0}
     for start, end in zip(cuts, cuts[1:]):
         piece = full[start:end]
         ids.extend(encode_system(piece) if start == 0 and encode_system is not None else tokenizer.encode(piece))
         token_at[end] = len(ids)
-    return PreparedPrompt(tuple(ids), token_at[system_chars], token_at[context_chars],
-                          tuple(token_at[c] for c in mark_chars))
+    ends = []
+    for chars, inside in mark_chars:
+        if chars in token_at:
+            ends.append(token_at[chars])
+            continue
+        # inside a piece: its leading tokens that the text up to the mark alone tokenizes to too
+        start = max(c for c in cuts if c < chars)
+        head = full[start:chars]
+        alone = encode_system(head) if start == 0 and encode_system is not None else tokenizer.encode(head)
+        first = token_at[start]
+        common = next((i for i, (a, b) in enumerate(zip(alone, ids[first:], strict=False)) if a != b),
+                      min(len(alone), len(ids) - first))
+        ends.append(first + common)
+    return PreparedPrompt(tuple(ids), token_at[system_chars], token_at[context_chars], tuple(ends))
+
+
+def _mark_chars(tokenizer: ChatTokenizer, full: str, messages: Sequence[Mapping[str, Any]],
+                mark: Mark) -> tuple[int, bool]:
+    """(where ``mark`` ends in ``full``, whether that is inside a message: not a cut)."""
+    if isinstance(mark, int):
+        return (_prefix_chars(tokenizer, full, messages[:mark], 0) if mark > 0 else 0), False
+    end = (_prefix_chars(tokenizer, full, messages[:mark.index + 1], 0), False)  # the fallback: the message's end
+    message = messages[mark.index] if 0 <= mark.index < len(messages) else {}
+    content = message.get("content")
+    if not isinstance(content, str) or not 0 < mark.chars < len(content):
+        return end
+    head = content[:mark.chars]
+    # Render the message cut after ``head`` with and without one more character: they part where head ends.
+    try:
+        short, longer = (tokenizer.render_chat([*messages[:mark.index], {**message, "content": text}],
+                                               add_generation_prompt=False) for text in (head, head + "\x00"))
+    except Exception:  # a template that refuses a partial conversation: no mark inside it
+        return end
+    at = next((i for i, (a, b) in enumerate(zip(short, longer, strict=False)) if a != b), len(short))
+    if not short[:at].endswith(head) or not full.startswith(short[:at]):
+        return end  # the template does not render the text verbatim
+    return at, True
 
 
 def _default_system_prefix(tokenizer: ChatTokenizer, role: str) -> str:

@@ -18,7 +18,9 @@ definitions in the system message, Hermes ``<tool_call>`` blocks), plus a
                                                     order of the calls they answer)
     tools [{type: function, name, parameters}]   →  functions [{name, description, parameters}]
     tool_choice none|auto|required|{function}    →  ToolPlan none | auto | forced (all) | forced (one)
-    text.format json_schema | json_object        →  the JSON-schema guide (chat's response_format)
+    text.format json_schema | json_object        →  the JSON-schema guide (chat's response_format);
+                                                    refused with tools the model may call (auto:
+                                                    conversion.format_with_auto_tools) or must call
 
 **Tool calls and outputs pair up** (:func:`check_items`, OpenAI's rules, 400 naming
 ``input``): every ``function_call_output`` answers a ``function_call`` before it (in the
@@ -64,8 +66,9 @@ from engines.contract import Guide
 from retention.policy.hints import TTL_1H_MS, TTL_24H_MS, Breakpoint, CacheHints
 from retention.policy.planner import SegmentRetention
 from retention.routing.affinity import conversation_key  # the key the routing simulator replays too
+from server.gateway.api.openai_schemas import FUNCTION_NAME, parameters_problem
 from server.gateway.api.responses_schemas import OUTPUT_LOGPROBS, ResponsesRequest
-from server.gateway.api.conversion import Conversation, function, invalid
+from server.gateway.api.conversion import Conversation, format_with_auto_tools, function, invalid
 from server.gateway.api.tools import ToolPlan, check_schema, forced_call_guide, render_messages
 from server.gateway.errors import ServingError
 
@@ -77,6 +80,7 @@ _TEXT_PARTS = ("input_text", "output_text", "text")
 _ASSISTANT_PARTS = ("output_text", "refusal")  # OpenAI's: what the model wrote, never an input part
 _UNSERVABLE_PARTS = {"input_image": "images", "input_file": "files", "input_audio": "audio"}
 _MESSAGE_ROLES = ("user", "system", "developer", "assistant")
+_NAME_RULE = "must be 1 to 64 characters, each a letter (a-z, A-Z), a digit, an underscore or a dash"
 # Items of the built-in tools besides their calls (``*_call``) and their outputs (``*_call_output``)
 _BUILT_IN_ITEMS = ("mcp_list_tools", "mcp_approval_request", "mcp_approval_response", "tool_search_output",
                    "additional_tools", "program", "program_output")
@@ -337,6 +341,8 @@ def convert(body: ResponsesRequest, items: list[dict]) -> Conversation:
     if fmt is not None:
         if guide is not None:
             raise invalid("text.format", "cannot be combined with a tool_choice that forces a tool call")
+        if plan is not None and plan.mode == "auto":
+            raise format_with_auto_tools("text.format")
         guide = fmt
     if functions or any("tool_calls" in m for m in messages):
         messages = render_messages(messages, functions)
@@ -360,8 +366,8 @@ def _functions(tools: list[dict]) -> list[dict]:
         if extra:
             raise invalid(field, f"unknown field(s) {sorted(extra)}")
         name = tool.get("name")
-        if not isinstance(name, str) or not name or len(name) > 64:
-            raise invalid(f"{field}.name", "must be a non-empty string of at most 64 characters")
+        if not isinstance(name, str) or not FUNCTION_NAME.fullmatch(name):
+            raise invalid(f"{field}.name", _NAME_RULE)
         if name in seen:
             raise invalid(f"{field}.name", f"tool names must be unique; '{name}' repeats")
         seen.add(name)
@@ -372,6 +378,9 @@ def _functions(tools: list[dict]) -> list[dict]:
         if parameters is not None:
             if not isinstance(parameters, dict):
                 raise invalid(f"{field}.parameters", "must be a JSON schema object")
+            problem = parameters_problem(parameters)
+            if problem is not None:
+                raise invalid(f"{field}.parameters", problem)
             check_schema(parameters, f"{field}.parameters")
             head["parameters"] = parameters
         functions.append(head)
@@ -389,6 +398,8 @@ def _tool_plan(body: ResponsesRequest, functions: list[dict]) -> tuple[ToolPlan 
             raise unsupported("tool_choice.type", f"{kind!r} is not supported; use none, auto, required or "
                               "{\"type\": \"function\", \"name\": ...}")
         name = _name(choice.get("name"))
+        if name is None or not FUNCTION_NAME.fullmatch(name):
+            raise invalid("tool_choice.name", _NAME_RULE)
         if name not in by_name:
             raise invalid("tool_choice.name", f"must name one of the function tools, got {name!r}")
         return ToolPlan(by_name, "forced", parallel=False), forced_call_guide([by_name[name]])

@@ -8,6 +8,7 @@ and the store callback). The neutral outcome maps as::
                              probs: its text's tokens, never those of a tool call split off)
     tool calls             → one ``function_call`` output item each (after the message)
     finish "length"        → status "incomplete", incomplete_details.reason "max_output_tokens"
+                             (also when the limit cut a tool call: the calls that parsed are listed)
     otherwise              → status "completed", ``completed_at`` (unix seconds; null otherwise)
 
 **Usage**: ``input_tokens`` (the prompt), ``input_tokens_details.cached_tokens`` (reused
@@ -17,7 +18,8 @@ tokens_per_block``, what the engine keeps of a prompt for reuse — minus ``cach
 at least 0; the same ``tokens_per_block``), ``output_tokens``,
 ``output_tokens_details.reasoning_tokens`` (always 0: the model does not reason). The same
 usage goes in the body, the stored response and the ``response.completed`` /
-``response.incomplete`` event.
+``response.incomplete`` event; a ``response.failed`` event carries the usage billed for
+the failed stream (its tokens so far; null when none was generated, as none is billed).
 
 **Stream** (``event: <type>`` + ``data: <json>``, every event with a rising
 ``sequence_number``): ``response.created``, ``response.in_progress``; for text
@@ -119,7 +121,10 @@ class ResponsesDialect:
     def response(self, status: str, output: list[dict], job: CompletionJob | None = None,
                  outcome: Outcome | None = None, *, error: dict | None = None) -> dict:
         body = self.request
-        finished = outcome is not None and status in ("completed", "incomplete")
+        # usage: what is billed (completions.CompletionRunner._finish): a finished answer, or a stream
+        # that failed after generating tokens (the client has them)
+        finished = outcome is not None and (status in ("completed", "incomplete")
+                                            or status == "failed" and outcome.completion_tokens > 0)
         return {
             "id": self.id, "object": "response", "created_at": self.created_at, "status": status,
             "completed_at": int(time.time()) if status == "completed" else None,
@@ -232,7 +237,7 @@ class ResponsesDialect:
         except ServingError as err:  # the engine failed mid-stream
             # the error event keeps the gateway's code; the response's code is from the SDK's closed list
             failed = self.response("failed", [self._message(message_id, "".join(sent), "incomplete", sent_logprobs)] if opened else [],
-                                   error={"code": "server_error", "message": err.message})
+                                   job, outcome, error={"code": "server_error", "message": err.message})
             yield event("error", {"code": err.code, "message": err.message, "param": err.param}) + \
                 event("response.failed", {"response": failed})
             return

@@ -6,7 +6,10 @@ open models are trained on (Qwen2.5, Hermes 2/3) — this is the documented form
 
 * the tool definitions go into the **system** message (appended to the request's first
   system/developer message, or as a system message of their own), so they are part of
-  the system retention segment and cached with it::
+  the system retention segment and cached with it. The Messages path puts them *before*
+  that message's text instead (``tools_first``): Anthropic's cache prefix order is tools →
+  system → messages, so a tool breakpoint's prefix is the tools alone; the chat-completions
+  and Responses prompts keep the system text first::
 
       # Tools
 
@@ -92,8 +95,11 @@ def tools_system_text(functions: Sequence[Mapping[str, Any]]) -> str:
     return _PREAMBLE + "\n".join(lines) + _POSTAMBLE
 
 
-def render_messages(messages: Sequence[Mapping[str, Any]], functions: Sequence[Mapping[str, Any]]) -> list[dict]:
-    """Template-ready ``{role, content}`` messages with the tools in the system message."""
+def render_messages(messages: Sequence[Mapping[str, Any]], functions: Sequence[Mapping[str, Any]], *,
+                    tools_first: bool = False) -> list[dict]:
+    """Template-ready ``{role, content}`` messages with the tools in the system message: after its
+    text, or (``tools_first``) before it, so that the message's content starts with exactly
+    :func:`tools_system_text` (the Messages path's tool breakpoints rely on it)."""
     out: list[dict] = []
     for message in messages:
         content = message.get("content") or ""
@@ -109,7 +115,9 @@ def render_messages(messages: Sequence[Mapping[str, Any]], functions: Sequence[M
     if functions:
         block = tools_system_text(functions)
         if out and out[0]["role"] in ("system", "developer"):
-            out[0] = {"role": out[0]["role"], "content": f"{out[0]['content']}\n\n{block}" if out[0]["content"] else block}
+            text = out[0]["content"]
+            joined = (f"{block}\n\n{text}" if tools_first else f"{text}\n\n{block}") if text else block
+            out[0] = {"role": out[0]["role"], "content": joined}
         else:
             out.insert(0, {"role": "system", "content": block})
     return out

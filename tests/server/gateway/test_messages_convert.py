@@ -17,8 +17,8 @@ from server.gateway.api.completions import Outcome
 from server.gateway.api.messages_convert import cache_hints, convert
 from server.gateway.api.messages_render import MESSAGES, cache_creation, stop_reason, usage
 from server.gateway.api.messages_schemas import CountTokensRequest, MessagesRequest
-from server.gateway.api.prompting import ChatPrompter, PreparedPrompt
-from server.gateway.api.tools import CALL_OPEN, ToolCall
+from server.gateway.api.prompting import ChatPrompter, PreparedPrompt, TextMark
+from server.gateway.api.tools import CALL_OPEN, ToolCall, tools_system_text
 from server.gateway.errors import ServingError
 
 WEATHER = {"name": "get_weather", "description": "Weather in a city",
@@ -71,7 +71,9 @@ def test_a_conversation_with_tools_becomes_the_chat_paths_messages(prompter) -> 
                                                {"type": "text", "text": "Warm enough?"}]}]))
     roles = [m["role"] for m in conv.messages]
     assert roles == ["system", "user", "assistant", "tool", "user"]
-    assert conv.messages[0]["content"].startswith("Be brief.\nUse tools.\n\n# Tools")
+    # the tools first, then the system text: Anthropic's cache prefix order (tools → system → messages)
+    assert conv.messages[0]["content"].startswith("# Tools") and conv.messages[0]["content"].endswith(
+        "</tool_call>\n\nBe brief.\nUse tools.")
     assert f'{CALL_OPEN}\n{{"name": "get_weather", "arguments": {{"city": "Oslo"}}}}' in conv.messages[2]["content"]
     assert conv.messages[3]["content"] == "3 C" and conv.messages[4]["content"] == "Warm enough?"
     assert conv.tools is not None and conv.tools.mode == "auto" and conv.tools.parallel and conv.guide is None
@@ -140,15 +142,20 @@ def test_breakpoints_end_where_their_message_ends(prompter) -> None:
                   {"role": "user", "content": [{"type": "text", "text": "First question?", "cache_control": EPHEMERAL},
                                                {"type": "text", "text": "Second part."}]}])
     conv = convert(body)
-    assert conv.marks == (1, 1, 4)
+    # the tools' breakpoint ends with their text, which opens the system message; the system block's with it
+    assert conv.marks == (TextMark(0, len(tools_system_text(conv.functions))), 1, 4)
     prompt = prompter.chat(conv.messages, conv.marks)
     plain = prompter.chat(conv.messages)
-    assert prompt.input_ids == plain.input_ids  # cuts at message ends leave the token ids alone
+    assert prompt.input_ids == plain.input_ids  # cuts at message ends (and a mark inside one) leave the ids alone
     assert (prompt.system_end, prompt.context_end) == (plain.system_end, plain.context_end)
     hints = cache_hints(conv, prompt)
-    # the tools' and the system block's breakpoints share the system message's end: one, with the longer TTL
-    assert hints.breakpoints == (Breakpoint(prompt.system_end, TTL_1H_MS), Breakpoint(prompt.marks[2], TTL_5M_MS))
+    assert hints.breakpoints == (Breakpoint(prompt.marks[0], TTL_1H_MS), Breakpoint(prompt.system_end, TTL_5M_MS),
+                                 Breakpoint(prompt.marks[2], TTL_5M_MS))
     tokenizer = prompter.tokenizer
+    tools = tokenizer.decode(prompt.input_ids[:prompt.marks[0]], skip_special_tokens=False)
+    assert tools.startswith("<|im_start|>system\n# Tools") and tools.endswith("</tool_call>")  # the tools alone
+    assert tokenizer.decode(prompt.input_ids[prompt.marks[0]:prompt.system_end],
+                            skip_special_tokens=False) == "\n\nYou are terse.<|im_end|>\n"
     head = tokenizer.decode(prompt.input_ids[:prompt.marks[2]], skip_special_tokens=False)
     rest = tokenizer.decode(prompt.input_ids[prompt.marks[2]:], skip_special_tokens=False)
     assert head.endswith("Second part.<|im_end|>\n")  # rounded up to the end of the block's message
@@ -231,6 +238,11 @@ def test_the_2026_fields_top_level_cache_control_output_config_thinking() -> Non
     assert shaped.guide.kind == "json_schema" and json.loads(shaped.guide.text) == schema and shaped.tools is None
     refused("output_config.format", tools=[WEATHER], tool_choice={"type": "any"},
             output_config={"format": {"type": "json_schema", "schema": schema}})
+    # nor with tools the model may call: the schema would hold the whole output, so no call could be made
+    refused("output_config.format", tools=[WEATHER], output_config={"format": {"type": "json_schema", "schema": schema}})
+    shown = convert(request(tools=[WEATHER], tool_choice={"type": "none"},
+                            output_config={"format": {"type": "json_schema", "schema": schema}}))
+    assert shown.guide.kind == "json_schema"  # tools shown, never called: the format holds
     # thinking: adaptive lets the model decide (this one never thinks); an explicit budget is refused
     assert convert(request(thinking={"type": "adaptive"})).guide is None
     refused("diagnostics", diagnostics={"previous_message_id": "msg_1"})
@@ -563,7 +575,7 @@ def test_empty_text_the_converter_makes_itself_stays_accepted() -> None:
     ({**WEATHER, "allowed_callers": ["code_execution_20250825"]}, None, "tools.0.allowed_callers"),
     ({**WEATHER, "input_examples": [5]}, None, "tools.0.input_examples.0"),
     ({**WEATHER, "eager_input_streaming": "on"}, None, "tools.0.eager_input_streaming"),
-    ({**WEATHER, "parameters": {}}, None, "tools.0"),
+    ({**WEATHER, "parameters": {}}, None, "tools.0.parameters"),
 ])
 def test_tool_fields_are_honoured_ignored_on_purpose_or_refused_by_name(tool, choice, field) -> None:
     fields = {"tools": [tool]} if choice is None else {"tools": [tool], "tool_choice": choice}

@@ -258,7 +258,8 @@ def test_count_tokens_takes_a_trailing_assistant_turn_and_bad_types_are_400_on_e
                               headers={"x-api-key": key})
         assert response.status_code == 400, (path, response.text)
         assert response.json() == {"type": "error", "error": {"type": "invalid_request_error",
-                                                              "message": 'cache_control.ttl: must be "5m" or "1h"'}}
+                                                              "message": 'cache_control.ttl: must be "5m" or "1h"'},
+                                   "request_id": response.headers["request-id"]}
 
 
 def test_errors_raise_the_sdks_classes_with_anthropics_body(stack: Stack, key: str) -> None:
@@ -285,7 +286,8 @@ def test_validation_errors_have_each_dialects_shape(stack: Stack, key: str) -> N
     bad = httpx.post(base + "/v1/messages", headers={"x-api-key": key}, json={"model": MODEL, "messages": QUESTION})
     assert bad.status_code == 400
     assert bad.json() == {"type": "error", "error": {"type": "invalid_request_error",
-                                                     "message": "max_tokens: Field required"}}
+                                                     "message": "max_tokens: Field required"},
+                          "request_id": bad.headers["request-id"]}
     unknown = httpx.post(base + "/v1/messages", headers={"authorization": f"Bearer {key}"},
                          json={"model": MODEL, "max_tokens": 4, "messages": QUESTION, "frequency_penalty": 1})
     assert unknown.status_code == 400 and unknown.json()["error"]["message"].endswith("frequency_penalty")
@@ -311,6 +313,38 @@ def test_validation_errors_have_each_dialects_shape(stack: Stack, key: str) -> N
     openai = httpx.post(base + "/v1/chat/completions", headers={"authorization": f"Bearer {key}"},
                         json={"model": MODEL, "messages": QUESTION, "max_tokens": 0})
     assert openai.status_code == 400 and openai.json()["error"]["code"] == "invalid_request"  # unchanged
+
+
+def test_error_bodies_carry_the_request_id_and_a_tool_breakpoint_covers_the_tools(stack: Stack, key: str) -> None:
+    # Anthropic's error body names the request, with the id of its request-id header
+    bad = httpx.post(stack.gateway.base_url + "/v1/messages", headers={"x-api-key": key},
+                     json={"model": MODEL, "messages": QUESTION})
+    assert bad.status_code == 400 and GENERATED_ID.fullmatch(bad.json()["request_id"])
+    assert bad.json()["request_id"] == bad.headers["request-id"]
+    api = client(stack, key)
+    with pytest.raises(anthropic.BadRequestError) as typo:  # a misspelled cache_control is refused, not dropped
+        api.messages.create(model=MODEL, max_tokens=2, messages=[{"role": "user", "content": [
+            {"type": "text", "text": "hi", "cache_contrl": {"type": "ephemeral"}}]}])
+    assert typo.value.body["error"]["message"] == "messages.0.content.0.cache_contrl: Extra inputs are not permitted"
+    assert typo.value.body["request_id"] == typo.value.request_id
+    # an empty system is no system: the template's default one, as when it is omitted
+    counted = [api.messages.count_tokens(model=MODEL, messages=QUESTION, **fields).input_tokens
+               for fields in ({}, {"system": ""}, {"system": []})]
+    assert counted[0] == counted[1] == counted[2]
+    # the tools open the prompt: a 1 h breakpoint on them and a 5 min one on the system text
+    # keep the tools for 1 h and the system text after them for 5 min
+    hinted = client(stack, hinted_key(stack))
+    system = [{"type": "text", "text": system_prompt(secrets.token_hex(4)) * 2, "cache_control": {"type": "ephemeral"}}]
+    tools = [{**WEATHER, "cache_control": {"type": "ephemeral", "ttl": "1h"}}]
+    total = hinted.messages.count_tokens(model=MODEL, tools=tools, system=system, messages=QUESTION).input_tokens
+    tools_only = hinted.messages.count_tokens(model=MODEL, tools=tools, messages=QUESTION).input_tokens
+    usage = hinted.messages.create(model=MODEL, max_tokens=2, extra_body=GREEDY, tools=tools, system=system,
+                                   messages=QUESTION).usage
+    assert usage.input_tokens + usage.cache_creation_input_tokens + usage.cache_read_input_tokens == total
+    hour, five = usage.cache_creation.ephemeral_1h_input_tokens, usage.cache_creation.ephemeral_5m_input_tokens
+    # the tools' blocks, up to the block holding their end; before, both breakpoints ended with the system
+    # text, all of it kept (and reported) for 1 h
+    assert 0 < hour < tools_only + stack.tokens_per_block and five > 0
 
 
 class GetWeather(BaseModel):

@@ -121,10 +121,38 @@ def test_tool_choice_and_formats_become_guides() -> None:
     ("tool_choice.name", {"tools": [WEATHER], "tool_choice": {"type": "function", "name": "other"}}),
     ("text.format", {"tools": [WEATHER], "tool_choice": "required", "text": {"format": {"type": "json_object"}}}),
     ("text.format.schema", {"text": {"format": {"type": "json_schema", "name": "x"}}}),
+    # the chat dialect's function names (^[a-zA-Z0-9_-]{1,64}$), on the tools and the choice
+    ("tools.0.name", {"tools": [{**WEATHER, "name": 'get"weather'}]}),
+    ("tools.0.name", {"tools": [{**WEATHER, "name": "get weather"}]}),
+    ("tools.0.name", {"tools": [{**WEATHER, "name": "get_weather\n"}]}),
+    ("tools.0.name", {"tools": [{**WEATHER, "name": "x" * 65}]}),
+    ("tool_choice.name", {"tools": [WEATHER], "tool_choice": {"type": "function", "name": "get weather"}}),
+    # a function's arguments are a JSON object: its parameters an object schema
+    ("tools.0.parameters", {"tools": [{**WEATHER, "parameters": {"type": "string"}}]}),
+    ("tools.0.parameters", {"tools": [{**WEATHER, "parameters": {"properties": {"city": {"type": "string"}}}}]}),
 ])
 def test_what_cannot_be_served_is_refused_by_name(param: str, fields: dict) -> None:
     error = refused(param, **fields)
     assert param.split(".")[0] in error.message
+
+
+@pytest.mark.parametrize("fmt", [{"type": "json_object"},
+                                 {"type": "json_schema", "name": "A", "schema": {"type": "object"}, "strict": True}])
+def test_a_json_format_with_tools_the_model_may_call_is_refused(fmt: dict) -> None:
+    """The format's guide holds the whole output, so no ``<tool_call>`` could be written: refused by name
+    (openai-agents' ``Agent(tools=..., output_type=Model)`` sends exactly this), not served without calls."""
+    for choice in ({}, {"tool_choice": "auto"}):
+        error = refused("text.format", tools=[WEATHER], text={"format": fmt}, **choice)
+        assert "tool_choice" in error.message and "no tool call" in error.message
+    # tools shown but never called, or no tools: the format is served
+    assert convert(request(tools=[WEATHER], tool_choice="none", text={"format": fmt}), normalize_items("Hi")).guide
+    assert served(request(tools=[WEATHER], text={"format": {"type": "text"}})).tools.mode == "auto"
+
+
+def test_valid_names_and_parameterless_functions_are_served() -> None:
+    bare = {"type": "function", "name": "Get-Time_2", "parameters": {}}
+    conversation = served(request(tools=[WEATHER, bare], tool_choice={"type": "function", "name": "Get-Time_2"}))
+    assert conversation.tools.mode == "forced" and '"const":"Get-Time_2"' in conversation.guide.text
 
 
 def test_reasoning_effort_none_is_served() -> None:
@@ -230,6 +258,27 @@ async def test_a_mid_stream_engine_failure_is_an_error_then_response_failed() ->
     assert message["id"] == events[2]["item"]["id"]  # the message the stream opened
     assert message["status"] == "incomplete" and message["content"][0]["text"] == "Par"
     assert stored == []  # a failed response is not stored
+
+
+async def test_a_failed_stream_carries_the_usage_billed_for_its_tokens() -> None:
+    """The tokens a failed stream generated are billed (completions.CompletionRunner._finish): its
+    ``response.failed`` says so, as ``response.completed`` would."""
+    from server.gateway.api.completions import Outcome
+
+    outcome = Outcome()
+
+    async def deltas():  # type: ignore[no-untyped-def]
+        outcome.completion_tokens = 3
+        outcome.pieces.append("Paris is")
+        yield "Paris is"
+        raise ServingError(503, "engine_unavailable", "the model's engine is unavailable; retry shortly")
+
+    events = await _collect(ResponsesDialect(request(), previous_response_id=None, store=None), _job(), outcome,
+                            deltas())
+    failed = events[-1]["response"]
+    assert events[-1]["type"] == "response.failed" and failed["status"] == "failed"
+    assert failed["usage"]["output_tokens"] == 3 and failed["usage"]["input_tokens"] == 40
+    assert failed["usage"]["total_tokens"] == 43
 
 
 async def test_a_stream_that_fails_before_any_text_has_no_output() -> None:

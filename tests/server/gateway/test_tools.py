@@ -103,3 +103,52 @@ def test_token_texts_give_exact_bytes(tokenizer) -> None:
     ids = tokenizer.encode("naïve café — ok")
     assert b"".join(texts.get(t)[1] for t in ids) == "naïve café — ok".encode()
     assert texts.get(tokenizer.eos_token_id)[0] == "<|im_end|>"
+
+
+def _finish(tokenizer, text: str, *, limit_at_end: bool, mode: str = "auto"):
+    """Run the core's generation loop over ``text`` as one engine stream (a token a chunk), the output
+    limit exactly its length (``limit_at_end``) or far above it; the outcome it leaves."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from server.gateway.api.completions import Outcome, _generate
+
+    ids = tokenizer.encode(text)
+    plan = ToolPlan({"get_weather": WEATHER}, mode)
+    job = SimpleNamespace(parses_tools=True, logprobs=None, tokenizer=tokenizer, stop=(), tools=plan,
+                          max_new_tokens=len(ids) if limit_at_end else len(ids) + 100)
+
+    async def chunks():  # type: ignore[no-untyped-def]
+        for n, token in enumerate(ids, 1):
+            yield SimpleNamespace(token_ids=(token,), generated=n, kv=None, log_probs=None)
+
+    async def run() -> Outcome:
+        outcome = Outcome()
+        async for _ in _generate(job, SimpleNamespace(streaming=True), chunks(), outcome, 0.0):  # type: ignore[arg-type]
+            pass
+        return outcome
+
+    return asyncio.run(run())
+
+
+CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>'
+
+
+def test_a_call_cut_by_the_output_limit_keeps_finish_reason_length(tokenizer) -> None:
+    """The limit cut the second call: "length" (OpenAI's finish reason for cut output), the whole call listed."""
+    for cut in (CALL + '\n<tool_call>\n{"name": "get_weather", "argu', CALL + "\n<tool_"):
+        outcome = _finish(tokenizer, cut, limit_at_end=True)
+        assert outcome.finish_reason == "length", cut
+        assert [(c.name, json.loads(c.arguments)) for c in outcome.tool_calls] == [("get_weather", {"city": "Oslo"})]
+        assert outcome.text == ""  # the cut block is neither content nor a call
+
+
+def test_calls_that_end_exactly_at_the_limit_or_before_it_are_tool_calls(tokenizer) -> None:
+    assert _finish(tokenizer, CALL, limit_at_end=True).finish_reason == "tool_calls"  # whole, then the limit
+    assert _finish(tokenizer, CALL + "\n" + CALL + "\n", limit_at_end=True).finish_reason == "tool_calls"
+    # the model itself ended inside a block, well within the limit: not cut by it
+    assert _finish(tokenizer, CALL + "\n<tool_call>\n{", limit_at_end=False).finish_reason == "tool_calls"
+    # a forced call that parses is whole, whatever the limit
+    forced = _finish(tokenizer, '{"name": "get_weather", "arguments": {"city": "Oslo"}}', limit_at_end=True,
+                     mode="forced")
+    assert forced.finish_reason == "tool_calls" and len(forced.tool_calls) == 1
