@@ -12,12 +12,19 @@ Invariants:
 * ``authenticate_credential`` reads the registry on every call (no cache): a revocation or
   an expiry is seen by every gateway replica on the next request. It does one indexed
   query and two HMAC comparisons whatever the outcome.
+* its audit actor is ``cred:<id>:<name>`` (``actor_of``): the id comes first, so two
+  credentials never share an actor, however the 128-char column truncates their names;
+* a name holds no control, format (bidi overrides, zero-width) or line/paragraph separator
+  character (``_check_name``): what an audit reader sees is what was stored;
+* every audit event of a credential carries its scope as it was (``tenants``: slugs, or
+  None for an unscoped one).
 """
 
 from __future__ import annotations
 
 import hmac
 import secrets
+import unicodedata
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 
@@ -38,6 +45,9 @@ MAX_OVERLAP_SECONDS = 7 * 24 * 3600
 LAST_USED_RESOLUTION = timedelta(seconds=1)
 _DUMMY_SECRET = "x" * 43
 _DUMMY_HASH = "0" * 64
+# Cc control, Cf format (bidi overrides and isolates, zero-width), Zl/Zp line and paragraph
+# separators: invisible or reordering in a console, a log line or the audit log.
+_REFUSED_CATEGORIES = frozenset({"Cc", "Cf", "Zl", "Zp"})
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,10 +62,20 @@ class AdminIdentity:
     credential_id: int | None = None
 
 
+def actor_of(row: AdminCredential) -> str:
+    """The audit actor of a credential's calls: unique by its id, whatever the name's length."""
+    return f"cred:{row.id}:{row.name}"[:128]
+
+
 def audit_view(row: AdminCredential, tenants: list[str] | None = None) -> dict[str, object]:
     out = snapshot(row, exclude=SECRET_FIELDS)
     out["tenants"] = tenants
     return out
+
+
+def current_scope(session: Session, row: AdminCredential) -> list[str] | None:
+    """The credential's scope for its audit events: slugs, or None when unscoped."""
+    return scope_of(session, row.id) if row.scoped else None
 
 
 def scope_of(session: Session, credential_id: int) -> list[str]:
@@ -64,6 +84,15 @@ def scope_of(session: Session, credential_id: int) -> list[str]:
         select(Tenant.slug).join(AdminCredentialTenant, AdminCredentialTenant.tenant_id == Tenant.id)
         .where(AdminCredentialTenant.credential_id == credential_id).order_by(Tenant.slug)
     ))
+
+
+def _check_name(name: str) -> str:
+    name = v.text(name, field="name", max_len=128)
+    bad = next((c for c in name if unicodedata.category(c) in _REFUSED_CATEGORIES), None)
+    if bad is not None:
+        raise InvalidField(f"name must not contain control or formatting characters (found U+{ord(bad):04X})",
+                           field="name")
+    return name
 
 
 def _check_scope(role: str, tenants: list[str] | None) -> None:
@@ -82,7 +111,7 @@ def create_credential(
     """Create a credential; returns the row, its scope (slugs or None) and the plaintext (shown once)."""
     if not pepper:
         raise InvalidField("the key pepper is not configured", field="pepper")
-    name = v.text(name, field="name", max_len=128)
+    name = _check_name(name)
     role = v.choice(role, field="role", options=ADMIN_ROLES)
     _check_scope(role, tenants)
     if expires_at is not None:
@@ -105,6 +134,33 @@ def create_credential(
         audit.record(session, actor=actor, action="admin_credential.create", entity_type="admin_credential",
                      entity_id=row.id, before=None, after=audit_view(row, scope), now=now)
     return row, scope, f"{SCHEME}_{prefix}_{secret}"
+
+
+def release_tenant(session: Session, *, actor: str, now: datetime, tenant: Tenant) -> None:
+    """Before ``tenant`` is deleted (inside the delete's ``mutation``): refuse (409
+    ``tenant_orphans_credential``, naming them) while a scoped credential that is not revoked has
+    it as its only tenant — the delete would leave it valid and scoped to nothing (the rule
+    ``kvgate admin apply --prune`` keeps, ``prune_orphans_credential``); a scoped credential
+    with other tenants loses this one, recorded as ``admin_credential.update`` (scope before and
+    after). The scope rows themselves go with the tenant (FK ``CASCADE``)."""
+    holders = session.scalars(
+        select(AdminCredential).join(AdminCredentialTenant, AdminCredentialTenant.credential_id == AdminCredential.id)
+        .where(AdminCredentialTenant.tenant_id == tenant.id).order_by(AdminCredential.id)
+    ).all()
+    scopes = {row.id: scope_of(session, row.id) for row in holders}
+    orphaned = [row for row in holders if row.revoked_at is None and scopes[row.id] == [tenant.slug]]
+    if orphaned:
+        listed = "; ".join(f"{row.name!r} (id {row.id}, {row.role})" for row in orphaned)
+        raise Conflict(
+            f"tenant {tenant.slug!r} is the only tenant of admin credential(s) {listed}: deleting it would leave "
+            "them valid and scoped to no tenant; nothing was changed. Revoke them first "
+            "(DELETE /admin/v1/credentials/<id>, kvgate admin credentials revoke <id>)",
+            code="tenant_orphans_credential")
+    for row in holders:
+        before = scopes[row.id]
+        audit.record(session, actor=actor, action="admin_credential.update", entity_type="admin_credential",
+                     entity_id=row.id, before=audit_view(row, before),
+                     after=audit_view(row, [slug for slug in before if slug != tenant.slug]), now=now)
 
 
 def _free_prefix(session: Session) -> str:
@@ -135,7 +191,8 @@ def revoke_credential(session: Session, *, actor: str, now: datetime, credential
         row = get_credential(session, credential_id=credential_id)
         if row.revoked_at is not None:
             return row
-        before = audit_view(row)
+        scope = current_scope(session, row)
+        before = audit_view(row, scope)
         result = session.execute(
             update(AdminCredential).where(AdminCredential.id == row.id, AdminCredential.revoked_at.is_(None))
             .values(revoked_at=now).execution_options(synchronize_session=False)
@@ -143,7 +200,7 @@ def revoke_credential(session: Session, *, actor: str, now: datetime, credential
         session.refresh(row)
         if result.rowcount == 1:  # type: ignore[attr-defined]
             audit.record(session, actor=actor, action="admin_credential.revoke", entity_type="admin_credential",
-                         entity_id=row.id, before=before, after=audit_view(row), now=now)
+                         entity_id=row.id, before=before, after=audit_view(row, scope), now=now)
     return row
 
 
@@ -157,13 +214,14 @@ def rotate_credential(
         row = get_credential(session, credential_id=credential_id)
         if row.revoked_at is not None:
             raise Conflict("a revoked credential cannot be rotated", code="credential_revoked")
-        before = audit_view(row)
+        scope = current_scope(session, row)
+        before = audit_view(row, scope)
         row.previous_secret_hash = row.secret_hash
         row.previous_valid_until = now + timedelta(seconds=overlap)
         row.secret_hash = hash_secret(secret, pepper=pepper)
         session.flush()
         audit.record(session, actor=actor, action="admin_credential.rotate", entity_type="admin_credential",
-                     entity_id=row.id, before=before, after=audit_view(row), now=now)
+                     entity_id=row.id, before=before, after=audit_view(row, scope), now=now)
     return row, f"{SCHEME}_{row.prefix}_{secret}"
 
 
@@ -199,4 +257,4 @@ def authenticate_credential(session: Session, *, plaintext: str, pepper: str, no
     )
     session.commit()
     return AdminIdentity(name=row.name, role=row.role, tenant_ids=tenant_ids, tenants=scope,
-                         actor=f"cred:{row.name}"[:128], credential_id=row.id)
+                         actor=actor_of(row), credential_id=row.id)

@@ -7,7 +7,7 @@ change always does.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from datetime import datetime
 from typing import Any
 
@@ -90,12 +90,18 @@ def list_events(
     actor: str | None = None,
     since: datetime | None = None,
     until: datetime | None = None,
+    hidden_entity_types: Collection[str] = (),
 ) -> Page[AuditEvent]:
     """Newest first; every filter is optional and they combine with AND.
+
+    ``hidden_entity_types`` (what a caller may not read) is part of the query, so pages are
+    full and ``total`` counts only what the caller may read.
 
     A text filter with a NUL, or a time that is naive or that UTC cannot hold, is refused
     (``InvalidField`` naming the filter) on every backend alike."""
     stmt = select(AuditEvent)
+    if hidden_entity_types:
+        stmt = stmt.where(AuditEvent.entity_type.not_in(sorted(hidden_entity_types)))
     if entity_type is not None:
         stmt = stmt.where(AuditEvent.entity_type == v.filter_text(entity_type, field="entity_type"))
     if entity_id is not None:

@@ -10,6 +10,10 @@ Invariants:
   mutation bumps ``version`` and writes one audit event in its transaction. A
   suspend of an already suspended tenant (or resume of an active one) changes
   nothing and records nothing.
+* A delete is audited whole: besides ``tenant.delete``, one event per row that goes with
+  the tenant and has an audit history (its API keys, the captures limited to it, a scoped
+  admin credential's scope), in the same transaction; it is refused while it would leave
+  an admin credential scoped to no tenant (``admin_credentials.release_tenant``).
 """
 
 from __future__ import annotations
@@ -22,11 +26,11 @@ from typing import Any
 from sqlalchemy import false, func, select
 from sqlalchemy.orm import Session
 
-from tenants import audit
+from tenants import admin_credentials, audit, captures, keys
 from tenants import validation as v
 from tenants.common import Page, check_version, get_by_ref, mutation, paginate, snapshot, versioned_update
 from tenants.errors import Conflict, Forbidden, InvalidField
-from tenants.models import CAPPED_LIMITS, Pool, RetentionClass, Tenant
+from tenants.models import CAPPED_LIMITS, ApiKey, Pool, RetentionClass, Tenant, TraceCapture
 from tenants.pools import get_pool
 from tenants.retention_classes import get_class
 
@@ -289,9 +293,25 @@ def resume_tenant(session: Session, *, actor: str, now: datetime, ref: int | str
 
 
 def delete_tenant(session: Session, *, actor: str, now: datetime, ref: int | str) -> None:
-    """Delete a tenant with its keys and usage rows (audit events stay)."""
+    """Delete a tenant with its keys, captures, usage rows and stored responses (FK ``CASCADE``;
+    audit events stay). Records ``api_key.delete`` per key, ``trace_capture.delete`` per capture
+    limited to it (an active one stops with it), the scope change of each admin credential that
+    keeps other tenants, then ``tenant.delete``; 409 ``tenant_orphans_credential`` while it is a
+    credential's only tenant (``admin_credentials.release_tenant``)."""
     with mutation(session, entity="tenant"):
         tenant = get_tenant(session, ref=ref)
+        if session.get_bind().dialect.name == "postgresql":
+            # Held to the end: a key, capture or credential scope added meanwhile (its FK insert
+            # waits on this row) cannot slip into the cascade without its event.
+            session.execute(select(Tenant.id).where(Tenant.id == tenant.id).with_for_update())
+        admin_credentials.release_tenant(session, actor=actor, now=now, tenant=tenant)
+        for key in session.scalars(select(ApiKey).where(ApiKey.tenant_id == tenant.id).order_by(ApiKey.id)):
+            audit.record(session, actor=actor, action="api_key.delete", entity_type="api_key", entity_id=key.id,
+                         before=keys.audit_view(key), after=None, now=now)
+        for capture in session.scalars(select(TraceCapture).where(TraceCapture.tenant_id == tenant.id)
+                                       .order_by(TraceCapture.id)):
+            audit.record(session, actor=actor, action="trace_capture.delete", entity_type="trace_capture",
+                         entity_id=capture.id, before=captures.audit_view(capture), after=None, now=now)
         audit.audited_delete(session, tenant, actor=actor, now=now, entity_type="tenant", view=audit_view)
 
 

@@ -78,8 +78,9 @@ def _oidc_identity(request: Request, token: str, session: Session) -> AdminIdent
         return None
     if claims.tenants is None:
         return AdminIdentity(name=claims.name, role=claims.role, tenant_ids=None, tenants=None, actor=claims.name)
+    # A scope of no tenant (no claim sent) is still a scope: empty, never None (= every tenant).
     pairs = session.execute(select(Tenant.id, Tenant.slug).where(Tenant.slug.in_(claims.tenants))
-                            .order_by(Tenant.slug)).all()
+                            .order_by(Tenant.slug)).all() if claims.tenants else []
     return AdminIdentity(name=claims.name, role=claims.role, tenant_ids=frozenset(p.id for p in pairs),
                          tenants=tuple(p.slug for p in pairs), actor=claims.name)
 
@@ -121,7 +122,7 @@ def current_identity(
 
 
 def require_admin(identity: Annotated[AdminIdentity, Depends(current_identity)]) -> str:
-    """The caller's audit actor (``admin:<name>``, ``cred:<name>``, ``oidc:<subject>``)."""
+    """The caller's audit actor (``admin:<name>``, ``cred:<id>:<name>``, ``oidc:<subject>``)."""
     return identity.actor
 
 

@@ -4,8 +4,15 @@ Verification is PyJWT's (``jwt.decode``): the signature with a key from the conf
 (file, or URL fetched and cached by ``jwt.PyJWKClient``), only RS256/ES256 (never ``none``
 or an HMAC algorithm a public key could be abused for), ``iss`` and ``aud`` equal to the
 settings, ``exp`` required and in the future. Claims map to a role through
-``oidc_role_map``; when several values map, the most powerful role wins. A tenant-admin
-with no tenants in its claim is refused; platform-admin and operator are never scoped.
+``oidc_role_map``; when several values map, the most powerful role wins.
+
+Scope invariants: platform-admin and operator are never scoped. A tenant-admin or viewer is
+*always* scoped: to the slugs of the tenants claim, or, when the claim is absent, to no
+tenant at all (a token the provider issued without a scope reads nothing, never every
+tenant; an unscoped viewer is an admin credential made so on purpose). A tenant-admin with
+no tenants is refused. A tenants claim we cannot read (JSON null, a number, an object) is
+refused, never read as "no scope". The name claim must fit the audit actor whole
+(``MAX_NAME``): two long names are never truncated into one actor.
 """
 
 from __future__ import annotations
@@ -20,11 +27,15 @@ from tenants.models import ADMIN_ROLES
 
 log = logging.getLogger("kvgate.admin.oidc")
 ALGORITHMS = ["RS256", "ES256"]
+ACTOR_PREFIX = "oidc:"
+MAX_NAME = 128 - len(ACTOR_PREFIX)  # audit_events.actor is 128 chars
+_ABSENT = object()
 
 
 @dataclass(frozen=True, slots=True)
 class OidcClaims:
-    """What a verified token says: ``tenants`` are slugs as the provider sent them (None = unscoped)."""
+    """What a verified token says: ``tenants`` are slugs as the provider sent them (None = unscoped:
+    platform-admin and operator only)."""
 
     name: str
     role: str
@@ -55,7 +66,8 @@ class OidcVerifier:
 
     def verify(self, token: str) -> OidcClaims | None:
         """The mapped claims of a valid token, or None (bad signature, wrong issuer/audience, expired,
-        no mapped role, a tenant-admin without tenants)."""
+        no mapped role, a name too long for the actor, an unreadable tenants claim, a tenant-admin
+        without tenants)."""
         s = self._settings
         try:
             claims = jwt.decode(token, self._key(token), algorithms=ALGORITHMS, audience=s.oidc_audience,
@@ -70,17 +82,20 @@ class OidcVerifier:
         name = claims.get(s.oidc_name_claim)
         if role is None or not isinstance(name, str) or not name:
             return None
-        raw = claims.get(s.oidc_tenants_claim)
-        if raw is None:
-            tenants = None
+        if len(name) > MAX_NAME:
+            log.info("OIDC token refused: its %s claim is over %d characters", s.oidc_name_claim, MAX_NAME)
+            return None
+        raw = claims.get(s.oidc_tenants_claim, _ABSENT)
+        if raw is _ABSENT:  # no scope sent: scoped to nothing (platform-admin/operator are unscoped below)
+            tenants: tuple[str, ...] | None = ()
         elif isinstance(raw, str):  # one value sent bare, as the roles claim may be
             tenants = (raw,)
         elif isinstance(raw, list):
             tenants = tuple(t for t in raw if isinstance(t, str))
-        else:  # a scope we cannot read is refused, never read as no scope at all
+        else:  # null or another shape: a scope we cannot read is refused, never read as no scope at all
             return None
         if role in ("platform-admin", "operator"):
             tenants = None
         if role == "tenant-admin" and not tenants:
             return None
-        return OidcClaims(name=f"oidc:{name}"[:128], role=role, tenants=tenants)
+        return OidcClaims(name=f"{ACTOR_PREFIX}{name}", role=role, tenants=tenants)

@@ -19,7 +19,9 @@ A route's rule names the roles allowed and its *scope mode*:
 
 Invariants: a route without a rule is refused (403 ``no_rule``), and the route-table test
 (tests/server/admin/test_role_matrix.py) fails on it; the table in docs/architecture.md
-("Admin roles") is this table, checked by the same test.
+("Admin roles") is this table, checked by the same test. The audit log is no side door: an
+event is read only by a caller who may read the entity it describes (``AUDIT_READ_RULES``,
+``hidden_audit_entities``).
 """
 
 from __future__ import annotations
@@ -106,9 +108,28 @@ RULES: dict[tuple[str, str], Rule] = {
     ("POST", "/tenants/{ref}/keys"): Rule(KEY_WRITERS, TENANT),
     ("GET", "/tenants/{ref}/keys"): Rule(KEY_READERS, TENANT),
     ("POST", "/tenants/{ref}/keys/{key_id}/revoke"): Rule(KEY_WRITERS, TENANT),
-    # the audit log names every tenant: unscoped callers only
+    # the audit log names every tenant: unscoped callers only, and only events of the entities
+    # their role may read (AUDIT_READ_RULES)
     ("GET", "/audit"): READ,
 }
+
+
+# entity type -> the route that reads such entities: ``GET /audit`` shows an event of that type
+# only to a role that route allows (credential inventory to platform admins, a tenant's API
+# keys to its key readers). Types not listed are readable by every role ``GET /audit`` allows.
+AUDIT_READ_RULES: dict[str, tuple[str, str]] = {
+    "admin_credential": ("GET", "/credentials"),
+    "api_key": ("GET", "/tenants/{ref}/keys"),
+}
+
+
+def hidden_audit_entities(identity: AdminIdentity) -> frozenset[str]:
+    """Entity types whose audit events ``identity`` may not read, for ``audit.list_events``.
+
+    By role alone: ``GET /audit`` is ``GLOBAL``, so only unscoped callers reach it, and an
+    unscoped caller whose role may read one tenant's keys may read every tenant's."""
+    assert RULES[("GET", "/audit")].scope == GLOBAL, "scoped audit readers need a per-tenant filter"
+    return frozenset(entity for entity, route in AUDIT_READ_RULES.items() if identity.role not in RULES[route].roles)
 
 
 def authorize(identity: AdminIdentity, *, method: str, path: str, path_params: dict[str, str],

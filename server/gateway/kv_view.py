@@ -57,7 +57,7 @@ class KvView:
         engine_id = str(tenant_id)
         primary, secondary = (stats.tenants.get(engine_id, [0, 0]) if stats is not None else [0, 0])[:2]
         quota_blocks = kv_quota_fraction * stats.primary.max_blocks if stats is not None else None
-        totals = self._metrics.tenant_kv.get((slug, pool))
+        totals = self._metrics.tenant_kv.get((tenant_id, pool))  # by id: a reused slug starts from zero
         requests, reused, new, onboarded = totals if totals is not None else (0, 0, 0, 0)
         return {
             "polled": stats is not None,

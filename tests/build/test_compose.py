@@ -235,7 +235,7 @@ def test_the_gateway_exposes_every_documented_metric():
     gateway = metrics_module.GatewayMetrics(registry, snapshots=lambda: [snapshot], engine_up=lambda: {"p": True})
     from engines.contract import KvMetrics
 
-    gateway.observe_request(tenant="acme", pool="p", status="ok", prompt_tokens=10, completion_tokens=3, ttft=0.1,
+    gateway.observe_request(tenant="acme", tenant_id=1, pool="p", status="ok", prompt_tokens=10, completion_tokens=3, ttft=0.1,
                             latency=0.3, kv=KvMetrics(reused_blocks=1, new_blocks=1, total_blocks=2, onboarded_blocks=1),
                             demoted=False, inter_token=0.1)
     gateway.rate_limited.labels(tenant="acme", limit="rpm").inc()

@@ -406,7 +406,7 @@ def test_every_series_the_rules_read_is_one_the_gateway_exports():
     gateway = metrics.GatewayMetrics(registry, snapshots=lambda: [snapshot], engine_up=lambda: {"p": True})
     gateway.watch_replicas(lambda: [metrics.ReplicaRow("p", "r0", "active", True, 0, "precise")])
     metrics.SloGuardMetrics(registry, lambda: {"p": False})
-    gateway.observe_request(tenant="acme", pool="p", status="ok", prompt_tokens=10, completion_tokens=3, ttft=0.1,
+    gateway.observe_request(tenant="acme", tenant_id=1, pool="p", status="ok", prompt_tokens=10, completion_tokens=3, ttft=0.1,
                             latency=0.3, kv=KvMetrics(reused_blocks=1, new_blocks=1, total_blocks=2, onboarded_blocks=1),
                             demoted=False, inter_token=0.1)
     for limit in RATE_LIMITS:

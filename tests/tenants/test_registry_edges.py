@@ -41,7 +41,7 @@ def test_a_deleted_newest_tenants_and_keys_ids_are_not_handed_out_again(session)
     totals, _ = usage_report(session, tenant="charlie")
     assert (totals.requests, totals.prompt_tokens) == (0, 0)
     assert _events(session, "tenant", bravo_id) == [("tenant.delete", "bravo"), ("tenant.create", "bravo")]
-    assert [a for a, _ in _events(session, "api_key", bravo_key_id)] == ["api_key.create"]
+    assert [a for a, _ in _events(session, "api_key", bravo_key_id)] == ["api_key.delete", "api_key.create"]
     assert {p for _, p in _events(session, "api_key", bravo_key_id)} == {bravo_prefix}
 
 

@@ -627,7 +627,8 @@ class CompletionRunner:
         if outcome.ttft is not None and outcome.completion_tokens > 1:
             inter_token = (latency - outcome.ttft) / (outcome.completion_tokens - 1)
         self._metrics.observe_request(
-            tenant=tenant.slug, pool=tenant.pool.name, status=outcome.status, prompt_tokens=job.prompt.total,
+            tenant=tenant.slug, tenant_id=tenant.tenant_id, pool=tenant.pool.name, status=outcome.status,
+            prompt_tokens=job.prompt.total,
             completion_tokens=outcome.completion_tokens, ttft=outcome.ttft, latency=latency,
             kv=outcome.kv, demoted=plan.demoted, inter_token=inter_token,
         )

@@ -2,10 +2,12 @@
 
 Everything is registered on the ``registry`` passed in (a fresh one per app and per
 test). Per-request series are labelled with the tenant's registry slug and the pool
-name (both bounded by the registry); pool gauges are produced at scrape time by a
-custom collector from the latest engine stats snapshots, so a scrape never calls an
-engine. Names carry units (``_seconds``, ``_total``) and the ``kvgate_`` prefix; the
-dashboards in ``deploy/`` read exactly these names.
+name (both bounded by the registry); the per-tenant KV totals the admin API reads
+(``GatewayMetrics.tenant_kv``) are keyed by the tenant's registry *id*, never its slug: a
+slug freed by a deleted tenant and taken by a new one starts from zero. Pool gauges are
+produced at scrape time by a custom collector from the latest engine stats snapshots, so
+a scrape never calls an engine. Names carry units (``_seconds``, ``_total``) and the
+``kvgate_`` prefix; the dashboards in ``deploy/`` read exactly these names.
 """
 
 from __future__ import annotations
@@ -225,9 +227,10 @@ class GatewayMetrics:
         self.replica_cached_tokens = Counter("kvgate_replica_cached_tokens", "Prompt tokens the replica served from "
                                              "its KV cache", pr, registry=registry)
         self._children: dict[tuple[int, tuple[str, ...]], object] = {}
-        # (tenant slug, pool) -> [requests with KV metrics, reused, new, onboarded blocks]: the same
-        # sums as the kvgate_kv_blocks_* counters, readable per tenant by the admin API (kv_view.py).
-        self.tenant_kv: dict[tuple[str, str], list[int]] = {}
+        # (tenant id, pool) -> [requests with KV metrics, reused, new, onboarded blocks]: the sums of
+        # the kvgate_kv_blocks_* counters, per tenant for the admin API (kv_view.py). By id, not
+        # slug: a deleted tenant's slug taken by a new tenant must not inherit its figures.
+        self.tenant_kv: dict[tuple[int, str], list[int]] = {}
         if snapshots is not None:
             registry.register(PoolStatsCollector(snapshots, engine_up))
 
@@ -266,9 +269,13 @@ class GatewayMetrics:
             child = self._children[key] = metric.labels(*labels)
         return child
 
-    def observe_request(self, *, tenant: str, pool: str, status: str, prompt_tokens: int, completion_tokens: int,
-                        ttft: float | None, latency: float, kv: KvMetrics | None, demoted: bool,
-                        inter_token: float | None = None) -> None:
+    def observe_request(self, *, tenant: str, tenant_id: int, pool: str, status: str, prompt_tokens: int,
+                        completion_tokens: int, ttft: float | None, latency: float, kv: KvMetrics | None,
+                        demoted: bool, inter_token: float | None = None) -> None:
+        """One finished request of ``tenant`` (its slug: the series' label) on ``pool``.
+
+        ``tenant_id`` (the registry id) keys ``tenant_kv``: a slug alone cannot tell a deleted
+        tenant from a new one that took its slug."""
         child = self._child
         child(self.requests, tenant, pool, status).inc()
         if prompt_tokens:
@@ -282,9 +289,9 @@ class GatewayMetrics:
             child(self.inter_token, tenant, pool).observe(inter_token)
         child(self.latency, tenant, pool).observe(latency)
         if kv is not None:
-            totals = self.tenant_kv.get((tenant, pool))
+            totals = self.tenant_kv.get((tenant_id, pool))
             if totals is None:
-                totals = self.tenant_kv[(tenant, pool)] = [0, 0, 0, 0]
+                totals = self.tenant_kv[(tenant_id, pool)] = [0, 0, 0, 0]
             totals[0] += 1
             totals[1] += kv.reused_blocks
             totals[2] += kv.new_blocks

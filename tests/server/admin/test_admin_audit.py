@@ -1,4 +1,5 @@
-"""Every admin mutation leaves exactly one audit event; a failed mutation leaves none."""
+"""Every admin mutation leaves exactly one audit event (a tenant's delete: one more per row that goes
+with it and has a history, e.g. its keys); a failed mutation leaves none."""
 
 from __future__ import annotations
 
@@ -60,7 +61,8 @@ def test_each_mutation_one_event_each_failure_none(client) -> None:  # type: ign
         before = _count(client)
         r = client.request(method, f"{A}{path}", headers=AUTH, json=body)
         assert r.status_code < 300, (path, r.text)
-        assert _count(client) == before + 1
+        # acme's one (revoked) key goes with it: api_key.delete, then tenant.delete
+        assert _count(client) == before + (2 if action == "tenant.delete" else 1)
         latest = client.get(f"{A}/audit?limit=1", headers=AUTH).json()["items"][0]
         assert latest["action"] == action and latest["actor"] == "admin:ops"
         if action.endswith(".update"):
@@ -116,3 +118,39 @@ def test_audit_filters(client) -> None:  # type: ignore[no-untyped-def]
     assert client.get(f"{A}/audit?since=2999-01-01T00:00:00Z", headers=AUTH).json()["total"] == 0
     r = client.get(f"{A}/audit?since=2020-01-01T00:00:00", headers=AUTH)
     assert r.status_code == 422 and r.json()["error"]["field"] == "since"
+
+
+def test_audit_shows_only_entities_the_callers_role_may_read(client) -> None:  # type: ignore[no-untyped-def]
+    """GET /audit is no side door: credential events only to who may list credentials (platform
+    admins), API key events only to who may read keys (not operators). Filtered in the query:
+    every page is full and ``total`` counts only what the caller may read."""
+    from tests.server.admin.conftest import seed
+    from tests.server.admin.test_credentials import bearer, credential
+
+    seed(client)
+    for name in ("k1", "k2", "k3"):
+        assert client.post(f"{A}/tenants/acme/keys", headers=AUTH, json={"name": name}).status_code == 201
+    credential(client, "acme-ops", "tenant-admin", ["acme"])
+    ops = bearer(credential(client, "night-ops", "operator")["secret"])
+    viewer = bearer(credential(client, "auditor", "viewer")["secret"])
+    everything = client.get(f"{A}/audit?limit=500", headers=AUTH).json()["items"]
+    kinds = {e["entity_type"] for e in everything}
+    assert {"admin_credential", "api_key", "tenant", "pool"} <= kinds
+    hidden = {"operator": {"admin_credential", "api_key"}, "viewer": {"admin_credential"}}
+    for role, headers in (("operator", ops), ("viewer", viewer)):
+        expected = [e["id"] for e in everything if e["entity_type"] not in hidden[role]]
+        seen, offset = [], 0
+        while True:  # pages of 2: full until the last, in order, nothing skipped
+            page = client.get(f"{A}/audit", params={"limit": 2, "offset": offset}, headers=headers).json()
+            assert page["total"] == len(expected), role
+            assert len(page["items"]) == max(0, min(2, len(expected) - offset)), (role, offset)
+            if not page["items"]:
+                break
+            seen += [e["id"] for e in page["items"]]
+            offset += 2
+        assert seen == expected, role
+        for entity in hidden[role]:  # asking for them by name: an empty page, no error to tell them apart
+            asked = client.get(f"{A}/audit", params={"entity_type": entity}, headers=headers).json()
+            assert (asked["items"], asked["total"]) == ([], 0), (role, entity)
+    assert client.get(f"{A}/audit?entity_type=api_key", headers=viewer).json()["total"] == 3
+    assert client.get(f"{A}/audit?entity_type=admin_credential", headers=AUTH).json()["total"] == 3

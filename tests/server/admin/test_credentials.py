@@ -133,7 +133,8 @@ def test_tenant_admin_sees_only_its_tenants_and_cannot_tell_foreign_from_missing
 
 def test_tenant_admin_manages_its_keys_and_nothing_else(client: TestClient) -> None:
     seed(client)
-    me = bearer(credential(client, "acme-ops", "tenant-admin", ["acme"])["secret"])
+    mine = credential(client, "acme-ops", "tenant-admin", ["acme"])
+    me = bearer(mine["secret"])
     key = client.post("/admin/v1/tenants/acme/keys", headers=me, json={"name": "ci"})
     assert key.status_code == 201 and key.json()["key"].startswith("kvg_")
     assert client.get("/admin/v1/tenants/acme/keys", headers=me).json()["total"] == 1
@@ -148,7 +149,7 @@ def test_tenant_admin_manages_its_keys_and_nothing_else(client: TestClient) -> N
     assert client.get("/admin/v1/audit", headers=me).status_code == 403
     assert client.post("/admin/v1/tenants/acme/suspend", headers=me).status_code == 403
     events = client.get("/admin/v1/audit?entity_type=api_key", headers=AUTH).json()["items"]
-    assert {e["actor"] for e in events} == {"cred:acme-ops"}
+    assert {e["actor"] for e in events} == {f"cred:{mine['id']}:acme-ops"}
 
 
 def test_tenant_admin_limits_stay_within_caps(client: TestClient) -> None:
@@ -318,10 +319,11 @@ def test_tenant_admin_reads_its_kv_figures_from_the_gateway(db, settings, client
         report = PoolStatsReport(tokens_per_block=32, primary=TierStats(128, 28, 100), secondary=TierStats(256, 200, 56),
                                  cache_hit_rate=0.4, tenants={str(acme): [70, 6], str(globex): [30, 50]})
         services.monitor.apply(pool, report, [TenantQuota(acme, "acme", 0.5), TenantQuota(globex, "globex", 0.5)])
-        for slug, reused, new in (("acme", 3, 1), ("globex", 0, 9)):
+        for slug, tid, reused, new in (("acme", acme, 3, 1), ("globex", globex, 0, 9)):
             services.metrics.observe_request(tenant=slug, pool="gpu-a", status="ok", prompt_tokens=10,
                                              completion_tokens=1, ttft=0.1, latency=0.2,
-                                             kv=KvMetrics(reused_blocks=reused, new_blocks=new), demoted=False)
+                                             kv=KvMetrics(reused_blocks=reused, new_blocks=new), demoted=False,
+                                             tenant_id=tid)
         figures = gateway.get("/admin/v1/tenants/acme/kv", headers=me).json()
         shown = {k: figures[k] for k in ("tenant", "pool", "polled", "primary_blocks", "secondary_blocks", "demoted",
                                          "pool_hit_rate", "reused_blocks", "new_blocks", "hit_rate")}
@@ -367,3 +369,51 @@ def test_an_expiry_utc_cannot_hold_is_422_for_keys_too(client: TestClient) -> No
     r = client.post("/admin/v1/tenants/acme/keys", headers=AUTH,
                     json={"name": "k", "expires_at": "9999-12-31T23:59:59-05:00"})
     assert r.status_code == 422 and r.json()["error"]["field"] == "expires_at", r.text
+
+
+def test_rotate_and_revoke_events_carry_the_credentials_scope(client: TestClient) -> None:
+    seed(client)
+    add_tenant(client, "globex")
+    scoped = credential(client, "acme-ops", "tenant-admin", ["globex", "acme"])
+    plain = credential(client, "night-ops", "operator")
+    for cred in (scoped, plain):
+        assert client.post(f"/admin/v1/credentials/{cred['id']}/rotate", headers=AUTH,
+                           json={"overlap_seconds": 0}).status_code == 201
+        assert client.delete(f"/admin/v1/credentials/{cred['id']}", headers=AUTH).status_code == 204
+    for cred, scope in ((scoped, ["acme", "globex"]), (plain, None)):
+        events = client.get("/admin/v1/audit", params={"entity_type": "admin_credential", "entity_id": cred["id"]},
+                            headers=AUTH).json()["items"]
+        assert [e["action"] for e in events] == ["admin_credential.revoke", "admin_credential.rotate",
+                                                 "admin_credential.create"]
+        assert [(e["before"] or {}).get("tenants", "-") for e in events] == [scope, scope, "-"]
+        assert [e["after"]["tenants"] for e in events] == [scope, scope, scope]
+
+
+def test_long_names_never_share_an_audit_actor(client: TestClient) -> None:
+    """The actor is ``cred:<id>:<name>`` cut to 128 chars: two names alike in their first 123
+    chars (once the same actor, ``cred:<name>``[:128]) stay told apart by the id."""
+    seed(client)
+    alice = credential(client, "x" * 123 + "al", "tenant-admin", ["acme"])
+    mallory = credential(client, "x" * 123 + "ma", "tenant-admin", ["acme"])
+    for cred, key in ((alice, "by-alice"), (mallory, "by-mallory")):
+        assert client.post("/admin/v1/tenants/acme/keys", headers=bearer(cred["secret"]),
+                           json={"name": key}).status_code == 201
+    events = client.get("/admin/v1/audit?entity_type=api_key", headers=AUTH).json()["items"]
+    actors = {e["after"]["name"]: e["actor"] for e in events}
+    assert actors["by-alice"] != actors["by-mallory"]
+    assert actors["by-alice"] == f"cred:{alice['id']}:{alice['name']}"[:128]
+    assert len(actors["by-alice"]) == 128
+    mine = client.get("/admin/v1/audit", params={"actor": actors["by-mallory"]}, headers=AUTH).json()
+    assert [e["after"]["name"] for e in mine["items"]] == ["by-mallory"]
+
+
+@pytest.mark.parametrize("name", ["acme\u202eops", "\u2066acme\u2069", "acme\u200bops", "acme\x1b[31m",
+                                  "acme\nops", "acme\x7f", "acme\u2028ops", "\ufeffacme"])
+def test_credential_names_with_control_or_format_characters_are_422(client: TestClient, name: str) -> None:
+    seed(client)
+    r = client.post("/admin/v1/credentials", headers=AUTH, json={"name": name, "role": "viewer"})
+    assert r.status_code == 422 and r.json()["error"]["field"] == "name", r.text
+    assert "control or formatting" in r.json()["error"]["message"]
+    assert client.get("/admin/v1/credentials", headers=AUTH).json()["total"] == 0
+    # what stays allowed: any printable name, accents, other scripts, spaces
+    assert credential(client, "Équipe nuit — 夜勤 ops", "viewer")["name"] == "Équipe nuit — 夜勤 ops"

@@ -191,3 +191,43 @@ def test_oidc_settings_are_checked_and_read_from_the_environment(monkeypatch, tm
     settings = Settings()
     assert settings.oidc_enabled and settings.oidc_role_map == {"kv-ops": "operator"}
     assert not Settings(_env_file=None, oidc_issuer=None).oidc_enabled
+
+
+def _with_claims(keys: dict[str, object], **claims: object) -> str:
+    """A token with ``claims`` exactly (``token`` drops None values; this keeps a JSON null)."""
+    now = int(time.time())
+    body = {"iss": ISSUER, "aud": AUDIENCE, "sub": "carol", "iat": now, "exp": now + 300, **claims}
+    return jwt.encode(body, keys["rsa"], algorithm="RS256", headers={"kid": "rsa-1"})  # type: ignore[arg-type]
+
+
+def test_a_viewer_without_a_readable_scope_reads_no_tenant(client_file: TestClient, keys) -> None:  # type: ignore[no-untyped-def]
+    """No tenants claim: a viewer scoped to no tenant (once unscoped: every tenant, the audit log).
+    A null claim: unreadable, refused like any other shape. A tenant-admin needs tenants either way."""
+    c = client_file
+    key = c.post("/admin/v1/tenants/globex/keys", headers=AUTH, json={"name": "globex-prod"})
+    assert key.status_code == 201, key.text
+    nobody = bearer(_with_claims(keys, roles=["kv-read"]))
+    assert c.get("/admin/v1/whoami", headers=nobody).json() == {"name": "oidc:carol", "role": "viewer",
+                                                                "tenants": []}
+    assert c.get("/admin/v1/tenants", headers=nobody).json()["total"] == 0
+    for path in ("/admin/v1/tenants/globex/keys", "/admin/v1/tenants/acme"):
+        assert c.get(path, headers=nobody).status_code == 404, path
+    for path in ("/admin/v1/audit", "/admin/v1/pools"):
+        assert c.get(path, headers=nobody).status_code == 403, path
+    for role in ("kv-read", "kv-tenant", "kv-ops", "kv-platform"):
+        r = c.get("/admin/v1/whoami", headers=bearer(_with_claims(keys, roles=[role], kvgate_tenants=None)))
+        assert r.status_code == 401, (role, r.text)
+    assert c.get("/admin/v1/whoami", headers=bearer(_with_claims(keys, roles=["kv-tenant"]))).status_code == 401
+    # operators and platform admins are never scoped: no claim is what they send
+    ops = bearer(_with_claims(keys, roles=["kv-ops"]))
+    assert c.get("/admin/v1/whoami", headers=ops).json()["tenants"] is None
+
+
+def test_a_name_too_long_for_the_actor_is_refused(client_file: TestClient, keys) -> None:  # type: ignore[no-untyped-def]
+    """``oidc:<name>`` fits the 128-char actor whole: two long subjects were once cut into one actor."""
+    fits = "s" * 123
+    r = client_file.get("/admin/v1/whoami", headers=bearer(token(keys, sub=fits, roles=["kv-ops"])))
+    assert r.status_code == 200 and r.json()["name"] == f"oidc:{fits}"
+    for sub in (fits + "a", fits + "b"):
+        r = client_file.get("/admin/v1/whoami", headers=bearer(token(keys, sub=sub, roles=["kv-ops"])))
+        assert r.status_code == 401, r.text
