@@ -16,14 +16,12 @@ from retention.types import RetentionPlan, TokenRange
 from server.gateway.api.completions import Outcome
 from server.gateway.api.messages_convert import cache_hints, convert
 from server.gateway.api.messages_render import MESSAGES, cache_creation, stop_reason, usage
-from server.gateway.api.messages_schemas import CountTokensRequest, MessagesRequest
+from server.gateway.api.messages_schemas import MessagesRequest
 from server.gateway.api.prompting import ChatPrompter, PreparedPrompt, TextMark
 from server.gateway.api.tools import CALL_OPEN, ToolCall, tools_system_text
 from server.gateway.errors import ServingError
+from tests.server.gateway.messages_bodies import EPHEMERAL, WEATHER, count_request, request, user
 
-WEATHER = {"name": "get_weather", "description": "Weather in a city",
-           "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}
-EPHEMERAL = {"type": "ephemeral"}
 
 
 @pytest.fixture(scope="module")
@@ -31,24 +29,11 @@ def prompter() -> ChatPrompter:
     return ChatPrompter(load_gguf_tokenizer())
 
 
-def request(**fields) -> MessagesRequest:
-    body = {"model": "m", "max_tokens": 16, "messages": [{"role": "user", "content": "Hi"}], **fields}
-    return MessagesRequest.model_validate(body)
-
-
-def count_request(**fields) -> CountTokensRequest:
-    return CountTokensRequest.model_validate({"model": "m", "messages": [{"role": "user", "content": "Hi"}], **fields})
-
-
 def refused(field: str, **fields) -> str:
     with pytest.raises(ServingError) as caught:
         convert(request(**fields))
     assert caught.value.status == 400 and caught.value.param == field, caught.value.message
     return caught.value.message
-
-
-def user(content) -> dict:
-    return {"role": "user", "content": content}
 
 
 def calls(*ids: str, name: str = "get_weather") -> dict:

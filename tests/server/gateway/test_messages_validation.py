@@ -22,15 +22,13 @@ from retention.types import RetentionPlan, TokenRange
 from server.gateway.api import messages_convert
 from server.gateway.api.messages_convert import cache_hints, convert
 from server.gateway.api.messages_render import MESSAGES, cache_creation, error_body
-from server.gateway.api.messages_schemas import CountTokensRequest, MessagesRequest
+from server.gateway.api.messages_schemas import MessagesRequest
 from server.gateway.api.prompting import ChatPrompter, TextMark
 from server.gateway.api.tools import render_messages, tools_system_text
 from server.gateway.context import REQUEST_ID
 from server.gateway.errors import ServingError, validation_error
+from tests.server.gateway.messages_bodies import EPHEMERAL, WEATHER, count_request, request, user
 
-WEATHER = {"name": "get_weather", "description": "Weather in a city",
-           "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}
-EPHEMERAL = {"type": "ephemeral"}
 HOUR = {"type": "ephemeral", "ttl": "1h"}
 CALL = {"type": "tool_use", "id": "toolu_1", "name": "get_weather", "input": {"city": "Oslo"}}
 EXTRA = "Extra inputs are not permitted"
@@ -41,15 +39,6 @@ def prompter() -> ChatPrompter:
     return ChatPrompter(load_gguf_tokenizer())
 
 
-def request(**fields) -> MessagesRequest:
-    return MessagesRequest.model_validate({"model": "m", "max_tokens": 4,
-                                           "messages": [{"role": "user", "content": "Hi"}], **fields})
-
-
-def count_request(**fields) -> CountTokensRequest:
-    return CountTokensRequest.model_validate({"model": "m", "messages": [{"role": "user", "content": "Hi"}], **fields})
-
-
 def refused(field: str, **fields) -> str:
     with pytest.raises(ServingError) as caught:
         convert(request(**fields))
@@ -58,10 +47,6 @@ def refused(field: str, **fields) -> str:
         convert(count_request(**{k: v for k, v in fields.items()}), generate=False)
     assert counted.value.param == field
     return caught.value.message
-
-
-def user(content) -> dict:
-    return {"role": "user", "content": content}
 
 
 def answered(result: dict, call: dict = CALL) -> list[dict]:
