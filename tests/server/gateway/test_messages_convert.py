@@ -16,7 +16,6 @@ from retention.types import RetentionPlan, TokenRange
 from server.gateway.api.completions import Outcome
 from server.gateway.api.messages_convert import cache_hints, convert
 from server.gateway.api.messages_render import MESSAGES, cache_creation, stop_reason, usage
-from server.gateway.api.messages_schemas import MessagesRequest
 from server.gateway.api.prompting import ChatPrompter, PreparedPrompt, TextMark
 from server.gateway.api.tools import CALL_OPEN, ToolCall, tools_system_text
 from server.gateway.errors import ServingError
