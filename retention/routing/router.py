@@ -184,8 +184,9 @@ class KvAwareRouter(Router):
     blocks until the first event batch known to be complete past its end (``apply_events``'s
     ``as_of``): its prompt was stored at the end of its prefill, but the router learns that
     only from the replica's next report, and a follow-up turn routed in between must still
-    see it there. ``on_complete`` clears them at once where the index is approximate (it
-    already holds what was sent).
+    see it there. ``on_complete`` clears them at once where no report is coming: a replica
+    whose index is approximate (it already holds what was sent) or that has not reported yet
+    (its first poll may find it sends no events at all).
     """
 
     name = "kv-aware"
@@ -207,6 +208,7 @@ class KvAwareRouter(Router):
         self._pending_of: dict[Hashable, tuple[ReplicaId, tuple[int, ...]]] = {}
         # replica -> (end time, prompt hashes) of ended requests whose blocks no report has covered yet
         self._settling: dict[ReplicaId, list[tuple[float, tuple[int, ...]]]] = {}
+        self._reported: set[ReplicaId] = set()  # replicas whose event reports reach apply_events
 
     # ---------------------------------------------------------------- indexes
     def index(self, replica: ReplicaId) -> BlockIndex:
@@ -218,6 +220,10 @@ class KvAwareRouter(Router):
 
     def set_index(self, replica: ReplicaId, index: BlockIndex) -> None:
         self._indexes[replica] = index
+        if not isinstance(index, PreciseIndex):  # no report will come to settle what ended there
+            self._reported.discard(replica)
+            for _, hashes in self._settling.pop(replica, ()):
+                self._unpend(replica, hashes)
 
     def match(self, replica: ReplicaId, hashes: Sequence[int], *, now: float) -> PrefixMatch:
         """Held prefix on ``replica`` from its index, extended by blocks pending there."""
@@ -239,6 +245,7 @@ class KvAwareRouter(Router):
         Even an empty batch settles the requests that ended there by ``as_of`` (default ``now``):
         whatever they stored is now in the index, or was evicted since."""
         events = list(events)
+        self._reported.add(replica)
         if events:
             index = self._indexes.get(replica)
             if not isinstance(index, PreciseIndex):
@@ -261,6 +268,7 @@ class KvAwareRouter(Router):
         self._indexes.pop(replica, None)
         self._pending.pop(replica, None)
         self._settling.pop(replica, None)
+        self._reported.discard(replica)
         for rid in [rid for rid, (r, _) in self._pending_of.items() if r == replica]:
             del self._pending_of[rid]
 
@@ -305,7 +313,7 @@ class KvAwareRouter(Router):
         if entry is None:
             return
         replica, hashes = entry
-        if isinstance(self._indexes.get(replica), PreciseIndex):
+        if replica in self._reported and isinstance(self._indexes.get(replica), PreciseIndex):
             self._settling.setdefault(replica, []).append((now, hashes))
         else:
             self._unpend(replica, hashes)

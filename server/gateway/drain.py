@@ -81,7 +81,7 @@ class DrainingServer(uvicorn.Server):
             self._drain_started = time.monotonic()
             self.services.draining = True
             return
-        if self._drain_started is not None and not self.should_exit and not self._cut_short:
+        if self._drain_started is not None and not self.should_exit and not self._cut_short and self._aborted_at is None:
             self._cut_short = True  # second signal: end what still runs now, as the timeout would
             return
         if self.should_exit and sig == signal.SIGINT:

@@ -281,6 +281,7 @@ def test_pending_blocks_of_in_flight_requests_attract_their_twins() -> None:
     router.on_dispatch(first, d1, now=0)
     d2 = router.route(request(2, prompt), CANDS, now=0)
     assert d2.replica == d1.replica and d2.match == PrefixMatch(0, 0, 6)
+    router.apply_events(d1.replica, [], now=0.5)  # the replica reports its events (none yet)
     router.on_complete(1, now=1)
     # Ended, but no report has shown where its prompt went: still pending there (the store at
     # prefill end reaches the router only with the replica's next KV events).
@@ -301,6 +302,22 @@ def test_an_ended_request_on_an_approximate_replica_leaves_no_pending_blocks() -
     router.on_complete(1, now=1)
     match = router.match(d1.replica, first.hashes, now=1)
     assert (match.gpu_blocks, match.pending_blocks) == (6, 0)  # what was sent there, not pending
+
+
+def test_what_ends_on_a_replica_that_never_reported_or_turned_approximate_is_not_kept_pending() -> None:
+    router = make_router("kv-aware", tokens_per_block=BPT)
+    prompt = tokens(9, 6 * BPT + 1)
+    first, second = request(1, prompt), request(2, prompt)
+    d1 = router.route(first, CANDS, now=0)
+    router.on_dispatch(first, d1, now=0)
+    router.on_complete(1, now=1)  # no report from that replica yet: none may ever come
+    assert router.match(d1.replica, first.hashes, now=1).pending_blocks == 0
+    router.apply_events(d1.replica, [], now=2)  # it reports: what ends there now waits for the next report
+    router.on_dispatch(second, d1, now=2)
+    router.on_complete(2, now=3)
+    assert router.match(d1.replica, first.hashes, now=3).pending_blocks == 6
+    router.set_index(d1.replica, ApproximateIndex(CapacityModel(primary_blocks=1000)))  # it stopped reporting
+    assert router.match(d1.replica, first.hashes, now=3).pending_blocks == 0
 
 
 def test_forget_index_drops_what_a_replica_holds_but_keeps_its_load() -> None:

@@ -58,6 +58,7 @@ def test_a_peers_request_counts_in_load_until_it_completes_and_pending_until_the
     router = KvAwareRouter(tokens_per_block=BPT)
     peers = PeerLoads(router, "me")
     hashes = (1, 2, 3, 4)
+    router.apply_events(1, [], now=0.0)  # replica 1 reports its KV events
     peers.apply(Notice("peer", "dispatch", "a", 1, hashes, 17, 8, 1), now=0.0)
     load = router.loads.load(1, now=0.0)
     assert (load.running, load.queued_prefill_tokens) == (1, 17 - 1 * BPT)

@@ -628,9 +628,8 @@ class CompletionRunner:
             inter_token = (latency - outcome.ttft) / (outcome.completion_tokens - 1)
         self._metrics.observe_request(
             tenant=tenant.slug, tenant_id=tenant.tenant_id, pool=tenant.pool.name, status=outcome.status,
-            prompt_tokens=job.prompt.total,
-            completion_tokens=outcome.completion_tokens, ttft=outcome.ttft, latency=latency,
-            kv=outcome.kv, demoted=plan.demoted, inter_token=inter_token,
+            prompt_tokens=job.prompt.total, completion_tokens=outcome.completion_tokens, ttft=outcome.ttft,
+            latency=latency, kv=outcome.kv, demoted=plan.demoted, inter_token=inter_token,
         )
         if self._guard is not None:
             self._guard.observe(tenant.pool.name, outcome.arm, ttft=outcome.ttft, inter_token=inter_token, kv=outcome.kv)

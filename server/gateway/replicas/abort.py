@@ -47,7 +47,9 @@ class Attempt:
         if self.aborted:
             return
         self.aborted = True
-        if self.waiting and self.task is not None:
+        # A cancel already pending on the task (a client gone, the stall deadline) is not ours to
+        # claim: the wait ends with it, and a later wait stops at check().
+        if self.waiting and self.task is not None and self.task.cancelling() == 0:
             self._fired = True
             self._cancelling = self.task.cancelling()
             self.task.cancel()

@@ -72,6 +72,8 @@ class StallWatch:
         if self._loop.time() < due:
             self._handle = self._loop.call_at(due, self._check)
             return
+        if self._task.cancelling():  # a cancel is already on its way (the client gone, a shutdown): it ends the wait
+            return
         self._fired = True
         self._cancelling = self._task.cancelling()
         self._task.cancel()

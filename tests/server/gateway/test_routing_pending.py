@@ -72,3 +72,27 @@ def test_an_ended_requests_prompt_stays_pending_until_a_poll_sent_after_its_end_
         assert router.match(0, hashes, now=clock.now).pending_blocks == 0
 
     asyncio.run(run())
+
+
+def test_a_replica_without_kv_events_keeps_no_pending_blocks_of_requests_that_ended_before_its_first_poll() -> None:
+    """No report will ever settle them: a replica found to send no events (approximate mode)
+    releases what ended there, even what ended before the poll that found it out."""
+
+    async def run() -> None:
+        clock = SimpleNamespace(now=100.0)
+        routing = Routing(RoutingConfig(), clock=lambda: clock.now)
+        route = routing.route(_pool())
+        replica = route.replicas[0]
+        await replica.client.close()
+        replica.client = FakeEngine()  # no kv_events in its stats: it cannot report events
+        router = route.router
+        hashes = tuple(block_hashes(tuple(range(500, 500 + 8 * TPB)), TPB, salt="s"))
+        router.on_dispatch(RouteRequest("a", hashes, 8 * TPB + 1, 4), Decision(0, "kv-aware"), now=clock.now)
+        clock.now = 101.0
+        router.on_complete("a", now=clock.now)  # before any poll
+        clock.now = 102.0
+        await route.poll(replica)
+        match = router.match(0, hashes, now=clock.now)
+        assert match.pending_blocks == 0, match
+
+    asyncio.run(run())
