@@ -267,8 +267,10 @@ def trace_block_size(requests: Iterable[TraceRequest], default: int = 512) -> in
 def request_tokens(request: TraceRequest, block_size: int = 512) -> np.ndarray:
     """The synthetic prompt (int32) of ``request``; see the module docstring."""
     ids = np.asarray(request.hash_ids, dtype=np.int64)
-    grid = (ids[:, None] * _MULT + np.arange(block_size, dtype=np.int64)[None, :]) & _MASK
-    return grid.reshape(-1)[: request.input_length].astype(np.int32)
+    # Only the prompt's own positions: a grid of every block's full width would allocate
+    # block_size values per hash id (a 2e9 block size: the whole machine's memory).
+    j = np.arange(min(request.input_length, len(ids) * block_size), dtype=np.int64)
+    return ((ids[j // block_size] * _MULT + j % block_size) & _MASK).astype(np.int32)
 
 
 def distinct_blocks(requests: Iterable[TraceRequest]) -> int:

@@ -23,7 +23,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from retention.simulation.capacity import CapacityError, parse_capacity
+from retention.simulation.capacity import CapacityError, check_blocks, parse_capacity
 
 MIN_GAIN = 0.005  # half a point of hit rate
 MIN_BEND = 0.05  # the knee must lie this far above the chord (both axes scaled to [0, 1])
@@ -108,6 +108,11 @@ def host_curve(path: Path, *, block_size: int, gpu: str = "2%", multiples: Seque
     distinct = distinct_blocks(requests)
     gpu_blocks = _capacity(gpu, distinct)
     hosts = sorted({round(gpu_blocks * m) for m in multiples})
+    for host in hosts:  # a host tier past what the trace can fill only costs memory (up to the OOM killer)
+        try:
+            check_blocks(host, distinct, f"--host-multiples: a host tier of {host / max(1, gpu_blocks):g} x the GPU")
+        except CapacityError as exc:
+            raise ValueError(str(exc)) from None
     if on_total is not None:
         on_total(len(requests) * (len(hosts) + len(CANDIDATES) + (0 not in hosts)))
     hashes = request_hashes(requests, config)

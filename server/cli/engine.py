@@ -19,7 +19,7 @@ def register(app: typer.Typer) -> None:
 
     @engine_app.command("serve")
     def serve(
-        port: Annotated[int, typer.Option(help="gRPC port (0 = any free port).")] = 8001,
+        port: Annotated[int, typer.Option(min=0, max=65535, help="gRPC port (0 = any free port).")] = 8001,
         host: Annotated[str, typer.Option(help="Interface to bind.")] = "127.0.0.1",
         kv_dtype: Annotated[str, typer.Option(help=f"KV storage: {', '.join(KV_DTYPES)}.")] = "fp8_e4m3",
         primary_blocks: Annotated[int, typer.Option(help="Primary ('GPU') KV blocks.")] = 512,

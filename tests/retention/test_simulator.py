@@ -186,3 +186,19 @@ def test_synthetic_tokens_equal_iff_hash_ids_equal() -> None:
     ])
     ta, tb, tc = (request_tokens(r, 4) for r in (a, b, c))
     assert list(ta[:6]) == list(tb) and list(ta[:4]) == list(tc[:4]) and list(ta[4:]) != list(tc[4:])
+
+
+def test_request_tokens_builds_only_the_prompts_positions() -> None:
+    """The same tokens as every block's full width cut to the prompt, without allocating that width
+    (a trace naming a block size of 2e9 must not take the machine's memory)."""
+    import numpy as np
+
+    from retention import trace as trace_module
+
+    for block_size, ids, length in ((4, [3, 9, 3], 11), (16, [1, 2], 32), (512, [7], 1)):
+        request = TraceRequest(0, 0.0, length, 1, tuple(ids))
+        grid = ((np.asarray(ids, np.int64)[:, None] * trace_module._MULT + np.arange(block_size)[None, :])
+                & trace_module._MASK)
+        assert request_tokens(request, block_size).tolist() == grid.reshape(-1)[:length].astype(np.int32).tolist()
+    huge = request_tokens(TraceRequest(0, 0.0, 10, 1, (5,)), 2_000_000_000)
+    assert huge.shape == (10,)

@@ -293,3 +293,10 @@ def test_plots_path_is_checked_before_the_analysis(tmp_path: Path) -> None:
         assert res.exit_code == 2 and isinstance(res.exception, SystemExit), (plots, res.output)
         lines = res.stderr.strip().splitlines()
         assert len(lines) == 1 and lines[0].startswith("error: --plots") and needle in lines[0], res.stderr
+
+
+def test_a_host_tier_past_what_the_trace_can_fill_is_refused_before_any_replay(tmp_path: Path) -> None:
+    trace = _write(tmp_path / "tiny.jsonl", TINY)
+    code, out = _run(str(trace), "--no-progress", "--gpu", "1", "--host-multiples", "0,1e300")
+    assert code == 2, out
+    assert "--host-multiples" in out and "distinct blocks" in out and "Traceback" not in out

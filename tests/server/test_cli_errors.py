@@ -121,3 +121,9 @@ def test_build_refuses_an_output_that_is_a_file(tmp_path: Path, command: list[st
 def test_build_repo_refuses_an_output_it_cannot_create() -> None:
     line = one_line(invoke("build", "repo", "reference-smollm2", "-o", "/proc/kvgate-repo"), 2)
     assert line.startswith("error: --output /proc/kvgate-repo cannot be created")
+
+
+def test_engine_serve_refuses_a_port_out_of_range() -> None:
+    result = invoke("engine", "serve", "--port", "70000")
+    assert result.exit_code == 2 and "--port" in result.output and "65535" in result.output
+    assert "loading model" not in result.output
