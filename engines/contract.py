@@ -71,8 +71,10 @@ alternatives (``num_top_log_probs``, reference engine only) are the most likely 
 the same distribution, descending.
 
 Shapes: the model is configured with ``max_batch_size: 0``, so tensors carry exactly
-the shapes below; a leading batch dimension of 1 (as sent by clients written for the
-stock backend) is accepted and squeezed.
+the shapes below. Only the reference engine (which calls :func:`parse_request` on
+whatever it is sent) accepts and squeezes a leading batch dimension of 1, as sent by
+clients written for the stock backend; Triton checks each input's rank against
+config.pbtxt (``dims: [ -1 ]``) and rejects a ``[1, N]`` tensor before ``model.py`` runs.
 
 Stats side channel: a request whose ``kv_stats`` input is true (and that carries no
 ``input_ids``) gets one response with ``kv_cache_stats``: BYTES[1], the JSON of

@@ -7,6 +7,11 @@ Layout (what ``tritonserver --model-repository DIR`` expects)::
         config.pbtxt        rendered from engines/templates/config.pbtxt.tmpl
         1/model.py          engines/triton/model.py, byte for byte
 
+The repository holds exactly the rendered models: each model folder carries a marker file
+(:data:`RENDERED_MARKER`), and a render removes the marked folders it no longer renders — a
+model left from an earlier render would make Triton start a second executor on the same GPUs.
+Folders without the marker were not written by kvgate and are never touched.
+
 Templates are typed: :class:`ConfigValues` lists every placeholder, and
 :func:`render_template` refuses a template whose placeholders differ from the values'
 fields (``string.Template.substitute`` alone would catch a missing value but not an
@@ -17,15 +22,19 @@ renderer never does.
 from __future__ import annotations
 
 import json
+import shutil
 import string
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, fields
 from importlib import resources
 from pathlib import Path
 
 from engines import contract
-from engines.spec import EngineSpec
+from engines.spec import EngineSpec, load_spec
 from engines.triton.params import ServingParams
 
+RENDERED_MARKER = "kvgate-rendered.json"  # in each model folder kvgate writes (Triton ignores the file)
+TOKENIZER_MARKER = "kvgate-tokenizer.json"  # in each tokenizer folder the engine builder saves
 TRITON_DATATYPES = {"INT32": "TYPE_INT32", "UINT64": "TYPE_UINT64", "FP32": "TYPE_FP32", "BOOL": "TYPE_BOOL", "BYTES": "TYPE_STRING"}
 
 
@@ -90,8 +99,42 @@ def config_template() -> str:
 
 def tokenizer_dir_for(spec: EngineSpec, engines_root: str) -> str:
     """Where the engine builder leaves a spec's tokenizer (build/engine_builder.sh, Helm's builder job:
-    ``/engines/tokenizers/<spec>``; the gateway reads the same folder through KVGATE_TOKENIZER_ROOT)."""
+    ``/engines/tokenizers/<spec name>``; the gateway reads the same folder through KVGATE_TOKENIZER_ROOT)."""
     return f"{engines_root.rstrip('/')}/tokenizers/{spec.name}"
+
+
+def save_spec_tokenizer(spec_ref: str, engines_root: str, *, load: Callable[[str], object] | None = None) -> str:
+    """Save the tokenizer of ``spec_ref`` (YAML path or bundled name) to :func:`tokenizer_dir_for`; say what was done.
+
+    ``load`` is ``transformers.AutoTokenizer.from_pretrained`` unless given. Skipped when the folder's
+    :data:`TOKENIZER_MARKER` names the same source (``model.tokenizer``, else the model). The tokenizer is
+    saved beside the folder and swapped in, marker included, so an interrupted download never looks saved.
+    """
+    spec = load_spec(spec_ref)
+    source = spec.model.tokenizer or spec.model.location
+    target = Path(tokenizer_dir_for(spec, engines_root))
+    try:
+        saved_from = json.loads((target / TOKENIZER_MARKER).read_text(encoding="utf-8")).get("source")
+    except (OSError, ValueError, AttributeError):
+        saved_from = None
+    if saved_from == source:
+        return f"{spec.name}: tokenizer from {source} already in {target}"
+    if load is None:
+        from transformers import AutoTokenizer  # the Triton image has it; the gateway never calls this
+
+        load = AutoTokenizer.from_pretrained
+    # Spec names start with [a-z0-9], so these hidden siblings never shadow a spec's folder.
+    staging, previous = target.with_name(f".{target.name}.new"), target.with_name(f".{target.name}.old")
+    shutil.rmtree(staging, ignore_errors=True)
+    shutil.rmtree(previous, ignore_errors=True)
+    load(source).save_pretrained(str(staging))  # type: ignore[attr-defined]
+    marker = json.dumps({"source": source, "spec_name": spec.name}) + "\n"
+    (staging / TOKENIZER_MARKER).write_text(marker, encoding="utf-8")
+    if target.exists():
+        target.rename(previous)
+    staging.rename(target)
+    shutil.rmtree(previous, ignore_errors=True)
+    return f"{spec.name}: tokenizer from {source} saved to {target}"
 
 
 def render_config(spec: EngineSpec, *, engine_dir: str, tokenizer_dir: str | None = None) -> str:
@@ -122,19 +165,31 @@ class RenderedModel:
 def render_repository(specs: list[EngineSpec], output: Path, *, engines_root: str) -> list[RenderedModel]:
     """Write one model per spec under ``output``; ``engines_root`` is where engines live *in the Triton container*.
 
-    Two specs may not share a model name (Triton would load only one of them).
+    Two specs may not share a model name (Triton would load only one of them). Every config is
+    rendered before anything is written, so a refused spec leaves the repository as it was; then
+    the folders kvgate rendered earlier (marked with :data:`RENDERED_MARKER`) that no spec renders
+    now are removed.
     """
     names = [s.triton.model_name for s in specs]
     duplicates = sorted({n for n in names if names.count(n) > 1})
     if duplicates:
         raise TemplateError(f"two specs render the same Triton model name: {', '.join(duplicates)}")
+    # The tokenizer makes guided decoding possible (GuidedDecodingConfig in model.py).
+    texts = [
+        render_config(spec, engine_dir=f"{engines_root.rstrip('/')}/{spec.name}/engine",
+                      tokenizer_dir=tokenizer_dir_for(spec, engines_root))
+        for spec in specs
+    ]
+    output.mkdir(parents=True, exist_ok=True)
+    for stale in sorted(output.iterdir()):
+        if stale.name not in names and not stale.is_symlink() and (stale / RENDERED_MARKER).is_file():
+            shutil.rmtree(stale)
     rendered = []
-    for spec in specs:
-        engine_dir = f"{engines_root.rstrip('/')}/{spec.name}/engine"
-        # The tokenizer makes guided decoding possible (GuidedDecodingConfig in model.py).
-        text = render_config(spec, engine_dir=engine_dir, tokenizer_dir=tokenizer_dir_for(spec, engines_root))
+    for spec, text in zip(specs, texts, strict=True):
         model_dir = output / spec.triton.model_name
         (model_dir / "1").mkdir(parents=True, exist_ok=True)
+        marker = {"rendered_by": "kvgate", "spec_name": spec.name}
+        (model_dir / RENDERED_MARKER).write_text(json.dumps(marker) + "\n", encoding="utf-8")
         config_path = model_dir / "config.pbtxt"
         config_path.write_text(text, encoding="utf-8")
         model_path = model_dir / "1" / "model.py"

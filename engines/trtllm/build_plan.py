@@ -4,8 +4,8 @@ Two steps, each an argv list (never a shell string, so nothing is re-quoted):
 
 1. ``examples/quantization/quantize.py`` writes a TensorRT-LLM checkpoint with FP8 KV
    (``--kv_cache_dtype fp8`` ⇒ ``kv_cache_quant_algo=FP8`` in its config.json) and FP8
-   or full-precision weights (``--qformat fp8`` / ``--qformat full_prec``); tensor and
-   pipeline parallelism are fixed here (``--tp_size`` / ``--pp_size``): the checkpoint
+   weights (``--qformat fp8``: the only format kvgate emits, see :func:`_qformat`); tensor
+   and pipeline parallelism are fixed here (``--tp_size`` / ``--pp_size``): the checkpoint
    holds one shard per rank.
 2. ``trtllm-build`` (``tensorrt_llm/commands/build.py``) compiles one engine per rank.
    It has no ``--tp_size``: the mapping comes from the checkpoint. KV reuse needs

@@ -1,9 +1,19 @@
-"""Run a :class:`BuildPlan` with a manifest, so that an unchanged spec is never rebuilt.
+"""Run a :class:`BuildPlan` with a manifest, so that an unchanged engine is never rebuilt.
 
-``<output>/<spec>/manifest.json`` records the spec hash, the TensorRT-LLM version and
-container the spec pins, the TensorRT-LLM version actually installed, the exact commands
-and a SHA-256 per artifact. A build is skipped when the manifest's spec hash equals the
-spec's and every artifact still has its recorded checksum; anything else rebuilds.
+``<output>/<spec>/manifest.json`` records the spec hash, the engine fingerprint, the
+TensorRT-LLM version and container the spec pins, the TensorRT-LLM version actually
+installed, the exact commands and a SHA-256 per artifact.
+
+A build is skipped (:func:`up_to_date`) when the installed TensorRT-LLM is the one that
+built the engine, the recorded commands equal the plan's (directories aside), the
+*engine fingerprint* matches and every artifact still has its recorded checksum. The
+fingerprint (:func:`engine_fingerprint`) covers only what the build consumes — the
+plan's commands with the output directories replaced by placeholders, the artifact list
+and the TensorRT-LLM pin — not the whole spec, so a new ``description`` or a setting
+rendered only into config.pbtxt (``kv_cache.free_gpu_memory_fraction``, host tier size,
+Triton options) keeps an engine that takes hours to rebuild. Such a skip rewrites the
+manifest with the new spec hash, because the engine pods wait for the manifest to carry
+their spec's hash (Helm's ``kvgate.waitForEngineScript``).
 
 The runner is injected (``subprocess`` in the CLI, a double in tests): the commands only
 run inside the TensorRT-LLM 1.2 container.
@@ -12,6 +22,7 @@ Invariant: the manifest is written last and atomically, only after every command
 succeeded, every expected artifact exists and the built ``config.json`` kept paged context
 FMHA (``tensorrt_llm/builder.py`` drops it on a GPU below SM 89 with only a warning, and the
 pool's block reuse would silently be off) — a half-built or reuse-less engine never looks built.
+A skipped build re-checks that ``config.json`` against the current spec for the same reason.
 """
 
 from __future__ import annotations
@@ -21,17 +32,21 @@ import json
 import os
 import shutil
 import subprocess
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from importlib import metadata
 from pathlib import Path
 
 from engines.spec import EngineSpec, spec_hash
-from engines.trtllm.build_plan import BuildPlan, Command, build_plan
+from engines.trtllm.build_plan import BuildPlan, BuildPlanError, Command, build_plan
 from engines.trtllm.engine_config import EngineConfigError, check_reuse, read_engine_config
 
 MANIFEST = "manifest.json"
+# Flags whose value is a directory under --output: compared as placeholders, so the same engine
+# found under another mount point (a different -o) still counts as built.
+_DIRECTORY_FLAGS = frozenset({"--output_dir", "--checkpoint_dir"})
+_DETECT = object()  # up_to_date's default: ask the installed tensorrt_llm package
 Runner = Callable[[Command], None]
 Progress = Callable[[str], None]
 
@@ -63,25 +78,132 @@ def installed_trtllm_version() -> str | None:
         return None
 
 
-def up_to_date(spec: EngineSpec, plan: BuildPlan, manifest_path: Path) -> tuple[bool, str]:
-    """(True, why) when the manifest proves the engines were built from this exact spec."""
+def normalized_commands(commands: Iterable[Sequence[str]]) -> list[list[str]]:
+    """Each argv with the value of every directory flag replaced by ``<flag name>``."""
+    out = []
+    for argv in commands:
+        tokens = list(argv)
+        for i in range(len(tokens) - 1):
+            if tokens[i] in _DIRECTORY_FLAGS:
+                tokens[i + 1] = f"<{tokens[i].lstrip('-')}>"
+        out.append(tokens)
+    return out
+
+
+def engine_fingerprint(spec: EngineSpec, plan: BuildPlan) -> str:
+    """SHA-256 of what the build consumes: equal fingerprints ⇒ the same trtllm-build / quantize.py inputs.
+
+    :func:`build_plan` is a pure function of the spec, so its normalized commands carry every spec
+    field that reaches quantize.py or trtllm-build; the artifact list and the TensorRT-LLM pin (engines
+    are tied to a release) complete it. The container name is left out: a mirror of the same image
+    does not change the engine, and the installed TensorRT-LLM version is compared on its own.
+    """
+    assert spec.tensorrt_llm is not None  # build_plan refused other backends
+    inputs = {
+        "commands": normalized_commands(c.argv for c in plan.commands),
+        "expected_artifacts": list(plan.expected_artifacts),
+        "tensorrt_llm_version": spec.tensorrt_llm.version,
+    }
+    canonical = json.dumps(inputs, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(canonical.encode()).hexdigest()
+
+
+def _commands_difference(recorded: list[list[str]], planned: list[list[str]], plan: BuildPlan) -> str:
+    """Say how the recorded commands differ from the plan's: the first differing step and its flags."""
+    if len(recorded) != len(planned):
+        return f"{len(recorded)} recorded steps, the plan has {len(planned)}"
+    for command, old, new in zip(plan.commands, recorded, planned, strict=True):
+        if old == new:
+            continue
+        try:
+            before, after = Command(command.step, tuple(old)).flags(), Command(command.step, tuple(new)).flags()
+        except BuildPlanError:
+            before, after = {}, {}
+        changed = [
+            f"{flag} {before.get(flag, '(absent)')} -> {after.get(flag, '(absent)')}"
+            for flag in sorted(before.keys() | after.keys())
+            if before.get(flag) != after.get(flag)
+        ]
+        return f"{command.step}: {', '.join(changed) if changed else 'argv differs'}"
+    return "argv differs"
+
+
+@dataclass(frozen=True, slots=True)
+class _Check:
+    fresh: bool
+    reason: str
+    manifest: dict | None = None  # the manifest read, when the engine is up to date
+
+
+def _check(spec: EngineSpec, plan: BuildPlan, manifest_path: Path, installed: str | None) -> _Check:
     if not manifest_path.is_file():
-        return False, "no manifest"
+        return _Check(False, "no manifest")
     try:
         manifest = json.loads(manifest_path.read_text())
     except (OSError, ValueError):
-        return False, "manifest unreadable"
-    if manifest.get("spec_hash") != spec_hash(spec):
-        return False, "spec changed"
-    recorded = manifest.get("artifacts", {})
+        return _Check(False, "manifest unreadable")
+    if not isinstance(manifest, dict):
+        return _Check(False, "manifest unreadable")
+    # None: the caller does not know what is installed (outside the container); the build itself
+    # refuses a TensorRT-LLM other than the spec's pin.
+    built_with = manifest.get("tensorrt_llm_installed")
+    if installed is not None and built_with != installed:
+        return _Check(False, f"TensorRT-LLM changed: engine built with {built_with or 'an unknown version'}, "
+                             f"{installed} installed")
+    recorded = manifest.get("commands")
+    if not isinstance(recorded, list) or not all(isinstance(c, list) for c in recorded):
+        return _Check(False, "manifest records no build commands")
+    built, planned = normalized_commands(recorded), normalized_commands(c.argv for c in plan.commands)
+    if built != planned:
+        return _Check(False, f"build commands changed ({_commands_difference(built, planned, plan)})")
+    basis = "engine fingerprint"
+    if "engine_fingerprint" in manifest:
+        if manifest["engine_fingerprint"] != engine_fingerprint(spec, plan):
+            return _Check(False, "engine inputs changed (engine fingerprint differs)")
+    elif manifest.get("spec_hash") != spec_hash(spec):
+        # A manifest from an earlier kvgate has no fingerprint. Its spec hash covers the whole spec
+        # (a superset of the engine's inputs), so a match still proves the same engine; a mismatch
+        # cannot tell a description edit from a new max_seq_len, so it rebuilds.
+        return _Check(False, "spec changed since an earlier kvgate built this engine (its manifest has no "
+                             "engine fingerprint); rebuilding")
+    else:
+        basis = "spec hash (manifest from an earlier kvgate)"
+    artifacts = manifest.get("artifacts")
+    if not isinstance(artifacts, dict):
+        return _Check(False, "manifest records no artifacts")
     engine_dir = Path(plan.engine_dir)
     for name in plan.expected_artifacts:
         path = engine_dir / name
-        if name not in recorded or not path.is_file():
-            return False, f"artifact {name} missing"
-        if sha256_file(path) != recorded[name]:
-            return False, f"artifact {name} changed"
-    return True, "spec hash and artifact checksums match"
+        if name not in artifacts or not path.is_file():
+            return _Check(False, f"artifact {name} missing")
+        if sha256_file(path) != artifacts[name]:
+            return _Check(False, f"artifact {name} changed")
+    try:  # the engine may predate a spec that now enables block reuse
+        check_reuse(read_engine_config(engine_dir), enable_block_reuse=spec.kv_cache.enable_block_reuse,
+                    tokens_per_block=spec.build.tokens_per_block)
+    except EngineConfigError as exc:
+        return _Check(False, f"built engine does not serve this spec: {exc}")
+    return _Check(True, f"{basis}, build commands, TensorRT-LLM version and artifact checksums match", manifest)
+
+
+def up_to_date(
+    spec: EngineSpec, plan: BuildPlan, manifest_path: Path, *, trtllm_version: str | None | object = _DETECT
+) -> tuple[bool, str]:
+    """(True, why) when the manifest proves the engines were built from this spec's engine inputs.
+
+    ``trtllm_version`` is the installed TensorRT-LLM (None: unknown, not compared); by default it is
+    read from the installed ``tensorrt_llm`` package. When False, ``why`` names what differs.
+    """
+    installed = installed_trtllm_version() if trtllm_version is _DETECT else trtllm_version
+    assert installed is None or isinstance(installed, str)
+    check = _check(spec, plan, manifest_path, installed)
+    return check.fresh, check.reason
+
+
+def _write_manifest(path: Path, manifest: dict) -> None:
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
+    os.replace(tmp, path)
 
 
 def _gib(n: int) -> str:
@@ -122,8 +244,16 @@ def build_engine(
     plan = build_plan(spec, output_dir=str(output_dir))
     root = Path(output_dir) / spec.name
     manifest_path = root / MANIFEST
-    fresh, why = up_to_date(spec, plan, manifest_path)
-    if fresh and not force:
+    check = _check(spec, plan, manifest_path, trtllm_version)
+    why = check.reason
+    if check.fresh and check.manifest is not None and not force:
+        current = {"spec_name": spec.name, "spec_hash": spec_hash(spec),
+                   "engine_fingerprint": engine_fingerprint(spec, plan)}
+        if any(check.manifest.get(k) != v for k, v in current.items()):
+            # Same engine, another spec text (description, serving settings) or a manifest from an
+            # earlier kvgate: the engine pods wait for their spec's hash in this manifest.
+            _write_manifest(manifest_path, {**check.manifest, **current})
+            why += f"; manifest now carries spec hash {current['spec_hash'][:12]}"
         progress(f"{spec.name}: up to date ({why}); not rebuilt")
         return BuildOutcome(plan, manifest_path, rebuilt=False, reason=why)
     assert spec.tensorrt_llm is not None  # build_plan refused other backends
@@ -151,6 +281,7 @@ def build_engine(
     manifest = {
         "spec_name": spec.name,
         "spec_hash": spec_hash(spec),
+        "engine_fingerprint": engine_fingerprint(spec, plan),
         "tensorrt_llm_version": spec.tensorrt_llm.version,
         "tensorrt_llm_installed": trtllm_version,
         "container": spec.tensorrt_llm.container,
@@ -159,9 +290,7 @@ def build_engine(
         "commands": [list(c.argv) for c in plan.commands],
         "artifacts": {name: sha256_file(engine_dir / name) for name in plan.expected_artifacts},
     }
-    tmp = manifest_path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
-    os.replace(tmp, manifest_path)
+    _write_manifest(manifest_path, manifest)
     progress(f"{spec.name}: built; manifest {manifest_path}")
     return BuildOutcome(plan, manifest_path, rebuilt=True, reason=why)
 

@@ -322,5 +322,65 @@ def test_the_gpu_profile_renders_a_repository_with_guided_decoding(tmp_path):
     config = text_format.Parse((tmp_path / "kvgate_llm" / "config.pbtxt").read_text(), model_config_pb2.ModelConfig())
     name = resolve(spec)
     assert config.parameters["tokenizer_dir"].string_value == f"/engines/tokenizers/{name}"
-    assert "save_pretrained('/engines/tokenizers/$spec')" in script
+    # the builder saves the tokenizer with the same tokenizer_dir_for (test_the_builder_saves_the_tokenizer_...)
+    assert "save_spec_tokenizer(sys.argv[1], sys.argv[2])" in script and '"$spec" /engines' in script
     assert "engines:/engines:ro" in SERVICES["triton"]["volumes"]
+
+
+FAKE_TRANSFORMERS = """
+import json, os
+class _Tokenizer:
+    def __init__(self, source):
+        self.source = source
+    def save_pretrained(self, directory):
+        os.makedirs(directory, exist_ok=True)
+        with open(os.path.join(directory, "tokenizer.json"), "w") as f:
+            json.dump({"source": self.source}, f)
+class AutoTokenizer:
+    @staticmethod
+    def from_pretrained(source):
+        with open(os.environ["FAKE_TOKENIZER_LOG"], "a") as f:
+            f.write(source + "\\n")
+        return _Tokenizer(source)
+"""
+
+
+def test_the_builder_saves_the_tokenizer_of_a_spec_path_with_a_quote(tmp_path):
+    """build/engine_builder.sh's tokenizer step, run by bash as the script has it: a YAML path (what
+    `kvgate build engine` accepts) with a quote in it, saved to tokenizer_dir_for(spec), i.e. under the spec's
+    name where `kvgate build repo` and the gateway look; downloaded once per tokenizer source."""
+    script = (ROOT / "build/engine_builder.sh").read_text()
+    [line] = [s.strip() for s in script.splitlines() if s.strip().startswith("python3 ")]
+    assert line.endswith(' "$spec" /engines')
+    fakes, shims = tmp_path / "fakes", tmp_path / "bin"
+    (fakes / "transformers").mkdir(parents=True)
+    (fakes / "transformers" / "__init__.py").write_text(FAKE_TRANSFORMERS)
+    shims.mkdir()
+    (shims / "python3").write_text(f'#!/bin/sh\nexec "{sys.executable}" "$@"\n')
+    (shims / "python3").chmod(0o755)
+    data = load_bundled_spec("llama-3.1-8b-instruct-fp8kv").model_dump(mode="json")
+    data["name"] = "custom-8b"
+    data["model"]["tokenizer"] = "acme/o'brien \"tok\""
+    spec_path = tmp_path / "it's specs" / "custom.yaml"
+    spec_path.parent.mkdir()
+    spec_path.write_text(yaml.safe_dump(data))
+    log, engines = tmp_path / "downloads.log", tmp_path / "engines"
+    env = {**os.environ, "PATH": f"{shims}:{os.environ['PATH']}", "PYTHONPATH": f"{fakes}:{ROOT}",
+           "FAKE_TOKENIZER_LOG": str(log)}
+
+    def run() -> str:
+        step = line.removesuffix("/engines") + '"$2"'
+        done = subprocess.run(["bash", "-c", f"set -euo pipefail; spec=$1; {step}", "_", str(spec_path), str(engines)],
+                              env=env, capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0, done.stderr
+        return done.stdout
+
+    assert "saved to" in run()
+    saved = engines / "tokenizers" / "custom-8b" / "tokenizer.json"
+    assert json.loads(saved.read_text()) == {"source": "acme/o'brien \"tok\""}
+    assert "already in" in run() and log.read_text().splitlines() == ["acme/o'brien \"tok\""]
+    data["model"]["tokenizer"] = "acme/other"
+    spec_path.write_text(yaml.safe_dump(data))
+    run()
+    assert json.loads(saved.read_text()) == {"source": "acme/other"} and len(log.read_text().splitlines()) == 2
+    assert sorted(p.name for p in (engines / "tokenizers").iterdir()) == ["custom-8b"]  # no staging leftovers

@@ -10,7 +10,9 @@ import pytest
 from typer.testing import CliRunner
 
 from engines.spec import load_bundled_spec, spec_hash
-from engines.trtllm.engine_build import EngineBuildError, build_engine, sha256_file
+from engines.trtllm.build_plan import build_plan
+from engines.trtllm.engine_build import EngineBuildError, build_engine, sha256_file, up_to_date
+from engines.triton.repository import RENDERED_MARKER, render_repository
 from server.cli import create_cli
 from tests.engines.triton.fake_trtllm import write_engine_config
 
@@ -60,9 +62,9 @@ def test_build_writes_manifest_and_skips_an_unchanged_spec(tmp_path):
     third = build_engine(spec, tmp_path, runner=tools, trtllm_version="1.2.1")
     assert third.rebuilt and third.reason == "artifact rank0.engine changed"
 
-    changed = spec.model_copy(update={"kv_cache": spec.kv_cache.model_copy(update={"host_cache_size_per_rank": 1 << 30})})
+    changed = spec.model_copy(update={"build": spec.build.model_copy(update={"max_batch_size": 32})})
     fourth = build_engine(changed, tmp_path, runner=tools, trtllm_version="1.2.1")
-    assert fourth.rebuilt and fourth.reason == "spec changed"
+    assert fourth.rebuilt and fourth.reason == "build commands changed (trtllm-build: --max_batch_size 64 -> 32)"
     assert build_engine(changed, tmp_path, runner=tools, force=True).rebuilt
 
 
@@ -131,3 +133,100 @@ def test_cli_renders_the_repository(tmp_path):
     assert result.exit_code == 0, result.output
     assert (tmp_path / "repo" / "kvgate_llm" / "config.pbtxt").is_file()
     assert (tmp_path / "repo" / "kvgate_llm" / "1" / "model.py").is_file()
+
+
+def _built(tmp_path, spec=None):
+    spec = spec or load_bundled_spec(SPEC)
+    outcome = build_engine(spec, tmp_path, runner=FakeToolchain(), trtllm_version="1.2.1")
+    return spec, outcome.manifest_path
+
+
+def _fresh(spec, root, **kwargs):
+    return up_to_date(spec, build_plan(spec, output_dir=str(root)), root / spec.name / "manifest.json", **kwargs)
+
+
+def test_an_engine_built_by_another_command_line_or_trtllm_is_not_up_to_date(tmp_path):
+    spec, manifest_path = _built(tmp_path)
+    assert _fresh(spec, tmp_path, trtllm_version="1.2.1")[0]
+    assert _fresh(spec, tmp_path, trtllm_version=None)[0]  # unknown installed version: not compared
+    assert _fresh(spec, tmp_path, trtllm_version="1.2.2") == (
+        False, "TensorRT-LLM changed: engine built with 1.2.1, 1.2.2 installed")
+    # An earlier kvgate ran trtllm-build with another argument: same spec, another engine.
+    manifest = json.loads(manifest_path.read_text())
+    argv = manifest["commands"][1]
+    argv[argv.index("--max_beam_width") + 1] = "4"
+    manifest_path.write_text(json.dumps(manifest))
+    assert _fresh(spec, tmp_path, trtllm_version="1.2.1") == (
+        False, "build commands changed (trtllm-build: --max_beam_width 4 -> 1)")
+    outcome = build_engine(spec, tmp_path, runner=FakeToolchain(), trtllm_version="1.2.1")
+    assert outcome.rebuilt and _fresh(spec, tmp_path, trtllm_version="1.2.1")[0]
+
+
+def test_the_same_engine_under_another_output_directory_is_up_to_date(tmp_path):
+    spec, _ = _built(tmp_path / "a")
+    (tmp_path / "a").rename(tmp_path / "b")  # the volume mounted elsewhere: -o differs, argv paths too
+    fresh, why = _fresh(spec, tmp_path / "b", trtllm_version="1.2.1")
+    assert fresh, why
+
+
+@pytest.mark.parametrize("change", ["description", "free_gpu_memory_fraction", "host_cache_size_per_rank", "triton"])
+def test_a_spec_change_the_build_does_not_consume_keeps_the_engine(tmp_path, change):
+    spec, manifest_path = _built(tmp_path)
+    changed = {
+        "description": lambda s: s.model_copy(update={"description": "typo fixed"}),
+        "free_gpu_memory_fraction": lambda s: s.model_copy(
+            update={"kv_cache": s.kv_cache.model_copy(update={"free_gpu_memory_fraction": 0.8})}),
+        "host_cache_size_per_rank": lambda s: s.model_copy(
+            update={"kv_cache": s.kv_cache.model_copy(update={"host_cache_size_per_rank": 1 << 30})}),
+        "triton": lambda s: s.model_copy(update={"triton": s.triton.model_copy(update={"response_poll_ms": 9})}),
+    }[change](spec)
+    assert spec_hash(changed) != spec_hash(spec)
+    assert _fresh(changed, tmp_path, trtllm_version="1.2.1")[0]
+    tools = FakeToolchain()
+    outcome = build_engine(changed, tmp_path, runner=tools, trtllm_version="1.2.1")
+    assert not outcome.rebuilt and tools.commands == []
+    # The engine pods wait for their spec's hash in the manifest (Helm's waitForEngineScript).
+    assert json.loads(manifest_path.read_text())["spec_hash"] == spec_hash(changed)
+    assert "manifest now carries spec hash" in outcome.reason
+
+
+def test_a_manifest_from_an_earlier_kvgate_is_trusted_only_for_the_same_spec(tmp_path):
+    spec, manifest_path = _built(tmp_path)
+    manifest = json.loads(manifest_path.read_text())
+    del manifest["engine_fingerprint"]  # what kvgate wrote before the fingerprint existed
+    manifest_path.write_text(json.dumps(manifest))
+    outcome = build_engine(spec, tmp_path, runner=FakeToolchain(), trtllm_version="1.2.1")
+    assert not outcome.rebuilt and outcome.reason.startswith("spec hash (manifest from an earlier kvgate)")
+    assert "engine_fingerprint" in json.loads(manifest_path.read_text())  # upgraded in place
+
+    manifest_path.write_text(json.dumps(manifest))  # the earlier kvgate's manifest again
+    described = spec.model_copy(update={"description": "typo fixed"})
+    fresh, why = _fresh(described, tmp_path, trtllm_version="1.2.1")
+    assert not fresh and "earlier kvgate" in why and why.endswith("rebuilding")
+
+
+def test_a_spec_that_now_wants_block_reuse_rechecks_the_built_engine(tmp_path):
+    spec = load_bundled_spec(SPEC)
+    no_reuse = spec.model_copy(update={"kv_cache": spec.kv_cache.model_copy(update={"enable_block_reuse": False})})
+    build_engine(no_reuse, tmp_path, runner=FakeToolchain(paged_context_fmha=False), trtllm_version="1.2.1")
+    fresh, why = _fresh(spec, tmp_path, trtllm_version="1.2.1")
+    assert not fresh and why.startswith("built engine does not serve this spec") and "paged context FMHA" in why
+
+
+def test_a_second_render_removes_the_models_kvgate_rendered_before_and_nothing_else(tmp_path):
+    # Triton loads every model folder in the repository: a folder left from an earlier render would
+    # start a second executor on the same GPUs.
+    first = load_bundled_spec(SPEC)
+    other = first.triton.model_copy(update={"model_name": "kvgate_other"})
+    second = first.model_copy(update={"name": "other-8b", "triton": other})
+    repo = tmp_path / "models"
+    render_repository([first], repo, engines_root="/engines")
+    assert (repo / "kvgate_llm" / RENDERED_MARKER).is_file()
+    foreign = repo / "operator_model"
+    (foreign / "1").mkdir(parents=True)
+    (foreign / "config.pbtxt").write_text('backend: "python"\n')
+    render_repository([second], repo, engines_root="/engines")
+    assert sorted(p.name for p in repo.iterdir()) == ["kvgate_other", "operator_model"]
+    assert (foreign / "config.pbtxt").read_text() == 'backend: "python"\n'
+    render_repository([first, second], repo, engines_root="/engines")
+    assert sorted(p.name for p in repo.iterdir()) == ["kvgate_llm", "kvgate_other", "operator_model"]

@@ -545,7 +545,10 @@ def test_the_triton_pod_renders_a_repository_with_guided_decoding(renders, tmp_p
     tokenizer_dir = config.parameters["tokenizer_dir"].string_value
     assert tokenizer_dir == f"/engines/tokenizers/{spec.name}"
     builder = (ROOT / "build/engine_builder.sh").read_text()
-    assert "save_pretrained('/engines/tokenizers/$spec')" in builder  # what the builder job runs
+    # what the builder job runs: the tokenizer saved where the rendered repository reads it
+    assert 'save_spec_tokenizer(sys.argv[1], sys.argv[2])' in builder and '"$spec" /engines' in builder
+    from engines.triton.repository import tokenizer_dir_for
+    assert str(tokenizer_dir_for(spec, "/engines")) == tokenizer_dir
     assert {"name": "engines", "mountPath": "/engines", "readOnly": True} in pod["containers"][0]["volumeMounts"]
 
 
