@@ -38,6 +38,10 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from retention.types import MAX_PRIORITY, MIN_PRIORITY
 
 SLUG = r"^[a-z0-9][a-z0-9._-]{0,62}$"
+# Bounds of a buildable spec, shared with ``kvgate plan`` (engines/capacity) so that a plan
+# never prints spec values this module refuses.
+MAX_TOKENS_PER_BLOCK = 1024
+MAX_PARALLEL = 64  # tensor_parallel and pipeline_parallel, each
 
 
 class SpecError(ValueError):
@@ -143,13 +147,13 @@ class Quantization(_Strict):
 
 
 class BuildLimits(_Strict):
-    tokens_per_block: Annotated[int, Field(ge=2, le=1024)]
+    tokens_per_block: Annotated[int, Field(ge=2, le=MAX_TOKENS_PER_BLOCK)]
     max_batch_size: Annotated[int, Field(ge=1, le=4096)]
     max_input_len: Annotated[int, Field(ge=1)]
     max_seq_len: Annotated[int, Field(ge=2)]
     max_num_tokens: Annotated[int, Field(ge=1)]
-    tensor_parallel: Annotated[int, Field(ge=1, le=64)] = 1
-    pipeline_parallel: Annotated[int, Field(ge=1, le=64)] = 1
+    tensor_parallel: Annotated[int, Field(ge=1, le=MAX_PARALLEL)] = 1
+    pipeline_parallel: Annotated[int, Field(ge=1, le=MAX_PARALLEL)] = 1
     gemm_plugin: Literal["auto", "float16", "bfloat16", "fp8", "disable"] = "auto"
     workers: Annotated[int, Field(ge=1, le=64)] = 1
 
@@ -346,6 +350,8 @@ def load_spec(path: str | Path) -> EngineSpec:
         text = file.read_text(encoding="utf-8")
     except OSError as exc:
         raise SpecError(f"{file}: cannot read spec ({exc.strerror})") from exc
+    except UnicodeDecodeError as exc:
+        raise SpecError(f"{file}: not UTF-8 (byte {exc.start})") from None
     try:
         data = yaml.safe_load(text)
     except yaml.YAMLError as exc:

@@ -38,6 +38,7 @@ from typing import Literal
 
 from engines.capacity.hardware import GIB, Hardware
 from engines.capacity.shapes import ModelShape
+from engines.spec import MAX_TOKENS_PER_BLOCK
 
 Dtype = Literal["fp32", "fp16", "bf16", "fp8"]
 DTYPE_BYTES: dict[str, int] = {"fp32": 4, "fp16": 2, "bf16": 2, "fp8": 1}
@@ -173,8 +174,9 @@ class PlanInputs:
     def __post_init__(self) -> None:
         dtype_bytes(self.kv_dtype)
         dtype_bytes(self.weight_dtype)
-        if self.tokens_per_block < 2 or self.tokens_per_block & (self.tokens_per_block - 1):
-            raise PlanError(f"tokens_per_block must be a power of two >= 2, got {self.tokens_per_block}")
+        if not 2 <= self.tokens_per_block <= MAX_TOKENS_PER_BLOCK or self.tokens_per_block & (self.tokens_per_block - 1):
+            raise PlanError(f"tokens_per_block must be a power of two within [2, {MAX_TOKENS_PER_BLOCK}] "
+                            f"(an engine spec's bounds), got {self.tokens_per_block}")
         # kvCacheManager.cpp calculateFreeMemBytes: TLLM_CHECK(freeMemFraction < 1.0F)
         if not 0.0 < self.free_gpu_memory_fraction < 1.0:
             raise PlanError(f"free_gpu_memory_fraction must be within (0, 1), got {self.free_gpu_memory_fraction}")

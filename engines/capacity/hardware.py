@@ -15,6 +15,8 @@ from importlib import resources
 
 import yaml
 
+from engines.spec import MAX_PARALLEL
+
 GIB = 1 << 30
 MIB = 1 << 20
 
@@ -70,6 +72,9 @@ class Hardware:
     def __post_init__(self) -> None:
         if self.tensor_parallel < 1 or self.pipeline_parallel < 1:
             raise HardwareError("--tp and --pp must be >= 1")
+        if max(self.tensor_parallel, self.pipeline_parallel) > MAX_PARALLEL:  # no spec could build it
+            raise HardwareError(f"--tp and --pp must be <= {MAX_PARALLEL} (an engine spec's bound), "
+                                f"got {self.tensor_parallel} and {self.pipeline_parallel}")
         if self.gpus < 1 or self.gpus % self.world_size:
             raise HardwareError(f"--gpus ({self.gpus}) must be a positive multiple of tp × pp ({self.world_size})")
         if self.host_cache_size < 0:

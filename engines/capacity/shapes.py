@@ -207,6 +207,8 @@ def load_shape(ref: str | Path) -> ModelShape:
         data = json.loads(path.read_text(encoding="utf-8"))
     except OSError as exc:
         raise ShapeError(f"{path}: cannot read config.json ({exc.strerror})") from None
+    except UnicodeDecodeError as exc:  # before JSONDecodeError: both are ValueErrors
+        raise ShapeError(f"{path}: not UTF-8 (byte {exc.start})") from None
     except json.JSONDecodeError as exc:
         raise ShapeError(f"{path}: not valid JSON ({exc.msg} at line {exc.lineno})") from None
     name = path.parent.name if path.name == "config.json" and path.parent.name else path.stem

@@ -28,26 +28,50 @@ Definitions (the tests compute them by hand on a tiny trace):
   bound for the other direction (offload). Per second of trace time.
 * *One-shot*: distinct blocks used by exactly one request.
 
-Errors: a file DuckDB cannot read, or a line that breaks the trace format, raises
-:class:`AnalyzeError` naming the line (the CLI exits 2).
+Reading: plain or gzip JSONL (``trace_file``). Event lines (``op``: ``delete_response``)
+are checked as ``kvgate simulate`` checks them and left out; they are not requests.
+
+Errors: a file DuckDB cannot read, or a line that breaks the trace format (a field of the
+wrong JSON type included: nothing is coerced), raises :class:`AnalyzeError` naming the
+file line (blank lines counted, as ``retention/trace.py`` counts them; the CLI exits 2).
 """
 
 from __future__ import annotations
 
+import json
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import duckdb
 
+from server.analysis.trace_file import TraceFileError, is_gzip, trace_lines
+
 ID_MAX = 2**31 - 1
 SEGMENTS = ("system", "context", "turn", "unmarked")
 CDF_POINTS = 101  # quantiles 0 %, 1 %, ..., 100 % of the reuse gaps, for plots and JSON
-_COLUMNS = {
-    "timestamp": "DOUBLE", "input_length": "BIGINT", "output_length": "BIGINT", "hash_ids": "BIGINT[]",
-    "tenant": "VARCHAR", "system_tokens": "BIGINT", "context_tokens": "BIGINT", "block_size": "BIGINT",
-    "cached_gpu_tokens": "BIGINT", "cached_host_tokens": "BIGINT", "ttft_ms": "DOUBLE",
+# The fields a line may carry and what each must be (``retention/trace.py``'s rules). DuckDB
+# reads each as raw JSON and the types are checked here: a typed read would coerce
+# ``"10"``, ``10.5`` or ``true`` into an integer and merge tenant ``5`` with ``"5"``.
+_FIELDS = {
+    "timestamp": "number", "input_length": "integer", "output_length": "integer", "hash_ids": "ids",
+    "tenant": "string", "system_tokens": "integer", "context_tokens": "integer", "block_size": "integer",
+    "cached_gpu_tokens": "integer", "cached_host_tokens": "integer", "ttft_ms": "number",
+}
+_KINDS = {  # kind: (the typed value of JSON column {f}, {f} holds a value of another kind, in words)
+    "number": ("TRY_CAST({f} AS DOUBLE)", "json_type({f}) NOT IN ('BIGINT', 'UBIGINT', 'DOUBLE')", "a number"),
+    "integer": ("TRY_CAST({f} AS BIGINT)",
+                "json_type({f}) NOT IN ('BIGINT', 'UBIGINT') OR TRY_CAST({f} AS BIGINT) IS NULL", "an integer"),
+    "string": ("{f} ->> '$'", "json_type({f}) <> 'VARCHAR' OR {f} ->> '$' = ''", "a non-empty string"),
+    # A list of non-negative integers is digits, commas, brackets and blanks: one scan of the
+    # text, where json_type per element cost a third of the load. A sign, point, exponent,
+    # quote or letter is a negative, float, string, bool or null id; nested lists fail the cast
+    # to NULL, ids past int64 become NULL elements: _validate names both.
+    "ids": ("TRY_CAST({f} AS BIGINT[])",
+            "json_type({f}) <> 'ARRAY' OR regexp_matches({f}::VARCHAR, '[^0-9,\\[\\] \\t\\r\\n]')",
+            "a list of integers in [0, 2^31)"),
 }
 
 
@@ -101,15 +125,18 @@ def load_trace(path: Path, *, block_size: int | None = None, threads: int | None
     except duckdb.Error as exc:
         raise AnalyzeError(f"cannot start DuckDB: {_clean(exc)}") from None
     con.execute("SET enable_progress_bar = false")  # DuckDB's own bar would mix with --json and ours
-    columns = "{" + ", ".join(f"{k}: '{v}'" for k, v in _COLUMNS.items()) + "}"
     try:
-        con.execute(
-            f"CREATE TABLE raw AS SELECT row_number() OVER () AS line, * FROM read_json($path, "
-            f"format='newline_delimited', columns={columns})", {"path": str(path)},
-        )
+        con.execute(_read_sql(), {"path": str(path), "compression": "gzip" if is_gzip(path) else "none"})
     except duckdb.Error as exc:
         raise AnalyzeError(f"{path}: {_first_bad_line(path) or _clean(exc)}") from None
-    # Line numbers are fixed now; every later order is explicit (ORDER BY), and without
+    bad = con.execute("SELECT record, bad_field FROM raw WHERE bad_field IS NOT NULL ORDER BY record LIMIT 1").fetchone()
+    if bad is not None:
+        raise AnalyzeError(f"{path}: {_wrong_type(path, bad[0], bad[1])}")
+    events = {row[0] for row in con.execute("SELECT record FROM raw WHERE event").fetchall()}
+    if events:
+        _check_events(path, events)
+        con.execute("DELETE FROM raw WHERE event")
+    # Record numbers are fixed now; every later order is explicit (ORDER BY), and without
     # insertion order DuckDB can stream and spill the big window and CUBE queries.
     con.execute("SET preserve_insertion_order = false")
     count = con.execute("SELECT count(*) FROM raw").fetchone()[0]
@@ -128,7 +155,7 @@ def load_trace(path: Path, *, block_size: int | None = None, threads: int | None
     _validate(con, path, bs)
     con.execute("""
         CREATE TABLE requests AS
-        SELECT row_number() OVER (ORDER BY timestamp, line) - 1 AS idx, line, timestamp AS ts,
+        SELECT row_number() OVER (ORDER BY timestamp, record) - 1 AS idx, record, timestamp AS ts,
                coalesce(tenant, '-') AS tenant, input_length, output_length, hash_ids, system_tokens, context_tokens,
                cached_gpu_tokens, cached_host_tokens, ttft_ms
         FROM raw ORDER BY idx
@@ -159,36 +186,83 @@ def load_trace(path: Path, *, block_size: int | None = None, threads: int | None
     return TraceTables(con, bs, int(count), bool(has_outcome))
 
 
-_TYPES: dict[str, tuple[type, ...]] = {
-    "timestamp": (int, float), "input_length": (int,), "output_length": (int,), "hash_ids": (list,),
-    "tenant": (str,), "system_tokens": (int,), "context_tokens": (int,), "block_size": (int,),
-    "cached_gpu_tokens": (int,), "cached_host_tokens": (int,), "ttft_ms": (int, float),
-}
+def _read_sql() -> str:
+    """``raw``: one row per non-blank line, the fields typed, ``event`` for op lines, and
+    ``bad_field``: the first field of a request line whose JSON value is of the wrong kind."""
+    columns = "{" + ", ".join(f"{name}: 'JSON'" for name in (*_FIELDS, "op")) + "}"
+    values = ", ".join(_KINDS[kind][0].format(f=f'"{name}"') + f' AS "{name}"' for name, kind in _FIELDS.items())
+    bad = " ".join(f"""WHEN "{name}" IS NOT NULL AND ({_KINDS[kind][1].format(f=f'"{name}"')}) THEN '{name}'"""
+                   for name, kind in _FIELDS.items())
+    return (f"CREATE TABLE raw AS SELECT record, op IS NOT NULL AS event, "
+            f"CASE WHEN op IS NOT NULL THEN NULL {bad} END AS bad_field, {values} "
+            f"FROM (SELECT row_number() OVER () AS record, * FROM read_json($path, format='newline_delimited', "
+            f"compression=$compression, columns={columns}))")
+
+
+def _records(path: Path) -> Iterator[tuple[int, int, str]]:
+    """(record, line, text) per non-blank line: ``record`` counts as DuckDB numbers the rows it
+    reads (blank lines skipped), ``line`` counts every line, as ``retention.trace`` does."""
+    record = 0
+    with trace_lines(path) as lines:
+        for line, text in enumerate(lines, start=1):
+            if text.strip():
+                record += 1
+                yield record, line, text
+
+
+def _line_of(path: Path, record: int) -> tuple[int, str]:
+    """The file line number and text of DuckDB's row ``record`` (only on an error: it reads the file)."""
+    for number, line, text in _records(path):
+        if number == record:
+            return line, text
+    raise AnalyzeError(f"{path}: the file changed while it was read")
+
+
+def _wrong_type(path: Path, record: int, name: str) -> str:
+    line, text = _line_of(path, record)
+    value = json.loads(text).get(name)
+    kind = _KINDS[_FIELDS[name]][2]
+    if name == "hash_ids" or value == "":
+        return f"line {line}: {name} must be {kind}"
+    if _FIELDS[name] == "integer" and isinstance(value, int) and not isinstance(value, bool):  # past int64
+        return f"line {line}: {name} {value} is out of range"
+    shown = repr(value) if len(repr(value)) <= 40 else repr(value)[:37] + "..."
+    return f"line {line}: {name} has the wrong type: expected {kind}, got {shown}"
+
+
+def _check_events(path: Path, records: set[int]) -> None:
+    """Event lines (``op``, e.g. ``delete_response``) are no requests: analysed traces leave them
+    out, after ``retention.trace`` checked them as ``kvgate simulate`` does."""
+    from retention.trace import TraceError, parse_trace_events
+
+    def only_events() -> Iterator[str]:  # every other line blank: line numbers stay the file's
+        record = 0
+        with trace_lines(path) as lines:
+            for text in lines:
+                record += bool(text.strip())
+                yield text if text.strip() and record in records else ""
+
+    try:
+        parse_trace_events(only_events())
+    except (TraceError, TraceFileError) as exc:
+        raise AnalyzeError(f"{path}: {exc}") from None
 
 
 def _first_bad_line(path: Path) -> str | None:
     """Only when DuckDB refused the file: find the first unreadable line in Python, by number.
 
-    (DuckDB's own message counts lines differently for malformed JSON.)
+    (DuckDB's own message counts lines differently: it skips blank ones.)
     """
-    import json
-
-    with path.open(encoding="utf-8", errors="replace") as handle:
-        for number, text in enumerate(handle, start=1):
-            if not text.strip():
-                continue
+    try:
+        for _, line, text in _records(path):
             try:
                 obj = json.loads(text)
             except json.JSONDecodeError as exc:
-                return f"line {number}: not valid JSON ({exc.msg})"
+                return f"line {line}: not valid JSON ({exc.msg})"
             if not isinstance(obj, dict):
-                return f"line {number}: expected a JSON object"
-            for name, types in _TYPES.items():
-                value = obj.get(name)
-                if value is not None and (isinstance(value, bool) or not isinstance(value, types)):
-                    return f"line {number}: {name} has the wrong type ({type(value).__name__})"
-            if any(isinstance(h, bool) or not isinstance(h, int) for h in obj.get("hash_ids") or []):
-                return f"line {number}: hash_ids must be a list of integers in [0, 2^31)"
+                return f"line {line}: expected a JSON object"
+    except TraceFileError as exc:
+        return str(exc)
     return None
 
 
@@ -207,9 +281,9 @@ def _validate(con: duckdb.DuckDBPyConnection, path: Path, bs: int) -> None:
          "OR coalesce(context_tokens, 0) > input_length", "need system_tokens <= context_tokens <= input_length"),
     ]
     for condition, message in checks:
-        row = con.execute(f"SELECT min(line) FROM raw WHERE {condition}").fetchone()
+        row = con.execute(f"SELECT min(record) FROM raw WHERE {condition}").fetchone()
         if row[0] is not None:
-            raise AnalyzeError(f"{path}: line {row[0]}: {message}")
+            raise AnalyzeError(f"{path}: line {_line_of(path, row[0])[0]}: {message}")
 
 
 # --- the four questions ------------------------------------------------------------------------

@@ -23,6 +23,7 @@ from server.cli.options import (
     Sets,
     cli_actor,
     fail,
+    load_settings,
     page_of,
     parse_sets,
     print_json,
@@ -274,11 +275,11 @@ def _require_current_schema() -> None:
     """Exit 1 with a clear message unless the database is migrated to this code's head."""
     from sqlalchemy.exc import SQLAlchemyError
 
-    from server.settings import Settings
     from tenants import migrate
 
+    url = load_settings().database_url  # an invalid KVGATE_* variable: one line, exit 2
     try:
-        current, head = migrate.current(url=Settings().database_url), migrate.head()
+        current, head = migrate.current(url=url), migrate.head()
     except SQLAlchemyError as exc:
         fail(1, "database_unavailable", f"database error: {type(exc).__name__}: {exc}")
     if current != head:

@@ -66,7 +66,7 @@ def register(app: typer.Typer) -> None:
 
     @app.command("analyze")
     def analyze(
-        trace: Annotated[Path, typer.Argument(help="Mooncake-format JSONL trace (a kvgate capture or export too)")],
+        trace: Annotated[Path, typer.Argument(help="Mooncake-format JSONL trace, plain or gzip (a kvgate capture or export too)")],
         block_size: Annotated[int | None, typer.Option("--block-size", help="tokens per hash id (default: the lines' "
                               "block_size, else 512)")] = None,
         kv_bytes_per_token: Annotated[float | None, typer.Option("--kv-bytes-per-token", help="KV bytes per token "
@@ -100,8 +100,8 @@ def register(app: typer.Typer) -> None:
             if kv_bytes_per_token is not None and (not math.isfinite(kv_bytes_per_token) or kv_bytes_per_token <= 0):
                 raise OptionError("--kv-bytes-per-token must be > 0")
             kvb = kv_bytes_from_model(model, kv_dtype) if model is not None else kv_bytes_per_token
-            if not math.isfinite(link_gb_s) or link_gb_s <= 0:
-                raise OptionError("--host-link-gb-s must be > 0")
+            if not math.isfinite(link_gb_s * 1e9) or link_gb_s <= 0:
+                raise OptionError("--host-link-gb-s must be > 0 and a finite number of bytes per second")
             if not 0 < percentile <= 100:
                 raise OptionError("--duration-percentile must be in (0, 100]")
             if top < 1 or curve_requests < 0 or (block_size is not None and block_size < 1):
@@ -117,6 +117,10 @@ def register(app: typer.Typer) -> None:
                 report = _with_progress(trace, options)
             else:
                 report = build_report(trace, options)
+            overflow = _non_finite(report)
+            if overflow is not None:
+                raise OptionError(f"{overflow} overflows (not a finite number)"
+                                  + (f": --kv-bytes-per-token {kvb:g} is too large" if kvb is not None else ""))
         except (OptionError, AnalyzeError) as exc:
             typer.echo(f"error: {exc}", err=True)
             raise typer.Exit(2) from None
@@ -126,11 +130,24 @@ def register(app: typer.Typer) -> None:
 
             written = write_all(report, plots)
         if as_json:
-            typer.echo(json.dumps(report, indent=2, default=float))
+            typer.echo(json.dumps(report, indent=2, default=float, allow_nan=False))  # JSON has no Infinity
             return
         _print_report(report)
         for path in written:
             typer.echo(f"plot written to {path}")
+
+
+def _non_finite(value: Any, where: str = "") -> str | None:
+    """The key path of the first infinite or NaN number in the report (products of huge
+    options overflow floats), or None."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return where or "a figure"
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+    for key, item in items:
+        found = _non_finite(item, f"{where}.{key}" if where else str(key))
+        if found is not None:
+            return found
+    return None
 
 
 def _with_progress(trace: Path, options: Any) -> dict[str, Any]:

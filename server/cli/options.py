@@ -2,7 +2,9 @@
 
 Option types (``Annotated`` aliases typer reads), the ``--set field=value`` parser, a
 registry session that turns registry and validation errors into the admin error shape on
-stderr (exit 1: registry rule, exit 2: invalid input), and the audit actor ``cli:<os user>``.
+stderr (exit 2: invalid input, what the admin API answers 422; exit 1: the registry's state
+refuses it: not found, forbidden, conflict, stale version, in use), and the audit actor
+``cli:<os user>``.
 Command modules (``admin``, ``slo``, ``trace``) import from here and never from each other.
 """
 
@@ -126,7 +128,8 @@ def database_error(exc: Exception) -> None:
 
 @contextmanager
 def registry_session() -> Iterator[Any]:
-    """A registry session from settings; registry/validation errors become CLI errors."""
+    """A registry session from settings; registry/validation errors become CLI errors (invalid
+    values exit 2, as the API's 422; other registry errors exit 1)."""
     from pydantic import ValidationError
     from sqlalchemy.exc import SQLAlchemyError
 
@@ -138,7 +141,7 @@ def registry_session() -> Iterator[Any]:
         with make_session_factory(engine)() as session:
             yield session
     except RegistryError as exc:
-        fail(1, exc.code, exc.message, exc.field)
+        fail(2 if exc.kind == "invalid" else 1, exc.code, exc.message, exc.field)
     except ValidationError as exc:
         first = exc.errors()[0]
         field = ".".join(str(p) for p in first["loc"]) or None

@@ -10,6 +10,8 @@ service refuses placeholder secrets.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Annotated
 
@@ -71,6 +73,10 @@ def register(app: typer.Typer) -> None:
             typer.echo(f"kvgate serve: refusing to start: --drain-timeout must be a finite number >= 0, "
                        f"got {drain_timeout}", err=True)
             raise typer.Exit(2)
+        if not 1 <= engine_port <= 65535:  # checked before migrations and the engine child, not by the child
+            typer.echo(f"kvgate serve: refusing to start: --engine-port must be within [1, 65535], got {engine_port}",
+                       err=True)
+            raise typer.Exit(2)
         import uvicorn
 
         from pydantic import ValidationError
@@ -97,8 +103,13 @@ def register(app: typer.Typer) -> None:
         except SettingsError as exc:
             typer.echo(f"kvgate serve: refusing to start: {exc}", err=True)
             raise typer.Exit(2) from None
-        if migrate if migrate is not None else settings.dev:
-            migrations.upgrade(url=settings.database_url)
+        migrating = migrate if migrate is not None else settings.dev
+        seeding = seed_demo if seed_demo is not None else settings.dev
+        if migrating or seeding:
+            _check_database_url(settings.database_url)
+        if migrating:
+            with _database_unavailable():
+                migrations.upgrade(url=settings.database_url)
         if settings.dev:
             typer.secho(
                 BANNER.format(
@@ -122,9 +133,10 @@ def register(app: typer.Typer) -> None:
 
         shape = ReferencePoolShape(port=engine_port)
         demo_key = None
-        if seed_demo if seed_demo is not None else settings.dev:
-            factory = make_session_factory(make_engine(settings.database_url))
-            demo_key = seed(factory, pepper=settings.effective_key_pepper(), shape=shape)
+        if seeding:
+            with _database_unavailable():
+                factory = make_session_factory(make_engine(settings.database_url))
+                demo_key = seed(factory, pepper=settings.effective_key_pepper(), shape=shape)
         child = None
         if engine if engine is not None else settings.dev:
             try:
@@ -145,3 +157,30 @@ def register(app: typer.Typer) -> None:
         finally:
             if child is not None:
                 stop_engine(child)
+
+
+def _check_database_url(url: str) -> None:
+    """Exit 2 with one line when ``url`` cannot be parsed (before migrations or seeding use it)."""
+    from sqlalchemy.exc import ArgumentError
+
+    from tenants.db import make_engine
+
+    try:
+        make_engine(url).dispose()
+    except (ArgumentError, ValueError) as exc:
+        typer.echo(f"kvgate serve: refusing to start: KVGATE_DATABASE_URL is not a database URL ({exc})", err=True)
+        raise typer.Exit(2) from None
+
+
+@contextmanager
+def _database_unavailable() -> Iterator[None]:
+    """A database error (unreachable, refused, unwritable) exits 1 with one line, as ``kvgate db`` does."""
+    from sqlalchemy.exc import SQLAlchemyError
+
+    try:
+        yield
+    except SQLAlchemyError as exc:
+        orig = getattr(exc, "orig", None) or exc
+        typer.echo(f"kvgate serve: refusing to start: database error: {type(orig).__name__}: "
+                   f"{' '.join(str(orig).split())}", err=True)
+        raise typer.Exit(1) from None

@@ -34,7 +34,7 @@ def register(app: typer.Typer) -> None:
 
     @app.command("simulate")
     def simulate(
-        trace: Annotated[Path, typer.Argument(help="Mooncake-format JSONL trace")],
+        trace: Annotated[Path, typer.Argument(help="Mooncake-format JSONL trace (or gzip of one)")],
         policy: Annotated[
             list[str] | None,
             typer.Option("--policy", "-p", help="lru | trtllm-default | class | adaptive (with selection) | adaptive-bands | protect, or the offline ceilings oracle-reuse | "
@@ -77,6 +77,7 @@ def register(app: typer.Typer) -> None:
         from retention.simulation.sim_policies import ClassMapping, ClassMappingError, make_policy
         from retention.simulation.simulator import SimConfig, run_simulation
         from retention.trace import TraceError, distinct_blocks, parse_trace_events, trace_block_size
+        from server.analysis.trace_file import trace_lines
         from server.cli.simulate_replicas import cluster_configs, run_replicas  # heavy: kept out of --help
 
         try:
@@ -111,8 +112,8 @@ def register(app: typer.Typer) -> None:
                     parse_oracle_name(name)
                 else:
                     make_policy(name, mapping=mapping, block_size=block_size or 512, registry=registry)
-            with trace.open() as handle:
-                requests, deletions = parse_trace_events(handle, block_size=block_size)
+            with trace_lines(trace) as lines:  # plain or gzip; a line that is not UTF-8 is named
+                requests, deletions = parse_trace_events(lines, block_size=block_size)
             block_size = block_size or trace_block_size(requests)
             pool_block = block_size if tokens_per_block is None else tokens_per_block
             config = SimConfig(

@@ -21,7 +21,9 @@ from typing import Annotated
 
 import typer
 
-from server.cli.options import PoolArg, cli_actor, fail, print_json, registry_session, utc_now, validate_body
+from server.cli.options import (
+    PoolArg, cli_actor, fail, load_settings, print_json, registry_session, utc_now, validate_body,
+)
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "B": 1, "K": 10**3, "KB": 10**3, "KIB": 2**10, "M": 10**6, "MB": 10**6, "MIB": 2**20,
@@ -69,33 +71,40 @@ def export_range(files: list[Path], out: Path, *, start_ms: int | None, end_ms: 
 
     Returns (lines written, block size). Lines are copied byte for byte (no re-encoding);
     a line that is not a JSON object with a numeric timestamp (e.g. a torn last line of a
-    file being written) is skipped; captures of different block sizes are refused.
+    file being written) is skipped; captures of different block sizes are refused, and so
+    is a line that is not UTF-8 (the gateway never writes one: the file is damaged). When no
+    line is selected nothing is written: an empty trace would only fail later, in analyze.
     """
+    from server.analysis.trace_file import TraceFileError, trace_lines
+
     selected: list[tuple[float, int, str]] = []
     block_size: int | None = None
-    order = 0
     for file in files:
-        with file.open(encoding="utf-8") as handle:
-            for text in handle:
-                if not text.endswith("\n"):
-                    continue  # the writer's current line, not complete yet
-                try:
-                    obj = json.loads(text)
-                except json.JSONDecodeError:
-                    continue
-                ts = obj.get("timestamp") if isinstance(obj, dict) else None
-                if isinstance(ts, bool) or not isinstance(ts, (int, float)):
-                    continue
-                if (start_ms is not None and ts < start_ms) or (end_ms is not None and ts >= end_ms):
-                    continue
-                size = obj.get("block_size")
-                if block_size is None:
-                    block_size = size
-                elif size != block_size:
-                    raise ExportError(f"{file}: block_size {size} differs from {block_size} in an earlier line; "
-                                      "export one capture (--capture ID)")
-                selected.append((float(ts), order, text))
-                order += 1
+        try:
+            with trace_lines(file) as handle:
+                for text in handle:
+                    if not text.endswith("\n"):
+                        continue  # the writer's current line, not complete yet
+                    try:
+                        obj = json.loads(text)
+                    except json.JSONDecodeError:
+                        continue
+                    ts = obj.get("timestamp") if isinstance(obj, dict) else None
+                    if isinstance(ts, bool) or not isinstance(ts, (int, float)):
+                        continue
+                    if (start_ms is not None and ts < start_ms) or (end_ms is not None and ts >= end_ms):
+                        continue
+                    size = obj.get("block_size")
+                    if block_size is None:
+                        block_size = size
+                    elif size != block_size:
+                        raise ExportError(f"{file}: block_size {size} differs from {block_size} in an earlier line; "
+                                          "export one capture (--capture ID)")
+                    selected.append((float(ts), len(selected), text))
+        except TraceFileError as exc:
+            raise ExportError(f"{file}: {exc}") from None
+    if not selected:
+        raise ExportError(f"no captured request in the time range ({len(files)} file(s) read); nothing written")
     selected.sort()
     out.parent.mkdir(parents=True, exist_ok=True)
     with out.open("w", encoding="utf-8") as handle:
@@ -157,9 +166,7 @@ def register(app: typer.Typer) -> None:
         """Write one pool's captured requests in a time range, sorted by timestamp."""
         try:
             if directory is None:
-                from server.settings import Settings
-
-                directory = Settings().trace_dir
+                directory = load_settings().trace_dir  # an invalid KVGATE_* variable: one line, exit 2
             start_ms = parse_time_ms(start_at, field="--from") if start_at else None
             end_ms = parse_time_ms(end_at, field="--to") if end_at else None
             if start_ms is not None and end_ms is not None and end_ms <= start_ms:

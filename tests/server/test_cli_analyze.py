@@ -295,8 +295,26 @@ def test_plots_path_is_checked_before_the_analysis(tmp_path: Path) -> None:
         assert len(lines) == 1 and lines[0].startswith("error: --plots") and needle in lines[0], res.stderr
 
 
-def test_a_host_tier_past_what_the_trace_can_fill_is_refused_before_any_replay(tmp_path: Path) -> None:
+def test_a_host_tier_past_what_the_trace_can_fill_is_capped_not_allocated(tmp_path: Path) -> None:
+    """A host multiple of 1e300 used to allocate its tier (the OOM killer); past 16 x the trace's
+    distinct blocks every block fits, so the point is replayed at that cap, with the same hit rate."""
     trace = _write(tmp_path / "tiny.jsonl", TINY)
-    code, out = _run(str(trace), "--no-progress", "--gpu", "1", "--host-multiples", "0,1e300")
-    assert code == 2, out
-    assert "--host-multiples" in out and "distinct blocks" in out and "Traceback" not in out
+    code, out = _run(str(trace), "--json", "--no-progress", "--gpu", "1", "--host-multiples", "0,1e300")
+    assert code == 0, out
+    points = json.loads(out)["host_curve"]["points"]
+    assert [p["host_blocks"] for p in points] == [0, 16 * 7]  # the tiny trace's 7 distinct blocks
+    assert points[1]["hit_rate"] >= points[0]["hit_rate"]
+
+
+@pytest.mark.parametrize(("args", "needle"), [
+    (["--host-link-gb-s", "1e308"], "--host-link-gb-s must be > 0 and a finite number"),
+    (["--kv-bytes-per-token", "1e308"], "overflows (not a finite number): --kv-bytes-per-token 1e+308 is too large"),
+])
+def test_figures_that_overflow_are_refused_not_printed_as_infinity(tmp_path: Path, args: list[str], needle: str) -> None:
+    """JSON has no Infinity or NaN: a product of huge options is an error (exit 2), in --json and tables alike."""
+    trace = _write(tmp_path / "tiny.jsonl", TINY)
+    for output in (["--json"], []):
+        res = CliRunner().invoke(create_cli(), ["analyze", str(trace), "--no-progress", "--no-curve", *args, *output])
+        assert res.exit_code == 2 and isinstance(res.exception, SystemExit), res.output
+        lines = res.stderr.strip().splitlines()
+        assert res.stdout == "" and len(lines) == 1 and lines[0].startswith("error: ") and needle in lines[0], lines

@@ -127,3 +127,80 @@ def test_engine_serve_refuses_a_port_out_of_range() -> None:
     result = invoke("engine", "serve", "--port", "70000")
     assert result.exit_code == 2 and "--port" in result.output and "65535" in result.output
     assert "loading model" not in result.output
+
+
+@pytest.mark.parametrize(("url", "exit_code", "needle"), [
+    ("notaurl", 2, "KVGATE_DATABASE_URL is not a database URL"),
+    ("sqlite:///{tmp}/missing/dir/x.db", 1, "database error: OperationalError: unable to open database file"),
+])
+@pytest.mark.parametrize("flags", [[], ["--no-migrate", "--no-engine"]])
+def test_serve_dev_reports_a_database_it_cannot_use(url: str, exit_code: int, needle: str, flags: list[str],
+                                                    tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Migrations (and, without them, the demo seed) meet the database first: one line, no traceback."""
+    monkeypatch.chdir(tmp_path)  # --dev writes its admin token file here
+    result = invoke("serve", "--dev", *flags, env={"KVGATE_DATABASE_URL": url.format(tmp=tmp_path)})
+    assert result.exit_code == exit_code and isinstance(result.exception, SystemExit), result.output
+    assert "Traceback" not in result.output
+    last = result.stderr.strip().splitlines()[-1]  # after the dev banner when seeding comes first
+    assert last.startswith("kvgate serve: refusing to start: ") and needle in last, result.stderr
+    if not flags:
+        one_line(result, exit_code)  # migrations run before the banner
+
+
+def test_serve_refuses_an_engine_port_out_of_range(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    line = one_line(invoke("serve", "--dev", "--engine-port", "70000",
+                           env={"KVGATE_DATABASE_URL": f"sqlite:///{tmp_path}/x.db"}), 2)
+    assert line == "kvgate serve: refusing to start: --engine-port must be within [1, 65535], got 70000"
+    assert not (tmp_path / "x.db").exists()  # refused before migrating
+
+
+def _captures(tmp_path: Path, data: bytes) -> Path:
+    pool = tmp_path / "traces" / "p"
+    pool.mkdir(parents=True)
+    (pool / "capture-000001-h-1.jsonl").write_bytes(data)
+    return tmp_path / "traces"
+
+
+LINE = b'{"timestamp": 100, "input_length": 4, "output_length": 1, "hash_ids": [1], "block_size": 4}\n'
+
+
+def test_trace_export_names_a_line_that_is_not_utf8(tmp_path: Path) -> None:
+    traces = _captures(tmp_path, LINE + LINE.replace(b'"hash_ids"', b'"tenant": "\xff", "hash_ids"'))
+    out = tmp_path / "out.jsonl"
+    line = one_line(invoke("trace", "export", "--pool", "p", "--dir", str(traces), "-o", str(out)), 2)
+    assert line == f"error: {traces / 'p' / 'capture-000001-h-1.jsonl'}: line 2: not valid UTF-8"
+    assert not out.exists()
+
+
+def test_trace_export_writes_nothing_when_nothing_matches(tmp_path: Path) -> None:
+    traces, out = _captures(tmp_path, LINE), tmp_path / "out.jsonl"
+    line = one_line(invoke("trace", "export", "--pool", "p", "--dir", str(traces), "-o", str(out), "--from", "500"), 2)
+    assert line.startswith("error: no captured request in the time range") and "nothing written" in line
+    assert not out.exists()
+
+
+def test_trace_export_names_an_invalid_setting() -> None:
+    error = json_error(invoke("trace", "export", "--pool", "p", "-o", "/tmp/never.jsonl",
+                              env={"KVGATE_PORT": "abc"}), 2)
+    assert error["code"] == "invalid_value" and error["message"].startswith("KVGATE_PORT: ")
+
+
+@pytest.mark.parametrize(("command", "bad"), [
+    (["plan", "{config}"], "config"), (["plan", "llama-3.1-8b", "--spec", "{spec}"], "spec"),
+    (["build", "engine", "{spec}", "--dry-run", "-o", "{out}"], "spec"),
+])
+def test_a_config_or_spec_that_is_not_utf8_is_one_line(command: list[str], bad: str, tmp_path: Path) -> None:
+    files = {"config": tmp_path / "config.json", "spec": tmp_path / "spec.yaml", "out": tmp_path / "out"}
+    files["config"].write_bytes(b'{"model_type": "\xff"}\n')
+    files["spec"].write_bytes(b'name: "\xff"\n')
+    line = one_line(invoke(*(arg.format(**files) for arg in command)), 2)
+    assert line.startswith(f"error: {files[bad]}: not UTF-8 (byte "), line
+
+
+def test_admin_invalid_input_exits_2_and_a_registry_refusal_1(tmp_path: Path) -> None:
+    env = {"KVGATE_DATABASE_URL": f"sqlite:///{tmp_path}/r.db", "KVGATE_KEY_PEPPER": "cli-test-pepper-0123456789abcdef"}
+    assert invoke("db", "upgrade", env=env).exit_code == 0
+    error = json_error(invoke("admin", "credentials", "create", "x", "--role", "tenant-admin", env=env), 2)
+    assert (error["code"], error["field"]) == ("invalid_value", "tenants")
+    assert json_error(invoke("admin", "tenants", "show", "nobody", env=env), 1)["code"].endswith("not_found")

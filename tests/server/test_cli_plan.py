@@ -168,3 +168,25 @@ def test_zero_is_refused_not_read_as_unset(option: str, message: str) -> None:
     result = run("llama-3.1-8b", option, "0")
     assert result.exit_code == 2, result.output
     assert message in result.output
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (("--tokens-per-block", "2048"), "power of two within [2, 1024]"),
+    (("--tp", "128", "--gpus", "128"), "--tp and --pp must be <= 64"),
+    (("--pp", "65", "--gpus", "65"), "--tp and --pp must be <= 64"),
+])
+def test_values_no_engine_spec_accepts_are_refused(args: tuple[str, ...], message: str) -> None:
+    """The plan prints spec values; its bounds are the spec's (engines/spec.py), one line, exit 2."""
+    result = run("llama-3.1-8b", *args)
+    assert result.exit_code == 2 and isinstance(result.exception, SystemExit), result.output
+    assert len(result.stderr.strip().splitlines()) == 1 and message in result.stderr, result.stderr
+
+
+def test_the_largest_values_a_spec_accepts_are_planned() -> None:
+    from engines.spec import parse_spec
+
+    result = run("llama-3.1-8b", "--tokens-per-block", "1024", "--tp", "64", "--gpus", "64", "--json")
+    assert result.exit_code == 0, result.output
+    spec = json.loads(result.output)["spec"]
+    assert spec["build"]["tokens_per_block"] == 1024 and spec["build"]["tensor_parallel"] == 64
+    parse_spec(_merged("llama-3.1-8b-instruct-fp8kv", spec), source="kvgate plan")

@@ -22,7 +22,7 @@ def test_credentials_commands(run, tmp_path) -> None:  # type: ignore[no-untyped
     created = json.loads(run("admin", "credentials", "create", "acme-ops", "--role", "tenant-admin",
                              "--tenant", "acme").output)
     assert created["tenants"] == ["acme"] and created["secret"].startswith(f"kva_{created['prefix']}_")
-    refused = run("admin", "credentials", "create", "x", "--role", "tenant-admin", code=1)
+    refused = run("admin", "credentials", "create", "x", "--role", "tenant-admin", code=2)  # invalid input
     assert '"field": "tenants"' in refused.output
     listed = json.loads(run("admin", "credentials", "list").output)
     assert listed["total"] == 1 and "secret" not in listed["items"][0]
