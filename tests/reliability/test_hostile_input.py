@@ -52,7 +52,9 @@ def assert_serving_error(response) -> dict:
         return assert_openai_error(response)
     assert 400 <= response.status_code < 500, (response.status_code, response.text[:300])
     body = response.json()
-    assert set(body) == {"type", "error"} and body["type"] == "error", body
+    assert set(body) == {"type", "error", "request_id"} and body["type"] == "error", body
+    header = response.headers["request-id"]  # a list in schemathesis' responses, a string in httpx's
+    assert body["request_id"] == (header[0] if isinstance(header, list) else header), body  # as Anthropic's body
     assert body["error"]["type"] in ANTHROPIC_ERROR_TYPES and body["error"]["message"], body
     return body["error"]
 
