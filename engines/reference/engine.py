@@ -43,6 +43,8 @@ from engines.reference.scheduler import FinishReason, Scheduler, Sequence
 from retention.pool import BlockPool, PoolConfig
 
 log = logging.getLogger(__name__)
+# Loop iterations failing in a row (outside the per-step guards) before the engine stops itself.
+_MAX_LOOP_FAILURES = 3
 
 
 @dataclass(frozen=True, slots=True)
@@ -167,7 +169,7 @@ class ReferenceEngine:
             matcher=matcher,
         )
         with self._lock:
-            if self._thread is None or self._stopping:
+            if not self.is_running():  # a dead thread would never answer: refuse (UNAVAILABLE)
                 raise EngineStoppedError("the reference engine is not running")
             if request_id in self._sinks:
                 raise DuplicateRequestError(f"request id {request_id!r} is already in flight")
@@ -206,7 +208,9 @@ class ReferenceEngine:
                 self.cancel(request_id)
 
     def is_running(self) -> bool:
-        return self._thread is not None and not self._stopping
+        """True while the engine thread is alive and not stopping (ServerReady, ModelReady)."""
+        thread = self._thread
+        return thread is not None and thread.is_alive() and not self._stopping
 
     def in_flight(self) -> int:
         with self._lock:
@@ -248,56 +252,99 @@ class ReferenceEngine:
 
     # Engine thread ------------------------------------------------------------------------
     def _loop(self) -> None:
-        while True:
+        """Step until stopped. An unexpected exception in an iteration fails the requests in
+        flight (each still gets its final output) and the loop goes on; after
+        ``_MAX_LOOP_FAILURES`` failed iterations in a row the state is taken as corrupt and the
+        engine stops itself, so no request is ever left waiting on a thread that is gone."""
+        failures = 0
+        try:
+            while True:
+                try:  # one try per iteration, not per token: the hot path pays nothing
+                    if not self._iterate():
+                        return
+                    failures = 0
+                except Exception as exc:  # noqa: BLE001 - the loop must outlive one bad iteration
+                    failures += 1
+                    log.exception("reference engine loop failed (%d in a row)", failures)
+                    with self._lock:
+                        self._cancels.clear()  # their requests are failed below
+                        self._fail_all(f"engine loop failed: {exc}", self.clock())
+                        # The pool's events of the failed step may be lost (taken, never fed):
+                        # every poller resyncs from a snapshot rather than keep a drifted index.
+                        self.kv_events.invalidate()
+                    if failures >= _MAX_LOOP_FAILURES:
+                        return
+        finally:
             with self._lock:
-                while not self._stopping and not (self._release_held() or self.scheduler.has_work() or self._cancels):
-                    self._wake.wait(self._held_wait())
-                if self._stopping:
-                    return
-                now = self.clock()
-                self._apply_cancels(now)
-                try:
-                    step = self.scheduler.schedule(now)
-                except Exception as exc:  # a pool/scheduler bug fails the requests, not the engine
-                    log.exception("reference engine scheduling failed")
-                    self._fail_all(f"engine scheduling failed: {exc}", now)
-                    continue
-                if not step:
-                    # Work is queued but nothing fits (cannot happen with a validated config
-                    # and no running sequence); wait for a release or a cancel.
-                    self._wake.wait(0.05)
-                    continue
-            rows = len(step.decodes) + sum(w.length for w in step.prefills)
-            torch.set_num_threads(self.config.num_threads if rows > SMALL_STEP_ROWS else self.config.decode_threads)
+                if not self._stopping:  # gave up or died: refuse new work, answer what is left
+                    log.error("reference engine stopped itself after internal errors")
+                    self._stopping = True
+                    self._fail_all("the reference engine stopped after internal errors", self.clock())
+
+    def _iterate(self) -> bool:
+        """One scheduling step (or a wait for work); False once the engine is stopping."""
+        with self._lock:
+            while not self._stopping and not (self._release_held() or self.scheduler.has_work() or self._cancels):
+                self._wake.wait(self._held_wait())
+            if self._stopping:
+                return False
+            now = self.clock()
+            self._apply_cancels(now)
             try:
-                results = self.runner.run(step)
-            except Exception as exc:  # the forward failed: fail the step's requests, not the engine
-                # (a failure of one row's sampling or acceptance fails that row only: sampling.sample,
-                # _accept_isolated)
-                log.exception("reference engine step failed")
-                with self._lock:
-                    now = self.clock()
-                    for work in (*step.decodes, *step.prefills):
-                        if work.seq.request_id in self._sinks:
-                            self._fail_one(work.seq, f"engine step failed: {exc}", now)
-                continue
+                step = self.scheduler.schedule(now)
+            except Exception as exc:  # a pool/scheduler bug fails the requests, not the engine
+                log.exception("reference engine scheduling failed")
+                self._fail_all(f"engine scheduling failed: {exc}", now)
+                return True
+            if not step:
+                # Work is queued but nothing fits (cannot happen with a validated config
+                # and no running sequence); wait for a release or a cancel.
+                self._wake.wait(0.05)
+                return True
+        rows = len(step.decodes) + sum(w.length for w in step.prefills)
+        torch.set_num_threads(self.config.num_threads if rows > SMALL_STEP_ROWS else self.config.decode_threads)
+        try:
+            results = self.runner.run(step)
+        except Exception as exc:  # the forward failed: fail the step's requests, not the engine
+            # (a failure of one row's sampling or acceptance fails that row only: sampling.sample,
+            # _accept_isolated)
+            log.exception("reference engine step failed")
             with self._lock:
-                self.steps += 1
                 now = self.clock()
-                try:
-                    self.scheduler.store_computed(step)
-                except Exception:  # storing for reuse is an optimisation: a bug must not fail the step
-                    log.exception("reference engine: storing computed blocks failed")
-                for seq, sampled in results:
-                    if seq.request_id in self._sinks and seq.request_id not in self._cancels:
-                        self._accept_isolated(seq, sampled, now)
-                self._pump_events()
+                for work in (*step.decodes, *step.prefills):
+                    if work.seq.request_id in self._sinks:
+                        self._fail_one(work.seq, f"engine step failed: {exc}", now)
+            return True
+        with self._lock:
+            self.steps += 1
+            now = self.clock()
+            try:
+                self.scheduler.store_computed(step)
+            except Exception:  # storing for reuse is an optimisation: a bug must not fail the step
+                log.exception("reference engine: storing computed blocks failed")
+            for seq, sampled in results:
+                if seq.request_id in self._sinks and seq.request_id not in self._cancels:
+                    self._accept_isolated(seq, sampled, now)
+            self._pump_events()
+        return True
 
     def _fail_all(self, message: str, now: float) -> None:
+        """End every request in flight with ``message`` (held ones too). A request whose
+        sequence cannot be found or released is still answered: its sink is never dropped."""
         for request_id in list(self._sinks):
-            seq = self.scheduler.find(request_id)
-            if seq is not None:
+            held = self._held.pop(request_id, None)
+            try:
+                seq = held[1] if held is not None else self.scheduler.find(request_id)
+            except Exception:  # noqa: BLE001 - answer the client whatever the bookkeeping says
+                log.exception("reference engine: finding request %s failed", request_id)
+                seq = None
+            if seq is not None and held is None:
                 self._fail_one(seq, message, now)
+                continue
+            sink = self._sinks.pop(request_id)
+            self._wake.notify_all()
+            generated, metrics = (seq.generated, seq.metrics) if seq is not None else (0, KvMetrics())
+            self._safe_call(sink, EngineOutput(request_id, (), generated, metrics, True, None, message))
 
     def _apply_cancels(self, now: float) -> None:
         for request_id in self._cancels:

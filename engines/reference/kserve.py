@@ -9,11 +9,13 @@ serialize_byte_tensor``). Messages come from ``tritonclient.grpc.service_pb2`` /
 ``protobuf/grpc_service.proto`` and ``model_config.proto``).
 
 Invariant: :func:`decode_inputs` returns arrays whose element count matches the declared
-shape and whose dtype is the contract's, or raises ``ContractError`` naming the tensor.
+shape and whose dtype is the contract's, or raises ``ContractError`` naming the tensor; it
+raises nothing else for any message a client can send.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 
 import numpy as np
@@ -62,10 +64,38 @@ def decode_inputs(request: service_pb2.ModelInferRequest) -> dict[str, np.ndarra
         shape = tuple(int(d) for d in tensor.shape)
         if any(d < 0 for d in shape):
             raise ContractError(f"input '{name}' has a negative dimension in shape {list(shape)}", tensor=name)
-        count = int(np.prod(shape)) if shape else 1
-        array = _decode_one(name, tensor, raw[index] if raw else None, count)
-        tensors[name] = array.reshape(shape) if shape else array.reshape(())
+        # Python ints: np.prod wraps past int64 (a shape of [2**33, 2**31] counted 0 elements).
+        count = math.prod(shape)
+        payload = raw[index] if raw else None
+        capacity = _capacity(tensor, payload)
+        if count > capacity:
+            raise ContractError(
+                f"input '{name}' has shape {list(shape)} ({count} elements), more than its contents can hold ({capacity})",
+                tensor=name,
+            )
+        array = _decode_one(name, tensor, payload, count)
+        try:
+            tensors[name] = array.reshape(shape)
+        except ValueError as exc:  # e.g. a dimension numpy cannot index, next to a 0
+            raise ContractError(f"input '{name}' cannot take shape {list(shape)}: {exc}", tensor=name) from None
     return tensors
+
+
+def check_requested_outputs(request: service_pb2.ModelInferRequest) -> None:
+    """ContractError naming the first requested output the model does not have (Triton refuses it
+    too); a silently dropped output would leave the client reading a tensor that is not there."""
+    for output in request.outputs:
+        if output.name not in _OUTPUT_SPECS:
+            raise ContractError(
+                f"unexpected inference output '{output.name}' for model '{MODEL_NAME}'", tensor=output.name
+            )
+
+
+def _capacity(tensor, raw: bytes | None) -> int:
+    """The most elements ``tensor``'s payload can hold (a BYTES element takes at least its 4-byte length)."""
+    if raw is not None:
+        return len(raw) // (4 if tensor.datatype == "BYTES" else _NUMPY[tensor.datatype].itemsize)
+    return len(getattr(tensor.contents, _CONTENTS_FIELD[tensor.datatype]))
 
 
 def _decode_one(name: str, tensor, raw: bytes | None, count: int) -> np.ndarray:

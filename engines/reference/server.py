@@ -10,16 +10,18 @@ Calls:
 * ``ModelStreamInfer`` (bidirectional, decoupled like the TensorRT-LLM backend):
   requests are served concurrently; ``streaming`` true gives one response per token
   plus a last one carrying ``triton_final_response = true`` (Triton's decoupled
-  marker); a bad request yields an ``error_message`` response and the stream goes on;
+  marker); a bad request yields an ``error_message`` response carrying its request id
+  (as Triton's stream handler repopulates it) and the stream goes on;
   a half-closed stream still gets every response; a cancelled stream cancels its
   requests (their blocks are released).
 * ``stop`` true cancels the in-flight request(s) with the same request ``id``, as the
   stock backend does; ``kv_stats`` true answers with the pool statistics JSON.
 * health, server/model metadata and model config.
 
-Invariant: a bad request is answered with ``INVALID_ARGUMENT`` (unary) or an
-``error_message`` (stream) naming the tensor at fault, and never disturbs other
-requests or the server.
+Invariants: every request is answered. A bad one (a malformed tensor, an output the model
+does not have) gets ``INVALID_ARGUMENT`` (unary) or an ``error_message`` (stream) naming the
+tensor at fault, before anything is generated; any other failure while serving it gets
+``INTERNAL`` or an ``error_message``. Neither disturbs other requests or the server.
 """
 
 from __future__ import annotations
@@ -41,7 +43,9 @@ from engines.contract import (
 )
 from engines.reference.config import ReferenceEngineConfig
 from engines.reference.engine import EngineOutput, EngineStoppedError, ReferenceEngine
-from engines.reference.kserve import MODEL_VERSION, decode_inputs, encode_outputs, model_config, model_metadata
+from engines.reference.kserve import (
+    MODEL_VERSION, check_requested_outputs, decode_inputs, encode_outputs, model_config, model_metadata,
+)
 from engines.reference.loader import ModelBundle, load_model
 
 log = logging.getLogger(__name__)
@@ -98,24 +102,32 @@ class KvgateInferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
         # and the KV metrics); the requested outputs are selected from the merged answer only.
         try:
             parts = [p async for p in self._serve_tensors(request)]
+            if len(parts) == 1:
+                tensors, requested, _ = parts[0]
+            else:
+                tensors, requested = _merge([t for t, _, _ in parts]), _requested(request)
+            return _response(request, tensors, requested, final=None)
         except _RequestFailed as failure:
             await context.abort(failure.code, failure.message)
-        if len(parts) == 1:
-            tensors, requested, _ = parts[0]
-        else:
-            tensors, requested = _merge([t for t, _, _ in parts]), _requested(request)
-        return _response(request, tensors, requested, final=None)
+        except Exception as exc:  # noqa: BLE001 - a bug answers INTERNAL, not gRPC's bare UNKNOWN
+            log.exception("ModelInfer %r failed", request.id)
+            await context.abort(grpc.StatusCode.INTERNAL, _internal_message(exc))
 
     async def ModelStreamInfer(self, request_iterator, context):
         queue: asyncio.Queue = asyncio.Queue()
         tasks: set[asyncio.Task] = set()
 
         async def serve_one(request) -> None:
+            # Whatever fails, the request is answered: the client waits for a final response
+            # or an error for each id, and an exception lost in this task would leave it waiting.
             try:
                 async for response in self._serve(request):
                     queue.put_nowait(service_pb2.ModelStreamInferResponse(infer_response=response))
             except _RequestFailed as failure:
-                queue.put_nowait(service_pb2.ModelStreamInferResponse(error_message=failure.message))
+                queue.put_nowait(_stream_error(request, failure.message))
+            except Exception as exc:  # noqa: BLE001 - see above
+                log.exception("ModelStreamInfer request %r failed", request.id)
+                queue.put_nowait(_stream_error(request, _internal_message(exc)))
 
         async def read_requests() -> None:
             async for request in request_iterator:
@@ -156,6 +168,7 @@ class KvgateInferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
             raise _RequestFailed(grpc.StatusCode.NOT_FOUND, problem)
         requested = _requested(request)
         try:
+            check_requested_outputs(request)
             tensors = decode_inputs(request)
             if is_stats_request(tensors):
                 report = self.engine.stats(kv_events_cursor(tensors))
@@ -207,6 +220,23 @@ def _model_problem(name: str, version: str) -> str | None:
     if version not in ("", MODEL_VERSION):
         return f"Request for unknown model: '{name}' version {version} is not found (only version {MODEL_VERSION})"
     return None
+
+
+def _stream_error(request: service_pb2.ModelInferRequest, message: str) -> service_pb2.ModelStreamInferResponse:
+    """A stream's error answer to ``request``. It carries the request's id, as Triton's stream
+    handler does, so a client with several requests on one stream knows which one failed."""
+    known = _model_problem(request.model_name, request.model_version) is None
+    return service_pb2.ModelStreamInferResponse(
+        error_message=message,
+        infer_response=service_pb2.ModelInferResponse(
+            id=request.id, model_name=MODEL_NAME if known else request.model_name,
+            model_version=MODEL_VERSION if known else request.model_version,
+        ),
+    )
+
+
+def _internal_message(exc: Exception) -> str:
+    return f"[{MODEL_NAME}] internal error: {type(exc).__name__}: {exc}"
 
 
 def _requested(request: service_pb2.ModelInferRequest) -> set[str] | None:
