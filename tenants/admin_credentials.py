@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import hmac
 import secrets
-import unicodedata
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 
@@ -45,9 +44,6 @@ MAX_OVERLAP_SECONDS = 7 * 24 * 3600
 LAST_USED_RESOLUTION = timedelta(seconds=1)
 _DUMMY_SECRET = "x" * 43
 _DUMMY_HASH = "0" * 64
-# Cc control, Cf format (bidi overrides and isolates, zero-width), Zl/Zp line and paragraph
-# separators: invisible or reordering in a console, a log line or the audit log.
-_REFUSED_CATEGORIES = frozenset({"Cc", "Cf", "Zl", "Zp"})
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,7 +84,7 @@ def scope_of(session: Session, credential_id: int) -> list[str]:
 
 def _check_name(name: str) -> str:
     name = v.text(name, field="name", max_len=128)
-    bad = next((c for c in name if unicodedata.category(c) in _REFUSED_CATEGORIES), None)
+    bad = v.first_unprintable(name)
     if bad is not None:
         raise InvalidField(f"name must not contain control or formatting characters (found U+{ord(bad):04X})",
                            field="name")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import re
+import unicodedata
 from datetime import UTC, datetime
 from typing import Any
 
@@ -36,6 +37,16 @@ def name(value: Any, *, field: str) -> str:
             field=field,
         )
     return value
+
+
+# Characters a name shown in logs, the audit log and the console must not carry: controls,
+# format characters (bidi overrides make one name read as another), line/paragraph separators.
+UNPRINTABLE_CATEGORIES = frozenset({"Cc", "Cf", "Zl", "Zp"})
+
+
+def first_unprintable(value: str) -> str | None:
+    """The first character of ``value`` in :data:`UNPRINTABLE_CATEGORIES`, or None."""
+    return next((c for c in value if unicodedata.category(c) in UNPRINTABLE_CATEGORIES), None)
 
 
 def text(value: Any, *, field: str, max_len: int, allow_empty: bool = False) -> str:

@@ -24,6 +24,7 @@ import jwt
 
 from server.settings import Settings
 from tenants.models import ADMIN_ROLES
+from tenants.validation import first_unprintable
 
 log = logging.getLogger("kvgate.admin.oidc")
 ALGORITHMS = ["RS256", "ES256"]
@@ -84,6 +85,11 @@ class OidcVerifier:
             return None
         if len(name) > MAX_NAME:
             log.info("OIDC token refused: its %s claim is over %d characters", s.oidc_name_claim, MAX_NAME)
+            return None
+        bad = first_unprintable(name)
+        if bad is not None:  # as for credential names: the actor is shown in logs, the audit log, the console
+            log.info("OIDC token refused: its %s claim holds U+%04X (a control or format character)",
+                     s.oidc_name_claim, ord(bad))
             return None
         raw = claims.get(s.oidc_tenants_claim, _ABSENT)
         if raw is _ABSENT:  # no scope sent: scoped to nothing (platform-admin/operator are unscoped below)

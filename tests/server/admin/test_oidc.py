@@ -231,3 +231,13 @@ def test_a_name_too_long_for_the_actor_is_refused(client_file: TestClient, keys)
     for sub in (fits + "a", fits + "b"):
         r = client_file.get("/admin/v1/whoami", headers=bearer(token(keys, sub=sub, roles=["kv-ops"])))
         assert r.status_code == 401, r.text
+
+
+def test_a_name_with_control_or_format_characters_is_refused(client_file: TestClient, keys) -> None:  # type: ignore[no-untyped-def]
+    """As for credential names: the actor is shown in logs, the audit log and the console, where a
+    bidi override or a newline would make one name read as another."""
+    for sub in ("ops\u202eknil", "ops\nadmin", "ops\u200b", "ops\u2028x"):
+        r = client_file.get("/admin/v1/whoami", headers=bearer(token(keys, sub=sub, roles=["kv-ops"])))
+        assert r.status_code == 401, (sub, r.text)
+    r = client_file.get("/admin/v1/whoami", headers=bearer(token(keys, sub="opérateur", roles=["kv-ops"])))
+    assert r.status_code == 200 and r.json()["name"] == "oidc:opérateur"  # letters of any script are fine
