@@ -108,6 +108,9 @@ class ReferenceEngine:
         self._thread: threading.Thread | None = None
         self._stopping = False
         self.steps = 0
+        # Set when the engine thread ended without stop(): it gave up after internal errors or
+        # died. ServerLive then answers not live, so an orchestrator restarts the process.
+        self.failed = False
 
     @property
     def vocab_size(self) -> int:
@@ -278,7 +281,7 @@ class ReferenceEngine:
             with self._lock:
                 if not self._stopping:  # gave up or died: refuse new work, answer what is left
                     log.error("reference engine stopped itself after internal errors")
-                    self._stopping = True
+                    self._stopping = self.failed = True
                     self._fail_all("the reference engine stopped after internal errors", self.clock())
 
     def _iterate(self) -> bool:

@@ -68,7 +68,9 @@ class KvgateInferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
 
     # Health and metadata ------------------------------------------------------------------
     async def ServerLive(self, request, context):
-        return service_pb2.ServerLiveResponse(live=True)
+        # Not live once the engine stopped itself (engine.py, _loop): only a restart brings it back,
+        # and a liveness probe (Helm's reference pods) is what asks for one.
+        return service_pb2.ServerLiveResponse(live=not self.engine.failed)
 
     async def ServerReady(self, request, context):
         return service_pb2.ServerReadyResponse(ready=self.engine.is_running())

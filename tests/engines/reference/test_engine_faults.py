@@ -10,6 +10,7 @@ import pytest
 from engines.reference.config import ReferenceEngineConfig
 from engines.reference.engine import EngineStoppedError, ReferenceEngine
 from engines.reference.scheduler import FinishReason
+from engines.reference.server import KvgateInferenceServicer
 from tests.engines.reference.helpers import make_request
 
 pytestmark = pytest.mark.slow
@@ -84,6 +85,9 @@ async def test_a_fault_on_every_iteration_stops_the_engine_cleanly(engine, token
     assert errors and "injected cancel failure" in errors[0]
     await asyncio.to_thread(engine._thread.join, ANSWER_WITHIN_S)
     assert not engine.is_running()
+    # not live either: only a restart brings it back, and the liveness probe asks for one
+    servicer = KvgateInferenceServicer(engine)
+    assert not (await servicer.ServerLive(None, None)).live and not (await servicer.ServerReady(None, None)).ready
     with pytest.raises(EngineStoppedError):
         await _run(engine, "after", make_request(prompt, 3, end_id=-1))
 
