@@ -275,13 +275,17 @@ def _validate(con: duckdb.DuckDBPyConnection, path: Path, bs: int) -> None:
         ("hash_ids IS NULL OR list_count(hash_ids) <> len(hash_ids) "
          f"OR list_min(hash_ids) < 0 OR list_max(hash_ids) > {ID_MAX}",
          "hash_ids must be a list of integers in [0, 2^31)"),
-        (f"len(hash_ids) <> (input_length + {bs} - 1) // {bs}",
+        # ceil without the addition: an input_length near 2^63 must not overflow INT64 in the check
+        (f"len(hash_ids) <> input_length // {bs} + CASE WHEN input_length % {bs} > 0 THEN 1 ELSE 0 END",
          f"the number of hash_ids must be ceil(input_length / {bs}) (block size {bs})"),
         ("system_tokens < 0 OR context_tokens < 0 OR coalesce(system_tokens, 0) > coalesce(context_tokens, input_length) "
          "OR coalesce(context_tokens, 0) > input_length", "need system_tokens <= context_tokens <= input_length"),
     ]
     for condition, message in checks:
-        row = con.execute(f"SELECT min(record) FROM raw WHERE {condition}").fetchone()
+        try:
+            row = con.execute(f"SELECT min(record) FROM raw WHERE {condition}").fetchone()
+        except duckdb.Error as exc:  # an arithmetic overflow on some extreme value: still one line, never a traceback
+            raise AnalyzeError(f"{path}: a value is out of range for the check '{message}' ({exc})") from None
         if row[0] is not None:
             raise AnalyzeError(f"{path}: line {_line_of(path, row[0])[0]}: {message}")
 

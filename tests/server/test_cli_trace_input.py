@@ -130,3 +130,12 @@ def test_a_line_that_is_not_utf8_is_named(tmp_path: Path, gz: bool) -> None:
     analyze, simulate = _refused(trace)
     assert analyze == f"error: {trace}: line 3: not valid UTF-8"
     assert simulate == "error: line 3: not valid UTF-8"
+
+
+def test_an_input_length_near_the_int64_limit_is_one_line_not_a_traceback(tmp_path: Path) -> None:
+    """The hash-count check's ceil used to overflow INT64 inside DuckDB (a traceback)."""
+    trace = tmp_path / "big.jsonl"
+    trace.write_text('{"timestamp": 0, "input_length": 9223372036854775807, "output_length": 1, "hash_ids": [1]}\n')
+    result = CliRunner().invoke(create_cli(), ["analyze", str(trace), "--no-progress", "--no-curve"])
+    assert result.exit_code == 2 and "line 1" in result.output and "hash_ids" in result.output, result.output
+    assert "Traceback" not in result.output
