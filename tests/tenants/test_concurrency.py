@@ -24,44 +24,13 @@ def test_exactly_one_of_two_concurrent_updates_wins(db, round_: int) -> None:  #
     with db.factory() as s:
         t = make_placement(s)
         baseline = s.scalar(select(func.count()).select_from(AuditEvent))
-    barrier = threading.Barrier(2, timeout=20)
+    hook = _hold_both_before(db, lambda statement, _backend: statement.lstrip().upper().startswith("UPDATE TENANTS"))
 
-    def hold_updates(conn, cursor, statement, params, context, executemany):  # type: ignore[no-untyped-def]
-        if statement.lstrip().upper().startswith("UPDATE TENANTS"):
-            try:
-                barrier.wait()
-            except threading.BrokenBarrierError:
-                pass
+    def update(name: str, rpm: int):  # type: ignore[no-untyped-def]
+        return lambda s: tenant.update_tenant(s, actor=f"test:{name}", now=now(), ref=t.id, version=1,
+                                              changes={"rpm_limit": rpm, "display_name": name}).version
 
-    event.listen(db.engine, "before_cursor_execute", hold_updates)
-    outcomes: dict[str, object] = {}
-
-    def worker(name: str, rpm: int) -> None:
-        try:
-            with db.factory() as s:
-                done = tenant.update_tenant(
-                    s,
-                    actor=f"test:{name}",
-                    now=now(),
-                    ref=t.id,
-                    version=1,
-                    changes={"rpm_limit": rpm, "display_name": name},
-                )
-                outcomes[name] = done.version
-        except StaleVersion as exc:
-            outcomes[name] = exc
-        except Exception as exc:  # noqa: BLE001 - recorded and asserted below
-            outcomes[name] = exc
-
-    threads = [threading.Thread(target=worker, args=(n, r)) for n, r in (("left", 11), ("right", 22))]
-    try:
-        for th in threads:
-            th.start()
-        for th in threads:
-            th.join(timeout=60)
-    finally:
-        event.remove(db.engine, "before_cursor_execute", hold_updates)
-
+    outcomes = _run_workers(db, hook, {"left": update("left", 11), "right": update("right", 22)})
     winners = [n for n, o in outcomes.items() if o == 2]
     losers = [n for n, o in outcomes.items() if isinstance(o, StaleVersion)]
     assert len(winners) == 1 and len(losers) == 1, outcomes

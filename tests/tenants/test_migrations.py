@@ -19,6 +19,24 @@ from tests.tenants.fixtures import PG_ADMIN_URL, drop_pg_schema, new_pg_schema, 
 TABLES = {t.name for t in Base.metadata.sorted_tables}
 
 
+@pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
+def migration_engine(request, tmp_path: Path):  # type: ignore[no-untyped-def]
+    """An empty database for one migration test: a SQLite file, or a fresh PostgreSQL schema
+    (dropped afterwards; skipped when PostgreSQL is unreachable)."""
+    if request.param == "sqlite":
+        engine = make_engine(f"sqlite:///{tmp_path / 'migrations.db'}")
+        yield engine
+        engine.dispose()
+        return
+    if not postgres_reachable():
+        pytest.skip("PostgreSQL at 127.0.0.1:5432 is unreachable")
+    schema = new_pg_schema()
+    engine = pg_engine(schema)
+    yield engine
+    engine.dispose()
+    drop_pg_schema(schema)
+
+
 def _round_trip(engine) -> None:  # type: ignore[no-untyped-def]
     with engine.begin() as conn:
         migrate.upgrade(connection=conn)
@@ -170,25 +188,8 @@ def _replicas_and_pools_round_trip(engine) -> None:  # type: ignore[no-untyped-d
         assert [tuple(r) for r in rows] == [(1, "r0", "engine-a:8001"), (2, "r0", "10.0.0.7:9001")]
 
 
-def test_sqlite_0003_moves_triton_url_into_replicas_and_back(tmp_path: Path) -> None:
-    engine = make_engine(f"sqlite:///{tmp_path / 'm3.db'}")
-    try:
-        _replicas_and_pools_round_trip(engine)
-    finally:
-        engine.dispose()
-
-
-@pytest.mark.postgres
-def test_postgres_0003_moves_triton_url_into_replicas_and_back() -> None:
-    if not postgres_reachable():
-        pytest.skip("PostgreSQL at 127.0.0.1:5432 is unreachable")
-    schema = new_pg_schema()
-    engine = pg_engine(schema)
-    try:
-        _replicas_and_pools_round_trip(engine)
-    finally:
-        engine.dispose()
-        drop_pg_schema(schema)
+def test_0003_moves_triton_url_into_replicas_and_back(migration_engine) -> None:  # type: ignore[no-untyped-def]
+    _replicas_and_pools_round_trip(migration_engine)
 
 
 # --- 0004: pool_slo_budgets, with data -----------------------------------------------------------
@@ -223,25 +224,8 @@ def _slo_budgets_round_trip(engine) -> None:  # type: ignore[no-untyped-def]
         assert conn.execute(text("SELECT count(*) FROM pool_slo_budgets")).scalar_one() == 0  # no guard armed
 
 
-def test_sqlite_0004_slo_budgets_up_and_down(tmp_path: Path) -> None:
-    engine = make_engine(f"sqlite:///{tmp_path / 'm4.db'}")
-    try:
-        _slo_budgets_round_trip(engine)
-    finally:
-        engine.dispose()
-
-
-@pytest.mark.postgres
-def test_postgres_0004_slo_budgets_up_and_down() -> None:
-    if not postgres_reachable():
-        pytest.skip("PostgreSQL at 127.0.0.1:5432 is unreachable")
-    schema = new_pg_schema()
-    engine = pg_engine(schema)
-    try:
-        _slo_budgets_round_trip(engine)
-    finally:
-        engine.dispose()
-        drop_pg_schema(schema)
+def test_0004_slo_budgets_up_and_down(migration_engine) -> None:  # type: ignore[no-untyped-def]
+    _slo_budgets_round_trip(migration_engine)
 
 
 # --- 0006: retention class hint fields, with data ------------------------------------------------
@@ -273,25 +257,8 @@ def _hint_fields_round_trip(engine) -> None:  # type: ignore[no-untyped-def]
         assert conn.execute(text("SELECT hint_max_priority FROM retention_classes")).scalar_one() == 60
 
 
-def test_sqlite_0006_hint_fields_up_and_down(tmp_path: Path) -> None:
-    engine = make_engine(f"sqlite:///{tmp_path / 'm6.db'}")
-    try:
-        _hint_fields_round_trip(engine)
-    finally:
-        engine.dispose()
-
-
-@pytest.mark.postgres
-def test_postgres_0006_hint_fields_up_and_down() -> None:
-    if not postgres_reachable():
-        pytest.skip("PostgreSQL at 127.0.0.1:5432 is unreachable")
-    schema = new_pg_schema()
-    engine = pg_engine(schema)
-    try:
-        _hint_fields_round_trip(engine)
-    finally:
-        engine.dispose()
-        drop_pg_schema(schema)
+def test_0006_hint_fields_up_and_down(migration_engine) -> None:  # type: ignore[no-untyped-def]
+    _hint_fields_round_trip(migration_engine)
 
 
 # --- 0007: stored_responses, with data ----------------------------------------------------------
@@ -329,25 +296,8 @@ def _stored_responses_round_trip(engine) -> None:  # type: ignore[no-untyped-def
         assert conn.execute(text("SELECT count(*) FROM stored_responses")).scalar_one() == 0
 
 
-def test_sqlite_0007_stored_responses_up_and_down(tmp_path: Path) -> None:
-    engine = make_engine(f"sqlite:///{tmp_path / 'm7.db'}")
-    try:
-        _stored_responses_round_trip(engine)
-    finally:
-        engine.dispose()
-
-
-@pytest.mark.postgres
-def test_postgres_0007_stored_responses_up_and_down() -> None:
-    if not postgres_reachable():
-        pytest.skip("PostgreSQL at 127.0.0.1:5432 is unreachable")
-    schema = new_pg_schema()
-    engine = pg_engine(schema)
-    try:
-        _stored_responses_round_trip(engine)
-    finally:
-        engine.dispose()
-        drop_pg_schema(schema)
+def test_0007_stored_responses_up_and_down(migration_engine) -> None:  # type: ignore[no-untyped-def]
+    _stored_responses_round_trip(migration_engine)
 
 
 # --- 0009: the conversation hold switch; stored responses' root and prompt blocks, with data ------
@@ -383,25 +333,8 @@ def _conversation_hold_round_trip(engine) -> None:  # type: ignore[no-untyped-de
         assert not conn.execute(text("SELECT conversation_hold_enabled FROM retention_classes")).scalar_one()
 
 
-def test_sqlite_0009_conversation_hold_up_and_down(tmp_path: Path) -> None:
-    engine = make_engine(f"sqlite:///{tmp_path / 'm9.db'}")
-    try:
-        _conversation_hold_round_trip(engine)
-    finally:
-        engine.dispose()
-
-
-@pytest.mark.postgres
-def test_postgres_0009_conversation_hold_up_and_down() -> None:
-    if not postgres_reachable():
-        pytest.skip("PostgreSQL at 127.0.0.1:5432 is unreachable")
-    schema = new_pg_schema()
-    engine = pg_engine(schema)
-    try:
-        _conversation_hold_round_trip(engine)
-    finally:
-        engine.dispose()
-        drop_pg_schema(schema)
+def test_0009_conversation_hold_up_and_down(migration_engine) -> None:  # type: ignore[no-untyped-def]
+    _conversation_hold_round_trip(migration_engine)
 
 
 # --- 0010: the run's-end demote switch, with data -------------------------------------------------
@@ -440,25 +373,8 @@ def _end_demote_round_trip(engine) -> None:  # type: ignore[no-untyped-def]
         assert not any(e for (e,) in conn.execute(text("SELECT conversation_end_demote_enabled FROM retention_classes")))
 
 
-def test_sqlite_0010_end_demote_up_and_down(tmp_path: Path) -> None:
-    engine = make_engine(f"sqlite:///{tmp_path / 'm10.db'}")
-    try:
-        _end_demote_round_trip(engine)
-    finally:
-        engine.dispose()
-
-
-@pytest.mark.postgres
-def test_postgres_0010_end_demote_up_and_down() -> None:
-    if not postgres_reachable():
-        pytest.skip("PostgreSQL at 127.0.0.1:5432 is unreachable")
-    schema = new_pg_schema()
-    engine = pg_engine(schema)
-    try:
-        _end_demote_round_trip(engine)
-    finally:
-        engine.dispose()
-        drop_pg_schema(schema)
+def test_0010_end_demote_up_and_down(migration_engine) -> None:  # type: ignore[no-untyped-def]
+    _end_demote_round_trip(migration_engine)
 
 
 # --- 0011: SQLite ids never reused (AUTOINCREMENT), with data -------------------------------------
@@ -529,16 +445,21 @@ def _sqlite_table_sql(conn, table: str) -> str:  # type: ignore[no-untyped-def]
     return conn.execute(text("SELECT sql FROM sqlite_master WHERE type = 'table' AND name = :t"), {"t": table}).scalar_one()
 
 
+def _seeded_at_0010(engine) -> dict:  # type: ignore[no-untyped-def]
+    """Migrate an empty database to 0010 with rows seeded on the way (ids with gaps); its contents."""
+    with engine.begin() as conn:
+        migrate.upgrade(connection=conn, revision="0002")
+        _seed_0002(conn)
+        migrate.upgrade(connection=conn, revision="0010")
+        _seed_0010(conn)
+    with engine.connect() as conn:
+        return _contents(conn)
+
+
 def test_sqlite_0011_ids_are_never_reused_and_the_data_stays(tmp_path: Path) -> None:
     engine = make_engine(f"sqlite:///{tmp_path / 'm11.db'}")
     try:
-        with engine.begin() as conn:
-            migrate.upgrade(connection=conn, revision="0002")
-            _seed_0002(conn)
-            migrate.upgrade(connection=conn, revision="0010")
-            _seed_0010(conn)
-        with engine.connect() as conn:
-            before = _contents(conn)
+        before = _seeded_at_0010(engine)
         assert before["tenants"] == [(1, "acme", 1)] and before["api_keys"] == [(1, 1, "prefix01")]
         with engine.begin() as conn:
             migrate.upgrade(connection=conn, revision="0011")
@@ -588,29 +509,16 @@ def test_sqlite_0011_ids_are_never_reused_and_the_data_stays(tmp_path: Path) -> 
         engine.dispose()
 
 
-@pytest.mark.postgres
-def test_postgres_0011_changes_nothing() -> None:
+@pytest.mark.parametrize("migration_engine", [pytest.param("postgres", marks=pytest.mark.postgres)], indirect=True)
+def test_postgres_0011_changes_nothing(migration_engine) -> None:  # type: ignore[no-untyped-def]
     """PostgreSQL sequences never hand out an id twice: 0011 is a no-op there, both ways."""
-    if not postgres_reachable():
-        pytest.skip("PostgreSQL at 127.0.0.1:5432 is unreachable")
-    schema = new_pg_schema()
-    engine = pg_engine(schema)
-    try:
-        with engine.begin() as conn:
-            migrate.upgrade(connection=conn, revision="0002")
-            _seed_0002(conn)
-            migrate.upgrade(connection=conn, revision="0010")
-            _seed_0010(conn)
-        with engine.connect() as conn:
-            before = _contents(conn)
-        with engine.begin() as conn:
-            migrate.upgrade(connection=conn, revision="0011")
-        with engine.connect() as conn:
-            assert _contents(conn) == before
-        with engine.begin() as conn:
-            migrate.downgrade(connection=conn, revision="0010")
-        with engine.connect() as conn:
-            assert _contents(conn) == before
-    finally:
-        engine.dispose()
-        drop_pg_schema(schema)
+    engine = migration_engine
+    before = _seeded_at_0010(engine)
+    with engine.begin() as conn:
+        migrate.upgrade(connection=conn, revision="0011")
+    with engine.connect() as conn:
+        assert _contents(conn) == before
+    with engine.begin() as conn:
+        migrate.downgrade(connection=conn, revision="0010")
+    with engine.connect() as conn:
+        assert _contents(conn) == before
