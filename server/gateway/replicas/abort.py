@@ -11,8 +11,8 @@ which the request core answers as any engine failure is answered: 503 ``shutting
 request's admission and usage settled on the way out.
 
 Invariants: an abort cancels only a task that is waiting for its engine at that moment (the
-consumer's own work between messages is never interrupted; an attempt aborted then raises at
-its next wait), and a cancel from elsewhere stays a cancel (:meth:`Attempt.caused` tells the
+consumer's own work between messages is never interrupted; an attempt aborted then raises
+before its next wait), and a cancel from elsewhere stays a cancel (:meth:`Attempt.caused` tells the
 two apart, as ``stall.StallWatch`` does). Once :meth:`Aborts.abort_all` ran, an attempt that
 begins is aborted from its start: the shutdown does not wait for requests that start late.
 """
@@ -48,7 +48,7 @@ class Attempt:
             return
         self.aborted = True
         # A cancel already pending on the task (a client gone, the stall deadline) is not ours to
-        # claim: the wait ends with it, and a later wait stops at check().
+        # claim: the wait ends with it, and the attempt stops before its next wait.
         if self.waiting and self.task is not None and self.task.cancelling() == 0:
             self._fired = True
             self._cancelling = self.task.cancelling()
@@ -58,11 +58,6 @@ class Attempt:
         """Called on ``CancelledError`` from the wait: True when this abort's cancel caused it
         (the cancel is then withdrawn)."""
         return self._fired and self.task is not None and self.task.uncancel() <= self._cancelling
-
-    def check(self) -> None:
-        """Before a wait: an attempt aborted meanwhile stops here."""
-        if self.aborted:
-            raise GatewayShuttingDown("the gateway is shutting down")
 
 
 class Aborts:

@@ -561,7 +561,8 @@ class RoutedEngine:
                                                                        timeout=timeout)) as chunks:
                     deadline = None if wait is None else asyncio.get_running_loop().time() + wait
                     while True:
-                        attempt.check()
+                        if attempt.aborted:  # aborted while the consumer had the chunk: stop before waiting
+                            raise GatewayShuttingDown("the gateway is shutting down")
                         attempt.waiting = True
                         try:
                             if watch is not None:  # after the first chunk: the inter-token deadline
