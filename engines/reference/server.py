@@ -11,7 +11,7 @@ Calls:
   requests are served concurrently; ``streaming`` true gives one response per token
   plus a last one carrying ``triton_final_response = true`` (Triton's decoupled
   marker); a bad request yields an ``error_message`` response carrying its request id
-  (as Triton's stream handler repopulates it) and the stream goes on;
+  (as Triton's stream handler repopulates it: server src/grpc/stream_infer_handler.cc) and the stream goes on;
   a half-closed stream still gets every response; a cancelled stream cancels its
   requests (their blocks are released).
 * ``stop`` true cancels the in-flight request(s) with the same request ``id``, as the

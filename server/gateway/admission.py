@@ -83,17 +83,18 @@ class Limits:
 
 
 class AdmissionError(Exception):
-    """Refused admission. ``status`` 429 (retry later; with ``code`` ``rate_limit_exceeded`` and
-    no ``retry_after``, a request too large for tokens_per_minute, never admissible as sent),
-    400 (over a size cap, never admissible) or 503 (admission's store away)."""
+    """Refused admission. ``status`` 429 (retry later, after ``retry_after``; or, not
+    ``admissible``, a request too large for tokens_per_minute, never admitted as sent), 400 (over
+    a size cap, never admissible) or 503 (admission's store away)."""
 
     def __init__(self, message: str, *, limit: str, status: int, retry_after: float | None = None,
-                 code: str | None = None) -> None:
+                 code: str | None = None, admissible: bool = True) -> None:
         super().__init__(message)
         self.limit = limit
         self.status = status
         self.retry_after = retry_after
         self.code = code  # the OpenAI error code, when not the status' default
+        self.admissible = admissible  # False: no wait makes it pass (no Retry-After, not rate limiting)
 
 
 def check_sizes(limits: Limits, *, prompt_tokens: int, max_output_tokens: int) -> None:
@@ -124,7 +125,7 @@ def check_sizes(limits: Limits, *, prompt_tokens: int, max_output_tokens: int) -
             f"Request too large for this tenant's tokens_per_minute: Limit {tpm}, Requested "
             f"{prompt_tokens + max_output_tokens} (prompt {prompt_tokens} + max_tokens {max_output_tokens}{default}). "
             f"A request reserves its prompt and max_tokens at admission, so this one can never be admitted; {fix}.",
-            limit="tokens_per_minute", status=429, code="rate_limit_exceeded",
+            limit="tokens_per_minute", status=429, code="rate_limit_exceeded", admissible=False,
         )
 
 

@@ -482,8 +482,8 @@ class CompletionRunner:
         except AdmissionError as exc:
             # No Retry-After on a request too large for its tokens per minute: it is never admissible as sent,
             # and it is a size refusal, not rate limiting (its own metric label).
-            retry = exc.status == 503 or (exc.status == 429 and exc.retry_after is not None)
-            too_large = exc.status == 429 and exc.retry_after is None
+            retry = exc.status == 503 or (exc.status == 429 and exc.admissible)
+            too_large = exc.status == 429 and not exc.admissible
             self._metrics.rate_limited.labels(tenant.slug, "request_too_large" if too_large else exc.limit).inc()
             headers = {"Retry-After": retry_after_header(exc)} if retry else None
             code = exc.code or ("rate_limit_exceeded" if exc.status == 429 else "limit_exceeded")
