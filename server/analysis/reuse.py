@@ -28,8 +28,9 @@ Definitions (the tests compute them by hand on a tiny trace):
   bound for the other direction (offload). Per second of trace time.
 * *One-shot*: distinct blocks used by exactly one request.
 
-Reading: plain or gzip JSONL (``trace_file``). Event lines (``op``: ``delete_response``)
-are checked as ``kvgate simulate`` checks them and left out; they are not requests.
+Reading: plain or gzip JSONL (``trace_file``; zstd, bzip2 and xz are refused by name). Event
+lines (any line with an ``op`` key, ``"op": null`` too; the one op is ``delete_response``) are
+checked as ``kvgate simulate`` checks them and left out; they are not requests.
 
 Errors: a file DuckDB cannot read, or a line that breaks the trace format (a field of the
 wrong JSON type included: nothing is coerced), raises :class:`AnalyzeError` naming the
@@ -47,7 +48,7 @@ from typing import Any
 
 import duckdb
 
-from server.analysis.trace_file import TraceFileError, is_gzip, trace_lines
+from server.analysis.trace_file import TraceFileError, check_compression, is_gzip, trace_lines
 
 ID_MAX = 2**31 - 1
 SEGMENTS = ("system", "context", "turn", "unmarked")
@@ -112,6 +113,10 @@ def load_trace(path: Path, *, block_size: int | None = None, threads: int | None
     """
     if not path.is_file():
         raise AnalyzeError(f"trace file not found: {path}")
+    try:
+        check_compression(path)
+    except TraceFileError as exc:
+        raise AnalyzeError(f"{path}: {exc}") from None
     config: dict[str, Any] = {"preserve_insertion_order": True, "memory_limit": memory_limit}
     if threads is not None:
         config["threads"] = threads
@@ -125,8 +130,10 @@ def load_trace(path: Path, *, block_size: int | None = None, threads: int | None
     except duckdb.Error as exc:
         raise AnalyzeError(f"cannot start DuckDB: {_clean(exc)}") from None
     con.execute("SET enable_progress_bar = false")  # DuckDB's own bar would mix with --json and ours
+    source = {"path": str(path), "compression": "gzip" if is_gzip(path) else "none"}
     try:
-        con.execute(_read_sql(), {"path": str(path), "compression": "gzip" if is_gzip(path) else "none"})
+        con.execute(_read_sql(), source)
+        con.execute(_NULL_OP_SQL, source)
     except duckdb.Error as exc:
         raise AnalyzeError(f"{path}: {_first_bad_line(path) or _clean(exc)}") from None
     bad = con.execute("SELECT record, bad_field FROM raw WHERE bad_field IS NOT NULL ORDER BY record LIMIT 1").fetchone()
@@ -197,6 +204,15 @@ def _read_sql() -> str:
             f"CASE WHEN op IS NOT NULL THEN NULL {bad} END AS bad_field, {values} "
             f"FROM (SELECT row_number() OVER () AS record, * FROM read_json($path, format='newline_delimited', "
             f"compression=$compression, columns={columns}))")
+
+
+# ``op: null`` reads as SQL NULL in ``raw``, as if the key were absent; but an ``op`` key makes
+# an event line whatever its value (``retention/trace.py``, which refuses any op but
+# ``delete_response``). A second scan asks each line whether it has the key (blank lines are
+# skipped and rows numbered as in ``raw``); such lines become events, checked and refused there.
+_NULL_OP_SQL = ("UPDATE raw SET event = true, bad_field = NULL WHERE NOT event AND record IN ("
+                "SELECT record FROM (SELECT row_number() OVER () AS record, json_exists(json, '$.op') AS has_op "
+                "FROM read_json_objects($path, format='newline_delimited', compression=$compression)) WHERE has_op)")
 
 
 def _records(path: Path) -> Iterator[tuple[int, int, str]]:

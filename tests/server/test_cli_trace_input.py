@@ -1,11 +1,16 @@
 """`kvgate analyze` and `kvgate simulate` read the same traces the same way: no field is
 coerced from the wrong JSON type, event lines are checked and left out, gzip files are read
-whatever their name, and a byte that is not UTF-8 is named by its line (blank lines counted)."""
+whatever their name, other compressions are refused by name, and a byte that is not UTF-8 is
+named by its line (blank lines counted)."""
 
 from __future__ import annotations
 
+import bz2
 import gzip
 import json
+import lzma
+import struct
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -91,6 +96,9 @@ def test_event_lines_are_left_out_as_simulate_leaves_them_out(tmp_path: Path) ->
     ({"timestamp": 5, "op": "forget", "response_id": "r"}, "unknown op"),
     ({"timestamp": 5, "op": "delete_response", "response_id": "r", "input_length": 8}, "unknown fields"),
     ({"timestamp": "5", "op": "delete_response", "response_id": "r"}, "timestamp"),
+    # an op key makes an event line whatever its value: JSON null is no way to say "a request"
+    ({**GOOD, "op": None}, "unknown op None"),
+    ({"timestamp": 5, "op": None, "response_id": "r"}, "unknown op None"),
 ])
 def test_a_bad_event_line_is_refused_as_simulate_refuses_it(tmp_path: Path, event: dict, needle: str) -> None:
     trace = _write(tmp_path / "bad_event.jsonl", [GOOD, "", event])
@@ -119,6 +127,26 @@ def test_a_corrupt_gzip_trace_is_one_line_error(tmp_path: Path) -> None:
     trace.write_bytes(gzip.compress(b"".join(json.dumps(GOOD).encode() + b"\n" for _ in range(50)))[:40])
     analyze, simulate = _refused(trace)
     assert "cannot read on" in analyze and "cannot read on" in simulate
+
+
+def _zstd(data: bytes) -> bytes:
+    """A real zstd frame (one raw block, under 128 KiB) without a zstd library: magic, a
+    single-segment header with a 4-byte content size, the last block's header, the bytes."""
+    assert len(data) < 1 << 17
+    header = bytes([0xA0]) + struct.pack("<I", len(data))  # single segment, 4-byte content size
+    return b"\x28\xb5\x2f\xfd" + header + (len(data) << 3 | 1).to_bytes(3, "little") + data
+
+
+@pytest.mark.parametrize(("name", "compress"), [("zstd", _zstd), ("bzip2", bz2.compress), ("xz", lzma.compress)])
+def test_a_compression_not_read_is_refused_by_name_not_as_utf8(tmp_path: Path, name: str,
+                                                           compress: Callable[[bytes], bytes]) -> None:
+    """Told by content (the name says .jsonl); the one line names the compression and gzip."""
+    trace = tmp_path / "packed.jsonl"
+    trace.write_bytes(compress(b"".join(json.dumps({**GOOD, "timestamp": t}).encode() + b"\n" for t in range(5))))
+    analyze, simulate = _refused(trace)
+    assert analyze.split(f"{trace}: ", 1)[1] == simulate.removeprefix("error: "), (analyze, simulate)
+    assert f"{name}-compressed" in simulate and "decompress" in simulate and "gzip" in simulate, simulate
+    assert "UTF-8" not in simulate, simulate
 
 
 @pytest.mark.parametrize("gz", [False, True])
