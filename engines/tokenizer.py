@@ -11,6 +11,13 @@ Invariants:
 * ``encode`` never adds a BOS/EOS; special tokens written in the text (``<|im_end|>``)
   are parsed as their single special ids, which is what a rendered chat prompt needs;
 * ``decode(encode(t)) == t`` for any text without special tokens;
+* a chat prompt's control tokens come from the template alone: :meth:`ChatTokenizer.shield_chat`
+  replaces a special token's text in the messages' strings (what a client wrote) by a
+  placeholder before rendering, and :meth:`ChatTokenizer.encode_prompt` tokenizes the
+  rendering with the template's special tokens as control tokens and each placeholder as the
+  plain text it stands for (the characters' ordinary BPE pieces, as with
+  :meth:`ChatTokenizer.encode_plain`). Messages without such text are the same object and
+  their rendering tokenizes as ``encode`` does, id for id;
 * a :class:`DecodeStream` yields, over a whole sequence, exactly the text ``decode``
   returns for it, and never yields half of a UTF-8 character.
 """
@@ -18,6 +25,7 @@ Invariants:
 from __future__ import annotations
 
 import importlib.util
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -33,6 +41,13 @@ GGUF_FILENAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 # gguf's ``GGUFReader`` token types (llama.cpp ``llama_token_type``): 3 = CONTROL.
 _TOKEN_TYPE_CONTROL = 3
 _TOKEN_TYPE_USER_DEFINED = 4
+# A placeholder for a special token's text in a client's string: _SHIELD, then one character naming
+# the text (_SHIELD_BASE + its index; the last index is _SHIELD itself, so a client's own _SHIELD is
+# kept too). _SHIELD is a Unicode noncharacter (for a program's internal use), the second character is
+# in the Supplementary Private Use Area-A: neither is a special token's text nor part of one.
+_SHIELD = "\ufdd0"
+_SHIELD_BASE = 0xF0000
+_PLACEHOLDER = re.compile(_SHIELD + "(.)", re.DOTALL)
 
 
 class TokenizerLoadError(RuntimeError):
@@ -90,6 +105,8 @@ class ChatTokenizer:
     bos_token: str = ""
     eos_token: str = ""
     _template: Any = field(default=None, repr=False)
+    _shield: _Shield | None = field(default=None, repr=False)
+    _plain: tuple[Tokenizer, bool] | None = field(default=None, repr=False)  # see _plain_tokenizer
 
     @property
     def vocab_size(self) -> int:
@@ -100,6 +117,93 @@ class ChatTokenizer:
 
     def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
         return self.tokenizer.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
+
+    def encode_plain(self, text: str) -> list[int]:
+        """``text``'s tokens with every special token's text as ordinary characters (no control token)."""
+        return self._plain_tokenizer()[0].encode(text, add_special_tokens=False).ids
+
+    def shield_chat(self, messages: Sequence[Mapping[str, Any]]) -> Sequence[Mapping[str, Any]]:
+        """``messages`` with each special token's text in their strings (contents, names, tool calls:
+        every string value, at any depth) replaced by a placeholder that :meth:`encode_prompt` turns
+        back into that text's plain tokens. ``messages`` itself when no string holds one (the usual
+        request: one substring test per string, a regular expression search only when it has a
+        special token's first character)."""
+        shield = self._shielding()
+        out: list[Mapping[str, Any]] | None = None
+        for index, message in enumerate(messages):
+            shielded = shield.value(message)
+            if shielded is not message:
+                if out is None:
+                    out = list(messages)
+                out[index] = shielded
+        return messages if out is None else out
+
+    def shielded_offset(self, text: str, chars: int) -> int:
+        """Where the first ``chars`` characters of ``text`` end in its shielded form (before the
+        placeholder of a special token's text that ``chars`` ends inside)."""
+        shift = 0
+        for match in self._shielding().pattern.finditer(text):
+            if match.start() >= chars:
+                break
+            if match.end() > chars:
+                return match.start() - shift
+            shift += len(match.group()) - 2
+        return chars - shift
+
+    def encode_prompt(self, text: str) -> list[int]:
+        """Tokenize (part of) a chat prompt rendered from :meth:`shield_chat`'s messages: a special
+        token's text in it (the template's markup) is that control token, a placeholder the plain
+        tokens of the text it stands for. Without a placeholder: exactly :meth:`encode`.
+
+        With one, the text is split at the special tokens as the tokenizer itself splits it, and
+        each part between them (the placeholders put back) is tokenized with the special tokens
+        off. Raises ``ValueError`` on a tokenizer whose parts tokenize differently alone than in
+        their text (checked once, see :meth:`_plain_tokenizer`)."""
+        if _SHIELD not in text:
+            return self.encode(text)
+        shield = self._shielding()
+        plain, exact = self._plain_tokenizer()
+        if not exact:
+            raise ValueError("the messages hold the text of one of the model's control tokens, which this "
+                             "model's tokenizer cannot keep as plain text; remove it")
+        ids: list[int] = []
+        for index, part in enumerate(shield.specials.split(text)):
+            if index % 2:
+                ids.append(self.special_tokens[part])
+            elif part:
+                ids.extend(plain.encode(shield.restore(part), add_special_tokens=False).ids)
+        return ids
+
+    def encode_chat(self, messages: Sequence[Mapping[str, Any]], *, add_generation_prompt: bool = True) -> list[int]:
+        """The tokens of ``messages`` rendered with the template, the messages' strings plain text."""
+        shielded = self.shield_chat(messages)
+        return self.encode_prompt(self.render_chat(shielded, add_generation_prompt=add_generation_prompt))
+
+    def _shielding(self) -> _Shield:
+        if self._shield is None:
+            self._shield = _Shield.build(self.special_tokens)
+        return self._shield
+
+    def _plain_tokenizer(self) -> tuple[Tokenizer, bool]:
+        """A copy of the tokenizer with its special tokens off (``encode_special_tokens``), built on
+        first use (~0.2 s for SmolLM2), and whether text split at the special tokens tokenizes part
+        by part as the tokenizer tokenizes it whole. Byte-level BPE does (its pre-tokenizer sees
+        each part alone); a tokenizer that treats the first part apart, or whose special tokens
+        strip the spaces beside them, may not: :meth:`encode_prompt` then refuses a special token's
+        text in a message rather than tokenize it unlike the rest of the prompt."""
+        if self._plain is None:
+            plain = Tokenizer.from_str(self.tokenizer.to_str())
+            plain.encode_special_tokens = True
+            shield = self._shielding()
+            probe = "".join(f"a{name} b\n {name}\n" for name in self.special_tokens) + "z"
+            piecewise: list[int] = []
+            for index, part in enumerate(shield.specials.split(probe)):
+                if index % 2:
+                    piecewise.append(self.special_tokens[part])
+                elif part:
+                    piecewise.extend(plain.encode(part, add_special_tokens=False).ids)
+            self._plain = (plain, piecewise == self.encode(probe))
+        return self._plain
 
     def token_to_id(self, token: str) -> int | None:
         return self.tokenizer.token_to_id(token)
@@ -126,6 +230,58 @@ class ChatTokenizer:
             raise ValueError(f"chat template rejected the messages: {exc}") from exc
         except (TypeError, KeyError) as exc:
             raise ValueError(f"chat template could not render the messages: {exc}") from exc
+
+
+@dataclass(frozen=True, slots=True)
+class _Shield:
+    """What :meth:`ChatTokenizer.shield_chat` and :meth:`ChatTokenizer.encode_prompt` need of the special tokens."""
+
+    find: re.Pattern[str]  # a special token's text: the leftmost, the longest there (as the tokenizer matches)
+    specials: re.Pattern[str]  # the same, captured: split() keeps it
+    pattern: re.Pattern[str]  # the same, or _SHIELD
+    placeholders: dict[str, str]  # what ``pattern`` matched -> its placeholder
+    texts: tuple[str, ...]  # a placeholder's index -> what it stands for
+    first: tuple[str, ...]  # the characters a special token's text starts with
+
+    @classmethod
+    def build(cls, special_tokens: Mapping[str, int]) -> _Shield:
+        names = sorted((name for name in special_tokens if name), key=len, reverse=True)
+        texts = (*names, _SHIELD)
+        # Grouped by first character ("<(?:\|im_end\||...)"): a search then scans for that character
+        # alone (SmolLM2's all start with "<"), several times faster than a flat alternation.
+        first = tuple(dict.fromkeys(name[0] for name in names))
+        groups = "|".join(re.escape(char) + "(?:" + "|".join(re.escape(name[1:]) for name in names
+                                                             if name[0] == char) + ")" for char in first)
+        find = re.compile(groups or "(?!)")
+        specials = re.compile(f"({groups or '(?!)'})")
+        pattern = re.compile(f"{groups}|{re.escape(_SHIELD)}" if groups else re.escape(_SHIELD))
+        placeholders = {text: _SHIELD + chr(_SHIELD_BASE + index) for index, text in enumerate(texts)}
+        return cls(find, specials, pattern, placeholders, texts, first)
+
+    def text(self, value: str) -> str:
+        if _SHIELD not in value and not (any(char in value for char in self.first) and self.find.search(value)):
+            return value
+        return self.pattern.sub(lambda match: self.placeholders[match.group()], value)
+
+    def value(self, value: Any) -> Any:
+        """``value`` with its strings shielded; ``value`` itself when none changes."""
+        if isinstance(value, str):
+            return self.text(value)
+        if isinstance(value, Mapping):
+            changed = {key: item for key, item in ((k, self.value(v)) for k, v in value.items())
+                       if item is not value[key]}
+            return {**value, **changed} if changed else value
+        if isinstance(value, (list, tuple)):
+            items = [self.value(item) for item in value]
+            return type(value)(items) if any(a is not b for a, b in zip(items, value, strict=True)) else value
+        return value
+
+    def restore(self, text: str) -> str:
+        def original(match: re.Match[str]) -> str:
+            index = ord(match.group(1)) - _SHIELD_BASE
+            return self.texts[index] if 0 <= index < len(self.texts) else match.group()
+
+        return _PLACEHOLDER.sub(original, text)
 
 
 def _raise_exception(message: str) -> None:

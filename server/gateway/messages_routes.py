@@ -72,11 +72,10 @@ def history_tokens(prompter: ChatPrompter, messages: list[dict]) -> list[int]:
     """The tokens of a conversation that ends with an assistant turn, rendered closed as the template
     renders a history turn: counting opens no generation prompt after it (the chat prompter always
     does, which is what generating needs)."""
-    try:
-        text = prompter.tokenizer.render_chat(messages, add_generation_prompt=False)
+    try:  # the messages' text is plain text, as in the chat prompter (prompting.py)
+        return prompter.tokenizer.encode_chat(messages, add_generation_prompt=False)
     except ValueError as exc:
         raise _template_refused(exc) from exc
-    return prompter.tokenizer.encode(text)
 
 
 def _job(services: GatewayServices, tenant: TenantContext, body: MessagesRequest, conversation: Conversation,

@@ -4,7 +4,11 @@ An agent or a RAG chat resends the same long system segment every turn; tokenizi
 most of the gateway's per-request CPU for long prompts (~3 ms for 2,000 tokens of
 SmolLM2's BPE here). :func:`server.gateway.api.prompting.prepare_chat` tokenizes each
 segment's text on its own, so a segment's token ids are a function of its text alone and
-can be reused verbatim: a hit returns exactly what ``encode(text)`` would.
+can be reused verbatim: a hit returns exactly what ``encode(text)`` would. The prompter's
+``encode`` is :meth:`engines.tokenizer.ChatTokenizer.encode_prompt`, and a segment's text is its
+shielded rendering (a special token's text a client wrote is a placeholder, fixed per
+tokenizer): the text still names its ids alone, and a text without a placeholder tokenizes as
+the tokenizer's own ``encode``.
 
 Invariants:
 

@@ -35,6 +35,17 @@ it never covers a token that reaches past the marked text, and never changes an 
 When the template does not render the message's text verbatim (the marked text is then not
 found in the rendering), the mark falls back to the end of its message (rounded up, as a
 block inside a message is).
+
+Control tokens come from the template alone. A client's text may hold a special token's text
+(a user writing ``<|im_end|>\n<|im_start|>system``, a stop token in a tool result): it is plain
+text, as on OpenAI's API, never a forged turn or an early end. The messages are rendered
+shielded (:meth:`~engines.tokenizer.ChatTokenizer.shield_chat`: each such text replaced by a
+placeholder) and every piece is tokenized by
+:meth:`~engines.tokenizer.ChatTokenizer.encode_prompt`, which turns a placeholder into the
+plain tokens of the text it stands for. Everything above (boundaries, marks, the prefix cache)
+works on the shielded rendering; a :class:`TextMark` is moved to its place in the shielded
+text. Messages without such text (the usual request) are not copied, and their pieces
+tokenize exactly as ``encode`` does.
 """
 
 from __future__ import annotations
@@ -97,7 +108,7 @@ class ChatPrompter:
         self.tokenizer = tokenizer
         self.token_texts = TokenTexts(tokenizer)  # token id -> text/bytes for log probabilities
         self._default_system: dict[str, str] = {}  # first message's role -> template's default system text
-        self.prefixes = PrefixTokens(tokenizer.encode)  # per tenant: system segments tokenized before
+        self.prefixes = PrefixTokens(tokenizer.encode_prompt)  # per tenant: system segments tokenized before
 
     def default_system_chars(self, full: str, messages: Sequence[Mapping[str, Any]]) -> int:
         role = str(messages[0].get("role", "user")) if messages else "user"
@@ -126,8 +137,15 @@ def prepare_chat(tokenizer: ChatTokenizer, messages: Sequence[Mapping[str, Any]]
     where its text ends, rounded down to a token boundary).
 
     ``encode_system``: tokenizes the first piece (the system segment, or the text before
-    the first mark) in place of ``tokenizer.encode``; it must return what ``encode`` would
-    (a cache of it, :class:`~server.gateway.api.prefix_cache.PrefixTokens`)."""
+    the first mark) in place of ``tokenizer.encode_prompt``; it must return what ``encode_prompt``
+    would (a cache of it, :class:`~server.gateway.api.prefix_cache.PrefixTokens`).
+
+    The client's strings are plain text: ``messages`` are rendered shielded (the module docstring)."""
+    shielded = tokenizer.shield_chat(messages)
+    encode = tokenizer.encode  # no client string holds a special token's text: encode_prompt would be encode
+    if shielded is not messages:
+        marks = [_shielded_mark(tokenizer, messages, mark) for mark in marks]
+        messages, encode = shielded, tokenizer.encode_prompt
     full = tokenizer.render_chat(messages, add_generation_prompt=True)
     leading_system = 0
     while leading_system < len(messages) and messages[leading_system].get("role") in ("system", "developer"):
@@ -159,7 +177,7 @@ def prepare_chat(tokenizer: ChatTokenizer, messages: Sequence[Mapping[str, Any]]
         ends: list[int] = []
         for index, piece in enumerate(pieces):
             if piece:
-                ids.extend(encode_system(piece) if index == 0 and encode_system is not None else tokenizer.encode(piece))
+                ids.extend(encode_system(piece) if index == 0 and encode_system is not None else encode(piece))
             ends.append(len(ids))
         return PreparedPrompt(tuple(ids), ends[0], ends[1])
     mark_chars = [_mark_chars(tokenizer, full, messages, k) for k in marks]
@@ -168,7 +186,7 @@ def prepare_chat(tokenizer: ChatTokenizer, messages: Sequence[Mapping[str, Any]]
     token_at = {0: 0}
     for start, end in zip(cuts, cuts[1:]):
         piece = full[start:end]
-        ids.extend(encode_system(piece) if start == 0 and encode_system is not None else tokenizer.encode(piece))
+        ids.extend(encode_system(piece) if start == 0 and encode_system is not None else encode(piece))
         token_at[end] = len(ids)
     ends = []
     for chars, inside in mark_chars:
@@ -178,12 +196,23 @@ def prepare_chat(tokenizer: ChatTokenizer, messages: Sequence[Mapping[str, Any]]
         # inside a piece: its leading tokens that the text up to the mark alone tokenizes to too
         start = max(c for c in cuts if c < chars)
         head = full[start:chars]
-        alone = encode_system(head) if start == 0 and encode_system is not None else tokenizer.encode(head)
+        alone = encode_system(head) if start == 0 and encode_system is not None else encode(head)
         first = token_at[start]
         common = next((i for i, (a, b) in enumerate(zip(alone, ids[first:], strict=False)) if a != b),
                       min(len(alone), len(ids) - first))
         ends.append(first + common)
     return PreparedPrompt(tuple(ids), token_at[system_chars], token_at[context_chars], tuple(ends))
+
+
+def _shielded_mark(tokenizer: ChatTokenizer, messages: Sequence[Mapping[str, Any]], mark: Mark) -> Mark:
+    """``mark`` in the shielded messages: a :class:`TextMark` counts the characters of its message's
+    shielded content (a message count is the same)."""
+    if isinstance(mark, int) or not 0 <= mark.index < len(messages):
+        return mark
+    content = messages[mark.index].get("content")
+    if not isinstance(content, str):
+        return mark
+    return TextMark(mark.index, tokenizer.shielded_offset(content, mark.chars))
 
 
 def _mark_chars(tokenizer: ChatTokenizer, full: str, messages: Sequence[Mapping[str, Any]],
@@ -228,5 +257,6 @@ def _default_system_prefix(tokenizer: ChatTokenizer, role: str) -> str:
 
 
 def prepare_completion(tokenizer: ChatTokenizer, prompt: str) -> PreparedPrompt:
+    # A raw prompt is the client's own template text: its control tokens (``<|im_end|>``) are parsed.
     ids = tuple(tokenizer.encode(prompt))
     return PreparedPrompt(ids, 0, len(ids))
