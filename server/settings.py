@@ -9,6 +9,7 @@ an entry ``name:token`` names the audit actor, a bare token gets a hash-derived 
 from __future__ import annotations
 
 import hashlib
+import ipaddress
 import secrets
 from pathlib import Path
 from typing import Annotated, Literal
@@ -70,6 +71,12 @@ class Settings(BaseSettings):
     dev: bool = False
     host: str = "127.0.0.1"
     port: int = Field(default=8000, ge=1, le=65535)
+    # Proxies whose X-Forwarded-Proto / X-Forwarded-For uvicorn believes (its forwarded_allow_ips):
+    # comma-separated addresses or networks, or "*" (anyone: only when nothing but the proxy can
+    # reach the server, since the console's Secure cookie and its per-address sign-in throttle
+    # follow these headers). Unset: uvicorn's default, this host only (FORWARDED_ALLOW_IPS, else
+    # 127.0.0.1 and ::1).
+    forwarded_allow_ips: str | None = None
     redis_url: str | None = None
     # Prefix of every Redis key and channel kvgate uses (admission, routing sync): deployments
     # sharing one Redis keep apart by it (pub/sub channels ignore the database number).
@@ -166,6 +173,23 @@ class Settings(BaseSettings):
     @property
     def oidc_enabled(self) -> bool:
         return bool(self.oidc_issuer)
+
+    @field_validator("forwarded_allow_ips")
+    @classmethod
+    def _proxy_addresses(cls, value: str | None) -> str | None:
+        # uvicorn would take what it cannot parse as a literal that never matches a client address,
+        # so a typo silently trusts no one: refuse it here. "*" works alone only; a network's host
+        # bits must be zero (uvicorn parses networks strictly).
+        if value is None or not value.strip():
+            return None
+        if value.strip() == "*":
+            return "*"
+        for entry in (part.strip() for part in value.split(",")):
+            try:
+                ipaddress.ip_network(entry, strict=True)
+            except ValueError:
+                raise ValueError(f"{entry!r} is not an IP address or network ('*' only on its own)") from None
+        return value
 
     @field_validator("admin_tokens", mode="before")
     @classmethod

@@ -13,9 +13,14 @@ import math
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
+
+if TYPE_CHECKING:
+    import uvicorn
+
+    from server.settings import Settings
 
 BANNER = """
 ==========================================================================
@@ -52,6 +57,11 @@ def register(app: typer.Typer) -> None:
     def serve(
         host: Annotated[str | None, typer.Option(help="bind address (KVGATE_HOST, default 127.0.0.1)")] = None,
         port: Annotated[int | None, typer.Option(help="port (KVGATE_PORT, default 8000)")] = None,
+        forwarded_allow_ips: Annotated[
+            str | None,
+            typer.Option(help="proxies whose X-Forwarded-Proto/-For are believed: comma-separated addresses or "
+                              "networks, or '*' (KVGATE_FORWARDED_ALLOW_IPS, default this host only)"),
+        ] = None,
         dev: Annotated[bool, typer.Option("--dev", help="development mode: dev token and pepper, loud banner")] = False,
         migrate: Annotated[
             bool | None, typer.Option("--migrate/--no-migrate", help="apply migrations first (default: on in --dev)")
@@ -77,8 +87,6 @@ def register(app: typer.Typer) -> None:
             typer.echo(f"kvgate serve: refusing to start: --engine-port must be within [1, 65535], got {engine_port}",
                        err=True)
             raise typer.Exit(2)
-        import uvicorn
-
         from pydantic import ValidationError
 
         from server.settings import DEV_TOKEN_FILE, Settings, SettingsError, settings_errors, with_dev_admin_token
@@ -89,6 +97,8 @@ def register(app: typer.Typer) -> None:
             overrides["host"] = host
         if port is not None:
             overrides["port"] = port
+        if forwarded_allow_ips is not None:
+            overrides["forwarded_allow_ips"] = forwarded_allow_ips
         if dev:
             overrides["dev"] = True
         try:
@@ -151,12 +161,24 @@ def register(app: typer.Typer) -> None:
             from server.gateway.drain import DrainingServer
 
             app = build_serving_app(settings)
-            config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level=settings.log_level,
-                                    timeout_graceful_shutdown=30)
-            DrainingServer(config, app.state.gateway, drain_timeout=drain_timeout).run()
+            DrainingServer(uvicorn_config(app, settings), app.state.gateway, drain_timeout=drain_timeout).run()
         finally:
             if child is not None:
                 stop_engine(child)
+
+
+def uvicorn_config(app: object, settings: Settings) -> uvicorn.Config:
+    """The uvicorn config `kvgate serve` runs ``app`` with.
+
+    Behind a TLS-terminating proxy the scheme and client address come from its X-Forwarded-Proto /
+    X-Forwarded-For, believed only from ``settings.forwarded_allow_ips`` (None: uvicorn's default,
+    this host only): the console's cookie is ``Secure`` when that scheme is https.
+    """
+    import uvicorn
+
+    return uvicorn.Config(app, host=settings.host, port=settings.port, log_level=settings.log_level,
+                          timeout_graceful_shutdown=30, proxy_headers=True,
+                          forwarded_allow_ips=settings.forwarded_allow_ips)
 
 
 def _check_database_url(url: str) -> None:

@@ -92,6 +92,7 @@ BAD_VALUES = {
     "a non-boolean end demote switch": minimal(registry={"retention_classes": [
         {"name": "c", "conversation_end_demote_enabled": "yes"}]}),
     "an unknown trace key": minimal(gateway={"traces": {"persistence": {"enabled": True, "readOnly": False}}}),
+    "a PDB minAvailable that is no count or percentage": minimal(gateway={"podDisruptionBudget": {"minAvailable": "two"}}),
 }
 
 
@@ -270,6 +271,51 @@ def test_gateway_scaling_needs_and_gets_redis(renders):
     assert not cpu.of_kind("PodDisruptionBudget")
 
 
+def test_an_autoscaled_gateway_gets_a_pdb_only_when_it_can_let_a_pod_go(chart):
+    """As without autoscaling: no PDB over what may be a single pod (minAvailable 1 of 1 blocks every
+    node drain); a minAvailable as large as the pod count is refused rather than rendered."""
+    def autoscaled(minimum: int, maximum: int = 4, **pdb: Any) -> dict[str, Any]:
+        return minimal(redis={"mode": "bundled"}, gateway={
+            "autoscaling": {"enabled": True, "minReplicas": minimum, "maxReplicas": maximum},
+            **({"podDisruptionBudget": pdb} if pdb else {})})
+
+    one = render(chart, autoscaled(1))
+    assert one.get("HorizontalPodAutoscaler", "kvgate-gateway")["spec"]["minReplicas"] == 1
+    assert not one.of_kind("PodDisruptionBudget")
+    two = render(chart, autoscaled(2)).get("PodDisruptionBudget", "kvgate-gateway")
+    assert two["spec"]["minAvailable"] == 1
+    for blocking in (autoscaled(2, minAvailable=2), autoscaled(3, minAvailable="100%"), autoscaled(2, minAvailable="60%"),
+                     minimal(redis={"mode": "bundled"}, gateway={"replicas": 2, "podDisruptionBudget": {"minAvailable": 3}})):
+        with pytest.raises(helm_python.HelmRenderError, match=r"podDisruptionBudget\.minAvailable .* blocks every node drain"):
+            render(chart, blocking)
+    assert render(chart, autoscaled(3, minAvailable="50%")).get("PodDisruptionBudget", "kvgate-gateway")["spec"]["minAvailable"] == "50%"
+
+
+def test_autoscaling_refuses_a_maximum_below_its_minimum(chart):
+    values = minimal(redis={"mode": "bundled"}, gateway={"autoscaling": {"enabled": True, "minReplicas": 5, "maxReplicas": 2}})
+    with pytest.raises(helm_python.HelmRenderError,
+                       match=r"gateway\.autoscaling\.maxReplicas \(2\) is below minReplicas \(5\)"):
+        render(chart, values)
+    equal = minimal(redis={"mode": "bundled"}, gateway={"autoscaling": {"enabled": True, "minReplicas": 3, "maxReplicas": 3}})
+    assert render(chart, equal).get("HorizontalPodAutoscaler", "kvgate-gateway")["spec"]["maxReplicas"] == 3
+
+
+def test_forwarded_allow_ips_reaches_the_gateway(chart, monkeypatch):
+    """gateway.forwardedAllowIps: the proxies whose X-Forwarded-Proto/-For uvicorn believes (the console's
+    Secure cookie, its sign-in throttle's client address). Unset by default: uvicorn trusts 127.0.0.1 only."""
+    from server.settings import Settings
+
+    assert "KVGATE_FORWARDED_ALLOW_IPS" not in {e["name"] for e in gateway(render(chart, minimal()))[1]["env"]}
+    r = render(chart, minimal(gateway={"forwardedAllowIps": "10.42.0.0/16,10.43.0.5"}))
+    env = {e["name"]: e for e in gateway(r)[1]["env"]}
+    assert env["KVGATE_FORWARDED_ALLOW_IPS"] == {"name": "KVGATE_FORWARDED_ALLOW_IPS", "value": "10.42.0.0/16,10.43.0.5"}
+    monkeypatch.setenv("KVGATE_FORWARDED_ALLOW_IPS", env["KVGATE_FORWARDED_ALLOW_IPS"]["value"])
+    assert Settings(dev=True, database_url="sqlite://").forwarded_allow_ips == "10.42.0.0/16,10.43.0.5"
+    values_text = (CHART / "values.yaml").read_text()
+    block = values_text[values_text.index("  forwardedAllowIps:") - 900:values_text.index("  forwardedAllowIps:")]
+    assert "X-Forwarded-Proto" in block and "*" in block  # documented, with when "*" is safe
+
+
 def test_the_commands_parse_with_the_real_cli(renders):
     """Every kvgate argv the chart runs parses with the CLI's own click parser (flags and types)."""
     cli = get_command(create_cli())
@@ -372,6 +418,28 @@ def test_a_single_node_trace_claim_refuses_several_gateways(chart, mode):
     for ok in ({"accessModes": ["ReadWriteOnce", "ReadWriteMany"]}, {"existingClaim": "captures"}):
         persistence = {**rwo["traces"]["persistence"], **ok}
         render(chart, minimal(redis={"mode": "bundled"}, gateway={"replicas": 2, "traces": {"persistence": persistence}}))
+
+
+@pytest.mark.parametrize("mode", ["ReadWriteOnce", "ReadWriteOncePod"])
+def test_a_single_gateway_on_a_single_node_claim_is_replaced_not_surged(chart, mode):
+    """A surge pod could not mount a ReadWriteOnce(Pod) claim the old pod holds (ReadWriteOncePod never,
+    ReadWriteOnce on another node): the rollout would stall. Such a gateway is recreated instead."""
+    rolling = {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}}
+    rwo = render(chart, minimal(gateway={"traces": {"persistence": {"enabled": True, "accessModes": [mode]}}}))
+    deployment = rwo.get("Deployment", "kvgate-gateway")
+    assert deployment["spec"]["strategy"] == {"type": "Recreate"}
+    kubernetes_validate.validate(deployment, KUBE_VERSION, strict=True)
+    # an existing claim declared single-node (accessModes describe it) is recreated too
+    existing = render(chart, minimal(gateway={"traces": {"persistence": {
+        "enabled": True, "existingClaim": "captures", "accessModes": [mode]}}}))
+    assert existing.get("Deployment", "kvgate-gateway")["spec"]["strategy"] == {"type": "Recreate"}
+    # ReadWriteMany, an emptyDir per pod, or several gateways (which need ReadWriteMany): a rolling update
+    for values in (minimal(gateway={"traces": {"persistence": {"enabled": True}}}),
+                   minimal(gateway={"traces": {"persistence": {"enabled": True, "accessModes": [mode, "ReadWriteMany"]}}}),
+                   minimal(gateway={"traces": {"persistence": {"enabled": True, "existingClaim": "captures"}}}),
+                   minimal(gateway={"traces": {"persistence": {"enabled": False, "accessModes": [mode]}}}),
+                   minimal()):
+        assert render(chart, values).get("Deployment", "kvgate-gateway")["spec"]["strategy"] == rolling
 
 
 def test_notes_export_command_parses_with_the_real_cli(chart):

@@ -87,6 +87,38 @@ def test_serve_refuses_placeholder_secrets(run, monkeypatch) -> None:  # type: i
     assert "refusing to start" in result.output
 
 
+@pytest.mark.parametrize("args,env,trusted", [
+    ((), {}, None),  # uvicorn's default: X-Forwarded-* believed from this host only
+    (("--forwarded-allow-ips", "10.42.0.0/16"), {}, "10.42.0.0/16"),
+    ((), {"KVGATE_FORWARDED_ALLOW_IPS": "10.42.0.5, fd00::/8"}, "10.42.0.5, fd00::/8"),
+])
+def test_serve_passes_the_trusted_proxies_to_uvicorn(run, monkeypatch, args, env, trusted) -> None:  # type: ignore[no-untyped-def]
+    from server.gateway.drain import DrainingServer
+
+    monkeypatch.setenv("KVGATE_ADMIN_TOKENS", "ops:cli-test-admin-token-0123456789")
+    monkeypatch.delenv("FORWARDED_ALLOW_IPS", raising=False)
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    seen = []
+    monkeypatch.setattr(DrainingServer, "run", lambda self: seen.append(self.config))
+    run("serve", "--no-migrate", "--no-engine", "--no-seed-demo", *args)
+    (config,) = seen
+    config.load()  # where uvicorn resolves the trusted addresses and wraps the app in its proxy middleware
+    if trusted is None:
+        import uvicorn
+
+        trusted = uvicorn.Config(app=None).forwarded_allow_ips
+        assert set(trusted.split(",")) <= {"127.0.0.1", "::1"}
+    assert config.proxy_headers and config.forwarded_allow_ips == trusted
+
+
+def test_serve_refuses_a_trusted_proxy_that_is_no_address(run, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    monkeypatch.setenv("KVGATE_ADMIN_TOKENS", "ops:cli-test-admin-token-0123456789")
+    result = run("serve", "--no-migrate", "--forwarded-allow-ips", "ingress-nginx", code=2)
+    assert "refusing to start" in result.output and "KVGATE_FORWARDED_ALLOW_IPS" in result.output
+    assert "ingress-nginx" in result.output and "Traceback" not in result.output
+
+
 @pytest.mark.parametrize("env,named", [
     ({"KVGATE_FIRST_TOKEN_TIMEOUT_S": "-1"}, "KVGATE_FIRST_TOKEN_TIMEOUT_S"),
     ({"KVGATE_BREAKER_OPEN_S": "2", "KVGATE_BREAKER_MAX_OPEN_S": "1"}, "breaker_max_open_s (1.0) must be >= breaker_open_s (2.0)"),

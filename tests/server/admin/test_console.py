@@ -66,6 +66,31 @@ def test_https_sets_secure_cookies(db, settings) -> None:
         assert "Secure" in r.headers["set-cookie"] and "SameSite=strict" in r.headers["set-cookie"]
 
 
+@pytest.mark.parametrize("trusted, secure", [(None, False), ("10.42.0.0/16", True), ("*", True)])
+def test_behind_a_tls_proxy_the_cookie_is_secure_from_trusted_proxies_only(db, monkeypatch, trusted, secure) -> None:
+    """Served as `kvgate serve` serves it (its uvicorn config), reached from a TLS-terminating proxy at
+    10.42.0.17 (not 127.0.0.1): uvicorn takes the scheme from X-Forwarded-Proto only when
+    KVGATE_FORWARDED_ALLOW_IPS trusts the proxy; the default trusts 127.0.0.1 alone."""
+    from server.cli.serve import uvicorn_config
+    from tests.server.admin.conftest import make_settings
+
+    monkeypatch.delenv("FORWARDED_ALLOW_IPS", raising=False)  # uvicorn's own fallback: not what is tested
+    settings = make_settings(db, **({"forwarded_allow_ips": trusted} if trusted else {}))
+    config = uvicorn_config(create_app(settings, session_factory=db.factory), settings)
+    config.load()
+    https = {"X-Forwarded-Proto": "https", "X-Forwarded-For": "203.0.113.9"}
+    with TestClient(config.loaded_app, base_url="http://admin.example.com", client=("10.42.0.17", 51000)) as c:
+        page = c.get("/console/signin", headers=https)
+        assert ("Secure" in page.headers["set-cookie"]) is secure, page.headers["set-cookie"]
+        # The client's own hop is http, where its jar keeps a Secure cookie back: send it as the browser would.
+        pre = page.headers["set-cookie"].split(";", 1)[0]
+        c.cookies.clear()
+        r = c.post("/console/signin", headers={**https, "Cookie": pre}, follow_redirects=False,
+                   data={"csrf": CSRF.search(page.text).group(1), "token": ADMIN_TOKEN})
+        assert r.status_code == 303, r.text
+        assert ("Secure" in r.headers["set-cookie"]) is secure, r.headers["set-cookie"]
+
+
 def test_sign_in_refuses_bad_credentials_and_forged_forms(browser: TestClient) -> None:
     page = browser.get("/console/signin")
     token = CSRF.search(page.text).group(1)
