@@ -230,7 +230,8 @@ def test_the_gateway_exposes_every_documented_metric():
     from engines.pool_stats import PoolStatsReport, TierStats
 
     report = PoolStatsReport(tokens_per_block=32, primary=TierStats(8, 4, 4), secondary=TierStats(8, 8, 0), tenants={"t1": [1, 0]})
-    snapshot = metrics_module.PoolSnapshot(pool="p", stats=report, tenant_slugs={"t1": "acme"}, tenant_quota_blocks={"acme": 4.0}, demoted={})
+    snapshot = metrics_module.PoolSnapshot(pool="p", stats=report, tenant_slugs={"t1": "acme"}, tenant_quota_blocks={"acme": 4.0}, demoted={},
+                                           replicas={"r0": report})
     registry = CollectorRegistry()
     gateway = metrics_module.GatewayMetrics(registry, snapshots=lambda: [snapshot], engine_up=lambda: {"p": True})
     from engines.contract import KvMetrics

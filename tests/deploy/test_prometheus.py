@@ -216,6 +216,7 @@ def test_dashboards_and_rules_against_a_live_gateway(stack, prometheus):
 # Series are written as N gateways export them: every gateway pod polls the same engines, so an
 # engine-level series (pool blocks and counters, tenant blocks) arrives N times with the same value,
 # once per `instance`; per-gateway series (requests, 429s) each count that gateway's own requests.
+# Engine counters are per replica (`replica`): a pool's rate adds its replicas' up.
 
 GATEWAYS = ("gw-0", "gw-1", "gw-2")
 RATE_LIMITS = ("requests_per_minute", "tokens_per_minute", "max_concurrent")
@@ -259,8 +260,8 @@ def test_engine_counters_are_not_multiplied_by_the_gateway_count(tmp_path):
     thrash alert's 10 blocks/s floor (its ratio, 24 offloads per onboard, is over 20), so it does not fire.
     At 12 blocks/s it does."""
     def thrash(offloads_per_min: int) -> list[dict]:
-        return [*_series("kvgate_pool_offloaded_blocks_total", f"0+{offloads_per_min}x40", pool="p"),
-                *_series("kvgate_pool_onboarded_blocks_total", "0+15x40", pool="p")]  # 0.25 blocks/s
+        return [*_series("kvgate_pool_offloaded_blocks_total", f"0+{offloads_per_min}x40", pool="p", replica="r0"),
+                *_series("kvgate_pool_onboarded_blocks_total", "0+15x40", pool="p", replica="r0")]  # 0.25 blocks/s
 
     _promtool_test(tmp_path, [
         {"interval": "1m", "input_series": thrash(360),
@@ -275,6 +276,105 @@ def test_engine_counters_are_not_multiplied_by_the_gateway_count(tmp_path):
          "alert_rule_test": [{"alertname": "KvgateHostTierThrash", "eval_time": "35m",
                               "exp_alerts": [_firing("KvgateHostTierThrash", pool="p")]}]},
     ])
+
+
+def _exported_series(scrapes: list[dict], names: tuple[str, ...]) -> list[dict]:
+    """The ``names`` series of one scrape a minute (``Fleet.scrape``) as each gateway of GATEWAYS
+    exports them: every gateway polls the same engines. ``_`` where a scrape lacked the series."""
+    keys = sorted({key for scrape in scrapes for key in scrape if key[0] in names})
+    assert keys, f"no {names} series exported"
+    out = []
+    for name, labels in keys:
+        values = " ".join(f"{scrape[(name, labels)]:.0f}" if (name, labels) in scrape else "_" for scrape in scrapes)
+        out += _series(name, values, **dict(labels))
+    return out
+
+
+def test_the_offload_rate_stays_right_while_a_replica_leaves_rotation_and_restarts(tmp_path):
+    """Two replicas each offload 4 blocks/s (240 a minute, 40 per onboard). From minute 10 to 30 r0
+    flaps in and out of rotation (a request times out there, a later one is served), at minute 30
+    its engine restarts. The series are the ones the gateway really exports for that (real
+    routing, pool monitor and collector over fake engines): the pool offloads 8 blocks/s
+    throughout, under the thrash alert's 10 blocks/s floor. A counter the gateway exported as the
+    sum over the replicas in rotation went down each time r0 left and jumped by r0's whole total
+    each time it came back: Prometheus read resets and rate() hundreds of blocks/s."""
+    import asyncio
+
+    from tests.server.gateway.test_pool_counters import COUNTERS, Fleet
+
+    async def run() -> list[dict]:
+        fleet = Fleet({"r0": 50_000, "r1": 40_000})
+        scrapes = []
+        for minute in range(41):
+            out = 10 <= minute < 30 and (minute // 2) % 2 == 1
+            r0 = fleet.replica("r0")
+            if out and r0.breaker.closed:
+                fleet.time_out("r0")
+            elif not out and not r0.breaker.closed:
+                fleet.serve("r0")
+            if minute == 30:
+                fleet.engines["r0"].restart()
+            await fleet.minute()
+            scrapes.append(fleet.scrape())
+        return scrapes
+
+    series = _exported_series(asyncio.run(run()), COUNTERS)
+    rate = "kvgate:pool_offloaded_blocks:rate_5m"
+    ratio = "kvgate:pool_offloads_per_onboard:ratio_5m"
+    _promtool_test(tmp_path, [{
+        "interval": "1m", "input_series": series,
+        "promql_expr_test": [
+            *({"expr": rate, "eval_time": f"{t}m", "exp_samples": [{"labels": f'{rate}{{pool="p"}}', "value": 8}]}
+              for t in (9, 12, 15, 20, 25, 29, 32, 35, 40)),
+            *({"expr": ratio, "eval_time": f"{t}m", "exp_samples": [{"labels": f'{ratio}{{pool="p"}}', "value": 40}]}
+              for t in (9, 20, 32, 40)),
+        ],
+        "alert_rule_test": [{"alertname": "KvgateHostTierThrash", "eval_time": f"{t}m", "exp_alerts": []}
+                            for t in (29, 35, 40)],
+    }])
+
+
+def test_gateway_down_fires_for_a_pod_down_and_for_no_pod_scraped_at_all(chart, tmp_path):
+    """The chart's KvgateGatewayDown: a gateway pod scraped and failing, and every gateway pod gone
+    (deployment scaled to 0, pods unschedulable or out of the service's endpoints), when no `up`
+    series is left to compare with 0. Another namespace's gateway does not hide the absence. With
+    the ServiceMonitor off nothing of the chart scrapes the gateway, so absence means nothing."""
+    from tests.deploy.chart import ALL_APIS, NAMESPACE, minimal, render
+
+    def rules(**monitoring) -> Path:
+        r = render(chart, minimal(monitoring={"prometheusRule": {"enabled": True}, **monitoring}), api_versions=ALL_APIS)
+        path = tmp_path / f"chart-rules-{len(monitoring)}.yml"
+        path.write_text(yaml.safe_dump({"groups": r.get("PrometheusRule", "kvgate")["spec"]["groups"]}))
+        return path
+
+    def up(pod: str, values: str, namespace: str = NAMESPACE) -> dict:
+        return {"series": f'up{{namespace="{namespace}", service="kvgate-gateway", job="kvgate-gateway", '
+                          f'endpoint="http", pod="{pod}"}}', "values": values}
+
+    scoped = {"namespace": NAMESPACE, "service": "kvgate-gateway", "severity": "critical"}
+    _promtool_test(tmp_path, [
+        {"name": "one pod of two down", "interval": "1m",
+         "input_series": [up("kvgate-gateway-a", "0x10"), up("kvgate-gateway-b", "1x10")],
+         "alert_rule_test": [{"alertname": "KvgateGatewayDown", "eval_time": "10m", "exp_alerts": [{
+             "exp_labels": {**scoped, "job": "kvgate-gateway", "endpoint": "http", "pod": "kvgate-gateway-a"},
+             "exp_annotations": {"summary": "kvgate gateway kvgate-gateway-a is not scraped"}}]}]},
+        {"name": "every pod up", "interval": "1m",
+         "input_series": [up("kvgate-gateway-a", "1x30"), up("kvgate-gateway-b", "1x30")],
+         "alert_rule_test": [{"alertname": "KvgateGatewayDown", "eval_time": "20m", "exp_alerts": []}]},
+        {"name": "every pod gone after 2 minutes; another namespace's gateway still up", "interval": "1m",
+         "input_series": [up("kvgate-gateway-a", "1x2"), up("kvgate-gateway-b", "1x2"),
+                          up("kvgate-gateway-x", "1x30", namespace="other")],
+         "alert_rule_test": [
+             {"alertname": "KvgateGatewayDown", "eval_time": "5m", "exp_alerts": []},  # `for` 5m
+             {"alertname": "KvgateGatewayDown", "eval_time": "20m", "exp_alerts": [{
+                 "exp_labels": scoped,
+                 "exp_annotations": {"summary": "no kvgate gateway pod is scraped: none runs, or none is in "
+                                                "the endpoints of service kvgate-gateway"}}]}]},
+    ], rule_files=(rules(),))
+    _promtool_test(tmp_path, [
+        {"name": "no ServiceMonitor: nothing of the chart scrapes the gateway", "interval": "1m", "input_series": [],
+         "alert_rule_test": [{"alertname": "KvgateGatewayDown", "eval_time": "20m", "exp_alerts": []}]},
+    ], rule_files=(rules(serviceMonitor={"enabled": False}),))
 
 
 def test_a_replica_down_alerts_on_its_own_and_the_pool_alert_says_the_pool(tmp_path):
@@ -353,8 +453,10 @@ ENGINE_SERIES = [
     *_series("kvgate_pool_blocks", "900x40", pool="p", tier="primary", state="used"),
     *_series("kvgate_pool_blocks", "100x40", pool="p", tier="primary", state="free"),
     *_series("kvgate_pool_blocks", "1000x40", pool="p", tier="primary", state="max"),
-    *_series("kvgate_pool_offloaded_blocks_total", "0+360x40", pool="p"),
-    *_series("kvgate_pool_evicted_blocks_total", "0+60x40", pool="p"),
+    *_series("kvgate_pool_offloaded_blocks_total", "0+180x40", pool="p", replica="r0"),  # 3 blocks/s each
+    *_series("kvgate_pool_offloaded_blocks_total", "0+180x40", pool="p", replica="r1"),
+    *_series("kvgate_pool_evicted_blocks_total", "0+20x40", pool="p", replica="r0"),
+    *_series("kvgate_pool_evicted_blocks_total", "0+40x40", pool="p", replica="r1"),
     *_series("kvgate_tenant_kv_blocks", "300x40", tenant="acme", pool="p", tier="primary"),
     *_series("kvgate_tenant_kv_blocks", "40x40", tenant="acme", pool="p", tier="secondary"),
     *_series("kvgate_tenant_kv_quota_ratio", "0.5x40", tenant="acme", pool="p"),
@@ -401,7 +503,7 @@ def test_every_series_the_rules_read_is_one_the_gateway_exports():
     report = PoolStatsReport(tokens_per_block=32, primary=TierStats(8, 4, 4), secondary=TierStats(8, 8, 0),
                              tenants={"t1": [1, 0]}, offloaded_blocks=3, onboarded_blocks=1)
     snapshot = metrics.PoolSnapshot(pool="p", stats=report, tenant_slugs={"t1": "acme"},
-                                    tenant_quota_blocks={"acme": 4.0}, demoted={})
+                                    tenant_quota_blocks={"acme": 4.0}, demoted={}, replicas={"r0": report})
     registry = CollectorRegistry()
     gateway = metrics.GatewayMetrics(registry, snapshots=lambda: [snapshot], engine_up=lambda: {"p": True})
     gateway.watch_replicas(lambda: [metrics.ReplicaRow("p", "r0", "active", True, 0, "precise")])
@@ -424,5 +526,7 @@ def test_every_series_the_rules_read_is_one_the_gateway_exports():
     assert value("kvgate_replica_healthy", pool="p", replica="r0") == 1
     assert value("kvgate_pool_blocks", pool="p", tier="primary", state="free") == 4
     assert value("kvgate_pool_blocks", pool="p", tier="primary", state="max") == 8
+    assert value("kvgate_pool_offloaded_blocks_total", pool="p", replica="r0") == 3
+    assert value("kvgate_pool_onboarded_blocks_total", pool="p", replica="r0") == 1
     for limit in RATE_LIMITS:
         assert value("kvgate_rate_limited_total", tenant="acme", limit=limit) == 1

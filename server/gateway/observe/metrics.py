@@ -6,14 +6,16 @@ name (both bounded by the registry); the per-tenant KV totals the admin API read
 (``GatewayMetrics.tenant_kv``) are keyed by the tenant's registry *id*, never its slug: a
 slug freed by a deleted tenant and taken by a new one starts from zero. Pool gauges are
 produced at scrape time by a custom collector from the latest engine stats snapshots, so
-a scrape never calls an engine. Names carry units (``_seconds``, ``_total``) and the
-``kvgate_`` prefix; the dashboards in ``deploy/`` read exactly these names.
+a scrape never calls an engine; the engines' cumulative block counters are exported per
+replica (a pool-level sum would go down whenever a replica left rotation). Names carry
+units (``_seconds``, ``_total``) and the ``kvgate_`` prefix; the dashboards in ``deploy/``
+read exactly these names.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -48,6 +50,12 @@ class PoolSnapshot:
     tenant_quota_blocks: Mapping[str, float]  # slug -> primary blocks allowed by its kv_quota_fraction
     demoted: Mapping[str, bool]  # slug -> currently demoted for quota
     capacity: CapacityCheck | None = None  # registered vs engine-reported blocks
+    # replica name -> its last report, in rotation or not: the engine counters' source (one series each)
+    replicas: Mapping[str, PoolStatsReport] = field(default_factory=dict)
+
+
+# The engines' cumulative block counters (PoolStatsReport fields ``<name>_blocks``).
+ENGINE_COUNTERS = ("offloaded", "onboarded", "evicted", "reused", "missed")
 
 
 class PoolStatsCollector(Collector):
@@ -70,9 +78,16 @@ class PoolStatsCollector(Collector):
                                        labels=["pool", "tier"])
         mismatch = GaugeMetricFamily("kvgate_pool_capacity_mismatch",
                                      "1 while the registry's block counts or block size differ from the engine's", labels=["pool"])
+        # Per replica, never summed here: a sum over the replicas in rotation goes down when one
+        # leaves (Prometheus reads a reset). Each replica's series goes down only when its engine
+        # restarts, which rate() handles per series; the pool's rate is the sum of its replicas'.
         counters = {
-            name: CounterMetricFamily(f"kvgate_pool_{name}_blocks", f"KV blocks {name} by the engine since it started", labels=["pool"])
-            for name in ("offloaded", "onboarded", "evicted", "reused", "missed")
+            name: CounterMetricFamily(
+                f"kvgate_pool_{name}_blocks",
+                f"KV blocks {name} by the replica's engine since it started (its last stats report, in rotation "
+                f"or not); the pool's rate is the sum of its replicas' rates",
+                labels=["pool", "replica"])
+            for name in ENGINE_COUNTERS
         }
         for snap in self._snapshots():
             s = snap.stats
@@ -85,11 +100,9 @@ class PoolStatsCollector(Collector):
                 registered.add_metric([snap.pool, "primary"], snap.capacity.registered_primary)
                 registered.add_metric([snap.pool, "secondary"], snap.capacity.registered_secondary)
                 mismatch.add_metric([snap.pool], 1.0 if snap.capacity.mismatch else 0.0)
-            counters["offloaded"].add_metric([snap.pool], s.offloaded_blocks)
-            counters["onboarded"].add_metric([snap.pool], s.onboarded_blocks)
-            counters["evicted"].add_metric([snap.pool], s.evicted_blocks)
-            counters["reused"].add_metric([snap.pool], s.reused_blocks)
-            counters["missed"].add_metric([snap.pool], s.missed_blocks)
+            for replica, report in snap.replicas.items():
+                for name, family in counters.items():
+                    family.add_metric([snap.pool, replica], getattr(report, f"{name}_blocks"))
             for tenant_id, (primary, secondary) in s.tenants.items():
                 slug = snap.tenant_slugs.get(tenant_id)
                 if slug is None:

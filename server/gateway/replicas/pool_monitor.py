@@ -4,7 +4,9 @@ Each poll goes through :class:`server.gateway.replicas.routing.Routing`, which p
 of the pool (stats + KV events for the router, and the breaker's probe) and sums their
 reports: quotas stay per pool, a tenant's blocks summed over the pool's replicas. The
 registry-vs-engine capacity check is per replica (the registration's block counts are per
-replica): each replica's own report against it, never the sum.
+replica): each replica's own report against it, never the sum. The engines' cumulative block
+counters are exported per replica too, from every replica's last report whether it is in
+rotation or not: a sum over the replicas in rotation would go down whenever one left.
 
 The state machine is ``retention.policy.quota.QuotaTracker`` (the simulator uses the same one):
 a tenant is *over quota* on a pool when the primary (GPU) blocks it holds exceed
@@ -76,6 +78,7 @@ class PoolMonitor:
         self.last_refresh: dict[str, float] = {}
         self.engine_up: dict[str, bool] = {}  # pool -> did its last stats call answer
         self._capacity: dict[str, CapacityCheck] = {}
+        self._replicas: dict[str, dict[str, PoolStatsReport]] = {}  # pool -> every replica's last report
 
     def quota_state(self, pool: str, tenant_id: int) -> QuotaState:
         tracker = self._trackers.get(pool)
@@ -146,6 +149,9 @@ class PoolMonitor:
         self._directory.register(pool)
         stats = await self._routing.poll(pool)
         self.engine_up[pool.name] = stats is not None  # any replica answered its stats call
+        # The engine counters on /metrics: per replica, in rotation or not (a sum over the replicas
+        # in rotation goes down when one leaves, which Prometheus reads as a counter reset).
+        self._replicas[pool.name] = self._routing.route(pool).last_reports()
         if stats is None:
             return  # no replica answered: keep the last known state (engines restarting)
         self.apply(pool, stats, tenants, self._routing.route(pool).replica_reports())
@@ -161,5 +167,6 @@ class PoolMonitor:
                 tenant_quota_blocks={q.slug: q.kv_quota_fraction * capacity for q in quotas.values()},
                 demoted={q.slug: self.quota_state(name, q.tenant_id).over_quota for q in quotas.values()},
                 capacity=self._capacity.get(name),
+                replicas=self._replicas.get(name, {}),
             ))
         return out

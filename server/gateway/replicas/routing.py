@@ -381,13 +381,21 @@ class PoolRoute:
         A replica out of rotation — down, or suspect (its stats answer but a request timed out
         there) — receives no new blocks, so neither its capacity nor the blocks tenants hold
         there count in quota arithmetic: both sides of ``held / (fraction × capacity)`` drop it
-        together, and it counts again once a served request closes its breaker."""
+        together, and it counts again once a served request closes its breaker. (The engine
+        counters on /metrics are not taken from this sum but per replica: :meth:`last_reports`.)"""
         return sum_reports(self.replica_reports().values())
 
     def replica_reports(self) -> dict[str, PoolStatsReport]:
         """Each replica in rotation's own latest report, by name (what :meth:`pool_stats` sums);
         capacity checks compare these, one by one, with the per-replica registration."""
         return {r.name: r.stats for r in self.replicas.values() if r.stats is not None and r.breaker.closed}
+
+    def last_reports(self) -> dict[str, PoolStatsReport]:
+        """Every registered replica's latest report, by name, whatever its breaker: what the engine
+        counters on /metrics are exported from, one series per replica. A replica leaving rotation
+        keeps its series (at its last report while its stats do not answer), so no series goes down
+        but when that replica's engine restarts; a replica removed from the registry has none."""
+        return {r.name: r.stats for r in self.replicas.values() if r.stats is not None}
 
 
 class Routing:

@@ -171,6 +171,8 @@ def test_one_pools_failing_poll_does_not_stop_the_refresh_of_the_pools_after_it(
                 @staticmethod
                 def replica_reports():  # type: ignore[no-untyped-def]
                     return {"b0": stats(premium=10)}
+
+                last_reports = replica_reports
             return _Route()
 
     routing = Polls()
