@@ -24,12 +24,12 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import select
+from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
 from tenants import audit
 from tenants import validation as v
-from tenants.common import get_by_ref, mutation, snapshot
+from tenants.common import MAX_PAGE, Page, get_by_ref, mutation, snapshot
 from tenants.errors import Conflict, InvalidField, NotFound
 from tenants.models import Pool, Tenant, TraceCapture
 
@@ -104,12 +104,22 @@ def get_capture(session: Session, *, pool: int | str, capture_id: int | str) -> 
     return _find(session, _pool(session, pool), capture_id)
 
 
-def list_captures(session: Session, *, pool: int | str) -> list[TraceCapture]:
-    """The pool's captures, newest first."""
+def list_captures(session: Session, *, pool: int | str, limit: int = 50, offset: int = 0) -> Page[dict[str, Any]]:
+    """A page of the pool's captures, newest first, as admin views (``capture_public``).
+
+    A pool captured daily for years has thousands of rows: the page's rows come with their
+    tenants' slugs in one query (no lookup per row), and ``total`` counts them all.
+    """
+    limit = v.integer(limit, field="limit", minimum=1, maximum=MAX_PAGE)
+    offset = v.integer(offset, field="offset", minimum=0)
     row = _pool(session, pool)
-    return list(session.scalars(
-        select(TraceCapture).where(TraceCapture.pool_id == row.id).order_by(TraceCapture.id.desc())
-    ))
+    total = session.scalar(select(func.count()).select_from(TraceCapture).where(TraceCapture.pool_id == row.id))
+    rows = session.execute(
+        select(TraceCapture, Tenant.slug).outerjoin(Tenant, Tenant.id == TraceCapture.tenant_id)
+        .where(TraceCapture.pool_id == row.id).order_by(TraceCapture.id.desc()).limit(limit).offset(offset)
+    ).all()
+    return Page(items=[_public(c, row.name, slug) for c, slug in rows], total=int(total or 0), limit=limit,
+                offset=offset)
 
 
 def list_tenant_captures(session: Session, *, tenant: int) -> list[TraceCapture]:
@@ -147,6 +157,10 @@ def capture_public(capture: TraceCapture, session: Session) -> dict[str, Any]:
         tenant = session.get(Tenant, capture.tenant_id)
         slug = tenant.slug if tenant is not None else None
     pool = session.get(Pool, capture.pool_id)
-    return {"id": capture.id, "pool": pool.name if pool else None, "tenant": slug, "sample_rate": capture.sample_rate,
+    return _public(capture, pool.name if pool else None, slug)
+
+
+def _public(capture: TraceCapture, pool: str | None, tenant: str | None) -> dict[str, Any]:
+    return {"id": capture.id, "pool": pool, "tenant": tenant, "sample_rate": capture.sample_rate,
             "max_bytes": capture.max_bytes, "state": capture.state, "started_at": capture.started_at,
             "stopped_at": capture.stopped_at, "version": capture.version}

@@ -10,8 +10,8 @@ from datetime import datetime
 from fastapi import APIRouter, status
 from pydantic import BaseModel, Field
 
-from server.admin.deps import AdminActor, NowDep, SessionDep
-from server.admin.schemas import Strict
+from server.admin.deps import AdminActor, NowDep, Paging, SessionDep
+from server.admin.schemas import PageOf, Strict
 from tenants import captures
 from tenants.captures import DEFAULT_MAX_BYTES, MAX_BYTES
 
@@ -44,9 +44,16 @@ def start_capture(ref: str, body: CaptureCreate, session: SessionDep, actor: Adm
     return CapturePublic(**captures.capture_public(row, session))
 
 
-@router.get("/{ref}/captures", response_model=list[CapturePublic])
-def list_captures(ref: str, session: SessionDep, _actor: AdminActor) -> list[CapturePublic]:
-    return [CapturePublic(**captures.capture_public(r, session)) for r in captures.list_captures(session, pool=ref)]
+@router.get("/{ref}/captures", response_model=PageOf[CapturePublic])
+def list_captures(ref: str, session: SessionDep, _actor: AdminActor, page: Paging) -> PageOf[CapturePublic]:
+    """The pool's captures, newest first, a page at a time."""
+    result = captures.list_captures(session, pool=ref, limit=page.limit, offset=page.offset)
+    return PageOf[CapturePublic](
+        items=[CapturePublic(**c) for c in result.items],
+        total=result.total,
+        limit=result.limit,
+        offset=result.offset,
+    )
 
 
 @router.get("/{ref}/captures/{capture_id}", response_model=CapturePublic)

@@ -22,7 +22,8 @@ from typing import Annotated
 import typer
 
 from server.cli.options import (
-    PoolArg, cli_actor, fail, load_settings, print_json, registry_session, utc_now, validate_body,
+    Limit, Offset, PoolArg, cli_actor, fail, load_settings, page_of, print_json, registry_session, utc_now,
+    validate_body,
 )
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
@@ -147,12 +148,13 @@ def register(app: typer.Typer) -> None:
                                                                  capture_id=capture_id), s))
 
     @group.command("list")
-    def list_(pool: PoolArg) -> None:
-        """The pool's captures, newest first."""
+    def list_(pool: PoolArg, limit: Limit = 50, offset: Offset = 0) -> None:
+        """The pool's captures, newest first, a page at a time (as ``admin ... list``)."""
         from tenants import captures
 
         with registry_session() as s:
-            print_json([captures.capture_public(r, s) for r in captures.list_captures(s, pool=pool)])
+            print_json(page_of(None, captures.list_captures(s, pool=pool, limit=limit, offset=offset),
+                               convert=lambda c: c))
 
     @group.command()
     def export(

@@ -109,7 +109,11 @@ def test_trace_start_list_stop_from_the_shell(tmp_path: Path, monkeypatch: pytes
     assert "capture_active" in run("trace", "start", "gpu-a", code=1)
     assert "max_bytes" in run("trace", "start", "gpu-a", "--max-bytes", "lots", code=2)
     assert "sample_rate" in run("trace", "start", "gpu-a", "--sample-rate", "2", code=2)
-    assert [c["id"] for c in json.loads(run("trace", "list", "gpu-a"))] == [started["id"]]
+    listed = json.loads(run("trace", "list", "gpu-a"))
+    assert ([c["id"] for c in listed["items"]], listed["total"], listed["limit"], listed["offset"]) == (
+        [started["id"]], 1, 50, 0)
+    assert json.loads(run("trace", "list", "gpu-a", "--offset", "1"))["items"] == []
+    assert "limit" in run("trace", "list", "gpu-a", "--limit", "0", code=2)
     assert json.loads(run("trace", "stop", "gpu-a", str(started["id"])))["state"] == "stopped"
     audit = json.loads(run("admin", "audit", "--entity-type", "trace_capture"))
     assert [e["action"] for e in audit["items"]] == ["trace_capture.stop", "trace_capture.create"]

@@ -1,4 +1,4 @@
-"""The pool pages: the list (paged), a pool's replicas (drain / activate), KV, SLO guard and captures."""
+"""The pool pages: the list (paged), a pool's replicas (drain / activate), KV, SLO guard and captures (paged)."""
 
 from __future__ import annotations
 
@@ -23,6 +23,7 @@ from server.admin.console.web import (
 )
 
 CAPTURE_FIELDS = ("sample_rate", "tenant")
+CAPTURES_PAGE = 20  # a pool's captures on its page, newest first: a daily capture over years is thousands
 
 
 def register(app: FastAPI, console: Console) -> None:
@@ -52,23 +53,28 @@ def register(app: FastAPI, console: Console) -> None:
             if kv is not None else None
         return {"pool": pool, "kv": kv, "kv_error": kv_error, "live": live, "kv_chart": chart}
 
-    async def pool_context(request: Request, session: ConsoleSession, name: str) -> dict[str, Any]:
+    async def pool_context(request: Request, session: ConsoleSession, name: str, *, offset: int = 0,
+                           limit: int = CAPTURES_PAGE) -> dict[str, Any]:
         context = await pool_live(request, session, name)
         ref = q(name)
         budget, budget_error = await maybe(request, session, f"/pools/{ref}/slo")
         guard, guard_error = await maybe(request, session, f"/pools/{ref}/slo/state")
         trips, _ = await maybe(request, session, "/audit", entity_type="pool_slo",
                                entity_id=str(context["pool"]["id"]), limit=20)
-        captures, captures_error = await maybe(request, session, f"/pools/{ref}/captures")
+        listing, captures_error = await maybe(request, session, f"/pools/{ref}/captures", limit=limit, offset=offset)
+        captures = listing["items"] if listing is not None else []
+        paging = pager(f"/pools/{ref}", offset=offset, limit=limit, total=listing["total"], shown=len(captures)) \
+            if listing is not None else None
         return {"budget": budget, "budget_error": budget_error, "guard": guard, "guard_error": guard_error,
-                "trips": (trips or {}).get("items", []), "captures": captures or [], "captures_error": captures_error,
-                "form": None, "form_error": None, **context}
+                "trips": (trips or {}).get("items", []), "captures": captures, "captures_paging": paging,
+                "captures_error": captures_error, "form": None, "form_error": None, **context}
 
     @app.get("/pools/{name}", response_class=HTMLResponse)
-    async def pool(request: Request, name: str) -> Response:
+    async def pool(request: Request, name: str, offset: Annotated[int, Query(ge=0, le=MAX_OFFSET)] = 0,
+                   limit: Annotated[int, Query(ge=1, le=MAX_PAGE)] = CAPTURES_PAGE) -> Response:
         session = console.session_of(request)
         try:
-            context = await pool_context(request, session, name)
+            context = await pool_context(request, session, name, offset=offset, limit=limit)
         except ApiFailure as exc:
             return console.failed(request, session, exc)
         return page(request, session, "pool.html", **context)

@@ -17,6 +17,7 @@ from server.admin.console.web import (
     MAX_PAGE,
     PAGE_SIZE,
     Console,
+    SignInRequired,
     api_form_error,
     form_error,
     number,
@@ -112,12 +113,22 @@ def register(app: FastAPI, console: Console) -> None:
         return page(request, session, "tenants.html", status=error["status"], form=values, form_error=error, **context)
 
     async def tenant_context(request: Request, session: ConsoleSession, slug: str, *, offset: int = 0,
-                             limit: int = PAGE_SIZE) -> dict[str, Any]:
+                             limit: int = PAGE_SIZE, strict: bool = True) -> dict[str, Any]:
+        """The tenant page's data. Not ``strict``: what the API still answers, the parts it refuses left
+        out (the tenant itself too: ``tenant`` None), for a page that must be shown anyway."""
         ref = q(slug)
-        tenant = await ask(request, session, "GET", f"/tenants/{ref}")
+
+        async def get(path: str, **kw: Any) -> Any:
+            return await ask(request, session, "GET", path, **kw) if strict else \
+                (await maybe(request, session, path, **kw))[0]
+
+        tenant = await get(f"/tenants/{ref}")
+        if tenant is None:
+            return {"tenant": None, "slug": slug}
         keys = paging = None  # the operator role may not read keys: no card
-        if console.can(session, "key.read"):
-            listing = await ask(request, session, "GET", f"/tenants/{ref}/keys", limit=limit, offset=offset)
+        listing = await get(f"/tenants/{ref}/keys", limit=limit, offset=offset) \
+            if console.can(session, "key.read") else None
+        if listing is not None:
             keys = listing["items"]
             paging = pager(f"/tenants/{ref}", offset=offset, limit=limit, total=listing["total"], shown=len(keys))
         since = (datetime.now(UTC) - timedelta(days=1)).isoformat()
@@ -156,10 +167,21 @@ def register(app: FastAPI, console: Console) -> None:
         try:
             created = await ask(request, session, "POST", f"/tenants/{q(slug)}/keys",
                                 json={"name": form.get("name", "").strip()[:128]})
-            context = await tenant_context(request, session, slug)
         except ApiFailure as exc:
             return console.back(session, f"/tenants/{q(slug)}", "error", f"Key not created: {exc}")
-        # The secret is in this response only: not in a redirect, a flash or the session.
+        # The key exists, and its secret is in this response only (not in a redirect, a flash or the
+        # session): if reloading the page fails, the page still shows it, with what could be loaded.
+        try:
+            context = await tenant_context(request, session, slug)
+        except (ApiFailure, SignInRequired) as exc:
+            session.flash("error", f"Key {created.get('name') or created['prefix']} was created (its secret is "
+                                   f"below), but the page could not be refreshed: {exc}")
+            context = {"tenant": None, "slug": slug}  # signed out (the API answered 401): ask nothing more
+            if isinstance(exc, ApiFailure):
+                try:
+                    context = await tenant_context(request, session, slug, strict=False)
+                except SignInRequired:
+                    pass
         return page(request, session, "tenant.html", status=201, new_key=created, **context)
 
     @app.post("/tenants/{slug}/keys/{key_id}/revoke")

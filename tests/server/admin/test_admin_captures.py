@@ -25,7 +25,7 @@ def test_capture_lifecycle_audit_and_secrecy(client, db) -> None:  # type: ignor
     # one active capture per pool
     _error(client.post(f"{A}/pools/gpu-a/captures", headers=AUTH, json={}), 409, "capture_active", "pool")
     assert client.get(f"{A}/pools/gpu-a/captures/{cap['id']}", headers=AUTH).json() == cap
-    assert [c["id"] for c in client.get(f"{A}/pools/gpu-a/captures", headers=AUTH).json()] == [cap["id"]]
+    assert [c["id"] for c in client.get(f"{A}/pools/gpu-a/captures", headers=AUTH).json()["items"]] == [cap["id"]]
 
     with db.factory() as s:
         (active,) = active_captures(s)
@@ -66,3 +66,63 @@ def test_capture_errors(client) -> None:  # type: ignore[no-untyped-def]
     # a pool's captures go with the pool
     assert client.post(f"{A}/pools/gpu-b/captures", headers=AUTH, json={}).status_code == 201
     assert client.delete(f"{A}/pools/gpu-b", headers=AUTH).status_code == 204
+
+
+def _statements(db, call):  # type: ignore[no-untyped-def]
+    """The SQL statements ``call()`` runs (counted, never timed) and its result."""
+    from sqlalchemy import event
+
+    seen: list[str] = []
+
+    def record(_conn, _cursor, statement, _params, _context, _many) -> None:  # type: ignore[no-untyped-def]
+        seen.append(statement)
+
+    event.listen(db.engine, "before_cursor_execute", record)
+    try:
+        result = call()
+    finally:
+        event.remove(db.engine, "before_cursor_execute", record)
+    return seen, result
+
+
+def test_captures_are_paged_newest_first_in_constant_queries(client, db) -> None:  # type: ignore[no-untyped-def]
+    """The list pages as the admin API's other lists do ({items, total, limit, offset}, limit 1..500,
+    offset >= 0, 422 naming the parameter otherwise), newest first, and costs the same statements
+    however many captures (and of how many tenants) the pool has had."""
+    seed(client)
+
+    def cycle(tenant: str | None) -> int:
+        cap = client.post(f"{A}/pools/gpu-a/captures", headers=AUTH, json={"tenant": tenant} if tenant else {}).json()
+        assert client.post(f"{A}/pools/gpu-a/captures/{cap['id']}/stop", headers=AUTH).status_code == 200
+        return cap["id"]
+
+    def add_tenants(names: list[str]) -> None:
+        for name in names:
+            r = client.post(f"{A}/tenants", headers=AUTH,
+                            json={"slug": name, "display_name": name, "pool": "gpu-a", "retention_class": "gold"})
+            assert r.status_code == 201, r.text
+
+    add_tenants([f"t{i}" for i in range(5)])
+    ids = [cycle(f"t{i % 5}" if i % 3 else None) for i in range(7)]
+    page = client.get(f"{A}/pools/gpu-a/captures?limit=3&offset=1", headers=AUTH).json()
+    assert set(page) == {"items", "total", "limit", "offset"}
+    assert ([c["id"] for c in page["items"]], page["total"], page["limit"], page["offset"]) == (
+        ids[::-1][1:4], 7, 3, 1)
+    assert [c["tenant"] for c in page["items"]] == [f"t{i % 5}" if i % 3 else None for i in (5, 4, 3)]
+    assert all(c["pool"] == "gpu-a" and c["state"] == "stopped" and "key" not in c for c in page["items"])
+    whole = client.get(f"{A}/pools/gpu-a/captures", headers=AUTH).json()
+    assert ([c["id"] for c in whole["items"]], whole["limit"], whole["offset"]) == (ids[::-1], 50, 0)
+    assert whole["items"][0] == client.get(f"{A}/pools/gpu-a/captures/{ids[-1]}", headers=AUTH).json()
+    for query, field in (("limit=0", "limit"), ("limit=501", "limit"), ("offset=-1", "offset"), ("limit=x", "limit"),
+                         ("offset=2147483648", "offset")):
+        _error(client.get(f"{A}/pools/gpu-a/captures?{query}", headers=AUTH), 422, field=field)
+    assert client.get(f"{A}/pools/gpu-a/captures?limit=500", headers=AUTH).status_code == 200
+    assert client.get(f"{A}/pools/gpu-a/captures?offset=70", headers=AUTH).json()["items"] == []
+    _error(client.get(f"{A}/pools/nope/captures", headers=AUTH), 404, "pool_not_found")
+
+    few, _ = _statements(db, lambda: client.get(f"{A}/pools/gpu-a/captures", headers=AUTH))
+    add_tenants([f"u{i}" for i in range(20)])
+    more = [cycle(f"u{i}") for i in range(20)]  # twenty more rows, each of another tenant
+    many, r = _statements(db, lambda: client.get(f"{A}/pools/gpu-a/captures", headers=AUTH))
+    assert [c["id"] for c in r.json()["items"]][:20] == more[::-1] and r.json()["total"] == 27
+    assert len(many) == len(few), (few, many)  # no lookup per row or per tenant

@@ -146,6 +146,53 @@ def test_created_key_is_shown_once(browser: TestClient) -> None:
     assert "kvg_" not in browser.get("/console/tenants/acme").text
 
 
+@pytest.mark.parametrize(("failing", "status", "reason"), [
+    ("/tenants/acme/keys", 503, "registry unavailable"),
+    ("/tenants/acme", 503, "registry unavailable"),
+    ("/tenants/acme", 401, "no longer accepts this credential"),
+])
+def test_a_created_key_is_shown_when_the_page_cannot_be_refreshed(db, settings, monkeypatch, failing, status,
+                                                                  reason) -> None:
+    """The API created the key; reloading the tenant page then fails (its key list, the tenant itself, or
+    the credential): the one-time secret is still on the answer, with an error saying the page was not
+    refreshed."""
+    from server.admin.console.api import AdminApi, ApiFailure
+
+    with TestClient(create_app(settings, session_factory=db.factory)) as c:
+        seed(c)
+        csrf = sign_in(c)
+        real = AdminApi.call
+
+        async def flaky(self, method, path, **kw):  # type: ignore[no-untyped-def]
+            if method == "GET" and path == failing:  # e.g. the registry unavailable right after the POST
+                raise ApiFailure(status, "unavailable", "registry unavailable")
+            return await real(self, method, path, **kw)
+
+        monkeypatch.setattr(AdminApi, "call", flaky)
+        r = c.post("/console/tenants/acme/keys", data={"csrf": csrf, "name": "web"}, follow_redirects=False)
+        monkeypatch.undo()
+        assert r.status_code == 201, r.text[:300]
+        secret = re.search(r'id="new-key-secret">([^<]+)<', r.text).group(1)
+        (key,) = c.get("/admin/v1/tenants/acme/keys", headers=AUTH).json()["items"]
+        assert secret.startswith(f"kvg_{key['prefix']}_") and key["name"] == "web"
+        flashes = re.findall(r'class="flash (\w+)"[^>]*>([^<]*)<', r.text)
+        assert [kind for kind, _ in flashes] == ["error"], flashes
+        assert "could not be refreshed" in flashes[0][1] and reason in flashes[0][1]
+        assert "not created" not in r.text
+        if status == 401:  # signed out by the API's refusal: the secret was shown all the same
+            return
+
+        async def refused(*_a, **_kw):  # type: ignore[no-untyped-def]
+            raise ApiFailure(503, "unavailable", "registry unavailable")
+
+        # A refused POST is still reported as not created, with no secret.
+        monkeypatch.setattr(AdminApi, "call", refused)
+        r = c.post("/console/tenants/acme/keys", data={"csrf": csrf, "name": "web2"}, follow_redirects=False)
+        monkeypatch.undo()
+        assert r.status_code == 303 and c.get("/admin/v1/tenants/acme/keys", headers=AUTH).json()["total"] == 1
+        assert "Key not created: registry unavailable" in c.get("/console/tenants/acme").text
+
+
 def test_api_errors_are_shown_not_500(browser: TestClient) -> None:
     seed(browser)
     csrf = sign_in(browser)
@@ -289,7 +336,7 @@ def test_non_finite_numbers_are_refused_not_500(browser: TestClient) -> None:
         r = browser.post("/console/pools/gpu-a/captures", data={"csrf": csrf, "sample_rate": value})
         assert r.status_code == 422 and "sample rate must be a number" in r.text, (value, r.status_code)
     assert browser.get("/admin/v1/tenants/n1", headers=AUTH).status_code == 404
-    assert browser.get("/admin/v1/pools/gpu-a/captures", headers=AUTH).json() == []
+    assert browser.get("/admin/v1/pools/gpu-a/captures", headers=AUTH).json()["total"] == 0
 
 
 def test_a_non_ascii_credential_gets_the_signin_page(browser: TestClient) -> None:
