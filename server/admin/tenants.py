@@ -176,10 +176,11 @@ def get_usage(
     )
 
 
-@router.get("/{ref}/captures", response_model=list[CapturePublic])
-def list_tenant_captures(ref: str, session: SessionDep, _actor: AdminActor) -> list[CapturePublic]:
-    """Captures that record only this tenant's requests (state and bounds), newest first."""
+@router.get("/{ref}/captures", response_model=PageOf[CapturePublic])
+def list_tenant_captures(ref: str, session: SessionDep, _actor: AdminActor, page: Paging) -> PageOf[CapturePublic]:
+    """Captures that record only this tenant's requests (state and bounds), newest first, a page at a time."""
     tenant = tenant_service.get_tenant(session, ref=ref)
-    return [CapturePublic(**captures.capture_public(r, session)) for r in captures.list_tenant_captures(session,
-                                                                                                    tenant=tenant.id)]
+    result = captures.list_tenant_captures(session, tenant=tenant.id, limit=page.limit, offset=page.offset)
+    return PageOf[CapturePublic](items=[CapturePublic(**c) for c in result.items], total=result.total,
+                                 limit=result.limit, offset=result.offset)
 

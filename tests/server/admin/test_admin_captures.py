@@ -126,3 +126,28 @@ def test_captures_are_paged_newest_first_in_constant_queries(client, db) -> None
     many, r = _statements(db, lambda: client.get(f"{A}/pools/gpu-a/captures", headers=AUTH))
     assert [c["id"] for c in r.json()["items"]][:20] == more[::-1] and r.json()["total"] == 27
     assert len(many) == len(few), (few, many)  # no lookup per row or per tenant
+
+
+def test_a_tenants_captures_are_paged_newest_first_in_constant_queries(client, db) -> None:  # type: ignore[no-untyped-def]
+    """``/tenants/{ref}/captures`` pages as the pool's list does: only that tenant's captures."""
+    seed(client)
+
+    def cycle(tenant: str | None) -> int:
+        cap = client.post(f"{A}/pools/gpu-a/captures", headers=AUTH, json={"tenant": tenant} if tenant else {}).json()
+        assert client.post(f"{A}/pools/gpu-a/captures/{cap['id']}/stop", headers=AUTH).status_code == 200
+        return cap["id"]
+
+    ids = [cycle("acme" if i % 2 else None) for i in range(6)]
+    mine = [i for n, i in enumerate(ids) if n % 2]
+    page = client.get(f"{A}/tenants/acme/captures?limit=2&offset=1", headers=AUTH).json()
+    assert set(page) == {"items", "total", "limit", "offset"}
+    assert ([c["id"] for c in page["items"]], page["total"], page["limit"], page["offset"]) == (
+        mine[::-1][1:3], 3, 2, 1)
+    assert all(c["tenant"] == "acme" and c["pool"] == "gpu-a" and "key" not in c for c in page["items"])
+    for query, field in (("limit=0", "limit"), ("limit=501", "limit"), ("offset=-1", "offset")):
+        _error(client.get(f"{A}/tenants/acme/captures?{query}", headers=AUTH), 422, field=field)
+    few, _ = _statements(db, lambda: client.get(f"{A}/tenants/acme/captures", headers=AUTH))
+    more = [cycle("acme") for _ in range(10)]
+    many, r = _statements(db, lambda: client.get(f"{A}/tenants/acme/captures", headers=AUTH))
+    assert [c["id"] for c in r.json()["items"]][:10] == more[::-1] and r.json()["total"] == 13
+    assert len(many) == len(few), (few, many)  # no lookup per row
