@@ -76,6 +76,7 @@ def build_serving_app(settings: Settings, *, session_factory: sessionmaker[Sessi
         trace_dir=settings.trace_dir,
         routing=routing or routing_config(settings),
         usage_journal_dir=settings.usage_journal_dir if settings.usage_journal else None,
+        usage_journal_fsync=settings.usage_journal_sync == "fsync",
         registry_id=registry_fingerprint(settings.database_url),
         responses_ttl_s=settings.responses_ttl_s, responses_max_bytes=settings.responses_max_bytes,
         peer_sync=PeerSync(settings.redis_url, namespace=settings.redis_namespace, lease_s=settings.routing_sync_lease_s)

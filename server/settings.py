@@ -99,6 +99,10 @@ class Settings(BaseSettings):
     # keep it on a volume that outlives the process. Off: a crash loses up to one flush interval.
     usage_journal: bool = True
     usage_journal_dir: Path = Path("kvgate-usage-journal")
+    # "fsync": each group of lines is fsynced before its answers end (survives a power loss).
+    # "write": written before the answer, never fsynced (survives SIGKILL, not a power loss or
+    # kernel crash: the lines the kernel had not yet written back are lost; module docstring).
+    usage_journal_sync: Literal["fsync", "write"] = "fsync"
     # Replica routing (server/gateway/replicas/routing.py, retention/routing/cost.py).
     router: Literal["kv-aware", "kv-adaptive", "round-robin", "session", "random"] = "kv-aware"
     router_overlap_weight: float = Field(default=1.0, ge=0.0)

@@ -344,7 +344,9 @@ def render(args, rows: list[dict], long_tokens: dict[str, int], prefill_s: float
         f"{args.requests} requests rotate LiteLLM / kvgate default / kvgate production ({args.rounds} rounds per row, "
         "same load generator and body); gateway CPU is the run time of the gateway's process tree from "
         "`/proc/<pid>/task/*/schedstat`. Figures are medians of per-round values; × = LiteLLM's CPU over kvgate's "
-        "in the same round (median, range over rounds in brackets).",
+        "in the same round (median, range over rounds in brackets). kvgate's figures include its usage journal with "
+        "the default fsync before each answer (`KVGATE_USAGE_JOURNAL_SYNC=fsync`), while LiteLLM runs with no "
+        "database and so records no usage.",
         "",
         "| prompt | mode | clients | LiteLLM CPU ms/req | kvgate default ms/req | × default | "
         "kvgate production ms/req | × production |",
@@ -512,7 +514,7 @@ def main() -> None:
     db_url = f"sqlite:///{tmp / 'registry.db'}"
     keys = seed_registry(db_url, ports["e0"], [ports["e1"], ports["e2"]], pepper)
     gw_env = dict(env, KVGATE_DATABASE_URL=db_url, KVGATE_KEY_PEPPER=pepper, KVGATE_ADMIN_TOKENS=f"bench:{admin}",
-                  KVGATE_LOG_LEVEL="warning")
+                  KVGATE_LOG_LEVEL="warning", KVGATE_USAGE_JOURNAL="true", KVGATE_USAGE_JOURNAL_SYNC="fsync")
     kvgate = start([sys.executable, "-m", "server.cli", "serve", "--no-engine", "--no-seed-demo",
                     "--port", str(ports["kvgate"])], env=gw_env, cwd=tmp)
     baseline = None

@@ -167,7 +167,7 @@ def build_gateway_services(*, session_factory, pepper: str, tokenizer_for, admis
                            routing: RoutingConfig | None = None, responses_ttl_s: float = DEFAULT_TTL_S,
                            responses_max_bytes: int = DEFAULT_MAX_BYTES,
                            usage_journal_dir: Path | None = None, registry_id: str = "registry",
-                           peer_sync: PeerSync | None = None) -> GatewayServices:
+                           usage_journal_fsync: bool = True, peer_sync: PeerSync | None = None) -> GatewayServices:
     engines: EngineDirectory[ChatPrompter] = EngineDirectory(lambda pool: ChatPrompter(tokenizer_for(pool)))
     selectors: dict[str, AdaptiveSelector] = {}
 
@@ -190,8 +190,10 @@ def build_gateway_services(*, session_factory, pepper: str, tokenizer_for, admis
     curves = MissRatioCurves(mrc_sample_rate)
     if curves.enabled:
         registry.register(MissRatioCollector(curves, monitor.tenant_slugs))
-    # The journal's directory: answered requests' usage survives a SIGKILL (server.gateway.usage_journal).
-    journal = UsageJournal(usage_journal_dir, registry=registry_id) if usage_journal_dir is not None else None
+    # The journal's directory: answered requests' usage survives a SIGKILL (server.gateway.usage_journal);
+    # with usage_journal_fsync (the default) a power loss too.
+    journal = (UsageJournal(usage_journal_dir, registry=registry_id, fsync=usage_journal_fsync)
+               if usage_journal_dir is not None else None)
     usage = UsageRecorder(session_factory, journal=journal)
     guards = SloGuards(session_factory=session_factory, pools=lambda: list(engines.pools.values()), registry=registry)
     captures = TraceCaptures(session_factory, trace_dir, registry) if trace_dir is not None else None

@@ -1,4 +1,4 @@
-"""An append-only, fsynced local journal of answered requests' usage (survives SIGKILL).
+"""An append-only local journal of answered requests' usage, fsynced by default (survives SIGKILL).
 
 Layout: one *segment* file per usage batch, ``<dir>/usage-<registry>-<flush_id>.jsonl``
 (``registry``: a fingerprint of the registry database, so gateways of different registries
@@ -19,9 +19,11 @@ Invariants:
 * :meth:`UsageJournal.append` returns once the line is on disk (``write`` + ``fsync``;
   a new segment also fsyncs the directory so its name survives). Appends are group
   committed: every line that arrives while one ``fsync`` runs goes into the next one, so
-  the cost is one ``fsync`` per group, not per request;
-* a torn or unreadable line (a write the kill interrupted, whose ``fsync`` therefore never
-  returned and whose request was not acknowledged as recorded) is skipped at replay.
+  the cost is one ``fsync`` per group, not per request. With ``fsync=False``
+  (``KVGATE_USAGE_JOURNAL_SYNC=write``) it returns once the line is written, with no ``fsync``
+  of the segment or of the directory (below);
+* a torn or unreadable line (a write the kill interrupted, whose group therefore never
+  completed and whose request was not acknowledged as recorded) is skipped at replay.
 
 What it costs, and why the ``fsync`` stays before the answer. At one client the journal costs
 1.12 × (JSON) and 1.19 × (streamed) the gateway CPU per request of a gateway without it
@@ -35,7 +37,22 @@ hand-off is not the cost; a segment preallocated with zeros and synced with ``fd
 metadata to commit) saved 1 % / 3 %, within the noise; a ``write`` alone on the loop, with no
 ``fsync``, costs 1.02 × / 1.04 × no journal at all. Answering after the ``write`` and syncing
 after the answer would survive SIGKILL but not a power loss or a kernel crash, and the point of
-the journal is that an answered request's usage is on disk.
+the journal is that an answered request's usage is on disk: so the default
+(``KVGATE_USAGE_JOURNAL_SYNC=fsync``) keeps the ``fsync`` before the answer.
+
+``KVGATE_USAGE_JOURNAL_SYNC=write`` (``fsync=False``) is the operator's trade, as PostgreSQL's
+``synchronous_commit = off``: the line is written (into the kernel's page cache) before the
+answer and the journal never fsyncs. A SIGKILL or any other crash of the process loses nothing,
+since the kernel still holds the lines. A power loss or a kernel crash loses the lines the
+kernel had not yet written back of batches not yet in the registry: normally about the last
+flush interval's usage (an applied batch's segment is removed), while the registry is
+unreachable up to the kernel's writeback delay (Linux's default about 30 s,
+``vm.dirty_expire_centisecs``). A new segment's directory entry is not fsynced either: its name
+made durable without its lines would save nothing, and the kernel writes the name back on its
+own as it does the lines. A line the power loss tore or left as zeros is skipped at replay as a
+torn line is, and a segment whose batch was applied but whose removal was lost is refused by its
+flush id. The nearest measured cost is the ``write`` alone above (1.02 × / 1.04 ×); this mode
+itself (the ``write`` on the writer thread) was not benchmarked.
 """
 
 from __future__ import annotations
@@ -247,7 +264,7 @@ class UsageJournal:
         return waiter
 
     def _drain(self) -> None:
-        """On the writer thread: write and fsync group after group until nothing is buffered.
+        """On the writer thread: write (and fsync) group after group until nothing is buffered.
 
         Every waiter learns its own group's outcome; a group's lines are on disk before its
         waiters are completed. A failed group fails its waiters only: the next group is

@@ -772,3 +772,14 @@ def test_grafana_dashboard_configmap(rendered):
     assert dashboard["uid"] == original["uid"] and len(dashboard["panels"]) == len(original["panels"])
     assert "kvgate-prometheus" not in cm["data"]["kvgate.json"]
     assert '"uid": "prometheus"' in cm["data"]["kvgate.json"]
+
+
+def test_the_usage_journal_sync_reaches_the_gateway(chart):
+    """gateway.usageJournalSync: fsync by default; write as asked; anything else refused by the schema."""
+    def env(values):
+        return {e["name"]: e.get("value") for e in gateway(render(chart, values))[1]["env"]}
+
+    assert env(minimal())["KVGATE_USAGE_JOURNAL_SYNC"] == "fsync"
+    assert env(minimal(gateway={"usageJournalSync": "write"}))["KVGATE_USAGE_JOURNAL_SYNC"] == "write"
+    with pytest.raises(helm_python.HelmValuesError, match="usageJournalSync"):
+        render(chart, minimal(gateway={"usageJournalSync": "sometimes"}))

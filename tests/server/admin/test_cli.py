@@ -122,6 +122,7 @@ def test_serve_refuses_a_trusted_proxy_that_is_no_address(run, monkeypatch) -> N
 @pytest.mark.parametrize("env,named", [
     ({"KVGATE_FIRST_TOKEN_TIMEOUT_S": "-1"}, "KVGATE_FIRST_TOKEN_TIMEOUT_S"),
     ({"KVGATE_BREAKER_OPEN_S": "2", "KVGATE_BREAKER_MAX_OPEN_S": "1"}, "breaker_max_open_s (1.0) must be >= breaker_open_s (2.0)"),
+    ({"KVGATE_USAGE_JOURNAL_SYNC": "sometimes"}, "KVGATE_USAGE_JOURNAL_SYNC: Input should be 'fsync' or 'write'"),
 ])
 def test_serve_names_an_invalid_setting_instead_of_a_traceback(run, monkeypatch, env, named) -> None:  # type: ignore[no-untyped-def]
     for key, value in env.items():
@@ -142,6 +143,25 @@ def test_breaker_settings_reach_the_routing_config(monkeypatch) -> None:
     config = routing_config(Settings())
     assert (config.breaker_open_s, config.breaker_max_open_s, config.first_token_timeout_s) == (1.5, 30.0, 7.0)
     assert config.inter_token_timeout_s == 11.0
+
+
+@pytest.mark.parametrize("value,fsync", [(None, True), ("fsync", True), ("write", False)])
+def test_the_usage_journal_sync_setting_reaches_the_journal(tmp_path, monkeypatch, value, fsync) -> None:
+    from server.serving import build_serving_app
+    from server.settings import Settings
+
+    if value is None:
+        monkeypatch.delenv("KVGATE_USAGE_JOURNAL_SYNC", raising=False)
+    else:
+        monkeypatch.setenv("KVGATE_USAGE_JOURNAL_SYNC", value)
+    url = f"sqlite:///{tmp_path / 'sync.db'}"
+    migrate.upgrade(url=url)
+    settings = Settings(database_url=url, admin_tokens=["ci:cli-test-admin-token-0123456789"],
+                        key_pepper="cli-test-pepper-0123456789abcdef", usage_journal_dir=tmp_path / "journal",
+                        trace_dir=tmp_path / "traces")
+    assert settings.usage_journal_sync == (value or "fsync")
+    app = build_serving_app(settings, tokenizer_for=lambda pool: None)
+    assert app.state.gateway.usage._journal._fsync is fsync
 
 
 def test_replicas_commands(run) -> None:  # type: ignore[no-untyped-def]

@@ -231,3 +231,52 @@ def test_a_failed_write_fails_its_group_only_and_the_next_group_is_written(tmp_p
         journal.close([good])
 
     asyncio.run(scenario())
+
+
+def served_journal(tmp_path, url, factory, sync: str | None) -> UsageJournal:
+    """The journal ``kvgate serve`` builds from its settings (``sync``: KVGATE_USAGE_JOURNAL_SYNC; None: unset)."""
+    from server.serving import build_serving_app
+    from server.settings import Settings
+
+    settings = Settings(database_url=url, admin_tokens=["ci:journal-test-admin-token-0123"],
+                        key_pepper="journal-test-pepper-0123456789abcdef", usage_journal_dir=tmp_path / "journal",
+                        trace_dir=tmp_path / "traces", **({} if sync is None else {"usage_journal_sync": sync}))
+    app = build_serving_app(settings, session_factory=factory, tokenizer_for=lambda pool: None)
+    return app.state.gateway.usage._journal
+
+
+@pytest.mark.parametrize("sync", [None, "fsync", "write"])
+def test_the_sync_setting_decides_whether_a_group_is_fsynced(tmp_path, monkeypatch, sync) -> None:
+    """``fsync`` (the default): each group fsyncs its segment, a new segment its directory once,
+    as always. ``write``: no fsync at all, and each line is readable by another open when its
+    append returns (so a SIGKILL, which leaves the page cache alone, loses nothing)."""
+    url, factory, _ = registry(tmp_path)
+    journal = served_journal(tmp_path, url, factory, sync)
+    calls: list[int] = []
+    real = os.fsync
+
+    def counting(fd: int) -> None:
+        calls.append(fd)
+        real(fd)
+
+    monkeypatch.setattr(os, "fsync", counting)
+
+    async def scenario() -> None:
+        first, second = journal.new_segment(), journal.new_segment()
+        lines = [b'{"t":1,"m":1,"p":%d,"c":0}\n' % i for i in range(3)]
+        for i, line in enumerate(lines):
+            await journal.append(first, line)
+            with open(first.path, "rb") as other:  # another open: what the kernel holds for the file
+                assert other.read() == b"".join(lines[:i + 1])
+        await journal.append(second, lines[0])
+        assert second.path.read_bytes() == lines[0]
+        on_first, on_second = calls.count(first.fd), calls.count(second.fd)
+        others = len(calls) - on_first - on_second
+        if sync == "write":
+            assert calls == []
+        else:  # one fsync per group on the segment, one on the directory per new segment
+            assert (on_first, on_second, others) == (3, 1, 2)
+        assert journal.fsyncs == 4  # group commits done, in either mode
+        journal.close([first, second])
+
+    asyncio.run(scenario())
