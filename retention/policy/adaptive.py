@@ -245,7 +245,7 @@ class ReuseStats:
 
 
 def priority_for(probability: float, prior_uses: int, threshold: int, config: AdaptiveConfig, *,
-                 host_tier: bool = False) -> int:
+                 host_tier: bool = False, first_use_floor: int = 0) -> int:
     """Map a reuse probability and prior use count to a priority band (see the module docstring).
 
     Kept bands start above 35 so that a block past its duration (back at 35, with
@@ -253,7 +253,9 @@ def priority_for(probability: float, prior_uses: int, threshold: int, config: Ad
     blocks go to the host tier. With a host tier (``host_tier``) nothing is dropped in
     ``host_mode`` "host" or "default": a block that comes back after the GPU turned over
     can still be a host hit, so measured one-shot blocks go to T (offloaded, first out of
-    the host) instead of 0; "default" also puts first uses at max(T, 35).
+    the host) instead of 0; "default" also puts first uses at max(T, 35). ``first_use_floor``
+    raises a first use that is kept (not dropped) to at least that priority (the selector's
+    settling after a switch to the bands, ``retention/policy/selection.py``).
     """
     mode = config.host_mode if host_tier else "gpu"
     if mode == "recency":
@@ -263,8 +265,8 @@ def priority_for(probability: float, prior_uses: int, threshold: int, config: Ad
         return 0 if mode == "gpu" else min(threshold, MAX_PRIORITY)
     if prior_uses == 0:
         if mode == "default":
-            return min(max(threshold, 35), MAX_PRIORITY)
-        return threshold  # lowest offloadable priority: first out of either tier
+            return min(max(threshold, 35, first_use_floor), MAX_PRIORITY)
+        return min(max(threshold, first_use_floor), MAX_PRIORITY)  # T: first out of either tier
     base = max(threshold + 1, 36)
     return min(MAX_PRIORITY, base + config.band_step * (min(prior_uses, config.use_bands) - 1))
 
@@ -279,6 +281,7 @@ def adaptive_plan(
     offload_min_priority: int,
     decode_priority: int = 0,
     host_tier: bool = False,
+    first_use_floor: int = 0,
 ) -> RetentionPlan:
     """Per-block ranges from the tenant's statistics; equal neighbours merge, last open-ended.
 
@@ -298,7 +301,8 @@ def adaptive_plan(
     for index in range(num_blocks):
         prior = uses[index] if index < len(uses) else 0
         p = tenant_stats.probability(prior) if prior else fresh
-        priority = min(ceiling, priority_for(p, prior, offload_min_priority, cfg, host_tier=host_tier))
+        priority = min(ceiling, priority_for(p, prior, offload_min_priority, cfg, host_tier=host_tier,
+                                             first_use_floor=first_use_floor))
         ceiling = priority
         duration = horizon if priority > 35 and cfg.use_durations else None
         start = index * tokens_per_block

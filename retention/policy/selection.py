@@ -31,6 +31,16 @@ Candidates (``names``):
 ``names=None`` (the default, what the gateway uses) picks :func:`default_candidates` for the
 pool's shape.
 
+Settling. A GPU-only pool that switches to the bands holds what the previous candidate planned at
+35 (``static``'s whole prompts, ``protect``'s unprotected history and expired holds); on the bands'
+scale those blocks rank above every first use (T, 30 by default) and below nothing a flood sends
+(0), so they would keep their slots for good. After such a switch the bands plan kept first uses at
+35 (in LRU order with those blocks, so the oldest go first) until as many kept first-use blocks as
+the pool holds were planned, i.e. until the pool has turned over; then at T again. Measured
+(``bench/retention/generalize.py``'s families, seed 0, GPU only): noisy-neighbour 1 % and 2 %
+2.81 → 3.11 % and 2.88 → 3.14 % (the bands alone 3.25 %), synthetic within 0.12 points either way,
+api 0.04–0.22 points lower at 2–10 % (a report family), the rest within 0.04.
+
 The simulator also knows ``adaptive-bands`` and ``protect`` (each candidate alone, no selection) for comparison.
 """
 
@@ -60,6 +70,18 @@ def covering(plan: RetentionPlan, num_tokens: int) -> RetentionPlan:
     return plan if len(ranges) == len(plan.ranges) else replace(plan, ranges=ranges)
 
 
+def _kept_first_uses(plan: RetentionPlan, uses: Sequence[int], num_blocks: int, tokens_per_block: int) -> int:
+    """Blocks of the request seen for the first time that ``plan`` keeps at 35 or above: the new blocks
+    that compete with what the pool holds at 35 (a dropped block, at 0, displaces none of it)."""
+    count = 0
+    for r in plan.ranges:
+        if r.priority < DEFAULT_PRIORITY:
+            continue
+        end = num_blocks if r.end is None else min(num_blocks, -(-r.end // tokens_per_block))
+        count += sum(1 for i in range(r.start // tokens_per_block, end) if i >= len(uses) or uses[i] == 0)
+    return count
+
+
 @dataclass(slots=True)
 class AdaptiveSelector:
     """Per pool: reuse statistics + a duel between the candidates. Pure; the caller passes ``now``."""
@@ -71,9 +93,13 @@ class AdaptiveSelector:
     duel_config: DuelConfig = DuelConfig()
     names: tuple[str, ...] | None = None  # None: default_candidates(secondary_blocks)
     protect: ProtectConfig = ProtectConfig()
+    settle: bool = True  # after the pool switches to the bands, first uses at 35 until the pool turned over
     stats: ReuseStats = field(init=False)
     tracker: ConversationTracker | None = field(init=False)
     duel: PolicyDuel = field(init=False)
+    # Kept first-use blocks still to plan at 35 after the pool switched to the bands (see :meth:`plan`).
+    settling: int = field(init=False, default=0)
+    _pool_choice: int = field(init=False, default=0)  # the pool's candidate when the last request was planned
 
     def __post_init__(self) -> None:
         if self.names is None:
@@ -100,8 +126,9 @@ class AdaptiveSelector:
         duel = self.duel
         kept = duel.kept(hashes)
         index = duel.choice(tenant)
+        num_blocks = -(-num_tokens // tokens_per_block)
 
-        def candidate(name: str) -> RetentionPlan:
+        def candidate(name: str, first_use_floor: int = 0) -> RetentionPlan:
             if name == "static":
                 return covering(static, num_tokens)
             if name == "protect":
@@ -110,17 +137,26 @@ class AdaptiveSelector:
             return adaptive_plan(
                 self.stats, tenant, hashes, num_tokens=num_tokens, tokens_per_block=tokens_per_block,
                 offload_min_priority=self.offload_min_priority, decode_priority=decode,
-                host_tier=self.secondary_blocks > 0,
+                host_tier=self.secondary_blocks > 0, first_use_floor=first_use_floor,
             )
 
+        pool_choice = duel.pool_scope.current
+        if pool_choice != self._pool_choice:
+            # The pool switched (on the last sampled request's evidence): onto the bands, GPU only, it settles.
+            onto_bands = self.settle and self.names[pool_choice] == "bands" and self.secondary_blocks == 0
+            self.settling = self.primary_blocks if onto_bands else 0
+            self._pool_choice = pool_choice
+        name = self.names[index]
+        settling = name == "bands" and self.settling > 0
         if kept:
-            plans = [candidate(name) for name in self.names]
-            chosen = plans[index]
+            plans = [candidate(n) for n in self.names]
+            chosen = candidate(name, DEFAULT_PRIORITY) if settling else plans[index]
             duel.record(hashes, kept, plans, now=now, num_tokens=num_tokens, tokens_per_block=tokens_per_block,
                         tenant=tenant)
         else:
-            chosen = candidate(self.names[index])
-        num_blocks = -(-num_tokens // tokens_per_block)
+            chosen = candidate(name, DEFAULT_PRIORITY if settling else 0)
+        if settling:
+            self.settling -= _kept_first_uses(chosen, self.stats.uses(tenant, hashes), num_blocks, tokens_per_block)
         self.stats.observe(tenant, hashes, now, num_blocks=num_blocks)
         if self.tracker is not None:
             self.tracker.observe(hashes, now, num_blocks=num_blocks)

@@ -70,15 +70,16 @@ against ``protect`` 66.63 %). The selector now sends ``static`` covering the who
 (``selection.covering``), as the gateway's class plans always did: agent-loop at 2× 66.31 % (gap
 -0.32 points), at 4× 66.44 % (-0.23, was -1.56).
 
-One is the rule's and stays: a switch from ``static`` to the bands (GPU only) leaves the pool full
-of blocks at 35, which on the bands' scale rank above every first use (T, 30 by default) and
-below nothing a one-shot flood sends, so they keep their slots for good: noisy-neighbour 2 %,
-``adaptive`` 2.88 % against the bands' 3.25 %, the gap persisting over the second half and
-at four times its length (``bench/retention/learning_lag.py``). First uses at max(T, 35) (in LRU order with
-that layer) recover most of it (2.88 → 3.14 %, the bands alone unchanged), but cost the bands where
-first uses rarely return (``bench/retention/generalize.py``, GPU only: synthetic 0.1–0.7 points, api 0.1–0.5,
-both selecting the bands; chat 2 % bands 36.99 → 36.74 %): a loss on the tune families for a gain
-on one, so the bands keep T.
+One was the switch's and is settled by the selector: a switch from ``static`` to the bands (GPU only)
+leaves the pool full of blocks at 35, which on the bands' scale rank above every first use (T, 30 by
+default) and below nothing a one-shot flood sends, so they kept their slots for good: noisy-neighbour
+2 %, ``adaptive`` 2.88 % against the bands' 3.25 %, the gap persisting over the second half and at
+four times its length (``bench/retention/learning_lag.py``). First uses at max(T, 35) for good (in LRU
+order with that layer) recover most of it (2.88 → 3.14 %), but cost the bands where first uses rarely
+return (``bench/retention/generalize.py``, GPU only: synthetic 0.1–0.7 points, api 0.1–0.5, both
+selecting the bands; chat 2 % bands 36.99 → 36.74 %). Only until the pool has turned over after the
+switch (``retention/policy/selection.py``, *settling*) they recover the same (3.14 %) and cost
+synthetic at most 0.07 points (+0.12 at 10 %), api 0.04–0.22 (a report family).
 
 With a host tier the two candidates differ only in where measured one-shot blocks go (35 or T),
 so a switch costs little, and a margin of 0 (``bench/retention/generalize.py``'s 44 host-4× cells, measured
@@ -92,7 +93,8 @@ chat-long 2 % (0.50 → 0.16 points below ``protect``) and api 5 % (0.90 → 0.3
 lose synthetic 2 % (0.05 → 0.51 below the bands) and agent-mixed 1 % (0.30 → 1.05 below ``protect``):
 not adopted either.
 
-Faster evidence early does not close the lag. A warm-up contest on a 4× larger nested slice (same start, so
+Faster evidence early does not close the lag (measured before the selector settled after a switch to the
+bands, so noisy-neighbour's figures here are the unsettled ones). A warm-up contest on a 4× larger nested slice (same start, so
 a superset of the steady one; capped at the whole space), deciding the pool's choice until the steady scope
 has 2,000 decayed references, switches earlier (noisy-neighbour 2 %: to the bands at 12 % of the requests
 instead of 26 %; chat 2 %: bands at 9 %, then ``protect`` at 18 % instead of 24 %) but earns little: chat
