@@ -44,11 +44,9 @@ from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
-from hashlib import sha256
+from struct import Struct
 
-import numpy as np
-
-from retention.hashing import _U32, _U64, chain_hash, pack_tokens, root_hash
+from retention.hashing import chain_hash, chain_hashes, pack_tokens, root_hash
 from retention.pool.blocks import Block
 from retention.pool.events import KvEvent, StoredBlock, StoredEvent
 from retention.pool.invariants import check_pool_invariants
@@ -90,6 +88,7 @@ class BlockPool:
     def __init__(self, config: PoolConfig) -> None:
         self._config = config
         self._bpt = config.tokens_per_block
+        self._block_ints = Struct(f"<{config.tokens_per_block}i")
         self._rec = PoolRecorder(config)
         self._tiers = Tiers(config, self._rec)
         self._seqs: dict[Hashable, _Sequence] = {}
@@ -110,7 +109,7 @@ class BlockPool:
         (``WindowBlockManager::addSequence``: "the last token can't be recovered").
         """
         packed = pack_tokens(tokens)
-        path, _ = self._match(packed, len(packed) // 4, root_hash(salt), extra_key)
+        path = self._match(packed, len(packed) // 4, self._hashes(packed, root_hash(salt), extra_key))
         primary = sum(1 for b in path if b.tier == P)
         return len(path), primary, len(path) - primary
 
@@ -120,7 +119,7 @@ class BlockPool:
         """Whether ``allocate`` would succeed now (ignoring expiries, which never change room)."""
         packed = pack_tokens(tokens)
         n = len(packed) // 4
-        path, _ = self._match(packed, n, root_hash(salt), extra_key)
+        path = self._match(packed, n, self._hashes(packed, root_hash(salt), extra_key))
         return self._fits(path, self._num_blocks(n + reserve_tokens))
 
     # ------------------------------------------------------------------ allocate
@@ -135,6 +134,7 @@ class BlockPool:
         now: float,
         reserve_tokens: int = 0,
         extra_key: bytes = b"",
+        hashes: Sequence[int] | None = None,
     ) -> Allocation | None:
         """Give ``request_id`` blocks for ``tokens`` (+ ``reserve_tokens``), reusing its cached prefix.
 
@@ -144,6 +144,12 @@ class BlockPool:
         takes the plan's priority/duration if a range covers its first token (else keeps its
         priority); new prompt blocks take the covering range or 35; blocks past the prompt
         take the decode priority/duration.
+
+        ``hashes``: the chained hashes of the full blocks of ``tokens`` under ``salt`` and
+        ``extra_key`` (``retention.hashing.block_hashes``), for a caller that has them (the
+        simulator, which retries a waiting request many times): the pool then hashes nothing.
+        They are trusted as hashes only; a hash hit is still confirmed by the block's parent and
+        tokens, exactly as when the pool hashes itself.
         """
         if request_id in self._seqs:
             raise PoolError(f"request {request_id!r} already holds blocks")
@@ -154,7 +160,13 @@ class BlockPool:
         if n == 0:
             raise PoolError("tokens must not be empty")
         salt_root = root_hash(salt)
-        path, hashes = self._match(packed, n, salt_root, extra_key)
+        if hashes is None:
+            hashes = self._hashes(packed, salt_root, extra_key)
+        elif len(hashes) != n // self._bpt:
+            raise PoolError(f"{len(hashes)} hashes given for {n // self._bpt} full blocks")
+        else:
+            hashes = list(hashes)  # the sequence keeps them: a copy the caller cannot change
+        path = self._match(packed, n, hashes)
         total = self._num_blocks(n + reserve_tokens)
         if not self._fits(path, total):
             return None
@@ -238,7 +250,7 @@ class BlockPool:
         """
         seq = self._seq(request_id)
         packed = pack_tokens(tokens)
-        if packed[: len(seq.prompt_bytes)] != seq.prompt_bytes:
+        if not packed.startswith(seq.prompt_bytes):  # compared in place: prompts are long
             raise PoolError(f"stored tokens of {request_id!r} do not start with its prompt")
         computed = max(0, min(num_computed_tokens, len(packed) // 4, len(seq.blocks) * self._bpt))
         if self._config.enable_block_reuse:
@@ -261,7 +273,7 @@ class BlockPool:
         seq = self._seq(request_id)
         packed = pack_tokens(tokens)
         n = len(packed) // 4
-        if packed[: len(seq.prompt_bytes)] != seq.prompt_bytes:
+        if not packed.startswith(seq.prompt_bytes):
             raise PoolError(f"release tokens of {request_id!r} do not start with its prompt")
         computed = n - 1 if num_computed_tokens is None else num_computed_tokens
         computed = max(0, min(computed, n, len(seq.blocks) * self._bpt))
@@ -303,43 +315,37 @@ class BlockPool:
     def _num_blocks(self, num_tokens: int) -> int:
         return -(-num_tokens // self._bpt)
 
-    def _match(self, packed: bytes, n: int, parent_hash: int, extra_key: bytes) -> tuple[list[Block], list[int]]:
-        """Longest cached chain of full blocks (at most ``(n-1)//B``) and the hashes of all full blocks."""
-        width = self._bpt * 4
-        full = n // self._bpt
-        limit = (n - 1) // self._bpt if self._config.enable_block_reuse else 0
+    def _hashes(self, packed: bytes, salt_root: int, extra_key: bytes) -> list[int]:
+        """The chained hashes of every full block of ``packed`` below ``salt_root``."""
+        return chain_hashes(packed, self._bpt, salt_root, extra_key)
+
+    def _match(self, packed: bytes, n: int, hashes: Sequence[int]) -> list[Block]:
+        """Longest cached chain of full blocks (at most ``(n-1)//B``) whose hashes are ``hashes``.
+
+        A hash hit counts only if the tree block hangs below the previous one of the chain
+        and holds the same tokens, so a colliding (or wrongly given) hash never matches.
+        """
+        bpt = self._bpt
+        width = bpt * 4
+        limit = (n - 1) // bpt if self._config.enable_block_reuse else 0  # hashes: one per full block
         cached = self._tiers.cached
         path: list[Block] = []
-        hashes: list[int] = []
         parent: Block | None = None
-        matching = True
-        h = parent_hash
-        if extra_key:
-            extra = _U32.pack(len(extra_key)) + extra_key
-        else:
-            extra = b""
-        pack, unpack, digest_of = _U64.pack, _U64.unpack_from, sha256
-        for i in range(full):
-            chunk = packed[i * width : (i + 1) * width]
-            # Inlined ``chain_hash`` (same bytes, same result; tests compare the two).
-            hasher = digest_of(pack(h))
-            if extra:
-                hasher.update(extra)
-            hasher.update(chunk)
-            h = unpack(hasher.digest())[0]
-            hashes.append(h)
-            if matching and i < limit:
-                block = cached.get(h)
-                if block is not None and block.parent is parent and block.tokens == chunk:
-                    path.append(block)
-                    parent = block
-                    continue
-                matching = False
-        return path, hashes
+        for i in range(limit):
+            block = cached.get(hashes[i])
+            if block is None or block.parent is not parent or block.tokens != packed[i * width : (i + 1) * width]:
+                break
+            path.append(block)
+            parent = block
+        return path
 
     def _fits(self, path: list[Block], total: int) -> bool:
-        onboard = sum(1 for b in path if b.tier == S)
-        free_on_path = sum(1 for b in path if b.tier == P and b.ref_count == 0)
+        onboard = free_on_path = 0  # host blocks to onboard; free GPU blocks the path itself claims
+        for block in path:
+            if block.tier == S:
+                onboard += 1
+            elif block.ref_count == 0:
+                free_on_path += 1
         return onboard + total - len(path) <= self._tiers.num_free_primary - free_on_path
 
     def _seq(self, request_id: Hashable) -> _Sequence:
@@ -358,14 +364,16 @@ class BlockPool:
         cached = self._tiers.cached
         h = seq.salt_root
         for i in range(num_full):
-            chunk = packed[i * width : (i + 1) * width]
-            h = hashes[i] if i < len(hashes) else chain_hash(h, chunk, seq.extra_key)
+            chunk = None if i < len(hashes) else packed[i * width : (i + 1) * width]
+            h = hashes[i] if chunk is None else chain_hash(h, chunk, seq.extra_key)
             block = seq.blocks[i]
             existing = cached.get(h)
+            if existing is block:  # stored already (a sequence stores at its prefill's end and again at release)
+                parent = block
+                continue
+            if chunk is None:  # sliced only past the blocks already stored
+                chunk = packed[i * width : (i + 1) * width]
             if existing is not None:
-                if existing is block:
-                    parent = block
-                    continue
                 if existing.parent is not parent or existing.tokens != chunk or existing.tier == S:
                     break  # hash collision, or a host twin: stop (never hang GPU blocks below host)
                 # A twin with the same KV was stored meanwhile: the sequence adopts it (takes a
@@ -390,12 +398,13 @@ class BlockPool:
             parent = block
         if stored:
             first_parent = stored[0].parent
+            block_ints = self._block_ints.unpack  # a block's int32 tokens as a tuple of ints
             self._rec.emit(
                 lambda i: StoredEvent(
                     i,
                     None if first_parent is None else first_parent.block_hash,
                     tuple(
-                        StoredBlock(b.block_hash, tuple(np.frombuffer(b.tokens, "<i4").tolist()), P, b.priority)  # type: ignore[arg-type]
+                        StoredBlock(b.block_hash, block_ints(b.tokens), P, b.priority)  # type: ignore[arg-type]
                         for b in stored
                     ),
                 )

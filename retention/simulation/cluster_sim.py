@@ -53,7 +53,7 @@ from retention.routing import (
     make_router,
 )
 from retention.simulation.sim_policies import SimPolicy
-from retention.simulation.simulator import PolicyResult, SimConfig, TenantResult, admit_request, record_outcome, request_hashes
+from retention.simulation.simulator import PolicyResult, Prompts, SimConfig, TenantResult, admit_request, record_outcome
 from retention.trace import TraceRequest
 
 IndexMode = Literal["precise", "approximate"]
@@ -174,8 +174,13 @@ def simulate_cluster(
     config: SimConfig = SimConfig(),
     hashes: Sequence[list[int]] | None = None,
     progress: Progress | None = None,
+    prompts: Prompts | None = None,
 ) -> ClusterResult:
-    """Replay ``requests`` over ``cluster.replicas`` fresh pools (each ``primary_blocks`` GPU)."""
+    """Replay ``requests`` over ``cluster.replicas`` fresh pools (each ``primary_blocks`` GPU).
+
+    ``hashes``: what the routers and policies see (default: the requests' block hashes);
+    ``prompts``: the requests' prompts, shared by replays of the same trace (default: made here).
+    """
     policies = [policy_factory() for _ in range(cluster.replicas)]
     name = policies[0].name
     secondary = secondary_blocks if policies[0].uses_host else 0
@@ -195,8 +200,10 @@ def simulate_cluster(
     notices: list[tuple[float, int, int, Notice]] = []  # (due, seq, gateway, notice): in flight between gateways
     sent = 0
     candidates = [Candidate(i) for i in range(cluster.replicas)]
+    if prompts is None:
+        prompts = Prompts(requests, config)
     if hashes is None:
-        hashes = request_hashes(requests, config)
+        hashes = prompts.hashes(requests)
     total = PolicyResult(name, primary_blocks, secondary)
     per_replica = [ReplicaResult(replica=i) for i in range(cluster.replicas)]
     bpt = config.tokens_per_block
@@ -264,7 +271,7 @@ def simulate_cluster(
 
     def try_admit(replica: int, request: TraceRequest, now: float, reserve: int):
         tokens, alloc = admit_request(pools[replica], policies[replica], request, hashes[request.index], config,
-                                      now, reserve)
+                                      now, reserve, prompts)
         if alloc is not None:
             feed(replica, now)
         return tokens, alloc
@@ -414,15 +421,16 @@ def compare_routers(
     names = list(labels) if labels is not None else [r.router for r in routers]
     if len(set(names)) != len(names):
         raise ValueError(f"duplicate result labels: {names}")
-    hashes = request_hashes(requests, config)
+    prompts = Prompts(requests, config)  # one trace: every replay below shares its prompts
+    hashes = prompts.hashes(requests)
     ceiling = simulate(
         requests, policy_factory(), primary_blocks=count * primary_blocks, secondary_blocks=count * secondary_blocks,
-        config=config, hashes=hashes, progress=progress,
+        config=config, hashes=hashes, progress=progress, prompts=prompts,
     )
     results = {
         name: simulate_cluster(
             requests, policy_factory, cluster=cluster, primary_blocks=primary_blocks,
-            secondary_blocks=secondary_blocks, config=config, hashes=hashes, progress=progress,
+            secondary_blocks=secondary_blocks, config=config, hashes=hashes, progress=progress, prompts=prompts,
         )
         for name, cluster in zip(names, routers, strict=True)
     }

@@ -43,6 +43,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Literal
 
+import numpy as np
+
 from retention.hashing import block_hashes
 from retention.policy.demote import demote_length, demote_priority
 from retention.pool import BlockPool, PoolConfig
@@ -154,6 +156,57 @@ def request_hashes(requests: Sequence[TraceRequest], config: SimConfig) -> list[
     ]
 
 
+# Prompts keeps a trace's synthetic tokens only up to this many (int32: 256 MB); past it they are
+# made again at each admission attempt, and only the (small) hashes are kept.
+KEEP_PROMPT_TOKENS = 1 << 26
+
+
+class Prompts:
+    """Every request's pool block hashes (and, for a trace that is not too long, its synthetic
+    prompt), made once and kept for a whole replay.
+
+    For a request ``r`` it was built with, ``get(r)`` is ``(request_tokens(r, trace_block_size),
+    block_hashes(those tokens, tokens_per_block, salt=r's salt))``: exactly what the pool would
+    compute itself, so a pool handed both (``admit_request``) hashes nothing. Worth it because a
+    request waiting for room (``--hold tokens``) is retried after every completion on its pool,
+    and every replay of one trace (``compare_routers``: the ceiling and each router) needs the
+    same prompts. The tokens are kept when the trace's prompts total at most
+    ``KEEP_PROMPT_TOKENS`` tokens, else made again on each ``get``. A request it was not built
+    with (not the same object) is made afresh, never looked up by its index alone.
+    """
+
+    __slots__ = ("_config", "_made")
+
+    def __init__(self, requests: Sequence[TraceRequest], config: SimConfig) -> None:
+        self._config = config
+        keep = sum(r.input_length for r in requests) <= KEEP_PROMPT_TOKENS
+        self._made: dict[int, tuple[TraceRequest, np.ndarray | None, list[int]]] = {}
+        for request in requests:
+            tokens, hashes = self._make(request)
+            self._made[request.index] = (request, tokens if keep else None, hashes)
+
+    def _make(self, request: TraceRequest) -> tuple[np.ndarray, list[int]]:
+        config = self._config
+        tokens = request_tokens(request, config.trace_block_size)
+        return tokens, block_hashes(tokens, config.tokens_per_block, salt=_salt(request, config))
+
+    def _kept(self, request: TraceRequest) -> tuple[TraceRequest, np.ndarray | None, list[int]] | None:
+        made = self._made.get(request.index)
+        return made if made is not None and made[0] is request else None
+
+    def get(self, request: TraceRequest) -> tuple[np.ndarray, list[int]]:
+        """``request``'s prompt tokens (int32) and the hashes of its full pool blocks."""
+        made = self._kept(request)
+        if made is None:
+            return self._make(request)
+        tokens = made[1]
+        return (request_tokens(request, self._config.trace_block_size) if tokens is None else tokens), made[2]
+
+    def hashes(self, requests: Sequence[TraceRequest]) -> list[list[int]]:
+        """The block hashes of ``requests`` in order: ``request_hashes(requests, config)``."""
+        return [self._make(r)[1] if (made := self._kept(r)) is None else made[2] for r in requests]
+
+
 def record_outcome(target: TenantResult | PolicyResult, prompt_tokens: int, reused: int, onboarded: int,
                    rejected: bool, tokens_per_block: int) -> None:
     """Count one request in ``target``: rejected, or its reused blocks split into GPU and host hits."""
@@ -167,13 +220,18 @@ def record_outcome(target: TenantResult | PolicyResult, prompt_tokens: int, reus
 
 
 def admit_request(pool: BlockPool, policy: SimPolicy, request: TraceRequest, h: Sequence[int], config: SimConfig,
-                  now: float, reserve: int):  # noqa: ANN201 - (tokens, Allocation | None)
-    """Plan and allocate one request in ``pool``; the policy observes it when admitted."""
-    tokens = request_tokens(request, config.trace_block_size)
+                  now: float, reserve: int,
+                  prompts: Prompts | None = None):  # noqa: ANN201 - (tokens, Allocation | None)
+    """Plan and allocate one request in ``pool``; the policy observes it when admitted.
+
+    ``h`` are the hashes the policy sees; the pool gets the prompt and its own hashes from
+    ``prompts`` (made afresh without it).
+    """
+    tokens, hashes = (Prompts((), config) if prompts is None else prompts).get(request)
     plan = policy.plan(request, h, now=now, pool=pool)
     alloc = pool.allocate(
         request.index, tokens, salt=_salt(request, config), tenant=request.tenant, plan=plan, now=now,
-        reserve_tokens=reserve,
+        reserve_tokens=reserve, hashes=hashes,
     )
     if alloc is not None:
         policy.observe(request, h, alloc, now=now, pool=pool)
@@ -190,8 +248,13 @@ def simulate(
     hashes: Sequence[list[int]] | None = None,
     progress: Progress | None = None,
     deletions: Sequence[ResponseDeletion] = (),
+    prompts: Prompts | None = None,
 ) -> PolicyResult:
-    """Replay ``requests`` (and ``deletions``, to the policy) through a fresh pool shaped for ``policy``."""
+    """Replay ``requests`` (and ``deletions``, to the policy) through a fresh pool shaped for ``policy``.
+
+    ``hashes``: what the policy sees (default: the requests' block hashes); ``prompts``: the
+    requests' prompts, shared by replays of the same trace (default: made here).
+    """
     secondary = secondary_blocks if policy.uses_host else 0
     pool = BlockPool(
         PoolConfig(
@@ -202,8 +265,10 @@ def simulate(
     result = PolicyResult(policy.name, primary_blocks, secondary)
     bpt = config.tokens_per_block
     no_hashes: list[int] = []
+    if prompts is None:
+        prompts = Prompts(requests, config)
     if hashes is None:
-        hashes = request_hashes(requests, config)
+        hashes = prompts.hashes(requests)
 
     def account(request: TraceRequest, reused: int, onboarded: int, rejected: bool) -> None:
         if rejected:  # policies learn from every request, served or not
@@ -214,7 +279,7 @@ def simulate(
 
     def try_admit(request: TraceRequest, now: float, reserve: int):
         h = hashes[request.index] if request.index < len(hashes) else no_hashes
-        return admit_request(pool, policy, request, h, config, now, reserve)
+        return admit_request(pool, policy, request, h, config, now, reserve, prompts)
 
     deliver = _deliverer(policy, deletions, pool, config, result)
     completion_demote = getattr(policy, "completion_demote", None)
@@ -397,7 +462,8 @@ def run_simulation(
 
     ``policies`` are factories so each run starts from fresh policy state.
     """
-    hashes = request_hashes(requests, config)
+    prompts = Prompts(requests, config)  # shared by every replay below
+    hashes = prompts.hashes(requests)
     chains: list[ChainRequest] = [
         chain_request(h, r.input_length, config.tokens_per_block) for h, r in zip(hashes, requests, strict=True)
     ]
@@ -410,7 +476,7 @@ def run_simulation(
             policy = factory()
             results[policy.name] = simulate(
                 requests, policy, primary_blocks=capacity, secondary_blocks=host, config=config, hashes=hashes,
-                progress=progress, deletions=deletions,
+                progress=progress, deletions=deletions, prompts=prompts,
             )
         any_host = any(r.secondary_blocks for r in results.values())
         optimum = belady(chains, capacity, config.tokens_per_block)

@@ -6,6 +6,7 @@ import hashlib
 
 import pytest
 
+import retention.hashing as hashing_module
 import retention.pool.block_pool as pool_module
 from retention.pool.events import RemovedEvent, StoredEvent, UpdatedEvent, replay
 from retention.pool import BlockCopy, BlockPool, PoolConfig, PoolError
@@ -257,7 +258,7 @@ class TokenBlindSha256:
 
 
 def test_token_comparison_on_hash_hit(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(pool_module, "sha256", TokenBlindSha256)
+    monkeypatch.setattr(hashing_module, "sha256", TokenBlindSha256)  # the pool hashes with retention.hashing
     pool = BlockPool(PoolConfig(primary_blocks=8, tokens_per_block=B))
     run(pool, "a", toks(0, 2, 0))
     assert pool.lookup(toks(500, 2, 1), salt=None) == (0, 0, 0)
