@@ -28,7 +28,9 @@ expiry; notices of this gateway itself are ignored; duplicates and a COMPLETE wi
 DISPATCH are no-ops (the hooks are idempotent). So, as long as each gateway's notices arrive in
 the order it sent them (one publisher per gateway, one channel per pool), a notice lost or
 replayed leaves load (running or queued prefill) behind for at most one heartbeat period, and a
-gateway gone for at most the lease. Pure: the transport (``server/gateway/replicas/peer_sync.py``) and the clock belong to the
+gateway gone for at most the lease. A notice is bounded in size, block hashes, token counts and
+replica id (the constants below): one past a bound is refused like any malformed one, and
+``dispatch_notice`` keeps this gateway's own within them. Pure: the transport (``server/gateway/replicas/peer_sync.py``) and the clock belong to the
 caller.
 """
 
@@ -44,6 +46,19 @@ from retention.routing.types import Decision, PrefixMatch, RouteRequest, Routing
 
 NoticeKind = Literal["dispatch", "first_token", "complete", "heartbeat"]
 KINDS: tuple[str, ...] = ("dispatch", "first_token", "complete", "heartbeat")
+
+# Bounds of a notice, so that one message (a peer's bug, or anything else on the channel) costs a
+# gateway a bounded time and cannot skew its load beyond a few half-lives of recent prefill:
+MAX_NOTICE_HASHES = 2**16  # block hashes of a dispatch: a 2M-token prompt at the pools' default 32 tokens
+# per block; a longer prompt's notice carries its first MAX_NOTICE_HASHES (``dispatch_notice``), so
+# peers see only the rest of it as not pending. Parsed and applied in ~25 ms.
+MAX_NOTICE_TOKENS = 2**24  # prompt and output tokens (and reused blocks, each at least a token): above
+# any model's context window (the longest are ~10M tokens) and the API's max_tokens (1M)
+MAX_REPLICA_ID = 2**31 - 1  # replicas are the registry's ids, INTEGER columns (tenants.common.MAX_ID)
+MAX_NOTICE_BYTES = 2 * 2**20  # refused before parsing: holds the largest dispatch (MAX_NOTICE_HASHES
+# 64-bit hashes of at most 21 characters each, ~1.4 MB) and a heartbeat naming ~50,000 requests in
+# flight on one gateway in one pool (a 16-character id named twice, ~38 bytes each); parsing the worst
+# message of this size (small numbers) takes ~50 ms
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,7 +102,10 @@ class Notice:
 
     @classmethod
     def decode(cls, data: bytes | str) -> Notice:
-        """Parse :meth:`encode`'s output; anything else raises :class:`RoutingError`."""
+        """Parse :meth:`encode`'s output; anything else raises :class:`RoutingError`, as does a
+        notice past the bounds above (a message over ``MAX_NOTICE_BYTES`` is not parsed)."""
+        if len(data) > MAX_NOTICE_BYTES:
+            raise RoutingError(f"malformed routing notice: {len(data)} bytes, at most {MAX_NOTICE_BYTES}")
         try:
             body = json.loads(data)
             gateway, kind = str(body[0]), body[1]
@@ -104,22 +122,32 @@ class Notice:
             if kind != "dispatch":
                 return cls(gateway, kind, str(body[2]))
             _, _, rid, replica, hashes, prompt, output, reused = body
+            if not isinstance(hashes, list) or len(hashes) > MAX_NOTICE_HASHES:
+                raise ValueError(f"a dispatch names at most {MAX_NOTICE_HASHES} block hashes, in a list")
             ints = (replica, prompt, output, reused, *hashes)
             if any(isinstance(v, bool) or not isinstance(v, int) for v in ints):
                 raise ValueError("replica, token counts and hashes must be integers")
-            if replica < 0 or prompt < 1 or output < 0 or reused < 0:
-                raise ValueError("replica and reused blocks must be >= 0, prompt tokens >= 1, output tokens >= 0")
+            if not 0 <= replica <= MAX_REPLICA_ID:
+                raise ValueError(f"replica must be in [0, {MAX_REPLICA_ID}]")
+            if not (1 <= prompt <= MAX_NOTICE_TOKENS and 0 <= output <= MAX_NOTICE_TOKENS
+                    and 0 <= reused <= MAX_NOTICE_TOKENS):
+                raise ValueError(f"prompt tokens must be in [1, {MAX_NOTICE_TOKENS}], output tokens and "
+                                 f"reused blocks in [0, {MAX_NOTICE_TOKENS}]")
             return cls(gateway, kind, str(rid), replica, tuple(hashes), prompt, output, reused)
-        except (ValueError, TypeError, IndexError, KeyError) as exc:  # JSONDecodeError is a ValueError
-            raise RoutingError(f"malformed routing notice: {exc}") from None
+        # JSONDecodeError is a ValueError; RecursionError: nesting deeper than the parser (or str) goes
+        except (ValueError, TypeError, IndexError, KeyError, RecursionError) as exc:
+            raise RoutingError(f"malformed routing notice: {type(exc).__name__}: {str(exc)[:200]}") from None
 
 
 def dispatch_notice(gateway: str, request: RouteRequest, decision: Decision) -> Notice:
-    """The notice of ``request`` dispatched as ``decision`` says (the dispatcher's own hook)."""
+    """The notice of ``request`` dispatched as ``decision`` says (the dispatcher's own hook), within
+    the bounds its peers accept: the first ``MAX_NOTICE_HASHES`` block hashes, counts at most
+    ``MAX_NOTICE_TOKENS``."""
     match = decision.match
     return Notice(gateway, "dispatch", str(request.request_id), decision.replica,
-                  tuple(int(h) for h in request.hashes), request.prompt_tokens, request.output_tokens,
-                  match.blocks + match.pending_blocks)
+                  tuple(int(h) for h in request.hashes[:MAX_NOTICE_HASHES]),
+                  min(request.prompt_tokens, MAX_NOTICE_TOKENS), min(request.output_tokens, MAX_NOTICE_TOKENS),
+                  min(match.blocks + match.pending_blocks, MAX_NOTICE_TOKENS))
 
 
 @dataclass(slots=True)
@@ -205,4 +233,5 @@ class PeerLoads:
         return gone
 
 
-__all__ = ["KINDS", "Notice", "NoticeKind", "PeerLoads", "dispatch_notice"]
+__all__ = ["KINDS", "MAX_NOTICE_BYTES", "MAX_NOTICE_HASHES", "MAX_NOTICE_TOKENS", "MAX_REPLICA_ID", "Notice",
+           "NoticeKind", "PeerLoads", "dispatch_notice"]

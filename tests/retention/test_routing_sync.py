@@ -197,3 +197,57 @@ def test_synced_gateways_choose_as_one_router() -> None:
     assert place(False) != one
     assert dispatch_notice("g", request("x", (1, 2)), make_router("random", tokens_per_block=BPT).route(
         request("x", (1, 2)), CANDIDATES, now=0.0)).reused_blocks == 0
+
+
+def test_a_notice_past_its_bounds_or_nested_too_deep_is_refused() -> None:
+    """What a peer's bug (or anything else on the channel) could send: each refused as malformed,
+    never an exception of another kind, never a load beyond a notice's bounds."""
+    nested = b"[" * 100_000 + b"]" * 100_000  # deeper than the parser recurses
+    for bad in (nested, b'["g1","heartbeat",[' + b"[" * 100_000 + b"]" * 100_000 + b"]]",
+                b'["g1","dispatch","r",1,[1],' + str(10**30).encode() + b',4,0]',  # prompt tokens
+                b'["g1","dispatch","r",1,[1],5,' + str(10**30).encode() + b',0]',  # output tokens
+                b'["g1","dispatch","r",1,[1],5,4,' + str(10**30).encode() + b"]",  # reused blocks
+                b'["g1","dispatch","r",' + str(10**30).encode() + b",[1],5,4,0]",  # a phantom replica
+                b'["g1","dispatch","r",' + str(2**31).encode() + b",[1],5,4,0]",  # past the registry's ids
+                b'["g1","dispatch","r",1,"12",5,4,0]'):  # hashes not a list
+        with pytest.raises(RoutingError, match="malformed routing notice"):
+            Notice.decode(bad)
+    at_bounds = Notice("g1", "dispatch", "r", 2**31 - 1, (1,), 2**24, 2**24, 2**24)
+    assert Notice.decode(at_bounds.encode()) == at_bounds
+    with pytest.raises(RoutingError, match="malformed routing notice"):
+        Notice.decode(Notice("g1", "dispatch", "r", 1, tuple(range(2**16 + 1)), 2**20, 4, 0).encode())
+    assert len(Notice.decode(Notice("g1", "dispatch", "r", 1, tuple(range(2**16)), 2**20, 4, 0).encode()).hashes) == 2**16
+
+
+def test_an_oversize_message_is_refused_before_it_is_parsed(monkeypatch) -> None:
+    from retention.routing import sync
+
+    # a valid heartbeat, only too big: 2 MiB and more
+    raw = Notice("g1", "heartbeat", in_flight=tuple(f"{i:016x}" for i in range(120_000))).encode()
+    assert len(raw) > 2 * 2**20
+
+    def parse(_data):
+        raise AssertionError("parsed")
+
+    monkeypatch.setattr(sync.json, "loads", parse)
+    with pytest.raises(RoutingError, match="malformed routing notice"):
+        Notice.decode(raw)
+
+
+def test_a_huge_prompt_cannot_skew_recent_load_for_long() -> None:
+    router = KvAwareRouter(tokens_per_block=BPT)
+    peers = PeerLoads(router, "me")
+    with pytest.raises(RoutingError):
+        peers.apply(Notice.decode(Notice("g1", "dispatch", "x", 1, (1,), 10**30, 4, 0).encode()), now=0.0)
+    peers.apply(Notice.decode(Notice("g1", "dispatch", "x", 1, (1,), 2**24, 4, 0).encode()), now=0.0)
+    peers.apply(Notice.decode(Notice("g1", "complete", "x").encode()), now=0.0)
+    assert router.loads.load(1, now=3600.0).recent_prefill_tokens < 1.0  # the largest allowed, an hour later
+
+
+def test_a_dispatch_notice_stays_within_the_bounds_its_peers_accept() -> None:
+    """A prompt longer than a notice carries: its first blocks and its counts, capped, still reach peers."""
+    long = RouteRequest("long", tuple(range(2**16 + 10)), 2**25, 2**25)
+    decision = make_router("random", tokens_per_block=BPT).route(long, CANDIDATES, now=0.0)
+    notice = Notice.decode(dispatch_notice("g", long, decision).encode())
+    assert notice.hashes == tuple(range(2**16))
+    assert (notice.prompt_tokens, notice.output_tokens) == (2**24, 2**24)

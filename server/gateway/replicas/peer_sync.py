@@ -22,9 +22,15 @@ Invariants:
   names every request whose DISPATCH went before it and is still in flight.
 * Redis being away costs the sync, never a request: after a failed send the sender pings every
   ``RETRY_S`` until Redis answers; the listener resubscribes when its connection fails or when it
-  heard nothing, not even the answer to its PING, for ``lease_s`` (a hung connection); a notice
-  that parses but the router refuses is counted malformed, never ends the subscription; every
-  loop outlives an unexpected error.
+  heard nothing, not even the answer to its PING, for ``lease_s`` (a hung connection); every
+  loop outlives an unexpected error (the listener's counts as a resubscribe).
+* A bad message never ends the subscription: one over ``MAX_NOTICE_BYTES`` (not parsed), one on a
+  channel whose name is not UTF-8, one that is not a notice or is past a notice's bounds (block
+  hashes, token counts, replica id: ``retention/routing/sync.py``), one the router refuses, or any
+  error while applying one is counted malformed and skipped; the next message is read as usual.
+  So one message costs a bounded time (~50 ms at most to parse, ~25 ms to apply the largest
+  dispatch), and this gateway never sends what its peers would refuse (a notice over
+  ``MAX_NOTICE_BYTES``, which only a heartbeat naming ~50,000 requests could be, is dropped).
 * This gateway's own notices, echoed back by the subscription, are dropped before parsing
   (``received`` counts peers' notices only).
 * A peer's notice for a pool this gateway has not polled yet is dropped (its route does not
@@ -46,6 +52,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 from retention.routing import Notice, PeerLoads, RoutingError
+from retention.routing.sync import MAX_NOTICE_BYTES
 from server.gateway.tasks import cancel_all
 
 log = logging.getLogger("kvgate.gateway.peer_sync")
@@ -55,6 +62,8 @@ QUEUE_MAX = 10_000
 QUEUE_MAX_HASHES = 1_000_000  # block hashes of queued notices: ~45 MB of int objects at most waiting for Redis
 REDIS_TIMEOUT_S = 2.0
 YIELD_EVERY = 64  # messages applied between two turns of the event loop
+YIELD_BYTES = 2**18  # or message bytes read since the last turn (~6 ms of parsing; one notice may hold ~50 ms)
+WARN_EVERY_S = 60.0  # at most one log line per this for messages that failed unexpectedly
 
 
 @dataclass(slots=True)
@@ -62,7 +71,7 @@ class SyncCounters:
     published: int = 0
     received: int = 0  # peers' notices parsed (this gateway's own echoes are not)
     dropped: int = 0  # queue full, or Redis away when the notice was to be sent
-    malformed: int = 0  # not a notice, or one the router refused
+    malformed: int = 0  # not a notice (or past its bounds, or on a channel not UTF-8), or one the router refused
 
 
 class PeerSync:
@@ -100,6 +109,7 @@ class PeerSync:
         self.pools: Callable[[], list[str]] = list
         self._tasks: list[asyncio.Task] = []
         self.subscribed = asyncio.Event()  # set once Redis confirmed the subscription, cleared when lost
+        self._warned_at = -WARN_EVERY_S  # when a message that failed unexpectedly was last logged
 
     def attach(self, *, peers_of: Callable[[str], PeerLoads | None], pools: Callable[[], list[str]],
                clock: Callable[[], float]) -> None:
@@ -140,10 +150,18 @@ class PeerSync:
             self._queued_hashes -= len(batch[0][1].hashes)
             while not self._queue.empty() and len(batch) < 512:
                 batch.append(self._take())
+            encoded = [(self.channel(pool), notice.encode()) for pool, notice in batch]
+            sendable = [(channel, raw) for channel, raw in encoded if len(raw) <= MAX_NOTICE_BYTES]
+            if len(sendable) < len(encoded):  # peers would refuse it unread
+                self.counters.dropped += len(encoded) - len(sendable)
+                log.warning("routing sync: dropped %d notice(s) over %d bytes (peers refuse them)",
+                            len(encoded) - len(sendable), MAX_NOTICE_BYTES)
+                if not sendable:
+                    continue
             try:
                 async with self._redis.pipeline(transaction=False) as pipe:
-                    for pool, notice in batch:
-                        pipe.publish(self.channel(pool), notice.encode())
+                    for channel, raw in sendable:
+                        pipe.publish(channel, raw)
                     await pipe.execute()
             except self._down as exc:
                 stale = [self._take() for _ in range(self._queue.qsize())]
@@ -154,7 +172,7 @@ class PeerSync:
                 await self._until_redis_answers()
                 log.warning("routing sync: publishing restored")
                 continue
-            self.counters.published += len(batch)
+            self.counters.published += len(sendable)
 
     async def _until_redis_answers(self) -> None:
         """Ping every ``RETRY_S`` until Redis answers, then queue everything again."""
@@ -166,26 +184,31 @@ class PeerSync:
                 return
 
     # ------------------------------------------------------------------ receiving
-    def deliver(self, channel: str, data: bytes) -> None:
+    def deliver(self, channel: str | bytes, data: bytes) -> None:
         """Apply one message of ``channel`` to its pool's peer loads (this gateway's own, which the
-        subscription echoes back, are dropped before parsing: ``Notice.encode`` starts with the id)."""
-        if data.startswith(self._echo):
-            return
-        prefix = f"{self.namespace}:routing:"
-        pool = channel[len(prefix):] if channel.startswith(prefix) else None
+        subscription echoes back, are dropped before parsing: ``Notice.encode`` starts with the id).
+        Never raises: a message that cannot be read or applied is counted malformed."""
         try:
-            notice = Notice.decode(data)
-        except RoutingError:
+            if data.startswith(self._echo):
+                return
+            if isinstance(channel, bytes):
+                channel = channel.decode()  # not UTF-8: names no pool of this gateway's, counted malformed
+            prefix = f"{self.namespace}:routing:"
+            pool = channel[len(prefix):] if channel.startswith(prefix) else None
+            notice = Notice.decode(data)  # refuses a message over MAX_NOTICE_BYTES before parsing it
+            peers = None if pool is None else self.peers_of(pool)
+            if peers is not None:
+                peers.apply(notice, now=self._clock())
+        except (RoutingError, UnicodeDecodeError):  # not a notice, or parsed but refused (a peer of another version)
             self.counters.malformed += 1
             return
-        peers = None if pool is None else self.peers_of(pool)
-        if peers is None:
-            self.counters.received += 1
-            return
-        try:
-            peers.apply(notice, now=self._clock())
-        except RoutingError:  # parsed, but the router refuses it (e.g. a peer of another version)
+        except Exception:  # noqa: BLE001 -- one message never ends the subscription
             self.counters.malformed += 1
+            now = time.monotonic()
+            if now - self._warned_at >= WARN_EVERY_S:
+                self._warned_at = now
+                log.warning("routing sync: a message on %r failed; skipped (counted malformed)", channel,
+                            exc_info=True)
             return
         self.counters.received += 1
 
@@ -197,7 +220,7 @@ class PeerSync:
             await pubsub.psubscribe(f"{self.namespace}:routing:*")
             heard = self._clock()
             pinged = False
-            applied = 0
+            applied = read = 0
             wait = min(1.0, self.lease_s / 4)  # a PING and its answer fit in a lease
             while True:
                 message = await pubsub.get_message(timeout=wait)
@@ -216,10 +239,12 @@ class PeerSync:
                 if kind == "psubscribe":
                     self.subscribed.set()
                 elif kind == "pmessage":
-                    channel = message["channel"]
-                    self.deliver(channel.decode() if isinstance(channel, bytes) else channel, message["data"])
+                    data = message["data"]
+                    self.deliver(message["channel"], data)
                     applied += 1
-                    if applied % YIELD_EVERY == 0:
+                    read += len(data)
+                    if applied % YIELD_EVERY == 0 or read >= YIELD_BYTES:
+                        read = 0
                         await asyncio.sleep(0)  # a burst never holds the event loop
         finally:
             self.subscribed.clear()
@@ -235,6 +260,9 @@ class PeerSync:
                 if not lost:
                     log.warning("routing sync: subscription lost (%s); routing on this gateway's own view", exc)
                 lost = True
+            except Exception:
+                log.exception("routing sync: the subscription failed; subscribing again")
+                lost = False
             else:
                 lost = False
             self.resubscribes += 1

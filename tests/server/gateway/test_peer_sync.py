@@ -167,3 +167,71 @@ def test_a_quiet_subscription_is_kept_alive_by_its_pings_and_a_refused_notice_ne
             await sync.close()
 
     asyncio.run(scenario())
+
+
+def test_a_bad_message_never_ends_the_subscription_and_the_next_notice_is_applied() -> None:
+    """Too deeply nested to parse, on a channel whose name is not UTF-8, over the size bound, past a
+    notice's bounds: each is counted malformed, the subscription stays, the notice behind them lands."""
+    async def scenario() -> None:
+        async with two_gateways() as ((a, _, _), (b, b_loads, _)):
+            await a._redis.publish(a.channel(POOL), b"[" * 100_000 + b"]" * 100_000)
+            await a._redis.publish(f"{a.namespace}:routing:".encode() + b"\xff", b"[]")
+            await a._redis.publish(a.channel(POOL), Notice("a", "dispatch", "big", 1, tuple(range(2_000_000)),
+                                                           8_000_000, 4, 0).encode())  # ~15 MB
+            await a._redis.publish(a.channel(POOL), Notice("a", "dispatch", "x", 1, (1,), 10**30, 4, 0).encode())
+            await a._redis.publish(a.channel(POOL), Notice("a", "dispatch", "y", 10**30, (1,), 5, 4, 0).encode())
+            await a._redis.publish(a.channel(POOL), Notice("a", "dispatch", "req-1", 1, (7, 8), 13, 4, 0).encode())
+            await until(lambda: b_loads.router.loads.load(1).running == 1, "the notice behind them", timeout=5.0)
+            assert b.counters.malformed == 5  # (received also counts a's heartbeats)
+            assert b.resubscribes == 0 and b.subscribed.is_set()
+            assert b_loads.router.loads.load(1).queued_prefill_tokens == 13
+
+    asyncio.run(scenario())
+
+
+def test_deliver_counts_any_failure_of_one_message_as_malformed(monkeypatch) -> None:
+    class Failing:
+        def apply(self, notice: Notice, *, now: float) -> None:
+            raise KeyError("a bug while applying")
+
+    sync, loads, _ = gateway("b", "unused")
+    sync.deliver(sync.channel(POOL), b"[" * 100_000 + b"]" * 100_000)
+    sync.deliver(f"{sync.namespace}:routing:".encode() + b"\xff", b"[]")
+    sync.deliver(sync.channel(POOL).encode(), Notice("a", "dispatch", "r", 1, (1,), 5, 4, 0).encode())  # bytes: fine
+    assert (sync.counters.malformed, sync.counters.received) == (2, 1)
+    assert loads.router.loads.load(1).running == 1
+
+    def parse(_data):
+        raise AssertionError("an oversize message was parsed")
+
+    big = Notice("a", "dispatch", "big", 1, tuple(range(2_000_000)), 8_000_000, 4, 0).encode()  # ~15 MB
+    monkeypatch.setattr("retention.routing.sync.json.loads", parse)
+    started = time.perf_counter()
+    sync.deliver(sync.channel(POOL), big)
+    assert sync.counters.malformed == 3 and time.perf_counter() - started < 0.1
+    monkeypatch.undo()
+    sync.attach(peers_of=lambda pool: Failing(), pools=list, clock=time.monotonic)
+    sync.deliver(sync.channel(POOL), Notice("a", "complete", "r").encode())
+    assert sync.counters.malformed == 4
+
+
+def test_an_unexpected_error_in_the_listener_is_counted_as_a_resubscribe(monkeypatch) -> None:
+    async def scenario() -> None:
+        async with two_gateways() as ((a, _, _), (b, b_loads, _)):
+            deliver = b.deliver
+            failures = []
+
+            def failing_once(channel, data) -> None:
+                if not failures:
+                    failures.append(channel)
+                    raise RuntimeError("an unexpected error")
+                deliver(channel, data)
+
+            monkeypatch.setattr(peer_sync, "RETRY_S", 0.05)
+            monkeypatch.setattr(b, "deliver", failing_once)
+            a.publish(POOL, Notice("a", "complete", "nothing"))
+            await until(lambda: b.resubscribes == 1 and b.subscribed.is_set(), "the listener back, counted")
+            a.publish(POOL, Notice("a", "dispatch", "req-1", 1, (7, 8), 13, 4, 0))
+            await until(lambda: b_loads.router.loads.load(1).running == 1, "b applies what follows", timeout=5.0)
+
+    asyncio.run(scenario())
