@@ -221,13 +221,15 @@ def list_tenants(
 
 def update_tenant(
     session: Session, *, actor: str, now: datetime, ref: int | str, version: int, changes: Mapping[str, Any],
-    within_caps: bool = False,
+    within_caps: bool = False, check_dedication: bool = True,
 ) -> Tenant:
     """Apply ``changes`` (any of ``UPDATABLE``) if ``version`` is current, else ``StaleVersion``.
     No changes at all (a PATCH with only its version) writes nothing and returns the row.
 
     ``within_caps`` (a tenant-admin's change): ``check_within_caps`` on the row read in the
-    same transaction, so a cap lowered concurrently is not raced past.
+    same transaction, so a cap lowered concurrently is not raced past. ``check_dedication=False``
+    (a batch of moves, ``tenants.declarative.apply``): the caller runs :func:`check_placement`
+    for the tenant once the batch's end state is written, in the same transaction.
     """
     changes = dict(changes)
     pool_ref = changes.pop("pool", None)
@@ -250,11 +252,16 @@ def update_tenant(
             _lock_pool(session, values.get("pool_id", tenant.pool_id))
         audit.audited_update(session, tenant, actor=actor, now=now, entity_type="tenant", version=version,
                              values=values, view=audit_view)
-        if placing:  # after the write, like create_tenant: see _check_dedication
-            target = session.get(Pool, tenant.pool_id)
-            assert target is not None
-            _check_dedication(session, pool=target, isolation=tenant.isolation, tenant_id=tenant.id)
+        if placing and check_dedication:  # after the write, like create_tenant: see _check_dedication
+            check_placement(session, tenant)
     return tenant
+
+
+def check_placement(session: Session, tenant: Tenant) -> None:
+    """``_check_dedication`` for ``tenant`` where it stands now (its pool and isolation as written)."""
+    target = session.get(Pool, tenant.pool_id)
+    assert target is not None
+    _check_dedication(session, pool=target, isolation=tenant.isolation, tenant_id=tenant.id)
 
 
 def _set_status(

@@ -2,7 +2,8 @@
 and schemas as the admin REST API (so the same rules and error codes apply).
 
 Output is JSON on stdout; errors are the admin error shape on stderr with exit code 1
-(registry rule) or 2 (invalid input). Audit events name the actor ``cli:<os user>``.
+(registry rule) or 2 (invalid input). ``apply --exit-code`` exits 3 when its plan has
+changes (a drift check). Audit events name the actor ``cli:<os user>``.
 """
 
 from __future__ import annotations
@@ -31,6 +32,10 @@ from server.cli.options import (
     utc_now,
     validate_body,
 )
+
+# `kvgate admin apply --exit-code`: the plan had changes (not an error: 1 and 2 are).
+CHANGES_PLANNED = 3
+
 
 def _crud(
     parent: typer.Typer,
@@ -149,12 +154,19 @@ def register(app: typer.Typer) -> None:
                                "it would leave an unrevoked tenant-admin credential with no tenant)")
         ] = False,
         actor: Annotated[str | None, typer.Option(help="audit actor (default cli:<os user>)")] = None,
+        exit_code: Annotated[
+            bool, typer.Option("--exit-code", help=f"exit {CHANGES_PLANNED} when the plan has changes, 0 when the "
+                               "registry matches (with --dry-run: a drift check for CI)")
+        ] = False,
     ) -> None:
         """Make the registry match a declarative file: pools with replicas, classes, tenants.
 
         Idempotent: a second apply of the same file changes nothing and writes no audit
         event. Prints each change (field: old → new); all changes commit in one
         transaction, one audit event each, or none do. A bad file exits 2, writing nothing.
+        Exit 0 whether or not there were changes, unless --exit-code: then 3 when the plan
+        has changes (with --dry-run: the registry differs from the file; without: they were
+        applied), so exit 1 and 2 stay errors.
         """
         import sys
         from pathlib import Path
@@ -184,6 +196,8 @@ def register(app: typer.Typer) -> None:
                 typer.echo("dry run: nothing written")
             elif not plan.empty:
                 typer.echo(f"applied as {who}")
+        if exit_code and not plan.empty:
+            raise typer.Exit(CHANGES_PLANNED)
 
     @admin.command()
     def audit(

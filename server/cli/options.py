@@ -3,8 +3,8 @@
 Option types (``Annotated`` aliases typer reads), the ``--set field=value`` parser, a
 registry session that turns registry and validation errors into the admin error shape on
 stderr (exit 2: invalid input, what the admin API answers 422; exit 1: the registry's state
-refuses it: not found, forbidden, conflict, stale version, in use), and the audit actor
-``cli:<os user>``.
+refuses it: not found, forbidden, conflict, stale version, in use; ``admin apply --exit-code``
+adds exit 3: the plan has changes), and the audit actor ``cli:<os user>``.
 Command modules (``admin``, ``slo``, ``trace``) import from here and never from each other.
 """
 

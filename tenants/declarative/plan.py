@@ -5,6 +5,11 @@ Rules (what ``kvgate admin apply`` promises):
 * Only what the file writes is managed. A field omitted from an item is left as it is
   (on create, the services' defaults apply); e.g. a replica without ``state`` keeps the
   state an operator gave it with ``kvgate admin replicas drain``.
+* A pool's ``slo`` is its whole SLO budget: omitted, the budget is not managed (even with
+  ``prune``: a budget set with ``kvgate admin slo set`` survives a file that never names
+  budgets); ``slo: null`` means "no budget", as ``null`` means "none" for the other
+  fields that may be empty (``limit_caps``, ``turn_duration_ms``): a budget the pool has is
+  deleted (``pool_slo`` delete, audited as ``kvgate admin slo delete`` is), without ``prune``.
 * Entities absent from the file are left alone, unless ``prune``: then pools, replicas
   of a listed pool, retention classes and tenants that the file does not list are
   deleted — but only for the kinds whose list appears in the file (a file without
@@ -16,6 +21,12 @@ Rules (what ``kvgate admin apply`` promises):
 * The plan is computed from the registry as read in the caller's session; it holds the
   versions it read, so applying it after someone else changed a row fails with
   ``stale_version`` instead of overwriting their change.
+* The order of the changes is the order they run in, chosen so that no end state the
+  registry's rules allow is refused for the order of its steps: a pool's replica adds and removes are sequenced so
+  it never has more than ``MAX_REPLICAS`` nor none (renaming a replica works at the maximum
+  and for a pool's only one); tenants are deleted, then updated, then created, so a pool is
+  vacated before it is taken; and dedication is checked on the end state (``apply.py``), so
+  dedicated tenants may swap pools.
 * An empty plan means the registry already matches: applying it writes nothing. Values are
   compared as the services store them (``limit_caps: {}`` is stored as no caps, NULL), so a
   file the registry matches always plans nothing.
@@ -44,16 +55,22 @@ from tenants.models import (
     TraceCapture,
     Usage,
 )
+from tenants.replicas import MAX_REPLICAS
 from tenants.tenant import normalized_caps
 
-# Execution order: creations bottom-up (classes, pools, replicas, tenants), deletions top-down.
+# Execution order: creations bottom-up (classes, pools, replicas, tenants); pools and classes
+# deleted last, once no tenant uses them. A pool's replica creates and deletes are one step,
+# in the order ``_replica_steps`` gives them; tenants are deleted, then moved, then created,
+# so that a pool is vacated before it is taken (see the module rules).
 ORDER = (
     ("retention_class", "create"), ("retention_class", "update"),
     ("pool", "create"), ("pool", "update"),
-    ("replica", "create"), ("replica", "update"), ("pool_slo", "create"), ("pool_slo", "update"),
-    ("tenant", "create"), ("tenant", "update"), ("tenant", "suspend"), ("tenant", "resume"),
-    ("tenant", "delete"), ("replica", "delete"), ("pool", "delete"), ("retention_class", "delete"),
+    ("replica", "create"), ("replica", "update"),
+    ("pool_slo", "create"), ("pool_slo", "update"), ("pool_slo", "delete"),
+    ("tenant", "delete"), ("tenant", "update"), ("tenant", "create"), ("tenant", "suspend"), ("tenant", "resume"),
+    ("pool", "delete"), ("retention_class", "delete"),
 )
+SAME_STEP = {("replica", "delete"): ("replica", "create")}
 SYMBOL = {"create": "+", "update": "~", "suspend": "~", "resume": "~", "delete": "-"}
 TENANT_LIMITS = ("rpm_limit", "tpm_limit", "max_concurrent_requests", "max_prompt_tokens", "max_output_tokens")
 
@@ -123,6 +140,21 @@ def _diff(current: Any, wanted: dict[str, Any]) -> tuple[FieldChange, ...]:
 
 def _created(values: dict[str, Any]) -> tuple[FieldChange, ...]:
     return tuple(FieldChange(k, None, v) for k, v in sorted(values.items()))
+
+
+def _replica_steps(count: int, creates: list[Change], deletes: list[Change]) -> list[Change]:
+    """One pool's replica creates and deletes, ordered so that it never holds more than
+    ``MAX_REPLICAS`` (a create at the maximum waits for a delete) nor none (the deletes left
+    over run after the creates). ``count`` is the pool's replicas before the plan."""
+    out: list[Change] = []
+    pending = list(deletes)
+    for create in creates:
+        if count >= MAX_REPLICAS and pending:
+            out.append(pending.pop(0))
+            count -= 1
+        out.append(create)
+        count += 1
+    return out + pending
 
 
 def _replica_line(r: dict[str, Any]) -> str:
@@ -198,13 +230,16 @@ def compute_plan(session: Session, doc: RegistryFile, *, prune: bool = False) ->
         cur = pools.get(spec.name)
         wanted = spec.given(exclude=("name", "replicas", "slo"))
         replicas = [r.given() for r in spec.replicas]
+        have = None if cur is None else cur.slo
         if spec.slo is not None:  # the whole budget, defaults for what the file leaves out
             budget = slo.validated(spec.slo.model_dump())
-            have = None if cur is None else cur.slo
             if have is None:
                 changes.append(Change("pool_slo", "create", spec.name, _created(budget), payload=budget))
             elif diff := _diff(have, budget):
                 changes.append(Change("pool_slo", "update", spec.name, diff, have.version, budget))
+        elif "slo" in spec.model_fields_set and have is not None:  # `slo: null`: no budget (omitted: unmanaged)
+            changes.append(Change("pool_slo", "delete", spec.name,
+                                  tuple(FieldChange(k, getattr(have, k), None) for k in slo.DEFAULTS), have.version))
         if cur is None:
             fields = (*_created(wanted), FieldChange("replicas", None, [_replica_line(r) for r in replicas]))
             changes.append(Change("pool", "create", spec.name, fields,
@@ -213,22 +248,23 @@ def compute_plan(session: Session, doc: RegistryFile, *, prune: bool = False) ->
         if diff := _diff(cur, wanted):
             changes.append(Change("pool", "update", spec.name, diff, cur.version, {f.name: f.new for f in diff}))
         existing = {r.name: r for r in cur.replicas}
+        creates: list[Change] = []
+        deletes: list[Change] = []
         for r in spec.replicas:
             ref = f"{spec.name}/{r.name}"
-            have = existing.get(r.name)
-            if have is None:
-                changes.append(Change("replica", "create", ref, _created(r.given(exclude=("name",))),
+            replica = existing.get(r.name)
+            if replica is None:
+                creates.append(Change("replica", "create", ref, _created(r.given(exclude=("name",))),
                                       payload={"pool": spec.name, **r.given()}))
-            elif diff := _diff(have, r.given(exclude=("name",))):
-                changes.append(Change("replica", "update", ref, diff, have.version,
+            elif diff := _diff(replica, r.given(exclude=("name",))):
+                changes.append(Change("replica", "update", ref, diff, replica.version,
                                       {"pool": spec.name, "name": r.name, "changes": {f.name: f.new for f in diff}}))
         if prune:
             listed = {r.name for r in spec.replicas}
-            for name, have in existing.items():
-                if name not in listed:
-                    changes.append(Change("replica", "delete", f"{spec.name}/{name}",
-                                          (FieldChange("endpoint", have.endpoint, None),),
-                                          payload={"pool": spec.name, "name": name}))
+            deletes = [Change("replica", "delete", f"{spec.name}/{name}", (FieldChange("endpoint", row.endpoint, None),),
+                              payload={"pool": spec.name, "name": name})
+                       for name, row in existing.items() if name not in listed]
+        changes += _replica_steps(len(existing), creates, deletes)
 
     prune_pools = prune and doc.pools is not None
     prune_classes = prune and doc.retention_classes is not None
@@ -281,4 +317,5 @@ def compute_plan(session: Session, doc: RegistryFile, *, prune: bool = False) ->
         changes += [Change("retention_class", "delete", name) for name in classes if name not in listed]
 
     rank = {key: i for i, key in enumerate(ORDER)}
-    return Plan(tuple(sorted(changes, key=lambda c: rank[(c.kind, c.action)])))
+    rank.update({key: rank[step] for key, step in SAME_STEP.items()})
+    return Plan(tuple(sorted(changes, key=lambda c: rank[(c.kind, c.action)])))  # stable: file order within a step

@@ -7,7 +7,8 @@ Shape (every list optional; a list's absence means "this kind is not managed by 
          secondary_offload_min_priority?, triton_model?, engine_spec?,
          replicas: [{name, endpoint, weight?, state?}, ...],
          slo?: {ttft_p99_ms?, itl_p99_ms?, window_seconds?, min_requests?, cooldown_seconds?,
-                hysteresis?, enabled?, pilot_fraction?}}   # the whole SLO budget (tenants.slo)
+                hysteresis?, enabled?, pilot_fraction?}}   # the whole SLO budget (tenants.slo);
+                                                           # null: no budget (deleted), omitted: not managed
     retention_classes: # RetentionClassCreate fields
       - {name, description?, <segment>_priority?, <segment>_duration_ms?, ..., mode?,
          hints_enabled?, hint_max_ttl_ms?, hint_max_priority?, hint_quota_fraction?,
@@ -83,7 +84,7 @@ class PoolSpec(_Item):
     triton_model: StrictStr = pools.DEFAULT_TRITON_MODEL
     engine_spec: StrictStr = ""
     replicas: list[ReplicaSpec] = Field(min_length=1)
-    slo: SloSpec | None = None  # omitted: the budget is not managed by the file
+    slo: SloSpec | None = None  # omitted: the budget is not managed by the file; null: no budget
 
 
 class RetentionClassSpec(_Item):

@@ -160,8 +160,8 @@ def test_prune_only_deletes_listed_kinds(session) -> None:  # type: ignore[no-un
     trimmed["pools"][0]["replicas"] = trimmed["pools"][0]["replicas"][1:]
     plan = _apply(session, trimmed, prune=True)
     assert [(c.kind, c.action, c.ref) for c in plan.changes] == [
-        ("tenant", "delete", "gone"),
         ("replica", "delete", "llama8b/r0"),
+        ("tenant", "delete", "gone"),
         ("pool", "delete", "legacy"),
         ("retention_class", "delete", "old"),
     ]
@@ -213,6 +213,94 @@ def test_a_change_failing_half_way_rolls_back_the_whole_apply(session) -> None: 
     assert err.value.code == "pool_dedicated"
     assert _counts(session) == (0, 0, 0, 0, 0)
     assert _apply(session, FILE).changes  # and the session is usable afterwards
+
+
+def _placement_file(tenants: list[dict[str, Any]], pools: tuple[str, ...] = ("x", "y")) -> dict[str, Any]:
+    return {"pools": [{"name": p, "model_name": "m", "primary_blocks": 64,
+                       "replicas": [{"name": "r0", "endpoint": f"{p}-0:8001"}]} for p in pools],
+            "retention_classes": [{"name": "chat"}],
+            "tenants": [{"retention_class": "chat", **t} for t in tenants]}
+
+
+def _placements(session) -> dict[str, tuple[str, str]]:  # type: ignore[no-untyped-def]
+    rows = session.execute(select(Tenant.slug, Pool.name, Tenant.isolation).join(Pool, Tenant.pool_id == Pool.id))
+    return {slug: (pool, isolation) for slug, pool, isolation in rows}
+
+
+def test_dedicated_tenants_can_swap_pools(session) -> None:  # type: ignore[no-untyped-def]
+    """Dedication is a rule on the end state: two dedicated tenants trading pools is one apply
+    (each move alone would put two tenants on a dedicated pool)."""
+    _apply(session, _placement_file([{"slug": "a", "pool": "x", "isolation": "dedicated"},
+                                     {"slug": "b", "pool": "y", "isolation": "dedicated"}]))
+    before = len(_events(session))
+    swapped = _placement_file([{"slug": "a", "pool": "y", "isolation": "dedicated"},
+                               {"slug": "b", "pool": "x", "isolation": "dedicated"}])
+    plan = _apply(session, swapped)
+    assert [(c.kind, c.action, c.ref) for c in plan.changes] == [("tenant", "update", "a"), ("tenant", "update", "b")]
+    assert _placements(session) == {"a": ("y", "dedicated"), "b": ("x", "dedicated")}
+    assert [e.action for e in _events(session)[before:]] == ["tenant.update", "tenant.update"]
+    assert _apply(session, swapped).empty
+
+
+def test_pools_are_vacated_before_they_are_taken(session) -> None:  # type: ignore[no-untyped-def]
+    """A dedicated tenant may take a pool that a later-listed tenant leaves, that a pruned tenant
+    leaves, or that a moved tenant leaves for a new one; whatever the order of the file."""
+    pools = ("x", "y", "z", "w")
+    _apply(session, _placement_file([{"slug": "a", "pool": "x", "isolation": "dedicated"},
+                                     {"slug": "s", "pool": "y"}, {"slug": "old", "pool": "w"}], pools))
+    wanted = _placement_file([
+        {"slug": "n", "pool": "x", "isolation": "dedicated"},  # new, on the pool a leaves
+        {"slug": "a", "pool": "y", "isolation": "dedicated"},  # onto the pool s leaves
+        {"slug": "s", "pool": "z"},
+        {"slug": "m", "pool": "w", "isolation": "dedicated"},  # new, on the pool the pruned "old" leaves
+    ], pools)
+    plan = _apply(session, wanted, prune=True)
+    assert sorted((c.action, c.ref) for c in plan.changes) == [
+        ("create", "m"), ("create", "n"), ("delete", "old"), ("update", "a"), ("update", "s")]
+    assert _placements(session) == {"n": ("x", "dedicated"), "a": ("y", "dedicated"), "s": ("z", "salted"),
+                                    "m": ("w", "dedicated")}
+    assert _apply(session, wanted, prune=True).empty
+
+
+@pytest.mark.parametrize(("tenants", "code"), [
+    # Both onto y: the end state itself breaks dedication.
+    ([{"slug": "a", "pool": "y", "isolation": "dedicated"}, {"slug": "b", "pool": "y", "isolation": "dedicated"}],
+     "pool_not_empty"),
+    # A salted tenant onto the pool a dedicated tenant keeps.
+    ([{"slug": "a", "pool": "x", "isolation": "dedicated"}, {"slug": "b", "pool": "x", "isolation": "salted"}],
+     "pool_dedicated"),
+])
+def test_an_end_state_that_breaks_dedication_is_refused_whole(session, tenants, code) -> None:  # type: ignore[no-untyped-def]
+    _apply(session, _placement_file([{"slug": "a", "pool": "x", "isolation": "dedicated"},
+                                     {"slug": "b", "pool": "y", "isolation": "dedicated"}]))
+    counts = _counts(session)
+    with pytest.raises(Conflict) as err:
+        _apply(session, _placement_file(tenants))
+    assert err.value.code == code
+    assert _counts(session) == counts
+    assert _placements(session) == {"a": ("x", "dedicated"), "b": ("y", "dedicated")}
+
+
+def test_replicas_are_renamed_at_the_per_pool_maximum_and_below(session) -> None:  # type: ignore[no-untyped-def]
+    """--prune renaming a replica: a pool at its maximum drops the old one before adding the new
+    one; a pool with a single replica adds the new one before dropping the old one."""
+    full = [{"name": f"r{i}", "endpoint": f"10.0.{i // 200}.{i % 200}:8001"} for i in range(replicas.MAX_REPLICAS)]
+    doc = {"pools": [{"name": "big", "model_name": "m", "primary_blocks": 64, "replicas": full},
+                     {"name": "one", "model_name": "m", "primary_blocks": 64,
+                      "replicas": [{"name": "r0", "endpoint": "10.1.0.1:8001"}]}]}
+    _apply(session, doc)
+    renamed = copy.deepcopy(doc)
+    renamed["pools"][0]["replicas"][0] = {"name": "new0", "endpoint": "10.2.0.1:8001"}
+    renamed["pools"][0]["replicas"][1] = {"name": "new1", "endpoint": "10.2.0.2:8001"}
+    renamed["pools"][1]["replicas"][0] = {"name": "r1", "endpoint": "10.1.0.2:8001"}
+    plan = _apply(session, renamed, prune=True)
+    assert [(c.action, c.ref) for c in plan.changes] == [
+        ("delete", "big/r0"), ("create", "big/new0"), ("delete", "big/r1"), ("create", "big/new1"),
+        ("create", "one/r1"), ("delete", "one/r0")]
+    names = {p.name: sorted(r.name for r in p.replicas) for p in session.scalars(select(Pool))}
+    assert len(names["big"]) == replicas.MAX_REPLICAS and {"new0", "new1"} <= set(names["big"])
+    assert {"r0", "r1"}.isdisjoint(names["big"]) and names["one"] == ["r1"]
+    assert _apply(session, renamed, prune=True).empty
 
 
 def test_yaml_errors_name_the_line() -> None:

@@ -1,6 +1,7 @@
 """`kvgate admin` at the registry's edges, over a real SQLite file: ids no row can have are
 "not found" (never a traceback), `apply` settles on empty caps, refuses SLO budgets past the
-admin API's bounds and a prune that would strand a tenant-admin credential."""
+admin API's bounds and a prune that would strand a tenant-admin credential; `--exit-code` tells
+drift apart."""
 
 from __future__ import annotations
 
@@ -59,3 +60,20 @@ def test_apply_settles_refuses_big_budgets_and_stranding_prunes(run, tmp_path) -
     out = run("admin", "apply", "-f", str(pruned), "--prune", "--dry-run").output
     assert "- tenant acme\n    pool: \"gpu-a\"\n    api_keys: 1\n    usage_minutes: 0\n    stored_responses: 0\n" in out
     assert "- tenant acme" in run("admin", "apply", "-f", str(pruned), "--prune").output
+
+
+def test_apply_exit_code_tells_ci_whether_the_registry_drifted(run, tmp_path) -> None:  # type: ignore[no-untyped-def]  # noqa: F811
+    run("db", "upgrade")
+    registry = tmp_path / "registry.yaml"
+    registry.write_text(BASE)
+    assert "4 create" in run("admin", "apply", "-f", str(registry), "--dry-run").output  # default: 0 either way
+    out = run("admin", "apply", "-f", str(registry), "--dry-run", "--exit-code", code=3).output
+    assert "4 change(s): 4 create" in out and "dry run: nothing written" in out
+    assert json.loads(run("admin", "audit").output)["total"] == 0
+    assert "applied as" in run("admin", "apply", "-f", str(registry), "--exit-code", code=3).output
+    assert "no changes" in run("admin", "apply", "-f", str(registry), "--dry-run", "--exit-code").output  # 0
+    registry.write_text(BASE.replace("primary_blocks: 128", "primary_blocks: 256"))
+    assert "primary_blocks: 128 → 256" in run("admin", "apply", "-f", str(registry), "--dry-run", "--exit-code",
+                                             code=3).output
+    registry.write_text(BASE.replace("primary_blocks: 128", "primary_blocks: -1"))
+    run("admin", "apply", "-f", str(registry), "--dry-run", "--exit-code", code=2)  # errors keep their codes
