@@ -15,7 +15,7 @@ from typing import Any
 
 from sqlalchemy.orm import Session
 
-from retention.rollout.guard import GuardError, SloBudget
+from retention.rollout.guard import MAX_MIN_REQUESTS, GuardError, SloBudget
 from tenants import audit
 from tenants.common import check_version, mutation, snapshot, versioned_update
 from tenants.errors import InvalidField, NotFound
@@ -30,11 +30,13 @@ DEFAULTS: dict[str, Any] = {
 _INTEGERS = ("ttft_p99_ms", "itl_p99_ms", "window_seconds", "min_requests", "cooldown_seconds")
 # Upper bounds, one definition for the service, the admin API's schema and the registry file
 # (the columns are INTEGER: an unbounded value would not even be storable on PostgreSQL).
+# MAX_MIN_REQUESTS is the guard's (retention.rollout.guard): the samples its window keeps per
+# latency; a budget needing more could never trip.
 MAX_SECONDS = 7 * 24 * 3600
 MAX_BUDGET_MS = 3_600_000  # an hour: no p99 budget is longer
-MAX_MIN_REQUESTS = 1_000_000
 _MAXIMUMS = {"ttft_p99_ms": (MAX_BUDGET_MS, "ms (an hour)"), "itl_p99_ms": (MAX_BUDGET_MS, "ms (an hour)"),
-             "window_seconds": (MAX_SECONDS, "(a week)"), "min_requests": (MAX_MIN_REQUESTS, "requests"),
+             "window_seconds": (MAX_SECONDS, "(a week)"),
+             "min_requests": (MAX_MIN_REQUESTS, "requests (the samples the guard keeps)"),
              "cooldown_seconds": (MAX_SECONDS, "(a week)")}
 
 

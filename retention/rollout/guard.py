@@ -1,13 +1,20 @@
 """The SLO guard: turn a pool's host tier off while its tail latency is over budget.
 
 One :class:`SloGuard` per pool. The gateway feeds it one :class:`Observation` per
-finished streamed request (TTFT, mean inter-token latency) and calls :meth:`SloGuard.evaluate`
+finished request (TTFT, mean inter-token latency, pilot arm) and calls :meth:`SloGuard.evaluate`
 on a timer; nothing here reads a clock (pass ``now``, seconds on any monotonic origin).
 
 Rules (``W`` = ``window_seconds``, ``N`` = ``min_requests``, ``h`` = ``hysteresis``):
 
-* the *window* holds the observations with ``at >= now - W`` (and at most
-  ``max_observations`` of them, the newest: memory is bounded whatever the traffic);
+* the *window* holds, for each latency (TTFT, ITL), the newest samples with ``at >= now - W``,
+  at most ``max(max_observations, N)`` of them (memory is bounded whatever the traffic; above
+  ``max_observations`` samples per ``W`` the p99 is that of the newest ones, so it covers less
+  than ``W``). A request that measured no TTFT (not streamed) or no ITL takes no room. The
+  registry bounds ``N`` by :data:`MAX_MIN_REQUESTS` (= ``DEFAULT_MAX_OBSERVATIONS``), so ``N``
+  samples always fit;
+* which requests enter the window: while not tripped, only the ``host`` arm's (planned with
+  the host tier): the trip judges the tier, and a pilot's ``rollback`` arm runs without it.
+  While tripped every request is planned ``rollback`` and all of them count;
 * a budget (p99 TTFT, p99 ITL; ``None`` = not guarded) is *broken* at an evaluation
   when the window holds at least ``N`` samples of that latency and their p99
   (nearest rank) is above the budget;
@@ -36,7 +43,10 @@ import math
 from collections import deque
 from dataclasses import dataclass
 
-DEFAULT_MAX_OBSERVATIONS = 4096
+DEFAULT_MAX_OBSERVATIONS = 4096  # samples kept per latency
+# The largest ``min_requests`` the registry takes (tenants.slo, the admin API, the registry file):
+# no more than the window keeps, or the guard could never trip.
+MAX_MIN_REQUESTS = DEFAULT_MAX_OBSERVATIONS
 ARM_HOST = "host"  # requests planned with the host tier
 ARM_ROLLBACK = "rollback"  # requests planned below the offload threshold (guard tripped, or pilot control arm)
 
@@ -160,7 +170,8 @@ class GuardState:
 class SloGuard:
     """Trip/restore state machine of one pool (see the module docstring for the rules)."""
 
-    __slots__ = ("_budget", "_window", "_tripped", "_since", "_breach_since", "_last_reason", "trips", "restores")
+    __slots__ = ("_budget", "_max_observations", "_ttfts", "_itls", "_tripped", "_since", "_breach_since",
+                 "_last_reason", "trips", "restores")
 
     def __init__(self, budget: SloBudget, *, max_observations: int = DEFAULT_MAX_OBSERVATIONS) -> None:
         if not isinstance(budget, SloBudget):
@@ -168,7 +179,10 @@ class SloGuard:
         if isinstance(max_observations, bool) or not isinstance(max_observations, int) or max_observations < 1:
             raise GuardError("max_observations must be an integer >= 1", field="max_observations")
         self._budget = budget
-        self._window: deque[Observation] = deque(maxlen=max_observations)
+        self._max_observations = max_observations
+        # (at, seconds) per latency, in finishing order.
+        self._ttfts: deque[tuple[float, float]] = deque(maxlen=max(max_observations, budget.min_requests))
+        self._itls: deque[tuple[float, float]] = deque(maxlen=max(max_observations, budget.min_requests))
         self._tripped = False
         self._since: float | None = None
         self._breach_since: float | None = None
@@ -193,25 +207,36 @@ class SloGuard:
         if budget == self._budget:
             return None
         self._budget = budget
+        keep = max(self._max_observations, budget.min_requests)
+        if keep != self._ttfts.maxlen:  # the newest samples carry over
+            self._ttfts = deque(self._ttfts, maxlen=keep)
+            self._itls = deque(self._itls, maxlen=keep)
         self._breach_since = None
         if self._tripped and not budget.guarded:
             return self._transition(False, now, "guard disabled or budgets removed")
         return None
 
     def observe(self, observation: Observation) -> None:
-        """Record a finished request (O(1); the oldest observation goes when the window is full)."""
-        self._window.append(observation)
+        """Record a finished request (O(1); a latency's oldest sample goes when its window is full).
+        Not tripped, only the ``host`` arm's requests count (see the module docstring)."""
+        if not self._tripped and observation.arm != ARM_HOST:
+            return
+        if observation.ttft is not None:
+            self._ttfts.append((observation.at, observation.ttft))
+        if observation.itl is not None:
+            self._itls.append((observation.at, observation.itl))
 
     def summary(self, now: float) -> WindowSummary:
-        """The window's counts and p99s at ``now`` (drops observations older than the window)."""
+        """The window's counts and p99s at ``now`` (drops samples older than the window)."""
         horizon = now - self._budget.window_seconds
-        window = self._window
-        while window and window[0].at < horizon:
-            window.popleft()
-        # Why filter too: observations arrive in finishing order, which may be slightly out
-        # of order in ``at``; popping stops at the first recent one.
-        ttfts = [o.ttft for o in window if o.ttft is not None and o.at >= horizon]
-        itls = [o.itl for o in window if o.itl is not None and o.at >= horizon]
+        values = []
+        for window in (self._ttfts, self._itls):
+            while window and window[0][0] < horizon:
+                window.popleft()
+            # Why filter too: samples arrive in finishing order, which may be slightly out
+            # of order in ``at``; popping stops at the first recent one.
+            values.append([value for at, value in window if at >= horizon])
+        ttfts, itls = values
         return WindowSummary(len(ttfts), len(itls), p99(ttfts), p99(itls))
 
     def _checks(self, summary: WindowSummary) -> list[tuple[str, int, float | None, float]]:
@@ -271,7 +296,8 @@ class SloGuard:
         self._since = now
         self._breach_since = None
         self._last_reason = reason
-        self._window.clear()
+        self._ttfts.clear()
+        self._itls.clear()
         if tripped:
             self.trips += 1
         else:

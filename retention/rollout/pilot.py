@@ -5,7 +5,9 @@
 ``u < fraction``, else in the ``rollback`` arm (planned below the offload threshold, as
 if the guard were tripped). The split is stable (no state, same answer in every gateway
 process and after restarts) and monotone: raising the fraction only moves tenants from
-``rollback`` to ``host``.
+``rollback`` to ``host``. The guard (:mod:`retention.rollout.guard`) judges a trip on the
+``host`` arm alone: the ``rollback`` arm runs without the tier, so its latency says nothing
+about it (a slow rollback arm never takes the tier from the pilot tenants).
 
 :class:`PilotReport` keeps a bounded window of observations and summarises each arm's
 latency and *hit quality* (GPU hits, host hits, misses that recompute) side by side.

@@ -9,7 +9,9 @@
 
 The state lives in the gateway process (``server.gateway.observe.slo_guard``), installed on this
 app as ``app.state.slo_guard``; an admin API served without a gateway answers 404
-``no_gateway`` there. Each gateway replica guards on its own traffic.
+``no_gateway`` there. Each gateway replica guards on its own traffic, and a restarted one
+starts untripped. The guard is the pool's (by id): a renamed pool's state answers under its
+new name.
 """
 
 from __future__ import annotations
@@ -40,7 +42,7 @@ class SloBudgetSet(BaseModel):
     itl_p99_ms: BudgetMs = None
     window_seconds: Annotated[Seconds, Field(ge=1, description="how long the budget must stay broken to trip")] = 60
     min_requests: Annotated[int, Field(strict=True, ge=1, le=slo.MAX_MIN_REQUESTS,
-                                      description="samples needed in the window")] = 20
+                                      description="samples needed in the window (at most what it keeps)")] = 20
     cooldown_seconds: Annotated[Seconds, Field(ge=0, description="time tripped before an automatic restore")] = 300
     hysteresis: Annotated[float, Field(strict=True, ge=0, lt=1, description="restore below budget x (1 - h)")] = 0.2
     enabled: StrictBool = True
@@ -95,7 +97,7 @@ def guard_state(ref: str, request: Request, session: SessionDep, _actor: AdminAc
     """The guard's state in this gateway process (see ``server.gateway.observe.slo_guard.SloGuards.view``)."""
     guard = _guard(request)
     pool = pools.get_pool(session, ref=ref)
-    return guard.view(pool.name)
+    return guard.view(pool.name, pool_id=pool.id)
 
 
 @router.post("/{ref}/slo/restore")
@@ -103,6 +105,7 @@ async def restore(ref: str, request: Request, session: SessionDep, actor: AdminA
     """Restore the pool's host tier now (a no-op when not tripped); returns the new state."""
     guard = _guard(request)
     pool = pools.get_pool(session, ref=ref)
+    name, pool_id = pool.name, pool.id
     session.close()  # the audit event is written by the guard in its own session
-    await guard.admin_restore(pool.name, actor=actor)
-    return guard.view(pool.name)
+    await guard.admin_restore(name, actor=actor, pool_id=pool_id)
+    return guard.view(name, pool_id=pool_id)

@@ -94,3 +94,25 @@ def test_guard_events_are_audited(session) -> None:  # type: ignore[no-untyped-d
                            before={"tripped": False}, after={"tripped": True, "reason": "r"})
     (event,) = session.scalars(select(AuditEvent).where(AuditEvent.action == "pool_slo.trip")).all()
     assert event.actor == "gateway:slo-guard" and event.after["tripped"] is True
+
+
+def test_min_requests_is_bounded_by_the_samples_the_guard_keeps(session) -> None:  # type: ignore[no-untyped-def]
+    """A budget needing more samples than the guard's window keeps could never trip: the service,
+    the admin API and the registry file refuse it (one bound: the guard's)."""
+    import copy
+
+    from retention.rollout import guard
+    from tenants import declarative
+    from tests.tenants.test_declarative import ACTOR as FILE_ACTOR, FILE
+
+    make_pool(session)
+    with pytest.raises(InvalidField) as err:
+        slo.set_budget(session, actor=ACTOR, now=now(), pool="gpu-a",
+                       values={"ttft_p99_ms": 500, "min_requests": guard.DEFAULT_MAX_OBSERVATIONS + 1})
+    assert err.value.field == "min_requests"
+    doc = copy.deepcopy(FILE)
+    doc["pools"][0]["slo"] = {"ttft_p99_ms": 500, "min_requests": guard.DEFAULT_MAX_OBSERVATIONS + 1}
+    with pytest.raises(InvalidField) as err:
+        declarative.apply_registry(session, declarative.parse_registry(doc), actor=FILE_ACTOR, now=now())
+    assert err.value.field == "pools[0].slo.min_requests"
+    assert slo.MAX_MIN_REQUESTS == guard.MAX_MIN_REQUESTS == guard.DEFAULT_MAX_OBSERVATIONS

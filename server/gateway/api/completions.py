@@ -57,6 +57,7 @@ from retention.policy.selection import AdaptiveSelector
 from retention.types import RetentionPlan
 from server.gateway.admission import Admission, AdmissionError, retry_after_header
 from server.gateway.context import TenantContext
+from server.gateway.replicas.abort import GatewayShuttingDown
 from server.gateway.replicas.engine_client import EngineChunk, EngineClient, EngineRejected, EngineUnavailable
 from server.gateway.errors import ServingError
 from server.gateway.fresh_admission import admit
@@ -118,6 +119,9 @@ class Outcome:
     kv: KvMetrics | None = None
     first_kv: KvMetrics | None = None  # a stream's first engine response's KV metrics, before any delta
     ttft: float | None = None
+    # The engine failed (timed out, unavailable; not a refusal) before the first token of a streamed
+    # engine call: the SLO guard takes the time waited as its TTFT (over budget, not unmeasured).
+    no_first_token: bool = False
     status: str = "ok"
     arm: str | None = None  # SLO guard / pilot arm the plan was made for (server.gateway.observe.slo_guard)
     token_ids: list[int] = field(default_factory=list)  # generated ids, kept only when log probs are asked
@@ -447,6 +451,12 @@ async def _generate_extended(job: CompletionJob, request: EngineRequest, chunks:
         # words, so the answer is empty with the finish reason that cut it.
 
 
+def _slow_engine(exc: BaseException) -> bool:
+    """An engine failure the SLO guard counts against the pool (timed out, unavailable), not a refusal
+    nor this gateway's own forced shutdown (``GatewayShuttingDown``, a kind of ``EngineUnavailable``)."""
+    return isinstance(exc, EngineUnavailable) and not isinstance(exc, GatewayShuttingDown)
+
+
 class CompletionRunner:
     """Runs :class:`CompletionJob` s against the injected admission, metrics and usage sink."""
 
@@ -540,6 +550,7 @@ class CompletionRunner:
             except BaseException as exc:
                 engine_failed = isinstance(exc, (EngineUnavailable, EngineRejected))
                 outcome.status = "engine_error" if engine_failed else "client_gone"
+                outcome.no_first_token = _slow_engine(exc) and request.streaming
                 with anyio.CancelScope(shield=True):  # a cancelled request still releases its slot
                     await primed.aclose()
                     await self._finish(job, plan, outcome, started, lease)
@@ -577,6 +588,7 @@ class CompletionRunner:
                 raise _client_gone()
         except (EngineUnavailable, EngineRejected) as exc:
             outcome.status = "engine_error"
+            outcome.no_first_token = _slow_engine(exc) and request.streaming and outcome.ttft is None
             raise engine_error(exc, job) from exc
         finally:
             with anyio.CancelScope(shield=True):  # a client gone mid-answer still releases its slot
@@ -632,7 +644,8 @@ class CompletionRunner:
             latency=latency, kv=outcome.kv, demoted=plan.demoted, inter_token=inter_token,
         )
         if self._guard is not None:
-            self._guard.observe(tenant.pool.name, outcome.arm, ttft=outcome.ttft, inter_token=inter_token, kv=outcome.kv)
+            ttft = latency if outcome.no_first_token else outcome.ttft  # at least the first-token deadline
+            self._guard.observe(tenant.pool.name, outcome.arm, ttft=ttft, inter_token=inter_token, kv=outcome.kv)
         # Billing: a request whose answer the client did not get (503 engine_unavailable or 504
         # engine_timeout instead of it; the client is told to retry) is not usage, whatever the
         # engine generated before failing. A stream that failed after its start is billed what

@@ -29,6 +29,10 @@ class EngineDirectory(Generic[Prompter]):
     def register(self, pool: PoolSnapshot) -> None:
         self.pools[pool.name] = pool
 
+    def forget(self, name: str) -> None:
+        """Stop polling a pool the registry no longer lists (its prompter, per engine spec, stays)."""
+        self.pools.pop(name, None)
+
     def seen(self, pool: PoolSnapshot) -> PoolSnapshot:
         """Remember a pool a request used (so the poll loop keeps polling it); returns it."""
         self.pools.setdefault(pool.name, pool)

@@ -4,7 +4,18 @@ from __future__ import annotations
 
 import pytest
 
-from retention.rollout.guard import GuardError, Observation, SloBudget, SloGuard, p99
+from retention.rollout.guard import (
+    ARM_HOST,
+    ARM_ROLLBACK,
+    DEFAULT_MAX_OBSERVATIONS,
+    GuardError,
+    Observation,
+    SloBudget,
+    SloGuard,
+    p99,
+)
+
+MAX_MIN_REQUESTS = DEFAULT_MAX_OBSERVATIONS  # the registry's bound (tenants.slo.MAX_MIN_REQUESTS)
 
 BUDGET = SloBudget(ttft_p99_ms=500, window_seconds=10, min_requests=5, cooldown_seconds=30, hysteresis=0.2)
 
@@ -143,3 +154,62 @@ def test_bad_budgets_are_refused_naming_the_field(kwargs, field):
     with pytest.raises(GuardError) as err:
         SloBudget(**kwargs)
     assert err.value.field == field
+
+
+def test_min_requests_at_the_bound_is_reached_when_most_requests_measure_no_ttft():
+    """The window keeps up to ``DEFAULT_MAX_OBSERVATIONS`` samples *of each latency*: requests
+    that measured no TTFT (not streamed) take no room, so ``min_requests`` at the registry's
+    bound can be reached at any traffic."""
+    guard = SloGuard(SloBudget(ttft_p99_ms=100, window_seconds=60, min_requests=MAX_MIN_REQUESTS))
+    for second in range(150):  # 200 requests/s, one in two unary; every streamed one 10x over budget
+        for i in range(200):
+            guard.observe(Observation(second + i / 200, 1.0 if i % 2 else None, None))
+        guard.evaluate(second + 1.0)
+    assert guard.tripped, guard.state(150.0).window
+
+
+def test_a_budget_above_the_bound_is_kept_whole_and_can_trip():
+    """A budget stored before the registry's bound (``min_requests`` above it) still trips: the
+    guard keeps at least ``min_requests`` samples."""
+    guard = SloGuard(SloBudget(ttft_p99_ms=100, window_seconds=60, min_requests=5000))
+    for second in range(150):  # 200 requests/s, every one 10x over budget
+        for i in range(200):
+            guard.observe(Observation(second + i / 200, 1.0, None))
+        guard.evaluate(second + 1.0)
+    assert guard.tripped and guard.state(150.0).since == 85.0  # 5000 samples at t=25, then a whole window
+
+
+def test_the_window_holds_the_newest_samples_within_window_seconds():
+    guard = SloGuard(BUDGET, max_observations=100)
+    for i in range(1000):  # 100 requests/s for 10 s; the TTFT grows with time
+        guard.observe(Observation(i / 100, i / 1000, 0.01))
+    window = guard.summary(9.99)
+    assert (window.ttft_samples, window.itl_samples) == (100, 100)
+    assert window.ttft_p99 == 0.998  # of the newest 100 (the last second), not of the whole 10 s
+
+
+def test_untripped_the_trip_is_judged_on_the_host_arm_alone():
+    """Pilot mode: the rollback arm runs without the host tier, so its latency says nothing about
+    the tier. A slow rollback arm never trips the guard; a slow host arm does."""
+    guard = SloGuard(BUDGET)
+    for t in range(60):
+        guard.observe(Observation(t, 0.1, None, arm=ARM_HOST))
+        guard.observe(Observation(t, 5.0, None, arm=ARM_ROLLBACK))
+        assert guard.evaluate(t) is None
+    assert not guard.tripped and guard.state(59).window.ttft_p99 == 0.1
+    for t in range(60, 90):
+        guard.observe(Observation(t, 0.8, None, arm=ARM_HOST))
+        guard.observe(Observation(t, 0.1, None, arm=ARM_ROLLBACK))
+        guard.evaluate(t)
+    assert guard.tripped and "ttft p99 800 ms" in guard.state(90).last_reason
+
+
+def test_tripped_the_restore_is_judged_on_the_rollback_requests():
+    """While tripped every request is planned in the rollback arm: they decide the restore."""
+    guard, tripped_at = _tripped_guard()
+    t = tripped_at + 1
+    while t <= tripped_at + 31:
+        guard.observe(Observation(t, 0.1, None, arm=ARM_ROLLBACK))
+        guard.evaluate(t)
+        t += 1
+    assert not guard.tripped and guard.restores == 1

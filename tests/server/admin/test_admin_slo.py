@@ -45,3 +45,49 @@ def test_guard_state_needs_a_gateway(client) -> None:  # type: ignore[no-untyped
     r = client.get("/admin/v1/pools/gpu-a/slo/state", headers=AUTH)
     assert r.status_code == 404 and r.json()["error"]["code"] == "no_gateway"
     assert client.post("/admin/v1/pools/gpu-a/slo/restore", headers=AUTH).status_code == 404
+
+
+def test_min_requests_is_bounded_by_the_samples_the_guard_keeps(client) -> None:  # type: ignore[no-untyped-def]
+    from retention.rollout.guard import DEFAULT_MAX_OBSERVATIONS
+
+    seed(client)
+    r = client.put("/admin/v1/pools/gpu-a/slo", headers=AUTH,
+                   json={"ttft_p99_ms": 500, "min_requests": DEFAULT_MAX_OBSERVATIONS + 1})
+    assert r.status_code == 422 and r.json()["error"]["field"] == "min_requests", r.text
+    r = client.put("/admin/v1/pools/gpu-a/slo", headers=AUTH,
+                   json={"ttft_p99_ms": 500, "min_requests": DEFAULT_MAX_OBSERVATIONS})
+    assert r.status_code == 200, r.text
+
+
+def test_guard_state_follows_the_pool_through_a_rename(client, db) -> None:  # type: ignore[no-untyped-def]
+    """The guard is the pool's (by id): renamed in the registry, the pool's state answers under
+    its new name at once, even before this gateway's next registry poll."""
+    import asyncio
+
+    from prometheus_client import CollectorRegistry
+
+    from server.gateway.observe.slo_guard import SloGuards
+    from tenants import list_pool_snapshots
+
+    seed(client)
+    r = client.put("/admin/v1/pools/gpu-a/slo", headers=AUTH,
+                   json={"ttft_p99_ms": 500, "window_seconds": 2, "min_requests": 1, "cooldown_seconds": 600})
+    assert r.status_code == 200, r.text
+    with db.factory() as session:
+        snapshots = list_pool_snapshots(session)
+    clock = [1000.0]
+    guards = SloGuards(session_factory=db.factory, pools=lambda: snapshots, registry=CollectorRegistry(),
+                       clock=lambda: clock[0])
+    client.app.state.admin_app.state.slo_guard = guards
+    for _ in range(4):
+        clock[0] += 1
+        guards.observe("gpu-a", "host", ttft=2.0, inter_token=None, kv=None)
+        asyncio.run(guards.tick())
+    assert guards.tripped() == {"gpu-a": True}
+    version = client.get("/admin/v1/pools/gpu-a", headers=AUTH).json()["version"]
+    r = client.patch("/admin/v1/pools/gpu-a", headers=AUTH, json={"name": "gpu-b", "version": version})
+    assert r.status_code == 200, r.text
+    state = client.get("/admin/v1/pools/gpu-b/slo/state", headers=AUTH).json()
+    assert (state["pool"], state["configured"], state["tripped"], state["trips"]) == ("gpu-b", True, True, 1), state
+    state = client.post("/admin/v1/pools/gpu-b/slo/restore", headers=AUTH).json()
+    assert (state["pool"], state["tripped"], state["restores"]) == ("gpu-b", False, 1), state

@@ -186,3 +186,49 @@ def test_one_pools_failing_poll_does_not_stop_the_refresh_of_the_pools_after_it(
     assert routing.polled == ["a", "b", "a", "b"]
     assert m.stats("b") is not None and m.stats("a") is None
     assert "pool a" in caplog.text
+
+
+def test_a_pool_the_registry_no_longer_lists_is_forgotten_with_its_state() -> None:
+    """Deleted or renamed: the directory stops polling the old name (so the SLO guards, which follow
+    it, drop that pool's guard) and its stats, quotas and metric series go; a failed listing forgets
+    nothing (the registry being away is not a deletion)."""
+    import asyncio
+
+    from server.gateway.replicas.routing import Routing
+
+    a = PoolSnapshot(1, "a", "m", "kvgate_llm", "spec", 16, 100, 400, 35,
+                     (ReplicaSnapshot(10, "a0", "127.0.0.1:1", "active", 1),))
+    renamed = PoolSnapshot(1, "a2", "m", "kvgate_llm", "spec", 16, 100, 400, 35, a.replicas)
+
+    class Polls(Routing):
+        async def poll(self, pool):  # type: ignore[no-untyped-def]
+            return stats(premium=10)
+
+        def route(self, pool):  # type: ignore[no-untyped-def]
+            class _Route:
+                @staticmethod
+                def replica_reports():  # type: ignore[no-untyped-def]
+                    return {"a0": stats(premium=10)}
+
+                last_reports = replica_reports
+            return _Route()
+
+    listings: list[object] = [[(a, TENANTS)], RuntimeError("registry away"), [(renamed, TENANTS)], []]
+
+    def listing():  # type: ignore[no-untyped-def]
+        item = listings.pop(0)
+        if isinstance(item, Exception):
+            raise item
+        return item
+
+    directory = EngineDirectory(lambda pool: None)
+    m = PoolMonitor(directory, listing, routing=Polls())
+    asyncio.run(m.refresh())
+    assert set(directory.pools) == {"a"} and m.stats("a") is not None
+    asyncio.run(m.refresh())  # the registry is away: the last state stays
+    assert set(directory.pools) == {"a"} and m.stats("a") is not None
+    asyncio.run(m.refresh())  # renamed
+    assert set(directory.pools) == {"a2"} and m.stats("a") is None and m.stats("a2") is not None
+    assert [s.pool for s in m.snapshots()] == ["a2"]
+    asyncio.run(m.refresh())  # deleted
+    assert directory.pools == {} and m.snapshots() == [] and m.capacity("a2") is None
