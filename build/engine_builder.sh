@@ -8,7 +8,8 @@ for spec in "${specs[@]}"; do
   kvgate build engine "$spec" --output /engines
   # The gateway tokenizes (it must know segment boundaries): leave the checkpoint's tokenizer
   # files where it and `kvgate build repo` look (/engines/tokenizers/<spec name>,
-  # engines/hf_tokenizer.py). The spec goes in as an argument, never into the Python source.
+  # engines/hf_tokenizer.py), fetched at the commit the engine was just built from (its manifest's
+  # model.resolved_revision). The spec goes in as an argument, never into the Python source.
   python3 -c 'import sys; from engines.triton.repository import save_spec_tokenizer; print(save_spec_tokenizer(sys.argv[1], sys.argv[2]))' "$spec" /engines
 done
 kvgate build repo "${specs[@]}" --output /models --engines-root /engines

@@ -21,6 +21,10 @@ Invariants (checked here, so no renderer ever sees a bad spec):
   kvCacheManager.cpp`` and the KV cache docs require it), fixed at build time;
 * ``max_input_len < max_seq_len`` and ``max_num_tokens >= tokens_per_block`` (rule ``chunk-unit-block``);
   ``max_num_tokens`` may be below ``max_input_len``: the executor runs with chunked context;
+* ``model.revision`` (a commit sha or a branch/tag name of the Hugging Face repo) only comes with
+  ``model.hf_id`` (rule ``revision-needs-hf-id``). Without one a spec stays valid, but its builds are not
+  reproducible: :func:`spec_warnings` says so (``kvgate plan --spec``, ``kvgate build engine``) and the
+  build records the commit it got in its manifest;
 * the spec hash (:func:`spec_hash`) depends on content only, not on YAML layout.
 """
 
@@ -28,6 +32,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from importlib import resources
 from pathlib import Path
 from typing import Annotated, Literal
@@ -48,7 +53,8 @@ class SpecError(ValueError):
     """A spec file cannot be read or is invalid; the message names the file and field."""
 
 
-# Rules the validator enforces for TensorRT-LLM specs: name -> the source it comes from.
+# Rules the validator enforces (the TensorRT-LLM ones, and where the model comes from): name -> the
+# source it comes from.
 RULES: dict[str, str] = {
     "onboard-blocks": (
         "NVIDIA/TensorRT-LLM cpp/tensorrt_llm/batch_manager/trtGptModelInflightBatching.cpp (00825c4e): "
@@ -81,6 +87,12 @@ RULES: dict[str, str] = {
         "images are published as nvcr.io/nvidia/tritonserver:<yy.mm>-trtllm-python-py3; a name without a "
         "registry host resolves against Docker Hub, where NVIDIA does not publish it"
     ),
+    "revision-needs-hf-id": (
+        "huggingface_hub snapshot_download (docstring, 2.4.0): revision is 'an optional Git revision id, which can be "
+        "a branch name, a tag, or a commit hash' of the Hub repository named by repo_id; a local checkpoint_path has "
+        "no such history, and TensorRT-LLM's examples/quantization/quantize.py (059c97c1) takes no revision at all "
+        "(the engine build downloads hf_id at the revision first)"
+    ),
 }
 
 
@@ -93,22 +105,64 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
+COMMIT_SHA = re.compile(r"[0-9a-f]{40}")
+# git check-ref-format: no control characters, space, ~ ^ : ? * [ or backslash, no "..", "@{", "//", no component
+# starting with "." or ending with ".lock", not ending with "/" or "."; and (kvgate) it starts with a letter,
+# a digit or "_", so a revision can never read as a command-line flag in the build's argv.
+_REF_NAME = re.compile(
+    r"(?!.*(?:\.\.|@\{|//|/\.|\.lock/))"  # nowhere: "..", "@{", "//", a component starting with "." or ending ".lock"
+    r"(?!.*(?:\.lock|[/.])$)"  # at the end: ".lock", "/" or "."
+    r"[A-Za-z0-9_][^\x00-\x20\x7f~^:?*\[\\]{0,254}"
+)
+
+
+def _revision_problem(value: str) -> str | None:
+    if COMMIT_SHA.fullmatch(value) or _REF_NAME.fullmatch(value):
+        return None
+    return (f"{value!r} must be a commit sha (40 hex digits) or a branch or tag name git accepts "
+            "(no spaces, ~ ^ : ? * [ \\ or '..', at most 255 characters, not starting with '-', '.' or '/')")
+
+
 class ModelSource(_Strict):
-    """Where the weights come from: a Hugging Face id, or a local checkpoint/GGUF path."""
+    """Where the weights come from: a Hugging Face id (at ``revision``), or a local checkpoint/GGUF path."""
 
     hf_id: str | None = None
     checkpoint_path: str | None = None
+    # The Hub repository's commit (40 hex) or branch/tag name; None: its default branch at build time,
+    # which the build records (manifest.json model.resolved_revision) but cannot reproduce.
+    revision: str | None = Field(default=None, description="commit sha or branch/tag of hf_id (hf_id only)")
     tokenizer: str | None = Field(default=None, description="tokenizer id/path if it differs from the model")
 
     @model_validator(mode="after")
     def _exactly_one(self) -> ModelSource:
         if (self.hf_id is None) == (self.checkpoint_path is None):
             raise ValueError("model needs exactly one of hf_id or checkpoint_path")
+        if self.revision is not None:
+            if self.checkpoint_path is not None:
+                raise ValueError(rule_error(
+                    "revision-needs-hf-id",
+                    f"model.revision {self.revision!r} with checkpoint_path {self.checkpoint_path!r}: a revision names "
+                    "a commit of the Hugging Face repo in hf_id; pin a local checkpoint by its path (an immutable "
+                    "directory per version) instead",
+                ))
+            problem = _revision_problem(self.revision)
+            if problem:
+                raise ValueError(f"model.revision: {problem}")
         return self
 
     @property
     def location(self) -> str:
         return self.hf_id if self.hf_id is not None else str(self.checkpoint_path)
+
+    @property
+    def pinned_commit(self) -> str | None:
+        """The commit the spec pins (a 40-hex ``revision``); None for a branch, a tag or no revision."""
+        return self.revision if self.revision is not None and COMMIT_SHA.fullmatch(self.revision) else None
+
+    @property
+    def tokenizer_revision(self) -> str | None:
+        """The revision the tokenizer is fetched at: the model's, when the tokenizer comes from the model's repo."""
+        return self.revision if self.tokenizer in (None, self.hf_id) else None
 
 
 class TrtllmPin(_Strict):
@@ -315,6 +369,27 @@ def reference_settings(spec: EngineSpec) -> dict[str, object]:
         "max_input_len": spec.build.max_input_len,
         "max_output_len": spec.build.max_seq_len - spec.build.max_input_len,
     }
+
+
+def spec_warnings(spec: EngineSpec) -> list[str]:
+    """What is valid but not reproducible in ``spec`` (the validator refuses nothing here): one sentence each."""
+    model, out = spec.model, []
+    if model.hf_id is not None and model.revision is None:
+        out.append(
+            f"model.hf_id {model.hf_id!r} has no revision: each build takes the repo's default branch as it is "
+            "then, so the engine and its tokenizer are not reproducible from this spec (the build records the commit "
+            "it got in manifest.json, model.resolved_revision); pin it with model.revision: <40-hex commit>"
+        )
+    elif model.hf_id is not None and model.pinned_commit is None:
+        out.append(
+            f"model.revision {model.revision!r} is a branch or tag name, which can move: a later build may get other "
+            "weights; pin a 40-hex commit for a reproducible engine"
+        )
+    if model.hf_id is not None and model.tokenizer not in (None, model.hf_id):
+        out.append(
+            f"model.tokenizer {model.tokenizer!r} is fetched as named: model.revision pins only {model.hf_id!r}"
+        )
+    return out
 
 
 def spec_hash(spec: EngineSpec) -> str:

@@ -103,22 +103,32 @@ def tokenizer_dir_for(spec: EngineSpec, engines_root: str) -> str:
     return f"{engines_root.rstrip('/')}/tokenizers/{spec.name}"
 
 
-def save_spec_tokenizer(spec_ref: str, engines_root: str, *, load: Callable[[str], object] | None = None) -> str:
+def save_spec_tokenizer(spec_ref: str, engines_root: str, *, load: Callable[..., object] | None = None) -> str:
     """Save the tokenizer of ``spec_ref`` (YAML path or bundled name) to :func:`tokenizer_dir_for`; say what was done.
 
-    ``load`` is ``transformers.AutoTokenizer.from_pretrained`` unless given. Skipped when the folder's
-    :data:`TOKENIZER_MARKER` names the same source (``model.tokenizer``, else the model). The tokenizer is
-    saved beside the folder and swapped in, marker included, so an interrupted download never looks saved.
+    ``load`` is ``transformers.AutoTokenizer.from_pretrained`` unless given. A tokenizer from the model's
+    repo is fetched at the commit the engine was built from (``model.resolved_revision`` in the manifest
+    under ``engines_root``, which the builder writes first), else at ``model.revision``, passed as
+    ``revision=``; a separate ``model.tokenizer`` source is fetched as named. Skipped when the folder's
+    :data:`TOKENIZER_MARKER` names the same source and revision. The tokenizer is saved beside the folder
+    and swapped in, marker included, so an interrupted download never looks saved.
     """
+    from engines.trtllm.engine_build import recorded_model_revision
+
     spec = load_spec(spec_ref)
     source = spec.model.tokenizer or spec.model.location
+    revision = spec.model.tokenizer_revision
+    if spec.model.hf_id is not None and spec.model.tokenizer in (None, spec.model.hf_id):  # the model's own repo
+        revision = recorded_model_revision(spec, engines_root) or revision
     target = Path(tokenizer_dir_for(spec, engines_root))
     try:
-        saved_from = json.loads((target / TOKENIZER_MARKER).read_text(encoding="utf-8")).get("source")
+        saved = json.loads((target / TOKENIZER_MARKER).read_text(encoding="utf-8"))
+        saved_from = (saved.get("source"), saved.get("revision"))
     except (OSError, ValueError, AttributeError):
         saved_from = None
-    if saved_from == source:
-        return f"{spec.name}: tokenizer from {source} already in {target}"
+    at = f"{source}@{revision}" if revision else source
+    if saved_from == (source, revision):
+        return f"{spec.name}: tokenizer from {at} already in {target}"
     if load is None:
         from transformers import AutoTokenizer  # the Triton image has it; the gateway never calls this
 
@@ -127,14 +137,15 @@ def save_spec_tokenizer(spec_ref: str, engines_root: str, *, load: Callable[[str
     staging, previous = target.with_name(f".{target.name}.new"), target.with_name(f".{target.name}.old")
     shutil.rmtree(staging, ignore_errors=True)
     shutil.rmtree(previous, ignore_errors=True)
-    load(source).save_pretrained(str(staging))  # type: ignore[attr-defined]
-    marker = json.dumps({"source": source, "spec_name": spec.name}) + "\n"
+    tokenizer = load(source, revision=revision) if revision else load(source)
+    tokenizer.save_pretrained(str(staging))  # type: ignore[attr-defined]
+    marker = json.dumps({"source": source, "revision": revision, "spec_name": spec.name}) + "\n"
     (staging / TOKENIZER_MARKER).write_text(marker, encoding="utf-8")
     if target.exists():
         target.rename(previous)
     staging.rename(target)
     shutil.rmtree(previous, ignore_errors=True)
-    return f"{spec.name}: tokenizer from {source} saved to {target}"
+    return f"{spec.name}: tokenizer from {at} saved to {target}"
 
 
 def render_config(spec: EngineSpec, *, engine_dir: str, tokenizer_dir: str | None = None) -> str:

@@ -1,7 +1,14 @@
 """Spec → the exact engine-build commands (run inside the TensorRT-LLM 1.2 container).
 
-Two steps, each an argv list (never a shell string, so nothing is re-quoted):
+Up to three steps, each an argv list (never a shell string, so nothing is re-quoted):
 
+0. ``kvgate build download`` (``model.hf_id`` specs only): resolves ``model.revision`` (the repo's
+   default branch when unset) to a commit, downloads exactly that commit into the Hugging Face cache
+   and links it at ``<output>/<spec>/source/<hf_id>``, recording the commit in ``source/source.json``
+   (:func:`engines.trtllm.model_download.download_hf_model`). quantize.py cannot do this itself:
+   ``examples/quantization/quantize.py`` (059c97c1) has no revision option and
+   ``tensorrt_llm/quantization/quantize_by_modelopt.py`` (042c510d) loads ``--model_dir`` with
+   ``from_pretrained(ckpt_path, ...)`` and no revision, i.e. a hub id at its main branch.
 1. ``examples/quantization/quantize.py`` writes a TensorRT-LLM checkpoint with FP8 KV
    (``--kv_cache_dtype fp8`` ⇒ ``kv_cache_quant_algo=FP8`` in its config.json) and FP8
    weights (``--qformat fp8``: the only format kvgate emits, see :func:`_qformat`); tensor
@@ -62,6 +69,12 @@ class BuildPlan:
     engine_dir: str
     commands: tuple[Command, ...]
     expected_artifacts: tuple[str, ...]  # relative to engine_dir
+    model_dir: str = ""  # what quantize.py reads: the downloaded snapshot's link, or the spec's checkpoint_path
+    model_record: str | None = None  # the download step's record (None: nothing is downloaded)
+
+
+SOURCE_DIR = "source"  # under <output>/<spec>/: the downloaded model's link and its record
+SOURCE_RECORD = "source.json"
 
 
 def _qformat(spec: EngineSpec) -> str:
@@ -80,11 +93,22 @@ def build_plan(spec: EngineSpec, *, output_dir: str) -> BuildPlan:
     engine_dir = str(root / "engine")
     q = spec.quantization
     b = spec.build
+    commands: list[Command] = []
+    model_dir, record = spec.model.location, None
+    if spec.model.hf_id is not None:
+        # Downloaded first, at the revision (quantize.py would read the hub's main branch); gated models
+        # need HF_TOKEN in the builder's environment. The link keeps the hub id in the path quantize.py
+        # sees, as when it was given the id itself (quantize_by_modelopt.py matches model names in it).
+        source = root / SOURCE_DIR
+        download = ["kvgate", "build", "download", "--hf-id", spec.model.hf_id]
+        if spec.model.revision is not None:
+            download += ["--revision", spec.model.revision]
+        download += ["--output", str(source)]
+        commands.append(Command("download", tuple(download)))
+        model_dir, record = str(source / spec.model.hf_id), str(source / SOURCE_RECORD)
     quantize = [
         "python3", str(PurePosixPath(spec.tensorrt_llm.examples_dir) / "quantization" / "quantize.py"),
-        # quantize_and_export loads --model_dir with transformers' from_pretrained, so a hub id
-        # works (gated models need HF_TOKEN in the builder's environment).
-        "--model_dir", spec.model.location,
+        "--model_dir", model_dir,
         "--dtype", q.dtype,
         "--qformat", _qformat(spec),
         "--kv_cache_dtype", "fp8",
@@ -112,10 +136,13 @@ def build_plan(spec: EngineSpec, *, output_dir: str) -> BuildPlan:
         "--workers", str(b.workers),
     ]
     artifacts = ("config.json",) + tuple(f"rank{r}.engine" for r in range(b.world_size))
+    commands += [Command("quantize", tuple(quantize)), Command("trtllm-build", tuple(trtllm_build))]
     return BuildPlan(
         spec_name=spec.name,
         checkpoint_dir=checkpoint_dir,
         engine_dir=engine_dir,
-        commands=(Command("quantize", tuple(quantize)), Command("trtllm-build", tuple(trtllm_build))),
+        commands=tuple(commands),
         expected_artifacts=artifacts,
+        model_dir=model_dir,
+        model_record=record,
     )

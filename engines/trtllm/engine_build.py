@@ -6,7 +6,8 @@ installed, the exact commands and a SHA-256 per artifact.
 
 A build is skipped (:func:`up_to_date`) when the installed TensorRT-LLM is the one that
 built the engine, the recorded commands equal the plan's (directories aside), the
-*engine fingerprint* matches and every artifact still has its recorded checksum. The
+*engine fingerprint* matches, the model commit matches and every artifact still has its
+recorded checksum. The
 fingerprint (:func:`engine_fingerprint`) covers only what the build consumes — the
 plan's commands with the output directories replaced by placeholders, the artifact list
 and the TensorRT-LLM pin — not the whole spec, so a new ``description`` or a setting
@@ -14,6 +15,16 @@ rendered only into config.pbtxt (``kv_cache.free_gpu_memory_fraction``, host tie
 Triton options) keeps an engine that takes hours to rebuild. Such a skip rewrites the
 manifest with the new spec hash, because the engine pods wait for the manifest to carry
 their spec's hash (Helm's ``kvgate.waitForEngineScript``).
+
+The model commit: a ``model.hf_id`` spec is downloaded by the plan's first step
+(:func:`download_hf_model`), which resolves ``model.revision`` (unset: the repo's default
+branch, ``main``) to a commit and records it; the manifest keeps it as ``model.resolved_revision``.
+The requested revision is left out of the command comparison and the fingerprint and compared
+as a commit instead: a spec pinned to another commit rebuilds, pinning the commit an unpinned
+build recorded keeps the engine, and a branch or tag (or no revision) is re-resolved when the
+caller passes ``resolve_revision`` (the CLI asks the Hub, :func:`hub_commit`) — a branch that
+moved rebuilds; when it cannot be resolved (offline), an unchanged request keeps the engine and
+the reason says the model was not checked upstream, while a changed one rebuilds.
 
 The runner is injected (``subprocess`` in the CLI, a double in tests): the commands only
 run inside the TensorRT-LLM 1.2 container.
@@ -38,17 +49,23 @@ from datetime import UTC, datetime
 from importlib import metadata
 from pathlib import Path
 
-from engines.spec import EngineSpec, spec_hash
-from engines.trtllm.build_plan import BuildPlan, BuildPlanError, Command, build_plan
+from engines.spec import COMMIT_SHA, EngineSpec, spec_hash
+from engines.trtllm.build_plan import SOURCE_RECORD, BuildPlan, BuildPlanError, Command, build_plan
+from engines.trtllm.model_download import DEFAULT_BRANCH
 from engines.trtllm.engine_config import EngineConfigError, check_reuse, read_engine_config
 
 MANIFEST = "manifest.json"
 # Flags whose value is a directory under --output: compared as placeholders, so the same engine
-# found under another mount point (a different -o) still counts as built.
-_DIRECTORY_FLAGS = frozenset({"--output_dir", "--checkpoint_dir"})
+# found under another mount point (a different -o) still counts as built; so is any other argument
+# naming a path under one of them (quantize.py's --model_dir under the download's --output).
+_DIRECTORY_FLAGS = frozenset({"--output_dir", "--checkpoint_dir", "--output"})
+# The download step's requested revision: compared as the commit it resolved to, not as text.
+_REVISION_FLAG = "--revision"
 _DETECT = object()  # up_to_date's default: ask the installed tensorrt_llm package
 Runner = Callable[[Command], None]
 Progress = Callable[[str], None]
+# (hf_id, revision or None) -> the commit that revision names now; raises when it cannot tell.
+Resolver = Callable[[str, str | None], str]
 
 
 class EngineBuildError(RuntimeError):
@@ -79,14 +96,36 @@ def installed_trtllm_version() -> str | None:
 
 
 def normalized_commands(commands: Iterable[Sequence[str]]) -> list[list[str]]:
-    """Each argv with the value of every directory flag replaced by ``<flag name>``."""
+    """Each argv with the value of every directory flag replaced by ``<flag name>``, any other argument
+    under such a directory written relative to its placeholder, and ``--revision`` left out (the model
+    commit is compared on its own, :func:`_model_difference`)."""
+    argvs = [list(argv) for argv in commands]
+    directories: dict[str, str] = {}
+    for tokens in argvs:
+        for flag, value in zip(tokens, tokens[1:], strict=False):
+            if flag in _DIRECTORY_FLAGS:
+                directories.setdefault(value.rstrip("/"), f"<{flag.lstrip('-')}>")
+    under = sorted(directories.items(), key=lambda item: -len(item[0]))  # the deepest directory wins
     out = []
-    for argv in commands:
-        tokens = list(argv)
-        for i in range(len(tokens) - 1):
-            if tokens[i] in _DIRECTORY_FLAGS:
-                tokens[i + 1] = f"<{tokens[i].lstrip('-')}>"
-        out.append(tokens)
+    for tokens in argvs:
+        normalized: list[str] = []
+        i = 0
+        while i < len(tokens):
+            token = tokens[i]
+            if token == _REVISION_FLAG and i + 1 < len(tokens):
+                i += 2
+                continue
+            if token in _DIRECTORY_FLAGS and i + 1 < len(tokens):
+                normalized += [token, f"<{token.lstrip('-')}>"]
+                i += 2
+                continue
+            for directory, placeholder in under:
+                if token.startswith(directory + "/"):
+                    token = placeholder + token[len(directory):]
+                    break
+            normalized.append(token)
+            i += 1
+        out.append(normalized)
     return out
 
 
@@ -135,7 +174,42 @@ class _Check:
     manifest: dict | None = None  # the manifest read, when the engine is up to date
 
 
-def _check(spec: EngineSpec, plan: BuildPlan, manifest_path: Path, installed: str | None) -> _Check:
+def _model_difference(spec: EngineSpec, manifest: dict, resolve: Resolver | None) -> tuple[str | None, str]:
+    """(why the engine's model commit is not the spec's, or None; a note for the up-to-date reason)."""
+    model = spec.model
+    if model.hf_id is None:
+        return None, ""
+    recorded = manifest.get("model")
+    built = recorded.get("resolved_revision") if isinstance(recorded, dict) else None
+    if not isinstance(built, str) or not COMMIT_SHA.fullmatch(built) or recorded.get("hf_id") != model.hf_id:
+        return "manifest records no model commit", ""
+    if model.pinned_commit is not None:
+        if model.pinned_commit != built:
+            return f"model revision changed: engine built from {built}, the spec pins {model.pinned_commit}", ""
+        return None, ""
+    label = model.revision or DEFAULT_BRANCH
+    same_request = recorded.get("revision") == model.revision
+    now, why_not = None, "the Hub was not asked"
+    if resolve is not None:
+        try:
+            now = resolve(model.hf_id, model.revision)
+        except Exception as exc:  # noqa: BLE001 - offline, no token, hub errors: any of them means "cannot tell"
+            why_not = str(exc) or type(exc).__name__
+    if now is not None:
+        if now == built:
+            return None, f"; model {model.hf_id} {label} still at {built[:12]}"
+        if same_request:
+            return f"model changed upstream: engine built from {model.hf_id}@{built}, {label} now resolves to {now}", ""
+        return f"model revision changed: engine built from {built}, {label!r} resolves to {now}", ""
+    if not same_request:
+        asked = recorded.get("revision")
+        return (f"model revision changed: engine built from {built} "
+                f"({repr(asked) if asked else 'the default branch'}), the spec asks for {label!r} ({why_not})"), ""
+    return None, f"; model {model.hf_id}@{built[:12]} ({label}) not checked upstream ({why_not})"
+
+
+def _check(spec: EngineSpec, plan: BuildPlan, manifest_path: Path, installed: str | None,
+           resolve: Resolver | None = None) -> _Check:
     if not manifest_path.is_file():
         return _Check(False, "no manifest")
     try:
@@ -168,6 +242,9 @@ def _check(spec: EngineSpec, plan: BuildPlan, manifest_path: Path, installed: st
                              "engine fingerprint); rebuilding")
     else:
         basis = "spec hash (manifest from an earlier kvgate)"
+    changed, note = _model_difference(spec, manifest, resolve)
+    if changed is not None:
+        return _Check(False, changed)
     artifacts = manifest.get("artifacts")
     if not isinstance(artifacts, dict):
         return _Check(False, "manifest records no artifacts")
@@ -183,20 +260,25 @@ def _check(spec: EngineSpec, plan: BuildPlan, manifest_path: Path, installed: st
                     tokens_per_block=spec.build.tokens_per_block)
     except EngineConfigError as exc:
         return _Check(False, f"built engine does not serve this spec: {exc}")
-    return _Check(True, f"{basis}, build commands, TensorRT-LLM version and artifact checksums match", manifest)
+    model = " model commit," if spec.model.hf_id is not None else ""
+    return _Check(True, f"{basis}, build commands,{model} TensorRT-LLM version and artifact checksums match{note}",
+                  manifest)
 
 
 def up_to_date(
-    spec: EngineSpec, plan: BuildPlan, manifest_path: Path, *, trtllm_version: str | None | object = _DETECT
+    spec: EngineSpec, plan: BuildPlan, manifest_path: Path, *, trtllm_version: str | None | object = _DETECT,
+    resolve_revision: Resolver | None = None,
 ) -> tuple[bool, str]:
     """(True, why) when the manifest proves the engines were built from this spec's engine inputs.
 
     ``trtllm_version`` is the installed TensorRT-LLM (None: unknown, not compared); by default it is
-    read from the installed ``tensorrt_llm`` package. When False, ``why`` names what differs.
+    read from the installed ``tensorrt_llm`` package. ``resolve_revision`` (e.g. :func:`hub_commit`)
+    says which commit an unpinned or branch/tag ``model.revision`` names now; without it (or when it
+    fails) that is not checked. When False, ``why`` names what differs.
     """
     installed = installed_trtllm_version() if trtllm_version is _DETECT else trtllm_version
     assert installed is None or isinstance(installed, str)
-    check = _check(spec, plan, manifest_path, installed)
+    check = _check(spec, plan, manifest_path, installed, resolve_revision)
     return check.fresh, check.reason
 
 
@@ -240,15 +322,18 @@ def build_engine(
     progress: Progress = lambda _: None,
     force: bool = False,
     trtllm_version: str | None = None,
+    resolve_revision: Resolver | None = None,
 ) -> BuildOutcome:
     plan = build_plan(spec, output_dir=str(output_dir))
     root = Path(output_dir) / spec.name
     manifest_path = root / MANIFEST
-    check = _check(spec, plan, manifest_path, trtllm_version)
+    check = _check(spec, plan, manifest_path, trtllm_version, resolve_revision)
     why = check.reason
     if check.fresh and check.manifest is not None and not force:
         current = {"spec_name": spec.name, "spec_hash": spec_hash(spec),
                    "engine_fingerprint": engine_fingerprint(spec, plan)}
+        if spec.model.hf_id is not None:  # the same commit, now asked for as the spec asks
+            current["model"] = {**check.manifest["model"], "revision": spec.model.revision}
         if any(check.manifest.get(k) != v for k, v in current.items()):
             # Same engine, another spec text (description, serving settings) or a manifest from an
             # earlier kvgate: the engine pods wait for their spec's hash in this manifest.
@@ -264,10 +349,13 @@ def build_engine(
         )
     root.mkdir(parents=True, exist_ok=True)
     manifest_path.unlink(missing_ok=True)  # a failed rebuild must not leave the old manifest claiming success
+    if plan.model_record is not None:  # nor an earlier download's record stand for this one
+        Path(plan.model_record).unlink(missing_ok=True)
     total = len(plan.commands)
     for index, command in enumerate(plan.commands, start=1):
         progress(f"[{index}/{total}] {command.step}: {' '.join(command.argv)}")
         runner(command)
+    model = _downloaded_model(spec, plan)
     engine_dir = Path(plan.engine_dir)
     missing = [name for name in plan.expected_artifacts if not (engine_dir / name).is_file()]
     if missing:
@@ -289,10 +377,44 @@ def build_engine(
         "built_at": datetime.now(UTC).isoformat(timespec="seconds"),
         "commands": [list(c.argv) for c in plan.commands],
         "artifacts": {name: sha256_file(engine_dir / name) for name in plan.expected_artifacts},
+        "model": model,
     }
     _write_manifest(manifest_path, manifest)
     progress(f"{spec.name}: built; manifest {manifest_path}")
     return BuildOutcome(plan, manifest_path, rebuilt=True, reason=why)
+
+
+def _downloaded_model(spec: EngineSpec, plan: BuildPlan) -> dict[str, object]:
+    """What the manifest records of the model: the commit the download step got (checked against a pin)."""
+    if spec.model.hf_id is None or plan.model_record is None:
+        return {"checkpoint_path": spec.model.checkpoint_path}
+    try:
+        record = json.loads(Path(plan.model_record).read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise EngineBuildError(f"the download step left no readable record at {plan.model_record}: {exc}") from exc
+    got = record.get("resolved_revision") if isinstance(record, dict) else None
+    if not isinstance(got, str) or not COMMIT_SHA.fullmatch(got) or record.get("hf_id") != spec.model.hf_id:
+        raise EngineBuildError(f"the download record {plan.model_record} names no commit of {spec.model.hf_id}")
+    pinned = spec.model.pinned_commit
+    if pinned is not None and got != pinned:
+        raise EngineBuildError(f"model download of {spec.model.hf_id}: asked for {pinned}, got {got}")
+    return {"hf_id": spec.model.hf_id, "revision": spec.model.revision, "resolved_revision": got}
+
+
+def recorded_model_revision(spec: EngineSpec, engines_root: str | Path) -> str | None:
+    """The commit of ``model.hf_id`` the engine under ``engines_root`` was built from, when its manifest
+    carries this spec's hash (None otherwise: no build yet, another spec, a local checkpoint)."""
+    try:
+        manifest = json.loads((Path(engines_root) / spec.name / MANIFEST).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    model = manifest.get("model") if isinstance(manifest, dict) else None
+    if not isinstance(model, dict) or model.get("hf_id") != spec.model.hf_id:
+        return None
+    if manifest.get("spec_hash") != spec_hash(spec):  # the builder rewrites it on every run, skipped or not
+        return None
+    got = model.get("resolved_revision")
+    return got if isinstance(got, str) and COMMIT_SHA.fullmatch(got) else None
 
 
 def _kvgate_version() -> str:

@@ -12,7 +12,9 @@ Examples::
 MODEL is a bundled shape name or a path to a Hugging Face ``config.json``. ``--spec`` takes
 an engine spec (bundled name or YAML path) and reads from it what it fixes: TP/PP, tokens per
 block, KV and weight dtypes, ``free_gpu_memory_fraction`` and ``host_cache_size`` (per rank), and
-the model (its ``hf_id``, when a bundled shape has it); options given explicitly win. The arithmetic
+the model (its ``hf_id``, when a bundled shape has it); options given explicitly win. What the spec
+leaves unreproducible (``engines.spec.spec_warnings``: an ``hf_id`` without a pinned commit) is printed
+as ``note:`` lines and listed in the JSON's ``spec_warnings``; it does not change the plan. The arithmetic
 lives in ``engines/capacity`` (pure); this module parses options and draws the table.
 """
 
@@ -87,7 +89,7 @@ def register(app: typer.Typer) -> None:
         from engines.capacity.hardware import Hardware, HardwareError, bundled_gpus, load_gpu
         from engines.capacity.shapes import ShapeError, bundled_shape_names, load_shape
         from engines.capacity.spec_choice import no_spec_reason, spec_choice
-        from engines.spec import SpecError
+        from engines.spec import SpecError, load_spec, spec_warnings
 
         if list_known:
             typer.echo("model shapes: " + ", ".join(bundled_shape_names()))
@@ -100,8 +102,10 @@ def register(app: typer.Typer) -> None:
                 raise CliError("--reserve-gib must be a finite number of GiB >= 0")
             defaults = {"tp": 1, "pp": 1, "kv_dtype": "fp8", "weights": "bf16", "tokens_per_block": 32, "fraction": 0.9,
                         "host_cache_size": 0, "model": None}
+            warnings: list[str] = []
             if spec is not None:
                 defaults.update(spec_defaults(spec))
+                warnings = spec_warnings(load_spec(spec))
             model = model or defaults["model"]
             if model is None:
                 raise CliError("give a MODEL (bundled name or config.json path), or --list"
@@ -152,9 +156,10 @@ def register(app: typer.Typer) -> None:
                 "changed": bool(choice and choice.reason) or choice is None,
                 "reason": (choice.reason if choice else no_spec_reason(gpu_type)),
             }
+            doc["spec_warnings"] = warnings
             typer.echo(json.dumps(doc, indent=2))
         else:
-            print_plan(result, valid, choice, no_spec_reason(gpu_type))
+            print_plan(result, valid, choice, no_spec_reason(gpu_type), spec_notes=warnings)
 
 
 def spec_defaults(ref: str) -> dict[str, object]:
@@ -178,7 +183,7 @@ def spec_defaults(ref: str) -> dict[str, object]:
     return out
 
 
-def print_plan(p, valid=None, choice=None, no_spec: str = "") -> None:  # noqa: ANN001 - CapacityPlan, SpecChoice
+def print_plan(p, valid=None, choice=None, no_spec: str = "", spec_notes: list[str] | tuple[str, ...] = ()) -> None:  # noqa: ANN001 - CapacityPlan, SpecChoice
     from rich.console import Console
     from rich.table import Table
 
@@ -220,6 +225,8 @@ def print_plan(p, valid=None, choice=None, no_spec: str = "") -> None:  # noqa: 
     console.print(table)
     for note in p.notes:
         console.print(f"note: {note}")
+    for note in spec_notes:  # plain echo: a long sentence with a spec field name, not wrapped
+        typer.echo(f"note: spec: {note}")
     # Plain echo: these lines are meant to be copied, so no wrapping. They always describe an engine
     # spec that validates: the user's dtypes when they can, else the nearest valid ones.
     if valid is None:

@@ -162,3 +162,55 @@ def test_container_must_name_its_registry_host():
         data = copy.deepcopy(_raw("llama-3.1-8b-instruct-fp8kv"))
         data["tensorrt_llm"]["container"] = mirror
         assert parse_spec(data).tensorrt_llm.container == mirror
+
+
+# --- model.revision: which commit of the Hugging Face repo a build takes ---------------------
+
+SHA = "0e9e39f249a16976918f6564b8830bc894c89659"
+
+
+def _with_model(**model) -> dict:
+    data = copy.deepcopy(_raw("llama-3.1-70b-instruct-fp8-tp8"))
+    data["model"] = {**data["model"], **model}
+    return data
+
+
+@pytest.mark.parametrize("revision", [SHA, "v1.0", "main", "release/2025-01", "refs/pr/12", "exp/o'brien;$x"])
+def test_a_revision_is_a_commit_or_a_ref_name(revision):
+    spec = parse_spec(_with_model(revision=revision))
+    assert spec.model.revision == revision
+    assert spec.model.pinned_commit == (revision if revision == SHA else None)
+
+
+@pytest.mark.parametrize("revision", ["", "-rf", "a..b", "has space", "x~1", "a:b", "end/", "/start", "x.lock",
+                                      "v@{1}", "A" * 40 + "x" * 300])
+def test_a_revision_git_would_refuse_is_refused(revision):
+    with pytest.raises(SpecError, match=r"model\.revision: .*a commit sha \(40 hex digits\) or a branch or tag name"):
+        parse_spec(_with_model(revision=revision))
+
+
+def test_a_revision_with_a_checkpoint_path_is_refused_naming_the_rule():
+    message = _invalid(lambda d: d.update(model={"checkpoint_path": "/ckpt/llama", "revision": SHA}))
+    assert "[rule revision-needs-hf-id]" in message and "checkpoint_path" in message
+    assert "snapshot_download" in message  # the source: huggingface_hub's revision argument
+
+
+def test_the_revision_is_part_of_the_spec_hash():
+    unpinned, pinned = parse_spec(_with_model()), parse_spec(_with_model(revision=SHA))
+    assert spec_hash(unpinned) != spec_hash(pinned)
+    assert spec_hash(pinned) != spec_hash(parse_spec(_with_model(revision="v1.0")))
+
+
+def test_an_unpinned_hf_id_is_valid_but_warned_about():
+    from engines.spec import spec_warnings
+
+    unpinned = parse_spec(_with_model())
+    [warning] = spec_warnings(unpinned)
+    assert "meta-llama/Llama-3.1-70B-Instruct" in warning and "not reproducible" in warning
+    assert "model.revision" in warning
+    [moving] = spec_warnings(parse_spec(_with_model(revision="main")))
+    assert "'main'" in moving and "can move" in moving
+    assert spec_warnings(parse_spec(_with_model(revision=SHA))) == []
+    assert spec_warnings(load_bundled_spec("reference-smollm2")) == []  # a local checkpoint: nothing to pin
+    [tokenizer] = spec_warnings(parse_spec(_with_model(revision=SHA, tokenizer="acme/tok")))
+    assert "model.tokenizer 'acme/tok'" in tokenizer

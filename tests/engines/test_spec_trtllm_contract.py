@@ -17,8 +17,15 @@ from engines.triton.params import ServingParams
 from engines.trtllm.build_plan import BuildPlanError, build_plan
 from engines.trtllm.executor_args import executor_config_kwargs, kv_cache_config_kwargs
 
+DOWNLOAD_8B = {  # kvgate build download (engines/trtllm/engine_build.py download_hf_model): quantize.py has no revision
+    "--hf-id": "meta-llama/Llama-3.1-8B-Instruct",
+    "--revision": "0e9e39f249a16976918f6564b8830bc894c89659",  # the bundled spec's model.revision
+    "--output": "/engines/llama-3.1-8b-instruct-fp8kv/source",
+}
 QUANTIZE_8B = {
-    "--model_dir": "meta-llama/Llama-3.1-8B-Instruct",  # examples/quantization/quantize.py
+    # examples/quantization/quantize.py; the snapshot the download step linked (tensorrt_llm/quantization/
+    # quantize_by_modelopt.py loads it with from_pretrained, as it would a hub id, without a revision)
+    "--model_dir": "/engines/llama-3.1-8b-instruct-fp8kv/source/meta-llama/Llama-3.1-8B-Instruct",
     "--dtype": "bfloat16",  # examples/quantization/quantize.py (choices auto/float16/bfloat16/float32)
     "--qformat": "fp8",  # examples/quantization/quantize.py (choices incl. fp8, full_prec)
     "--kv_cache_dtype": "fp8",  # examples/quantization/quantize.py (choices int8, fp8)
@@ -42,9 +49,13 @@ BUILD_8B = {
     "--max_beam_width": "1",  # tensorrt_llm/commands/build.py
     "--workers": "1",  # tensorrt_llm/commands/build.py
 }
+DOWNLOAD_70B = {  # no --revision: the bundled 70B spec is unpinned (the build records the commit it got)
+    "--hf-id": "meta-llama/Llama-3.1-70B-Instruct",
+    "--output": "/engines/llama-3.1-70b-instruct-fp8-tp8/source",
+}
 QUANTIZE_70B = {
     **QUANTIZE_8B,
-    "--model_dir": "meta-llama/Llama-3.1-70B-Instruct",  # examples/quantization/quantize.py
+    "--model_dir": "/engines/llama-3.1-70b-instruct-fp8-tp8/source/meta-llama/Llama-3.1-70B-Instruct",  # quantize.py
     "--tp_size": "8",  # examples/quantization/quantize.py: TP is fixed in the checkpoint
     "--output_dir": "/engines/llama-3.1-70b-instruct-fp8-tp8/checkpoint",  # examples/quantization/quantize.py
 }
@@ -91,13 +102,15 @@ CASES = {
     "llama-3.1-8b-instruct-fp8kv": (QUANTIZE_8B, BUILD_8B, KV_8B, EXECUTOR_8B),
     "llama-3.1-70b-instruct-fp8-tp8": (QUANTIZE_70B, BUILD_70B, KV_70B, EXECUTOR_70B),
 }
+DOWNLOADS = {"llama-3.1-8b-instruct-fp8kv": DOWNLOAD_8B, "llama-3.1-70b-instruct-fp8-tp8": DOWNLOAD_70B}
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_build_commands(name):
     quantize, trtllm_build, _, _ = CASES[name]
     plan = build_plan(load_bundled_spec(name), output_dir="/engines")
-    first, second = plan.commands
+    download, first, second = plan.commands
+    assert download.argv[:3] == ("kvgate", "build", "download") and download.flags() == DOWNLOADS[name]
     assert first.argv[:2] == ("python3", "/app/examples/quantization/quantize.py")  # -trtllm-python-py3 image: /app/examples
     assert first.flags() == quantize
     assert second.argv[0] == "trtllm-build"  # console script -> tensorrt_llm/commands/build.py:main
@@ -131,7 +144,7 @@ def test_optional_kv_fields_are_passed_only_when_set():
 def test_calibration_dataset_is_passed_to_quantize():
     spec = load_bundled_spec("llama-3.1-8b-instruct-fp8kv")
     changed = spec.model_copy(update={"quantization": spec.quantization.model_copy(update={"calib_dataset": "/data/calib"})})
-    quantize = build_plan(changed, output_dir="/e").commands[0]
+    [quantize] = [c for c in build_plan(changed, output_dir="/e").commands if c.step == "quantize"]
     assert quantize.flag("--qformat") == "fp8"  # full_prec is refused by the spec (rule fp8-kv-needs-fp8-weights)
     assert quantize.flag("--kv_cache_dtype") == "fp8"
     assert quantize.flag("--calib_dataset") == "/data/calib"  # examples/quantization/quantize.py
@@ -140,3 +153,55 @@ def test_calibration_dataset_is_passed_to_quantize():
 def test_reference_spec_has_no_build():
     with pytest.raises(BuildPlanError, match="no TensorRT-LLM engine"):
         build_plan(load_bundled_spec("reference-smollm2"), output_dir="/e")
+
+
+# --- the model's revision: examples/quantization/quantize.py (059c97c1) has no --revision, and
+# tensorrt_llm/quantization/quantize_by_modelopt.py (042c510d) loads --model_dir with
+# AutoConfig/AutoModelForCausalLM/AutoTokenizer.from_pretrained(ckpt_path, ...) without one: a hub id
+# passed there is read at the repo's main branch. So a hub model is downloaded first, at the revision.
+
+def _spec_with_model(**model):
+    from engines.spec import parse_spec
+
+    data = load_bundled_spec("llama-3.1-70b-instruct-fp8-tp8").model_dump(mode="json")
+    data["model"] = {"hf_id": None, "checkpoint_path": None, "tokenizer": None, **model}
+    return parse_spec(data)
+
+
+def test_a_hub_model_is_downloaded_at_its_revision_before_quantize():
+    sha = "0123456789abcdef0123456789abcdef01234567"
+    plan = build_plan(_spec_with_model(hf_id="meta-llama/Llama-3.1-70B-Instruct", revision=sha), output_dir="/engines")
+    download, quantize, trtllm_build = plan.commands
+    root = "/engines/llama-3.1-70b-instruct-fp8-tp8"
+    assert download.step == "download"
+    assert download.argv == ("kvgate", "build", "download", "--hf-id", "meta-llama/Llama-3.1-70B-Instruct",
+                             "--revision", sha, "--output", f"{root}/source")
+    # quantize.py reads the downloaded snapshot, never the hub (whose main may have moved since)
+    assert quantize.flag("--model_dir") == f"{root}/source/meta-llama/Llama-3.1-70B-Instruct"
+    assert trtllm_build.argv[0] == "trtllm-build"
+    unpinned = build_plan(_spec_with_model(hf_id="meta-llama/Llama-3.1-70B-Instruct"), output_dir="/engines")
+    assert "--revision" not in unpinned.commands[0].argv  # the hub's default branch; the build records its commit
+    # a local checkpoint has nothing to download: quantize.py reads it where it is
+    plan = build_plan(_spec_with_model(checkpoint_path="/ckpt/llama-70b"), output_dir="/engines")
+    assert [c.step for c in plan.commands] == ["quantize", "trtllm-build"]
+    assert plan.commands[0].flag("--model_dir") == "/ckpt/llama-70b"
+
+
+def test_a_revision_reaches_the_download_as_one_argument_and_the_dry_run_quotes_it(tmp_path):
+    import shlex
+
+    import yaml
+    from typer.testing import CliRunner
+
+    from server.cli import create_cli
+
+    revision = "exp/o'brien;$x"  # legal in git ref names; the plan is argv, never a shell string
+    spec = _spec_with_model(hf_id="acme/model", revision=revision)
+    assert build_plan(spec, output_dir="/e").commands[0].flag("--revision") == revision
+    path = tmp_path / "spec.yaml"
+    path.write_text(yaml.safe_dump(spec.model_dump(mode="json")))
+    result = CliRunner().invoke(create_cli(), ["build", "engine", str(path), "--dry-run", "--output", str(tmp_path / "e")])
+    assert result.exit_code == 0, result.output
+    [line] = [x for x in result.output.splitlines() if x.startswith("kvgate build download ")]
+    argv = shlex.split(line)
+    assert argv[argv.index("--revision") + 1] == revision and argv[argv.index("--hf-id") + 1] == "acme/model"
