@@ -10,24 +10,37 @@ Two interchangeable backends behind one :class:`Admission` interface:
 Model: requests/min and tokens/min are token buckets of capacity ``limit`` refilled
 at ``limit / 60`` per second. A request takes 1 request token at admission and
 *reserves* its prompt tokens plus the output limit it runs with (``max_output_tokens``:
-its ``max_tokens``, or the tenant's output limit when it names none, as the routes decide);
-it is admitted only if the bucket holds that whole reservation. When it ends (answered,
-failed, or its client gone) the part of the output it did not generate goes back to the
-bucket, exactly once; tokens generated past the reservation (an engine that overran
-``max_tokens``) are charged in full, so the bucket may go negative, without a floor: debt
-is never forgiven. So whatever the concurrency, the prompt and completion tokens served
-within any window never exceed the capacity plus that window's refill. A reservation
-larger than the capacity can never be admitted: refused at once with 429
+its ``max_tokens``, or the tenant's output limit when it names none, from the limits it is
+decided under: ``fresh_admission.admit``); it is admitted only if the bucket holds that whole
+reservation. When it ends (answered, failed, or its client gone) the part of the output it
+did not generate goes back to the bucket, exactly once; tokens generated past the
+reservation (an engine that overran ``max_tokens``) are charged in full, so the bucket may
+go negative, without a floor: a debt is paid back by refill alone. A request admitted but
+never served (:meth:`Admission.release_unserved`: decided again under limits lowered
+meanwhile, its key found revoked, a failure before its engine call) gives back all it took,
+exactly once: its request token, its prompt and its output reservation. A release only adds
+that amount to the bucket's level as it stood at the bucket's last decision: it never
+refills, caps or re-stamps the bucket, so refill and cap are left to the next decision,
+under the limits in force then (a limit raised while a request ran binds from that decision
+on, not a minute later). A give-back credited as of that last decision (made at or after
+the lease's own) is the same as one made then, capped at the capacity: it never adds tokens
+the bucket could not have held. So whatever the concurrency, the prompt and completion
+tokens served within any window never exceed the capacity plus that window's refill. A
+reservation larger than the capacity can never be admitted: refused at once with 429
 ``rate_limit_exceeded`` ("Request too large", as OpenAI answers), naming ``max_tokens`` so
 the client knows what to lower. Concurrency is a set of leases (Redis: a sorted set
-scored by expiry, so a crashed replica's leases lapse).
+scored by expiry, so a crashed replica's leases lapse). Limits are positive or ``None``
+(unlimited): a :class:`Limits` with one below 1 is refused when built.
 
-Refund exactly once (Redis): the acquire that reserves also stores the lease's output
-reservation under a key of its own (``...:res:<lease id>``, lapsing with the lease and
-renewed by the same heartbeat); the release refunds only by deleting that key. So a
-release sent twice (its first answer lost, then retried) refunds once, and the owed
-release of an acquire Redis never stored (its answer lost while Redis went away) refunds
-nothing.
+Refund exactly once (Redis): the acquire that takes from a bucket also stores what it took
+(the prompt and output reservation, and whether it took a request token) under a key of its
+own (``...:res:<lease id>``, lapsing with the lease and renewed by the same heartbeat); a
+release gives back only by deleting that key. So a release sent twice (its first answer lost,
+then retried) gives back once, and the owed release of an acquire Redis never stored (its
+answer lost while Redis went away) gives back nothing; that of an acquire Redis stored but
+whose answer never arrived (the request cancelled meanwhile) gives back all it took. Each
+script reads Redis' clock and never refills by a negative time: a clock stepped back (an NTP
+step, a failover to a replica behind) refills nothing until it catches up, and drains nothing.
 
 Lease renewal (Redis): a lease is granted for ``lease_ttl_s`` (default
 ``LEASE_TTL_SECONDS``, 30 s) and renewed every ``lease_ttl_s / 3`` while its request is
@@ -41,7 +54,8 @@ requests end the tenant may be admitted above its limit once Redis is back); tha
 trade-off for a short bound on a dead gateway's slots.
 
 Invariants: a refused request changes no bucket; every granted :class:`Lease` is
-released exactly once (``release`` is idempotent).
+released exactly once (``release`` and ``release_unserved`` are idempotent, and the first of
+them settles it).
 
 Redis away (connection refused or reset, or no answer within ``REDIS_TIMEOUT_S``): admission
 *fails closed*. ``acquire`` refuses with 503 ``admission_unavailable`` (``Retry-After: 1``),
@@ -64,6 +78,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Protocol
 
+DEFAULT_MAX_OUTPUT_TOKENS = 256  # a request naming no output limit, of a tenant without max_output_tokens
 LEASE_TTL_SECONDS = 30.0  # a lease not renewed for this long lapses (its gateway died)
 REDIS_TIMEOUT_S = 2.0  # connect and per-command: a Redis that does not answer counts as away
 
@@ -76,10 +91,26 @@ class Limits:
     max_prompt_tokens: int | None = None
     max_output_tokens: int | None = None
 
-    def lowers_concurrency(self, before: Limits) -> bool:
-        """Whether these limits allow fewer concurrent requests than ``before`` (None: unlimited)."""
-        return self.max_concurrent is not None and (before.max_concurrent is None
-                                                    or self.max_concurrent < before.max_concurrent)
+    def __post_init__(self) -> None:
+        # None is unlimited; 0 would mean something else on each backend (the registry refuses it too).
+        for name, value in (("requests_per_minute", self.requests_per_minute),
+                            ("tokens_per_minute", self.tokens_per_minute), ("max_concurrent", self.max_concurrent),
+                            ("max_prompt_tokens", self.max_prompt_tokens),
+                            ("max_output_tokens", self.max_output_tokens)):
+            if value is not None and value < 1:
+                raise ValueError(f"{name} must be at least 1 (or None: unlimited), got {value}")
+
+    @property
+    def default_output_tokens(self) -> int:
+        """The output limit of a request that names none: the tenant's ``max_output_tokens``."""
+        return self.max_output_tokens or DEFAULT_MAX_OUTPUT_TOKENS
+
+    def lowers(self, before: Limits) -> bool:
+        """Whether any of these limits is lower than in ``before`` (None: unlimited)."""
+        return any(new is not None and (old is None or new < old) for new, old in (
+            (self.requests_per_minute, before.requests_per_minute), (self.tokens_per_minute, before.tokens_per_minute),
+            (self.max_concurrent, before.max_concurrent), (self.max_prompt_tokens, before.max_prompt_tokens),
+            (self.max_output_tokens, before.max_output_tokens)))
 
 
 class AdmissionError(Exception):
@@ -143,11 +174,22 @@ class Lease:
     tokens_per_minute: int | None
     released: bool = False
     output_reserved: int = 0  # output tokens taken from the token bucket at admission (refunded unused)
+    prompt_reserved: int = 0  # prompt tokens taken from the token bucket (given back only if never served)
+    request_taken: bool = False  # a request token taken (given back only if never served)
+    max_output_tokens: int = 0  # the output limit the request was admitted with
 
 
 class Admission(Protocol):
     async def acquire(self, tenant: str, limits: Limits, *, prompt_tokens: int, max_output_tokens: int) -> Lease: ...
-    async def release(self, lease: Lease, *, completion_tokens: int) -> None: ...
+
+    async def release(self, lease: Lease, *, completion_tokens: int) -> None:
+        """The request ended: the unused output reservation back, tokens past it charged."""
+        ...
+
+    async def release_unserved(self, lease: Lease) -> None:
+        """The request was never served: its request token, prompt and output reservation back."""
+        ...
+
     async def close(self) -> None: ...
 
 
@@ -210,12 +252,23 @@ class LocalAdmission:
                 state.requests.level -= 1.0
             if tpm is not None and state.tokens is not None:
                 state.tokens.level -= reserved
-            lease = Lease(tenant, secrets.token_hex(8), tpm,
-                          output_reserved=max_output_tokens if tpm is not None else 0)
+            lease = Lease(tenant, secrets.token_hex(8), tpm, max_output_tokens=max_output_tokens,
+                          output_reserved=max_output_tokens if tpm is not None else 0,
+                          prompt_reserved=prompt_tokens if tpm is not None else 0, request_taken=rpm is not None)
             state.leases.add(lease.lease_id)
             return lease
 
     async def release(self, lease: Lease, *, completion_tokens: int) -> None:
+        # The unused reservation back, or the overrun charged (no floor).
+        await self._settle(lease, tokens=lease.output_reserved - completion_tokens, requests=0)
+
+    async def release_unserved(self, lease: Lease) -> None:
+        await self._settle(lease, tokens=lease.prompt_reserved + lease.output_reserved,
+                           requests=int(lease.request_taken))
+
+    async def _settle(self, lease: Lease, *, tokens: int, requests: int) -> None:
+        """Added to the levels as they stood at the buckets' last decision: no refill, no cap, no
+        new stamp (the next decision refills and caps under the limits in force then)."""
         if lease.released:
             return
         lease.released = True
@@ -225,10 +278,9 @@ class LocalAdmission:
                 return
             state.leases.discard(lease.lease_id)
             if state.tokens is not None and lease.tokens_per_minute is not None:
-                # The unused reservation back (never above capacity), or the overrun charged: no floor.
-                state.tokens.refill(lease.tokens_per_minute, self._clock())
-                state.tokens.level = min(float(lease.tokens_per_minute),
-                                         state.tokens.level + lease.output_reserved - completion_tokens)
+                state.tokens.level += tokens
+            if state.requests is not None and requests:
+                state.requests.level += requests
 
     async def in_flight(self, tenant: str) -> int:
         state = self._tenants.get(tenant)
@@ -242,7 +294,8 @@ class LocalAdmission:
 # KEYS: 1 request bucket, 2 token bucket, 3 lease zset, 4 the lease's reservation record
 # ARGV: 1 rpm (0 = none), 2 tpm (0 = none), 3 max_concurrent (0 = none), 4 prompt tokens, 5 lease id, 6 lease ttl,
 #       7 output tokens reserved
-# Returns {0, 0} granted, or {code, retry_after_ms}: 1 concurrency, 2 rpm, 3 tpm.
+# Returns {0, 0} granted, or {code, retry_after_ms}: 1 concurrency, 2 rpm, 3 tpm. The record holds what was
+# taken from the buckets (prompt and output tokens, 1 if a request token), for release to give back.
 _ACQUIRE = """
 local t = redis.call('TIME')
 local now = tonumber(t[1]) + tonumber(t[2]) / 1e6
@@ -253,7 +306,7 @@ local function level(key, cap)
   local v = redis.call('HMGET', key, 'level', 'ts')
   local lvl, ts = tonumber(v[1]), tonumber(v[2])
   if lvl == nil then return cap end
-  return math.min(cap, lvl + (now - ts) * cap / 60.0)
+  return math.min(cap, lvl + math.max(0, now - ts) * cap / 60.0)  -- a clock stepped back refills nothing
 end
 if conc > 0 then
   redis.call('ZREMRANGEBYSCORE', KEYS[3], '-inf', now)
@@ -275,7 +328,11 @@ end
 if tpm > 0 then
   redis.call('HSET', KEYS[2], 'level', k - reserve, 'ts', now)
   redis.call('EXPIRE', KEYS[2], 120)
-  redis.call('SET', KEYS[4], output, 'PX', math.ceil(tonumber(ARGV[6]) * 1000))
+end
+if rpm > 0 or tpm > 0 then
+  redis.call('HSET', KEYS[4], 'prompt', tpm > 0 and tonumber(ARGV[4]) or 0, 'output', tpm > 0 and output or 0,
+             'request', rpm > 0 and 1 or 0)
+  redis.call('PEXPIRE', KEYS[4], math.ceil(tonumber(ARGV[6]) * 1000))
 end
 if conc > 0 then
   redis.call('ZADD', KEYS[3], now + tonumber(ARGV[6]), ARGV[5])
@@ -284,27 +341,40 @@ end
 return {0, 0}
 """
 
-# KEYS: 1 token bucket, 2 lease zset, 3 the lease's reservation record
-# ARGV: 1 tpm (0 = none), 2 completion tokens, 3 lease id
+# KEYS: 1 request bucket, 2 token bucket, 3 lease zset, 4 the lease's reservation record
+# ARGV: 1 tpm the lease was admitted under (0 = none), 2 completion tokens, 3 lease id, 4 served (1) or never (0)
 # Settles the reservation only if its record is still there (deleted here: once). No record: a
 # release sent again, an acquire Redis never stored, or a lease lapsed (its gateway silent past
-# the TTL): nothing to give back. Returns 1 when it settled a reservation.
+# the TTL): nothing to give back. Served: the output it did not use back (or the overrun charged);
+# never served: all the record holds. Added to the level as of the bucket's last decision (no
+# refill, cap or new stamp: the next decision does that under the limits in force then). A bucket
+# gone has refilled to full and lapsed: nothing to add; an overrun is charged from full, now.
+# Returns 1 when it settled a reservation.
 _RELEASE = """
-redis.call('ZREM', KEYS[2], ARGV[3])
+redis.call('ZREM', KEYS[3], ARGV[3])
+local held = redis.call('HMGET', KEYS[4], 'prompt', 'output', 'request')
+if not held[2] then return 0 end
+redis.call('DEL', KEYS[4])
 local tpm = tonumber(ARGV[1])
-local held = redis.call('GET', KEYS[3])
-if tpm <= 0 or not held then return 0 end
-redis.call('DEL', KEYS[3])
-local t = redis.call('TIME')
-local now = tonumber(t[1]) + tonumber(t[2]) / 1e6
-local v = redis.call('HMGET', KEYS[1], 'level', 'ts')
-local lvl, ts = tonumber(v[1]), tonumber(v[2])
-if lvl == nil then lvl, ts = tpm, now end
-lvl = math.min(tpm, lvl + (now - ts) * tpm / 60.0)
-lvl = math.min(tpm, lvl + tonumber(held) - tonumber(ARGV[2]))
-redis.call('HSET', KEYS[1], 'level', lvl, 'ts', now)
--- kept until it has refilled to full (a debt outlives the usual two minutes)
-redis.call('EXPIRE', KEYS[1], 120 + math.ceil(math.max(0, -lvl) * 60.0 / tpm))
+local tokens, requests = tonumber(held[2]) - tonumber(ARGV[2]), 0
+if ARGV[4] == '0' then tokens, requests = tonumber(held[1]) + tonumber(held[2]), tonumber(held[3]) end
+if requests > 0 then
+  local r = tonumber(redis.call('HGET', KEYS[1], 'level'))
+  if r ~= nil then redis.call('HSET', KEYS[1], 'level', r + requests) end
+end
+if tpm > 0 and tokens ~= 0 then
+  local lvl = tonumber(redis.call('HGET', KEYS[2], 'level'))
+  if lvl ~= nil then
+    lvl = lvl + tokens
+    redis.call('HSET', KEYS[2], 'level', lvl)
+  elseif tokens < 0 then
+    local t = redis.call('TIME')
+    lvl = tpm + tokens
+    redis.call('HSET', KEYS[2], 'level', lvl, 'ts', tonumber(t[1]) + tonumber(t[2]) / 1e6)
+  end
+  -- kept until it has refilled to full (a debt outlives the usual two minutes)
+  if lvl ~= nil then redis.call('EXPIRE', KEYS[2], 120 + math.ceil(math.max(0, -lvl) * 60.0 / tpm)) end
+end
 return 1
 """
 
@@ -343,7 +413,8 @@ class RedisAdmission:
         self._ns = namespace
         self.lease_ttl_s = lease_ttl_s
         self._live: dict[str, Lease] = {}  # lease id -> granted and not yet released: renewed by the heartbeat
-        self._unreleased: list[tuple[Lease, int]] = []  # releases Redis did not take yet
+        # releases Redis did not take yet: (lease, completion tokens), None for a lease never served
+        self._unreleased: list[tuple[Lease, int | None]] = []
         self._down = (RedisError, OSError, asyncio.TimeoutError)  # what "Redis is away" looks like
         self._acquire = self._redis.register_script(_ACQUIRE)
         self._release = self._redis.register_script(_RELEASE)
@@ -364,7 +435,9 @@ class RedisAdmission:
     async def acquire(self, tenant: str, limits: Limits, *, prompt_tokens: int, max_output_tokens: int) -> Lease:
         check_sizes(limits, prompt_tokens=prompt_tokens, max_output_tokens=max_output_tokens)
         tpm = limits.tokens_per_minute
-        lease = Lease(tenant, secrets.token_hex(8), tpm, output_reserved=max_output_tokens if tpm is not None else 0)
+        lease = Lease(tenant, secrets.token_hex(8), tpm, output_reserved=max_output_tokens if tpm is not None else 0,
+                      prompt_reserved=prompt_tokens if tpm is not None else 0,
+                      request_taken=limits.requests_per_minute is not None, max_output_tokens=max_output_tokens)
         try:
             await self.retry_releases()  # slots owed back first: a decision must see them free
             code, retry_ms = await self._acquire(
@@ -373,13 +446,13 @@ class RedisAdmission:
                       prompt_tokens, lease.lease_id, self.lease_ttl_s, lease.output_reserved],
             )
         except asyncio.CancelledError:
-            # The request went away while Redis decided: what it may have granted is given back
-            # (the release is idempotent, and refunds only a reservation Redis stored).
-            self._unreleased.append((lease, 0))
+            # The request went away while Redis decided: what it may have granted is given back, whole
+            # (the release is idempotent, and gives back only what a record Redis stored says).
+            self._unreleased.append((lease, None))
             raise
         except self._down as exc:
             # Fail closed: a lease Redis may or may not have stored is released later (ZREM is idempotent).
-            self._unreleased.append((lease, 0))
+            self._unreleased.append((lease, None))
             raise AdmissionError("admission is unavailable (its store cannot be reached); retry shortly",
                                  limit="admission", status=503, retry_after=1.0,
                                  code="admission_unavailable") from exc
@@ -394,6 +467,12 @@ class RedisAdmission:
         return lease
 
     async def release(self, lease: Lease, *, completion_tokens: int) -> None:
+        await self._settle(lease, completion_tokens)
+
+    async def release_unserved(self, lease: Lease) -> None:
+        await self._settle(lease, None)
+
+    async def _settle(self, lease: Lease, completion_tokens: int | None) -> None:
         if lease.released:
             return
         lease.released = True
@@ -403,10 +482,11 @@ class RedisAdmission:
         except self._down:
             self._unreleased.append((lease, completion_tokens))  # given back when Redis answers again
 
-    async def _send_release(self, lease: Lease, completion_tokens: int) -> None:
-        keys = self._keys(lease.tenant)
-        await self._release(keys=[keys[1], keys[2], self._reservation_key(lease.tenant, lease.lease_id)],
-                            args=[lease.tokens_per_minute or 0, completion_tokens, lease.lease_id])
+    async def _send_release(self, lease: Lease, completion_tokens: int | None) -> None:
+        """``completion_tokens`` None: the request was never served."""
+        await self._release(keys=[*self._keys(lease.tenant), self._reservation_key(lease.tenant, lease.lease_id)],
+                            args=[lease.tokens_per_minute or 0, completion_tokens or 0, lease.lease_id,
+                                  0 if completion_tokens is None else 1])
 
     async def retry_releases(self) -> int:
         """Send the releases Redis missed; raises (keeping the unsent ones) if it is still away.

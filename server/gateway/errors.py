@@ -1,6 +1,7 @@
 """OpenAI-style error bodies for the serving API: ``{"error": {message, type, param, code}}``.
 
-``code`` is stable (clients branch on it); ``message`` is for people.
+``code`` is stable (clients branch on it); ``message`` is for people. A 429 is typed as OpenAI
+types it, by the limit its ``param`` names: ``"tokens"`` for tokens_per_minute, else ``"requests"``.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from fastapi.responses import JSONResponse
 
 _TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
           404: "not_found_error", 413: "invalid_request_error", 422: "invalid_request_error",
-          429: "rate_limit_error", 500: "server_error", 502: "server_error", 503: "service_unavailable",
+          429: "requests", 500: "server_error", 502: "server_error", 503: "service_unavailable",
           504: "timeout_error"}
 
 
@@ -27,7 +28,8 @@ class ServingError(Exception):
 
 
 def error_body(status: int, code: str, message: str, param: str | None = None) -> dict:
-    return {"error": {"message": message, "type": _TYPES.get(status, "invalid_request_error"), "param": param, "code": code}}
+    kind = "tokens" if status == 429 and param == "tokens_per_minute" else _TYPES.get(status, "invalid_request_error")
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
 
 def error_response(exc: ServingError) -> JSONResponse:

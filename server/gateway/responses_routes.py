@@ -105,7 +105,7 @@ async def create_response(body: ResponsesRequest, tenant: Tenant, services: Gate
 
     sampling = SamplingParams(temperature=1.0 if body.temperature is None else body.temperature,
                               top_p=1.0 if body.top_p is None else body.top_p)
-    max_new = body.max_output_tokens or tenant.limits.max_output_tokens or 256
+    max_new = body.max_output_tokens  # None: the tenant's default, as admission reads the tenant's limits
     dialect = ResponsesDialect(body, previous_response_id=body.previous_response_id, store=callback)
     if root_id is None and store:
         root_id = dialect.id  # a new stored conversation starts here: its first turn is routed by its own id

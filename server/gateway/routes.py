@@ -56,12 +56,12 @@ async def _job(services: GatewayServices, tenant: TenantContext, body, kind: str
         raise ServingError(400, "invalid_messages", str(exc), param="messages") from exc
     if prompt.total == 0:
         raise ServingError(400, "empty_prompt", "the prompt is empty", param="messages" if kind == "chat" else "prompt")
-    requested = body.requested_max_tokens()
-    max_new = requested if requested is not None else tenant.limits.max_output_tokens or 256
+    max_new = body.requested_max_tokens()  # None: the tenant's default, as admission reads the tenant's limits
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
     min_tokens = body.min_tokens or 0
-    if min_tokens > max_new:
-        raise ServingError(400, "invalid_request", f"min_tokens ({min_tokens}) exceeds the output limit ({max_new})",
+    limit = max_new if max_new is not None else tenant.limits.default_output_tokens
+    if min_tokens > limit:
+        raise ServingError(400, "invalid_request", f"min_tokens ({min_tokens}) exceeds the output limit ({limit})",
                            param="min_tokens")
     try:
         logit_bias = body.logit_bias_pairs()

@@ -11,7 +11,8 @@ fails after the stream started. Invariants:
 
 * the admission lease is released exactly once, whatever happens (client gone,
   engine error, stop string), and for a stream even when its body never starts
-  (:class:`ClosingStreamingResponse`);
+  (:class:`ClosingStreamingResponse`); a failure before the engine call (planning) releases
+  it as never served (``Admission.release_unserved``);
 * leaving early (client disconnect, stop string) closes the engine stream, which
   cancels the engine request and frees its blocks; a client that leaves before its response
   starts (while a non-streamed answer is generated, or before a stream's first token) is
@@ -84,7 +85,7 @@ class CompletionJob:
     kind: str  # "chat" | "text"
     model: str
     prompt: PreparedPrompt
-    max_new_tokens: int
+    max_new_tokens: int | None  # None: the tenant's default output limit, resolved at admission (then set)
     sampling: SamplingParams
     stop: tuple[str, ...]
     stream: bool
@@ -498,47 +499,53 @@ class CompletionRunner:
             headers = {"Retry-After": retry_after_header(exc)} if retry else None
             code = exc.code or ("rate_limit_exceeded" if exc.status == 429 else "limit_exceeded")
             raise ServingError(exc.status, code, str(exc), param=exc.limit, headers=headers) from exc
-        selector = self._selector_for(job.tenant.pool) if self._selector_for is not None else None
-        now = self._clock()
-        adaptive = selector is not None and tenant.retention_mode == "adaptive" and not job.quota.over_quota
-        hinting = hints_apply(job)
-        holding = self.holds.applies(job)
-        watched = not holding and self.holds.watches(tenant.pool.name)  # its hold duel sees every request
-        ledger = self._ledger(tenant.pool.name)
-        pinned = tenant.hints.enabled and ledger.has_pins(tenant.engine_tenant_id, now)
-        # Hashed once per request: the router needs them too (passed on by _open).
-        routed = isinstance(job.engine, RoutedEngine)
-        hashes = (request_hashes(job) if routed or adaptive or hinting or holding or watched or pinned
-                  or self._curves is not None else None)
-        plan = build_plan(job, selector, now, hashes)
-        started = time.perf_counter()
-        outcome = Outcome()
-        # Read before this request's own hints are recorded: the latest use sets a block's hold.
-        pins = ledger.pins(tenant.engine_tenant_id, hashes, now) if pinned and hashes is not None else ()
-        if hinting:  # the client's hints, within its class and its hint budget
-            outcome.hinted = hinted_plan(job, plan, hashes, ledger, now)
-            plan = outcome.hinted.plan
-        self._count_hints(job, outcome.hinted)
-        if pins:  # an earlier hint's blocks this request reuses keep their hold (retention.policy.hint_quota.keep_pins)
-            outcome.hinted = keep_pins(outcome.hinted or HintedPlan(plan), pins, tenant.hints, total=job.prompt.total,
-                                       tokens_per_block=tenant.pool.tokens_per_block, hashes=hashes, ledger=ledger,
-                                       tenant=tenant.engine_tenant_id, now=now)
-            plan = outcome.hinted.plan
-        if holding and hashes is not None:  # tools offered / a stored conversation: held for the measured gap
-            outcome.conversation_hold = self.holds.plan(job, plan, hashes, ledger, now)
-            plan = outcome.conversation_hold.plan
-        elif watched and hashes is not None:
-            self.holds.shadow(job, plan, hashes, ledger, now)
-        if self._guard is not None:  # SLO guard tripped or pilot control arm: host tier rolled back
-            plan, outcome.arm = self._guard.apply(tenant, plan)
-        if self._curves is not None:
-            # The plan the request really runs with (quota, adaptive bands, SLO rollback) goes to the shadows.
-            self._curves.observe(tenant.pool, hashes, plan, now=now, num_tokens=job.prompt.total,
-                                 tenant=tenant.engine_tenant_id)
-        if isinstance(job.engine, RoutedEngine) and job.hints.cache_key is not None:
-            # Any dialect's prompt_cache_key groups its requests on one replica (retention/routing/affinity.py).
-            job.engine.keyed(tenant.tenant_id, job.hints.cache_key)
-        request, chunks = _open(job, plan, hashes)
+        job.max_new_tokens = lease.max_output_tokens  # a request naming none: the default admission reserved
+        try:  # until the engine call's own try blocks own the lease, a failure releases it (never served)
+            selector = self._selector_for(job.tenant.pool) if self._selector_for is not None else None
+            now = self._clock()
+            adaptive = selector is not None and tenant.retention_mode == "adaptive" and not job.quota.over_quota
+            hinting = hints_apply(job)
+            holding = self.holds.applies(job)
+            watched = not holding and self.holds.watches(tenant.pool.name)  # its hold duel sees every request
+            ledger = self._ledger(tenant.pool.name)
+            pinned = tenant.hints.enabled and ledger.has_pins(tenant.engine_tenant_id, now)
+            # Hashed once per request: the router needs them too (passed on by _open).
+            routed = isinstance(job.engine, RoutedEngine)
+            hashes = (request_hashes(job) if routed or adaptive or hinting or holding or watched or pinned
+                      or self._curves is not None else None)
+            plan = build_plan(job, selector, now, hashes)
+            started = time.perf_counter()
+            outcome = Outcome()
+            # Read before this request's own hints are recorded: the latest use sets a block's hold.
+            pins = ledger.pins(tenant.engine_tenant_id, hashes, now) if pinned and hashes is not None else ()
+            if hinting:  # the client's hints, within its class and its hint budget
+                outcome.hinted = hinted_plan(job, plan, hashes, ledger, now)
+                plan = outcome.hinted.plan
+            self._count_hints(job, outcome.hinted)
+            if pins:  # an earlier hint's blocks this request reuses keep their hold (hint_quota.keep_pins)
+                outcome.hinted = keep_pins(outcome.hinted or HintedPlan(plan), pins, tenant.hints,
+                                           total=job.prompt.total, tokens_per_block=tenant.pool.tokens_per_block,
+                                           hashes=hashes, ledger=ledger, tenant=tenant.engine_tenant_id, now=now)
+                plan = outcome.hinted.plan
+            if holding and hashes is not None:  # tools offered / a stored conversation: held for the measured gap
+                outcome.conversation_hold = self.holds.plan(job, plan, hashes, ledger, now)
+                plan = outcome.conversation_hold.plan
+            elif watched and hashes is not None:
+                self.holds.shadow(job, plan, hashes, ledger, now)
+            if self._guard is not None:  # SLO guard tripped or pilot control arm: host tier rolled back
+                plan, outcome.arm = self._guard.apply(tenant, plan)
+            if self._curves is not None:
+                # The plan the request really runs with (quota, adaptive bands, SLO rollback) goes to the shadows.
+                self._curves.observe(tenant.pool, hashes, plan, now=now, num_tokens=job.prompt.total,
+                                     tenant=tenant.engine_tenant_id)
+            if isinstance(job.engine, RoutedEngine) and job.hints.cache_key is not None:
+                # Any dialect's prompt_cache_key groups its requests on one replica (retention/routing/affinity.py).
+                job.engine.keyed(tenant.tenant_id, job.hints.cache_key)
+            request, chunks = _open(job, plan, hashes)
+        except BaseException:
+            with anyio.CancelScope(shield=True):
+                await self._admission.release_unserved(lease)
+            raise
         receive = CLIENT_RECEIVE.get()
         if job.stream:
             primed = PrimedChunks(chunks)

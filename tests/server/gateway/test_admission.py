@@ -228,3 +228,112 @@ async def test_redis_leases_are_renewed_while_live_and_lapse_when_their_gateway_
             await live._redis.delete(*keys)
         await live.close()
         await dead.close()
+
+
+async def test_a_request_never_served_gives_back_everything_it_took_once(make_admission) -> None:
+    """Refused after its decision (a re-decision, a key revoked meanwhile, a failure before the
+    engine call): its request token, prompt and output reservation all go back, exactly once."""
+    adm = make_admission()
+    limits = Limits(requests_per_minute=1, tokens_per_minute=100)
+    lease = await adm.acquire("t", limits, prompt_tokens=60, max_output_tokens=10)
+    await adm.release_unserved(lease)
+    await adm.release_unserved(lease)  # idempotent
+    if isinstance(adm, RedisAdmission):
+        adm._unreleased.append((lease, None))  # sent again (its first answer lost): Redis gives back nothing more
+        assert await adm.retry_releases() == 1
+    await adm.acquire("t", limits, prompt_tokens=60, max_output_tokens=40)  # the request token and all 100 back
+    with pytest.raises(AdmissionError) as info:  # ... once: nothing more than the bucket held
+        await adm.acquire("t", Limits(tokens_per_minute=100), prompt_tokens=1, max_output_tokens=1)
+    assert info.value.limit == "tokens_per_minute"
+
+
+async def test_redis_an_acquire_cancelled_after_redis_granted_it_is_given_back_whole() -> None:
+    """The request went away while Redis decided (Redis stored the lease, the answer was never read):
+    the owed release gives back its request token and its whole reservation, not only its output."""
+    if not _redis_up():
+        pytest.skip("Redis at 127.0.0.1:6379 is not reachable")
+    adm = RedisAdmission(REDIS_URL, namespace=f"kvgate-test-{secrets.token_hex(4)}")
+    granted = adm._acquire
+
+    async def granted_then_cancelled(**kwargs):
+        await granted(**kwargs)
+        raise asyncio.CancelledError
+
+    limits = Limits(requests_per_minute=1, tokens_per_minute=100, max_concurrent=1)
+    try:
+        adm._acquire = granted_then_cancelled
+        with pytest.raises(asyncio.CancelledError):
+            await adm.acquire("t", limits, prompt_tokens=60, max_output_tokens=10)
+        adm._acquire = granted
+        lease = await adm.acquire("t", limits, prompt_tokens=60, max_output_tokens=40)  # the owed release runs first
+        assert adm.owed_releases == 0 and await adm.in_flight("t") == 1
+        await adm.release(lease, completion_tokens=40)
+    finally:
+        keys = [k async for k in adm._redis.scan_iter(f"{adm._ns}:*")]
+        if keys:
+            await adm._redis.delete(*keys)
+        await adm.close()
+
+
+async def test_local_a_limit_raised_while_a_request_runs_binds_from_the_next_decision() -> None:
+    """Release adds back what the request did not use, and nothing else: it neither refills at
+    the rate the lease was admitted under nor caps at that capacity, so the time the request ran
+    refills at the limit in force at the next decision."""
+    clock = FakeClock()
+    adm = LocalAdmission(clock=clock)
+    old, new = Limits(tokens_per_minute=1000), Limits(tokens_per_minute=60_000)
+    lease = await adm.acquire("t", old, prompt_tokens=10, max_output_tokens=990)  # the bucket is empty
+    clock.now += 60.0  # the limit was raised to 60 000/min while the request ran a minute
+    await adm.release(lease, completion_tokens=10)
+    await adm.acquire("t", new, prompt_tokens=10, max_output_tokens=29_990)  # 30 000 of 60 000
+
+
+async def test_redis_a_limit_raised_while_a_request_runs_binds_from_the_next_decision() -> None:
+    if not _redis_up():
+        pytest.skip("Redis at 127.0.0.1:6379 is not reachable")
+    adm = RedisAdmission(REDIS_URL, namespace=f"kvgate-test-{secrets.token_hex(4)}")
+    old, new = Limits(tokens_per_minute=1000), Limits(tokens_per_minute=60_000)
+    try:
+        lease = await adm.acquire("t", old, prompt_tokens=10, max_output_tokens=990)  # the bucket is empty
+        tpm = adm._keys("t")[1]
+        # The request ran a minute: its bucket was last decided on one minute ago.
+        await adm._redis.hset(tpm, "ts", float(await adm._redis.hget(tpm, "ts")) - 60)
+        await adm.release(lease, completion_tokens=10)
+        await adm.acquire("t", new, prompt_tokens=10, max_output_tokens=29_990)  # 30 000 of 60 000
+    finally:
+        keys = [k async for k in adm._redis.scan_iter(f"{adm._ns}:*")]
+        if keys:
+            await adm._redis.delete(*keys)
+        await adm.close()
+
+
+async def test_redis_a_bucket_stamped_in_redis_future_is_not_drained() -> None:
+    """Redis' clock stepped back (an NTP step, a failover to a replica behind): a bucket last
+    written "later" than Redis' now refills by nothing, and drains by nothing either."""
+    if not _redis_up():
+        pytest.skip("Redis at 127.0.0.1:6379 is not reachable")
+    adm = RedisAdmission(REDIS_URL, namespace=f"kvgate-test-{secrets.token_hex(4)}")
+    try:
+        seconds, micros = await adm._redis.time()
+        rpm, tpm = adm._keys("t")[:2]
+        ahead = seconds + micros / 1e6 + 300
+        await adm._redis.hset(rpm, mapping={"level": 60, "ts": ahead})  # full, written 300 s in Redis' future
+        await adm._redis.hset(tpm, mapping={"level": 600, "ts": ahead})
+        lease = await adm.acquire("t", Limits(requests_per_minute=60, tokens_per_minute=600), prompt_tokens=100,
+                                  max_output_tokens=500)
+        await adm.release(lease, completion_tokens=500)
+    finally:
+        keys = [k async for k in adm._redis.scan_iter(f"{adm._ns}:*")]
+        if keys:
+            await adm._redis.delete(*keys)
+        await adm.close()
+
+
+@pytest.mark.parametrize("field", ["requests_per_minute", "tokens_per_minute", "max_concurrent",
+                                   "max_prompt_tokens", "max_output_tokens"])
+@pytest.mark.parametrize("value", [0, -1])
+def test_a_limit_below_one_is_refused(field, value) -> None:
+    """None is unlimited; 0 would mean something different on each backend (the registry refuses it too)."""
+    with pytest.raises(ValueError, match=field):
+        Limits(**{field: value})
+    assert getattr(Limits(**{field: 1}), field) == 1

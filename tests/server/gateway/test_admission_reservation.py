@@ -343,7 +343,7 @@ def test_a_concurrent_burst_over_http_is_never_served_more_than_the_limit(gatewa
         error = answer.json()["error"]
         assert answer.status_code == 429 and answer.headers.get("retry-after")
         assert (error["code"], error["param"], error["type"]) == ("rate_limit_exceeded", "tokens_per_minute",
-                                                                  "rate_limit_error")
+                                                                  "tokens")
 
 
 def test_an_unused_reservation_is_refunded_after_a_short_answer(gateway, engine) -> None:
@@ -400,8 +400,7 @@ def test_a_request_too_large_for_tokens_per_minute_is_refused_in_each_dialects_s
     answer = httpx.post(gateway.url + "/v1/chat/completions", json=chat(1000), headers=headers, timeout=60)
     error = answer.json()["error"]
     assert answer.status_code == 429, answer.text
-    assert (error["code"], error["type"], error["param"]) == ("rate_limit_exceeded", "rate_limit_error",
-                                                              "tokens_per_minute")
+    assert (error["code"], error["type"], error["param"]) == ("rate_limit_exceeded", "tokens", "tokens_per_minute")
     assert "Request too large" in error["message"] and "Limit 600, Requested 1032" in error["message"]
     assert "max_tokens" in error["message"]
     assert "retry-after" not in answer.headers  # never admissible as sent: retrying it unchanged cannot help
@@ -438,5 +437,65 @@ def test_a_tenant_with_the_default_limits_is_served_without_max_tokens(gateway, 
     engine.answer(16)
     for _ in range(3):
         answer = httpx.post(gateway.url + "/v1/chat/completions", json=chat(), headers=gateway.headers(slug),
+                            timeout=60)
+        assert answer.status_code == 200, answer.text
+
+
+def test_a_rate_limited_request_is_typed_by_its_limit_as_openai_does(gateway, engine) -> None:
+    """OpenAI's 429 body: ``type`` "requests" or "tokens" (which limit), code ``rate_limit_exceeded``;
+    Anthropic's /v1/messages keeps its own ``rate_limit_error``."""
+    slug = "typed-" + secrets.token_hex(3)
+    gateway.add_tenant(slug, rpm_limit=1)
+    engine.answer(4)
+    headers = gateway.headers(slug)
+    served = httpx.post(gateway.url + "/v1/chat/completions", json=chat(4), headers=headers, timeout=60)
+    assert served.status_code == 200, served.text
+    for path, body in (("/v1/chat/completions", chat(4)),
+                       ("/v1/completions", {"model": MODEL, "prompt": "hi there", "max_tokens": 4}),
+                       ("/v1/responses", {"model": MODEL, "input": "hi there", "max_output_tokens": 16,
+                                          "store": False})):
+        answer = httpx.post(gateway.url + path, json=body, headers=headers, timeout=60)
+        assert answer.status_code == 429 and answer.headers.get("retry-after"), (path, answer.text)
+        error = answer.json()["error"]
+        assert (error["type"], error["code"], error["param"]) == ("requests", "rate_limit_exceeded",
+                                                                  "requests_per_minute"), (path, error)
+    answer = httpx.post(gateway.url + "/v1/messages", headers={"x-api-key": gateway.keys[slug]}, timeout=60,
+                        json={"model": MODEL, "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]})
+    assert answer.status_code == 429 and answer.json()["error"]["type"] == "rate_limit_error"
+
+
+def test_openai_429_types_name_the_limit() -> None:
+    from server.gateway.errors import error_body
+
+    def kind(param: str | None) -> str:
+        return error_body(429, "rate_limit_exceeded", "why", param)["error"]["type"]
+
+    assert [kind(p) for p in ("requests_per_minute", "max_concurrent", "tokens_per_minute")] == [
+        "requests", "requests", "tokens"]
+    assert error_body(400, "limit_exceeded", "why", "max_output_tokens")["error"]["type"] == "invalid_request_error"
+
+
+def test_a_failure_before_the_engine_call_gives_the_slot_back(gateway, engine, monkeypatch) -> None:
+    """Anything failing between admission and the engine call (planning here) answers 500 and
+    releases the lease, never served: the tenant's one concurrent slot is free for the next request."""
+    import server.gateway.api.completions as completions
+
+    slug = "planfault-" + secrets.token_hex(3)
+    gateway.add_tenant(slug, max_concurrent_requests=1, rpm_limit=2)
+    engine.answer(4)
+    real, calls = completions.build_plan, []
+
+    def failing_once(*args, **kwargs):  # type: ignore[no-untyped-def]
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("injected planning fault")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(completions, "build_plan", failing_once)
+    failed = httpx.post(gateway.url + "/v1/chat/completions", json=chat(4), headers=gateway.headers(slug), timeout=60)
+    assert failed.status_code == 500, failed.text
+    # The next one is admitted at once: the slot and the first request's token (rpm 2) came back.
+    for _ in range(2):
+        answer = httpx.post(gateway.url + "/v1/chat/completions", json=chat(4), headers=gateway.headers(slug),
                             timeout=60)
         assert answer.status_code == 200, answer.text

@@ -129,6 +129,9 @@ class SlowDecision:
     async def release(self, lease: Lease, *, completion_tokens: int) -> None:
         await self.inner.release(lease, completion_tokens=completion_tokens)
 
+    async def release_unserved(self, lease: Lease) -> None:
+        await self.inner.release_unserved(lease)
+
     async def close(self) -> None:
         return None
 
