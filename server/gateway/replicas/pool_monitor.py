@@ -140,20 +140,23 @@ class PoolMonitor:
         except Exception:  # registry down or silent: poll the pools we know, with their last tenants
             listing = [(pool, list(self._quotas.get(pool.name, {}).values())) for pool in self._directory.pools.values()]
         else:
-            self._forget_unlisted({pool.name for pool, _ in listing})
+            await self._forget_unlisted({pool.name for pool, _ in listing})
         for pool, tenants in listing:
             try:
                 await self._refresh_pool(pool, tenants)
             except Exception:  # noqa: BLE001 - one pool's failure must not freeze the others
                 log.exception("pool %s: stats poll failed; its last state is kept", pool.name)
 
-    def _forget_unlisted(self, listed: set[str]) -> None:
+    async def _forget_unlisted(self, listed: set[str]) -> None:
         """Drop every pool name the registry no longer lists (deleted, or renamed: its new name
-        is listed): its state here and in the directory, so neither its metric series nor its SLO
-        guard (``SloGuards`` follows ``directory.pools``) outlive it. A pool in use reappears in
-        the next listing; a request that raced the listing only re-registers its pool."""
+        is listed): its state here, in the directory and its route, so neither its metric series
+        (pool and replica) nor its SLO guard (``SloGuards`` follows ``directory.pools``) nor its
+        peer-sync heartbeats outlive it. A pool in use reappears in the next listing; a request
+        that raced the listing only re-registers its pool."""
         for name in [n for n in self._directory.pools if n not in listed]:
             self._directory.forget(name)
+        for name in [n for n in self._routing.pools if n not in listed]:
+            await self._routing.forget(name)
         for state in (self._stats, self._quotas, self._trackers, self.last_refresh, self.engine_up, self._capacity,
                       self._replicas):
             for name in [n for n in state if n not in listed]:

@@ -185,6 +185,23 @@ class PoolRoute:
     def _new_router(self, name: str) -> Router:
         return make_router(name, tokens_per_block=self.pool.tokens_per_block, cost=self.config.cost)
 
+    async def forget(self, name: str) -> None:
+        """A pool the registry no longer lists (deleted, or renamed: the new name gets its own route):
+        its route goes, so neither its replica series, nor its peer-sync heartbeats, nor its index
+        outlive it; its replicas retire as a removed replica does (clients closed once nothing is
+        in flight)."""
+        route = self.pools.pop(name, None)
+        if route is not None:
+            for replica in list(route.replicas.values()):
+                route._retire(replica)
+            self._forgotten.append(route)
+        await self._reap_forgotten()
+
+    async def _reap_forgotten(self) -> None:
+        for route in self._forgotten:
+            await route.reap()
+        self._forgotten = [route for route in self._forgotten if route.retiring]
+
     def use_router(self, name: str) -> None:
         """Switch the routing policy (benchmarks); indexes are rebuilt from fresh snapshots."""
         self.router = self._new_router(name)
@@ -407,6 +424,7 @@ class Routing:
         self.metrics = metrics  # GatewayMetrics (replica-labelled series), optional in tests
         self._clock = clock
         self.pools: dict[str, PoolRoute] = {}
+        self._forgotten: list[PoolRoute] = []  # routes of pools gone from the registry, closing their clients
         self.peer_sync = peer_sync
         self.aborts = Aborts()  # the attempts a forced shutdown ends (abort.py)
         if peer_sync is not None:
@@ -422,6 +440,23 @@ class Routing:
         if route is None:
             route = self.pools[pool.name] = PoolRoute(pool, self.config, self._clock, self.peer_sync)
         return route
+
+    async def forget(self, name: str) -> None:
+        """A pool the registry no longer lists (deleted, or renamed: the new name gets its own route):
+        its route goes, so neither its replica series, nor its peer-sync heartbeats, nor its index
+        outlive it; its replicas retire as a removed replica does (clients closed once nothing is
+        in flight)."""
+        route = self.pools.pop(name, None)
+        if route is not None:
+            for replica in list(route.replicas.values()):
+                route._retire(replica)
+            self._forgotten.append(route)
+        await self._reap_forgotten()
+
+    async def _reap_forgotten(self) -> None:
+        for route in self._forgotten:
+            await route.reap()
+        self._forgotten = [route for route in self._forgotten if route.retiring]
 
     def use_router(self, name: str) -> None:
         make_router(name, tokens_per_block=1)  # validates the name
@@ -441,6 +476,8 @@ class Routing:
                 log.warning("replica %s/%s: poll failed: %s: %s", route.name, replica.name,
                             type(result).__name__, result)
         await route.reap()
+        if self._forgotten:
+            await self._reap_forgotten()
         return route.pool_stats()
 
     def engine(self, pool: PoolSnapshot, *, only: Iterable[int] | None = None) -> RoutedEngine:
@@ -467,11 +504,12 @@ class Routing:
     async def close(self) -> None:
         if self.peer_sync is not None:
             await self.peer_sync.close()
-        for route in self.pools.values():
+        for route in [*self.pools.values(), *self._forgotten]:
             for replica in [*route.replicas.values(), *route.retiring]:
                 with contextlib.suppress(Exception):
                     await replica.client.close()
         self.pools.clear()
+        self._forgotten.clear()
 
 
 class RoutedEngine:

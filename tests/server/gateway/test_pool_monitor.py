@@ -232,3 +232,34 @@ def test_a_pool_the_registry_no_longer_lists_is_forgotten_with_its_state() -> No
     assert [s.pool for s in m.snapshots()] == ["a2"]
     asyncio.run(m.refresh())  # deleted
     assert directory.pools == {} and m.snapshots() == [] and m.capacity("a2") is None
+
+
+def test_a_forgotten_pools_route_goes_with_its_replica_series() -> None:
+    """The pool's route goes too: no replica series (a down replica's KvgateReplicaDown would fire
+    for a pool that no longer exists) and no peer-sync heartbeats for it; its clients are closed."""
+    import asyncio
+
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from server.gateway.observe.metrics import ReplicaCollector
+    from server.gateway.replicas.routing import Routing
+
+    # Nothing listens on port 1: the stats poll fails and the replica's breaker opens (a down engine).
+    old = PoolSnapshot(1, "old", "m", "kvgate_llm", "spec", 16, 100, 400, 35,
+                       (ReplicaSnapshot(10, "r0", "127.0.0.1:1", "active", 1),))
+    listings = [[(old, TENANTS)], []]
+    routing = Routing()
+    monitor = PoolMonitor(EngineDirectory(lambda pool: None), lambda: listings.pop(0), routing=routing)
+    registry = CollectorRegistry()
+    registry.register(ReplicaCollector(routing.rows))
+
+    async def go() -> None:
+        await monitor.refresh()
+        assert 'pool="old"' in generate_latest(registry).decode()
+        replica = routing.pools["old"].replicas[10]
+        await monitor.refresh()  # deleted from the registry
+        assert routing.pools == {} and replica.state == "removed"
+
+    asyncio.run(go())
+    assert 'pool="old"' not in generate_latest(registry).decode()
+    assert monitor.snapshots() == []
