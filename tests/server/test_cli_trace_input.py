@@ -167,3 +167,22 @@ def test_an_input_length_near_the_int64_limit_is_one_line_not_a_traceback(tmp_pa
     result = CliRunner().invoke(create_cli(), ["analyze", str(trace), "--no-progress", "--no-curve"])
     assert result.exit_code == 2 and "line 1" in result.output and "hash_ids" in result.output, result.output
     assert "Traceback" not in result.output
+
+
+def test_the_second_scan_for_a_null_op_runs_only_where_one_may_be(tmp_path) -> None:
+    """A byte search decides whether the load needs DuckDB's second JSON scan (which doubled the load
+    of a large trace): a null op or any escape (a key may be spelled with one) says yes, gzip too."""
+    import gzip
+
+    from server.analysis.reuse import _may_have_null_op
+
+    cases = {'{"op": "delete_response"}\n{"x": 1}\n': False, '{"x": 1}\n{"op" :  null}\n': True,
+             '{"\\u006fp": null}\n': True}
+    for index, (text, expected) in enumerate(cases.items()):
+        plain, packed = tmp_path / f"{index}.jsonl", tmp_path / f"{index}.jsonl.gz"
+        plain.write_text(text)
+        packed.write_bytes(gzip.compress(text.encode()))
+        assert _may_have_null_op(plain) is expected and _may_have_null_op(packed) is expected, text
+    straddling = tmp_path / "straddling.jsonl"  # the match crosses a chunk boundary
+    straddling.write_text("x" * 10 + '{"op": null}\n')
+    assert _may_have_null_op(straddling, chunk=13)
