@@ -500,6 +500,7 @@ class CompletionRunner:
             code = exc.code or ("rate_limit_exceeded" if exc.status == 429 else "limit_exceeded")
             raise ServingError(exc.status, code, str(exc), param=exc.limit, headers=headers) from exc
         job.max_new_tokens = lease.max_output_tokens  # a request naming none: the default admission reserved
+        outcome = Outcome()
         try:  # until the engine call's own try blocks own the lease, a failure releases it (never served)
             selector = self._selector_for(job.tenant.pool) if self._selector_for is not None else None
             now = self._clock()
@@ -515,7 +516,6 @@ class CompletionRunner:
                       or self._curves is not None else None)
             plan = build_plan(job, selector, now, hashes)
             started = time.perf_counter()
-            outcome = Outcome()
             # Read before this request's own hints are recorded: the latest use sets a block's hold.
             pins = ledger.pins(tenant.engine_tenant_id, hashes, now) if pinned and hashes is not None else ()
             if hinting:  # the client's hints, within its class and its hint budget
@@ -545,6 +545,7 @@ class CompletionRunner:
         except BaseException:
             with anyio.CancelScope(shield=True):
                 await self._admission.release_unserved(lease)
+            self.holds.released(job, outcome.conversation_hold, self._clock())  # a hold planned: its count too
             raise
         receive = CLIENT_RECEIVE.get()
         if job.stream:
