@@ -36,7 +36,10 @@ Settling. A GPU-only pool that switches to the bands holds what the previous can
 scale those blocks rank above every first use (T, 30 by default) and below nothing a flood sends
 (0), so they would keep their slots for good. After such a switch the bands plan kept first uses at
 35 (in LRU order with those blocks, so the oldest go first) until as many kept first-use blocks as
-the pool holds were planned, i.e. until the pool has turned over; then at T again. Measured
+the pool holds were planned, i.e. until the pool has turned over; then at T again. Only the pool's
+own switch settles (every request then moves to the bands, and every request on the bands settles,
+a tenant already there by its own choice too); a tenant that follows its own winner while the mix
+leads does not (``retention/shadow/duel.py``): the mix's shadow judged exactly that mix, first uses at T. Measured
 (``bench/retention/generalize.py``'s families, seed 0, GPU only): noisy-neighbour 1 % and 2 %
 2.81 → 3.11 % and 2.88 → 3.14 % (the bands alone 3.25 %), synthetic within 0.12 points either way,
 api 0.04–0.22 points lower at 2–10 % (a report family), the rest within 0.04.
