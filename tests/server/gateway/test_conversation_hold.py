@@ -5,11 +5,24 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+import pytest
+from prometheus_client import CollectorRegistry
+
+from engines.contract import KvMetrics, SamplingParams
 from retention.policy.conversation import ConversationRequest
 from retention.policy.hint_plan import HintPolicy
 from retention.policy.hint_quota import MIN_GAP_SAMPLES, HintLedger
+from retention.policy.planner import RetentionClassSpec, SegmentRetention
 from retention.types import DEFAULT_PLAN
+from server.gateway.admission import Limits, LocalAdmission
+from server.gateway.api.completions import CompletionJob, CompletionRunner
 from server.gateway.api.conversation_hold import ConversationHolds, conversation_of
+from server.gateway.api.prompting import PreparedPrompt
+from server.gateway.api.tools import ToolPlan
+from server.gateway.context import TenantContext
+from server.gateway.observe.metrics import GatewayMetrics
+from server.gateway.replicas.engine_client import EngineChunk
+from tenants.snapshots import PoolSnapshot
 
 TPB = 16
 CAPS = HintPolicy(enabled=True, max_ttl_ms=600_000, max_priority=60, quota_fraction=0.5)
@@ -85,3 +98,76 @@ def test_once_a_pool_holds_its_duel_sees_every_request_of_it_held_or_not() -> No
     assert duel.arm == "never"
     for shadow in duel.duel.shadows:
         assert shadow.counts.requests == 2 and shadow.counts.kept_blocks == 10  # small hashes: all in the slice
+
+
+async def test_a_failure_after_the_hold_is_planned_releases_it_as_an_answered_request_does() -> None:
+    """A request offering tools, held, that fails between the hold's plan and the engine call (the SLO
+    guard's plan step here): its hold is counted in the pool's budget from the failure on, as the same
+    request answered by the engine has its hold counted from its end."""
+    pool = PoolSnapshot(id=1, name="p", model_name="m", triton_model="kvgate_llm", engine_spec="", tokens_per_block=TPB,
+                        primary_blocks=400, secondary_blocks=0, secondary_offload_min_priority=35, replicas=())
+    spec = RetentionClassSpec(SegmentRetention(90), SegmentRetention(60, 600_000), SegmentRetention(40, 30_000),
+                              SegmentRetention(20, 30_000))
+    tenant = TenantContext(7, "t7", "active", "salted", "salt", Limits(), 1.0, pool, spec, 1, hints=CAPS,
+                           conversation_hold=True)
+    clock = SimpleNamespace(t=0.0)
+
+    class Guard:  # the SLO guard's plan step: fails (after some time) when told to
+        fails = False
+
+        def apply(self, tenant, plan):  # type: ignore[no-untyped-def]
+            if self.fails:
+                clock.t += 10.0
+                raise RuntimeError("injected fault after the hold was planned")
+            return plan, "host"
+
+        def observe(self, *args, **kwargs) -> None:  # type: ignore[no-untyped-def]
+            pass
+
+    class Engine:  # answers after 10 s
+        async def generate(self, request, *, request_id):  # type: ignore[no-untyped-def]
+            clock.t += 10.0
+            yield EngineChunk((1,), 1, KvMetrics(), True)
+
+    class Tokenizer:
+        eos_token_id = 2
+
+        def new_decode_stream(self):  # type: ignore[no-untyped-def]
+            return self
+
+        def push(self, token_id: int) -> str:
+            return "x"
+
+    weather = {"name": "get_weather", "description": "w", "parameters": {"type": "object", "properties": {}}}
+    live = {}
+    for fails in (False, True):
+        guard = Guard()
+        runner = CompletionRunner(admission=LocalAdmission(), metrics=GatewayMetrics(CollectorRegistry()),
+                                  usage=lambda *args: None, clock=lambda: clock.t, guard=guard,
+                                  holds=ConversationHolds(duel=None))
+        hints = runner._ledger("p")  # the pool's one budget: hints and holds
+        now = 0.0
+        for i in range(MIN_GAP_SAMPLES + 1):  # measured tool gaps of 2 s (Responses runs), as above
+            first = ConversationRequest(f"resp_{i}a", None, True, True)
+            runner.holds.plan(job(conversation=first), DEFAULT_PLAN, [100 * i + b for b in range(5)], hints, now)
+            then = ConversationRequest(f"resp_{i}b", f"resp_{i}a", True, True)
+            runner.holds.plan(job(conversation=then), DEFAULT_PLAN, [100 * i + b for b in range(5)], hints, now + 2.0)
+            now += 100.0
+        clock.t = now
+        held = CompletionJob(tenant=tenant, kind="chat", model="m", prompt=PreparedPrompt(tuple(range(3, 5 * TPB + 5)),
+                             TPB, 2 * TPB), max_new_tokens=32, sampling=SamplingParams(), stop=(), stream=False,
+                             include_usage=False, tokenizer=Tokenizer(), engine=Engine(),  # type: ignore[arg-type]
+                             tools=ToolPlan({"get_weather": weather}, "auto"))
+        assert runner.holds.applies(held)
+        guard.fails = fails
+        if fails:
+            with pytest.raises(RuntimeError, match="injected fault"):
+                await runner.run(held, None)  # type: ignore[arg-type]
+        else:
+            await runner.run(held, SimpleNamespace(body=lambda job, outcome: {}))  # type: ignore[arg-type]
+        ended = now + 10.0
+        assert clock.t == ended
+        budget = runner.holds.ledger("p", hints).holds
+        # 5 prompt blocks and 2 generated: held 2 s from the request's end (planned 10 s before it)
+        live[fails] = (budget.live_blocks("7", ended + 1.0), budget.live_blocks("7", ended + 2.001))
+    assert live[True] == live[False] == (7, 0), live
