@@ -185,23 +185,6 @@ class PoolRoute:
     def _new_router(self, name: str) -> Router:
         return make_router(name, tokens_per_block=self.pool.tokens_per_block, cost=self.config.cost)
 
-    async def forget(self, name: str) -> None:
-        """A pool the registry no longer lists (deleted, or renamed: the new name gets its own route):
-        its route goes, so neither its replica series, nor its peer-sync heartbeats, nor its index
-        outlive it; its replicas retire as a removed replica does (clients closed once nothing is
-        in flight)."""
-        route = self.pools.pop(name, None)
-        if route is not None:
-            for replica in list(route.replicas.values()):
-                route._retire(replica)
-            self._forgotten.append(route)
-        await self._reap_forgotten()
-
-    async def _reap_forgotten(self) -> None:
-        for route in self._forgotten:
-            await route.reap()
-        self._forgotten = [route for route in self._forgotten if route.retiring]
-
     def use_router(self, name: str) -> None:
         """Switch the routing policy (benchmarks); indexes are rebuilt from fresh snapshots."""
         self.router = self._new_router(name)
