@@ -6,11 +6,13 @@ gateway cannot tell them apart. Names follow the stock tensorrtllm backend where
 exists (triton-inference-server/tensorrtllm_backend
 ``all_models/inflight_batcher_llm/tensorrt_llm/config.pbtxt``: ``input_ids``,
 ``request_output_len``, ``end_id``, ``streaming``, ``temperature``, ``runtime_top_p``,
-``runtime_top_k``, ``random_seed``, ``stop``, ``output_ids``, ``sequence_length``,
+``runtime_top_k``, ``stop``, ``output_ids``, ``sequence_length``,
 ``kv_cache_reused_blocks``, ``kv_cache_alloc_new_blocks``,
 ``kv_cache_alloc_total_blocks``); the ``retention_*`` names mirror
 ``KvCacheRetentionConfig``; ``cache_salt``, ``tenant_id``,
-``kv_cache_onboarded_blocks`` and the stats call are kvgate additions.
+``kv_cache_onboarded_blocks`` and the stats call are kvgate additions. ``random_seed`` does not
+follow the stock name: the 1.2-era backend calls that input ``seed`` (inflight_batcher_llm/src/utils.h,
+config.pbtxt); kvgate keeps ``random_seed``.
 
 Per-request KV figures mean the same on both engines: ``kv_cache_reused_blocks`` prompt blocks
 served from the cache, ``kv_cache_alloc_new_blocks`` prompt blocks that missed it and were
@@ -240,7 +242,8 @@ class SamplingParams:
 class Guide:
     """Guided decoding: the output must match ``text`` read as ``kind`` (one of GUIDE_TYPES).
 
-    ``json`` with empty text: any JSON value (TensorRT-LLM's ``GuideType.JSON`` with no guide).
+    ``json`` with empty text: any JSON value (TensorRT-LLM's ``GuideType.JSON`` with no guide);
+    ``json`` with a text: that schema (sent to TensorRT-LLM as ``GuideType.JSON_SCHEMA``).
     """
 
     kind: str

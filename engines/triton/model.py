@@ -137,6 +137,10 @@ class TritonPythonModel:
         self.bias_layout = engine_config.bias_layout(facts)
         if self.bias_layout.refusal is not None:
             log.error("kvgate_llm: requests with a logit bias will be refused: %s", self.bias_layout.refusal)
+        # One representative retention config (two ranges, an open end, a duration, decode retention), built
+        # once: a binding that refuses what retention_config sends stops the load with a BindingError naming
+        # it, instead of failing every retained request (executor_args.check_retention_binding).
+        executor_args.check_retention_binding(self.trtllm)
         self.salt_supported = bindings.probe_cache_salt(self.trtllm)
         if not self.salt_supported:
             log.error(

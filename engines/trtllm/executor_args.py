@@ -25,7 +25,7 @@ from engines.contract import DECODE_DURATION, DECODE_PRIORITY, RANGE_DURATIONS, 
 from engines.trtllm import request_extensions
 from engines.trtllm.bindings import BindingError
 from engines.trtllm.engine_config import BiasLayout
-from retention.types import DEFAULT_PRIORITY, RetentionPlan
+from retention.types import DEFAULT_PRIORITY, RetentionPlan, TokenRange
 
 
 def kv_cache_config_kwargs(params: Any) -> dict[str, Any]:
@@ -122,26 +122,66 @@ def _duration(ms: int | None) -> timedelta | None:
     return None if ms is None else timedelta(milliseconds=ms)
 
 
+# The end sent for an open-ended range: SizeType32 max. The 1.2-era binding refuses token_end=None
+# (NVIDIA/TensorRT-LLM ac456dca cpp/tensorrt_llm/nanobind/executor/request.cpp: nb::arg("token_end")
+# without .none()), and the C++ only ever tests ``tokenLoc >= tokenEnd``
+# (cpp/tensorrt_llm/executor/kvCacheRetentionConfig.cpp getPerBlockRetentionPriorityDuration), so
+# this end covers every token an open end would. Never the prompt length: generated tokens past it
+# would fall out of the range.
+OPEN_END_TOKEN = 2**31 - 1
+
+# KvCacheRetentionConfig's ``directory``: the C++ constructor's default (cpp/include/tensorrt_llm/
+# executor/executor.h), read only by the GDS / POSIX transfer modes (kvgate uses DRAM, the default).
+# Always passed: ac456dca request.cpp binds it as a plain std::string with nb::arg default nb::none(),
+# so omitting it is a TypeError there; bindings taking std::optional<std::string> accept "" too.
+RETENTION_DIRECTORY = ""
+
+
 def retention_config(trtllm: ModuleType, plan: RetentionPlan) -> Any | None:
     """``KvCacheRetentionConfig`` for ``plan`` (None for the default plan: nothing to say).
 
-    ``TokenRangeRetentionConfig(token_start, token_end, priority, duration_ms)``: ``token_end``
-    None is open-ended (to the end of the prompt); ``duration_ms`` None never expires
-    (request.cpp; semantics in executor.h). The decode priority/duration apply to generated blocks.
+    ``TokenRangeRetentionConfig(token_start, token_end, priority, duration_ms)``: an open-ended
+    range (``end`` None in the plan) is sent with ``token_end`` :data:`OPEN_END_TOKEN`;
+    ``duration_ms`` None never expires (request.cpp; semantics in executor.h). The decode
+    priority/duration apply to generated blocks. ``directory`` is always :data:`RETENTION_DIRECTORY`.
     """
     if not plan.ranges and plan.decode_priority == DEFAULT_PRIORITY and plan.decode_duration_ms is None:
         return None
     check_retention_gaps(plan)
     token_range = trtllm.KvCacheRetentionConfig.TokenRangeRetentionConfig
     ranges = [
-        token_range(token_start=r.start, token_end=r.end, priority=r.priority, duration_ms=_duration(r.duration_ms))
+        token_range(token_start=r.start, token_end=OPEN_END_TOKEN if r.end is None else r.end, priority=r.priority,
+                    duration_ms=_duration(r.duration_ms))
         for r in plan.ranges
     ]
     return trtllm.KvCacheRetentionConfig(
         token_range_retention_configs=ranges,
         decode_retention_priority=plan.decode_priority,
         decode_duration_ms=_duration(plan.decode_duration_ms),
+        directory=RETENTION_DIRECTORY,
     )
+
+
+# Two ranges (one open-ended, one with a duration) and a decode priority with a duration: every
+# argument shape retention_config sends.
+REPRESENTATIVE_RETENTION_PLAN = RetentionPlan(
+    (TokenRange(0, 64, 90, 30_000), TokenRange(64, None, 20, None)), decode_priority=10, decode_duration_ms=1_000,
+)
+
+
+def check_retention_binding(trtllm: ModuleType) -> None:
+    """Build :data:`REPRESENTATIVE_RETENTION_PLAN`'s config once, at load.
+
+    A binding that refuses what :func:`retention_config` sends (a keyword, a type) then stops the model
+    with a :class:`BindingError` naming it, instead of failing every retained request.
+    """
+    try:
+        retention_config(trtllm, REPRESENTATIVE_RETENTION_PLAN)
+    except (TypeError, ValueError, RuntimeError) as exc:
+        raise BindingError(
+            f"KvCacheRetentionConfig / TokenRangeRetentionConfig refused kvgate's retention config "
+            f"(token_end={OPEN_END_TOKEN} for an open end, directory={RETENTION_DIRECTORY!r}): {exc}"
+        ) from exc
 
 
 def check_retention_gaps(plan: RetentionPlan) -> None:

@@ -112,7 +112,13 @@ def guided_decoding_params(trtllm: ModuleType, request: EngineRequest, *, guided
             "guided_decoding_guide_type: this pool's executor has no guided decoding config "
             "(set the model's tokenizer_dir parameter)"
         )
-    guide_type = getattr(trtllm.GuidedDecodingParams.GuideType, GUIDE_TYPE_NAMES[guide.kind])
+    kind = guide.kind
+    if kind == "json" and guide.text:
+        # `json` with a schema text is a schema guide in the contract (parse_guide validates it as one, the
+        # reference engine compiles it). GuideType.JSON would not enforce it: TensorRT-LLM's
+        # batch_manager/guidedDecoder.cpp compiles kJSON as CompileBuiltinJSONGrammar() and ignores the guide.
+        kind = "json_schema"
+    guide_type = getattr(trtllm.GuidedDecodingParams.GuideType, GUIDE_TYPE_NAMES[kind])
     return trtllm.GuidedDecodingParams(guide_type=guide_type, guide=guide.text or None)
 
 

@@ -21,9 +21,12 @@ from tests.engines.triton.fake_trtllm_sampling import DEFAULT_TOP_K, DEFAULT_TOP
 class TokenRangeRetentionConfig(Bound):
     def __init__(self, token_start, token_end, priority, duration_ms=None):
         # SizeType32 / std::optional<SizeType32>: any int32 converts; the range rules are checked
-        # by KvCacheRetentionConfig (below), the priority here.
+        # by KvCacheRetentionConfig (below), the priority here. None is refused: NVIDIA/TensorRT-LLM
+        # ac456dca cpp/tensorrt_llm/nanobind/executor/request.cpp declares nb::arg("token_end") without
+        # .none(), and nanobind then refuses None even for a std::optional (TypeError) — an open end
+        # cannot be sent through the 1.2-era binding; kvgate sends SizeType32 max instead.
         check_int("token_start", token_start, lo=-(2**31), hi=2**31 - 1)
-        check_int("token_end", token_end, optional=True, lo=-(2**31), hi=2**31 - 1)
+        check_int("token_end", token_end, lo=-(2**31), hi=2**31 - 1)
         check_int("priority", priority, lo=-(2**31), hi=2**31 - 1)  # RetentionPriority = SizeType32
         # kvCacheRetentionConfig.cpp TokenRangeRetentionConfig ctor: TLLM_CHECK_WITH_INFO(priority in
         # [kMinRetentionPriority, kMaxRetentionPriority]) -> TllmException -> RuntimeError.
@@ -38,6 +41,10 @@ class TokenRangeRetentionConfig(Bound):
 class KvCacheRetentionConfig(Bound):
     def __init__(self, token_range_retention_configs, decode_retention_priority=35, decode_duration_ms=None,
                  transfer_mode=None, directory=None):
+        # ac456dca request.cpp: `directory` is a plain std::string whose nb::arg default is nb::none(), so
+        # omitting it (or passing None) is a TypeError; kvgate passes "" (executor.h's C++ default).
+        if not isinstance(directory, str):
+            raise TypeError(f"directory: expected str (std::string, no default usable), got {type(directory).__name__}")
         if not isinstance(token_range_retention_configs, list) or not all(
             isinstance(r, self._bindings.TokenRangeRetentionConfig) for r in token_range_retention_configs
         ):
@@ -50,21 +57,22 @@ class KvCacheRetentionConfig(Bound):
         # cpp/tensorrt_llm/executor/kvCacheRetentionConfig.cpp (KvCacheRetentionConfig ctor, NVIDIA/
         # TensorRT-LLM fbbc05dd): ranges sorted by start, then each throws std::invalid_argument
         # (nanobind: ValueError) in this order.
+        # The "Invalid use of end indicator." check (an open end not last) cannot be reached: no end is None here.
         ordered = sorted(token_range_retention_configs, key=lambda r: r.token_start)
         for i, r in enumerate(ordered):
-            if r.token_end is None and i != len(ordered) - 1:
-                raise ValueError("Invalid use of end indicator.")
             if r.token_start < 0:
                 raise ValueError("Token indices must be non-negative.")
-            if r.token_end is not None and r.token_start >= r.token_end:
+            if r.token_start >= r.token_end:
                 raise ValueError("Range must have a positive, non-zero length.")
             if i != len(ordered) - 1 and r.token_end > ordered[i + 1].token_start:
                 raise ValueError("Token ranges must be non-overlapping.")
         self.token_range_retention_configs = token_range_retention_configs
         self.decode_retention_priority = decode_retention_priority
         self.decode_duration_ms = decode_duration_ms
+        self.directory = directory
         self._bindings.calls.append(("KvCacheRetentionConfig", dict(decode_retention_priority=decode_retention_priority,
-                                                                    decode_duration_ms=decode_duration_ms)))
+                                                                    decode_duration_ms=decode_duration_ms,
+                                                                    directory=directory)))
 
 
 class SamplingConfig(Bound):

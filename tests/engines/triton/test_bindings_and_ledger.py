@@ -11,6 +11,8 @@ from engines.trtllm.block_key import trt_root_hash
 from engines.trtllm.kv_ledger import TenantBlockLedger
 from tests.engines.triton import fake_trtllm
 
+OPEN_END = 2**31 - 1  # SizeType32 max: what kvgate sends for an open-ended range
+
 
 def test_missing_tensorrt_llm_names_the_module_and_the_image():
     def importer(name):
@@ -211,7 +213,7 @@ def test_sampling_config_regularization_and_checks():
         ([(40, 32)], "positive, non-zero length"),
         ([(-1, 32)], "non-negative"),
         ([(0, 64), (32, 96)], "non-overlapping"),
-        ([(0, None), (32, 64)], "end indicator"),
+        ([(0, OPEN_END), (32, 64)], "non-overlapping"),  # an open end is SizeType32 max: it overlaps what follows
     ],
 )
 def test_retention_ranges_are_validated_as_std_invalid_argument(ranges, message):
@@ -220,11 +222,26 @@ def test_retention_ranges_are_validated_as_std_invalid_argument(ranges, message)
     token_range = module.KvCacheRetentionConfig.TokenRangeRetentionConfig
     configs = [token_range(token_start=s, token_end=e, priority=50) for s, e in ranges]
     with pytest.raises(ValueError, match=message):
-        module.KvCacheRetentionConfig(token_range_retention_configs=configs)
-    adjacent = [token_range(0, 32, 50), token_range(32, None, 20)]
-    module.KvCacheRetentionConfig(token_range_retention_configs=adjacent)  # touching ranges are fine
+        module.KvCacheRetentionConfig(token_range_retention_configs=configs, directory="")
+    adjacent = [token_range(0, 32, 50), token_range(32, OPEN_END, 20)]
+    module.KvCacheRetentionConfig(token_range_retention_configs=adjacent, directory="")  # touching ranges are fine
     with pytest.raises(RuntimeError, match="priority"):
         token_range(0, 32, 101)  # TLLM_CHECK_WITH_INFO in the TokenRangeRetentionConfig ctor
+
+
+def test_the_double_refuses_what_the_1_2_retention_binding_refuses():
+    # NVIDIA/TensorRT-LLM ac456dca cpp/tensorrt_llm/nanobind/executor/request.cpp: nb::arg("token_end") has
+    # no .none(), and `directory` is a plain std::string whose nb::arg default is nb::none().
+    module = fake_trtllm.make_module()
+    token_range = module.KvCacheRetentionConfig.TokenRangeRetentionConfig
+    with pytest.raises(TypeError, match="token_end"):
+        token_range(token_start=0, token_end=None, priority=50)
+    ranges = [token_range(token_start=0, token_end=32, priority=50)]
+    with pytest.raises(TypeError, match="directory"):
+        module.KvCacheRetentionConfig(token_range_retention_configs=ranges)
+    with pytest.raises(TypeError, match="directory"):
+        module.KvCacheRetentionConfig(token_range_retention_configs=ranges, directory=None)
+    assert module.KvCacheRetentionConfig(token_range_retention_configs=ranges, directory="").directory == ""
 
 
 def test_event_manager_exists_even_with_a_zero_event_buffer(tmp_path):

@@ -129,14 +129,13 @@ def test_retention_errors_have_the_bindings_types_and_kvgate_checks_the_rest(har
         token_range(0, 10, 101)
     with pytest.raises(RuntimeError):
         token_range(0, 10, -1)
-    for ranges, message in (([token_range(0, None, 50), token_range(30, 50, 50)], "Invalid use of end indicator."),
-                            ([token_range(-4, 10, 50)], "Token indices must be non-negative."),
+    for ranges, message in (([token_range(-4, 10, 50)], "Token indices must be non-negative."),
                             ([token_range(8, 8, 50)], "Range must have a positive, non-zero length."),
                             ([token_range(0, 64, 50), token_range(60, 80, 50)], "Token ranges must be non-overlapping.")):
         with pytest.raises(ValueError, match=message):
-            trt.KvCacheRetentionConfig(ranges)
+            trt.KvCacheRetentionConfig(ranges, directory="")
     # The decode priority is not checked at construction (kvCacheRetentionConfig.cpp, request.cpp)...
-    assert trt.KvCacheRetentionConfig([], decode_retention_priority=101).decode_retention_priority == 101
+    assert trt.KvCacheRetentionConfig([], decode_retention_priority=101, directory="").decode_retention_priority == 101
     # ...so kvgate checks it before the binding sees it.
     plan = RetentionPlan((TokenRange(0, 32, 50, None),), decode_priority=60)
     object.__setattr__(plan, "decode_priority", 101)  # what only a bug could build
@@ -145,3 +144,46 @@ def test_retention_errors_have_the_bindings_types_and_kvgate_checks_the_rest(har
     assert caught.value.tensor == "retention_decode_priority"
     ok = retention_config(trt, dataclasses.replace(plan, decode_priority=100, decode_duration_ms=5))
     assert ok.decode_retention_priority == 100 and ok.decode_duration_ms == timedelta(milliseconds=5)
+
+
+def test_retention_config_sends_an_empty_directory_and_sizetype32_max_for_an_open_end(harness):
+    """The 1.2 binding (ac456dca request.cpp) refuses token_end=None and an omitted directory; an open end is
+    SizeType32 max (kvCacheRetentionConfig.cpp getPerBlockRetentionPriorityDuration tests tokenLoc >= tokenEnd)."""
+    trt = harness.trt
+    plan = RetentionPlan((TokenRange(0, 64, 80, 30_000), TokenRange(64, None, 40, None)), decode_priority=35)
+    config = retention_config(trt, plan)
+    ends = [r.token_end for r in config.token_range_retention_configs]
+    assert ends == [64, 2**31 - 1]  # the closed end unchanged, the open end SizeType32 max (never the prompt length)
+    assert config.directory == ""  # executor.h's default; used only by the GDS / POSIX transfer modes
+    [sent] = [kw for name, kw in trt.calls if name == "KvCacheRetentionConfig"][-1:]
+    assert sent["directory"] == ""
+
+
+def test_a_retention_binding_mismatch_stops_the_model_at_load(tmp_path, monkeypatch):
+    """A binding that refuses kvgate's retention config fails initialize() by name, not every request."""
+    from engines.trtllm.bindings import BindingError
+    from engines.trtllm.executor_args import check_retention_binding
+    from tests.engines.triton import fake_trtllm
+
+    check_retention_binding(fake_trtllm.make_module())  # the 1.2-shaped double accepts the representative config
+    make_module = fake_trtllm.make_module
+
+    def refusing(**kwargs):  # a build whose KvCacheRetentionConfig takes no `directory` keyword
+        module = make_module(**kwargs)
+        original = module.KvCacheRetentionConfig
+
+        class NoDirectory(original):
+            def __init__(self, *args, **kw):
+                if "directory" in kw:
+                    raise TypeError("__init__(): incompatible function arguments")
+                super().__init__(*args, **kw)
+
+        NoDirectory.__name__ = NoDirectory.__qualname__ = "KvCacheRetentionConfig"
+        module.KvCacheRetentionConfig = NoDirectory
+        return module
+
+    with pytest.raises(BindingError, match="KvCacheRetentionConfig"):
+        check_retention_binding(refusing())
+    monkeypatch.setattr(fake_trtllm, "make_module", refusing)
+    with pytest.raises(BindingError, match="KvCacheRetentionConfig.*incompatible function arguments"):
+        make_harness(tmp_path, monkeypatch)

@@ -71,7 +71,7 @@ def test_retention_plan_becomes_kv_cache_retention_config(harness):
     assert ranges == [
         (0, 32, 90, None),  # duration None = no expiry
         (32, 64, 60, timedelta(milliseconds=30_000)),  # std::chrono::milliseconds ↔ timedelta
-        (64, None, 20, timedelta(milliseconds=5_000)),  # open-ended last range: token_end None
+        (64, 2**31 - 1, 20, timedelta(milliseconds=5_000)),  # open-ended last range: SizeType32 max
     ]
     assert config.decode_retention_priority == 10
     assert config.decode_duration_ms == timedelta(milliseconds=1_000)

@@ -94,6 +94,11 @@ def test_guided_decoding_config_and_params_with_a_tokenizer(tmp_path, monkeypatc
         outputs(h.send(request(guide=Guide("json"))))
         params = recorded_request(h).guided_decoding_params
         assert params.guide_type is h.trt.GuidedDecodingParams.GuideType.JSON and params.guide is None
+        # `json` with a schema text: GuideType.JSON would compile the builtin JSON grammar and ignore the
+        # text (guidedDecoder.cpp kJSON -> CompileBuiltinJSONGrammar); the reference engine enforces the schema.
+        outputs(h.send(request(guide=Guide("json", schema))))
+        params = recorded_request(h).guided_decoding_params
+        assert params.guide_type is h.trt.GuidedDecodingParams.GuideType.JSON_SCHEMA and params.guide == schema
     finally:
         h.model.finalize()
 
