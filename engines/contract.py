@@ -18,8 +18,17 @@ Per-request KV figures mean the same on both engines: ``kv_cache_reused_blocks``
 served from the cache, ``kv_cache_alloc_new_blocks`` prompt blocks that missed it and were
 computed (TensorRT-LLM's ``KvCacheMetrics.num_missed_blocks``: its ``num_new_allocated_blocks``
 counts slots that never held tokens, about none on a warm pool, ``getFreeBlock`` in
-kvCacheManager.cpp), ``kv_cache_alloc_total_blocks`` every block the request was given,
-generation's included. So reused / (reused + new) is the prompt's block hit rate.
+kvCacheManager.cpp), ``kv_cache_alloc_total_blocks`` the blocks taken from the free pool for the
+prompt when the request was admitted: its misses, plus the reused blocks that had to be brought to
+the GPU (onboarded from host memory; on TensorRT-LLM also a partly matched block copied into a fresh
+one), never a reused block already on the GPU and never a generation block (TensorRT-LLM's
+``num_total_allocated_blocks``: ``++mAllocTotalBlocks`` only in ``getFreeBlock``, counted per request
+around ``KVCacheManager::addSequence``, kvCacheManager.cpp; KVCacheManagerTest expects
+``numBlocks - numSharedBlocks`` for a second identical request). The reference engine still reports
+every slot the request holds there, generation's included; the gateway only compares it between
+responses. ``kv_cache_onboarded_blocks`` reused prompt blocks that came back from the host tier (the
+Triton model derives it as total − new, capped at reused). So reused / (reused + new) is the prompt's
+block hit rate.
 
 Sampling extensions, log probabilities and guided decoding use the stock names
 of TensorRT-LLM's ``triton_backend/all_models/inflight_batcher_llm/tensorrt_llm/config.pbtxt``

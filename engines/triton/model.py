@@ -47,9 +47,13 @@ The executor runs with chunked context: the spec allows ``max_num_tokens < max_i
 without it TensorRT-LLM would refuse prompts over ``max_num_tokens`` (batch_manager/trtGptModel.h);
 an engine that cannot chunk (no paged context FMHA) is refused at start-up when the spec needs it.
 
-Per-request ``kv_cache_onboarded_blocks`` is always 0 here: TensorRT-LLM 1.2's
-``KvCacheMetrics`` has no onboard count (request.cpp); pool-level onboards come from KV
-events and are reported by the stats call.
+Per-request ``kv_cache_onboarded_blocks`` is derived: TensorRT-LLM 1.2's ``KvCacheMetrics`` has no
+onboard count (request.cpp), but its ``num_total_allocated_blocks`` is the request's ``getFreeBlock``
+calls during ``KVCacheManager::addSequence`` (kvCacheManager.cpp, NVIDIA/TensorRT-LLM 002ba6a7: only
+``getFreeBlock`` does ``++mAllocTotalBlocks``; a prompt block that misses takes one, a matched block
+already on the GPU none, an onboard one, ``onboardBlock``: "auto block = getFreeBlock();
+mTransferManager->onboard(...)"), so onboarded = total − missed (see :meth:`TritonPythonModel._kv_metrics`).
+Pool-level onboards come from KV events and are reported by the stats call.
 """
 
 from __future__ import annotations
@@ -324,19 +328,31 @@ class TritonPythonModel:
         arrays = contract.encode_response(tokens, pending.generated, self._kv_metrics(result), log_probs)
         self._send(request_id, pending, pb_utils.InferenceResponse(output_tensors=_tensors(arrays)), final=bool(result.is_final))
 
-    @staticmethod
-    def _kv_metrics(result: Any) -> contract.KvMetrics:
+    def _kv_metrics(self, result: Any) -> contract.KvMetrics:
         perf = getattr(result, "request_perf_metrics", None)
         if perf is None:
             return contract.KvMetrics()
         kv = perf.kv_cache_metrics  # request.cpp: KvCacheMetrics(num_total_allocated_blocks, num_new_allocated_blocks, num_reused_blocks, num_missed_blocks, ...)
+        reused, missed, total = int(kv.num_reused_blocks), int(kv.num_missed_blocks), int(kv.num_total_allocated_blocks)
+        # kvCacheManager.cpp (002ba6a7): num_total_allocated_blocks is the delta of mAllocTotalBlocks around
+        # KVCacheManager::addSequence, and only getFreeBlock increments it. In loadOrAllocateBlocks a miss takes
+        # one, a match already on the GPU none, a match in host memory one (onboardBlock: getFreeBlock, then
+        # mTransferManager->onboard), a partly matched block that is referenced or has children one (copied
+        # into a fresh block; at most one per request, matching stops there). So total - missed is the
+        # onboards, plus that copy. Without a host tier nothing is ever onboarded (only copies): 0. With one
+        # and partial reuse, a request whose match ended in a copied block is over-counted by that one block
+        # (the metrics cannot tell the two apart; an exact-key match of a stored partial block can copy too,
+        # with partial reuse off, rarely). An onboard is a matched block, so at most ``reused``.
+        onboarded = 0
+        if self.params.host_cache_size > 0 and self.params.onboard_blocks:
+            onboarded = min(reused, max(0, total - missed))
         return contract.KvMetrics(
-            reused_blocks=int(kv.num_reused_blocks),
+            reused_blocks=reused,
             # the contract's "new" is a prompt block computed: num_missed_blocks, not num_new_allocated_blocks
             # (slots never used before, ~0 once the pool has turned over: getFreeBlock, kvCacheManager.cpp)
-            new_blocks=int(kv.num_missed_blocks),
-            total_blocks=int(kv.num_total_allocated_blocks),
-            onboarded_blocks=0,
+            new_blocks=missed,
+            total_blocks=total,
+            onboarded_blocks=onboarded,
         )
 
     def _finish(self, request_id: int, pending: _Pending) -> bool:

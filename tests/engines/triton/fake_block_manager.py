@@ -26,16 +26,19 @@ release, never at enqueue. Partial reuse (``enable_partial_reuse``) is modelled 
 matches only partly is taken out of the tree for the request *without a removed event*
 (``silently_removed`` keeps them, for tests). Not modelled: capacity-driven eviction and
 offload (tests call ``evict`` / ``offload`` / ``onboard`` on the executor), per-block retention
-priorities (every stored block reports the default 35), the free-list order behind
-``KvCacheMetrics`` (total = the prompt's blocks, missed = total − reused, new = the never-used
-slots among the missed, ``getFreeBlock``). ``blocks_in_use`` gives ``KvCacheStats`` its used count.
+priorities (every stored block reports the default 35). ``add_sequence`` reports what
+``KvCacheMetrics`` is made of (``Admission``): a matched block still in host memory is onboarded
+(``onboardBlock``: ``getFreeBlock`` + a secondary→primary updated event), a partly matched block that is
+referenced or has children is copied into a fresh one (``getFreeBlock``). ``add_token`` says when a
+generation block is taken (``updateToken`` → ``allocateBlock`` → ``getFreeBlock``).
+``blocks_in_use`` gives ``KvCacheStats`` its used count.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 _M64 = (1 << 64) - 1
 _M32 = (1 << 32) - 1
@@ -74,6 +77,28 @@ def chop(tokens: list[int], usable: int, tokens_per_block: int, allow_partial: b
     return blocks
 
 
+class Admission(NamedTuple):
+    """One ``WindowBlockManager::loadOrAllocateBlocks`` (beam width 1): ``context`` prompt blocks
+    (``numContextBlocks``), ``reused`` matched (``++mReusedBlocks``, partial matches included), of which
+    ``onboarded`` came back from host memory (``onboardBlock`` → ``getFreeBlock``) and ``copied`` were a
+    partly matched block copied into a fresh one (``getFreeBlock``, at most one: matching stops there).
+    The misses are ``context - reused`` (``++mMissedBlocks``, each a ``getFreeBlock``)."""
+
+    reused: int
+    context: int
+    onboarded: int = 0
+    copied: int = 0
+
+    @property
+    def missed(self) -> int:
+        return self.context - self.reused
+
+    @property
+    def free_blocks_taken(self) -> int:
+        """``getFreeBlock`` calls (``++mAllocTotalBlocks``): the request's ``num_total_allocated_blocks``."""
+        return self.missed + self.onboarded + self.copied
+
+
 @dataclass(slots=True)
 class TreeBlock:
     block_hash: int
@@ -101,7 +126,8 @@ class FakeBlockManager:
     def __init__(self, tokens_per_block: int, *, enable_block_reuse: bool,
                  enqueue_stored: Callable[[Any, list[TreeBlock]], None],
                  enqueue_removed: Callable[[int], None],
-                 enable_partial_reuse: bool = True, copy_on_partial_reuse: bool = True) -> None:
+                 enable_partial_reuse: bool = True, copy_on_partial_reuse: bool = True,
+                 enqueue_onboarded: Callable[[int], None] | None = None) -> None:
         self.tokens_per_block = tokens_per_block
         self.enable_block_reuse = enable_block_reuse
         self.enable_partial_reuse = enable_partial_reuse
@@ -112,18 +138,19 @@ class FakeBlockManager:
         self.sequences: dict[int, Sequence] = {}
         self._enqueue_stored = enqueue_stored
         self._enqueue_removed = enqueue_removed
+        self._enqueue_onboarded = enqueue_onboarded
 
     # kvCacheManager.cpp KVCacheManager::addSequence -> WindowBlockManager::addSequence / loadOrAllocateBlocks
-    def add_sequence(self, request_id: int, prompt: list[int], salt_id: int | None) -> tuple[int, int]:
-        """Returns (reused blocks, context blocks). Matching keys: ``chopVectorIntoBlocks(tokens,
+    def add_sequence(self, request_id: int, prompt: list[int], salt_id: int | None) -> Admission:
+        """The request's :class:`Admission`. Matching keys: ``chopVectorIntoBlocks(tokens,
         inputLength - 1, B, allowPartial=true)`` ("Ignore last token because it can't be recovered");
         a match walks ``findMatchingBlock`` from the root and stops at the first miss."""
         tpb = self.tokens_per_block
         seq = self.sequences[request_id] = Sequence(request_id, list(prompt), salt_id)
         context_blocks = -(-len(prompt) // tpb)  # tc::ceilDiv(inputLength, tokensPerBlock)
         if not self.enable_block_reuse:  # the second addSequence: allocate only, nothing matched or stored
-            return 0, context_blocks
-        reused = 0
+            return Admission(0, context_blocks)
+        reused = onboarded = copied = 0
         children = self.roots
         for key in chop(prompt, len(prompt) - 1, tpb, True)[:context_blocks]:
             found, partial = self._find_matching_block(children, tuple(key), salt_id)
@@ -131,7 +158,8 @@ class FakeBlockManager:
                 break  # "searchRoot = nullptr; // no matching needed for following blocks"
             block = self.tree[found]
             reused += 1  # ++mReusedBlocks, partial matches included
-            if not partial:  # "Recover block and reuse": claimBlock + addBlockToAllBeams
+            if not partial:  # "Recover block and reuse": claimBlock, then onboardBlock + addBlockToAllBeams
+                onboarded += self._onboard(block)
                 block.refs += 1
                 seq.held.append(found)
                 children = block.children
@@ -139,12 +167,28 @@ class FakeBlockManager:
             if block.refs == 0 and not block.children:
                 # "Leaf block that nobody is using. Make block private and reuse": freeLeafBlock unlinks it
                 # from its parent and no event is enqueued, so event readers still count it as cached.
+                # onboardBlock(matchingBlock) follows: a leaf still in host memory is onboarded.
+                onboarded += self._onboard(block)
                 self._unlink(block)
                 del self.tree[found]
                 self.silently_removed.add(found)
-            # else "copy reusable tokens" into a fresh private block: the tree is untouched
+            else:
+                # "copy reusable tokens": getFreeBlock + mTransferManager->onboard(matchingBlock, newBlock, ...);
+                # onboardBlock(newBlock) then does nothing (newBlock is primary). The tree is untouched.
+                copied += 1
             break  # "searchRoot = nullptr; // no matching needed for following blocks"
-        return reused, context_blocks
+        return Admission(reused, context_blocks, onboarded, copied)
+
+    def _onboard(self, block: TreeBlock) -> int:
+        """``WindowBlockManager::onboardBlock``: a block in host memory (with ``onboardBlocks``, which the
+        double always has) takes a ``getFreeBlock``, comes back to primary, and an updated event says so
+        (``cacheLevelUpdated(kSecondaryLevel, kPrimaryLevel)``). 1 if it was onboarded."""
+        if block.level == 0:
+            return 0
+        block.level = 0
+        if self._enqueue_onboarded is not None:
+            self._enqueue_onboarded(block.block_hash)
+        return 1
 
     # kvCacheManager.cpp KVCacheBlock::findMatchingBlock(blockKey, enablePartialReuse, copyOnPartialReuse)
     def _find_matching_block(self, children, tokens: tuple[int, ...], salt_id: int | None) -> tuple[int | None, bool]:
@@ -194,8 +238,13 @@ class FakeBlockManager:
         if self.enable_block_reuse and seq.tokens and usable % self.tokens_per_block == 0:
             self._store_blocks(seq, chop(seq.tokens, usable, self.tokens_per_block, True))
 
-    def add_token(self, request_id: int, token: int) -> None:
-        self.sequences[request_id].tokens.append(int(token))
+    def add_token(self, request_id: int, token: int) -> bool:
+        """Append a generated token; True when it took a new block: ``KVCacheManager::updateToken`` calls
+        ``allocateBlock`` (one ``getFreeBlock``) when the token count before it is a multiple of B."""
+        tokens = self.sequences[request_id].tokens
+        new_block = len(tokens) % self.tokens_per_block == 0
+        tokens.append(int(token))
+        return new_block
 
     # kvCacheManager.cpp KVCacheManager::removeSequence -> WindowBlockManager::releaseBlocks: with reuse,
     # storeBlocks over chopVectorIntoBlocks(uniqueTokens, size - 1, B, allowPartial=true) — the last,

@@ -99,7 +99,8 @@ class Executor(Bound):
         self.blocks = FakeBlockManager(self.tokens_per_block, enable_block_reuse=self.block_reuse,
                                        enqueue_stored=self._stored, enqueue_removed=self._removed,
                                        enable_partial_reuse=kv_config.enable_partial_reuse,
-                                       copy_on_partial_reuse=kv_config.copy_on_partial_reuse)
+                                       copy_on_partial_reuse=kv_config.copy_on_partial_reuse,
+                                       enqueue_onboarded=self._onboarded)
         # kvCacheManager.cpp WindowBlockManager ctor: enqueueCreatedEvent. Flushed at once here (the real
         # one waits for the first iteration's flush) so a stats call before any request sees the sizes.
         self._event(bindings.KVCacheCreatedData([bindings.primary_blocks, bindings.secondary_blocks]))
@@ -124,6 +125,11 @@ class Executor(Bound):
         self._event(bindings.KVCacheStoredData(parent_hash, [
             bindings.KVCacheStoredBlockData(b.block_hash, [bindings.UniqueToken(t) for t in b.tokens], b.level, 35)
             for b in blocks]))
+
+    def _onboarded(self, block_hash):
+        # kvCacheManager.cpp WindowBlockManager::onboardBlock: enqueueUpdatedEvent(KVCacheUpdatedData(hash)
+        # .cacheLevelUpdated(kSecondaryLevel, kPrimaryLevel)), flushed with the iteration's events
+        self._event(self._bindings.KVCacheUpdatedData(block_hash, self._bindings.KVCacheEventDiffInt(1, 0), None))
 
     def _removed(self, block_hash):
         if self.events.buffer_max_size:
@@ -166,8 +172,8 @@ class Executor(Bound):
             if request_id in self.cancelled or active.scheduled:
                 continue
             request = active.request
-            reused, context = blocks.add_sequence(request_id, request.input_token_ids, request.cache_salt_id)
-            self.kv_counters.admit(active.kv, context, reused)
+            admission = blocks.add_sequence(request_id, request.input_token_ids, request.cache_salt_id)
+            self.kv_counters.admit(active.kv, admission)
         for request_id, active in self.active.items():  # forwardAsync
             if request_id in self.cancelled:
                 continue
@@ -190,7 +196,8 @@ class Executor(Bound):
                 finished.append(request_id)
                 continue
             if active.produced < len(active.generated):
-                blocks.add_token(request_id, active.generated[active.produced])
+                if blocks.add_token(request_id, active.generated[active.produced]):
+                    self.kv_counters.generation_block()
                 active.produced += 1
             if active.request.streaming:
                 self.ready.append(active.planned[active.produced - 1])

@@ -19,7 +19,8 @@ class KvCacheMetrics:
     def __init__(self, total=0, new=0, reused=0, missed=0):
         self.num_total_allocated_blocks, self.num_new_allocated_blocks = total, new
         self.num_reused_blocks, self.num_missed_blocks = reused, missed
-        self.kv_cache_hit_rate = reused / total if total else 0.0
+        # reused / (reused + missed): total counts getFreeBlock calls, not the prompt's blocks (kvCacheManager.cpp)
+        self.kv_cache_hit_rate = reused / (reused + missed) if reused + missed else 0.0
 
 
 class RequestPerfMetrics:

@@ -27,8 +27,14 @@ class IterationStats:
 class KvCacheCounters:
     """The running counts of one executor's KV cache manager, over its whole life.
 
-    Invariants: ``alloc_total == reused_total + missed_total``; ``alloc_new == slots_used <= primary_blocks``
-    (a slot is new only the first time it is handed out); counters only grow.
+    kvCacheManager.cpp (NVIDIA/TensorRT-LLM 002ba6a7, WindowBlockManager): ``++mAllocTotalBlocks`` happens in
+    ``getFreeBlock`` only, which a prompt block that misses (``loadOrAllocateBlocks``' no-match branch), a
+    partly matched block copied for the request (its ``partialMatch`` branch), an onboard (``onboardBlock``:
+    ``auto block = getFreeBlock(); mTransferManager->onboard(...)``) and a generation block
+    (``updateToken`` → ``allocateBlock``) each call; a matched block already on the GPU takes none.
+    Invariants: ``alloc_total == missed_total + onboarded_total + copied_total + generation_total``;
+    ``alloc_new == slots_used <= primary_blocks`` (a slot is new only the first time it is handed out);
+    counters only grow.
     """
 
     primary_blocks: int
@@ -36,23 +42,44 @@ class KvCacheCounters:
     alloc_total: int = 0
     alloc_new: int = 0
     missed_total: int = 0
+    onboarded_total: int = 0  # not a KvCacheStats field: for tests
+    copied_total: int = 0
+    generation_total: int = 0
     slots_used: int = 0  # pool slots that ever held tokens
 
-    def admit(self, kv: Any, context: int, reused: int) -> None:
-        """A request got its sequence (KVCacheManager::addSequence): ``context`` blocks for its prompt,
-        ``reused`` of them matched; fills its KvCacheMetrics ``kv`` and counts them."""
-        kv.num_total_allocated_blocks, kv.num_reused_blocks = context, reused
-        kv.num_missed_blocks = context - reused
-        # getFreeBlock (kvCacheManager.cpp): ++mAllocNewBlocks only for a slot whose uniqueTokens are
-        # empty, i.e. never used (a block's key is never cleared): at most the pool's size per life
-        fresh = min(context - reused, max(0, self.primary_blocks - self.slots_used))
+    def _get_free_blocks(self, count: int) -> int:
+        """``count`` calls of ``getFreeBlock``: ``++mAllocTotalBlocks`` each, ``++mAllocNewBlocks`` for a slot
+        whose uniqueTokens are empty, i.e. never used (a block's key is never cleared): at most the pool's
+        size per life. Returns the new ones."""
+        fresh = min(count, max(0, self.primary_blocks - self.slots_used))
         self.slots_used += fresh
-        kv.num_new_allocated_blocks = fresh
-        kv.kv_cache_hit_rate = reused / context if context else 0.0
-        self.reused_total += reused
-        self.alloc_total += context
-        self.alloc_new += fresh  # KvCacheStats.alloc_new_blocks is mAllocNewBlocks: the same getFreeBlock rule
-        self.missed_total += context - reused
+        self.alloc_total += count
+        self.alloc_new += fresh  # KvCacheStats.alloc_new_blocks is mAllocNewBlocks
+        return fresh
+
+    def admit(self, kv: Any, admission: Any) -> None:
+        """A request got its sequence (KVCacheManager::addSequence) as ``admission`` (fake_block_manager.
+        Admission) and its KvCacheMetrics ``kv`` are filled as the C++ does: the deltas of the manager's
+        counters around that one call (``updateAllocTotalBlocksPerRequest(getNumAllocTotalBlocks() -
+        numAllocTotalBlocksPreRequest)`` and the same for new / reused / missed), so generation blocks,
+        allocated later, are not in the request's figures. TensorRT-LLM's KVCacheManagerTest expects, for a
+        second identical request, ``getAllocTotalBlocksPerRequest() == numBlocks - numSharedBlocks``."""
+        taken = admission.free_blocks_taken
+        fresh = self._get_free_blocks(taken)
+        kv.num_total_allocated_blocks, kv.num_new_allocated_blocks = taken, fresh
+        kv.num_reused_blocks, kv.num_missed_blocks = admission.reused, admission.missed
+        # reused / (reused + missed): KVCacheManagerTest expects numSharedBlocks / numBlocks
+        kv.kv_cache_hit_rate = admission.reused / admission.context if admission.context else 0.0
+        self.reused_total += admission.reused
+        self.missed_total += admission.missed
+        self.onboarded_total += admission.onboarded
+        self.copied_total += admission.copied
+
+    def generation_block(self) -> None:
+        """A running request took a block for its generated tokens (``allocateBlock`` → ``getFreeBlock``):
+        counted in the pool's ``alloc_total_blocks``, in no request's KvCacheMetrics."""
+        self._get_free_blocks(1)
+        self.generation_total += 1
 
     def stats(self, kv_cache_stats: type[KvCacheStats], blocks_in_use: int, tokens_per_block: int) -> KvCacheStats:
         """A KvCacheStats (of the module's class ``kv_cache_stats``) with ``blocks_in_use`` held by requests."""
@@ -68,5 +95,7 @@ class KvCacheCounters:
             used_num_blocks=used, tokens_per_block=tokens_per_block,
             alloc_total_blocks=self.alloc_total, alloc_new_blocks=self.alloc_new, reused_blocks=self.reused_total,
             missed_blocks=self.missed_total,
-            cache_hit_rate=self.reused_total / self.alloc_total if self.alloc_total else 0.0,
+            # reused / (reused + missed), the ratio ~WindowBlockManager logs as its cache hit rate
+            cache_hit_rate=self.reused_total / (self.reused_total + self.missed_total)
+            if self.reused_total + self.missed_total else 0.0,
         )

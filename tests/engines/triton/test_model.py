@@ -13,6 +13,7 @@ import json
 import threading
 from datetime import timedelta
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -137,9 +138,11 @@ def test_non_streaming_answer_and_kv_metrics(harness):
     # two full 32-token blocks, and the third (tokens 64..78 of the partial block stored at the first
     # request's release) by partial reuse (enable_partial_reuse; kvCacheManager.cpp loadOrAllocateBlocks)
     assert second[contract.KV_REUSED.name].tolist() == [3]
-    assert second[contract.KV_TOTAL.name].tolist() == [3]
+    # total counts getFreeBlock calls: the two full blocks are on the GPU and the partial one is an unreferenced
+    # leaf the request takes over (claimLeafBlock): none (kvCacheManager.cpp loadOrAllocateBlocks)
+    assert second[contract.KV_TOTAL.name].tolist() == [0]
     assert second[contract.KV_NEW.name].tolist() == [0]
-    assert second[contract.KV_ONBOARDED.name].tolist() == [0]  # not reported per request by TRT-LLM 1.2
+    assert second[contract.KV_ONBOARDED.name].tolist() == [0]  # all of it was on the GPU
     # once every slot has held tokens, TensorRT-LLM's num_new_allocated_blocks is 0 for a miss (getFreeBlock
     # counts slots never used); the contract's "new" is the prompt's missed blocks, num_missed_blocks
     for i in range(22):  # 22 prompts of 3 blocks: past the double's 64 slots
@@ -505,6 +508,61 @@ def test_an_engine_built_for_another_block_size_is_refused(tmp_path, monkeypatch
 def test_a_missing_engine_fails_at_start_naming_the_file(tmp_path, monkeypatch):
     with pytest.raises(Exception, match=r"engine/config\.json"):
         make_harness(tmp_path, monkeypatch, write_engine=False)
+
+
+def test_a_prefix_back_from_the_host_tier_reports_onboarded_blocks(harness):
+    # kvCacheManager.cpp loadOrAllocateBlocks: a matched block in host memory goes through onboardBlock
+    # (getFreeBlock + onboard), so num_total_allocated_blocks - num_missed_blocks counts it; the model reports it
+    outputs(harness.send(request(salt="s1", tenant="tenant-a")))
+    outputs(harness.send({contract.KV_STATS.name: np.array([True])}))  # drain the first request's events
+    full = [h for h, b in harness.executor.tree.items() if len(b.tokens) == 32]
+    assert len(full) == 2
+    for block_hash in full:
+        harness.executor.offload(block_hash)
+    [(second, _)] = outputs(harness.send(request(salt="s1", tenant="tenant-a")))
+    assert second[contract.KV_REUSED.name].tolist() == [3] and second[contract.KV_NEW.name].tolist() == [0]
+    assert second[contract.KV_TOTAL.name].tolist() == [2]
+    assert second[contract.KV_ONBOARDED.name].tolist() == [2]
+    assert all(harness.executor.tree[h].level == 0 for h in full)
+    [(tensors, _)] = outputs(harness.send({contract.KV_STATS.name: np.array([True])}))
+    report = PoolStatsReport.from_json(tensors[contract.KV_CACHE_STATS.name][0])
+    assert (report.offloaded_blocks, report.onboarded_blocks) == (2, 2)  # the onboards' updated events
+
+
+def test_total_blocks_per_request_follow_tensorrt_llm(harness):
+    # KVCacheManagerTest (cpp/tests/unit_tests/batch_manager/kvCacheManagerTest.cpp): a second identical
+    # request reports getAllocTotalBlocksPerRequest() == numBlocks - numSharedBlocks; reused blocks on the GPU
+    # take no getFreeBlock. 65 tokens, 32 per block: 3 blocks, the last token alone in the third (not matched)
+    prompt = tuple(range(500, 565))
+    [(first, _)] = outputs(harness.send(request(salt="c", ids=prompt)))
+    assert (first[contract.KV_TOTAL.name].tolist(), first[contract.KV_NEW.name].tolist()) == ([3], [3])
+    [(second, _)] = outputs(harness.send(request(salt="c", ids=prompt)))
+    num_blocks, num_shared = 3, len(prompt) // 32
+    assert second[contract.KV_REUSED.name].tolist() == [num_shared]
+    assert second[contract.KV_TOTAL.name].tolist() == [num_blocks - num_shared]
+    assert second[contract.KV_NEW.name].tolist() == [num_blocks - num_shared]
+    assert second[contract.KV_ONBOARDED.name].tolist() == [0]
+
+
+def test_pool_alloc_total_counts_generation_blocks(harness):
+    # 64 prompt tokens fill two blocks; the first generated token takes a third (updateToken -> allocateBlock
+    # -> getFreeBlock): in the pool's alloc_total_blocks, not in the request's KvCacheMetrics (addSequence only)
+    [(answer, _)] = outputs(harness.send(request(salt="g", ids=tuple(range(700, 764)))))
+    assert answer[contract.KV_TOTAL.name].tolist() == [2]
+    [(tensors, _)] = outputs(harness.send({contract.KV_STATS.name: np.array([True])}))
+    report = PoolStatsReport.from_json(tensors[contract.KV_CACHE_STATS.name][0])
+    assert report.alloc_total_blocks == 3 and report.missed_blocks == 2
+
+
+def test_no_host_tier_reports_no_onboards(harness):
+    # a partly matched block that is referenced is copied (getFreeBlock): without a host tier that is never an onboard
+    metrics = SimpleNamespace(num_total_allocated_blocks=1, num_new_allocated_blocks=0, num_reused_blocks=3,
+                              num_missed_blocks=0)
+    result = SimpleNamespace(request_perf_metrics=SimpleNamespace(kv_cache_metrics=metrics))
+    assert harness.model._kv_metrics(result).onboarded_blocks == 1  # host tier: counted (may be that copy)
+    object.__setattr__(harness.model.params, "host_cache_size", 0)
+    kv = harness.model._kv_metrics(result)
+    assert (kv.total_blocks, kv.onboarded_blocks) == (1, 0)
 
 
 def test_stats_before_any_iteration_and_between_iterations(harness):
