@@ -185,9 +185,9 @@ def build_gateway_services(*, session_factory, pepper: str, tokenizer_for, admis
     metrics.watch_replicas(router.rows)
     if peer_sync is not None:
         metrics.watch_sync(router.sync_rows, lambda: asdict(peer_sync.counters), lambda: peer_sync.resubscribes)
-    monitor = PoolMonitor(engines, pools_and_tenants, routing=router)
-    metrics.watch_pools(monitor.snapshots, lambda: monitor.engine_up)
     curves = MissRatioCurves(mrc_sample_rate)
+    monitor = PoolMonitor(engines, pools_and_tenants, routing=router, curves=curves)
+    metrics.watch_pools(monitor.snapshots, lambda: monitor.engine_up)
     if curves.enabled:
         registry.register(MissRatioCollector(curves, monitor.tenant_slugs))
     # The journal's directory: answered requests' usage survives a SIGKILL (server.gateway.usage_journal);

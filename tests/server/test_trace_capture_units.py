@@ -152,3 +152,57 @@ def test_a_captured_line_carries_the_clients_hints_and_replays_them(tmp_path: Pa
     assert "cache_breakpoints" not in second and "prompt_cache_retention" not in second
     replayed = parse_trace(text.splitlines())
     assert replayed[0].hints == CacheHints((Breakpoint(32, 3_600_000), Breakpoint(80, 300_000)), retention="24h")
+
+
+def _captures(directory: Path, *pools: str):  # noqa: ANN202
+    """A capture service with ``pools`` active (capture ids 1, 2, …), its writer run in the test."""
+    from prometheus_client import CollectorRegistry
+
+    from server.gateway.observe.capture import TraceCaptures
+    from tenants.captures import ActiveCapture
+
+    tc = TraceCaptures(session_factory=None, directory=directory, registry=CollectorRegistry())
+    tc._active = {pool: ActiveCapture(i, pool, None, 1.0, 1 << 30, KEY_A) for i, pool in enumerate(pools, 1)}
+    tc._queue_control(tc._active)
+    return tc
+
+
+def _offer(tc, pool: str) -> bool:  # noqa: ANN001
+    return tc.offer(tenant_id=1, tenant="acme", retention_class="chat", pool=pool, tokens_per_block=16, salt="s",
+                    input_ids=tuple(range(100)), system_end=0, context_end=100, output_length=5, reused_blocks=0,
+                    onboarded_blocks=0, ttft=0.01, latency=0.1, status="ok")
+
+
+def _run_writer(tc) -> None:  # noqa: ANN001
+    tc._queue.put(("stop", None))
+    tc._run()  # the writer loop, in this thread: everything queued, then stop
+
+
+def _count(tc, name: str, **labels: str) -> float:  # noqa: ANN001
+    return tc.registry.get_sample_value(name, labels) or 0.0
+
+
+def test_lines_an_unwritable_trace_directory_loses_are_counted_and_logged_once(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    blocker = tmp_path / "traces"
+    blocker.write_text("not a directory")  # a wrong path or a read-only volume
+    tc = _captures(blocker, "p")
+    assert all(_offer(tc, "p") for _ in range(50))  # the requests never fail
+    with caplog.at_level("WARNING", logger="kvgate.capture"):
+        _run_writer(tc)
+    assert _count(tc, "kvgate_trace_lines_total", pool="p") == 0
+    assert _count(tc, "kvgate_trace_lines_dropped_total", pool="p", reason="write_error") == 50
+    assert 1 <= len([r for r in caplog.records if r.levelname in ("WARNING", "ERROR")]) <= 2
+
+
+def test_one_pools_failing_directory_does_not_stop_the_other_pools_captures(tmp_path: Path) -> None:
+    d = tmp_path / "traces"
+    d.mkdir()
+    (d / "a").write_text("a file where pool a's directory should be")
+    tc = _captures(d, "a", "b")
+    assert _offer(tc, "b") and _offer(tc, "a")
+    _run_writer(tc)
+    files = list((d / "b").glob("*.jsonl"))
+    assert len(files) == 1 and files[0].read_text().count("\n") == 1
+    assert _count(tc, "kvgate_trace_lines_total", pool="b") == 1
+    assert _count(tc, "kvgate_trace_lines_dropped_total", pool="a", reason="write_error") == 1

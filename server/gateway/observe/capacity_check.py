@@ -34,9 +34,10 @@ class ReplicaCapacity:
 class CapacityCheck:
     """The registry's per-replica figures against every replica's own report.
 
-    Invariant: ``mismatch`` iff some replica's own (primary, secondary, tokens per block)
-    differs from the registration, which is per replica (two replicas of 1,024 blocks each
-    match a registration of 1,024). ``reported_*`` are the first disagreeing replica's
+    Invariant: ``mismatch`` iff some started replica's own (primary, secondary, tokens per
+    block) differs from the registration, which is per replica (two replicas of 1,024 blocks
+    each match a registration of 1,024); a replica reporting 0 primary blocks has not sized
+    its pool yet and is compared with nothing. ``reported_*`` are the first disagreeing replica's
     figures, else the first replica's; ``effective_primary`` is the pool's GPU blocks to
     compute quotas with: the sum of the replicas' own, a replica that reports none yet
     counting as registered."""
@@ -48,6 +49,8 @@ class CapacityCheck:
     replicas: tuple[ReplicaCapacity, ...]
 
     def _differs(self, r: ReplicaCapacity) -> bool:
+        if r.primary <= 0:  # not started yet: what effective_primary counts as registered
+            return False
         return (r.primary, r.secondary, r.tokens_per_block) != (
             self.registered_primary, self.registered_secondary, self.registered_tokens_per_block)
 
@@ -83,6 +86,8 @@ class CapacityCheck:
     def message(self) -> str:
         parts = []
         for r in self.replicas:
+            if not self._differs(r):
+                continue
             for label, registered, reported in (
                 ("primary_blocks", self.registered_primary, r.primary),
                 ("secondary_blocks", self.registered_secondary, r.secondary),

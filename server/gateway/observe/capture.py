@@ -34,7 +34,9 @@ Cost invariants (the event loop never waits on the disk):
 * hashing, JSON and file writes run on one writer thread. Each file is bounded by the
   capture's ``max_bytes``: the line that would cross it is dropped, the capture is marked
   full (``kvgate_trace_capture_full``) and writes no more lines (stop and start a new
-  capture to continue).
+  capture to continue). A file that cannot be opened or written drops its lines as
+  ``reason="write_error"`` (logged at most once a minute per pool); each capture opens its
+  own file, so one pool's failing directory never stops the others'.
 
 Sampling is by conversation: the decision is a keyed hash of the salt and the prompt's
 tokens up to the end of its first block after the system prompt, so all turns of one
@@ -75,6 +77,7 @@ from tenants.captures import ActiveCapture, active_captures
 log = logging.getLogger("kvgate.capture")
 _U64 = Struct("<Q")
 _ID_MASK = 2**31 - 1
+_ERROR_LOG_INTERVAL_S = 60.0  # a failing trace directory is logged at most this often per pool
 
 
 def trace_id(key: bytes, block_hash: int) -> int:
@@ -178,6 +181,7 @@ class TraceCaptures:
     _queue: queue.Queue = field(init=False)
     _thread: threading.Thread | None = None
     _files: dict[int, _File] = field(default_factory=dict)  # writer thread only
+    _error_logged: dict[str, tuple[float, int]] = field(default_factory=dict)  # writer thread: pool -> (last log, since)
     metrics: CaptureMetrics = field(init=False)
 
     def __post_init__(self) -> None:
@@ -275,11 +279,28 @@ class TraceCaptures:
         for capture_id, capture in wanted.items():
             if capture_id not in self._files:
                 path = self.directory / capture.pool / f"capture-{capture_id:06d}-{socket.gethostname()}-{os.getpid()}.jsonl"
-                path.parent.mkdir(parents=True, exist_ok=True)
-                size = path.stat().st_size if path.exists() else 0
-                self._files[capture_id] = _File(capture, path, open(path, "ab"), size, size >= capture.max_bytes)
+                try:  # each capture on its own: one pool's failing directory never blocks the others
+                    path.parent.mkdir(parents=True, exist_ok=True)
+                    size = path.stat().st_size if path.exists() else 0
+                    handle = open(path, "ab")  # noqa: SIM115 - closed by _close
+                except OSError:
+                    self._log_failure(capture.pool, "cannot open trace capture file %s", path)
+                    continue  # its lines are counted write_error; the next line tries again
+                self._files[capture_id] = _File(capture, path, handle, size, size >= capture.max_bytes)
                 self.metrics.bytes.labels(capture.pool).set(size)
                 self.metrics.full.labels(capture.pool).set(int(size >= capture.max_bytes))
+
+    def _log_failure(self, pool: str, message: str, path: Path) -> None:
+        """Log a file failure with its traceback at most once per ``_ERROR_LOG_INTERVAL_S`` per pool
+        (a failing directory fails every line); the lines themselves are counted write_error."""
+        now = time.monotonic()
+        last, since = self._error_logged.get(pool, (None, 0))
+        if last is not None and now - last < _ERROR_LOG_INTERVAL_S:
+            self._error_logged[pool] = (last, since + 1)
+            return
+        self._error_logged[pool] = (now, 0)
+        log.warning(message + " (pool %s; %d more failures since the last report, next report in %.0f s at the earliest)",
+                    path, pool, since, _ERROR_LOG_INTERVAL_S, exc_info=True)
 
     @staticmethod
     def _close(f: _File) -> None:
@@ -296,7 +317,8 @@ class TraceCaptures:
                 return
             self._sync(active)
             f = self._files.get(r.capture_id)
-            if f is None:
+            if f is None:  # its file could not be opened (logged by _sync)
+                self.metrics.dropped.labels(capture.pool, "write_error").inc()
                 return
         pool = f.capture.pool
         if f.full:
@@ -326,7 +348,7 @@ class TraceCaptures:
             f.handle.flush()  # type: ignore[attr-defined]
         except OSError:
             self.metrics.dropped.labels(pool, "write_error").inc()
-            log.exception("trace capture write failed: %s", f.path)
+            self._log_failure(pool, "trace capture write failed: %s", f.path)
             return
         f.size += len(data)
         self.metrics.lines.labels(pool).inc()

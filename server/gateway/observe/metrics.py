@@ -89,7 +89,9 @@ class PoolStatsCollector(Collector):
                 labels=["pool", "replica"])
             for name in ENGINE_COUNTERS
         }
-        for snap in self._snapshots():
+        # Copies of every mapping read here: a scrape runs in a worker thread while the event loop
+        # adds and forgets pools, replicas and tenants.
+        for snap in list(self._snapshots()):
             s = snap.stats
             for tier_name, tier in (("primary", s.primary), ("secondary", s.secondary)):
                 blocks.add_metric([snap.pool, tier_name, "used"], tier.used_blocks)
@@ -100,16 +102,16 @@ class PoolStatsCollector(Collector):
                 registered.add_metric([snap.pool, "primary"], snap.capacity.registered_primary)
                 registered.add_metric([snap.pool, "secondary"], snap.capacity.registered_secondary)
                 mismatch.add_metric([snap.pool], 1.0 if snap.capacity.mismatch else 0.0)
-            for replica, report in snap.replicas.items():
+            for replica, report in list(snap.replicas.items()):
                 for name, family in counters.items():
                     family.add_metric([snap.pool, replica], getattr(report, f"{name}_blocks"))
-            for tenant_id, (primary, secondary) in s.tenants.items():
+            for tenant_id, (primary, secondary) in list(s.tenants.items()):
                 slug = snap.tenant_slugs.get(tenant_id)
                 if slug is None:
                     continue
                 tenant_blocks.add_metric([slug, snap.pool, "primary"], primary)
                 tenant_blocks.add_metric([slug, snap.pool, "secondary"], secondary)
-            for slug, allowed in snap.tenant_quota_blocks.items():
+            for slug, allowed in list(snap.tenant_quota_blocks.items()):
                 held = next((p for tid, (p, _) in s.tenants.items() if snap.tenant_slugs.get(tid) == slug), 0)
                 quota.add_metric([slug, snap.pool], held / allowed if allowed > 0 else 0.0)
                 demoted.add_metric([slug, snap.pool], 1.0 if snap.demoted.get(slug) else 0.0)
@@ -123,7 +125,7 @@ class PoolStatsCollector(Collector):
         yield from counters.values()
         if self._engine_up is not None:
             up = GaugeMetricFamily("kvgate_engine_up", "1 if the pool's engine answered the gateway's last stats call", labels=["pool"])
-            for pool, answered in self._engine_up().items():
+            for pool, answered in list(self._engine_up().items()):
                 up.add_metric([pool], 1.0 if answered else 0.0)
             yield up
 
@@ -154,7 +156,7 @@ class ReplicaCollector(Collector):
         state = GaugeMetricFamily("kvgate_replica_state", "1 for the replica's registry state", labels=labels + ["state"])
         index = GaugeMetricFamily("kvgate_replica_index_mode", "1 for how the router knows the replica's cache",
                                   labels=labels + ["mode"])
-        for row in self._rows():
+        for row in list(self._rows()):
             healthy.add_metric([row.pool, row.replica], 1.0 if row.healthy else 0.0)
             in_flight.add_metric([row.pool, row.replica], row.in_flight)
             state.add_metric([row.pool, row.replica, row.state], 1.0)
@@ -181,12 +183,12 @@ class SyncCollector(Collector):
         peers = GaugeMetricFamily("kvgate_routing_sync_peers", "Gateways heard from within the sync lease", labels=["pool"])
         requests = GaugeMetricFamily("kvgate_routing_sync_peer_requests",
                                      "Other gateways' requests in flight counted in this gateway's load", labels=["pool"])
-        for pool, n, in_flight in self._pools():
+        for pool, n, in_flight in list(self._pools()):
             peers.add_metric([pool], n)
             requests.add_metric([pool], in_flight)
         notices = CounterMetricFamily("kvgate_routing_sync_notices", "Routing sync notices by outcome",
                                       labels=["outcome"])
-        for outcome, n in self._counts().items():
+        for outcome, n in list(self._counts().items()):
             notices.add_metric([outcome], n)
         resubscribes = CounterMetricFamily("kvgate_routing_sync_resubscribes",
                                            "Routing sync subscriptions made again (a failure, or a quiet lease)")
@@ -349,6 +351,6 @@ class _TrippedCollector(Collector):
     def collect(self):
         gauge = GaugeMetricFamily("kvgate_slo_guard_tripped",
                                   "1 while the SLO guard has the pool's host tier rolled back", labels=["pool"])
-        for pool, tripped in self._tripped().items():
+        for pool, tripped in list(self._tripped().items()):
             gauge.add_metric([pool], 1.0 if tripped else 0.0)
         yield gauge

@@ -21,12 +21,13 @@ plus ``kvgate_tenant_mrc_hit_rate{tenant, pool, gpu, host}`` for tenants with sa
 Bounds: memory Σ (C + H) × rate blocks per pool (about 0.05 × (9.5 × primary + 5 × host)
 at the default rate); CPU per request one pass over its hashes plus the kept blocks' replay
 in each shadow (measured in docs/benchmarks.md, ``bench:mrc``). A pool whose registered
-shape changes starts a fresh curve.
+shape (block counts, offload threshold or block size) changes starts a fresh curve; the pool
+monitor drops the curves of pools the registry no longer lists (``retain``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from prometheus_client.core import GaugeMetricFamily
@@ -47,11 +48,17 @@ class _Point:
     shadow: ShadowPool
 
 
+def _shape(pool: PoolSnapshot) -> tuple[int, int, int, int]:
+    """What a curve is built for: a change to any of these starts a fresh one (a new block size
+    changes every block hash and the tokens each block weighs)."""
+    return (pool.primary_blocks, pool.secondary_blocks, pool.secondary_offload_min_priority, pool.tokens_per_block)
+
+
 @dataclass(slots=True)
 class PoolCurve:
     """The shadow points of one pool; ``shape`` is the registry shape they were built for."""
 
-    shape: tuple[int, int, int]
+    shape: tuple[int, int, int, int]  # primary, secondary, offload threshold, tokens per block
     sample: HashSample
     points: list[_Point] = field(default_factory=list)
 
@@ -59,7 +66,7 @@ class PoolCurve:
     def build(cls, pool: PoolSnapshot, rate: float) -> PoolCurve:
         primary, secondary, threshold = pool.primary_blocks, pool.secondary_blocks, pool.secondary_offload_min_priority
         sample = HashSample(rate)
-        curve = cls((primary, secondary, threshold), sample)
+        curve = cls(_shape(pool), sample)
         for label, scale in GPU_SCALES:
             gpu = max(1, round(primary * scale))
             curve.points.append(_Point(label, "1x", ShadowPool(sample, gpu, secondary, threshold)))
@@ -91,8 +98,7 @@ class MissRatioCurves:
 
     def curve(self, pool: PoolSnapshot) -> PoolCurve:
         curve = self._curves.get(pool.name)
-        shape = (pool.primary_blocks, pool.secondary_blocks, pool.secondary_offload_min_priority)
-        if curve is None or curve.shape != shape:
+        if curve is None or curve.shape != _shape(pool):
             curve = self._curves[pool.name] = PoolCurve.build(pool, self.rate)
         return curve
 
@@ -104,6 +110,13 @@ class MissRatioCurves:
 
     def curves(self) -> Mapping[str, PoolCurve]:
         return self._curves
+
+    def retain(self, listed: Collection[str]) -> None:
+        """Drop the curves of pools not in ``listed`` (deleted or renamed in the registry): their
+        shadows and ``kvgate_mrc_*`` series go. A request that raced the listing only starts a
+        fresh curve for its pool."""
+        for name in [n for n in self._curves if n not in listed]:
+            del self._curves[name]
 
 
 class MissRatioCollector(Collector):
@@ -129,7 +142,8 @@ class MissRatioCollector(Collector):
                                    labels=labels + ["tier"])
         tenant_hit = GaugeMetricFamily("kvgate_tenant_mrc_hit_rate", "Estimated prompt-token hit rate of one tenant "
                                        "at this pool capacity", labels=["tenant"] + labels)
-        for pool, curve in self._curves.curves().items():
+        # Copies: the scrape runs in a worker thread while the event loop adds pools and tenants.
+        for pool, curve in list(self._curves.curves().items()):
             slugs = self._tenant_slugs(pool)
             for point in curve.points:
                 key = [pool, point.gpu, point.host]
@@ -144,7 +158,7 @@ class MissRatioCollector(Collector):
                 if error is not None:
                     stderr.add_metric(key, error)
                 host_hit.add_metric(key, shadow.counts.host_hit_rate() or 0.0)
-                for tenant_id, counts in shadow.tenants.items():
+                for tenant_id, counts in list(shadow.tenants.items()):
                     slug = slugs.get(tenant_id)
                     tenant_rate = counts.hit_rate()
                     if slug is not None and tenant_rate is not None:

@@ -38,6 +38,7 @@ from retention.policy.planner import QuotaState
 from retention.policy.quota import QuotaTracker
 from tenants.snapshots import PoolSnapshot
 from server.gateway.observe.capacity_check import CapacityCheck, capacity_mismatch
+from server.gateway.observe.miss_ratio import MissRatioCurves
 from server.gateway.replicas.engines import EngineDirectory
 from server.gateway.observe.metrics import PoolSnapshot
 from server.gateway.replicas.routing import Routing
@@ -64,8 +65,10 @@ class PoolMonitor:
     def __init__(self, directory: EngineDirectory,
                  pools_and_tenants: Callable[[], list[tuple[PoolSnapshot, list[TenantQuota]]]], *,
                  routing: Routing | None = None, hysteresis: float = 0.1,
-                 clock: Callable[[], float] = time.monotonic, listing_timeout: float = LISTING_TIMEOUT_S) -> None:
+                 clock: Callable[[], float] = time.monotonic, listing_timeout: float = LISTING_TIMEOUT_S,
+                 curves: MissRatioCurves | None = None) -> None:
         self._directory = directory
+        self._curves = curves  # the miss-ratio curves follow the listing too
         self._routing = routing if routing is not None else Routing()
         self._pools_and_tenants = pools_and_tenants  # sync (reads the registry); run in a thread
         self._listing_timeout = listing_timeout
@@ -152,11 +155,13 @@ class PoolMonitor:
         is listed): its state here, in the directory and its route, so neither its metric series
         (pool and replica) nor its SLO guard (``SloGuards`` follows ``directory.pools``) nor its
         peer-sync heartbeats outlive it. A pool in use reappears in the next listing; a request
-        that raced the listing only re-registers its pool."""
+        that raced the listing only re-registers its pool. The pool's miss-ratio curve goes too."""
         for name in [n for n in self._directory.pools if n not in listed]:
             self._directory.forget(name)
         for name in [n for n in self._routing.pools if n not in listed]:
             await self._routing.forget(name)
+        if self._curves is not None:
+            self._curves.retain(listed)
         for state in (self._stats, self._quotas, self._trackers, self.last_refresh, self.engine_up, self._capacity,
                       self._replicas):
             for name in [n for n in state if n not in listed]:
@@ -175,7 +180,7 @@ class PoolMonitor:
 
     def snapshots(self) -> list[PoolSnapshot]:
         out = []
-        for name, stats in self._stats.items():
+        for name, stats in list(self._stats.items()):  # a copy: /metrics reads this from a worker thread
             quotas = self._quotas.get(name, {})
             capacity = stats.primary.max_blocks
             out.append(PoolSnapshot(

@@ -85,3 +85,18 @@ def test_mismatch_is_visible_and_quota_uses_the_engines_blocks(oversized) -> Non
     assert fixed.status_code == 200, fixed.text
     wait_for(lambda: api.get("/pools/reference").json()["engine_reported"]["mismatch"] is False)
     wait_for(lambda: metric(stack, "kvgate_pool_capacity_mismatch", pool="reference") == 0)
+
+
+def test_a_replica_reporting_no_blocks_yet_is_not_a_mismatch() -> None:
+    """0 primary blocks means the engine has not sized its pool yet: it counts as registered for
+    the quota and is no disagreement either; a started replica's real difference still is."""
+    from server.gateway.observe.capacity_check import CapacityCheck, ReplicaCapacity
+
+    started = ReplicaCapacity("a", 1000, 0, 16)
+    check = CapacityCheck("p", 1000, 0, 16, (started, ReplicaCapacity("b", 0, 0, 16)))
+    assert check.effective_primary == 2000 and not check.mismatch
+    assert CapacityCheck("p", 1000, 0, 16, (ReplicaCapacity("b", 0, 0, 0),)).mismatch is False
+    real = CapacityCheck("p", 1000, 0, 16, (ReplicaCapacity("b", 0, 0, 16), ReplicaCapacity("c", 900, 0, 16)))
+    assert real.mismatch and real.reported_primary == 900
+    assert "'c' primary_blocks registered 1000, engine reports 900" in real.message()
+    assert "'b'" not in real.message()

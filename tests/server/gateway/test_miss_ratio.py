@@ -49,3 +49,111 @@ def test_curves_estimate_a_repeated_prompt_exactly(stack: Stack) -> None:
     errors = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
               if line.startswith("kvgate_mrc_hit_rate_stderr{") and 'pool="reference"' in line]
     assert len(errors) == 6 and all(0.0 <= e < 0.5 for e in errors), errors
+
+
+# --- units: no stack ------------------------------------------------------------------------
+
+def _pool(name: str = "p", *, primary: int = 64, secondary: int = 0, tpb: int = 16):  # noqa: ANN202
+    from tenants.snapshots import PoolSnapshot
+
+    return PoolSnapshot(1, name, "m", "t", "ref", tpb, primary, secondary, 30, ())
+
+
+def _observe(curves, pool, *, tenant: str = "1", now: float = 0.0) -> None:  # noqa: ANN001
+    import numpy as np
+
+    from retention.hashing import block_hashes
+    from retention.types import DEFAULT_PLAN
+
+    toks = np.arange(4 * pool.tokens_per_block, dtype=np.int32)
+    curves.observe(pool, block_hashes(toks, pool.tokens_per_block, salt=None), DEFAULT_PLAN, now=now,
+                   num_tokens=len(toks) + 1, tenant=tenant)
+
+
+def test_a_scrape_survives_pools_and_tenants_added_while_it_runs() -> None:
+    """/metrics is a sync route (a worker thread) while the event loop adds pools and tenants: the
+    collector reads copies, so a new pool or tenant mid-scrape does not fail the scrape."""
+    from collections.abc import Mapping
+
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from server.gateway.observe.miss_ratio import MissRatioCollector, MissRatioCurves
+
+    curves = MissRatioCurves(1.0)
+    _observe(curves, _pool("a"))
+    added: list[str] = []
+
+    class Slugs(Mapping):  # each lookup lands while the collector walks the curves and their tenants
+        def __getitem__(self, key):  # type: ignore[no-untyped-def]
+            added.append(key)
+            _observe(curves, _pool("a"), tenant=f"new{len(added)}", now=len(added))
+            return "tenant-" + key
+
+        def __iter__(self):  # type: ignore[no-untyped-def]
+            return iter(())
+
+        def __len__(self) -> int:
+            return 0
+
+    def slugs(pool: str) -> Mapping[str, str]:
+        _observe(curves, _pool(f"new-pool-{len(curves.curves())}"))
+        return Slugs()
+
+    registry = CollectorRegistry()
+    registry.register(MissRatioCollector(curves, slugs))
+    text = generate_latest(registry).decode()
+    assert 'pool="a"' in text and added
+
+
+def test_curves_of_pools_no_longer_listed_are_dropped() -> None:
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from server.gateway.observe.miss_ratio import MissRatioCollector, MissRatioCurves
+
+    curves = MissRatioCurves(1.0)
+    _observe(curves, _pool("old"))
+    _observe(curves, _pool("kept"))
+    registry = CollectorRegistry()
+    registry.register(MissRatioCollector(curves, lambda pool: {}))
+    assert 'pool="old"' in generate_latest(registry).decode()
+    curves.retain({"kept", "not-seen-yet"})
+    assert set(curves.curves()) == {"kept"}
+    text = generate_latest(registry).decode()
+    assert 'pool="old"' not in text and 'pool="kept"' in text
+
+
+def test_the_pool_monitor_drops_the_curve_of_a_pool_the_registry_no_longer_lists() -> None:
+    import asyncio
+
+    from server.gateway.observe.miss_ratio import MissRatioCurves
+    from server.gateway.replicas.engines import EngineDirectory
+    from server.gateway.replicas.pool_monitor import PoolMonitor
+
+    curves = MissRatioCurves(1.0)
+    listings: list[object] = [[], RuntimeError("registry away")]
+    _observe(curves, _pool("gone"))
+
+    def listing():  # type: ignore[no-untyped-def]
+        item = listings.pop(0)
+        if isinstance(item, Exception):
+            raise item
+        return item
+
+    monitor = PoolMonitor(EngineDirectory(lambda pool: None), listing, curves=curves)
+    asyncio.run(monitor.refresh())  # deleted from the registry
+    assert curves.curves() == {}
+    _observe(curves, _pool("raced"))
+    asyncio.run(monitor.refresh())  # the registry is away: nothing is forgotten
+    assert set(curves.curves()) == {"raced"}
+
+
+def test_a_block_size_change_starts_a_fresh_curve() -> None:
+    from server.gateway.observe.miss_ratio import MissRatioCurves
+
+    curves = MissRatioCurves(1.0)
+    _observe(curves, _pool(tpb=16))
+    before = curves.curves()["p"]
+    _observe(curves, _pool(tpb=16), now=1.0)
+    assert curves.curves()["p"] is before
+    _observe(curves, _pool(tpb=32), now=2.0)
+    assert curves.curves()["p"] is not before

@@ -263,3 +263,34 @@ def test_a_forgotten_pools_route_goes_with_its_replica_series() -> None:
     asyncio.run(go())
     assert 'pool="old"' not in generate_latest(registry).decode()
     assert monitor.snapshots() == []
+
+
+def test_a_scrape_survives_pools_the_monitor_adds_while_it_runs() -> None:
+    """/metrics runs in a worker thread while the event loop adds pools to the monitor's live
+    ``engine_up``: the collector reads a copy, so the scrape does not fail mid-iteration."""
+    import threading
+
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from server.gateway.observe.metrics import PoolStatsCollector
+
+    engine_up = {f"p{i}": True for i in range(50_000)}
+    registry = CollectorRegistry()
+    registry.register(PoolStatsCollector(lambda: [], lambda: engine_up))
+    stop = threading.Event()
+
+    def churn() -> None:
+        i = 0
+        while not stop.is_set():
+            engine_up[f"new{i % 64}"] = True
+            engine_up.pop(f"new{(i + 32) % 64}", None)
+            i += 1
+
+    thread = threading.Thread(target=churn)
+    thread.start()
+    try:
+        for _ in range(20):
+            generate_latest(registry)
+    finally:
+        stop.set()
+        thread.join()
