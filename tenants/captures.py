@@ -20,16 +20,16 @@ Invariants:
 from __future__ import annotations
 
 import secrets
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import func, select
+from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from tenants import audit
 from tenants import validation as v
-from tenants.common import MAX_PAGE, Page, get_by_ref, mutation, snapshot
+from tenants.common import Page, get_by_ref, mutation, paginate, snapshot
 from tenants.errors import Conflict, InvalidField, NotFound
 from tenants.models import Pool, Tenant, TraceCapture
 
@@ -110,31 +110,21 @@ def list_captures(session: Session, *, pool: int | str, limit: int = 50, offset:
     A pool captured daily for years has thousands of rows: the page's rows come with their
     tenants' slugs in one query (no lookup per row), and ``total`` counts them all.
     """
-    limit = v.integer(limit, field="limit", minimum=1, maximum=MAX_PAGE)
-    offset = v.integer(offset, field="offset", minimum=0)
     row = _pool(session, pool)
-    total = session.scalar(select(func.count()).select_from(TraceCapture).where(TraceCapture.pool_id == row.id))
-    rows = session.execute(
-        select(TraceCapture, Tenant.slug).outerjoin(Tenant, Tenant.id == TraceCapture.tenant_id)
-        .where(TraceCapture.pool_id == row.id).order_by(TraceCapture.id.desc()).limit(limit).offset(offset)
-    ).all()
-    return Page(items=[_public(c, row.name, slug) for c, slug in rows], total=int(total or 0), limit=limit,
-                offset=offset)
+    stmt = (select(TraceCapture, Tenant.slug).outerjoin(Tenant, Tenant.id == TraceCapture.tenant_id)
+            .where(TraceCapture.pool_id == row.id).order_by(TraceCapture.id.desc()))
+    page = paginate(session, stmt, limit=limit, offset=offset, rows=True)
+    return replace(page, items=[_public(c, row.name, slug) for c, slug in page.items])
 
 
 def list_tenant_captures(session: Session, *, tenant: int, limit: int = 50, offset: int = 0) -> Page[dict[str, Any]]:
     """A page of the captures limited to ``tenant``'s requests, newest first, as admin views
     (``capture_public``): the rows with their pools' names in one query, as :func:`list_captures`."""
-    limit = v.integer(limit, field="limit", minimum=1, maximum=MAX_PAGE)
-    offset = v.integer(offset, field="offset", minimum=0)
     slug = session.scalar(select(Tenant.slug).where(Tenant.id == tenant))
-    total = session.scalar(select(func.count()).select_from(TraceCapture).where(TraceCapture.tenant_id == tenant))
-    rows = session.execute(
-        select(TraceCapture, Pool.name).outerjoin(Pool, Pool.id == TraceCapture.pool_id)
-        .where(TraceCapture.tenant_id == tenant).order_by(TraceCapture.id.desc()).limit(limit).offset(offset)
-    ).all()
-    return Page(items=[_public(c, name, slug) for c, name in rows], total=int(total or 0), limit=limit,
-                offset=offset)
+    stmt = (select(TraceCapture, Pool.name).outerjoin(Pool, Pool.id == TraceCapture.pool_id)
+            .where(TraceCapture.tenant_id == tenant).order_by(TraceCapture.id.desc()))
+    page = paginate(session, stmt, limit=limit, offset=offset, rows=True)
+    return replace(page, items=[_public(c, name, slug) for c, name in page.items])
 
 
 def stop_capture(session: Session, *, actor: str, now: datetime, pool: int | str, capture_id: int | str) -> TraceCapture:

@@ -35,14 +35,16 @@ class Page(Generic[T]):
     offset: int
 
 
-def paginate(session: Session, stmt: Select[Any], *, limit: int, offset: int) -> Page[Any]:
-    """Run ``stmt`` (already ordered) for one page; ``total`` counts the unpaged rows."""
+def paginate(session: Session, stmt: Select[Any], *, limit: int, offset: int, rows: bool = False) -> Page[Any]:
+    """Run ``stmt`` (already ordered) for one page; ``total`` counts the unpaged rows. The page holds
+    the first column's objects, or with ``rows`` whole rows (an entity with a joined name)."""
     if isinstance(limit, bool) or not isinstance(limit, int) or not 1 <= limit <= MAX_PAGE:
         raise InvalidField(f"limit must be an integer in [1, {MAX_PAGE}]", field="limit")
     if isinstance(offset, bool) or not isinstance(offset, int) or not 0 <= offset <= 2**31 - 1:
         raise InvalidField("offset must be an integer in [0, 2147483647]", field="offset")
     total = session.scalar(select(func.count()).select_from(stmt.order_by(None).subquery())) or 0
-    items = session.scalars(stmt.limit(limit).offset(offset)).all()
+    page = stmt.limit(limit).offset(offset)
+    items = session.execute(page).all() if rows else session.scalars(page).all()
     return Page(items=items, total=int(total), limit=limit, offset=offset)
 
 
