@@ -313,3 +313,16 @@ def wait_until(predicate, timeout: float = 20.0, what: str = "condition") -> Non
 
 def sse_events(text: str) -> list[dict]:
     return [json.loads(line[6:]) for line in text.splitlines() if line.startswith("data: {")]
+
+
+class TextTokenizer:
+    """What ``CompletionRunner`` reads of a tokenizer, for a runner driven without a model: every token
+    decodes to "x"; the end token is 2."""
+
+    eos_token_id = 2
+
+    def new_decode_stream(self):  # type: ignore[no-untyped-def]
+        return self
+
+    def push(self, token_id: int) -> str:
+        return "x"

@@ -16,6 +16,7 @@ from server.gateway.admission import AdmissionError, Limits, LocalAdmission
 from server.gateway.context import TenantContext
 from server.gateway.errors import ServingError
 from server.gateway.fresh_admission import admit
+from tests.server.gateway.scripted import TextTokenizer
 from tests.server.gateway.test_admission import make_admission  # noqa: F401
 
 
@@ -152,18 +153,9 @@ def test_the_engine_runs_a_request_without_max_tokens_with_the_default_admission
     runner = CompletionRunner(admission=LocalAdmission(), metrics=GatewayMetrics(CollectorRegistry()),
                               usage=lambda *args: None)
 
-    class Tokenizer:
-        eos_token_id = 2
-
-        def new_decode_stream(self):  # type: ignore[no-untyped-def]
-            return self
-
-        def push(self, token_id: int) -> str:
-            return "x"
-
     job = CompletionJob(tenant=stale, kind="chat", model="m", prompt=PreparedPrompt(tuple(range(3, 40)), 10, 20),
                         max_new_tokens=None, sampling=SamplingParams(), stop=(), stream=False, include_usage=False,
-                        tokenizer=Tokenizer(), engine=Engine())  # type: ignore[arg-type]
+                        tokenizer=TextTokenizer(), engine=Engine())  # type: ignore[arg-type]
 
     async def run() -> None:
         with pytest.raises(ServingError) as info:

@@ -23,6 +23,7 @@ from server.gateway.context import TenantContext
 from server.gateway.observe.metrics import GatewayMetrics
 from server.gateway.replicas.engine_client import EngineChunk
 from tenants.snapshots import PoolSnapshot
+from tests.server.gateway.scripted import TextTokenizer
 
 TPB = 16
 CAPS = HintPolicy(enabled=True, max_ttl_ms=600_000, max_priority=60, quota_fraction=0.5)
@@ -129,15 +130,6 @@ async def test_a_failure_after_the_hold_is_planned_releases_it_as_an_answered_re
             clock.t += 10.0
             yield EngineChunk((1,), 1, KvMetrics(), True)
 
-    class Tokenizer:
-        eos_token_id = 2
-
-        def new_decode_stream(self):  # type: ignore[no-untyped-def]
-            return self
-
-        def push(self, token_id: int) -> str:
-            return "x"
-
     weather = {"name": "get_weather", "description": "w", "parameters": {"type": "object", "properties": {}}}
     live = {}
     for fails in (False, True):
@@ -156,7 +148,7 @@ async def test_a_failure_after_the_hold_is_planned_releases_it_as_an_answered_re
         clock.t = now
         held = CompletionJob(tenant=tenant, kind="chat", model="m", prompt=PreparedPrompt(tuple(range(3, 5 * TPB + 5)),
                              TPB, 2 * TPB), max_new_tokens=32, sampling=SamplingParams(), stop=(), stream=False,
-                             include_usage=False, tokenizer=Tokenizer(), engine=Engine(),  # type: ignore[arg-type]
+                             include_usage=False, tokenizer=TextTokenizer(), engine=Engine(),  # type: ignore[arg-type]
                              tools=ToolPlan({"get_weather": weather}, "auto"))
         assert runner.holds.applies(held)
         guard.fails = fails

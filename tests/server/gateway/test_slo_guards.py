@@ -24,6 +24,7 @@ from server.gateway.observe.slo_guard import SloGuards
 from server.gateway.replicas.engine_client import EngineRejected, EngineTimeout, EngineUnavailable
 from tenants import list_pool_snapshots, pools, slo
 from tenants.models import AuditEvent
+from tests.server.gateway.scripted import TextTokenizer
 from tests.tenants.factories import ACTOR, make_pool, now
 from tests.tenants.fixtures import _postgres_db, _sqlite_db, db, session  # noqa: F401
 
@@ -245,16 +246,6 @@ def test_pilot_the_rollback_arm_does_not_trip_the_host_tier(db, session) -> None
     assert guards.tripped() == {"gpu-a": True}
 
 
-class _Tokenizer:
-    eos_token_id = 2
-
-    def new_decode_stream(self):  # type: ignore[no-untyped-def]
-        return self
-
-    def push(self, token_id: int) -> str:
-        return "x"
-
-
 class _FailingEngine:
     """Every call waits ``delay`` seconds, then fails before its first token with ``exc``
     (``None``: never answers)."""
@@ -299,7 +290,7 @@ def test_a_request_failing_before_its_first_token_is_over_the_ttft_budget(exc, s
                               usage=lambda *args: None, guard=guards)
     job = CompletionJob(tenant=_tenant(pool, 7), kind="chat", model="m",
                         prompt=PreparedPrompt(tuple(range(3, 40)), 10, 20), max_new_tokens=4, sampling=SamplingParams(),
-                        stop=stop, stream=stream, include_usage=False, tokenizer=_Tokenizer(),  # type: ignore[arg-type]
+                        stop=stop, stream=stream, include_usage=False, tokenizer=TextTokenizer(),  # type: ignore[arg-type]
                         engine=_FailingEngine(exc))  # type: ignore[arg-type]
 
     async def gone() -> dict:
