@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import re
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Annotated
@@ -67,20 +68,77 @@ def capture_files(directory: Path, pool: str, capture: int | None = None) -> lis
     return sorted((directory / pool).glob(pattern))
 
 
+_CAPTURE_FILE = re.compile(r"^capture-(\d+)-")
+
+
+def _capture_of(file: Path) -> str:
+    """The capture id in a capture file's name (``capture-000012-host-pid.jsonl`` → ``"12"``)."""
+    match = _CAPTURE_FILE.match(file.name)
+    return str(int(match.group(1))) if match else file.name
+
+
+@dataclass(slots=True)
+class _SizeSpan:
+    """The selected lines of one block size in one capture: first and last timestamp, the first's file."""
+
+    first_ms: float
+    last_ms: float
+    file: Path
+
+    def widen(self, ts: float, file: Path) -> None:
+        if ts < self.first_ms:
+            self.first_ms, self.file = ts, file
+        self.last_ms = max(self.last_ms, ts)
+
+
+def _ms(ts: float) -> str:
+    return str(int(ts)) if ts == int(ts) else str(ts)
+
+
+def _mixed_sizes(seen: dict[tuple[str, object], _SizeSpan]) -> str:
+    """Why lines of several block sizes cannot be one trace, and how to export them apart.
+
+    Within one capture (the pool's engine rebuilt with another ``tokens_per_block`` while it
+    ran): the file and timestamp of the first line of the later size, and the time ranges to
+    export apart. Across captures only: one capture per export."""
+    by_capture: dict[str, list[tuple[object, _SizeSpan]]] = {}
+    for (capture, size), span in seen.items():
+        by_capture.setdefault(capture, []).append((size, span))
+    for capture, spans in sorted(by_capture.items()):
+        if len(spans) < 2:
+            continue
+        spans.sort(key=lambda item: item[1].first_ms)
+        (old, before), (new, after) = spans[0], spans[1]
+        change = after.first_ms
+        resume = max(change, before.last_ms + 1)  # a gateway may still have written the old size after the change
+        return (f"{after.file}: block_size changes from {old} to {new} within capture {capture}, first at timestamp "
+                f"{_ms(change)} ms (the pool's engine was rebuilt with another tokens_per_block during the "
+                f"capture); export the two parts separately: --to {_ms(change)}, then --from {_ms(resume)}")
+    (first_capture, first_size), first = min(seen.items(), key=lambda item: item[1].first_ms)
+    (other_capture, other_size), other = min(((key, span) for key, span in seen.items() if key[1] != first_size),
+                                             key=lambda item: item[1].first_ms)
+    return (f"{other.file}: block_size {other_size} (capture {other_capture}, first at timestamp "
+            f"{_ms(other.first_ms)} ms) differs from {first_size} in capture {first_capture} ({first.file}); "
+            "export one capture (--capture ID)")
+
+
 def export_range(files: list[Path], out: Path, *, start_ms: int | None, end_ms: int | None) -> tuple[int, int | None]:
     """Write the lines with ``start_ms <= timestamp < end_ms`` sorted by timestamp.
 
     Returns (lines written, block size). Lines are copied byte for byte (no re-encoding);
     a line that is not a JSON object with a numeric timestamp (e.g. a torn last line of a
-    file being written) is skipped; captures of different block sizes are refused, and so
-    is a line that is not UTF-8 (the gateway never writes one: the file is damaged). When no
-    line is selected nothing is written: an empty trace would only fail later, in analyze.
+    file being written) is skipped; lines of different block sizes are refused (the message
+    says how to export them apart: by time range within one capture, by capture across
+    captures), and so is a line that is not UTF-8 (the gateway never writes one: the file is
+    damaged). When no line is selected nothing is written: an empty trace would only fail
+    later, in analyze.
     """
     from server.analysis.trace_file import TraceFileError, trace_lines
 
     selected: list[tuple[float, int, str]] = []
-    block_size: int | None = None
+    seen: dict[tuple[str, object], _SizeSpan] = {}  # (capture, block_size) -> where the lines of that size are
     for file in files:
+        capture = _capture_of(file)
         try:
             with trace_lines(file) as handle:
                 for text in handle:
@@ -96,16 +154,22 @@ def export_range(files: list[Path], out: Path, *, start_ms: int | None, end_ms: 
                     if (start_ms is not None and ts < start_ms) or (end_ms is not None and ts >= end_ms):
                         continue
                     size = obj.get("block_size")
-                    if block_size is None:
-                        block_size = size
-                    elif size != block_size:
-                        raise ExportError(f"{file}: block_size {size} differs from {block_size} in an earlier line; "
-                                          "export one capture (--capture ID)")
+                    if isinstance(size, (list, dict)):  # a damaged line: compared by its text
+                        size = json.dumps(size)
+                    span = seen.get((capture, size))
+                    if span is None:
+                        seen[(capture, size)] = _SizeSpan(ts, ts, file)
+                    else:
+                        span.widen(ts, file)
                     selected.append((float(ts), len(selected), text))
         except TraceFileError as exc:
             raise ExportError(f"{file}: {exc}") from None
     if not selected:
         raise ExportError(f"no captured request in the time range ({len(files)} file(s) read); nothing written")
+    sizes = {size for _, size in seen}
+    if len(sizes) > 1:
+        raise ExportError(_mixed_sizes(seen))
+    block_size = next(iter(sizes))
     selected.sort()
     out.parent.mkdir(parents=True, exist_ok=True)
     with out.open("w", encoding="utf-8") as handle:

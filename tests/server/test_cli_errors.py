@@ -204,3 +204,36 @@ def test_admin_invalid_input_exits_2_and_a_registry_refusal_1(tmp_path: Path) ->
     error = json_error(invoke("admin", "credentials", "create", "x", "--role", "tenant-admin", env=env), 2)
     assert (error["code"], error["field"]) == ("invalid_value", "tenants")
     assert json_error(invoke("admin", "tenants", "show", "nobody", env=env), 1)["code"].endswith("not_found")
+
+
+def _line(ts: int, block_size: int) -> bytes:
+    return b'{"timestamp": %d, "input_length": 4, "output_length": 1, "hash_ids": [1], "block_size": %d}\n' % (
+        ts, block_size)
+
+
+def test_trace_export_names_where_one_captures_block_size_changes_and_the_time_ranges_to_export(
+        tmp_path: Path) -> None:
+    # The pool's engine rebuilt with another tokens_per_block at t=300 while capture 1 ran (two gateways).
+    traces = _captures(tmp_path, _line(100, 16) + _line(200, 16) + _line(300, 32) + _line(400, 32))
+    (traces / "p" / "capture-000001-g-2.jsonl").write_bytes(_line(150, 16) + _line(350, 32))
+    out = tmp_path / "out.jsonl"
+    line = one_line(invoke("trace", "export", "--pool", "p", "--dir", str(traces), "-o", str(out)), 2)
+    assert line == (f"error: {traces / 'p' / 'capture-000001-h-1.jsonl'}: block_size changes from 16 to 32 within "
+                    "capture 1, first at timestamp 300 ms (the pool's engine was rebuilt with another "
+                    "tokens_per_block during the capture); export the two parts separately: --to 300, then --from 300")
+    assert not out.exists()
+    for bound, count in (("--to", 3), ("--from", 3)):  # the advice works
+        res = invoke("trace", "export", "--pool", "p", "--dir", str(traces), "-o", str(out), bound, "300")
+        assert res.exit_code == 0 and len(out.read_text().splitlines()) == count, res.output
+
+
+def test_trace_export_of_captures_with_different_block_sizes_asks_for_one_capture(tmp_path: Path) -> None:
+    traces = _captures(tmp_path, _line(100, 16))
+    (traces / "p" / "capture-000002-h-1.jsonl").write_bytes(_line(500, 32))
+    out = tmp_path / "out.jsonl"
+    line = one_line(invoke("trace", "export", "--pool", "p", "--dir", str(traces), "-o", str(out)), 2)
+    assert line == (f"error: {traces / 'p' / 'capture-000002-h-1.jsonl'}: block_size 32 (capture 2, first at "
+                    f"timestamp 500 ms) differs from 16 in capture 1 ({traces / 'p' / 'capture-000001-h-1.jsonl'}); "
+                    "export one capture (--capture ID)")
+    assert "block size 32" in invoke("trace", "export", "--pool", "p", "--dir", str(traces), "-o", str(out),
+                                     "--capture", "2").output

@@ -206,3 +206,132 @@ def test_one_pools_failing_directory_does_not_stop_the_other_pools_captures(tmp_
     assert len(files) == 1 and files[0].read_text().count("\n") == 1
     assert _count(tc, "kvgate_trace_lines_total", pool="b") == 1
     assert _count(tc, "kvgate_trace_lines_dropped_total", pool="a", reason="write_error") == 1
+
+
+@pytest.fixture(scope="module")
+def smollm():  # noqa: ANN201
+    from engines.tokenizer import load_gguf_tokenizer
+
+    return load_gguf_tokenizer()
+
+
+def _turns(tokenizer, system: str, first: str):  # noqa: ANN001, ANN202
+    """Turn 1 (system, user, generation prompt) and turn 2 (…, assistant, user, generation prompt)."""
+    from server.gateway.api.prompting import prepare_chat
+
+    one = [{"role": "system", "content": system}, {"role": "user", "content": first}]
+    two = [*one, {"role": "assistant", "content": "Here is a long answer. " * 8}, {"role": "user", "content": "More?"}]
+    return prepare_chat(tokenizer, one), prepare_chat(tokenizer, two)
+
+
+def test_all_turns_of_a_conversation_share_the_sampling_key_its_first_message_sets(smollm) -> None:  # noqa: ANN001
+    from server.gateway.observe.capture import sampling_end
+
+    ends = smollm.stop_token_ids
+    im_end = smollm.special_tokens["<|im_end|>"]
+    system = "You are terse."
+    # A first turn shorter than the first block after the system prompt: still one key for all turns.
+    one, two = _turns(smollm, system, "Hi?")
+    assert one.total < (one.system_end // 32 + 1) * 32
+    cut = sampling_end(one.input_ids, one.system_end, 32, ends)
+    assert cut == sampling_end(two.input_ids, two.system_end, 32, ends) and one.input_ids[cut - 1] == im_end
+    assert one.input_ids[:cut] == two.input_ids[:cut] and cut > one.system_end
+    # Same system prompt, different first messages: different keys, even when the first block after
+    # the system prompt holds only the template's "<|im_start|>user\n".
+    a, _ = _turns(smollm, system, "Tell me about cats, please.")
+    b, _ = _turns(smollm, system, "Tell me about dogs, please.")
+    end_a, end_b = (sampling_end(p.input_ids, p.system_end, 16, ends) for p in (a, b))
+    assert a.input_ids[:end_a] != b.input_ids[:end_b]
+    # A client's own "<|im_end|>" is plain text: it never ends the key early.
+    c, _ = _turns(smollm, system, "a <|im_end|> then cats")
+    d, _ = _turns(smollm, system, "a <|im_end|> then dogs")
+    assert c.input_ids[:sampling_end(c.input_ids, c.system_end, 16, ends)] != \
+        d.input_ids[:sampling_end(d.input_ids, d.system_end, 16, ends)]
+    # No end-of-turn token given (a raw prompt): the first block after the system prompt, as before.
+    assert sampling_end(one.input_ids, one.system_end, 16, ()) == min(one.total, (one.system_end // 16 + 1) * 16)
+
+
+def test_sampling_decides_per_conversation_with_the_real_chat_template(smollm) -> None:  # noqa: ANN001
+    ends, block = smollm.stop_token_ids, 16
+    # A system prompt that ends 3 tokens before a block boundary: the first block after it holds
+    # only "<|im_start|>user\n", which every conversation with this system prompt shares.
+    system = next(s for s in ("word " * n for n in range(1, 64))
+                  if _turns(smollm, s, "x")[0].system_end % block == block - 3)
+    first, _ = _turns(smollm, system, "x")
+    assert smollm.decode(first.input_ids[first.system_end:first.system_end + 3], skip_special_tokens=False) == \
+        "<|im_start|>user\n"
+    decisions = []
+    for i in range(120):
+        one, two = _turns(smollm, system, f"question number {i}: what is {i * 7}?")
+        d1 = sampled(KEY_A, "s", one.input_ids, one.system_end, block, 0.5, ends)
+        assert d1 == sampled(KEY_A, "s", two.input_ids, two.system_end, block, 0.5, ends)  # turns in or out together
+        decisions.append(d1)
+    assert 30 < sum(decisions) < 90  # conversations sharing the system prompt are sampled independently
+
+
+def _line_file(directory: Path, pool: str, capture_id: int) -> Path:
+    import os
+    import socket
+
+    return directory / pool / f"capture-{capture_id:06d}-{socket.gethostname()}-{os.getpid()}.jsonl"
+
+
+def test_a_file_reopened_with_a_torn_last_line_is_cut_back_to_its_last_whole_line(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    path = _line_file(tmp_path, "p", 1)
+    path.parent.mkdir(parents=True)
+    whole = b'{"timestamp": 1, "input_length": 4, "output_length": 1, "hash_ids": [1], "block_size": 4}\n'
+    path.write_bytes(whole * 2 + b'{"timestamp": 2, "input_len')  # the process died mid-line
+    tc = _captures(tmp_path, "p")
+    assert _offer(tc, "p")
+    with caplog.at_level("WARNING", logger="kvgate.capture"):
+        _run_writer(tc)
+    lines = path.read_bytes().split(b"\n")
+    assert lines[-1] == b"" and len(lines) == 4
+    assert [json.loads(x)["input_length"] for x in lines[:-1]] == [4, 4, 100]  # the new line stands alone
+    assert any("torn line" in r.getMessage() for r in caplog.records)
+    assert _count(tc, "kvgate_trace_capture_bytes", pool="p") == path.stat().st_size
+
+
+class _FullDisk:
+    """A file handle whose ``fail_at``-th write writes half its data, then fails as a full disk does."""
+
+    def __init__(self, raw, fail_at: int, truncate_fails: bool = False) -> None:  # noqa: ANN001
+        self.raw, self.fail_at, self.truncate_fails, self.writes = raw, fail_at, truncate_fails, 0
+
+    def write(self, data) -> int:  # noqa: ANN001
+        self.writes += 1
+        if self.writes == self.fail_at:
+            data = bytes(data)
+            self.raw.write(data[: len(data) // 2])
+            if hasattr(self.raw, "flush"):
+                self.raw.flush()
+            raise OSError(28, "No space left on device")
+        return self.raw.write(data)
+
+    def flush(self) -> None:
+        self.raw.flush()
+
+    def truncate(self, size: int) -> int:
+        if self.truncate_fails:
+            raise OSError(28, "No space left on device")
+        return self.raw.truncate(size)
+
+    def close(self) -> None:
+        self.raw.close()
+
+
+@pytest.mark.parametrize("truncate_fails", [False, True])
+def test_a_write_that_fails_part_way_leaves_only_whole_lines(tmp_path: Path, truncate_fails: bool) -> None:
+    tc = _captures(tmp_path, "p")
+    tc._sync(tc._active)
+    f = tc._files[1]
+    f.handle = _FullDisk(f.handle, fail_at=2, truncate_fails=truncate_fails)
+    assert all(_offer(tc, "p") for _ in range(3))
+    _run_writer(tc)
+    path = _line_file(tmp_path, "p", 1)
+    text = path.read_bytes()
+    assert text.endswith(b"\n") and [json.loads(x)["input_length"] for x in text.splitlines()] == [100, 100]
+    assert _count(tc, "kvgate_trace_lines_dropped_total", pool="p", reason="write_error") == 1
+    assert _count(tc, "kvgate_trace_lines_total", pool="p") == 2
+    assert _count(tc, "kvgate_trace_capture_bytes", pool="p") == len(text)

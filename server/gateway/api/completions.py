@@ -669,7 +669,8 @@ class CompletionRunner:
                           input_ids=job.prompt.input_ids, system_end=job.prompt.system_end,
                           context_end=job.prompt.context_end, output_length=outcome.completion_tokens,
                           reused_blocks=kv.reused_blocks, onboarded_blocks=kv.onboarded_blocks, ttft=outcome.ttft,
-                          latency=latency, status=outcome.status, hints=job.hints)
+                          latency=latency, status=outcome.status, hints=job.hints,
+                          turn_ends=job.tokenizer.stop_token_ids if job.kind == "chat" else ())
 
     async def _stream(self, job: CompletionJob, dialect: Dialect, request: EngineRequest, chunks: PrimedChunks,
                       outcome: Outcome, started: float, end: Callable[[], Awaitable[None]]) -> AsyncIterator[bytes]:

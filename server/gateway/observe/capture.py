@@ -27,8 +27,9 @@ Privacy invariants:
 
 Cost invariants (the event loop never waits on the disk):
 
-* ``offer`` runs on the event loop: a dict lookup, a tenant filter, one keyed hash of at
-  most the first non-system block for the sampling decision, and ``put_nowait`` on a
+* ``offer`` runs on the event loop: a dict lookup, a tenant filter, a C-speed search for the
+  first end-of-turn token and one keyed hash of the tokens up to it (the system prompt and the
+  first message) for the sampling decision (none at ``sample_rate`` 1), and ``put_nowait`` on a
   bounded queue; a full queue drops the line and counts it
   (``kvgate_trace_lines_dropped_total{reason="queue_full"}``).
 * hashing, JSON and file writes run on one writer thread. Each file is bounded by the
@@ -37,11 +38,23 @@ Cost invariants (the event loop never waits on the disk):
   capture to continue). A file that cannot be opened or written drops its lines as
   ``reason="write_error"`` (logged at most once a minute per pool); each capture opens its
   own file, so one pool's failing directory never stops the others'.
+* a file holds whole lines only, and its size is counted from them: a write that fails
+  part-way (disk full) is truncated back to the last whole line (or, if that fails too, the
+  file is closed and reopened with the next line), and a file opened with a torn last line
+  (the process died mid-write) is first truncated to just after its last newline.
 
 Sampling is by conversation: the decision is a keyed hash of the salt and the prompt's
-tokens up to the end of its first block after the system prompt, so all turns of one
-conversation are in or out together (reuse between turns survives sampling) while
-requests sharing only a system prompt are sampled independently.
+tokens up to and including the end of its first message after the system prompt, which is
+the first end-of-turn control token (the tokenizer's, e.g. ``<|im_end|>``, handed to ``offer``)
+at or after ``system_end``. Control tokens come only from the chat template (a client's
+``<|im_end|>`` is plain text), and every turn of a conversation starts with the same system
+prompt and first message, so all turns are in or out together (reuse between turns survives
+sampling), while conversations sharing only a system prompt are sampled independently.
+A prompt without such a token after ``system_end`` (a raw ``/v1/completions`` prompt, no
+``turn_ends`` given, a template without one) is keyed on its tokens up to the end of its first
+block after ``system_end``. A template that closes a user message with no end-of-turn token
+but closes an assistant's with one would key turn 1 and turn 2 differently: the chat templates
+served (ChatML and the like) close every message.
 
 Files: ``<trace_dir>/<pool>/capture-<id>-<host>-<pid>.jsonl``: one file per pool per
 capture per gateway process (several gateway replicas never write one file).
@@ -58,7 +71,7 @@ import sys
 import threading
 import time
 from array import array
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from hashlib import blake2b
 from pathlib import Path
@@ -103,17 +116,96 @@ def trace_hash_ids(key: bytes, tokens: np.ndarray, tokens_per_block: int, salt: 
     return ids
 
 
+def sampling_end(tokens: tuple[int, ...], system_end: int, tokens_per_block: int,
+                 turn_ends: Collection[int] = ()) -> int:
+    """How many leading tokens of the prompt the sampling decision hashes (module docstring).
+
+    The first message after the system segment ends at the first end-of-turn control token at
+    or after ``system_end`` (client text never holds one: ``server.gateway.api.prompting``), so
+    every turn of a conversation finds the same one. Without one (a raw prompt, a template
+    without such a token): the end of the first block after ``system_end``.
+    """
+    end = _first_of(tokens, turn_ends, system_end) if turn_ends else -1
+    if end >= 0:
+        return end + 1
+    return min(len(tokens), (system_end // tokens_per_block + 1) * tokens_per_block)
+
+
+def _first_of(tokens: tuple[int, ...], wanted: Collection[int], start: int) -> int:
+    """The first index >= ``start`` holding one of ``wanted``, or -1.
+
+    ``tuple.index`` (C speed) over windows that double from 256 tokens: a wanted id that is not
+    in the prompt costs a scan as long as the first message, not the whole prompt."""
+    total, lo, width = len(tokens), start, 256
+    while lo < total:
+        hi = min(total, lo + width)
+        best = -1
+        for token in wanted:
+            try:  # only before the best hit so far: the earliest wins
+                best = tokens.index(token, lo, hi if best < 0 else best)
+            except ValueError:
+                pass
+        if best >= 0:
+            return best
+        lo, width = hi, width * 2
+    return -1
+
+
 def sampled(key: bytes, salt: str | None, tokens: tuple[int, ...], system_end: int, tokens_per_block: int,
-            rate: float) -> bool:
+            rate: float, turn_ends: Collection[int] = ()) -> bool:
     """Stable per-conversation sampling decision (see module docstring)."""
     if rate >= 1.0:
         return True
-    cut = min(len(tokens), (system_end // tokens_per_block + 1) * tokens_per_block)
+    cut = sampling_end(tokens, system_end, tokens_per_block, turn_ends)
     packed = array("i", tokens[:cut])  # int32, ~5x faster than numpy for a short tuple
     if sys.byteorder == "big":
         packed.byteswap()  # little-endian everywhere, so every gateway of a capture decides alike
     h = blake2b((salt or "").encode() + b"\x00" + packed.tobytes(), key=key[:64], digest_size=8)
     return int.from_bytes(h.digest(), "little") < rate * 2**64
+
+
+def _open_whole(path: Path) -> tuple[object, int]:
+    """Open ``path`` for appending lines, unbuffered (a failed write leaves nothing held in a
+    buffer), and return it with its size. A file whose last byte is not a newline (the process
+    died mid-line, a partial write on a full disk) is first truncated to just after its last
+    newline: the next line must not be glued to the fragment."""
+    handle = open(path, "a+b", buffering=0)  # noqa: SIM115 - closed by TraceCaptures._close
+    try:
+        size = os.fstat(handle.fileno()).st_size
+        whole = _whole_lines_size(handle, size)
+        if whole != size:
+            log.warning("trace capture file %s ends in a torn line: truncated from %d to %d bytes", path, size, whole)
+            handle.truncate(whole)
+    except OSError:
+        handle.close()
+        raise
+    return handle, whole
+
+
+def _whole_lines_size(handle, size: int, chunk: int = 1 << 16) -> int:  # noqa: ANN001
+    """The length of ``handle``'s content up to and including its last newline (0 if none)."""
+    end = size
+    while end > 0:
+        start = max(0, end - chunk)
+        handle.seek(start)
+        data = handle.read(end - start)
+        if end == size and data.endswith(b"\n"):
+            return size
+        cut = data.rfind(b"\n")
+        if cut >= 0:
+            return start + cut + 1
+        end = start
+    return 0
+
+
+def _write_all(handle, data: bytes) -> None:  # noqa: ANN001
+    """Write all of ``data`` to an unbuffered file (a raw write may write less than asked)."""
+    view = memoryview(data)
+    while view:
+        written = handle.write(view)
+        if not written:
+            raise OSError(f"wrote nothing of {len(view)} bytes")
+        view = view[written:]
 
 
 @dataclass(slots=True)
@@ -220,12 +312,15 @@ class TraceCaptures:
     def offer(self, *, tenant_id: int, tenant: str, retention_class: str, pool: str, tokens_per_block: int,
               salt: str | None, input_ids: tuple[int, ...], system_end: int, context_end: int, output_length: int,
               reused_blocks: int, onboarded_blocks: int, ttft: float | None, latency: float, status: str,
-              hints: CacheHints | None = None) -> bool:
-        """Queue one finished request if its pool is captured and it is sampled; never blocks."""
+              hints: CacheHints | None = None, turn_ends: Collection[int] = ()) -> bool:
+        """Queue one finished request if its pool is captured and it is sampled; never blocks.
+
+        ``turn_ends``: the tokenizer's end-of-turn control token ids for a chat prompt (empty for a
+        raw prompt), where the sampling key ends (:func:`sampling_end`)."""
         capture = self._active.get(pool)
         if capture is None or (capture.tenant_id is not None and capture.tenant_id != tenant_id):
             return False
-        if not sampled(capture.key, salt, input_ids, system_end, tokens_per_block, capture.sample_rate):
+        if not sampled(capture.key, salt, input_ids, system_end, tokens_per_block, capture.sample_rate, turn_ends):
             return False
         total = len(input_ids)
         cached = cached_prompt_tokens(reused_blocks, total, tokens_per_block)
@@ -281,8 +376,7 @@ class TraceCaptures:
                 path = self.directory / capture.pool / f"capture-{capture_id:06d}-{socket.gethostname()}-{os.getpid()}.jsonl"
                 try:  # each capture on its own: one pool's failing directory never blocks the others
                     path.parent.mkdir(parents=True, exist_ok=True)
-                    size = path.stat().st_size if path.exists() else 0
-                    handle = open(path, "ab")  # noqa: SIM115 - closed by _close
+                    handle, size = _open_whole(path)
                 except OSError:
                     self._log_failure(capture.pool, "cannot open trace capture file %s", path)
                     continue  # its lines are counted write_error; the next line tries again
@@ -301,6 +395,21 @@ class TraceCaptures:
         self._error_logged[pool] = (now, 0)
         log.warning(message + " (pool %s; %d more failures since the last report, next report in %.0f s at the earliest)",
                     path, pool, since, _ERROR_LOG_INTERVAL_S, exc_info=True)
+
+    def _cut_back(self, f: _File, capture_id: int) -> None:
+        """After a failed write (disk full: part of the line may be on disk), truncate the file back
+        to its last whole line, ``f.size``. If that fails too, close it and forget it: the next
+        line reopens it, and the open cuts the torn line (``_open_whole``)."""
+        try:
+            f.handle.truncate(f.size)  # type: ignore[attr-defined]
+        except OSError:
+            log.warning("cannot truncate trace capture file %s back to %d bytes; reopening it with the next line",
+                        f.path, f.size, exc_info=True)
+            try:
+                self._close(f)
+            except OSError:
+                f.handle = None
+            self._files.pop(capture_id, None)
 
     @staticmethod
     def _close(f: _File) -> None:
@@ -344,11 +453,11 @@ class TraceCaptures:
                         f.capture.max_bytes)
             return
         try:
-            f.handle.write(data)  # type: ignore[attr-defined]
-            f.handle.flush()  # type: ignore[attr-defined]
+            _write_all(f.handle, data)
         except OSError:
             self.metrics.dropped.labels(pool, "write_error").inc()
             self._log_failure(pool, "trace capture write failed: %s", f.path)
+            self._cut_back(f, r.capture_id)
             return
         f.size += len(data)
         self.metrics.lines.labels(pool).inc()
