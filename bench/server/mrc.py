@@ -77,7 +77,7 @@ def main() -> None:
         held = sum(p.shadow.pool.config.primary_blocks + p.shadow.pool.config.secondary_blocks for p in curve.points)
         estimates[rate] = {(p.gpu, p.host): p.shadow.counts.hit_rate() or 0.0 for p in curve.points}
         stated[rate] = {(p.gpu, p.host): 2 * (p.shadow.counts.hit_rate_stderr() or 0.0) for p in curve.points}
-        rows.append((rate, us, us / hash_us, held))
+        rows.append((rate, curve.sample.rate, us, us / hash_us, held))
 
     full = estimates[1.0]
     lines = [
@@ -92,18 +92,21 @@ def main() -> None:
         "",
         f"Hashing the prompt's blocks (what the curves reuse): **{hash_us:.1f} µs** per request.",
         "",
-        "| sampling rate | curves µs / request | × hashing | shadow blocks held | 1x point estimate (± stated) | rate-1.0 value | error (points) |",
+        "| sampling rate (set → used) | curves µs / request | × hashing | shadow blocks held | 1x point estimate (± stated) | rate-1.0 value | error (points) |",
         "|---:|---:|---:|---:|---:|---:|---:|",
     ]
-    for rate, us, ratio, held in rows:
+    for rate, used, us, ratio, held in rows:
         est, ref = estimates[rate][("1x", "1x")], full[("1x", "1x")]
-        lines.append(f"| {rate:g} | {us:.1f} | {ratio:.2f} | {held:,} | {est:.1%} (± {stated[rate][('1x', '1x')] * 100:.1f}) | {ref:.1%} | {abs(est - ref) * 100:.2f} |")
-    lines += ["", "± stated: 2 × the point's own jackknife standard error (`kvgate_mrc_hit_rate_stderr`), in points.",
+        lines.append(f"| {rate:g} → {used:.3g} | {us:.1f} | {ratio:.2f} | {held:,} | {est:.1%} (± {stated[rate][('1x', '1x')] * 100:.1f}) | {ref:.1%} | {abs(est - ref) * 100:.2f} |")
+    lines += ["", "± stated: 2 × the point's own jackknife standard error (`kvgate_mrc_hit_rate_stderr`), in points. "
+              "*Used*: the rate a curve samples at, the set rate raised for a pool too small to give its smallest "
+              "point 16 sampled blocks (`miss_ratio.curve_rate`).",
               "", "Every point at each rate against rate 1.0 (points of hit rate):", "",
               "| point (GPU / host) | " + " | ".join(f"{r:g}" for r in RATES[:-1]) + " | rate 1.0 |",
               "|---|" + "---:|" * len(RATES)]
     for key in full:
-        cells = " | ".join(f"{(estimates[r][key] - full[key]) * 100:+.2f}" for r in RATES[:-1])
+        cells = " | ".join(f"{(estimates[r][key] - full[key]) * 100:+.2f}" if key in estimates[r] else "—"
+                           for r in RATES[:-1])
         lines.append(f"| {key[0]} / {key[1]} | {cells} | {full[key]:.1%} |")
     body = "\n".join(lines)
     print(body)

@@ -53,10 +53,13 @@ def test_curves_estimate_a_repeated_prompt_exactly(stack: Stack) -> None:
 
 # --- units: no stack ------------------------------------------------------------------------
 
-def _pool(name: str = "p", *, primary: int = 64, secondary: int = 0, tpb: int = 16):  # noqa: ANN202
-    from tenants.snapshots import PoolSnapshot
+def _pool(name: str = "p", *, primary: int = 64, secondary: int = 0, tpb: int = 16,  # noqa: ANN202
+          replicas: tuple[str, ...] = ()):
+    """``replicas``: one registry state per replica (none: the count defaults to 1)."""
+    from tenants.snapshots import PoolSnapshot, ReplicaSnapshot
 
-    return PoolSnapshot(1, name, "m", "t", "ref", tpb, primary, secondary, 30, ())
+    reps = tuple(ReplicaSnapshot(i + 1, f"r{i}", f"h:{i}", state, 1) for i, state in enumerate(replicas))
+    return PoolSnapshot(1, name, "m", "t", "ref", tpb, primary, secondary, 30, reps)
 
 
 def _observe(curves, pool, *, tenant: str = "1", now: float = 0.0) -> None:  # noqa: ANN001
@@ -157,3 +160,116 @@ def test_a_block_size_change_starts_a_fresh_curve() -> None:
     assert curves.curves()["p"] is before
     _observe(curves, _pool(tpb=32), now=2.0)
     assert curves.curves()["p"] is not before
+
+
+def _shadow_blocks(curve) -> list[tuple[int, int]]:  # noqa: ANN001
+    """Each point's shadow blocks (GPU without the transient tail slot, host)."""
+    return [(p.shadow.pool.config.primary_blocks - 1, p.shadow.pool.config.secondary_blocks) for p in curve.points]
+
+
+def _scrape(curves) -> str:  # noqa: ANN001
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from server.gateway.observe.miss_ratio import MissRatioCollector
+
+    registry = CollectorRegistry()
+    registry.register(MissRatioCollector(curves, lambda pool: {}))
+    return generate_latest(registry).decode()
+
+
+def test_a_small_pool_at_the_default_rate_keeps_distinct_points() -> None:
+    """100 blocks at 1 %: the 0.5x and 1x shadows were one block each (one figure twice, a 2x of
+    2 blocks); the pool's rate is raised so the smallest point keeps its floor, every point
+    its own size, and the points model their labels' capacities."""
+    from server.gateway.observe.miss_ratio import MIN_SHADOW_BLOCKS, MissRatioCurves
+
+    curves = MissRatioCurves(0.01)
+    _observe(curves, _pool(primary=100, secondary=300))
+    curve = curves.curves()["p"]
+    sizes = _shadow_blocks(curve)
+    assert len(set(sizes)) == len(sizes) == 6
+    assert min(g for g, _ in sizes) >= MIN_SHADOW_BLOCKS and min(h for _, h in sizes if h) >= MIN_SHADOW_BLOCKS
+    assert curve.sample.rate == MIN_SHADOW_BLOCKS / 50
+    modeled = {(p.gpu, p.host): (p.shadow.primary_blocks, p.shadow.secondary_blocks) for p in curve.points}
+    assert modeled == {("0.5x", "1x"): (50, 300), ("1x", "1x"): (100, 300), ("2x", "1x"): (200, 300),
+                       ("4x", "1x"): (400, 300), ("1x", "0x"): (100, 0), ("1x", "2x"): (100, 600)}
+    text = _scrape(curves)
+    assert f'kvgate_mrc_sample_rate{{pool="p"}} {MIN_SHADOW_BLOCKS / 50}' in text
+    # A large pool keeps the configured rate.
+    assert MissRatioCurves(0.01).curve(_pool("big", primary=100_000)).sample.rate == 0.01
+
+
+def test_a_raised_rate_needs_no_correction_in_the_estimate() -> None:
+    """The estimate is kept hits / kept references × the exact full-block share: a prompt sent
+    twice reads half its full-block tokens at every point, whatever the pool's rate."""
+    from server.gateway.observe.miss_ratio import MissRatioCurves
+
+    import numpy as np
+
+    from retention.hashing import block_hashes
+    from retention.types import DEFAULT_PLAN
+
+    curves = MissRatioCurves(0.01)
+    pool = _pool(primary=100)
+    hashes = block_hashes(np.arange(40 * 16, dtype=np.int32), 16, salt=None)  # fits the smallest shadow
+    for now in (0.0, 1.0):
+        curves.observe(pool, hashes, DEFAULT_PLAN, now=now, num_tokens=40 * 16 + 1, tenant="1")
+    curve = curves.curves()["p"]
+    assert curve.sample.rate > 0.01
+    expected = 40 * 16 / (2 * (40 * 16 + 1))
+    assert all(p.shadow.counts.kept_blocks for p in curve.points)
+    assert all(abs(p.shadow.counts.hit_rate() - expected) < 1e-12 for p in curve.points)
+
+
+def test_points_even_rate_one_cannot_separate_are_left_out() -> None:
+    """A 1-block pool: 0.5x would be the 1x shadow again; a host tier of a few blocks beside a
+    large GPU tier (the rate's raise capped by MAX_SHADOW_BLOCKS): host 2x would be host 1x's.
+    Those points are not built, so no series repeats another's figure; 1x/1x is always there."""
+    from server.gateway.observe.miss_ratio import MAX_SHADOW_BLOCKS, MissRatioCurves
+
+    curves = MissRatioCurves(1.0)
+    _observe(curves, _pool("one", primary=1))
+    assert [(p.gpu, p.host) for p in curves.curves()["one"].points] == [("1x", "1x"), ("2x", "1x"), ("4x", "1x")]
+
+    curves = MissRatioCurves(0.01)
+    _observe(curves, _pool("lopsided", primary=100_000, secondary=10))
+    curve = curves.curves()["lopsided"]
+    sizes = _shadow_blocks(curve)
+    assert len(set(sizes)) == len(sizes)
+    assert ("1x", "2x") not in [(p.gpu, p.host) for p in curve.points]
+    assert ("1x", "1x") in [(p.gpu, p.host) for p in curve.points]
+    assert sum(g + 1 + h for g, h in sizes) <= MAX_SHADOW_BLOCKS + len(sizes)  # the raise stays within the budget
+    text = _scrape(curves)
+    assert 'gpu="1x",host="2x"' not in text and 'gpu="1x",host="1x",pool="lopsided"' in text
+
+
+def test_points_model_the_pools_serving_replicas_together() -> None:
+    """The registration is per replica and the shadows see the whole pool's traffic, so the 1x
+    point is the serving (not disabled) replicas' combined blocks, and kvgate_mrc_blocks says so."""
+    from server.gateway.observe.miss_ratio import MissRatioCurves
+
+    curves = MissRatioCurves(1.0)
+    _observe(curves, _pool(primary=64, secondary=128, replicas=("active", "draining", "disabled")))
+    curve = curves.curves()["p"]
+    modeled = {(p.gpu, p.host): (p.shadow.primary_blocks, p.shadow.secondary_blocks) for p in curve.points}
+    assert modeled[("1x", "1x")] == (128, 256)
+    assert curve.replicas == 2
+    assert modeled[("0.5x", "1x")] == (64, 256) and modeled[("4x", "1x")] == (512, 256)
+    assert modeled[("1x", "2x")] == (128, 512)
+    text = _scrape(curves)
+    assert 'kvgate_mrc_blocks{gpu="1x",host="1x",pool="p",tier="primary"} 128.0' in text
+    assert 'kvgate_mrc_replicas{pool="p"} 2.0' in text
+
+
+def test_a_replica_count_change_starts_a_fresh_curve() -> None:
+    from server.gateway.observe.miss_ratio import MissRatioCurves
+
+    curves = MissRatioCurves(1.0)
+    _observe(curves, _pool(replicas=("active", "disabled")))
+    before = curves.curves()["p"]
+    _observe(curves, _pool(replicas=("draining", "disabled")), now=1.0)  # a drain passing: still one serving
+    assert curves.curves()["p"] is before
+    _observe(curves, _pool(replicas=("active", "draining")), now=2.0)
+    after = curves.curves()["p"]
+    assert after is not before and after.points[1].shadow.primary_blocks == 128
+    assert after.points[1].shadow.counts.requests == 1  # this request only
