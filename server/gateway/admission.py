@@ -53,6 +53,16 @@ minus one renewal interval can let live leases lapse (they are not re-added; unt
 requests end the tenant may be admitted above its limit once Redis is back); that is the
 trade-off for a short bound on a dead gateway's slots.
 
+Rate-limit figures: each decision also reports the request and token buckets as it leaves them
+(:class:`RateLevels` on the :class:`Lease`, or on the 429's :class:`AdmissionError`): after this
+request's own take when granted, untouched when refused; read under the lock (local) or returned
+by the same script call (Redis: no second round trip). The gateway sends them as OpenAI's
+``x-ratelimit-*`` or Anthropic's ``anthropic-ratelimit-*`` headers (:func:`openai_rate_headers`,
+:func:`anthropic_rate_headers`): remaining is the level rounded down, 0 for a debt; reset is when
+the bucket would be full again with no further take. A tenant with neither rpm nor tpm gets no
+figures (``rate`` None) and its answers no such header; a refusal decided before any bucket is
+read (over a size cap, request too large, Redis away) has none either.
+
 Invariants: a refused request changes no bucket; every granted :class:`Lease` is
 released exactly once (``release`` and ``release_unserved`` are idempotent, and the first of
 them settles it).
@@ -119,13 +129,38 @@ class AdmissionError(Exception):
     a size cap, never admissible) or 503 (admission's store away)."""
 
     def __init__(self, message: str, *, limit: str, status: int, retry_after: float | None = None,
-                 code: str | None = None, admissible: bool = True) -> None:
+                 code: str | None = None, admissible: bool = True, rate: RateLevels | None = None) -> None:
         super().__init__(message)
         self.limit = limit
         self.status = status
         self.retry_after = retry_after
         self.code = code  # the OpenAI error code, when not the status' default
         self.admissible = admissible  # False: no wait makes it pass (no Retry-After, not rate limiting)
+        self.rate = rate  # the buckets as the refusing decision saw them (a 429 of a tenant with rpm or tpm)
+
+
+@dataclass(slots=True)  # not frozen: built on every limited request, and a frozen init costs ~3x
+class RateLevels:
+    """A tenant's request and token buckets right after one admission decision, read by that
+    decision itself (under the lock; returned by the Redis script): after this request's own
+    take when granted, untouched when refused. What the rate-limit response headers report
+    (:func:`openai_rate_headers`, :func:`anthropic_rate_headers`). A limit None (unlimited) has
+    no level. A level may be negative (a debt): reported as 0 remaining, and its reset is later
+    than a minute. ``decided_at``: this process' ``time.monotonic()`` when the decision was in
+    hand, so a reset sent later (a non-streamed answer, after its generation) counts from it."""
+
+    requests_limit: int | None
+    requests_level: float
+    tokens_limit: int | None
+    tokens_level: float
+    decided_at: float
+
+
+def _levels(rpm: int | None, requests: float, tpm: int | None, tokens: float) -> RateLevels | None:
+    """None for a tenant with neither rate limit: the hot path then builds no headers."""
+    if rpm is None and tpm is None:
+        return None
+    return RateLevels(rpm, requests, tpm, tokens, time.monotonic())
 
 
 def check_sizes(limits: Limits, *, prompt_tokens: int, max_output_tokens: int) -> None:
@@ -160,10 +195,10 @@ def check_sizes(limits: Limits, *, prompt_tokens: int, max_output_tokens: int) -
         )
 
 
-def _tpm_refusal(tpm: int, reserved: int, retry_after: float) -> AdmissionError:
+def _tpm_refusal(tpm: int, reserved: int, retry_after: float, rate: RateLevels | None) -> AdmissionError:
     return AdmissionError(
         f"tokens_per_minute limit of {tpm} reached (this request reserves {reserved}: its prompt and max_tokens)",
-        limit="tokens_per_minute", status=429, retry_after=retry_after,
+        limit="tokens_per_minute", status=429, retry_after=retry_after, rate=rate,
     )
 
 
@@ -177,6 +212,7 @@ class Lease:
     prompt_reserved: int = 0  # prompt tokens taken from the token bucket (given back only if never served)
     request_taken: bool = False  # a request token taken (given back only if never served)
     max_output_tokens: int = 0  # the output limit the request was admitted with
+    rate: RateLevels | None = None  # the buckets right after its decision (None: no rpm nor tpm limit)
 
 
 class Admission(Protocol):
@@ -238,25 +274,35 @@ class LocalAdmission:
             if limits.max_concurrent is not None and len(state.leases) >= limits.max_concurrent:
                 raise AdmissionError(
                     f"tenant has {len(state.leases)} requests in flight; max_concurrent is {limits.max_concurrent}",
-                    limit="max_concurrent", status=429, retry_after=1.0,
+                    limit="max_concurrent", status=429, retry_after=1.0, rate=self._levels(rpm, tpm, state),
                 )
             if rpm is not None and state.requests is not None and state.requests.level < 1.0:
                 raise AdmissionError(
                     f"requests_per_minute limit of {rpm} reached", limit="requests_per_minute", status=429,
-                    retry_after=state.requests.deficit_seconds(rpm, 1.0),
+                    retry_after=state.requests.deficit_seconds(rpm, 1.0), rate=self._levels(rpm, tpm, state),
                 )
             reserved = prompt_tokens + max_output_tokens
             if tpm is not None and state.tokens is not None and state.tokens.level < reserved:
-                raise _tpm_refusal(tpm, reserved, state.tokens.deficit_seconds(tpm, reserved))
+                raise _tpm_refusal(tpm, reserved, state.tokens.deficit_seconds(tpm, reserved),
+                                   self._levels(rpm, tpm, state))
             if state.requests is not None:
                 state.requests.level -= 1.0
             if tpm is not None and state.tokens is not None:
                 state.tokens.level -= reserved
             lease = Lease(tenant, secrets.token_hex(8), tpm, max_output_tokens=max_output_tokens,
                           output_reserved=max_output_tokens if tpm is not None else 0,
-                          prompt_reserved=prompt_tokens if tpm is not None else 0, request_taken=rpm is not None)
+                          prompt_reserved=prompt_tokens if tpm is not None else 0, request_taken=rpm is not None,
+                          rate=self._levels(rpm, tpm, state))
             state.leases.add(lease.lease_id)
             return lease
+
+    @staticmethod
+    def _levels(rpm: int | None, tpm: int | None, state: _TenantState) -> RateLevels | None:
+        """The levels as this decision leaves them (called under the lock, after its take)."""
+        if rpm is None and tpm is None:
+            return None
+        return _levels(rpm, state.requests.level if rpm is not None and state.requests is not None else 0.0,
+                       tpm, state.tokens.level if tpm is not None and state.tokens is not None else 0.0)
 
     async def release(self, lease: Lease, *, completion_tokens: int) -> None:
         # The unused reservation back, or the overrun charged (no floor).
@@ -294,8 +340,11 @@ class LocalAdmission:
 # KEYS: 1 request bucket, 2 token bucket, 3 lease zset, 4 the lease's reservation record
 # ARGV: 1 rpm (0 = none), 2 tpm (0 = none), 3 max_concurrent (0 = none), 4 prompt tokens, 5 lease id, 6 lease ttl,
 #       7 output tokens reserved
-# Returns {0, 0} granted, or {code, retry_after_ms}: 1 concurrency, 2 rpm, 3 tpm. The record holds what was
-# taken from the buckets (prompt and output tokens, 1 if a request token), for release to give back.
+# Returns {0, 0, r, k} granted, or {code, retry_after_ms, r, k}: 1 concurrency, 2 rpm, 3 tpm; r and k are the
+# request and token buckets' levels as this decision leaves them (after its take when granted), in thousandths
+# (a Lua number comes back truncated to an integer), 0 for a limit not set: the rate-limit headers, read in the
+# same atomic decision. The record holds what was taken from the buckets (prompt and output tokens, 1 if a
+# request token), for release to give back.
 _ACQUIRE = """
 local t = redis.call('TIME')
 local now = tonumber(t[1]) + tonumber(t[2]) / 1e6
@@ -308,19 +357,16 @@ local function level(key, cap)
   if lvl == nil then return cap end
   return math.min(cap, lvl + math.max(0, now - ts) * cap / 60.0)  -- a clock stepped back refills nothing
 end
+local r, k = 0, 0
+if rpm > 0 then r = level(KEYS[1], rpm) end
+if tpm > 0 then k = level(KEYS[2], tpm) end
+local function refused(code, ms) return {code, ms, math.floor(r * 1000), math.floor(k * 1000)} end
 if conc > 0 then
   redis.call('ZREMRANGEBYSCORE', KEYS[3], '-inf', now)
-  if redis.call('ZCARD', KEYS[3]) >= conc then return {1, 1000} end
+  if redis.call('ZCARD', KEYS[3]) >= conc then return refused(1, 1000) end
 end
-local r, k
-if rpm > 0 then
-  r = level(KEYS[1], rpm)
-  if r < 1 then return {2, math.ceil((1 - r) / (rpm / 60.0) * 1000)} end
-end
-if tpm > 0 then
-  k = level(KEYS[2], tpm)
-  if k < reserve then return {3, math.ceil((reserve - k) / (tpm / 60.0) * 1000)} end
-end
+if rpm > 0 and r < 1 then return refused(2, math.ceil((1 - r) / (rpm / 60.0) * 1000)) end
+if tpm > 0 and k < reserve then return refused(3, math.ceil((reserve - k) / (tpm / 60.0) * 1000)) end
 if rpm > 0 then
   redis.call('HSET', KEYS[1], 'level', r - 1, 'ts', now)
   redis.call('EXPIRE', KEYS[1], 120)
@@ -338,7 +384,9 @@ if conc > 0 then
   redis.call('ZADD', KEYS[3], now + tonumber(ARGV[6]), ARGV[5])
   redis.call('EXPIRE', KEYS[3], math.ceil(tonumber(ARGV[6])))
 end
-return {0, 0}
+if rpm > 0 then r = r - 1 end
+if tpm > 0 then k = k - reserve end
+return {0, 0, math.floor(r * 1000), math.floor(k * 1000)}
 """
 
 # KEYS: 1 request bucket, 2 token bucket, 3 lease zset, 4 the lease's reservation record
@@ -440,7 +488,7 @@ class RedisAdmission:
                       request_taken=limits.requests_per_minute is not None, max_output_tokens=max_output_tokens)
         try:
             await self.retry_releases()  # slots owed back first: a decision must see them free
-            code, retry_ms = await self._acquire(
+            code, retry_ms, requests_milli, tokens_milli = await self._acquire(
                 keys=[*self._keys(tenant), self._reservation_key(tenant, lease.lease_id)],
                 args=[limits.requests_per_minute or 0, tpm or 0, limits.max_concurrent or 0,
                       prompt_tokens, lease.lease_id, self.lease_ttl_s, lease.output_reserved],
@@ -456,13 +504,16 @@ class RedisAdmission:
             raise AdmissionError("admission is unavailable (its store cannot be reached); retry shortly",
                                  limit="admission", status=503, retry_after=1.0,
                                  code="admission_unavailable") from exc
+        if tpm is not None or limits.requests_per_minute is not None:  # else no figures (the usual bench tenant)
+            lease.rate = RateLevels(limits.requests_per_minute, int(requests_milli) / 1000.0, tpm,
+                                    int(tokens_milli) / 1000.0, time.monotonic())
         if int(code) != 0:
             name = _CODES[int(code)]
             retry_after = max(0.001, int(retry_ms) / 1000.0)
             if name == "tokens_per_minute":
-                raise _tpm_refusal(tpm or 0, prompt_tokens + lease.output_reserved, retry_after)
+                raise _tpm_refusal(tpm or 0, prompt_tokens + lease.output_reserved, retry_after, lease.rate)
             raise AdmissionError(f"{name} limit of {getattr(limits, name)} reached", limit=name, status=429,
-                                 retry_after=retry_after)
+                                 retry_after=retry_after, rate=lease.rate)
         self._live[lease.lease_id] = lease
         return lease
 
@@ -533,3 +584,82 @@ class RedisAdmission:
 
 def retry_after_header(error: AdmissionError) -> str:
     return str(max(1, math.ceil(error.retry_after or 1.0)))
+
+
+def retry_after_ms_header(error: AdmissionError) -> str:
+    """``retry-after-ms``: the wait to the millisecond (the OpenAI and Anthropic SDKs read it first)."""
+    return str(max(1, math.ceil((error.retry_after or 1.0) * 1000)))
+
+
+# Rate-limit response headers ------------------------------------------------------------------
+def _to_full(limit: int, level: float, elapsed: float) -> float:
+    """Seconds until the bucket is full again (no further take), counted from now."""
+    return max(0.0, (limit - level) * 60.0 / limit - elapsed)
+
+
+def reset_duration(seconds: float) -> str:
+    """OpenAI's ``x-ratelimit-reset-*`` format (Go's duration, to the millisecond): "20ms", "1s",
+    "8.64s", "6m0s", "1h0m0s"; "0s" for a full bucket."""
+    ms = math.ceil(seconds * 1000.0 - 1e-6)
+    if ms <= 0:
+        return "0s"
+    if ms < 1000:
+        return f"{ms}ms"
+    minutes, ms = divmod(ms, 60_000)
+    secs = f"{ms // 1000}s" if ms % 1000 == 0 else f"{ms // 1000}.{ms % 1000:03d}".rstrip("0") + "s"
+    if not minutes:
+        return secs
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours}h{minutes}m{secs}" if hours else f"{minutes}m{secs}"
+
+
+def openai_rate_headers(rate: RateLevels) -> dict[str, str]:
+    """OpenAI's ``x-ratelimit-{limit,remaining,reset}-{requests,tokens}``, for the limits the tenant has."""
+    elapsed = time.monotonic() - rate.decided_at
+    headers: dict[str, str] = {}
+    if (limit := rate.requests_limit) is not None:
+        level = rate.requests_level
+        headers["x-ratelimit-limit-requests"] = str(limit)
+        headers["x-ratelimit-remaining-requests"] = str(max(0, math.floor(level)))
+        headers["x-ratelimit-reset-requests"] = reset_duration(_to_full(limit, level, elapsed))
+    if (limit := rate.tokens_limit) is not None:
+        level = rate.tokens_level
+        headers["x-ratelimit-limit-tokens"] = str(limit)
+        headers["x-ratelimit-remaining-tokens"] = str(max(0, math.floor(level)))
+        headers["x-ratelimit-reset-tokens"] = reset_duration(_to_full(limit, level, elapsed))
+    return headers
+
+
+def _rfc3339(seconds_from_now: float) -> str:
+    # Rounded up to the second: the bucket is full at that instant, not a moment after it.
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(math.ceil(time.time() + seconds_from_now)))
+
+
+def anthropic_rate_headers(rate: RateLevels) -> dict[str, str]:
+    """Anthropic's ``anthropic-ratelimit-{requests,tokens}-{limit,remaining,reset}`` (reset: when
+    the bucket is full again, RFC 3339 UTC), for the limits the tenant has."""
+    elapsed = time.monotonic() - rate.decided_at
+    headers: dict[str, str] = {}
+    if (limit := rate.requests_limit) is not None:
+        level = rate.requests_level
+        headers["anthropic-ratelimit-requests-limit"] = str(limit)
+        headers["anthropic-ratelimit-requests-remaining"] = str(max(0, math.floor(level)))
+        headers["anthropic-ratelimit-requests-reset"] = _rfc3339(_to_full(limit, level, elapsed))
+    if (limit := rate.tokens_limit) is not None:
+        level = rate.tokens_level
+        headers["anthropic-ratelimit-tokens-limit"] = str(limit)
+        headers["anthropic-ratelimit-tokens-remaining"] = str(max(0, math.floor(level)))
+        headers["anthropic-ratelimit-tokens-reset"] = _rfc3339(_to_full(limit, level, elapsed))
+    return headers
+
+
+def refusal_headers(error: AdmissionError, rate_headers) -> dict[str, str]:
+    """The headers of a refusal worth retrying (``retry_after`` set): ``Retry-After``; on a 429 also
+    ``retry-after-ms`` and the buckets as the refusing decision saw them, in the dialect's names
+    (``rate_headers``: :func:`openai_rate_headers` or :func:`anthropic_rate_headers`)."""
+    headers = {"Retry-After": retry_after_header(error)}
+    if error.status == 429:
+        headers["retry-after-ms"] = retry_after_ms_header(error)
+        if error.rate is not None:
+            headers.update(rate_headers(error.rate))
+    return headers

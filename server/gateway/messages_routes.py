@@ -10,7 +10,9 @@ Headers: the API key comes from ``x-api-key`` (Anthropic's header) or ``Authoriz
 Bearer`` (what the OpenAI routes take; ``x-api-key`` wins when both are sent).
 ``anthropic-version`` is accepted and not required: Anthropic refuses a request without
 it, kvgate serves one version of the API and is lenient so that plain HTTP clients work.
-``anthropic-beta`` is ignored (no beta feature is served).
+``anthropic-beta`` is ignored (no beta feature is served). A tenant's requests and tokens per
+minute are reported as Anthropic does (``anthropic-ratelimit-{requests,tokens}-{limit,remaining,
+reset}``, reset an RFC 3339 time), on the answer and on its 429s.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from typing import Annotated
 from fastapi import APIRouter, Depends, Header
 
 from engines.contract import SamplingParams
+from server.gateway.admission import anthropic_rate_headers
 from server.gateway.api.completions import CompletionJob
 from server.gateway.api.messages_convert import Conversation, cache_hints, convert
 from server.gateway.api.messages_render import MESSAGES
@@ -98,7 +101,8 @@ def _job(services: GatewayServices, tenant: TenantContext, body: MessagesRequest
 async def create_message(body: MessagesRequest, tenant: Tenant, services: Gateway):
     conversation = convert(body)
     prompter, prompt = await _prompt(services, tenant, body, conversation)
-    return await services.runner.run(_job(services, tenant, body, conversation, prompter, prompt), MESSAGES)
+    return await services.runner.run(_job(services, tenant, body, conversation, prompter, prompt), MESSAGES,
+                                     rate_headers=anthropic_rate_headers)  # Anthropic's names and reset format
 
 
 @router.post("/count_tokens")

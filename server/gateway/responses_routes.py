@@ -131,8 +131,9 @@ async def create_response(body: ResponsesRequest, tenant: Tenant, services: Gate
     if body.stream:
         return answer
     final = await dialect.finalize()
-    replica = answer.headers.get(REPLICA_HEADER)
-    return JSONResponse(final, headers={REPLICA_HEADER: replica} if replica else None)
+    # The core's own headers (the replica, the rate-limit figures) on the finalized body.
+    headers = {k: v for k, v in answer.headers.items() if k == REPLICA_HEADER or k.startswith("x-ratelimit-")}
+    return JSONResponse(final, headers=headers or None)
 
 
 @router.get("/{response_id}")

@@ -56,7 +56,7 @@ from retention.policy.hints import CacheHints
 from retention.policy.planner import QuotaState, Segments, plan_retention
 from retention.policy.selection import AdaptiveSelector
 from retention.types import RetentionPlan
-from server.gateway.admission import Admission, AdmissionError, retry_after_header
+from server.gateway.admission import Admission, AdmissionError, RateLevels, openai_rate_headers, refusal_headers
 from server.gateway.context import TenantContext
 from server.gateway.replicas.abort import GatewayShuttingDown
 from server.gateway.replicas.engine_client import EngineChunk, EngineClient, EngineRejected, EngineUnavailable
@@ -485,7 +485,9 @@ class CompletionRunner:
             ledger = self._ledgers[pool] = HintLedger()
         return ledger
 
-    async def run(self, job: CompletionJob, dialect: Dialect):
+    async def run(self, job: CompletionJob, dialect: Dialect,
+                  rate_headers: Callable[[RateLevels], dict[str, str]] = openai_rate_headers):
+        """``rate_headers``: the dialect's rate-limit headers (admission.py), on the answer and on a 429."""
         tenant = job.tenant
         try:
             lease = await admit(self._admission, tenant, prompt_tokens=job.prompt.total,
@@ -496,7 +498,7 @@ class CompletionRunner:
             retry = exc.status == 503 or (exc.status == 429 and exc.admissible)
             too_large = exc.status == 429 and not exc.admissible
             self._metrics.rate_limited.labels(tenant.slug, "request_too_large" if too_large else exc.limit).inc()
-            headers = {"Retry-After": retry_after_header(exc)} if retry else None
+            headers = refusal_headers(exc, rate_headers) if retry else None
             code = exc.code or ("rate_limit_exceeded" if exc.status == 429 else "limit_exceeded")
             raise ServingError(exc.status, code, str(exc), param=exc.limit, headers=headers) from exc
         job.max_new_tokens = lease.max_output_tokens  # a request naming none: the default admission reserved
@@ -570,6 +572,8 @@ class CompletionRunner:
             if primed.first is not None:  # what the prompt reused is known now (a dialect may say so first)
                 outcome.first_kv = primed.first.kv
             headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **self._replica_header(job)}
+            if lease.rate is not None:  # a tenant with rpm or tpm: the buckets as its decision left them
+                headers.update(rate_headers(lease.rate))
 
             async def end() -> None:
                 """From the body's ``finally`` or, if the body never ran, the response's (once)."""
@@ -601,7 +605,10 @@ class CompletionRunner:
         finally:
             with anyio.CancelScope(shield=True):  # a client gone mid-answer still releases its slot
                 await self._finish(job, plan, outcome, started, lease)
-        return JSONResponse(dialect.body(job, outcome), headers=self._replica_header(job) or None)
+        headers = self._replica_header(job)
+        if lease.rate is not None:
+            headers.update(rate_headers(lease.rate))
+        return JSONResponse(dialect.body(job, outcome), headers=headers or None)
 
     def _count_hints(self, job: CompletionJob, hinted: HintedPlan | None) -> None:
         hints = job.hints

@@ -456,12 +456,14 @@ def test_a_rate_limited_request_is_typed_by_its_limit_as_openai_does(gateway, en
                                           "store": False})):
         answer = httpx.post(gateway.url + path, json=body, headers=headers, timeout=60)
         assert answer.status_code == 429 and answer.headers.get("retry-after"), (path, answer.text)
+        assert answer.headers["x-ratelimit-remaining-requests"] == "0", (path, answer.headers)  # OpenAI's names
         error = answer.json()["error"]
         assert (error["type"], error["code"], error["param"]) == ("requests", "rate_limit_exceeded",
                                                                   "requests_per_minute"), (path, error)
     answer = httpx.post(gateway.url + "/v1/messages", headers={"x-api-key": gateway.keys[slug]}, timeout=60,
                         json={"model": MODEL, "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]})
     assert answer.status_code == 429 and answer.json()["error"]["type"] == "rate_limit_error"
+    assert answer.headers["anthropic-ratelimit-requests-remaining"] == "0"  # Anthropic's names
 
 
 def test_openai_429_types_name_the_limit() -> None:
