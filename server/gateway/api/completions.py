@@ -68,6 +68,7 @@ from server.gateway.observe.miss_ratio import MissRatioCurves
 from server.gateway.replicas.routing import RoutedEngine
 from server.gateway.replicas.stall import EngineRestart
 from server.gateway.api.engine_errors import engine_error
+from server.gateway.api.stops import StopMatcher
 from server.gateway.api.prompting import PreparedPrompt
 from server.gateway.api.streaming import (CLIENT_RECEIVE, ClosingStreamingResponse, LastFrame, UntilDisconnect,
                                           run_once_shielded)
@@ -158,38 +159,6 @@ class Dialect(Protocol):
         it raises :class:`ServingError` when the engine fails mid-stream, which the dialect
         renders as its error event and then ends."""
         ...
-
-
-class StopMatcher:
-    """Incremental text with stop strings: emits only text that cannot start a stop string."""
-
-    def __init__(self, stops: tuple[str, ...]) -> None:
-        self._stops = stops
-        self._hold = max((len(s) for s in stops), default=1) - 1
-        self._buffer = ""
-        self.stopped = False
-        self.matched: str | None = None  # the stop string found, once stopped
-
-    def push(self, text: str) -> str:
-        if self.stopped:
-            return ""
-        self._buffer += text
-        if self._stops:
-            cut, stop = min(((i, s) for s in self._stops if (i := self._buffer.find(s)) >= 0), default=(-1, None))
-            if cut >= 0:
-                self.stopped = True
-                self.matched = stop
-                out, self._buffer = self._buffer[:cut], ""
-                return out
-        if len(self._buffer) <= self._hold:
-            return ""
-        emit_upto = len(self._buffer) - self._hold
-        out, self._buffer = self._buffer[:emit_upto], self._buffer[emit_upto:]
-        return out
-
-    def flush(self) -> str:
-        out, self._buffer = ("" if self.stopped else self._buffer), ""
-        return out
 
 
 def request_hashes(job: CompletionJob) -> list[int]:

@@ -245,7 +245,7 @@ def test_errors_map_to_anthropics_types_and_statuses() -> None:
 
 
 def test_the_stop_matcher_names_the_stop_string_that_cut_the_text() -> None:
-    from server.gateway.api.completions import StopMatcher
+    from server.gateway.api.stops import StopMatcher
 
     matcher = StopMatcher(("b", "cd"))
     assert matcher.push("xxc") == "xx" and matcher.matched is None  # "c" held: it may start "cd"
