@@ -6,6 +6,7 @@ returns the file it wrote, or None when the report has nothing to draw for it.
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any
 
@@ -71,18 +72,54 @@ def host_curve(report: dict[str, Any], out: Path) -> Path | None:
     return path
 
 
+MAX_TRANSFER_BINS = 4000
+"""The transfer plot draws at most this many bins: a trace spanning 1e12 seconds is binned,
+never drawn (or allocated) per second."""
+
+
+def transfer_series(tr: dict[str, Any], *, max_bins: int = MAX_TRANSFER_BINS) -> dict[str, Any]:
+    """What the transfer plot draws: KV bytes per second over *every* second of the trace's span.
+
+    ``tr`` is the report's ``transfer`` section; its timeline lists active seconds only, and an
+    idle second moves nothing, so it is drawn as 0 (joining active seconds alone drew a gap as
+    sustained load). Invariant: at most ``max_bins`` bins of ``bin_s`` whole seconds each, the
+    last one possibly shorter; a bin's value is the mean bytes per second over the seconds it
+    covers (so binning keeps the area, i.e. the bytes moved). ``xs`` are bin starts, in seconds
+    since the first active second.
+    """
+    timeline = tr["timeline"]
+    if not timeline:
+        return {"bin_s": 1, "xs": [], "onboard": [], "offload": []}
+    t0 = timeline[0]["second"]
+    span = int(timeline[-1]["second"] - t0) + 1
+    bin_s = max(1, math.ceil(span / max_bins))
+    bins = math.ceil(span / bin_s)
+    onboard, offload = [0.0] * bins, [0.0] * bins
+    for r in timeline:
+        i = int(r["second"] - t0) // bin_s
+        onboard[i] += r["onboard_bytes"]
+        offload[i] += r["offload_bytes"]
+    widths = [min(bin_s, span - i * bin_s) for i in range(bins)]
+    return {"bin_s": bin_s, "xs": [i * bin_s for i in range(bins)],
+            "onboard": [b / w for b, w in zip(onboard, widths, strict=True)],
+            "offload": [b / w for b, w in zip(offload, widths, strict=True)]}
+
+
 def transfer(report: dict[str, Any], out: Path) -> Path | None:
     tr = report.get("transfer")
     if not tr or tr.get("kv_bytes_per_token") is None or not tr["timeline"]:
         return None
     plt = _plt()
-    t0 = tr["timeline"][0]["second"]
-    xs = [r["second"] - t0 for r in tr["timeline"]]
+    series = transfer_series(tr)
+    # steps: each bin is flat over the seconds it covers (a line between bins would invent a ramp)
+    xs = [*series["xs"], series["xs"][-1] + series["bin_s"]]
     fig, ax = plt.subplots(figsize=(9, 3.8))
-    ax.plot(xs, [r["onboard_bytes"] / 1e9 for r in tr["timeline"]], lw=0.8, label="host → GPU if every reuse were a host hit")
-    ax.plot(xs, [r["offload_bytes"] / 1e9 for r in tr["timeline"]], lw=0.8, alpha=0.7, label="GPU → host if every new block were offloaded")
+    for key, label, alpha in (("onboard", "host → GPU if every reuse were a host hit", 1.0),
+                              ("offload", "GPU → host if every new block were offloaded", 0.7)):
+        ys = [v / 1e9 for v in series[key]]
+        ax.step(xs, [*ys, ys[-1]], where="post", lw=0.8, alpha=alpha, label=label)
     ax.axhline(tr["link_bytes_per_s"] / 1e9, color="r", ls="--", label=f"host-link budget {tr['link_bytes_per_s'] / 1e9:g} GB/s")
-    ax.set_xlabel("trace time (s)")
+    ax.set_xlabel("trace time (s)" if series["bin_s"] == 1 else f"trace time (s; mean over {series['bin_s']:,} s bins)")
     ax.set_ylabel("KV GB per second")
     ax.grid(alpha=0.3)
     ax.legend(loc="upper right", fontsize=8)

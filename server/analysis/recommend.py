@@ -6,9 +6,18 @@
   fixed GPU capacity and several host sizes. The recommendation is the knee of the
   hit-rate curve (Kneedle: the point farthest above the chord after scaling both axes
   to [0, 1]); when the largest host tier adds less than ``MIN_GAIN`` to the hit rate, it
-  is 0 (a host tier would buy nothing measurable); when the curve has no knee in the
-  measured range (still rising as fast at the largest size), it is the largest size,
-  flagged ``saturated: false`` (measure larger sizes).
+  is 0 (a host tier would buy nothing measurable). The knee counts as the bend of the
+  curve (``saturated: true``) only if the curve has flattened after it; otherwise the
+  recommendation is the largest size, flagged ``saturated: false`` (a lower bound: measure
+  larger sizes). Not saturated when any of these holds:
+
+  1. no point lies ``MIN_BEND`` above the chord (a straight or accelerating curve);
+  2. the last segment still gains at least ``MIN_TAIL_SLOPE`` (half) of the chord's average
+     gain per block (first to last point): a concave curve that has bent flattens well below
+     its average slope, one still rising at the largest size does not;
+  3. the knee holds less than ``MIN_KNEE_SHARE`` (half) of the gain at the largest size: most
+     of the largest gain measured (at the largest size, on an increasing curve): most of
+     what a host tier buys lies past the knee (a late second rise, as on S-shaped curves).
 * **Durations**: a segment's blocks should outlive the gap to their next use; the
   recommendation is the ``percentile``-th reuse gap of the segment rounded up to two
   significant digits (so ``percentile`` % of the observed reuses would still find the
@@ -28,6 +37,8 @@ from server.analysis.trace_file import trace_lines
 
 MIN_GAIN = 0.005  # half a point of hit rate
 MIN_BEND = 0.05  # the knee must lie this far above the chord (both axes scaled to [0, 1])
+MIN_TAIL_SLOPE = 0.5  # a last segment this steep (x the chord's mean gain per block) is still rising
+MIN_KNEE_SHARE = 0.5  # a knee must hold this share of the gain at the largest size
 MIN_REUSES = 20
 MIN_HEADROOM = 0.01  # one point of hit rate: a replayed policy's gain over LRU worth a class change
 CANDIDATES = ("adaptive", "protect")  # replayed GPU only next to TensorRT-LLM's defaults (= LRU there)
@@ -38,9 +49,12 @@ def knee(xs: Sequence[float], ys: Sequence[float]) -> tuple[int, bool]:
     """(index of the knee, saturated) of an increasing curve (Kneedle, no smoothing).
 
     ``xs`` ascending. A flat curve (gain below ``MIN_GAIN``) gives (0, True): more host
-    buys nothing. A curve that never rises above its chord by ``MIN_BEND`` (straight or
-    still accelerating at the largest size) has no knee in range: (last, False), i.e.
-    "at least this much; measure larger sizes".
+    buys nothing. Otherwise the Kneedle point ``k`` is returned as (k, True) only when the
+    curve has bent there and flattened after it; it gives (last, False), "at least this
+    much; measure larger sizes", when the curve never rises ``MIN_BEND`` above its chord,
+    when its last segment still gains ``MIN_TAIL_SLOPE`` x the chord's mean gain per block
+    or more, or when the knee holds less than ``MIN_KNEE_SHARE`` of the largest gain
+    measured (the module docstring states the rule).
     """
     if len(xs) != len(ys) or not xs:
         raise ValueError("knee needs equal, non-empty xs and ys")
@@ -53,7 +67,10 @@ def knee(xs: Sequence[float], ys: Sequence[float]) -> tuple[int, bool]:
         d = (ys[i] - ys[0]) / gain - (xs[i] - xs[0]) / (xs[top] - xs[0])
         if d > best_d + 1e-12:
             best, best_d = i, d
-    if best_d < MIN_BEND:
+    chord_slope = (ys[-1] - ys[0]) / (xs[-1] - xs[0])
+    tail_slope = (ys[-1] - ys[-2]) / (xs[-1] - xs[-2])  # len >= 2 here: xs[-1] > xs[0]
+    still_rising = chord_slope > 0 and tail_slope >= MIN_TAIL_SLOPE * chord_slope
+    if best_d < MIN_BEND or still_rising or ys[best] - ys[0] < MIN_KNEE_SHARE * gain:
         return len(xs) - 1, False
     return best, True
 
@@ -111,7 +128,7 @@ def host_curve(path: Path, *, block_size: int, gpu: str = "2%", multiples: Seque
     # A host tier past what the trace can fill holds the same blocks and only costs memory (a
     # multiple of 1e300 reached the OOM killer): capped where everything fits many times over.
     cap = MAX_DISTINCT_MULTIPLE * max(1, distinct)
-    hosts = sorted({min(round(gpu_blocks * m), cap) for m in multiples})
+    hosts = sorted({round(min(gpu_blocks * m, cap)) for m in multiples})  # capped before rounding: 1e308 x GPU is inf
     if on_total is not None:
         on_total(len(requests) * (len(hosts) + len(CANDIDATES) + (0 not in hosts)))
     hashes = request_hashes(requests, config)
@@ -138,15 +155,15 @@ def host_curve(path: Path, *, block_size: int, gpu: str = "2%", multiples: Seque
 def retention_headroom(requests: Sequence[Any], hashes: Sequence[Sequence[int]], gpu_blocks: int, block_size: int,
                        *, lru: float | None = None, family: str | None = None,
                        progress: Callable[[int], None] | None = None) -> dict[str, Any]:
-    """LRU, the candidate policies replayed, the age-based ceiling and Belady at ``gpu_blocks``
+    """LRU, the candidate policies replayed, the age-based figure and Belady at ``gpu_blocks``
     (GPU only), and the verdict.
 
     The verdict rests on the replays (``CANDIDATES`` through the same simulator, pool and
     planner the gateway runs): the best replayed gain over LRU is what a policy *achieves*
-    on this trace. The age-based ceiling is a bound only where its condition holds
-    (``hit_density.ceiling_kind``: generated families with i.i.d. reuse gaps, ``family``);
-    on a trace of unknown origin it is an estimate, which a policy reading more than age can
-    pass, so ``headroom`` (what the report calls room for retention) is never below the best
+    on this trace. The age-based figure (``age_based``) is a bound only where its condition
+    holds (``age_based_kind`` from ``hit_density.ceiling_kind``: generated families with i.i.d.
+    reuse gaps, ``family``); on a trace of unknown origin it is an estimate, which a policy
+    reading more than age can pass, so ``headroom`` (what the report calls room for retention) is never below the best
     replayed gain. ``lru``: the GPU-only replay of TensorRT-LLM's defaults (which is LRU)
     when the caller has it, else it is replayed here. ``progress`` advances once per replayed
     request."""
@@ -173,19 +190,25 @@ def retention_headroom(requests: Sequence[Any], hashes: Sequence[Sequence[int]],
     ceiling = max(ceiling, lru)  # LRU is an age-based policy: the figure is never reported below it
     kind = ceiling_kind(family)
     return {"gpu_blocks": gpu_blocks, "lru": lru, "replayed": replayed, "best_policy": best, "best_gain": gain,
-            "age_ceiling": ceiling, "age_ceiling_kind": kind, "belady": optimum,
+            "age_based": ceiling, "age_based_kind": kind, "belady": optimum,
             "headroom": max(gain, ceiling - lru), "verdict": verdict(lru, replayed, ceiling, kind)}
 
 
 def verdict(lru: float, replayed: dict[str, float], ceiling: float, kind: str) -> str:
-    """One sentence from the replays; the age-based figure is named as a bound or an estimate."""
+    """One sentence from the replays; the age-based figure is named as a bound or an estimate.
+
+    Every difference shown is the difference of the rates shown (:func:`points_between`), so
+    "+0.1 points (0.5% → 0.6%)" never reads "+0.0"; the decisions use the unrounded rates."""
     best = max(replayed, key=lambda name: replayed[name])
     gain, room = replayed[best] - lru, ceiling - lru
-    measured = f"`{best}` {100 * gain:+.1f} points over LRU ({100 * lru:.1f}% → {100 * replayed[best]:.1f}%)"
+    measured = (f"`{best}` {points_between(lru, replayed[best]):+.1f} points over LRU "
+                f"({100 * lru:.1f}% → {100 * replayed[best]:.1f}%)")
     if kind == "bound":
-        age = f"age-based policies could add at most {100 * room:.1f} points (a bound: reuse gaps here are i.i.d.)"
+        age = (f"age-based policies could add at most {points_between(lru, ceiling):.1f} points "
+               "(a bound: reuse gaps here are i.i.d.)")
     else:
-        age = (f"the age-based figure, +{100 * room:.1f} points, is an estimate on this trace, not a bound"
+        age = (f"the age-based figure, {points_between(lru, ceiling):+.1f} points, is an estimate on this trace, "
+               "not a bound"
                + (f" (`{best}` passes it)" if gain > room else ""))
     if best == "trtllm-default":
         measured = f"no candidate beats LRU ({100 * lru:.1f}%)"
@@ -198,9 +221,15 @@ def verdict(lru: float, replayed: dict[str, float], ceiling: float, kind: str) -
             f"selects among these candidates online); {age}")
 
 
+def points_between(before: float, after: float) -> float:
+    """``after - before`` in points of hit rate, from the two rates as printed (one decimal of a
+    percent): the gain a reader computes from the figures beside it. Never -0.0."""
+    return round(100 * after, 1) - round(100 * before, 1) + 0.0
+
+
 def _capacity(text: str, distinct: int) -> int:
     """``--gpu`` as ``kvgate simulate -c`` reads it (one parser for both commands)."""
     try:
         return parse_capacity(text, distinct)
-    except CapacityError as exc:
+    except (CapacityError, OverflowError) as exc:  # OverflowError: a share too large to round to a count
         raise ValueError(f"--gpu: {exc}") from None

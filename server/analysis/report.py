@@ -91,8 +91,8 @@ def _build(path: Path, options: AnalyzeOptions, spill: Path, say: Stage, advance
             raise reuse.AnalyzeError(str(exc)) from None
         report["host_curve"] = curve
         host = curve["recommended_host_blocks"]
-        rec = {"host_blocks": host, "gpu_blocks": curve["gpu_blocks"], "hit_rate_gain": curve["gain_at_knee"],
-               "saturated": curve["saturated"]}
+        rec = {"host_blocks": host, "block_size": tables.block_size, "gpu_blocks": curve["gpu_blocks"],
+               "hit_rate_gain": curve["gain_at_knee"], "saturated": curve["saturated"]}
         if kvb is not None:
             rec["host_bytes"] = host * tables.block_size * kvb
         report["recommendations"]["host_tier"] = rec

@@ -437,15 +437,10 @@ def transfer(t: TraceTables, *, kv_bytes_per_token: float, link_bytes_per_s: flo
     onboard = [r["reused_tokens"] * kv_bytes_per_token for r in per_second]
     offload = [r["new_tokens"] * kv_bytes_per_token for r in per_second]
     # seconds without any request move nothing: they count as zeros in the percentiles
-    zeros = int(seconds) - len(per_second)
+    zeros = max(int(seconds) - len(per_second), 0)
 
     def pct(values: list[float], q: float) -> float:
-        full = sorted(values + [0.0] * max(zeros, 0))
-        if not full:
-            return 0.0
-        k = (len(full) - 1) * q
-        lo, hi = math.floor(k), math.ceil(k)
-        return full[lo] + (full[hi] - full[lo]) * (k - lo)
+        return idle_percentile(values, zeros, q)
 
     by_tenant = t.dicts("""
         SELECT tenant, sum(CASE WHEN reused THEN tokens ELSE 0 END) AS reused_tokens,
@@ -468,6 +463,27 @@ def transfer(t: TraceTables, *, kv_bytes_per_token: float, link_bytes_per_s: flo
         observed = t.rows("SELECT sum(cached_host_tokens) FROM requests")[0][0] or 0
         out["observed_onboard_mean_bytes_per_s"] = observed * kv_bytes_per_token / seconds
     return out
+
+
+def idle_percentile(values: list[float], zeros: int, q: float) -> float:
+    """The ``q`` quantile (linear interpolation) of ``values`` plus ``zeros`` more 0.0s.
+
+    The idle seconds of a trace are counted, never listed: a trace spanning 1e12 seconds with
+    two requests has 1e12 zeros. In the sorted whole the zeros come first (values are >= 0),
+    so rank ``i`` is 0.0 below ``zeros`` and ``sorted(values)[i - zeros]`` from there on; the
+    result equals sorting the materialized list.
+    """
+    ranked = sorted(values)
+    n = zeros + len(ranked)
+    if not n:
+        return 0.0
+
+    def at(i: int) -> float:
+        return 0.0 if i < zeros else ranked[i - zeros]
+
+    k = (n - 1) * q
+    lo, hi = math.floor(k), math.ceil(k)
+    return at(lo) + (at(hi) - at(lo)) * (k - lo)
 
 
 def observed_outcome(t: TraceTables) -> list[dict[str, Any]]:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -52,6 +53,49 @@ def _multiples(text: str) -> tuple[float, ...]:
     return values
 
 
+def _check_gpu(text: str) -> None:
+    """``--gpu`` read for its syntax before the DuckDB pass (its value needs the trace's distinct
+    blocks, known only after): a block count >= 1, or a share in (0, 1600] % (past 16 x the
+    distinct blocks the simulator refuses it anyway, and 1e308% would overflow the count)."""
+    from retention.simulation.capacity import MAX_DISTINCT_MULTIPLE
+
+    raw = text.strip()
+    limit = 100 * MAX_DISTINCT_MULTIPLE
+    share = 0.0  # a block count: no share to bound
+    try:
+        if raw.endswith("%"):
+            share = float(raw[:-1])
+            if not math.isfinite(share) or share <= 0:
+                raise ValueError
+        elif int(raw) < 1:
+            raise ValueError
+    except ValueError:
+        raise OptionError(f"--gpu {text!r} must be a block count >= 1 or a percentage like 2%") from None
+    if share > limit:
+        raise OptionError(f"--gpu {text!r}: a share above {limit}% ({MAX_DISTINCT_MULTIPLE} x the trace's distinct "
+                          "blocks) holds everything many times over")
+
+
+_MEMORY = re.compile(r"\s*(\d+\.?\d*|\.\d+)(e[+-]?\d+)?\s*[a-z%]+\s*", re.IGNORECASE)
+
+
+def _check_memory_limit(text: str) -> None:
+    """``--memory-limit``: a positive amount with a unit DuckDB reads (``1GB``, ``512MiB``, ``50%``).
+
+    DuckDB itself takes ``-5GB`` for no limit at all and ``0GB`` fails later: both are refused here,
+    and the unit is checked by DuckDB (a throwaway in-memory connection) before the trace is read."""
+    import duckdb
+
+    match = _MEMORY.fullmatch(text)
+    if match is None or not 0 < float(match.group(1) + (match.group(2) or "")) < math.inf:
+        raise OptionError(f"--memory-limit {text!r} must be a positive amount with a unit, like 1GB, 512MiB or 50%")
+    try:
+        duckdb.connect(":memory:", config={"memory_limit": text}).close()
+    except duckdb.Error as exc:
+        reason = str(exc).split("\n")[0].split(": ", 1)[-1]
+        raise OptionError(f"--memory-limit {text!r}: {reason}") from None
+
+
 def _check_plots_dir(plots: Path) -> None:
     """Refuse a --plots path the plots cannot be written to, before the analysis runs."""
     from server.cli.options import output_dir_problem
@@ -73,7 +117,8 @@ def register(app: typer.Typer) -> None:
                                       "(all layers: 2 x layers x KV heads x head dim x dtype bytes; Llama-3.1-8B: 65536 in FP8)")] = None,
         model: Annotated[str | None, typer.Option("--model", help="bundled model shape for the KV bytes per token "
                          "(as kvgate plan), instead of --kv-bytes-per-token")] = None,
-        kv_dtype: Annotated[str, typer.Option("--kv-dtype", help="KV dtype with --model: fp8 | fp16 | bf16 | fp32")] = "fp8",
+        kv_dtype: Annotated[str | None, typer.Option("--kv-dtype", help="KV dtype with --model: fp8 | fp16 | bf16 | "
+                            "fp32 (default fp8)")] = None,
         link_gb_s: Annotated[float, typer.Option("--host-link-gb-s", help="host-link budget, GB/s per GPU")] = 25.0,
         gpu: Annotated[str, typer.Option("--gpu", help="GPU capacity for the host-tier curve: blocks or % of distinct")] = "2%",
         host_multiples: Annotated[str, typer.Option("--host-multiples", help="host sizes as multiples of the GPU "
@@ -99,18 +144,25 @@ def register(app: typer.Typer) -> None:
                 raise OptionError("give --kv-bytes-per-token or --model, not both")
             if kv_bytes_per_token is not None and (not math.isfinite(kv_bytes_per_token) or kv_bytes_per_token <= 0):
                 raise OptionError("--kv-bytes-per-token must be > 0")
-            kvb = kv_bytes_from_model(model, kv_dtype) if model is not None else kv_bytes_per_token
+            if kv_dtype is not None and model is None:  # documented as "with --model": alone it would change nothing
+                raise OptionError(f"--kv-dtype {kv_dtype} applies only with --model (it picks the model's KV bytes "
+                                  "per token); with --kv-bytes-per-token give the bytes of your dtype")
+            kvb = kv_bytes_from_model(model, kv_dtype or "fp8") if model is not None else kv_bytes_per_token
             if not math.isfinite(link_gb_s * 1e9) or link_gb_s <= 0:
                 raise OptionError("--host-link-gb-s must be > 0 and a finite number of bytes per second")
             if not 0 < percentile <= 100:
                 raise OptionError("--duration-percentile must be in (0, 100]")
             if top < 1 or curve_requests < 0 or (block_size is not None and block_size < 1):
                 raise OptionError("--top and --block-size must be >= 1, --curve-requests >= 0")
+            multiples = _multiples(host_multiples)
+            if not no_curve:
+                _check_gpu(gpu)
+            _check_memory_limit(memory_limit)
             if plots is not None:
                 _check_plots_dir(plots)
             options = AnalyzeOptions(
                 block_size=block_size, kv_bytes_per_token=kvb, link_bytes_per_s=link_gb_s * 1e9, top=top, gpu=gpu,
-                host_multiples=_multiples(host_multiples), curve_requests=curve_requests or None, curve=not no_curve,
+                host_multiples=multiples, curve_requests=curve_requests or None, curve=not no_curve,
                 duration_percentile=percentile, memory_limit=memory_limit,
             )
             if progress:
@@ -196,6 +248,8 @@ def _print_report(report: dict[str, Any]) -> None:
     from rich.console import Console
     from rich.table import Table
 
+    from server.analysis.recommend import points_between
+
     console = Console()
     if not console.is_terminal:
         console = Console(width=140)
@@ -271,19 +325,22 @@ def _print_report(report: dict[str, Any]) -> None:
                           "← knee" if i == curve["knee_index"] else "")
         console.print(table)
         host = rec["host_tier"]
-        size = f" ({_bytes(host['host_bytes'])} of KV)" if "host_bytes" in host else ""
-        console.print(f"recommended host tier: {host['host_blocks']:,} blocks{size}, +{100 * host['hit_rate_gain']:.1f} "
-                      f"points of hit rate over GPU only"
+        tokens = host["host_blocks"] * host["block_size"]
+        size = f"{tokens:,} tokens" + (f", {_bytes(host['host_bytes'])} of KV" if "host_bytes" in host else "")
+        knee_rate, base_rate = curve["points"][curve["knee_index"]]["hit_rate"], curve["points"][0]["hit_rate"]
+        console.print(f"recommended host tier: {host['host_blocks']:,} blocks of {host['block_size']:,} tokens "
+                      f"({size}), "
+                      f"{points_between(base_rate, knee_rate):+.1f} points of hit rate over GPU only"
                       + ("" if host["saturated"] else " — the curve is still rising at the largest size measured: "
                          "this is a lower bound, try larger --host-multiples"))
         ret = curve["retention"]
         table = Table(title=f"retention headroom: GPU {ret['gpu_blocks']:,} blocks, GPU only")
         replayed = {name: rate for name, rate in ret["replayed"].items() if name != "trtllm-default"}
         columns = ["LRU (trtllm-default)", *(f"{name} (replayed)" for name in replayed),
-                   f"age-based ({ret['age_ceiling_kind']})", "Belady (knows the future)"]
+                   f"age-based ({ret['age_based_kind']})", "Belady (knows the future)"]
         for col in columns:
             table.add_column(col, justify="right")
-        table.add_row(_pct(ret["lru"]), *(_pct(rate) for rate in replayed.values()), _pct(ret["age_ceiling"]),
+        table.add_row(_pct(ret["lru"]), *(_pct(rate) for rate in replayed.values()), _pct(ret["age_based"]),
                       _pct(ret["belady"]))
         console.print(table)
         console.print(ret["verdict"])

@@ -98,7 +98,7 @@ def test_tables_and_host_curve_on_the_tiny_trace(tmp_path: Path) -> None:
     assert "retention headroom" in _run(str(trace), "--no-progress", "--gpu", "1")[1]
 
 
-def test_retention_headroom_orders_lru_the_age_ceiling_and_belady(tmp_path: Path) -> None:
+def test_retention_headroom_orders_lru_the_age_based_figure_and_belady(tmp_path: Path) -> None:
     """LRU <= the age-based figure (LRU is age-based) and LRU <= Belady (the single-tier optimum);
     the candidates are replayed, the headroom is never below the best replayed gain, and the
     verdict follows the replays. A file says nothing of its origin: the figure is an estimate."""
@@ -111,16 +111,16 @@ def test_retention_headroom_orders_lru_the_age_ceiling_and_belady(tmp_path: Path
     lru = json.loads(out)["host_curve"]["points"][0]["hit_rate"]
     assert ret["lru"] == lru == ret["replayed"]["trtllm-default"]  # the curve's host-0 point: not replayed twice
     assert set(ret["replayed"]) == {"trtllm-default", "adaptive", "protect"}
-    assert 0 < ret["lru"] <= ret["age_ceiling"] <= ret["belady"]
+    assert 0 < ret["lru"] <= ret["age_based"] <= ret["belady"]
     assert all(rate <= ret["belady"] for rate in ret["replayed"].values())
     best = max(ret["replayed"].values())
     assert ret["best_gain"] == pytest.approx(best - lru) and ret["replayed"][ret["best_policy"]] == best
-    assert ret["headroom"] == pytest.approx(max(best - lru, ret["age_ceiling"] - lru))
-    assert ret["age_ceiling_kind"] == "estimate"
+    assert ret["headroom"] == pytest.approx(max(best - lru, ret["age_based"] - lru))
+    assert ret["age_based_kind"] == "estimate"
     assert ("size capacity" in ret["verdict"]) == (ret["best_gain"] < 0.01)
     code, out = _run(str(trace), "--json", "--no-progress", "--gpu", "100%", "--host-multiples", "0,1")
     roomy = json.loads(out)["host_curve"]["retention"]  # everything fits: nothing for retention to add
-    assert roomy["lru"] == roomy["age_ceiling"] and "size capacity" in roomy["verdict"]
+    assert roomy["lru"] == roomy["age_based"] and "size capacity" in roomy["verdict"]
 
 
 def test_verdict_names_the_replayed_gain_where_adaptive_passes_the_estimate(tmp_path: Path) -> None:
@@ -135,12 +135,14 @@ def test_verdict_names_the_replayed_gain_where_adaptive_passes_the_estimate(tmp_
     assert code == 0, out
     ret = json.loads(out)["host_curve"]["retention"]
     adaptive, lru = ret["replayed"]["adaptive"], ret["lru"]
-    assert adaptive > ret["age_ceiling"]  # the situation under test: a policy passes the estimate
-    assert ret["age_ceiling_kind"] == "estimate"
+    assert adaptive > ret["age_based"]  # the situation under test: a policy passes the estimate
+    assert ret["age_based_kind"] == "estimate"
     assert ret["best_policy"] == "adaptive" and ret["headroom"] == pytest.approx(adaptive - lru)
-    replayed_gain = f"`adaptive` {100 * (adaptive - lru):+.1f} points over LRU"
+    shown = round(100 * adaptive, 1) - round(100 * lru, 1)  # the gain of the rates as printed
+    replayed_gain = f"`adaptive` {shown:+.1f} points over LRU"
     assert replayed_gain in ret["verdict"] and "adaptive class" in ret["verdict"]
-    assert f"+{100 * (ret['age_ceiling'] - lru):.1f} points, is an estimate" in ret["verdict"]
+    room = round(100 * ret["age_based"], 1) - round(100 * lru, 1)
+    assert f"{room:+.1f} points, is an estimate" in ret["verdict"]
     assert "passes it" in ret["verdict"] and "size capacity" not in ret["verdict"]
 
     res = CliRunner().invoke(create_cli(), ["simulate", str(trace), "-p", "adaptive", "-c", "55", "--host", "0",
@@ -170,12 +172,12 @@ def test_the_age_based_figure_is_a_bound_only_for_iid_families() -> None:
     hashes = request_hashes(requests, SimConfig())
     replayed = itertools.count()
     bound = retention_headroom(requests, hashes, 40, 512, family="chat", progress=lambda n: next(replayed))
-    assert bound["age_ceiling_kind"] == "bound" and "(a bound: reuse gaps here are i.i.d.)" in bound["verdict"]
+    assert bound["age_based_kind"] == "bound" and "(a bound: reuse gaps here are i.i.d.)" in bound["verdict"]
     assert next(replayed) > 0  # the replays report progress
     unknown = retention_headroom(requests, hashes, 40, 512)
-    assert unknown["age_ceiling_kind"] == "estimate" and "is an estimate on this trace" in unknown["verdict"]
-    assert {k: v for k, v in bound.items() if k not in ("age_ceiling_kind", "verdict")} == \
-        {k: v for k, v in unknown.items() if k not in ("age_ceiling_kind", "verdict")}
+    assert unknown["age_based_kind"] == "estimate" and "is an estimate on this trace" in unknown["verdict"]
+    assert {k: v for k, v in bound.items() if k not in ("age_based_kind", "verdict")} == \
+        {k: v for k, v in unknown.items() if k not in ("age_based_kind", "verdict")}
 
 
 def test_synthetic_trace_slice_against_an_independent_count(tmp_path: Path) -> None:
