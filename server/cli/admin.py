@@ -181,6 +181,9 @@ def register(app: typer.Typer) -> None:
             text = sys.stdin.read() if file == "-" else Path(file).read_text(encoding="utf-8")
         except (OSError, UnicodeDecodeError) as exc:
             fail(2, "invalid_file", f"cannot read {file}: {exc}", "--file")
+        if _no_document(text):  # an empty file would plan "no changes" (or, with --prune, delete everything)
+            fail(2, "invalid_file", f"{file} holds no registry (empty, only comments, or null); nothing to apply "
+                 "(a file that means an empty registry says so: pools: [], retention_classes: [], tenants: [])", "--file")
         try:
             doc = load_registry(text, source=file)
         except InvalidField as exc:
@@ -283,6 +286,18 @@ def _register_replicas(admin: typer.Typer) -> None:
         with registry_session() as s:
             svc.remove_replica(s, actor=cli_actor(), now=utc_now(), pool=pool, name=name)
             print_json({"removed": name, "pool": pool})
+
+
+def _no_document(text: str) -> bool:
+    """Whether ``text`` holds no registry: an empty stream (blank, only comments) or one null
+    document (``---``, ``null``). Malformed YAML is not judged here: ``load_registry`` names it."""
+    import yaml
+
+    try:
+        node = yaml.compose(text, Loader=yaml.SafeLoader)
+    except yaml.YAMLError:
+        return False
+    return node is None or (isinstance(node, yaml.ScalarNode) and node.tag == "tag:yaml.org,2002:null")
 
 
 def _require_current_schema() -> None:

@@ -95,7 +95,7 @@ def register(app: typer.Typer) -> None:
     def download(
         hf_id: Annotated[str, typer.Option("--hf-id", help="Hugging Face model id (the spec's model.hf_id)")],
         output: Annotated[Path, typer.Option("--output", "-o", help="where the snapshot is linked and recorded")],
-        revision: Annotated[str | None, typer.Option("--revision", help="commit sha, branch or tag [default branch]")] = None,
+        revision: Annotated[str | None, typer.Option("--revision", help="commit sha, branch or tag \\[default branch]")] = None,
     ) -> None:
         """Download a Hub model at one commit (the engine build's first step); print id@commit and its link."""
         from engines.trtllm.model_download import DownloadError, download_hf_model

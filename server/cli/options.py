@@ -123,7 +123,11 @@ def database_engine(url: str, field: str = "KVGATE_DATABASE_URL") -> Any:
 def database_error(exc: Exception) -> None:
     """Exit 1 with the ``database_unavailable`` error for a SQLAlchemy error."""
     orig = getattr(exc, "orig", None) or exc
-    fail(1, "database_unavailable", f"database error: {type(orig).__name__}: {' '.join(str(orig).split())}")
+    text = " ".join(str(orig).split())
+    # A missing table (SQLite "no such table", PostgreSQL UndefinedTable) means the schema was never created.
+    unmigrated = "no such table" in text or type(orig).__name__ == "UndefinedTable"
+    hint = "; the database has no registry schema yet: run `kvgate db upgrade`" if unmigrated else ""
+    fail(1, "database_unavailable", f"database error: {type(orig).__name__}: {text}{hint}")
 
 
 @contextmanager

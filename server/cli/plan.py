@@ -71,8 +71,9 @@ def register(app: typer.Typer) -> None:
         spec: Annotated[str | None, typer.Option("--spec", help="engine spec (bundled name or YAML): TP, block size, dtypes, fraction, host_cache_size, model")] = None,
         tp: Annotated[int | None, typer.Option("--tp", help="tensor parallel size [1]")] = None,
         pp: Annotated[int | None, typer.Option("--pp", help="pipeline parallel size [1]")] = None,
-        kv_dtype: Annotated[str | None, typer.Option("--kv-dtype", help="fp8 | fp16 | bf16 | fp32 [fp8]")] = None,
-        weights: Annotated[str | None, typer.Option("--weights", help="weight dtype of linear layers: bf16 | fp16 | fp8 [bf16]")] = None,
+        kv_dtype: Annotated[str | None, typer.Option("--kv-dtype", help="fp8 | fp16 | bf16 | fp32 \\[fp8]")] = None,
+        weights: Annotated[str | None, typer.Option("--weights", help="weight dtype of linear layers: bf16 | fp16 | fp8 "
+                           "\\[fp8 with FP8 KV, the only pair a spec takes; else bf16]")] = None,
         tokens_per_block: Annotated[int | None, typer.Option("--tokens-per-block", help="KV block size (fixed at engine build) [32]")] = None,
         fraction: Annotated[float | None, typer.Option("--free-gpu-memory-fraction", help="TensorRT-LLM KvCacheConfig fraction of free memory for KV [0.9]")] = None,
         reserve_gib: Annotated[float, typer.Option("--reserve-gib", help="per-rank memory besides weights and KV (activations, CUDA context, NCCL): an estimate, measure it")] = 4.0,
@@ -100,7 +101,8 @@ def register(app: typer.Typer) -> None:
                 raise CliError("give at most one of --host-cache-size, --host-memory, --host-blocks")
             if not (math.isfinite(reserve_gib) and reserve_gib >= 0 and math.isfinite(reserve_gib * GIB)):
                 raise CliError("--reserve-gib must be a finite number of GiB >= 0")
-            defaults = {"tp": 1, "pp": 1, "kv_dtype": "fp8", "weights": "bf16", "tokens_per_block": 32, "fraction": 0.9,
+            # "weights" None: they follow the KV dtype (below), unless a spec fixes them.
+            defaults = {"tp": 1, "pp": 1, "kv_dtype": "fp8", "weights": None, "tokens_per_block": 32, "fraction": 0.9,
                         "host_cache_size": 0, "model": None}
             warnings: list[str] = []
             if spec is not None:
@@ -114,7 +116,9 @@ def register(app: typer.Typer) -> None:
             tp = defaults["tp"] if tp is None else tp
             pp = defaults["pp"] if pp is None else pp
             kv_dtype = kv_dtype or defaults["kv_dtype"]
-            weights = weights or defaults["weights"]
+            # FP8 KV keeps block reuse only with FP8 weights (spec rule fp8-kv-needs-fp8-weights), so the
+            # defaults plan that valid pair; another KV dtype is no kvgate spec anyway and keeps bf16 weights.
+            weights = weights or defaults["weights"] or ("fp8" if kv_dtype == "fp8" else "bf16")
             tokens_per_block = defaults["tokens_per_block"] if tokens_per_block is None else tokens_per_block
             fraction = fraction if fraction is not None else defaults["fraction"]
             shape = load_shape(model)

@@ -104,7 +104,11 @@ def register(app: typer.Typer) -> None:
         try:
             settings = Settings(**overrides)  # type: ignore[arg-type]
         except ValidationError as exc:
-            typer.echo(f"kvgate serve: refusing to start: {settings_errors(exc)}", err=True)
+            message = settings_errors(exc)
+            # A value given as an option is named as the option the user typed, not its variable.
+            for field in overrides:
+                message = message.replace(f"KVGATE_{field.upper()}:", f"--{field.replace('_', '-')}:")
+            typer.echo(f"kvgate serve: refusing to start: {message}", err=True)
             raise typer.Exit(2) from None
         token_file = Path(DEV_TOKEN_FILE)
         settings, dev_token = with_dev_admin_token(settings, token_file=token_file)

@@ -13,8 +13,8 @@ Capacities are GPU blocks (``439``) or a percentage of the trace's distinct bloc
 or ``0``. The simulation itself lives in ``retention/simulation/simulator.py`` (pure); this module
 only reads files, draws tables, the progress bar and the plot. With ``--replicas N`` the
 trace is replayed over N pools (each of the given capacity) behind each ``--router``
-(``retention/simulation/cluster_sim.py``, ``server/cli/simulate_replicas.py``), next to the ceiling of
-one pool with N× the capacity.
+(``retention/simulation/cluster_sim.py``, ``server/cli/simulate_replicas.py``), next to the reference
+of one pool with N× the capacity (not a ceiling: a router can beat it).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from typing import Annotated
 
 import typer
 
-from retention.simulation.capacity import check_blocks, parse_capacity, parse_host
+from retention.simulation.capacity import check_blocks, distinct_pool_blocks, parse_capacity, parse_host
 from server.cli.options import CliError, writable_dir
 
 
@@ -58,7 +58,8 @@ def register(app: typer.Typer) -> None:
         limit: Annotated[int | None, typer.Option("--limit", help="replay only the first N requests")] = None,
         as_json: Annotated[bool, typer.Option("--json", help="print the full report as JSON")] = False,
         plot: Annotated[Path | None, typer.Option("--plot", help="write hit rate vs capacity per policy (PNG)")] = None,
-        progress: Annotated[bool, typer.Option("--progress/--no-progress", help="progress bar on stderr")] = True,
+        progress: Annotated[bool | None, typer.Option("--progress/--no-progress", help="progress bar on stderr "
+                            "(default: on, off with --json; an explicit --progress keeps it with --json)")] = None,
         replicas: Annotated[int | None, typer.Option("--replicas", help="replay over N replica pools, each of the given capacity, behind --router")] = None,
         router: Annotated[
             list[str] | None,
@@ -76,7 +77,7 @@ def register(app: typer.Typer) -> None:
         from retention.simulation.oracle import is_oracle_name, oracle_factories, parse_oracle_name
         from retention.simulation.sim_policies import ClassMapping, ClassMappingError, make_policy
         from retention.simulation.simulator import SimConfig, run_simulation
-        from retention.trace import TraceError, distinct_blocks, parse_trace_events, trace_block_size
+        from retention.trace import TraceError, parse_trace_events, trace_block_size
         from server.analysis.trace_file import trace_lines
         from server.cli.simulate_replicas import cluster_configs, run_replicas  # heavy: kept out of --help
 
@@ -104,6 +105,9 @@ def register(app: typer.Typer) -> None:
                 except (OSError, yaml.YAMLError) as exc:
                     raise CliError(f"cannot read {classes}: {exc}") from None
             names = list(policy or (["lru", "trtllm-default"] + (["class"] if mapping else [])))
+            for i, name in enumerate(names):  # a repeat would replay twice and print its rows twice
+                if name in names[:i]:
+                    raise CliError(f"-p {name!r} is given twice; name each policy once")
             registry = None  # plug-in policies beyond the built-ins would be passed here
             for name in names:  # fail fast on unknown names / missing mapping
                 if is_oracle_name(name):
@@ -124,8 +128,14 @@ def register(app: typer.Typer) -> None:
                 requests = requests[:limit]
             if not requests:
                 raise CliError("the trace holds no requests")
-            distinct = distinct_blocks(requests) * -(-block_size // pool_block)
-            gpu_caps = [parse_capacity(c, distinct) for c in (capacity or ["2%"])]
+            distinct = distinct_pool_blocks(requests, block_size, pool_block)  # at the pool's block size
+            texts = capacity or ["2%"]
+            gpu_caps = [parse_capacity(c, distinct) for c in texts]
+            for i, cap in enumerate(gpu_caps):  # e.g. -c 2% -c 100 on 5,000 distinct blocks: one pool, twice
+                if cap in gpu_caps[:i]:
+                    first = texts[gpu_caps.index(cap)]
+                    same = "is given twice" if first == texts[i] else f"is the same {cap} blocks as -c {first!r}"
+                    raise CliError(f"-c {texts[i]!r} {same}; give each capacity once")
             host_blocks = parse_host(host)
             for gpu_cap in gpu_caps:
                 check_blocks(host_blocks(gpu_cap), distinct, f"--host {host!r} at GPU {gpu_cap} blocks")
@@ -133,6 +143,8 @@ def register(app: typer.Typer) -> None:
             typer.echo(f"error: {exc}", err=True)
             raise typer.Exit(2) from None
 
+        # The bar is drawn on stderr, so it never mixes into --json's stdout: only the default follows --json.
+        progress = (not as_json) if progress is None else progress
         if clusters:
             run_replicas(
                 requests, names, clusters, gpu_caps, host_blocks=host_blocks, config=config, mapping=mapping,
@@ -147,7 +159,7 @@ def register(app: typer.Typer) -> None:
             for name in names
         ]
         total = len(requests) * len(names) * len(gpu_caps)
-        if progress and not as_json:
+        if progress:
             from rich.console import Console
             from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
@@ -170,7 +182,7 @@ def register(app: typer.Typer) -> None:
             "distinct_blocks": distinct,
             "tokens_per_block": pool_block,
             "hold": hold,
-            "capacities": [r.to_dict() for r in reports],
+            "capacities": [_capacity_dict(r) for r in reports],
         }
         if plot is not None:
             _plot(reports, distinct, plot)
@@ -180,6 +192,14 @@ def register(app: typer.Typer) -> None:
             _print_tables(reports, distinct, len(requests), hold)
             if plot is not None:
                 typer.echo(f"plot written to {plot}")
+
+
+def _capacity_dict(report) -> dict:  # noqa: ANN001
+    """One capacity's JSON: the report's keys, plus ``age_estimate_gpu``, the name the table uses for
+    ``age_ceiling_gpu`` (kept): on a recorded trace the age-based figure is an estimate, not a bound."""
+    data = report.to_dict()
+    data["age_estimate_gpu"] = data["age_ceiling_gpu"]
+    return data
 
 
 def _pct(x: float) -> str:
@@ -214,7 +234,7 @@ def _print_tables(reports, distinct: int, num_requests: int, hold: str) -> None:
                 f"{r.evicted_primary_blocks + r.evicted_secondary_blocks:,}", str(r.rejected), str(r.delayed_requests),
                 _pct(share),
             )
-        table.add_row("age-based ceiling (GPU only)", _pct(report.age_ceiling_gpu), "", "", "", "", "", "", "", "", "")
+        table.add_row("age-based estimate (GPU only)", _pct(report.age_ceiling_gpu), "", "", "", "", "", "", "", "", "")
         table.add_row("Belady (GPU only)", _pct(report.belady_gpu.hit_rate), "", "", "", "", "", "", "", "", "")
         if report.belady_total is not None:
             table.add_row("Belady (GPU + host)", _pct(report.belady_total.hit_rate), "", "", "", "", "", "", "", "", "")

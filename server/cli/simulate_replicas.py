@@ -2,7 +2,8 @@
 
 Parsing of the routing options (exit code 2 on bad input, through ``simulate``'s error
 handling) and the report: per GPU capacity and policy, one row per router — hit rate by
-tier, share of the ceiling (one pool with N× the capacity), load imbalance (max / mean
+tier, share of the reference (one pool with N× the capacity: not a ceiling, a router that keeps
+each prefix on one replica can beat it), load imbalance (max / mean
 prefill tokens computed per replica), requests per replica. The replay itself is
 ``retention/simulation/cluster_sim.py`` (pure), whose ``kv-aware`` runs the gateway's router code.
 """
@@ -101,7 +102,7 @@ def run_replicas(
     trace: str,
     distinct: int,
 ) -> None:
-    """Replay, then print tables or JSON."""
+    """Replay, then print tables or JSON (``progress``: draw the bar on stderr, also with ``as_json``)."""
     from retention.simulation.sim_policies import make_policy
 
     reports: list[tuple[int, str, ClusterReport]] = []
@@ -116,7 +117,7 @@ def run_replicas(
                 )
                 reports.append((capacity, name, report))
 
-    if progress and not as_json:
+    if progress:  # on stderr: --json's stdout stays clean
         from rich.console import Console
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
@@ -132,11 +133,21 @@ def run_replicas(
             "tokens_per_block": config.tokens_per_block, "replicas": clusters[0].replicas,
             "index": clusters[0].index, "gateways": clusters[0].gateways,
             "sync_delay_s": clusters[0].sync_delay_s if clusters[0].sync else None, "runs": [
-                {"primary_blocks": cap, "policy": name, **report.to_dict()} for cap, name, report in reports
+                {"primary_blocks": cap, "policy": name, **_report_dict(report)} for cap, name, report in reports
             ],
         }, indent=2))
         return
     _print(reports, distinct, len(requests), config.hold, clusters[0])
+
+
+def _report_dict(report: ClusterReport) -> dict:
+    """The report's JSON with ``reference`` / ``share_of_reference`` beside the older ``ceiling`` /
+    ``share_of_ceiling`` (kept, same values): the one pool of N× capacity is no bound on a router."""
+    data = report.to_dict()
+    data["reference"] = data["ceiling"]
+    for row in data["routers"].values():
+        row["share_of_reference"] = row["share_of_ceiling"]
+    return data
 
 
 def _pct(x: float) -> str:
@@ -161,7 +172,7 @@ def _print(reports, distinct: int, num_requests: int, hold: str, cluster: Cluste
             title=f"policy {policy}: {report.replicas} × GPU {capacity} blocks ({_pct(capacity / distinct)} of distinct), "
             f"host {report.secondary_blocks} blocks each"
         )
-        for column in ("router", "hit rate", "GPU", "host", "of ceiling", "load imbalance", "requests per replica",
+        for column in ("router", "hit rate", "GPU", "host", "of reference", "load imbalance", "requests per replica",
                        "delayed", "rejected"):
             table.add_column(column, justify="left" if column == "router" else "right", no_wrap=column == "router")
         for name, result in report.results.items():
@@ -173,7 +184,7 @@ def _print(reports, distinct: int, num_requests: int, hold: str, cluster: Cluste
             )
         c = report.ceiling
         table.add_row(
-            f"ceiling: 1 pool × {report.replicas} capacity", _pct(c.hit_rate), _pct(c.gpu_hit_rate), _pct(c.host_hit_rate),
+            f"reference (one pool × {report.replicas} capacity)", _pct(c.hit_rate), _pct(c.gpu_hit_rate), _pct(c.host_hit_rate),
             "100.00%", "", "", str(c.delayed_requests), str(c.rejected),
         )
         console.print(table)

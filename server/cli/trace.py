@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Iterable
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -171,10 +172,52 @@ def export_range(files: list[Path], out: Path, *, start_ms: int | None, end_ms: 
         raise ExportError(_mixed_sizes(seen))
     block_size = next(iter(sizes))
     selected.sort()
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with out.open("w", encoding="utf-8") as handle:
-        handle.writelines(text for _, _, text in selected)
+    _write_replacing(out, (text for _, _, text in selected))
     return len(selected), block_size
+
+
+def _write_replacing(out: Path, lines: Iterable[str]) -> None:
+    """Write ``lines`` to a temporary file beside ``out``, then rename it over ``out``: a failed
+    write (full disk, interrupt) leaves an existing ``out`` as it was, never truncated. A symlink
+    is followed, as opening ``out`` would; a new file gets the umask's mode, a replaced one keeps its own."""
+    import os
+    import tempfile
+
+    target = out.resolve()
+    target.parent.mkdir(parents=True, exist_ok=True)
+    if target.exists():
+        mode = target.stat().st_mode & 0o7777
+    else:
+        umask = os.umask(0)
+        os.umask(umask)
+        mode = 0o666 & ~umask
+    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as handle:
+            handle.writelines(lines)
+        os.chmod(tmp, mode)
+        os.replace(tmp, target)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def check_output(out: Path, files: list[Path], capture_dir: Path) -> None:
+    """Refuse an output that is one of the capture files read (it would be truncated while read)
+    or lies in the pool's capture directory (the next export would read it back as a capture)."""
+    target = out.resolve()
+    if target in {f.resolve() for f in files}:
+        raise ExportError(f"-o {out} is one of the capture files being exported; write the trace elsewhere")
+    if target.is_relative_to(capture_dir.resolve()):
+        raise ExportError(f"-o {out} is inside the pool's capture directory {capture_dir}; write the trace elsewhere "
+                          "(a later export would read it as a capture)")
+
+
+def _public(capture: dict) -> dict:
+    """A capture as the admin API shows it (``CapturePublic``): times in RFC 3339, ``...Z``."""
+    from server.admin.captures import CapturePublic
+
+    return CapturePublic.model_validate(capture).model_dump(mode="json")
 
 
 def register(app: typer.Typer) -> None:
@@ -200,7 +243,7 @@ def register(app: typer.Typer) -> None:
         with registry_session() as s:
             body = validate_body(CaptureCreate, sample_rate=sample_rate, max_bytes=size, tenant=tenant)
             row = captures.start_capture(s, actor=cli_actor(), now=utc_now(), pool=pool, **body.model_dump())
-            print_json(captures.capture_public(row, s))
+            print_json(_public(captures.capture_public(row, s)))
 
     @group.command()
     def stop(pool: PoolArg, capture_id: Annotated[int, typer.Argument(metavar="ID", help="capture id")]) -> None:
@@ -208,8 +251,8 @@ def register(app: typer.Typer) -> None:
         from tenants import captures
 
         with registry_session() as s:
-            print_json(captures.capture_public(captures.stop_capture(s, actor=cli_actor(), now=utc_now(), pool=pool,
-                                                                 capture_id=capture_id), s))
+            print_json(_public(captures.capture_public(captures.stop_capture(s, actor=cli_actor(), now=utc_now(), pool=pool,
+                                                                         capture_id=capture_id), s)))
 
     @group.command("list")
     def list_(pool: PoolArg, limit: Limit = 50, offset: Offset = 0) -> None:
@@ -217,8 +260,7 @@ def register(app: typer.Typer) -> None:
         from tenants import captures
 
         with registry_session() as s:
-            print_json(page_of(None, captures.list_captures(s, pool=pool, limit=limit, offset=offset),
-                               convert=lambda c: c))
+            print_json(page_of(None, captures.list_captures(s, pool=pool, limit=limit, offset=offset), convert=_public))
 
     @group.command()
     def export(
@@ -241,6 +283,7 @@ def register(app: typer.Typer) -> None:
             if not files:
                 raise ExportError(f"no capture files for pool {pool!r} under {directory}"
                                   + (f" (capture {capture})" if capture is not None else ""))
+            check_output(output, files, directory / pool)
             count, block_size = export_range(files, output, start_ms=start_ms, end_ms=end_ms)
         except (ExportError, OSError) as exc:
             typer.echo(f"error: {exc}", err=True)

@@ -50,7 +50,7 @@ def test_config_json_path_and_reverse_host_blocks(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize(("args", "message"), [
     (["/nonexistent/config.json"], "cannot read config.json"),
-    (["llama-3.1-70b", "--gpu", "h100"], "weights need"),
+    (["llama-3.1-70b", "--gpu", "h100", "--weights", "bf16"], "weights need"),
     (["llama-3.1-8b", "--gpu", "tpu"], "unknown GPU"),
     (["llama-3.1-8b", "--kv-dtype", "int3"], "unknown dtype"),
     (["llama-3.1-8b", "--context", "lots"], "--context"),
@@ -120,11 +120,13 @@ def _merged(base: str, values: dict) -> dict:
 
 
 @pytest.mark.parametrize(("args", "base", "changed"), [
-    (["llama-3.1-70b", "--gpu", "h200", "--tp", "8", "--kv-dtype", "fp8"], "llama-3.1-70b-instruct-fp8-tp8", True),
-    (["llama-3.1-70b", "--gpu", "h200", "--tp", "8"], "llama-3.1-70b-instruct-fp8-tp8", True),  # default weights bf16
+    (["llama-3.1-70b", "--gpu", "h200", "--tp", "8", "--kv-dtype", "fp8"], "llama-3.1-70b-instruct-fp8-tp8", False),
+    (["llama-3.1-70b", "--gpu", "h200", "--tp", "8"], "llama-3.1-70b-instruct-fp8-tp8", False),  # defaults: fp8 + fp8
+    (["llama-3.1-70b", "--gpu", "h200", "--tp", "8", "--weights", "bf16"], "llama-3.1-70b-instruct-fp8-tp8", True),
     (["llama-3.1-70b", "--gpu", "h100", "--tp", "8", "--kv-dtype", "fp16"], "llama-3.1-70b-instruct-fp8-tp8", True),
     (["llama-3.1-70b", "--gpu", "h200", "--tp", "8", "--weights", "fp8"], "llama-3.1-70b-instruct-fp8-tp8", False),
-    (["llama-3.1-8b", "--gpu", "l40s", "--host-cache-size", "16GiB"], "llama-3.1-8b-instruct-fp8kv", True),
+    (["llama-3.1-8b", "--gpu", "l40s", "--host-cache-size", "16GiB"], "llama-3.1-8b-instruct-fp8kv", False),
+    (["llama-3.1-8b", "--gpu", "l40s", "--weights", "fp16"], "llama-3.1-8b-instruct-fp8kv", True),
     (["--spec", "llama-3.1-8b-instruct-fp8kv", "--gpu", "h100"], "llama-3.1-8b-instruct-fp8kv", False),
 ])
 def test_every_spec_plan_prints_validates(args: list[str], base: str, changed: bool) -> None:
@@ -190,3 +192,28 @@ def test_the_largest_values_a_spec_accepts_are_planned() -> None:
     spec = json.loads(result.output)["spec"]
     assert spec["build"]["tokens_per_block"] == 1024 and spec["build"]["tensor_parallel"] == 64
     parse_spec(_merged("llama-3.1-8b-instruct-fp8kv", spec), source="kvgate plan")
+
+
+def test_the_defaults_plan_the_valid_fp8_pair_and_weights_follow_the_kv_dtype() -> None:
+    result = run("llama-3.1-8b", "--json")
+    assert result.exit_code == 0, result.output
+    doc = json.loads(result.output)
+    assert (doc["kv_dtype"], doc["weight_dtype"]) == ("fp8", "fp8")
+    assert doc["spec_choice"]["changed"] is False and doc["spec_choice"]["reason"] is None
+    assert doc["registration"]["primary_blocks"] == doc["primary_blocks"]  # the table is the deployable engine
+    table = run("llama-3.1-8b")
+    assert table.exit_code == 0 and "note:" not in table.output and "nearest valid choice" not in table.output
+    other = json.loads(run("llama-3.1-8b", "--kv-dtype", "fp16", "--json").output)
+    assert (other["kv_dtype"], other["weight_dtype"]) == ("fp16", "bf16")
+
+
+@pytest.mark.parametrize(("command", "shown"), [
+    (["plan"], ["fp8 | fp16 | bf16 | fp32 [fp8]", "[fp8 with FP8"]),
+    (["build", "download"], ["[default branch]"]),
+])
+def test_help_shows_bracketed_defaults(command: list[str], shown: list[str]) -> None:
+    """Rich markup would read ``[fp8]`` as a style tag and drop it; the help escapes it."""
+    result = CliRunner().invoke(create_cli(), [*command, "--help"], env={"COLUMNS": "200"})
+    assert result.exit_code == 0, result.output
+    text = " ".join(result.output.split())
+    assert all(s in text for s in shown), text

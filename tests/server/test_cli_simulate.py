@@ -39,6 +39,7 @@ def test_json_report_has_policies_tiers_tenants_and_belady(tmp_path: Path) -> No
     for cap in (first, second):  # LRU is an age-based policy: under the ceiling, which Belady caps
         assert cap["policies"]["lru"]["hit_rate"] <= cap["age_ceiling_gpu"] <= cap["belady_gpu"]["hit_rate"]
     assert second["primary_blocks"] == round(doc["distinct_blocks"] / 2)
+    assert all(cap["age_estimate_gpu"] == cap["age_ceiling_gpu"] for cap in (first, second))
 
 
 def test_table_output_plot_and_class_policy(tmp_path: Path) -> None:
@@ -60,7 +61,7 @@ def test_table_output_plot_and_class_policy(tmp_path: Path) -> None:
     )
     assert result.exit_code == 0, result.output
     assert "Belady (GPU only)" in result.output and "per tenant" in result.output
-    assert "age-based ceiling (GPU only)" in result.output
+    assert "age-based estimate (GPU only)" in result.output and "ceiling" not in result.output
     assert all(name in result.output for name in ("lru", "class", "adaptive"))
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
@@ -129,13 +130,17 @@ def test_replicas_compare_routers_against_the_ceiling(tmp_path: Path) -> None:
         assert r["load_imbalance"] >= 1.0
     assert [rep["requests"] for rep in run["routers"]["round-robin"]["replicas"]] == [12, 12]
     assert run["routers"]["kv-aware"]["share_of_ceiling"] == run["routers"]["kv-aware"]["total"]["hit_rate"] / run["ceiling"]["hit_rate"]
+    # the one pool of 2x capacity is a reference, not a bound: new names beside the kept ones
+    assert run["reference"] == run["ceiling"]
+    assert all(r["share_of_reference"] == r["share_of_ceiling"] for r in run["routers"].values())
     table = CliRunner().invoke(
         create_cli(),
         ["simulate", str(trace), "--block-size", "4", "-c", "8", "--replicas", "2", "--router", "kv-aware",
          "--index", "approximate", "--ttl", "60", "--no-progress"],
     )
     assert table.exit_code == 0, table.output
-    assert "ceiling: 1 pool × 2 capacity" in table.output and "load imbalance" in table.output
+    assert "reference (one pool × 2 capacity)" in table.output and "of reference" in table.output
+    assert "load imbalance" in table.output and "ceiling" not in table.output
 
 
 def test_gateways_alone_or_synced(tmp_path: Path) -> None:
@@ -293,3 +298,51 @@ def test_class_mapping_fields_of_the_wrong_type_are_named(tmp_path: Path) -> Non
         result = CliRunner().invoke(create_cli(), ["simulate", str(trace), "--block-size", "4", "--no-progress",
                                                    "--classes", str(classes)])
         _one_error_line(result, field)
+
+
+def test_huge_shares_and_multiples_exit_2_without_a_traceback(tmp_path: Path) -> None:
+    trace = write_trace(tmp_path / "t.jsonl")
+    base = ["simulate", str(trace), "--block-size", "4", "--no-progress"]
+    for extra, needle in ((["-c", "5", "--host", "1e308x"], "--host '1e308x' at GPU 5 blocks"),
+                          (["-c", "5", "--host", "1e308x", "--replicas", "2", "--router", "round-robin"], "--host '1e308x'"),
+                          (["-c", "1e308%"], "more than 1600%")):
+        result = CliRunner().invoke(create_cli(), base + extra)
+        _one_error_line(result, needle)
+        assert len(result.stderr) < 300, result.stderr  # no 300-digit count
+
+
+def test_distinct_blocks_are_counted_at_the_pool_block_size(tmp_path: Path) -> None:
+    """Trace blocks of 4 tokens, 16-token prompts: gold shares ids [0, 1, 2] (8 requests), noisy are unique (16)."""
+    trace = write_trace(tmp_path / "t.jsonl")
+    for pool_block, distinct in ((4, 75), (8, 1 + 8 + 16 * 2), (2, 6 + 8 * 2 + 16 * 8), (16, 8 + 16), (3, 4 + 8 * 2 + 16 * 6)):
+        result = CliRunner().invoke(create_cli(), ["simulate", str(trace), "--block-size", "4", "--tokens-per-block",
+                                                   str(pool_block), "-c", "10%", "-p", "lru", "--json"])
+        assert result.exit_code == 0, result.output
+        doc = json.loads(result.output)
+        assert doc["distinct_blocks"] == distinct, pool_block
+        assert doc["capacities"][0]["primary_blocks"] == round(distinct / 10), pool_block
+    table = CliRunner().invoke(create_cli(), ["simulate", str(trace), "--block-size", "4", "--tokens-per-block", "8",
+                                              "-c", "41", "-p", "lru", "--no-progress"])
+    assert table.exit_code == 0, table.output
+    assert "41 distinct blocks" in table.output and "GPU 41 blocks (100.00% of distinct)" in table.output
+
+
+def test_explicit_progress_keeps_the_bar_with_json(tmp_path: Path) -> None:
+    trace = write_trace(tmp_path / "t.jsonl")
+    base = ["simulate", str(trace), "--block-size", "4", "-c", "8", "-p", "lru", "--json"]
+    for extra in ([], ["--replicas", "2", "--router", "random"]):
+        shown = CliRunner().invoke(create_cli(), base + extra + ["--progress"], env={"FORCE_COLOR": "1"})
+        assert shown.exit_code == 0, (extra, shown.output)
+        assert "replaying" in shown.stderr, extra
+        json.loads(shown.stdout)  # stdout stays the JSON document alone
+        default = CliRunner().invoke(create_cli(), base + extra, env={"FORCE_COLOR": "1"})
+        assert default.exit_code == 0 and "replaying" not in default.stderr, extra
+
+
+def test_repeated_policies_and_capacities_are_refused(tmp_path: Path) -> None:
+    trace = write_trace(tmp_path / "t.jsonl")
+    base = ["simulate", str(trace), "--block-size", "4", "--no-progress"]
+    for extra, needle in ((["-p", "lru", "-p", "lru"], "-p 'lru' is given twice"),
+                          (["-c", "5", "-c", "5"], "-c '5' is given twice"),
+                          (["-c", "40%", "-c", "30"], "-c '30' is the same 30 blocks as -c '40%'")):
+        _one_error_line(CliRunner().invoke(create_cli(), base + extra), needle)

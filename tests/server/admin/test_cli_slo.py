@@ -20,7 +20,7 @@ def test_slo_budget_from_the_shell(run) -> None:  # type: ignore[no-untyped-def]
     assert (replaced["ttft_p99_ms"], replaced["itl_p99_ms"], replaced["enabled"], replaced["version"]) == (None, 50, False, 2)
     bad = run("admin", "slo", "set", "gpu-a", "--set", "hysteresis=1.5", code=2)
     assert json.loads(bad.stderr)["error"]["field"] == "hysteresis"
-    stale = run("admin", "slo", "set", "gpu-a", "--version", "1", code=1)
+    stale = run("admin", "slo", "set", "gpu-a", "--set", "itl_p99_ms=50", "--version", "1", code=1)
     assert json.loads(stale.stderr)["error"]["code"] == "stale_version"
     run("admin", "slo", "delete", "gpu-a")
     missing = run("admin", "slo", "show", "gpu-a", code=1)
