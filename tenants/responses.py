@@ -22,12 +22,20 @@ Invariants:
   :func:`check_room` lets the edge refuse before it spends an engine call.
 * ``input_items`` keep the request's items in order, each with a unique ``id`` (the gateway
   refuses repeated ids); pages of :func:`list_input_items` are cut by that id (OpenAI's
-  ``after`` cursor); a row stored before repeats were refused serves each repeat renamed
+  ``after`` cursor, and ``before``: the page just before an item); a row stored before repeats were refused serves each repeat renamed
   (:func:`_unique_ids`), so every item is served once and every page moves forward.
 * ``root_id`` names the response a stored conversation started with, for every row of it
   (forks included), so :func:`conversation_rows` finds a conversation's live rows with one
-  indexed query, on whichever gateway the delete lands; ``prompt_blocks`` (the prompt's full
-  blocks' salted hashes) count against the byte cap like the row's JSON.
+  indexed query, on whichever gateway the delete lands. ``prompt_blocks`` (the prompt's full
+  blocks' salted hashes, the whole prompt's on every row, so a delete or a demote reads one
+  row, never a chain) are the gateway's bookkeeping, not what the tenant stores: they do not
+  count in ``size_bytes`` (the cap is about the tenant's inputs, outputs and response body),
+  else a conversation's hashes, repeated on each of its rows, would eat the tenant's cap
+  quadratically. They are bounded apart: one hash per full block of a prompt the gateway
+  served (so at most the model's input window / tokens per block per row), and the rows
+  themselves by the cap (each counts its response body, about a kilobyte, at least). Storing
+  only the blocks beyond the parent's was not chosen: a continuation's prompt need not extend
+  its parent's (``instructions`` are not carried over), and readers would walk chains.
 
 Rows are data, not configuration: no audit events.
 """
@@ -81,11 +89,11 @@ def _broken_chain(response_id: str, missing: str) -> NotFound:
                     "was deleted or has expired.", field="previous_response_id", code="response_not_found")
 
 
-def row_size(*, input_items: list, output_items: list, body: dict, prompt_blocks: list | None = None) -> int:
-    """Bytes a row counts against the cap: the length of its JSON parts."""
-    parts = (input_items, output_items, body) if prompt_blocks is None else (input_items, output_items, body,
-                                                                             prompt_blocks)
-    return sum(len(json.dumps(part, separators=(",", ":"), ensure_ascii=False).encode()) for part in parts)
+def row_size(*, input_items: list, output_items: list, body: dict) -> int:
+    """Bytes a row counts against the cap: the length of the JSON parts the tenant stored (its
+    ``prompt_blocks`` are not among them: see the module docstring)."""
+    return sum(len(json.dumps(part, separators=(",", ":"), ensure_ascii=False).encode())
+               for part in (input_items, output_items, body))
 
 
 def stored_bytes(session: Session, *, tenant_id: int, now: datetime) -> int:
@@ -116,7 +124,7 @@ def store_response(session: Session, *, tenant_id: int, response_id: str, previo
         raise InvalidField("ttl must be positive", field="ttl")
     if prompt_blocks is not None:
         prompt_blocks = [int(h) for h in prompt_blocks]
-    size = row_size(input_items=input_items, output_items=output_items, body=body, prompt_blocks=prompt_blocks)
+    size = row_size(input_items=input_items, output_items=output_items, body=body)
     with mutation(session, unique_field="id", entity="response"):
         _serialize_stores(session, tenant_id=tenant_id)
         session.execute(delete(StoredResponse).where(StoredResponse.tenant_id == tenant_id,
@@ -231,8 +239,12 @@ def other_conversations(session: Session, *, tenant_id: int, root_id: str, now: 
 
 
 def list_input_items(session: Session, *, tenant_id: int, response_id: str, now: datetime, limit: int = 20,
-                     order: Literal["asc", "desc"] = "desc", after: str | None = None) -> InputItemsPage:
-    """One page of a response's input items (OpenAI's ``GET /responses/{id}/input_items``)."""
+                     order: Literal["asc", "desc"] = "desc", after: str | None = None,
+                     before: str | None = None) -> InputItemsPage:
+    """One page of a response's input items (OpenAI's ``GET /responses/{id}/input_items``), in
+    ``order``: the first ``limit`` items after ``after``; with ``before``, the last ``limit``
+    items before it (the page that precedes it, still in ``order``; ``has_more``: there are
+    more before). Both: the items between them."""
     if isinstance(limit, bool) or not isinstance(limit, int) or not 1 <= limit <= MAX_PAGE:
         raise InvalidField(f"limit must be an integer in [1, {MAX_PAGE}]", field="limit")
     if order not in ("asc", "desc"):
@@ -245,6 +257,13 @@ def list_input_items(session: Session, *, tenant_id: int, response_id: str, now:
         if at is None:
             raise InvalidField(f"after: no input item {after[:80]!r} in this response", field="after")
         items = items[at + 1:]
+    if before is not None:
+        at = next((i for i, item in enumerate(items) if item.get("id") == before), None)
+        if at is None:
+            raise InvalidField(f"before: no input item {before[:80]!r} in this response"
+                               + (" after the 'after' item" if after is not None else ""), field="before")
+        items = items[:at]
+        return InputItemsPage(items[max(0, len(items) - limit):], len(items) > limit)
     return InputItemsPage(items[:limit], len(items) > limit)
 
 

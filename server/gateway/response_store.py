@@ -2,7 +2,11 @@
 
 Every call runs the registry's sync service function in a worker thread (as the auth and
 usage paths do) and turns registry errors into the serving API's: not found (missing,
-expired, deleted, another tenant's) → 404 ``response_not_found``; a full store → 400
+expired, deleted, another tenant's) → 404 ``response_not_found``, except for a
+``previous_response_id`` (:meth:`ResponseStore.chain`): OpenAI's 400
+``previous_response_not_found`` ("Previous response with id '<id>' not found."), which
+clients read as "resend the whole history", for any id that cannot be continued (never
+stored, ``store: false``, another tenant's, deleted, expired, or an ancestor gone); a full store → 400
 ``response_store_full``; a bad page parameter → 400 naming it; the registry database out of
 reach (connection refused or lost, no pooled connection in time) → 503
 ``registry_unavailable`` with ``Retry-After: 1``, as authentication answers. The TTL and the
@@ -84,11 +88,19 @@ class ResponseStore:
 
     async def chain(self, *, tenant_id: int, response_id: str) -> StoredChain:
         """``response_id``'s chain: its input and output items, oldest first, its root's id and
-        its responses' ids (404 if any link is gone, naming the missing ancestor)."""
+        its responses' ids. Any link gone is OpenAI's 400 ``previous_response_not_found`` with
+        OpenAI's message (an ancestor gone: a second sentence names it; the id itself gone: the
+        same answer whoever's it was, so another tenant's id reveals nothing)."""
         try:
             rows = await self._call(stored.response_chain, tenant_id=tenant_id, response_id=response_id)
         except ServingError as exc:
-            if exc.status < 500:  # the id the client sent is unknown; a 503 is not about it
+            if exc.status == 404:
+                message = f"Previous response with id '{response_id}' not found."
+                if exc.param == "previous_response_id":  # an ancestor of it is gone (tenants.responses)
+                    message += " " + exc.message
+                raise ServingError(400, "previous_response_not_found", message,
+                                   param="previous_response_id") from exc
+            if exc.status < 500:  # the id the client sent is refused; a 503 is not about it
                 exc.param = "previous_response_id"
             raise
         items: list[dict] = []
@@ -143,9 +155,9 @@ class ResponseStore:
         await self._call(stored.delete_response, tenant_id=tenant_id, response_id=response_id)
 
     async def input_items(self, *, tenant_id: int, response_id: str, limit: int,
-                          order: Literal["asc", "desc"], after: str | None) -> dict:
+                          order: Literal["asc", "desc"], after: str | None, before: str | None = None) -> dict:
         page = await self._call(stored.list_input_items, tenant_id=tenant_id, response_id=response_id, limit=limit,
-                                order=order, after=after)
+                                order=order, after=after, before=before)
         data = page.items
         return {"object": "list", "data": data, "first_id": data[0]["id"] if data else None,
                 "last_id": data[-1]["id"] if data else None, "has_more": page.has_more}

@@ -11,10 +11,14 @@ through :class:`~server.gateway.response_store.ResponseStore`), so they outlive 
 restart and every gateway of the deployment sees them.
 
 ``store`` defaults to true, as OpenAI's does. Before the engine runs, a stored request
-whose input alone would take the tenant past its byte cap is refused (400
-``response_store_full``); if the cap is reached while it runs, the answer is still
-delivered, not stored, and says ``store: false``. A stored continuation keeps its chain's
-responses alive as long as itself (``tenants.responses``).
+whose row may take the tenant past its byte cap is refused (400 ``response_store_full``):
+the row is bounded by its input items, its response body and its output as
+``max_output_tokens`` (or the tenant's default) allows (``ResponsesDialect.stored_bound``).
+If the cap is reached anyway while it runs (another request stored meanwhile, or an output
+over the bound), the answer is still delivered, not stored, says ``store: false`` and is
+counted in ``kvgate_responses_not_stored_total``. A stored continuation keeps its chain's
+responses alive as long as itself (``tenants.responses``). A ``previous_response_id`` that
+cannot be continued is OpenAI's 400 ``previous_response_not_found`` (``ResponseStore.chain``).
 
 ``input`` may be left out of a continuation (``previous_response_id``). A prompt over the
 tenant's ``max_prompt_tokens`` (admission's refusal) or the model's input limit (the
@@ -41,7 +45,7 @@ from server.gateway.api.conversation_demote import DeletedPrompt, doomed_prompts
 from server.gateway.api.responses_convert import (check_items, conversation_hints, convert, in_responses_words,
                                                   refuse_unservable, request_items)
 from server.gateway.api.responses_render import ResponsesDialect
-from server.gateway.api.responses_schemas import OUTPUT_LOGPROBS, ResponsesRequest
+from server.gateway.api.responses_schemas import INCLUDABLE, OUTPUT_LOGPROBS, ResponsesRequest
 from server.gateway.routes import Gateway, Tenant, check_model
 from server.gateway.errors import ServingError
 from server.gateway.response_store import ResponseStore
@@ -83,19 +87,24 @@ async def create_response(body: ResponsesRequest, tenant: Tenant, services: Gate
         raise ServingError(400, "invalid_input", f"input: {exc}", param="input") from exc
     if prompt.total == 0:
         raise ServingError(400, "empty_prompt", "input: the prompt is empty", param="input")
-    callback = None
+    dialect = ResponsesDialect(body, previous_response_id=body.previous_response_id, store=None)
     if store:
         responses = _store(services)
         # The prompt's full blocks as the engine sees them, kept with the row: a delete on any gateway
         # reads from them which blocks the conversation's other live responses hold (conversation_demote.py).
         blocks = block_hashes(prompt.input_ids, tenant.pool.tokens_per_block, salt=tenant.engine_salt)
+        # The whole row's bound, not the input's alone: a request that may not fit is refused before it runs and
+        # is billed, rather than answered unstored.
+        bound = dialect.stored_bound(body.max_output_tokens or tenant.limits.default_output_tokens)
         await responses.check_room(tenant_id=tenant.tenant_id,
-                                   incoming=row_size(input_items=items, output_items=[], body={}, prompt_blocks=blocks))
+                                   incoming=row_size(input_items=items, output_items=[], body={}) + bound)
 
         async def callback(response: dict) -> bool:
             # root_id is read when the answer is stored: by then it names this conversation's first response.
             kept = await responses.store(tenant_id=tenant.tenant_id, response=response, input_items=items,
                                          root_id=root_id, prompt_blocks=blocks, ancestor_ids=ancestors)
+            if not kept:  # answered with store: false (the store logged why)
+                services.metrics.responses_not_stored.labels(tenant.slug, tenant.pool.name).inc()
             # The run ended in a message: its own blocks are demoted, in the background (conversation_demote.py),
             # by the class's own switch alone: neither the hold's switch nor its duel gates it.
             if kept and tenant.conversation_end_demote and body.tools and root_id is not None and _ended_run(response):
@@ -103,10 +112,11 @@ async def create_response(body: ResponsesRequest, tenant: Tenant, services: Gate
                                                                            tuple(blocks)), root_id)
             return kept
 
+        dialect.store = callback
+
     sampling = SamplingParams(temperature=1.0 if body.temperature is None else body.temperature,
                               top_p=1.0 if body.top_p is None else body.top_p)
     max_new = body.max_output_tokens  # None: the tenant's default, as admission reads the tenant's limits
-    dialect = ResponsesDialect(body, previous_response_id=body.previous_response_id, store=callback)
     if root_id is None and store:
         root_id = dialect.id  # a new stored conversation starts here: its first turn is routed by its own id
     hints = conversation_hints(body, total=prompt.total, context=tenant.retention.context,
@@ -172,7 +182,14 @@ async def list_input_items(response_id: str, tenant: Tenant, services: Gateway,
                            limit: Annotated[int, Query(ge=1, le=100)] = 20,
                            order: Literal["asc", "desc"] = "desc",
                            after: Annotated[str | None, Query(max_length=64)] = None,
+                           before: Annotated[str | None, Query(max_length=64)] = None,
                            include: Annotated[list[str] | None, Query()] = None) -> dict:
-    """One page of the response's own input items (``include`` is accepted and ignored)."""
+    """One page of the response's own input items: after ``after`` and/or before ``before``
+    (``tenants.responses.list_input_items``). ``include``: OpenAI's values are accepted and change
+    nothing (``INCLUDABLE``: none applies to a stored input item); any other is a 400 naming it."""
+    for value in include or ():
+        if value not in INCLUDABLE:
+            raise ServingError(400, "invalid_request", f"include: {value[:80]!r} is not a value OpenAI defines; "
+                               f"accepted: {', '.join(INCLUDABLE)}", param="include")
     return await _store(services).input_items(tenant_id=tenant.tenant_id, response_id=response_id, limit=limit,
-                                              order=order, after=after)
+                                              order=order, after=after, before=before)

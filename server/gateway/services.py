@@ -197,7 +197,7 @@ def build_gateway_services(*, session_factory, pepper: str, tokenizer_for, admis
     usage = UsageRecorder(session_factory, journal=journal)
     guards = SloGuards(session_factory=session_factory, pools=lambda: list(engines.pools.values()), registry=registry)
     captures = TraceCaptures(session_factory, trace_dir, registry) if trace_dir is not None else None
-    holds = ConversationHolds()  # one per process: the runner plans with it, the DELETE route tells it
+    holds = ConversationHolds(store_ttl_ms=int(responses_ttl_s * 1000))  # one per process; the store's TTL caps a hold
     return GatewayServices(
         auth=KeyAuthenticator(session_factory, pepper=pepper, ttl=auth_ttl),
         admission=admission, engines=engines, usage=usage, monitor=monitor, registry=registry, metrics=metrics,

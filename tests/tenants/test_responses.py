@@ -117,6 +117,25 @@ def test_chains_oldest_first_and_broken_links(session, two_tenants) -> None:  # 
         responses.response_chain(session, tenant_id=globex, response_id="resp_g", now=T0)
 
 
+def test_a_long_conversations_prompt_hashes_do_not_count_against_the_cap(session, two_tenants) -> None:  # type: ignore[no-untyped-def]
+    """Each row keeps its whole prompt's block hashes: counted, a conversation's would grow the
+    tenant's bytes quadratically (turn n stores n turns' hashes) though it stored little."""
+    acme, _ = two_tenants
+    output = [{"id": "o", "type": "message", "role": "assistant", "content": []}]
+    one = responses.row_size(input_items=_items("t00"), output_items=output, body={"id": "c00"})
+    cap = 20 * one + 100  # room for the 20 turns' own JSON
+    previous = None
+    for turn in range(20):
+        ident = f"c{turn:02d}"
+        row = responses.store_response(session, tenant_id=acme, response_id=ident, previous_response_id=previous,
+                                       model="m", input_items=_items(f"t{turn:02d}"), output_items=output,
+                                       body={"id": ident}, now=T0, ttl=TTL, max_bytes=cap, root_id="c00",
+                                       prompt_blocks=[2**63 + i for i in range(64 * (turn + 1))])
+        assert row.size_bytes == one  # 64 hashes more each turn (about 1.3 KB): none of them counted
+        previous = ident
+    assert responses.stored_bytes(session, tenant_id=acme, now=T0) == 20 * one
+
+
 def test_input_item_pages(session, two_tenants) -> None:  # type: ignore[no-untyped-def]
     acme, _ = two_tenants
     _store(session, acme, "resp_p", texts=("a", "b", "c"))
@@ -129,7 +148,14 @@ def test_input_item_pages(session, two_tenants) -> None:  # type: ignore[no-unty
     assert ids(order="asc", limit=2) == (["msg_a", "msg_b"], True)
     assert ids(order="asc", limit=2, after="msg_b") == (["msg_c"], False)
     assert ids(after="msg_c") == (["msg_b", "msg_a"], False)
-    for bad in ({"limit": 0}, {"limit": 101}, {"order": "up"}, {"after": "msg_zz"}):
+    # before: the page just before that item, in the same order (has_more: more before it)
+    assert ids(order="asc", before="msg_c") == (["msg_a", "msg_b"], False)
+    assert ids(order="asc", limit=1, before="msg_c") == (["msg_b"], True)
+    assert ids(before="msg_a") == (["msg_c", "msg_b"], False)
+    assert ids(before="msg_c") == ([], False)
+    assert ids(order="asc", after="msg_a", before="msg_c") == (["msg_b"], False)
+    for bad in ({"limit": 0}, {"limit": 101}, {"order": "up"}, {"after": "msg_zz"}, {"before": "msg_zz"},
+                {"order": "asc", "after": "msg_b", "before": "msg_a"}):
         with pytest.raises(InvalidField):
             ids(**bad)
 
@@ -158,8 +184,9 @@ def test_a_conversations_live_prompt_blocks_are_read_back_by_root(session, two_t
                                         root_id=root, prompt_blocks=blocks)
 
     first = put(acme, "r1", "r1", [big, 2])
+    # the hashes are the gateway's bookkeeping, not what the tenant stored: not in the cap's count
     assert first.size_bytes == responses.row_size(input_items=_items("hi"), output_items=first.output_items,
-                                                   body={"id": "r1"}, prompt_blocks=[big, 2])  # blocks count too
+                                                   body={"id": "r1"})
     put(acme, "r2", "r1", [big, 2, 3])  # the next turn
     put(acme, "r3", "r1", [big, 5])  # a fork
     put(acme, "r4", "r1", None)  # a row whose blocks are unknown

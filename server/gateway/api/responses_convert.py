@@ -67,7 +67,7 @@ from retention.policy.hints import TTL_1H_MS, TTL_24H_MS, Breakpoint, CacheHints
 from retention.policy.planner import SegmentRetention
 from retention.routing.affinity import conversation_key  # the key the routing simulator replays too
 from server.gateway.api.openai_schemas import FUNCTION_NAME, parameters_problem
-from server.gateway.api.responses_schemas import OUTPUT_LOGPROBS, ResponsesRequest
+from server.gateway.api.responses_schemas import OUTPUT_LOGPROBS, TTL_RETENTION, ResponsesRequest
 from server.gateway.api.conversion import Conversation, format_with_auto_tools, function, invalid
 from server.gateway.api.tools import ToolPlan, check_schema, forced_call_guide, render_messages
 from server.gateway.errors import ServingError
@@ -99,9 +99,22 @@ def refuse_unservable(body: ResponsesRequest) -> None:
     if body.background:
         raise unsupported("background", "background responses are not supported by this gateway; "
                           "send the request and wait for it (or stream it)")
-    for name in ("conversation", "prompt", "context_management", "prompt_cache_options"):
+    for name in ("conversation", "prompt", "context_management"):
         if getattr(body, name) is not None:
             raise unsupported(name, "not supported by this gateway")
+    options = body.prompt_cache_options
+    if options is not None:
+        if options.mode == "explicit":
+            raise unsupported("prompt_cache_options.mode", "\"explicit\" needs prompt_cache_breakpoint markers, which "
+                              "this gateway does not read; send \"implicit\" (the default: the prompt's end)")
+        if options.prewarm:
+            raise unsupported("prompt_cache_options.prewarm", "prewarming without generating is not supported; "
+                              "send the request itself")
+        if (options.ttl is not None and body.prompt_cache_retention is not None
+                and TTL_RETENTION[options.ttl] != body.prompt_cache_retention):
+            raise invalid("prompt_cache_options.ttl", f"{options.ttl!r} asks for {TTL_RETENTION[options.ttl]!r} "
+                          f"retention and prompt_cache_retention for {body.prompt_cache_retention!r}: send one "
+                          "(prompt_cache_retention is deprecated for prompt_cache_options.ttl)")
     if body.reasoning is not None:
         effort = body.reasoning.get("effort")
         if effort not in (None, "none") or body.reasoning.get("summary") not in (None,):
@@ -460,11 +473,12 @@ def conversation_ttl_ms(context: SegmentRetention, retention: str | None) -> int
 
 def conversation_hints(body: ResponsesRequest, *, total: int, context: SegmentRetention,
                        conversation: bool, root_id: str | None = None) -> CacheHints:
-    """The request's cache hints: ``prompt_cache_retention`` as on the chat path and, for a
-    conversation (stored or continued), a breakpoint at the prompt's end. The affinity key is
+    """The request's cache hints: ``prompt_cache_retention`` (or ``prompt_cache_options.ttl``,
+    ``ResponsesRequest.cache_retention``) as on the chat path and, for a conversation (stored
+    or continued), a breakpoint at the prompt's end. The affinity key is
     the client's ``prompt_cache_key`` when it sends one, else the conversation's root
     (``conversation_key``): the client's own grouping wins."""
-    points = (Breakpoint(total, conversation_ttl_ms(context, body.prompt_cache_retention)),) \
-        if conversation and total > 0 else ()
+    retention = body.cache_retention  # prompt_cache_retention or prompt_cache_options.ttl
+    points = (Breakpoint(total, conversation_ttl_ms(context, retention)),) if conversation and total > 0 else ()
     key = body.prompt_cache_key if body.prompt_cache_key is not None else conversation_key(root_id)
-    return CacheHints(breakpoints=points, cache_key=key, retention=body.prompt_cache_retention)
+    return CacheHints(breakpoints=points, cache_key=key, retention=retention)

@@ -54,6 +54,18 @@ from server.gateway.errors import ServingError
 
 StoreCallback = Callable[[dict], Awaitable[bool]]  # the finished response object → stored?
 
+# The bound a stored request's row is checked against before the engine runs (responses_routes):
+# besides its input items (exact), the response body as echoed (exact, from the request) plus
+# what is filled in at the end, and its output bounded from the output tokens it may write.
+# An estimate, not a proof (a token may take more than TOKEN_BYTES): the store checks the exact
+# size again, and a row that still does not fit is answered ``store: false`` and counted
+# (kvgate_responses_not_stored_total).
+FINISHED_BYTES = 512  # usage and its details, completed_at, incomplete_details: set when the answer ends
+ITEM_BYTES = 256  # one output item's JSON around its text: ids, type, status, role, name, the output_text part
+TOKEN_BYTES = 4  # one output token's text in the stored JSON (UTF-8, a few escapes)
+LOGPROB_BYTES = 96  # one log-prob entry (token, bytes, logprob), per token and per top log prob asked for
+MIN_CALL_TOKENS = 16  # a function call takes at least this many output tokens (its <tool_call> JSON)
+
 
 def written_tokens(job: CompletionJob, outcome: Outcome) -> int:
     """Prompt tokens this request wrote to the KV cache: the engine keeps a prompt's full
@@ -103,6 +115,15 @@ def _format_echo(body: ResponsesRequest) -> dict:
     return {"format": fmt, "verbosity": (body.text.verbosity if body.text is not None else None) or "medium"}
 
 
+def _cache_options_echo(body: ResponsesRequest) -> dict | None:
+    """The prompt-caching options applied (OpenAI's ``Response.prompt_cache_options``), when asked for."""
+    options = body.prompt_cache_options
+    if options is None:
+        return None
+    return {"mode": options.mode or "implicit", "ttl": options.ttl or "30m",
+            "comparison_response_id": options.comparison_response_id}
+
+
 class ResponsesDialect:
     """Renders one ``/v1/responses`` answer; ``store`` (when the response is to be stored)
     is awaited with the finished response object before the client gets it."""
@@ -135,6 +156,7 @@ class ResponsesDialect:
             "parallel_tool_calls": body.parallel_tool_calls is not False,
             "previous_response_id": self.previous_response_id,
             "prompt_cache_key": body.prompt_cache_key, "prompt_cache_retention": body.prompt_cache_retention,
+            "prompt_cache_options": _cache_options_echo(body),
             "reasoning": {"effort": None, "summary": None}, "safety_identifier": body.safety_identifier,
             "service_tier": "default", "store": self.store is not None,
             "temperature": 1.0 if body.temperature is None else body.temperature, "text": _format_echo(body),
@@ -144,6 +166,19 @@ class ResponsesDialect:
             "usage": usage(job, outcome) if finished and job is not None else None,
             "user": body.user, "metadata": body.metadata or {},
         }
+
+    def stored_bound(self, max_tokens: int) -> int:
+        """Bytes the stored row's response body and output may take (besides its input items)
+        when at most ``max_tokens`` are generated: see ``TOKEN_BYTES`` and the constants by it."""
+        body = {k: v for k, v in self.response("completed", []).items() if k != "output"}
+        size = len(json.dumps(body, separators=(",", ":"), ensure_ascii=False).encode()) + FINISHED_BYTES
+        calls = max_tokens // MIN_CALL_TOKENS if self.request.tools else 0
+        if self.request.max_tool_calls is not None:
+            calls = min(calls, self.request.max_tool_calls)
+        size += ITEM_BYTES * (1 + calls) + TOKEN_BYTES * max_tokens
+        if "message.output_text.logprobs" in (self.request.include or ()):
+            size += LOGPROB_BYTES * (1 + (self.request.top_logprobs or 0)) * max_tokens
+        return size
 
     @staticmethod
     def status(outcome: Outcome) -> str:

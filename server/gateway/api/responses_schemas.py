@@ -6,8 +6,9 @@ plain JSON here and are checked one by one in ``server.gateway.api.responses_con
 that what cannot be served (built-in tools, images, files, reasoning items) is refused with
 a message naming the item and its type rather than a union-mismatch error. Fields OpenAI
 defines that kvgate cannot serve (``background: true``, ``conversation``, ``prompt``,
-``reasoning`` effort other than ``none``, ``truncation: "auto"``) are declared only to be
-refused by name; the README's field table lists each field as honoured, ignored or refused.
+``reasoning`` effort other than ``none``, ``truncation: "auto"``,
+``prompt_cache_options.mode: "explicit"``, ``prompt_cache_options.prewarm: true``) are
+declared only to be refused by name; the README's field table lists each field as honoured, ignored or refused.
 """
 
 from __future__ import annotations
@@ -21,6 +22,17 @@ from server.gateway.api.openai_schemas import MAX_MESSAGES, MAX_TEXT_CHARS, MAX_
 
 Item = dict[str, Any]
 OUTPUT_LOGPROBS = "message.output_text.logprobs"  # the one ``include`` value that changes the answer
+# Every ``include`` value OpenAI documents (the SDK's ``ResponseIncludable``). On
+# ``GET …/input_items`` each is harmless: they add fields to item types kvgate never stores
+# (built-in tool calls, images, reasoning) or to output text, so they are accepted there and
+# change nothing; any other value is refused by name.
+INCLUDABLE = ("file_search_call.results", "web_search_call.results", "web_search_call.action.sources",
+              "message.input_image.image_url", "computer_call_output.output.image_url",
+              "code_interpreter_call.outputs", "reasoning.encrypted_content", OUTPUT_LOGPROBS)
+# ``prompt_cache_options.ttl`` (the SDK's replacement of the deprecated ``prompt_cache_retention``)
+# read as the retention intent ``prompt_cache_retention`` states: "30m", OpenAI's default
+# lifetime, as "in_memory" (the default); "12h", the extended one, as "24h" (the class's longest).
+TTL_RETENTION = {"30m": "in_memory", "12h": "24h"}
 # OpenAI's bounds on ``metadata``: at most 16 pairs, keys of at most 64 characters, values of at most 512
 MAX_METADATA_PAIRS, MAX_METADATA_KEY, MAX_METADATA_VALUE = 16, 64, 512
 
@@ -34,6 +46,21 @@ class TextConfig(BaseModel):
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
     include_obfuscation: bool | None = None  # accepted, ignored: no obfuscation padding is sent
+
+
+class PromptCacheOptions(BaseModel):
+    """OpenAI's ``prompt_cache_options``: ``ttl`` honoured (``TTL_RETENTION``); ``mode``
+    ``"implicit"`` (the default: one breakpoint at the prompt's end, as kvgate places it) and
+    ``prewarm: false`` accepted, ``"explicit"`` and ``prewarm: true`` refused by name
+    (``responses_convert.refuse_unservable``); ``comparison_response_id`` (cache
+    diagnostics, sent only where OpenAI enables them) accepted and ignored; any other
+    field refused by name."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+    ttl: Literal["30m", "12h"] | None = None
+    mode: Literal["implicit", "explicit"] | None = None
+    prewarm: bool | None = None
+    comparison_response_id: Annotated[str, Field(max_length=64)] | None = None
 
 
 class ResponsesRequest(BaseModel):
@@ -54,7 +81,8 @@ class ResponsesRequest(BaseModel):
     include: Annotated[list[str], Field(max_length=16)] | None = None
     metadata: dict[str, str] | None = None  # bounded by _metadata_bounds (a 400 naming ``metadata``)
     prompt_cache_key: Annotated[str, Field(max_length=1024)] | None = None
-    prompt_cache_retention: Literal["in_memory", "24h"] | None = None
+    prompt_cache_retention: Literal["in_memory", "24h"] | None = None  # deprecated by OpenAI for the next
+    prompt_cache_options: PromptCacheOptions | None = None
     store: bool | None = None  # None: true, as OpenAI's default
     previous_response_id: Annotated[str, Field(min_length=1, max_length=64)] | None = None
     truncation: Literal["auto", "disabled"] | None = None
@@ -70,7 +98,15 @@ class ResponsesRequest(BaseModel):
     prompt: Any = None
     reasoning: dict[str, Any] | None = None
     context_management: Any = None
-    prompt_cache_options: Any = None
+
+    @property
+    def cache_retention(self) -> Literal["in_memory", "24h"] | None:
+        """The retention intent: ``prompt_cache_retention``, else ``prompt_cache_options.ttl`` read
+        by ``TTL_RETENTION`` (both given and differing is refused: ``refuse_unservable``)."""
+        if self.prompt_cache_retention is not None:
+            return self.prompt_cache_retention
+        ttl = self.prompt_cache_options.ttl if self.prompt_cache_options is not None else None
+        return None if ttl is None else TTL_RETENTION[ttl]  # type: ignore[return-value]
 
     @field_validator("stream", mode="before")
     @classmethod

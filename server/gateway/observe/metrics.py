@@ -223,6 +223,10 @@ class GatewayMetrics:
         self.kv_onboarded = Counter("kvgate_kv_blocks_onboarded", "KV blocks onboarded from the host tier", tp, registry=registry)
         self.rate_limited = Counter("kvgate_rate_limited", "Requests refused by admission", ["tenant", "limit"], registry=registry)
         self.quota_demotions = Counter("kvgate_quota_demotions", "Requests planned with quota demotion", tp, registry=registry)
+        self.responses_not_stored = Counter(
+            "kvgate_responses_not_stored", "Responses asked to be stored that were answered and not stored "
+            "(store: false in the answer): the byte cap reached while they ran, or the registry failing",
+            tp, registry=registry)
         self.conversation_demotes = Counter(
             "kvgate_conversation_demotes", "Demote requests after a stored response's delete (trigger delete) or a "
             "tool run's end in a message (trigger end), by outcome (sent, failed, uncached, no_cache_view); not "

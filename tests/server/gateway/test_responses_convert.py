@@ -644,3 +644,49 @@ async def test_streamed_logprobs_are_the_texts_tokens_not_a_tool_calls(prompter:
     assert done["text"] == TOOL_TEXT and done["logprobs"] == sent
     final = events[-1]["response"]
     assert final["output"][0]["content"][0]["logprobs"] == sent and final["output"][1]["type"] == "function_call"
+
+
+def test_prompt_cache_options_ttl_is_read_as_prompt_cache_retention() -> None:
+    """The SDK's replacement of the deprecated ``prompt_cache_retention``: its ``ttl`` is the same
+    intent ("12h" the extended retention, "30m" the default), a conflict and what cannot be
+    served are refused by name, and the options applied are echoed."""
+    context = SegmentRetention(60, None)
+    for ttl, retention, breakpoint_ttl in (("12h", "24h", TTL_24H_MS), ("30m", "in_memory", TTL_1H_MS)):
+        body = request(prompt_cache_options={"ttl": ttl})
+        refuse_unservable(body)
+        hints = conversation_hints(body, total=7, context=context, conversation=True)
+        assert hints.retention == retention and hints.breakpoints == (Breakpoint(7, breakpoint_ttl),)
+        agreeing = request(prompt_cache_options={"ttl": ttl, "mode": "implicit", "prewarm": False},
+                           prompt_cache_retention=retention)
+        refuse_unservable(agreeing)  # both given, the same intent: served
+    echo = ResponsesDialect(request(prompt_cache_options={"ttl": "12h"}), previous_response_id=None,
+                            store=None).response("completed", [])
+    assert echo["prompt_cache_options"] == {"mode": "implicit", "ttl": "12h", "comparison_response_id": None}
+    assert echo["prompt_cache_retention"] is None
+    assert ResponsesDialect(request(), previous_response_id=None, store=None).response(
+        "completed", [])["prompt_cache_options"] is None
+    refused("prompt_cache_options.ttl", prompt_cache_options={"ttl": "12h"}, prompt_cache_retention="in_memory")
+    refused("prompt_cache_options.mode", prompt_cache_options={"mode": "explicit"})
+    refused("prompt_cache_options.prewarm", prompt_cache_options={"prewarm": True})
+    for fields, param in (({"prompt_cache_options": {"ttl": "5m"}}, "prompt_cache_options.ttl"),
+                          ({"prompt_cache_options": {"ttl": "12h", "retention": "x"}},
+                           "prompt_cache_options.retention")):
+        error = _validation(input="Hi", **fields)
+        assert error.status == 400 and error.param == param, error.message
+
+
+def test_the_stored_bound_counts_the_body_and_the_output_a_request_may_write() -> None:
+    """What the byte cap's pre-check adds to the input items: the echoed body (exact) and the output
+    bound from the output tokens, larger with tools and with log probs."""
+    plain = ResponsesDialect(request(), previous_response_id=None, store=None)
+    body = {k: v for k, v in plain.response("completed", []).items() if k != "output"}
+    echoed = len(json.dumps(body, separators=(",", ":"), ensure_ascii=False).encode())
+    assert plain.stored_bound(100) == echoed + 512 + 256 + 4 * 100
+    assert plain.stored_bound(200) - plain.stored_bound(100) == 400
+    long = ResponsesDialect(request(instructions="x" * 5000), previous_response_id=None, store=None)
+    assert long.stored_bound(100) - plain.stored_bound(100) == len("\"" + "x" * 5000 + "\"") - len("null")  # echoed
+    tools = ResponsesDialect(request(tools=[WEATHER]), previous_response_id=None, store=None)
+    assert tools.stored_bound(64) > plain.stored_bound(64) + 4 * 256  # up to 64 // 16 calls
+    logprobs = ResponsesDialect(request(include=["message.output_text.logprobs"], top_logprobs=2),
+                                previous_response_id=None, store=None)
+    assert logprobs.stored_bound(10) > plain.stored_bound(10) + 10 * 3 * 96 - 1

@@ -167,14 +167,16 @@ def test_retrieve_input_items_delete_and_tenants(stack: Stack, key: str) -> None
     assert [i.content[0].text for i in page.data] == ["Say the word one.", "Say the word two."] and page.has_more
     rest = api.responses.input_items.list(reply.id, order="asc", limit=2, after=page.data[-1].id)
     assert [i.content[0].text for i in rest.data] == ["Say the word three."] and not rest.has_more
-    # another tenant: not found, exactly like an id that never existed
+    # another tenant: not found, exactly like an id that never existed (as a previous_response_id: OpenAI's 400)
     other = client(stack, stack.add_tenant("r-" + secrets.token_hex(4)))
     for call in (lambda: other.responses.retrieve(reply.id), lambda: other.responses.delete(reply.id),
-                 lambda: other.responses.input_items.list(reply.id),
-                 lambda: other.responses.create(model=MODEL, input="Hi", previous_response_id=reply.id)):
+                 lambda: other.responses.input_items.list(reply.id)):
         with pytest.raises(openai.NotFoundError) as caught:
             call()
         assert caught.value.body["code"] == "response_not_found"
+    with pytest.raises(openai.BadRequestError) as caught:
+        other.responses.create(model=MODEL, input="Hi", previous_response_id=reply.id)
+    assert caught.value.body["code"] == "previous_response_not_found"
     api.responses.delete(reply.id)
     with pytest.raises(openai.NotFoundError):
         api.responses.retrieve(reply.id)
@@ -185,7 +187,7 @@ def test_retrieve_input_items_delete_and_tenants(stack: Stack, key: str) -> None
                         .values(expires_at=datetime.now(UTC) - timedelta(seconds=1)))
     with pytest.raises(openai.NotFoundError):
         api.responses.retrieve(kept.id)
-    with pytest.raises(openai.NotFoundError):
+    with pytest.raises(openai.BadRequestError):  # previous_response_not_found
         api.responses.create(model=MODEL, input="Hi", previous_response_id=kept.id)
 
 
@@ -374,13 +376,12 @@ def test_the_byte_cap_refuses_or_does_not_store(stack: Stack, key: str, tmp_path
             api.responses.create(model=MODEL, input=QUESTION, max_output_tokens=4)
         assert caught.value.body["code"] == "response_store_full" and caught.value.body["param"] == "store"
         assert api.responses.create(model=MODEL, input=QUESTION, max_output_tokens=4, store=False).output_text
-    # room for the input, not for the whole response: answered, not stored, and it says so
+    # room for the input, not for the whole response (its body echoes the request): refused before it runs too
     with second_gateway(stack, tmp_path, responses_max_bytes=600) as small:
         api = openai.OpenAI(api_key=key, base_url=small.base_url + "/v1", max_retries=0, timeout=120)
-        reply = api.responses.create(model=MODEL, input=QUESTION, max_output_tokens=4)
-        assert reply.output_text and reply.store is False
-        with pytest.raises(openai.NotFoundError):
-            api.responses.retrieve(reply.id)
+        with pytest.raises(openai.BadRequestError) as caught:
+            api.responses.create(model=MODEL, input=QUESTION, max_output_tokens=4)
+        assert caught.value.body["code"] == "response_store_full"
 
 
 def test_the_wire_shapes_the_sdk_types_and_what_a_stored_chain_refuses(stack: Stack, key: str) -> None:
@@ -416,8 +417,10 @@ def test_the_wire_shapes_the_sdk_types_and_what_a_stored_chain_refuses(stack: St
     httpx.delete(f"{url}/{first['id']}", headers=headers, timeout=60).raise_for_status()
     assert httpx.get(f"{url}/{second_id}", headers=headers, timeout=60).status_code == 200
     broken = httpx.post(url, headers=headers, timeout=60, json={**ask, "previous_response_id": second_id})
-    assert broken.status_code == 404 and broken.json()["error"]["param"] == "previous_response_id"
-    assert broken.json()["error"]["message"] == (f"Response '{second_id}' cannot be continued: the response "
+    assert broken.status_code == 400 and broken.json()["error"]["param"] == "previous_response_id"
+    assert broken.json()["error"]["code"] == "previous_response_not_found"
+    assert broken.json()["error"]["message"] == (f"Previous response with id '{second_id}' not found. Response "
+                                                 f"'{second_id}' cannot be continued: the response "
                                                  f"'{first['id']}' it continues was deleted or has expired.")
     for items, message in (
         ([{"id": "x1", "role": "user", "content": "a"}, {"id": "x1", "role": "user", "content": "b"}],
