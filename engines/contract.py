@@ -24,10 +24,13 @@ the GPU (onboarded from host memory; on TensorRT-LLM also a partly matched block
 one), never a reused block already on the GPU and never a generation block (TensorRT-LLM's
 ``num_total_allocated_blocks``: ``++mAllocTotalBlocks`` only in ``getFreeBlock``, counted per request
 around ``KVCacheManager::addSequence``, kvCacheManager.cpp; KVCacheManagerTest expects
-``numBlocks - numSharedBlocks`` for a second identical request). The reference engine still reports
-every slot the request holds there, generation's included; the gateway only compares it between
-responses. ``kv_cache_onboarded_blocks`` reused prompt blocks that came back from the host tier (the
-Triton model derives it as total − new, capped at reused). So reused / (reused + new) is the prompt's
+``numBlocks - numSharedBlocks`` for a second identical request); the reference engine counts it the
+same way (misses + onboards; it has no partial reuse). All four figures add up over the request's
+admissions (``LlmRequest::update*PerRequest`` use ``+=``, cpp/include/tensorrt_llm/batch_manager/
+llmRequest.h): a request preempted and re-admitted (``max_utilization`` only) reports the lookups of
+both. The gateway compares the total only between responses. ``kv_cache_onboarded_blocks`` reused
+prompt blocks that came back from the host tier (the Triton model derives it as total − new, capped
+at reused). So reused / (reused + new) is the prompt's
 block hit rate.
 
 Sampling extensions, log probabilities and guided decoding use the stock names

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from engines.reference.kv_cache import KvDtype
+from engines.reference.scheduler import GUARANTEED_NO_EVICT, SCHEDULER_POLICIES
 from engines.reference.weights import WEIGHT_FORMATS
 
 # Steps computing at most this many tokens run with ``decode_threads`` (decode-sized steps).
@@ -59,6 +60,11 @@ class ReferenceEngineConfig:
       replica that accepts requests and never answers, while its stats call still does).
       A held request is in flight (``ReferenceEngine.in_flight``) and holds no blocks; a
       cancel ends it at once. Read at each submit, so tests may change it on a live engine.
+    * ``scheduler_policy``: TensorRT-LLM's ``CapacitySchedulerPolicy`` (see
+      ``engines/reference/scheduler.py``): ``guaranteed_no_evict`` (default, as TensorRT-LLM's
+      ``SchedulerConfig`` and the Triton backend's ``batch_scheduler_policy``) starts a request
+      only when every running request and it can run to ``max_new_tokens`` without preemption;
+      ``max_utilization`` admits on the prompt and preempts the newest request when one cannot grow.
     * ``kv_event_ring``: KV event records kept for polling routers (``engines/kv_events.py``);
       a poller whose cursor fell off the ring gets a snapshot instead.
     """
@@ -80,6 +86,7 @@ class ReferenceEngineConfig:
     fault_onboard_delay_ms: int = 0
     fault_first_token_hold_ms: int = 0
     kv_event_ring: int = 16_384
+    scheduler_policy: str = GUARANTEED_NO_EVICT
 
     def __post_init__(self) -> None:
         if isinstance(self.kv_dtype, str) and not isinstance(self.kv_dtype, KvDtype):
@@ -111,6 +118,10 @@ class ReferenceEngineConfig:
             raise EngineConfigError(
                 f"secondary_offload_min_priority must be within [{MIN_PRIORITY}, {MAX_PRIORITY + 1}], "
                 f"got {self.secondary_offload_min_priority}"
+            )
+        if self.scheduler_policy not in SCHEDULER_POLICIES:
+            raise EngineConfigError(
+                f"scheduler_policy must be one of {', '.join(SCHEDULER_POLICIES)}, got {self.scheduler_policy!r}"
             )
         if self.weight_format not in WEIGHT_FORMATS:
             raise EngineConfigError(

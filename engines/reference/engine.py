@@ -92,6 +92,7 @@ class ReferenceEngine:
         self.scheduler = Scheduler(
             self.pool, tokens_per_block=config.tokens_per_block,
             max_batch_size=config.max_batch_size, max_num_tokens=config.max_num_tokens,
+            policy=config.scheduler_policy,
         )
         self.runner = StepRunner(bundle.model, self.cache, onboard_delay_s=config.fault_onboard_delay_ms / 1000)
         self.grammars = GrammarCache(bundle.tokenizer, bundle.config.vocab_size)

@@ -5,13 +5,25 @@ Every step mixes work under two limits, ``max_batch_size`` sequences and
 
     step = [decode: 1 token for each running sequence whose prompt is done]
          + [prefill chunks: the rest of the token budget, oldest sequence first]
-         + [admissions: waiting requests, FIFO, while the pool can hold their prompt]
+         + [admissions: waiting requests, FIFO, while the capacity policy lets them start]
 
-A waiting request the pool cannot hold stays queued (head of line, so a long prompt is
-not starved by short ones); it is admitted once running requests release blocks. When a
-decoding sequence cannot grow, the most recently admitted running sequence is
-preempted: its blocks are released (full blocks stay cached for reuse) and it re-enters
-the queue's head with its generated tokens, to be recomputed — mostly from cache.
+Two capacity policies, TensorRT-LLM's ``executor::CapacitySchedulerPolicy``
+(``cpp/tensorrt_llm/batch_manager/capacityScheduler.cpp``):
+
+* ``guaranteed_no_evict`` (the default, as in ``executor.h`` ``SchedulerConfig`` and the
+  Triton backend's ``batch_scheduler_policy``): ``GuaranteedNoEvictScheduler`` starts a
+  request only if the free blocks (cached reusable ones included, ``getNumFreeBlocks``),
+  less every running request's blocks to completion, hold its own blocks to completion
+  (``NoEvictScheduledBlocksManager``, ``KVCacheManager::getRemainingBlocksToCompletion``:
+  ``ceil((prompt + max_new_tokens) / B)`` minus the blocks it holds; a cached prefix earns
+  no credit). So a running request is never preempted.
+* ``max_utilization`` (``MaxUtilizationScheduler``): a request starts when the pool can hold
+  its prompt; when a decoding sequence cannot grow, the most recently admitted running
+  sequence is preempted: its blocks are released (full blocks stay cached for reuse) and it
+  re-enters the queue's head with its generated tokens, to be recomputed — mostly from cache.
+
+Under both, a waiting request that cannot start stays queued (head of line, so a long
+prompt is not starved by short ones: the C++ loop ``break``s at the first that does not fit).
 
 Invariants:
 * a sequence in ``running`` holds a pool allocation whose capacity covers every token
@@ -36,6 +48,10 @@ import torch
 
 from engines.contract import EngineRequest, KvMetrics, TokenLogProbs
 from retention.pool import BlockCopy, BlockPool
+
+GUARANTEED_NO_EVICT = "guaranteed_no_evict"
+MAX_UTILIZATION = "max_utilization"
+SCHEDULER_POLICIES = (GUARANTEED_NO_EVICT, MAX_UTILIZATION)
 
 
 class FinishReason(str, Enum):
@@ -90,8 +106,14 @@ class ScheduledStep:
 class Scheduler:
     """Queues and step planning; all pool mutations of the engine happen here."""
 
-    def __init__(self, pool: BlockPool, *, tokens_per_block: int, max_batch_size: int, max_num_tokens: int) -> None:
+    def __init__(
+        self, pool: BlockPool, *, tokens_per_block: int, max_batch_size: int, max_num_tokens: int,
+        policy: str = GUARANTEED_NO_EVICT,
+    ) -> None:
+        if policy not in SCHEDULER_POLICIES:
+            raise ValueError(f"scheduler policy must be one of {', '.join(SCHEDULER_POLICIES)}, got {policy!r}")
         self.pool = pool
+        self.policy = policy
         self.tokens_per_block = tokens_per_block
         self.max_batch_size = max_batch_size
         self.max_num_tokens = max_num_tokens
@@ -140,15 +162,31 @@ class Scheduler:
             if seq.in_prefill:
                 prefills.append(self._chunk(seq, budget))
                 budget -= prefills[-1].length
+        no_evict = self.policy == GUARANTEED_NO_EVICT
+        available = 0
+        if no_evict and self.waiting:
+            available = self.pool.num_free_blocks() - sum(self.blocks_to_completion(s) for s in self.running)
         while self.waiting and budget > 0 and len(self.running) < self.max_batch_size:
             seq = self.waiting[0]
+            if no_evict:
+                needed = self.blocks_to_completion(seq)
+                if needed > available:
+                    break  # GuaranteedNoEvictScheduler: "If one requests fails to be scheduled, break"
             if not self._admit(seq, now, copies):
                 break  # queue, don't crash: retried after blocks are released
+            if no_evict:
+                available -= needed
             self.waiting.popleft()
             self.running.append(seq)
             prefills.append(self._chunk(seq, budget))
             budget -= prefills[-1].length
         return ScheduledStep(copies, prefills, decodes)
+
+    def blocks_to_completion(self, seq: Sequence) -> int:
+        """``KVCacheManager::getRemainingBlocksToCompletion`` (beam width 1, no attention window):
+        the blocks of prompt + ``max_new_tokens`` less the ones ``seq`` holds now."""
+        total = -(-(seq.prompt_len + seq.request.max_new_tokens) // self.tokens_per_block)
+        return total - len(seq.block_slots)
 
     def _chunk(self, seq: Sequence, budget: int) -> Work:
         length = min(seq.prefill_target - seq.num_computed, budget)
@@ -169,13 +207,17 @@ class Scheduler:
         seq.num_computed = allocation.num_cached_tokens
         self._admissions += 1
         seq.admit_seq = self._admissions
-        if not seq.admitted:  # metrics describe the first admission (the request as sent)
-            seq.metrics = KvMetrics(
-                reused_blocks=allocation.reused_blocks,
-                new_blocks=allocation.new_blocks,
-                total_blocks=len(allocation.slots),
-                onboarded_blocks=allocation.onboarded_blocks,
-            )
+        # TensorRT-LLM counts around ``KVCacheManager::addSequence`` and adds each admission's
+        # counts (``LlmRequest::update*PerRequest``: ``+=``), so a re-admission after preemption
+        # (max_utilization only) adds its own lookup. Total = blocks taken from the free pool
+        # for the prompt (``getFreeBlock``): misses and onboards, never a reused GPU block.
+        m = seq.metrics
+        seq.metrics = KvMetrics(
+            reused_blocks=m.reused_blocks + allocation.reused_blocks,
+            new_blocks=m.new_blocks + allocation.new_blocks,
+            total_blocks=m.total_blocks + allocation.new_blocks + allocation.onboarded_blocks,
+            onboarded_blocks=m.onboarded_blocks + allocation.onboarded_blocks,
+        )
         seq.admitted = True
         return True
 
@@ -186,11 +228,10 @@ class Scheduler:
             if grown is not None:
                 slots, extra = grown
                 copies.extend(extra)
-                added = len(slots) - len(seq.block_slots)
-                seq.block_slots = list(slots)
-                m = seq.metrics  # "new" stays the prompt's missed blocks (engines/contract.py); the total grows
-                seq.metrics = KvMetrics(m.reused_blocks, m.new_blocks, len(slots), m.onboarded_blocks)
+                seq.block_slots = list(slots)  # generation blocks are not in the per-request metrics
                 return True
+            # max_utilization's pause; under guaranteed_no_evict a safety net only (admission
+            # reserved every running request's blocks to completion).
             victim = max(self.running, key=lambda s: s.admit_seq)
             self.preempt(victim, now)
             if victim is seq:
@@ -201,16 +242,18 @@ class Scheduler:
         """After ``step`` ran, before its sampled tokens join their sequences: store for reuse what
         TensorRT-LLM stores then (``BlockPool.store``). A prefill that finished stores the full
         blocks of all its tokens but the last (``storeContextBlocks``: ``tokens[:promptLen - 1]``);
-        a decode step stores them when the sequence's tokens but the last fill whole blocks, two at
-        least (``WindowBlockManager::storeNewBlock``: ``usableSize = uniqueTokens.size() - 1``, the
-        tokens before this step's sample, a multiple of the block size, and ``blockKeys.size() >= 2``)."""
+        a decode step stores them when the sequence's tokens but the last fill whole blocks, one
+        block or more (``WindowBlockManager::storeNewBlock`` in ``kvCacheManager.cpp``: it returns
+        unless ``usableSize = uniqueTokens.size() - 1``, the tokens before this step's sample, is a
+        multiple of the block size; with ``blockKeys.size() < 2`` it stores all blocks, so a prompt
+        shorter than one block has its first block stored when decoding fills it)."""
         bpt = self.tokens_per_block
         for work in step.prefills:
             if work.sample:  # the last chunk: the prefill is done
                 self._store(work.seq, work.seq.num_computed - 1)
         for work in step.decodes:
             usable = work.seq.num_computed - 1  # the token fed this step was the last one sampled
-            if usable % bpt == 0 and usable // bpt >= 2:
+            if usable > 0 and usable % bpt == 0:
                 self._store(work.seq, usable)
 
     def _store(self, seq: Sequence, num_tokens: int) -> None:

@@ -48,7 +48,7 @@ from struct import Struct
 
 from retention.hashing import chain_hash, chain_hashes, pack_tokens, root_hash
 from retention.pool.blocks import Block
-from retention.pool.events import KvEvent, StoredBlock, StoredEvent
+from retention.pool.events import KvEvent, StoredBlock, StoredEvent, UpdatedEvent
 from retention.pool.invariants import check_pool_invariants
 from retention.pool.recorder import PoolRecorder
 from retention.pool.stats import PoolStats
@@ -177,11 +177,16 @@ class BlockPool:
         copies: list[BlockCopy] = []
         counters = self._rec.counters
         per_block = per_block_retention(plan, self._num_blocks(n), bpt)
-        # Claim the whole matched path first so no victim search can pick a block of it.
-        for index, block in enumerate(path):
-            tiers.claim_reused(block, per_block[index])
+        # Claim the whole matched path first so no victim search can pick a block of it; the events
+        # still come block by block as ``loadOrAllocateBlocks`` emits them: the block's priority
+        # update, then its onboarding (the victim's offload/removal, then its host -> GPU update).
+        old_priorities = [tiers.claim_reused(block, per_block[index]) for index, block in enumerate(path)]
         onboarded = 0
-        for block in path:
+        emit = self._rec.emit
+        for block, old in zip(path, old_priorities):
+            if old is not None:
+                emit(lambda i, b=block, o=old: UpdatedEvent(
+                    i, b.block_hash, priority=(o, b.priority)))  # type: ignore[arg-type]
             if block.tier == S:
                 tiers.onboard(block, copies)
                 onboarded += 1
@@ -192,6 +197,9 @@ class BlockPool:
         counters.missed_blocks += self._num_blocks(n) - len(path)
         take, count = tiers.take_primary, self._rec.count
         blocks = seq.blocks
+        # ``loadOrAllocateBlocks`` gives a new block a key when it holds some of the prompt's first
+        # n - 1 tokens (``chopVectorIntoBlocks(..., inputLength - 1, ..., true)``, partial included).
+        num_keyed = self._num_blocks(n - 1)
         for index in range(len(path), total):
             if index * bpt >= n:
                 priority, duration = plan.decode_priority, plan.decode_duration_ms
@@ -202,6 +210,8 @@ class BlockPool:
             block.priority = priority
             block.duration_ms = duration
             block.ref_count = 1
+            if index < num_keyed:
+                block.keyed = True
             if tenant is not None:
                 block.tenant = tenant
                 count(block, P, +1)
@@ -241,8 +251,9 @@ class BlockPool:
 
         TensorRT-LLM does not wait for a request to end: when its context phase is done it stores
         the full blocks of ``tokens[:promptLen - 1]`` (``BlockManager::storeContextBlocks``), and
-        while it generates, each step whose ``len(tokens) - 1`` is a whole number of blocks stores
-        them (``WindowBlockManager::storeNewBlock``), both called from
+        while it generates, each step whose ``len(tokens) - 1`` is a whole number of blocks (one or
+        more: with ``blockKeys.size() < 2`` it stores all) stores them
+        (``WindowBlockManager::storeNewBlock``), both called from
         ``trtGptModelInflightBatching.cpp`` ``forwardAsync``; a request arriving meanwhile reuses
         them. Same walk as :meth:`release` (``storeBlocks``: blocks already stored are skipped), the
         sequence keeps its references; a twin stored meanwhile by another sequence is adopted as at
@@ -386,6 +397,7 @@ class BlockPool:
             if block.block_hash is not None:
                 break  # cannot happen for a consistent caller; never re-parent a tree node
             block.block_hash = h
+            block.keyed = True
             block.tokens = chunk
             block.parent = parent
             if parent is not None:  # referenced by this sequence, so in no free list

@@ -53,6 +53,10 @@ class Block:
     next: Block | None = field(default=None, repr=False)
     free_list: object | None = field(default=None, repr=False)
     release_seq: int = 0  # larger = released more recently; LRU order inside a priority
+    # Ever held a block key (``KVCacheBlock::mBlockKey``): set when the block is allocated for
+    # prompt tokens or stored, never cleared (TensorRT-LLM keeps a freed block's key), so
+    # ``getFreeBlock`` counts it in ``allocNewBlocks`` only while it is False.
+    keyed: bool = False
 
     @property
     def in_tree(self) -> bool:

@@ -66,8 +66,13 @@ class Tiers:
         self._expiry_counter = 0
 
     # ------------------------------------------------------------------ claiming
-    def claim_reused(self, block: Block, rng: tuple[int, int | None] | None) -> None:
-        """``LRUEvictionPolicy::claimBlock`` for a matched block: override priority, replace duration."""
+    def claim_reused(self, block: Block, rng: tuple[int, int | None] | None) -> int | None:
+        """``LRUEvictionPolicy::claimBlock`` for a matched block: override priority, replace duration.
+
+        Returns the old priority when it changed (the caller emits the priority update in
+        ``loadOrAllocateBlocks``' order), else ``None``.
+        """
+        old = None
         if block.free_list is not None:
             self.free[block.tier].remove(block)
         if block.tier == P and block.ref_count == 0:
@@ -75,12 +80,12 @@ class Tiers:
         if rng is not None and rng[0] != block.priority:
             old = block.priority
             block.priority = rng[0]
-            self._rec.emit(lambda i: UpdatedEvent(i, block.block_hash, priority=(old, rng[0])))  # type: ignore[arg-type]
         block.duration_ms = None if rng is None else rng[1]
         block.expires_at = None
         # Host blocks are referenced too until onboarded, so no victim search in this
         # call can treat them (or their ancestors) as free.
         block.ref_count += 1
+        return old
 
     def adopt(self, block: Block) -> None:
         """Take one more reference on a primary tree block (a stored twin a sequence switches to)."""
@@ -112,8 +117,9 @@ class Tiers:
         self.num_free_primary -= 1
         counters = self._rec.counters
         counters.alloc_total_blocks += 1
-        if victim.block_hash is None:
+        if not victim.keyed:  # ``getFreeBlock``: ``getUniqueTokens().empty()``, keys are never cleared
             counters.alloc_new_blocks += 1
+        if victim.block_hash is None:
             return victim
         host = None
         if victim.priority >= self._offload_min and self._has_host:

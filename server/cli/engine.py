@@ -30,6 +30,10 @@ def register(app: typer.Typer) -> None:
         ] = 30,
         max_batch_size: Annotated[int, typer.Option(help="Sequences per step.")] = 16,
         max_num_tokens: Annotated[int, typer.Option(help="Tokens computed per step (prefill chunk budget).")] = 512,
+        scheduler_policy: Annotated[str, typer.Option(
+            help="Capacity scheduler policy (TensorRT-LLM's batch_scheduler_policy): guaranteed_no_evict (start a "
+                 "request only if all can finish without preemption) or max_utilization (admit on the prompt, "
+                 "preempt on growth).")] = "guaranteed_no_evict",
         max_input_len: Annotated[int, typer.Option(help="Longest prompt accepted.")] = 4096,
         max_output_len: Annotated[int, typer.Option(help="Largest request_output_len accepted.")] = 1024,
         weight_format: Annotated[
@@ -57,7 +61,7 @@ def register(app: typer.Typer) -> None:
                 max_output_len=max_output_len, weight_format=weight_format,
                 num_threads=threads if threads is not None else ReferenceEngineConfig.threads_from_env(),
                 decode_threads=decode_threads, fault_onboard_delay_ms=fault_onboard_delay_ms,
-                fault_first_token_hold_ms=fault_first_token_hold_ms,
+                fault_first_token_hold_ms=fault_first_token_hold_ms, scheduler_policy=scheduler_policy,
             )
         except EngineConfigError as exc:
             raise typer.BadParameter(str(exc)) from None

@@ -1,4 +1,4 @@
-"""The engine in-process: preemption under KV pressure, sampling, config validation."""
+"""The engine in-process: preemption under KV pressure (max_utilization), sampling, config validation."""
 
 from __future__ import annotations
 
@@ -29,11 +29,34 @@ async def _collect(engine, request_id, request):
 def small_engine(bundle):
     engine = ReferenceEngine(bundle, ReferenceEngineConfig(
         kv_dtype="fp32", primary_blocks=4, secondary_blocks=0, tokens_per_block=16,
-        max_input_len=24, max_output_len=40, max_num_tokens=64,
+        max_input_len=24, max_output_len=40, max_num_tokens=64, scheduler_policy="max_utilization",
     ))
     engine.start()
     yield engine
     engine.stop()
+
+
+# Two prompts of two 16-token blocks each: both fit at first, not when they grow to 40 more tokens.
+PAIR = ("Once upon a time in a quiet little village by the sea, there lived an old fisherman who",
+        "The three most important rules of cooking pasta at home, according to every Italian grandmother, are")
+
+
+async def test_guaranteed_no_evict_runs_the_pair_one_after_the_other_without_preemption(bundle, tokenizer):
+    """The default policy: two requests needing 4 blocks each to completion in a 4-block pool never run
+    together, so nothing is preempted, and the answers are the same."""
+    engine = ReferenceEngine(bundle, ReferenceEngineConfig(
+        kv_dtype="fp32", primary_blocks=4, secondary_blocks=0, tokens_per_block=16,
+        max_input_len=24, max_output_len=40, max_num_tokens=64,
+    ))
+    engine.start()
+    try:
+        requests = [make_request(tokenizer.encode(text), 40, end_id=-1) for text in PAIR]
+        solo = [await _collect(engine, f"solo{i}", r) for i, r in enumerate(requests)]
+        together = await asyncio.gather(*[_collect(engine, f"pair{i}", r) for i, r in enumerate(requests)])
+        assert engine.scheduler.preemptions == 0
+        assert [t for t, _ in together] == [t for t, _ in solo]
+    finally:
+        engine.stop()
 
 
 async def test_decode_growth_preempts_and_recomputes_without_changing_output(small_engine, tokenizer):
