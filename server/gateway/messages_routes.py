@@ -7,7 +7,8 @@ engine call, metrics, usage), and rendered in Anthropic's shapes (``messages_ren
 Same tenants, API keys and limits as the OpenAI routes.
 
 Headers: the API key comes from ``x-api-key`` (Anthropic's header) or ``Authorization:
-Bearer`` (what the OpenAI routes take; ``x-api-key`` wins when both are sent).
+Bearer`` (what the OpenAI routes take; ``x-api-key`` wins when both are sent, unless it is
+empty: an empty header, as a client with an unset variable sends, names no key).
 ``anthropic-version`` is accepted and not required: Anthropic refuses a request without
 it, kvgate serves one version of the API and is lenient so that plain HTTP clients work.
 ``anthropic-beta`` is ignored (no beta feature is served). A tenant's requests and tokens per
@@ -26,7 +27,7 @@ from server.gateway.admission import anthropic_rate_headers
 from server.gateway.api.completions import CompletionJob
 from server.gateway.api.messages_convert import Conversation, cache_hints, convert
 from server.gateway.api.messages_render import MESSAGES
-from server.gateway.api.messages_schemas import CountTokensRequest, MessagesInput, MessagesRequest
+from server.gateway.api.messages_schemas import CountTokensRequest, MessagesRequest
 from server.gateway.api.prompting import ChatPrompter, PreparedPrompt
 from server.gateway.routes import Gateway, check_model
 from server.gateway.context import TenantContext
@@ -43,7 +44,7 @@ async def messages_tenant(services: Gateway, x_api_key: Annotated[str | None, He
     if services.draining:
         raise ServingError(503, "shutting_down", "this gateway is shutting down; retry on another replica",
                            headers={"Retry-After": "1", "Connection": "close"})
-    if x_api_key is not None:
+    if x_api_key:  # an empty x-api-key names no key: the Authorization header, if any, does
         authorization = "Bearer " + x_api_key
     if not authorization:
         raise ServingError(401, "invalid_api_key", "missing API key: send 'x-api-key: kvg_...' "
@@ -54,9 +55,7 @@ async def messages_tenant(services: Gateway, x_api_key: Annotated[str | None, He
 Tenant = Annotated[TenantContext, Depends(messages_tenant)]
 
 
-async def _prompt(services: GatewayServices, tenant: TenantContext, body: MessagesInput,
-                  conversation: Conversation):
-    check_model(tenant, body.model)
+async def _prompt(services: GatewayServices, tenant: TenantContext, conversation: Conversation):
     prompter = await services.engines.prompter(tenant.pool)
     try:
         prompt = prompter.chat(conversation.messages, conversation.marks, scope=tenant.engine_tenant_id)
@@ -99,8 +98,9 @@ def _job(services: GatewayServices, tenant: TenantContext, body: MessagesRequest
 
 @router.post("")
 async def create_message(body: MessagesRequest, tenant: Tenant, services: Gateway):
+    check_model(tenant, body.model)  # first: an unknown model is a 404, whatever the body holds
     conversation = convert(body)
-    prompter, prompt = await _prompt(services, tenant, body, conversation)
+    prompter, prompt = await _prompt(services, tenant, conversation)
     return await services.runner.run(_job(services, tenant, body, conversation, prompter, prompt), MESSAGES,
                                      rate_headers=anthropic_rate_headers)  # Anthropic's names and reset format
 
@@ -112,10 +112,10 @@ async def count_tokens(body: CountTokensRequest, tenant: Tenant, services: Gatew
     closed as a history turn (:func:`history_tokens`). An empty final assistant message (``""`` or
     ``[]``, which Anthropic allows) is the turn left open: the conversation is counted without it, as
     the prompt a create request without it reads, whose generation prompt opens that turn."""
+    check_model(tenant, body.model)  # first: an unknown model is a 404, whatever the body holds
     conversation = convert(body, generate=False)
     if not conversation.messages or conversation.messages[-1]["role"] != "assistant":
-        _, prompt = await _prompt(services, tenant, body, conversation)
+        _, prompt = await _prompt(services, tenant, conversation)
         return {"input_tokens": prompt.total}
-    check_model(tenant, body.model)
     prompter = await services.engines.prompter(tenant.pool)
     return {"input_tokens": len(history_tokens(prompter, conversation.messages))}

@@ -70,11 +70,11 @@ from server.gateway.replicas.stall import EngineRestart
 from server.gateway.api.engine_errors import engine_error
 from server.gateway.api.stops import StopMatcher
 from server.gateway.api.prompting import PreparedPrompt
-from server.gateway.api.streaming import (CLIENT_RECEIVE, ClosingStreamingResponse, LastFrame, UntilDisconnect,
-                                          run_once_shielded)
+from server.gateway.api.streaming import (CLIENT_RECEIVE, KEEP_ALIVE, KEEP_ALIVE_SECONDS, ClosingStreamingResponse,
+                                          LastFrame, UntilDisconnect, run_once_shielded)
 from server.gateway.observe.slo_guard import SloGuards
 from server.gateway.api.conversation_hold import ConversationHolds
-from server.gateway.api.tools import CALL_CLOSE, CallSplitter, ToolCall, ToolPlan, parse_forced, parse_tool_calls
+from server.gateway.api.tools import CALL_CLOSE, OutputRouter, ToolCall, ToolPlan, parse_forced, parse_tool_calls
 from tenants.snapshots import PoolSnapshot
 
 
@@ -297,7 +297,7 @@ class PrimedChunks:
 
 
 async def _generate(job: CompletionJob, request: EngineRequest, chunks: AsyncIterator[EngineChunk], outcome: Outcome,
-                    started: float) -> AsyncIterator[str]:
+                    started: float, keep_alive: float | None = None) -> AsyncIterator[str]:
     """Text deltas of the completion from the engine stream ``chunks`` (of ``request``);
     fills ``outcome`` as it goes, and closes ``chunks`` when it ends or is closed.
 
@@ -307,7 +307,7 @@ async def _generate(job: CompletionJob, request: EngineRequest, chunks: AsyncIte
     input unchanged and never stops).
     """
     if job.parses_tools or job.logprobs is not None:
-        async for delta in _generate_extended(job, request, chunks, outcome, started):
+        async for delta in _generate_extended(job, request, chunks, outcome, started, keep_alive):
             yield delta
         return
     push_token = job.tokenizer.new_decode_stream().push
@@ -347,31 +347,23 @@ async def _generate(job: CompletionJob, request: EngineRequest, chunks: AsyncIte
 
 
 async def _generate_extended(job: CompletionJob, request: EngineRequest, chunks: AsyncIterator[EngineChunk],
-                             outcome: Outcome, started: float) -> AsyncIterator[str]:
+                             outcome: Outcome, started: float, keep_alive: float | None = None) -> AsyncIterator[str]:
     """:func:`_generate` for requests with log probabilities or tools (the slower, general path).
 
     Content deltas are yielded as usual; with tools, text that belongs to a tool call is
     kept in ``outcome.held`` and parsed into ``outcome.tool_calls`` at the end (forced
     calls: all of it, and none of it is content even if it does not parse; ``auto``: from
-    the first ``<tool_call>`` on, content again if it does not parse).
+    the first ``<tool_call>`` on, content again if it does not parse). Stop strings apply to
+    the content only (:class:`~server.gateway.api.tools.OutputRouter`), never to a call.
+    ``keep_alive`` (seconds, a stream whose dialect renders :data:`KEEP_ALIVE`): while text is
+    held for a call, :data:`KEEP_ALIVE` is yielded after an engine chunk once that long has
+    passed without a yield, so a long call is not minutes of silence to proxies.
     """
     push_token = job.tokenizer.new_decode_stream().push
-    matcher = StopMatcher(job.stop) if job.stop else None
-    forced = job.tools is not None and job.tools.mode == "forced"
-    splitter = CallSplitter() if job.tools is not None and job.tools.mode == "auto" else None
+    tools = job.tools
+    router = OutputRouter(job.stop, tools.mode if tools is not None else None)
     streamed = request.streaming
-
-    def route(text: str) -> str:
-        if forced:
-            outcome.held.append(text)
-            return ""
-        if splitter is not None:
-            out = splitter.push(text)
-            if splitter.calling and splitter.held:
-                outcome.held[:] = [splitter.held]
-            return out
-        return text
-
+    quiet_since = time.monotonic()
     async with contextlib.aclosing(chunks):
         async for chunk in chunks:
             outcome.kv = chunk.kv
@@ -382,31 +374,32 @@ async def _generate_extended(job: CompletionJob, request: EngineRequest, chunks:
                 outcome.token_ids.extend(chunk.token_ids)
                 outcome.log_probs.extend(chunk.log_probs)
             text = "".join(push_token(t) for t in chunk.token_ids)
-            if matcher is not None:
-                text = matcher.push(text)
-            delta = route(text) if text else ""
+            delta = router.push(text) if text else ""
             if delta:
                 outcome.pieces.append(delta)
                 yield delta
-            if matcher is not None and matcher.stopped:
+            if router.stopped:
                 outcome.finish_reason = "stop"
-                outcome.stop_sequence = matcher.matched
+                outcome.stop_sequence = router.matched
                 break
-    tail = matcher.flush() if matcher is not None and not matcher.stopped else ""
-    delta = route(tail) if tail else ""
-    if splitter is not None:
-        delta += splitter.flush() if not splitter.calling else ""
+            if keep_alive is not None:
+                now = time.monotonic()
+                if delta:
+                    quiet_since = now
+                elif router.holding and now - quiet_since >= keep_alive:
+                    quiet_since = now
+                    yield KEEP_ALIVE
+    delta = router.flush()
     if delta:
         outcome.pieces.append(delta)
         yield delta
     if outcome.finish_reason is None:
         outcome.finish_reason = "length" if outcome.completion_tokens >= job.max_new_tokens else "stop"
-    if job.tools is not None and outcome.held:
-        held = "".join(outcome.held)
-        if forced:
-            outcome.tool_calls = parse_forced(held, job.tools)
-        else:
-            _, outcome.tool_calls = parse_tool_calls(held, job.tools)
+    held = router.held
+    outcome.held[:] = [held] if held else []
+    if tools is not None and held:
+        forced = tools.mode == "forced"
+        outcome.tool_calls = parse_forced(held, tools) if forced else parse_tool_calls(held, tools)[1]
         if outcome.tool_calls:
             # A block the output limit cut (no closing tag after it) is a call lost, not a finished answer:
             # "length" stays, as OpenAI answers cut output, with the calls that did parse (a forced call
@@ -414,11 +407,15 @@ async def _generate_extended(job: CompletionJob, request: EngineRequest, chunks:
             cut = outcome.finish_reason == "length" and not forced and not held.rstrip().endswith(CALL_CLOSE)
             outcome.finish_reason = "length" if cut else "tool_calls"
         elif not forced:  # not a usable call after all (cut short, unknown function): it was content
-            outcome.pieces.append(held)
-            yield held
-        # A forced call that does not parse (cut short by max_tokens or a stop string) is never
-        # content: its ``{"name": …, "arguments": …}`` wrapper is the guide's form, not the model's
-        # words, so the answer is empty with the finish reason that cut it.
+            content = router.as_content(held)  # stop strings apply to it now
+            if router.stopped:
+                outcome.finish_reason, outcome.stop_sequence = "stop", router.matched
+            if content:
+                outcome.pieces.append(content)
+                yield content
+        # A forced call that does not parse (cut short by max_tokens) is never content: its
+        # ``{"name": …, "arguments": …}`` wrapper is the guide's form, not the model's words, so the
+        # answer is empty with the finish reason that cut it.
 
 
 def _slow_engine(exc: BaseException) -> bool:
@@ -434,7 +431,8 @@ class CompletionRunner:
                  selector_for: Callable[[PoolSnapshot], AdaptiveSelector] | None = None,
                  curves: MissRatioCurves | None = None,
                  clock: Callable[[], float] = time.monotonic, guard: SloGuards | None = None,
-                 capture: CaptureSink | None = None, holds: ConversationHolds | None = None) -> None:
+                 capture: CaptureSink | None = None, holds: ConversationHolds | None = None,
+                 keep_alive: float = KEEP_ALIVE_SECONDS) -> None:
         self._admission = admission
         self._metrics = metrics
         self._usage = usage
@@ -443,6 +441,7 @@ class CompletionRunner:
         self._clock = clock
         self._guard = guard
         self._capture = capture
+        self.keep_alive = keep_alive  # a stream holding a tool call's text: a keep-alive this often (seconds)
         self._ledgers: dict[str, HintLedger] = {}  # pool -> live hinted blocks per tenant
         # Conversation and tool-loop holds (same budget as hints): the app factory's (services.holds),
         # which the Responses DELETE route reads too; a runner built alone (tests) gets its own.
@@ -658,7 +657,8 @@ class CompletionRunner:
         never held."""
         trailer: list[bytes] = []
         try:
-            async for frame in dialect.stream(job, outcome, _deltas(job, request, chunks, outcome, started)):
+            keep_alive = self.keep_alive if getattr(dialect, "keeps_alive", False) else None
+            async for frame in dialect.stream(job, outcome, _deltas(job, request, chunks, outcome, started, keep_alive)):
                 if outcome.finish_reason is None and outcome.status == "ok":
                     yield frame
                 else:  # generation over: the closing frames wait until the usage is durable
@@ -675,10 +675,10 @@ class CompletionRunner:
 
 
 async def _deltas(job: CompletionJob, request: EngineRequest, chunks: AsyncIterator[EngineChunk], outcome: Outcome,
-                  started: float) -> AsyncIterator[str]:
+                  started: float, keep_alive: float | None = None) -> AsyncIterator[str]:
     """:func:`_generate` for a dialect's stream: an engine failure becomes the
     :class:`ServingError` the dialect renders (and the outcome's status)."""
-    generate = _generate(job, request, chunks, outcome, started)
+    generate = _generate(job, request, chunks, outcome, started, keep_alive)
     try:
         async for delta in generate:
             yield delta

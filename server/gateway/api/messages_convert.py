@@ -32,13 +32,15 @@ that block, in the order tools → system → messages. kvgate resolves it at me
 granularity: the breakpoint ends where the chat message holding the block ends (system
 blocks: the end of the system message). A block inside a message is thus rounded *up* to
 its message's end; exact per-block offsets would need a cut inside a message's text, which
-changes its tokenization. The one exception is a tool's breakpoint when system text follows
-the tools: it ends where the tools' text ends, inside the system message (a
-:class:`~server.gateway.api.prompting.TextMark`: no cut; the tokens the tools' text alone
-tokenizes to, rounded *down* to a token that ends inside it), so it covers the tools and
-nothing of the system text, as on Anthropic's API ("tools 1h + system 5m" keeps the tools for
-1 h and the system text for 5 min). Without system text, the tools are the whole system
-message and their breakpoint ends with it. The token offsets come from
+changes its tokenization. The one exception is a tool's breakpoint: the tools open the system
+message, one line each, and a breakpoint on a tool ends after that tool's line
+(:func:`~server.gateway.api.tools.tool_text_ends`; the last tool's after the whole tools text),
+inside the system message (a :class:`~server.gateway.api.prompting.TextMark`: no cut; the
+tokens that text alone tokenizes to, rounded *down* to a token that ends inside it), so it
+covers the tools up to that one and nothing after it, as on Anthropic's API (a breakpoint on
+tool A of [A, B] caches A only; "tools 1h + system 5m" keeps the tools for 1 h and the system
+text for 5 min). A mark that reaches the end of the message (the last tool, no system text)
+ends with the message. The token offsets come from
 ``ChatPrompter.chat(..., marks=)``; :func:`cache_hints` turns them into
 :class:`~retention.policy.hints.CacheHints` (breakpoints that land on the same offset merge, keeping
 the longest TTL). Rules checked here, as Anthropic states them: at most four blocks with
@@ -107,7 +109,7 @@ from retention.policy.hints import MAX_BREAKPOINTS, TTL_1H_MS, TTL_5M_MS, Breakp
 from server.gateway.api.messages_schemas import MessageParam, MessagesInput, ToolChoice
 from server.gateway.api.prompting import PreparedPrompt, TextMark
 from server.gateway.api.conversion import Conversation, format_with_auto_tools, function, invalid
-from server.gateway.api.tools import ToolPlan, check_schema, forced_call_guide, render_messages, tools_system_text
+from server.gateway.api.tools import ToolPlan, check_schema, forced_call_guide, render_messages, tool_text_ends
 from server.gateway.errors import ServingError
 
 _TTLS = {"5m": TTL_5M_MS, "1h": TTL_1H_MS}
@@ -134,6 +136,9 @@ _CACHE_CONTROL_FIELDS = frozenset({"type", "ttl"})  # CacheControlEphemeralParam
 _CHOICE_FIELDS = {"auto": {"type", "disable_parallel_tool_use"}, "any": {"type", "disable_parallel_tool_use"},
                   "tool": {"type", "name", "disable_parallel_tool_use"}, "none": {"type"}}
 _TOOL_NAME = re.compile(r"[a-zA-Z0-9_-]{1,128}")  # fullmatch: Anthropic's ^[a-zA-Z0-9_-]{1,128}$
+# ThinkingConfig*Param (anthropic 2.15): each variant's fields
+_THINKING_FIELDS = {"enabled": frozenset({"type", "budget_tokens", "display"}), "disabled": frozenset({"type"}),
+                    "adaptive": frozenset({"type", "display"}), "between_tools": frozenset({"type"})}
 _REFUSED_FIELDS = ("mcp_servers", "container", "context_management", "diagnostics", "compaction", "billing_policy")
 
 
@@ -150,12 +155,35 @@ def _no_extra(obj: Mapping[str, Any], allowed: frozenset[str], field: str) -> No
 
 
 def refuse_unservable(body: MessagesInput) -> None:
-    # "adaptive" lets the model decide whether to think; this model never does, so it is served as is.
-    if body.thinking is not None and body.thinking.get("type") not in ("disabled", "adaptive"):
-        raise invalid("thinking", "extended thinking is not supported by this gateway")
+    if body.thinking is not None:
+        _thinking(body.thinking)
     for name in _REFUSED_FIELDS:
         if getattr(body, name) is not None:
             raise invalid(name, "not supported by this gateway")
+
+
+def _thinking(thinking: Mapping[str, Any]) -> None:
+    """``thinking``: each variant takes its SDK type's fields (``_THINKING_FIELDS``), checked by name and
+    type; "disabled" and "adaptive" (the model decides whether to think; this one never does) are
+    served as they are, the others refused (no extended thinking here)."""
+    kind = thinking.get("type")
+    if kind is None:
+        raise invalid("thinking.type", "Field required")
+    allowed = _THINKING_FIELDS.get(_str(kind) or "")
+    if allowed is None:
+        raise invalid("thinking.type", "must be one of " + ", ".join(f"'{k}'" for k in _THINKING_FIELDS))
+    _no_extra(thinking, allowed, "thinking")
+    display = thinking.get("display")
+    if display is not None and display not in ("summarized", "omitted"):
+        raise invalid("thinking.display", "must be 'summarized' or 'omitted'")
+    if kind == "enabled":
+        budget = thinking.get("budget_tokens")
+        if budget is None:
+            raise invalid("thinking.budget_tokens", "Field required")
+        if not isinstance(budget, int) or isinstance(budget, bool):
+            raise invalid("thinking.budget_tokens", "must be an integer")
+    if kind not in ("disabled", "adaptive"):
+        raise invalid("thinking", "extended thinking is not supported by this gateway")
 
 
 def _ttl_ms(ttl: Any, field: str) -> int:
@@ -210,10 +238,15 @@ def convert(body: MessagesInput, *, generate: bool = True) -> Conversation:
     functions = _functions(body.tools or [], points)
     tool_marks = len(points.marks)
     system = _system(body.system, points)
-    if tool_marks and system is not None:
-        # The tools come first in the system message (render_messages(tools_first=True)): a tool's
-        # breakpoint ends where their text ends, inside that message, before the system text.
-        points.marks[:tool_marks] = [TextMark(0, len(tools_system_text(functions)))] * tool_marks
+    if tool_marks:
+        # The tools open the system message (render_messages(tools_first=True)): a tool's breakpoint
+        # ends after that tool's line in their text, inside that message (before the tools after it
+        # and the system text); the last tool's after the whole tools text, which, without system
+        # text, is where the message ends.
+        ends = tool_text_ends(functions)
+        last = len(functions) - 1
+        points.marks[:tool_marks] = [1 if i == last and system is None else TextMark(0, ends[i])
+                                     for i in points.marks[:tool_marks]]
     out: list[dict] = []
     if system is not None or functions:
         out.append({"role": "system", "content": system or ""})  # render_messages puts the tools before it
@@ -257,7 +290,7 @@ def _functions(tools: Sequence[Any], points: _Breakpoints) -> list[dict]:
             raise invalid(f"{field}.name", f"tool names must be unique; '{defined['name']}' repeats")
         seen.add(defined["name"])
         functions.append(defined)
-        points.take(tool, field, 1)  # the tools live in the system message (message 0)
+        points.take(tool, field, i)  # the tool's index: its TextMark in message 0 once all tools are known (convert)
     return functions
 
 

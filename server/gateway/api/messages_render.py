@@ -22,7 +22,8 @@ outcome maps as::
     input_tokens                 the rest
 
 **Stream** (``event: <type>`` + ``data: <json>``): ``message_start`` (usage with the input
-split, known once the engine's first response is in), ``ping``, for the text a
+split, known once the engine's first response is in), ``ping`` (again every ~10 s while a tool call's
+text is held back: ``streaming.KEEP_ALIVE``), for the text a
 ``content_block_start`` / ``text_delta`` per delta / ``content_block_stop``, then per tool
 call a ``tool_use`` block with its input as one ``input_json_delta`` (calls are parsed at the
 end, as on the OpenAI path), ``message_delta`` (stop_reason, the final usage), ``message_stop``.
@@ -116,12 +117,14 @@ def _event(kind: str, payload: dict) -> bytes:
 
 
 _json_str = json.encoder.encode_basestring_ascii  # json.dumps(str) == _json_str(str) (ensure_ascii)
+_PING = _event("ping", {"type": "ping"})
 
 
 class MessagesDialect:
     """Renders ``/v1/messages`` answers (stateless)."""
 
     __slots__ = ()
+    keeps_alive = True  # a KEEP_ALIVE delta is a ping event (streaming.KEEP_ALIVE)
 
     def body(self, job: CompletionJob, outcome: Outcome) -> dict:
         content: list[dict] = []
@@ -139,14 +142,16 @@ class MessagesDialect:
     async def stream(self, job: CompletionJob, outcome: Outcome, deltas: AsyncIterator[str]) -> AsyncIterator[bytes]:
         message = {"id": "msg_" + secrets.token_hex(12), "type": "message", "role": "assistant", "model": job.model,
                    "content": [], "stop_reason": None, "stop_sequence": None, "usage": usage(job, outcome)}
-        yield _event("message_start", {"type": "message_start", "message": message}) + \
-            _event("ping", {"type": "ping"})
+        yield _event("message_start", {"type": "message_start", "message": message}) + _PING
         # Why: one event per token is the hot path; only the text changes (as on the OpenAI path).
         head, tail = _event("content_block_delta", {"type": "content_block_delta", "index": 0,
                                                     "delta": {"type": "text_delta", "text": "\x00"}}).split(b'"\\u0000"')
         index = 0
         try:
             async for delta in deltas:
+                if not delta:  # KEEP_ALIVE: a tool call's text is held back; a ping keeps proxies from timing out
+                    yield _PING
+                    continue
                 if index == 0:
                     index = 1
                     yield _event("content_block_start", {"type": "content_block_start", "index": 0,

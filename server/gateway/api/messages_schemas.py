@@ -24,17 +24,47 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 from pydantic_core import PydanticCustomError
 
-from server.gateway.api.openai_schemas import MAX_MESSAGES, MAX_TEXT_CHARS, MAX_TOOLS
+from server.gateway.api.openai_schemas import MAX_TEXT_CHARS, MAX_TOOLS
 
 MAX_STOP_SEQUENCES = 4  # as on the OpenAI routes (the stop matcher holds back the longest one)
+# Anthropic's own limit (the SDK's MessageCreateParams.messages: "a limit of 100,000 messages"); the
+# HTTP body limit bounds the rest. kvgate's own caps (README's Messages field table): MAX_BLOCKS content
+# blocks per message and system blocks, MAX_TOOLS tools, MAX_TEXT_CHARS characters per string.
+MAX_MESSAGES = 100_000
+MAX_BLOCKS = 1024
 
 Block = dict[str, Any]
+
+
+def _field_error(detail: str) -> PydanticCustomError:
+    # the detail goes in as context: braces in a client's text are never read as a template
+    return PydanticCustomError("invalid_value", "{detail}", {"detail": detail})
+
+
+def _text_or_blocks(value: Any, what: str) -> Any:
+    """A string of at most ``MAX_TEXT_CHARS`` or a list of at most ``MAX_BLOCKS`` items, checked before
+    the type, so that a breach names the field itself (a union's errors would name its member:
+    ``messages.0.content.constrained-str``). The items are checked one by one in ``messages_convert``."""
+    if isinstance(value, str):
+        if len(value) > MAX_TEXT_CHARS:
+            raise _field_error(f"String should have at most {MAX_TEXT_CHARS} characters, got {len(value)}")
+    elif isinstance(value, list):
+        if len(value) > MAX_BLOCKS:
+            raise _field_error(f"a maximum of {MAX_BLOCKS} {what} may be provided, got {len(value)}")
+    elif value is not None:
+        raise _field_error(f"must be a string or a list of {what}")
+    return value
 
 
 class MessageParam(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
     role: Literal["user", "assistant"]
-    content: Annotated[str, Field(max_length=MAX_TEXT_CHARS)] | Annotated[list[Block], Field(max_length=1024)]
+    content: str | list[Any]  # blocks: checked in messages_convert (a non-object is refused there)
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _content_bounds(cls, value: Any) -> Any:
+        return _text_or_blocks(value, "content blocks")
 
 
 class ToolChoice(BaseModel):
@@ -71,7 +101,7 @@ class MessagesInput(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
     model: Annotated[str, Field(min_length=1, max_length=256)]
     messages: Annotated[list[MessageParam], Field(min_length=1, max_length=MAX_MESSAGES)]
-    system: Annotated[str, Field(max_length=MAX_TEXT_CHARS)] | Annotated[list[Block], Field(max_length=1024)] | None = None
+    system: str | list[Any] | None = None  # blocks: checked in messages_convert
     tools: Annotated[list[Block], Field(max_length=MAX_TOOLS)] | None = None
     tool_choice: ToolChoice | None = None
     cache_control: dict[str, Any] | None = None  # automatic caching: a breakpoint on the last block
@@ -88,6 +118,11 @@ class MessagesInput(BaseModel):
     diagnostics: Any = None
     compaction: Any = None  # beta: a summary the server writes in place of the conversation
     billing_policy: Any = None  # beta: the API key names the tenant that is billed
+
+    @field_validator("system", mode="before")
+    @classmethod
+    def _system_bounds(cls, value: Any) -> Any:
+        return _text_or_blocks(value, "system blocks")
 
 
 class MessagesRequest(MessagesInput):

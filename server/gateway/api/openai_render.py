@@ -22,6 +22,9 @@ class OpenAIDialect:
     """Renders ``/v1/chat/completions`` and ``/v1/completions`` answers (stateless)."""
 
     __slots__ = ()
+    # A KEEP_ALIVE delta (streaming.KEEP_ALIVE) is an SSE comment line, which SSE clients skip
+    # (the openai SDK's SSEDecoder, curl, browsers' EventSource): no chunk the client must parse.
+    keeps_alive = True
 
     @staticmethod
     def usage(job: CompletionJob, outcome: Outcome) -> dict:
@@ -98,6 +101,10 @@ class OpenAIDialect:
             opening = b""
         try:
             async for delta in deltas:
+                if not delta:  # KEEP_ALIVE: a tool call's text is held back
+                    out, opening = opening + b": keep-alive\n\n", b""
+                    yield out
+                    continue
                 if simple:
                     # what json.dumps does for a str with its defaults, minus two calls
                     out = head + _json_str(delta).encode() + tail

@@ -32,6 +32,15 @@ from fastapi.responses import StreamingResponse
 # engine before its response starts. None (unset): nothing is watched.
 CLIENT_RECEIVE: ContextVar[Callable[[], Awaitable[dict]] | None] = ContextVar("kvgate_client_receive", default=None)
 
+# A stream's text deltas are never empty; an empty one is this: "send the dialect's keep-alive now".
+# The core yields it (``completions._generate_extended``) only to a dialect whose class says
+# ``keeps_alive = True`` (it renders one between its events: Anthropic's ``event: ping``, an SSE
+# comment on the OpenAI routes), while the text of a tool call is held back and nothing else goes
+# out, at most every KEEP_ALIVE_SECONDS (``CompletionRunner.keep_alive``): under the idle timeouts
+# of common proxies (nginx ``proxy_read_timeout`` 60 s, cloud load balancers 60 s).
+KEEP_ALIVE = ""
+KEEP_ALIVE_SECONDS = 10.0
+
 
 def run_once_shielded(cleanup: Callable[[], Awaitable[None]]) -> Callable[[], Awaitable[None]]:
     """``cleanup`` at most once, and always to its end.

@@ -48,6 +48,7 @@ from typing import Any
 
 from engines.contract import MAX_GUIDE_BYTES, MAX_GUIDE_DEPTH, Guide, json_depth
 from server.gateway import strict_json
+from server.gateway.api.stops import StopMatcher
 from server.gateway.errors import ServingError
 
 CALL_OPEN = "<tool_call>"
@@ -93,6 +94,18 @@ class ToolPlan:
 def tools_system_text(functions: Sequence[Mapping[str, Any]]) -> str:
     lines = [json.dumps({"type": "function", "function": dict(f)}, ensure_ascii=False) for f in functions]
     return _PREAMBLE + "\n".join(lines) + _POSTAMBLE
+
+
+def tool_text_ends(functions: Sequence[Mapping[str, Any]]) -> list[int]:
+    """Per function, where a cache breakpoint on it ends in :func:`tools_system_text`: after its own
+    line (the functions before it and itself, nothing after), the last one after the whole text
+    (its closing instructions too)."""
+    ends, at = [], len(_PREAMBLE)
+    for f in functions[:-1]:
+        at += len(json.dumps({"type": "function", "function": dict(f)}, ensure_ascii=False))
+        ends.append(at)
+        at += 1  # the "\n" that joins the lines
+    return [*ends, len(tools_system_text(functions))] if functions else []
 
 
 def render_messages(messages: Sequence[Mapping[str, Any]], functions: Sequence[Mapping[str, Any]], *,
@@ -235,6 +248,88 @@ class CallSplitter:
     def flush(self) -> str:
         out, self._pending = self._pending, ""
         return out
+
+
+class OutputRouter:
+    """The engine's text of a request with tools (or log probabilities) → the content the client reads,
+    and the text held for tool calls; the request's stop strings apply to the content only.
+
+    Invariants: a stop string never cuts a tool call. A forced call's output (``mode`` "forced", a
+    JSON-schema guide's form) is all held and never matched; in ``auto`` mode the content is the text
+    before the first ``<tool_call>`` (:func:`parse_tool_calls` reads no content after it), so stop
+    strings are matched up to there and not from there on: a stop string before a call ends the
+    answer (the call never happens), one inside or after a call block does not. Held text that does
+    not parse as a call becomes content at the end (:meth:`as_content`): cut at the first stop string
+    in it, as if it had been matched as it came. ``mode`` None: no tools, stop strings on all the text.
+    """
+
+    __slots__ = ("_matcher", "_splitter", "_forced", "_held")
+
+    def __init__(self, stops: tuple[str, ...], mode: str | None) -> None:
+        self._matcher = StopMatcher(stops) if stops else None
+        self._forced = mode == "forced"
+        self._splitter = CallSplitter() if mode == "auto" else None
+        self._held: list[str] = []  # forced: every piece (joined at the end)
+
+    @property
+    def holding(self) -> bool:
+        """Whether text now goes to a tool call, not to the client (a stream then waits for the call's end)."""
+        return self._forced or (self._splitter is not None and self._splitter.calling)
+
+    @property
+    def stopped(self) -> bool:
+        return self._matcher is not None and self._matcher.stopped
+
+    @property
+    def matched(self) -> str | None:
+        return self._matcher.matched if self._matcher is not None else None
+
+    @property
+    def held(self) -> str:
+        """The text kept for tool calls ("" when a stop string in the content ended the answer first)."""
+        if self.stopped:
+            return ""
+        if self._forced:
+            return "".join(self._held)
+        return self._splitter.held if self._splitter is not None else ""
+
+    def push(self, text: str) -> str:
+        """The content ``text`` adds (possibly "", text held back until it cannot start a stop string or a call)."""
+        if self._forced:
+            self._held.append(text)
+            return ""
+        splitter, matcher = self._splitter, self._matcher
+        if splitter is not None:
+            if splitter.calling:
+                splitter.push(text)  # held for the calls, never matched
+                return ""
+            text = splitter.push(text)
+        if matcher is None:
+            return text
+        out = matcher.push(text)  # "" once stopped
+        if splitter is not None and splitter.calling and not matcher.stopped:
+            out += matcher.flush()  # the content ended where the call began: nothing more can complete a stop string
+        return out
+
+    def flush(self) -> str:
+        """The content still held back when the generation ends (not the calls' text)."""
+        splitter, matcher = self._splitter, self._matcher
+        if self._forced or (splitter is not None and splitter.calling) or (matcher is not None and matcher.stopped):
+            return ""
+        text = splitter.flush() if splitter is not None else ""
+        if matcher is None:
+            return text
+        out = matcher.push(text)
+        return out if matcher.stopped else out + matcher.flush()
+
+    def as_content(self, held: str) -> str:
+        """Held ``auto`` text that is no call after all, as content: up to the first stop string in it
+        (which then ends the answer, :attr:`matched` naming it)."""
+        matcher = self._matcher
+        if matcher is None or matcher.stopped:
+            return held
+        out = matcher.push(held)
+        return out if matcher.stopped else out + matcher.flush()
 
 
 def check_schema(schema: dict | None, param: str) -> None:

@@ -17,6 +17,8 @@ from server.gateway.api.tools import (
     parse_forced,
     parse_tool_calls,
     render_messages,
+    tool_text_ends,
+    tools_system_text,
 )
 
 WEATHER = {"name": "get_weather", "description": "Weather in a city",
@@ -105,7 +107,7 @@ def test_token_texts_give_exact_bytes(tokenizer) -> None:
     assert texts.get(tokenizer.eos_token_id)[0] == "<|im_end|>"
 
 
-def _finish(tokenizer, text: str, *, limit_at_end: bool, mode: str = "auto"):
+def _finish(tokenizer, text: str, *, limit_at_end: bool, mode: str = "auto", stop: tuple[str, ...] = ()):
     """Run the core's generation loop over ``text`` as one engine stream (a token a chunk), the output
     limit exactly its length (``limit_at_end``) or far above it; the outcome it leaves."""
     import asyncio
@@ -115,7 +117,7 @@ def _finish(tokenizer, text: str, *, limit_at_end: bool, mode: str = "auto"):
 
     ids = tokenizer.encode(text)
     plan = ToolPlan({"get_weather": WEATHER}, mode)
-    job = SimpleNamespace(parses_tools=True, logprobs=None, tokenizer=tokenizer, stop=(), tools=plan,
+    job = SimpleNamespace(parses_tools=True, logprobs=None, tokenizer=tokenizer, stop=stop, tools=plan,
                           max_new_tokens=len(ids) if limit_at_end else len(ids) + 100)
 
     async def chunks():  # type: ignore[no-untyped-def]
@@ -152,3 +154,33 @@ def test_calls_that_end_exactly_at_the_limit_or_before_it_are_tool_calls(tokeniz
     forced = _finish(tokenizer, '{"name": "get_weather", "arguments": {"city": "Oslo"}}', limit_at_end=True,
                      mode="forced")
     assert forced.finish_reason == "tool_calls" and len(forced.tool_calls) == 1
+
+
+def test_stop_strings_apply_to_the_content_only_never_to_a_call(tokenizer) -> None:
+    """A stop string inside a call (forced or ``auto``) neither cuts the call nor leaks its markup; in
+    the content before a call it ends the answer, the call never made."""
+    forced = _finish(tokenizer, '{"name": "get_weather", "arguments": {"city": "Oslo"}}', limit_at_end=False,
+                     mode="forced", stop=("Oslo", "name"))
+    assert forced.finish_reason == "tool_calls" and forced.stop_sequence is None
+    assert [json.loads(c.arguments) for c in forced.tool_calls] == [{"city": "Oslo"}] and forced.text == ""
+    auto = _finish(tokenizer, "Checking.\n" + CALL, limit_at_end=False, stop=("Oslo", "</tool_call>"))
+    assert auto.finish_reason == "tool_calls" and auto.stop_sequence is None and auto.text == "Checking.\n"
+    assert [json.loads(c.arguments) for c in auto.tool_calls] == [{"city": "Oslo"}]
+    before = _finish(tokenizer, "Checking Oslo.\n" + CALL, limit_at_end=False, stop=("Oslo",))
+    assert (before.finish_reason, before.stop_sequence, before.text, before.tool_calls) == ("stop", "Oslo", "Checking ",
+                                                                                            [])
+    # held text that is no call after all is content: cut at the stop string in it
+    broken = _finish(tokenizer, "Sure <tool_call> Oslo is sunny", limit_at_end=False, stop=("sunny",))
+    assert (broken.finish_reason, broken.stop_sequence, broken.text) == ("stop", "sunny", "Sure <tool_call> Oslo is ")
+    # no call at all: stop strings as without tools
+    plain = _finish(tokenizer, "It is sunny in Oslo today.", limit_at_end=False, stop=("Oslo",))
+    assert (plain.finish_reason, plain.stop_sequence, plain.text) == ("stop", "Oslo", "It is sunny in ")
+
+
+def test_tool_text_ends_after_each_tools_line() -> None:
+    other = {**WEATHER, "name": "get_time"}
+    text = tools_system_text([WEATHER, other])
+    first, last = tool_text_ends([WEATHER, other])
+    assert text[:first].endswith('"required": ["city"]}}}') and "get_time" not in text[:first]
+    assert text[first] == "\n" and last == len(text)
+    assert tool_text_ends([WEATHER]) == [len(tools_system_text([WEATHER]))]
