@@ -57,8 +57,8 @@ Rate-limit figures: each decision also reports the request and token buckets as 
 (:class:`RateLevels` on the :class:`Lease`, or on the 429's :class:`AdmissionError`): after this
 request's own take when granted, untouched when refused; read under the lock (local) or returned
 by the same script call (Redis: no second round trip). The gateway sends them as OpenAI's
-``x-ratelimit-*`` or Anthropic's ``anthropic-ratelimit-*`` headers (:func:`openai_rate_headers`,
-:func:`anthropic_rate_headers`): remaining is the level rounded down, 0 for a debt; reset is when
+``x-ratelimit-*`` or Anthropic's ``anthropic-ratelimit-*`` headers (``server.gateway.rate_headers``:
+one builder per dialect): remaining is the level rounded down, 0 for a debt; reset is when
 the bucket would be full again with no further take. A tenant with neither rpm nor tpm gets no
 figures (``rate`` None) and its answers no such header; a refusal decided before any bucket is
 read (over a size cap, request too large, Redis away) has none either.
@@ -144,7 +144,7 @@ class RateLevels:
     """A tenant's request and token buckets right after one admission decision, read by that
     decision itself (under the lock; returned by the Redis script): after this request's own
     take when granted, untouched when refused. What the rate-limit response headers report
-    (:func:`openai_rate_headers`, :func:`anthropic_rate_headers`). A limit None (unlimited) has
+    (``server.gateway.rate_headers``). A limit None (unlimited) has
     no level. A level may be negative (a debt): reported as 0 remaining, and its reset is later
     than a minute. ``decided_at``: this process' ``time.monotonic()`` when the decision was in
     hand, so a reset sent later (a non-streamed answer, after its generation) counts from it."""
@@ -584,82 +584,3 @@ class RedisAdmission:
 
 def retry_after_header(error: AdmissionError) -> str:
     return str(max(1, math.ceil(error.retry_after or 1.0)))
-
-
-def retry_after_ms_header(error: AdmissionError) -> str:
-    """``retry-after-ms``: the wait to the millisecond (the OpenAI and Anthropic SDKs read it first)."""
-    return str(max(1, math.ceil((error.retry_after or 1.0) * 1000)))
-
-
-# Rate-limit response headers ------------------------------------------------------------------
-def _to_full(limit: int, level: float, elapsed: float) -> float:
-    """Seconds until the bucket is full again (no further take), counted from now."""
-    return max(0.0, (limit - level) * 60.0 / limit - elapsed)
-
-
-def reset_duration(seconds: float) -> str:
-    """OpenAI's ``x-ratelimit-reset-*`` format (Go's duration, to the millisecond): "20ms", "1s",
-    "8.64s", "6m0s", "1h0m0s"; "0s" for a full bucket."""
-    ms = math.ceil(seconds * 1000.0 - 1e-6)
-    if ms <= 0:
-        return "0s"
-    if ms < 1000:
-        return f"{ms}ms"
-    minutes, ms = divmod(ms, 60_000)
-    secs = f"{ms // 1000}s" if ms % 1000 == 0 else f"{ms // 1000}.{ms % 1000:03d}".rstrip("0") + "s"
-    if not minutes:
-        return secs
-    hours, minutes = divmod(minutes, 60)
-    return f"{hours}h{minutes}m{secs}" if hours else f"{minutes}m{secs}"
-
-
-def openai_rate_headers(rate: RateLevels) -> dict[str, str]:
-    """OpenAI's ``x-ratelimit-{limit,remaining,reset}-{requests,tokens}``, for the limits the tenant has."""
-    elapsed = time.monotonic() - rate.decided_at
-    headers: dict[str, str] = {}
-    if (limit := rate.requests_limit) is not None:
-        level = rate.requests_level
-        headers["x-ratelimit-limit-requests"] = str(limit)
-        headers["x-ratelimit-remaining-requests"] = str(max(0, math.floor(level)))
-        headers["x-ratelimit-reset-requests"] = reset_duration(_to_full(limit, level, elapsed))
-    if (limit := rate.tokens_limit) is not None:
-        level = rate.tokens_level
-        headers["x-ratelimit-limit-tokens"] = str(limit)
-        headers["x-ratelimit-remaining-tokens"] = str(max(0, math.floor(level)))
-        headers["x-ratelimit-reset-tokens"] = reset_duration(_to_full(limit, level, elapsed))
-    return headers
-
-
-def _rfc3339(seconds_from_now: float) -> str:
-    # Rounded up to the second: the bucket is full at that instant, not a moment after it.
-    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(math.ceil(time.time() + seconds_from_now)))
-
-
-def anthropic_rate_headers(rate: RateLevels) -> dict[str, str]:
-    """Anthropic's ``anthropic-ratelimit-{requests,tokens}-{limit,remaining,reset}`` (reset: when
-    the bucket is full again, RFC 3339 UTC), for the limits the tenant has."""
-    elapsed = time.monotonic() - rate.decided_at
-    headers: dict[str, str] = {}
-    if (limit := rate.requests_limit) is not None:
-        level = rate.requests_level
-        headers["anthropic-ratelimit-requests-limit"] = str(limit)
-        headers["anthropic-ratelimit-requests-remaining"] = str(max(0, math.floor(level)))
-        headers["anthropic-ratelimit-requests-reset"] = _rfc3339(_to_full(limit, level, elapsed))
-    if (limit := rate.tokens_limit) is not None:
-        level = rate.tokens_level
-        headers["anthropic-ratelimit-tokens-limit"] = str(limit)
-        headers["anthropic-ratelimit-tokens-remaining"] = str(max(0, math.floor(level)))
-        headers["anthropic-ratelimit-tokens-reset"] = _rfc3339(_to_full(limit, level, elapsed))
-    return headers
-
-
-def refusal_headers(error: AdmissionError, rate_headers) -> dict[str, str]:
-    """The headers of a refusal worth retrying (``retry_after`` set): ``Retry-After``; on a 429 also
-    ``retry-after-ms`` and the buckets as the refusing decision saw them, in the dialect's names
-    (``rate_headers``: :func:`openai_rate_headers` or :func:`anthropic_rate_headers`)."""
-    headers = {"Retry-After": retry_after_header(error)}
-    if error.status == 429:
-        headers["retry-after-ms"] = retry_after_ms_header(error)
-        if error.rate is not None:
-            headers.update(rate_headers(error.rate))
-    return headers

@@ -23,7 +23,7 @@ from typing import Annotated
 from fastapi import APIRouter, Depends, Header
 
 from engines.contract import SamplingParams
-from server.gateway.admission import anthropic_rate_headers
+from server.gateway.rate_headers import anthropic_rate_headers
 from server.gateway.api.completions import CompletionJob
 from server.gateway.api.messages_convert import Conversation, cache_hints, convert
 from server.gateway.api.messages_render import MESSAGES

@@ -56,7 +56,8 @@ from retention.policy.hints import CacheHints
 from retention.policy.planner import QuotaState, Segments, plan_retention
 from retention.policy.selection import AdaptiveSelector
 from retention.types import RetentionPlan
-from server.gateway.admission import Admission, AdmissionError, RateLevels, openai_rate_headers, refusal_headers
+from server.gateway.admission import Admission, AdmissionError, RateLevels
+from server.gateway.rate_headers import openai_rate_headers, refusal_headers
 from server.gateway.context import TenantContext
 from server.gateway.replicas.abort import GatewayShuttingDown
 from server.gateway.replicas.engine_client import EngineChunk, EngineClient, EngineRejected, EngineUnavailable

@@ -19,8 +19,8 @@ import httpx
 import openai
 import pytest
 
-from server.gateway.admission import (AdmissionError, Limits, LocalAdmission, anthropic_rate_headers,
-                                      openai_rate_headers, reset_duration)
+from server.gateway.admission import AdmissionError, Limits, LocalAdmission
+from server.gateway.rate_headers import anthropic_rate_headers, openai_rate_headers, reset_duration
 from tests.server.gateway.test_admission import FakeClock, _redis_up, make_admission  # noqa: F401
 from tests.server.gateway.test_admission_reservation import MODEL, FixedEngine, chat, start_gateway
 
