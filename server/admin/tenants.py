@@ -150,9 +150,18 @@ def get_usage(
     session: SessionDep,
     _actor: AdminActor,
     page: Paging,
-    start: Annotated[datetime | None, Query(alias="from", description="inclusive, ISO 8601 with offset")] = None,
-    end: Annotated[datetime | None, Query(alias="to", description="exclusive, ISO 8601 with offset")] = None,
+    start: Annotated[datetime | None, Query(
+        alias="from", description="inclusive, ISO 8601 with offset; a time inside a minute rounds up to the "
+        "next minute start")] = None,
+    end: Annotated[datetime | None, Query(
+        alias="to", description="exclusive, ISO 8601 with offset; a time inside a minute rounds up to the "
+        "next minute start")] = None,
 ) -> UsageReportPublic:
+    """Totals and per-minute rows (oldest first) over ``[from, to)``, half-open on minute buckets.
+
+    A minute is in the window iff its start is: both bounds round up to the next minute start,
+    so windows cut at the same instant (on a minute or not) never share a minute and sum to
+    the whole, and ``from == to`` is empty. ``start``/``end`` echo the bounds as given."""
     bounds = {}
     for name, value in (("from", start), ("to", end)):
         if value is not None and value.tzinfo is None:

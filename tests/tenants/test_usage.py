@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import threading
-from datetime import UTC, datetime, timedelta
+from datetime import UTC, datetime, timedelta, timezone
 
 import pytest
 from sqlalchemy import func, select
@@ -11,8 +11,8 @@ from sqlalchemy import func, select
 from tenants import UsageRow, record_usage, tenant
 from tenants.errors import InvalidField
 from tenants.models import Usage, UsageFlush
-from tenants.usage import usage_report
-from tests.tenants.factories import ACTOR, make_placement, make_tenant, now
+from tenants.usage import CLOCK_SKEW_TOLERANCE, UsageApplied, apply_usage, usage_report
+from tests.tenants.factories import ACTOR, make_class, make_placement, make_pool, make_tenant, now
 
 # After the tenants' creation: a row of a minute before its tenant was created is dropped.
 T0 = (datetime.now(UTC) + timedelta(days=1)).replace(second=0, microsecond=0)
@@ -79,3 +79,54 @@ def test_concurrent_duplicate_flush_counts_once(db) -> None:  # type: ignore[no-
     assert sorted(results, key=str) == [False, False, False, True], results
     with db.factory() as s:
         assert s.scalar(select(func.sum(Usage.prompt_tokens))) == 100
+
+
+def _requests(session, **window) -> int:  # type: ignore[no-untyped-def]
+    return usage_report(session, tenant="acme", **window)[0].requests
+
+
+def test_windows_are_half_open_on_minute_buckets(session) -> None:  # type: ignore[no-untyped-def]
+    t = make_placement(session)
+    record_usage(session, flush_id="f", rows=[UsageRow(t.id, T0 + timedelta(seconds=10), 1, 100, 10),
+                                              UsageRow(t.id, T0 + timedelta(seconds=50), 1, 100, 10),
+                                              UsageRow(t.id, T0 + timedelta(minutes=1), 1, 1, 1)])
+    before, after = T0 - timedelta(hours=1), T0 + timedelta(hours=1)
+    assert _requests(session, start=before, end=after) == 3
+    for cut in (T0 + timedelta(seconds=30), T0 + timedelta(microseconds=1), T0 + timedelta(seconds=59),
+                T0, T0 + timedelta(minutes=1)):
+        halves = _requests(session, start=before, end=cut), _requests(session, start=cut, end=after)
+        assert sum(halves) == 3, (cut, halves)  # each minute in exactly one of two adjacent windows
+        assert _requests(session, start=cut, end=cut) == 0  # [x, x) is empty
+    # a minute is in the window iff its start is: T0's minute starts before T0+30s, T0+1min's after
+    assert _requests(session, start=before, end=T0 + timedelta(seconds=30)) == 2
+    assert _requests(session, start=T0 + timedelta(seconds=30), end=T0 + timedelta(minutes=1, seconds=30)) == 1
+    # a bound in another offset is the same instant
+    tz = timezone(timedelta(hours=5, minutes=30))
+    assert _requests(session, start=(T0 + timedelta(seconds=30)).astimezone(tz)) == 1
+    # the ends of time: no minute starts after 9999-12-31T23:59:30Z, every minute before it
+    end_of_time = datetime(9999, 12, 31, 23, 59, 30, tzinfo=UTC)
+    assert _requests(session, start=end_of_time) == 0 and _requests(session, end=end_of_time) == 3
+
+
+def test_a_gateway_clock_behind_the_admin_server_still_bills_a_new_tenant(session, caplog) -> None:  # type: ignore[no-untyped-def]
+    make_pool(session)
+    make_class(session)
+    created = (datetime.now(UTC) + timedelta(minutes=30)).replace(second=0, microsecond=300_000)
+    t = tenant.create_tenant(session, actor=ACTOR, now=created, slug="acme", display_name="A", pool="gpu-a",
+                             retention_class="gold")
+    # answered 0.5 s after the creation by a gateway 1 s behind: its minute is the one before
+    behind = created + timedelta(seconds=0.5) - timedelta(seconds=1)
+    applied = apply_usage(session, flush_id="skew", rows=[UsageRow(t.id, behind, 1, 1000, 200)])
+    assert applied == UsageApplied(True, written=1)
+    assert _requests(session) == 1 and session.get(UsageFlush, "skew").row_count == 1
+    # within the tolerance: counted; beyond it: dropped, logged, and said so
+    edge = created.replace(microsecond=0) - CLOCK_SKEW_TOLERANCE
+    with caplog.at_level("WARNING", logger="kvgate.tenants.usage"):
+        applied = apply_usage(session, flush_id="far", rows=[UsageRow(t.id, edge, 1, 1, 1),
+                                                             UsageRow(t.id, edge - timedelta(seconds=1), 1, 1, 1),
+                                                             UsageRow(t.id + 1000, edge, 1, 1, 1)])
+    assert applied == UsageApplied(True, written=1, dropped_unknown_tenant=1, dropped_before_creation=1)
+    assert applied.dropped == 2 and session.get(UsageFlush, "far").row_count == 1
+    assert any("1 row(s) dropped" in r.getMessage() and "far" in r.getMessage() for r in caplog.records)
+    assert _requests(session) == 2
+    assert apply_usage(session, flush_id="far", rows=[]) == UsageApplied(False)  # applied before: nothing now

@@ -59,6 +59,16 @@ def _field_errors(exc: RequestValidationError) -> str:
     return "; ".join(parts) or "invalid request"
 
 
+def num(value: Any) -> Any:
+    """A count with thousands separators; an int exactly (a float has 53 bits: 2**53 + 1 would
+    show as 2**53), a float to the unit, anything else as it is."""
+    if value is None:
+        return "—"
+    if isinstance(value, int):
+        return f"{value:,}"
+    return f"{value:,.0f}" if isinstance(value, float) else value
+
+
 def build(*, api_app: Any, idle_s: float, max_age_s: float) -> FastAPI:
     app = FastAPI(title="kvgate console", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.sessions = SessionStore(idle_s=idle_s, max_age_s=max_age_s)
@@ -66,7 +76,7 @@ def build(*, api_app: Any, idle_s: float, max_age_s: float) -> FastAPI:
     templates = Jinja2Templates(directory=str(HERE / "templates"))  # autoescapes .html
     templates.env.globals.update(base=CONSOLE_PREFIX, q=q, states=REPLICA_STATES)
     templates.env.filters["pct"] = lambda v: "—" if v is None else f"{v * 100:.1f}%"
-    templates.env.filters["num"] = lambda v: "—" if v is None else (f"{v:,.0f}" if isinstance(v, (int, float)) else v)
+    templates.env.filters["num"] = num
     templates.env.filters["when"] = lambda v: "—" if not v else str(v).replace("T", " ")[:19]
     app.mount("/static", StaticFiles(directory=str(HERE / "static")), name="static")
     sessions: SessionStore = app.state.sessions

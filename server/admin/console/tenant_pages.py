@@ -131,7 +131,9 @@ def register(app: FastAPI, console: Console) -> None:
         if listing is not None:
             keys = listing["items"]
             paging = pager(f"/tenants/{ref}", offset=offset, limit=limit, total=listing["total"], shown=len(keys))
-        since = (datetime.now(UTC) - timedelta(days=1)).isoformat()
+        # On a minute start: the API rounds a bound inside a minute up, which would leave out the
+        # first of the last 24 h's minutes.
+        since = (datetime.now(UTC) - timedelta(days=1)).replace(second=0, microsecond=0).isoformat()
         usage, usage_error = await maybe(request, session, f"/tenants/{ref}/usage", limit=60, **{"from": since})
         return {"tenant": tenant, "keys": keys, "keys_paging": paging, "usage": usage, "usage_error": usage_error,
                 **await kv_context(request, session, slug)}

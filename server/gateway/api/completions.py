@@ -22,10 +22,10 @@ fails after the stream started. Invariants:
   when its replica fails or stalls mid-answer it is run again on another one (the router's
   retry budget, :class:`~server.gateway.replicas.stall.EngineRestart`), and what the failed
   attempt generated is dropped;
-* metrics are recorded once per admitted request; usage once per admitted request whose
-  answer the client received (a 503/504 instead of a non-streamed answer is not billed,
-  whatever the engine generated before failing; a stream that failed after its start is
-  billed the tokens it sent), with the tokens actually generated, and the usage is durable
+* metrics are recorded once per admitted request; usage once per admitted request an engine
+  served (a 503/504 instead of a non-streamed answer is not billed, whatever the engine generated
+  before failing, nor a client gone before the engine's first response; a stream that failed after
+  its start is billed the tokens it sent), with the tokens actually generated, and the usage is durable
   before the answer's end reaches the client (a JSON body is built after it; a stream's
   closing frames are held until it);
 * a streamed response starts (status 200, headers) only once the engine's first response
@@ -524,6 +524,7 @@ class CompletionRunner:
             try:
                 with UntilDisconnect(receive) as watch:  # the client may leave while the first token is awaited
                     await primed.prime()
+                outcome.first_kv = primed.first.kv if primed.first is not None else None  # the engine served it
                 if watch.gone:
                     raise _client_gone()
             except BaseException as exc:
@@ -538,8 +539,6 @@ class CompletionRunner:
                 raise
             if primed.first_at is not None and request.streaming:
                 outcome.ttft = primed.first_at - started
-            if primed.first is not None:  # what the prompt reused is known now (a dialect may say so first)
-                outcome.first_kv = primed.first.kv
             headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **self._replica_header(job)}
             if lease.rate is not None:  # a tenant with rpm or tpm: the buckets as its decision left them
                 headers.update(rate_headers(lease.rate))
@@ -630,11 +629,12 @@ class CompletionRunner:
         if self._guard is not None:
             ttft = latency if outcome.no_first_token else outcome.ttft  # at least the first-token deadline
             self._guard.observe(tenant.pool.name, outcome.arm, ttft=ttft, inter_token=inter_token, kv=outcome.kv)
-        # Billing: a request whose answer the client did not get (503 engine_unavailable or 504
-        # engine_timeout instead of it; the client is told to retry) is not usage, whatever the
-        # engine generated before failing. A stream that failed after its start is billed what
-        # it sent (the client has those tokens).
-        if outcome.status != "engine_error" or (job.stream and outcome.completion_tokens):
+        # Billing: a request whose answer the client did not get (503/504 instead of it; the client is told to retry)
+        # is not usage, whatever the engine generated before failing, nor one no engine served (its client left
+        # before the engine's first response). A stream that failed after its start is billed what it sent.
+        unserved = outcome.kv is None and outcome.first_kv is None and not outcome.completion_tokens
+        if outcome.status == "ok" or (outcome.status == "client_gone" and not unserved) or \
+                (job.stream and outcome.completion_tokens):
             durable = self._usage(tenant.tenant_id, job.prompt.total, outcome.completion_tokens)
             if durable is not None:
                 await durable

@@ -4,7 +4,8 @@ Before a response starts nothing is sent, so only the request's ``receive`` tell
 client left (``http.disconnect``). A non-streamed answer is generated whole before anything
 is sent, and a stream waits for its first token: in both, a client that left must cancel the
 engine call then (not at the answer's end, billed for nobody), and the router must not retry
-the request on another replica when the first-token deadline passes.
+the request on another replica when the first-token deadline passes. No engine served it, so it
+is not usage.
 
 Two replicas (the KServe double of ``test_stream_stall``) that hold every call until it is
 cancelled; a raw socket client sends a request and closes the connection once a replica
@@ -53,6 +54,7 @@ def test_a_client_leaving_before_the_answer_cancels_the_engine_call_at_once_and_
     try:
         started, cancelled = replicas.total("started"), replicas.total("cancelled")
         gone = gateway.metric("kvgate_requests_total", tenant="gone", status="client_gone")
+        billed = gateway.usage("gone")
         sock = send(gateway, gateway.body(stream=stream, max_tokens=4))
         wait_until(lambda: replicas.total("active") == 1, what="a replica holds the request")
         sock.close()
@@ -69,8 +71,12 @@ def test_a_client_leaving_before_the_answer_cancels_the_engine_call_at_once_and_
         assert gateway.metric("kvgate_requests_total", tenant="gone", status="client_gone") == gone + 1
         route = gateway.services.routing.pools["scripted"]
         assert all(r.in_flight == 0 and r.breaker.closed for r in route.replicas.values())
+        # no engine served it (no response, no token): not usage, as when the first-token deadline
+        # ends the same wait (504); the usage flush (every 0.3 s) has run several times since
+        assert gateway.usage("gone") == billed
     finally:
         replicas.heal()
-    # the slot is free (limit 1): the next request is served
+    # the slot is free (limit 1): the next request is served, and billed
     response = gateway.chat("gone", max_tokens=2, stream=stream)
     assert response.status_code == 200, response.text
+    wait_until(lambda: gateway.usage("gone")[0] == billed[0] + 1, timeout=5, what="the served request billed")
