@@ -195,6 +195,7 @@ def build_gateway_services(*, session_factory, pepper: str, tokenizer_for, admis
     journal = (UsageJournal(usage_journal_dir, registry=registry_id, fsync=usage_journal_fsync)
                if usage_journal_dir is not None else None)
     usage = UsageRecorder(session_factory, journal=journal)
+    metrics.watch_usage(usage.stats)
     guards = SloGuards(session_factory=session_factory, pools=lambda: list(engines.pools.values()), registry=registry)
     captures = TraceCaptures(session_factory, trace_dir, registry) if trace_dir is not None else None
     holds = ConversationHolds(store_ttl_ms=int(responses_ttl_s * 1000))  # one per process; the store's TTL caps a hold

@@ -2,8 +2,11 @@
 
 Layout: one *segment* file per usage batch, ``<dir>/usage-<registry>-<flush_id>.jsonl``
 (``registry``: a fingerprint of the registry database, so gateways of different registries
-sharing a directory never replay each other's segments), one JSON line
+sharing a directory never replay each other's segments; it names the database, not how it is
+reached: see :func:`registry_fingerprint`), one JSON line
 per answered request (``{"t": tenant_id, "m": unix minute, "p": prompt, "c": completion}``).
+A segment the registry refuses for good is moved to ``<dir>/quarantine/`` (never replayed
+again; an operator's to inspect).
 The segment's file name carries the ``flush_id`` its batch is written to the registry with
 (``tenants.usage.record_usage``, applied at most once), so replaying a segment after a
 crash can never double count: a batch the dead gateway already committed is refused by its
@@ -12,10 +15,15 @@ id, one it had not is applied once.
 Invariants:
 
 * a segment is *owned* by the process holding an exclusive ``flock`` on it, from its
-  creation (or adoption at start) until it is applied and unlinked; a gateway adopts only
-  segments whose lock it can take, i.e. whose owner died. Several gateways may therefore
+  creation (or adoption) until it is applied and unlinked (or quarantined); a gateway adopts
+  only segments whose lock it can take, i.e. whose owner died. Several gateways may therefore
   share one directory (a restarted pod replays what a dead one left), and a live
-  segment is never replayed behind its owner's back;
+  segment is never replayed behind its owner's back. A segment is created under a hidden
+  temporary name (``.usage-…jsonl.new``, which no scan adopts), locked, and only then renamed
+  into place, so no scan ever sees an unlocked live segment;
+* adoption is bounded: :meth:`UsageJournal.adopt_orphans` takes at most ``limit`` segments per
+  call (one descriptor each) and leaves the rest, and any file it cannot open or read now
+  (``EMFILE``, ``EIO``), on disk for a later call (``orphans_left``);
 * :meth:`UsageJournal.append` returns once the line is on disk (``write`` + ``fsync``;
   a new segment also fsyncs the directory so its name survives). Appends are group
   committed: every line that arrives while one ``fsync`` runs goes into the next one, so
@@ -23,7 +31,15 @@ Invariants:
   (``KVGATE_USAGE_JOURNAL_SYNC=write``) it returns once the line is written, with no ``fsync``
   of the segment or of the directory (below);
 * a torn or unreadable line (a write the kill interrupted, whose group therefore never
-  completed and whose request was not acknowledged as recorded) is skipped at replay.
+  completed and whose request was not acknowledged as recorded) is skipped at replay, and
+  counted (``unreadable_lines``). So is a line whose values the registry cannot store: a
+  tenant id that is no storable id, tokens outside ``0 <= n < 2**53``, a minute outside
+  2000–2100. After a failed group (a short write on a full disk) the segment's next group
+  starts with a newline, so an acknowledged line is never glued to a torn one;
+* replay keeps one row per (tenant, minute) of a segment, not one per line;
+* after :meth:`UsageJournal.close` nothing is written: an append fails (``OSError``), and so
+  does a queued line of a closed segment; only a line of an *applied* (discarded) segment is
+  dropped silently, its row being in the committed batch already.
 
 What it costs, and why the ``fsync`` stays before the answer. At one client the journal costs
 1.12 × (JSON) and 1.19 × (streamed) the gateway CPU per request of a gateway without it
@@ -59,34 +75,65 @@ from __future__ import annotations
 
 import asyncio
 import fcntl
+import errno
 import hashlib
+import io
 import json
 import logging
 import os
 import queue
 import secrets
 import threading
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
 
 from sqlalchemy import make_url
 
+from tenants.common import storable_id
 from tenants.usage import UsageRow
 
 log = logging.getLogger("kvgate.gateway.usage")
 PREFIX, SUFFIX = "usage-", ".jsonl"
+TEMP_SUFFIX = ".new"  # a segment being created: ".usage-<registry>-<flush_id>.jsonl.new"
+QUARANTINE = "quarantine"  # segments the registry refused for good
+ADOPT_CHUNK = 32  # segments adopted (one descriptor each) per adopt_orphans call
+STALE_TEMP_S = 60.0  # a temporary older than this, unlocked, is a crashed creation's leftover
+MAX_TOKENS = 2**53  # a line's token counts are below this (sums of a batch stay in BIGINT)
+MIN_MINUTE, MAX_MINUTE = 946_684_800 // 60, 4_102_444_800 // 60  # 2000-01-01 .. 2100-01-01 UTC
+
+
+# Query options naming which database (and schema) a URL reaches; every other option (sslmode,
+# connect_timeout, application_name, keepalives ...) says only how it is reached.
+_IDENTITY_OPTIONS = frozenset({"dbname", "database", "host", "hostaddr", "port", "service", "options"})
+_DEFAULT_PORTS = {"postgresql": 5432}
 
 
 def registry_fingerprint(database_url: str) -> str:
-    """Names one registry whatever the credentials: dialect, host, port, database (SQLite: the file), options."""
+    """Names one registry whatever the credentials, the driver and the connection options.
+
+    Hashed: the dialect, the host (lower case), the port (the dialect's default when left
+    implicit), the database (SQLite: the resolved file), and only the query options that pick
+    the database or schema (``_IDENTITY_OPTIONS``, e.g. a ``search_path`` in ``options``).
+    The same database reached by another host name or through a pooler still hashes apart:
+    the URL alone cannot tell; such segments are counted and warned of at start
+    (:meth:`UsageJournal.foreign_segments`). A URL spelled with an explicit default port and
+    no options hashes as it did before this normalization (the documented form), so an
+    upgraded gateway replays what the previous version left."""
     url = make_url(database_url)
+    backend = url.get_backend_name()
     database = url.database or ""
-    if url.get_backend_name() == "sqlite" and database and database != ":memory:":
-        database = str(Path(database).resolve())
-    query = sorted((k, str(v)) for k, v in url.query.items())  # e.g. a search_path option: another schema
-    ident = f"{url.get_backend_name()}|{url.host or ''}|{url.port or ''}|{database}|{query}"
+    if backend == "sqlite":
+        if database and database != ":memory:":
+            database = str(Path(database).resolve())
+        host, port, query = "", "", []  # SQLite's options (mode, timeout, uri) never pick another file
+    else:
+        host = (url.host or "").lower()
+        port = url.port or _DEFAULT_PORTS.get(backend) or ""
+        query = sorted((k, str(v)) for k, v in url.query.items() if k.lower() in _IDENTITY_OPTIONS)
+    ident = f"{backend}|{host}|{port}|{database}|{query}"
     return hashlib.sha256(ident.encode()).hexdigest()[:12]
 
 
@@ -104,7 +151,9 @@ class Segment:
     synced_dir: bool = False
     buffer: list[bytes] = field(default_factory=list)
     writing: bool = False  # a group commit is writing this segment's lines now
-    discarded: bool = False
+    discarded: bool = False  # applied and unlinked: a queued line of it is dropped, not failed
+    retired: bool = False  # discarded, quarantined or closed: the fd goes once no write runs
+    torn: bool = False  # the last group failed, perhaps half written: the next starts with a newline
 
     def close(self) -> None:
         if self.fd >= 0:
@@ -118,24 +167,47 @@ def encode(tenant_id: int, minute: datetime, prompt_tokens: int, completion_toke
                       separators=(",", ":")).encode() + b"\n"
 
 
-def decode(data: bytes) -> list[UsageRow]:
-    """The rows of a segment's bytes; lines that are not complete, valid records are skipped."""
-    rows = []
-    lines = data.split(b"\n")
-    lines.pop()  # after the last newline: empty, or a line the kill tore
+def _count(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < MAX_TOKENS
+
+
+def decode_lines(lines: Iterable[bytes]) -> tuple[list[UsageRow], int]:
+    """The rows of a segment's lines, merged per (tenant, minute), and how many lines were skipped.
+
+    Skipped: a last line without its newline (torn by a kill), and any line that is not a
+    complete record the registry can store (see the module docstring)."""
+    merged: dict[tuple[int, int], list[int]] = {}
+    skipped = 0
     for line in lines:
-        if not line:
+        if not line.endswith(b"\n"):  # after the last newline: a line the kill tore
+            skipped += 1
+            continue
+        if not line.strip():
             continue
         try:
             r = json.loads(line)
-            row = UsageRow(int(r["t"]), datetime.fromtimestamp(int(r["m"]) * 60, UTC), 1, int(r["p"]), int(r["c"]))
-        except (ValueError, KeyError, TypeError):
-            log.warning("usage journal: skipped an unreadable line")
+            t, m, p, c = r["t"], r["m"], r["p"], r["c"]
+        except (ValueError, KeyError, TypeError, ArithmeticError, RecursionError):
+            skipped += 1
             continue
-        if row.prompt_tokens < 0 or row.completion_tokens < 0:
+        if not (storable_id(t) and isinstance(m, int) and not isinstance(m, bool) and MIN_MINUTE <= m < MAX_MINUTE
+                and _count(p) and _count(c)):
+            skipped += 1
             continue
-        rows.append(row)
-    return rows
+        acc = merged.get((t, m))
+        if acc is None:
+            merged[(t, m)] = [1, p, c]
+        else:
+            acc[0] += 1
+            acc[1] += p
+            acc[2] += c
+    rows = [UsageRow(t, datetime.fromtimestamp(m * 60, UTC), *counts) for (t, m), counts in merged.items()]
+    return rows, skipped
+
+
+def decode(data: bytes) -> list[UsageRow]:
+    """The rows of a segment's bytes (merged per tenant and minute); unreadable lines are skipped."""
+    return decode_lines(io.BytesIO(data))[0]
 
 
 class _Writer:
@@ -206,46 +278,118 @@ class UsageJournal:
         self._draining = False
         self._waiters: list[asyncio.Future] = []
         self._dirty: list[Segment] = []  # segments with buffered lines, in first-append order
+        self._closed = False
         self.fsyncs = 0  # group commits done (for the benchmark)
+        self.orphans_left = True  # the directory may hold segments not adopted yet (never scanned: yes)
+        self.unreadable_lines = 0  # lines skipped at adoption (torn, unreadable, unstorable)
 
     # Start: adopt what dead gateways left ----------------------------------------------------
-    def adopt_orphans(self) -> list[tuple[Segment, list[UsageRow]]]:
-        """Lock and read every segment whose owner is gone; empty ones are removed at once."""
+    def adopt_orphans(self, limit: int = ADOPT_CHUNK) -> list[tuple[Segment, list[UsageRow]]]:
+        """Lock and read at most ``limit`` segments whose owner is gone; empty ones are removed at once.
+
+        A file that cannot be opened, locked or read now is left where it is (logged), and so
+        is everything past ``limit``: ``orphans_left`` says whether another call may find more."""
         self.directory.mkdir(parents=True, exist_ok=True)
-        adopted = []
+        self._remove_stale_temporaries()
+        adopted: list[tuple[Segment, list[UsageRow]]] = []
+        self.orphans_left = False
+        failed: list[str] = []
         for path in sorted(self.directory.glob(f"{self._prefix}*{SUFFIX}")):
+            if len(adopted) >= limit:
+                self.orphans_left = True
+                break
             try:
                 fd = os.open(path, os.O_RDWR)
             except FileNotFoundError:  # applied and removed by its owner meanwhile
                 continue
+            except OSError as exc:
+                failed.append(f"{path.name}: {exc.strerror}")
+                if exc.errno in (errno.EMFILE, errno.ENFILE):  # the next open fails too: stop here
+                    break
+                continue
+            segment = Segment(path.name[len(self._prefix):-len(SUFFIX)], path, fd, synced_dir=True)
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
-                os.close(fd)  # a live gateway's segment
+                segment.close()  # a live gateway's segment (ours included)
+                continue
+            except OSError as exc:
+                segment.close()
+                failed.append(f"{path.name}: {exc.strerror}")
                 continue
             if not path.exists():  # unlinked between our open and our lock: already applied
-                os.close(fd)
+                segment.close()
                 continue
-            segment = Segment(path.name[len(self._prefix):-len(SUFFIX)], path, fd, synced_dir=True)
-            with open(fd, "rb", closefd=False) as f:
-                rows = decode(f.read())
+            try:
+                with os.fdopen(fd, "rb", closefd=False) as f:
+                    rows, skipped = decode_lines(f)  # line by line: a long outage's segment is not read whole
+            except OSError as exc:
+                segment.close()  # its lock goes with it: a later call (or gateway) tries again
+                failed.append(f"{path.name}: {exc.strerror}")
+                continue
+            if skipped:
+                self.unreadable_lines += skipped
+                log.warning("usage journal: skipped %d unreadable line(s) of %s", skipped, path.name)
             if rows:
                 adopted.append((segment, rows))
             else:
                 self.discard(segment)
+        if failed:
+            self.orphans_left = True
+            log.warning("usage journal: %d segment(s) could not be adopted now, left for later (%s)",
+                        len(failed), "; ".join(failed[:3]))
         return adopted
+
+    def foreign_segments(self) -> int:
+        """Segments in the directory of another registry fingerprint: never replayed by this gateway."""
+        try:
+            return sum(1 for p in self.directory.glob(f"{PREFIX}*{SUFFIX}") if not p.name.startswith(self._prefix))
+        except OSError:
+            return 0
+
+    def _remove_stale_temporaries(self) -> None:
+        """Creations that crashed before their rename: empty, unlocked and old (a live one is locked at once)."""
+        for path in self.directory.glob(f".{self._prefix}*{SUFFIX}{TEMP_SUFFIX}"):
+            try:
+                if time.time() - path.stat().st_mtime < STALE_TEMP_S:
+                    continue
+                fd = os.open(path, os.O_RDONLY)
+            except OSError:
+                continue
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                path.unlink()
+            except OSError:
+                pass
+            finally:
+                os.close(fd)
 
     # Writing ---------------------------------------------------------------------------------
     def new_segment(self) -> Segment:
+        """A new segment, locked before its name can be seen by any scan (module docstring)."""
+        if self._closed:
+            raise OSError(errno.EBADF, "usage journal closed")
         flush_id = new_flush_id()
         path = self.directory / f"{self._prefix}{flush_id}{SUFFIX}"
+        temporary = self.directory / f".{path.name}{TEMP_SUFFIX}"
         self.directory.mkdir(parents=True, exist_ok=True)
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_APPEND, 0o600)
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # new file: nobody else can hold it
+        fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_APPEND, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # a fresh file: only a stale-temporary sweep could race
+            os.rename(temporary, path)
+        except BaseException:
+            os.close(fd)
+            try:
+                temporary.unlink()
+            except OSError:
+                pass
+            raise
         return Segment(flush_id, path, fd)
 
     def append(self, segment: Segment, line: bytes) -> asyncio.Future:
         """Queue ``line`` for ``segment`` now; the future completes once it is durable (group commit)."""
+        if self._closed:
+            raise OSError(errno.EBADF, "usage journal closed")
         waiter = asyncio.get_running_loop().create_future()
         with self._lock:
             if not segment.buffer:
@@ -268,7 +412,7 @@ class UsageJournal:
 
         Every waiter learns its own group's outcome; a group's lines are on disk before its
         waiters are completed. A failed group fails its waiters only: the next group is
-        tried afresh."""
+        tried afresh, on a new line of each segment it touched (``torn``)."""
         while True:
             with self._lock:
                 if not self._waiters:
@@ -285,7 +429,9 @@ class UsageJournal:
             with self._lock:
                 for segment, _ in groups:
                     segment.writing = False
-                    if segment.discarded:
+                    if error is not None:
+                        segment.torn = True
+                    if segment.retired:
                         segment.close()
             loops: dict[asyncio.AbstractEventLoop, list[asyncio.Future]] = {}
             for waiter in waiters:
@@ -309,11 +455,16 @@ class UsageJournal:
     def _write_groups(self, groups: list[tuple[Segment, bytes]]) -> None:
         for segment, data in groups:
             if segment.fd < 0:
-                continue
+                if segment.discarded:  # applied: these lines' rows are in the committed batch
+                    continue
+                raise OSError(errno.EBADF, "usage journal segment closed")
+            if segment.torn:  # the last group may have left a line without its newline
+                data = b"\n" + data
             view = memoryview(data)
             while view:
                 written = os.write(segment.fd, view)
                 view = view[written:]
+            segment.torn = False
             if self._fsync:
                 os.fsync(segment.fd)
                 if not segment.synced_dir:  # the new file's name must survive too
@@ -332,15 +483,38 @@ class UsageJournal:
         except FileNotFoundError:
             pass
         with self._lock:
-            segment.discarded = True
+            segment.discarded = segment.retired = True
             if not segment.writing:
                 segment.close()
 
+    def quarantine(self, segment: Segment) -> Path:
+        """Move a segment the registry refuses for good to ``quarantine/`` (never adopted again), then drop its lock."""
+        target_dir = self.directory / QUARANTINE
+        target_dir.mkdir(exist_ok=True)
+        target = target_dir / segment.path.name
+        os.rename(segment.path, target)  # still locked: no scan adopts it in between
+        if self._fsync:
+            for directory in (target_dir, self.directory):
+                dir_fd = os.open(directory, os.O_RDONLY)
+                try:
+                    os.fsync(dir_fd)
+                finally:
+                    os.close(dir_fd)
+        segment.path = target
+        with self._lock:
+            segment.retired = True
+            if not segment.writing:
+                segment.close()
+        return target
+
     def close(self, segments: list[Segment]) -> None:
         """Release the locks (the files stay, for the next start to replay); stop the writer
-        thread once its queued writes are done (a later append starts it again)."""
+        thread once its queued writes are done. Nothing is written after this: a later append
+        fails, and so does a line still queued for one of these segments."""
+        self._closed = True
         self._writer.stop()
         with self._lock:
             for segment in segments:
+                segment.retired = True
                 if not segment.writing:
                     segment.close()

@@ -199,6 +199,44 @@ class SyncCollector(Collector):
         yield resubscribes
 
 
+class UsageCollector(Collector):
+    """The usage recorder's figures at scrape time (``server.gateway.usage.UsageRecorder.stats``):
+    what waits for the registry, and what the journal and the registry refused."""
+
+    def __init__(self, stats: Callable[[], Mapping[str, int]]) -> None:
+        self._stats = stats
+
+    def describe(self):
+        return []
+
+    def collect(self):
+        s = dict(self._stats())
+        gauges = (
+            ("kvgate_usage_backlog_rows", "Usage rows (tenant x minute) counted and not yet in the registry", "backlog_rows"),
+            ("kvgate_usage_pending_batches", "Sealed usage batches waiting for the registry", "pending_batches"),
+            ("kvgate_usage_pending_segments", "Usage journal segments this gateway holds (one descriptor each) until "
+             "their batch is in the registry", "pending_segments"),
+            ("kvgate_usage_foreign_segments", "Usage journal segments of another registry fingerprint found at start "
+             "(never replayed by this gateway)", "foreign_segments"),
+        )
+        for name, doc, key in gauges:
+            gauge = GaugeMetricFamily(name, doc)
+            gauge.add_metric([], s.get(key, 0))
+            yield gauge
+        counters = (
+            ("kvgate_usage_flush_failures", "Usage batch writes the registry failed transiently (batch kept, retried)",
+             "flush_failures"),
+            ("kvgate_usage_quarantined_batches", "Usage batches the registry refused for good (segment moved to the "
+             "journal's quarantine/, or dropped without a journal)", "quarantined_batches"),
+            ("kvgate_usage_unreadable_lines", "Usage journal lines skipped at replay (torn, unreadable or unstorable)",
+             "unreadable_lines"),
+        )
+        for name, doc, key in counters:
+            counter = CounterMetricFamily(name, doc)
+            counter.add_metric([], s.get(key, 0))
+            yield counter
+
+
 class GatewayMetrics:
     """Per-request metrics, labelled by tenant slug and pool."""
 
@@ -266,6 +304,10 @@ class GatewayMetrics:
                    resubscribes: Callable[[], int]) -> None:
         """Export routing sync's peers, notice counts and resubscriptions at scrape time (routing sync on only)."""
         self.registry.register(SyncCollector(pools, counts, resubscribes))
+
+    def watch_usage(self, stats: Callable[[], Mapping[str, int]]) -> None:
+        """Export the usage recorder's backlog and failure counters at scrape time (``UsageRecorder.stats``)."""
+        self.registry.register(UsageCollector(stats))
 
     def observe_replica(self, *, pool: str, replica: str, status: str, prompt_tokens: int, cached_tokens: int) -> None:
         """One engine attempt on ``replica`` (a retried request counts once per attempt)."""

@@ -68,9 +68,11 @@ def test_a_flush_started_during_a_slow_flush_waits_for_it(tmp_path) -> None:
         gate.open()
         results = await asyncio.gather(replay, loop_flush, return_exceptions=True)
         assert not [r for r in results if isinstance(r, BaseException)], results
-        # Rows written: the replay, the dead gateway's 3 journal lines; the loop, the new batch (one
-        # tenant, one minute). Each batch once.
-        assert results == [3, 1]
+        # Rows written: the replay, the dead gateway's 3 journal lines (one tenant, one minute: one
+        # row), then, nothing being pending any more, the new batch (one row); the loop finds
+        # nothing left. Each batch once: two registry writes in all.
+        assert results == [2, 0]
+        assert gate.entered == 2
         return rec
 
     rec = asyncio.run(main())
@@ -83,8 +85,9 @@ def test_a_flush_started_during_a_slow_flush_waits_for_it(tmp_path) -> None:
 
 
 def test_a_failed_write_keeps_exactly_its_batch_for_the_next_flush(tmp_path) -> None:
-    """A write that fails leaves its batch first in line with its flush id; a batch sealed
-    meanwhile stays behind it; the next flush writes both, once each."""
+    """A write that fails leaves its batch first in line with its flush id and its rows; what is
+    recorded meanwhile joins the open batch (no second batch is sealed while one is pending);
+    the next flush writes the kept batch, then seals and writes the open one, once each."""
     _, factory, tid = registry(tmp_path)
     state = {"fail": True}
 
@@ -97,10 +100,12 @@ def test_a_failed_write_keeps_exactly_its_batch_for_the_next_flush(tmp_path) -> 
         rec = UsageRecorder(flaky, clock=lambda: NOW)
         rec.record(tid, 10, 1)
         assert await rec.flush() == 0  # away: kept
-        first = rec._pending[0]
+        (first,) = rec._pending
+        rows = list(first.rows)
         rec.record(tid, 20, 2)
         assert await rec.flush() == 0
-        assert [b.flush_id for b in rec._pending][0] == first.flush_id and len(rec._pending) == 2
+        assert rec._pending == [first] and first.rows == rows  # the sent batch never changes
+        assert rec.backlog == 2 and rec.flush_failures == 2
         state["fail"] = False
         assert await asyncio.gather(rec.flush(), rec.flush()) in ([2, 0], [0, 2])
         assert rec.backlog == 0
