@@ -237,13 +237,16 @@ def _shipped_rules() -> dict[str, dict]:
 
 
 def _firing(alert: str, **labels: str) -> dict:
-    """The exp_alerts entry promtool compares: the rule's labels and its summary templated with ``labels``."""
+    """The exp_alerts entry promtool compares: the rule's labels and its annotations (promtool
+    compares them all) templated with ``labels``."""
     rule = _shipped_rules()[alert]
-    summary = rule["annotations"]["summary"]
-    for key, value in labels.items():
-        summary = summary.replace(f"{{{{ $labels.{key} }}}}", value)
-    assert "{{" not in summary, summary
-    return {"exp_labels": {**labels, **rule["labels"]}, "exp_annotations": {"summary": summary}}
+    annotations = {}
+    for name, text in rule["annotations"].items():
+        for key, value in labels.items():
+            text = text.replace(f"{{{{ $labels.{key} }}}}", value)
+        assert "{{" not in text, text
+        annotations[name] = text
+    return {"exp_labels": {**labels, **rule["labels"]}, "exp_annotations": annotations}
 
 
 def _promtool_test(tmp_path: Path, tests: list[dict], rule_files: tuple[Path, ...] = (RULES,)) -> None:
@@ -447,6 +450,115 @@ def test_sustained_rate_limiting_alerts(tmp_path):
     assert set(RATE_LIMITS) | {"admission"} <= set(re.findall(r'limit="([a-z_]+)"', (ROOT / "server/gateway/admission.py").read_text()))
 
 
+# Usage billing: each gateway its own recorder and journal (backlog and counters summed); the
+# foreign-segment count is of a directory gateways may share (taken once).
+USAGE = {"backlog": "kvgate_usage_backlog_rows", "failures": "kvgate_usage_flush_failures_total",
+         "quarantined": "kvgate_usage_quarantined_batches_total", "unreadable": "kvgate_usage_unreadable_lines_total",
+         "foreign": "kvgate_usage_foreign_segments"}
+
+
+def _usage(minutes: int, **per_gateway: dict[str, str]) -> list[dict]:
+    """kvgate_usage_* of the gateways named (``gw_0={"failures": "0+30x40"}``), every series not given held at 0."""
+    out = []
+    for gateway, given in per_gateway.items():
+        for key, metric in USAGE.items():
+            out += _series(metric, given.get(key, f"0x{minutes}"), gateways=(gateway.replace("_", "-"),))
+    return out
+
+
+def test_usage_not_reaching_the_registry_alerts_and_clears_once_it_does(tmp_path):
+    """KvgateUsageFlushFailing: one gateway's flushes fail (30 a minute, one per 2 s flush) for 10 minutes
+    with rows waiting. Quiet once the failures stop and the backlog drains, once they stop while traffic
+    keeps rows in the open batches (within the 5-minute window), and for one failed flush."""
+    fire = _firing("KvgateUsageFlushFailing")
+    quiet = {"backlog": "20x42"}  # the other gateways: their open batches, flushed fine
+    _promtool_test(tmp_path, [
+        {"name": "registry away for gw-0", "interval": "1m",
+         "input_series": _usage(40, gw_0={"failures": "0+30x40", "backlog": "800x40"}, gw_1=quiet, gw_2=quiet),
+         "promql_expr_test": [
+             {"expr": "kvgate:usage_flush_failures:increase_5m", "eval_time": "15m",
+              "exp_samples": [{"labels": "kvgate:usage_flush_failures:increase_5m", "value": 150}]},
+             {"expr": "kvgate:usage_backlog_rows:sum", "eval_time": "15m",
+              "exp_samples": [{"labels": "kvgate:usage_backlog_rows:sum", "value": 840}]}],
+         "alert_rule_test": [{"alertname": "KvgateUsageFlushFailing", "eval_time": "5m", "exp_alerts": []},  # `for` 10m
+                             {"alertname": "KvgateUsageFlushFailing", "eval_time": "15m", "exp_alerts": [fire]}]},
+        {"name": "registry back at minute 12, backlog drained", "interval": "1m",
+         "input_series": _usage(42, gw_0={"failures": "0+30x12 360x30", "backlog": "800x12 0x30"}, gw_1={}, gw_2={}),
+         "alert_rule_test": [{"alertname": "KvgateUsageFlushFailing", "eval_time": "12m", "exp_alerts": [fire]},
+                             *({"alertname": "KvgateUsageFlushFailing", "eval_time": f"{t}m", "exp_alerts": []}
+                               for t in (14, 30))]},  # one evaluation behind the recording
+        {"name": "registry back at minute 12, traffic keeps rows in the open batches", "interval": "1m",
+         "input_series": _usage(42, gw_0={"failures": "0+30x12 360x30", "backlog": "800x12 30x30"}, gw_1=quiet, gw_2=quiet),
+         "alert_rule_test": [{"alertname": "KvgateUsageFlushFailing", "eval_time": "14m", "exp_alerts": [fire]},
+                             *({"alertname": "KvgateUsageFlushFailing", "eval_time": f"{t}m", "exp_alerts": []}
+                               for t in (18, 30))]},
+        {"name": "one failed flush", "interval": "1m",
+         "input_series": _usage(36, gw_0={"failures": "0x5 1x30", "backlog": "30x36"}, gw_1=quiet, gw_2=quiet),
+         "alert_rule_test": [{"alertname": "KvgateUsageFlushFailing", "eval_time": f"{t}m", "exp_alerts": []}
+                             for t in (8, 12, 20)]},
+    ])
+
+
+def test_a_quarantined_usage_batch_is_critical_for_an_hour(tmp_path):
+    """KvgateUsageBatchQuarantined: any batch refused for good, by a running gateway (gw-1 at minute 71)
+    or by a new pod before its first scrape (its series appears at 1). Not a counter a restart reset."""
+    fire = _firing("KvgateUsageBatchQuarantined")
+    assert fire["exp_labels"] == {"severity": "critical"}
+    _promtool_test(tmp_path, [
+        {"name": "gw-1 quarantines a batch", "interval": "1m",
+         "input_series": _usage(140, gw_0={}, gw_1={"quarantined": "0x70 1x70"}, gw_2={}),
+         "alert_rule_test": [{"alertname": "KvgateUsageBatchQuarantined", "eval_time": "65m", "exp_alerts": []},
+                             {"alertname": "KvgateUsageBatchQuarantined", "eval_time": "72m", "exp_alerts": [fire]},
+                             {"alertname": "KvgateUsageBatchQuarantined", "eval_time": "125m", "exp_alerts": [fire]},
+                             {"alertname": "KvgateUsageBatchQuarantined", "eval_time": "135m", "exp_alerts": []}]},
+        {"name": "a new pod quarantined a replayed batch before its first scrape", "interval": "1m",
+         "input_series": _usage(140, gw_0={}, gw_1={}, gw_3={key: "_x70 " + ("1x70" if key == "quarantined" else "0x70")
+                                                             for key in USAGE}),
+         "promql_expr_test": [{"expr": "kvgate:usage_quarantined_batches:increase_1h", "eval_time": "75m",
+                               "exp_samples": [{"labels": "kvgate:usage_quarantined_batches:increase_1h", "value": 1}]}],
+         "alert_rule_test": [{"alertname": "KvgateUsageBatchQuarantined", "eval_time": "75m", "exp_alerts": [fire]},
+                             {"alertname": "KvgateUsageBatchQuarantined", "eval_time": "140m", "exp_alerts": []}]},
+        {"name": "gw-0 restarted: its counter went from 2 back to 0", "interval": "1m",
+         "input_series": _usage(140, gw_0={"quarantined": "2x70 0x70"}, gw_1={}, gw_2={}),
+         "alert_rule_test": [{"alertname": "KvgateUsageBatchQuarantined", "eval_time": f"{t}m", "exp_alerts": []}
+                             for t in (75, 100)]},
+    ])
+    description = _shipped_rules()["KvgateUsageBatchQuarantined"]["annotations"]["description"]
+    for needed in ("quarantine/", "KVGATE_USAGE_JOURNAL_DIR", "flush id", "at most once", "emptyDir"):
+        assert needed in description, needed
+
+
+def test_unreadable_journal_lines_and_foreign_segments_warn(tmp_path):
+    """KvgateUsageJournalUnreadable: lines skipped at replay, by a new pod as it starts (gw-3) or by a running
+    one adopting a later chunk (gw-0). KvgateUsageForeignSegments: two gateways sharing a directory both see
+    its 2 foreign segments: 2, not 4."""
+    unreadable, foreign = _firing("KvgateUsageJournalUnreadable"), _firing("KvgateUsageForeignSegments")
+    _promtool_test(tmp_path, [
+        {"name": "skipped lines and foreign segments", "interval": "1m",
+         "input_series": _usage(140, gw_0={"unreadable": "0x70 3x70"}, gw_1={"foreign": "2x140"},
+                                gw_2={"foreign": "2x140"},
+                                gw_3={key: "_x10 " + ("2x130" if key == "unreadable" else "0x130") for key in USAGE}),
+         "promql_expr_test": [
+             {"expr": "kvgate:usage_unreadable_lines:increase_1h", "eval_time": "15m",
+              "exp_samples": [{"labels": "kvgate:usage_unreadable_lines:increase_1h", "value": 2}]},
+             {"expr": "kvgate:usage_foreign_segments:max", "eval_time": "15m",
+              "exp_samples": [{"labels": "kvgate:usage_foreign_segments:max", "value": 2}]}],
+         "alert_rule_test": [
+             *({"alertname": "KvgateUsageJournalUnreadable", "eval_time": f"{t}m", "exp_alerts": [unreadable]}
+               for t in (15, 75)),
+             {"alertname": "KvgateUsageJournalUnreadable", "eval_time": "140m", "exp_alerts": []},
+             {"alertname": "KvgateUsageForeignSegments", "eval_time": "5m", "exp_alerts": [foreign]}]},
+        {"name": "a clean journal", "interval": "1m", "input_series": _usage(90, gw_0={}, gw_1={}, gw_2={}),
+         "alert_rule_test": [{"alertname": name, "eval_time": f"{t}m", "exp_alerts": []}
+                             for name in ("KvgateUsageJournalUnreadable", "KvgateUsageForeignSegments",
+                                          "KvgateUsageBatchQuarantined", "KvgateUsageFlushFailing")
+                             for t in (30, 90)]},
+    ])
+    description = _shipped_rules()["KvgateUsageForeignSegments"]["annotations"]["description"]
+    for needed in ("KVGATE_USAGE_JOURNAL_DIR", "KVGATE_DATABASE_URL", "flush id"):
+        assert needed in description, needed
+
+
 # Engine-level series as 3 gateways export them, and what each dashboard panel reading them must show:
 # the engine's figures once, whatever the number of gateways.
 ENGINE_SERIES = [
@@ -499,6 +611,7 @@ def test_every_series_the_rules_read_is_one_the_gateway_exports():
     from engines.contract import KvMetrics
     from engines.pool_stats import PoolStatsReport, TierStats
     from server.gateway.observe import metrics
+    from server.gateway.usage import UsageRecorder
 
     report = PoolStatsReport(tokens_per_block=32, primary=TierStats(8, 4, 4), secondary=TierStats(8, 8, 0),
                              tenants={"t1": [1, 0]}, offloaded_blocks=3, onboarded_blocks=1)
@@ -513,6 +626,10 @@ def test_every_series_the_rules_read_is_one_the_gateway_exports():
                             demoted=False, inter_token=0.1)
     for limit in RATE_LIMITS:
         gateway.rate_limited.labels(tenant="acme", limit=limit).inc()
+    usage = {"backlog_rows": 5, "pending_batches": 1, "pending_segments": 2, "flush_failures": 3,
+             "quarantined_batches": 1, "unreadable_lines": 4, "foreign_segments": 6}
+    assert set(usage) == set(UsageRecorder(lambda: None).stats())  # fed as the gateway feeds it
+    gateway.watch_usage(lambda: usage)
     samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
                for family in text_string_to_metric_families(generate_latest(registry).decode()) for s in family.samples}
     shipped = [rule for group in yaml.safe_load(RULES.read_text())["groups"] for rule in group["rules"]]
@@ -530,3 +647,8 @@ def test_every_series_the_rules_read_is_one_the_gateway_exports():
     assert value("kvgate_pool_onboarded_blocks_total", pool="p", replica="r0") == 1
     for limit in RATE_LIMITS:
         assert value("kvgate_rate_limited_total", tenant="acme", limit=limit) == 1
+    for name, key in (("kvgate_usage_backlog_rows", "backlog_rows"), ("kvgate_usage_foreign_segments", "foreign_segments"),
+                      ("kvgate_usage_flush_failures_total", "flush_failures"),
+                      ("kvgate_usage_quarantined_batches_total", "quarantined_batches"),
+                      ("kvgate_usage_unreadable_lines_total", "unreadable_lines")):
+        assert value(name) == usage[key]
