@@ -115,6 +115,15 @@ Responses (both implementations, streaming or not):
 * A client that half-closes its stream after sending the request still receives every
   response; a client that cancels the call cancels the request and frees its blocks.
 
+Errors (both implementations): a request the contract refuses (a :class:`ContractError`,
+or an extension this engine does not support) is answered with an error whose text carries
+``ContractError.refusal``: the marker ``refused by the kvgate_llm contract: ``
+(``engines/refusals.py``, ``CONTRACT_REFUSAL``) before the reason. That marker, or one of the
+refusals of ``engines/refusals.py`` (prompt or output too long, a guide that does not compile),
+is what makes an error the request's fault: the gateway answers it 400 and never retries it.
+Any other error text is the engine's own failure (an executor error, a full queue, an engine
+that stopped): the gateway retries it on another replica and counts it against the replica.
+
 Invariant: :func:`parse_request` either returns a fully valid :class:`EngineRequest`
 or raises :class:`ContractError` naming the tensor at fault; it never lets a bad
 request reach a scheduler.
@@ -128,7 +137,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from engines.refusals import output_out_of_range, too_long
+from engines.refusals import contract_refused, output_out_of_range, too_long
 from retention.types import (
     DEFAULT_PRIORITY,
     RetentionPlan,
@@ -231,6 +240,12 @@ class ContractError(ValueError):
     def __init__(self, message: str, *, tensor: str | None = None) -> None:
         super().__init__(message)
         self.tensor = tensor
+
+    @property
+    def refusal(self) -> str:
+        """The error text an engine answers with: the contract's refusal marker, then the message
+        (the gateway reads the marker as "the request's fault", see the module's Errors)."""
+        return contract_refused(self)
 
 
 @dataclass(frozen=True, slots=True)

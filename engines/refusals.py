@@ -9,6 +9,13 @@ silently turn a client's 400 into an opaque ``engine_rejected``).
 Invariant: ``reader(f"... {producer(...)} ...")`` returns the producer's arguments (for the
 guide: its reason with xgrammar's clock and source-file prefix dropped), whatever the
 engine or Triton prepends; a message no producer made reads as None.
+
+The same channel carries the engine's own failures (an executor error, a full queue, an
+engine that stopped), which are no fault of the request. So a message is a refusal only when
+:func:`is_refusal` says so: one of the refusals above, or a contract validation error, which
+every engine sends marked by :func:`contract_refused` (``engines/contract.py``,
+``ContractError.refusal``). Any other message is the engine's failure; of those,
+:func:`overloaded` reads TensorRT-LLM's full queue (retry elsewhere, the engine is healthy).
 """
 
 from __future__ import annotations
@@ -25,6 +32,32 @@ _OUTPUT = re.compile(r"request_output_len must be within \[1, (\d+)\], got (-?\d
 # xgrammar's message may start with its clock ("[12:00:01.123] ") and its C++ source position
 # ("/path/grammar_parser.cc:42: "): neither means anything to the client whose schema it is.
 _GUIDE = re.compile(r"guided_decoding_guide \(\w+\) does not compile: (?:\[[\d:.]+\] )?(?:\S+:\d+: )?(.*)", re.S)
+
+
+# The contract's refusal marker: stable, part of the engine-model contract (engines/contract.py).
+CONTRACT_REFUSAL = "refused by the kvgate_llm contract: "
+# TensorRT-LLM's executor when its request queue is full (cpp/tensorrt_llm/executor/executorImpl.cpp,
+# Executor::Impl::enqueueRequests: TLLM_THROW("Maximum queue size of %d has been reached, please try
+# again later", maxQueueSize)); TLLM_THROW may add its source position and a stack trace after it.
+_QUEUE_FULL = re.compile(r"Maximum queue size of (\d+) has been reached")
+
+
+def contract_refused(reason: object) -> str:
+    """A contract validation error as an engine sends it (the marker, then the reason)."""
+    return f"{CONTRACT_REFUSAL}{reason}"
+
+
+def is_refusal(message: str) -> bool:
+    """Whether ``message`` is the engine refusing the request (the request's fault: 400, never
+    retried) rather than failing itself: a marked contract error or one of the refusals here."""
+    return (CONTRACT_REFUSAL in message or context_refusal(message) is not None
+            or output_refusal(message) is not None or guide_refusal(message) is not None)
+
+
+def overloaded(message: str) -> int | None:
+    """The queue size if ``message`` carries TensorRT-LLM's full-queue error, else None."""
+    found = _QUEUE_FULL.search(message)
+    return None if found is None else int(found[1])
 
 
 def too_long(tokens: int, limit: int) -> str:

@@ -20,8 +20,9 @@ Calls:
 
 Invariants: every request is answered. A bad one (a malformed tensor, an output the model
 does not have) gets ``INVALID_ARGUMENT`` (unary) or an ``error_message`` (stream) naming the
-tensor at fault, before anything is generated; any other failure while serving it gets
-``INTERNAL`` or an ``error_message``. Neither disturbs other requests or the server.
+tensor at fault, marked as the contract's refusal (``ContractError.refusal``), before anything
+is generated; any other failure while serving it gets ``INTERNAL`` or ``UNAVAILABLE`` (the
+engine stopped), or an unmarked ``error_message``. Neither disturbs other requests or the server.
 """
 
 from __future__ import annotations
@@ -186,7 +187,7 @@ class KvgateInferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
                 vocab_size=self.engine.vocab_size,
             )
         except ContractError as exc:
-            raise _RequestFailed(grpc.StatusCode.INVALID_ARGUMENT, f"[{MODEL_NAME}] {exc}") from None
+            raise _RequestFailed(grpc.StatusCode.INVALID_ARGUMENT, f"[{MODEL_NAME}] {exc.refusal}") from None
         async for output in self._generate(request.id, parsed):
             if output.error is not None:
                 raise _RequestFailed(grpc.StatusCode.INTERNAL, f"[{MODEL_NAME}] {output.error}")
@@ -203,7 +204,7 @@ class KvgateInferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
         except EngineStoppedError as exc:
             raise _RequestFailed(grpc.StatusCode.UNAVAILABLE, f"[{MODEL_NAME}] {exc}") from None
         except ContractError as exc:  # a guide that does not compile
-            raise _RequestFailed(grpc.StatusCode.INVALID_ARGUMENT, f"[{MODEL_NAME}] {exc}") from None
+            raise _RequestFailed(grpc.StatusCode.INVALID_ARGUMENT, f"[{MODEL_NAME}] {exc.refusal}") from None
         finally:
             ids = self._by_client_id.get(client_id)
             if ids is not None:

@@ -68,7 +68,7 @@ from typing import Any
 import numpy as np
 import triton_python_backend_utils as pb_utils  # provided by Triton's Python backend stub
 
-from engines import contract, pool_stats
+from engines import contract, pool_stats, refusals
 from engines.kv_events import KvEventsReport
 from engines.trtllm import bindings, engine_config, executor_args, request_extensions
 from engines.trtllm.kv_event_translator import KvEventTranslator
@@ -208,8 +208,12 @@ class TritonPythonModel:
                 self._submit(request, sender)
             except (contract.ContractError, executor_args.SaltUnsupportedError,
                     request_extensions.ExtensionUnsupportedError) as exc:
+                # The request's fault: marked as the contract's refusal (engines/contract.py, Errors), so
+                # the gateway answers 400 and never retries; an unmarked error is the engine's failure.
                 tensor = getattr(exc, "tensor", None)
-                sender.send(_error(f"{tensor}: {exc}" if tensor else str(exc)), flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+                reason = f"{tensor}: {exc}" if tensor else str(exc)
+                sender.send(_error(refusals.contract_refused(reason)),
+                            flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
             except Exception as exc:  # an executor failure must answer the client, not hang it
                 log.exception("kvgate_llm: request failed")
                 sender.send(_error(f"engine error: {exc}"), flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)

@@ -5,8 +5,12 @@ knows the wording): a prompt over the input limit is OpenAI's ``context_length_e
 the prompt's field, an output limit or a guide the engine refuses is ``invalid_request`` naming
 the client's field; anything else the engine refuses stays ``engine_rejected``. A stall or a
 first-token timeout is 504 ``engine_timeout``, a call the gateway's forced shutdown ended 503
-``shutting_down`` (as a request refused during the drain), any other failure 503
-``engine_unavailable``, all with ``Retry-After``.
+``shutting_down`` (as a request refused during the drain), engines that were all busy (their
+request queue full, ``EngineOverloaded``) 503 ``engine_overloaded`` (OpenAI's 503 "The engine
+is currently overloaded, please try again later"; 429 stays the tenant's own limits), any other
+failure 503 ``engine_unavailable``, all with ``Retry-After``. Only a known refusal is an
+``EngineRejected`` (``engines/refusals.is_refusal``): every other error an engine answers with is
+its own failure, retried on another replica before landing here.
 """
 
 from __future__ import annotations
@@ -16,7 +20,7 @@ from typing import Any, Protocol
 from engines.refusals import context_refusal, guide_refusal, output_refusal
 from server.gateway.errors import ServingError
 from server.gateway.replicas.abort import GatewayShuttingDown
-from server.gateway.replicas.engine_client import EngineRejected, EngineTimeout
+from server.gateway.replicas.engine_client import EngineOverloaded, EngineRejected, EngineTimeout
 from server.gateway.replicas.stall import EngineStalled
 
 
@@ -63,5 +67,8 @@ def engine_error(exc: Exception, job: FailedJob) -> ServingError:
     if isinstance(exc, EngineTimeout):
         return ServingError(504, "engine_timeout", "no replica of the model's engine started answering in time; "
                             "retry shortly", headers={"Retry-After": "1"})
+    if isinstance(exc, EngineOverloaded):
+        return ServingError(503, "engine_overloaded", "the model's engine is overloaded (its request queue is "
+                            "full); retry shortly", headers={"Retry-After": "1"})
     return ServingError(503, "engine_unavailable", "the model's engine is unavailable; retry shortly",
                         headers={"Retry-After": "1"})

@@ -10,6 +10,11 @@ which the request core answers as any engine failure is answered: 503 ``shutting
 ``Retry-After`` before the answer started, the dialect's error event in a stream, the
 request's admission and usage settled on the way out.
 
+The same cancel serves an eviction (:meth:`Attempt.evict`): when a replica's breaker opens
+because it is unavailable, its attempts still waiting for their first chunk are cancelled and
+raise :class:`ReplicaLost`, which the router retries on another replica at once instead of
+letting them wait out their own deadline there (``routing.PoolRoute.mark_failed``).
+
 Invariants: an abort cancels only a task that is waiting for its engine at that moment (the
 consumer's own work between messages is never interrupted; an attempt aborted then raises
 before its next wait), and a cancel from elsewhere stays a cancel (:meth:`Attempt.caused` tells the
@@ -23,7 +28,7 @@ import asyncio
 
 from server.gateway.replicas.engine_client import EngineUnavailable
 
-__all__ = ["Aborts", "Attempt", "GatewayShuttingDown"]
+__all__ = ["Aborts", "Attempt", "GatewayShuttingDown", "ReplicaLost"]
 
 
 class GatewayShuttingDown(EngineUnavailable):
@@ -31,15 +36,23 @@ class GatewayShuttingDown(EngineUnavailable):
     cancelled. Never retried on another replica, never counted against the replica."""
 
 
-class Attempt:
-    """One routed attempt's abort state; ``waiting`` is set while its task awaits the engine."""
+class ReplicaLost(EngineUnavailable):
+    """The attempt's replica went out of rotation as unavailable (its breaker opened) before the
+    attempt's first chunk: its call was cancelled. Retried on another replica; the breaker has
+    already counted the failure, so the attempt does not count it again."""
 
-    __slots__ = ("task", "waiting", "aborted", "_fired", "_cancelling")
+
+class Attempt:
+    """One routed attempt's abort state; ``waiting`` is set while its task awaits the engine.
+    ``evicted``: its replica went out of rotation before its first chunk (:meth:`evict`)."""
+
+    __slots__ = ("task", "waiting", "aborted", "evicted", "_fired", "_cancelling")
 
     def __init__(self, task: asyncio.Task | None, aborted: bool = False) -> None:
         self.task = task
         self.waiting = False
         self.aborted = aborted
+        self.evicted = False
         self._fired = False
         self._cancelling = 0
 
@@ -47,8 +60,19 @@ class Attempt:
         if self.aborted:
             return
         self.aborted = True
-        # A cancel already pending on the task (a client gone, the stall deadline) is not ours to
-        # claim: the wait ends with it, and the attempt stops before its next wait.
+        self._cancel()
+
+    def evict(self) -> None:
+        """Its replica is out of rotation (unavailable) and it has had no chunk yet: stop waiting
+        there (the router then retries it elsewhere, or stops before its next wait)."""
+        if self.evicted or self.aborted:
+            return
+        self.evicted = True
+        self._cancel()
+
+    def _cancel(self) -> None:
+        # A cancel already pending on the task (a client gone, the stall deadline, an eviction) is
+        # not ours to claim again: the wait ends with it, and the attempt stops before its next wait.
         if self.waiting and self.task is not None and self.task.cancelling() == 0:
             self._fired = True
             self._cancelling = self.task.cancelling()

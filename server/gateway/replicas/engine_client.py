@@ -14,7 +14,12 @@ closing the generator cancels the gRPC call (RST_STREAM), which the engine treat
 cancel and frees the request's blocks; so does cancelling a task awaiting the next chunk
 (the router's first-token deadline): the ``CancelledError`` runs the same ``finally``.
 Transport failures surface as :class:`EngineUnavailable`, engine-side refusals as
-:class:`EngineRejected`; nothing else escapes.
+:class:`EngineRejected`; nothing else escapes. An error the engine answers with (a stream's
+``error_message``) is a refusal only when ``engines/refusals.is_refusal`` reads it as one (the
+contract's marked validation errors, the prompt / output / guide refusals): the same channel
+carries the engine's own failures (an executor error, an engine that stopped), which are
+:class:`EngineFailed` (unavailable), and TensorRT-LLM's full queue, :class:`EngineOverloaded`
+(:func:`answered_error`).
 
 A non-streaming request gets exactly one engine message (its final answer, or its error),
 so it is called as unary-unary on the same method: one gRPC batch instead of a stream's
@@ -57,6 +62,7 @@ from engines.contract import (
     encode_request,
 )
 from engines.pool_stats import PoolStatsReport
+from engines.refusals import is_refusal, overloaded
 from server.gateway.replicas.engine_stream import STREAM_INFER_METHOD, TRANSPORT_ERRORS, StreamChannel, status_error
 
 MODEL_INFER_METHOD = "/inference.GRPCInferenceService/ModelInfer"
@@ -87,6 +93,29 @@ class EngineUnavailable(EngineError):
 
 class EngineRejected(EngineError):
     """The engine refused the request (its contract validation)."""
+
+
+class EngineFailed(EngineUnavailable):
+    """The engine answered the request with its own failure (an executor error, an engine that
+    stopped): retried elsewhere and counted against the replica like any unavailability; the
+    replica answered, though, so its other requests are left to run (``routing.mark_failed``)."""
+
+
+class EngineOverloaded(EngineUnavailable):
+    """The engine is up but refuses work for now (TensorRT-LLM's request queue is full): retried on
+    another replica like any unavailability, but never counted against this replica's breaker (it
+    serves; it is busy). With no replica left the client gets 503 ``engine_overloaded``."""
+
+
+def answered_error(message: str) -> EngineError:
+    """The engine error for an error the engine answered a request with (``message``): a refusal
+    only when ``engines/refusals.py`` knows it as one, overload for a full queue, else the engine's
+    own failure (unavailable)."""
+    if is_refusal(message):
+        return EngineRejected(message)
+    if overloaded(message) is not None:
+        return EngineOverloaded(f"engine overloaded: {message}")
+    return EngineFailed(f"engine failed: {message}")
 
 
 class EngineTimeout(EngineUnavailable):
@@ -187,8 +216,8 @@ def _classify(exc: BaseException) -> EngineError:
         status = (exc.status() or "").upper()
         if "INVALID_ARGUMENT" in status or "NOT_FOUND" in status:
             return EngineRejected(exc.message())
-        if not status:  # an error response inside a stream: the engine's own validation
-            return EngineRejected(exc.message() or str(exc))
+        if not status:  # an error response inside a stream: a refusal, or the engine's own failure
+            return answered_error(exc.message() or str(exc))
         return EngineUnavailable(f"engine unavailable: {exc.message()}")
     return EngineUnavailable(f"engine unavailable: {exc}")
 
@@ -301,7 +330,7 @@ class EngineClient:
                 if message is None:
                     raise EngineUnavailable("engine closed the stream before its final response")
                 if message.error_message:
-                    raise EngineRejected(message.error_message)
+                    raise answered_error(message.error_message)
                 chunk = _chunk(message.infer_response, True, kv)
                 kv = chunk.kv
                 finished = chunk.final
@@ -367,7 +396,7 @@ class EngineClient:
         if message is None:
             raise EngineUnavailable("engine ended a non-streaming call without an answer")
         if message.error_message:
-            raise EngineRejected(message.error_message)
+            raise answered_error(message.error_message)
         chunk = _chunk(message.infer_response, False)
         if not chunk.final:
             call.cancel()

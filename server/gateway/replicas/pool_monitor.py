@@ -1,7 +1,8 @@
 """Polls every pool's engine stats; derives per-tenant KV quota state with hysteresis.
 
 Each poll goes through :class:`server.gateway.replicas.routing.Routing`, which polls every replica
-of the pool (stats + KV events for the router, and the breaker's probe) and sums their
+of the pool (stats + KV events for the router, and the breaker's probe; each replica on its own
+task, so one that never answers delays only itself, and the pools concurrently) and sums their
 reports: quotas stay per pool, a tenant's blocks summed over the pool's replicas. The
 registry-vs-engine capacity check is per replica (the registration's block counts are per
 replica): each replica's own report against it, never the sum. The engines' cumulative block
@@ -135,20 +136,23 @@ class PoolMonitor:
             return await asyncio.shield(self._listing)
 
     async def refresh(self) -> None:
-        """Poll every registered pool once. Registry or engine failures keep the last state; an
-        unexpected error in one pool's poll is logged and keeps that pool's last state, never
-        the pools listed after it from being polled."""
+        """Poll every registered pool once, the pools concurrently (a slow pool never delays the
+        others; within a pool, ``Routing.poll`` waits for no slow replica either). Registry or
+        engine failures keep the last state; an unexpected error in one pool's poll is logged and
+        keeps that pool's last state, never stops the other pools' polls."""
         try:
             listing = await self._list()
         except Exception:  # registry down or silent: poll the pools we know, with their last tenants
             listing = [(pool, list(self._quotas.get(pool.name, {}).values())) for pool in self._directory.pools.values()]
         else:
             await self._forget_unlisted({pool.name for pool, _ in listing})
-        for pool, tenants in listing:
-            try:
-                await self._refresh_pool(pool, tenants)
-            except Exception:  # noqa: BLE001 - one pool's failure must not freeze the others
-                log.exception("pool %s: stats poll failed; its last state is kept", pool.name)
+        await asyncio.gather(*(self._refresh_pool_logged(pool, tenants) for pool, tenants in listing))
+
+    async def _refresh_pool_logged(self, pool: PoolSnapshot, tenants: list[TenantQuota]) -> None:
+        try:
+            await self._refresh_pool(pool, tenants)
+        except Exception:  # noqa: BLE001 - one pool's failure must not freeze the others
+            log.exception("pool %s: stats poll failed; its last state is kept", pool.name)
 
     async def _forget_unlisted(self, listed: set[str]) -> None:
         """Drop every pool name the registry no longer lists (deleted, or renamed: its new name

@@ -28,6 +28,10 @@ Invariants:
   no such replica exists, to an ``active`` one whose breaker opened on connection failures,
   as a probe (never to one that timed out and whose trial is not due); ``draining`` and ``disabled`` replicas finish what they have, and a replica
   removed from the registry keeps its client until its last request ends.
+* An attempt is retried elsewhere only before its first chunk reached the consumer (or, a
+  restartable one, by the consumer's new call): an engine failure, a first-token timeout, or its
+  replica's breaker opening on unavailability while it waits (``mark_failed`` evicts it); a
+  full engine queue (``EngineOverloaded``) is retried without counting against the replica.
 * Indexes hold kvgate's own salted block hashes (the engines report in that space,
   ``engines/kv_events.py``), so a salted tenant's request never matches another tenant's
   blocks and the router never sees an engine's internal hash.
@@ -62,7 +66,6 @@ from retention.routing import (
     ApproximateIndex,
     Candidate,
     CapacityModel,
-    CostModel,
     Decision,
     Notice,
     PeerLoads,
@@ -75,69 +78,19 @@ from retention.routing import (
 )
 from tenants.snapshots import PoolSnapshot
 from server.gateway.context import REQUEST_ID
-from server.gateway.replicas.abort import Aborts, GatewayShuttingDown
+from server.gateway.replicas.abort import Aborts, Attempt, GatewayShuttingDown, ReplicaLost
 from server.gateway.replicas.breaker import Breaker
 from server.gateway.replicas.peer_sync import PeerSync
 from server.gateway.replicas.engine_client import (
-    EngineChunk, EngineClient, EngineError, EngineRejected, EngineTimeout, EngineUnavailable,
+    EngineChunk, EngineClient, EngineError, EngineFailed, EngineOverloaded, EngineRejected, EngineTimeout,
+    EngineUnavailable,
 )
 from server.gateway.observe.metrics import ReplicaRow
 from server.gateway.replicas.reports import report_as_pool_events, sum_reports
+from server.gateway.replicas.routing_config import RoutingConfig
 from server.gateway.replicas.stall import EngineRestart, EngineStalled, StallWatch
 
 log = logging.getLogger("kvgate.gateway.routing")
-
-
-@dataclass(frozen=True, slots=True)
-class RoutingConfig:
-    """Gateway routing settings.
-
-    ``router``: ``kv-aware`` (default) | ``round-robin`` | ``session`` | ``random``.
-    ``cost``: weights of the kv-aware cost (``retention/routing/cost.py``). ``retries``:
-    extra attempts on another replica for a request that failed before its first token.
-    ``breaker_open_s`` / ``breaker_max_open_s``: a failed replica is probed again after
-    ``open_s``, doubling per failed probe up to the maximum; a replica that timed out is not
-    closed by its probe but gets one trial request per open period (``breaker.py``). ``stats_timeout_s``: a replica
-    whose stats call takes longer has stopped answering.
-
-    ``first_token_timeout_s`` (0 = none): how long one attempt may wait for its first token
-    before it is cancelled, counted as the replica's failure and retried elsewhere (a replica
-    that accepts requests but never answers, whose stats may still answer). When the engine
-    does not stream (a non-streamed answer without stop strings comes in one message at the
-    end) the first token cannot be seen, so that attempt's deadline is the whole answer's:
-    ``first_token_timeout_s + max_new_tokens * answer_timeout_per_token_s``.
-
-    ``inter_token_timeout_s`` (None = the first-token deadline, 0 = none): how long a streaming
-    attempt may wait for its next engine message once it has had its first. On expiry the call
-    is cancelled, the replica's breaker counts a timeout, and the attempt fails with
-    :class:`EngineStalled`. Why the first-token deadline by default: a request the engine
-    pauses mid-answer (preempted when its KV blocks run short) waits to be scheduled again as
-    a new request waits for its first token, and recomputes its prefill when it is; a healthy
-    gap between tokens is milliseconds, so the same bound only ends streams that stopped.
-    """
-
-    router: str = "kv-aware"
-    cost: CostModel = field(default_factory=CostModel)
-    retries: int = 1
-    breaker_open_s: float = 0.5
-    breaker_max_open_s: float = 10.0
-    stats_timeout_s: float = 5.0
-    first_token_timeout_s: float = 30.0
-    answer_timeout_per_token_s: float = 0.5
-    inter_token_timeout_s: float | None = None
-
-    def first_response_wait(self, request: EngineRequest) -> float | None:
-        """Seconds an attempt of ``request`` may wait for its first engine message (None: forever)."""
-        if self.first_token_timeout_s <= 0:
-            return None
-        if request.streaming:
-            return self.first_token_timeout_s
-        return self.first_token_timeout_s + request.max_new_tokens * self.answer_timeout_per_token_s
-
-    def stall_wait(self) -> float | None:
-        """Seconds a streaming attempt may wait for its next engine message after its first (None: forever)."""
-        limit = self.first_token_timeout_s if self.inter_token_timeout_s is None else self.inter_token_timeout_s
-        return limit if limit > 0 else None
 
 
 @dataclass(slots=True)
@@ -158,6 +111,8 @@ class Replica:
     unknown_logged: set[str] = field(default_factory=set)  # stats fields / event kinds it sent that were logged
     events: bool | None = None  # None until the first successful poll
     stats: PoolStatsReport | None = None
+    polling: asyncio.Task | None = None  # its stats poll in flight (one at a time), see Routing.poll
+    waiting: set[Attempt] = field(default_factory=set)  # attempts here that have had no chunk yet
 
     @property
     def routable(self) -> bool:
@@ -225,6 +180,8 @@ class PoolRoute:
         done = [r for r in self.retiring if r.in_flight == 0]
         self.retiring = [r for r in self.retiring if r.in_flight > 0]
         for replica in done:
+            if replica.polling is not None:
+                replica.polling.cancel()
             with contextlib.suppress(Exception):
                 await replica.client.close()
 
@@ -275,10 +232,17 @@ class PoolRoute:
         if forget_index is not None:
             forget_index(replica.id)
 
-    def mark_failed(self, replica: Replica) -> None:
-        """A connection failure (dispatch or stats poll)."""
+    def mark_failed(self, replica: Replica, *, evict: bool = True) -> None:
+        """A connection failure (dispatch or stats poll), or an engine failure the replica answered
+        a request with (``evict`` false). When it opens the breaker on an unreachable replica, the
+        attempts still waiting there for their first chunk are evicted (cancelled, retried
+        elsewhere by their RoutedEngine): left alone they would wait out their own deadline on a
+        replica known to be down (a non-streamed answer's is the whole answer's, a minute or
+        more). A replica that answered with a failure is up: its other requests run on."""
         if replica.breaker.fail(self._clock(), self.config.breaker_open_s, self.config.breaker_max_open_s):
             self._out_of_rotation(replica, "unavailable")
+            for attempt in list(replica.waiting) if evict else ():
+                attempt.evict()
 
     def mark_timed_out(self, replica: Replica, dispatched_at: float, why: str = "no first token in time") -> None:
         """An attempt dispatched at ``dispatched_at`` got no first token within the deadline (or,
@@ -291,6 +255,20 @@ class PoolRoute:
         """A request received its first token from ``replica``."""
         if replica.breaker.served(self._clock()):
             log.warning("replica %s/%s back in rotation (served a request)", self.name, replica.name)
+
+    def start_poll(self, replica: Replica) -> asyncio.Task:
+        """The replica's poll in flight, started now if none is (never two at once: the next
+        round finds the slow one still running and leaves it be)."""
+        task = replica.polling
+        if task is None or task.done():
+            task = replica.polling = asyncio.ensure_future(self.poll(replica))
+            task.add_done_callback(lambda done: self._polled(replica, done))
+        return task
+
+    def _polled(self, replica: Replica, task: asyncio.Task) -> None:
+        if not task.cancelled() and task.exception() is not None:  # poll() catches its own: a bug
+            exc = task.exception()
+            log.warning("replica %s/%s: poll failed: %s: %s", self.name, replica.name, type(exc).__name__, exc)
 
     async def poll(self, replica: Replica) -> None:
         """One stats + events poll of ``replica``; doubles as the breaker's probe.
@@ -449,15 +427,17 @@ class Routing:
             route.use_router(name)
 
     async def poll(self, pool: PoolSnapshot) -> PoolStatsReport | None:
-        """Sync the pool's replicas from ``pool`` and poll each once (concurrently)."""
+        """Sync the pool's replicas from ``pool``, poll each once (each its own task) and sum what
+        has landed within ``poll_wait_s``. A poll still running then (a replica that accepts the
+        call and never answers, up to ``stats_timeout_s``) keeps running and is applied when it
+        lands (its ``resets`` / ``generation`` guards drop it if the index was reset meanwhile);
+        the next round does not start another for that replica. So a hung replica holds up
+        neither its pool's other replicas nor the pools polled after it."""
         route = self.route(pool)
         route.sync(pool)
-        replicas = list(route.replicas.values())
-        results = await asyncio.gather(*(route.poll(r) for r in replicas), return_exceptions=True)
-        for replica, result in zip(replicas, results):
-            if isinstance(result, Exception):  # PoolRoute.poll catches its own; never one replica for all
-                log.warning("replica %s/%s: poll failed: %s: %s", route.name, replica.name,
-                            type(result).__name__, result)
+        polls = [route.start_poll(r) for r in route.replicas.values()]
+        if polls:
+            await asyncio.wait(polls, timeout=self.config.poll_wait_s)
         await route.reap()
         if self._forgotten:
             await self._reap_forgotten()
@@ -489,6 +469,8 @@ class Routing:
             await self.peer_sync.close()
         for route in [*self.pools.values(), *self._forgotten]:
             for replica in [*route.replicas.values(), *route.retiring]:
+                if replica.polling is not None:
+                    replica.polling.cancel()
                 with contextlib.suppress(Exception):
                     await replica.client.close()
         self.pools.clear()
@@ -585,6 +567,7 @@ class RoutedEngine:
             status, kv = "error", None
             watch: StallWatch | None = None
             attempt = aborts.begin()
+            replica.waiting.add(attempt)  # until its first chunk: evicted if the replica goes down
             try:
                 async with contextlib.aclosing(replica.client.generate(request, request_id=request_id,
                                                                        timeout=timeout)) as chunks:
@@ -592,6 +575,8 @@ class RoutedEngine:
                     while True:
                         if attempt.aborted:  # aborted while the consumer had the chunk: stop before waiting
                             raise GatewayShuttingDown("the gateway is shutting down")
+                        if attempt.evicted and not produced:
+                            raise ReplicaLost(f"replica {route.name}/{replica.name} went out of rotation")
                         attempt.waiting = True
                         try:
                             if watch is not None:  # after the first chunk: the inter-token deadline
@@ -621,13 +606,17 @@ class RoutedEngine:
                                                 f"{wait:g} s") from None
                         except asyncio.CancelledError:
                             if attempt.caused():
-                                raise GatewayShuttingDown(f"the gateway is shutting down; the call to replica "
-                                                          f"{route.name}/{replica.name} was cancelled") from None
+                                if attempt.aborted:
+                                    raise GatewayShuttingDown(f"the gateway is shutting down; the call to replica "
+                                                              f"{route.name}/{replica.name} was cancelled") from None
+                                raise ReplicaLost(f"replica {route.name}/{replica.name} went out of rotation "
+                                                  "(unavailable) before its first token; call cancelled") from None
                             raise
                         finally:
                             attempt.waiting = False
                         kv = chunk.kv
                         if not produced:  # the replica answers: proof it serves (closes a breaker)
+                            replica.waiting.discard(attempt)  # the consumer gets chunks: never evicted now
                             route.mark_served(replica)
                             if stall is not None and not chunk.final:
                                 watch = StallWatch(stall)
@@ -655,8 +644,8 @@ class RoutedEngine:
                     route.mark_timed_out(replica, clock() - exc.waited, "silent mid-answer")
                 elif isinstance(exc, EngineTimeout):
                     route.mark_timed_out(replica, dispatched_at)
-                else:
-                    route.mark_failed(replica)
+                elif not isinstance(exc, (EngineOverloaded, ReplicaLost)):  # busy, or already counted
+                    route.mark_failed(replica, evict=not isinstance(exc, EngineFailed))
                 tried.add(replica.id)
                 retry = (not produced or restartable) and self._attempts < retries and route.can_route(self._excluded())
                 status = "retried" if retry else "error"
@@ -664,7 +653,9 @@ class RoutedEngine:
                     raise
                 self._attempts += 1
                 what = ("stalled mid-answer" if isinstance(exc, EngineStalled)
-                        else "timed out" if isinstance(exc, EngineTimeout) else "unavailable")
+                        else "timed out" if isinstance(exc, EngineTimeout)
+                        else "overloaded" if isinstance(exc, EngineOverloaded)
+                        else "out of rotation" if isinstance(exc, ReplicaLost) else "unavailable")
                 # The client's request id (its answer's header) and the engine's: never the same, as
                 # the engine id must be unique and a client may send its own request id.
                 log.warning("request %s (engine request %s): replica %s/%s %s %s; retrying elsewhere",
@@ -678,6 +669,7 @@ class RoutedEngine:
                 raise
             finally:
                 aborts.end(attempt)
+                replica.waiting.discard(attempt)
                 if watch is not None:
                     watch.close()
                 if trial is not None:

@@ -18,7 +18,10 @@ from engines.contract import EngineRequest, KvMetrics, SamplingParams, encode_re
 from bench.server.fixed_engine import FixedModel
 from engines.reference.kserve import encode_outputs
 from retention.types import RetentionPlan
-from server.gateway.replicas.engine_client import EngineClient, EngineRejected, EngineUnavailable
+from engines.refusals import contract_refused, too_long
+from server.gateway.replicas.engine_client import (
+    EngineClient, EngineError, EngineFailed, EngineOverloaded, EngineRejected, EngineUnavailable,
+)
 from server.gateway.replicas.engine_stream import StreamChannel
 
 
@@ -106,11 +109,25 @@ async def test_a_streaming_request_stays_on_the_stream(engine, monkeypatch):
     assert [c.token_ids for c in chunks] == [(7,), (8,)] and chunks[-1].final
 
 
-async def test_an_error_message_is_a_rejection(engine):
+@pytest.mark.parametrize("streaming", [False, True])
+async def test_only_a_known_refusal_is_a_rejection_and_other_error_messages_are_the_engines_failure(engine, streaming):
+    """The error channel carries refusals and the engine's own failures alike: only the contract's
+    marked errors and the refusals of engines/refusals.py are the request's fault."""
     servicer, client = engine
-    servicer.script = [service_pb2.ModelStreamInferResponse(error_message="input_ids: empty")]
-    with pytest.raises(EngineRejected, match="input_ids: empty"):
-        await _collect(client, _request())
+    cases = [
+        (contract_refused("input_ids: input_ids must not be empty"), EngineRejected),
+        ("[kvgate_llm] " + too_long(9000, 8192), EngineRejected),
+        ("engine error: Maximum queue size of 64 has been reached, please try again later "
+         "(/src/cpp/tensorrt_llm/executor/executorImpl.cpp:1021)", EngineOverloaded),
+        ("engine error: [TensorRT-LLM][ERROR] CUDA runtime error in cudaMemcpyAsync", EngineFailed),
+        ("[kvgate_llm] the reference engine is not running", EngineFailed),
+        ("input_ids: empty", EngineFailed),  # unmarked: not the contract's refusal
+    ]
+    for message, kind in cases:
+        servicer.script = [service_pb2.ModelStreamInferResponse(error_message=message)]
+        with pytest.raises(EngineError) as caught:
+            await _collect(client, _request(streaming=streaming))
+        assert type(caught.value) is kind and isinstance(caught.value, (EngineRejected, EngineUnavailable))
 
 
 async def test_a_non_final_or_missing_answer_is_an_engine_error_not_a_truncated_answer(engine):
@@ -183,7 +200,8 @@ async def test_stream_statuses_map_to_rejection_or_unavailability(engine):
     servicer.script, servicer.status = [_message([7], 1, False)], (grpc.StatusCode.INTERNAL, "engine crashed")
     with pytest.raises(EngineUnavailable, match="INTERNAL.*engine crashed"):
         await _collect(client, _request(streaming=True))
-    servicer.script, servicer.status = [service_pb2.ModelStreamInferResponse(error_message="bad stop")], None
+    refusal = service_pb2.ModelStreamInferResponse(error_message=contract_refused("bad stop"))
+    servicer.script, servicer.status = [refusal], None
     with pytest.raises(EngineRejected, match="bad stop"):
         await _collect(client, _request(streaming=True))
 
