@@ -36,10 +36,20 @@ TPB, PROMPT, CALLS, RUNS = 16, 1024, 2000, 7
 SEED = 1  # the prompts' token ids
 
 
+END_OF_TURN, FIRST_MESSAGE = 2, 300  # the chat template's end-of-turn id; the first message's length
+
+
 def _prompts(n: int) -> list[tuple[int, ...]]:
+    """A 200-token system prompt, a 300-token first message closed by the end-of-turn token (where
+    the sampling key ends), then the rest of the conversation."""
     rng = np.random.default_rng(SEED)
     system = tuple(range(200))
-    return [system + tuple(int(t) for t in rng.integers(1000, 30000, PROMPT - 200)) for _ in range(n)]
+    out = []
+    for _ in range(n):
+        body = [int(t) for t in rng.integers(1000, 30000, PROMPT - 200)]
+        body[FIRST_MESSAGE] = END_OF_TURN
+        out.append(system + tuple(body))
+    return out
 
 
 def _offer_us(cap: TraceCaptures, pool: str, prompts: list[tuple[int, ...]]) -> float:
@@ -48,7 +58,7 @@ def _offer_us(cap: TraceCaptures, pool: str, prompts: list[tuple[int, ...]]) -> 
         for p in prompts:
             cap.offer(tenant_id=1, tenant="t", retention_class="c", pool=pool, tokens_per_block=TPB, salt="s",
                       input_ids=p, system_end=200, context_end=200, output_length=8, reused_blocks=10,
-                      onboarded_blocks=2, ttft=0.01, latency=0.2, status="ok")
+                      onboarded_blocks=2, ttft=0.01, latency=0.2, status="ok", turn_ends=(END_OF_TURN,))
         return (time.perf_counter() - t0) / len(prompts) * 1e6
 
     return statistics.median(one_run() for _ in range(RUNS))
@@ -134,8 +144,9 @@ def main() -> None:
 | captured, 10 % sampling | {costs['p10']:.2f} | {costs['p10'] / costs['idle']:.1f} |
 | captured, 100 % sampling (decision + enqueue) | {costs['p100']:.2f} | {costs['p100'] / costs['idle']:.1f} |
 
-The sampling decision hashes the prompt up to its first block after the system prompt, so
-a captured pool costs tens of µs per request whatever the rate. The writer thread (64
+The sampling decision hashes the prompt up to the end of its first message after the system
+prompt (here 200 + 300 tokens; at most 1,024 tokens of that message), so a captured pool costs
+tens of µs per request whatever the rate. The writer thread (64
 block hashes, keyed ids, JSON, one write per line) drains {costs['writer_lines_per_s']:,.0f}
 lines/s on this (shared) machine; that CPU is spent in the gateway process and shares the
 GIL with the event loop, so size `sample_rate` to the traffic. Above that rate the bounded

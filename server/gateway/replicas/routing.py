@@ -226,7 +226,7 @@ class PoolRoute:
         way (begun with the old cursor) is discarded when it answers (``resets``)."""
         replica.resets += 1
         replica.cursor, replica.events = 0, None
-        if replica.id not in self.replicas:
+        if self.replicas.get(replica.id) is not replica:  # retired, or replaced under its id: not ours to drop
             return
         forget_index = getattr(self.router, "forget_index", None)  # routers without an index have none
         if forget_index is not None:
@@ -283,13 +283,19 @@ class PoolRoute:
         generation, resets = self.generation, replica.resets
         try:
             stats = await replica.client.stats(self.config.stats_timeout_s, events_since=replica.cursor)
-        except EngineError:
-            self.mark_failed(replica)
+        except EngineError as exc:
+            if self._current(replica, resets):
+                # Evict the attempts waiting there only when the replica is unreachable (no connection,
+                # no answer in time), never when it answered: an engine that answers is up.
+                unreachable = isinstance(exc, EngineUnavailable) and not isinstance(exc, (EngineFailed,
+                                                                                          EngineOverloaded))
+                self.mark_failed(replica, evict=unreachable)
             return
         except Exception as exc:  # noqa: BLE001 - one replica's unreadable answer must not stop the loop
             log.warning("replica %s/%s: stats answer not readable (%s: %s); counted as a failed probe",
                         self.name, replica.name, type(exc).__name__, exc)
-            self.mark_failed(replica)
+            if self._current(replica, resets):
+                self.mark_failed(replica, evict=False)  # it answered: up, its requests run on
             return
         if replica.resets != resets:
             return  # the breaker opened while this answer travelled: the next probe decides
@@ -304,12 +310,19 @@ class PoolRoute:
             except Exception as exc:  # noqa: BLE001 - as above
                 log.warning("replica %s/%s: KV events not applicable (%s: %s); counted as a failed probe",
                             self.name, replica.name, type(exc).__name__, exc)
-                self._reset_index(replica)  # possibly half applied
-                self.mark_failed(replica)
+                if self._current(replica, resets):
+                    self._reset_index(replica)  # possibly half applied
+                    self.mark_failed(replica, evict=False)  # it answered: up, its requests run on
                 return
         if replica.breaker.probe_ok():  # not when it timed out: its stats answer while it hangs
             log.warning("replica %s/%s back in rotation", self.name, replica.name)
         replica.stats = stats
+
+    def _current(self, replica: Replica, resets: int) -> bool:
+        """Whether a poll begun at ``resets`` still speaks for ``replica``: polls now outlive a round,
+        so a late failure of a replica since reset, retired or replaced under its id (a new endpoint)
+        must not open a breaker or drop an index that is no longer the one it asked about."""
+        return replica.resets == resets and self.replicas.get(replica.id) is replica
 
     @staticmethod
     def _continues(cursor: int, report: KvEventsReport) -> bool:

@@ -18,6 +18,7 @@ real reference engine for the engine's side of the refusal marker.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import secrets
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -301,6 +302,92 @@ def test_an_attempt_that_has_had_its_first_chunk_is_never_evicted():
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
+        await routing.close()
+
+    asyncio.run(scenario())
+
+
+class _AnsweringStats:
+    """A replica that is up: it prefills (first chunk after 0.3 s) and answers its stats call with
+    ``stats_exc`` (an unreadable answer, or an engine failure it reports)."""
+
+    def __init__(self, stats_exc: Exception) -> None:
+        self.stats_exc = stats_exc
+
+    async def generate(self, request, *, request_id, timeout=None):  # noqa: ANN001, ANN201
+        await asyncio.sleep(0.3)
+        yield EngineChunk((2,), 2, KvMetrics(), True)
+
+    async def stats(self, timeout=5.0, *, events_since=None):  # noqa: ANN001, ANN201
+        raise self.stats_exc
+
+    async def close(self) -> None:
+        return None
+
+
+@pytest.mark.parametrize("stats_exc", [ValueError("stats JSON of a newer engine"), EngineFailed("executor error")],
+                         ids=["unreadable", "engine-failed"])
+def test_a_failed_probe_of_a_replica_that_answered_leaves_its_waiting_requests_alone(stats_exc):
+    """The poll opens the breaker (no new requests go there), but the replica answered: it is up, so
+    the request already waiting there for its first chunk runs on (only an unreachable replica's are
+    moved)."""
+    async def scenario() -> list:
+        routing = Routing(RoutingConfig(router="round-robin", first_token_timeout_s=0))
+        pool = PoolSnapshot(1, "p", "m", "kvgate_llm", "spec", 16, 10, 0, 30,
+                            (ReplicaSnapshot(0, "r0", "127.0.0.1:9000", "active", 1),))
+        route = routing.route(pool)
+        replica = route.replicas[0]
+        replica.client = _AnsweringStats(stats_exc)
+        request = EngineRequest((1, 2, 3), 2, None, True, SamplingParams(), RetentionPlan(), None, None)
+
+        async def consume() -> list:
+            return [c async for c in routing.engine(pool).generate(request, request_id="x")]
+
+        task = asyncio.create_task(consume())
+        await asyncio.sleep(0.05)
+        assert replica.waiting
+        await route.poll(replica)
+        assert not replica.breaker.closed  # a failed probe all the same
+        chunks = await task
+        await routing.close()
+        return chunks
+
+    assert [c.token_ids for c in asyncio.run(scenario())] == [(2,)]
+
+
+def test_a_late_failed_poll_of_a_replaced_replica_leaves_the_new_ones_index_and_breaker():
+    """Polls outlive a round: the poll of an endpoint replaced under the same replica id (a new
+    address) that fails late must not drop the new replica's index nor open its breaker."""
+    class Hanging:
+        def __init__(self) -> None:
+            self.go = asyncio.Event()
+
+        async def stats(self, timeout=5.0, *, events_since=None):  # noqa: ANN001, ANN201
+            await self.go.wait()
+            raise EngineUnavailable("old endpoint gone")
+
+        async def close(self) -> None:
+            return None
+
+    async def scenario() -> None:
+        routing = Routing(RoutingConfig(router="kv-aware", poll_wait_s=0.05))
+        snap = PoolSnapshot(1, "p", "m", "kvgate_llm", "spec", 16, 10, 0, 30,
+                            (ReplicaSnapshot(0, "r0", "10.0.0.1:9000", "active", 1),))
+        route = routing.route(snap)
+        old = route.replicas[0]
+        old.client = Hanging()
+        route.sync(snap)
+        route.start_poll(old)
+        await asyncio.sleep(0.01)  # the old endpoint's poll is in flight
+        route.sync(dataclasses.replace(snap, replicas=(ReplicaSnapshot(0, "r0", "10.0.0.2:9000", "active", 1),)))
+        new = route.replicas[0]
+        assert new is not old
+        new.cursor, new.events = 42, True  # as after polls of the new engine
+        route.router.index(0)
+        old.client.go.set()
+        await asyncio.sleep(0.05)  # the old poll fails now
+        assert 0 in route.router._indexes and new.cursor == 42  # noqa: SLF001 - the index the router routes on
+        assert new.breaker.closed
         await routing.close()
 
     asyncio.run(scenario())
