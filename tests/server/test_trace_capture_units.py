@@ -335,3 +335,19 @@ def test_a_write_that_fails_part_way_leaves_only_whole_lines(tmp_path: Path, tru
     assert _count(tc, "kvgate_trace_lines_dropped_total", pool="p", reason="write_error") == 1
     assert _count(tc, "kvgate_trace_lines_total", pool="p") == 2
     assert _count(tc, "kvgate_trace_capture_bytes", pool="p") == len(text)
+
+
+def test_a_long_first_message_is_keyed_on_its_first_tokens_only() -> None:
+    """The event loop never scans or hashes a long document for a sampling decision: a first
+    message longer than SAMPLING_KEY_TOKENS is cut there, in every turn alike."""
+    from server.gateway.observe.capture import SAMPLING_KEY_TOKENS, sampling_end
+
+    end_of_turn = 2
+    system = tuple(range(100, 140))
+    document = tuple(7 for _ in range(5 * SAMPLING_KEY_TOKENS))
+    turn1 = system + document + (end_of_turn, 9, 9)
+    turn2 = turn1 + (11, 12, end_of_turn, 13)
+    cuts = {sampling_end(t, len(system), 16, (end_of_turn,)) for t in (turn1, turn2)}
+    assert cuts == {len(system) + SAMPLING_KEY_TOKENS}
+    short = system + (5, 6, end_of_turn, 9)  # a short first message still ends at its end-of-turn token
+    assert sampling_end(short, len(system), 16, (end_of_turn,)) == len(system) + 3

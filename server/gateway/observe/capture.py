@@ -28,8 +28,9 @@ Privacy invariants:
 Cost invariants (the event loop never waits on the disk):
 
 * ``offer`` runs on the event loop: a dict lookup, a tenant filter, a C-speed search for the
-  first end-of-turn token and one keyed hash of the tokens up to it (the system prompt and the
-  first message) for the sampling decision (none at ``sample_rate`` 1), and ``put_nowait`` on a
+  first end-of-turn token within ``SAMPLING_KEY_TOKENS`` of the system prompt's end and one
+  keyed hash of the tokens up to it (the system prompt and at most that much of the first
+  message) for the sampling decision (none at ``sample_rate`` 1), and ``put_nowait`` on a
   bounded queue; a full queue drops the line and counts it
   (``kvgate_trace_lines_dropped_total{reason="queue_full"}``).
 * hashing, JSON and file writes run on one writer thread. Each file is bounded by the
@@ -46,7 +47,8 @@ Cost invariants (the event loop never waits on the disk):
 Sampling is by conversation: the decision is a keyed hash of the salt and the prompt's
 tokens up to and including the end of its first message after the system prompt, which is
 the first end-of-turn control token (the tokenizer's, e.g. ``<|im_end|>``, handed to ``offer``)
-at or after ``system_end``. Control tokens come only from the chat template (a client's
+at or after ``system_end`` (a first message longer than ``SAMPLING_KEY_TOKENS`` is keyed on
+its first that many tokens). Control tokens come only from the chat template (a client's
 ``<|im_end|>`` is plain text), and every turn of a conversation starts with the same system
 prompt and first message, so all turns are in or out together (reuse between turns survives
 sampling), while conversations sharing only a system prompt are sampled independently.
@@ -90,6 +92,7 @@ from tenants.captures import ActiveCapture, active_captures
 log = logging.getLogger("kvgate.capture")
 _U64 = Struct("<Q")
 _ID_MASK = 2**31 - 1
+SAMPLING_KEY_TOKENS = 1024  # the most of a first message the sampling key covers (sampling_end)
 _ERROR_LOG_INTERVAL_S = 60.0  # a failing trace directory is logged at most this often per pool
 
 
@@ -122,21 +125,27 @@ def sampling_end(tokens: tuple[int, ...], system_end: int, tokens_per_block: int
 
     The first message after the system segment ends at the first end-of-turn control token at
     or after ``system_end`` (client text never holds one: ``server.gateway.api.prompting``), so
-    every turn of a conversation finds the same one. Without one (a raw prompt, a template
-    without such a token): the end of the first block after ``system_end``.
+    every turn of a conversation finds the same one. A first message longer than
+    ``SAMPLING_KEY_TOKENS`` is cut there (every turn holds those same tokens, and the event loop
+    never scans or hashes a long document for a sampling decision). Without such a token (a raw
+    prompt, a template without one): the end of the first block after ``system_end``.
     """
-    end = _first_of(tokens, turn_ends, system_end) if turn_ends else -1
-    if end >= 0:
-        return end + 1
+    if turn_ends:
+        stop = min(len(tokens), system_end + SAMPLING_KEY_TOKENS)
+        end = _first_of(tokens, turn_ends, system_end, stop)
+        if end >= 0:
+            return end + 1
+        if stop < len(tokens):  # a first message longer than the cap: its first tokens are the key
+            return stop
     return min(len(tokens), (system_end // tokens_per_block + 1) * tokens_per_block)
 
 
-def _first_of(tokens: tuple[int, ...], wanted: Collection[int], start: int) -> int:
-    """The first index >= ``start`` holding one of ``wanted``, or -1.
+def _first_of(tokens: tuple[int, ...], wanted: Collection[int], start: int, stop: int) -> int:
+    """The first index in ``[start, stop)`` holding one of ``wanted``, or -1.
 
     ``tuple.index`` (C speed) over windows that double from 256 tokens: a wanted id that is not
     in the prompt costs a scan as long as the first message, not the whole prompt."""
-    total, lo, width = len(tokens), start, 256
+    total, lo, width = stop, start, 256
     while lo < total:
         hi = min(total, lo + width)
         best = -1
