@@ -30,7 +30,9 @@ from typing import Any
 
 import torch
 
-from engines.contract import END_ID, ContractError, EngineRequest, KvMetrics, TokenLogProbs, check_combinations
+from engines.contract import (END_ID, INPUT_IDS, REQUEST_OUTPUT_LEN, ContractError, EngineRequest, KvMetrics,
+                              TokenLogProbs, check_combinations)
+from engines.refusals import output_out_of_range, too_long
 from engines.pool_stats import PoolStatsReport, TierStats
 from engines.kv_events import KvEventLog, PoolEventFeed
 from engines.reference.config import SMALL_STEP_ROWS, ReferenceEngineConfig
@@ -153,6 +155,15 @@ class ReferenceEngine:
         """The contract's refusals for in-process callers too: field combinations
         (engines.contract.check_combinations) and an end id outside the vocabulary (parse_request's)."""
         check_combinations(request)
+        # The input and output limits parse_request enforces (config.py guarantees their sum fits
+        # the pool): without them a request that can never fit would wait at the head of the
+        # queue for good under guaranteed_no_evict, and every request behind it with it.
+        limits = self.config
+        if len(request.input_ids) > limits.max_input_len:
+            raise ContractError(too_long(len(request.input_ids), limits.max_input_len), tensor=INPUT_IDS.name)
+        if not 1 <= request.max_new_tokens <= limits.max_output_len:
+            raise ContractError(output_out_of_range(limits.max_output_len, request.max_new_tokens),
+                                tensor=REQUEST_OUTPUT_LEN.name)
         if request.end_id is not None and request.end_id >= self.vocab_size:  # negative: no end id
             raise ContractError(f"end_id must be a token id in [0, {self.vocab_size}) or -1 (none), got {request.end_id}",
                                 tensor=END_ID.name)

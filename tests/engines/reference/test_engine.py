@@ -100,6 +100,25 @@ async def test_duplicate_ids_and_stopped_engine_are_refused(bundle, tokenizer):
     assert engine.stats().primary.used_blocks == 0
 
 
+def test_in_process_requests_over_the_limits_are_refused_not_left_waiting(bundle, tokenizer):
+    """In-process callers get the contract's input and output limits too: under guaranteed_no_evict a
+    request that can never fit would otherwise wait at the head of the queue for good, and every
+    request behind it with it."""
+    from engines.contract import ContractError
+
+    engine = ReferenceEngine(bundle, ReferenceEngineConfig(kv_dtype="fp32", primary_blocks=6, tokens_per_block=16,
+                                                           max_input_len=32, max_output_len=48))
+    engine.start()
+    try:
+        with pytest.raises(ContractError, match="request_output_len|max"):
+            engine.submit("big", make_request(tokenizer.encode("Hi"), 200), lambda _: None)
+        with pytest.raises(ContractError):
+            engine.submit("long", make_request(tuple(range(10, 50)), 4), lambda _: None)
+        engine.submit("small", make_request(tokenizer.encode("Hi"), 4), lambda _: None)  # still served
+    finally:
+        engine.stop()
+
+
 @pytest.mark.parametrize("change,named", [
     ({"primary_blocks": 0}, "primary_blocks"),
     ({"kv_dtype": "int4"}, "kv_dtype"),
