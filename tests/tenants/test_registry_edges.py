@@ -46,11 +46,14 @@ def test_a_deleted_newest_tenants_and_keys_ids_are_not_handed_out_again(session)
 
 
 def test_usage_of_a_minute_before_the_tenant_existed_is_dropped(session) -> None:  # type: ignore[no-untyped-def]
-    """A row counted before the tenant was created belongs to an earlier holder of its id
-    (a registry restored from an older copy): it is not billed; its creation minute is."""
+    """A row counted well before the tenant was created belongs to an earlier holder of its id
+    (a registry restored from an older copy): it is not billed; its creation minute is, and so is
+    a minute within the clock-skew tolerance before it (the gateway's clock may run behind)."""
+    from tenants.usage import CLOCK_SKEW_TOLERANCE
+
     t = make_placement(session)
     created = t.created_at.replace(second=0, microsecond=0)
-    rows = [UsageRow(t.id, created - timedelta(minutes=1), 1, 100, 10),
+    rows = [UsageRow(t.id, created - CLOCK_SKEW_TOLERANCE - timedelta(minutes=1), 1, 100, 10),
             UsageRow(t.id, created - timedelta(days=3), 1, 100, 10),
             UsageRow(t.id, created + timedelta(seconds=1), 2, 20, 2)]
     assert record_usage(session, flush_id="f", rows=rows)

@@ -124,6 +124,13 @@ class EngineTimeout(EngineUnavailable):
     has already cancelled the call: the engine saw a cancel and freed the request."""
 
 
+def timed_out(exc: BaseException) -> bool:
+    """Whether ``exc`` is a call that got no answer within its deadline (the engine hangs: a
+    refused or reset connection is not this)."""
+    cause = exc.__cause__
+    return isinstance(cause, grpc.aio.AioRpcError) and cause.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+
+
 @dataclass(frozen=True, slots=True)
 class EngineChunk:
     token_ids: tuple[int, ...]  # tokens new in this response

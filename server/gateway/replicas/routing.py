@@ -83,7 +83,7 @@ from server.gateway.replicas.breaker import Breaker
 from server.gateway.replicas.peer_sync import PeerSync
 from server.gateway.replicas.engine_client import (
     EngineChunk, EngineClient, EngineError, EngineFailed, EngineOverloaded, EngineRejected, EngineTimeout,
-    EngineUnavailable,
+    EngineUnavailable, timed_out,
 )
 from server.gateway.observe.metrics import ReplicaRow
 from server.gateway.replicas.reports import report_as_pool_events, sum_reports
@@ -285,11 +285,11 @@ class PoolRoute:
             stats = await replica.client.stats(self.config.stats_timeout_s, events_since=replica.cursor)
         except EngineError as exc:
             if self._current(replica, resets):
-                # Evict the attempts waiting there only when the replica is unreachable (no connection,
-                # no answer in time), never when it answered: an engine that answers is up.
-                unreachable = isinstance(exc, EngineUnavailable) and not isinstance(exc, (EngineFailed,
-                                                                                          EngineOverloaded))
-                self.mark_failed(replica, evict=unreachable)
+                # Evict the attempts waiting there only when the replica hangs (its stats call got no
+                # answer in time): their streams would wait out their own deadlines. A refused or
+                # reset connection breaks those streams by itself, and an engine that answered (a
+                # failure, a full queue) is up: its requests run on.
+                self.mark_failed(replica, evict=timed_out(exc))
             return
         except Exception as exc:  # noqa: BLE001 - one replica's unreadable answer must not stop the loop
             log.warning("replica %s/%s: stats answer not readable (%s: %s); counted as a failed probe",

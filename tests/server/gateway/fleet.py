@@ -37,7 +37,10 @@ MODEL = "smollm2-135m-instruct"
 POOL = "fleet"
 TPB = 16
 ENGINE = dict(kv_dtype="fp8_e4m3", primary_blocks=256, secondary_blocks=0, tokens_per_block=TPB,
-              max_batch_size=8, max_num_tokens=256, max_input_len=768, max_output_len=160)
+              max_batch_size=8, max_num_tokens=256, max_input_len=768, max_output_len=160,
+              # These tests are about routing: every request a replica is sent starts at once
+              # (admitted on its prompt), so a flood loads the replica it was sent to at once.
+              scheduler_policy="max_utilization")
 PEPPER = "fleet-pepper-" + secrets.token_hex(16)
 
 

@@ -243,7 +243,7 @@ def test_attempts_waiting_on_a_replica_that_goes_down_are_retried_elsewhere_at_o
         started = time.monotonic()
         futures = [pool.submit(gateway.chat, "f", stream=stream, max_tokens=8) for _ in range(2)]
         wait_until(lambda: steer.held.get("r1", 0) >= 1, what="an attempt held on r1")
-        steer.stats["r1"] = "fail"  # its next stats poll fails: the breaker opens (unavailable)
+        steer.stats["r1"] = "hang"  # its next stats poll gets no answer in 5 s: the breaker opens (it hangs)
         responses = [f.result() for f in futures]
         took = time.monotonic() - started
     assert [_ok_replica(r) for r in responses] == ["r0", "r0"]
