@@ -45,24 +45,25 @@ class Scripted(service_pb2_grpc.GRPCInferenceServiceServicer):
         self.received = asyncio.Event()
         self.cancelled = asyncio.Event()
 
-    async def _hang(self) -> None:
+    async def ModelStreamInfer(self, request_iterator, context):
         try:
-            await asyncio.Event().wait()
-        except asyncio.CancelledError:  # grpc.aio cancels the handler when the client cancels
+            async for _ in request_iterator:
+                self.received.set()
+                if self.hang:
+                    await asyncio.Event().wait()
+                for message in self.script:
+                    yield message
+                if self.status is not None:
+                    await context.abort(*self.status)
+                if self.hang_after:
+                    await asyncio.Event().wait()
+        except (asyncio.CancelledError, GeneratorExit):
+            # grpc.aio cancels the handler when the client cancels: in an await
+            # (CancelledError), or, when the cancel lands while a yielded message is being
+            # written (a client that closes right after its first chunk), by closing the
+            # generator at its ``yield`` (GeneratorExit)
             self.cancelled.set()
             raise
-
-    async def ModelStreamInfer(self, request_iterator, context):
-        async for _ in request_iterator:
-            self.received.set()
-            if self.hang:
-                await self._hang()
-            for message in self.script:
-                yield message
-            if self.status is not None:
-                await context.abort(*self.status)
-            if self.hang_after:
-                await self._hang()
 
 
 @pytest.fixture
