@@ -25,7 +25,7 @@ import time
 import numpy as np
 import tritonclient.grpc as grpcclient
 
-from engines import contract, pool_stats
+from engines import contract, pool_stats, response_tensors
 from retention.types import RetentionPlan, TokenRange
 
 
@@ -68,7 +68,7 @@ def request(ids: list[int], *, salt: str, tenant: str, priority: int) -> dict[st
 
 def stats(client, model: str) -> pool_stats.PoolStatsReport:
     out = infer(client, model, {contract.KV_STATS.name: np.array([True])})
-    return pool_stats.PoolStatsReport.from_json(out[contract.KV_CACHE_STATS.name][0])
+    return pool_stats.PoolStatsReport.from_json(out[response_tensors.KV_CACHE_STATS.name][0])
 
 
 def check(ok: bool, what: str) -> None:
@@ -102,11 +102,11 @@ def main() -> None:
     keep = min(threshold + 10, 100)  # offloaded, not dropped, when evicted
     first = infer(client, args.model, request(prompt, salt="smoke-a", tenant="smoke-a", priority=keep))
     second = infer(client, args.model, request(prompt, salt="smoke-a", tenant="smoke-a", priority=keep))
-    reused = int(second[contract.KV_REUSED.name][0])
-    print(f"first: reused {int(first[contract.KV_REUSED.name][0])}; second: reused {reused}")
+    reused = int(second[response_tensors.KV_REUSED.name][0])
+    print(f"first: reused {int(first[response_tensors.KV_REUSED.name][0])}; second: reused {reused}")
     check(reused > 0, "same salted prompt twice reuses blocks")
     other = infer(client, args.model, request(prompt, salt="smoke-b", tenant="smoke-b", priority=keep))
-    check(int(other[contract.KV_REUSED.name][0]) == 0, "another salt reuses nothing")
+    check(int(other[response_tensors.KV_REUSED.name][0]) == 0, "another salt reuses nothing")
 
     per_request = max(args.prompt_tokens, before.tokens_per_block)
     flood_requests = before.primary.max_blocks * before.tokens_per_block // per_request + 2
@@ -120,8 +120,8 @@ def main() -> None:
     check(mid.tenants.get("smoke-a", [0, 0])[1] > 0, "smoke tenant holds host-tier blocks")
     again = infer(client, args.model, request(prompt, salt="smoke-a", tenant="smoke-a", priority=keep))
     after = stats(client, args.model)
-    print(f"again: reused {int(again[contract.KV_REUSED.name][0])}; onboarded {mid.onboarded_blocks} -> {after.onboarded_blocks}")
-    check(int(again[contract.KV_REUSED.name][0]) > 0, "offloaded prefix is reused")
+    print(f"again: reused {int(again[response_tensors.KV_REUSED.name][0])}; onboarded {mid.onboarded_blocks} -> {after.onboarded_blocks}")
+    check(int(again[response_tensors.KV_REUSED.name][0]) > 0, "offloaded prefix is reused")
     check(after.onboarded_blocks > mid.onboarded_blocks, "host blocks were onboarded")
     print("GPU smoke: all checks passed")
 

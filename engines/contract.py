@@ -2,8 +2,10 @@
 
 Both the Triton Python-backend model around TensorRT-LLM 1.2 and the CPU reference
 engine import this module for tensor names, dtypes and request validation, so the
-gateway cannot tell them apart. Names follow the stock tensorrtllm backend where one
-exists (triton-inference-server/tensorrtllm_backend
+gateway cannot tell them apart (the output tensors and their encoding, ``encode_response``
+and ``decode_log_probs``, are in ``engines/response_tensors.py``; the values they carry,
+:class:`KvMetrics` and :class:`TokenLogProbs`, are here). Names follow the stock
+tensorrtllm backend where one exists (triton-inference-server/tensorrtllm_backend
 ``all_models/inflight_batcher_llm/tensorrt_llm/config.pbtxt``: ``input_ids``,
 ``request_output_len``, ``end_id``, ``streaming``, ``temperature``, ``runtime_top_p``,
 ``runtime_top_k``, ``stop``, ``output_ids``, ``sequence_length``,
@@ -132,7 +134,7 @@ request reach a scheduler.
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import numpy as np
@@ -199,24 +201,6 @@ INPUTS: tuple[TensorSpec, ...] = (
 )
 # input_ids / request_output_len are required for generation but not for the stats call,
 # so the Triton config marks every input optional and parse_request enforces the rest.
-
-# Outputs --------------------------------------------------------------------------------
-OUTPUT_IDS = TensorSpec("output_ids", "INT32", (-1,))
-SEQUENCE_LENGTH = TensorSpec("sequence_length", "INT32", (1,))
-KV_REUSED = TensorSpec("kv_cache_reused_blocks", "INT32", (1,))
-KV_NEW = TensorSpec("kv_cache_alloc_new_blocks", "INT32", (1,))
-KV_TOTAL = TensorSpec("kv_cache_alloc_total_blocks", "INT32", (1,))
-KV_ONBOARDED = TensorSpec("kv_cache_onboarded_blocks", "INT32", (1,))
-KV_CACHE_STATS = TensorSpec("kv_cache_stats", "BYTES", (1,))
-# Present only when the request set return_log_probs; one row per token of output_ids.
-OUTPUT_LOG_PROBS = TensorSpec("output_log_probs", "FP32", (-1,))
-TOP_LOG_PROBS = TensorSpec("top_log_probs", "FP32", (-1, -1))  # kvgate: [tokens, num_top_log_probs]
-TOP_LOG_PROBS_IDS = TensorSpec("top_log_probs_token_ids", "INT32", (-1, -1))  # kvgate
-
-OUTPUTS: tuple[TensorSpec, ...] = (
-    OUTPUT_IDS, SEQUENCE_LENGTH, KV_REUSED, KV_NEW, KV_TOTAL, KV_ONBOARDED, KV_CACHE_STATS,
-    OUTPUT_LOG_PROBS, TOP_LOG_PROBS, TOP_LOG_PROBS_IDS,
-)
 
 NUMPY_DTYPES: dict[str, type] = {
     "INT32": np.int32, "UINT64": np.uint64, "FP32": np.float32, "BOOL": np.bool_, "BYTES": np.object_,
@@ -678,46 +662,3 @@ class TokenLogProbs:
 
     logprob: float
     top: tuple[tuple[int, float], ...] = ()  # (token id, logprob), most likely first
-
-
-def encode_response(output_ids: list[int] | tuple[int, ...], sequence_length: int, kv: KvMetrics,
-                    log_probs: Sequence[TokenLogProbs] | None = None, num_top: int = 0) -> dict[str, np.ndarray]:
-    """Output tensors; ``log_probs`` (one per output id) adds ``output_log_probs`` and, with
-    ``num_top`` > 0, ``top_log_probs``/``top_log_probs_token_ids`` of shape ``[len(output_ids), num_top]``."""
-    out = {
-        OUTPUT_IDS.name: np.array(output_ids, np.int32),
-        SEQUENCE_LENGTH.name: np.array([sequence_length], np.int32),
-        KV_REUSED.name: np.array([kv.reused_blocks], np.int32),
-        KV_NEW.name: np.array([kv.new_blocks], np.int32),
-        KV_TOTAL.name: np.array([kv.total_blocks], np.int32),
-        KV_ONBOARDED.name: np.array([kv.onboarded_blocks], np.int32),
-    }
-    if log_probs is not None:
-        out[OUTPUT_LOG_PROBS.name] = np.array([lp.logprob for lp in log_probs], np.float32)
-        if num_top:
-            ids = np.zeros((len(log_probs), num_top), np.int32)
-            values = np.full((len(log_probs), num_top), -np.inf, np.float32)
-            for row, lp in enumerate(log_probs):
-                for col, (token, value) in enumerate(lp.top[:num_top]):
-                    ids[row, col], values[row, col] = token, value
-            out[TOP_LOG_PROBS.name] = values
-            out[TOP_LOG_PROBS_IDS.name] = ids
-    return out
-
-
-def decode_log_probs(tensors: Mapping[str, np.ndarray]) -> tuple[TokenLogProbs, ...] | None:
-    """Inverse of the log-probability part of :func:`encode_response` (None when absent)."""
-    if OUTPUT_LOG_PROBS.name not in tensors:
-        return None
-    chosen = np.asarray(tensors[OUTPUT_LOG_PROBS.name], np.float32).reshape(-1)
-    top_values = tensors.get(TOP_LOG_PROBS.name)
-    top_ids = tensors.get(TOP_LOG_PROBS_IDS.name)
-    out = []
-    for row, value in enumerate(chosen.tolist()):
-        top: tuple[tuple[int, float], ...] = ()
-        if top_values is not None and top_ids is not None and np.size(top_values):
-            vals = np.asarray(top_values).reshape(len(chosen), -1)[row]
-            ids = np.asarray(top_ids).reshape(len(chosen), -1)[row]
-            top = tuple((int(i), float(v)) for i, v in zip(ids.tolist(), vals.tolist()) if np.isfinite(v))
-        out.append(TokenLogProbs(float(value), top))
-    return tuple(out)

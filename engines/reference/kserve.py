@@ -22,7 +22,8 @@ import numpy as np
 from tritonclient.grpc import model_config_pb2, service_pb2
 from tritonclient.utils import deserialize_bytes_tensor, serialize_byte_tensor
 
-from engines.contract import INPUTS, MODEL_NAME, OUTPUTS, ContractError, TensorSpec
+from engines.contract import INPUTS, MODEL_NAME, ContractError, TensorSpec
+from engines.response_tensors import OUTPUTS
 
 MODEL_VERSION = "1"
 _INPUT_SPECS: dict[str, TensorSpec] = {spec.name: spec for spec in INPUTS}

@@ -38,9 +38,8 @@ import numpy as np
 from tritonclient.grpc import service_pb2, service_pb2_grpc
 
 from engines.contract import (
-    KV_CACHE_STATS, KV_NEW, KV_ONBOARDED, KV_REUSED, KV_TOTAL, MODEL_NAME, OUTPUT_IDS, SEQUENCE_LENGTH, STOP,
-    TOP_LOG_PROBS, ContractError, EngineRequest, KvMetrics, TokenLogProbs, decode_log_probs, encode_response,
-    is_stats_request, kv_events_cursor, parse_request,
+    MODEL_NAME, STOP, ContractError, EngineRequest, KvMetrics, TokenLogProbs, is_stats_request, kv_events_cursor,
+    parse_request,
 )
 from engines.reference.config import ReferenceEngineConfig
 from engines.reference.engine import EngineOutput, EngineStoppedError, ReferenceEngine
@@ -48,6 +47,10 @@ from engines.reference.kserve import (
     MODEL_VERSION, check_requested_outputs, decode_inputs, encode_outputs, model_config, model_metadata,
 )
 from engines.reference.loader import ModelBundle, load_model
+from engines.response_tensors import (
+    KV_CACHE_STATS, KV_NEW, KV_ONBOARDED, KV_REUSED, KV_TOTAL, OUTPUT_IDS, SEQUENCE_LENGTH, TOP_LOG_PROBS,
+    decode_log_probs, encode_response,
+)
 
 log = logging.getLogger(__name__)
 SERVER_NAME = "kvgate-reference"

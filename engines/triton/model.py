@@ -68,7 +68,7 @@ from typing import Any
 import numpy as np
 import triton_python_backend_utils as pb_utils  # provided by Triton's Python backend stub
 
-from engines import contract, pool_stats, refusals
+from engines import contract, pool_stats, refusals, response_tensors
 from engines.kv_events import KvEventsReport
 from engines.trtllm import bindings, engine_config, executor_args, request_extensions
 from engines.trtllm.kv_event_translator import KvEventTranslator
@@ -232,7 +232,7 @@ class TritonPythonModel:
         final = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
         if contract.is_stats_request(tensors):
             report = self.stats_report(contract.kv_events_cursor(tensors))
-            out = {contract.KV_CACHE_STATS.name: np.array([report.to_json().encode()], dtype=np.object_)}
+            out = {response_tensors.KV_CACHE_STATS.name: np.array([report.to_json().encode()], dtype=np.object_)}
             sender.send(pb_utils.InferenceResponse(output_tensors=_tensors(out)), flags=final)
             return
         triton_id = request.request_id()
@@ -240,7 +240,7 @@ class TritonPythonModel:
             # As the stock tensorrt_llm model and the reference engine: `stop` cancels the
             # running request(s) with the same Triton request id, and gets an empty final answer.
             self._stop(triton_id)
-            empty = contract.encode_response([], 0, contract.KvMetrics())
+            empty = response_tensors.encode_response([], 0, contract.KvMetrics())
             sender.send(pb_utils.InferenceResponse(output_tensors=_tensors(empty)), flags=final)
             return
         parsed = contract.parse_request(
@@ -329,7 +329,7 @@ class TritonPythonModel:
                     "engine error: return_log_probs was set but the executor returned no log probabilities"), final=True)
                 return
             log_probs = [contract.TokenLogProbs(v) for v in values]
-        arrays = contract.encode_response(tokens, pending.generated, self._kv_metrics(result), log_probs)
+        arrays = response_tensors.encode_response(tokens, pending.generated, self._kv_metrics(result), log_probs)
         self._send(request_id, pending, pb_utils.InferenceResponse(output_tensors=_tensors(arrays)), final=bool(result.is_final))
 
     def _kv_metrics(self, result: Any) -> contract.KvMetrics:
@@ -376,7 +376,7 @@ class TritonPythonModel:
             stopped = [(rid, p) for rid, p in self.pending.items() if p.triton_id == triton_id and not p.closed]
         for request_id, pending in stopped:
             self.executor.cancel_request(request_id)  # executor.cpp: cancel_request(id)
-            empty = contract.encode_response([], pending.generated, contract.KvMetrics())
+            empty = response_tensors.encode_response([], pending.generated, contract.KvMetrics())
             # its final answer now; the executor's final CANCELLED response then finds the entry gone
             self._send(request_id, pending, pb_utils.InferenceResponse(output_tensors=_tensors(empty)), final=True)
 

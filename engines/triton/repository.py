@@ -29,7 +29,7 @@ from dataclasses import asdict, dataclass, fields
 from importlib import resources
 from pathlib import Path
 
-from engines import contract
+from engines import contract, response_tensors
 from engines.spec import EngineSpec, load_spec
 from engines.triton.params import ServingParams
 
@@ -156,7 +156,7 @@ def render_config(spec: EngineSpec, *, engine_dir: str, tokenizer_dir: str | Non
         spec_hash=params.spec_hash,
         instance_count=spec.triton.instance_count,
         inputs=_tensor_block("input", contract.INPUTS, optional=True),
-        outputs=_tensor_block("output", contract.OUTPUTS, optional=False),
+        outputs=_tensor_block("output", response_tensors.OUTPUTS, optional=False),
         parameters=_parameters_block(params.to_parameters()),
     )
     return render_template(config_template(), values)

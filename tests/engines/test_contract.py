@@ -64,9 +64,8 @@ from engines.contract import (  # noqa: E402
     Guide,
     KvMetrics,
     TokenLogProbs,
-    decode_log_probs,
-    encode_response,
 )
+from engines.response_tensors import decode_log_probs, encode_response  # noqa: E402
 
 
 def test_a_prompt_over_the_input_limit_is_refused_in_words_the_gateway_reads() -> None:

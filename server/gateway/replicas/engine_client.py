@@ -44,24 +44,26 @@ from tritonclient.utils import InferenceServerException, serialize_byte_tensor
 
 from engines.contract import (
     INPUTS,
-    KV_CACHE_STATS,
     KV_EVENTS_SINCE,
-    KV_NEW,
-    KV_ONBOARDED,
-    KV_REUSED,
     KV_STATS,
-    KV_TOTAL,
-    OUTPUT_IDS,
-    OUTPUT_LOG_PROBS,
-    SEQUENCE_LENGTH,
-    TOP_LOG_PROBS,
-    TOP_LOG_PROBS_IDS,
     EngineRequest,
     KvMetrics,
     TokenLogProbs,
     encode_request,
 )
 from engines.pool_stats import PoolStatsReport
+from engines.response_tensors import (
+    KV_CACHE_STATS,
+    KV_NEW,
+    KV_ONBOARDED,
+    KV_REUSED,
+    KV_TOTAL,
+    OUTPUT_IDS,
+    OUTPUT_LOG_PROBS,
+    SEQUENCE_LENGTH,
+    TOP_LOG_PROBS,
+    TOP_LOG_PROBS_IDS,
+)
 from engines.refusals import is_refusal, overloaded
 from server.gateway.replicas.engine_stream import STREAM_INFER_METHOD, TRANSPORT_ERRORS, StreamChannel, status_error
 

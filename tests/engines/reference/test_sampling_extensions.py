@@ -124,7 +124,8 @@ def test_log_probs_over_grpc_unary_streaming_and_stream(fp8_server, tokenizer):
     """The server's three answer paths carry output_log_probs / top_log_probs aligned with output_ids."""
     import tritonclient.grpc as grpcclient
 
-    from engines.contract import decode_log_probs, encode_request
+    from engines.contract import encode_request
+    from engines.response_tensors import decode_log_probs
     from tests.engines.reference.helpers import to_inputs
 
     request = dataclasses.replace(make_request(chat_ids(tokenizer, "Hi there"), 4, end_id=-1), return_log_probs=True,

@@ -8,7 +8,7 @@ import pytest
 from google.protobuf import json_format, text_format
 from tritonclient.grpc import model_config_pb2
 
-from engines import contract
+from engines import contract, response_tensors
 from engines.spec import load_bundled_spec, spec_hash
 from engines.triton.params import ParamsError, ServingParams
 from engines.triton.repository import (
@@ -148,7 +148,7 @@ def test_config_pbtxt(name):
 
 def test_contract_and_config_agree():
     assert {s.name for s in contract.INPUTS} == set(INPUTS)
-    assert {s.name for s in contract.OUTPUTS} == set(OUTPUTS)
+    assert {s.name for s in response_tensors.OUTPUTS} == set(OUTPUTS)
 
 
 @pytest.mark.parametrize("name", NAMES)

@@ -14,7 +14,7 @@ from datetime import timedelta
 import numpy as np
 import pytest
 
-import engines.contract as contract
+import engines.response_tensors as response_tensors
 from engines.contract import ContractError, EngineRequest, Guide, SamplingParams, encode_request, parse_request
 from engines.spec import load_bundled_spec
 from engines.trtllm.executor_args import retention_config
@@ -33,8 +33,8 @@ def request(**changes) -> dict[str, np.ndarray]:
 def test_greedy_log_probs_are_not_renormalised_to_zero(harness):
     """ExecutorConfig.normalize_log_probs defaults to true in 1.2: a greedy token would report 0.0."""
     [(answer, _)] = outputs(harness.send(request(return_log_probs=True)))
-    values = answer[contract.OUTPUT_LOG_PROBS.name].tolist()
-    tokens = answer[contract.OUTPUT_IDS.name].tolist()
+    values = answer[response_tensors.OUTPUT_LOG_PROBS.name].tolist()
+    tokens = answer[response_tensors.OUTPUT_IDS.name].tolist()
     assert len(values) == len(tokens) == 4
     assert values == pytest.approx([-0.5 - 0.01 * t for t in tokens])  # the double's simulated model, not 0.0
     assert harness.executor.config.normalize_log_probs is False
@@ -46,7 +46,7 @@ def test_embedding_bias_has_the_engines_logits_dtype_and_shape(tmp_path, monkeyp
     h = make_harness(tmp_path, monkeypatch, engine={"logits_dtype": logits_dtype})
     try:
         [(answer, _)] = outputs(h.send(request(sampling=SamplingParams(logit_bias=((5, 2.0), (9, -100.0))))))
-        assert answer[contract.OUTPUT_IDS.name].size == 4
+        assert answer[response_tensors.OUTPUT_IDS.name].size == 4
         bias = recorded_request(h).embedding_bias
         assert tuple(bias.shape) == (1, 128256) and str(bias.dtype) == torch_dtype
         assert h.executor.warnings == []  # no float -> half conversion on the executor's side

@@ -11,6 +11,7 @@ from datetime import timedelta
 import numpy as np
 
 import engines.contract as contract
+import engines.response_tensors as response_tensors
 from engines.contract import EngineRequest, SamplingParams, encode_request
 from engines.pool_stats import PoolStatsReport
 from engines.kv_events import GPU, HOST, apply_report
@@ -36,7 +37,7 @@ def poll(h, since):
     sender = h.send({contract.KV_STATS.name: np.array([True]),
                      contract.KV_EVENTS_SINCE.name: np.array([since], np.uint64)})
     [(response, _)] = sender.responses
-    return PoolStatsReport.from_json(response.tensors()[contract.KV_CACHE_STATS.name][0]).kv_events
+    return PoolStatsReport.from_json(response.tensors()[response_tensors.KV_CACHE_STATS.name][0]).kv_events
 
 
 def test_stored_offloaded_and_removed_blocks_arrive_as_kvgate_hashes(harness):

@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 
 import engines.contract as contract
+import engines.response_tensors as response_tensors
 from engines.contract import EngineRequest, KvMetrics, SamplingParams, encode_request
 from engines.pool_stats import PoolStatsReport
 from engines.spec import load_bundled_spec, parse_spec
@@ -131,32 +132,32 @@ def test_non_streaming_answer_and_kv_metrics(harness):
     [(first, flags)] = outputs(harness.send(request(salt="s1")))
     assert flags == FINAL
     expected = [(t * 7 + 3) % 1000 + 10 for t in PROMPT][:4]
-    assert first[contract.OUTPUT_IDS.name].tolist() == expected
-    assert first[contract.SEQUENCE_LENGTH.name].tolist() == [4]
-    assert first[contract.KV_REUSED.name].tolist() == [0]
+    assert first[response_tensors.OUTPUT_IDS.name].tolist() == expected
+    assert first[response_tensors.SEQUENCE_LENGTH.name].tolist() == [4]
+    assert first[response_tensors.KV_REUSED.name].tolist() == [0]
     [(second, _)] = outputs(harness.send(request(salt="s1")))
     # two full 32-token blocks, and the third (tokens 64..78 of the partial block stored at the first
     # request's release) by partial reuse (enable_partial_reuse; kvCacheManager.cpp loadOrAllocateBlocks)
-    assert second[contract.KV_REUSED.name].tolist() == [3]
+    assert second[response_tensors.KV_REUSED.name].tolist() == [3]
     # total counts getFreeBlock calls: the two full blocks are on the GPU and the partial one is an unreferenced
     # leaf the request takes over (claimLeafBlock): none (kvCacheManager.cpp loadOrAllocateBlocks)
-    assert second[contract.KV_TOTAL.name].tolist() == [0]
-    assert second[contract.KV_NEW.name].tolist() == [0]
-    assert second[contract.KV_ONBOARDED.name].tolist() == [0]  # all of it was on the GPU
+    assert second[response_tensors.KV_TOTAL.name].tolist() == [0]
+    assert second[response_tensors.KV_NEW.name].tolist() == [0]
+    assert second[response_tensors.KV_ONBOARDED.name].tolist() == [0]  # all of it was on the GPU
     # once every slot has held tokens, TensorRT-LLM's num_new_allocated_blocks is 0 for a miss (getFreeBlock
     # counts slots never used); the contract's "new" is the prompt's missed blocks, num_missed_blocks
     for i in range(22):  # 22 prompts of 3 blocks: past the double's 64 slots
         outputs(harness.send(request(salt="warm", ids=tuple(range(2000 + 100 * i, 2000 + 100 * i + 80)))))
     [(cold, _)] = outputs(harness.send(request(salt="warm", ids=tuple(range(9000, 9080)))))
-    assert cold[contract.KV_REUSED.name].tolist() == [0] and cold[contract.KV_NEW.name].tolist() == [3]
+    assert cold[response_tensors.KV_REUSED.name].tolist() == [0] and cold[response_tensors.KV_NEW.name].tolist() == [3]
 
 
 def test_salts_isolate_tenants(harness):
     outputs(harness.send(request(salt="tenant-a")))
     [(other, _)] = outputs(harness.send(request(salt="tenant-b")))
-    assert other[contract.KV_REUSED.name].tolist() == [0]
+    assert other[response_tensors.KV_REUSED.name].tolist() == [0]
     [(same, _)] = outputs(harness.send(request(salt="tenant-a")))
-    assert same[contract.KV_REUSED.name].tolist() == [3]  # two full blocks + the partial third
+    assert same[response_tensors.KV_REUSED.name].tolist() == [3]  # two full blocks + the partial third
 
 
 def test_streaming_sends_deltas_and_strips_the_end_token(harness):
@@ -164,8 +165,8 @@ def test_streaming_sends_deltas_and_strips_the_end_token(harness):
     tensors[contract.END_ID.name] = np.array([77], np.int32)
     responses = outputs(harness.send(tensors))
     generated = [(t * 7 + 3) % 1000 + 10 for t in PROMPT[:3]]
-    assert [r[contract.OUTPUT_IDS.name].tolist() for r, _ in responses] == [[t] for t in generated] + [[]]
-    assert [r[contract.SEQUENCE_LENGTH.name].tolist()[0] for r, _ in responses] == [1, 2, 3, 3]
+    assert [r[response_tensors.OUTPUT_IDS.name].tolist() for r, _ in responses] == [[t] for t in generated] + [[]]
+    assert [r[response_tensors.SEQUENCE_LENGTH.name].tolist()[0] for r, _ in responses] == [1, 2, 3, 3]
     assert [flags for _, flags in responses] == [0, 0, 0, FINAL]
     assert recorded_request(harness).end_id == 77
 
@@ -193,7 +194,7 @@ def test_stats_call_reports_pool_and_per_tenant_blocks_per_tier(harness):
     outputs(harness.send(request(salt="a", tenant="tenant-a")))  # reuse: stores nothing new
     stats_sender = harness.send({contract.KV_STATS.name: np.array([True])})
     [(tensors, flags)] = outputs(stats_sender)
-    report = PoolStatsReport.from_json(tensors[contract.KV_CACHE_STATS.name][0])
+    report = PoolStatsReport.from_json(tensors[response_tensors.KV_CACHE_STATS.name][0])
     assert flags == FINAL
     # tenant-a: 80 prompt + 4 generated tokens: 2 context blocks + the partial third stored at release;
     # tenant-b: 64 + 4: the first block at context end, the second (holding the last prompt token,
@@ -208,7 +209,7 @@ def test_stats_call_reports_pool_and_per_tenant_blocks_per_tier(harness):
     harness.executor.offload(a_blocks[1])
     harness.executor.evict(a_blocks[2])  # a leaf
     [(tensors, _)] = outputs(harness.send({contract.KV_STATS.name: np.array([True])}))
-    report = PoolStatsReport.from_json(tensors[contract.KV_CACHE_STATS.name][0])
+    report = PoolStatsReport.from_json(tensors[response_tensors.KV_CACHE_STATS.name][0])
     assert report.tenants == {"tenant-a": [1, 1], "tenant-b": [3, 0]}
     assert report.secondary.used_blocks == 1 and report.secondary.free_blocks == 255
     assert (report.offloaded_blocks, report.evicted_blocks, report.onboarded_blocks) == (1, 1, 0)
@@ -228,7 +229,7 @@ class _Recorded(list):
 
 def stats_of(h) -> PoolStatsReport:
     [(tensors, _)] = outputs(h.send({contract.KV_STATS.name: np.array([True])}))
-    return PoolStatsReport.from_json(tensors[contract.KV_CACHE_STATS.name][0])
+    return PoolStatsReport.from_json(tensors[response_tensors.KV_CACHE_STATS.name][0])
 
 
 def test_cancelled_request_is_cancelled_in_the_executor(harness):
@@ -243,7 +244,7 @@ def test_cancelled_request_is_cancelled_in_the_executor(harness):
     [request_id] = harness.executor.requests
     assert harness.executor.cancelled == [request_id]
     [(final, flags)] = outputs(inference.sender)
-    assert flags == FINAL and final[contract.OUTPUT_IDS.name].tolist() == []
+    assert flags == FINAL and final[response_tensors.OUTPUT_IDS.name].tolist() == []
     assert harness.model.pending == {}
 
 
@@ -263,7 +264,7 @@ def test_a_request_cancelled_while_running_gets_one_final_answer_and_is_finished
     executor.step()  # terminateCancelledRequests: the final CANCELLED Result
     model.pump(timedelta(0))
     [(final, flags)] = outputs(inference.sender)
-    assert flags == FINAL and final[contract.OUTPUT_IDS.name].tolist() == []
+    assert flags == FINAL and final[response_tensors.OUTPUT_IDS.name].tolist() == []
     assert model.pending == {} and [r.tenant_id for r in done.appended] == ["tenant-a"]
     for _ in range(3):
         executor.step()
@@ -291,7 +292,7 @@ def test_a_stop_racing_the_response_thread_sends_one_final_and_loses_no_other_an
     a = harness.pb.InferenceRequest(request(ids=tuple(range(100, 140))), request_id="req-a")
     b = harness.pb.InferenceRequest(request(ids=tuple(range(300, 340))), request_id="req-b")
     model.execute([a, b])
-    real_encode, fired = contract.encode_response, []
+    real_encode, fired = response_tensors.encode_response, []
 
     def encode_then_stop(*args, **kwargs):
         if not fired:
@@ -299,13 +300,13 @@ def test_a_stop_racing_the_response_thread_sends_one_final_and_loses_no_other_an
             model.execute([harness.pb.InferenceRequest({contract.STOP.name: np.array([True])}, request_id="req-a")])
         return real_encode(*args, **kwargs)
 
-    monkeypatch.setattr(contract, "encode_response", encode_then_stop)
+    monkeypatch.setattr(response_tensors, "encode_response", encode_then_stop)
     model.pump(timedelta(0))
-    monkeypatch.setattr(contract, "encode_response", real_encode)
+    monkeypatch.setattr(response_tensors, "encode_response", real_encode)
     model.pump(timedelta(0))
     assert [flags for _, flags in a.sender.responses] == [FINAL]
     [(answer, flags)] = outputs(b.sender)
-    assert flags == FINAL and len(answer[contract.OUTPUT_IDS.name]) == 4
+    assert flags == FINAL and len(answer[response_tensors.OUTPUT_IDS.name]) == 4
     assert model.pending == {}
 
 
@@ -378,9 +379,9 @@ def test_stop_cancels_the_running_request_with_the_same_triton_id(harness):
     [request_id] = harness.executor.requests
     assert harness.executor.cancelled == [request_id]
     [(tensors, flags)] = outputs(stop.sender)
-    assert flags == FINAL and tensors[contract.OUTPUT_IDS.name].tolist() == []
+    assert flags == FINAL and tensors[response_tensors.OUTPUT_IDS.name].tolist() == []
     [(final, flags)] = outputs(running.sender)
-    assert flags == FINAL and final[contract.OUTPUT_IDS.name].tolist() == []
+    assert flags == FINAL and final[response_tensors.OUTPUT_IDS.name].tolist() == []
     harness.model.pump(timedelta(0))
     assert len(running.sender.responses) == 1  # nothing after the final answer
     other = harness.send({contract.STOP.name: np.array([True])})  # nothing running: still answered
@@ -401,7 +402,7 @@ def test_multi_gpu_spec_runs_the_executor_in_orchestrator_mode(tmp_path, monkeyp
         # The model still serves and answers the stats call, without per-tenant or host-tier counts.
         assert h.model.event_manager is None
         [(tensors, flags)] = outputs(h.send({contract.KV_STATS.name: np.array([True])}))
-        report = PoolStatsReport.from_json(tensors[contract.KV_CACHE_STATS.name][0])
+        report = PoolStatsReport.from_json(tensors[response_tensors.KV_CACHE_STATS.name][0])
         assert flags == FINAL and report.tenants == {}
         assert report.secondary.max_blocks == 0 and report.primary.max_blocks == 64  # primary from IterationStats
         assert h.model.ledger._roots == {}  # nothing queued for events that never come
@@ -483,12 +484,12 @@ def test_every_sampling_combination_reaches_the_decoder_as_asked(harness, temper
     greedy_tokens = [(t * 7 + 3) % 1000 + 10 for t in PROMPT][:3]
     if temperature == 0.0:
         assert sent.greedy and sent.effective_top_k == 1
-        assert answer[contract.OUTPUT_IDS.name].tolist() == greedy_tokens
+        assert answer[response_tensors.OUTPUT_IDS.name].tolist() == greedy_tokens
     else:
         assert not sent.greedy, f"temperature {temperature}, top_k {top_k}, top_p {top_p} fell back to greedy"
         assert sent.effective_top_k == top_k and sent.effective_top_p == pytest.approx(top_p)
         assert sent.temperature == pytest.approx(temperature)
-        assert answer[contract.OUTPUT_IDS.name].tolist() != greedy_tokens
+        assert answer[response_tensors.OUTPUT_IDS.name].tolist() != greedy_tokens
 
 
 def test_an_engine_without_paged_context_fmha_is_refused_when_the_pool_promises_reuse(tmp_path, monkeypatch):
@@ -520,12 +521,13 @@ def test_a_prefix_back_from_the_host_tier_reports_onboarded_blocks(harness):
     for block_hash in full:
         harness.executor.offload(block_hash)
     [(second, _)] = outputs(harness.send(request(salt="s1", tenant="tenant-a")))
-    assert second[contract.KV_REUSED.name].tolist() == [3] and second[contract.KV_NEW.name].tolist() == [0]
-    assert second[contract.KV_TOTAL.name].tolist() == [2]
-    assert second[contract.KV_ONBOARDED.name].tolist() == [2]
+    assert second[response_tensors.KV_REUSED.name].tolist() == [3]
+    assert second[response_tensors.KV_NEW.name].tolist() == [0]
+    assert second[response_tensors.KV_TOTAL.name].tolist() == [2]
+    assert second[response_tensors.KV_ONBOARDED.name].tolist() == [2]
     assert all(harness.executor.tree[h].level == 0 for h in full)
     [(tensors, _)] = outputs(harness.send({contract.KV_STATS.name: np.array([True])}))
-    report = PoolStatsReport.from_json(tensors[contract.KV_CACHE_STATS.name][0])
+    report = PoolStatsReport.from_json(tensors[response_tensors.KV_CACHE_STATS.name][0])
     assert (report.offloaded_blocks, report.onboarded_blocks) == (2, 2)  # the onboards' updated events
 
 
@@ -535,22 +537,22 @@ def test_total_blocks_per_request_follow_tensorrt_llm(harness):
     # take no getFreeBlock. 65 tokens, 32 per block: 3 blocks, the last token alone in the third (not matched)
     prompt = tuple(range(500, 565))
     [(first, _)] = outputs(harness.send(request(salt="c", ids=prompt)))
-    assert (first[contract.KV_TOTAL.name].tolist(), first[contract.KV_NEW.name].tolist()) == ([3], [3])
+    assert (first[response_tensors.KV_TOTAL.name].tolist(), first[response_tensors.KV_NEW.name].tolist()) == ([3], [3])
     [(second, _)] = outputs(harness.send(request(salt="c", ids=prompt)))
     num_blocks, num_shared = 3, len(prompt) // 32
-    assert second[contract.KV_REUSED.name].tolist() == [num_shared]
-    assert second[contract.KV_TOTAL.name].tolist() == [num_blocks - num_shared]
-    assert second[contract.KV_NEW.name].tolist() == [num_blocks - num_shared]
-    assert second[contract.KV_ONBOARDED.name].tolist() == [0]
+    assert second[response_tensors.KV_REUSED.name].tolist() == [num_shared]
+    assert second[response_tensors.KV_TOTAL.name].tolist() == [num_blocks - num_shared]
+    assert second[response_tensors.KV_NEW.name].tolist() == [num_blocks - num_shared]
+    assert second[response_tensors.KV_ONBOARDED.name].tolist() == [0]
 
 
 def test_pool_alloc_total_counts_generation_blocks(harness):
     # 64 prompt tokens fill two blocks; the first generated token takes a third (updateToken -> allocateBlock
     # -> getFreeBlock): in the pool's alloc_total_blocks, not in the request's KvCacheMetrics (addSequence only)
     [(answer, _)] = outputs(harness.send(request(salt="g", ids=tuple(range(700, 764)))))
-    assert answer[contract.KV_TOTAL.name].tolist() == [2]
+    assert answer[response_tensors.KV_TOTAL.name].tolist() == [2]
     [(tensors, _)] = outputs(harness.send({contract.KV_STATS.name: np.array([True])}))
-    report = PoolStatsReport.from_json(tensors[contract.KV_CACHE_STATS.name][0])
+    report = PoolStatsReport.from_json(tensors[response_tensors.KV_CACHE_STATS.name][0])
     assert report.alloc_total_blocks == 3 and report.missed_blocks == 2
 
 
@@ -569,12 +571,12 @@ def test_stats_before_any_iteration_and_between_iterations(harness):
     # get_latest_iteration_stats() returns only the iterations since the last call: an empty deque
     # before the first request and between two stats calls (executor.h).
     [(tensors, _)] = outputs(harness.send({contract.KV_STATS.name: np.array([True])}))
-    report = PoolStatsReport.from_json(tensors[contract.KV_CACHE_STATS.name][0])
+    report = PoolStatsReport.from_json(tensors[response_tensors.KV_CACHE_STATS.name][0])
     assert report.primary.max_blocks == 64 and report.primary.used_blocks == 0  # from the KV "created" event
     outputs(harness.send(request(salt="a", tenant="tenant-a")))
     for _ in range(2):  # the second call sees an empty deque and keeps the last KvCacheStats
         [(tensors, _)] = outputs(harness.send({contract.KV_STATS.name: np.array([True])}))
-        report = PoolStatsReport.from_json(tensors[contract.KV_CACHE_STATS.name][0])
+        report = PoolStatsReport.from_json(tensors[response_tensors.KV_CACHE_STATS.name][0])
         # the finished request's blocks are cached for reuse, and a cached block is a free one
         assert report.primary.used_blocks == 0 and report.primary.free_blocks == 64
         assert report.alloc_total_blocks == 3 and report.tenants == {"tenant-a": [3, 0]}
@@ -674,7 +676,7 @@ def test_a_prompt_longer_than_max_num_tokens_is_served_with_chunked_context(tmp_
     try:
         assert h.executor.config.enable_chunked_context is True
         [(answer, flags)] = outputs(h.send(request(ids=tuple(range(10, 4010)))))
-        assert flags == FINAL and answer[contract.SEQUENCE_LENGTH.name].tolist() == [4]
+        assert flags == FINAL and answer[response_tensors.SEQUENCE_LENGTH.name].tolist() == [4]
     finally:
         h.model.finalize()
 

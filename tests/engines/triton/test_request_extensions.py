@@ -11,7 +11,7 @@ import json
 import numpy as np
 import pytest
 
-import engines.contract as contract
+import engines.response_tensors as response_tensors
 from engines.contract import EngineRequest, Guide, SamplingParams, encode_request
 from engines.tokenizer import load_gguf_tokenizer
 from retention.types import RetentionPlan
@@ -43,8 +43,9 @@ def test_log_probs_are_asked_for_and_returned_aligned_with_the_tokens(harness):
         tensors = request(streaming=streaming, return_log_probs=True, end_id=77)
         responses = outputs(harness.send(tensors))
         assert recorded_request(harness).output_config.return_log_probs is True
-        tokens = [t for r, _ in responses for t in r[contract.OUTPUT_IDS.name].tolist()]
-        log_probs = [v for r, _ in responses for v in r.get(contract.OUTPUT_LOG_PROBS.name, np.zeros(0)).tolist()]
+        tokens = [t for r, _ in responses for t in r[response_tensors.OUTPUT_IDS.name].tolist()]
+        log_probs = [v for r, _ in responses
+                     for v in r.get(response_tensors.OUTPUT_LOG_PROBS.name, np.zeros(0)).tolist()]
         assert len(tokens) == 4 and log_probs == pytest.approx([-0.5 - 0.01 * t for t in tokens])
     outputs(harness.send(request()))
     assert recorded_request(harness).output_config.return_log_probs is False

@@ -24,9 +24,10 @@ import numpy as np
 from sqlalchemy import func, select
 from tritonclient.grpc import service_pb2, service_pb2_grpc
 
-from engines.contract import KV_CACHE_STATS, KvMetrics, encode_response, is_stats_request, parse_request
+from engines.contract import KvMetrics, is_stats_request, parse_request
 from engines.pool_stats import PoolStatsReport, TierStats
 from engines.reference.kserve import decode_inputs, encode_outputs
+from engines.response_tensors import KV_CACHE_STATS, encode_response
 from engines.tokenizer import load_gguf_tokenizer
 from server.gateway.replicas.breaker import Breaker
 from server.gateway.replicas.routing import RoutingConfig

@@ -14,7 +14,8 @@ import grpc
 import pytest
 from tritonclient.grpc import service_pb2, service_pb2_grpc
 
-from engines.contract import EngineRequest, KvMetrics, SamplingParams, encode_response
+from engines.contract import EngineRequest, KvMetrics, SamplingParams
+from engines.response_tensors import encode_response
 from bench.server.fixed_engine import FixedModel
 from engines.reference.kserve import encode_outputs
 from retention.types import RetentionPlan

@@ -34,7 +34,7 @@ from server.gateway.api.engine_errors import engine_error
 from server.gateway.replicas.engine_client import (
     EngineChunk, EngineClient, EngineFailed, EngineOverloaded, EngineRejected, EngineUnavailable, answered_error,
 )
-from server.gateway.replicas.routing import Routing, RoutingConfig
+from server.gateway.replicas.routing import PoolRoute, Replica, Routing, RoutingConfig
 from tenants.snapshots import PoolSnapshot, ReplicaSnapshot
 from tests.server.gateway import scripted
 from tests.server.gateway.scripted import POOL, ScriptedReplicas, sse_events, start_gateway, wait_until
@@ -258,6 +258,22 @@ def test_attempts_waiting_on_a_replica_that_goes_down_are_retried_elsewhere_at_o
 
 
 # The router with fake clients: eviction only before the first chunk ---------------------------------
+STREAMED = EngineRequest((1, 2, 3), 2, None, True, SamplingParams(), RetentionPlan(), None, None)
+
+
+def _one_replica(client, *, address: str = "127.0.0.1:9000",
+                 **config) -> tuple[Routing, PoolSnapshot, PoolRoute, Replica]:
+    """Routing (``RoutingConfig(**config)``) over pool ``p`` of one active replica ``r0`` at ``address``,
+    with ``client`` as that replica's engine: ``(routing, pool, route, replica)``."""
+    routing = Routing(RoutingConfig(**config))
+    pool = PoolSnapshot(1, "p", "m", "kvgate_llm", "spec", 16, 10, 0, 30,
+                        (ReplicaSnapshot(0, "r0", address, "active", 1),))
+    route = routing.route(pool)
+    replica = route.replicas[0]
+    replica.client = client
+    return routing, pool, route, replica
+
+
 class _Fake:
     def __init__(self, first: bool) -> None:
         self.first = first  # send one chunk, then hang
@@ -279,17 +295,11 @@ class _Fake:
 
 def test_an_attempt_that_has_had_its_first_chunk_is_never_evicted():
     async def scenario() -> None:
-        routing = Routing(RoutingConfig(router="round-robin", first_token_timeout_s=0))
-        pool = PoolSnapshot(1, "p", "m", "kvgate_llm", "spec", 16, 10, 0, 30,
-                            (ReplicaSnapshot(0, "r0", "127.0.0.1:9000", "active", 1),))
-        route = routing.route(pool)
-        replica = route.replicas[0]
-        replica.client = _Fake(first=True)
-        request = EngineRequest((1, 2, 3), 2, None, True, SamplingParams(), RetentionPlan(), None, None)
+        routing, pool, route, replica = _one_replica(_Fake(first=True), router="round-robin", first_token_timeout_s=0)
         chunks = []
 
         async def consume() -> None:
-            async for chunk in routing.engine(pool).generate(request, request_id="x"):
+            async for chunk in routing.engine(pool).generate(STREAMED, request_id="x"):
                 chunks.append(chunk)
 
         task = asyncio.create_task(consume())
@@ -332,16 +342,11 @@ def test_a_failed_probe_of_a_replica_that_answered_leaves_its_waiting_requests_a
     the request already waiting there for its first chunk runs on (only an unreachable replica's are
     moved)."""
     async def scenario() -> list:
-        routing = Routing(RoutingConfig(router="round-robin", first_token_timeout_s=0))
-        pool = PoolSnapshot(1, "p", "m", "kvgate_llm", "spec", 16, 10, 0, 30,
-                            (ReplicaSnapshot(0, "r0", "127.0.0.1:9000", "active", 1),))
-        route = routing.route(pool)
-        replica = route.replicas[0]
-        replica.client = _AnsweringStats(stats_exc)
-        request = EngineRequest((1, 2, 3), 2, None, True, SamplingParams(), RetentionPlan(), None, None)
+        routing, pool, route, replica = _one_replica(_AnsweringStats(stats_exc), router="round-robin",
+                                                     first_token_timeout_s=0)
 
         async def consume() -> list:
-            return [c async for c in routing.engine(pool).generate(request, request_id="x")]
+            return [c async for c in routing.engine(pool).generate(STREAMED, request_id="x")]
 
         task = asyncio.create_task(consume())
         await asyncio.sleep(0.05)
@@ -370,12 +375,8 @@ def test_a_late_failed_poll_of_a_replaced_replica_leaves_the_new_ones_index_and_
             return None
 
     async def scenario() -> None:
-        routing = Routing(RoutingConfig(router="kv-aware", poll_wait_s=0.05))
-        snap = PoolSnapshot(1, "p", "m", "kvgate_llm", "spec", 16, 10, 0, 30,
-                            (ReplicaSnapshot(0, "r0", "10.0.0.1:9000", "active", 1),))
-        route = routing.route(snap)
-        old = route.replicas[0]
-        old.client = Hanging()
+        routing, snap, route, old = _one_replica(Hanging(), address="10.0.0.1:9000", router="kv-aware",
+                                                 poll_wait_s=0.05)
         route.sync(snap)
         route.start_poll(old)
         await asyncio.sleep(0.01)  # the old endpoint's poll is in flight
