@@ -384,6 +384,11 @@ class Usage(Base):
     requests: Mapped[int] = mapped_column(BigInteger, default=0)
     prompt_tokens: Mapped[int] = mapped_column(BigInteger, default=0)
     completion_tokens: Mapped[int] = mapped_column(BigInteger, default=0)
+    # Of the prompt tokens (migration 0012; rows written before it read 0): served from the KV
+    # cache, and kept under a client cache hint by the TTL kept for (< 1 h, >= 1 h).
+    cache_read_tokens: Mapped[int] = mapped_column(BigInteger, default=0, server_default="0")
+    cache_write_5m_tokens: Mapped[int] = mapped_column(BigInteger, default=0, server_default="0")
+    cache_write_1h_tokens: Mapped[int] = mapped_column(BigInteger, default=0, server_default="0")
 
 
 class UsageFlush(Base):

@@ -5,6 +5,13 @@
 gateway that crashes after commit and retries the same batch adds nothing, and two
 concurrent applications of one batch cannot both commit.
 
+Counters per row: ``requests``, ``prompt_tokens``, ``completion_tokens`` and, of the prompt
+tokens, ``cache_read_tokens`` (served from the KV cache: what the APIs report as
+``cached_tokens`` / ``cache_read_input_tokens``) and ``cache_write_5m_tokens`` /
+``cache_write_1h_tokens`` (kept under a client cache hint, by the TTL they were kept for: what
+Messages reports as ``cache_creation``). Per request the three cache counts add up to at most
+its prompt tokens (``COUNTS``: the order rows, journal lines and upserts keep them in).
+
 ``usage_report`` windows are half-open on minute buckets: a minute is in ``[start, end)`` iff
 its start is, so both bounds round the same way (up to the next minute start) and windows
 cut at the same instant, aligned or not, never share a minute.
@@ -36,6 +43,11 @@ log = logging.getLogger("kvgate.tenants.usage")
 CLOCK_SKEW_TOLERANCE = timedelta(minutes=5)
 
 
+# The counters of a usage row, in the order UsageRow, the upsert and the report keep them in.
+COUNTS = ("requests", "prompt_tokens", "completion_tokens", "cache_read_tokens", "cache_write_5m_tokens",
+          "cache_write_1h_tokens")
+
+
 @dataclass(frozen=True, slots=True)
 class UsageRow:
     tenant_id: int
@@ -43,6 +55,9 @@ class UsageRow:
     requests: int = 0
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    cache_read_tokens: int = 0  # of the prompt tokens: served from the KV cache
+    cache_write_5m_tokens: int = 0  # of the prompt tokens: kept under a client hint of less than 1 h
+    cache_write_1h_tokens: int = 0  # of the prompt tokens: kept under a client hint of 1 h or more
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,6 +81,9 @@ class UsageTotals:
     requests: int
     prompt_tokens: int
     completion_tokens: int
+    cache_read_tokens: int = 0
+    cache_write_5m_tokens: int = 0
+    cache_write_1h_tokens: int = 0
 
 
 def minute_bucket(moment: datetime, *, field: str = "minute") -> datetime:
@@ -98,9 +116,9 @@ def _earliest(created_at: datetime) -> datetime:
 
 
 def _merge(rows: Iterable[UsageRow]) -> dict[tuple[int, datetime], list[int]]:
-    merged: dict[tuple[int, datetime], list[int]] = defaultdict(lambda: [0, 0, 0])
+    merged: dict[tuple[int, datetime], list[int]] = defaultdict(lambda: [0] * len(COUNTS))
     for row in rows:
-        counts = (row.requests, row.prompt_tokens, row.completion_tokens)
+        counts = tuple(getattr(row, name) for name in COUNTS)
         if any(isinstance(c, bool) or not isinstance(c, int) or c < 0 for c in counts):
             raise InvalidField("usage counts must be integers >= 0", field="rows")
         acc = merged[(int(row.tenant_id), minute_bucket(row.minute))]
@@ -109,8 +127,9 @@ def _merge(rows: Iterable[UsageRow]) -> dict[tuple[int, datetime], list[int]]:
     return merged
 
 
-def _upsert(session: Session, tenant_id: int, minute: datetime, req: int, ptok: int, ctok: int):  # type: ignore[no-untyped-def]
-    """``INSERT ... ON CONFLICT (tenant_id, minute) DO UPDATE SET x = x + excluded.x`` (SQLite and PostgreSQL)."""
+def _upsert(session: Session, tenant_id: int, minute: datetime, counts: list[int]):  # type: ignore[no-untyped-def]
+    """``INSERT ... ON CONFLICT (tenant_id, minute) DO UPDATE SET x = x + excluded.x`` for every
+    counter of ``COUNTS`` (``counts`` in that order; SQLite and PostgreSQL)."""
     dialect = session.get_bind().dialect.name
     if dialect == "postgresql":
         from sqlalchemy.dialects.postgresql import insert
@@ -118,16 +137,10 @@ def _upsert(session: Session, tenant_id: int, minute: datetime, req: int, ptok: 
         from sqlalchemy.dialects.sqlite import insert
     else:  # pragma: no cover - only the two supported backends
         raise NotImplementedError(f"usage upsert for {dialect}")
-    stmt = insert(Usage).values(
-        tenant_id=tenant_id, minute=minute, requests=req, prompt_tokens=ptok, completion_tokens=ctok
-    )
+    stmt = insert(Usage).values(tenant_id=tenant_id, minute=minute, **dict(zip(COUNTS, counts, strict=True)))
     return stmt.on_conflict_do_update(
         index_elements=[Usage.tenant_id, Usage.minute],
-        set_={
-            "requests": Usage.requests + stmt.excluded.requests,
-            "prompt_tokens": Usage.prompt_tokens + stmt.excluded.prompt_tokens,
-            "completion_tokens": Usage.completion_tokens + stmt.excluded.completion_tokens,
-        },
+        set_={name: getattr(Usage, name) + stmt.excluded[name] for name in COUNTS},
     )
 
 
@@ -176,8 +189,8 @@ def apply_usage(session: Session, *, flush_id: str, rows: Iterable[UsageRow],
         )
         # Why first: the ledger row takes the write lock / unique slot before any increment.
         session.flush()
-        for (tid, minute), (req, ptok, ctok) in kept:
-            session.execute(_upsert(session, tid, minute, req, ptok, ctok))
+        for (tid, minute), counts in kept:
+            session.execute(_upsert(session, tid, minute, counts))
         session.commit()
     except IntegrityError:
         # A concurrent application of the same flush_id won the primary key.
@@ -223,11 +236,7 @@ def usage_report(
         if stop is not None:  # None: every minute starts before it
             conds.append(Usage.minute < stop)
     total = session.execute(
-        select(
-            func.coalesce(func.sum(Usage.requests), 0),
-            func.coalesce(func.sum(Usage.prompt_tokens), 0),
-            func.coalesce(func.sum(Usage.completion_tokens), 0),
-        ).where(*conds)
+        select(*(func.coalesce(func.sum(getattr(Usage, name)), 0) for name in COUNTS)).where(*conds)
     ).one()
     page = paginate(session, select(Usage).where(*conds).order_by(Usage.minute), limit=limit, offset=offset)
-    return UsageTotals(int(total[0]), int(total[1]), int(total[2])), page
+    return UsageTotals(*(int(n) for n in total)), page

@@ -56,7 +56,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from retention.policy.hint_plan import HintPolicy, HintSpan, apply_hints, clip_spans, hint_spans
-from retention.policy.hints import TTL_5M_MS, CacheHints
+from retention.policy.hints import TTL_1H_MS, TTL_5M_MS, CacheHints
 from retention.types import RetentionPlan
 
 
@@ -245,6 +245,23 @@ class HintedPlan:
     # recorded at release without a new promise, and never reported as the request's cache writes.
     kept_hashes: tuple[int, ...] = ()
     kept_durations_ms: tuple[int, ...] = ()
+
+
+def cache_creation(hinted: HintedPlan | None, read: int, tokens_per_block: int) -> tuple[int, int]:
+    """(5m, 1h) tokens written under a hint the gateway applied: the hinted blocks (a prefix of
+    the prompt's full blocks, :class:`~retention.policy.hint_quota.HintedPlan`) past the ``read``
+    tokens served from cache, each by the TTL it was kept for (``windows_ms``: the client's,
+    capped by the class). ``(0, 0)`` when no hint applied (``None`` or no blocks)."""
+    five = hour = 0
+    if hinted is None:
+        return five, hour
+    for index, window in enumerate(hinted.windows_ms):
+        written = max(0, (index + 1) * tokens_per_block - max(index * tokens_per_block, read))
+        if window >= TTL_1H_MS:
+            hour += written
+        else:
+            five += written
+    return five, hour
 
 
 def plan_with_hints(plan: RetentionPlan, hints: CacheHints, policy: HintPolicy, *, total: int, tokens_per_block: int,

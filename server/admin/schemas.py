@@ -385,17 +385,29 @@ class AuditEventPublic(Public):
     after: dict | None
 
 
+_CACHE_READ = "prompt tokens served from the KV cache (the APIs' cached_tokens / cache_read_input_tokens)"
+_CACHE_WRITE = "prompt tokens kept under a client cache hint of {} (Messages' cache_creation.ephemeral_{}_input_tokens)"
+
+
+class UsageTotalsPublic(Public):
+    """A tenant's counters; the three cache counts are of its prompt tokens (together at most them)."""
+
+    requests: int
+    prompt_tokens: int
+    completion_tokens: int
+    cache_read_tokens: int = Field(description=_CACHE_READ)
+    cache_write_5m_tokens: int = Field(description=_CACHE_WRITE.format("less than 1 h", "5m"))
+    cache_write_1h_tokens: int = Field(description=_CACHE_WRITE.format("1 h or more", "1h"))
+
+
 class UsageMinutePublic(Public):
     minute: datetime
     requests: int
     prompt_tokens: int
     completion_tokens: int
-
-
-class UsageTotalsPublic(Public):
-    requests: int
-    prompt_tokens: int
-    completion_tokens: int
+    cache_read_tokens: int = Field(description=_CACHE_READ)
+    cache_write_5m_tokens: int = Field(description=_CACHE_WRITE.format("less than 1 h", "5m"))
+    cache_write_1h_tokens: int = Field(description=_CACHE_WRITE.format("1 h or more", "1h"))
 
 
 class UsageReportPublic(BaseModel):

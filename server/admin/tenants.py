@@ -161,7 +161,10 @@ def get_usage(
 
     A minute is in the window iff its start is: both bounds round up to the next minute start,
     so windows cut at the same instant (on a minute or not) never share a minute and sum to
-    the whole, and ``from == to`` is empty. ``start``/``end`` echo the bounds as given."""
+    the whole, and ``from == to`` is empty. ``start``/``end`` echo the bounds as given. Of the
+    prompt tokens, ``cache_read_tokens`` were served from the KV cache and ``cache_write_5m_tokens``
+    / ``cache_write_1h_tokens`` kept under a client cache hint (minutes counted before the ledger
+    had them read 0)."""
     bounds = {}
     for name, value in (("from", start), ("to", end)):
         if value is not None and value.tzinfo is None:

@@ -56,7 +56,7 @@ from sqlalchemy.exc import TimeoutError as PoolTimeout
 from sqlalchemy.orm import Session
 
 from server.gateway.usage_journal import Segment, UsageJournal, encode, new_flush_id
-from tenants.usage import UsageRow, minute_bucket, record_usage
+from tenants.usage import COUNTS, UsageRow, minute_bucket, record_usage
 
 log = logging.getLogger("kvgate.gateway.usage")
 
@@ -94,7 +94,7 @@ class UsageRecorder:
         self._sessions = session_factory
         self._clock = clock
         self._journal = journal
-        self._open: dict[tuple[int, datetime], list[int]] = defaultdict(lambda: [0, 0, 0])
+        self._open: dict[tuple[int, datetime], list[int]] = defaultdict(lambda: [0] * len(COUNTS))
         self._segment: Segment | None = None  # the open batch's journal segment
         self._pending: list[_Batch] = []
         self._held: list[Segment] = []  # refused segments that could not be moved: kept locked until close
@@ -124,23 +124,27 @@ class UsageRecorder:
         self.replayed += len(adopted)
         return len(adopted)
 
-    def record(self, tenant_id: int, prompt_tokens: int, completion_tokens: int) -> Awaitable[None] | None:
-        """Count one answered request; with a journal, the returned awaitable completes once it is durable."""
+    def record(self, tenant_id: int, prompt_tokens: int, completion_tokens: int, cache_read_tokens: int = 0,
+               cache_write_5m_tokens: int = 0, cache_write_1h_tokens: int = 0) -> Awaitable[None] | None:
+        """Count one answered request; with a journal, the returned awaitable completes once it is durable.
+
+        The cache counts are of its prompt tokens (``tenants.usage.UsageRow``): read from the KV
+        cache, and kept under a client hint for 5 m / 1 h; together at most ``prompt_tokens``."""
         if self._closed:
             log.error("usage recorded after the recorder closed: neither journalled nor flushed "
                       "(tenant %s, %d prompt + %d completion tokens)", tenant_id, prompt_tokens, completion_tokens)
             return None
         minute = minute_bucket(self._clock())
+        added = (1, prompt_tokens, completion_tokens, cache_read_tokens, cache_write_5m_tokens, cache_write_1h_tokens)
         counts = self._open[(tenant_id, minute)]
-        counts[0] += 1
-        counts[1] += prompt_tokens
-        counts[2] += completion_tokens
+        for i, n in enumerate(added):
+            counts[i] += n
         if self._journal is None:
             return None
         try:
             if self._segment is None:
                 self._segment = self._journal.new_segment()
-            written = self._journal.append(self._segment, encode(tenant_id, minute, prompt_tokens, completion_tokens))
+            written = self._journal.append(self._segment, encode(tenant_id, minute, *added[1:]))
         except OSError:
             log.exception("usage journal unavailable; this request's usage is counted in memory only")
             return None
@@ -160,7 +164,7 @@ class UsageRecorder:
         # loop thread, so sealing never splits one request between two batches.
         if self._open:
             rows = [UsageRow(t, m, *c) for (t, m), c in self._open.items()]
-            self._open = defaultdict(lambda: [0, 0, 0])
+            self._open = defaultdict(lambda: [0] * len(COUNTS))
             segment, self._segment = self._segment, None
             self._pending.append(_Batch(segment.flush_id if segment is not None else new_flush_id(), rows, segment))
 

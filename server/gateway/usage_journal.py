@@ -4,7 +4,9 @@ Layout: one *segment* file per usage batch, ``<dir>/usage-<registry>-<flush_id>.
 (``registry``: a fingerprint of the registry database, so gateways of different registries
 sharing a directory never replay each other's segments; it names the database, not how it is
 reached: see :func:`registry_fingerprint`), one JSON line
-per answered request (``{"t": tenant_id, "m": unix minute, "p": prompt, "c": completion}``).
+per answered request (``{"t": tenant_id, "m": unix minute, "p": prompt, "c": completion}``, then
+of the prompt tokens ``"r"`` cache read, ``"w5"`` / ``"w1"`` cache written for 5 m / 1 h, each only
+when not 0: a line without them, as an older gateway wrote, reads 0).
 A segment the registry refuses for good is moved to ``<dir>/quarantine/`` (never replayed
 again; an operator's to inspect).
 The segment's file name carries the ``flush_id`` its batch is written to the registry with
@@ -77,7 +79,6 @@ import asyncio
 import fcntl
 import errno
 import hashlib
-import io
 import json
 import logging
 import os
@@ -161,10 +162,18 @@ class Segment:
             self.fd = -1
 
 
-def encode(tenant_id: int, minute: datetime, prompt_tokens: int, completion_tokens: int) -> bytes:
+# A line's optional cache counts (UsageRow's last three counters, in order), written only when not 0.
+CACHE_KEYS = ("r", "w5", "w1")
+
+
+def encode(tenant_id: int, minute: datetime, prompt_tokens: int, completion_tokens: int, cache_read_tokens: int = 0,
+           cache_write_5m_tokens: int = 0, cache_write_1h_tokens: int = 0) -> bytes:
     m = int(minute.timestamp()) // 60
-    return json.dumps({"t": tenant_id, "m": m, "p": prompt_tokens, "c": completion_tokens},
-                      separators=(",", ":")).encode() + b"\n"
+    line = {"t": tenant_id, "m": m, "p": prompt_tokens, "c": completion_tokens}
+    for key, count in zip(CACHE_KEYS, (cache_read_tokens, cache_write_5m_tokens, cache_write_1h_tokens), strict=True):
+        if count:
+            line[key] = count
+    return json.dumps(line, separators=(",", ":")).encode() + b"\n"
 
 
 def _count(value: object) -> bool:
@@ -187,27 +196,25 @@ def decode_lines(lines: Iterable[bytes]) -> tuple[list[UsageRow], int]:
         try:
             r = json.loads(line)
             t, m, p, c = r["t"], r["m"], r["p"], r["c"]
+            cache = [r.get(key, 0) for key in CACHE_KEYS]  # absent (an older gateway's line): 0
         except (ValueError, KeyError, TypeError, ArithmeticError, RecursionError):
             skipped += 1
             continue
         if not (storable_id(t) and isinstance(m, int) and not isinstance(m, bool) and MIN_MINUTE <= m < MAX_MINUTE
-                and _count(p) and _count(c)):
+                and _count(p) and _count(c) and all(_count(n) for n in cache)):
             skipped += 1
             continue
         acc = merged.get((t, m))
         if acc is None:
-            merged[(t, m)] = [1, p, c]
+            merged[(t, m)] = [1, p, c, *cache]
         else:
             acc[0] += 1
             acc[1] += p
             acc[2] += c
+            for i, n in enumerate(cache, 3):
+                acc[i] += n
     rows = [UsageRow(t, datetime.fromtimestamp(m * 60, UTC), *counts) for (t, m), counts in merged.items()]
     return rows, skipped
-
-
-def decode(data: bytes) -> list[UsageRow]:
-    """The rows of a segment's bytes (merged per tenant and minute); unreadable lines are skipped."""
-    return decode_lines(io.BytesIO(data))[0]
 
 
 class _Writer:

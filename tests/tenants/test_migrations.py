@@ -4,16 +4,19 @@ from __future__ import annotations
 
 import fnmatch
 import tomllib
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import pytest
+import sqlalchemy as sa
 from alembic.autogenerate import compare_metadata
 from alembic.runtime.migration import MigrationContext
 from sqlalchemy import inspect, text
 
 from tenants import migrate
-from tenants.db import make_engine
-from tenants.models import Base
+from tenants.db import make_engine, make_session_factory
+from tenants.models import Base, UtcDateTime
+from tenants.usage import UsageRow, record_usage, usage_report
 from tests.tenants.fixtures import PG_ADMIN_URL, drop_pg_schema, new_pg_schema, pg_engine, postgres_reachable
 
 TABLES = {t.name for t in Base.metadata.sorted_tables}
@@ -522,3 +525,51 @@ def test_postgres_0011_changes_nothing(migration_engine) -> None:  # type: ignor
         migrate.downgrade(connection=conn, revision="0010")
     with engine.connect() as conn:
         assert _contents(conn) == before
+
+
+# --- 0012: cache token counters in the usage ledger, with data -----------------------------------
+
+_CACHE = "cache_read_tokens, cache_write_5m_tokens, cache_write_1h_tokens"
+# the usage table as a gateway before 0012 wrote it (its minutes bound as the model binds them)
+_OLD_USAGE = sa.table("usage", sa.column("tenant_id"), sa.column("minute", UtcDateTime()), sa.column("requests"),
+                      sa.column("prompt_tokens"), sa.column("completion_tokens"))
+_MINUTE = datetime(2026, 12, 1, tzinfo=UTC)  # after the seeded tenant's creation (_T)
+
+
+def _usage_cache_round_trip(engine) -> None:  # type: ignore[no-untyped-def]
+    with engine.begin() as conn:
+        migrate.upgrade(connection=conn, revision="0002")
+        _seed_0002(conn)
+        migrate.upgrade(connection=conn, revision="0011")
+        conn.execute(_OLD_USAGE.insert().values(tenant_id=1, minute=_MINUTE, requests=3, prompt_tokens=300,
+                                                completion_tokens=30))
+        migrate.upgrade(connection=conn, revision="0012")
+    with engine.connect() as conn:  # the minutes counted before read 0
+        assert tuple(conn.execute(text(f"SELECT requests, {_CACHE} FROM usage")).one()) == (3, 0, 0, 0)
+        columns = {c["name"]: c for c in inspect(conn).get_columns("usage")}
+        assert all(columns[n]["nullable"] is False for n in _CACHE.split(", "))
+    with engine.begin() as conn:  # an older gateway's insert names only the old columns: 0 again
+        conn.execute(_OLD_USAGE.insert().values(tenant_id=1, minute=_MINUTE + timedelta(minutes=1), requests=1,
+                                                prompt_tokens=10, completion_tokens=1))
+    factory = make_session_factory(engine)
+    with factory() as session:  # this version's ledger on the migrated table: adds to the old minute
+        at = _MINUTE + timedelta(seconds=30)
+        assert record_usage(session, flush_id="after-0012", rows=[UsageRow(1, at, 1, 100, 10, 48, 32, 16)])
+        totals, page = usage_report(session, tenant="acme")
+        assert (totals.requests, totals.prompt_tokens, totals.cache_read_tokens, totals.cache_write_5m_tokens,
+                totals.cache_write_1h_tokens) == (5, 410, 48, 32, 16)
+        assert [(u.requests, u.cache_read_tokens, u.cache_write_1h_tokens) for u in page.items] == [(4, 48, 16),
+                                                                                                      (1, 0, 0)]
+    with engine.begin() as conn:
+        migrate.downgrade(connection=conn, revision="0011")
+    with engine.connect() as conn:  # the columns go, the minutes stay
+        assert not {c["name"] for c in inspect(conn).get_columns("usage")} & set(_CACHE.split(", "))
+        assert conn.execute(text("SELECT sum(requests) FROM usage")).scalar_one() == 5
+    with engine.begin() as conn:
+        migrate.upgrade(connection=conn)
+    with engine.connect() as conn:
+        assert [tuple(r) for r in conn.execute(text(f"SELECT {_CACHE} FROM usage"))] == [(0, 0, 0)] * 2
+
+
+def test_0012_usage_cache_tokens_up_and_down(migration_engine) -> None:  # type: ignore[no-untyped-def]
+    _usage_cache_round_trip(migration_engine)

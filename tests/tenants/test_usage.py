@@ -130,3 +130,31 @@ def test_a_gateway_clock_behind_the_admin_server_still_bills_a_new_tenant(sessio
     assert any("1 row(s) dropped" in r.getMessage() and "far" in r.getMessage() for r in caplog.records)
     assert _requests(session) == 2
     assert apply_usage(session, flush_id="far", rows=[]) == UsageApplied(False)  # applied before: nothing now
+
+
+def test_cache_counters_are_summed_applied_once_and_reported(session) -> None:  # type: ignore[no-untyped-def]
+    """The three cache counters take the same path as the others: merged per minute, added to a
+    minute already counted (the upsert's conflict branch), applied once, summed by the report.
+    BIGINT: a count past INT32 round-trips."""
+    t = make_placement(session)
+    big = 2**40
+    first = [UsageRow(t.id, T0 + timedelta(seconds=5), 1, 100, 3, cache_read_tokens=64, cache_write_5m_tokens=32),
+             UsageRow(t.id, T0 + timedelta(seconds=40), 1, 100, 4, cache_read_tokens=48, cache_write_1h_tokens=48),
+             UsageRow(t.id, T0 + timedelta(minutes=1), 1, 3 * big, 1, big, big, big)]
+    assert record_usage(session, flush_id="c1", rows=first)
+    assert not record_usage(session, flush_id="c1", rows=first)  # a retry adds nothing
+    assert record_usage(session, flush_id="c2", rows=[UsageRow(t.id, T0, 1, 50, 1, 16, 16, 16)])  # same minute
+    totals, page = usage_report(session, tenant="acme")
+    assert (totals.requests, totals.prompt_tokens, totals.completion_tokens) == (4, 250 + 3 * big, 9)
+    assert (totals.cache_read_tokens, totals.cache_write_5m_tokens, totals.cache_write_1h_tokens) == \
+        (128 + big, 48 + big, 64 + big)
+    assert [(u.minute, u.requests, u.cache_read_tokens, u.cache_write_5m_tokens, u.cache_write_1h_tokens)
+            for u in page.items] == [(T0, 3, 128, 48, 64), (T0 + timedelta(minutes=1), 1, big, big, big)]
+    totals, _ = usage_report(session, tenant="acme", start=T0 + timedelta(minutes=1))
+    assert (totals.cache_read_tokens, totals.cache_write_5m_tokens, totals.cache_write_1h_tokens) == (big, big, big)
+    # rows without them (as every caller wrote before) count 0, and a negative one is refused before any write
+    assert record_usage(session, flush_id="c3", rows=[UsageRow(t.id, T0, 1, 10, 1)])
+    assert usage_report(session, tenant="acme")[0].cache_read_tokens == 128 + big
+    with pytest.raises(InvalidField):
+        record_usage(session, flush_id="c4", rows=[UsageRow(t.id, T0, 1, 10, 1, cache_write_1h_tokens=-1)])
+    assert session.get(UsageFlush, "c4") is None

@@ -51,7 +51,7 @@ from engines.contract import EngineRequest, Guide, KvMetrics, SamplingParams, To
 from engines.tokenizer import ChatTokenizer
 from retention.hashing import block_hashes
 from retention.policy.conversation import ConversationPlan, ConversationRequest
-from retention.policy.hint_quota import HintedPlan, HintLedger, keep_pins, plan_with_hints
+from retention.policy.hint_quota import HintedPlan, HintLedger, cache_creation, keep_pins, plan_with_hints
 from retention.policy.hints import CacheHints
 from retention.policy.planner import QuotaState, Segments, plan_retention
 from retention.policy.selection import AdaptiveSelector
@@ -141,9 +141,9 @@ class Outcome:
 
 
 REPLICA_HEADER = "x-kvgate-replica"
-# (tenant_id, prompt_tokens, completion_tokens) -> None, or an awaitable done once the usage is
-# durable (server.gateway.usage.UsageRecorder with its journal)
-UsageSink = Callable[[int, int, int], Awaitable[None] | None]
+# (tenant_id, prompt_tokens, completion_tokens, *cache_usage(), by position) -> None, or an awaitable done once the
+# usage is durable (server.gateway.usage.UsageRecorder.record with its journal; its cache counts default to 0)
+UsageSink = Callable[..., Awaitable[None] | None]
 CaptureSink = Callable[..., bool]  # server.gateway.observe.capture.TraceCaptures.offer (keyword arguments)
 
 
@@ -635,7 +635,8 @@ class CompletionRunner:
         unserved = outcome.kv is None and outcome.first_kv is None and not outcome.completion_tokens
         if outcome.status == "ok" or (outcome.status == "client_gone" and not unserved) or \
                 (job.stream and outcome.completion_tokens):
-            durable = self._usage(tenant.tenant_id, job.prompt.total, outcome.completion_tokens)
+            cache = cache_usage(job, outcome)  # of the prompt: read from cache, kept under a hint for 5 m, 1 h
+            durable = self._usage(tenant.tenant_id, job.prompt.total, outcome.completion_tokens, *cache)
             if durable is not None:
                 await durable
         if self._capture is not None and outcome.kv is not None:  # the engine ran it: a trace line (if sampled)
@@ -697,3 +698,10 @@ def cached_tokens(job: CompletionJob, outcome: Outcome, kv: KvMetrics | None = N
     if kv is None:
         return 0
     return cached_prompt_tokens(kv.reused_blocks, job.prompt.total, job.tenant.pool.tokens_per_block)
+
+
+def cache_usage(job: CompletionJob, outcome: Outcome) -> tuple[int, int, int]:
+    """(read, written 5m, written 1h) prompt tokens in any dialect, together at most the prompt: what Messages
+    reports and the usage ledger bills (KV metrics: the latest engine response's, else a stream's first)."""
+    read = cached_tokens(job, outcome, outcome.kv if outcome.kv is not None else outcome.first_kv)
+    return read, *cache_creation(outcome.hinted, read, job.tenant.pool.tokens_per_block)

@@ -8,7 +8,8 @@ outcome maps as::
     finish "stop" + stop string    → "stop_sequence" (stop_sequence: the string)
     finish "stop"                  → "end_turn"
 
-**Usage** splits the prompt in three parts that add up to it (Anthropic's accounting)::
+**Usage** splits the prompt in three parts that add up to it (Anthropic's accounting; computed by
+``completions.cache_usage``, which the usage ledger bills too)::
 
     cache_read_input_tokens      tokens served from KV: reused blocks × tokens per block
                                  (what the OpenAI path reports as cached_tokens)
@@ -44,9 +45,7 @@ from collections.abc import AsyncIterator
 
 from fastapi.responses import JSONResponse
 
-from retention.policy.hint_quota import HintedPlan
-from retention.policy.hints import TTL_1H_MS
-from server.gateway.api.completions import CompletionJob, Outcome, cached_tokens
+from server.gateway.api.completions import CompletionJob, Outcome, cache_usage
 from server.gateway.context import REQUEST_ID
 from server.gateway.errors import ServingError
 
@@ -75,28 +74,11 @@ def error_response(exc: ServingError) -> JSONResponse:
     return JSONResponse(error_body(exc), status_code=error_status(exc)[0], headers=exc.headers)
 
 
-def cache_creation(hinted: HintedPlan | None, read: int, tokens_per_block: int) -> tuple[int, int]:
-    """(5m, 1h) tokens written under a hint the gateway applied: the hinted blocks (a prefix of
-    the prompt's full blocks, :class:`~retention.policy.hint_quota.HintedPlan`) past the ``read``
-    tokens served from cache, each by the TTL it was kept for (``windows_ms``: the client's,
-    capped by the class). ``(0, 0)`` when no hint applied (``None`` or no blocks)."""
-    five = hour = 0
-    if hinted is None:
-        return five, hour
-    for index, window in enumerate(hinted.windows_ms):
-        written = max(0, (index + 1) * tokens_per_block - max(index * tokens_per_block, read))
-        if window >= TTL_1H_MS:
-            hour += written
-        else:
-            five += written
-    return five, hour
-
-
 def usage(job: CompletionJob, outcome: Outcome) -> dict:
     total = job.prompt.total
-    # a stream's message_start comes before the first delta: the first response's metrics say it
-    read = cached_tokens(job, outcome, outcome.kv if outcome.kv is not None else outcome.first_kv)
-    five, hour = cache_creation(outcome.hinted, read, job.tenant.pool.tokens_per_block)
+    # a stream's message_start comes before the first delta: the first response's metrics say it (cache_usage);
+    # the same split the usage ledger bills
+    read, five, hour = cache_usage(job, outcome)
     return {"input_tokens": total - read - five - hour, "cache_creation_input_tokens": five + hour,
             "cache_read_input_tokens": read, "output_tokens": outcome.completion_tokens,
             "cache_creation": {"ephemeral_5m_input_tokens": five, "ephemeral_1h_input_tokens": hour}}

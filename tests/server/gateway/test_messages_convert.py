@@ -10,12 +10,12 @@ import pytest
 from engines.contract import KvMetrics
 from engines.tokenizer import load_gguf_tokenizer
 from retention.policy.hint_plan import HintPolicy
-from retention.policy.hint_quota import HintedPlan, HintLedger, plan_with_hints
+from retention.policy.hint_quota import HintedPlan, HintLedger, cache_creation, plan_with_hints
 from retention.policy.hints import TTL_1H_MS, TTL_5M_MS, Breakpoint, CacheHints
 from retention.types import RetentionPlan, TokenRange
 from server.gateway.api.completions import Outcome
 from server.gateway.api.messages_convert import cache_hints, convert
-from server.gateway.api.messages_render import MESSAGES, cache_creation, stop_reason, usage
+from server.gateway.api.messages_render import MESSAGES, stop_reason, usage
 from server.gateway.api.prompting import ChatPrompter, PreparedPrompt, TextMark
 from server.gateway.api.tools import CALL_OPEN, ToolCall, tools_system_text
 from server.gateway.errors import ServingError
@@ -222,8 +222,9 @@ def test_the_2026_fields_top_level_cache_control_output_config_thinking() -> Non
     assert shaped.guide.kind == "json_schema" and json.loads(shaped.guide.text) == schema and shaped.tools is None
     refused("output_config.format", tools=[WEATHER], tool_choice={"type": "any"},
             output_config={"format": {"type": "json_schema", "schema": schema}})
-    # nor with tools the model may call: the schema would hold the whole output, so no call could be made
-    refused("output_config.format", tools=[WEATHER], output_config={"format": {"type": "json_schema", "schema": schema}})
+    # with tools the model may call: the format's JSON or tool_use calls, one grammar (union_guide)
+    either = convert(request(tools=[WEATHER], output_config={"format": {"type": "json_schema", "schema": schema}}))
+    assert either.guide.kind == "ebnf_grammar" and either.tools.mode == "auto"
     shown = convert(request(tools=[WEATHER], tool_choice={"type": "none"},
                             output_config={"format": {"type": "json_schema", "schema": schema}}))
     assert shown.guide.kind == "json_schema"  # tools shown, never called: the format holds

@@ -21,7 +21,8 @@ from retention.policy.hints import TTL_1H_MS, TTL_5M_MS
 from retention.types import RetentionPlan, TokenRange
 from server.gateway.api import messages_convert
 from server.gateway.api.messages_convert import cache_hints, convert
-from server.gateway.api.messages_render import MESSAGES, cache_creation, error_body
+from retention.policy.hint_quota import cache_creation
+from server.gateway.api.messages_render import MESSAGES, error_body
 from server.gateway.api.messages_schemas import MessagesRequest
 from server.gateway.api.prompting import ChatPrompter, TextMark
 from server.gateway.api.tools import render_messages, tools_system_text

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import errno
 import hashlib
+import io
 import json
 import logging
 import os
@@ -28,7 +29,7 @@ from sqlalchemy.exc import OperationalError
 import server.gateway.usage_journal as uj
 from server.gateway.observe.metrics import GatewayMetrics
 from server.gateway.usage import QUARANTINE_AFTER, UsageRecorder
-from server.gateway.usage_journal import UsageJournal, decode, decode_lines, registry_fingerprint
+from server.gateway.usage_journal import UsageJournal, decode_lines, registry_fingerprint
 from tenants import migrate, pools, retention_classes, tenant
 from tenants.db import make_session_factory
 from tenants.models import Usage
@@ -178,7 +179,7 @@ def test_poisoned_lines_are_skipped_and_counted_not_raised(tmp_path) -> None:
                 b'{"t":true,"m":%d,"p":1,"c":1}\n' % MINUTE, b'{"t":3,"m":%d,"p":1.5,"c":1}\n' % MINUTE,
                 b'{"t":"3","m":%d,"p":1,"c":1}\n' % MINUTE, b"[" * 100_000 + b"\n", b"[1,2]\n", b"\xff\n"]
     for bad in poisoned:
-        assert decode(bad) == [], bad[:60]
+        assert decode_lines([bad]) == ([], 1), bad[:60]  # skipped, and counted
     rows, skipped = decode_lines([line(tid, 4, 1), *poisoned, line(tid, 2**53 - 1)])
     assert skipped == len(poisoned)
     assert [(r.tenant_id, r.requests, r.prompt_tokens, r.completion_tokens) for r in rows] == [(tid, 2, 2**53 + 3, 1)]
@@ -199,7 +200,8 @@ def test_poisoned_lines_are_skipped_and_counted_not_raised(tmp_path) -> None:
 
 def test_replay_keeps_one_row_per_tenant_and_minute() -> None:
     data = b"".join(line(1 + i % 5, 100, 3, MINUTE + i % 2) for i in range(10_000))
-    rows = decode(data)
+    rows, skipped = decode_lines(io.BytesIO(data))
+    assert skipped == 0
     assert len(rows) == 10  # 5 tenants x 2 minutes, not 10,000 objects
     assert sum(r.requests for r in rows) == 10_000 and sum(r.prompt_tokens for r in rows) == 1_000_000
 
