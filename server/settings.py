@@ -3,12 +3,11 @@
 Invariant: ``check_serving_secrets`` refuses empty or placeholder admin tokens and key
 pepper unless ``dev`` is set; ``create_app`` calls it, so a production server never
 starts with guessable secrets. Lists such as ``KVGATE_ADMIN_TOKENS`` are comma-separated;
-an entry ``name:token`` names the audit actor, a bare token gets a hash-derived id.
+an entry ``name:token`` names the audit actor, a bare token is ``admin:token-<position>``.
 """
 
 from __future__ import annotations
 
-import hashlib
 import ipaddress
 import secrets
 from pathlib import Path
@@ -203,14 +202,21 @@ class Settings(BaseSettings):
         return value
 
     def admin_credentials(self) -> list[tuple[str, str]]:
-        """(actor id, token) pairs. The actor id is what audit events record, never the token."""
+        """(actor id, token) pairs. The actor id is what audit events record, never the token.
+
+        ``name:token`` is ``admin:<name>``; a bare token is ``admin:token-<n>``, ``n`` its 1-based
+        position in the list: the same list gives the same actors at every start, and the actor
+        says nothing about the token. (Not a digest of it: every role that reads the audit log
+        sees actors, and an unsalted hash there lets a dictionary recover a passphrase token.)
+        Reordering the list renumbers bare tokens; name them for an actor that survives edits.
+        """
         out = []
-        for entry in self.admin_tokens:
+        for position, entry in enumerate(self.admin_tokens, start=1):
             name, sep, token = entry.partition(":")
             if sep and name and token:
                 out.append((f"admin:{name}", token))
             else:
-                out.append((f"admin:{hashlib.sha256(entry.encode()).hexdigest()[:12]}", entry))
+                out.append((f"admin:token-{position}", entry))
         return out
 
     def effective_key_pepper(self) -> str:

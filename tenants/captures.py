@@ -29,7 +29,7 @@ from sqlalchemy.orm import Session
 
 from tenants import audit
 from tenants import validation as v
-from tenants.common import Page, get_by_ref, mutation, paginate, snapshot
+from tenants.common import Page, get_by_ref, id_value, mutation, paginate, snapshot
 from tenants.errors import Conflict, InvalidField, NotFound
 from tenants.models import Pool, Tenant, TraceCapture
 
@@ -91,10 +91,8 @@ def start_capture(session: Session, *, actor: str, now: datetime, pool: int | st
 
 
 def _find(session: Session, pool: Pool, capture_id: Any) -> TraceCapture:
-    row = None
-    if isinstance(capture_id, int) or (isinstance(capture_id, str) and capture_id.isascii() and capture_id.isdigit()):
-        if int(capture_id) <= 2**31 - 1:
-            row = session.get(TraceCapture, int(capture_id))
+    number = id_value(capture_id)  # None for a non-number, or one no id can be (any length)
+    row = session.get(TraceCapture, number) if number is not None else None
     if row is None or row.pool_id != pool.id:
         raise NotFound(f"pool {pool.name!r} has no capture {str(capture_id)[:80]!r}", code="capture_not_found")
     return row

@@ -25,6 +25,7 @@ T = TypeVar("T")
 MAX_PAGE = 500
 # Ids are INTEGER columns (INT32 on PostgreSQL): a number outside [1, MAX_ID] names no row.
 MAX_ID = 2**31 - 1
+_ID_DIGITS = len(str(MAX_ID))  # no id is written with more significant digits
 
 
 @dataclass(frozen=True, slots=True)
@@ -123,10 +124,30 @@ def storable_id(value: object) -> bool:
 
 
 def is_id(ref: int | str) -> bool:
+    """True for a numeric reference (an int, or a string of ASCII digits), whatever its size;
+    ``id_value`` says which row, if any, it names."""
     # isascii: str.isdigit() is also true for "¹" or "٣", which int() then rejects.
     return (isinstance(ref, int) and not isinstance(ref, bool)) or (
         isinstance(ref, str) and ref.isascii() and ref.isdigit()
     )
+
+
+def id_value(ref: int | str) -> int | None:
+    """The id a numeric reference names (``"01"`` is 1), or None when it can name no row: not
+    numeric, or outside [1, MAX_ID].
+
+    A digit string with more significant digits than MAX_ID is out of range before any
+    ``int()``: Python refuses to convert more than 4300 digits (ValueError), and a path or a
+    body may carry any number of them.
+    """
+    if not is_id(ref):
+        return None
+    if isinstance(ref, str):
+        digits = ref.lstrip("0")
+        if len(digits) > _ID_DIGITS:
+            return None
+        ref = int(digits or "0")
+    return ref if 1 <= ref <= MAX_ID else None
 
 
 def get_by_ref(
@@ -141,8 +162,9 @@ def get_by_ref(
     and error, so an answer never tells a foreign row from a missing one.
     """
     row: T | None
-    if is_id(ref) and int(ref) <= MAX_ID:
-        row = session.get(model, int(ref))
+    if is_id(ref):  # a number names a row by id only (no name is all digits)
+        number = id_value(ref)
+        row = session.get(model, number) if number is not None else None
     elif isinstance(ref, str) and NAME_RE.match(ref):
         row = session.scalars(select(model).where(getattr(model, name_attr) == ref)).one_or_none()
     else:

@@ -2,7 +2,8 @@
 
 Every mutation is one transaction with one audit event (``entity_type="pool"``; its
 before/after views list the pool's replicas). Deleting a pool that tenants still use
-raises ``InUse``; deleting a pool deletes its replicas (``ON DELETE CASCADE``).
+raises ``InUse``; deleting a pool deletes its replicas, SLO budget and trace captures
+(``ON DELETE CASCADE``), each budget and capture with its own delete event.
 
 A pool is created with ``replicas=[{name, endpoint, weight?, state?}, ...]`` (at least
 one), or, for callers written before replicas existed, with the legacy
@@ -20,11 +21,11 @@ from typing import Any
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
-from tenants import audit
+from tenants import audit, captures
 from tenants import validation as v
 from tenants.common import Page, check_version, get_by_ref, mutation, paginate, snapshot
 from tenants.errors import InUse, InvalidField
-from tenants.models import Pool, PoolReplica, Tenant
+from tenants.models import Pool, PoolReplica, PoolSloBudget, Tenant, TraceCapture
 from tenants.replicas import MAX_REPLICAS, validated_replica
 
 DEFAULT_TRITON_MODEL = "kvgate_llm"
@@ -149,11 +150,29 @@ def update_pool(
 
 
 def delete_pool(session: Session, *, actor: str, now: datetime, ref: int | str) -> None:
+    """Delete a pool with its replicas, SLO budget and trace captures (FK ``CASCADE``; audit events
+    stay). Records ``trace_capture.delete`` per capture (an active one stops with it), then
+    ``pool_slo.delete`` when it had a budget, then ``pool.delete`` (its view lists the replicas),
+    all in one transaction; 409 ``pool_in_use`` while a tenant is placed on it."""
     with mutation(session, entity="pool"):
         pool = get_pool(session, ref=ref)
+        if session.get_bind().dialect.name == "postgresql":
+            # Held to the end: a capture or budget added meanwhile (its FK insert waits on this
+            # row) cannot slip into the cascade without its event.
+            session.execute(select(Pool.id).where(Pool.id == pool.id).with_for_update())
         users = session.scalar(select(func.count()).select_from(Tenant).where(Tenant.pool_id == pool.id)) or 0
         if users:
             raise InUse(
                 f"pool {pool.name!r} is used by {users} tenant(s); move or delete them first", code="pool_in_use"
             )
+        fresh = {"populate_existing": True}  # as of the lock, not of get_pool's read
+        for capture in session.scalars(select(TraceCapture).where(TraceCapture.pool_id == pool.id)
+                                       .order_by(TraceCapture.id).execution_options(**fresh)):
+            audit.record(session, actor=actor, action="trace_capture.delete", entity_type="trace_capture",
+                         entity_id=capture.id, before=captures.audit_view(capture), after=None, now=now)
+        budget = session.scalars(select(PoolSloBudget).where(PoolSloBudget.pool_id == pool.id)
+                                 .execution_options(**fresh)).one_or_none()
+        if budget is not None:  # the event tenants.slo.delete_budget records (that module imports this one)
+            audit.record(session, actor=actor, action="pool_slo.delete", entity_type="pool_slo", entity_id=pool.id,
+                         before=snapshot(budget), after=None, now=now)
         audit.audited_delete(session, pool, actor=actor, now=now, entity_type="pool", view=audit_view)

@@ -3,7 +3,8 @@ and schemas as the admin REST API (so the same rules and error codes apply).
 
 Output is JSON on stdout; errors are the admin error shape on stderr with exit code 1
 (registry rule) or 2 (invalid input). ``apply --exit-code`` exits 3 when its plan has
-changes (a drift check). Audit events name the actor ``cli:<os user>``.
+changes (a drift check). Audit events name the actor ``cli:<os user>`` (``apply --actor NAME``:
+``cli:NAME``; the CLI writes in no other actor namespace).
 """
 
 from __future__ import annotations
@@ -35,6 +36,22 @@ from server.cli.options import (
 
 # `kvgate admin apply --exit-code`: the plan had changes (not an error: 1 and 2 are).
 CHANGES_PLANNED = 3
+ACTOR_NAME_MAX = 128 - len("cli:")  # audit_events.actor is 128 characters
+
+
+def _apply_actor(name: str) -> str:
+    """``cli:<name>`` for ``apply --actor``: a CLI change never passes for an API caller's
+    (``admin:...``, an OIDC subject, ...), and a name with a control or formatting character (a
+    newline forging a second line in a log, a bidi override) is refused, as credential names are."""
+    from tenants.validation import first_unprintable
+
+    if not name.strip() or len(name) > ACTOR_NAME_MAX:
+        fail(2, "invalid_value", f"--actor must be 1-{ACTOR_NAME_MAX} characters", "--actor")
+    bad = first_unprintable(name)
+    if bad is not None:
+        fail(2, "invalid_value", f"--actor must not contain control or formatting characters (found U+{ord(bad):04X})",
+             "--actor")
+    return f"cli:{name}"
 
 
 def _crud(
@@ -153,7 +170,8 @@ def register(app: typer.Typer) -> None:
                                "keys, usage history and stored responses too, counted in the plan; refused while "
                                "it would leave an unrevoked tenant-admin credential with no tenant)")
         ] = False,
-        actor: Annotated[str | None, typer.Option(help="audit actor (default cli:<os user>)")] = None,
+        actor: Annotated[str | None, typer.Option(help=f"audit actor NAME, recorded as cli:NAME (1-{ACTOR_NAME_MAX} "
+                                                  "printable characters; default: the OS user)")] = None,
         exit_code: Annotated[
             bool, typer.Option("--exit-code", help=f"exit {CHANGES_PLANNED} when the plan has changes, 0 when the "
                                "registry matches (with --dry-run: a drift check for CI)")
@@ -174,9 +192,7 @@ def register(app: typer.Typer) -> None:
         from tenants.declarative import apply_registry, load_registry
         from tenants.errors import InvalidField
 
-        who = cli_actor() if actor is None else actor
-        if not who.strip() or len(who) > 128:
-            fail(2, "invalid_value", "--actor must be 1-128 characters", "--actor")
+        who = cli_actor() if actor is None else _apply_actor(actor)
         try:
             text = sys.stdin.read() if file == "-" else Path(file).read_text(encoding="utf-8")
         except (OSError, UnicodeDecodeError) as exc:

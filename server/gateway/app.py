@@ -42,6 +42,7 @@ from server.gateway.routes import router
 from server.gateway.responses_routes import router as responses_router
 from server.gateway.services import GatewayServices
 from tenants.auth import list_active_tenants_by_pool, list_pool_snapshots
+from tenants.common import id_value
 from tenants.snapshots import PoolSnapshot
 
 MAX_BODY_BYTES = 4 * 1024 * 1024
@@ -187,11 +188,13 @@ class _TooLarge(StarletteHTTPException):
 
 def _tenant_of(path: str) -> str | None:
     """``ref`` of ``/admin/v1/tenants/<ref>[/...]``, else None; an id as the registry reads it
-    (``01`` is tenant 1), so the auth cache forgets the tenant the write changed."""
+    (``01`` is tenant 1), so the auth cache forgets the tenant the write changed. A number no id
+    can be (of any length: no ``int()`` of it) stays as written, naming no tenant."""
     parts = path.split("/")
     if len(parts) >= 5 and parts[1:4] == ["admin", "v1", "tenants"] and parts[4]:
         ref = parts[4]  # ASGI paths arrive percent-decoded
-        return str(int(ref)) if ref.isascii() and ref.isdigit() else ref
+        number = id_value(ref)
+        return str(number) if number is not None else ref
     return None
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import hashlib
+
 import pytest
 from fastapi.testclient import TestClient
 
@@ -38,6 +40,26 @@ def test_each_token_maps_to_an_actor_id_not_the_token(client) -> None:  # type: 
     actors = [e["actor"] for e in events]
     assert actors[1] == "admin:ops" and actors[0].startswith("admin:") and actors[0] != "admin:ops"
     assert OTHER_TOKEN not in str(events) and ADMIN_TOKEN not in str(events)
+
+
+def test_an_unnamed_tokens_actor_reveals_nothing_of_the_token(db) -> None:  # type: ignore[no-untyped-def]
+    """Every role that reads the audit log sees actors: a digest of the token there would let
+    a dictionary recover a passphrase token. A bare token is known by its place in the list."""
+    passphrase = "Correct-Horse-Battery-Staple-2024!"
+    settings = make_settings(db, admin_tokens=[f"ops:{ADMIN_TOKEN}", passphrase, OTHER_TOKEN])
+    assert [actor for actor, _ in settings.admin_credentials()] == ["admin:ops", "admin:token-2", "admin:token-3"]
+    assert settings.admin_credentials() == make_settings(db, admin_tokens=settings.admin_tokens).admin_credentials()
+    with TestClient(create_app(settings, session_factory=db.factory)) as c:
+        r = c.post(f"{A}/retention-classes", headers={"Authorization": f"Bearer {passphrase}"}, json={"name": "gold"})
+        assert r.status_code == 201, r.text
+        viewer = c.post(f"{A}/credentials", headers=AUTH, json={"name": "v", "role": "viewer"}).json()["secret"]
+        (event,) = c.get(f"{A}/audit?entity_type=retention_class",
+                         headers={"Authorization": f"Bearer {viewer}"}).json()["items"]
+    assert event["actor"] == "admin:token-2"
+    for digest in (hashlib.sha256(passphrase.encode()).hexdigest(),
+                   hashlib.sha256(f"admin:{passphrase}".encode()).hexdigest()):
+        assert not any(digest[:n] in event["actor"] for n in range(4, len(digest) + 1)), event["actor"]
+    assert passphrase not in str(event)
 
 
 @pytest.mark.parametrize("tokens", ["", "changeme", "ops:changeme", "short", f"{ADMIN_TOKEN},changeme"])

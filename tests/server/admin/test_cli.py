@@ -218,7 +218,8 @@ def test_admin_apply(run, tmp_path) -> None:  # type: ignore[no-untyped-def]
     out = run("admin", "apply", "-f", str(changed), "--actor", "helm:release-1").output
     assert "~ tenant nightly\n    rpm_limit: 60 → 90\n1 change(s): 1 update" in out
     newest = json.loads(run("admin", "audit", "--limit", "1").output)["items"][0]
-    assert (newest["actor"], newest["action"], newest["after"]["rpm_limit"]) == ("helm:release-1", "tenant.update", 90)
+    assert (newest["actor"], newest["action"], newest["after"]["rpm_limit"]) == ("cli:helm:release-1", "tenant.update",
+                                                                                 90)
 
     bad = tmp_path / "bad.yaml"
     for text, needle in (
@@ -232,6 +233,28 @@ def test_admin_apply(run, tmp_path) -> None:  # type: ignore[no-untyped-def]
         assert needle in result.output, result.output
     assert "cannot read" in run("admin", "apply", "-f", str(tmp_path / "missing.yaml"), code=2).output
     assert json.loads(run("admin", "audit").output)["total"] == 6
+
+
+def test_apply_actor_stays_in_the_cli_namespace(run, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """`--actor NAME` records `cli:NAME`, never another namespace; a control or formatting character is
+    refused (exit 2, nothing written) as in a credential's name."""
+    run("db", "upgrade")
+    registry = tmp_path / "registry.yaml"
+    registry.write_text("retention_classes:\n  - {name: gold}\n")
+    for bad, char in (("admin:root\nforged", "U+000A"), ("ops\x1b[2J", "U+001B"), ("evil\u202egnp", "U+202E"),
+                      ("a\u2028b", "U+2028"), ("x" * 125, None), (" ", None)):
+        result = run("admin", "apply", "-f", str(registry), "--actor", bad, code=2)
+        error = json.loads(result.stderr if hasattr(result, "stderr") else result.output)["error"]
+        assert (error["code"], error["field"]) == ("invalid_value", "--actor"), error
+        assert (char or "characters") in error["message"], error
+    assert json.loads(run("admin", "audit").output)["total"] == 0
+    out = run("admin", "apply", "-f", str(registry), "--actor", "admin:root").output
+    assert "applied as cli:admin:root" in out
+    (event,) = json.loads(run("admin", "audit").output)["items"]
+    assert (event["actor"], event["action"]) == ("cli:admin:root", "retention_class.create")
+    registry.write_text("retention_classes:\n  - {name: gold}\n  - {name: silver}\n")
+    run("admin", "apply", "-f", str(registry), "--actor", "x" * 124)  # the longest name fits the actor column
+    assert json.loads(run("admin", "audit", "--limit", "1").output)["items"][0]["actor"] == "cli:" + "x" * 124
 
 
 @pytest.mark.postgres
@@ -258,7 +281,7 @@ def test_admin_apply_on_postgres(monkeypatch, tmp_path) -> None:  # type: ignore
         third = runner.invoke(cli, ["admin", "apply", "-f", str(bad)])
         assert third.exit_code == 2 and "tenants[0].pool" in third.output
         audit = json.loads(runner.invoke(cli, ["admin", "audit"]).output)
-        assert audit["total"] == 5 and {e["actor"] for e in audit["items"]} == {"helm:kvgate"}
+        assert audit["total"] == 5 and {e["actor"] for e in audit["items"]} == {"cli:helm:kvgate"}
     finally:
         drop_pg_schema(schema)
 
