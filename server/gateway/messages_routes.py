@@ -24,6 +24,7 @@ from fastapi import APIRouter, Depends, Header
 
 from engines.contract import SamplingParams
 from server.gateway.rate_headers import anthropic_rate_headers
+from server.gateway.api import union_guide
 from server.gateway.api.completions import CompletionJob
 from server.gateway.api.messages_convert import Conversation, cache_hints, convert
 from server.gateway.api.messages_render import MESSAGES
@@ -99,6 +100,8 @@ def _job(services: GatewayServices, tenant: TenantContext, body: MessagesRequest
 @router.post("")
 async def create_message(body: MessagesRequest, tenant: Tenant, services: Gateway):
     check_model(tenant, body.model)  # first: an unknown model is a 404, whatever the body holds
+    if body.tools and body.output_config is not None and body.output_config.format is not None:
+        await union_guide.ready()  # a format with tools: its guide is built with xgrammar
     conversation = convert(body)
     prompter, prompt = await _prompt(services, tenant, conversation)
     return await services.runner.run(_job(services, tenant, body, conversation, prompter, prompt), MESSAGES,

@@ -40,6 +40,7 @@ from fastapi.responses import JSONResponse
 from engines.contract import SamplingParams
 from retention.hashing import block_hashes
 from retention.policy.conversation import ConversationRequest
+from server.gateway.api import union_guide
 from server.gateway.api.completions import REPLICA_HEADER, CompletionJob
 from server.gateway.api.conversation_demote import DeletedPrompt, doomed_prompts
 from server.gateway.api.responses_convert import (check_items, conversation_hints, convert, in_responses_words,
@@ -79,6 +80,8 @@ async def create_response(body: ResponsesRequest, tenant: Tenant, services: Gate
         chain = await _store(services).chain(tenant_id=tenant.tenant_id, response_id=body.previous_response_id)
         history, root_id, ancestors = chain.items, chain.root_id, chain.ids
     check_items(history, items)
+    if body.tools and body.text is not None and body.text.format is not None:
+        await union_guide.ready()  # a format with tools: its guide is built with xgrammar
     conversation = convert(body, history + items)
     prompter = await services.engines.prompter(tenant.pool)
     try:

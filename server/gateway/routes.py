@@ -10,12 +10,12 @@ import json
 
 from engines.contract import Guide, SamplingParams
 from server.gateway.api.completions import CompletionJob
-from server.gateway.api.conversion import format_with_auto_tools
 from server.gateway.api.openai_render import OPENAI
 from server.gateway.context import TenantContext
 from server.gateway.errors import ServingError
 from server.gateway.api.openai_schemas import ChatCompletionRequest, CompletionRequest, NamedToolChoice
 from server.gateway.api.tools import ToolPlan, check_schema, forced_call_guide, render_messages
+from server.gateway.api import union_guide
 from server.gateway.services import GatewayServices
 from server.gateway.strict_json import StrictJsonRoute
 
@@ -98,8 +98,11 @@ async def list_models(tenant: Tenant) -> dict:
 
 
 def _structure(body: ChatCompletionRequest) -> tuple[ToolPlan | None, Guide | None]:
-    """The request's tool plan and output guide (response_format or a forced tool call)."""
-    functions = {t.function.name: t.function.model_dump(exclude_none=True) for t in body.tools or ()}
+    """The request's tool plan and output guide: a forced tool call's, else response_format's; with
+    tools the model may call (auto) too, the guide allows the format's JSON or tool calls
+    (:mod:`~server.gateway.api.union_guide`)."""
+    defined = [t.function.model_dump(exclude_none=True) for t in body.tools or ()]
+    functions = {f["name"]: f for f in defined}
     plan = None
     guide = None
     if functions:
@@ -115,14 +118,17 @@ def _structure(body: ChatCompletionRequest) -> tuple[ToolPlan | None, Guide | No
     for name, function in functions.items():
         check_schema(function.get("parameters"), "tools")
     fmt = body.response_format
-    if fmt is not None and fmt.type != "text" and plan is not None and plan.mode == "auto":
-        raise format_with_auto_tools("response_format")
     if fmt is not None and fmt.json_schema is not None:
         check_schema(fmt.json_schema.schema_, "response_format")
     if guide is None and fmt is not None and fmt.type != "text":
         schema = {"type": "object"} if fmt.type == "json_object" else (fmt.json_schema.schema_ or {"type": "object"})  # type: ignore[union-attr]
-        # property order is kept: it is the order the model writes the fields in
-        guide = Guide("json_schema", json.dumps(schema, separators=(",", ":")))
+        if plan is not None and plan.mode == "auto":
+            guide = union_guide.format_or_calls_guide(
+                schema, defined, parallel=plan.parallel, field="response_format",
+                tool_fields=[f"tools.{i}.function.parameters" for i in range(len(defined))])
+        else:
+            # property order is kept: it is the order the model writes the fields in
+            guide = Guide("json_schema", json.dumps(schema, separators=(",", ":")))
     return plan, guide
 
 
@@ -143,6 +149,8 @@ def _messages(body: ChatCompletionRequest) -> list[dict]:
 async def chat_completions(body: ChatCompletionRequest, tenant: Tenant, services: Gateway):
     messages = _messages(body)
     job = await _job(services, tenant, body, "chat", lambda p: p.chat(messages, scope=tenant.engine_tenant_id))
+    if body.tools and body.response_format is not None and body.response_format.type != "text":
+        await union_guide.ready()  # the format-or-calls guide is built with xgrammar
     job.tools, job.guide = _structure(body)
     if job.guide is not None and job.ignore_eos:
         # The engine contract refuses the pair (engines/contract.py check_combinations): a guided request

@@ -46,14 +46,3 @@ def function(name: str, description: Any, field: str) -> dict[str, Any]:
         head["description"] = description
     return head
 
-
-def format_with_auto_tools(field: str) -> ServingError:
-    """The 400 for an output format (``field``: ``response_format``, ``text.format``) with tools the
-    model may call (``tool_choice`` auto). Why refused: the format's JSON-schema guide constrains the
-    whole output, so a ``<tool_call>`` block could never be written, and a guide allowing either
-    (an EBNF grammar over both shapes) would need the schema compiled to EBNF by the gateway, in
-    the grammar dialect of each engine's xgrammar."""
-    return invalid(field, "cannot be combined with tools the model may call (tool_choice auto): the format "
-                   "constrains the whole output to its JSON, so no tool call could be made. Send tool_choice "
-                   "\"none\" (the tools are shown, never called), or leave the format out and ask for JSON in the "
-                   "prompt, or take the structured answer as a call to a function tool")

@@ -23,8 +23,11 @@ order tools → system → messages.
     tool_choice auto|any|tool|none           →  ToolPlan auto | forced (all) | forced (one) | none
     tool strict (boolean)                    →  any|tool: the guide follows the schema (as always);
                                                 auto: accepted, best effort (the call is parsed from
-                                                free text, its input not checked against the schema)
-    output_config.format (json_schema)       →  the JSON-schema guide (OpenAI's response_format)
+                                                free text, its input not checked against the schema;
+                                                with output_config.format it follows the schema)
+    output_config.format (json_schema)       →  the JSON-schema guide (OpenAI's response_format); with
+                                                tool_choice auto: the format's JSON or tool_use calls
+                                                (union_guide)
     cache_control (top level)                →  a breakpoint after the last message
 
 **Cache breakpoints.** ``cache_control`` on a block marks the prefix up to and including
@@ -108,8 +111,9 @@ from engines.contract import Guide
 from retention.policy.hints import MAX_BREAKPOINTS, TTL_1H_MS, TTL_5M_MS, Breakpoint, CacheHints
 from server.gateway.api.messages_schemas import MessageParam, MessagesInput, ToolChoice
 from server.gateway.api.prompting import PreparedPrompt, TextMark
-from server.gateway.api.conversion import Conversation, format_with_auto_tools, function, invalid
+from server.gateway.api.conversion import Conversation, function, invalid
 from server.gateway.api.tools import ToolPlan, check_schema, forced_call_guide, render_messages, tool_text_ends
+from server.gateway.api.union_guide import format_or_calls_guide
 from server.gateway.errors import ServingError
 
 _TTLS = {"5m": TTL_5M_MS, "1h": TTL_1H_MS}
@@ -606,7 +610,9 @@ def _tool_plan(body: MessagesInput, functions: list[dict]) -> tuple[ToolPlan | N
 
 
 def _output_guide(body: MessagesInput, guide: Guide | None, tools: ToolPlan | None) -> Guide | None:
-    """``output_config.format``'s JSON-schema guide (OpenAI's response_format), else ``guide``."""
+    """``output_config.format``'s JSON-schema guide (OpenAI's response_format), else ``guide``; with
+    tools the model may call (auto), the guide allows the format's JSON or ``tool_use`` calls
+    (:mod:`~server.gateway.api.union_guide`)."""
     output = body.output_config
     if output is None or output.format is None:
         return guide
@@ -614,6 +620,9 @@ def _output_guide(body: MessagesInput, guide: Guide | None, tools: ToolPlan | No
     if guide is not None:
         raise invalid("output_config.format", "cannot be combined with a tool_choice that forces a tool call")
     if tools is not None and tools.mode == "auto":
-        raise format_with_auto_tools("output_config.format")
+        functions = list(tools.functions.values())
+        return format_or_calls_guide(output.format.schema_, functions, parallel=tools.parallel,
+                                     field="output_config.format",
+                                     tool_fields=[f"tools.{i}.input_schema" for i in range(len(functions))])
     # property order is kept: it is the order the model writes the fields in (as for response_format)
     return Guide("json_schema", json.dumps(output.format.schema_, separators=(",", ":")))

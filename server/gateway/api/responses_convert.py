@@ -19,8 +19,9 @@ definitions in the system message, Hermes ``<tool_call>`` blocks), plus a
     tools [{type: function, name, parameters}]   →  functions [{name, description, parameters}]
     tool_choice none|auto|required|{function}    →  ToolPlan none | auto | forced (all) | forced (one)
     text.format json_schema | json_object        →  the JSON-schema guide (chat's response_format);
-                                                    refused with tools the model may call (auto:
-                                                    conversion.format_with_auto_tools) or must call
+                                                    with tools the model may call (auto): the format's
+                                                    JSON or function calls (union_guide); refused with
+                                                    a tool_choice that forces a call
 
 **Tool calls and outputs pair up** (:func:`check_items`, OpenAI's rules, 400 naming
 ``input``): every ``function_call_output`` answers a ``function_call`` before it (in the
@@ -68,8 +69,9 @@ from retention.policy.planner import SegmentRetention
 from retention.routing.affinity import conversation_key  # the key the routing simulator replays too
 from server.gateway.api.openai_schemas import FUNCTION_NAME, parameters_problem
 from server.gateway.api.responses_schemas import OUTPUT_LOGPROBS, TTL_RETENTION, ResponsesRequest
-from server.gateway.api.conversion import Conversation, format_with_auto_tools, function, invalid
+from server.gateway.api.conversion import Conversation, function, invalid
 from server.gateway.api.tools import ToolPlan, check_schema, forced_call_guide, render_messages
+from server.gateway.api.union_guide import format_or_calls_guide
 from server.gateway.errors import ServingError
 
 # Built-in (hosted) tools OpenAI runs itself; kvgate runs none of them.
@@ -355,7 +357,8 @@ def convert(body: ResponsesRequest, items: list[dict]) -> Conversation:
         if guide is not None:
             raise invalid("text.format", "cannot be combined with a tool_choice that forces a tool call")
         if plan is not None and plan.mode == "auto":
-            raise format_with_auto_tools("text.format")
+            fmt = format_or_calls_guide(json.loads(fmt.text), functions, parallel=plan.parallel, field="text.format",
+                                        tool_fields=[f"tools.{i}.parameters" for i in range(len(functions))])
         guide = fmt
     if functions or any("tool_calls" in m for m in messages):
         messages = render_messages(messages, functions)

@@ -30,9 +30,11 @@ open models are trained on (Qwen2.5, Hermes 2/3) — this is the documented form
   content; ``tool`` messages keep their role (ChatML renders ``<|im_start|>tool``).
 * ``tool_choice``: ``none`` — the tools are still shown (as OpenAI does) but the output is
   never parsed for calls; ``auto`` — ``<tool_call>`` blocks in the output become
-  ``message.tool_calls``; ``required`` / a named function — the output is **constrained**
-  by a JSON-schema guide to exactly one ``{"name": ..., "arguments": {...}}`` object whose
-  arguments follow the function's ``parameters`` schema, so the call is always valid.
+  ``message.tool_calls`` (with an output format as well, the output is constrained to either the
+  format's JSON or call blocks: :mod:`~server.gateway.api.union_guide`); ``required`` / a named
+  function — the output is **constrained** by a JSON-schema guide to exactly one
+  ``{"name": ..., "arguments": {...}}`` object whose arguments follow the function's
+  ``parameters`` schema, so the call is always valid.
 
 Invariant: :func:`parse_tool_calls` only returns calls to functions the request defined,
 with ``arguments`` a JSON object serialized as a string (OpenAI's shape).
@@ -143,16 +145,20 @@ def _as_object(arguments: str) -> Any:
         return arguments
 
 
+def call_schema(function: Mapping[str, Any]) -> dict:
+    """The JSON schema of one call object of ``function``: ``{"name": its name, "arguments": {...}}``,
+    the arguments following its ``parameters`` (none: an empty object), "name" first."""
+    parameters = function.get("parameters") or {"type": "object", "properties": {}}
+    return {
+        "type": "object",
+        "properties": {"name": {"const": function["name"]}, "arguments": parameters},
+        "required": ["name", "arguments"], "additionalProperties": False,
+    }
+
+
 def forced_call_guide(functions: Sequence[Mapping[str, Any]]) -> Guide:
     """A JSON-schema guide: one call object for one of ``functions`` (anyOf when several)."""
-    variants = []
-    for f in functions:
-        parameters = f.get("parameters") or {"type": "object", "properties": {}}
-        variants.append({
-            "type": "object",
-            "properties": {"name": {"const": f["name"]}, "arguments": parameters},
-            "required": ["name", "arguments"], "additionalProperties": False,
-        })
+    variants = [call_schema(f) for f in functions]
     schema = variants[0] if len(variants) == 1 else {"anyOf": variants}
     return Guide("json_schema", json.dumps(schema, separators=(",", ":")))  # "name" first, then "arguments"
 

@@ -9,6 +9,7 @@ import secrets
 
 import anthropic
 import httpx
+import jsonschema
 import pytest
 
 from tests.server.gateway.stack import MODEL, Stack
@@ -110,6 +111,33 @@ def test_a_stop_sequence_in_the_content_still_stops_with_tools_offered(stack: St
                                 stop_sequences=[word])
     assert (reply.stop_reason, reply.stop_sequence) == ("stop_sequence", word)
     assert plain.content[0].text.startswith(reply.content[0].text) and word not in reply.content[0].text
+
+
+def test_an_output_format_with_tools_answers_with_tool_use_or_the_formats_json(stack: Stack, key: str) -> None:
+    """``output_config.format`` with tool_choice auto: the output is tool_use blocks (stop reason
+    ``tool_use``, inputs that follow the tool's schema) or a text block that is the format's JSON;
+    which one is the model's choice, only the shape is checked (with disable_parallel_tool_use too)."""
+    api = client(stack, key)
+    answer = {"type": "object", "properties": {"text": {"type": "string", "maxLength": 60}}, "required": ["text"],
+              "additionalProperties": False}
+    for question, choice in (("Weather in Rome? Call the tool.", {"type": "auto"}),
+                             ("Weather in Rome? Call the tool.", {"type": "auto", "disable_parallel_tool_use": True}),
+                             ("Answer in JSON: what is the capital of France?", {"type": "auto"})):
+        reply = api.messages.create(model=MODEL, max_tokens=160, messages=[{"role": "user", "content": question}],
+                                    tools=[WEATHER], tool_choice=choice,
+                                    extra_body={**GREEDY, "output_config": {"format": {"type": "json_schema",
+                                                                                       "schema": answer}}})
+        calls = _calls(reply)
+        if calls:
+            assert reply.stop_reason == "tool_use" and all(b.type == "tool_use" for b in reply.content)
+            assert len(calls) == 1 or not choice.get("disable_parallel_tool_use"), calls
+            for name, arguments in calls:
+                assert name == "get_weather"
+                jsonschema.validate(arguments, WEATHER["input_schema"])
+        else:
+            [block] = reply.content
+            assert reply.stop_reason == "end_turn" and block.type == "text"
+            jsonschema.validate(json.loads(block.text), answer)
 
 
 @pytest.fixture

@@ -138,14 +138,18 @@ def test_what_cannot_be_served_is_refused_by_name(param: str, fields: dict) -> N
 
 @pytest.mark.parametrize("fmt", [{"type": "json_object"},
                                  {"type": "json_schema", "name": "A", "schema": {"type": "object"}, "strict": True}])
-def test_a_json_format_with_tools_the_model_may_call_is_refused(fmt: dict) -> None:
-    """The format's guide holds the whole output, so no ``<tool_call>`` could be written: refused by name
-    (openai-agents' ``Agent(tools=..., output_type=Model)`` sends exactly this), not served without calls."""
+def test_a_json_format_with_tools_the_model_may_call_is_the_format_or_calls(fmt: dict) -> None:
+    """openai-agents' ``Agent(tools=..., output_type=Model)`` sends exactly this: the guide allows the
+    format's JSON or function calls (one EBNF grammar, union_guide); ``parallel_tool_calls`` false, one call."""
     for choice in ({}, {"tool_choice": "auto"}):
-        error = refused("text.format", tools=[WEATHER], text={"format": fmt}, **choice)
-        assert "tool_choice" in error.message and "no tool call" in error.message
-    # tools shown but never called, or no tools: the format is served
-    assert convert(request(tools=[WEATHER], tool_choice="none", text={"format": fmt}), normalize_items("Hi")).guide
+        conversation = served(request(tools=[WEATHER], text={"format": fmt}, **choice))
+        assert conversation.tools.mode == "auto" and conversation.guide.kind == "ebnf_grammar"
+        assert '"<tool_call>\\n"' in conversation.guide.text and "format_root" in conversation.guide.text
+    single = served(request(tools=[WEATHER], text={"format": fmt}, parallel_tool_calls=False))
+    assert not single.tools.parallel and 'tool_calls ::= tool_call\n' in single.guide.text
+    # tools shown but never called: the format's own JSON-schema guide
+    assert convert(request(tools=[WEATHER], tool_choice="none", text={"format": fmt}),
+                   normalize_items("Hi")).guide.kind == "json_schema"
     assert served(request(tools=[WEATHER], text={"format": {"type": "text"}})).tools.mode == "auto"
 
 

@@ -316,6 +316,58 @@ def test_agents_runner_with_a_function_tool_on_both_models(stack: Stack, key: st
         assert [item.type for item in again.new_items] == ["message_output_item"], name
 
 
+def test_agents_runner_with_an_output_type_and_a_function_tool_on_both_models(stack: Stack, key: str) -> None:
+    """An Agent with both ``output_type`` and ``tools`` (a format with tool_choice auto, which kvgate used
+    to refuse): every model turn is either tool calls, which the Runner executes with schema-valid
+    arguments, or the final output, which validates as the output type. Which one the 135M model
+    writes is its own choice; only the shapes are checked (here it answers the first question and
+    calls the tool for the second, at temperature 0)."""
+    from typing import Literal
+
+    from agents import Agent, ModelSettings, Runner, function_tool, set_tracing_disabled
+    from agents.exceptions import MaxTurnsExceeded
+    from agents.models.openai_chatcompletions import OpenAIChatCompletionsModel
+    from agents.models.openai_responses import OpenAIResponsesModel
+    from pydantic import Field
+
+    class Report(BaseModel):
+        city: str = Field(max_length=24)
+        sky: Literal["sun", "rain", "snow"]
+
+    set_tracing_disabled(True)
+    calls: list[str] = []
+
+    @function_tool
+    def get_weather(city: str) -> str:
+        """Current weather for a city."""
+        calls.append(city)
+        return f"Light rain in {city}, 6 C"
+
+    sdk = openai.AsyncOpenAI(api_key=key, base_url=stack.gateway.base_url + "/v1", max_retries=0, timeout=120)
+    for model in (OpenAIResponsesModel(model=MODEL, openai_client=sdk),
+                  OpenAIChatCompletionsModel(model=MODEL, openai_client=sdk)):
+        name = type(model).__name__
+        for question, parallel in (("Answer in JSON: what is the capital of France?", None),
+                                   ("What is the weather in Oslo?", False)):
+            calls.clear()
+            agent = Agent(name="reporter", instructions="You are a helpful assistant.", model=model,
+                          tools=[get_weather], output_type=Report,
+                          model_settings=ModelSettings(temperature=0, max_tokens=96, parallel_tool_calls=parallel))
+            try:
+                result = Runner.run_sync(agent, question, max_turns=2)
+            except MaxTurnsExceeded as exc:  # every turn called the tool: no final output, no bad one either
+                final, items, turns = None, exc.run_data.new_items, exc.run_data.raw_responses
+                assert items and {item.type for item in items} <= {"tool_call_item", "tool_call_output_item"}, name
+            else:
+                final, items, turns = result.final_output, result.new_items, result.raw_responses
+                assert isinstance(final, Report), (name, final)  # the Runner validated the format's JSON
+                assert items[-1].type == "message_output_item", name
+            made = [item for item in items if item.type == "tool_call_item"]
+            assert len(calls) == len(made) and all(isinstance(city, str) and city for city in calls), (name, calls)
+            if parallel is False:  # one call a turn at most
+                assert all(sum(out.type == "function_call" for out in turn.output) <= 1 for turn in turns), name
+
+
 def test_logprobs_when_included(stack: Stack, key: str) -> None:
     api = client(stack, key)
     reply = api.responses.create(model=MODEL, input=QUESTION, temperature=0, max_output_tokens=6, store=False,

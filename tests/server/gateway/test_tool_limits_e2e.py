@@ -1,12 +1,13 @@
 """Tool calls at the edges, through the official ``openai`` SDK against the live stack (reference
 engine), on both OpenAI dialects: output cut by its limit in the middle of a call, an output format
-with tools the model may call, function names and parameter schemas."""
+with tools the model may call (the format's JSON or calls), function names and parameter schemas."""
 
 from __future__ import annotations
 
 import json
 import secrets
 
+import jsonschema
 import openai
 import pytest
 
@@ -93,27 +94,82 @@ def test_responses_cut_by_max_output_tokens_are_incomplete(stack: Stack, key: st
     assert [o.type for o in events[-1].response.output] == ["function_call"]
 
 
-def test_a_json_format_with_tools_the_model_may_call_is_refused_by_name(stack: Stack, key: str) -> None:
-    """The format's guide would hold the whole output (no call could be written): a 400 naming the
-    format's field, rather than an answer that silently never calls a tool."""
+ANSWER = {"type": "object", "properties": {"text": {"type": "string", "maxLength": 60}}, "required": ["text"],
+          "additionalProperties": False}
+
+
+def _either_shape(calls: list[tuple[str, str]], text: str | None, *, parallel: bool = True) -> str:
+    """The output under a format with tools the model may call: tool calls to the defined function with
+    arguments that follow its schema, and no text; or no call and text that is the format's JSON."""
+    if calls:
+        assert not text, text
+        assert parallel or len(calls) == 1, calls
+        for name, arguments in calls:
+            assert name == "get_weather"
+            jsonschema.validate(json.loads(arguments), PARAMETERS)
+        return "calls"
+    jsonschema.validate(json.loads(text), ANSWER)
+    return "json"
+
+
+def test_a_json_format_with_tools_the_model_may_call_answers_either_shape(stack: Stack, key: str) -> None:
+    """A format with tool_choice auto (openai-agents' Agent with output_type and tools) is served: the
+    guide allows the format's JSON or tool-call blocks, and whichever the model writes parses — calls
+    with finish reason "tool_calls", or the JSON answer. Which one the 135M model picks is its own
+    business; the shapes are checked, on both OpenAI dialects, streamed and not."""
     api = client(stack, key)
-    schema = {"type": "object", "properties": {"text": {"type": "string"}}, "required": ["text"],
-              "additionalProperties": False}
-    with pytest.raises(openai.BadRequestError) as chat:
-        api.chat.completions.create(model=MODEL, messages=_messages(), tools=[CHAT_WEATHER], max_tokens=8,
-                                    response_format={"type": "json_schema",
-                                                     "json_schema": {"name": "Answer", "schema": schema}})
-    assert chat.value.body["param"] == "response_format" and "tool_choice" in chat.value.body["message"]
-    with pytest.raises(openai.BadRequestError) as responses:
-        api.responses.create(model=MODEL, input=_items(), tools=[WEATHER], max_output_tokens=8, store=False,
-                             text={"format": {"type": "json_schema", "name": "Answer", "schema": schema,
-                                              "strict": True}})
-    assert responses.value.body["param"] == "text.format"
-    # tools shown but never called: the format is served
+    fmt = {"type": "json_schema", "json_schema": {"name": "Answer", "schema": ANSWER, "strict": True}}
+    asks = ((_messages(), {}), (_messages(), {"parallel_tool_calls": False}),
+            ([{"role": "user", "content": "Answer in JSON: what is the capital of France?"}], {}))
+    for messages, extra in asks:
+        parallel = extra.get("parallel_tool_calls", True)
+        ask = dict(model=MODEL, messages=messages, tools=[CHAT_WEATHER], temperature=0, max_tokens=160,
+                   response_format=fmt, **extra)
+        choice = api.chat.completions.create(**ask).choices[0]
+        calls = [(c.function.name, c.function.arguments) for c in choice.message.tool_calls or ()]
+        shape = _either_shape(calls, choice.message.content, parallel=parallel)
+        assert choice.finish_reason == ("tool_calls" if shape == "calls" else "stop")
+        text, streamed, finish = "", {}, None
+        for chunk in api.chat.completions.create(**ask, stream=True):
+            if chunk.choices:
+                delta = chunk.choices[0].delta
+                text += delta.content or ""
+                for call in delta.tool_calls or ():
+                    name, arguments = streamed.get(call.index, ("", ""))
+                    streamed[call.index] = (name + (call.function.name or ""), arguments + (call.function.arguments or ""))
+                finish = chunk.choices[0].finish_reason or finish
+        assert _either_shape([streamed[i] for i in sorted(streamed)], text, parallel=parallel) == shape
+        assert finish == choice.finish_reason
+    # the Responses dialect: function_call items, or a message whose text is the format's JSON
+    for extra in ({}, {"parallel_tool_calls": False}):
+        reply = api.responses.create(model=MODEL, input=_items(), tools=[WEATHER], temperature=0, max_output_tokens=160,
+                                     store=False, text={"format": {"type": "json_schema", "name": "Answer",
+                                                                   "schema": ANSWER, "strict": True}}, **extra)
+        assert reply.status == "completed"
+        calls = [(o.name, o.arguments) for o in reply.output if o.type == "function_call"]
+        _either_shape(calls, reply.output_text, parallel=not extra)
+    # tools shown but never called: the format's own guide
     shown = api.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=8,
                                         tools=[CHAT_WEATHER], tool_choice="none",
                                         response_format={"type": "json_object"})
     assert shown.choices[0].finish_reason in ("stop", "length")
+
+
+def test_a_format_with_tools_refuses_what_the_combined_grammar_cannot_carry(stack: Stack, key: str) -> None:
+    """A schema pattern has no JSON-safe form in TensorRT-LLM's xgrammar (0.1.25): a 400 naming the field."""
+    api = client(stack, key)
+    coded = {"type": "object", "properties": {"code": {"type": "string", "pattern": "^[A-Z]{3}$"}},
+             "required": ["code"]}
+    with pytest.raises(openai.BadRequestError) as chat:
+        api.chat.completions.create(model=MODEL, messages=_messages(), tools=[CHAT_WEATHER], max_tokens=8,
+                                    response_format={"type": "json_schema",
+                                                     "json_schema": {"name": "Answer", "schema": coded}})
+    assert chat.value.body["param"] == "response_format" and "pattern" in chat.value.body["message"]
+    with pytest.raises(openai.BadRequestError) as responses:
+        api.responses.create(model=MODEL, input="Hi", max_output_tokens=8, store=False,
+                             tools=[WEATHER, {"type": "function", "name": "lookup", "parameters": coded}],
+                             text={"format": {"type": "json_object"}})
+    assert responses.value.body["param"] == "tools.1.parameters"
 
 
 def test_function_names_and_parameter_schemas_are_checked_on_both_dialects(stack: Stack, key: str) -> None:
