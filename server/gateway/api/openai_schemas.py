@@ -204,8 +204,8 @@ class ChatCompletionRequest(_SamplingFields):
         if self.tool_choice in ("required",) or isinstance(self.tool_choice, NamedToolChoice):
             if not names:
                 raise ValueError("tool_choice requires tools")
-            if self.response_format is not None and self.response_format.type != "text":
-                raise ValueError("a forced tool call cannot be combined with a JSON response_format")
+            # with a JSON response_format too, the forced call's guide applies: the output is a call,
+            # so the format has no text to shape (OpenAI takes both; openai-agents sends both)
         return self
 
     def requested_max_tokens(self) -> int | None:

@@ -353,9 +353,7 @@ def convert(body: ResponsesRequest, items: list[dict]) -> Conversation:
         raise invalid("input", "the input is empty")
     plan, guide = _tool_plan(body, functions)
     fmt = _format_guide(body)
-    if fmt is not None:
-        if guide is not None:
-            raise invalid("text.format", "cannot be combined with a tool_choice that forces a tool call")
+    if fmt is not None and guide is None:  # a forced call's guide wins: the output is a call, no text to shape
         if plan is not None and plan.mode == "auto":
             fmt = format_or_calls_guide(json.loads(fmt.text), functions, parallel=plan.parallel, field="text.format",
                                         tool_fields=[f"tools.{i}.parameters" for i in range(len(functions))])

@@ -113,6 +113,20 @@ def test_forced_tool_call_returns_valid_arguments_streaming_and_not(stack: Stack
     assert follow.choices[0].message.content
 
 
+def test_a_forced_call_beside_a_response_format_is_the_call(stack: Stack, key: str) -> None:
+    """tool_choice required with a JSON response_format (as openai-agents sends for an Agent with an
+    output type on a turn that must call a tool): the forced call's guide applies, the answer is a call."""
+    api = client(stack, key)
+    fmt = {"type": "json_schema", "json_schema": {"name": "report", "schema": {
+        "type": "object", "properties": {"summary": {"type": "string"}}, "required": ["summary"]}}}
+    completion = api.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "What's the weather like in Paris today?"}],
+        tools=[WEATHER], tool_choice="required", response_format=fmt, temperature=0, max_tokens=64)
+    [call] = completion.choices[0].message.tool_calls
+    assert completion.choices[0].finish_reason == "tool_calls" and call.function.name == "get_weather"
+    jsonschema.validate(json.loads(call.function.arguments), WEATHER["function"]["parameters"])
+
+
 def test_a_forced_call_cut_short_is_an_empty_answer_never_the_guides_wrapper(stack: Stack, key: str) -> None:
     """max_tokens stops the forced call inside its ``{"name": …}`` wrapper: no tool call, no text."""
     api = client(stack, key)

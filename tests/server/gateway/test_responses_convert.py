@@ -90,6 +90,10 @@ def test_tool_choice_and_formats_become_guides() -> None:
     assert forced.tools.mode == "forced" and '"const":"get_weather"' in forced.guide.text
     required = convert(request(tools=[WEATHER], tool_choice="required"), normalize_items("Hi"))
     assert required.tools.mode == "forced"
+    # a format beside a forced call: the call's guide (the output is a call; the format has no text to shape)
+    both = convert(request(tools=[WEATHER], tool_choice="required", text={"format": {"type": "json_object"}}),
+                   normalize_items("Hi"))
+    assert both.tools.mode == "forced" and both.guide == required.guide
     assert convert(request(tools=[WEATHER], tool_choice="none"), normalize_items("Hi")).tools.parses is False
     schema = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
     fmt = convert(request(text={"format": {"type": "json_schema", "name": "c", "schema": schema, "strict": True}}),
@@ -119,7 +123,6 @@ def test_tool_choice_and_formats_become_guides() -> None:
     ("input.0.role", {"input": [{"role": "robot", "content": "x"}]}),
     ("tool_choice", {"tool_choice": "required"}),
     ("tool_choice.name", {"tools": [WEATHER], "tool_choice": {"type": "function", "name": "other"}}),
-    ("text.format", {"tools": [WEATHER], "tool_choice": "required", "text": {"format": {"type": "json_object"}}}),
     ("text.format.schema", {"text": {"format": {"type": "json_schema", "name": "x"}}}),
     # the chat dialect's function names (^[a-zA-Z0-9_-]{1,64}$), on the tools and the choice
     ("tools.0.name", {"tools": [{**WEATHER, "name": 'get"weather'}]}),
