@@ -277,8 +277,10 @@ def test_text_that_is_not_unicode_and_schemas_the_engine_cannot_compile_are_400s
         assert r.status_code == 400 and error["param"] == field and "at most" in error["message"], (path, r.text)
 
 
-def test_agents_runner_with_a_function_tool_on_both_models(stack: Stack, key: str) -> None:
-    from agents import Agent, Runner, function_tool, set_tracing_disabled
+def _agents_weather(stack: Stack, key: str) -> tuple[list, object, list[str]]:
+    """openai-agents against the gateway: its two models (Responses, Chat Completions), a weather
+    function tool, and the cities the tool was called with (tracing off: nothing leaves the machine)."""
+    from agents import function_tool, set_tracing_disabled
     from agents.models.openai_chatcompletions import OpenAIChatCompletionsModel
     from agents.models.openai_responses import OpenAIResponsesModel
 
@@ -292,10 +294,16 @@ def test_agents_runner_with_a_function_tool_on_both_models(stack: Stack, key: st
         return f"Light rain in {city}, 6 C"
 
     sdk = openai.AsyncOpenAI(api_key=key, base_url=stack.gateway.base_url + "/v1", max_retries=0, timeout=120)
-    from agents import ModelSettings
+    models = [OpenAIResponsesModel(model=MODEL, openai_client=sdk),
+              OpenAIChatCompletionsModel(model=MODEL, openai_client=sdk)]
+    return models, get_weather, calls
 
-    for model in (OpenAIResponsesModel(model=MODEL, openai_client=sdk),
-                  OpenAIChatCompletionsModel(model=MODEL, openai_client=sdk)):
+
+def test_agents_runner_with_a_function_tool_on_both_models(stack: Stack, key: str) -> None:
+    from agents import Agent, ModelSettings, Runner
+
+    models, get_weather, calls = _agents_weather(stack, key)
+    for model in models:
         name = type(model).__name__
         calls.clear()
         # Forced call, and the tool's output is the answer: deterministic on a 135M model.
@@ -324,28 +332,16 @@ def test_agents_runner_with_an_output_type_and_a_function_tool_on_both_models(st
     calls the tool for the second, at temperature 0)."""
     from typing import Literal
 
-    from agents import Agent, ModelSettings, Runner, function_tool, set_tracing_disabled
+    from agents import Agent, ModelSettings, Runner
     from agents.exceptions import MaxTurnsExceeded
-    from agents.models.openai_chatcompletions import OpenAIChatCompletionsModel
-    from agents.models.openai_responses import OpenAIResponsesModel
     from pydantic import Field
 
     class Report(BaseModel):
         city: str = Field(max_length=24)
         sky: Literal["sun", "rain", "snow"]
 
-    set_tracing_disabled(True)
-    calls: list[str] = []
-
-    @function_tool
-    def get_weather(city: str) -> str:
-        """Current weather for a city."""
-        calls.append(city)
-        return f"Light rain in {city}, 6 C"
-
-    sdk = openai.AsyncOpenAI(api_key=key, base_url=stack.gateway.base_url + "/v1", max_retries=0, timeout=120)
-    for model in (OpenAIResponsesModel(model=MODEL, openai_client=sdk),
-                  OpenAIChatCompletionsModel(model=MODEL, openai_client=sdk)):
+    models, get_weather, calls = _agents_weather(stack, key)
+    for model in models:
         name = type(model).__name__
         for question, parallel in (("Answer in JSON: what is the capital of France?", None),
                                    ("What is the weather in Oslo?", False)):
