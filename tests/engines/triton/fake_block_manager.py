@@ -31,7 +31,11 @@ priorities (every stored block reports the default 35). ``add_sequence`` reports
 (``onboardBlock``: ``getFreeBlock`` + a secondary→primary updated event), a partly matched block that is
 referenced or has children is copied into a fresh one (``getFreeBlock``). ``add_token`` says when a
 generation block is taken (``updateToken`` → ``allocateBlock`` → ``getFreeBlock``).
-``blocks_in_use`` gives ``KvCacheStats`` its used count.
+``blocks_in_use`` gives ``KvCacheStats`` its used count: a store that finds a block already in the tree
+takes no reference on it (``storeBlocks`` without ``pinBlocks``), so a request that computed the same
+blocks as another keeps its own duplicates until it is released. ``find_new_context_block`` answers the
+capacity scheduler, which delays a request whose first new block another starting request contributes
+(``fake_trtllm_executor.Executor.step``).
 """
 
 from __future__ import annotations
@@ -117,7 +121,9 @@ class Sequence:
     request_id: int
     tokens: list[int]
     salt_id: int | None
-    held: list[int] = field(default_factory=list)  # tree blocks this sequence references
+    # tree blocks that are this sequence's own (matched at addSequence, or its block that a store inserted); its
+    # other blocks are private, a duplicate of a tree block included (storeBlocks takes no reference on a match)
+    held: list[int] = field(default_factory=list)
 
 
 class FakeBlockManager:
@@ -190,6 +196,27 @@ class FakeBlockManager:
             self._enqueue_onboarded(block.block_hash)
         return 1
 
+    # kvCacheManager.cpp (b35ac1b6) WindowBlockManager::findNewContextBlock, which the capacity scheduler calls
+    # (capacityScheduler.cpp beneficialToSkip -> oneManagerBeneficialToSkip) for a request not yet started
+    def find_new_context_block(self, prompt: list[int], salt_id: int | None,
+                               lora_id: int | None = None) -> tuple[tuple[int, ...], int | None] | None:
+        """The ``BlockKey`` of the prompt's first full block not in the reuse tree, or None when every full
+        block is there (or the prompt has none). Blocks: ``chopVectorIntoBlocks(uniqueTokens,
+        uniqueTokens.size(), B, false)`` -- every full block, the last prompt token included. The walk uses
+        ``findMatchingBlock(blockKey, false, false)`` (exact keys, the request's salt). The key returned,
+        ``ret``, holds every token up to the end of that first new block (``ret.uniqueTokens`` accumulates
+        each block's tokens) and the request's LoRA task, but no ``cacheSaltID``: two requests with the same
+        tokens and different salts return equal keys. As ``(tokens, lora_id)``; the double's requests carry no
+        LoRA task (kvgate sends none)."""
+        tpb = self.tokens_per_block
+        children = self.roots
+        for i, key in enumerate(chop(prompt, len(prompt), tpb, False)):
+            found = children.get((tuple(key), salt_id))
+            if found is None:
+                return tuple(int(t) for t in prompt[: (i + 1) * tpb]), lora_id
+            children = self.tree[found].children
+        return None
+
     # kvCacheManager.cpp KVCacheBlock::findMatchingBlock(blockKey, enablePartialReuse, copyOnPartialReuse)
     def _find_matching_block(self, children, tokens: tuple[int, ...], salt_id: int | None) -> tuple[int | None, bool]:
         """(block, partialMatch): an exact key returns ``!block->isFull()``; otherwise, with partial reuse,
@@ -260,12 +287,19 @@ class FakeBlockManager:
             if block is not None:
                 block.refs -= 1
 
-    # kvCacheManager.cpp WindowBlockManager::storeBlocks + kvCacheEventManager.cpp enqueueStoredEvent
+    # kvCacheManager.cpp (b35ac1b6) WindowBlockManager::storeBlocks + kvCacheEventManager.cpp enqueueStoredEvent
     def _store_blocks(self, seq: Sequence, keys: list[list[int]]) -> None:
         """Walk from the root; a key already in the tree is traversed (no event), the first miss and every
         block after it are inserted with ``hash = BlockKeyHasher()(key, searchRoot->getHash())``. One stored
         event per call holding only the inserted blocks; its parent is the first inserted block's
-        predecessor, None when that is ``mCachedBlocksRoot`` (block id < 0)."""
+        predecessor, None when that is ``mCachedBlocksRoot`` (block id < 0).
+
+        What is inserted is the sequence's own block (``mAllBlocksById[blockIds[i]]``): it enters the tree and
+        stays referenced by the sequence. On a match the C++ only moves on (``searchRoot = matchedBlock``) and
+        takes a reference (``searchRoot->incRefCount()``) only with ``pinBlocks``, which storeContextBlocks,
+        storeNewBlock and releaseBlocks never pass (it defaults to false; ``storeBlocksForReuse`` passes it): the
+        sequence keeps its own duplicate block, counted as used and released by ``releaseBlocks`` from
+        ``mAllocatedBlocksPerSeq``, and the matched tree block gains no reference."""
         parent_hash, children = 0, self.roots
         stored: list[TreeBlock] = []
         for key in keys:
@@ -276,11 +310,9 @@ class FakeBlockManager:
                 block = self.tree[found] = TreeBlock(found, parent_hash, tokens, seq.salt_id)
                 children[(tokens, seq.salt_id)] = found
                 stored.append(block)
-            block = self.tree[found]
-            if found not in seq.held:  # the sequence's own block is now the tree's
-                block.refs += 1
+                block.refs += 1  # the sequence's own block, now the tree's: its addBlockToBeam reference
                 seq.held.append(found)
-            parent_hash, children = found, block.children
+            parent_hash, children = found, self.tree[found].children
         if stored:
             self._enqueue_stored(stored[0].parent or None, stored)
 
@@ -328,7 +360,9 @@ class FakeEventQueue:
       oldest events beyond ``mMaxSize`` (``event_buffer_max_size``), leaving a gap in the event ids.
       ``lag`` models its delay: a batch becomes visible only after ``lag`` reads that miss it, so a
       reader can see an iteration's responses before its events (late events).
-    * ``take``: ``getEvents`` returns ``mEvents`` and empties it.
+    * ``take``: ``getEvents`` returns ``mEvents`` and empties it. ``wait=True`` is ``getEvents`` without a
+      timeout (``mEmptyCV.wait``): the first batch still with the worker arrives whatever its lag, and with
+      none there, nothing ever would: a RuntimeError says so rather than block the test for ever.
     """
 
     def __init__(self, max_size: int, make_event: Callable[[int, Any], Any], *, lag: int = 0) -> None:
@@ -356,7 +390,13 @@ class FakeEventQueue:
             self._handed.append([self.lag, self._queue])
         self._queue = []
 
-    def take(self) -> list[Any]:
+    def take(self, *, wait: bool = False) -> list[Any]:
+        if wait and not self._events and self._handed and self._handed[0][0] > 0:
+            self._handed[0][0] = 0  # the worker delivers it and notifies mEmptyCV: the wait ends
+        if wait and not self._events and not self._handed:
+            raise RuntimeError("get_latest_events() without a timeout would block forever: no event is buffered "
+                               "or on its way (kvCacheEventManager.cpp getEvents: mEmptyCV.wait until one "
+                               "arrives); pass timeout_ms")
         while self._handed and self._handed[0][0] <= 0:  # FIFO: a batch never overtakes an earlier one
             self._events.extend(self._handed.pop(0)[1])
             if len(self._events) > self.max_size:  # "Events have been discarded."

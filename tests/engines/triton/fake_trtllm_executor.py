@@ -83,6 +83,12 @@ class Executor(Bound):
         else:
             self.max_input_len = engine_input_len
         self.has_local_model = not orchestrator  # executorImpl.cpp: the orchestrator holds no mModel
+        # executor.h SchedulerConfig (879039f6): capacitySchedulerPolicy defaults to kGUARANTEED_NO_EVICT (kvgate
+        # sends no scheduler_config). capacityScheduler.cpp (cf6abc45): GuaranteedNoEvictScheduler::operator()
+        # (impl<false>) and MaxUtilizationScheduler::operator() consult beneficialToSkip; StaticBatchScheduler
+        # (impl<true>) never does. The double has no SchedulerConfig class: a policy is read by its name.
+        policy = getattr(getattr(executor_config, "scheduler_config", None), "capacity_scheduler_policy", None)
+        self.skip_for_reuse = getattr(policy, "name", "GUARANTEED_NO_EVICT") != "STATIC_BATCH"
         self.iter_stats_max_iterations = getattr(executor_config, "iter_stats_max_iterations", 1000)
         # executorConfig.cpp (nanobind) ExecutorConfig init: nb::arg("normalize_log_probs") = true
         self.normalize_log_probs = getattr(executor_config, "normalize_log_probs", True)
@@ -93,7 +99,7 @@ class Executor(Bound):
         self.active: dict[int, ActiveRequest] = {}  # enqueued, not finished (scheduled at the next iteration)
         self.auto_run = True  # await_responses runs iterations until every request finished
         self.next_id = 1
-        self.kv_counters = KvCacheCounters(bindings.primary_blocks)
+        self.kv_counters = KvCacheCounters(bindings.primary_blocks, block_reuse=self.block_reuse)
         self.iteration_stats: deque = deque(maxlen=max(self.iter_stats_max_iterations, 1))
         self.events = bindings.KVCacheEventManager(kv_config.event_buffer_max_size)
         self.blocks = FakeBlockManager(self.tokens_per_block, enable_block_reuse=self.block_reuse,
@@ -157,25 +163,55 @@ class Executor(Bound):
     def step(self):
         """One iteration (trtGptModelInflightBatching.cpp forwardAsync + forwardSync) over every active request.
 
-        Scheduling admits everything (no capacity model). Order, as in the C++: new requests get their
-        sequence (KVCacheManager::addSequence: reuse matching, per-request KV metrics); forwardAsync stores
-        context blocks of requests whose context ran and the newest block of requests in generation;
-        forwardSync appends each request's next token and releases finished (or cancelled) requests,
-        storing their blocks; responses go out; flushIterationEvents hands the events over.
+        Scheduling (``_starting``) has no capacity model: every running request continues and every new one
+        starts, except one the capacity scheduler delays so that it can reuse the blocks another starting
+        request is about to store. Order, as in the C++: the scheduler decides on the tree as it is before
+        the iteration; starting requests get their sequence (KVCacheManager::addSequence: reuse matching,
+        per-request KV metrics); forwardAsync stores context blocks of requests whose context ran and the
+        newest block of requests in generation; forwardSync appends each request's next token and releases
+        finished (or cancelled) requests, storing their blocks; responses go out; flushIterationEvents hands
+        the events over. A delayed request does none of this and is scheduled again at the next iteration.
         """
         with self.lock:
             self._step()
 
-    def _step(self):
-        bindings, blocks = self._bindings, self.blocks
+    def _starting(self) -> list[int]:
+        """The new requests that start this iteration, in the order they were enqueued (``activeRequests``).
+
+        capacityScheduler.cpp (NVIDIA/TensorRT-LLM cf6abc45) ``GuaranteedNoEvictScheduler::impl`` /
+        ``MaxUtilizationScheduler::operator()``: each pending request is first passed to ``beneficialToSkip``,
+        which, for a request in context-init state on its first context chunk and only when
+        ``kvCacheManager.isEnableBlockReuse()``, calls ``oneManagerBeneficialToSkip``: the request's
+        ``findNewContextBlock`` key (``fake_block_manager.find_new_context_block``) already in
+        ``newlyContributedContextBlocks`` -> skipped this iteration; otherwise the key is added (whether or not
+        the request then fits). ``skippingIsRelevant`` is false only for variable-window attention (the double
+        has one window). The set starts with the keys of requests already mid-chunk
+        (``prefillWithChunkedContextsAlreadyExecuting``): empty here, the double runs a context in one chunk.
+        """
+        contributed: set = set()  # newlyContributedContextBlocks
+        starting = []
         for request_id, active in self.active.items():
             if request_id in self.cancelled or active.scheduled:
                 continue
-            request = active.request
+            if self.block_reuse and self.skip_for_reuse:
+                request = active.request
+                key = self.blocks.find_new_context_block(request.input_token_ids, request.cache_salt_id)
+                if key is not None:
+                    if key in contributed:
+                        continue  # "Better to skip this step so we can reuse."
+                    contributed.add(key)
+            starting.append(request_id)
+        return starting
+
+    def _step(self):
+        bindings, blocks = self._bindings, self.blocks
+        starting = self._starting()
+        for request_id in starting:
+            request = self.active[request_id].request
             admission = blocks.add_sequence(request_id, request.input_token_ids, request.cache_salt_id)
-            self.kv_counters.admit(active.kv, admission)
+            self.kv_counters.admit(self.active[request_id].kv, admission)
         for request_id, active in self.active.items():  # forwardAsync
-            if request_id in self.cancelled:
+            if request_id in self.cancelled or not (active.scheduled or request_id in starting):
                 continue
             if not active.scheduled:
                 blocks.store_context_blocks(request_id)  # context ran in this iteration
@@ -195,6 +231,8 @@ class Executor(Bound):
                     bindings.FinishReason.CANCELLED)))
                 finished.append(request_id)
                 continue
+            if not active.scheduled:
+                continue  # delayed by the capacity scheduler: no context ran, nothing to append
             if active.produced < len(active.generated):
                 if blocks.add_token(request_id, active.generated[active.produced]):
                     self.kv_counters.generation_block()

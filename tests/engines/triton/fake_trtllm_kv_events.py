@@ -75,5 +75,15 @@ class KVCacheEventManager(Bound):
                                     lag=self._bindings.event_lag)
 
     def get_latest_events(self, timeout_ms=None):
+        """kvCacheEventManager.cpp ``getEvents`` (NVIDIA/TensorRT-LLM 8c498e94; the same body in all four
+        indexed snapshots): with a timeout, ``mEmptyCV.wait_for(lck, timeout, pred)``; without one
+        (``timeout_ms=None``, the binding's default: ``std::nullopt``), ``mEmptyCV.wait(lck, pred)`` with
+        ``pred = !mEvents.empty() || !mRun`` -- it returns only once the worker thread has delivered a batch
+        (``mRun`` turns false only in the manager's destructor). The double has no other thread: a batch already handed to the worker
+        (``FakeEventQueue.flush``) is delivered at once, and a call that nothing could ever wake raises
+        instead of hanging the test. With a zero buffer the block manager has no event manager and
+        ``BlockManager::getLatestEvents`` returns an empty deque without waiting."""
         check_float("timeout_ms", timeout_ms, optional=True)
+        if timeout_ms is None and self.buffer_max_size:
+            return self.queue.take(wait=True)
         return self.queue.take()

@@ -33,11 +33,12 @@ class KvCacheCounters:
     ``auto block = getFreeBlock(); mTransferManager->onboard(...)``) and a generation block
     (``updateToken`` → ``allocateBlock``) each call; a matched block already on the GPU takes none.
     Invariants: ``alloc_total == missed_total + onboarded_total + copied_total + generation_total``;
-    ``alloc_new == slots_used <= primary_blocks`` (a slot is new only the first time it is handed out);
-    counters only grow.
+    with block reuse ``alloc_new == slots_used <= primary_blocks``, without it ``alloc_new == alloc_total``
+    (``_get_free_blocks``); counters only grow.
     """
 
     primary_blocks: int
+    block_reuse: bool = True  # the executor's KV cache manager's mEnableBlockReuse, after fixExecutorConfig
     reused_total: int = 0
     alloc_total: int = 0
     alloc_new: int = 0
@@ -45,12 +46,31 @@ class KvCacheCounters:
     onboarded_total: int = 0  # not a KvCacheStats field: for tests
     copied_total: int = 0
     generation_total: int = 0
-    slots_used: int = 0  # pool slots that ever held tokens
+    slots_used: int = 0  # with reuse: pool blocks ever handed out (each has carried a key since)
 
     def _get_free_blocks(self, count: int) -> int:
-        """``count`` calls of ``getFreeBlock``: ``++mAllocTotalBlocks`` each, ``++mAllocNewBlocks`` for a slot
-        whose uniqueTokens are empty, i.e. never used (a block's key is never cleared): at most the pool's
-        size per life. Returns the new ones."""
+        """``count`` calls of ``getFreeBlock`` (kvCacheManager.cpp, NVIDIA/TensorRT-LLM b35ac1b6):
+        ``++mAllocTotalBlocks`` each, ``++mAllocNewBlocks`` when the block handed out has no key
+        (``block->getUniqueTokens().empty()``). Returns the new ones.
+
+        A key is set only by ``loadOrAllocateBlocks`` (a missed prompt block, a partial copy) and by
+        ``storeBlocks`` (``setBlockKey``), and is never cleared. Without block reuse neither runs: the
+        no-reuse ``addSequence`` only calls ``allocateBlock``, ``storeContextBlocks`` / ``storeNewBlock`` return
+        at ``!mEnableBlockReuse``, and ``removeSequence`` calls ``releaseBlocks`` without the request, so nothing
+        is stored: every block is new, for ever (``alloc_new == alloc_total``).
+
+        With reuse (beam width 1, one full-attention window: ``BlockManager::releaseBlocks`` then stores) every
+        block a request held carries a key by its release (its misses at ``addSequence``, the rest at
+        ``releaseBlocks``' store of the first ``n - 1`` tokens), so a block is new only the first time it
+        is handed out. ``LRUEvictionPolicy::initialize`` (evictionPolicy.cpp, 05a91919) queues every block at the default
+        priority and ``releaseBlock`` appends a released one behind them, so the never-used blocks go first:
+        the first ``primary_blocks`` hand-outs are new, none after. Not modelled (the double keeps no per-block
+        priority): a block released with a retention priority below the default sits in a lower queue and is
+        handed out before the never-used ones (``getFreeBlock`` scans the queues from the lowest priority)."""
+        if not self.block_reuse:
+            self.alloc_total += count
+            self.alloc_new += count
+            return count
         fresh = min(count, max(0, self.primary_blocks - self.slots_used))
         self.slots_used += fresh
         self.alloc_total += count

@@ -156,12 +156,12 @@ def test_a_root_event_later_than_its_request_is_still_attributed_to_its_salt():
 
 # --- what the stricter double refuses or does silently, each as the real bindings ------------
 
-def _executor(tmp_path, *, engine=None, **kv):
+def _executor(tmp_path, *, engine=None, primary_blocks=64, event_lag=0, **kv):
     from engines.spec import load_bundled_spec
     from engines.triton.params import ServingParams
     from engines.trtllm.executor_args import make_executor
 
-    module = fake_trtllm.make_module()
+    module = fake_trtllm.make_module(primary_blocks=primary_blocks, event_lag=event_lag)
     fake_trtllm.write_engine_config(tmp_path, **(engine or {}))
     params = ServingParams.from_spec(load_bundled_spec("llama-3.1-8b-instruct-fp8kv"), engine_dir=str(tmp_path))
     for key, value in kv.items():
@@ -191,7 +191,8 @@ def test_executor_runs_without_reuse_on_an_engine_without_paged_context_fmha(tmp
         executor.enqueue_request(module.Request(input_token_ids=prompt, max_tokens=1))
     metrics = [r.result.request_perf_metrics.kv_cache_metrics for r in executor.await_responses()]
     assert [m.num_reused_blocks for m in metrics] == [0, 0]  # the same prompt twice, nothing reused
-    assert [type(e.data).__name__ for e in executor.get_kv_cache_event_manager().get_latest_events()] == ["KVCacheCreatedData"]
+    events = executor.get_kv_cache_event_manager().get_latest_events(timeout_ms=0.0)
+    assert [type(e.data).__name__ for e in events] == ["KVCacheCreatedData"]
 
 
 def test_sampling_config_regularization_and_checks():
@@ -257,13 +258,13 @@ def test_event_manager_exists_even_with_a_zero_event_buffer(tmp_path):
 def test_stored_blocks_of_one_store_call_arrive_in_one_event(tmp_path):
     module, executor = _executor(tmp_path)
     manager = executor.get_kv_cache_event_manager()
-    manager.get_latest_events()
+    manager.get_latest_events(timeout_ms=0.0)
     executor.enqueue_request(module.Request(input_token_ids=list(range(100)), max_tokens=1))
     executor.await_responses()
     # kvCacheEventManager.cpp enqueueStoredEvent: one event per storeBlocks call. storeContextBlocks
     # stores the full blocks of the first 99 tokens; releaseBlocks (max_tokens reached in the same
     # iteration) the partial block holding tokens 96..99 under the third.
-    context, release = manager.get_latest_events()
+    context, release = manager.get_latest_events(timeout_ms=0.0)
     assert context.data.parent_hash is None and [len(b.tokens) for b in context.data.blocks] == [32, 32, 32]
     assert release.data.parent_hash == context.data.blocks[-1].block_hash
     assert [[t.token_id for t in b.tokens] for b in release.data.blocks] == [[96, 97, 98, 99]]
@@ -277,14 +278,15 @@ def test_the_double_stores_blocks_when_tensorrt_llm_does(tmp_path):
     # (releaseBlocks, partial too). Events of one iteration leave at its end (flushIterationEvents).
     module, executor = _executor(tmp_path)
     manager = executor.get_kv_cache_event_manager()
-    manager.get_latest_events()
+    manager.get_latest_events(timeout_ms=0.0)
     executor.auto_run = False
     prompt = list(range(64))  # exactly two blocks of 32
     executor.enqueue_request(module.Request(input_token_ids=prompt, max_tokens=3))
-    assert manager.get_latest_events() == []  # enqueue stores nothing
+    assert manager.get_latest_events(timeout_ms=0.0) == []  # enqueue stores nothing
 
     def stored_tokens():
-        return [[[t.token_id for t in b.tokens] for b in e.data.blocks] for e in manager.get_latest_events()]
+        events = manager.get_latest_events(timeout_ms=0.0)
+        return [[[t.token_id for t in b.tokens] for b in e.data.blocks] for e in events]
 
     executor.step()  # context: tokens 0..62 hold one full block; first token generated (65 tokens)
     assert stored_tokens() == [[prompt[:32]]]
@@ -295,6 +297,135 @@ def test_the_double_stores_blocks_when_tensorrt_llm_does(tmp_path):
     generated = executor.await_responses()[0].result.output_token_ids[0]
     assert partial == generated[:2]
     assert executor.active == {} and all(b.refs == 0 for b in executor.tree.values())
+
+
+TPB = 32  # the bundled spec's tokens_per_block
+
+
+def _final_reused(responses):
+    return {r.request_id: r.result.request_perf_metrics.kv_cache_metrics.num_reused_blocks
+            for r in responses if r.result.is_final}
+
+
+def test_the_scheduler_delays_a_request_whose_first_new_block_another_starting_request_computes(tmp_path):
+    # capacityScheduler.cpp (NVIDIA/TensorRT-LLM cf6abc45) GuaranteedNoEvictScheduler::impl (the default
+    # policy, executor.h SchedulerConfig) calls beneficialToSkip for each pending request; with block reuse
+    # enabled, a context request on its first chunk whose findNewContextBlock key (kvCacheManager.cpp
+    # b35ac1b6: the prompt's first full block not in the tree) a request scheduled before it in the same
+    # pass contributes is skipped (oneManagerBeneficialToSkip). Next iteration the first request's context
+    # blocks are stored (storeContextBlocks) and the second reuses them.
+    module, executor = _executor(tmp_path)
+    executor.auto_run = False
+    prompt = list(range(3 * TPB + 1))  # 3 full blocks + the last token
+    a = executor.enqueue_request(module.Request(input_token_ids=prompt, max_tokens=4))
+    b = executor.enqueue_request(module.Request(input_token_ids=prompt, max_tokens=4))
+    executor.step()
+    assert executor.active[a].scheduled and not executor.active[b].scheduled
+    assert executor.active[b].produced == 0
+    executor.auto_run = True
+    assert _final_reused(executor.await_responses()) == {a: 0, b: 3}
+
+    # The key carries no cacheSaltID (findNewContextBlock builds `ret` with tokens and LoRA id only): another
+    # salt is delayed one iteration as well, then starts with nothing to reuse (its walk uses its own salt).
+    module, executor = _executor(tmp_path / "salted")
+    executor.auto_run = False
+    other = list(range(5000, 5000 + 3 * TPB + 1))
+    a = executor.enqueue_request(module.Request(input_token_ids=other, max_tokens=4, cache_salt_id=1))
+    b = executor.enqueue_request(module.Request(input_token_ids=other, max_tokens=4, cache_salt_id=2))
+    executor.step()
+    assert not executor.active[b].scheduled
+    executor.step()
+    assert executor.active[b].scheduled
+    executor.auto_run = True
+    assert _final_reused(executor.await_responses()) == {a: 0, b: 0}
+
+    # Without block reuse beneficialToSkip is never consulted (isEnableBlockReuse() is false); a prompt with
+    # no full block has no new context block (findNewContextBlock returns nullopt) and is never delayed.
+    for name, kv, ids in (("off", {"enable_block_reuse": False}, prompt), ("short", {}, list(range(TPB - 1)))):
+        module, executor = _executor(tmp_path / name, **kv)
+        executor.auto_run = False
+        ids_started = [executor.enqueue_request(module.Request(input_token_ids=ids, max_tokens=2)) for _ in range(2)]
+        executor.step()
+        assert all(executor.active[i].scheduled for i in ids_started), name
+
+
+def test_a_store_that_finds_its_block_in_the_tree_takes_no_reference_on_it(tmp_path):
+    # kvCacheManager.cpp (b35ac1b6) WindowBlockManager::storeBlocks: on a match it only moves on
+    # (searchRoot = matchedBlock); incRefCount only with pinBlocks, which storeNewBlock, storeContextBlocks
+    # and releaseBlocks never pass. The request keeps its own duplicate block (counted as used, released by
+    # releaseBlocks from mAllocatedBlocksPerSeq), and the tree block stays free once its owner is released.
+    # Before: the double moved the request onto the tree block (refs + 1), counting one block fewer as used
+    # and refusing to evict a block TensorRT-LLM treats as free.
+    module, executor = _executor(tmp_path)
+    executor.auto_run = False
+    a = executor.enqueue_request(module.Request(input_token_ids=list(range(40)), max_tokens=40))
+    executor.step()  # A's context: its first full block is stored
+    generated = executor.active[a].generated
+    # B's prompt is A's prompt and output so far: block 0 is A's (reused), block 1 B computes and stores first
+    b_prompt = list(range(40)) + generated[:24] + [999]
+    b = executor.enqueue_request(module.Request(input_token_ids=b_prompt, max_tokens=30))
+    executor.step()
+    assert executor.active[b].kv.num_reused_blocks == 1
+    [h1] = [h for h, blk in executor.tree.items() if blk.tokens == tuple(b_prompt[TPB:2 * TPB])]
+    assert executor.tree[h1].refs == 1
+    while len(executor.blocks.sequences[a].tokens) - 1 < 2 * TPB:
+        executor.step()
+    executor.step()  # forwardAsync: A's storeNewBlock (65 tokens, 64 usable) stores blocks 0 and 1
+    assert [len(e.data.blocks) for e in executor.get_kv_cache_event_manager().get_latest_events(timeout_ms=0.0)
+            if type(e.data).__name__ == "KVCacheStoredData"] == [1, 1]  # A's block 0, then B's block 1 only
+    assert executor.tree[h1].refs == 1 and h1 not in executor.blocks.sequences[a].held  # matched: no reference
+    # used: block 0 (shared), B's block 1, A's duplicate of it, and each request's third block
+    assert executor._kv_stats().used_num_blocks == 5
+    while b in executor.active:
+        executor.step()
+    assert a in executor.active and executor.tree[h1].refs == 0  # B released; A runs on its own copy
+    assert executor._kv_stats().used_num_blocks == -(-len(executor.blocks.sequences[a].tokens) // TPB)
+    executor.evict(h1)  # free for TensorRT-LLM: evictable while A runs
+    assert h1 not in executor.tree
+    executor.auto_run = True
+    executor.await_responses()
+    assert executor.active == {} and all(blk.refs == 0 for blk in executor.tree.values())
+
+
+def test_get_latest_events_without_a_timeout_waits_for_an_event(tmp_path):
+    # kvCacheEventManager.cpp getEvents (NVIDIA/TensorRT-LLM 8c498e94, the same in other snapshots): without a
+    # timeout mEmptyCV.wait(lck, pred), pred = !mEvents.empty() || !mRun: it returns once the worker thread has
+    # delivered a batch, and never while there is none (mRun turns false only in the destructor). The
+    # binding's default is timeout_ms=None. Before: the double returned at once. The double raises rather
+    # than hang; the model always passes timeout_ms=0.0 (engines/triton/model.py drain_events).
+    module, executor = _executor(tmp_path, event_lag=2)
+    manager = executor.get_kv_cache_event_manager()
+    executor.enqueue_request(module.Request(input_token_ids=list(range(40)), max_tokens=2))
+    executor.await_responses()
+    assert manager.get_latest_events(timeout_ms=0.0) == []  # every batch is still with the worker
+    [created] = manager.get_latest_events()  # waits: the worker delivers the oldest batch
+    assert type(created.data).__name__ == "KVCacheCreatedData"
+    # both iterations' stores (context end, release) arrive, together, at the next read
+    assert [type(e.data).__name__ for e in manager.get_latest_events()] == ["KVCacheStoredData"] * 2
+    with pytest.raises(RuntimeError, match="without a timeout would block forever"):
+        manager.get_latest_events()
+    assert manager.get_latest_events(timeout_ms=10.0) == []  # wait_for: empty when the timeout passes
+    # event_buffer_max_size 0: no event manager in the block manager, BlockManager::getLatestEvents returns
+    # an empty deque at once (kvCacheManager.cpp), timeout or not
+    _, quiet = _executor(tmp_path / "quiet", event_buffer_max_size=0)
+    assert quiet.get_kv_cache_event_manager().get_latest_events() == []
+
+
+def test_without_block_reuse_every_allocated_block_is_new(tmp_path):
+    # kvCacheManager.cpp (b35ac1b6) getFreeBlock: ++mAllocNewBlocks when block->getUniqueTokens().empty(). A
+    # key is set only by loadOrAllocateBlocks and storeBlocks; without reuse addSequence only calls
+    # allocateBlock, storeContextBlocks / storeNewBlock return, and removeSequence releases without the
+    # request: no block ever gets a key, so alloc_new == alloc_total for ever. Before: the double counted a
+    # block new only the first time each pool slot was handed out (at most the pool's size per life).
+    module, executor = _executor(tmp_path, primary_blocks=8, enable_block_reuse=False)
+    metrics = []
+    for i in range(4):  # 4 requests of 3 prompt blocks + 1 generation block, one at a time, in an 8-block pool
+        executor.enqueue_request(module.Request(input_token_ids=[i] * (3 * TPB), max_tokens=2))
+        [final] = executor.await_responses()
+        metrics.append(final.result.request_perf_metrics.kv_cache_metrics)
+    assert [(m.num_total_allocated_blocks, m.num_new_allocated_blocks) for m in metrics] == [(3, 3)] * 4
+    stats = executor._kv_stats()
+    assert stats.alloc_total_blocks == stats.alloc_new_blocks == 16 > stats.max_num_blocks
 
 
 def test_ledger_attributes_a_batched_stored_event():

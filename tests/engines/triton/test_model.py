@@ -641,7 +641,9 @@ def test_a_non_streaming_request_gets_exactly_one_final_message_however_it_ends(
 def test_kv_cache_stats_count_cached_blocks_as_free_and_only_never_used_slots_as_new(harness):
     """kvCacheManager.h KvCacheStats: used = max - free; evictionPolicy.cpp releaseBlock counts a released
     block as free even while it is kept for reuse; kvCacheManager.cpp getFreeBlock counts a block in
-    alloc_new only when it never held tokens, so never more than the pool."""
+    alloc_new only when it has no key; with block reuse (the spec's) every block is keyed by its release, so
+    only never-used blocks count and never more than the pool (without reuse every block is new:
+    test_bindings_and_ledger.py)."""
     executor = harness.executor
     executor.auto_run = False
     running = harness.pb.InferenceRequest(request())
