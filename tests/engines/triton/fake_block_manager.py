@@ -3,14 +3,18 @@
 Only for tests (``fake_trtllm.Executor`` drives it). Every rule cites the C++ it follows:
 ``cpp/tensorrt_llm/batch_manager/kvCacheManager.cpp`` (NVIDIA/TensorRT-LLM b35ac1b6, a 1.2-era
 snapshot; the ``v1.2.1`` tag itself was not readable here), ``batch_manager/kvCacheEventManager.cpp``
-(05843b0a), ``batch_manager/trtGptModelInflightBatching.cpp`` (forwardAsync / forwardSync). One attention window, beam width 1,
-no chunked context, no sliding window.
+(05843b0a), ``batch_manager/trtGptModelInflightBatching.cpp`` (forwardAsync / forwardSync),
+``batch_manager/allocateKvCache.cpp`` (d2b9c97c). One attention window, beam width 1, no chunked context, no
+sliding window, no draft tokens.
 
 When blocks enter the reuse tree (each a ``WindowBlockManager::storeBlocks`` call, which walks
 the chain from the root, skips blocks whose key is already in the tree and stores the rest)::
 
     iteration k  (request scheduled)   addSequence: match the prompt's blocks      no event
-                 forwardAsync          context done  → storeContextBlocks: full blocks of
+                 forwardAsync          generating    → addToken: one KV slot for the token fed
+                                                       this step (a block when the slots
+                                                       before it are a multiple of B)
+                                       context done  → storeContextBlocks: full blocks of
                                                        tokens[:promptLen-1]         stored
                                        generating    → storeNewBlock: all blocks of
                                                        tokens[:n-1] when (n-1) % B == 0  stored
@@ -30,7 +34,10 @@ priorities (every stored block reports the default 35). ``add_sequence`` reports
 ``KvCacheMetrics`` is made of (``Admission``): a matched block still in host memory is onboarded
 (``onboardBlock``: ``getFreeBlock`` + a secondary→primary updated event), a partly matched block that is
 referenced or has children is copied into a fresh one (``getFreeBlock``). ``add_token`` says when a
-generation block is taken (``updateToken`` → ``allocateBlock`` → ``getFreeBlock``).
+generation block is taken (``KVCacheManager::addToken`` → ``adjustBlocksIfNeeded`` → ``allocateBlock`` →
+``getFreeBlock``); it counts KV slots (``GenerationRequest::getNumTokens``), which trail the request's tokens
+(``append_token``, what the stores chop) by one once generation starts: the token a step generates gets its
+slot at the next step, the one that ends the request never.
 ``blocks_in_use`` gives ``KvCacheStats`` its used count: a store that finds a block already in the tree
 takes no reference on it (``storeBlocks`` without ``pinBlocks``), so a request that computed the same
 blocks as another keeps its own duplicates until it is released. ``find_new_context_block`` answers the
@@ -116,11 +123,16 @@ class TreeBlock:
 
 @dataclass(slots=True)
 class Sequence:
-    """``GenerationRequest`` + the request's unique tokens (beam 0)."""
+    """``GenerationRequest`` + the request's unique tokens (beam 0).
+
+    ``tokens`` are the ``LlmRequest``'s (prompt + every generated token appended by forwardSync), what the stores
+    chop; ``slots`` is ``GenerationRequest::getNumTokens``: the prompt length at ``addSequence``, + 1 per ``addToken``,
+    the KV slots the sequence's blocks hold (``ceil(slots / B)`` blocks)."""
 
     request_id: int
     tokens: list[int]
     salt_id: int | None
+    slots: int = 0
     # tree blocks that are this sequence's own (matched at addSequence, or its block that a store inserted); its
     # other blocks are private, a duplicate of a tree block included (storeBlocks takes no reference on a match)
     held: list[int] = field(default_factory=list)
@@ -152,7 +164,7 @@ class FakeBlockManager:
         inputLength - 1, B, allowPartial=true)`` ("Ignore last token because it can't be recovered");
         a match walks ``findMatchingBlock`` from the root and stops at the first miss."""
         tpb = self.tokens_per_block
-        seq = self.sequences[request_id] = Sequence(request_id, list(prompt), salt_id)
+        seq = self.sequences[request_id] = Sequence(request_id, list(prompt), salt_id, len(prompt))
         context_blocks = -(-len(prompt) // tpb)  # tc::ceilDiv(inputLength, tokensPerBlock)
         if not self.enable_block_reuse:  # the second addSequence: allocate only, nothing matched or stored
             return Admission(0, context_blocks)
@@ -265,13 +277,23 @@ class FakeBlockManager:
         if self.enable_block_reuse and seq.tokens and usable % self.tokens_per_block == 0:
             self._store_blocks(seq, chop(seq.tokens, usable, self.tokens_per_block, True))
 
-    def add_token(self, request_id: int, token: int) -> bool:
-        """Append a generated token; True when it took a new block: ``KVCacheManager::updateToken`` calls
-        ``allocateBlock`` (one ``getFreeBlock``) when the token count before it is a multiple of B."""
-        tokens = self.sequences[request_id].tokens
-        new_block = len(tokens) % self.tokens_per_block == 0
-        tokens.append(int(token))
-        return new_block
+    # allocateKvCache.cpp (d2b9c97c) AllocateKvCache::operator(): for each generation request (never a context
+    # one: it gets addSequence(promptLen)), getNumDraftTokens() + 1 addToken calls -- one here -- in forwardAsync
+    # before the engine step (trtGptModelInflightBatching.cpp b35ac1b6). The slot is for the token the step feeds,
+    # the one the previous step generated: a request of M generated tokens runs M - 1 generation steps and ends
+    # with promptLen + M - 1 slots; its last token (end id or length) is never fed, so never gets one.
+    def add_token(self, request_id: int) -> bool:
+        """``KVCacheManager::addToken`` (kvCacheManager.cpp b35ac1b6): ``sequence.addNewTokens(1)``, then
+        ``WindowBlockManager::adjustBlocksIfNeeded`` calls ``allocateBlock`` (one ``getFreeBlock``) when
+        ``(getNumTokens() - 1) % tokensPerBlock == 0``. True when it took a new block."""
+        seq = self.sequences[request_id]
+        seq.slots += 1
+        return (seq.slots - 1) % self.tokens_per_block == 0
+
+    def append_token(self, request_id: int, token: int) -> None:
+        """A generated token joins the request's tokens (forwardSync: updateRequests -> ``LlmRequest::addNewToken``);
+        no KV slot and no block: that is ``add_token`` at the next step, if there is one."""
+        self.sequences[request_id].tokens.append(int(token))
 
     # kvCacheManager.cpp KVCacheManager::removeSequence -> WindowBlockManager::releaseBlocks: with reuse,
     # storeBlocks over chopVectorIntoBlocks(uniqueTokens, size - 1, B, allowPartial=true) — the last,
@@ -330,7 +352,8 @@ class FakeBlockManager:
 
     def blocks_in_use(self) -> int:
         """Blocks held by running sequences: each tree block once however many sequences share it, plus each
-        sequence's private blocks (``ceil(tokens / B)`` in all, minus the tree blocks it holds). A released block
+        sequence's private blocks (``ceil(slots / B)`` in all -- ``addSequence``'s context blocks and ``add_token``'s
+        generation blocks -- minus the tree blocks it holds). A released block
         is free even while the tree keeps it for reuse (evictionPolicy.cpp ``LRUEvictionPolicy::releaseBlock``
         counts it in ``mNumFreeBlocksPerLevel``; ``claimBlock`` takes it off again)."""
         shared: set[int] = set()
@@ -338,7 +361,7 @@ class FakeBlockManager:
         for seq in self.sequences.values():
             held = [h for h in seq.held if h in self.tree]
             shared.update(held)
-            private += max(0, -(-len(seq.tokens) // self.tokens_per_block) - len(held))
+            private += max(0, -(-seq.slots // self.tokens_per_block) - len(held))
         return len(shared) + private
 
     def _referenced(self, block: TreeBlock) -> bool:

@@ -167,8 +167,10 @@ class Executor(Bound):
         starts, except one the capacity scheduler delays so that it can reuse the blocks another starting
         request is about to store. Order, as in the C++: the scheduler decides on the tree as it is before
         the iteration; starting requests get their sequence (KVCacheManager::addSequence: reuse matching,
-        per-request KV metrics); forwardAsync stores context blocks of requests whose context ran and the
-        newest block of requests in generation; forwardSync appends each request's next token and releases
+        per-request KV metrics) and requests in generation one KV slot each (KVCacheManager::addToken, both in
+        allocateKvCache.cpp AllocateKvCache::operator()); forwardAsync stores context blocks of requests whose
+        context ran and the newest block of requests in generation; forwardSync appends each request's next
+        token (no slot: the next step's addToken gives it one, if there is a next step) and releases
         finished (or cancelled) requests, storing their blocks; responses go out; flushIterationEvents hands
         the events over. A delayed request does none of this and is scheduled again at the next iteration.
         """
@@ -210,6 +212,12 @@ class Executor(Bound):
             request = self.active[request_id].request
             admission = blocks.add_sequence(request_id, request.input_token_ids, request.cache_salt_id)
             self.kv_counters.admit(self.active[request_id].kv, admission)
+        for request_id, active in self.active.items():
+            # allocateKvCache.cpp (d2b9c97c) AllocateKvCache::operator(), in forwardAsync before the engine step
+            # (trtGptModelInflightBatching.cpp b35ac1b6): addToken for each generation request only, for the token
+            # this step feeds (the one the last step generated); a request's final token is never fed.
+            if active.scheduled and request_id not in self.cancelled and blocks.add_token(request_id):
+                self.kv_counters.generation_block()
         for request_id, active in self.active.items():  # forwardAsync
             if request_id in self.cancelled or not (active.scheduled or request_id in starting):
                 continue
@@ -234,8 +242,7 @@ class Executor(Bound):
             if not active.scheduled:
                 continue  # delayed by the capacity scheduler: no context ran, nothing to append
             if active.produced < len(active.generated):
-                if blocks.add_token(request_id, active.generated[active.produced]):
-                    self.kv_counters.generation_block()
+                blocks.append_token(request_id, active.generated[active.produced])
                 active.produced += 1
             if active.request.streaming:
                 self.ready.append(active.planned[active.produced - 1])

@@ -31,7 +31,9 @@ class KvCacheCounters:
     ``getFreeBlock`` only, which a prompt block that misses (``loadOrAllocateBlocks``' no-match branch), a
     partly matched block copied for the request (its ``partialMatch`` branch), an onboard (``onboardBlock``:
     ``auto block = getFreeBlock(); mTransferManager->onboard(...)``) and a generation block
-    (``updateToken`` → ``allocateBlock``) each call; a matched block already on the GPU takes none.
+    (``KVCacheManager::addToken`` → ``adjustBlocksIfNeeded`` → ``allocateBlock``, b35ac1b6: one per generation
+    step whose slots before it are a multiple of B, the request's last token taking none: allocateKvCache.cpp
+    d2b9c97c) each call; a matched block already on the GPU takes none.
     Invariants: ``alloc_total == missed_total + onboarded_total + copied_total + generation_total``;
     with block reuse ``alloc_new == slots_used <= primary_blocks``, without it ``alloc_new == alloc_total``
     (``_get_free_blocks``); counters only grow.
@@ -96,8 +98,9 @@ class KvCacheCounters:
         self.copied_total += admission.copied
 
     def generation_block(self) -> None:
-        """A running request took a block for its generated tokens (``allocateBlock`` → ``getFreeBlock``):
-        counted in the pool's ``alloc_total_blocks``, in no request's KvCacheMetrics."""
+        """A generation request's ``addToken`` took a block (``adjustBlocksIfNeeded`` → ``allocateBlock`` →
+        ``getFreeBlock``): counted in the pool's ``alloc_total_blocks``, in no request's KvCacheMetrics (those are
+        the deltas around ``addSequence`` alone)."""
         self._get_free_blocks(1)
         self.generation_total += 1
 

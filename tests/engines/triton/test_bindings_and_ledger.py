@@ -299,6 +299,46 @@ def test_the_double_stores_blocks_when_tensorrt_llm_does(tmp_path):
     assert executor.active == {} and all(b.refs == 0 for b in executor.tree.values())
 
 
+@pytest.mark.parametrize(("max_tokens", "generation_blocks"), [(25, 0), (26, 1)])
+def test_kv_slots_are_added_before_each_generation_step_and_never_for_the_last_token(tmp_path, max_tokens,
+                                                                                      generation_blocks):
+    # allocateKvCache.cpp (NVIDIA/TensorRT-LLM d2b9c97c) AllocateKvCache::operator(): addSequence(promptLen) for a
+    # context request, addToken only for a generation request, once per step (no draft tokens), in forwardAsync
+    # before the engine runs (trtGptModelInflightBatching.cpp b35ac1b6). kvCacheManager.cpp (b35ac1b6)
+    # KVCacheManager::addToken: sequence.addNewTokens(1), then adjustBlocksIfNeeded takes a block (allocateBlock
+    # -> getFreeBlock, ++mAllocTotalBlocks) when (getNumTokens() - 1) % tokensPerBlock == 0. A step feeds the
+    # token the previous one generated, so a request of max_tokens M runs M - 1 generation steps and holds
+    # promptLen + M - 1 slots; the token that ends it (updateRequests -> terminateRequest in forwardSync) never
+    # gets one. 40 + 25 - 1 = 64 = 2 blocks: no generation block; M = 26 takes one, at the 25th generation step.
+    # Before: the double took a block for every generated token as forwardSync appended it, the last one
+    # included: one block too many when (promptLen + M - 1) % B == 0, and each new block one iteration early.
+    module, executor = _executor(tmp_path)
+    manager = executor.get_kv_cache_event_manager()
+    manager.get_latest_events(timeout_ms=0.0)
+    executor.auto_run = False
+    prompt = list(range(40))
+    executor.enqueue_request(module.Request(input_token_ids=prompt, max_tokens=max_tokens))
+    used, stored = [], []
+    while executor.active:
+        executor.step()
+        used.append(executor._kv_stats().used_num_blocks)
+        stored.append([len(e.data.blocks) for e in manager.get_latest_events(timeout_ms=0.0)
+                       if type(e.data).__name__ == "KVCacheStoredData"])
+    steps = max_tokens - 1  # iteration 0 is the context; iterations 1..M-1 are the generation steps
+    assert len(used) == max_tokens
+    # iteration i (a running request): promptLen + i slots in ceil(.../B) blocks; the last iteration released it
+    assert used[:-1] == [-(-(len(prompt) + i) // TPB) for i in range(steps)] and used[-1] == 0
+    stats = executor._kv_stats()
+    assert stats.alloc_total_blocks == stats.missed_blocks + generation_blocks == 2 + generation_blocks
+    assert executor.kv_counters.generation_total == generation_blocks
+    # Stores follow the request's tokens, not its slots (storeNewBlock / releaseBlocks chop uniqueTokens.size() - 1):
+    # storeContextBlocks the full blocks of 39 tokens (block 0); with M = 25 releaseBlocks the 64 tokens of 65
+    # (block 1, full); with M = 26 storeNewBlock at step 25 (65 tokens, 64 usable: block 1), the
+    # step whose addToken took block 2, then releaseBlocks the 65 of 66 (block 2, partial: 1 token)
+    last = [1] if max_tokens == 25 else [1, 1]
+    assert stored == [[1]] + [[]] * (steps - 1) + [last]
+
+
 TPB = 32  # the bundled spec's tokens_per_block
 
 
@@ -374,12 +414,18 @@ def test_a_store_that_finds_its_block_in_the_tree_takes_no_reference_on_it(tmp_p
     assert [len(e.data.blocks) for e in executor.get_kv_cache_event_manager().get_latest_events(timeout_ms=0.0)
             if type(e.data).__name__ == "KVCacheStoredData"] == [1, 1]  # A's block 0, then B's block 1 only
     assert executor.tree[h1].refs == 1 and h1 not in executor.blocks.sequences[a].held  # matched: no reference
-    # used: block 0 (shared), B's block 1, A's duplicate of it, and each request's third block
+    # used: block 0 (shared), B's block 1, A's duplicate of it, and each request's third block (B's a context
+    # block; A's taken by this step's addToken, its 65th KV slot: allocateKvCache.cpp d2b9c97c, before the stores)
     assert executor._kv_stats().used_num_blocks == 5
     while b in executor.active:
         executor.step()
     assert a in executor.active and executor.tree[h1].refs == 0  # B released; A runs on its own copy
-    assert executor._kv_stats().used_num_blocks == -(-len(executor.blocks.sequences[a].tokens) // TPB)
+    # A holds ceil(slots / B) blocks, its slots one fewer than its tokens: the token forwardSync last appended gets
+    # its slot at the next step's addToken (allocateKvCache.cpp d2b9c97c; kvCacheManager.cpp b35ac1b6 addToken).
+    # Before: the double counted ceil(tokens / B), one block early whenever (tokens - 1) % B == 0.
+    slots = len(executor.blocks.sequences[a].tokens) - 1
+    assert executor.blocks.sequences[a].slots == slots
+    assert executor._kv_stats().used_num_blocks == -(-slots // TPB)
     executor.evict(h1)  # free for TensorRT-LLM: evictable while A runs
     assert h1 not in executor.tree
     executor.auto_run = True

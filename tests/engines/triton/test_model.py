@@ -547,8 +547,10 @@ def test_total_blocks_per_request_follow_tensorrt_llm(harness):
 
 
 def test_pool_alloc_total_counts_generation_blocks(harness):
-    # 64 prompt tokens fill two blocks; the first generated token takes a third (updateToken -> allocateBlock
-    # -> getFreeBlock): in the pool's alloc_total_blocks, not in the request's KvCacheMetrics (addSequence only)
+    # 64 prompt tokens fill two blocks; the first generation step's addToken (the 65th KV slot, for the first
+    # generated token fed back) takes a third (allocateKvCache.cpp d2b9c97c; kvCacheManager.cpp b35ac1b6 addToken
+    # -> adjustBlocksIfNeeded -> allocateBlock -> getFreeBlock): in the pool's alloc_total_blocks, not in the
+    # request's KvCacheMetrics (addSequence only). max_new 4: steps 2 and 3 stay in it, the 4th token gets no slot
     [(answer, _)] = outputs(harness.send(request(salt="g", ids=tuple(range(700, 764)))))
     assert answer[response_tensors.KV_TOTAL.name].tolist() == [2]
     [(tensors, _)] = outputs(harness.send({contract.KV_STATS.name: np.array([True])}))
