@@ -101,7 +101,7 @@ def _job(services: GatewayServices, tenant: TenantContext, body: MessagesRequest
 async def create_message(body: MessagesRequest, tenant: Tenant, services: Gateway):
     check_model(tenant, body.model)  # first: an unknown model is a 404, whatever the body holds
     if body.tools and body.output_config is not None and body.output_config.format is not None:
-        await union_guide.ready()  # a format with tools: its guide is built with xgrammar
+        await union_guide.ready("output_config.format")  # a format with tools: its guide is built with xgrammar
     conversation = convert(body)
     prompter, prompt = await _prompt(services, tenant, conversation)
     return await services.runner.run(_job(services, tenant, body, conversation, prompter, prompt), MESSAGES,

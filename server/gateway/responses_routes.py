@@ -81,7 +81,7 @@ async def create_response(body: ResponsesRequest, tenant: Tenant, services: Gate
         history, root_id, ancestors = chain.items, chain.root_id, chain.ids
     check_items(history, items)
     if body.tools and body.text is not None and body.text.format is not None:
-        await union_guide.ready()  # a format with tools: its guide is built with xgrammar
+        await union_guide.ready("text.format")  # a format with tools: its guide is built with xgrammar
     conversation = convert(body, history + items)
     prompter = await services.engines.prompter(tenant.pool)
     try:

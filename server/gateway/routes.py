@@ -150,7 +150,7 @@ async def chat_completions(body: ChatCompletionRequest, tenant: Tenant, services
     messages = _messages(body)
     job = await _job(services, tenant, body, "chat", lambda p: p.chat(messages, scope=tenant.engine_tenant_id))
     if body.tools and body.response_format is not None and body.response_format.type != "text":
-        await union_guide.ready()  # the format-or-calls guide is built with xgrammar
+        await union_guide.ready("response_format")  # the format-or-calls guide is built with xgrammar
     job.tools, job.guide = _structure(body)
     if job.guide is not None and job.ignore_eos:
         # The engine contract refuses the pair (engines/contract.py check_combinations): a guided request

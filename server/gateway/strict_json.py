@@ -52,6 +52,12 @@ def standard(text: str) -> Any:
     return _DECODER.decode(text)
 
 
+def standard_prefix(text: str, start: int) -> tuple[Any, int]:
+    """:func:`standard` of the one JSON value starting at ``text[start]`` (no whitespace before it):
+    ``(value, index just past it)``; what follows is not read."""
+    return _DECODER.raw_decode(text, start)
+
+
 def loads(raw: bytes | str) -> Any:
     """:func:`standard` of ``raw`` (bytes as strict UTF-8), also refusing a string holding a lone
     surrogate; every refusal is a ``json.JSONDecodeError``."""

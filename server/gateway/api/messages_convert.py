@@ -622,7 +622,7 @@ def _output_guide(body: MessagesInput, guide: Guide | None, tools: ToolPlan | No
     if tools is not None and tools.mode == "auto":
         functions = list(tools.functions.values())
         return format_or_calls_guide(output.format.schema_, functions, parallel=tools.parallel,
-                                     field="output_config.format",
+                                     field="output_config.format", schema_field="output_config.format.schema",
                                      tool_fields=[f"tools.{i}.input_schema" for i in range(len(functions))])
     # property order is kept: it is the order the model writes the fields in (as for response_format)
     return Guide("json_schema", json.dumps(output.format.schema_, separators=(",", ":")))

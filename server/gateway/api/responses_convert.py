@@ -20,8 +20,8 @@ definitions in the system message, Hermes ``<tool_call>`` blocks), plus a
     tool_choice none|auto|required|{function}    →  ToolPlan none | auto | forced (all) | forced (one)
     text.format json_schema | json_object        →  the JSON-schema guide (chat's response_format);
                                                     with tools the model may call (auto): the format's
-                                                    JSON or function calls (union_guide); refused with
-                                                    a tool_choice that forces a call
+                                                    JSON or function calls (union_guide); with a
+                                                    tool_choice that forces a call, the call's guide
 
 **Tool calls and outputs pair up** (:func:`check_items`, OpenAI's rules, 400 naming
 ``input``): every ``function_call_output`` answers a ``function_call`` before it (in the
@@ -355,8 +355,10 @@ def convert(body: ResponsesRequest, items: list[dict]) -> Conversation:
     fmt = _format_guide(body)
     if fmt is not None and guide is None:  # a forced call's guide wins: the output is a call, no text to shape
         if plan is not None and plan.mode == "auto":
+            schema_field = "text.format.schema" if body.text.format.get("type") == "json_schema" else "text.format"
             fmt = format_or_calls_guide(json.loads(fmt.text), functions, parallel=plan.parallel, field="text.format",
-                                        tool_fields=[f"tools.{i}.parameters" for i in range(len(functions))])
+                                        tool_fields=[f"tools.{i}.parameters" for i in range(len(functions))],
+                                        schema_field=schema_field)
         guide = fmt
     if functions or any("tool_calls" in m for m in messages):
         messages = render_messages(messages, functions)

@@ -186,12 +186,7 @@ def parse_tool_calls(text: str, plan: ToolPlan) -> tuple[str, list[ToolCall]]:
     calls: list[ToolCall] = []
     rest = text[start:]
     while rest.startswith(CALL_OPEN):
-        end = rest.find(CALL_CLOSE)
-        body = rest[len(CALL_OPEN): end if end >= 0 else len(rest)]
-        try:
-            call = _call_from(_loads(body), plan)
-        except ValueError:
-            call = None
+        call, end = _block(rest, plan)
         if call is not None:
             calls.append(call)
         if end < 0:
@@ -200,6 +195,25 @@ def parse_tool_calls(text: str, plan: ToolPlan) -> tuple[str, list[ToolCall]]:
     if not calls:  # nothing usable: the text stays content, as the model wrote it
         return text, []
     return content, calls if plan.parallel else calls[:1]
+
+
+def _block(rest: str, plan: ToolPlan) -> tuple[ToolCall | None, int]:
+    """The call of the block ``rest`` starts with (``<tool_call>``…), and where its ``</tool_call>``
+    starts (-1: none). The block's JSON is read as one value first, so a ``</tool_call>`` inside
+    one of its strings is text, not the block's end; what is not one value and then the close tag
+    (or the end of the text: a call cut just after its JSON) is no call, up to the first close tag."""
+    at = len(rest) - len(rest[len(CALL_OPEN):].lstrip())
+    try:
+        value, after = strict_json.standard_prefix(rest, at)
+    except ValueError:
+        value, after = None, -1
+    if after >= 0:
+        close = len(rest) - len(rest[after:].lstrip())
+        if rest.startswith(CALL_CLOSE, close):
+            return _call_from(value, plan), close
+        if close == len(rest):
+            return _call_from(value, plan), -1
+    return None, rest.find(CALL_CLOSE)
 
 
 def _call_from(value: Any, plan: ToolPlan) -> ToolCall | None:
@@ -213,7 +227,12 @@ def _call_from(value: Any, plan: ToolPlan) -> ToolCall | None:
             return None
     if not isinstance(arguments, dict):
         return None
-    return ToolCall(new_call_id(), value["name"], json.dumps(arguments, ensure_ascii=False))
+    text = json.dumps(arguments, ensure_ascii=False)
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:  # a lone surrogate escape (\ud800): no Unicode text, so no call a client could read
+        return None
+    return ToolCall(new_call_id(), value["name"], text)
 
 
 def _loads(text: str) -> Any:

@@ -49,7 +49,6 @@ from __future__ import annotations
 import importlib
 import json
 import re
-import sys
 from collections.abc import Mapping, Sequence
 from functools import lru_cache
 from typing import Any
@@ -67,10 +66,17 @@ def _xgrammar() -> Any:
     return importlib.import_module("xgrammar")
 
 
-async def ready() -> None:
-    """Import xgrammar off the event loop (once per process) before a guide is built on it."""
-    if "xgrammar" not in sys.modules:
+async def ready(field: str) -> None:
+    """Import xgrammar off the event loop before a guide is built on it (``field``: the format's,
+    named in the 400 when this gateway has no xgrammar). Always through a thread: a module is in
+    ``sys.modules`` from the moment its first import starts, so a request racing that import would
+    otherwise wait for it on the loop (seconds); once imported, the thread finds it at once."""
+    try:
         await anyio.to_thread.run_sync(_xgrammar)
+    except ImportError:
+        raise invalid(field, "with tools the model may call, an output format needs a grammar compiler "
+                      "(xgrammar), which this gateway does not have: send tool_choice \"none\", or leave the "
+                      "format out") from None
 
 
 class _Refused(Exception):
@@ -82,16 +88,17 @@ class _Refused(Exception):
 
 
 def format_or_calls_guide(schema: Mapping[str, Any], functions: Sequence[Mapping[str, Any]], *, parallel: bool,
-                          field: str, tool_fields: Sequence[str]) -> Guide:
+                          field: str, tool_fields: Sequence[str], schema_field: str | None = None) -> Guide:
     """The EBNF guide for "the format's JSON (``schema``) or call blocks of ``functions``".
 
     ``field`` names the format in errors (``response_format``, ``text.format``,
-    ``output_config.format``), ``tool_fields`` each function's parameters schema."""
+    ``output_config.format``), ``schema_field`` its schema where the dialect names it apart
+    (``text.format.schema``; default ``field``), ``tool_fields`` each function's parameters schema."""
     try:
         text = _ebnf(json.dumps(schema, ensure_ascii=False),
                      json.dumps([call_schema(f) for f in functions], ensure_ascii=False), parallel)
     except _Refused as exc:
-        raise invalid(field if exc.part == "format" else tool_fields[int(exc.part)], str(exc)) from None
+        raise invalid((schema_field or field) if exc.part == "format" else tool_fields[int(exc.part)], str(exc)) from None
     size = len(text.encode())
     if size > MAX_GUIDE_BYTES:
         raise invalid(field, f"with the tools the model may call, the output's grammar (the format's JSON or "

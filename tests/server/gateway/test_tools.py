@@ -69,6 +69,23 @@ def test_a_call_with_a_number_json_has_not_is_no_call() -> None:
         assert parse_forced(f'{{"name": "get_weather", "arguments": {{"city": {value}}}}}', PLAN) == []
 
 
+def test_a_close_tag_inside_an_argument_string_does_not_end_the_call() -> None:
+    """The block's JSON is read as one value: a ``</tool_call>`` inside a string is text."""
+    inner = '{"name": "get_weather", "arguments": {"city": "see </tool_call> here"}}'
+    text = f"<tool_call>\n{inner}\n</tool_call>\n<tool_call>\n{inner}\n</tool_call>"
+    content, calls = parse_tool_calls(text, PLAN)
+    assert content == "" and [json.loads(c.arguments) for c in calls] == [{"city": "see </tool_call> here"}] * 2
+    cut = f"<tool_call>\n{inner}"  # cut just after its JSON (the output limit): still the call
+    assert [c.name for c in parse_tool_calls(cut, PLAN)[1]] == ["get_weather"]
+    garbage = '<tool_call>\n{"name": "get_weather", "arguments": {}} and more</tool_call>'
+    assert parse_tool_calls(garbage, PLAN) == (garbage, [])  # a value then text: no call, as before
+
+
+def test_a_call_whose_arguments_are_no_unicode_text_is_no_call() -> None:
+    text = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "\\ud800"}}\n</tool_call>'
+    assert parse_tool_calls(text, PLAN) == (text, [])  # a lone surrogate: no text a client could read
+
+
 def test_a_returned_tool_turn_renders_as_generated_with_or_without_its_newline() -> None:
     """The model writes "text\n<tool_call>…": a client sending the text back as streamed (newline kept) or
     as parsed (stripped) gets the same prompt, so the turn's cached blocks are reused next turn."""

@@ -154,3 +154,33 @@ def test_limits_are_refused_by_the_field_at_fault(monkeypatch) -> None:
     with pytest.raises(ServingError) as large:
         guide()
     assert large.value.param == "response_format" and "1024" in str(large.value)
+
+
+def test_a_schema_refused_in_the_combined_guide_is_named_as_each_dialect_names_it() -> None:
+    from server.gateway.api.messages_convert import convert as messages
+    from server.gateway.api.messages_schemas import MessagesRequest
+    from server.gateway.api.responses_convert import convert as responses, normalize_items
+    from server.gateway.api.responses_schemas import ResponsesRequest
+
+    coded = {"type": "object", "properties": {"code": {"type": "string", "pattern": "^[A-Z]{3}$"}}}
+    weather_tool = {"type": "function", "name": "get_weather", "parameters": WEATHER["parameters"]}
+    with pytest.raises(ServingError) as reply:
+        responses(ResponsesRequest.model_validate({
+            "model": "m", "input": "Hi", "tools": [weather_tool],
+            "text": {"format": {"type": "json_schema", "name": "A", "schema": coded}}}), normalize_items("Hi"))
+    assert reply.value.param == "text.format.schema"  # as the format's other schema checks name it
+    with pytest.raises(ServingError) as message:
+        messages(MessagesRequest.model_validate({
+            "model": "m", "max_tokens": 8, "messages": [{"role": "user", "content": "Hi"}],
+            "tools": [{"name": "get_weather", "input_schema": WEATHER["parameters"]}],
+            "output_config": {"format": {"type": "json_schema", "schema": coded}}}))
+    assert message.value.param == "output_config.format.schema"
+
+
+async def test_a_gateway_without_xgrammar_refuses_a_format_with_tools_by_name(monkeypatch) -> None:
+    import sys
+
+    monkeypatch.setitem(sys.modules, "xgrammar", None)  # an import of it now fails, as on a gateway without it
+    with pytest.raises(ServingError) as refused:
+        await union_guide.ready("text.format")
+    assert refused.value.status == 400 and refused.value.param == "text.format" and "xgrammar" in str(refused.value)

@@ -9,6 +9,7 @@ gateway's in ``test_usage_cache_e2e.py``.
 from __future__ import annotations
 
 import asyncio
+import io
 import json
 import random
 from types import SimpleNamespace
@@ -21,7 +22,7 @@ from retention.policy.hints import TTL_1H_MS
 from retention.types import RetentionPlan
 from server.gateway.api import messages_render
 from server.gateway.api.completions import Outcome, cache_usage, cached_tokens
-from server.gateway.usage_journal import MAX_TOKENS, decode, decode_lines, encode
+from server.gateway.usage_journal import MAX_TOKENS, decode_lines, encode
 from tenants.models import Usage
 from tests.server.gateway.test_usage_journal import NOW, recorder, registry, totals
 from tests.server.gateway.test_usage_journal_faults import MINUTE, line, orphan
@@ -78,7 +79,8 @@ def test_cache_keys_are_written_only_when_not_zero() -> None:
     assert plain == line(3, 100, 7)  # byte for byte what an older gateway wrote
     assert json.loads(encode(3, NOW, 100, 7, 48)) == {"t": 3, "m": MINUTE, "p": 100, "c": 7, "r": 48}
     assert json.loads(encode(3, NOW, 100, 7, 0, 0, 64)) == {"t": 3, "m": MINUTE, "p": 100, "c": 7, "w1": 64}
-    [row] = decode(encode(3, NOW, 100, 7, 16, 32, 48) + plain)
+    [row], skipped = decode_lines(io.BytesIO(encode(3, NOW, 100, 7, 16, 32, 48) + plain))
+    assert skipped == 0
     assert (row.requests, row.prompt_tokens, row.completion_tokens) == (2, 200, 14)
     assert (row.cache_read_tokens, row.cache_write_5m_tokens, row.cache_write_1h_tokens) == (16, 32, 48)
 
