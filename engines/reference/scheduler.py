@@ -25,6 +25,24 @@ Two capacity policies, TensorRT-LLM's ``executor::CapacitySchedulerPolicy``
 Under both, a waiting request that cannot start stays queued (head of line, so a long
 prompt is not starved by short ones: the C++ loop ``break``s at the first that does not fit).
 
+Under both, with block reuse, a request not started yet is first passed to ``beneficialToSkip``
+(``capacityScheduler.cpp`` at cf6abc45, ``GuaranteedNoEvictScheduler::impl`` and
+``MaxUtilizationScheduler::operator()``, before the capacity checks): its new context block
+(``WindowBlockManager::findNewContextBlock``, ``kvCacheManager.cpp`` at b35ac1b6: the full blocks of
+all its tokens, the last token included, walked down the reuse tree with exact salted keys; the key holds
+all tokens up to the end of the first full block not in the tree, and the LoRA task — none here — but
+no cache salt; none when every full block is in the tree) is compared with the keys registered in this
+pass (``newlyContributedContextBlocks``). Equal: the request is skipped (``continue``: it keeps its place
+and the requests behind it may start) and starts at a later step, reusing the blocks the other one
+stores at the end of its prefill. Otherwise it registers its key, whether it then fits or not. The
+sequences still mid-prefill register theirs first (``prefillWithChunkedContextsAlreadyExecuting``):
+their blocks are stored only with their last chunk (``storeContextBlocks``), so a twin of a prompt
+prefilled in chunks waits until then. The key has no salt, so differently-salted identical prompts
+delay each other a step too, and then share nothing. Keys are taken when a request's turn comes, after
+this step's decode growth and the admissions before it; TensorRT-LLM takes them before the step allocates
+anything (``addSequence`` follows scheduling), so a cached block evicted by such an allocation can
+shorten a walk here (and change its key) where the C++ would still see it.
+
 Invariants:
 * a sequence in ``running`` holds a pool allocation whose capacity covers every token
   it has computed plus the ones scheduled in the current step;
@@ -166,21 +184,68 @@ class Scheduler:
         available = 0
         if no_evict and self.waiting:
             available = self.pool.num_free_blocks() - sum(self.blocks_to_completion(s) for s in self.running)
-        while self.waiting and budget > 0 and len(self.running) < self.max_batch_size:
-            seq = self.waiting[0]
-            if no_evict:
-                needed = self.blocks_to_completion(seq)
-                if needed > available:
-                    break  # GuaranteedNoEvictScheduler: "If one requests fails to be scheduled, break"
-            if not self._admit(seq, now, copies):
-                break  # queue, don't crash: retried after blocks are released
-            if no_evict:
-                available -= needed
-            self.waiting.popleft()
-            self.running.append(seq)
-            prefills.append(self._chunk(seq, budget))
-            budget -= prefills[-1].length
+        # beneficialToSkip is consulted only with block reuse; newlyContributedContextBlocks is built at the
+        # first request looked at (the mid-prefill sequences' keys first).
+        skip_for_reuse = self.pool.config.enable_block_reuse
+        contributed: set[tuple[int, ...]] | None = None
+        skipped: list[Sequence] = []
+        try:
+            while self.waiting and budget > 0 and len(self.running) < self.max_batch_size:
+                seq = self.waiting[0]
+                if skip_for_reuse:
+                    if contributed is None:
+                        contributed = self._contributed_by_prefills()
+                    if self._beneficial_to_skip(seq, contributed):
+                        skipped.append(self.waiting.popleft())  # "continue": it keeps its place (below)
+                        continue
+                if no_evict:
+                    needed = self.blocks_to_completion(seq)
+                    if needed > available:
+                        break  # GuaranteedNoEvictScheduler: "If one requests fails to be scheduled, break"
+                if not self._admit(seq, now, copies):
+                    break  # queue, don't crash: retried after blocks are released
+                if no_evict:
+                    available -= needed
+                self.waiting.popleft()
+                self.running.append(seq)
+                prefills.append(self._chunk(seq, budget))
+                budget -= prefills[-1].length
+        finally:
+            self.waiting.extendleft(reversed(skipped))  # back at the head, in their order
         return ScheduledStep(copies, prefills, decodes)
+
+    def _new_context_block(self, seq: Sequence) -> tuple[int, ...] | None:
+        """``WindowBlockManager::findNewContextBlock``: the tokens up to the end of the first full block of
+        ``seq.tokens`` that is not in the reuse tree (walked with the request's salt, both tiers), or None when
+        every full block is there or there is none. The key has no salt (``ret`` takes the LoRA task only, and
+        the reference engine has no LoRA)."""
+        bpt = self.tokens_per_block
+        full = len(seq.tokens) // bpt  # chopVectorIntoBlocks(uniqueTokens, uniqueTokens.size(), B, false)
+        if full == 0:
+            return None
+        # ``lookup`` stops one token short of the end (addSequence's last-token rule); the walk here takes
+        # every full block, so look up one token more: it lifts the limit to ``full`` and lies in no block walked.
+        matched = self.pool.lookup([*seq.tokens, 0], salt=seq.request.cache_salt)[0]
+        if matched >= full:
+            return None
+        return tuple(seq.tokens[: (matched + 1) * bpt])
+
+    def _contributed_by_prefills(self) -> set[tuple[int, ...]]:
+        """``prefillWithChunkedContextsAlreadyExecuting``: the new context blocks of the sequences mid-prefill
+        (context phase, past their first chunk); theirs are stored only at the end of their prefill."""
+        keys = (self._new_context_block(seq) for seq in self.running if seq.in_prefill)
+        return {key for key in keys if key is not None}
+
+    def _beneficial_to_skip(self, seq: Sequence, contributed: set[tuple[int, ...]]) -> bool:
+        """``beneficialToSkip`` / ``oneManagerBeneficialToSkip`` for a request not started yet: True when its
+        new context block is one an earlier request of this step registered; else it registers its own."""
+        key = self._new_context_block(seq)
+        if key is None:
+            return False
+        if key in contributed:
+            return True  # "Better to skip this step so we can reuse."
+        contributed.add(key)
+        return False
 
     def blocks_to_completion(self, seq: Sequence) -> int:
         """``KVCacheManager::getRemainingBlocksToCompletion`` (beam width 1, no attention window):
