@@ -201,6 +201,20 @@ class Settings(BaseSettings):
             return [part.strip() for part in value.split(",") if part.strip()]
         return value
 
+    @field_validator("admin_tokens")
+    @classmethod
+    def _distinct_actors(cls, value: list[str]) -> list[str]:
+        # Two entries recorded as one actor (two "ops:" names, or a name "token-2" beside a bare second
+        # token) would make the audit log unable to tell their changes apart.
+        seen: set[str] = set()
+        for position, entry in enumerate(value, start=1):
+            actor = _credential(entry, position)[0]
+            if actor in seen:
+                raise ValueError(f"entry {position} records as the audit actor {actor!r}, as an earlier entry "
+                                 "does: give each token its own name (name:token)")
+            seen.add(actor)
+        return value
+
     def admin_credentials(self) -> list[tuple[str, str]]:
         """(actor id, token) pairs. The actor id is what audit events record, never the token.
 
@@ -210,13 +224,7 @@ class Settings(BaseSettings):
         sees actors, and an unsalted hash there lets a dictionary recover a passphrase token.)
         Reordering the list renumbers bare tokens; name them for an actor that survives edits.
         """
-        out = []
-        for position, entry in enumerate(self.admin_tokens, start=1):
-            name, sep, token = entry.partition(":")
-            if sep and name and token:
-                out.append((f"admin:{name}", token))
-            else:
-                out.append((f"admin:token-{position}", entry))
+        out = [_credential(entry, position) for position, entry in enumerate(self.admin_tokens, start=1)]
         return out
 
     def effective_key_pepper(self) -> str:
@@ -240,6 +248,14 @@ class Settings(BaseSettings):
                 "set a long random value or start in dev mode (--dev)"
             )
 
+
+
+def _credential(entry: str, position: int) -> tuple[str, str]:
+    """(actor id, token) of the ``position``-th (1-based) ``KVGATE_ADMIN_TOKENS`` entry."""
+    name, sep, token = entry.partition(":")
+    if sep and name and token:
+        return f"admin:{name}", token
+    return f"admin:token-{position}", entry
 
 def with_dev_admin_token(settings: Settings, *, token_file: Path = Path(DEV_TOKEN_FILE)) -> tuple[Settings, str | None]:
     """In dev mode without tokens: load (or create) a random token kept in ``token_file``.

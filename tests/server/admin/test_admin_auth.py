@@ -62,6 +62,22 @@ def test_an_unnamed_tokens_actor_reveals_nothing_of_the_token(db) -> None:  # ty
     assert passphrase not in str(event)
 
 
+def test_two_tokens_recorded_as_one_actor_are_refused_at_start() -> None:
+    """The audit log must tell every token's changes apart: a name repeated, or a name that is a bare
+    token's place ("token-1" beside a bare first token), is refused, naming the entry."""
+    from pydantic import ValidationError
+
+    from server.settings import settings_errors
+
+    for tokens in ([f"ops:{ADMIN_TOKEN}", f"ops:{OTHER_TOKEN}"], [ADMIN_TOKEN, f"token-1:{OTHER_TOKEN}"]):
+        with pytest.raises(ValidationError) as refused:
+            Settings(admin_tokens=tokens, key_pepper=PEPPER)
+        line = settings_errors(refused.value)
+        assert line.startswith("KVGATE_ADMIN_TOKENS: ") and "entry 2" in line, line
+        assert ADMIN_TOKEN not in line and OTHER_TOKEN not in line
+    assert len(Settings(admin_tokens=[ADMIN_TOKEN, f"token-1x:{OTHER_TOKEN}"], key_pepper=PEPPER).admin_credentials()) == 2
+
+
 @pytest.mark.parametrize("tokens", ["", "changeme", "ops:changeme", "short", f"{ADMIN_TOKEN},changeme"])
 def test_app_refuses_placeholder_tokens_outside_dev(db, tokens: str) -> None:  # type: ignore[no-untyped-def]
     settings = Settings(database_url=db.url, admin_tokens=tokens, key_pepper=PEPPER)
