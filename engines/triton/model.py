@@ -312,7 +312,7 @@ class TritonPythonModel:
         if pending.cancel_requested and not result.is_final:
             return  # the client went away: only its final answer (the FINAL flag) is still owed
         tokens = [int(t) for t in result.output_token_ids[0]] if result.output_token_ids else []
-        raw_count = len(tokens)  # Result.log_probs has one entry per returned token, end token included
+        raw_count = len(tokens)  # Result.log_probs: one entry per returned token (the C++ returns no end token)
         if pending.end_id is not None:
             while tokens and tokens[-1] == pending.end_id:  # the contract never returns the end token
                 tokens.pop()

@@ -37,7 +37,8 @@ referenced or has children is copied into a fresh one (``getFreeBlock``). ``add_
 generation block is taken (``KVCacheManager::addToken`` → ``adjustBlocksIfNeeded`` → ``allocateBlock`` →
 ``getFreeBlock``); it counts KV slots (``GenerationRequest::getNumTokens``), which trail the request's tokens
 (``append_token``, what the stores chop) by one once generation starts: the token a step generates gets its
-slot at the next step, the one that ends the request never.
+slot at the next step, the one that ends the request never. A sampled end id is neither (it ends the request
+without joining its tokens: ``fake_trtllm_plan``), so after it slots and tokens are equal.
 ``blocks_in_use`` gives ``KvCacheStats`` its used count: a store that finds a block already in the tree
 takes no reference on it (``storeBlocks`` without ``pinBlocks``), so a request that computed the same
 blocks as another keeps its own duplicates until it is released. ``find_new_context_block`` answers the
@@ -280,8 +281,10 @@ class FakeBlockManager:
     # allocateKvCache.cpp (d2b9c97c) AllocateKvCache::operator(): for each generation request (never a context
     # one: it gets addSequence(promptLen)), getNumDraftTokens() + 1 addToken calls -- one here -- in forwardAsync
     # before the engine step (trtGptModelInflightBatching.cpp b35ac1b6). The slot is for the token the step feeds,
-    # the one the previous step generated: a request of M generated tokens runs M - 1 generation steps and ends
-    # with promptLen + M - 1 slots; its last token (end id or length) is never fed, so never gets one.
+    # the one the previous step generated: a request of M sampled tokens runs M - 1 generation steps and ends
+    # with promptLen + M - 1 slots; its last token (the one reaching max_tokens, or a sampled end id) is never fed,
+    # so never gets one. A sampled end id is not appended either (append_token): the request's tokens are then
+    # promptLen + M - 1 too, and releaseBlocks stores the first promptLen + M - 2 of them.
     def add_token(self, request_id: int) -> bool:
         """``KVCacheManager::addToken`` (kvCacheManager.cpp b35ac1b6): ``sequence.addNewTokens(1)``, then
         ``WindowBlockManager::adjustBlocksIfNeeded`` calls ``allocateBlock`` (one ``getFreeBlock``) when
@@ -292,7 +295,8 @@ class FakeBlockManager:
 
     def append_token(self, request_id: int, token: int) -> None:
         """A generated token joins the request's tokens (forwardSync: updateRequests -> ``LlmRequest::addNewToken``);
-        no KV slot and no block: that is ``add_token`` at the next step, if there is one."""
+        no KV slot and no block: that is ``add_token`` at the next step, if there is one. Never called for a sampled
+        end id (updateRequests adds only the tokens the decoder's sequence length advanced by)."""
         self.sequences[request_id].tokens.append(int(token))
 
     # kvCacheManager.cpp KVCacheManager::removeSequence -> WindowBlockManager::releaseBlocks: with reuse,

@@ -171,8 +171,9 @@ class Executor(Bound):
         allocateKvCache.cpp AllocateKvCache::operator()); forwardAsync stores context blocks of requests whose
         context ran and the newest block of requests in generation; forwardSync appends each request's next
         token (no slot: the next step's addToken gives it one, if there is a next step) and releases
-        finished (or cancelled) requests, storing their blocks; responses go out; flushIterationEvents hands
-        the events over. A delayed request does none of this and is scheduled again at the next iteration.
+        finished (or cancelled) requests, storing their blocks (a sampled end id is not appended: it ends the
+        request, ``fake_trtllm_plan``); responses go out; flushIterationEvents hands the events over. A delayed
+        request does none of this and is scheduled again at the next iteration.
         """
         with self.lock:
             self._step()
@@ -241,12 +242,15 @@ class Executor(Bound):
                 continue
             if not active.scheduled:
                 continue  # delayed by the capacity scheduler: no context ran, nothing to append
-            if active.produced < len(active.generated):
-                blocks.append_token(request_id, active.generated[active.produced])
-                active.produced += 1
+            if active.sampled < active.steps:
+                # updateRequests: addNewToken only for the tokens the decoder's sequence length advanced by; a
+                # sampled end id does not advance it (samplingTopKKernels.cu), so it never joins the request
+                if active.sampled < len(active.generated):
+                    blocks.append_token(request_id, active.generated[active.sampled])
+                active.sampled += 1
             if active.request.streaming:
-                self.ready.append(active.planned[active.produced - 1])
-            if active.produced == len(active.generated):
+                self.ready.append(active.planned[active.sampled - 1])
+            if active.sampled == active.steps:
                 if not active.request.streaming:
                     self.ready.append(active.planned[0])
                 finished.append(request_id)

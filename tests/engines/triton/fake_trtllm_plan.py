@@ -3,8 +3,19 @@ tokens and Responses it will produce (its ``ActiveRequest``), decided once, at e
 
 The executor (``fake_trtllm_executor.Executor``) then plays the plan out one token per iteration.
 Tokens are deterministic: greedy decoding gives ``(t * 7 + 3) % 1000 + 10`` per prompt token, sampling
-shifts them (so a test can tell the two apart), an end id ≥ 0 is appended when ``max_tokens`` leaves
-room; log probabilities are simulated (below).
+shifts them (so a test can tell the two apart), and with an end id ≥ 0 the request samples it after those
+tokens when ``max_tokens`` leaves room (or earlier, where one of them is the end id); log probabilities are
+simulated (below).
+
+A sampled end id ends the request without joining it, as in the C++ decoder (beam width 1):
+``kernels/samplingTopKKernels.cu`` (03961722) ``topKStage2Sampling`` writes it at ``outputIds[seqLen]`` but
+does not advance the sequence length ("Do not increase seq len when EOS is generated. Seq len should always
+contain only tokens to be outputted"; the top-p kernels alike), ``trtGptModelInflightBatching.cpp``
+(b35ac1b6) ``updateRequests`` calls ``LlmRequest::addNewToken`` only for ``seqLen - getNumTokens(beam)``
+tokens (the end id is dropped, and gets no log probability: ``setLogProbs`` covers ``seqLen - mPromptLen``),
+and ``llmRequest.cpp`` (119c6e60) ``createResult`` slices ``outputTokenIds`` from ``getTokens(beam)``. So
+the end id is in no ``Result.output_token_ids``, not in the request's tokens (what ``releaseBlocks``
+stores), and the iteration that samples it appends nothing: streaming, its Result is final and empty.
 """
 
 from __future__ import annotations
@@ -33,18 +44,26 @@ LLM_REQUEST_THROW_AT = " (cpp/tensorrt_llm/batch_manager/llmRequest.cpp:0)"
 class ActiveRequest:
     """A request between enqueue and release: its planned tokens and responses (see Executor.step).
 
-    ``planned`` is one Response per token of ``generated`` when streaming (the last one final), else a
-    single final Response with every token; ``produced`` counts the tokens appended so far
-    (``<= len(generated)``); ``scheduled`` is set at the request's first iteration, when ``kv`` (the
-    KvCacheMetrics its responses carry) is filled in.
+    ``generated`` are the tokens the request keeps (appended to its tokens, returned), never its end id;
+    ``ends_on_end_id``: after them one more iteration samples the end id, which appends nothing (module
+    docstring). ``steps`` is the request's iterations, one sampled token each. ``planned`` is one Response
+    per iteration when streaming (the last one final; the end id's carries no token), else a single final
+    Response with every kept token; ``sampled`` counts the iterations run so far (``<= steps``; the tokens
+    appended are the first ``min(sampled, len(generated))``); ``scheduled`` is set at the request's first
+    iteration, when ``kv`` (the KvCacheMetrics its responses carry) is filled in.
     """
 
     request: Any
     generated: list[int]
     planned: list[Any]
     kv: Any  # the KvCacheMetrics its responses carry, filled when it is scheduled
+    ends_on_end_id: bool = False
     scheduled: bool = False
-    produced: int = 0
+    sampled: int = 0
+
+    @property
+    def steps(self) -> int:
+        return len(self.generated) + (1 if self.ends_on_end_id else 0)
 
 
 def request_error(executor: Executor, request: Any) -> str | None:
@@ -104,8 +123,14 @@ def plan_request(bindings: Bindings, request_id: int, request: Any, *, normalize
     greedy = sampling is None or sampling.greedy
     shift = 0 if greedy else 1 + (sampling.seed or 0) % 999  # never a multiple of 1000: never greedy's tokens
     generated = [(t * 7 + 3 + shift) % 1000 + 10 for t in ids][: request.max_tokens]
-    if request.end_id is not None and request.end_id >= 0 and len(generated) < request.max_tokens:
-        generated.append(request.end_id)
+    # The end id (-1: none, ignore_eos) is sampled after them when max_tokens leaves room, or where one of them
+    # is the end id; either way it ends the request and is not kept (module docstring).
+    ends_on_end_id = False
+    if request.end_id is not None and request.end_id >= 0:
+        if request.end_id in generated:
+            generated, ends_on_end_id = generated[: generated.index(request.end_id)], True
+        elif len(generated) < request.max_tokens:
+            ends_on_end_id = True
     # Simulated log probabilities: -0.5 - 0.01 * token, returned only with return_log_probs.
     # ExecutorConfig.normalize_log_probs (binding default true, executorConfig.cpp) is copied
     # into each request (batch_manager/createNewDecoderRequests.cpp: samplingConfig.normalizeLogProbs
@@ -115,15 +140,18 @@ def plan_request(bindings: Bindings, request_id: int, request: Any, *, normalize
     normalized_greedy = greedy and normalize_log_probs
     lps = [0.0 if normalized_greedy else -0.5 - 0.01 * t for t in generated]
     planned = []
-    ended = request.end_id is not None and bool(generated) and generated[-1] == request.end_id
     finish = bindings.FinishReason
-    reason = finish.END_ID if ended else finish.LENGTH
+    reason = finish.END_ID if ends_on_end_id else finish.LENGTH
     if request.streaming:
+        # one Result per iteration (createResult: isFinished(), or new tokens since the last one)
         for i, token in enumerate(generated):
-            last = i == len(generated) - 1
+            last = i == len(generated) - 1 and not ends_on_end_id
             planned.append(bindings.Response(request_id, bindings.Result(
                 [token], last, metrics, lps[i:i + 1] if asked else None, reason if last else None)))
+        if ends_on_end_id:  # the iteration that sampled the end id: finished, no new token
+            planned.append(bindings.Response(request_id, bindings.Result(
+                [], True, metrics, [] if asked else None, reason)))
     else:
         planned.append(bindings.Response(request_id, bindings.Result(
             generated, True, metrics, lps if asked else None, reason)))
-    return ActiveRequest(request, generated, planned, metrics.kv_cache_metrics)
+    return ActiveRequest(request, generated, planned, metrics.kv_cache_metrics, ends_on_end_id)

@@ -361,7 +361,7 @@ def test_the_scheduler_delays_a_request_whose_first_new_block_another_starting_r
     b = executor.enqueue_request(module.Request(input_token_ids=prompt, max_tokens=4))
     executor.step()
     assert executor.active[a].scheduled and not executor.active[b].scheduled
-    assert executor.active[b].produced == 0
+    assert executor.active[b].sampled == 0
     executor.auto_run = True
     assert _final_reused(executor.await_responses()) == {a: 0, b: 3}
 

@@ -160,7 +160,8 @@ def test_salts_isolate_tenants(harness):
     assert same[response_tensors.KV_REUSED.name].tolist() == [3]  # two full blocks + the partial third
 
 
-def test_streaming_sends_deltas_and_strips_the_end_token(harness):
+def test_streaming_sends_deltas_and_never_the_end_token(harness):
+    # the executor returns no end id (test_end_id.py): the request's last Result is final and empty
     tensors = request(streaming=True, max_new=6, ids=PROMPT[:3])
     tensors[contract.END_ID.name] = np.array([77], np.int32)
     responses = outputs(harness.send(tensors))
