@@ -19,6 +19,8 @@ import threading
 
 import pytest
 
+from tests.engines.reference.test_scheduler_policy import _step  # one engine step, as the policy tests take it
+
 BPT = 4
 
 
@@ -44,20 +46,6 @@ def _add(scheduler, name: str, prompt: list[int], max_new_tokens: int = 4, salt:
     seq = Sequence(name, _request(prompt, max_new_tokens, salt), list(prompt), len(prompt), frozenset())
     scheduler.add(seq)
     return seq
-
-
-def _step(scheduler) -> None:
-    """One engine step: compute, store, accept the samples, finish the sequences at their length."""
-    step = scheduler.schedule(0.0)
-    for work in (*step.decodes, *step.prefills):
-        work.seq.num_computed = work.start + work.length
-    scheduler.store_computed(step)
-    for work in (*step.decodes, *step.prefills):
-        if work.sample:
-            work.seq.tokens.append(7)
-            work.seq.generated += 1
-            if work.seq.generated >= work.seq.request.max_new_tokens:
-                scheduler.finish(work.seq, 0.0)
 
 
 PROMPT = list(range(10, 20))  # 10 tokens: 2 full blocks, both reusable (the last token is never matched)
