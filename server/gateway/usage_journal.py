@@ -94,7 +94,7 @@ from pathlib import Path
 from sqlalchemy import make_url
 
 from tenants.common import storable_id
-from tenants.usage import UsageRow
+from tenants.usage import COUNTS, UsageRow
 
 log = logging.getLogger("kvgate.gateway.usage")
 PREFIX, SUFFIX = "usage-", ".jsonl"
@@ -204,15 +204,9 @@ def decode_lines(lines: Iterable[bytes]) -> tuple[list[UsageRow], int]:
                 and _count(p) and _count(c) and all(_count(n) for n in cache)):
             skipped += 1
             continue
-        acc = merged.get((t, m))
-        if acc is None:
-            merged[(t, m)] = [1, p, c, *cache]
-        else:
-            acc[0] += 1
-            acc[1] += p
-            acc[2] += c
-            for i, n in enumerate(cache, 3):
-                acc[i] += n
+        acc = merged.setdefault((t, m), [0] * len(COUNTS))
+        for i, n in enumerate((1, p, c, *cache)):  # COUNTS' order
+            acc[i] += n
     rows = [UsageRow(t, datetime.fromtimestamp(m * 60, UTC), *counts) for (t, m), counts in merged.items()]
     return rows, skipped
 
